@@ -1,0 +1,185 @@
+"""The balance configuration: one validated dataclass with a JSON round-trip."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from autobalance._errors import ConfigError
+
+__all__ = ["DTYPES", "BalanceConfig", "split_evenly"]
+
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass(kw_only=True)
+class BalanceConfig:
+    """How each rank of a data-parallel job trains; the unit the tuner searches over."""
+
+    micro_batches: list[int]
+    """Micro-batch size of each rank (index = global rank); ranks may differ."""
+    accumulation: int = 1
+    """Micro-steps per optimizer step; all but the last run under ``no_sync``."""
+    global_batch: int
+    """Samples per optimizer step over all ranks: ``sum(micro_batches) * accumulation``."""
+    checkpoint: list[list[int]] = field(default_factory=list)
+    """Per rank, the indices of the blocks that are activation-checkpointed ([] = none)."""
+    dtype: str = "fp32"
+    """Autocast dtype: ``fp32`` (no autocast), ``bf16`` or ``fp16`` (with a GradScaler)."""
+    bucket_cap_mb: float = 25.0
+    """DDP gradient bucket size in MiB."""
+    gradient_as_bucket_view: bool = False
+    """DDP ``gradient_as_bucket_view`` (gradients alias the buckets: saves one gradient copy)."""
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        ranks = len(self.micro_batches)
+        if ranks == 0:
+            raise ConfigError("micro_batches=[] is empty; give one micro-batch size per rank.")
+        if any(b < 1 for b in self.micro_batches):
+            raise ConfigError(
+                f"micro_batches={self.micro_batches} has a size below 1; every rank needs at least one sample."
+            )
+        if self.accumulation < 1:
+            raise ConfigError(f"accumulation={self.accumulation} is below 1; use 1 for no accumulation.")
+        total = sum(self.micro_batches) * self.accumulation
+        if total != self.global_batch:
+            raise ConfigError(
+                f"micro_batches={self.micro_batches} sums to {sum(self.micro_batches)} x accumulation "
+                f"{self.accumulation} = {total}, not global_batch={self.global_batch}; "
+                "make sum(micro_batches) x accumulation equal the global batch."
+            )
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r} is unknown; use one of {', '.join(DTYPES)}.")
+        if not self.checkpoint:
+            self.checkpoint = [[] for _ in range(ranks)]
+        if len(self.checkpoint) != ranks:
+            raise ConfigError(
+                f"checkpoint has {len(self.checkpoint)} entries for {ranks} ranks; give one list of block indices per rank."
+            )
+        for rank, blocks in enumerate(self.checkpoint):
+            if any(i < 0 for i in blocks) or len(set(blocks)) != len(blocks):
+                raise ConfigError(
+                    f"checkpoint[{rank}]={blocks} has a negative or repeated block index; list each block once."
+                )
+            self.checkpoint[rank] = sorted(blocks)
+        if not 0 < self.bucket_cap_mb <= 10_000:
+            raise ConfigError(
+                f"bucket_cap_mb={self.bucket_cap_mb} is out of range; use a size in (0, 10000] MiB (DDP's default is 25)."
+            )
+
+    def _check_types(self) -> None:
+        def bad(name: str, value: Any, expected: str) -> ConfigError:
+            return ConfigError(f"{name}={value!r} is not {expected}; fix the configuration's {name}.")
+
+        if not isinstance(self.micro_batches, list) or not all(_is_int(b) for b in self.micro_batches):
+            raise bad("micro_batches", self.micro_batches, "a list of integers")
+        for name in ("accumulation", "global_batch"):
+            if not _is_int(getattr(self, name)):
+                raise bad(name, getattr(self, name), "an integer")
+        if not isinstance(self.checkpoint, list) or not all(
+            isinstance(c, list) and all(_is_int(i) for i in c) for c in self.checkpoint
+        ):
+            raise bad("checkpoint", self.checkpoint, "a list (one per rank) of lists of block indices")
+        if not isinstance(self.dtype, str):
+            raise bad("dtype", self.dtype, "a string")
+        if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)):
+            raise bad("bucket_cap_mb", self.bucket_cap_mb, "a number")
+        self.bucket_cap_mb = float(self.bucket_cap_mb)
+        if not isinstance(self.gradient_as_bucket_view, bool):
+            raise bad("gradient_as_bucket_view", self.gradient_as_bucket_view, "true or false")
+
+    @property
+    def world_size(self) -> int:
+        return len(self.micro_batches)
+
+    def validate_for(self, *, world_size: int, num_layers: int | None = None) -> None:
+        """Checks that depend on the job this configuration is applied to."""
+        if self.world_size != world_size:
+            raise ConfigError(
+                f"micro_batches={self.micro_batches} has {self.world_size} entries but the job has "
+                f"{world_size} ranks; give one micro-batch size per rank."
+            )
+        if num_layers is not None:
+            for rank, blocks in enumerate(self.checkpoint):
+                if blocks and blocks[-1] >= num_layers:
+                    raise ConfigError(
+                        f"checkpoint[{rank}]={blocks} names block {blocks[-1]} but the model has "
+                        f"{num_layers} blocks; use indices 0..{num_layers - 1}."
+                    )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> BalanceConfig:
+        if not isinstance(data, dict):
+            raise ConfigError(f"configuration={data!r} is not a JSON object; pass a mapping of fields.")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(
+                f"configuration has unknown field(s) {unknown}; the known fields are {sorted(known)}."
+            )
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> BalanceConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"configuration JSON is malformed ({exc}); pass valid JSON.") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def uniform(
+        cls,
+        *,
+        world_size: int,
+        micro_batch: int,
+        accumulation: int = 1,
+        dtype: str = "fp32",
+        checkpoint: list[int] | None = None,
+        bucket_cap_mb: float = 25.0,
+        gradient_as_bucket_view: bool = False,
+    ) -> BalanceConfig:
+        """The configuration a plain DDP script has: the same micro-batch on every rank."""
+        return cls(
+            micro_batches=[micro_batch] * world_size,
+            accumulation=accumulation,
+            global_batch=micro_batch * world_size * accumulation,
+            checkpoint=[list(checkpoint or []) for _ in range(world_size)],
+            dtype=dtype,
+            bucket_cap_mb=bucket_cap_mb,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+        )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def split_evenly(total: int, weights: list[float]) -> list[int]:
+    """Integer parts proportional to ``weights`` that sum to ``total`` (largest remainder).
+
+    Every part is at least 1 when ``total >= len(weights)``.
+    """
+    n = len(weights)
+    if n == 0:
+        raise ValueError("weights must not be empty")
+    wsum = float(sum(weights))
+    if wsum <= 0:
+        weights = [1.0] * n
+        wsum = float(n)
+    floor_min = 1 if total >= n else 0
+    spare = total - floor_min * n
+    ideal = [spare * w / wsum for w in weights]
+    parts = [int(x) for x in ideal]
+    order = sorted(range(n), key=lambda i: (ideal[i] - parts[i], weights[i]), reverse=True)
+    for i in order[: spare - sum(parts)]:
+        parts[i] += 1
+    return [p + floor_min for p in parts]

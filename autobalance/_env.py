@@ -1,0 +1,55 @@
+"""The environment contract between the launcher (parent) and the runtime (training process).
+
+Both sides import only this module, so the runtime never imports the tuner or the launcher.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = [
+    "CONFIG",
+    "CONFIG_FILE",
+    "GLOBAL_BATCH",
+    "MEMORY_CAP_BYTES",
+    "PG_TIMEOUT_S",
+    "STEPS",
+    "STORAGE",
+    "STUDY",
+    "TRIAL_DIR",
+    "TRIAL_ID",
+    "WARMUP",
+    "in_trial",
+]
+
+TRIAL_DIR = "AUTOBALANCE_TRIAL_DIR"
+"""Directory where each rank writes ``rank<R>.json``; its presence means "this is a trial"."""
+TRIAL_ID = "AUTOBALANCE_TRIAL_ID"
+"""Unique id of the trial; also marks every process of the trial (see the launcher's reaper)."""
+CONFIG = "AUTOBALANCE_CONFIG"
+"""The configuration to apply, as JSON. Absent in a trial: run the script's own defaults."""
+CONFIG_FILE = "AUTOBALANCE_CONFIG_FILE"
+"""A JSON file written by ``autobalance export`` (production use without a database)."""
+STUDY = "AUTOBALANCE_STUDY"
+"""Study whose saved best configuration production jobs load."""
+STORAGE = "AUTOBALANCE_STORAGE"
+"""SQLAlchemy URL of the store (default ``sqlite:///autobalance.db``)."""
+GLOBAL_BATCH = "AUTOBALANCE_GLOBAL_BATCH"
+"""Override of the script's global batch for the baseline trial."""
+STEPS = "AUTOBALANCE_STEPS"
+"""Measured optimizer steps in a trial."""
+WARMUP = "AUTOBALANCE_WARMUP"
+"""Warm-up optimizer steps in a trial (not timed)."""
+MEMORY_CAP_BYTES = "AUTOBALANCE_MEMORY_CAP_BYTES"
+"""Per-rank memory cap in bytes: one integer, or a comma-separated list indexed by rank."""
+PG_TIMEOUT_S = "AUTOBALANCE_PG_TIMEOUT_S"
+"""Process-group timeout in seconds (short in trials so a lost peer cannot hang a rank)."""
+
+OOM_EXIT_CODE = 75
+"""Exit code of a rank that ran out of memory (after writing its report)."""
+ERROR_EXIT_CODE = 76
+"""Exit code of a rank that raised another error (after writing its report)."""
+
+
+def in_trial() -> bool:
+    return bool(os.environ.get(TRIAL_DIR))
