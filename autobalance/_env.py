@@ -10,6 +10,7 @@ import os
 __all__ = [
     "CONFIG",
     "CONFIG_FILE",
+    "DEVICE",
     "GLOBAL_BATCH",
     "MEMORY_CAP_BYTES",
     "PG_TIMEOUT_S",
@@ -53,3 +54,6 @@ ERROR_EXIT_CODE = 76
 
 def in_trial() -> bool:
     return bool(os.environ.get(TRIAL_DIR))
+
+DEVICE = "AUTOBALANCE_DEVICE"
+"""``cpu`` or ``cuda``: the device the trial runs on (default: cuda when available)."""

@@ -1,0 +1,123 @@
+"""Per-rank memory measurement: the CUDA caching allocator plus NVML, or live tensors on CPU."""
+
+from __future__ import annotations
+
+import os
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["CpuMemoryTracker", "MemorySnapshot", "NvmlDevice", "cpu_capacity_bytes"]
+
+
+def cpu_capacity_bytes() -> int:
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+class CpuMemoryTracker(TorchDispatchMode):
+    """Counts the bytes of live CPU tensor storages, with a budget that raises an OOM.
+
+    Every op output goes through ``__torch_dispatch__``; each new storage is counted once and
+    uncounted when its storage object dies (a weakref callback). Tensors that existed before the
+    tracker started are added with :meth:`track_existing` (e.g. a model's parameters).
+    """
+
+    def __init__(self, *, budget_bytes: int | None = None) -> None:
+        super().__init__()
+        self.budget_bytes = budget_bytes
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._refs: dict[int, weakref.ref[Any]] = {}
+        self._sizes: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        flat, _ = tree_flatten(out)
+        grew = False
+        for item in flat:
+            if isinstance(item, torch.Tensor):
+                grew |= self._track(item)
+        if grew and self.budget_bytes is not None and self.live_bytes > self.budget_bytes:
+            live = self.live_bytes
+            del out, flat
+            raise torch.OutOfMemoryError(
+                f"CPU memory budget exceeded: {live / 2**20:.1f} MiB live tensors > budget "
+                f"{self.budget_bytes / 2**20:.1f} MiB (autobalance memory cap)"
+            )
+        return out
+
+    def track_existing(self, tensors: Any) -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+
+    def _track(self, tensor: torch.Tensor) -> bool:
+        if tensor.device.type != "cpu" or tensor.is_sparse:
+            return False
+        try:
+            storage = tensor.untyped_storage()
+        except (NotImplementedError, RuntimeError):
+            return False
+        nbytes = storage.nbytes()
+        key = storage.data_ptr()
+        if nbytes == 0 or key in self._refs:
+            return False
+        self._refs[key] = weakref.ref(storage, self._make_release(key))
+        self._sizes[key] = nbytes
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        return True
+
+    def _make_release(self, key: int) -> Any:
+        def release(_ref: Any) -> None:
+            if self._refs.get(key) is _ref:
+                del self._refs[key]
+                self.live_bytes -= self._sizes.pop(key)
+
+        return release
+
+
+class NvmlDevice:
+    """Device-level memory from NVML for one CUDA device, matched by UUID (never by index)."""
+
+    def __init__(self, torch_device_index: int) -> None:
+        import pynvml
+
+        self._nvml = pynvml
+        pynvml.nvmlInit()
+        uuid = str(torch.cuda.get_device_properties(torch_device_index).uuid)
+        uuid = uuid if uuid.startswith("GPU-") else "GPU-" + uuid
+        self.uuid = uuid
+        self._handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+
+    def used_bytes(self) -> int:
+        return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
+
+    def total_bytes(self) -> int:
+        return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).total)
+
+
+@dataclass(kw_only=True)
+class MemorySnapshot:
+    """Peak memory figures of one rank, in bytes."""
+
+    peak_allocated: int
+    """Peak bytes of live tensors (CUDA allocator ``max_memory_allocated`` or the CPU tracker)."""
+    peak_reserved: int
+    """Peak bytes held by the CUDA caching allocator (equals peak_allocated on CPU)."""
+    outside_pytorch: int
+    """Largest NVML-used minus allocator-reserved seen (CUDA context, NCCL buffers); 0 on CPU."""
+    nvml_used_peak: int | None
+    """Largest device-level use NVML reported; None on CPU or without NVML."""
+
+    @property
+    def peak_device(self) -> int:
+        """The figure that causes OOM: reserved by the allocator plus memory outside it."""
+        return self.peak_reserved + self.outside_pytorch

@@ -1,0 +1,110 @@
+"""Uneven data sharding: every sample once per epoch, in proportion to the per-rank split."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from autobalance._config import BalanceConfig, split_evenly
+
+__all__ = ["EpochSchedule", "StepLayout", "UnevenBatchSampler", "epoch_schedule"]
+
+
+@dataclass(kw_only=True)
+class StepLayout:
+    """One optimizer step: for each rank, the sample indices of each of its micro-batches."""
+
+    micro_batches: list[list[list[int]]]
+    """``micro_batches[rank][m]`` = dataset indices of micro-batch ``m`` on ``rank``."""
+
+    @property
+    def total(self) -> int:
+        return sum(len(mb) for rank in self.micro_batches for mb in rank)
+
+
+@dataclass(kw_only=True)
+class EpochSchedule:
+    steps: list[StepLayout]
+    dropped: int
+    """Samples left out this epoch (only a tail smaller than the number of ranks)."""
+
+
+def epoch_schedule(
+    *, num_samples: int, config: BalanceConfig, epoch: int, seed: int, shuffle: bool = True
+) -> EpochSchedule:
+    """The whole epoch's assignment of samples to ranks, micro-batches and steps.
+
+    Full steps take ``global_batch`` samples: micro-step ``m`` gives rank ``r`` the next
+    ``micro_batches[r]`` samples. A final partial step splits the remaining samples over the ranks
+    in proportion to the split (each rank at least one, chunks no larger than its micro-batch),
+    so every sample is used exactly once; a tail smaller than the number of ranks is dropped.
+    Every rank computes the same schedule from (seed, epoch), so no communication is needed.
+    """
+    if shuffle:
+        g = torch.Generator()
+        g.manual_seed(seed + epoch)
+        order = torch.randperm(num_samples, generator=g).tolist()
+    else:
+        order = list(range(num_samples))
+    world = config.world_size
+    steps: list[StepLayout] = []
+    pos = 0
+    while num_samples - pos >= config.global_batch:
+        layout: list[list[list[int]]] = [[] for _ in range(world)]
+        for _ in range(config.accumulation):
+            for rank, size in enumerate(config.micro_batches):
+                layout[rank].append(order[pos : pos + size])
+                pos += size
+        steps.append(StepLayout(micro_batches=layout))
+    remaining = num_samples - pos
+    if remaining >= world:
+        shares = split_evenly(remaining, [float(b) for b in config.micro_batches])
+        layout = [[] for _ in range(world)]
+        for rank, share in enumerate(shares):
+            size = config.micro_batches[rank]
+            chunk = order[pos : pos + share]
+            pos += share
+            layout[rank] = [chunk[i : i + size] for i in range(0, len(chunk), size)]
+        steps.append(StepLayout(micro_batches=layout))
+        remaining = 0
+    return EpochSchedule(steps=steps, dropped=remaining)
+
+
+class UnevenBatchSampler:
+    """A batch sampler that yields this rank's micro-batches, step after step."""
+
+    def __init__(
+        self, *, num_samples: int, config: BalanceConfig, rank: int, seed: int = 0, shuffle: bool = True
+    ) -> None:
+        self.num_samples = num_samples
+        self.config = config
+        self.rank = rank
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self._schedule: EpochSchedule | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self._schedule = None
+
+    @property
+    def schedule(self) -> EpochSchedule:
+        if self._schedule is None:
+            self._schedule = epoch_schedule(
+                num_samples=self.num_samples,
+                config=self.config,
+                epoch=self.epoch,
+                seed=self.seed,
+                shuffle=self.shuffle,
+            )
+        return self._schedule
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for step in self.schedule.steps:
+            yield from step.micro_batches[self.rank]
+
+    def __len__(self) -> int:
+        return sum(len(step.micro_batches[self.rank]) for step in self.schedule.steps)

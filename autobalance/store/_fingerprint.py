@@ -1,0 +1,276 @@
+"""The hardware a configuration was tuned on, and how another job's hardware differs from it."""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from autobalance._errors import ConfigError
+
+__all__ = [
+    "CAPACITY_TOLERANCE",
+    "DEVICE_TYPES",
+    "HardwareFingerprint",
+    "current_fingerprint",
+    "differences",
+    "minor_differences",
+]
+
+DEVICE_TYPES = ("cuda", "cpu")
+
+CAPACITY_TOLERANCE = 0.02
+"""Relative difference of a rank's usable memory above which two fingerprints differ."""
+
+_GIB = 1024**3
+
+
+@dataclass(kw_only=True)
+class HardwareFingerprint:
+    """What a configuration depends on: devices, their memory, ranks, nodes and versions."""
+
+    device_type: str
+    """``cuda`` or ``cpu`` (CPU runs emulate memory limits with ``cap_bytes``)."""
+    device_name: str
+    """Device model, e.g. ``NVIDIA H200`` (distinct models of one job joined with ``" + "``)."""
+    capacity_bytes: list[int]
+    """Physical memory of each rank's device, index = global rank."""
+    cap_bytes: list[int | None] = field(default_factory=list)
+    """Emulated memory cap of each rank (None = no cap); [] means no cap on any rank."""
+    world_size: int
+    """Number of ranks."""
+    nnodes: int = 1
+    """Number of nodes."""
+    torch_version: str = ""
+    """``torch.__version__`` of the job."""
+    cuda_version: str | None = None
+    """``torch.version.cuda`` (None on CPU-only builds)."""
+
+    def __post_init__(self) -> None:
+        def bad(name: str, value: Any, expected: str) -> ConfigError:
+            return ConfigError(f"fingerprint {name}={value!r} is not {expected}; fix the fingerprint's {name}.")
+
+        if self.device_type not in DEVICE_TYPES:
+            raise bad("device_type", self.device_type, f"one of {', '.join(DEVICE_TYPES)}")
+        if not isinstance(self.device_name, str):
+            raise bad("device_name", self.device_name, "a string")
+        if not _is_int(self.world_size) or self.world_size < 1:
+            raise bad("world_size", self.world_size, "a positive integer")
+        if not _is_int(self.nnodes) or self.nnodes < 1:
+            raise bad("nnodes", self.nnodes, "a positive integer")
+        if not isinstance(self.capacity_bytes, list) or not all(
+            _is_int(c) and c >= 0 for c in self.capacity_bytes
+        ):
+            raise bad("capacity_bytes", self.capacity_bytes, "a list of byte counts")
+        if len(self.capacity_bytes) != self.world_size:
+            raise bad("capacity_bytes", self.capacity_bytes, f"one entry per rank ({self.world_size})")
+        if not isinstance(self.cap_bytes, list) or not all(
+            c is None or (_is_int(c) and c > 0) for c in self.cap_bytes
+        ):
+            raise bad("cap_bytes", self.cap_bytes, "a list of byte counts or nulls")
+        if not self.cap_bytes:
+            self.cap_bytes = [None] * self.world_size
+        if len(self.cap_bytes) != self.world_size:
+            raise bad("cap_bytes", self.cap_bytes, f"one entry per rank ({self.world_size})")
+        if not isinstance(self.torch_version, str):
+            raise bad("torch_version", self.torch_version, "a string")
+        if self.cuda_version is not None and not isinstance(self.cuda_version, str):
+            raise bad("cuda_version", self.cuda_version, "a string or null")
+
+    def usable_bytes(self, rank: int) -> int | None:
+        """Memory rank ``rank`` may use: the smaller of capacity and cap (CPU: the cap, or None)."""
+        cap = self.cap_bytes[rank]
+        if self.device_type == "cpu":
+            return cap
+        capacity = self.capacity_bytes[rank]
+        return capacity if cap is None else min(cap, capacity)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: _copy(getattr(self, f.name)) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> HardwareFingerprint:
+        if not isinstance(data, dict):
+            raise ConfigError(f"fingerprint={data!r} is not a JSON object; pass a mapping of fields.")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(
+                f"fingerprint has unknown field(s) {unknown}; the known fields are {sorted(known)}."
+            )
+        missing = sorted(f for f in ("device_type", "device_name", "capacity_bytes", "world_size") if f not in data)
+        if missing:
+            raise ConfigError(f"fingerprint lacks field(s) {missing}; give every field of HardwareFingerprint.")
+        return cls(**{k: _copy(v) for k, v in data.items()})
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _copy(value: Any) -> Any:
+    return list(value) if isinstance(value, list) else value
+
+
+def _gib(n: int | None) -> str:
+    return "no cap" if n is None else f"{n / _GIB:.1f} GiB"
+
+
+def differences(stored: HardwareFingerprint, current: HardwareFingerprint) -> list[str]:
+    """What makes ``stored`` (tuned) and ``current`` (this job) different hardware, in words.
+
+    Empty when a configuration tuned on ``stored`` fits ``current``. Per-rank memory is compared
+    (capacity, or the emulated cap when smaller) with a tolerance of 2%.
+    """
+    out: list[str] = []
+    if stored.device_type != current.device_type:
+        out.append(f"device {stored.device_type} (tuned) vs {current.device_type} (this job)")
+    if stored.world_size != current.world_size:
+        out.append(f"world size {stored.world_size} (tuned) vs {current.world_size} (this job)")
+    if stored.nnodes != current.nnodes:
+        out.append(f"nodes {stored.nnodes} (tuned) vs {current.nnodes} (this job)")
+    if out:
+        return out
+    if stored.device_type == "cuda" and stored.device_name != current.device_name:
+        out.append(f"GPU {stored.device_name!r} (tuned) vs {current.device_name!r} (this job)")
+    for rank in range(stored.world_size):
+        tuned, now = stored.usable_bytes(rank), current.usable_bytes(rank)
+        if tuned == now:
+            continue
+        if tuned is None or now is None or abs(tuned - now) > CAPACITY_TOLERANCE * max(tuned, now):
+            what = "memory cap" if stored.device_type == "cpu" else "memory"
+            out.append(f"rank {rank} {what} {_gib(tuned)} (tuned) vs {_gib(now)} (this job)")
+    return out
+
+
+def minor_differences(stored: HardwareFingerprint, current: HardwareFingerprint) -> list[str]:
+    """Differences that only deserve a warning: torch and CUDA versions, the CPU model."""
+    out: list[str] = []
+    if stored.torch_version != current.torch_version:
+        out.append(f"torch {stored.torch_version or '?'} (tuned) vs {current.torch_version or '?'} (this job)")
+    if stored.cuda_version != current.cuda_version:
+        out.append(f"CUDA {stored.cuda_version or 'none'} (tuned) vs {current.cuda_version or 'none'} (this job)")
+    if stored.device_type == current.device_type == "cpu" and stored.device_name != current.device_name:
+        out.append(f"CPU {stored.device_name!r} (tuned) vs {current.device_name!r} (this job)")
+    return out
+
+
+def current_fingerprint(
+    *,
+    device_type: str,
+    world_size: int,
+    nnodes: int = 1,
+    cap_bytes: list[int | None] | int | None = None,
+    capacity_bytes: list[int] | None = None,
+    local_world_size: int | None = None,
+) -> HardwareFingerprint:
+    """The fingerprint of a job about to run on this machine (imports torch lazily).
+
+    Rank ``r`` is assumed to use local device ``r % local_world_size`` (default
+    ``world_size // nnodes``) on identical nodes. GPU names and capacities come from NVML, which
+    does not create a CUDA context (torch is the fallback); pass ``capacity_bytes`` to override.
+    ``cap_bytes`` is one cap for every rank or one per rank.
+    """
+    if device_type not in DEVICE_TYPES:
+        raise ConfigError(f"device_type={device_type!r} is unknown; use one of {', '.join(DEVICE_TYPES)}.")
+    if world_size < 1 or nnodes < 1:
+        raise ConfigError(f"world_size={world_size}, nnodes={nnodes}: both must be at least 1.")
+    local = local_world_size or max(1, world_size // nnodes)
+    caps: list[int | None]
+    if cap_bytes is None:
+        caps = [None] * world_size
+    elif isinstance(cap_bytes, int):
+        caps = [cap_bytes] * world_size
+    else:
+        caps = list(cap_bytes)
+    import torch
+
+    cuda_version = torch.version.cuda
+    if capacity_bytes is not None:
+        capacities = list(capacity_bytes)
+        names = _device_names(device_type, local)
+    elif device_type == "cuda":
+        names, local_caps = _cuda_devices(local)
+        capacities = [local_caps[r % local] for r in range(world_size)]
+    else:
+        names = _device_names("cpu", local)
+        capacities = [_physical_memory()] * world_size
+    return HardwareFingerprint(
+        device_type=device_type,
+        device_name=" + ".join(dict.fromkeys(names)),
+        capacity_bytes=capacities,
+        cap_bytes=caps,
+        world_size=world_size,
+        nnodes=nnodes,
+        torch_version=str(torch.__version__),
+        cuda_version=str(cuda_version) if cuda_version else None,
+    )
+
+
+def _device_names(device_type: str, local: int) -> list[str]:
+    if device_type == "cuda":
+        return _cuda_devices(local)[0]
+    return [_cpu_name()]
+
+
+def _cuda_devices(local: int) -> tuple[list[str], list[int]]:
+    try:
+        return _nvml_devices(local)
+    except Exception:
+        pass
+    import torch
+
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise ConfigError("device_type='cuda' but no CUDA device is visible; use device_type='cpu'.")
+    props = [torch.cuda.get_device_properties(i % count) for i in range(local)]
+    return [p.name for p in props], [int(p.total_memory) for p in props]
+
+
+def _nvml_devices(local: int) -> tuple[list[str], list[int]]:
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        handles: list[Any] = []
+        if visible is None:
+            count = pynvml.nvmlDeviceGetCount()
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+        else:
+            for item in (v.strip() for v in visible.split(",") if v.strip()):
+                if item.isdigit():
+                    handles.append(pynvml.nvmlDeviceGetHandleByIndex(int(item)))
+                else:
+                    handles.append(pynvml.nvmlDeviceGetHandleByUUID(item))
+        if not handles:
+            raise RuntimeError("no visible GPU")
+        names: list[str] = []
+        capacities: list[int] = []
+        for i in range(local):
+            handle = handles[i % len(handles)]
+            name = pynvml.nvmlDeviceGetName(handle)
+            names.append(name.decode() if isinstance(name, bytes) else str(name))
+            capacities.append(int(pynvml.nvmlDeviceGetMemoryInfo(handle).total))
+        return names, capacities
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def _physical_memory() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0

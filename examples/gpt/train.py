@@ -1,0 +1,135 @@
+"""Train a small GPT with DDP through an autobalance plan, rank 0 holding real extras.
+
+Rank 0 keeps an EMA copy of the weights and a cached validation batch on its device: the
+classic reason one GPU fills up while the others idle. autobalance fixes that by giving rank 0
+fewer samples per micro-step (or more checkpointing) with the global batch unchanged.
+
+    torchrun --nproc-per-node 2 examples/gpt/train.py                  # CPU: tiny, seconds
+    torchrun --nproc-per-node 2 examples/gpt/train.py --n-layer 24 --n-embd 1024 --block-size 1024
+    autobalance tune examples/gpt/train.py --trials 30 --nproc-per-node 2
+
+The lines that adopt autobalance are marked with `# ab`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import autobalance as ab  # ab
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(n_embd)
+        self.attn = nn.MultiheadAttention(n_embd, n_head, dropout=dropout, batch_first=True)
+        self.ln2 = nn.LayerNorm(n_embd)
+        self.mlp = nn.Sequential(
+            nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd), nn.Dropout(dropout)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.size(1)
+        mask = torch.triu(torch.ones(t, t, dtype=torch.bool, device=x.device), diagonal=1)
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, *, vocab: int, block_size: int, n_layer: int, n_embd: int, n_head: int, dropout: float) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, n_embd)
+        self.pos = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList([Block(n_embd, n_head, dropout) for _ in range(n_layer)])
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.head = nn.Linear(n_embd, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.size(1), device=idx.device)
+        x = self.drop(self.tok(idx) + self.pos(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=64)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--samples", type=int, default=512, help="synthetic dataset size")
+    p.add_argument("--micro-batch", type=int, default=8, help="default per-rank micro-batch")
+    p.add_argument("--accumulation", type=int, default=1)
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0 = all)")
+    p.add_argument("--val-cache-mib", type=float, default=4.0, help="rank-0 cached validation batch size")
+    p.add_argument("--no-ema", action="store_true", help="rank 0 keeps no EMA copy")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    plan = ab.plan(micro_batch=args.micro_batch, accumulation=args.accumulation, dtype=args.dtype)  # ab
+    torch.manual_seed(0)
+    model = GPT(
+        vocab=args.vocab, block_size=args.block_size, n_layer=args.n_layer,
+        n_embd=args.n_embd, n_head=args.n_head, dropout=args.dropout,
+    )
+    model = plan.wrap(model)  # ab: checkpointing of the chosen blocks, then DDP
+    raw = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+    # Rank-0-only extras: an EMA copy of the weights and a cached validation batch.
+    ema = None
+    val_cache = None
+    if plan.is_main:
+        if not args.no_ema:
+            ema = copy.deepcopy(raw).requires_grad_(False)
+        tokens = int(args.val_cache_mib * 2**20 // 8)
+        val_cache = torch.randint(0, args.vocab, (max(1, tokens),), device=plan.device)
+        extras = sum(p.numel() * p.element_size() for p in ema.parameters()) if ema else 0
+        extras += val_cache.numel() * val_cache.element_size()
+        print(f"rank 0 extras: {extras / 2**20:.1f} MiB (EMA + cached validation batch)", flush=True)
+
+    g = torch.Generator().manual_seed(1234)
+    data = torch.randint(0, args.vocab, (args.samples, args.block_size + 1), generator=g)
+    dataset = torch.utils.data.TensorDataset(data[:, :-1], data[:, 1:])
+    loader = plan.dataloader(dataset)  # ab: this rank's micro-batches, uneven shards
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=plan.device.type == "cuda")
+
+    step = 0
+    for _epoch in range(args.epochs):
+        for micro_batches in plan.steps(loader):  # ab: one optimizer step each
+            for x, y in micro_batches:
+                x, y = x.to(plan.device, non_blocking=True), y.to(plan.device, non_blocking=True)
+                with plan.micro_step():  # ab: autocast + no_sync on all but the last
+                    logits = model(x)
+                    loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+                    plan.backward(loss)  # ab: uneven-batch loss weighting, GradScaler for fp16
+            plan.optimizer_step(optimizer)  # ab
+            if ema is not None:
+                with torch.no_grad():
+                    for pe, pm in zip(ema.parameters(), raw.parameters()):
+                        pe.lerp_(pm.detach().float(), 0.01)
+            step += 1
+            if plan.is_main and step % 10 == 0:
+                print(f"step {step} loss {loss.item():.3f} ppl {math.exp(min(20.0, loss.item())):.1f}", flush=True)
+            if args.max_steps and step >= args.max_steps:
+                break
+    if plan.is_main:
+        print(f"done: {step} steps", flush=True)
+
+
+if __name__ == "__main__":
+    main()
