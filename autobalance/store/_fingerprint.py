@@ -49,7 +49,9 @@ class HardwareFingerprint:
 
     def __post_init__(self) -> None:
         def bad(name: str, value: Any, expected: str) -> ConfigError:
-            return ConfigError(f"fingerprint {name}={value!r} is not {expected}; fix the fingerprint's {name}.")
+            return ConfigError(
+                f"fingerprint {name}={value!r} is not {expected}; fix the fingerprint's {name}."
+            )
 
         if self.device_type not in DEVICE_TYPES:
             raise bad("device_type", self.device_type, f"one of {', '.join(DEVICE_TYPES)}")
@@ -64,7 +66,9 @@ class HardwareFingerprint:
         ):
             raise bad("capacity_bytes", self.capacity_bytes, "a list of byte counts")
         if len(self.capacity_bytes) != self.world_size:
-            raise bad("capacity_bytes", self.capacity_bytes, f"one entry per rank ({self.world_size})")
+            raise bad(
+                "capacity_bytes", self.capacity_bytes, f"one entry per rank ({self.world_size})"
+            )
         if not isinstance(self.cap_bytes, list) or not all(
             c is None or (_is_int(c) and c > 0) for c in self.cap_bytes
         ):
@@ -92,16 +96,24 @@ class HardwareFingerprint:
     @classmethod
     def from_dict(cls, data: Any) -> HardwareFingerprint:
         if not isinstance(data, dict):
-            raise ConfigError(f"fingerprint={data!r} is not a JSON object; pass a mapping of fields.")
+            raise ConfigError(
+                f"fingerprint={data!r} is not a JSON object; pass a mapping of fields."
+            )
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(
                 f"fingerprint has unknown field(s) {unknown}; the known fields are {sorted(known)}."
             )
-        missing = sorted(f for f in ("device_type", "device_name", "capacity_bytes", "world_size") if f not in data)
+        missing = sorted(
+            f
+            for f in ("device_type", "device_name", "capacity_bytes", "world_size")
+            if f not in data
+        )
         if missing:
-            raise ConfigError(f"fingerprint lacks field(s) {missing}; give every field of HardwareFingerprint.")
+            raise ConfigError(
+                f"fingerprint lacks field(s) {missing}; give every field of HardwareFingerprint."
+            )
         return cls(**{k: _copy(v) for k, v in data.items()})
 
 
@@ -148,10 +160,17 @@ def minor_differences(stored: HardwareFingerprint, current: HardwareFingerprint)
     """Differences that only deserve a warning: torch and CUDA versions, the CPU model."""
     out: list[str] = []
     if stored.torch_version != current.torch_version:
-        out.append(f"torch {stored.torch_version or '?'} (tuned) vs {current.torch_version or '?'} (this job)")
+        out.append(
+            f"torch {stored.torch_version or '?'} (tuned) vs {current.torch_version or '?'} (this job)"
+        )
     if stored.cuda_version != current.cuda_version:
-        out.append(f"CUDA {stored.cuda_version or 'none'} (tuned) vs {current.cuda_version or 'none'} (this job)")
-    if stored.device_type == current.device_type == "cpu" and stored.device_name != current.device_name:
+        out.append(
+            f"CUDA {stored.cuda_version or 'none'} (tuned) vs {current.cuda_version or 'none'} (this job)"
+        )
+    if (
+        stored.device_type == current.device_type == "cpu"
+        and stored.device_name != current.device_name
+    ):
         out.append(f"CPU {stored.device_name!r} (tuned) vs {current.device_name!r} (this job)")
     return out
 
@@ -173,7 +192,9 @@ def current_fingerprint(
     ``cap_bytes`` is one cap for every rank or one per rank.
     """
     if device_type not in DEVICE_TYPES:
-        raise ConfigError(f"device_type={device_type!r} is unknown; use one of {', '.join(DEVICE_TYPES)}.")
+        raise ConfigError(
+            f"device_type={device_type!r} is unknown; use one of {', '.join(DEVICE_TYPES)}."
+        )
     if world_size < 1 or nnodes < 1:
         raise ConfigError(f"world_size={world_size}, nnodes={nnodes}: both must be at least 1.")
     local = local_world_size or max(1, world_size // nnodes)
@@ -223,7 +244,9 @@ def _cuda_devices(local: int) -> tuple[list[str], list[int]]:
 
     count = torch.cuda.device_count()
     if count == 0:
-        raise ConfigError("device_type='cuda' but no CUDA device is visible; use device_type='cpu'.")
+        raise ConfigError(
+            "device_type='cuda' but no CUDA device is visible; use device_type='cpu'."
+        )
     props = [torch.cuda.get_device_properties(i % count) for i in range(local)]
     return [p.name for p in props], [int(p.total_memory) for p in props]
 

@@ -14,6 +14,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    insert,
     inspect,
     select,
     true,
@@ -91,7 +92,9 @@ class SavedConfigRow(Base):
     """:class:`~autobalance.store.HardwareFingerprint` of the tuning job as JSON."""
     script_sha256: Mapped[str] = mapped_column(String(64), nullable=False, default="")
     """SHA-256 of the training script at tuning time ("" when unknown)."""
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=_utcnow)
+    created_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), nullable=False, default=_utcnow
+    )
     """When it was saved (UTC)."""
     saved_by: Mapped[str] = mapped_column(String(512), nullable=False, default="")
     """Who and what saved it, e.g. ``alice@node1 (tune)``."""
@@ -148,4 +151,4 @@ def ensure_schema(conn: Connection, masked_url: str) -> None:
     if version is not None:
         return
     Base.metadata.create_all(conn, checkfirst=True)
-    conn.execute(SchemaRow.__table__.insert().values(id=1, version=SCHEMA_VERSION))
+    conn.execute(insert(SchemaRow).values(id=1, version=SCHEMA_VERSION))

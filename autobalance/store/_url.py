@@ -32,7 +32,9 @@ PG_CONNECT_TIMEOUT_S = 10
 """How long a PostgreSQL connection attempt may take before the server counts as unreachable."""
 
 _MASK = "***"
-_USERINFO = re.compile(r"^(?P<head>[A-Za-z][\w+.\-]*://[^:/@?#]*):(?P<password>.*)@(?P<tail>[^@]*)$", re.S)
+_USERINFO = re.compile(
+    r"^(?P<head>[A-Za-z][\w+.\-]*://[^:/@?#]*):(?P<password>.*)@(?P<tail>[^@]*)$", re.S
+)
 _SECRET_PARAMS = re.compile(
     r"(?P<key>(?:^|[?&;\s])(?:password|passwd|pwd|sslpassword|secret|token|access_token)=)(?P<value>[^&;\s]*)",
     re.I,
@@ -69,7 +71,11 @@ def _secrets(url: str) -> set[str]:
     found: set[str] = set()
     match = _USERINFO.match(url)
     if match is not None and match["password"]:
-        found |= {match["password"], unquote(match["password"]), quote(unquote(match["password"]), safe="")}
+        found |= {
+            match["password"],
+            unquote(match["password"]),
+            quote(unquote(match["password"]), safe=""),
+        }
     for m in _SECRET_PARAMS.finditer(url):
         if m["value"]:
             found |= {m["value"], unquote(m["value"])}
@@ -152,7 +158,7 @@ def make_engine(url: str) -> Engine:
     execution option ``autobalance_write=True``, which takes the write lock up front instead of
     failing with "database is locked" when a read transaction later tries to write.
     """
-    from sqlalchemy import create_engine, event
+    from sqlalchemy import create_engine
 
     normalized = normalize_storage_url(url)
     engine = create_engine(normalized, **engine_kwargs(normalized))
@@ -214,8 +220,8 @@ def check_storage(url: str) -> str:
     storage is unreachable or read-only, :class:`SchemaVersionError` when it is too old or new.
     """
     from sqlalchemy import Column, Integer, MetaData, Table
-    from sqlalchemy.exc import SQLAlchemyError
     from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import SQLAlchemyError
 
     from autobalance.store._models import read_schema_version, verify_schema_version
 
@@ -234,7 +240,9 @@ def check_storage(url: str) -> str:
             with conn.begin() as transaction:
                 verify_schema_version(read_schema_version(conn), masked)
                 probe = Table(
-                    f"autobalance_probe_{os.getpid()}", MetaData(), Column("id", Integer, primary_key=True)
+                    f"autobalance_probe_{os.getpid()}",
+                    MetaData(),
+                    Column("id", Integer, primary_key=True),
                 )
                 probe.create(conn)
                 transaction.rollback()
@@ -244,7 +252,9 @@ def check_storage(url: str) -> str:
         if "readonly" in lower or "read-only" in lower or "permission denied" in lower:
             fix = "use a storage this user can write to"
         else:
-            fix = "check that the server is running and the URL (host, port, user, database) is right"
+            fix = (
+                "check that the server is running and the URL (host, port, user, database) is right"
+            )
         raise StorageError(f"Storage {masked} is not usable: {detail}; {fix}.") from None
     finally:
         engine.dispose()

@@ -1,0 +1,65 @@
+"""The store: best configurations saved in the study's database, export files, production loading.
+
+Tables are ``autobalance_*`` (SQLAlchemy 2 ORM) beside Optuna's, in any SQLAlchemy database
+(default ``sqlite:///autobalance.db``; PostgreSQL for shared studies). Configurations are stored
+as validated JSON, never pickled. Importing this package does not import torch.
+"""
+
+from __future__ import annotations
+
+from autobalance.store._file import export_file, read_export_file
+from autobalance.store._fingerprint import (
+    CAPACITY_TOLERANCE,
+    DEVICE_TYPES,
+    HardwareFingerprint,
+    current_fingerprint,
+    differences,
+    minor_differences,
+)
+from autobalance.store._models import SCHEMA_VERSION, TABLE_PREFIX
+from autobalance.store._production import (
+    MISMATCH_POLICIES,
+    HardwareMismatchWarning,
+    check_compatibility,
+    load_saved_config,
+    script_sha256,
+)
+from autobalance.store._saved import EXPORT_FORMAT, EXPORT_FORMAT_VERSION, SavedConfig
+from autobalance.store._store import ConfigStore, make_saved_by
+from autobalance.store._url import (
+    DEFAULT_STORAGE,
+    check_storage,
+    engine_kwargs,
+    make_engine,
+    mask_url,
+    normalize_storage_url,
+)
+
+__all__ = [
+    "CAPACITY_TOLERANCE",
+    "DEFAULT_STORAGE",
+    "DEVICE_TYPES",
+    "EXPORT_FORMAT",
+    "EXPORT_FORMAT_VERSION",
+    "MISMATCH_POLICIES",
+    "SCHEMA_VERSION",
+    "TABLE_PREFIX",
+    "ConfigStore",
+    "HardwareFingerprint",
+    "HardwareMismatchWarning",
+    "SavedConfig",
+    "check_compatibility",
+    "check_storage",
+    "current_fingerprint",
+    "differences",
+    "engine_kwargs",
+    "export_file",
+    "load_saved_config",
+    "make_engine",
+    "make_saved_by",
+    "mask_url",
+    "minor_differences",
+    "normalize_storage_url",
+    "read_export_file",
+    "script_sha256",
+]

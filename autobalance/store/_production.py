@@ -1,0 +1,102 @@
+"""Production loading: find the saved configuration and check it fits this job."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+
+from autobalance._errors import HardwareMismatchError, UsageError
+from autobalance.store._file import read_export_file
+from autobalance.store._fingerprint import HardwareFingerprint, differences, minor_differences
+from autobalance.store._saved import SavedConfig
+from autobalance.store._url import DEFAULT_STORAGE
+
+__all__ = [
+    "MISMATCH_POLICIES",
+    "HardwareMismatchWarning",
+    "check_compatibility",
+    "load_saved_config",
+    "script_sha256",
+]
+
+MISMATCH_POLICIES = ("error", "warn")
+"""What :func:`check_compatibility` does when the hardware differs from the tuning job's."""
+
+
+class HardwareMismatchWarning(UserWarning):
+    """A saved configuration is used on hardware or software that differs from the tuning job's."""
+
+
+def script_sha256(path: str | os.PathLike[str]) -> str:
+    """SHA-256 (hex) of the file at ``path``: identifies the training script a study tuned."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def load_saved_config(
+    *, study: str | None = None, storage: str | None = None, config_file: str | None = None
+) -> SavedConfig:
+    """The configuration a production job should use.
+
+    ``config_file`` (an export file) wins and needs no database; otherwise the current saved
+    configuration of ``study`` in ``storage`` (default ``sqlite:///autobalance.db``).
+    """
+    if config_file:
+        return read_export_file(config_file)
+    if not study:
+        raise UsageError(
+            "No study to load a configuration from; set AUTOBALANCE_STUDY (and AUTOBALANCE_STORAGE) "
+            "or AUTOBALANCE_CONFIG_FILE, or pass study=... to plan()."
+        )
+    from autobalance.store._store import ConfigStore
+
+    with ConfigStore(url=storage or DEFAULT_STORAGE) as store:
+        return store.load(study)
+
+
+def check_compatibility(
+    saved: SavedConfig,
+    *,
+    current: HardwareFingerprint,
+    script_path: str | os.PathLike[str] | None = None,
+    policy: str = "error",
+) -> list[str]:
+    """Compare the tuning job's hardware with this job's; returns every difference found.
+
+    Hardware differences (ranks, nodes, GPU model, per-rank memory) raise
+    :class:`HardwareMismatchError` naming all of them under ``policy="error"`` and are warned
+    about under ``policy="warn"``. torch/CUDA versions and a changed training script are only
+    ever warnings (:class:`HardwareMismatchWarning`, one per difference).
+    """
+    if policy not in MISMATCH_POLICIES:
+        raise UsageError(
+            f"mismatch policy={policy!r} is unknown; use one of {', '.join(MISMATCH_POLICIES)}."
+        )
+    what = f"study {saved.study_name!r} (trial {saved.trial_number})"
+    major = differences(saved.fingerprint, current)
+    if major and policy == "error":
+        raise HardwareMismatchError(
+            f"The saved configuration of {what} was tuned on different hardware: {'; '.join(major)}; "
+            "tune again on this hardware (`autobalance tune`), or use the 'warn' mismatch policy to run it anyway."
+        )
+    minor = minor_differences(saved.fingerprint, current)
+    script: list[str] = []
+    if script_path is not None and saved.script_sha256 and os.path.isfile(script_path):
+        now = script_sha256(script_path)
+        if now != saved.script_sha256:
+            script.append(
+                f"training script changed since tuning (sha {saved.script_sha256[:12]} vs {now[:12]})"
+            )
+    for line in major:
+        warnings.warn(
+            f"autobalance: {what} was tuned on different hardware: {line}; using it anyway (policy 'warn').",
+            HardwareMismatchWarning,
+            stacklevel=2,
+        )
+    for line in minor + script:
+        warnings.warn(f"autobalance: {what}: {line}.", HardwareMismatchWarning, stacklevel=2)
+    return major + minor + script
