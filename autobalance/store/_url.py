@@ -46,6 +46,9 @@ _DRIVER_PACKAGES = {
     "asyncpg": "asyncpg",
     "pymysql": "pymysql",
     "mysqldb": "mysqlclient",
+    "mariadb": "mariadb",
+    "oracledb": "oracledb",
+    "pyodbc": "pyodbc",
 }
 
 
@@ -126,7 +129,7 @@ def normalize_storage_url(url: str) -> str:
         dialect_cls.import_dbapi()
     except ImportError as exc:
         module = (getattr(exc, "name", None) or driver or backend).split(".")[0]
-        package = _DRIVER_PACKAGES.get(module, module)
+        package = _DRIVER_PACKAGES.get(module.lower(), module)
         raise StorageError(
             f"Storage URL {masked!r} needs the database driver {module!r}, which is not installed; "
             f"run `pip install {package}`."

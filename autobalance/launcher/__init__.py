@@ -1,0 +1,21 @@
+"""Starts and kills torchrun jobs, collects and classifies their reports."""
+
+from __future__ import annotations
+
+from autobalance.launcher._outcome import STATUSES, TrialOutcome, classify, read_reports
+from autobalance.launcher._procs import become_subreaper, kill_trial_processes, trial_processes
+from autobalance.launcher._torchrun import TrialLaunch, build_command, run_trial, trial_environment
+
+__all__ = [
+    "STATUSES",
+    "TrialLaunch",
+    "TrialOutcome",
+    "become_subreaper",
+    "build_command",
+    "classify",
+    "kill_trial_processes",
+    "read_reports",
+    "run_trial",
+    "trial_environment",
+    "trial_processes",
+]

@@ -1,0 +1,175 @@
+"""Run one trial as one torchrun job: start, watch, time out, kill the whole tree, classify."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from autobalance import _env
+from autobalance._errors import LaunchError
+from autobalance.launcher._outcome import TrialOutcome, classify, read_reports
+from autobalance.launcher._procs import become_subreaper, kill_trial_processes, parent_death_signal
+
+__all__ = ["TrialLaunch", "build_command", "run_trial"]
+
+# After one rank reported a failure, torchrun normally tears the job down within seconds; if a
+# peer is stuck in a collective and torchrun does not, the launcher kills the job itself.
+_FAILURE_GRACE_S = 15.0
+
+
+@dataclass(kw_only=True)
+class TrialLaunch:
+    """Everything needed to start one trial."""
+
+    script: str
+    """The user's training script."""
+    script_args: list[str] = field(default_factory=list)
+    """Arguments passed to the script."""
+    nproc_per_node: int
+    """Processes (ranks) per node."""
+    nnodes: int = 1
+    """Nodes in the job (each node runs its own torchrun joining one rendezvous)."""
+    node_rank: int | None = None
+    """This node's rank in a static multi-node job (None: let the rendezvous assign it)."""
+    rdzv_endpoint: str | None = None
+    """``HOST:PORT`` of the c10d rendezvous; None on one node (``--standalone``)."""
+    rdzv_id: str | None = None
+    """Rendezvous id shared by the nodes of one trial (default: the trial id)."""
+    torchrun_args: list[str] = field(default_factory=list)
+    """Extra torchrun options passed through verbatim."""
+    device: str = "cpu"
+    """``cpu`` or ``cuda``."""
+    config_json: str | None = None
+    """The configuration (None: the script's own defaults, i.e. the baseline)."""
+    global_batch: int | None = None
+    """Global batch the baseline must use (None: the script's)."""
+    steps: int = 3
+    """Measured optimizer steps."""
+    warmup: int = 1
+    """Warm-up optimizer steps (not timed)."""
+    memory_cap_bytes: list[int] | None = None
+    """Per-rank memory cap (one entry = all ranks)."""
+    trial_dir: str
+    """Directory for reports and logs."""
+    timeout_s: float = 300.0
+    """Hard wall-clock limit for the whole job."""
+    pg_timeout_s: int = 60
+    """Process-group timeout inside the ranks."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment (e.g. CUDA_VISIBLE_DEVICES for parallel trials)."""
+    trial_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """Marks every process of the trial."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+def build_command(launch: TrialLaunch) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(launch.nproc_per_node),
+           "--max-restarts", "0", "--log-dir", os.path.join(launch.trial_dir, "logs"), "--redirects", "3"]
+    if launch.nnodes == 1 and launch.rdzv_endpoint is None:
+        cmd.append("--standalone")
+    else:
+        cmd += ["--nnodes", str(launch.nnodes), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", launch.rdzv_endpoint or "127.0.0.1:29400",
+                "--rdzv-id", launch.rdzv_id or launch.trial_id]
+        if launch.node_rank is not None:
+            cmd += ["--node-rank", str(launch.node_rank)]
+    return [*cmd, *launch.torchrun_args, launch.script, *launch.script_args]
+
+
+def trial_environment(launch: TrialLaunch) -> dict[str, str]:
+    """The parent's environment (NCCL/NVLink settings included) plus the trial's variables."""
+    env = dict(os.environ)
+    env.update(launch.env)
+    for name in (_env.CONFIG, _env.GLOBAL_BATCH, _env.MEMORY_CAP_BYTES, _env.STUDY, _env.CONFIG_FILE):
+        env.pop(name, None)
+    env.update({
+        _env.TRIAL_DIR: launch.trial_dir,
+        _env.TRIAL_ID: launch.trial_id,
+        _env.STEPS: str(launch.steps),
+        _env.WARMUP: str(launch.warmup),
+        _env.DEVICE: launch.device,
+        _env.PG_TIMEOUT_S: str(launch.pg_timeout_s),
+        "PYTHONUNBUFFERED": "1",
+    })
+    if launch.config_json is not None:
+        env[_env.CONFIG] = launch.config_json
+    if launch.global_batch is not None:
+        env[_env.GLOBAL_BATCH] = str(launch.global_batch)
+    if launch.memory_cap_bytes:
+        env[_env.MEMORY_CAP_BYTES] = ",".join(str(b) for b in launch.memory_cap_bytes)
+    return env
+
+
+def run_trial(
+    launch: TrialLaunch,
+    *,
+    poll_s: float = 0.1,
+    on_poll: Callable[[float], None] | None = None,
+) -> TrialOutcome:
+    """Run the job to completion, timeout or interruption; no process of it survives this call.
+
+    ``KeyboardInterrupt`` during the wait kills the job, then propagates with the outcome attached
+    as ``exc.outcome``.
+    """
+    os.makedirs(launch.trial_dir, exist_ok=True)
+    become_subreaper()
+    log_path = os.path.join(launch.trial_dir, "torchrun.log")
+    start = time.monotonic()
+    with open(log_path, "wb") as log:
+        try:
+            proc = subprocess.Popen(
+                build_command(launch), env=trial_environment(launch), stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=parent_death_signal,
+                cwd=os.getcwd(),
+            )
+        except OSError as exc:
+            raise LaunchError(f"could not start torchrun ({exc}); check that torch is installed for {sys.executable}.") from exc
+    timed_out = interrupted = False
+    failure_seen_at: float | None = None
+    try:
+        while proc.poll() is None:
+            elapsed = time.monotonic() - start
+            if elapsed > launch.timeout_s:
+                timed_out = True
+                break
+            if on_poll is not None:
+                on_poll(elapsed)
+            if failure_seen_at is None:
+                reports, _ = read_reports(launch.trial_dir, launch.world_size)
+                if any(r["status"] in ("oom", "error") for r in reports.values()):
+                    failure_seen_at = time.monotonic()
+            elif time.monotonic() - failure_seen_at > _FAILURE_GRACE_S:
+                break
+            time.sleep(poll_s)
+    except KeyboardInterrupt as exc:
+        interrupted = True
+        leftover = kill_trial_processes(launch.trial_id, roots=(proc.pid,))
+        proc.wait(timeout=10)
+        outcome = classify(trial_dir=launch.trial_dir, world_size=launch.world_size, returncode=proc.returncode,
+                           timed_out=False, interrupted=True, wall_s=time.monotonic() - start,
+                           timeout_s=launch.timeout_s)
+        outcome.leftover_pids = leftover
+        exc.outcome = outcome  # type: ignore[attr-defined]
+        raise
+    leftover = kill_trial_processes(launch.trial_id, roots=(proc.pid,) if proc.poll() is None else (),
+                                    grace_s=5.0)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+    outcome = classify(
+        trial_dir=launch.trial_dir, world_size=launch.world_size,
+        returncode=None if timed_out else proc.returncode, timed_out=timed_out, interrupted=interrupted,
+        wall_s=time.monotonic() - start, timeout_s=launch.timeout_s,
+    )
+    outcome.leftover_pids = leftover
+    return outcome

@@ -1,0 +1,469 @@
+"""A per-rank peak-memory model fitted from measured trials, with a self-correcting safety margin.
+
+For one dtype the peak of rank ``r`` is modelled as::
+
+    peak_r = fixed_r + micro_batch * (act_full - act_saved * checkpointed / num_layers)
+
+``fixed_r`` holds what does not scale with the batch (parameters, gradients, optimizer state,
+DDP buckets and any rank-0-only extras, which is why it is per rank); ``act_full`` is the
+activation memory of one sample without checkpointing and ``act_saved`` what checkpointing all
+``num_layers`` blocks saves per sample. The features ``[one-hot(rank), mb, -mb*c/L]`` are linear,
+so each dtype is fitted by least squares on its successful trials.
+
+When a dtype's own trials do not determine every parameter (too few points, every trial at the
+same micro-batch, never checkpointed, ...), the fit is the least-squares solution that is closest
+to a prior (see :data:`ACTIVATION_BYTES_SCALE` and :data:`PRIOR_CHECKPOINT_SAVING`): the data
+decides every direction it can, the prior only fills the directions the data cannot see, and
+predictions that depend on those directions are reported as low-confidence
+(:meth:`MemoryModel.is_confident`).
+
+Trials that ran out of memory (``ok=False``) are never fitted as equalities: their peak is only a
+lower bound. They feed the safety margin instead (:meth:`MemoryModel.correct`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from autobalance._config import DTYPES
+from autobalance._errors import UsageError
+
+__all__ = [
+    "ACTIVATION_BYTES_SCALE",
+    "DEFAULT_SAFETY_MARGIN",
+    "PRIOR_CHECKPOINT_SAVING",
+    "DtypeFit",
+    "MemoryModel",
+    "MemoryObservation",
+]
+
+ACTIVATION_BYTES_SCALE: dict[str, float] = {"fp32": 1.0, "bf16": 0.5, "fp16": 0.5}
+"""Prior: per-sample activation bytes of each dtype relative to fp32 (autocast halves them).
+
+A dtype without enough trials of its own borrows the per-sample terms of the best-measured dtype
+scaled by the ratio of these factors, and that dtype's fixed part unchanged (autocast keeps fp32
+parameters, gradients and optimizer state)."""
+
+PRIOR_CHECKPOINT_SAVING = 0.7
+"""Prior: fraction of the per-sample activations saved when every block is checkpointed.
+
+Used only while no measured dtype has seen checkpointing vary (embeddings, logits and block
+inputs are not freed by checkpointing, hence below 1)."""
+
+DEFAULT_SAFETY_MARGIN = 0.05
+"""Initial relative margin: a prediction is trusted as feasible if ``peak * (1 + margin) <= limit``."""
+
+_RANK_TOL = 1e-10
+"""Relative singular-value tolerance deciding which parameter directions the data determines."""
+_CONFIDENT_TOL = 1e-8
+"""A query is confident when its (scaled) feature vector is this orthogonal to the unseen directions."""
+
+
+@dataclass(kw_only=True)
+class MemoryObservation:
+    """One rank's measured peak in one trial."""
+
+    rank: int
+    """Global rank the peak was measured on."""
+    micro_batch: int
+    """That rank's micro-batch size in the trial."""
+    checkpointed: int
+    """Number of activation-checkpointed blocks on that rank."""
+    num_layers: int
+    """Number of checkpointable blocks in the model."""
+    dtype: str
+    """Autocast dtype of the trial (one of ``DTYPES``)."""
+    peak_bytes: float
+    """Measured peak in bytes; for an out-of-memory trial, a lower bound of the true peak."""
+    ok: bool = True
+    """False when the trial ran out of memory (then ``peak_bytes`` is only a lower bound)."""
+
+    def __post_init__(self) -> None:
+        for name in ("rank", "micro_batch", "checkpointed", "num_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise UsageError(f"MemoryObservation {name}={value!r} is not an integer; pass an int.")
+        if self.rank < 0:
+            raise UsageError(f"MemoryObservation rank={self.rank} is negative; use the global rank (>= 0).")
+        if self.micro_batch < 1:
+            raise UsageError(
+                f"MemoryObservation micro_batch={self.micro_batch} is below 1; every rank trains >= 1 sample."
+            )
+        if self.num_layers < 1:
+            raise UsageError(
+                f"MemoryObservation num_layers={self.num_layers} is below 1; pass the model's block count."
+            )
+        if not 0 <= self.checkpointed <= self.num_layers:
+            raise UsageError(
+                f"MemoryObservation checkpointed={self.checkpointed} is outside 0..{self.num_layers}; "
+                "count the checkpointed blocks of that rank."
+            )
+        _check_dtype(self.dtype)
+        if isinstance(self.peak_bytes, bool) or not isinstance(self.peak_bytes, (int, float)):
+            raise UsageError(f"MemoryObservation peak_bytes={self.peak_bytes!r} is not a number; pass bytes.")
+        self.peak_bytes = float(self.peak_bytes)
+        if not math.isfinite(self.peak_bytes) or self.peak_bytes < 0 or (self.ok and self.peak_bytes == 0):
+            raise UsageError(
+                f"MemoryObservation peak_bytes={self.peak_bytes} is not a positive finite byte count; "
+                "pass the measured peak."
+            )
+
+    def features(self, world_size: int) -> np.ndarray:
+        """The linear features ``[one-hot(rank), mb, -mb * checkpointed / num_layers]``."""
+        return _features(
+            world_size=world_size,
+            rank=self.rank,
+            micro_batch=self.micro_batch,
+            checkpointed=self.checkpointed,
+            num_layers=self.num_layers,
+        )
+
+
+@dataclass(kw_only=True, eq=False)
+class DtypeFit:
+    """The fitted parameters of one dtype."""
+
+    dtype: str
+    """The dtype these parameters belong to."""
+    fixed: list[float]
+    """Per rank, the bytes that do not scale with the micro-batch."""
+    act_full: float
+    """Activation bytes of one sample with no block checkpointed."""
+    act_saved: float
+    """Bytes per sample saved when all blocks are checkpointed (linear in the checkpointed fraction)."""
+    n_observations: int
+    """Successful trials-ranks of this dtype the fit used."""
+    identified: bool
+    """True when this dtype's own observations determine every parameter (no prior involved)."""
+    reference: str | None
+    """The dtype whose fit served as the prior (None: the generic prior or no prior needed)."""
+    scale: np.ndarray = field(repr=False)
+    """Column scales: parameter ``j`` times ``scale[j]`` is its typical contribution in bytes."""
+    unseen: np.ndarray = field(repr=False)
+    """Orthonormal basis (columns, scaled coordinates) of the directions the data did not determine."""
+
+    @property
+    def theta(self) -> np.ndarray:
+        return np.array([*self.fixed, self.act_full, self.act_saved], dtype=float)
+
+
+@dataclass(kw_only=True)
+class MemoryModel:
+    """Per-rank, per-dtype linear peak-memory model with a self-correcting safety margin.
+
+    Typical use in a tuner: after each trial, call :meth:`correct` on the *previous* model for each
+    new observation (so a wrong prediction widens the margin), then refit with
+    ``MemoryModel.fit(all_observations, world_size=W, safety_margin=old.safety_margin)``.
+    """
+
+    world_size: int
+    """Number of ranks of the job."""
+    safety_margin: float = DEFAULT_SAFETY_MARGIN
+    """Relative margin: a prediction counts as feasible if ``peak * (1 + safety_margin) <= limit``."""
+    max_margin: float = 0.5
+    """The margin never widens beyond this."""
+    widen_factor: float = 1.5
+    """On an under-prediction by ``e`` (relative) beyond the margin, the margin becomes ``widen_factor * e``."""
+    corrections: int = 0
+    """How many times the margin was widened."""
+    fits: dict[str, DtypeFit] = field(default_factory=dict)
+    """Fitted parameters per dtype (dtypes without any usable data or prior are absent)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) or self.world_size < 1:
+            raise UsageError(f"world_size={self.world_size!r} is not a positive integer; pass the rank count.")
+        if not 0 <= self.safety_margin <= self.max_margin:
+            raise UsageError(
+                f"safety_margin={self.safety_margin} is outside [0, max_margin={self.max_margin}]; "
+                "use a small relative margin such as 0.05."
+            )
+        if self.widen_factor <= 1:
+            raise UsageError(f"widen_factor={self.widen_factor} is not above 1; use e.g. 1.5.")
+
+    # ----------------------------------------------------------------------------------- fitting
+
+    @classmethod
+    def fit(
+        cls,
+        observations: list[MemoryObservation],
+        *,
+        world_size: int,
+        safety_margin: float = DEFAULT_SAFETY_MARGIN,
+        max_margin: float = 0.5,
+        widen_factor: float = 1.5,
+    ) -> MemoryModel:
+        """Least-squares fit per dtype on the successful observations (prior-completed, see module doc).
+
+        Every observation, successful or not, that the fitted model under-predicts by more than the
+        margin then widens it (the rule of :meth:`correct`); exact data leaves it unchanged.
+        """
+        model = cls(
+            world_size=world_size,
+            safety_margin=safety_margin,
+            max_margin=max_margin,
+            widen_factor=widen_factor,
+        )
+        for obs in observations:
+            model._check_rank(obs.rank)
+        by_dtype = {d: [o for o in observations if o.ok and o.dtype == d] for d in DTYPES}
+        order = sorted(
+            (d for d in DTYPES if by_dtype[d]),
+            key=lambda d: (-_data_rank(by_dtype[d], world_size), -len(by_dtype[d]), DTYPES.index(d)),
+        )
+        reference: DtypeFit | None = None
+        for dtype in order:
+            fit = _fit_dtype(dtype, by_dtype[dtype], world_size=world_size, reference=reference)
+            model.fits[dtype] = fit
+            reference = reference or fit
+        if reference is not None:
+            for dtype in DTYPES:
+                if dtype not in model.fits:
+                    model.fits[dtype] = _fit_dtype(dtype, [], world_size=world_size, reference=reference)
+        for obs in observations:
+            model.correct(obs)
+        return model
+
+    def refit(self, observations: list[MemoryObservation]) -> MemoryModel:
+        """:meth:`fit` on ``observations`` keeping this model's margin settings and correction count."""
+        model = MemoryModel.fit(
+            observations,
+            world_size=self.world_size,
+            safety_margin=self.safety_margin,
+            max_margin=self.max_margin,
+            widen_factor=self.widen_factor,
+        )
+        model.corrections += self.corrections
+        return model
+
+    # -------------------------------------------------------------------------------- prediction
+
+    def is_fitted_for(self, dtype: str) -> bool:
+        """True when ``dtype``'s own successful trials determine every parameter (no prior used)."""
+        _check_dtype(dtype)
+        fit = self.fits.get(dtype)
+        return fit is not None and fit.identified
+
+    def can_predict(self, dtype: str) -> bool:
+        """True when :meth:`predict` works for ``dtype`` (own data or a prior from another dtype)."""
+        _check_dtype(dtype)
+        return dtype in self.fits
+
+    def predict(self, *, rank: int, micro_batch: int, checkpointed: int, num_layers: int, dtype: str) -> float:
+        """Predicted peak bytes of ``rank`` for that micro-batch, checkpoint count and dtype."""
+        fit = self._fit(dtype)
+        x = self._query(rank, micro_batch, checkpointed, num_layers)
+        return float(x @ fit.theta)
+
+    def is_confident(
+        self, *, rank: int, micro_batch: int, checkpointed: int, num_layers: int, dtype: str
+    ) -> bool:
+        """True when that prediction depends on measured data only, not on the prior."""
+        fit = self._fit(dtype)
+        xs = self._query(rank, micro_batch, checkpointed, num_layers) / fit.scale
+        if fit.unseen.shape[1] == 0:
+            return True
+        leak = float(np.linalg.norm(xs @ fit.unseen))
+        return leak <= _CONFIDENT_TOL * max(float(np.linalg.norm(xs)), 1e-300)
+
+    def fixed_bytes(self, rank: int, dtype: str) -> float:
+        """The part of ``rank``'s peak that does not scale with its micro-batch."""
+        self._check_rank(rank)
+        return self._fit(dtype).fixed[rank]
+
+    def per_sample_bytes(self, rank: int, dtype: str, checkpointed: int, num_layers: int) -> float:
+        """Bytes one more sample adds to ``rank``'s peak with ``checkpointed`` of ``num_layers`` blocks
+        checkpointed (the same on every rank: the model is replicated)."""
+        self._check_rank(rank)
+        _check_checkpointed(checkpointed, num_layers)
+        fit = self._fit(dtype)
+        return fit.act_full - fit.act_saved * checkpointed / num_layers
+
+    def holdout_error(self, observations: list[MemoryObservation]) -> float:
+        """Mean relative error ``|predicted - measured| / measured`` over the successful observations
+        given (pass trials the model was not fitted on); out-of-memory ones are skipped."""
+        ok = [o for o in observations if o.ok]
+        if not ok:
+            raise UsageError(
+                "holdout_error got no successful observation; pass measured trials that did not run out of memory."
+            )
+        errors = [abs(self._predict_obs(o) - o.peak_bytes) / o.peak_bytes for o in ok]
+        return float(np.mean(errors))
+
+    # -------------------------------------------------------------------------------- correction
+
+    def correct(self, observation: MemoryObservation, *, limit: float | None = None) -> bool:
+        """Widen the safety margin when this observation shows an under-prediction beyond it.
+
+        Rule: let ``e = measured / predicted - 1`` where, for an out-of-memory trial, ``measured``
+        is the lower bound ``max(peak_bytes, limit)`` (it needed more than the ``limit`` it ran
+        under, if given). If ``e > safety_margin`` (the margin would not have covered it: a
+        predicted-feasible configuration OOMed, or a peak came in higher than margin allows), the
+        margin becomes ``min(max_margin, widen_factor * e)``. Over-predictions do not change the
+        margin (a wider one could not fix them; the next refit does). Returns True if widened.
+        Does nothing (False) for a dtype the model cannot predict yet.
+        """
+        self._check_rank(observation.rank)
+        if not self.can_predict(observation.dtype):
+            return False
+        predicted = self._predict_obs(observation)
+        measured = observation.peak_bytes
+        if not observation.ok and limit is not None:
+            measured = max(measured, float(limit))
+        if predicted <= 0:
+            return False
+        error = measured / predicted - 1.0
+        if error <= self.safety_margin or self.safety_margin >= self.max_margin:
+            return False
+        self.safety_margin = min(self.max_margin, self.widen_factor * error)
+        self.corrections += 1
+        return True
+
+    # ---------------------------------------------------------------------------------- helpers
+
+    def _fit(self, dtype: str) -> DtypeFit:
+        _check_dtype(dtype)
+        fit = self.fits.get(dtype)
+        if fit is None:
+            raise UsageError(
+                f"dtype={dtype!r} has no fitted memory model; measure at least one successful trial first."
+            )
+        return fit
+
+    def _query(self, rank: int, micro_batch: int, checkpointed: int, num_layers: int) -> np.ndarray:
+        self._check_rank(rank)
+        if micro_batch < 0:
+            raise UsageError(f"micro_batch={micro_batch} is negative; pass a sample count.")
+        _check_checkpointed(checkpointed, num_layers)
+        return _features(
+            world_size=self.world_size,
+            rank=rank,
+            micro_batch=micro_batch,
+            checkpointed=checkpointed,
+            num_layers=num_layers,
+        )
+
+    def _predict_obs(self, obs: MemoryObservation) -> float:
+        return self.predict(
+            rank=obs.rank,
+            micro_batch=obs.micro_batch,
+            checkpointed=obs.checkpointed,
+            num_layers=obs.num_layers,
+            dtype=obs.dtype,
+        )
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise UsageError(
+                f"rank={rank} is outside 0..{self.world_size - 1}; the model was built for "
+                f"world_size={self.world_size}."
+            )
+
+
+# ------------------------------------------------------------------------------------ internals
+
+
+def _check_dtype(dtype: str) -> None:
+    if dtype not in DTYPES:
+        raise UsageError(f"dtype={dtype!r} is unknown; use one of {', '.join(DTYPES)}.")
+
+
+def _check_checkpointed(checkpointed: int, num_layers: int) -> None:
+    if num_layers < 1:
+        raise UsageError(f"num_layers={num_layers} is below 1; pass the model's block count.")
+    if not 0 <= checkpointed <= num_layers:
+        raise UsageError(f"checkpointed={checkpointed} is outside 0..{num_layers}; count checkpointed blocks.")
+
+
+def _features(*, world_size: int, rank: int, micro_batch: int, checkpointed: int, num_layers: int) -> np.ndarray:
+    x = np.zeros(world_size + 2)
+    x[rank] = 1.0
+    x[world_size] = micro_batch
+    x[world_size + 1] = -micro_batch * checkpointed / num_layers
+    return x
+
+
+def _design(observations: list[MemoryObservation], world_size: int) -> tuple[np.ndarray, np.ndarray]:
+    if not observations:
+        return np.zeros((0, world_size + 2)), np.zeros(0)
+    x = np.stack([o.features(world_size) for o in observations])
+    y = np.array([o.peak_bytes for o in observations])
+    return x, y
+
+
+def _column_scale(x: np.ndarray, world_size: int) -> np.ndarray:
+    """Fixed parts in bytes (scale 1); per-sample terms times the largest micro-batch seen."""
+    largest = float(np.max(np.abs(x[:, world_size]))) if len(x) else 1.0
+    scale = np.ones(world_size + 2)
+    scale[world_size:] = max(largest, 1.0)
+    return scale
+
+
+def _data_rank(observations: list[MemoryObservation], world_size: int) -> int:
+    x, _ = _design(observations, world_size)
+    if len(x) == 0:
+        return 0
+    xs = x / _column_scale(x, world_size)
+    return int(np.linalg.matrix_rank(xs, tol=_RANK_TOL * float(np.linalg.norm(xs, 2))))
+
+
+def _least_squares(xs: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Minimum-norm least-squares solution and an orthonormal basis of the null space of ``xs``."""
+    unknowns = xs.shape[1]
+    if len(xs) == 0:
+        return np.zeros(unknowns), np.eye(unknowns)
+    u, s, vt = np.linalg.svd(xs, full_matrices=True)
+    rank = int(np.sum(s > _RANK_TOL * s[0])) if s.size and s[0] > 0 else 0
+    theta = vt[:rank].T @ ((u[:, :rank].T @ y) / s[:rank])
+    return theta, vt[rank:].T
+
+
+def _prior(
+    dtype: str, world_size: int, reference: DtypeFit | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Prior as linear relations ``A @ theta ~= b`` (theta in bytes per feature unit)."""
+    unknowns = world_size + 2
+    if reference is not None:
+        ratio = ACTIVATION_BYTES_SCALE[dtype] / ACTIVATION_BYTES_SCALE[reference.dtype]
+        b = reference.theta.copy()
+        b[world_size:] *= ratio
+        return np.eye(unknowns), b
+    a = np.zeros((world_size + 1, unknowns))
+    a[:world_size, :world_size] = np.eye(world_size) - 1.0 / world_size  # ranks alike
+    a[world_size, world_size + 1] = 1.0  # act_saved = saving * act_full
+    a[world_size, world_size] = -PRIOR_CHECKPOINT_SAVING
+    return a, np.zeros(world_size + 1)
+
+
+def _fit_dtype(
+    dtype: str, observations: list[MemoryObservation], *, world_size: int, reference: DtypeFit | None
+) -> DtypeFit:
+    """The least-squares solution closest (in bytes-scaled coordinates) to the prior."""
+    x, y = _design(observations, world_size)
+    scale = _column_scale(x, world_size) if len(x) else (
+        reference.scale.copy() if reference is not None else np.ones(world_size + 2)
+    )
+    theta_s, unseen = _least_squares(x / scale, y)
+    used_reference = None
+    if unseen.shape[1]:
+        a, b = _prior(dtype, world_size, reference)
+        row_scale = (np.abs(a) @ scale) / np.maximum(np.abs(a).sum(axis=1), 1e-300)
+        a_s = (a / scale) * row_scale[:, None]
+        b_s = b * row_scale
+        z, *_ = np.linalg.lstsq(a_s @ unseen, b_s - a_s @ theta_s, rcond=None)
+        theta_s = theta_s + unseen @ z
+        used_reference = reference.dtype if reference is not None else None
+    theta = theta_s / scale
+    return DtypeFit(
+        dtype=dtype,
+        fixed=[float(v) for v in theta[:world_size]],
+        act_full=float(theta[world_size]),
+        act_saved=float(theta[world_size + 1]),
+        n_observations=len(observations),
+        identified=unseen.shape[1] == 0,
+        reference=used_reference,
+        scale=scale,
+        unseen=unseen,
+    )
