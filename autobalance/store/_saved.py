@@ -5,14 +5,20 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from autobalance._config import BalanceConfig
 from autobalance._errors import ConfigError, SchemaVersionError
 from autobalance.store._fingerprint import HardwareFingerprint
 
-__all__ = ["EXPORT_FORMAT", "EXPORT_FORMAT_VERSION", "SavedConfig", "figures_to_json"]
+__all__ = [
+    "EXPORT_FORMAT",
+    "EXPORT_FORMAT_VERSION",
+    "SavedConfig",
+    "config_from_dict",
+    "figures_to_json",
+]
 
 EXPORT_FORMAT = "autobalance.saved_config"
 """Value of the ``format`` key of an export file."""
@@ -158,7 +164,7 @@ class SavedConfig:
         return cls(
             study_name=body["study_name"],
             trial_number=body["trial_number"],
-            config=BalanceConfig.from_dict(body["config"]),
+            config=config_from_dict(body["config"]),
             figures=figures,
             fingerprint=HardwareFingerprint.from_dict(body["fingerprint"]),
             script_sha256=body.get("script_sha256", ""),
@@ -175,6 +181,16 @@ class SavedConfig:
                 f"saved configuration JSON is malformed ({exc}); pass valid JSON."
             ) from None
         return cls.from_dict(data)
+
+
+def config_from_dict(data: Any) -> BalanceConfig:
+    """:meth:`BalanceConfig.from_dict`, with missing fields reported as a :class:`ConfigError`."""
+    try:
+        return BalanceConfig.from_dict(data)
+    except TypeError as exc:
+        raise ConfigError(
+            f"configuration is incomplete ({exc}); give every required field of BalanceConfig."
+        ) from None
 
 
 def figures_to_json(figures: Any) -> str:
@@ -204,8 +220,8 @@ def _finite(value: Any) -> Any:
 def as_utc(value: datetime) -> datetime:
     """``value`` as an aware UTC datetime (naive values, as SQLite returns them, are UTC)."""
     if value.tzinfo is None:
-        return value.replace(tzinfo=timezone.utc)
-    return value.astimezone(timezone.utc)
+        return value.replace(tzinfo=UTC)
+    return value.astimezone(UTC)
 
 
 def parse_datetime(value: Any) -> datetime:

@@ -11,7 +11,7 @@ import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any
 
@@ -29,7 +29,7 @@ from autobalance.store._models import (
     read_schema_version,
     verify_schema_version,
 )
-from autobalance.store._saved import SavedConfig, as_utc, figures_to_json
+from autobalance.store._saved import SavedConfig, as_utc, config_from_dict, figures_to_json
 from autobalance.store._url import (
     describe_db_error,
     make_engine,
@@ -211,7 +211,7 @@ class ConfigStore:
             figures=figures,
             fingerprint=fingerprint,
             script_sha256=script_sha256,
-            created_at=datetime.now(timezone.utc),
+            created_at=datetime.now(UTC),
             saved_by=saved_by,
         )
         config_json = config.to_json()
@@ -356,7 +356,7 @@ class ConfigStore:
             return SavedConfig(
                 study_name=row.study_name,
                 trial_number=row.trial_number,
-                config=BalanceConfig.from_json(row.config_json),
+                config=config_from_dict(json.loads(row.config_json)),
                 figures=json.loads(row.figures_json),
                 fingerprint=HardwareFingerprint.from_dict(json.loads(row.fingerprint_json)),
                 script_sha256=row.script_sha256 or "",

@@ -142,15 +142,13 @@ def engine_kwargs(url: str) -> dict[str, Any]:
 
     SQLite: a 30 s busy timeout. PostgreSQL: ``pool_pre_ping`` and a connect timeout.
     """
-    backend = url.split(":", 1)[0].split("+", 1)[0].lower()
+    backend, _, driver = url.split(":", 1)[0].lower().partition("+")
     if backend == "sqlite":
         return {"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_S}}
-    if backend == "postgresql":
-        kwargs: dict[str, Any] = {"pool_pre_ping": True}
-        if "+psycopg" in url.split("://", 1)[0] or "+psycopg2" in url.split("://", 1)[0]:
-            kwargs["connect_args"] = {"connect_timeout": PG_CONNECT_TIMEOUT_S}
-        return kwargs
-    return {"pool_pre_ping": True}
+    kwargs: dict[str, Any] = {"pool_pre_ping": True}
+    if backend == "postgresql" and driver in ("", "psycopg", "psycopg2"):  # libpq drivers
+        kwargs["connect_args"] = {"connect_timeout": PG_CONNECT_TIMEOUT_S}
+    return kwargs
 
 
 def make_engine(url: str) -> Engine:

@@ -82,7 +82,9 @@ def study_name() -> str:
 
 
 @pytest.fixture
-def save_kwargs(config: BalanceConfig, fingerprint: HardwareFingerprint) -> Callable[..., dict[str, Any]]:
+def save_kwargs(
+    config: BalanceConfig, fingerprint: HardwareFingerprint
+) -> Callable[..., dict[str, Any]]:
     def make(**overrides: Any) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
             "study_name": "s",

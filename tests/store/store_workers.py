@@ -26,7 +26,9 @@ def save_many(url: str, study_name: str, worker: int, barrier: Any, results: Any
         with ConfigStore(url=url) as store:
             barrier.wait(timeout=60)
             for i in range(SAVES_PER_WORKER):
-                config = BalanceConfig(micro_batches=[1 + worker, 1 + i], global_batch=2 + worker + i)
+                config = BalanceConfig(
+                    micro_batches=[1 + worker, 1 + i], global_batch=2 + worker + i
+                )
                 store.save(
                     study_name=study_name,
                     trial_number=worker * 100 + i,
@@ -59,7 +61,8 @@ def run_concurrent_saves(url: str, study_name: str, workers: int = 4) -> list[st
     barrier = ctx.Barrier(workers)
     results = ctx.Queue()
     procs = [
-        ctx.Process(target=save_many, args=(url, study_name, w, barrier, results)) for w in range(workers)
+        ctx.Process(target=save_many, args=(url, study_name, w, barrier, results))
+        for w in range(workers)
     ]
     for p in procs:
         p.start()

@@ -27,10 +27,16 @@ UNREACHABLE = "postgresql+psycopg://u:secret@127.0.0.1:1/x"
 @pytest.mark.parametrize(
     ("url", "masked"),
     [
-        ("postgresql+psycopg://u:secret@127.0.0.1:5432/db", "postgresql+psycopg://u:***@127.0.0.1:5432/db"),
+        (
+            "postgresql+psycopg://u:secret@127.0.0.1:5432/db",
+            "postgresql+psycopg://u:***@127.0.0.1:5432/db",
+        ),
         ("postgresql://u:p@ss@host/db", "postgresql://u:***@host/db"),
         ("mysql+pymysql://root:pw@h/db?charset=utf8", "mysql+pymysql://root:***@h/db?charset=utf8"),
-        ("postgresql://host/db?user=u&password=secret&x=1", "postgresql://host/db?user=u&password=***&x=1"),
+        (
+            "postgresql://host/db?user=u&password=secret&x=1",
+            "postgresql://host/db?user=u&password=***&x=1",
+        ),
         ("postgresql://u@host/db", "postgresql://u@host/db"),
         ("sqlite:///autobalance.db", "sqlite:///autobalance.db"),
         ("sqlite:////tmp/a@b:c.db", "sqlite:////tmp/a@b:c.db"),
@@ -109,7 +115,9 @@ def test_sqlite_engine_uses_wal_and_busy_timeout(tmp_path: Path) -> None:
     finally:
         engine.dispose()
     raw = sqlite3.connect(tmp_path / "a.db")
-    assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"  # persistent: Optuna gets it too
+    assert (
+        raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    )  # persistent: Optuna gets it too
     raw.close()
 
 
@@ -125,7 +133,7 @@ def test_check_storage_ok_leaves_nothing_behind(tmp_path: Path) -> None:
 def test_check_storage_read_only(tmp_path: Path) -> None:
     path = tmp_path / "ro.db"
     sqlite3.connect(path).close()
-    with pytest.raises(StorageError, match="readonly|read-only") as info:
+    with pytest.raises(StorageError, match=r"readonly|read-only") as info:
         check_storage(f"sqlite:///file:{path}?mode=ro&uri=true")
     assert "\n" not in str(info.value)
 
@@ -135,7 +143,9 @@ def test_check_storage_missing_directory(tmp_path: Path) -> None:
         check_storage(f"sqlite:///{tmp_path / 'nope' / 'a.db'}")
 
 
-def test_check_storage_newer_schema(tmp_path: Path, save_kwargs: Callable[..., dict[str, Any]]) -> None:
+def test_check_storage_newer_schema(
+    tmp_path: Path, save_kwargs: Callable[..., dict[str, Any]]
+) -> None:
     url = f"sqlite:///{tmp_path / 'a.db'}"
     with ConfigStore(url=url) as store:
         store.save(**save_kwargs())

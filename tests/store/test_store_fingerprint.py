@@ -1,0 +1,125 @@
+"""Hardware fingerprints and their differences."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import GIB, make_fingerprint
+
+from autobalance import ConfigError
+from autobalance.store import (
+    HardwareFingerprint,
+    current_fingerprint,
+    differences,
+    minor_differences,
+)
+
+
+def test_round_trip() -> None:
+    fp = make_fingerprint()
+    again = HardwareFingerprint.from_dict(json.loads(json.dumps(fp.to_dict())))
+    assert again == fp
+    assert again.cap_bytes == [None, 40 * GIB, None]
+
+
+def test_cap_bytes_default_is_no_cap() -> None:
+    fp = make_fingerprint(cap_bytes=[])
+    assert fp.cap_bytes == [None, None, None]
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        ("nope", "not a JSON object"),
+        ({"device_type": "cuda"}, "lacks field"),
+        ({**make_fingerprint().to_dict(), "colour": 1}, "unknown field"),
+        ({**make_fingerprint().to_dict(), "device_type": "tpu"}, "device_type='tpu'"),
+        ({**make_fingerprint().to_dict(), "capacity_bytes": [1, 2]}, "one entry per rank"),
+        ({**make_fingerprint().to_dict(), "world_size": 0}, "world_size=0"),
+        ({**make_fingerprint().to_dict(), "cap_bytes": ["x", None, None]}, "cap_bytes"),
+    ],
+)
+def test_from_dict_validates(data: object, expected: str) -> None:
+    with pytest.raises(ConfigError, match=expected) as info:
+        HardwareFingerprint.from_dict(data)
+    assert "\n" not in str(info.value)
+
+
+def test_same_hardware_has_no_differences() -> None:
+    assert differences(make_fingerprint(), make_fingerprint()) == []
+    assert minor_differences(make_fingerprint(), make_fingerprint()) == []
+
+
+def test_world_size_difference() -> None:
+    diffs = differences(make_fingerprint(world_size=2), make_fingerprint(world_size=4))
+    assert diffs == ["world size 2 (tuned) vs 4 (this job)"]
+
+
+def test_nodes_and_device_type_difference() -> None:
+    diffs = differences(make_fingerprint(), make_fingerprint(nnodes=3))
+    assert diffs == ["nodes 1 (tuned) vs 3 (this job)"]
+    cpu = make_fingerprint(device_type="cpu", device_name="x")
+    assert differences(make_fingerprint(), cpu) == ["device cuda (tuned) vs cpu (this job)"]
+
+
+def test_gpu_model_difference() -> None:
+    diffs = differences(
+        make_fingerprint(),
+        make_fingerprint(device_name="NVIDIA A100", capacity_bytes=[140 * GIB] * 3),
+    )
+    assert diffs == ["GPU 'NVIDIA H200' (tuned) vs 'NVIDIA A100' (this job)"]
+
+
+def test_capacity_difference_beyond_tolerance() -> None:
+    stored = make_fingerprint(cap_bytes=[])
+    close = make_fingerprint(cap_bytes=[], capacity_bytes=[int(140 * GIB * 0.99)] * 3)
+    assert differences(stored, close) == []
+    far = make_fingerprint(cap_bytes=[], capacity_bytes=[140 * GIB, 80 * GIB, 140 * GIB])
+    assert differences(stored, far) == ["rank 1 memory 140.0 GiB (tuned) vs 80.0 GiB (this job)"]
+
+
+def test_emulated_cap_difference() -> None:
+    stored = make_fingerprint()  # rank 1 capped at 40 GiB
+    uncapped = make_fingerprint(cap_bytes=[])
+    assert differences(stored, uncapped) == [
+        "rank 1 memory 40.0 GiB (tuned) vs 140.0 GiB (this job)"
+    ]
+    # a cap above the physical capacity does not limit anything
+    huge = make_fingerprint(cap_bytes=[1000 * GIB, 40 * GIB, None])
+    assert differences(stored, huge) == []
+
+
+def test_cpu_compares_caps_only() -> None:
+    stored = make_fingerprint(device_type="cpu", device_name="A", cap_bytes=[GIB, GIB, GIB])
+    other_ram = make_fingerprint(
+        device_type="cpu", device_name="B", cap_bytes=[GIB, GIB, GIB], capacity_bytes=[GIB * 3] * 3
+    )
+    assert differences(stored, other_ram) == []
+    assert minor_differences(stored, other_ram) == ["CPU 'A' (tuned) vs 'B' (this job)"]
+    no_cap = make_fingerprint(device_type="cpu", device_name="A", cap_bytes=[GIB, None, GIB])
+    assert differences(stored, no_cap) == ["rank 1 memory cap 1.0 GiB (tuned) vs no cap (this job)"]
+
+
+def test_versions_are_minor() -> None:
+    current = make_fingerprint(torch_version="2.7.0+cu128", cuda_version="12.8")
+    assert differences(make_fingerprint(), current) == []
+    assert minor_differences(make_fingerprint(), current) == [
+        "torch 2.6.0+cu124 (tuned) vs 2.7.0+cu128 (this job)",
+        "CUDA 12.4 (tuned) vs 12.8 (this job)",
+    ]
+
+
+def test_current_fingerprint_cpu() -> None:
+    fp = current_fingerprint(device_type="cpu", world_size=2, nnodes=1, cap_bytes=[GIB, None])
+    assert fp.device_type == "cpu"
+    assert fp.world_size == 2
+    assert fp.cap_bytes == [GIB, None]
+    assert len(fp.capacity_bytes) == 2
+    assert fp.torch_version
+    assert differences(fp, fp) == []
+
+
+def test_current_fingerprint_rejects_unknown_device() -> None:
+    with pytest.raises(ConfigError, match="device_type='tpu'"):
+        current_fingerprint(device_type="tpu", world_size=1)
