@@ -166,20 +166,23 @@ def _is_int(value: Any) -> bool:
 def split_evenly(total: int, weights: list[float]) -> list[int]:
     """Integer parts proportional to ``weights`` that sum to ``total`` (largest remainder).
 
-    Every part is at least 1 when ``total >= len(weights)``.
+    Every part is at least 1 when ``total >= len(weights)``; parts exactly proportional to the
+    weights come back unchanged (``split_evenly(16, [3/13, 1]) == [3, 13]``).
     """
     n = len(weights)
     if n == 0:
         raise ValueError("weights must not be empty")
+    if any(w < 0 for w in weights):
+        raise ValueError(f"weights={weights} has a negative entry")
     wsum = float(sum(weights))
     if wsum <= 0:
-        weights = [1.0] * n
-        wsum = float(n)
-    floor_min = 1 if total >= n else 0
-    spare = total - floor_min * n
-    ideal = [spare * w / wsum for w in weights]
-    parts = [int(x) for x in ideal]
+        weights, wsum = [1.0] * n, float(n)
+    ideal = [total * w / wsum for w in weights]
+    parts = [int(x + 1e-9) for x in ideal]
     order = sorted(range(n), key=lambda i: (ideal[i] - parts[i], weights[i]), reverse=True)
-    for i in order[: spare - sum(parts)]:
+    for i in order[: max(0, total - sum(parts))]:
         parts[i] += 1
-    return [p + floor_min for p in parts]
+    while total >= n and min(parts) == 0:
+        parts[parts.index(max(parts))] -= 1
+        parts[parts.index(0)] += 1
+    return parts

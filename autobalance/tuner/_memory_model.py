@@ -85,9 +85,13 @@ class MemoryObservation:
         for name in ("rank", "micro_batch", "checkpointed", "num_layers"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
-                raise UsageError(f"MemoryObservation {name}={value!r} is not an integer; pass an int.")
+                raise UsageError(
+                    f"MemoryObservation {name}={value!r} is not an integer; pass an int."
+                )
         if self.rank < 0:
-            raise UsageError(f"MemoryObservation rank={self.rank} is negative; use the global rank (>= 0).")
+            raise UsageError(
+                f"MemoryObservation rank={self.rank} is negative; use the global rank (>= 0)."
+            )
         if self.micro_batch < 1:
             raise UsageError(
                 f"MemoryObservation micro_batch={self.micro_batch} is below 1; every rank trains >= 1 sample."
@@ -103,9 +107,15 @@ class MemoryObservation:
             )
         _check_dtype(self.dtype)
         if isinstance(self.peak_bytes, bool) or not isinstance(self.peak_bytes, (int, float)):
-            raise UsageError(f"MemoryObservation peak_bytes={self.peak_bytes!r} is not a number; pass bytes.")
+            raise UsageError(
+                f"MemoryObservation peak_bytes={self.peak_bytes!r} is not a number; pass bytes."
+            )
         self.peak_bytes = float(self.peak_bytes)
-        if not math.isfinite(self.peak_bytes) or self.peak_bytes < 0 or (self.ok and self.peak_bytes == 0):
+        if (
+            not math.isfinite(self.peak_bytes)
+            or self.peak_bytes < 0
+            or (self.ok and self.peak_bytes == 0)
+        ):
             raise UsageError(
                 f"MemoryObservation peak_bytes={self.peak_bytes} is not a positive finite byte count; "
                 "pass the measured peak."
@@ -173,8 +183,14 @@ class MemoryModel:
     """Fitted parameters per dtype (dtypes without any usable data or prior are absent)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) or self.world_size < 1:
-            raise UsageError(f"world_size={self.world_size!r} is not a positive integer; pass the rank count.")
+        if (
+            not isinstance(self.world_size, int)
+            or isinstance(self.world_size, bool)
+            or self.world_size < 1
+        ):
+            raise UsageError(
+                f"world_size={self.world_size!r} is not a positive integer; pass the rank count."
+            )
         if not 0 <= self.safety_margin <= self.max_margin:
             raise UsageError(
                 f"safety_margin={self.safety_margin} is outside [0, max_margin={self.max_margin}]; "
@@ -211,7 +227,11 @@ class MemoryModel:
         by_dtype = {d: [o for o in observations if o.ok and o.dtype == d] for d in DTYPES}
         order = sorted(
             (d for d in DTYPES if by_dtype[d]),
-            key=lambda d: (-_data_rank(by_dtype[d], world_size), -len(by_dtype[d]), DTYPES.index(d)),
+            key=lambda d: (
+                -_data_rank(by_dtype[d], world_size),
+                -len(by_dtype[d]),
+                DTYPES.index(d),
+            ),
         )
         reference: DtypeFit | None = None
         for dtype in order:
@@ -221,7 +241,9 @@ class MemoryModel:
         if reference is not None:
             for dtype in DTYPES:
                 if dtype not in model.fits:
-                    model.fits[dtype] = _fit_dtype(dtype, [], world_size=world_size, reference=reference)
+                    model.fits[dtype] = _fit_dtype(
+                        dtype, [], world_size=world_size, reference=reference
+                    )
         for obs in observations:
             model.correct(obs)
         return model
@@ -251,7 +273,9 @@ class MemoryModel:
         _check_dtype(dtype)
         return dtype in self.fits
 
-    def predict(self, *, rank: int, micro_batch: int, checkpointed: int, num_layers: int, dtype: str) -> float:
+    def predict(
+        self, *, rank: int, micro_batch: int, checkpointed: int, num_layers: int, dtype: str
+    ) -> float:
         """Predicted peak bytes of ``rank`` for that micro-batch, checkpoint count and dtype."""
         fit = self._fit(dtype)
         x = self._query(rank, micro_batch, checkpointed, num_layers)
@@ -374,10 +398,14 @@ def _check_checkpointed(checkpointed: int, num_layers: int) -> None:
     if num_layers < 1:
         raise UsageError(f"num_layers={num_layers} is below 1; pass the model's block count.")
     if not 0 <= checkpointed <= num_layers:
-        raise UsageError(f"checkpointed={checkpointed} is outside 0..{num_layers}; count checkpointed blocks.")
+        raise UsageError(
+            f"checkpointed={checkpointed} is outside 0..{num_layers}; count checkpointed blocks."
+        )
 
 
-def _features(*, world_size: int, rank: int, micro_batch: int, checkpointed: int, num_layers: int) -> np.ndarray:
+def _features(
+    *, world_size: int, rank: int, micro_batch: int, checkpointed: int, num_layers: int
+) -> np.ndarray:
     x = np.zeros(world_size + 2)
     x[rank] = 1.0
     x[world_size] = micro_batch
@@ -385,7 +413,9 @@ def _features(*, world_size: int, rank: int, micro_batch: int, checkpointed: int
     return x
 
 
-def _design(observations: list[MemoryObservation], world_size: int) -> tuple[np.ndarray, np.ndarray]:
+def _design(
+    observations: list[MemoryObservation], world_size: int
+) -> tuple[np.ndarray, np.ndarray]:
     if not observations:
         return np.zeros((0, world_size + 2)), np.zeros(0)
     x = np.stack([o.features(world_size) for o in observations])
@@ -438,12 +468,18 @@ def _prior(
 
 
 def _fit_dtype(
-    dtype: str, observations: list[MemoryObservation], *, world_size: int, reference: DtypeFit | None
+    dtype: str,
+    observations: list[MemoryObservation],
+    *,
+    world_size: int,
+    reference: DtypeFit | None,
 ) -> DtypeFit:
     """The least-squares solution closest (in bytes-scaled coordinates) to the prior."""
     x, y = _design(observations, world_size)
-    scale = _column_scale(x, world_size) if len(x) else (
-        reference.scale.copy() if reference is not None else np.ones(world_size + 2)
+    scale = (
+        _column_scale(x, world_size)
+        if len(x)
+        else (reference.scale.copy() if reference is not None else np.ones(world_size + 2))
     )
     theta_s, unseen = _least_squares(x / scale, y)
     used_reference = None

@@ -14,7 +14,7 @@ headroom, divided by one plus the model's safety margin where a model is involve
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -149,6 +149,7 @@ def choose_checkpointing(
     checkpoint_counts: Sequence[int] | None = None,
     max_plans: int = 5,
     max_levels: int = 256,
+    exhaustive_limit: int = 2_000_000,
 ) -> list[SplitPlan]:
     """Per-rank checkpoint counts and micro-batches chosen together; candidates best first.
 
@@ -161,22 +162,29 @@ def choose_checkpointing(
     plans not dominated in (step cost, spread) are returned, at most ``max_plans``; ``[]`` when
     nothing fits.
 
-    Method: the minimum step cost ``C*`` is found exactly (binary search over the finite set of
+    Method: when there are at most ``exhaustive_limit`` (split, checkpoint-vector) combinations
+    (always for two ranks of a realistic size), all of them are scored, so the result is exact
+    for both criteria and for ``max_spread_bytes``. Otherwise a level sweep: the minimum step cost ``C*`` is found exactly (binary search over the finite set of
     values ``m * (1 + rho * c / L)``, with an exact capacity test). At each cost level ``C`` from
     ``C*`` upward (``max_levels`` levels, more while no plan meets ``max_spread_bytes``), the split
     minimising the largest relative peak under ``cost <= C`` is solved exactly (each rank
     checkpoints as much as ``C`` allows), then every rank drops to the fewest checkpointed blocks
     that keep its peak at or below that maximum, which lifts low peaks and so narrows the spread.
-    Ranks with less free memory therefore checkpoint more instead of only taking fewer samples.
+    The sweep's first plan has the exact minimum step cost; the spread criteria are best effort.
+    Either way, ranks with less free memory checkpoint more instead of only taking fewer samples.
     """
     world = _check_ranks(total=total, fixed=fixed, per_sample=per_sample, limits=limits)
     _check_saved(saved_per_sample, per_sample)
     if not isinstance(num_layers, int) or num_layers < 1:
-        raise UsageError(f"num_layers={num_layers!r} is not a positive integer; pass the block count.")
+        raise UsageError(
+            f"num_layers={num_layers!r} is not a positive integer; pass the block count."
+        )
     if not 0 <= recompute_fraction < math.inf:
         raise UsageError(f"recompute_fraction={recompute_fraction} is negative; use e.g. 1/3.")
     if max_plans < 1 or max_levels < 1:
-        raise UsageError(f"max_plans={max_plans}, max_levels={max_levels} must be >= 1; use e.g. 5 and 256.")
+        raise UsageError(
+            f"max_plans={max_plans}, max_levels={max_levels} must be >= 1; use e.g. 5 and 256."
+        )
     counts = _check_counts(checkpoint_counts, num_layers)
     space = _Space(
         total=total,
@@ -188,22 +196,11 @@ def choose_checkpointing(
         num_layers=num_layers,
         rho=recompute_fraction,
     )
-    levels = np.unique(np.outer(space.m, space.k))
-    first = _first_feasible_level(space, levels)
-    if first is None:
-        return []
-    plans: dict[tuple[tuple[int, ...], tuple[int, ...]], SplitPlan] = {}
-    hard_cap = first + max_levels * 16
-    met = max_spread_bytes is None
-    for index in range(first, min(len(levels), hard_cap)):
-        if index >= first + max_levels and met:
-            break
-        plan = _plan_at_level(space, float(levels[index]), world)
-        if plan is None:
-            continue
-        plans.setdefault((tuple(plan.micro_batches), tuple(plan.checkpointed)), plan)
-        met = met or plan.spread_bytes <= (max_spread_bytes or 0.0)
-    front = _pareto(list(plans.values()))
+    if _combinations(total, world, len(counts)) <= exhaustive_limit:
+        plans = _exhaustive_plans(space, world)
+    else:
+        plans = _sweep_plans(space, world, max_spread_bytes=max_spread_bytes, max_levels=max_levels)
+    front = _pareto(plans, scale=float(max(limits)))
     front.sort(key=lambda p: _rank_key(p, max_spread_bytes))
     return front[:max_plans]
 
@@ -233,7 +230,7 @@ class _Space:
         self.m = np.arange(1, self.total - len(self.fixed) + 2, dtype=float)
         self.k = 1.0 + self.rho * self.counts / self.num_layers
 
-    def peaks(self, rank: int, m: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    def peaks(self, rank: int, m: np.ndarray | float, counts: np.ndarray) -> np.ndarray:
         per = self.per_sample[rank] - self.saved[rank] * counts / self.num_layers
         return self.fixed[rank] + m * per
 
@@ -274,7 +271,7 @@ def _plan_at_level(space: _Space, level: float, world: int) -> SplitPlan | None:
     if split is None:
         return None
     top = max(float(values[r][m - 1]) for r, m in enumerate(split))
-    checkpointed, peaks, costs = [], [], []
+    checkpointed, peaks = [], []
     for rank, m in enumerate(split):
         c_peaks = space.peaks(rank, np.float64(m), space.counts)
         ok = (m * space.k <= level) & (c_peaks <= space.limits[rank])
@@ -282,7 +279,92 @@ def _plan_at_level(space: _Space, level: float, world: int) -> SplitPlan | None:
         j = int(np.argmax(ok))  # fewest checkpointed blocks that keep the peak <= the top
         checkpointed.append(int(space.counts[j]))
         peaks.append(float(c_peaks[j]))
-        costs.append(m * float(space.k[j]))
+    return _make_plan(space, split, checkpointed, peaks, world)
+
+
+def _combinations(total: int, world: int, choices: int) -> int:
+    """Number of (split, checkpoint-vector) pairs the exhaustive search would score."""
+    return math.comb(total - 1, world - 1) * choices**world
+
+
+def _compositions(total: int, world: int) -> Iterator[tuple[int, ...]]:
+    """Every split of ``total`` into ``world`` parts >= 1."""
+    if world == 1:
+        yield (total,)
+        return
+    for first in range(1, total - world + 2):
+        for rest in _compositions(total - first, world - 1):
+            yield (first, *rest)
+
+
+def _exhaustive_plans(space: _Space, world: int) -> list[SplitPlan]:
+    """For every split, the checkpoint vectors not dominated in (step cost, spread)."""
+    plans: list[SplitPlan] = []
+    for split in _compositions(space.total, world):
+        options = []
+        for rank, m in enumerate(split):
+            peaks = space.peaks(rank, np.float64(m), space.counts)
+            valid = np.flatnonzero(peaks <= space.limits[rank])
+            if valid.size == 0:
+                break
+            options.append((valid, peaks[valid], m * space.k[valid]))
+        else:
+            plans.extend(_split_front(space, split, options))
+    return plans
+
+
+def _split_front(
+    space: _Space, split: tuple[int, ...], options: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+) -> list[SplitPlan]:
+    world = len(split)
+    grids = np.meshgrid(*[np.arange(valid.size) for valid, _, _ in options], indexing="ij")
+    flat = [g.ravel() for g in grids]
+    peaks = np.stack([opt[1][i] for opt, i in zip(options, flat, strict=True)])
+    costs = np.stack([opt[2][i] for opt, i in zip(options, flat, strict=True)])
+    counts = np.stack([space.counts[opt[0][i]] for opt, i in zip(options, flat, strict=True)])
+    cost = costs.max(axis=0)
+    spread = peaks.max(axis=0) - peaks.min(axis=0)
+    order = np.lexsort((counts.sum(axis=0), spread, cost))
+    best = np.minimum.accumulate(spread[order])
+    keep = order[np.concatenate(([True], best[1:] < best[:-1]))]
+    return [
+        _make_plan(
+            space,
+            list(split),
+            [int(c) for c in counts[:, j]],
+            [float(p) for p in peaks[:, j]],
+            world,
+        )
+        for j in keep
+    ]
+
+
+def _sweep_plans(
+    space: _Space, world: int, *, max_spread_bytes: float | None, max_levels: int
+) -> list[SplitPlan]:
+    levels = np.unique(np.outer(space.m, space.k))
+    first = _first_feasible_level(space, levels)
+    if first is None:
+        return []
+    plans: list[SplitPlan] = []
+    met = max_spread_bytes is None
+    for index in range(first, min(len(levels), first + max_levels * 16)):
+        if index >= first + max_levels and met:
+            break
+        plan = _plan_at_level(space, float(levels[index]), world)
+        if plan is not None:
+            plans.append(plan)
+            met = met or plan.spread_bytes <= (max_spread_bytes or 0.0)
+    return plans
+
+
+def _make_plan(
+    space: _Space, split: list[int], checkpointed: list[int], peaks: list[float], world: int
+) -> SplitPlan:
+    costs = [
+        m * (1.0 + space.rho * c / space.num_layers)
+        for m, c in zip(split, checkpointed, strict=True)
+    ]
     return SplitPlan(
         micro_batches=split,
         checkpointed=checkpointed,
@@ -294,23 +376,35 @@ def _plan_at_level(space: _Space, level: float, world: int) -> SplitPlan | None:
     )
 
 
-def _pareto(plans: list[SplitPlan]) -> list[SplitPlan]:
-    """Plans not dominated in (step cost, spread)."""
+def _pareto(plans: list[SplitPlan], *, scale: float) -> list[SplitPlan]:
+    """Plans not dominated in (step cost, spread), one per distinct point (fewest checkpoints).
 
-    def dominated(p: SplitPlan) -> bool:
-        return any(
-            q.step_cost <= p.step_cost
-            and q.spread_bytes <= p.spread_bytes
-            and (q.step_cost < p.step_cost or q.spread_bytes < p.spread_bytes)
-            for q in plans
-        )
+    Costs and spreads are compared after rounding (12 digits; spreads relative to ``scale``) so
+    that float noise does not keep near-duplicates."""
 
-    return [p for p in plans if not dominated(p)]
+    def point(p: SplitPlan) -> tuple[float, float]:
+        return round(p.step_cost, 12), round(p.spread_bytes / scale, 12)
+
+    front: list[SplitPlan] = []
+    best_spread = math.inf
+    for plan in sorted(plans, key=lambda p: (*point(p), sum(p.checkpointed), p.micro_batches)):
+        if point(plan)[1] < best_spread:
+            front.append(plan)
+            best_spread = point(plan)[1]
+    return front
 
 
-def _rank_key(plan: SplitPlan, max_spread_bytes: float | None) -> tuple[bool, float, float, int, list[int]]:
+def _rank_key(
+    plan: SplitPlan, max_spread_bytes: float | None
+) -> tuple[bool, float, float, int, list[int]]:
     violates = max_spread_bytes is not None and plan.spread_bytes > max_spread_bytes
-    return (violates, plan.step_cost, plan.spread_bytes, sum(plan.checkpointed), plan.micro_batches)
+    return (
+        violates,
+        round(plan.step_cost, 12),
+        plan.spread_bytes,
+        sum(plan.checkpointed),
+        plan.micro_batches,
+    )
 
 
 # ------------------------------------------------------------------------------ model helpers
@@ -329,9 +423,15 @@ def predict_feasible(
     """Predicted peak of each rank, and whether every ``peak * (1 + margin) <= limit``
     (``margin`` defaults to ``model.safety_margin``)."""
     world = model.world_size
-    for name, values in (("micro_batches", micro_batches), ("checkpointed", checkpointed), ("limits", limits)):
+    for name, values in (
+        ("micro_batches", micro_batches),
+        ("checkpointed", checkpointed),
+        ("limits", limits),
+    ):
         if len(values) != world:
-            raise UsageError(f"{name} has {len(values)} entries for {world} ranks; give one per rank.")
+            raise UsageError(
+                f"{name} has {len(values)} entries for {world} ranks; give one per rank."
+            )
     margin = model.safety_margin if margin is None else margin
     if margin < 0:
         raise UsageError(f"margin={margin} is negative; use 0 or a small relative margin.")
@@ -377,12 +477,17 @@ def balanced_split_for(
     under ``limits / (1 + margin)``."""
     world = model.world_size
     if len(checkpointed) != world:
-        raise UsageError(f"checkpointed has {len(checkpointed)} entries for {world} ranks; give one per rank.")
+        raise UsageError(
+            f"checkpointed has {len(checkpointed)} entries for {world} ranks; give one per rank."
+        )
     scaled = _margin_limits(model, limits, margin)
     return balanced_split(
         total=total,
         fixed=[model.fixed_bytes(r, dtype) for r in range(world)],
-        per_sample=[max(0.0, model.per_sample_bytes(r, dtype, c, num_layers)) for r, c in enumerate(checkpointed)],
+        per_sample=[
+            max(0.0, model.per_sample_bytes(r, dtype, c, num_layers))
+            for r, c in enumerate(checkpointed)
+        ],
         limits=scaled,
     )
 
@@ -427,17 +532,23 @@ def _margin_limits(model: MemoryModel, limits: list[float], margin: float | None
     if margin < 0:
         raise UsageError(f"margin={margin} is negative; use 0 or a small relative margin.")
     if len(limits) != model.world_size:
-        raise UsageError(f"limits has {len(limits)} entries for {model.world_size} ranks; give one per rank.")
+        raise UsageError(
+            f"limits has {len(limits)} entries for {model.world_size} ranks; give one per rank."
+        )
     return [float(lim) / (1.0 + margin) for lim in limits]
 
 
-def _check_ranks(*, total: int, fixed: list[float], per_sample: list[float], limits: list[float]) -> int:
+def _check_ranks(
+    *, total: int, fixed: list[float], per_sample: list[float], limits: list[float]
+) -> int:
     world = len(limits)
     if world == 0:
         raise UsageError("limits=[] is empty; give one usable memory limit per rank.")
     for name, values in (("fixed", fixed), ("per_sample", per_sample)):
         if len(values) != world:
-            raise UsageError(f"{name} has {len(values)} entries for {world} ranks; give one per rank.")
+            raise UsageError(
+                f"{name} has {len(values)} entries for {world} ranks; give one per rank."
+            )
     if not isinstance(total, int) or isinstance(total, bool) or total < world:
         raise UsageError(
             f"total={total!r} is below the {world} ranks (or not an integer); every rank needs >= 1 sample."
@@ -446,7 +557,9 @@ def _check_ranks(*, total: int, fixed: list[float], per_sample: list[float], lim
         if not all(math.isfinite(float(v)) for v in values):
             raise UsageError(f"{name}={values} has a non-finite entry; pass byte counts.")
     if any(p < 0 for p in per_sample):
-        raise UsageError(f"per_sample={per_sample} has a negative entry; bytes per sample are >= 0.")
+        raise UsageError(
+            f"per_sample={per_sample} has a negative entry; bytes per sample are >= 0."
+        )
     if any(lim <= 0 for lim in limits):
         raise UsageError(f"limits={limits} has an entry <= 0; pass usable bytes per rank.")
     return world

@@ -1,0 +1,115 @@
+"""The commands. Each parses its flags, then calls into the tuner, store or launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import typer
+
+from autobalance._errors import UsageError
+from autobalance.cli._app import app, run_command
+
+_CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+def _parse_caps(text: str | None) -> list[float] | None:
+    if text is None:
+        return None
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--memory-cap-gib={text!r} is not a number or a comma-separated list; e.g. 16 or 16,24.") from None
+
+
+def _parse_list(name: str, text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise UsageError(f"{name}={text!r} is empty; give a comma-separated list.")
+    return items
+
+
+@app.command(context_settings=_CONTEXT)
+def tune(
+    ctx: typer.Context,
+    script: str = typer.Argument(..., help="Training script that uses autobalance.plan(); its own arguments follow (after --)."),
+    trials: int | None = typer.Option(None, help="Total trials of the study [default: 20]."),
+    nproc_per_node: int | None = typer.Option(None, "--nproc-per-node", help="Ranks per node [default: 2]."),
+    device: str | None = typer.Option(None, help="cpu or cuda [default: cuda when available]."),
+    global_batch: int | None = typer.Option(None, "--global-batch", help="Samples per optimizer step [default: the script's]."),
+    steps: int | None = typer.Option(None, help="Measured optimizer steps per trial [default: 3]."),
+    warmup: int | None = typer.Option(None, help="Warm-up steps per trial [default: 1]."),
+    storage: str | None = typer.Option(None, help="Study database URL [default: sqlite:///autobalance.db]."),
+    study_name: str | None = typer.Option(None, "--study-name", help="[default: derived from the script path]."),
+    trial_timeout: float | None = typer.Option(None, "--trial-timeout", help="Seconds per trial, start-up included [default: 300]."),
+    memory_cap_gib: str | None = typer.Option(None, "--memory-cap-gib", help="Emulated capacity: X or X,Y,... per rank."),
+    headroom: float | None = typer.Option(None, help="Fraction of capacity kept free [default: 0.05]."),
+    weight_spread: float | None = typer.Option(None, "--weight-spread", help="Weight of the spread (fraction of capacity) [default: 1]."),
+    weight_time: float | None = typer.Option(None, "--weight-time", help="Weight of step time / baseline step time [default: 1]."),
+    multi_objective: bool | None = typer.Option(None, "--multi-objective/--single-objective", help="Spread and step time as two objectives."),
+    strategy: str | None = typer.Option(None, help="model (memory-model-guided, default) or optuna (sampler alone)."),
+    sampler: str | None = typer.Option(None, help="tpe, gp, random or nsga2 [default: tpe]."),
+    seed: int | None = typer.Option(None, help="Sampler seed."),
+    dtypes: str | None = typer.Option(None, help="AMP dtypes to search, e.g. fp32,bf16 [default: all the device has]."),
+    max_accumulation: int | None = typer.Option(None, "--max-accumulation", help="[default: 8]."),
+    on_error: str | None = typer.Option(None, "--on-error", help="After successes, a script error: stop (default) or continue."),
+    runs_dir: str | None = typer.Option(None, "--runs-dir", help="Trial reports and logs [default: autobalance_runs]."),
+    nnodes: int | None = typer.Option(None, help="Nodes per trial (torchrun --nnodes)."),
+    node_rank: int | None = typer.Option(None, "--node-rank", help="torchrun --node-rank."),
+    rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint", help="torchrun --rdzv-endpoint HOST:PORT."),
+    torchrun_arg: list[str] | None = typer.Option(None, "--torchrun-arg", help="Extra torchrun option (repeatable)."),
+    config: str | None = typer.Option(None, "--config", help="Study TOML (flags override it)."),
+) -> None:
+    """Tune a training script: each trial is a short real torchrun run of one configuration."""
+
+    def go() -> None:
+        from autobalance.cli._tune import run_tune
+
+        flags: dict[str, Any] = {
+            "script": script, "script_args": list(ctx.args) or None, "trials": trials,
+            "nproc_per_node": nproc_per_node, "device": device, "global_batch": global_batch, "steps": steps,
+            "warmup": warmup, "storage": storage, "study_name": study_name, "trial_timeout": trial_timeout,
+            "memory_cap_gib": _parse_caps(memory_cap_gib), "headroom": headroom, "weight_spread": weight_spread,
+            "weight_time": weight_time, "multi_objective": multi_objective, "strategy": strategy,
+            "sampler": sampler, "seed": seed, "dtypes": _parse_list("--dtypes", dtypes),
+            "max_accumulation": max_accumulation, "on_error": on_error, "runs_dir": runs_dir, "nnodes": nnodes,
+            "node_rank": node_rank, "rdzv_endpoint": rdzv_endpoint, "torchrun_args": torchrun_arg or None,
+        }
+        run_tune(flags=flags, config_path=config)
+
+    run_command(go)
+
+
+@app.command()
+def studies(storage: str = typer.Option("sqlite:///autobalance.db", help="Study database URL.")) -> None:
+    """List the studies in a storage."""
+
+    def go() -> None:
+        from autobalance.cli._views import print_studies
+
+        print_studies(storage)
+
+    run_command(go)
+
+
+@app.command()
+def trials(
+    study_name: str = typer.Option(..., "--study-name"),
+    storage: str = typer.Option("sqlite:///autobalance.db"),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """A table of a study's trials: configuration, per-rank peak memory, spread, step time, state."""
+
+    def go() -> None:
+        from autobalance.cli._views import print_trials
+
+        print_trials(study_name=study_name, storage=storage, as_json=as_json)
+
+    run_command(go)
+
+
+def _unused() -> None:  # keep imports used by later commands
+    _ = (json, os)

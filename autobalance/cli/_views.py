@@ -1,0 +1,121 @@
+"""Tables printed by the CLI."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from autobalance.tuner._reporter import describe_config
+
+
+def print_studies(storage_url: str) -> None:
+    import optuna
+
+    from autobalance.tuner import list_studies, open_storage
+    from autobalance.tuner._storage import mask
+
+    storage = open_storage(storage_url, heartbeat=False)
+    names = list_studies(storage)
+    console = Console()
+    if not names:
+        console.print(f"No studies in {mask(storage_url)}. Start one with `autobalance tune SCRIPT`.")
+        return
+    table = Table(title=f"Studies in {mask(storage_url)}")
+    for col in ("study", "trials", "complete", "feasible", "best step (ms)", "best spread (GiB)"):
+        table.add_column(col)
+    from autobalance.tuner import best_trial, is_feasible
+
+    for name in names:
+        study = optuna.load_study(study_name=name, storage=storage)
+        ts = study.get_trials(deepcopy=False)
+        best = best_trial(study)
+        table.add_row(
+            name, str(len(ts)), str(sum(t.state.name == "COMPLETE" for t in ts)),
+            str(sum(is_feasible(t) for t in ts)),
+            f"{best.user_attrs.get('step_time_ms', 0):.1f}" if best else "-",
+            f"{best.user_attrs.get('spread_gib', 0):.3g}" if best else "-",
+        )
+    console.print(table)
+
+
+def trial_rows(study: Any) -> list[dict[str, Any]]:
+    rows = []
+    for t in study.get_trials(deepcopy=False):
+        a = t.user_attrs
+        rows.append({
+            "number": t.number, "state": t.state.name, "status": a.get("status"), "baseline": a.get("baseline", False),
+            "feasible": a.get("feasible"), "config": a.get("config"), "peak_device_gib": a.get("peak_device_gib"),
+            "spread_gib": a.get("spread_gib"), "step_time_ms": a.get("step_time_ms"),
+            "values": t.values, "reason": a.get("reason"),
+        })
+    return rows
+
+
+def print_trials(*, study_name: str, storage: str, as_json: bool) -> None:
+    from autobalance.tuner import load_study
+
+    study = load_study(study_name=study_name, storage_url=storage)
+    rows = trial_rows(study)
+    if as_json:
+        print(json.dumps(rows, indent=1))
+        return
+    table = Table(title=f"Trials of {study_name}")
+    for col in ("#", "state", "status", "configuration", "peak GiB per rank", "spread GiB", "step ms", "objective"):
+        table.add_column(col)
+    for r in rows:
+        peaks = r["peak_device_gib"] or []
+        table.add_row(
+            f"{r['number']}{' (baseline)' if r['baseline'] else ''}", r["state"], r["status"] or "-",
+            describe_config(r["config"]) if r["config"] else "-",
+            " ".join("-" if p is None else f"{p:.3g}" for p in peaks) or "-",
+            "-" if r["spread_gib"] is None else f"{r['spread_gib']:.3g}",
+            "-" if r["step_time_ms"] is None else f"{r['step_time_ms']:.1f}",
+            "-" if not r["values"] else " ".join(f"{v:.4g}" for v in r["values"]),
+        )
+    Console().print(table)
+
+
+def comparison_table(baseline: Any, best: Any) -> Table:
+    table = Table(title="Baseline (the script's own configuration) vs best")
+    table.add_column("")
+    table.add_column(f"baseline #{baseline.number}" if baseline else "baseline")
+    table.add_column(f"best #{best.number}" if best else "best")
+    b = baseline.user_attrs if baseline else {}
+    t = best.user_attrs if best else {}
+    table.add_row("configuration", describe_config(b.get("config")) if b else "-", describe_config(t.get("config")) if t else "-")
+    table.add_row("status", str(b.get("status", "-")), str(t.get("status", "-")))
+    peaks_b, peaks_t = b.get("peak_device_gib") or [], t.get("peak_device_gib") or []
+    for r in range(max(len(peaks_b), len(peaks_t))):
+        fb = peaks_b[r] if r < len(peaks_b) else None
+        ft = peaks_t[r] if r < len(peaks_t) else None
+        table.add_row(f"rank {r} peak (GiB)", "-" if fb is None else f"{fb:.3f}", "-" if ft is None else f"{ft:.3f}")
+    table.add_row("spread (GiB)", _fmt(b.get("spread_gib"), ".3f"), _fmt(t.get("spread_gib"), ".3f"))
+    table.add_row("step time (ms)", _fmt(b.get("step_time_ms"), ".1f"), _fmt(t.get("step_time_ms"), ".1f"))
+    if b.get("step_time_ms") and t.get("step_time_ms"):
+        table.add_row("speed-up", "1.00x", f"{b['step_time_ms'] / t['step_time_ms']:.2f}x")
+    return table
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_result(result: Any, *, settings: Any, console: Console) -> None:
+    console.print(comparison_table(result.baseline, result.best))
+    console.print(f"{result.trials_run} trial(s) launched in {result.wall_s:.1f} s. Study '{result.study_name}' "
+                  f"lives in {result.storage}.")
+    if result.best is None:
+        console.print("[red]No feasible configuration yet[/]: every trial ran out of memory or failed. "
+                      "Try more trials, a larger --memory-cap-gib or --headroom 0.")
+        return
+    for note in result.notes:
+        console.print(note)
+    console.print(f"Open the dashboard: optuna-dashboard {result.storage}   (or `autobalance dashboard --storage ...`)")
+    console.print(
+        f"Use it in production: AUTOBALANCE_STUDY={result.study_name} AUTOBALANCE_STORAGE={result.storage} "
+        f"torchrun ... {settings.script}   (or `autobalance export --study-name {result.study_name} -o best.json` "
+        "and AUTOBALANCE_CONFIG_FILE=best.json)"
+    )

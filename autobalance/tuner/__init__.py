@@ -1,0 +1,45 @@
+"""The Optuna study: search space, objective, constraints, and the tuning loop."""
+
+from __future__ import annotations
+
+from autobalance.tuner._objective import TrialFigures, figures_from_outcome
+from autobalance.tuner._reporter import RichReporter, describe_config
+from autobalance.tuner._settings import SAMPLERS, STRATEGIES, TuneSettings, default_study_name, load_toml
+from autobalance.tuner._space import SearchSpace
+from autobalance.tuner._storage import list_studies, load_study, open_storage
+from autobalance.tuner._study import (
+    ATTR_BASELINE,
+    ATTR_OBJECTIVE,
+    ATTR_REFERENCE,
+    ATTR_SPACE,
+    Tuner,
+    TuneResult,
+    best_trial,
+    is_feasible,
+    make_sampler,
+)
+
+__all__ = [
+    "ATTR_BASELINE",
+    "ATTR_OBJECTIVE",
+    "ATTR_REFERENCE",
+    "ATTR_SPACE",
+    "SAMPLERS",
+    "STRATEGIES",
+    "RichReporter",
+    "SearchSpace",
+    "TrialFigures",
+    "TuneResult",
+    "TuneSettings",
+    "Tuner",
+    "best_trial",
+    "default_study_name",
+    "describe_config",
+    "figures_from_outcome",
+    "is_feasible",
+    "list_studies",
+    "load_study",
+    "load_toml",
+    "make_sampler",
+    "open_storage",
+]

@@ -1,0 +1,136 @@
+"""From a trial's per-rank reports to the objective values, the OOM constraint and the
+attributes shown in the dashboard."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from autobalance.launcher import TrialOutcome
+
+__all__ = ["INFEASIBLE_TIME", "TrialFigures", "figures_from_outcome"]
+
+GIB = 2**30
+INFEASIBLE_TIME = 10.0
+"""Normalised step time recorded for trials without a measurement (OOM, timeout)."""
+
+
+@dataclass(kw_only=True)
+class TrialFigures:
+    """Per-rank measurements of one trial and what the study derives from them."""
+
+    status: str
+    """ok, oom, timeout, predicted_oom (see the launcher's statuses)."""
+    peak_device: list[float | None]
+    """Per rank: allocator peak reserved + memory outside PyTorch (NVML), bytes."""
+    peak_allocated: list[float | None]
+    peak_reserved: list[float | None]
+    outside_pytorch: list[float | None]
+    capacity: list[float]
+    """Per rank: the emulated cap, else the device's capacity, bytes."""
+    step_time_s: float | None
+    """Slowest rank's median step time (DDP steps are synchronous)."""
+    samples_per_s: float | None
+    startup_s: float | None
+    """Start of the rank to its first step (torchrun + import + init + model build)."""
+
+    def usable(self, headroom: float) -> list[float]:
+        return [c * (1.0 - headroom) for c in self.capacity]
+
+    @property
+    def measured(self) -> bool:
+        return self.status == "ok" and all(p is not None for p in self.peak_device) and self.step_time_s is not None
+
+    def spread_bytes(self) -> float | None:
+        peaks = [p for p in self.peak_device if p is not None]
+        return (max(peaks) - min(peaks)) if len(peaks) == len(self.peak_device) and peaks else None
+
+    def spread_fraction(self) -> float | None:
+        """max - min over ranks of peak / capacity (heterogeneous caps compare fairly)."""
+        if any(p is None for p in self.peak_device):
+            return None
+        fracs = [float(p) / c for p, c in zip(self.peak_device, self.capacity, strict=True) if p is not None]
+        return max(fracs) - min(fracs)
+
+    def memory_constraint(self, headroom: float) -> float:
+        """<= 0 when every rank's peak fits in capacity x (1 - headroom); > 0 otherwise (OOM: >= 1)."""
+        ratios = [float(p) / u for p, u in zip(self.peak_device, self.usable(headroom), strict=True) if p is not None]
+        worst = (max(ratios) - 1.0) if ratios else 0.0
+        if self.status in ("oom", "timeout", "predicted_oom"):
+            return max(1.0, worst)
+        return worst
+
+    def values(self, *, reference_step_s: float | None, weight_spread: float, weight_time: float,
+               multi_objective: bool) -> list[float]:
+        spread = self.spread_fraction()
+        spread = 1.0 if spread is None or not self.measured else spread
+        if self.measured and reference_step_s:
+            time_norm = float(self.step_time_s) / reference_step_s  # type: ignore[arg-type]
+        else:
+            time_norm = INFEASIBLE_TIME
+        if multi_objective:
+            return [spread, time_norm]
+        return [weight_spread * spread + weight_time * time_norm]
+
+    def user_attrs(self, headroom: float) -> dict[str, Any]:
+        def gib(values: list[float | None]) -> list[float | None]:
+            return [None if v is None else round(v / GIB, 4) for v in values]
+
+        spread_b = self.spread_bytes()
+        spread_f = self.spread_fraction()
+        per_rank = {}
+        for r, (p, c) in enumerate(zip(self.peak_device, self.capacity, strict=True)):
+            per_rank[f"rank{r}"] = (f"peak {p / GIB:.3f} GiB of {c / GIB:.2f} GiB ({100 * p / c:.1f}%)"
+                                    if p is not None else f"no measurement (cap {c / GIB:.2f} GiB)")
+        return {
+            "status": self.status,
+            "peak_device_gib": gib(self.peak_device),
+            "peak_allocated_gib": gib(self.peak_allocated),
+            "peak_reserved_gib": gib(self.peak_reserved),
+            "outside_pytorch_gib": gib(self.outside_pytorch),
+            "capacity_gib": gib(list(self.capacity)),
+            "usable_gib": gib(list(self.usable(headroom))),
+            "spread_gib": None if spread_b is None else round(spread_b / GIB, 4),
+            "spread_pct_of_capacity": None if spread_f is None else round(100 * spread_f, 3),
+            "step_time_ms": None if self.step_time_s is None else round(1000 * self.step_time_s, 3),
+            "samples_per_s": None if self.samples_per_s is None else round(self.samples_per_s, 2),
+            "startup_s": None if self.startup_s is None else round(self.startup_s, 2),
+            "memory_constraint": round(self.memory_constraint(headroom), 5),
+            **per_rank,
+        }
+
+
+def figures_from_outcome(
+    outcome: TrialOutcome, *, world_size: int, caps: list[int] | None, fallback_capacity: list[float] | None = None
+) -> TrialFigures:
+    peak_device: list[float | None] = []
+    alloc: list[float | None] = []
+    reserved: list[float | None] = []
+    outside: list[float | None] = []
+    capacity: list[float] = []
+    steps: list[float] = []
+    startup: list[float] = []
+    for r in range(world_size):
+        rep = outcome.reports.get(r)
+        mem = rep.get("memory", {}) if rep else {}
+        ok = rep is not None and rep.get("status") == "ok"
+        peak_device.append(float(mem["peak_device"]) if ok and mem.get("peak_device") is not None else None)
+        alloc.append(float(mem["peak_allocated"]) if mem.get("peak_allocated") is not None else None)
+        reserved.append(float(mem["peak_reserved"]) if mem.get("peak_reserved") is not None else None)
+        outside.append(float(mem["outside_pytorch"]) if mem.get("outside_pytorch") is not None else None)
+        cap = caps[r] if caps else None
+        dev = rep.get("device", {}) if rep else {}
+        fallback = fallback_capacity[r] if fallback_capacity else None
+        capacity.append(float(cap or dev.get("cap_bytes") or dev.get("capacity_bytes") or fallback or 2**40))
+        if ok and rep is not None and rep.get("step_time_s") is not None:
+            steps.append(float(rep["step_time_s"]))
+        if rep is not None and (rep.get("timing") or {}).get("startup_s") is not None:
+            startup.append(float(rep["timing"]["startup_s"]))
+    step = max(steps) if len(steps) == world_size else None
+    first = next(iter(outcome.reports.values()), {})
+    gb = (first.get("config") or {}).get("global_batch")
+    return TrialFigures(
+        status=outcome.status, peak_device=peak_device, peak_allocated=alloc, peak_reserved=reserved,
+        outside_pytorch=outside, capacity=capacity, step_time_s=step,
+        samples_per_s=(gb / step) if (gb and step) else None, startup_s=max(startup) if startup else None,
+    )

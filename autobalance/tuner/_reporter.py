@@ -1,0 +1,91 @@
+"""Progress of a study on the terminal: one line per trial plus a live bar."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from optuna.trial import FrozenTrial
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from autobalance._config import BalanceConfig
+from autobalance.tuner._settings import TuneSettings
+
+__all__ = ["RichReporter", "describe_config", "short_figures"]
+
+_STYLE = {"ok": "green", "oom": "red", "timeout": "red", "error": "bold red", "crash": "yellow",
+          "predicted_oom": "magenta", "interrupted": "yellow"}
+
+
+def describe_config(config: dict[str, Any] | BalanceConfig | None) -> str:
+    if config is None:
+        return "script defaults"
+    c = config.to_dict() if isinstance(config, BalanceConfig) else config
+    ckpt = [len(x) for x in c.get("checkpoint", [])]
+    return (f"mb={c['micro_batches']} acc={c['accumulation']} ckpt={ckpt} {c['dtype']} "
+            f"bucket={c['bucket_cap_mb']:.0f}MB{' view' if c.get('gradient_as_bucket_view') else ''}")
+
+
+def short_figures(trial: FrozenTrial) -> str:
+    a = trial.user_attrs
+    peaks = a.get("peak_device_gib") or []
+    peak_txt = " ".join(f"r{r}={p:.3g}" if p is not None else f"r{r}=-" for r, p in enumerate(peaks))
+    parts = [f"peaks GiB [{peak_txt}]"] if peaks else []
+    if a.get("spread_gib") is not None:
+        parts.append(f"spread {a['spread_gib']:.3g} GiB")
+    if a.get("step_time_ms") is not None:
+        parts.append(f"step {a['step_time_ms']:.1f} ms")
+    return "  ".join(parts)
+
+
+class RichReporter:
+    def __init__(self, *, console: Console | None = None) -> None:
+        self.console = console or Console(stderr=True)
+        self._progress: Progress | None = None
+        self._task: Any = None
+        self._total = 0
+        self._t0 = time.monotonic()
+        self._best_text = "best: -"
+
+    def begin(self, settings: TuneSettings, *, already: int) -> None:
+        self._total = settings.trials
+        self.console.print(
+            f"[bold]autobalance tune[/] {settings.script}  study [cyan]{settings.study_name}[/]  "
+            f"{settings.world_size} ranks on {settings.device}  {settings.trials} trials"
+            + (f" ({already} done before)" if already else "")
+        )
+        self._progress = Progress(
+            TextColumn("[bold]trials"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("{task.description}"), console=self.console, transient=True,
+        )
+        self._progress.start()
+        self._task = self._progress.add_task(self._best_text, total=settings.trials, completed=already)
+
+    def start(self, number: int, config: BalanceConfig | None, *, baseline: bool = False) -> None:
+        label = "baseline (the script's own configuration)" if baseline else describe_config(config)
+        self.console.print(f"[dim]trial {number}[/] {label} ...")
+
+    def tick(self, number: int, elapsed: float) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, description=f"{self._best_text}  [dim](trial {number}: {elapsed:.0f}s)[/]")
+
+    def finish(self, trial: FrozenTrial, best: FrozenTrial | None, *, reused: bool = False,
+               predicted: bool = False) -> None:
+        status = trial.user_attrs.get("status", "?")
+        style = _STYLE.get(status, "white")
+        extra = " (same config as trial %s, not re-run)" % trial.user_attrs.get("reused_from") if reused else ""
+        if predicted:
+            extra = " (predicted by the memory model, not launched)"
+        reason = "" if status == "ok" else f"  [dim]{trial.user_attrs.get('reason', '')[:160]}[/]"
+        self.console.print(f"  trial {trial.number} [{style}]{status}[/]{extra}  {short_figures(trial)}{reason}")
+        if best is not None:
+            self._best_text = (f"best #{best.number}: {best.user_attrs.get('step_time_ms', 0):.1f} ms, "
+                               f"spread {best.user_attrs.get('spread_gib', 0):.3g} GiB")
+        if self._progress is not None and not predicted:
+            self._progress.update(self._task, advance=0 if reused else 1, description=self._best_text)
+
+    def end(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None

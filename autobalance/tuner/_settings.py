@@ -1,0 +1,185 @@
+"""Settings of one ``autobalance tune`` run: flags > study TOML > defaults."""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from autobalance._config import DTYPES
+from autobalance._errors import UsageError
+
+__all__ = ["SAMPLERS", "STRATEGIES", "TuneSettings", "default_study_name", "load_toml"]
+
+SAMPLERS = ("tpe", "gp", "random", "nsga2")
+STRATEGIES = ("model", "optuna")
+
+
+@dataclass(kw_only=True)
+class TuneSettings:
+    """Everything ``autobalance tune`` needs; validated on construction."""
+
+    script: str
+    """The training script (uses ``autobalance.plan()``)."""
+    script_args: list[str] = field(default_factory=list)
+    """Arguments for the script."""
+    trials: int = 20
+    """Total trials of the study (a re-run continues up to this total)."""
+    nproc_per_node: int = 2
+    """Ranks per node."""
+    nnodes: int = 1
+    """Nodes per trial (multi-node trials use a c10d rendezvous)."""
+    node_rank: int | None = None
+    """This node's rank for a static multi-node launch."""
+    rdzv_endpoint: str | None = None
+    """``HOST:PORT`` of the rendezvous for multi-node trials."""
+    torchrun_args: list[str] = field(default_factory=list)
+    """Extra torchrun options, passed through."""
+    device: str = "cpu"
+    """``cpu`` or ``cuda``."""
+    global_batch: int | None = None
+    """Samples per optimizer step (default: the script's own)."""
+    steps: int = 3
+    """Measured optimizer steps per trial."""
+    warmup: int = 1
+    """Warm-up optimizer steps per trial (not timed)."""
+    storage: str = "sqlite:///autobalance.db"
+    """SQLAlchemy URL of the Optuna study and the saved configurations."""
+    study_name: str = ""
+    """Study name (default: derived from the script's path)."""
+    trial_timeout: float = 300.0
+    """Hard wall-clock limit per trial in seconds (start-up included)."""
+    memory_cap_gib: list[float] | None = None
+    """Emulated capacity per rank in GiB (one value = every rank)."""
+    headroom: float = 0.05
+    """Fraction of capacity that must stay free; more is infeasible."""
+    weight_spread: float = 1.0
+    """Objective weight of the memory spread (fraction of capacity)."""
+    weight_time: float = 1.0
+    """Objective weight of the step time (relative to the baseline's)."""
+    multi_objective: bool = False
+    """Spread and step time as two objectives (a Pareto front) instead of a weighted sum."""
+    strategy: str = "model"
+    """``model``: memory-model-guided search (balanced splits, predicted OOMs skipped); ``optuna``: the sampler alone."""
+    sampler: str = "tpe"
+    """Optuna sampler: tpe, gp, random or nsga2."""
+    seed: int | None = None
+    """Sampler seed (reproducible studies)."""
+    dtypes: list[str] | None = None
+    """AMP dtypes to search (default: all the device supports)."""
+    max_accumulation: int = 8
+    """Largest gradient-accumulation count searched."""
+    on_error: str = "stop"
+    """After successful trials, a script error: ``stop`` the study or ``continue`` (mark it failed)."""
+    runs_dir: str = "autobalance_runs"
+    """Where trial directories (reports, logs) are kept."""
+
+    def __post_init__(self) -> None:
+        if not self.script.endswith(".py"):
+            raise UsageError(f"SCRIPT={self.script!r} is not a Python file; pass the training script, e.g. train.py.")
+        if not os.path.isfile(self.script):
+            raise UsageError(f"SCRIPT={self.script!r} does not exist; check the path.")
+        _positive("--trials", self.trials)
+        _positive("--nproc-per-node", self.nproc_per_node)
+        _positive("--nnodes", self.nnodes)
+        _positive("--steps", self.steps)
+        if self.warmup < 0:
+            raise UsageError(f"--warmup={self.warmup} is negative; use 0 or more.")
+        if self.device not in ("cpu", "cuda"):
+            raise UsageError(f"--device={self.device!r} is unknown; use cpu or cuda.")
+        if self.global_batch is not None and self.global_batch < self.world_size:
+            raise UsageError(
+                f"--global-batch={self.global_batch} is smaller than the {self.world_size} ranks; "
+                f"use at least {self.world_size} (one sample per rank)."
+            )
+        if self.trial_timeout <= 0:
+            raise UsageError(f"--trial-timeout={self.trial_timeout:g} must be positive; e.g. 300.")
+        if not 0 <= self.headroom < 1:
+            raise UsageError(f"--headroom={self.headroom:g} is out of range; use a fraction in [0, 1), e.g. 0.05.")
+        if self.weight_spread < 0 or self.weight_time < 0 or self.weight_spread + self.weight_time == 0:
+            raise UsageError(
+                f"--weight-spread={self.weight_spread:g} / --weight-time={self.weight_time:g} must be >= 0 and not both 0."
+            )
+        if self.sampler not in SAMPLERS:
+            raise UsageError(f"--sampler={self.sampler!r} is unknown; use one of {', '.join(SAMPLERS)}.")
+        if self.strategy not in STRATEGIES:
+            raise UsageError(f"--strategy={self.strategy!r} is unknown; use one of {', '.join(STRATEGIES)}.")
+        if self.on_error not in ("stop", "continue"):
+            raise UsageError(f"--on-error={self.on_error!r} is unknown; use stop or continue.")
+        if self.dtypes is not None:
+            bad = [d for d in self.dtypes if d not in DTYPES]
+            if bad or not self.dtypes:
+                raise UsageError(f"--dtypes={','.join(self.dtypes)!r} is invalid; choose from {', '.join(DTYPES)}.")
+        _positive("--max-accumulation", self.max_accumulation)
+        if self.memory_cap_gib is not None:
+            if len(self.memory_cap_gib) not in (1, self.world_size):
+                raise UsageError(
+                    f"--memory-cap-gib has {len(self.memory_cap_gib)} values for {self.world_size} ranks; "
+                    "give one value for all ranks or one per rank."
+                )
+            if any(c <= 0 for c in self.memory_cap_gib):
+                raise UsageError(f"--memory-cap-gib={self.memory_cap_gib} has a non-positive value; use GiB > 0.")
+        if not self.study_name:
+            self.study_name = default_study_name(self.script)
+        if not re.fullmatch(r"[A-Za-z0-9_.:@+-]{1,200}", self.study_name):
+            raise UsageError(
+                f"--study-name={self.study_name!r} has unsupported characters; use letters, digits and _ . - : @ +."
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    def caps_bytes(self) -> list[int] | None:
+        if self.memory_cap_gib is None:
+            return None
+        caps = self.memory_cap_gib * (self.world_size if len(self.memory_cap_gib) == 1 else 1)
+        return [int(c * 2**30) for c in caps]
+
+    @classmethod
+    def merge(cls, *, flags: dict[str, Any], toml_path: str | None) -> TuneSettings:
+        """Flags given on the command line win over the study TOML, which wins over defaults."""
+        values = load_toml(toml_path) if toml_path else {}
+        values.update({k: v for k, v in flags.items() if v is not None})
+        return cls(**values)
+
+
+def _positive(name: str, value: int) -> None:
+    if value < 1:
+        raise UsageError(f"{name}={value} must be at least 1.")
+
+
+def default_study_name(script: str) -> str:
+    path = os.path.abspath(script)
+    parent = os.path.basename(os.path.dirname(path))
+    stem = os.path.splitext(os.path.basename(path))[0]
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", f"{parent}-{stem}" if parent else stem)
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """Read ``[tune]`` (or top-level keys) of a study TOML; keys are flag names (dashes or underscores)."""
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise UsageError(f"--config={path!r} does not exist; pass a study TOML such as studies/gpt.toml.") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"--config={path!r} is malformed TOML: {exc}; fix that line.") from None
+    section = data.get("tune", data)
+    known = {f.name for f in fields(TuneSettings)}
+    values: dict[str, Any] = {}
+    for key, value in section.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise UsageError(f"--config={path!r} has unknown key {key!r}; known keys: {', '.join(sorted(known))}.")
+        values[name] = value
+    if "memory_cap_gib" in values and not isinstance(values["memory_cap_gib"], list):
+        values["memory_cap_gib"] = [float(values["memory_cap_gib"])]
+    if "script" in values:
+        base = os.path.dirname(os.path.abspath(path))
+        candidate = values["script"]
+        if not os.path.isabs(candidate) and not os.path.exists(candidate):
+            values["script"] = os.path.normpath(os.path.join(base, candidate))
+    return values

@@ -1,0 +1,71 @@
+"""Opening the Optuna storage: busy timeouts for SQLite, heartbeats, clear errors."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import optuna
+
+from autobalance._errors import StorageError, StudyNotFoundError
+
+__all__ = ["HEARTBEAT_INTERVAL_S", "list_studies", "load_study", "mask", "open_storage"]
+
+HEARTBEAT_INTERVAL_S = 10
+"""A RUNNING trial whose heartbeat is older than 3 intervals is failed on the next start."""
+
+
+def mask(url: str) -> str:
+    from autobalance.store import mask_url
+
+    return mask_url(url)
+
+
+def open_storage(url: str, *, heartbeat: bool = True) -> optuna.storages.RDBStorage:
+    """An RDB storage for ``url``; raises StorageError (password masked) when it cannot be used."""
+    if "://" not in url:
+        raise StorageError(
+            f"--storage={url!r} is not a database URL; use e.g. sqlite:///autobalance.db or "
+            "postgresql+psycopg://user@host/db."
+        )
+    engine_kwargs: dict[str, Any] = (
+        {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {"pool_pre_ping": True}
+    )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return optuna.storages.RDBStorage(
+                url,
+                engine_kwargs=engine_kwargs,
+                heartbeat_interval=HEARTBEAT_INTERVAL_S if heartbeat else None,
+                grace_period=3 * HEARTBEAT_INTERVAL_S if heartbeat else None,
+            )
+    except ModuleNotFoundError as exc:
+        raise StorageError(
+            f"--storage={mask(url)} needs the Python driver {exc.name!r}; install it "
+            "(PostgreSQL: pip install 'autobalance[postgres]')."
+        ) from None
+    except Exception as exc:
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        detail = detail.replace(url, mask(url))
+        raise StorageError(
+            f"--storage={mask(url)} cannot be used ({type(exc).__name__}: {detail[:200]}); "
+            "check the URL, that the server is up and that it is writable."
+        ) from None
+
+
+def list_studies(storage: optuna.storages.BaseStorage) -> list[str]:
+    return sorted(s.study_name for s in storage.get_all_studies())
+
+
+def load_study(*, study_name: str, storage_url: str) -> optuna.Study:
+    storage = open_storage(storage_url, heartbeat=False)
+    try:
+        return optuna.load_study(study_name=study_name, storage=storage)
+    except KeyError:
+        names = list_studies(storage)
+        listing = ", ".join(names) if names else "none"
+        raise StudyNotFoundError(
+            f"Study {study_name!r} not found in {mask(storage_url)} (available: {listing}). "
+            "List studies with `autobalance studies`."
+        ) from None

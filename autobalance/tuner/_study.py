@@ -1,0 +1,416 @@
+"""The tuning loop: an Optuna study whose trials are real torchrun jobs."""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import hashlib
+import json
+import os
+import socket
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from autobalance._config import BalanceConfig
+from autobalance._errors import LaunchError, TrialScriptError, UsageError
+from autobalance.launcher import TrialLaunch, TrialOutcome, run_trial
+from autobalance.tuner._objective import TrialFigures, figures_from_outcome
+from autobalance.tuner._settings import TuneSettings
+from autobalance.tuner._space import SearchSpace
+from autobalance.tuner._storage import mask, open_storage
+
+__all__ = [
+    "ATTR_BASELINE",
+    "ATTR_OBJECTIVE",
+    "ATTR_REFERENCE",
+    "ATTR_SPACE",
+    "TuneResult",
+    "Tuner",
+    "best_trial",
+    "make_sampler",
+]
+
+ATTR_SPACE = "autobalance:space"
+ATTR_OBJECTIVE = "autobalance:objective"
+ATTR_REFERENCE = "autobalance:reference_step_s"
+ATTR_BASELINE = "autobalance:baseline_trial"
+ATTR_CAPACITY = "autobalance:capacity_bytes"
+ATTR_DEVICE = "autobalance:device"
+ATTR_SCRIPT_SHA = "autobalance:script_sha256"
+CONSTRAINTS_KEY = "constraints"  # the legacy system attribute: read by every sampler and by optuna-dashboard
+MAX_CRASHES_IN_A_ROW = 3
+
+
+@dataclass(kw_only=True)
+class TuneResult:
+    """What a finished ``tune`` produced."""
+
+    study_name: str
+    storage: str
+    """Masked storage URL."""
+    trials_run: int
+    """Trials launched by this invocation (reused or predicted trials not counted)."""
+    baseline: FrozenTrial | None
+    best: FrozenTrial | None
+    wall_s: float
+    saved: bool = False
+    """Whether the best configuration was saved to the store."""
+    notes: list[str] = field(default_factory=list)
+
+
+def make_sampler(settings: TuneSettings, *, n_trials: int) -> optuna.samplers.BaseSampler:
+    seed = settings.seed
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if settings.sampler == "random":
+            return optuna.samplers.RandomSampler(seed=seed)
+        if settings.sampler == "gp":
+            return optuna.samplers.GPSampler(seed=seed, n_startup_trials=min(10, max(2, n_trials // 4)))
+        if settings.sampler == "nsga2":
+            return optuna.samplers.NSGAIISampler(seed=seed, population_size=max(4, min(20, n_trials // 3)))
+        return optuna.samplers.TPESampler(
+            seed=seed, multivariate=True, constant_liar=True, n_startup_trials=min(10, max(3, n_trials // 4))
+        )
+
+
+def is_feasible(trial: FrozenTrial) -> bool:
+    cons = trial.system_attrs.get(CONSTRAINTS_KEY)
+    return bool(trial.state == TrialState.COMPLETE and cons is not None and all(c <= 0 for c in cons)
+                and trial.user_attrs.get("status") == "ok")
+
+
+def best_trial(study: optuna.Study) -> FrozenTrial | None:
+    """The best feasible trial: lowest objective, or on a Pareto front the lowest weighted sum."""
+    objective = study.user_attrs.get(ATTR_OBJECTIVE, {})
+    feasible = [t for t in study.get_trials(deepcopy=False) if is_feasible(t)]
+    if not feasible:
+        return None
+    if len(study.directions) == 1:
+        return min(feasible, key=lambda t: (t.values[0], t.number))
+    ws, wt = objective.get("weight_spread", 1.0), objective.get("weight_time", 1.0)
+    return min(feasible, key=lambda t: (ws * t.values[0] + wt * t.values[1], t.number))
+
+
+def script_sha256(path: str) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.sha256(fh.read()).hexdigest()
+
+
+class Tuner:
+    """Runs ``settings.trials`` trials of one study (continuing an existing one)."""
+
+    def __init__(self, *, settings: TuneSettings, reporter: Any = None) -> None:
+        self.settings = settings
+        self.reporter = reporter or _NullReporter()
+        self.storage = open_storage(settings.storage)
+        self._crashes_in_a_row = 0
+        self._measured: dict[str, FrozenTrial] = {}
+        self.trials_run = 0
+        self.advisor: Any = None
+
+    # ------------------------------------------------------------------ study set-up
+    def _open_study(self) -> optuna.Study:
+        s = self.settings
+        directions = ["minimize", "minimize"] if s.multi_objective else ["minimize"]
+        study = optuna.create_study(
+            study_name=s.study_name, storage=self.storage, directions=directions,
+            sampler=make_sampler(s, n_trials=s.trials), load_if_exists=True,
+        )
+        if [d.name.lower() for d in study.directions] != directions:
+            raise UsageError(
+                f"--study-name={s.study_name!r} exists with {len(study.directions)} objective(s) but this run asks for "
+                f"{len(directions)} ({'--multi-objective' if s.multi_objective else 'single objective'}); "
+                "use the same setting or a new --study-name."
+            )
+        objective = {"weight_spread": s.weight_spread, "weight_time": s.weight_time, "headroom": s.headroom,
+                     "multi_objective": s.multi_objective, "caps_bytes": s.caps_bytes(), "device": s.device,
+                     "world_size": s.world_size}
+        stored = study.user_attrs.get(ATTR_OBJECTIVE)
+        if stored is None:
+            study.set_user_attr(ATTR_OBJECTIVE, objective)
+            names = ["spread_frac", "step_time_norm"] if s.multi_objective else ["spread_plus_time"]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                study.set_metric_names(names)
+        elif stored != objective:
+            diff = sorted(k for k in objective if stored.get(k) != objective[k])
+            raise UsageError(
+                f"--study-name={s.study_name!r} exists with another search space/objective (differs in: {', '.join(diff)}); "
+                "run with the original settings to continue it, or pass a new --study-name."
+            )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            optuna.storages.fail_stale_trials(study)
+        self._measured = {
+            json.dumps(t.user_attrs["config"], sort_keys=True): t
+            for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if "config" in t.user_attrs and t.user_attrs.get("status") in ("ok", "oom")
+        }
+        return study
+
+    @staticmethod
+    def counted_trials(study: optuna.Study) -> int:
+        """Finished trials (interrupted or stale ones excluded: they are retried) plus running ones."""
+        n = 0
+        for t in study.get_trials(deepcopy=False):
+            status = t.user_attrs.get("status")
+            if t.state in (TrialState.COMPLETE, TrialState.PRUNED):
+                n += status != "predicted_oom"
+            elif t.state == TrialState.FAIL:
+                n += status not in (None, "interrupted")
+            elif t.state == TrialState.RUNNING:
+                n += 1
+        return n
+
+    # ------------------------------------------------------------------ launching
+    def _launch(self, study: optuna.Study, *, number: int, config: BalanceConfig | None,
+                heartbeat_trial_id: int | None) -> TrialOutcome:
+        s = self.settings
+        trial_dir = os.path.abspath(os.path.join(s.runs_dir, s.study_name, f"trial-{number:04d}-{int(time.time())}"))
+        launch = TrialLaunch(
+            script=s.script, script_args=list(s.script_args), nproc_per_node=s.nproc_per_node, nnodes=s.nnodes,
+            node_rank=s.node_rank, rdzv_endpoint=s.rdzv_endpoint, torchrun_args=list(s.torchrun_args),
+            device=s.device, config_json=None if config is None else config.to_json(),
+            global_batch=s.global_batch if config is None else None, steps=s.steps, warmup=s.warmup,
+            memory_cap_bytes=s.caps_bytes(), trial_dir=trial_dir, timeout_s=s.trial_timeout,
+            pg_timeout_s=int(max(30, min(300, s.trial_timeout / 2))),
+        )
+        stop = threading.Event()
+        beat = None
+        if heartbeat_trial_id is not None:
+            beat = threading.Thread(target=self._heartbeat, args=(heartbeat_trial_id, stop), daemon=True)
+            beat.start()
+        try:
+            return run_trial(launch, on_poll=lambda elapsed: self.reporter.tick(number, elapsed))
+        finally:
+            stop.set()
+            if beat is not None:
+                beat.join(timeout=5)
+            self.trials_run += 1
+
+    def _heartbeat(self, trial_id: int, stop: threading.Event) -> None:
+        while not stop.is_set():
+            with contextlib.suppress(Exception):
+                self.storage.record_heartbeat(trial_id)
+            stop.wait(3.0)
+
+    # ------------------------------------------------------------------ recording
+    def _capacity(self, study: optuna.Study) -> list[float] | None:
+        cap = study.user_attrs.get(ATTR_CAPACITY)
+        return [float(c) for c in cap] if cap else None
+
+    def record(self, study: optuna.Study, trial: optuna.Trial, config: BalanceConfig, outcome: TrialOutcome,
+               *, baseline: bool = False) -> FrozenTrial:
+        s = self.settings
+        figures = figures_from_outcome(outcome, world_size=s.world_size, caps=s.caps_bytes(),
+                                       fallback_capacity=self._capacity(study))
+        attrs: dict[str, Any] = {
+            **figures.user_attrs(s.headroom),
+            "status": outcome.status,
+            "reason": outcome.reason,
+            "config": config.to_dict(),
+            "baseline": baseline,
+            "wall_s": round(outcome.wall_s, 3),
+            "trial_dir": outcome.trial_dir,
+        }
+        if outcome.traceback:
+            attrs["error_tail"] = outcome.traceback[-1500:]
+        if outcome.failing_rank is not None:
+            attrs["failing_rank"] = outcome.failing_rank
+        return self._tell(study, trial, figures, attrs, outcome.status)
+
+    def _tell(self, study: optuna.Study, trial: optuna.Trial, figures: TrialFigures, attrs: dict[str, Any],
+              status: str) -> FrozenTrial:
+        s = self.settings
+        for key, value in attrs.items():
+            trial.set_user_attr(key, value)
+        if status in ("ok", "oom", "timeout", "predicted_oom"):
+            reference = study.user_attrs.get(ATTR_REFERENCE)
+            if figures.measured and reference is None:
+                reference = float(figures.step_time_s)  # type: ignore[arg-type]
+                study.set_user_attr(ATTR_REFERENCE, reference)
+            constraint = figures.memory_constraint(s.headroom)
+            trial.set_user_attr("feasible", constraint <= 0 and status == "ok")
+            self.storage.set_trial_system_attr(trial._trial_id, CONSTRAINTS_KEY, [constraint])
+            values = figures.values(reference_step_s=reference, weight_spread=s.weight_spread,
+                                    weight_time=s.weight_time, multi_objective=s.multi_objective)
+            frozen = study.tell(trial, values)
+        else:
+            frozen = study.tell(trial, state=TrialState.FAIL)
+        if "config" in attrs and status in ("ok", "oom"):
+            self._measured[json.dumps(attrs["config"], sort_keys=True)] = frozen
+        return frozen
+
+    # ------------------------------------------------------------------ the loop
+    def _baseline(self, study: optuna.Study) -> SearchSpace:
+        s = self.settings
+        number = len(study.get_trials(deepcopy=False))
+        self.reporter.start(number, None, baseline=True)
+        outcome = self._launch(study, number=number, config=None, heartbeat_trial_id=None)
+        rep = next((r for _, r in sorted(outcome.reports.items()) if r.get("defaults") and r.get("model")), None)
+        if outcome.status == "error":
+            raise TrialScriptError(
+                f"the baseline trial (the script's own configuration) failed: {outcome.reason}. "
+                f"Fix the script; logs in {outcome.trial_dir}.", traceback_text=outcome.traceback,
+                rank=outcome.failing_rank,
+            )
+        if rep is None:
+            raise LaunchError(
+                f"the baseline trial ended with '{outcome.status}' ({outcome.reason}) before any rank reported "
+                f"its model; logs in {outcome.trial_dir}. "
+                + ("Raise --trial-timeout." if outcome.status == "timeout" else "Check that the script calls plan.wrap().")
+            )
+        defaults = BalanceConfig.from_dict(rep["defaults"])
+        dtypes = s.dtypes or self._default_dtypes(rep)
+        if defaults.dtype not in dtypes:
+            dtypes = [defaults.dtype, *dtypes]
+        space = SearchSpace.build(world_size=s.world_size, global_batch=defaults.global_batch,
+                                  num_layers=int(rep["model"].get("num_blocks", 0)), dtypes=dtypes,
+                                  max_accumulation=max(s.max_accumulation, defaults.accumulation))
+        if defaults.accumulation not in space.accumulations:
+            space.accumulations = sorted({*space.accumulations, defaults.accumulation})
+        capacity = [float((outcome.reports.get(r) or rep)["device"]["capacity_bytes"]) for r in range(s.world_size)]
+        if s.device == "cuda" and s.caps_bytes():
+            too_big = [(r, c) for r, c in enumerate(s.caps_bytes() or []) if c > capacity[r]]
+            if too_big:
+                r, c = too_big[0]
+                raise UsageError(
+                    f"--memory-cap-gib={c / 2**30:g} for rank {r} is larger than its card ({capacity[r] / 2**30:.1f} GiB); "
+                    "use a smaller cap."
+                )
+        study.set_user_attr(ATTR_SPACE, space.to_dict())
+        study.set_user_attr(ATTR_CAPACITY, capacity)
+        study.set_user_attr(ATTR_DEVICE, rep["device"])
+        study.set_user_attr(ATTR_SCRIPT_SHA, script_sha256(s.script))
+        study.set_user_attr("autobalance:torch_version", rep.get("torch_version"))
+        study.set_user_attr("autobalance:cuda_version", rep.get("cuda_version"))
+        study.enqueue_trial(space.params_from_config(defaults), user_attrs={"baseline": True})
+        trial = study.ask()
+        frozen = self.record(study, trial, defaults, outcome, baseline=True)
+        study.set_user_attr(ATTR_BASELINE, frozen.number)
+        self.reporter.finish(frozen, best_trial(study))
+        return space
+
+    @staticmethod
+    def _default_dtypes(rep: dict[str, Any]) -> list[str]:
+        if rep["device"]["type"] == "cuda":
+            return ["fp32", "bf16", "fp16"]
+        return ["fp32", "bf16"]
+
+    def run(self) -> TuneResult:
+        s = self.settings
+        start = time.monotonic()
+        study = self._open_study()
+        space_dict = study.user_attrs.get(ATTR_SPACE)
+        space = SearchSpace.from_dict(space_dict) if space_dict else None
+        self.reporter.begin(s, already=self.counted_trials(study))
+        if space is None:
+            space = self._baseline(study)
+        if self.advisor is None and s.strategy == "model":
+            self.advisor = _make_advisor(space=space, settings=s)
+        while self.counted_trials(study) < s.trials:
+            self._one_trial(study, space)
+        best = best_trial(study)
+        base_no = study.user_attrs.get(ATTR_BASELINE)
+        baseline = study.trials[base_no] if base_no is not None else None
+        return TuneResult(study_name=s.study_name, storage=mask(s.storage), trials_run=self.trials_run,
+                          baseline=baseline, best=best, wall_s=time.monotonic() - start)
+
+    def _one_trial(self, study: optuna.Study, space: SearchSpace) -> None:
+        if self.advisor is not None:
+            self.advisor.before_ask(study)
+        trial = study.ask()
+        config = space.suggest(trial)
+        key = config.to_json()
+        seen = self._measured.get(key)
+        if seen is not None:
+            self._reuse(study, trial, seen)
+            return
+        if self.advisor is not None:
+            predicted = self.advisor.predict_infeasible(study, config)
+            if predicted is not None:
+                self._tell(study, trial, predicted[0], {**predicted[1], "config": config.to_dict()}, "predicted_oom")
+                self.reporter.finish(study.trials[trial.number], best_trial(study), predicted=True)
+                return
+        self.reporter.start(trial.number, config)
+        try:
+            outcome = self._launch(study, number=trial.number, config=config, heartbeat_trial_id=trial._trial_id)
+        except KeyboardInterrupt as exc:
+            outcome = getattr(exc, "outcome", None)
+            trial.set_user_attr("status", "interrupted")
+            trial.set_user_attr("reason", "the tuner was interrupted (Ctrl-C); the trial's processes were killed")
+            trial.set_user_attr("config", config.to_dict())
+            if outcome is not None:
+                trial.set_user_attr("trial_dir", outcome.trial_dir)
+            study.tell(trial, state=TrialState.FAIL)
+            raise
+        frozen = self.record(study, trial, config, outcome)
+        if self.advisor is not None:
+            self.advisor.after_trial(study, frozen)
+        self.reporter.finish(frozen, best_trial(study))
+        self._check_stop(study, outcome)
+
+    def _reuse(self, study: optuna.Study, trial: optuna.Trial, seen: FrozenTrial) -> None:
+        for key, value in seen.user_attrs.items():
+            if key not in ("baseline",):
+                trial.set_user_attr(key, value)
+        trial.set_user_attr("baseline", False)
+        trial.set_user_attr("reused_from", seen.number)
+        self.storage.set_trial_system_attr(trial._trial_id, CONSTRAINTS_KEY,
+                                           list(seen.system_attrs.get(CONSTRAINTS_KEY, [1.0])))
+        frozen = study.tell(trial, list(seen.values))
+        self.reporter.finish(frozen, best_trial(study), reused=True)
+
+    def _check_stop(self, study: optuna.Study, outcome: TrialOutcome) -> None:
+        s = self.settings
+        if outcome.status == "crash":
+            self._crashes_in_a_row += 1
+            if self._crashes_in_a_row >= MAX_CRASHES_IN_A_ROW:
+                raise LaunchError(
+                    f"{self._crashes_in_a_row} trials in a row crashed (last: {outcome.reason}); "
+                    f"stopping. Logs in {outcome.trial_dir}."
+                )
+            return
+        self._crashes_in_a_row = 0
+        if outcome.status == "error":
+            any_ok = any(t.user_attrs.get("status") == "ok" for t in study.get_trials(deepcopy=False))
+            if s.on_error == "stop" or not any_ok:
+                raise TrialScriptError(
+                    f"trial {study.trials[-1].number} failed in the training script: {outcome.reason}. "
+                    f"Logs in {outcome.trial_dir}. (Use --on-error continue to skip such trials.)",
+                    traceback_text=outcome.traceback, rank=outcome.failing_rank,
+                )
+
+
+def _make_advisor(*, space: SearchSpace, settings: TuneSettings) -> Any:
+    try:
+        from autobalance.tuner._advisor import ModelAdvisor
+    except ImportError:
+        return None
+    return ModelAdvisor(space=space, settings=settings)
+
+
+class _NullReporter:
+    def begin(self, settings: TuneSettings, *, already: int) -> None: ...
+    def start(self, number: int, config: BalanceConfig | None, *, baseline: bool = False) -> None: ...
+    def tick(self, number: int, elapsed: float) -> None: ...
+    def finish(self, trial: FrozenTrial, best: FrozenTrial | None, *, reused: bool = False,
+               predicted: bool = False) -> None: ...
+
+
+def saved_by(what: str) -> str:
+    try:
+        user = getpass.getuser()
+    except Exception:
+        user = "unknown"
+    return f"{user}@{socket.gethostname()} ({what})"
+
+
+Callback = Callable[[FrozenTrial], None]
