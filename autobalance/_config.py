@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from autobalance._errors import ConfigError
@@ -122,6 +122,10 @@ class BalanceConfig:
             raise ConfigError(
                 f"configuration has unknown field(s) {unknown}; the known fields are {sorted(known)}."
             )
+        required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+        missing = sorted(required - set(data))
+        if missing:
+            raise ConfigError(f"configuration lacks required field(s) {missing}; add them.")
         return cls(**data)
 
     def to_json(self) -> str:

@@ -18,7 +18,10 @@ LAYERS = 12
 WORLD = 3
 
 # Ground truth: rank 0 carries a 4 GiB extra (e.g. an EMA copy or an eval buffer).
-FIXED = {"fp32": [10 * GIB, 6 * GIB, 6 * GIB], "bf16": [10.5 * GIB, 6.5 * GIB, 6.5 * GIB]}
+FIXED: dict[str, list[float]] = {
+    "fp32": [10 * GIB, 6 * GIB, 6 * GIB],
+    "bf16": [10.5 * GIB, 6.5 * GIB, 6.5 * GIB],
+}
 FULL = {"fp32": 0.8 * GIB, "bf16": 0.42 * GIB}
 SAVED = {"fp32": 0.56 * GIB, "bf16": 0.3 * GIB}
 
@@ -145,9 +148,9 @@ def test_prior_for_dtype_with_too_few_points() -> None:
             rank=rank, micro_batch=4, checkpointed=0, num_layers=LAYERS, dtype="bf16"
         )
     # Elsewhere the prior fills in: close (the true bf16 ratio is 0.52-0.54, the prior says 0.5), low confidence.
-    query = {"rank": 2, "micro_batch": 8, "checkpointed": 6, "num_layers": LAYERS, "dtype": "bf16"}
-    assert not model.is_confident(**query)
-    assert rel(model.predict(**query), true_peak(2, 8, 6, "bf16")) < 0.05
+    query = dict(rank=2, micro_batch=8, checkpointed=6, num_layers=LAYERS, dtype="bf16")
+    assert not model.is_confident(**query)  # type: ignore[arg-type]
+    assert rel(model.predict(**query), true_peak(2, 8, 6, "bf16")) < 0.05  # type: ignore[arg-type]
     # A dtype never measured: fp32 fixed part, per-sample terms scaled by 0.5.
     assert model.fits["fp16"].n_observations == 0
     assert model.fixed_bytes(0, "fp16") == pytest.approx(model.fixed_bytes(0, "fp32"))

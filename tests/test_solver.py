@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
+from typing import TypedDict
 
 import pytest
 
@@ -154,7 +156,16 @@ def brute_plans(
     return out
 
 
-def random_ckpt_case(rng: random.Random, world: int) -> dict[str, object]:
+class CkptCase(TypedDict):
+    total: int
+    fixed: list[float]
+    per_sample: list[float]
+    saved_per_sample: list[float]
+    num_layers: int
+    limits: list[float]
+
+
+def random_ckpt_case(rng: random.Random, world: int) -> CkptCase:
     total, fixed, ps, lim = random_case(rng, world)
     return {
         "total": min(total, 8),
@@ -166,6 +177,17 @@ def random_ckpt_case(rng: random.Random, world: int) -> dict[str, object]:
     }
 
 
+def brute_case(case: CkptCase) -> list[tuple[float, float, tuple[int, ...], tuple[int, ...]]]:
+    return brute_plans(
+        case["total"],
+        case["fixed"],
+        case["per_sample"],
+        case["saved_per_sample"],
+        case["num_layers"],
+        case["limits"],
+    )
+
+
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("exhaustive", [True, False])
 def test_checkpointing_min_step_cost_against_brute_force(world: int, exhaustive: bool) -> None:
@@ -173,15 +195,8 @@ def test_checkpointing_min_step_cost_against_brute_force(world: int, exhaustive:
     checked = 0
     for _ in range(80):
         case = random_ckpt_case(rng, world)
-        every = brute_plans(
-            case["total"],
-            case["fixed"],
-            case["per_sample"],
-            case["saved_per_sample"],  # type: ignore[arg-type]
-            case["num_layers"],
-            case["limits"],  # type: ignore[arg-type]
-        )
-        plans = choose_checkpointing(**case, exhaustive_limit=10**9 if exhaustive else 0)  # type: ignore[arg-type]
+        every = brute_case(case)
+        plans = choose_checkpointing(**case, exhaustive_limit=10**9 if exhaustive else 0)
         if not every:
             assert plans == []
             continue
@@ -190,8 +205,7 @@ def test_checkpointing_min_step_cost_against_brute_force(world: int, exhaustive:
         assert plans[0].step_cost == pytest.approx(best_cost, rel=1e-12)
         assert sum(plans[0].micro_batches) == case["total"]
         assert all(
-            pk <= li
-            for pk, li in zip(plans[0].predicted_peaks, case["limits"], strict=True)  # type: ignore[call-overload]
+            pk <= li for pk, li in zip(plans[0].predicted_peaks, case["limits"], strict=True)
         )
         if exhaustive:  # also exact on the spread among the fastest
             best_spread = min(e[1] for e in every if e[0] <= best_cost * (1 + 1e-12))
@@ -205,19 +219,8 @@ def test_checkpointing_spread_constraint_against_brute_force(max_spread: float) 
     checked = 0
     for _ in range(80):
         case = random_ckpt_case(rng, 2)
-        every = [
-            e
-            for e in brute_plans(
-                case["total"],
-                case["fixed"],
-                case["per_sample"],
-                case["saved_per_sample"],  # type: ignore[arg-type]
-                case["num_layers"],
-                case["limits"],  # type: ignore[arg-type]
-            )
-            if e[1] <= max_spread
-        ]
-        plans = choose_checkpointing(**case, max_spread_bytes=max_spread)  # type: ignore[arg-type]
+        every = [e for e in brute_case(case) if e[1] <= max_spread]
+        plans = choose_checkpointing(**case, max_spread_bytes=max_spread)
         if every:
             checked += 1
             assert plans[0].spread_bytes <= max_spread
@@ -326,17 +329,18 @@ def test_plan_to_config() -> None:
 
 
 def test_checkpointing_usage_errors() -> None:
-    base = {
-        "total": 4,
-        "fixed": [0.0, 0.0],
-        "per_sample": [1.0, 1.0],
-        "num_layers": 4,
-        "limits": [10.0, 10.0],
-    }
+    base = functools.partial(
+        choose_checkpointing,
+        total=4,
+        fixed=[0.0, 0.0],
+        per_sample=[1.0, 1.0],
+        num_layers=4,
+        limits=[10.0, 10.0],
+    )
     with pytest.raises(UsageError, match="saved_per_sample"):
-        choose_checkpointing(**base, saved_per_sample=[2.0, 0.0])  # type: ignore[arg-type]
+        base(saved_per_sample=[2.0, 0.0])
     with pytest.raises(UsageError, match="checkpoint_counts"):
-        choose_checkpointing(**base, saved_per_sample=[0.5, 0.5], checkpoint_counts=[5])  # type: ignore[arg-type]
+        base(saved_per_sample=[0.5, 0.5], checkpoint_counts=[5])
 
 
 # ------------------------------------------------------------------------------- model helpers

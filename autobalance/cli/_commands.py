@@ -113,3 +113,64 @@ def trials(
 
 def _unused() -> None:  # keep imports used by later commands
     _ = (json, os)
+
+
+@app.command()
+def promote(
+    study_name: str = typer.Option(..., "--study-name"),
+    trial: int = typer.Option(..., "--trial", help="Trial number to save as the study's best."),
+    storage: str = typer.Option("sqlite:///autobalance.db"),
+) -> None:
+    """Save a chosen trial (e.g. a point of the Pareto front) as the study's best configuration."""
+
+    def go() -> None:
+        from autobalance.store import check_storage
+        from autobalance.tuner._promote import save_trial
+        from autobalance.tuner._storage import load_study
+
+        url = check_storage(storage)
+        study = load_study(study_name=study_name, storage_url=url)
+        saved = save_trial(storage_url=url, study=study, trial_number=trial, action="promote")
+        typer.echo(f"Saved trial {saved.trial_number} of '{study_name}' as its best configuration.")
+
+    run_command(go)
+
+
+@app.command()
+def best(
+    study_name: str = typer.Option(..., "--study-name"),
+    storage: str = typer.Option("sqlite:///autobalance.db"),
+    format: str = typer.Option("table", "--format", help="table, json or yaml."),
+) -> None:
+    """Print the saved best configuration of a study."""
+
+    def go() -> None:
+        from autobalance.cli._views import print_saved
+        from autobalance.store import ConfigStore, check_storage
+
+        if format not in ("table", "json", "yaml"):
+            raise UsageError(f"--format={format!r} is unknown; use table, json or yaml.")
+        url = check_storage(storage)
+        with ConfigStore(url=url) as store:
+            print_saved(store.load(study_name), fmt=format)
+
+    run_command(go)
+
+
+@app.command()
+def export(
+    study_name: str = typer.Option(..., "--study-name"),
+    output: str = typer.Option(..., "-o", "--output", help="File to write (JSON) for AUTOBALANCE_CONFIG_FILE."),
+    storage: str = typer.Option("sqlite:///autobalance.db"),
+) -> None:
+    """Write the saved best configuration to a JSON file that plan() loads without a database."""
+
+    def go() -> None:
+        from autobalance.store import ConfigStore, check_storage, export_file
+
+        url = check_storage(storage)
+        with ConfigStore(url=url) as store:
+            path = export_file(store.load(study_name), output)
+        typer.echo(f"Wrote {path}. Use it with AUTOBALANCE_CONFIG_FILE={path} torchrun ...")
+
+    run_command(go)

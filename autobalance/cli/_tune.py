@@ -37,8 +37,12 @@ def run_tune(*, flags: dict[str, Any], config_path: str | None) -> None:
     if flags.get("device") is None and not (config_path and "device" in _toml_keys(config_path)):
         flags["device"] = _default_device()
     settings = TuneSettings.merge(flags=flags, toml_path=config_path)
+    quiet_optuna()
     _check_gpus(settings)
-    open_storage(settings.storage)  # fail before any trial when the storage is unusable
+    from autobalance.store import check_storage
+
+    settings.storage = check_storage(settings.storage)  # fail before any trial when the storage is unusable
+    open_storage(settings.storage)
     console = Console(stderr=True)
     reporter = RichReporter(console=console)
     tuner = Tuner(settings=settings, reporter=reporter)
@@ -46,6 +50,14 @@ def run_tune(*, flags: dict[str, Any], config_path: str | None) -> None:
         result = tuner.run()
     finally:
         reporter.end()
+    if result.best is not None:
+        from autobalance.tuner._promote import save_trial
+        from autobalance.tuner._storage import load_study
+
+        study = load_study(study_name=settings.study_name, storage_url=settings.storage)
+        save_trial(storage_url=settings.storage, study=study, trial_number=result.best.number, action="tune")
+        result.saved = True
+        result.notes.append(f"Saved trial {result.best.number} as the best configuration of '{settings.study_name}'.")
     from autobalance.cli._views import print_result
 
     print_result(result, settings=settings, console=Console())
@@ -55,3 +67,13 @@ def _toml_keys(path: str) -> set[str]:
     from autobalance.tuner import load_toml
 
     return {k for k in load_toml(path)}
+
+
+def quiet_optuna() -> None:
+    import warnings
+
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)

@@ -119,3 +119,28 @@ def print_result(result: Any, *, settings: Any, console: Console) -> None:
         f"torchrun ... {settings.script}   (or `autobalance export --study-name {result.study_name} -o best.json` "
         "and AUTOBALANCE_CONFIG_FILE=best.json)"
     )
+
+
+def print_saved(saved: Any, *, fmt: str) -> None:
+    data = saved.to_dict()
+    if fmt == "json":
+        print(json.dumps(data, indent=2, default=str))
+        return
+    if fmt == "yaml":
+        import yaml
+
+        print(yaml.safe_dump(json.loads(json.dumps(data, default=str)), sort_keys=False))
+        return
+    table = Table(title=f"Best configuration of '{saved.study_name}' (trial {saved.trial_number})")
+    table.add_column("field")
+    table.add_column("value")
+    for key, value in saved.config.to_dict().items():
+        table.add_row(key, str(value))
+    fig = saved.figures
+    for key in ("peak_device_gib", "spread_gib", "step_time_ms", "speedup_vs_baseline"):
+        if fig.get(key) is not None:
+            table.add_row(key, str(fig[key]))
+    fp = saved.fingerprint
+    table.add_row("hardware", f"{fp.world_size} x {fp.device_name} ({fp.device_type})")
+    table.add_row("saved", f"{saved.created_at} by {saved.saved_by}")
+    Console().print(table)

@@ -261,6 +261,7 @@ class Plan:
             raise UsageError(
                 "plan.steps(loader) needs the loader made by plan.dataloader(dataset); build it there."
             )
+        assert sampler is not None
         sampler.set_epoch(self._epoch)
         self._epoch += 1
         batches = iter(loader)
@@ -587,13 +588,15 @@ def _load_stored(
             store.check_compatibility(saved, current=current, script_path=script, policy=on_mismatch)
             text = json.dumps({"config": saved.config.to_dict(), "source": f"store:{saved.study_name}#{saved.trial_number}"})
         except Exception as exc:
-            failure = f"{type(exc).__name__}: {exc}"
-            text = json.dumps({"failure": failure})
+            text = json.dumps({"failure": str(exc), "kind": type(exc).__name__})
     shared = json.loads(_broadcast_json(text, device=device))
     if "failure" in shared:
-        from autobalance._errors import HardwareMismatchError
+        import autobalance._errors as errors
 
-        raise HardwareMismatchError(f"loading the saved configuration failed on rank 0: {shared['failure']}")
+        kind = getattr(errors, shared["kind"], None)
+        if not (isinstance(kind, type) and issubclass(kind, errors.AutobalanceError)):
+            kind = errors.StorageError
+        raise kind(shared["failure"])
     return BalanceConfig.from_dict(shared["config"]), shared["source"]
 
 

@@ -24,6 +24,7 @@ lower bound. They feed the safety margin instead (:meth:`MemoryModel.correct`).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -204,7 +205,7 @@ class MemoryModel:
     @classmethod
     def fit(
         cls,
-        observations: list[MemoryObservation],
+        observations: Sequence[MemoryObservation],
         *,
         world_size: int,
         safety_margin: float = DEFAULT_SAFETY_MARGIN,
@@ -248,7 +249,7 @@ class MemoryModel:
             model.correct(obs)
         return model
 
-    def refit(self, observations: list[MemoryObservation]) -> MemoryModel:
+    def refit(self, observations: Sequence[MemoryObservation]) -> MemoryModel:
         """:meth:`fit` on ``observations`` keeping this model's margin settings and correction count."""
         model = MemoryModel.fit(
             observations,
@@ -305,7 +306,7 @@ class MemoryModel:
         fit = self._fit(dtype)
         return fit.act_full - fit.act_saved * checkpointed / num_layers
 
-    def holdout_error(self, observations: list[MemoryObservation]) -> float:
+    def holdout_error(self, observations: Sequence[MemoryObservation]) -> float:
         """Mean relative error ``|predicted - measured| / measured`` over the successful observations
         given (pass trials the model was not fitted on); out-of-memory ones are skipped."""
         ok = [o for o in observations if o.ok]
@@ -414,7 +415,7 @@ def _features(
 
 
 def _design(
-    observations: list[MemoryObservation], world_size: int
+    observations: Sequence[MemoryObservation], world_size: int
 ) -> tuple[np.ndarray, np.ndarray]:
     if not observations:
         return np.zeros((0, world_size + 2)), np.zeros(0)
@@ -431,7 +432,7 @@ def _column_scale(x: np.ndarray, world_size: int) -> np.ndarray:
     return scale
 
 
-def _data_rank(observations: list[MemoryObservation], world_size: int) -> int:
+def _data_rank(observations: Sequence[MemoryObservation], world_size: int) -> int:
     x, _ = _design(observations, world_size)
     if len(x) == 0:
         return 0
@@ -469,7 +470,7 @@ def _prior(
 
 def _fit_dtype(
     dtype: str,
-    observations: list[MemoryObservation],
+    observations: Sequence[MemoryObservation],
     *,
     world_size: int,
     reference: DtypeFit | None,

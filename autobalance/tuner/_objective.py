@@ -41,6 +41,9 @@ class TrialFigures:
     def measured(self) -> bool:
         return self.status == "ok" and all(p is not None for p in self.peak_device) and self.step_time_s is not None
 
+    def spread_fraction_if_measured(self) -> float | None:
+        return self.spread_fraction() if self.measured else None
+
     def spread_bytes(self) -> float | None:
         peaks = [p for p in self.peak_device if p is not None]
         return (max(peaks) - min(peaks)) if len(peaks) == len(self.peak_device) and peaks else None
@@ -114,7 +117,8 @@ def figures_from_outcome(
         rep = outcome.reports.get(r)
         mem = rep.get("memory", {}) if rep else {}
         ok = rep is not None and rep.get("status") == "ok"
-        peak_device.append(float(mem["peak_device"]) if ok and mem.get("peak_device") is not None else None)
+        # an OOM rank's peak is a lower bound: kept for display and the memory model, never as a measurement
+        peak_device.append(float(mem["peak_device"]) if mem.get("peak_device") is not None else None)
         alloc.append(float(mem["peak_allocated"]) if mem.get("peak_allocated") is not None else None)
         reserved.append(float(mem["peak_reserved"]) if mem.get("peak_reserved") is not None else None)
         outside.append(float(mem["outside_pytorch"]) if mem.get("outside_pytorch") is not None else None)

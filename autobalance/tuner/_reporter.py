@@ -7,6 +7,7 @@ from typing import Any
 
 from optuna.trial import FrozenTrial
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from autobalance._config import BalanceConfig
@@ -64,7 +65,7 @@ class RichReporter:
 
     def start(self, number: int, config: BalanceConfig | None, *, baseline: bool = False) -> None:
         label = "baseline (the script's own configuration)" if baseline else describe_config(config)
-        self.console.print(f"[dim]trial {number}[/] {label} ...")
+        self.console.print(f"[dim]trial {number}[/] {escape(label)} ...")
 
     def tick(self, number: int, elapsed: float) -> None:
         if self._progress is not None:
@@ -77,8 +78,8 @@ class RichReporter:
         extra = " (same config as trial %s, not re-run)" % trial.user_attrs.get("reused_from") if reused else ""
         if predicted:
             extra = " (predicted by the memory model, not launched)"
-        reason = "" if status == "ok" else f"  [dim]{trial.user_attrs.get('reason', '')[:160]}[/]"
-        self.console.print(f"  trial {trial.number} [{style}]{status}[/]{extra}  {short_figures(trial)}{reason}")
+        reason = "" if status == "ok" else f"  [dim]{escape(str(trial.user_attrs.get('reason', ''))[:160])}[/]"
+        self.console.print(f"  trial {trial.number} [{style}]{status}[/]{escape(extra)}  {escape(short_figures(trial))}{reason}")
         if best is not None:
             self._best_text = (f"best #{best.number}: {best.user_attrs.get('step_time_ms', 0):.1f} ms, "
                                f"spread {best.user_attrs.get('spread_gib', 0):.3g} GiB")

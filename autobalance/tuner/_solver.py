@@ -86,7 +86,7 @@ class SplitPlan:
 
 
 def balanced_split(
-    *, total: int, fixed: list[float], per_sample: list[float], limits: list[float]
+    *, total: int, fixed: Sequence[float], per_sample: Sequence[float], limits: Sequence[float]
 ) -> list[int] | None:
     """Integer micro-batches ``m_r >= 1`` summing to ``total`` that minimise
     ``max_r (fixed_r + per_sample_r * m_r) / limits_r`` subject to every peak ``<= limits_r``;
@@ -139,11 +139,11 @@ def _min_max_select(values: list[np.ndarray], total: int) -> list[int] | None:
 def choose_checkpointing(
     *,
     total: int,
-    fixed: list[float],
-    per_sample: list[float],
-    saved_per_sample: list[float],
+    fixed: Sequence[float],
+    per_sample: Sequence[float],
+    saved_per_sample: Sequence[float],
     num_layers: int,
-    limits: list[float],
+    limits: Sequence[float],
     recompute_fraction: float = DEFAULT_RECOMPUTE_FRACTION,
     max_spread_bytes: float | None = None,
     checkpoint_counts: Sequence[int] | None = None,
@@ -163,14 +163,16 @@ def choose_checkpointing(
     nothing fits.
 
     Method: when there are at most ``exhaustive_limit`` (split, checkpoint-vector) combinations
-    (always for two ranks of a realistic size), all of them are scored, so the result is exact
-    for both criteria and for ``max_spread_bytes``. Otherwise a level sweep: the minimum step cost ``C*`` is found exactly (binary search over the finite set of
-    values ``m * (1 + rho * c / L)``, with an exact capacity test). At each cost level ``C`` from
-    ``C*`` upward (``max_levels`` levels, more while no plan meets ``max_spread_bytes``), the split
+    (two ranks up to about 800 samples with 48 blocks), all of them are scored, so the result is
+    exact for every criterion, ``max_spread_bytes`` included. Otherwise a level sweep: the minimum
+    step cost ``C*`` is found exactly (binary search over the finite set of values
+    ``m * (1 + rho * c / L)`` with an exact capacity test); at each cost level ``C`` from ``C*``
+    upward (``max_levels`` levels, more while no plan meets ``max_spread_bytes``), the split
     minimising the largest relative peak under ``cost <= C`` is solved exactly (each rank
     checkpoints as much as ``C`` allows), then every rank drops to the fewest checkpointed blocks
-    that keep its peak at or below that maximum, which lifts low peaks and so narrows the spread.
-    The sweep's first plan has the exact minimum step cost; the spread criteria are best effort.
+    that keep its peak at or below that maximum, which lifts low peaks and narrows the spread.
+    The sweep's first plan has the exact minimum step cost; its spread criteria are best effort
+    (it equalises peaks relative to the limits, the spread is in bytes: the same for equal limits).
     Either way, ranks with less free memory checkpoint more instead of only taking fewer samples.
     """
     world = _check_ranks(total=total, fixed=fixed, per_sample=per_sample, limits=limits)
@@ -180,7 +182,9 @@ def choose_checkpointing(
             f"num_layers={num_layers!r} is not a positive integer; pass the block count."
         )
     if not 0 <= recompute_fraction < math.inf:
-        raise UsageError(f"recompute_fraction={recompute_fraction} is negative; use e.g. 1/3.")
+        raise UsageError(
+            f"recompute_fraction={recompute_fraction} is negative or not finite; use e.g. 1/3."
+        )
     if max_plans < 1 or max_levels < 1:
         raise UsageError(
             f"max_plans={max_plans}, max_levels={max_levels} must be >= 1; use e.g. 5 and 256."
@@ -413,11 +417,11 @@ def _rank_key(
 def predict_feasible(
     model: MemoryModel,
     *,
-    micro_batches: list[int],
-    checkpointed: list[int],
+    micro_batches: Sequence[int],
+    checkpointed: Sequence[int],
     num_layers: int,
     dtype: str,
-    limits: list[float],
+    limits: Sequence[float],
     margin: float | None = None,
 ) -> tuple[bool, list[float]]:
     """Predicted peak of each rank, and whether every ``peak * (1 + margin) <= limit``
@@ -448,7 +452,7 @@ def predict_config_feasible(
     config: BalanceConfig,
     *,
     num_layers: int,
-    limits: list[float],
+    limits: Sequence[float],
     margin: float | None = None,
 ) -> tuple[bool, list[float]]:
     """:func:`predict_feasible` for a :class:`BalanceConfig` (checkpoint lists counted per rank)."""
@@ -467,10 +471,10 @@ def balanced_split_for(
     model: MemoryModel,
     *,
     total: int,
-    checkpointed: list[int],
+    checkpointed: Sequence[int],
     num_layers: int,
     dtype: str,
-    limits: list[float],
+    limits: Sequence[float],
     margin: float | None = None,
 ) -> list[int] | None:
     """:func:`balanced_split` with the model's terms for a fixed per-rank checkpoint choice,
@@ -498,7 +502,7 @@ def plans_from_model(
     total: int,
     num_layers: int,
     dtype: str,
-    limits: list[float],
+    limits: Sequence[float],
     margin: float | None = None,
     recompute_fraction: float = DEFAULT_RECOMPUTE_FRACTION,
     max_spread_bytes: float | None = None,
@@ -527,7 +531,9 @@ def plans_from_model(
 # --------------------------------------------------------------------------------- validation
 
 
-def _margin_limits(model: MemoryModel, limits: list[float], margin: float | None) -> list[float]:
+def _margin_limits(
+    model: MemoryModel, limits: Sequence[float], margin: float | None
+) -> list[float]:
     margin = model.safety_margin if margin is None else margin
     if margin < 0:
         raise UsageError(f"margin={margin} is negative; use 0 or a small relative margin.")
@@ -539,7 +545,7 @@ def _margin_limits(model: MemoryModel, limits: list[float], margin: float | None
 
 
 def _check_ranks(
-    *, total: int, fixed: list[float], per_sample: list[float], limits: list[float]
+    *, total: int, fixed: Sequence[float], per_sample: Sequence[float], limits: Sequence[float]
 ) -> int:
     world = len(limits)
     if world == 0:
@@ -565,7 +571,7 @@ def _check_ranks(
     return world
 
 
-def _check_saved(saved: list[float], per_sample: list[float]) -> None:
+def _check_saved(saved: Sequence[float], per_sample: Sequence[float]) -> None:
     if len(saved) != len(per_sample):
         raise UsageError(
             f"saved_per_sample has {len(saved)} entries for {len(per_sample)} ranks; give one per rank."

@@ -118,7 +118,7 @@ class Tuner:
     # ------------------------------------------------------------------ study set-up
     def _open_study(self) -> optuna.Study:
         s = self.settings
-        directions = ["minimize", "minimize"] if s.multi_objective else ["minimize"]
+        directions: list[Any] = ["minimize", "minimize"] if s.multi_objective else ["minimize"]
         study = optuna.create_study(
             study_name=s.study_name, storage=self.storage, directions=directions,
             sampler=make_sampler(s, n_trials=s.trials), load_if_exists=True,
@@ -131,7 +131,7 @@ class Tuner:
             )
         objective = {"weight_spread": s.weight_spread, "weight_time": s.weight_time, "headroom": s.headroom,
                      "multi_objective": s.multi_objective, "caps_bytes": s.caps_bytes(), "device": s.device,
-                     "world_size": s.world_size}
+                     "world_size": s.world_size, "nnodes": s.nnodes}
         stored = study.user_attrs.get(ATTR_OBJECTIVE)
         if stored is None:
             study.set_user_attr(ATTR_OBJECTIVE, objective)
@@ -343,12 +343,12 @@ class Tuner:
         try:
             outcome = self._launch(study, number=trial.number, config=config, heartbeat_trial_id=trial._trial_id)
         except KeyboardInterrupt as exc:
-            outcome = getattr(exc, "outcome", None)
+            partial = getattr(exc, "outcome", None)
             trial.set_user_attr("status", "interrupted")
             trial.set_user_attr("reason", "the tuner was interrupted (Ctrl-C); the trial's processes were killed")
             trial.set_user_attr("config", config.to_dict())
-            if outcome is not None:
-                trial.set_user_attr("trial_dir", outcome.trial_dir)
+            if partial is not None:
+                trial.set_user_attr("trial_dir", partial.trial_dir)
             study.tell(trial, state=TrialState.FAIL)
             raise
         frozen = self.record(study, trial, config, outcome)
