@@ -39,9 +39,13 @@ def run_tune(*, flags: dict[str, Any], config_path: str | None) -> None:
     settings = TuneSettings.merge(flags=flags, toml_path=config_path)
     quiet_optuna()
     _check_gpus(settings)
+    from autobalance._errors import StorageError
     from autobalance.store import check_storage
 
-    settings.storage = check_storage(settings.storage)  # fail before any trial when the storage is unusable
+    try:
+        settings.storage = check_storage(settings.storage)
+    except StorageError as exc:
+        raise type(exc)(f"--storage: {exc}") from None  # fail before any trial when the storage is unusable
     open_storage(settings.storage)
     console = Console(stderr=True)
     reporter = RichReporter(console=console)

@@ -1,0 +1,122 @@
+"""`autobalance tune` end to end on CPU: real torchrun trials (2 ranks, gloo) into SQLite."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+
+from tests.tune_helpers import FAULTY, GPT, cli, load, processes_with, tune_args
+
+pytestmark = pytest.mark.slow
+
+
+def test_tune_gpt_records_trials_with_per_rank_attributes(tmp_path):
+    db = tmp_path / "a.db"
+    proc = cli(tune_args(GPT, db, trials=3), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    study = load(db)
+    trials = study.get_trials()
+    assert len(trials) == 3
+    base = trials[0]
+    assert base.user_attrs["baseline"] is True
+    assert base.user_attrs["config"]["micro_batches"] == [8, 8]  # the script's own default
+    for t in trials:
+        assert t.state == optuna.trial.TrialState.COMPLETE
+        assert t.user_attrs["status"] == "ok"
+        assert len(t.user_attrs["peak_device_gib"]) == 2
+        assert all(p > 0 for p in t.user_attrs["peak_device_gib"])
+        assert t.user_attrs["step_time_ms"] > 0
+        assert t.system_attrs["constraints"][0] <= 0
+        cfg = t.user_attrs["config"]
+        assert sum(cfg["micro_batches"]) * cfg["accumulation"] == 16
+    # rank 0 holds the EMA copy and the cached batch: the baseline is measurably uneven
+    peaks = base.user_attrs["peak_device_gib"]
+    assert peaks[0] > peaks[1]
+    assert "Baseline" in proc.stdout and "best" in proc.stdout
+    # the best configuration was saved to the store and can be printed and exported
+    best = cli(["best", "--study-name", "s", "--storage", f"sqlite:///{db}", "--format", "json"], cwd=tmp_path)
+    assert best.returncode == 0, best.stderr
+    assert '"micro_batches"' in best.stdout
+    listing = cli(["trials", "--study-name", "s", "--storage", f"sqlite:///{db}"], cwd=tmp_path)
+    assert listing.returncode == 0 and "baseline" in listing.stdout
+    studies = cli(["studies", "--storage", f"sqlite:///{db}"], cwd=tmp_path)
+    assert studies.returncode == 0 and "s" in studies.stdout
+
+
+def test_oom_trial_is_recorded_infeasible_and_study_continues(tmp_path):
+    db = tmp_path / "a.db"
+    # the baseline (8, 8) needs ~16 MiB on rank 0 (EMA + cached batch); the cap is 14.8 MiB
+    proc = cli(tune_args(GPT, db, "--memory-cap-gib", "0.0145", trials=2), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trials = load(db).get_trials()
+    assert len(trials) == 2
+    base = trials[0]
+    assert base.user_attrs["status"] == "oom"
+    assert base.state == optuna.trial.TrialState.COMPLETE  # visible to the sampler
+    assert base.system_attrs["constraints"][0] > 0
+    assert base.user_attrs["feasible"] is False
+    assert "out of memory" in base.user_attrs["reason"]
+
+
+def test_script_error_on_first_trial_stops_with_traceback(tmp_path):
+    db = tmp_path / "a.db"
+    proc = cli(tune_args(FAULTY, db), cwd=tmp_path, env={"AB_FAULT": "raise"})
+    assert proc.returncode == 1
+    assert "injected failure in the training script" in proc.stderr
+    assert "Traceback" in proc.stderr
+    assert processes_with(str(tmp_path)) == []
+
+
+def test_hanging_script_is_killed_at_the_timeout(tmp_path):
+    db = tmp_path / "a.db"
+    args = tune_args(FAULTY, db, trials=2)
+    args[args.index("--trial-timeout") + 1] = "12"
+    counter = tmp_path / "counter"
+    proc = cli(args, cwd=tmp_path, env={"AB_FAULT": "hang_all", "AB_FAULT_ON_LAUNCH": "2", "AB_FAULT_COUNTER": str(counter)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trials = load(db).get_trials()
+    assert [t.user_attrs["status"] for t in trials] == ["ok", "timeout"]
+    assert trials[1].system_attrs["constraints"][0] > 0
+    assert processes_with(str(tmp_path)) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--trials", "0"], ["--trials=0", "at least 1"]),
+        (["--trials", "-3"], ["--trials=-3"]),
+        (["--storage", "nosuchdb://x"], ["--storage", "nosuchdb://x"]),
+        (["--sampler", "cmaes"], ["--sampler='cmaes'", "tpe"]),
+        (["--memory-cap-gib", "1,2,3"], ["--memory-cap-gib has 3 values for 2 ranks"]),
+        (["--global-batch", "1"], ["--global-batch=1"]),
+    ],
+)
+def test_bad_input_one_line_errors(tmp_path, args, words):
+    db = tmp_path / "a.db"
+    base = tune_args(GPT, db)
+    for flag, value in zip(args[::2], args[1::2], strict=True):
+        if flag in base:
+            base[base.index(flag) + 1] = value
+        else:
+            base += [flag, value]
+    proc = cli(base, cwd=tmp_path, timeout=60)
+    assert proc.returncode in (1, 2)
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    for w in words:
+        assert w in lines[0]
+    assert not db.exists() or load_count(db) == 0
+
+
+def load_count(db):
+    try:
+        return len(load(db).get_trials())
+    except KeyError:
+        return 0
+
+
+def test_missing_and_non_python_script(tmp_path):
+    for script, words in ((str(tmp_path / "nope.py"), "does not exist"), (str(tmp_path), "not a Python file")):
+        proc = cli(tune_args(script, tmp_path / "a.db"), cwd=tmp_path, timeout=60)
+        assert proc.returncode == 2
+        assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

@@ -1,0 +1,48 @@
+"""Helpers for tests that run the real ``autobalance`` command."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+
+REPO = Path(__file__).resolve().parents[1]
+FAULTY = str(REPO / "tests" / "scripts" / "faulty.py")
+GPT = str(REPO / "examples" / "gpt" / "train.py")
+
+
+def cli(args: list[str], *, cwd: Path, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    full = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "autobalance", *args], capture_output=True, text=True,
+                          cwd=cwd, env=full, timeout=timeout)
+
+
+def tune_args(script: str, db: Path, *extra: str, trials: int = 3, study: str = "s") -> list[str]:
+    return ["tune", script, "--trials", str(trials), "--nproc-per-node", "2", "--device", "cpu",
+            "--storage", f"sqlite:///{db}", "--study-name", study, "--strategy", "optuna", "--seed", "0",
+            "--trial-timeout", "60", *extra]
+
+
+def load(db: Path, study: str = "s") -> optuna.Study:
+    return optuna.load_study(study_name=study, storage=f"sqlite:///{db}")
+
+
+def processes_with(marker: str) -> list[int]:
+    """Live processes whose command line or environment mentions ``marker`` (the test's tmp dir)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            stat = open(f"/proc/{name}/stat").read()
+            if stat[stat.rfind(")") + 2] == "Z":
+                continue
+            blob = open(f"/proc/{name}/cmdline", "rb").read() + open(f"/proc/{name}/environ", "rb").read()
+        except OSError:
+            continue
+        if marker.encode() in blob:
+            found.append(int(name))
+    return found
