@@ -432,6 +432,18 @@ class Plan:
         if self._step_start is not None:
             self._step_times.append(now - self._step_start)
         self._step_start = now
+        if self.trial_dir is not None and self.rank == 0:
+            self._write_progress()
+
+    def _write_progress(self) -> None:
+        """Step times so far, for the tuner's pruner (rank 0 only; the ranks step in lockstep)."""
+        assert self.trial_dir is not None
+        path = os.path.join(self.trial_dir, "progress.json")
+        tmp = path + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump({"steps_done": self._steps_done, "warmup_steps": self.warmup_steps,
+                       "step_times_s": self._step_times}, fh)
+        os.replace(tmp, path)
 
     def _require_layout(self) -> StepLayout:
         if self._layout is None:
