@@ -1,0 +1,196 @@
+"""The default strategy: a per-rank memory model fitted from the study's own trials proposes
+balanced splits (water-filling, per-rank checkpointing) and predicts OOMs before they are launched.
+
+The wrapped Optuna sampler still proposes everything the model does not; every proposal is an
+ordinary enqueued trial, so the study stays a plain Optuna study (dashboard, samplers, resume).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from autobalance._config import BalanceConfig
+from autobalance.tuner._memory_model import MemoryModel, MemoryObservation
+from autobalance.tuner._objective import TrialFigures
+from autobalance.tuner._settings import TuneSettings
+from autobalance.tuner._solver import plans_from_model, predict_config_feasible
+from autobalance.tuner._space import SearchSpace
+
+__all__ = ["ModelAdvisor", "observations_from_trials"]
+
+GIB = 2**30
+_MAX_PREDICTED_IN_A_ROW = 25
+# Step-time priors per dtype before any measurement (relative to fp32); replaced by measurements.
+_DTYPE_SPEED_PRIOR = {"cuda": {"bf16": 0.55, "fp16": 0.55, "fp32": 1.0}, "cpu": {"bf16": 1.2, "fp16": 1.5, "fp32": 1.0}}
+
+
+def observations_from_trials(trials: list[FrozenTrial], *, num_layers: int) -> list[MemoryObservation]:
+    """One observation per rank of every measured (ok) or OOMed trial (OOM peaks are lower bounds)."""
+    obs: list[MemoryObservation] = []
+    for t in trials:
+        status = t.user_attrs.get("status")
+        if t.state != TrialState.COMPLETE or status not in ("ok", "oom") or t.user_attrs.get("reused_from") is not None:
+            continue
+        cfg = t.user_attrs.get("config")
+        peaks = t.user_attrs.get("peak_device_gib") or []
+        if not cfg or len(peaks) != len(cfg["micro_batches"]):
+            continue
+        for rank, peak in enumerate(peaks):
+            if peak is None or peak <= 0:
+                continue
+            obs.append(MemoryObservation(
+                rank=rank, micro_batch=int(cfg["micro_batches"][rank]), checkpointed=len(cfg["checkpoint"][rank]),
+                num_layers=max(1, num_layers), dtype=cfg["dtype"], peak_bytes=float(peak) * GIB, ok=status == "ok",
+            ))
+    return obs
+
+
+class ModelAdvisor:
+    """Enqueues model-balanced configurations and vetoes predicted OOMs."""
+
+    def __init__(self, *, space: SearchSpace, settings: TuneSettings) -> None:
+        self.space = space
+        self.settings = settings
+        self.model: MemoryModel | None = None
+        self._proposed: set[str] = set()
+        self._predicted_in_a_row = 0
+        self._margin = 0.05
+
+    # ------------------------------------------------------------------ model
+    def _usable(self, study: optuna.Study) -> list[float] | None:
+        caps = self.settings.caps_bytes()
+        capacity = caps or study.user_attrs.get("autobalance:capacity_bytes")
+        if not capacity:
+            return None
+        if len(capacity) == 1:
+            capacity = capacity * self.space.world_size
+        return [float(c) * (1.0 - self.settings.headroom) for c in capacity]
+
+    def refit(self, study: optuna.Study) -> MemoryModel | None:
+        obs = observations_from_trials(study.get_trials(deepcopy=False), num_layers=self.space.num_layers)
+        if not any(o.ok for o in obs):
+            return None
+        try:
+            model = MemoryModel.fit(obs, world_size=self.space.world_size, safety_margin=self._margin)
+        except Exception:
+            return None
+        self._margin = model.safety_margin
+        self.model = model
+        return model
+
+    def _dtype_factor(self, study: optuna.Study, dtype: str) -> float:
+        """Measured median of step time x (relative proxy) per dtype, relative to the best dtype; prior otherwise."""
+        by_dtype: dict[str, list[float]] = {}
+        for t in study.get_trials(deepcopy=False):
+            if t.user_attrs.get("status") == "ok" and t.user_attrs.get("step_time_ms"):
+                cfg = t.user_attrs["config"]
+                work = max(cfg["micro_batches"]) * cfg["accumulation"] / max(1, sum(cfg["micro_batches"]) * cfg["accumulation"] / len(cfg["micro_batches"]))
+                by_dtype.setdefault(cfg["dtype"], []).append(t.user_attrs["step_time_ms"] / max(work, 1e-9))
+        if dtype in by_dtype and len(by_dtype) > 1:
+            best = min(statistics.median(v) for v in by_dtype.values())
+            return statistics.median(by_dtype[dtype]) / best
+        prior = _DTYPE_SPEED_PRIOR.get(self.settings.device, _DTYPE_SPEED_PRIOR["cpu"])
+        return prior.get(dtype, 1.0)
+
+    # ------------------------------------------------------------------ proposals
+    def candidates(self, study: optuna.Study) -> list[tuple[float, BalanceConfig]]:
+        """Model-balanced configurations for every (dtype, accumulation), scored by a step-cost proxy."""
+        model = self.refit(study)
+        usable = self._usable(study)
+        if model is None or usable is None:
+            return []
+        bucket, view = self._bucket_choice(study)
+        out: list[tuple[float, BalanceConfig]] = []
+        for dtype in self.space.dtypes:
+            if not model.can_predict(dtype):
+                continue
+            factor = self._dtype_factor(study, dtype)
+            for acc in self.space.accumulations:
+                total = self.space.global_batch // acc
+                try:
+                    plans = plans_from_model(model, total=total, num_layers=self.space.num_layers, dtype=dtype,
+                                             limits=usable, max_plans=3)
+                except Exception:
+                    continue
+                for rank_in_front, plan in enumerate(plans):
+                    cfg = plan.to_config(dtype=dtype, accumulation=acc, bucket_cap_mb=bucket,
+                                         gradient_as_bucket_view=view)
+                    # per-micro-step overhead makes small micro-batches slower than the proxy says
+                    score = factor * plan.step_cost * (1.0 + 0.08 * (acc - 1)) * (1.0 + 0.01 * rank_in_front)
+                    out.append((score, cfg))
+        out.sort(key=lambda item: item[0])
+        return out
+
+    def _bucket_choice(self, study: optuna.Study) -> tuple[float, bool]:
+        from autobalance.tuner._study import best_trial
+
+        best = best_trial(study)
+        if best is not None:
+            cfg = best.user_attrs["config"]
+            return float(cfg["bucket_cap_mb"]), bool(cfg["gradient_as_bucket_view"])
+        return 25.0, True
+
+    def before_ask(self, study: optuna.Study) -> None:
+        """Enqueue the best untried model proposal when nothing is waiting."""
+        if study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+            return
+        for _score, cfg in self.candidates(study):
+            key = cfg.to_json()
+            measured = {json.dumps(t.user_attrs.get("config"), sort_keys=True)
+                        for t in study.get_trials(deepcopy=False) if t.user_attrs.get("config")}
+            if key in self._proposed or key in measured:
+                continue
+            self._proposed.add(key)
+            study.enqueue_trial(self.space.params_from_config(cfg),
+                                user_attrs={"proposed_by": "memory-model", "proposed_config": cfg.to_dict()})
+            return
+
+    # ------------------------------------------------------------------ vetoes
+    def predict_infeasible(self, study: optuna.Study, config: BalanceConfig) -> tuple[TrialFigures, dict[str, Any]] | None:
+        """Figures for a config the model is confident will not fit; None to launch it."""
+        model = self.model
+        usable = self._usable(study)
+        if model is None or usable is None or self._predicted_in_a_row >= _MAX_PREDICTED_IN_A_ROW:
+            return None
+        counts = [len(c) for c in config.checkpoint]
+        if not model.can_predict(config.dtype) or not all(
+            model.is_confident(rank=r, micro_batch=m, checkpointed=c, num_layers=max(1, self.space.num_layers),
+                               dtype=config.dtype)
+            for r, (m, c) in enumerate(zip(config.micro_batches, counts, strict=True))
+        ):
+            return None
+        feasible, peaks = predict_config_feasible(model, config, num_layers=max(1, self.space.num_layers),
+                                                  limits=usable)
+        if feasible:
+            self._predicted_in_a_row = 0
+            return None
+        self._predicted_in_a_row += 1
+        capacity = [u / (1.0 - self.settings.headroom) for u in usable]
+        worst = max(range(len(peaks)), key=lambda r: peaks[r] / usable[r])
+        figures = TrialFigures(status="predicted_oom", peak_device=list(peaks), peak_allocated=[None] * len(peaks),
+                               peak_reserved=[None] * len(peaks), outside_pytorch=[None] * len(peaks),
+                               capacity=capacity, step_time_s=None, samples_per_s=None, startup_s=None)
+        attrs = {
+            **figures.user_attrs(self.settings.headroom),
+            "status": "predicted_oom",
+            "predicted": True,
+            "reason": (f"not launched: the memory model predicts rank {worst} at {peaks[worst] / GIB:.3f} GiB "
+                       f"(+{100 * model.safety_margin:.0f}% margin) > usable {usable[worst] / GIB:.3f} GiB"),
+            "baseline": False,
+        }
+        return figures, attrs
+
+    def after_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        """A launched trial that OOMed although the model said it fits widens the safety margin."""
+        if self.model is None or trial.user_attrs.get("status") != "oom":
+            return
+        usable = self._usable(study)
+        for obs in observations_from_trials([trial], num_layers=self.space.num_layers):
+            limit = usable[obs.rank] if usable else None
+            self.model.correct(obs, limit=limit)
+        self._margin = self.model.safety_margin
