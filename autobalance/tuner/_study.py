@@ -224,6 +224,12 @@ class Tuner:
             attrs["error_tail"] = outcome.traceback[-1500:]
         if outcome.failing_rank is not None:
             attrs["failing_rank"] = outcome.failing_rank
+        try:  # per-rank memory chart as a trial artifact; Optuna accepts artifacts only before tell
+            from autobalance.report import artifact_dir_for, upload_trial_chart
+
+            upload_trial_chart(study, trial, artifact_dir_for(s.storage), attrs=attrs)
+        except Exception as exc:
+            warnings.warn(f"autobalance: trial {trial.number}'s memory chart was not stored ({exc})", stacklevel=2)
         return self._tell(study, trial, figures, attrs, outcome.status)
 
     def _tell(self, study: optuna.Study, trial: optuna.Trial, figures: TrialFigures, attrs: dict[str, Any],
