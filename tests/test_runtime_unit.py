@@ -10,7 +10,13 @@ import torch
 from torch import nn
 
 from autobalance import BalanceConfig
-from autobalance.runtime import CpuMemoryTracker, apply_checkpointing, epoch_schedule, find_blocks, write_report
+from autobalance.runtime import (
+    CpuMemoryTracker,
+    apply_checkpointing,
+    epoch_schedule,
+    find_blocks,
+    write_report,
+)
 
 
 @pytest.mark.parametrize("num_samples", [64, 67, 100, 3, 1])

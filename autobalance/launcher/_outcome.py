@@ -11,9 +11,10 @@ from typing import Any
 
 __all__ = ["STATUSES", "TrialOutcome", "classify", "read_reports"]
 
-STATUSES = ("ok", "oom", "timeout", "error", "crash", "interrupted")
+STATUSES = ("ok", "oom", "timeout", "error", "crash", "interrupted", "pruned")
 """ok: measured; oom / timeout: infeasible; error: the script raised (not OOM); crash: a rank died
-or left no usable report (killed, exited early, garbage report); interrupted: the tuner was stopped."""
+or left no usable report (killed, exited early, garbage report); interrupted: the tuner was stopped;
+pruned: stopped early by the tuner because it was clearly slower than the best feasible trial."""
 
 
 @dataclass(kw_only=True)
@@ -90,6 +91,7 @@ def classify(
     interrupted: bool,
     wall_s: float,
     timeout_s: float,
+    pruned: bool = False,
 ) -> TrialOutcome:
     reports, problems = read_reports(trial_dir, world_size)
 
@@ -101,6 +103,8 @@ def classify(
 
     if interrupted:
         return outcome("interrupted", "the tuner was interrupted; the trial's processes were killed")
+    if pruned:
+        return outcome("pruned", "stopped early: its step time was clearly worse than the best feasible trial's")
     for rank, rep in sorted(reports.items()):
         if rep["status"] == "oom":
             return outcome("oom", f"rank {rank} ran out of memory: {rep.get('error') or ''}"[:300], rank,

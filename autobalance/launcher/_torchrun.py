@@ -112,10 +112,11 @@ def run_trial(
     launch: TrialLaunch,
     *,
     poll_s: float = 0.1,
-    on_poll: Callable[[float], None] | None = None,
+    on_poll: Callable[[float], bool | None] | None = None,
 ) -> TrialOutcome:
     """Run the job to completion, timeout or interruption; no process of it survives this call.
 
+    ``on_poll(elapsed)`` returning True stops the job early (status ``pruned``).
     ``KeyboardInterrupt`` during the wait kills the job, then propagates with the outcome attached
     as ``exc.outcome``.
     """
@@ -132,7 +133,7 @@ def run_trial(
             )
         except OSError as exc:
             raise LaunchError(f"could not start torchrun ({exc}); check that torch is installed for {sys.executable}.") from exc
-    timed_out = interrupted = False
+    timed_out = interrupted = pruned = False
     failure_seen_at: float | None = None
     try:
         while proc.poll() is None:
@@ -140,8 +141,9 @@ def run_trial(
             if elapsed > launch.timeout_s:
                 timed_out = True
                 break
-            if on_poll is not None:
-                on_poll(elapsed)
+            if on_poll is not None and on_poll(elapsed):
+                pruned = True
+                break
             if failure_seen_at is None:
                 reports, _ = read_reports(launch.trial_dir, launch.world_size)
                 if any(r["status"] in ("oom", "error") for r in reports.values()):
@@ -169,7 +171,7 @@ def run_trial(
     outcome = classify(
         trial_dir=launch.trial_dir, world_size=launch.world_size,
         returncode=None if timed_out else proc.returncode, timed_out=timed_out, interrupted=interrupted,
-        wall_s=time.monotonic() - start, timeout_s=launch.timeout_s,
+        wall_s=time.monotonic() - start, timeout_s=launch.timeout_s, pruned=pruned,
     )
     outcome.leftover_pids = leftover
     return outcome

@@ -23,8 +23,14 @@ from torch import nn
 from autobalance import _env
 from autobalance._config import DTYPES, BalanceConfig, split_evenly
 from autobalance._errors import ConfigError, UsageError
+from autobalance.runtime._breakdown import Breakdown
 from autobalance.runtime._checkpoint import apply_checkpointing, find_blocks
-from autobalance.runtime._memory import CpuMemoryTracker, MemorySnapshot, NvmlDevice, cpu_capacity_bytes
+from autobalance.runtime._memory import (
+    CpuMemoryTracker,
+    MemorySnapshot,
+    NvmlDevice,
+    cpu_capacity_bytes,
+)
 from autobalance.runtime._report import write_report
 from autobalance.runtime._sampler import StepLayout, UnevenBatchSampler
 
@@ -175,6 +181,7 @@ class Plan:
         self._nvml_peak: int | None = None
         self._live_before_training: int | None = None
         self._setup_memory()
+        self._breakdown = Breakdown(device=device, tracker=self._tracker) if self.measuring else None
 
     # ----------------------------------------------------------------- public properties
     @property
@@ -203,10 +210,14 @@ class Plan:
         find_unused_parameters: bool = False,
     ) -> nn.Module:
         """Checkpoint this rank's chosen blocks, move to the device, then wrap in DDP."""
+        if self._breakdown is not None:
+            self._breakdown.on_wrap_entry(model)
         path, block_list = find_blocks(model, blocks or self.blocks_path)
         self.config.validate_for(world_size=self.world_size, num_layers=len(block_list))
         apply_checkpointing(block_list, self.config.checkpoint[self.rank])
         model = model.to(self.device)
+        if self._breakdown is not None:
+            self._breakdown.on_model_moved(model)
         params = list(model.parameters())
         self.model_info = {
             "blocks_path": path,
@@ -222,6 +233,7 @@ class Plan:
         elif self.device.type == "cuda":
             self._live_before_training = torch.cuda.memory_allocated(self.device)
         self.model = model
+        wrapped: nn.Module = model
         if self.world_size > 1 and dist.is_initialized():
             self.ddp = nn.parallel.DistributedDataParallel(
                 model,
@@ -230,8 +242,12 @@ class Plan:
                 gradient_as_bucket_view=self.config.gradient_as_bucket_view,
                 find_unused_parameters=find_unused_parameters,
             )
-            return self.ddp
-        return model
+            wrapped = self.ddp
+        if self._breakdown is not None:
+            self._breakdown.on_wrapped(wrapped, find_unused_parameters=find_unused_parameters,
+                                       num_blocks=len(block_list), micro_batch=self.micro_batch,
+                                       checkpointed=len(self.config.checkpoint[self.rank]))
+        return wrapped
 
     def dataloader(
         self, dataset: Any, *, shuffle: bool = True, seed: int | None = None, **loader_kwargs: Any
@@ -294,6 +310,8 @@ class Plan:
             if self.config.dtype != "fp32"
             else contextlib.nullcontext()
         )
+        if self._breakdown is not None:
+            self._breakdown.on_micro_step_entry()
         with sync, autocast:
             yield
         self._micro_index += 1
@@ -304,17 +322,23 @@ class Plan:
         layout = self._require_layout()
         size = len(layout.micro_batches[self.rank][self._micro_index])
         weight = self.world_size * size / self._step_samples
+        if self._breakdown is not None:
+            self._breakdown.on_backward_entry()
         scaled = loss * weight
         with torch.autocast(self.device.type, enabled=False):
             if self.scaler is not None:
                 self.scaler.scale(scaled).backward()
             else:
                 scaled.backward()
+        if self._breakdown is not None:
+            self._breakdown.on_backward_exit(self.model)
 
     def optimizer_step(
         self, optimizer: torch.optim.Optimizer, *, clip_grad_norm: float | None = None
     ) -> None:
         """Step the optimizer (through the GradScaler for fp16), zero the gradients, measure."""
+        if self._breakdown is not None:
+            self._breakdown.on_optimizer_step_entry(optimizer)
         if clip_grad_norm is not None:
             if self.scaler is not None:
                 self.scaler.unscale_(optimizer)
@@ -325,7 +349,11 @@ class Plan:
             self.scaler.update()
         else:
             optimizer.step()
+        if self._breakdown is not None:
+            self._breakdown.on_optimizer_step_exit(optimizer)
         optimizer.zero_grad(set_to_none=True)
+        if self._breakdown is not None:
+            self._breakdown.on_step_done()
         self._steps_done += 1
         self._layout = None
         if self.measuring:
@@ -335,9 +363,11 @@ class Plan:
     def memory(self) -> MemorySnapshot:
         """This rank's peak memory so far."""
         if self.device.type == "cuda":
+            # the breakdown resets CUDA's peak statistics once; peaks from before that are kept
+            floor = self._breakdown.peak_floor() if self._breakdown is not None else (0, 0)
             return MemorySnapshot(
-                peak_allocated=torch.cuda.max_memory_allocated(self.device),
-                peak_reserved=torch.cuda.max_memory_reserved(self.device),
+                peak_allocated=max(floor[0], torch.cuda.max_memory_allocated(self.device)),
+                peak_reserved=max(floor[1], torch.cuda.max_memory_reserved(self.device)),
                 outside_pytorch=self._outside_pytorch,
                 nvml_used_peak=self._nvml_peak,
             )
@@ -382,9 +412,10 @@ class Plan:
                 "startup_s": (self._first_step_at - self._started_at) if self._first_step_at else None,
                 "wall_s": time.time() - self._started_at,
             },
+            "breakdown": self._breakdown.to_dict() if self._breakdown is not None else None,
             "torch_version": torch.__version__,
             "cuda_version": torch.version.cuda,
-            "written_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "written_at": datetime.datetime.now(datetime.UTC).isoformat(),
         }
 
     def _device_info(self) -> dict[str, Any]:
@@ -585,7 +616,6 @@ def _load_stored(
     from autobalance import store
 
     text: str | None = None
-    failure: str | None = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
             saved = store.load_saved_config(study=study, storage=storage, config_file=config_file)

@@ -25,6 +25,8 @@ __all__ = ["ModelAdvisor", "observations_from_trials"]
 
 GIB = 2**30
 _MAX_PREDICTED_IN_A_ROW = 25
+SAMPLER_EVERY = 3
+_WORTH = 1.5
 # Step-time priors per dtype before any measurement (relative to fp32); replaced by measurements.
 _DTYPE_SPEED_PRIOR = {"cuda": {"bf16": 0.55, "fp16": 0.55, "fp32": 1.0}, "cpu": {"bf16": 1.2, "fp16": 1.5, "fp32": 1.0}}
 
@@ -60,6 +62,7 @@ class ModelAdvisor:
         self._proposed: set[str] = set()
         self._predicted_in_a_row = 0
         self._margin = 0.05
+        self._asks = 0
 
     # ------------------------------------------------------------------ model
     def _usable(self, study: optuna.Study) -> list[float] | None:
@@ -136,10 +139,24 @@ class ModelAdvisor:
         return 25.0, True
 
     def before_ask(self, study: optuna.Study) -> None:
-        """Enqueue the best untried model proposal when nothing is waiting."""
+        """Enqueue the best untried model proposal when nothing is waiting.
+
+        Every ``SAMPLER_EVERY``-th trial is left to the wrapped sampler (it explores what the model
+        does not: bucket sizes, dtypes the model cannot predict yet); so are proposals scored more
+        than ``_WORTH`` times the best candidate's score.
+        """
         if study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
             return
-        for _score, cfg in self.candidates(study):
+        self._asks += 1
+        if self._asks % SAMPLER_EVERY == 0:
+            return
+        candidates = self.candidates(study)
+        if not candidates:
+            return
+        best_score = candidates[0][0]
+        for score, cfg in candidates:
+            if score > _WORTH * best_score:
+                return
             key = cfg.to_json()
             measured = {json.dumps(t.user_attrs.get("config"), sort_keys=True)
                         for t in study.get_trials(deepcopy=False) if t.user_attrs.get("config")}
@@ -149,6 +166,26 @@ class ModelAdvisor:
             study.enqueue_trial(self.space.params_from_config(cfg),
                                 user_attrs={"proposed_by": "memory-model", "proposed_config": cfg.to_dict()})
             return
+
+    def holdout_error(self, study: optuna.Study) -> float | None:
+        """Leave-one-trial-out mean relative error of the peak prediction over measured trials."""
+        trials = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("status") == "ok"
+                  and t.user_attrs.get("reused_from") is None]
+        errors: list[float] = []
+        for i, held in enumerate(trials):
+            train = observations_from_trials(trials[:i] + trials[i + 1:], num_layers=self.space.num_layers)
+            test = observations_from_trials([held], num_layers=self.space.num_layers)
+            if not train or not test:
+                continue
+            try:
+                model = MemoryModel.fit(train, world_size=self.space.world_size)
+            except Exception:
+                continue
+            if not all(model.is_confident(rank=o.rank, micro_batch=o.micro_batch, checkpointed=o.checkpointed,
+                                          num_layers=o.num_layers, dtype=o.dtype) for o in test):
+                continue
+            errors.append(model.holdout_error(test))
+        return sum(errors) / len(errors) if errors else None
 
     # ------------------------------------------------------------------ vetoes
     def predict_infeasible(self, study: optuna.Study, config: BalanceConfig) -> tuple[TrialFigures, dict[str, Any]] | None:

@@ -75,7 +75,7 @@ class RichReporter:
                predicted: bool = False) -> None:
         status = trial.user_attrs.get("status", "?")
         style = _STYLE.get(status, "white")
-        extra = " (same config as trial %s, not re-run)" % trial.user_attrs.get("reused_from") if reused else ""
+        extra = f" (same config as trial {trial.user_attrs.get('reused_from')}, not re-run)" if reused else ""
         if predicted:
             extra = " (predicted by the memory model, not launched)"
         reason = "" if status == "ok" else f"  [dim]{escape(str(trial.user_attrs.get('reason', ''))[:160])}[/]"

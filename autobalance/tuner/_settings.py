@@ -73,6 +73,8 @@ class TuneSettings:
     """Largest gradient-accumulation count searched."""
     on_error: str = "stop"
     """After successful trials, a script error: ``stop`` the study or ``continue`` (mark it failed)."""
+    prune_factor: float = 1.5
+    """Stop a trial once its median measured step is this many times the best feasible step time (0: never)."""
     runs_dir: str = "autobalance_runs"
     """Where trial directories (reports, logs) are kept."""
 
@@ -113,6 +115,8 @@ class TuneSettings:
             if bad or not self.dtypes:
                 raise UsageError(f"--dtypes={','.join(self.dtypes)!r} is invalid; choose from {', '.join(DTYPES)}.")
         _positive("--max-accumulation", self.max_accumulation)
+        if self.prune_factor != 0 and self.prune_factor < 1:
+            raise UsageError(f"--prune-factor={self.prune_factor:g} must be 0 (off) or at least 1; e.g. 1.5.")
         if self.memory_cap_gib is not None:
             if len(self.memory_cap_gib) not in (1, self.world_size):
                 raise UsageError(

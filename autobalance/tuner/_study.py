@@ -171,7 +171,7 @@ class Tuner:
 
     # ------------------------------------------------------------------ launching
     def _launch(self, study: optuna.Study, *, number: int, config: BalanceConfig | None,
-                heartbeat_trial_id: int | None) -> TrialOutcome:
+                heartbeat_trial_id: int | None, trial: optuna.Trial | None = None) -> TrialOutcome:
         s = self.settings
         trial_dir = os.path.abspath(os.path.join(s.runs_dir, s.study_name, f"trial-{number:04d}-{int(time.time())}"))
         launch = TrialLaunch(
@@ -187,13 +187,26 @@ class Tuner:
         if heartbeat_trial_id is not None:
             beat = threading.Thread(target=self._heartbeat, args=(heartbeat_trial_id, stop), daemon=True)
             beat.start()
+        pruner = _Pruner(trial=trial, trial_dir=trial_dir, best_step_s=self._best_step_s(study),
+                         factor=s.prune_factor) if trial is not None else None
+
+        def on_poll(elapsed: float) -> bool:
+            self.reporter.tick(number, elapsed)
+            return pruner.should_stop() if pruner is not None else False
+
         try:
-            return run_trial(launch, on_poll=lambda elapsed: self.reporter.tick(number, elapsed))
+            return run_trial(launch, on_poll=on_poll)
         finally:
             stop.set()
             if beat is not None:
                 beat.join(timeout=5)
             self.trials_run += 1
+
+    @staticmethod
+    def _best_step_s(study: optuna.Study) -> float | None:
+        times = [t.user_attrs["step_time_ms"] / 1000 for t in study.get_trials(deepcopy=False)
+                 if is_feasible(t) and t.user_attrs.get("step_time_ms")]
+        return min(times) if times else None
 
     def _heartbeat(self, trial_id: int, stop: threading.Event) -> None:
         while not stop.is_set():
@@ -237,6 +250,8 @@ class Tuner:
         s = self.settings
         for key, value in attrs.items():
             trial.set_user_attr(key, value)
+        if status == "pruned":
+            return study.tell(trial, state=TrialState.PRUNED)
         if status in ("ok", "oom", "timeout", "predicted_oom"):
             reference = study.user_attrs.get(ATTR_REFERENCE)
             if figures.measured and reference is None:
@@ -326,8 +341,24 @@ class Tuner:
         best = best_trial(study)
         base_no = study.user_attrs.get(ATTR_BASELINE)
         baseline = study.trials[base_no] if base_no is not None else None
-        return TuneResult(study_name=s.study_name, storage=mask(s.storage), trials_run=self.trials_run,
-                          baseline=baseline, best=best, wall_s=time.monotonic() - start)
+        result = TuneResult(study_name=s.study_name, storage=mask(s.storage), trials_run=self.trials_run,
+                            baseline=baseline, best=best, wall_s=time.monotonic() - start)
+        self._summarise(study, result)
+        return result
+
+    def _summarise(self, study: optuna.Study, result: TuneResult) -> None:
+        trials = study.get_trials(deepcopy=False)
+        predicted = sum(t.user_attrs.get("status") == "predicted_oom" for t in trials)
+        pruned = sum(t.state == TrialState.PRUNED for t in trials)
+        if predicted:
+            result.notes.append(f"{predicted} configuration(s) predicted to run out of memory were recorded without launching.")
+        if pruned:
+            result.notes.append(f"{pruned} trial(s) were stopped early (pruned) as clearly slower than the best.")
+        if self.advisor is not None:
+            error = self.advisor.holdout_error(study)
+            if error is not None:
+                study.set_user_attr("autobalance:memory_model_holdout_error", error)
+                result.notes.append(f"Memory model: {100 * error:.1f}% mean error predicting held-out trials' per-rank peaks.")
 
     def _one_trial(self, study: optuna.Study, space: SearchSpace) -> None:
         if self.advisor is not None:
@@ -347,7 +378,8 @@ class Tuner:
                 return
         self.reporter.start(trial.number, config)
         try:
-            outcome = self._launch(study, number=trial.number, config=config, heartbeat_trial_id=trial._trial_id)
+            outcome = self._launch(study, number=trial.number, config=config, heartbeat_trial_id=trial._trial_id,
+                                   trial=trial)
         except KeyboardInterrupt as exc:
             partial = getattr(exc, "outcome", None)
             trial.set_user_attr("status", "interrupted")
@@ -401,6 +433,35 @@ def _make_advisor(*, space: SearchSpace, settings: TuneSettings) -> Any:
     except ImportError:
         return None
     return ModelAdvisor(space=space, settings=settings)
+
+
+class _Pruner:
+    """Reports each measured step time as an intermediate value; asks to stop a hopeless trial."""
+
+    def __init__(self, *, trial: optuna.Trial, trial_dir: str, best_step_s: float | None, factor: float) -> None:
+        self.trial = trial
+        self.path = os.path.join(trial_dir, "progress.json")
+        self.best = best_step_s
+        self.factor = factor
+        self.reported = 0
+        self.stop = False
+
+    def should_stop(self) -> bool:
+        if self.stop or not os.path.exists(self.path):
+            return self.stop
+        try:
+            with open(self.path) as fh:
+                progress = json.load(fh)
+        except (OSError, ValueError):
+            return False
+        measured = progress.get("step_times_s", [])[int(progress.get("warmup_steps", 0)):]
+        while self.reported < len(measured):
+            with contextlib.suppress(Exception):
+                self.trial.report(measured[self.reported], self.reported)
+            self.reported += 1
+        if self.best and self.factor and measured:
+            self.stop = sorted(measured)[len(measured) // 2] > self.factor * self.best
+        return self.stop
 
 
 class _NullReporter:

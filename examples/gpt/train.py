@@ -24,21 +24,34 @@ from torch import nn
 import autobalance as ab  # ab
 
 
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
 class Block(nn.Module):
     def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(n_embd)
-        self.attn = nn.MultiheadAttention(n_embd, n_head, dropout=dropout, batch_first=True)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout)
         self.ln2 = nn.LayerNorm(n_embd)
         self.mlp = nn.Sequential(
             nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd), nn.Dropout(dropout)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t = x.size(1)
-        mask = torch.triu(torch.ones(t, t, dtype=torch.bool, device=x.device), diagonal=1)
-        h = self.ln1(x)
-        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
 
@@ -120,7 +133,7 @@ def main() -> None:
             plan.optimizer_step(optimizer)  # ab
             if ema is not None:
                 with torch.no_grad():
-                    for pe, pm in zip(ema.parameters(), raw.parameters()):
+                    for pe, pm in zip(ema.parameters(), raw.parameters(), strict=True):
                         pe.lerp_(pm.detach().float(), 0.01)
             step += 1
             if plan.is_main and step % 10 == 0:

@@ -69,7 +69,7 @@ def one_case(cfg: ab.BalanceConfig, data: torch.utils.data.TensorDataset) -> dic
     x_all, y_all = data.tensors[0][idx], data.tensors[1][idx]
     F.cross_entropy(reference(x_all), y_all).backward()
     ref_grad = torch.cat([p.grad.flatten() for p in reference.parameters()])
-    got = torch.cat([(b - p.detach()).flatten() for b, p in zip(before, model.parameters())])
+    got = torch.cat([(b - p.detach()).flatten() for b, p in zip(before, model.parameters(), strict=True)])
     rel = float((got - ref_grad).norm() / ref_grad.norm())
     del model, plan, opt, loader
     gc.collect()
