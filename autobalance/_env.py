@@ -11,6 +11,7 @@ __all__ = [
     "CONFIG",
     "CONFIG_FILE",
     "DEVICE",
+    "DIAGNOSE",
     "GLOBAL_BATCH",
     "MEMORY_CAP_BYTES",
     "PG_TIMEOUT_S",
@@ -57,3 +58,5 @@ def in_trial() -> bool:
 
 DEVICE = "AUTOBALANCE_DEVICE"
 """``cpu`` or ``cuda``: the device the trial runs on (default: cuda when available)."""
+DIAGNOSE = "AUTOBALANCE_DIAGNOSE"
+"""``1`` in a run started by ``autobalance diagnose``: the runtime adds MemTracker's module breakdown."""

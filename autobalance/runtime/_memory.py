@@ -31,6 +31,8 @@ class CpuMemoryTracker(TorchDispatchMode):
         self.budget_bytes = budget_bytes
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.window_peak = 0
+        """Peak since :meth:`start_window` (the global ``peak_bytes`` is left alone)."""
         self._refs: dict[int, weakref.ref[Any]] = {}
         self._sizes: dict[int, int] = {}
 
@@ -58,6 +60,9 @@ class CpuMemoryTracker(TorchDispatchMode):
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
 
+    def start_window(self) -> None:
+        self.window_peak = self.live_bytes
+
     def _track(self, tensor: torch.Tensor) -> bool:
         if tensor.device.type != "cpu" or tensor.is_sparse:
             return False
@@ -73,6 +78,7 @@ class CpuMemoryTracker(TorchDispatchMode):
         self._sizes[key] = nbytes
         self.live_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self.window_peak = max(self.window_peak, self.live_bytes)
         return True
 
     def _make_release(self, key: int) -> Any:

@@ -1,0 +1,290 @@
+"""Where one rank's memory goes during the first optimizer step, and what the runtime can see of
+the usual causes of imbalance (for ``autobalance diagnose``).
+
+:class:`Plan` calls the ``on_*`` hooks at fixed points of its API; every figure is bytes of live
+tensors on the rank's device (the CPU tracker on CPU, the CUDA caching allocator on CUDA):
+
+- ``held_at_wrap``: live when ``plan.wrap()`` is entered (memory held before training, e.g. a
+  model loaded onto the device early or rank-0 extras), ``model_on_device_at_wrap`` of which is
+  the model's own parameters and buffers already on the device;
+- ``parameters``, ``buffers``; ``ddp_buckets``: growth across the DDP constructor;
+- ``gradients``: distinct gradient storages after the first backward;
+- ``optimizer_state``: growth across the first ``optimizer.step()`` (``optimizer_state_tensors``:
+  the bytes of the tensors in ``optimizer.state`` afterwards);
+- ``activations_peak``: peak during the first forward minus what was live before it;
+  ``first_backward_peak``: the same up to the end of the first backward (gradients included);
+- ``live_after_step``: live after the latest optimizer step (gradients already set to None):
+  subtracting parameters, buffers, DDP buckets and optimizer state leaves what the rank holds
+  outside training state (``held_outside_training``): extras such as an EMA copy or a cache.
+
+``torch.distributed._tools.mem_tracker.MemTracker`` is used for the category/module breakdown of
+the first step when ``AUTOBALANCE_DIAGNOSE=1`` (it works with DDP, checkpoint wrappers and
+autocast on this torch version). It only sees tensors created while it is active plus the model
+and optimizer, so the extras held before training come from the live-byte figures above.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from autobalance import _env
+
+__all__ = ["Breakdown"]
+
+
+def _storage_bytes(tensors: Any, device: torch.device) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.device.type != device.type:
+            continue
+        try:
+            storage = t.untyped_storage()
+        except (NotImplementedError, RuntimeError):
+            continue
+        key = storage.data_ptr()
+        if key in seen or storage.nbytes() == 0:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def _contains_data_parallel(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.DataParallel) for m in model.modules())
+
+
+def _autocast_state(device_type: str) -> dict[str, Any]:
+    try:
+        enabled = bool(torch.is_autocast_enabled(device_type))
+        dtype = str(torch.get_autocast_dtype(device_type)).replace("torch.", "") if enabled else None
+    except (TypeError, AttributeError, RuntimeError):
+        return {"enabled": None, "dtype": None}
+    return {"enabled": enabled, "dtype": dtype}
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    if isinstance(value, dict):
+        for item in value.values():
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+class Breakdown:
+    """Collects one rank's memory breakdown and flags; see the module docstring."""
+
+    def __init__(self, *, device: torch.device, tracker: Any) -> None:
+        self.device = device
+        self.tracker = tracker
+        self.figures: dict[str, int | None] = {}
+        self.flags: dict[str, Any] = {}
+        self.modules: list[dict[str, Any]] = []
+        self.categories: dict[str, int] | None = None
+        self.error: str | None = None
+        self._fwd_started = self._bwd_done = self._step_done = False
+        self._live_before_fwd = 0
+        self._live_before_opt = 0
+        self._peak_floor = (0, 0)
+        self._live_before_ddp = 0
+        self._wrapped: nn.Module | None = None
+        self._memtracker: Any = None
+        self._want_memtracker = os.environ.get(_env.DIAGNOSE) == "1"
+
+    # ------------------------------------------------------------------ measuring primitives
+    @property
+    def active(self) -> bool:
+        return self.device.type == "cuda" or self.tracker is not None
+
+    def live(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.memory_allocated(self.device))
+        return int(self.tracker.live_bytes) if self.tracker is not None else 0
+
+    def _start_window(self) -> None:
+        if self.device.type == "cuda":
+            self._peak_floor = (int(torch.cuda.max_memory_allocated(self.device)),
+                                int(torch.cuda.max_memory_reserved(self.device)))
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.tracker is not None:
+            self.tracker.start_window()
+
+    def _window_peak(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return int(self.tracker.window_peak) if self.tracker is not None else 0
+
+    def peak_floor(self) -> tuple[int, int]:
+        """Peaks (allocated, reserved) from before the CUDA peak statistics were reset."""
+        return self._peak_floor
+
+    # ------------------------------------------------------------------ hooks called by Plan
+    def on_wrap_entry(self, model: nn.Module) -> None:
+        self.flags["data_parallel"] = _contains_data_parallel(model)
+        if not self.active:
+            return
+        self.figures["held_at_wrap"] = self.live()
+        self.figures["model_on_device_at_wrap"] = _storage_bytes(
+            [*model.parameters(), *model.buffers()], self.device)
+
+    def on_model_moved(self, model: nn.Module) -> None:
+        self.figures["parameters"] = _storage_bytes(model.parameters(), self.device)
+        self.figures["buffers"] = _storage_bytes(model.buffers(), self.device)
+        self._live_before_ddp = self.live() if self.active else 0
+
+    def on_wrapped(self, wrapped: nn.Module, *, find_unused_parameters: bool, num_blocks: int,
+                   checkpointed: int, micro_batch: int) -> None:
+        if self.active:
+            self.figures["ddp_buckets"] = max(0, self.live() - self._live_before_ddp) \
+                if isinstance(wrapped, nn.parallel.DistributedDataParallel) else 0
+        self.flags.update({
+            "find_unused_parameters": find_unused_parameters, "num_blocks": num_blocks,
+            "checkpointed_blocks": checkpointed, "micro_batch": micro_batch,
+        })
+        handles: list[Any] = []
+
+        def pre_hook(_module: nn.Module, args: Any, kwargs: Any) -> None:
+            handles[0].remove()
+            self.flags["autocast"] = _autocast_state(self.device.type)
+            first = _first_tensor(args) if args else _first_tensor(kwargs)
+            self.flags["input_shape"] = list(first.shape) if first is not None else None
+            self.flags["input_numel"] = int(first.numel()) if first is not None else None
+
+        def post_hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            handles[1].remove()
+            out = _first_tensor(output)
+            self.flags["output_dtype"] = str(out.dtype).replace("torch.", "") if out is not None else None
+
+        handles.append(wrapped.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        handles.append(wrapped.register_forward_hook(post_hook))
+        self._wrapped = wrapped
+
+    def on_micro_step_entry(self) -> None:
+        if self._fwd_started or not self.active:
+            return
+        self._fwd_started = True
+        self._live_before_fwd = self.live()
+        self.figures["live_before_first_forward"] = self._live_before_fwd
+        self._start_window()
+        if self._want_memtracker and self._wrapped is not None:
+            self._enter_memtracker()
+
+    def on_backward_entry(self) -> None:
+        if self._fwd_started and not self._bwd_done and self.active and "activations_peak" not in self.figures:
+            self.figures["activations_peak"] = max(0, self._window_peak() - self._live_before_fwd)
+
+    def on_backward_exit(self, model: nn.Module | None) -> None:
+        if self._bwd_done or not self._fwd_started or not self.active:
+            return
+        self._bwd_done = True
+        self.figures["first_backward_peak"] = max(0, self._window_peak() - self._live_before_fwd)
+        if model is not None:
+            self.figures["gradients"] = _storage_bytes(
+                (p.grad for p in model.parameters() if p.grad is not None), self.device)
+
+    def on_optimizer_step_entry(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._step_done or not self.active:
+            return
+        self._live_before_opt = self.live()
+        if self._memtracker is not None:
+            try:
+                self._memtracker.track_external(optimizer)
+            except Exception as exc:
+                self._drop_memtracker(exc)
+
+    def on_optimizer_step_exit(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self.active:
+            return
+        if not self._step_done:
+            self._step_done = True
+            self.figures["optimizer_state"] = max(0, self.live() - self._live_before_opt)
+            self.figures["optimizer_state_tensors"] = _storage_bytes(
+                (t for state in optimizer.state.values() for t in state.values()), self.device)
+            self.figures["first_step_peak"] = max(0, self._window_peak() - self._live_before_fwd)
+            self._exit_memtracker()
+
+    def on_step_done(self) -> None:
+        if self.active:
+            self.figures["live_after_step"] = self.live()
+
+    # ------------------------------------------------------------------ MemTracker
+    def _enter_memtracker(self) -> None:
+        try:
+            from torch.distributed._tools.mem_tracker import MemTracker
+
+            tracker = MemTracker()
+            assert self._wrapped is not None
+            tracker.track_external(self._wrapped)
+            tracker.__enter__()
+            self._memtracker = tracker
+        except Exception as exc:
+            self._drop_memtracker(exc)
+
+    def _exit_memtracker(self) -> None:
+        tracker = self._memtracker
+        if tracker is None:
+            return
+        self._memtracker = None
+        try:
+            tracker.__exit__(None, None, None)
+            peak = tracker.get_tracker_snapshot("peak").get(self.device)
+            if peak is None and self.device.type == "cuda":
+                peak = next(iter(tracker.get_tracker_snapshot("peak").values()), None)
+            if peak:
+                self.categories = {str(getattr(k, "value", k)).lower(): int(v) for k, v in peak.items()}
+            rows: list[dict[str, Any]] = []
+            for stats in list(tracker.memory_tracking.values()):
+                fqn = str(stats.mod_fqn)
+                if fqn.count(".") > 3:
+                    continue
+                act = 0
+                for state, snaps in stats.snapshots.items():
+                    if "forward" not in str(getattr(state, "value", state)).lower():
+                        continue
+                    for snap in snaps:
+                        for dev_snap in snap.values():
+                            act = max(act, int(next((v for k, v in dev_snap.items()
+                                                     if str(getattr(k, "value", k)) == "Activation"), 0)))
+                rows.append({"module": fqn, "forward_activations": act,
+                             "local_peak": int(max(stats.local_peak.values(), default=0))})
+            rows.sort(key=lambda r: -int(r["forward_activations"]))
+            self.modules = rows[:8]
+        except Exception as exc:
+            self._drop_memtracker(exc)
+
+    def _drop_memtracker(self, exc: BaseException) -> None:
+        self.error = f"MemTracker: {type(exc).__name__}: {exc}"[:300]
+        tracker, self._memtracker = self._memtracker, None
+        if tracker is not None:
+            try:
+                tracker.__exit__(None, None, None)
+            except Exception:
+                pass
+        warnings.warn(f"autobalance: module breakdown unavailable ({self.error})", stacklevel=3)
+
+    # ------------------------------------------------------------------ report
+    def to_dict(self) -> dict[str, Any]:
+        fig = dict(self.figures)
+        after = fig.get("live_after_step")
+        if after is not None:
+            state = sum(int(fig.get(k) or 0) for k in ("parameters", "buffers", "ddp_buckets"))
+            state += int(fig.get("optimizer_state_tensors") or fig.get("optimizer_state") or 0)
+            fig["held_outside_training"] = max(0, after - state)
+        held = fig.get("held_at_wrap")
+        if held is not None:
+            fig["held_before_wrap_excluding_model"] = max(0, held - int(fig.get("model_on_device_at_wrap") or 0))
+        return {"bytes": fig, "flags": dict(self.flags), "memtracker_peak": self.categories,
+                "modules": self.modules, "error": self.error}
