@@ -7,7 +7,9 @@ tensors on the rank's device (the CPU tracker on CPU, the CUDA caching allocator
 - ``held_at_wrap``: live when ``plan.wrap()`` is entered (memory held before training, e.g. a
   model loaded onto the device early or rank-0 extras), ``model_on_device_at_wrap`` of which is
   the model's own parameters and buffers already on the device;
-- ``parameters``, ``buffers``; ``ddp_buckets``: growth across the DDP constructor;
+- ``parameters``, ``buffers``; ``ddp_buckets``: the DDP reducer's flat gradient buckets, one copy
+  of the trainable parameters (``ddp_constructor_growth`` is what the constructor allocated, which
+  on non-source ranks includes broadcast buffers that are freed later);
 - ``gradients``: distinct gradient storages after the first backward;
 - ``optimizer_state``: growth across the first ``optimizer.step()`` (``optimizer_state_tensors``:
   the bytes of the tensors in ``optimizer.state`` afterwards);
@@ -100,6 +102,7 @@ class Breakdown:
         self._live_before_opt = 0
         self._peak_floor = (0, 0)
         self._live_before_ddp = 0
+        self._trainable = 0
         self._wrapped: nn.Module | None = None
         self._memtracker: Any = None
         self._want_memtracker = os.environ.get(_env.DIAGNOSE) == "1"
@@ -143,13 +146,15 @@ class Breakdown:
     def on_model_moved(self, model: nn.Module) -> None:
         self.figures["parameters"] = _storage_bytes(model.parameters(), self.device)
         self.figures["buffers"] = _storage_bytes(model.buffers(), self.device)
+        self._trainable = _storage_bytes((p for p in model.parameters() if p.requires_grad), self.device)
         self._live_before_ddp = self.live() if self.active else 0
 
     def on_wrapped(self, wrapped: nn.Module, *, find_unused_parameters: bool, num_blocks: int,
                    checkpointed: int, micro_batch: int) -> None:
         if self.active:
-            self.figures["ddp_buckets"] = max(0, self.live() - self._live_before_ddp) \
-                if isinstance(wrapped, nn.parallel.DistributedDataParallel) else 0
+            ddp = isinstance(wrapped, nn.parallel.DistributedDataParallel)
+            self.figures["ddp_buckets"] = self._trainable if ddp else 0
+            self.figures["ddp_constructor_growth"] = max(0, self.live() - self._live_before_ddp) if ddp else 0
         self.flags.update({
             "find_unused_parameters": find_unused_parameters, "num_blocks": num_blocks,
             "checkpointed_blocks": checkpointed, "micro_batch": micro_batch,
