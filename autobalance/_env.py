@@ -60,3 +60,8 @@ DEVICE = "AUTOBALANCE_DEVICE"
 """``cpu`` or ``cuda``: the device the trial runs on (default: cuda when available)."""
 DIAGNOSE = "AUTOBALANCE_DIAGNOSE"
 """``1`` in a run started by ``autobalance diagnose``: the runtime adds MemTracker's module breakdown."""
+
+WARM = "AUTOBALANCE_WARM"
+"""Set to ``1`` in the processes of a warm worker pool: the script runs once per trial in one process."""
+POOL_DIR = "AUTOBALANCE_POOL_DIR"
+"""Directory through which the launcher hands trial requests to a warm pool."""

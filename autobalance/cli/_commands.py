@@ -57,6 +57,7 @@ def tune(
     max_accumulation: int | None = typer.Option(None, "--max-accumulation", help="[default: 8]."),
     on_error: str | None = typer.Option(None, "--on-error", help="After successes, a script error: stop (default) or continue."),
     runs_dir: str | None = typer.Option(None, "--runs-dir", help="Trial reports and logs [default: autobalance_runs]."),
+    cold: bool | None = typer.Option(None, "--cold", help="One torchrun job per trial (no warm worker pool)."),
     prune_factor: float | None = typer.Option(None, "--prune-factor", help="Stop trials slower than this x the best (0: off) [default: 1.5]."),
     nnodes: int | None = typer.Option(None, help="Nodes per trial (torchrun --nnodes)."),
     node_rank: int | None = typer.Option(None, "--node-rank", help="torchrun --node-rank."),
@@ -76,7 +77,7 @@ def tune(
             "memory_cap_gib": _parse_caps(memory_cap_gib), "headroom": headroom, "weight_spread": weight_spread,
             "weight_time": weight_time, "multi_objective": multi_objective, "strategy": strategy,
             "sampler": sampler, "seed": seed, "dtypes": _parse_list("--dtypes", dtypes),
-            "max_accumulation": max_accumulation, "on_error": on_error, "runs_dir": runs_dir, "prune_factor": prune_factor, "nnodes": nnodes,
+            "max_accumulation": max_accumulation, "on_error": on_error, "runs_dir": runs_dir, "prune_factor": prune_factor, "cold": cold, "nnodes": nnodes,
             "node_rank": node_rank, "rdzv_endpoint": rdzv_endpoint, "torchrun_args": torchrun_arg or None,
         }
         run_tune(flags=flags, config_path=config)

@@ -5,14 +5,17 @@ from __future__ import annotations
 from autobalance.launcher._outcome import STATUSES, TrialOutcome, classify, read_reports
 from autobalance.launcher._procs import become_subreaper, kill_trial_processes, trial_processes
 from autobalance.launcher._torchrun import TrialLaunch, build_command, run_trial, trial_environment
+from autobalance.launcher._warm import WarmPool, cold_reason
 
 __all__ = [
     "STATUSES",
     "TrialLaunch",
     "TrialOutcome",
+    "WarmPool",
     "become_subreaper",
     "build_command",
     "classify",
+    "cold_reason",
     "kill_trial_processes",
     "read_reports",
     "run_trial",

@@ -99,6 +99,14 @@ def _cap_for_rank(raw: str | None, rank: int) -> int | None:
     return values[rank]
 
 
+CURRENT_PLAN: Plan | None = None
+"""The plan most recently built in this process (the warm worker reports through it)."""
+
+
+def _warm() -> bool:
+    return os.environ.get(_env.WARM) == "1"
+
+
 def _set_parent_death_signal() -> None:
     """Die with the parent (torchrun's agent): a killed tuner must not leave workers behind."""
     if not sys.platform.startswith("linux"):
@@ -493,7 +501,7 @@ class Plan:
         if self._tracker is not None:
             self._tracker.__exit__(None, None, None)
             self._tracker = None
-        if dist.is_initialized():
+        if dist.is_initialized() and not _warm():
             dist.destroy_process_group()
         raise TrialComplete()
 
@@ -725,7 +733,9 @@ def plan(
         blocks=blocks,
         cap_bytes=cap_bytes,
     )
-    if result.in_trial:
+    global CURRENT_PLAN
+    CURRENT_PLAN = result
+    if result.in_trial and not _warm():
         sys.excepthook = result._on_uncaught
         atexit.register(result._on_exit)
     return result

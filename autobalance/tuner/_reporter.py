@@ -86,6 +86,9 @@ class RichReporter:
         if self._progress is not None and not predicted:
             self._progress.update(self._task, advance=0 if reused else 1, description=self._best_text)
 
+    def note(self, text: str) -> None:
+        self.console.print(f"[dim]{escape(text)}[/]")
+
     def end(self) -> None:
         if self._progress is not None:
             self._progress.stop()

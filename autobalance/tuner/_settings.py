@@ -73,6 +73,8 @@ class TuneSettings:
     """Largest gradient-accumulation count searched."""
     on_error: str = "stop"
     """After successful trials, a script error: ``stop`` the study or ``continue`` (mark it failed)."""
+    cold: bool = False
+    """One torchrun job per trial instead of the warm worker pool (always cold for multi-node trials)."""
     prune_factor: float = 1.5
     """Stop a trial once its median measured step is this many times the best feasible step time (0: never)."""
     runs_dir: str = "autobalance_runs"

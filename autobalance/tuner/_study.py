@@ -20,7 +20,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autobalance._config import BalanceConfig
 from autobalance._errors import LaunchError, TrialScriptError, UsageError
-from autobalance.launcher import TrialLaunch, TrialOutcome, run_trial
+from autobalance.launcher import TrialLaunch, TrialOutcome, WarmPool, cold_reason, run_trial
 from autobalance.tuner._objective import TrialFigures, figures_from_outcome
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._space import SearchSpace
@@ -46,6 +46,7 @@ ATTR_DEVICE = "autobalance:device"
 ATTR_SCRIPT_SHA = "autobalance:script_sha256"
 CONSTRAINTS_KEY = "constraints"  # the legacy system attribute: read by every sampler and by optuna-dashboard
 MAX_CRASHES_IN_A_ROW = 3
+_WARM_PRUNE_MIN_STEPS = 20
 
 
 @dataclass(kw_only=True)
@@ -114,6 +115,8 @@ class Tuner:
         self._measured: dict[str, FrozenTrial] = {}
         self.trials_run = 0
         self.advisor: Any = None
+        self.pool: WarmPool | None = None
+        self.cold_note: str | None = None
 
     # ------------------------------------------------------------------ study set-up
     def _open_study(self) -> optuna.Study:
@@ -187,20 +190,46 @@ class Tuner:
         if heartbeat_trial_id is not None:
             beat = threading.Thread(target=self._heartbeat, args=(heartbeat_trial_id, stop), daemon=True)
             beat.start()
+        # Pruning a warm trial kills the pool (restart: seconds); worth it only for long trials.
+        prune = trial is not None and s.prune_factor > 0 and (s.cold or s.nnodes > 1 or s.steps >= _WARM_PRUNE_MIN_STEPS)
         pruner = _Pruner(trial=trial, trial_dir=trial_dir, best_step_s=self._best_step_s(study),
-                         factor=s.prune_factor) if trial is not None else None
+                         factor=s.prune_factor) if prune and trial is not None else None
 
         def on_poll(elapsed: float) -> bool:
             self.reporter.tick(number, elapsed)
             return pruner.should_stop() if pruner is not None else False
 
         try:
+            pool = self._pool(launch)
+            if pool is not None:
+                return pool.run(launch, on_poll=on_poll)
             return run_trial(launch, on_poll=on_poll)
         finally:
             stop.set()
             if beat is not None:
                 beat.join(timeout=5)
             self.trials_run += 1
+
+    def _pool(self, launch: TrialLaunch) -> WarmPool | None:
+        """The warm pool, created on first use; None when trials must run cold."""
+        s = self.settings
+        if s.cold or s.nnodes > 1:
+            return None
+        if self.pool is None:
+            reason = cold_reason(s.script)
+            if reason is not None:
+                self.cold_note = f"Cold trials (one torchrun per trial): {reason}."
+                self.reporter.note(self.cold_note)
+                s.cold = True
+                return None
+            pool_dir = os.path.abspath(os.path.join(s.runs_dir, s.study_name))
+            self.pool = WarmPool(template=launch, pool_dir=pool_dir)
+        return self.pool
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
 
     @staticmethod
     def _best_step_s(study: optuna.Study) -> float | None:
@@ -332,12 +361,15 @@ class Tuner:
         space_dict = study.user_attrs.get(ATTR_SPACE)
         space = SearchSpace.from_dict(space_dict) if space_dict else None
         self.reporter.begin(s, already=self.counted_trials(study))
-        if space is None:
-            space = self._baseline(study)
-        if self.advisor is None and s.strategy == "model":
-            self.advisor = _make_advisor(space=space, settings=s)
-        while self.counted_trials(study) < s.trials:
-            self._one_trial(study, space)
+        try:
+            if space is None:
+                space = self._baseline(study)
+            if self.advisor is None and s.strategy == "model":
+                self.advisor = _make_advisor(space=space, settings=s)
+            while self.counted_trials(study) < s.trials:
+                self._one_trial(study, space)
+        finally:
+            self.close()
         best = best_trial(study)
         base_no = study.user_attrs.get(ATTR_BASELINE)
         baseline = study.trials[base_no] if base_no is not None else None
@@ -354,6 +386,8 @@ class Tuner:
             result.notes.append(f"{predicted} configuration(s) predicted to run out of memory were recorded without launching.")
         if pruned:
             result.notes.append(f"{pruned} trial(s) were stopped early (pruned) as clearly slower than the best.")
+        if self.cold_note:
+            result.notes.append(self.cold_note)
         if self.advisor is not None:
             error = self.advisor.holdout_error(study)
             if error is not None:
@@ -468,6 +502,7 @@ class _NullReporter:
     def begin(self, settings: TuneSettings, *, already: int) -> None: ...
     def start(self, number: int, config: BalanceConfig | None, *, baseline: bool = False) -> None: ...
     def tick(self, number: int, elapsed: float) -> None: ...
+    def note(self, text: str) -> None: ...
     def finish(self, trial: FrozenTrial, best: FrozenTrial | None, *, reused: bool = False,
                predicted: bool = False) -> None: ...
 

@@ -1,0 +1,181 @@
+"""Warm trials: torchrun is started once and its workers run one trial after another.
+
+Each rank runs :mod:`autobalance.runtime._worker`, which keeps the process group, the CUDA
+context and the imported modules. A trial is handed over as ``request-<N>.json`` in the pool
+directory; the result is the same per-rank reports a cold trial writes. A trial that fails (OOM,
+error, hang) poisons the group: the whole pool is killed (tree kill, as for cold trials) and the
+next trial starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+
+from autobalance import _env
+from autobalance._errors import LaunchError
+from autobalance.launcher._outcome import TrialOutcome, classify, read_reports
+from autobalance.launcher._procs import become_subreaper, kill_trial_processes, parent_death_signal
+from autobalance.launcher._torchrun import TrialLaunch, trial_environment
+
+__all__ = ["WarmPool", "cold_reason"]
+
+_FAILURE_GRACE_S = 10.0
+_PER_TRIAL_KEYS = (_env.TRIAL_DIR, _env.CONFIG, _env.GLOBAL_BATCH, "PYTHONUNBUFFERED")
+_FORKING = re.compile(r"\b(mp\.spawn|multiprocessing\.spawn|os\.fork|torch\.multiprocessing\.spawn)\b")
+
+
+def cold_reason(script: str) -> str | None:
+    """Why ``script`` cannot run warm (one line), or None. Scripts declare it with ``# autobalance: cold``."""
+    try:
+        with open(script, errors="replace") as fh:
+            source = fh.read()
+    except OSError:
+        return None
+    if "# autobalance: cold" in source:
+        return f"{script} declares '# autobalance: cold'"
+    match = _FORKING.search(source)
+    if match:
+        return f"{script} starts processes itself ({match.group(0)}), which a warm worker cannot re-run"
+    return None
+
+
+class WarmPool:
+    """One long-lived torchrun job whose workers run trials on request."""
+
+    def __init__(self, *, template: TrialLaunch, pool_dir: str, start_timeout_s: float = 300.0) -> None:
+        self.template = template
+        self.pool_dir = pool_dir
+        self.start_timeout_s = start_timeout_s
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.pool_id = ""
+        self.seq = 0
+        self.starts = 0
+        self._dir = ""
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def _start(self) -> None:
+        become_subreaper()
+        self.pool_id = uuid.uuid4().hex
+        self._dir = os.path.join(self.pool_dir, f"pool-{self.starts:03d}-{self.pool_id[:8]}")
+        os.makedirs(self._dir, exist_ok=True)
+        self.starts += 1
+        self.seq = 0
+        t = self.template
+        launch = TrialLaunch(
+            script="-m", script_args=["autobalance.runtime._worker", t.script, *t.script_args],
+            nproc_per_node=t.nproc_per_node, nnodes=t.nnodes, node_rank=t.node_rank,
+            rdzv_endpoint=t.rdzv_endpoint, torchrun_args=t.torchrun_args, device=t.device, steps=t.steps,
+            warmup=t.warmup, memory_cap_bytes=t.memory_cap_bytes, trial_dir=self._dir, timeout_s=t.timeout_s,
+            pg_timeout_s=t.pg_timeout_s, env=dict(t.env), trial_id=self.pool_id,
+        )
+        env = trial_environment(launch)
+        for key in _PER_TRIAL_KEYS:
+            env.pop(key, None)
+        env.update({_env.WARM: "1", _env.POOL_DIR: self._dir, "PYTHONUNBUFFERED": "1"})
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(t.nproc_per_node),
+               "--max-restarts", "0", "--log-dir", os.path.join(self._dir, "logs"), "--redirects", "3",
+               "--standalone", *t.torchrun_args, "-m", "autobalance.runtime._worker", t.script, *t.script_args]
+        with open(os.path.join(self._dir, "torchrun.log"), "wb") as log:
+            try:
+                self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, start_new_session=True,
+                                             preexec_fn=parent_death_signal)
+            except OSError as exc:
+                raise LaunchError(f"could not start the warm pool's torchrun ({exc}).") from exc
+
+    def close(self) -> None:
+        """Stop the workers (they exit at the next poll) and make sure no process is left."""
+        if self.proc is None:
+            return
+        if self.alive:
+            with open(os.path.join(self._dir, "stop"), "w"):
+                pass
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
+        kill_trial_processes(self.pool_id, roots=(self.proc.pid,) if self.alive else (), grace_s=3.0)
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+        self.proc = None
+
+    # ------------------------------------------------------------------ trials
+    def run(self, launch: TrialLaunch, *, poll_s: float = 0.02,
+            on_poll: Callable[[float], bool | None] | None = None) -> TrialOutcome:
+        if not self.alive:
+            if self.proc is not None:
+                self.close()
+            self._start()
+        os.makedirs(launch.trial_dir, exist_ok=True)
+        env = trial_environment(launch)
+        request = {"env": {k: env[k] for k in _PER_TRIAL_KEYS if k in env}, "trial_id": launch.trial_id}
+        if launch.config_json is None:
+            request["env"].pop(_env.CONFIG, None)
+        path = os.path.join(self._dir, f"request-{self.seq}.json")
+        with open(path + ".tmp", "w") as fh:
+            json.dump(request, fh)
+        os.replace(path + ".tmp", path)
+        self.seq += 1
+        start = time.monotonic()
+        timed_out = interrupted = pruned = False
+        failed_at: float | None = None
+        done = False
+        try:
+            while True:
+                reports, problems = read_reports(launch.trial_dir, launch.world_size)
+                if len(reports) == launch.world_size and all(r["status"] == "ok" for r in reports.values()):
+                    done = True
+                    break
+                if problems or any(r["status"] in ("oom", "error") for r in reports.values()):
+                    failed_at = failed_at or time.monotonic()
+                if not self.alive:
+                    break
+                if failed_at is not None and time.monotonic() - failed_at > _FAILURE_GRACE_S:
+                    break
+                elapsed = time.monotonic() - start
+                if elapsed > launch.timeout_s + (self.start_timeout_s if self.seq == 1 else 0.0):
+                    timed_out = True
+                    break
+                if on_poll is not None and on_poll(elapsed):
+                    pruned = True
+                    break
+                time.sleep(poll_s)
+        except KeyboardInterrupt as exc:
+            self.close()
+            outcome = classify(trial_dir=launch.trial_dir, world_size=launch.world_size, returncode=None,
+                               timed_out=False, interrupted=True, wall_s=time.monotonic() - start,
+                               timeout_s=launch.timeout_s)
+            exc.outcome = outcome  # type: ignore[attr-defined]
+            raise
+        returncode: int | None = 0
+        if not done:
+            returncode = self.proc.poll() if self.proc is not None else None
+            self._copy_logs(launch.trial_dir)
+            self.close()
+        outcome = classify(trial_dir=launch.trial_dir, world_size=launch.world_size,
+                           returncode=None if timed_out else returncode, timed_out=timed_out,
+                           interrupted=interrupted, wall_s=time.monotonic() - start, timeout_s=launch.timeout_s,
+                           pruned=pruned)
+        return outcome
+
+    def _copy_logs(self, trial_dir: str) -> None:
+        """The pool's per-rank logs go with a failed trial (classify reads tracebacks from them)."""
+        src = os.path.join(self._dir, "logs")
+        dst = os.path.join(trial_dir, "logs")
+        if os.path.isdir(src) and not os.path.exists(dst):
+            try:
+                os.symlink(src, dst)
+            except OSError:
+                pass

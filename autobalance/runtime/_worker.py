@@ -1,0 +1,168 @@
+"""The warm worker: one per rank, started once by torchrun, runs the user's script once per trial.
+
+    torchrun ... -m autobalance.runtime._worker SCRIPT [ARGS...]
+
+It keeps the process group, the CUDA context and the imported modules between trials, and resets
+what a trial leaves behind: peak-memory statistics, the caching allocator, RNG seeds and the
+plan's CPU tracker. Requests come from the launcher as ``request-<N>.json`` files in
+``AUTOBALANCE_POOL_DIR`` (``stop`` ends the worker). A trial that fails poisons the process group:
+the worker writes its report and exits, and the launcher restarts the pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+from typing import Any
+
+from autobalance import _env
+
+_POLL_S = 0.01
+
+
+def _patch_process_group_lifecycle() -> None:
+    """The script's own ``init_process_group``/``destroy_process_group`` become safe to repeat."""
+    import torch.distributed as dist
+
+    original_init = dist.init_process_group
+
+    def init_process_group(*args: Any, **kwargs: Any) -> None:
+        if not dist.is_initialized():
+            original_init(*args, **kwargs)
+
+    def destroy_process_group(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    dist.init_process_group = init_process_group  # type: ignore[assignment]
+    dist.destroy_process_group = destroy_process_group  # type: ignore[assignment]
+
+
+def _init(device: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=int(os.environ.get(_env.PG_TIMEOUT_S, "60")))
+    if device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", local))
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+
+
+def _reset_between_trials(device: str) -> None:
+    import torch
+
+    gc.collect()
+    torch.manual_seed(0)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _wait_for_request(pool_dir: str, seq: int) -> dict[str, Any] | None:
+    path = os.path.join(pool_dir, f"request-{seq}.json")
+    stop = os.path.join(pool_dir, "stop")
+    while True:
+        if os.path.exists(path):
+            with open(path) as fh:
+                request: dict[str, Any] = json.load(fh)
+            return request
+        if os.path.exists(stop):
+            return None
+        time.sleep(_POLL_S)
+
+
+def _apply_environment(request: dict[str, Any], base_env: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(base_env)
+    os.environ.update(request["env"])
+
+
+def _run_script(script: str, args: list[str]) -> tuple[str, BaseException | None, str]:
+    """``ok`` | ``exit`` (the script ended without finishing the trial) | ``raised``."""
+    from autobalance.runtime._plan import TrialComplete
+
+    sys.argv = [script, *args]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except TrialComplete:
+        return "ok", None, ""
+    except SystemExit as exc:
+        return "exit", exc, ""
+    except BaseException as exc:
+        return "raised", exc, traceback.format_exc()
+    return "exit", None, ""
+
+
+def _report_failure(exc: BaseException, text: str) -> int:
+    from autobalance.runtime import _plan
+
+    status = _plan.classify_exception(exc)
+    sys.stderr.write(text)
+    plan = _plan.CURRENT_PLAN
+    if plan is not None:
+        with contextlib.suppress(Exception):
+            plan._write(status, error=f"{type(exc).__name__}: {exc}"[:2000], tb=text[-20000:])
+    return _env.OOM_EXIT_CODE if status == "oom" else _env.ERROR_EXIT_CODE
+
+
+def main(argv: list[str]) -> None:
+    if not argv:
+        sys.stderr.write("usage: python -m autobalance.runtime._worker SCRIPT [ARGS...]\n")
+        os._exit(2)
+    script, args = argv[0], argv[1:]
+    pool_dir = os.environ[_env.POOL_DIR]
+    device = os.environ.get(_env.DEVICE, "cpu")
+    from autobalance.runtime._plan import _set_parent_death_signal
+
+    _set_parent_death_signal()
+    _init(device)
+    _patch_process_group_lifecycle()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    base_env = dict(os.environ)
+    seq = 0
+    while True:
+        request = _wait_for_request(pool_dir, seq)
+        if request is None:
+            break
+        _apply_environment(request, base_env)
+        _reset_between_trials(device)
+        from autobalance.runtime import _plan
+
+        _plan.CURRENT_PLAN = None
+        outcome, exc, text = _run_script(script, args)
+        plan = _plan.CURRENT_PLAN
+        if outcome == "raised" and exc is not None:
+            code = _report_failure(exc, text)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        if outcome == "exit":
+            # the script ended without finishing the trial's steps: report it, then leave the pool
+            if plan is not None:
+                plan._on_exit()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(_env.ERROR_EXIT_CODE)
+        if plan is not None and plan._tracker is not None:
+            plan._tracker.__exit__(None, None, None)
+        del plan
+        seq += 1
+    import torch.distributed as dist
+
+    with contextlib.suppress(Exception):
+        dist.barrier()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
