@@ -46,7 +46,10 @@ def run_command(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def main() -> None:
-    from autobalance.cli import _commands  # noqa: F401  (registers the commands)
+    from autobalance.cli import (
+        _commands,  # noqa: F401  (registers the commands)
+        _report_cmds,  # noqa: F401
+    )
 
     try:
         app()

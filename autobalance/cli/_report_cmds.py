@@ -1,0 +1,105 @@
+"""``autobalance report``, ``dashboard`` and ``diagnose``: seeing the imbalance."""
+
+from __future__ import annotations
+
+import typer
+
+from autobalance.cli._app import app, run_command
+
+_CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+@app.command()
+def report(
+    study_name: str = typer.Option(..., "--study-name", help="Study to report on."),
+    storage: str = typer.Option("sqlite:///autobalance.db", help="Study database URL."),
+    output: str = typer.Option("report.html", "-o", "--output", help="HTML file to write (one offline file)."),
+    png: str | None = typer.Option(None, "--png", help="Also write static PNG charts into this directory."),
+) -> None:
+    """Write one offline HTML file: per-rank peaks per trial, step time vs spread, baseline vs best, importances."""
+
+    def go() -> None:
+        from autobalance.cli._tune import quiet_optuna
+        from autobalance.report import build_report
+        from autobalance.store import check_storage
+        from autobalance.tuner import load_study
+
+        quiet_optuna()
+        url = check_storage(storage)
+        study = load_study(study_name=study_name, storage_url=url)
+        files = build_report(study, output_html=output, png_dir=png)
+        typer.echo(f"Wrote {files.html}")
+        for path in files.pngs:
+            typer.echo(f"Wrote {path}")
+
+    run_command(go)
+
+
+@app.command()
+def dashboard(
+    storage: str = typer.Option("sqlite:///autobalance.db", help="Study database URL."),
+    host: str = typer.Option("127.0.0.1", help="Address to bind (127.0.0.1: this machine only)."),
+    port: int = typer.Option(8080, help="Port to listen on."),
+) -> None:
+    """Start optuna-dashboard on the studies, with each trial's per-rank memory chart as an artifact."""
+
+    def go() -> None:
+        from autobalance.cli._tune import quiet_optuna
+        from autobalance.report import serve_dashboard
+        from autobalance.store import check_storage
+
+        quiet_optuna()
+        url = check_storage(storage)
+        serve_dashboard(url, host=host, port=port, echo=lambda text: typer.echo(text))
+
+    run_command(go)
+
+
+@app.command(context_settings=_CONTEXT)
+def diagnose(
+    ctx: typer.Context,
+    script: str = typer.Argument(..., help="Training script that uses autobalance.plan(); its own arguments follow."),
+    nproc_per_node: int = typer.Option(2, "--nproc-per-node", help="Ranks (one per GPU)."),
+    device: str | None = typer.Option(None, help="cpu or cuda [default: cuda when available]."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    memory_cap_gib: str | None = typer.Option(None, "--memory-cap-gib", help="Emulated capacity: X or X,Y,... per rank."),
+    steps: int = typer.Option(2, help="Measured optimizer steps."),
+    warmup: int = typer.Option(1, help="Warm-up optimizer steps (the breakdown is taken on the first)."),
+    trial_timeout: float = typer.Option(300.0, "--trial-timeout", help="Seconds for the run, start-up included."),
+    runs_dir: str = typer.Option("autobalance_runs", "--runs-dir", help="Where the reports and logs go."),
+) -> None:
+    """One short run at the script's own configuration: per-rank memory breakdown and likely causes."""
+
+    def go() -> None:
+        import json
+
+        from rich.console import Console
+
+        from autobalance._errors import UsageError
+        from autobalance.cli._commands import _parse_caps
+        from autobalance.cli._tune import _default_device
+        from autobalance.report import print_diagnosis, run_diagnose
+
+        dev = device or _default_device()
+        if dev not in ("cpu", "cuda"):
+            raise UsageError(f"--device={dev!r} is not supported; use cpu or cuda.")
+        if dev == "cuda":
+            import torch
+
+            if nproc_per_node > torch.cuda.device_count():
+                raise UsageError(f"--nproc-per-node={nproc_per_node} is larger than the {torch.cuda.device_count()} "
+                                 "visible GPU(s).")
+        err = Console(stderr=True)
+        if not as_json:
+            err.print(f"Running {script} at its own configuration on {nproc_per_node} {dev} rank(s)...")
+        diag = run_diagnose(
+            script=script, script_args=list(ctx.args), nproc_per_node=nproc_per_node, device=dev,
+            memory_cap_gib=_parse_caps(memory_cap_gib), memory_cap_text=memory_cap_gib, steps=steps, warmup=warmup,
+            timeout_s=trial_timeout, runs_dir=runs_dir,
+        )
+        if as_json:
+            typer.echo(json.dumps(diag.to_dict(), indent=1, default=str))
+        else:
+            print_diagnosis(diag, console=Console())
+
+    run_command(go)
