@@ -96,10 +96,11 @@ def main() -> None:
     args = parse_args()
     plan = ab.plan(micro_batch=args.micro_batch, accumulation=args.accumulation, dtype=args.dtype)  # ab
     torch.manual_seed(0)
-    model = GPT(
-        vocab=args.vocab, block_size=args.block_size, n_layer=args.n_layer,
-        n_embd=args.n_embd, n_head=args.n_head, dropout=args.dropout,
-    )
+    with torch.device(plan.device):  # build the weights where they train (fast for big models)
+        model = GPT(
+            vocab=args.vocab, block_size=args.block_size, n_layer=args.n_layer,
+            n_embd=args.n_embd, n_head=args.n_head, dropout=args.dropout,
+        )
     model = plan.wrap(model)  # ab: checkpointing of the chosen blocks, then DDP
     raw = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 

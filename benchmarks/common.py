@@ -1,0 +1,67 @@
+"""Shared pieces of the GPU benchmarks: the GPT benchmark scenario and result writing."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+GPT = str(REPO / "examples" / "gpt" / "train.py")
+
+# The benchmark scenario: a ~270M-parameter GPT (16 x 1024, 1024 tokens, 32k vocabulary) whose
+# rank 0 holds an EMA copy of the weights and a 3 GiB cached validation batch (~4 GiB of extras).
+GPT_ARGS = ["--n-layer", "16", "--n-embd", "1024", "--n-head", "16", "--block-size", "1024",
+            "--vocab", "32768", "--samples", "256", "--micro-batch", "8", "--val-cache-mib", "3072",
+            "--dropout", "0.0"]
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {"python": sys.version.split()[0], "host": platform.node()}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["cuda"] = torch.version.cuda
+        if torch.cuda.is_available():
+            info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except ImportError:
+        pass
+    try:
+        info["nvidia_smi"] = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return info
+
+
+def write_result(name: str, data: dict[str, Any]) -> str:
+    out = os.environ.get("OUT") or str(REPO / "benchmarks" / "results")
+    os.makedirs(out, exist_ok=True)
+    data = {"benchmark": name, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine(), **data}
+    path = os.path.join(out, f"{name}.json")
+    with open(path, "w") as fh:
+        json.dump(data, fh, indent=1, default=str)
+    print(f"wrote {path}", flush=True)
+    return path
+
+
+def per_rank(outcome: Any) -> dict[str, Any]:
+    """Per-rank figures of a launcher outcome, in GiB and ms."""
+    ranks = {}
+    for r, rep in sorted(outcome.reports.items()):
+        mem = rep["memory"]
+        ranks[r] = {
+            "peak_device_gib": mem["peak_device"] / 2**30,
+            "peak_reserved_gib": mem["peak_reserved"] / 2**30,
+            "peak_allocated_gib": mem["peak_allocated"] / 2**30,
+            "outside_pytorch_gib": mem["outside_pytorch"] / 2**30,
+            "nvml_used_peak_gib": (mem["nvml_used_peak"] or 0) / 2**30,
+            "step_time_ms": (rep["step_time_s"] or 0) * 1000,
+            "startup_s": (rep.get("timing") or {}).get("startup_s"),
+        }
+    return ranks
