@@ -392,9 +392,9 @@ def print_diagnosis(diag: Diagnosis, *, console: Any = None) -> None:
             console.print(f"[dim]MemTracker, rank {rank} at its first-step peak: {escape(parts)}[/]")
     console.print("[bold]Likely causes, largest first[/]")
     for i, f in enumerate(diag.findings, 1):
-        size = f" [bold]{fmt_bytes(f.size_bytes)}[/]" if f.size_bytes is not None else ""
-        console.print(f"{i}. [bold]{escape(f.title)}[/]{size} (rank {', '.join(map(str, f.ranks))})")
-        console.print(f"   {escape(f.detail)}")
+        size = f"size [bold]{fmt_bytes(f.size_bytes)}[/], " if f.size_bytes is not None else ""
+        console.print(f"{i}. [bold]{escape(f.title)}[/]")
+        console.print(f"   {size}rank(s) {', '.join(map(str, f.ranks))}. {escape(f.detail)}")
         console.print(f"   [green]What to do:[/] {escape(f.action)}")
         if f.command:
             console.print(f"   [green]Run:[/] {escape(f.command)}", soft_wrap=True)
