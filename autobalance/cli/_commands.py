@@ -9,7 +9,7 @@ from typing import Any
 import typer
 
 from autobalance._errors import UsageError
-from autobalance.cli._app import app, run_command
+from autobalance.cli._app import app, existing_storage, run_command
 
 _CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
 
@@ -47,6 +47,7 @@ def tune(
     trial_timeout: float | None = typer.Option(None, "--trial-timeout", help="Seconds per trial, start-up included [default: 300]."),
     memory_cap_gib: str | None = typer.Option(None, "--memory-cap-gib", help="Emulated capacity: X or X,Y,... per rank."),
     headroom: float | None = typer.Option(None, help="Fraction of capacity kept free [default: 0.05]."),
+    cap_mode: str | None = typer.Option(None, "--cap-mode", help="enforce (ranks run under the cap, default) or judge (run uncapped, judge peaks against it)."),
     weight_spread: float | None = typer.Option(None, "--weight-spread", help="Weight of the spread (fraction of capacity) [default: 1]."),
     weight_time: float | None = typer.Option(None, "--weight-time", help="Weight of step time / baseline step time [default: 1]."),
     multi_objective: bool | None = typer.Option(None, "--multi-objective/--single-objective", help="Spread and step time as two objectives."),
@@ -74,7 +75,7 @@ def tune(
             "script": script, "script_args": list(ctx.args) or None, "trials": trials,
             "nproc_per_node": nproc_per_node, "device": device, "global_batch": global_batch, "steps": steps,
             "warmup": warmup, "storage": storage, "study_name": study_name, "trial_timeout": trial_timeout,
-            "memory_cap_gib": _parse_caps(memory_cap_gib), "headroom": headroom, "weight_spread": weight_spread,
+            "memory_cap_gib": _parse_caps(memory_cap_gib), "headroom": headroom, "cap_mode": cap_mode, "weight_spread": weight_spread,
             "weight_time": weight_time, "multi_objective": multi_objective, "strategy": strategy,
             "sampler": sampler, "seed": seed, "dtypes": _parse_list("--dtypes", dtypes),
             "max_accumulation": max_accumulation, "on_error": on_error, "runs_dir": runs_dir, "prune_factor": prune_factor, "cold": cold, "nnodes": nnodes,
@@ -92,7 +93,7 @@ def studies(storage: str = typer.Option("sqlite:///autobalance.db", help="Study 
     def go() -> None:
         from autobalance.cli._views import print_studies
 
-        print_studies(storage)
+        print_studies(existing_storage(storage))
 
     run_command(go)
 
@@ -108,7 +109,7 @@ def trials(
     def go() -> None:
         from autobalance.cli._views import print_trials
 
-        print_trials(study_name=study_name, storage=storage, as_json=as_json)
+        print_trials(study_name=study_name, storage=existing_storage(storage), as_json=as_json)
 
     run_command(go)
 
@@ -130,7 +131,7 @@ def promote(
         from autobalance.tuner._promote import save_trial
         from autobalance.tuner._storage import load_study
 
-        url = check_storage(storage)
+        url = check_storage(existing_storage(storage))
         study = load_study(study_name=study_name, storage_url=url)
         saved = save_trial(storage_url=url, study=study, trial_number=trial, action="promote")
         typer.echo(f"Saved trial {saved.trial_number} of '{study_name}' as its best configuration.")
@@ -152,7 +153,7 @@ def best(
 
         if format not in ("table", "json", "yaml"):
             raise UsageError(f"--format={format!r} is unknown; use table, json or yaml.")
-        url = check_storage(storage)
+        url = check_storage(existing_storage(storage))
         with ConfigStore(url=url) as store:
             print_saved(store.load(study_name), fmt=format)
 
@@ -170,7 +171,7 @@ def export(
     def go() -> None:
         from autobalance.store import ConfigStore, check_storage, export_file
 
-        url = check_storage(storage)
+        url = check_storage(existing_storage(storage))
         with ConfigStore(url=url) as store:
             path = export_file(store.load(study_name), output)
         typer.echo(f"Wrote {path}. Use it with AUTOBALANCE_CONFIG_FILE={path} torchrun ...")

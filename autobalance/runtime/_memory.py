@@ -104,7 +104,19 @@ class NvmlDevice:
         self._handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
 
     def used_bytes(self) -> int:
+        """Device-wide use: includes every process on this GPU."""
         return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
+
+    def process_used_bytes(self, pid: int | None = None) -> int | None:
+        """This process's use of the device (CUDA context and NCCL buffers included), or None
+        where NVML cannot attribute memory to processes (e.g. some containers)."""
+        pid = os.getpid() if pid is None else pid
+        try:
+            procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
+        except Exception:
+            return None
+        used = [p.usedGpuMemory for p in procs if p.pid == pid and p.usedGpuMemory is not None]
+        return int(sum(used)) if used else None
 
     def total_bytes(self) -> int:
         return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).total)

@@ -53,6 +53,9 @@ class TuneSettings:
     """Hard wall-clock limit per trial in seconds (start-up included)."""
     memory_cap_gib: list[float] | None = None
     """Emulated capacity per rank in GiB (one value = every rank)."""
+    cap_mode: str = "enforce"
+    """``enforce``: ranks run under the cap (allocator fraction / CPU budget) and really OOM;
+    ``judge``: ranks run uncapped and a peak above the cap is judged infeasible (no OOM, no restarts)."""
     headroom: float = 0.05
     """Fraction of capacity that must stay free; more is infeasible."""
     weight_spread: float = 1.0
@@ -106,6 +109,8 @@ class TuneSettings:
             raise UsageError(
                 f"--weight-spread={self.weight_spread:g} / --weight-time={self.weight_time:g} must be >= 0 and not both 0."
             )
+        if self.cap_mode not in ("enforce", "judge"):
+            raise UsageError(f"--cap-mode={self.cap_mode!r} is unknown; use enforce or judge.")
         if self.sampler not in SAMPLERS:
             raise UsageError(f"--sampler={self.sampler!r} is unknown; use one of {', '.join(SAMPLERS)}.")
         if self.strategy not in STRATEGIES:
@@ -157,6 +162,27 @@ def _positive(name: str, value: int) -> None:
         raise UsageError(f"{name}={value} must be at least 1.")
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _toml_type_problem(annotation: str, value: Any) -> str | None:
+    """What ``value`` should have been for a field annotated ``annotation`` (None: it fits)."""
+    kind = annotation.replace(" | None", "")
+    checks: dict[str, tuple[str, Any]] = {
+        "int": ("a whole number", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+        "float": ("a number", _is_number),
+        "str": ("a string", lambda v: isinstance(v, str)),
+        "bool": ("true or false", lambda v: isinstance(v, bool)),
+        "list[str]": ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
+        "list[float]": ("a number or a list of numbers", lambda v: isinstance(v, list) and all(_is_number(x) for x in v)),
+    }
+    if kind not in checks:
+        return None
+    description, ok = checks[kind]
+    return None if ok(value) else description
+
+
 def default_study_name(script: str) -> str:
     path = os.path.abspath(script)
     parent = os.path.basename(os.path.dirname(path))
@@ -182,7 +208,16 @@ def load_toml(path: str) -> dict[str, Any]:
             raise UsageError(f"--config={path!r} has unknown key {key!r}; known keys: {', '.join(sorted(known))}.")
         values[name] = value
     if "memory_cap_gib" in values and not isinstance(values["memory_cap_gib"], list):
-        values["memory_cap_gib"] = [float(values["memory_cap_gib"])]
+        values["memory_cap_gib"] = [values["memory_cap_gib"]]
+    annotations = {f.name: str(f.type) for f in fields(TuneSettings)}
+    for name, value in values.items():
+        expected = _toml_type_problem(annotations[name], value)
+        if expected is not None:
+            raise UsageError(f"--config={path!r} has {name} = {value!r}, which is not {expected}; fix that key.")
+        if annotations[name].startswith("float") and not isinstance(value, bool):
+            values[name] = float(value)
+        elif annotations[name].startswith("list[float]"):
+            values[name] = [float(v) for v in value]
     if "script" in values:
         base = os.path.dirname(os.path.abspath(path))
         candidate = values["script"]

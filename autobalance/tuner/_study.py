@@ -24,7 +24,8 @@ from autobalance.launcher import TrialLaunch, TrialOutcome, WarmPool, cold_reaso
 from autobalance.tuner._objective import TrialFigures, figures_from_outcome
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._space import SearchSpace
-from autobalance.tuner._storage import mask, open_storage
+from autobalance.tuner._storage import heartbeat_interval_s, mask, open_storage
+from autobalance.tuner._workers import NOT_COUNTED, BaselineClaim, fail_stale_trials, worker_id
 
 __all__ = [
     "ATTR_BASELINE",
@@ -107,7 +108,8 @@ def script_sha256(path: str) -> str:
 class Tuner:
     """Runs ``settings.trials`` trials of one study (continuing an existing one)."""
 
-    def __init__(self, *, settings: TuneSettings, reporter: Any = None) -> None:
+    def __init__(self, *, settings: TuneSettings, reporter: Any = None, pool: WarmPool | None = None) -> None:
+        """``pool``: a warm pool shared with other tuners of the same script (the caller closes it)."""
         self.settings = settings
         self.reporter = reporter or _NullReporter()
         self.storage = open_storage(settings.storage)
@@ -115,7 +117,8 @@ class Tuner:
         self._measured: dict[str, FrozenTrial] = {}
         self.trials_run = 0
         self.advisor: Any = None
-        self.pool: WarmPool | None = None
+        self.pool: WarmPool | None = pool
+        self._owns_pool = pool is None
         self.cold_note: str | None = None
 
     # ------------------------------------------------------------------ study set-up
@@ -134,7 +137,7 @@ class Tuner:
             )
         objective = {"weight_spread": s.weight_spread, "weight_time": s.weight_time, "headroom": s.headroom,
                      "multi_objective": s.multi_objective, "caps_bytes": s.caps_bytes(), "device": s.device,
-                     "world_size": s.world_size, "nnodes": s.nnodes}
+                     "world_size": s.world_size, "nnodes": s.nnodes, "cap_mode": s.cap_mode}
         stored = study.user_attrs.get(ATTR_OBJECTIVE)
         if stored is None:
             study.set_user_attr(ATTR_OBJECTIVE, objective)
@@ -148,9 +151,7 @@ class Tuner:
                 f"--study-name={s.study_name!r} exists with another search space/objective (differs in: {', '.join(diff)}); "
                 "run with the original settings to continue it, or pass a new --study-name."
             )
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            optuna.storages.fail_stale_trials(study)
+        fail_stale_trials(study, self.storage)
         self._measured = {
             json.dumps(t.user_attrs["config"], sort_keys=True): t
             for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
@@ -160,17 +161,8 @@ class Tuner:
 
     @staticmethod
     def counted_trials(study: optuna.Study) -> int:
-        """Finished trials (interrupted or stale ones excluded: they are retried) plus running ones."""
-        n = 0
-        for t in study.get_trials(deepcopy=False):
-            status = t.user_attrs.get("status")
-            if t.state in (TrialState.COMPLETE, TrialState.PRUNED):
-                n += status != "predicted_oom"
-            elif t.state == TrialState.FAIL:
-                n += status not in (None, "interrupted")
-            elif t.state == TrialState.RUNNING:
-                n += 1
-        return n
+        """Finished trials (interrupted, stale or surplus ones excluded: they are retried) plus running ones."""
+        return sum(1 for t in study.get_trials(deepcopy=False) if Tuner._counts(t))
 
     # ------------------------------------------------------------------ launching
     def _launch(self, study: optuna.Study, *, number: int, config: BalanceConfig | None,
@@ -182,7 +174,7 @@ class Tuner:
             node_rank=s.node_rank, rdzv_endpoint=s.rdzv_endpoint, torchrun_args=list(s.torchrun_args),
             device=s.device, config_json=None if config is None else config.to_json(),
             global_batch=s.global_batch if config is None else None, steps=s.steps, warmup=s.warmup,
-            memory_cap_bytes=s.caps_bytes(), trial_dir=trial_dir, timeout_s=s.trial_timeout,
+            memory_cap_bytes=s.caps_bytes() if s.cap_mode == "enforce" else None, trial_dir=trial_dir, timeout_s=s.trial_timeout,
             pg_timeout_s=int(max(30, min(300, s.trial_timeout / 2))),
         )
         stop = threading.Event()
@@ -227,7 +219,7 @@ class Tuner:
         return self.pool
 
     def close(self) -> None:
-        if self.pool is not None:
+        if self.pool is not None and self._owns_pool:
             self.pool.close()
             self.pool = None
 
@@ -241,7 +233,7 @@ class Tuner:
         while not stop.is_set():
             with contextlib.suppress(Exception):
                 self.storage.record_heartbeat(trial_id)
-            stop.wait(3.0)
+            stop.wait(min(3.0, heartbeat_interval_s() / 2))
 
     # ------------------------------------------------------------------ recording
     def _capacity(self, study: optuna.Study) -> list[float] | None:
@@ -360,13 +352,15 @@ class Tuner:
         study = self._open_study()
         space_dict = study.user_attrs.get(ATTR_SPACE)
         space = SearchSpace.from_dict(space_dict) if space_dict else None
+        if space is not None:
+            self._check_space(space)
         self.reporter.begin(s, already=self.counted_trials(study))
         try:
-            if space is None:
-                space = self._baseline(study)
+            if space is None or ATTR_BASELINE not in study.user_attrs:
+                space = self._baseline_once(study)
             if self.advisor is None and s.strategy == "model":
                 self.advisor = _make_advisor(space=space, settings=s)
-            while self.counted_trials(study) < s.trials:
+            while self._more_trials(study):
                 self._one_trial(study, space)
         finally:
             self.close()
@@ -394,10 +388,111 @@ class Tuner:
                 study.set_user_attr("autobalance:memory_model_holdout_error", error)
                 result.notes.append(f"Memory model: {100 * error:.1f}% mean error predicting held-out trials' per-rank peaks.")
 
+    def _check_space(self, space: SearchSpace) -> None:
+        """A continued study keeps its search space: flags that would change it are an error."""
+        s = self.settings
+        problems = []
+        if s.global_batch is not None and s.global_batch != space.global_batch:
+            problems.append(f"--global-batch={s.global_batch} (the study searches global batch {space.global_batch})")
+        if s.dtypes is not None and set(s.dtypes) - set(space.dtypes):
+            problems.append(f"--dtypes={','.join(s.dtypes)} (the study searches {','.join(space.dtypes)})")
+        if problems:
+            raise UsageError(
+                f"--study-name={s.study_name!r} exists with another search space: {'; '.join(problems)}; "
+                "run with the original settings to continue it, or pass a new --study-name."
+            )
+
+    def _baseline_once(self, study: optuna.Study) -> SearchSpace:
+        """Run the baseline, or wait while another worker on this study runs it (see ``_workers``)."""
+        claim = BaselineClaim(self.storage, study._study_id, owner=worker_id(),
+                              stale_after_s=3 * heartbeat_interval_s())
+        waiting = False
+        while True:
+            attrs = study.user_attrs
+            if ATTR_BASELINE in attrs and ATTR_SPACE in attrs:
+                return SearchSpace.from_dict(attrs[ATTR_SPACE])
+            if claim.try_acquire():
+                break
+            if not waiting:
+                holder = claim.holder() or {}
+                self.reporter.note(f"Waiting for the baseline trial that {holder.get('owner', 'another worker')} runs.")
+                waiting = True
+            time.sleep(1.0)
+        stop = threading.Event()
+
+        def refresh() -> None:
+            while not stop.wait(min(3.0, heartbeat_interval_s() / 2)):
+                with contextlib.suppress(Exception):
+                    claim.refresh()
+
+        beat = threading.Thread(target=refresh, daemon=True)
+        beat.start()
+        try:
+            attrs = study.user_attrs  # recorded by another worker while this one took the claim?
+            if ATTR_BASELINE in attrs and ATTR_SPACE in attrs:
+                return SearchSpace.from_dict(attrs[ATTR_SPACE])
+            return self._baseline(study)
+        finally:
+            stop.set()
+            beat.join(timeout=5)
+            claim.release()
+
+    def _more_trials(self, study: optuna.Study) -> bool:
+        """Whether to ask for another trial; waits for other workers' running trials at the end
+        (one may go stale and need a replacement)."""
+        total = self.settings.trials
+        while True:
+            fail_stale_trials(study, self.storage)
+            if self.counted_trials(study) < total:
+                return True
+            if not study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+                return False
+            time.sleep(min(3.0, heartbeat_interval_s() / 2))
+
+    def _surplus(self, study: optuna.Study, trial: optuna.Trial) -> bool:
+        """Another worker asked for the last trial at the same moment: fail this one (not counted)."""
+        total = self.settings.trials
+        before = [t for t in study.get_trials(deepcopy=False) if t.number < trial.number]
+        counted = sum(1 for t in before if self._counts(t))
+        if counted < total:
+            return False
+        trial.set_user_attr("status", "surplus")
+        trial.set_user_attr("reason", f"{total} trials were already counted when it was asked (another worker "
+                                      "took the last one); nothing was launched")
+        study.tell(trial, state=TrialState.FAIL)
+        return True
+
+    @staticmethod
+    def _counts(t: FrozenTrial) -> bool:
+        status = t.user_attrs.get("status")
+        if t.state in (TrialState.COMPLETE, TrialState.PRUNED):
+            return status != "predicted_oom"
+        if t.state == TrialState.FAIL:
+            return status not in NOT_COUNTED
+        return t.state == TrialState.RUNNING
+
     def _one_trial(self, study: optuna.Study, space: SearchSpace) -> None:
         if self.advisor is not None:
             self.advisor.before_ask(study)
         trial = study.ask()
+        if self._surplus(study, trial):
+            return
+        try:
+            self._run_asked(study, space, trial)
+        except BaseException as exc:
+            # whatever stopped the tuner here (Ctrl-C, a storage or launcher error), the trial must
+            # not stay RUNNING: record why (an interrupted one is run again on the next start)
+            with contextlib.suppress(Exception):
+                if study._storage.get_trial(trial._trial_id).state == TrialState.RUNNING:
+                    interrupted = isinstance(exc, KeyboardInterrupt)
+                    trial.set_user_attr("status", "interrupted" if interrupted else "crash")
+                    trial.set_user_attr("reason", "the tuner was interrupted (Ctrl-C or SIGTERM); the trial's processes "
+                                        "were killed" if interrupted else f"the tuner failed: {type(exc).__name__}: "
+                                        f"{mask(str(exc))[:250]}")
+                    study.tell(trial, state=TrialState.FAIL)
+            raise
+
+    def _run_asked(self, study: optuna.Study, space: SearchSpace, trial: optuna.Trial) -> None:
         config = space.suggest(trial)
         key = config.to_json()
         seen = self._measured.get(key)
@@ -417,7 +512,7 @@ class Tuner:
         except KeyboardInterrupt as exc:
             partial = getattr(exc, "outcome", None)
             trial.set_user_attr("status", "interrupted")
-            trial.set_user_attr("reason", "the tuner was interrupted (Ctrl-C); the trial's processes were killed")
+            trial.set_user_attr("reason", "the tuner was interrupted (Ctrl-C or SIGTERM); the trial's processes were killed")
             trial.set_user_attr("config", config.to_dict())
             if partial is not None:
                 trial.set_user_attr("trial_dir", partial.trial_dir)
