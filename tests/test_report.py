@@ -98,7 +98,7 @@ def test_pareto_front_keeps_only_undominated_feasible_trials() -> None:
 def test_report_for_an_unknown_study_says_which_exist(small_study: SmallStudy, tmp_path) -> None:
     proc = cli(["report", "--study-name", "nope", "--storage", small_study.url, "-o", str(tmp_path / "r.html")],
                cwd=tmp_path)
-    assert proc.returncode == 1
+    assert proc.returncode != 0
     assert "not found" in proc.stderr and STUDY in proc.stderr
     assert not (tmp_path / "r.html").exists()
 
