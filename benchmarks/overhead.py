@@ -21,8 +21,9 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "gpt"))
 
-import autobalance as ab  # noqa: E402
-from train import GPT  # noqa: E402
+from train import GPT
+
+import autobalance as ab
 
 
 def sync(device: torch.device) -> None:

@@ -22,10 +22,9 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import GPT, GPT_ARGS, write_result  # noqa: E402
-
-from autobalance import BalanceConfig  # noqa: E402
-from autobalance.launcher import TrialLaunch, WarmPool  # noqa: E402
+from autobalance import BalanceConfig
+from autobalance.launcher import TrialLaunch, WarmPool
+from benchmarks.common import GPT, GPT_ARGS, write_result
 
 GIB = 2**30
 DEVICE, SCRIPT_ARGS, LAYERS = "cuda", GPT_ARGS, 16
@@ -92,7 +91,7 @@ def run_studies(args: argparse.Namespace, pool: WarmPool, root: str, usable: flo
         settings = TuneSettings(
             script=GPT, script_args=SCRIPT_ARGS, trials=args.trials, nproc_per_node=2, device=DEVICE,
             storage=f"sqlite:///{root}/studies.db", study_name=name, memory_cap_gib=[args.cap_gib],
-            cap_mode="judge", strategy="model" if strategy == "model" else "optuna",
+            cap_mode="judge", max_spread_gib=SPREAD_LIMIT_GIB if args.spread_constraint else None, strategy="model" if strategy == "model" else "optuna",
             sampler="tpe" if strategy in ("model", "tpe") else "random", seed=seed, steps=3, warmup=1,
             trial_timeout=120, runs_dir=f"{root}/runs",
         )
@@ -133,6 +132,7 @@ def main() -> None:
     p.add_argument("--grid-dtypes", default="bf16,fp16")
     p.add_argument("--phase", default="grid,studies")
     p.add_argument("--small", action="store_true", help="CPU smoke run with the tiny default GPT")
+    p.add_argument("--spread-constraint", action="store_true", help="studies use --max-spread-gib 0.5")
     args = p.parse_args()
     global DEVICE, SCRIPT_ARGS, LAYERS
     if args.small:

@@ -18,10 +18,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import GPT, GPT_ARGS, per_rank, write_result  # noqa: E402
-
-from autobalance import BalanceConfig  # noqa: E402
-from autobalance.launcher import TrialLaunch, WarmPool, run_trial, trial_processes  # noqa: E402
+from autobalance import BalanceConfig
+from autobalance.launcher import TrialLaunch, WarmPool, run_trial, trial_processes
+from benchmarks.common import GPT, GPT_ARGS, per_rank, write_result
 
 
 def configs(small: bool) -> list[tuple[str, BalanceConfig | None]]:
@@ -48,13 +47,18 @@ def main() -> None:
     template = TrialLaunch(script=GPT, script_args=script_args, nproc_per_node=2, device=args.device,
                            trial_dir=root, steps=args.steps, warmup=2, timeout_s=300)
     rows = []
+    cold_runs = []
+    # all cold runs first: a warm pool alive at the same time would hold memory on the GPUs
+    for i, (name, cfg) in enumerate(configs(args.small)):
+        fields = {**template.__dict__, "config_json": None if cfg is None else cfg.to_json()}
+        cold_runs.append(run_trial(TrialLaunch(**{**fields, "trial_dir": f"{root}/cold{i}", "trial_id": f"cold{i}-{os.getpid()}"})))
     pool = WarmPool(template=template, pool_dir=os.path.join(root, "pool"))
     pool_start = time.monotonic()
     try:
         for i, (name, cfg) in enumerate(configs(args.small)):
             fields = {**template.__dict__, "config_json": None if cfg is None else cfg.to_json()}
-            cold = run_trial(TrialLaunch(**{**fields, "trial_dir": f"{root}/cold{i}", "trial_id": f"cold{i}-{os.getpid()}"}))
             warm = pool.run(TrialLaunch(**{**fields, "trial_dir": f"{root}/warm{i}", "trial_id": f"warm{i}-{os.getpid()}"}))
+            cold = cold_runs[i]
             row = {"config": name, "cold_status": cold.status, "warm_status": warm.status,
                    "cold_wall_s": cold.wall_s, "warm_wall_s": warm.wall_s,
                    "cold": per_rank(cold), "warm": per_rank(warm)}

@@ -8,7 +8,8 @@ ordinary enqueued trial, so the study stays a plain Optuna study (dashboard, sam
 from __future__ import annotations
 
 import json
-import statistics
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import optuna
@@ -18,7 +19,7 @@ from autobalance._config import BalanceConfig
 from autobalance.tuner._memory_model import MemoryModel, MemoryObservation
 from autobalance.tuner._objective import TrialFigures
 from autobalance.tuner._settings import TuneSettings
-from autobalance.tuner._solver import plans_from_model, predict_config_feasible
+from autobalance.tuner._solver import balanced_split_for, plans_from_model, predict_config_feasible
 from autobalance.tuner._space import SearchSpace
 
 __all__ = ["ModelAdvisor", "observations_from_trials"]
@@ -28,6 +29,7 @@ _MAX_PREDICTED_IN_A_ROW = 25
 SAMPLER_EVERY = 3
 _WORTH = 1.5
 # Step-time priors per dtype before any measurement (relative to fp32); replaced by measurements.
+_RHO_PRIOR = 1.0
 _DTYPE_SPEED_PRIOR = {"cuda": {"bf16": 0.55, "fp16": 0.55, "fp32": 1.0}, "cpu": {"bf16": 1.2, "fp16": 1.5, "fp32": 1.0}}
 
 
@@ -50,6 +52,64 @@ def observations_from_trials(trials: list[FrozenTrial], *, num_layers: int) -> l
                 num_layers=max(1, num_layers), dtype=cfg["dtype"], peak_bytes=float(peak) * GIB, ok=status == "ok",
             ))
     return obs
+
+
+ACC_OVERHEAD = 0.08
+"""Each extra micro-step costs this fraction more than its share of the work (kernel launch, small batches)."""
+
+
+@dataclass(kw_only=True)
+class StepTimeModel:
+    """t = k[dtype] * acc * max_r(m_r * (1 + rho * c_r / L)) * (1 + ACC_OVERHEAD * (acc - 1)).
+
+    ``rho`` (the cost of recomputing a checkpointed block, relative to its forward+backward) and
+    one speed per dtype are fitted to the study's measured trials in log space; priors fill in.
+    """
+
+    rho: float
+    """Recompute cost of a checkpointed block (fraction of its forward+backward)."""
+    k: dict[str, float]
+    """Milliseconds per unit of work, per dtype."""
+    num_layers: int
+    """Blocks of the model."""
+    prior: dict[str, float]
+    """Relative speed priors per dtype, for dtypes without a measurement."""
+
+    def work(self, cfg: dict[str, Any] | BalanceConfig) -> float:
+        c = cfg.to_dict() if isinstance(cfg, BalanceConfig) else cfg
+        layers = max(1, self.num_layers)
+        per_rank = [m * (1 + self.rho * len(ck) / layers) for m, ck in zip(c["micro_batches"], c["checkpoint"], strict=True)]
+        acc = int(c["accumulation"])
+        return acc * max(per_rank) * (1 + ACC_OVERHEAD * (acc - 1))
+
+    def predict(self, cfg: BalanceConfig) -> float | None:
+        if cfg.dtype in self.k:
+            return self.k[cfg.dtype] * self.work(cfg)
+        if not self.k:
+            return None
+        known, k = min(self.k.items(), key=lambda kv: kv[1] / self.prior.get(kv[0], 1.0))
+        return k / self.prior.get(known, 1.0) * self.prior.get(cfg.dtype, 1.0) * self.work(cfg)
+
+    @classmethod
+    def fit(cls, trials: list[FrozenTrial], *, num_layers: int, device: str) -> StepTimeModel:
+        prior = _DTYPE_SPEED_PRIOR.get(device, _DTYPE_SPEED_PRIOR["cpu"])
+        rows = [(t.user_attrs["config"], float(t.user_attrs["step_time_ms"])) for t in trials
+                if t.user_attrs.get("status") == "ok" and t.user_attrs.get("step_time_ms")
+                and t.user_attrs.get("reused_from") is None and t.user_attrs.get("config")]
+        any_ckpt = any(any(ck for ck in cfg["checkpoint"]) for cfg, _ in rows)
+        best: StepTimeModel | None = None
+        best_err = math.inf
+        for rho in ([r / 4 for r in range(0, 13)] if any_ckpt else [_RHO_PRIOR]):
+            model = cls(rho=rho, k={}, num_layers=num_layers, prior=prior)
+            logs: dict[str, list[float]] = {}
+            for cfg, t in rows:
+                logs.setdefault(cfg["dtype"], []).append(math.log(t) - math.log(model.work(cfg)))
+            model.k = {d: math.exp(sum(v) / len(v)) for d, v in logs.items()}
+            err = sum((math.log(t) - math.log(model.k[cfg["dtype"]] * model.work(cfg))) ** 2 for cfg, t in rows)
+            if err < best_err - 1e-12:
+                best, best_err = model, err
+        assert best is not None
+        return best
 
 
 class ModelAdvisor:
@@ -86,48 +146,91 @@ class ModelAdvisor:
         self.model = model
         return model
 
-    def _dtype_factor(self, study: optuna.Study, dtype: str) -> float:
-        """Measured median of step time x (relative proxy) per dtype, relative to the best dtype; prior otherwise."""
-        by_dtype: dict[str, list[float]] = {}
-        for t in study.get_trials(deepcopy=False):
-            if t.user_attrs.get("status") == "ok" and t.user_attrs.get("step_time_ms"):
-                cfg = t.user_attrs["config"]
-                work = max(cfg["micro_batches"]) * cfg["accumulation"] / max(1, sum(cfg["micro_batches"]) * cfg["accumulation"] / len(cfg["micro_batches"]))
-                by_dtype.setdefault(cfg["dtype"], []).append(t.user_attrs["step_time_ms"] / max(work, 1e-9))
-        if dtype in by_dtype and len(by_dtype) > 1:
-            best = min(statistics.median(v) for v in by_dtype.values())
-            return statistics.median(by_dtype[dtype]) / best
-        prior = _DTYPE_SPEED_PRIOR.get(self.settings.device, _DTYPE_SPEED_PRIOR["cpu"])
-        return prior.get(dtype, 1.0)
-
     # ------------------------------------------------------------------ proposals
+    def _reference_ms(self, study: optuna.Study) -> float | None:
+        ref = study.user_attrs.get("autobalance:reference_step_s")
+        return 1000 * float(ref) if ref else None
+
+    def _neighbours(self, micro: list[int]) -> list[list[int]]:
+        """Splits one sample away from ``micro`` (memory-balanced is not always fastest)."""
+        out = []
+        for a in range(len(micro)):
+            for b in range(len(micro)):
+                if a != b and micro[a] > 1:
+                    moved = list(micro)
+                    moved[a] -= 1
+                    moved[b] += 1
+                    out.append(moved)
+        return out
+
     def candidates(self, study: optuna.Study) -> list[tuple[float, BalanceConfig]]:
-        """Model-balanced configurations for every (dtype, accumulation), scored by a step-cost proxy."""
+        """Configurations the memory model predicts to fit, scored by the predicted objective
+        (spread from the memory model, step time from a time model fitted to the study's trials)."""
         model = self.refit(study)
         usable = self._usable(study)
         if model is None or usable is None:
             return []
+        timing = StepTimeModel.fit(study.get_trials(deepcopy=False), num_layers=self.space.num_layers,
+                                   device=self.settings.device)
+        reference = self._reference_ms(study)
         bucket, view = self._bucket_choice(study)
+        layers = max(1, self.space.num_layers)
+        world = self.space.world_size
+        max_spread = self.settings.max_spread_gib * GIB if self.settings.max_spread_gib is not None else None
+        seen: set[str] = set()
         out: list[tuple[float, BalanceConfig]] = []
+
+        def consider(micro: list[int], counts: list[int], dtype: str, acc: int) -> None:
+            cfg = BalanceConfig(micro_batches=micro, accumulation=acc, global_batch=self.space.global_batch,
+                                checkpoint=[list(range(c)) for c in counts], dtype=dtype,
+                                bucket_cap_mb=bucket, gradient_as_bucket_view=view)
+            key = cfg.to_json()
+            if key in seen:
+                return
+            seen.add(key)
+            fits, peaks = predict_config_feasible(model, cfg, num_layers=layers, limits=usable)
+            if not fits:
+                return
+            if max_spread is not None and max(peaks) - min(peaks) > max_spread:
+                return
+            score = self.predicted_objective(cfg, peaks, usable, timing, reference)
+            if score is not None:
+                out.append((score, cfg))
+
         for dtype in self.space.dtypes:
             if not model.can_predict(dtype):
                 continue
-            factor = self._dtype_factor(study, dtype)
             for acc in self.space.accumulations:
                 total = self.space.global_batch // acc
                 try:
-                    plans = plans_from_model(model, total=total, num_layers=self.space.num_layers, dtype=dtype,
-                                             limits=usable, max_plans=3)
+                    plans = plans_from_model(model, total=total, num_layers=layers, dtype=dtype, limits=usable,
+                                             max_plans=5, recompute_fraction=timing.rho,
+                                             max_spread_bytes=max_spread)
                 except Exception:
-                    continue
-                for rank_in_front, plan in enumerate(plans):
-                    cfg = plan.to_config(dtype=dtype, accumulation=acc, bucket_cap_mb=bucket,
-                                         gradient_as_bucket_view=view)
-                    # per-micro-step overhead makes small micro-batches slower than the proxy says
-                    score = factor * plan.step_cost * (1.0 + 0.08 * (acc - 1)) * (1.0 + 0.01 * rank_in_front)
-                    out.append((score, cfg))
+                    plans = []
+                for plan in plans:
+                    consider(list(plan.micro_batches), list(plan.checkpointed), dtype, acc)
+                try:
+                    even = balanced_split_for(model, total=total, checkpointed=[0] * world, num_layers=layers,
+                                              dtype=dtype, limits=usable)
+                except Exception:
+                    even = None
+                if even is not None:
+                    for micro in (even, *self._neighbours(even)):
+                        consider(micro, [0] * world, dtype, acc)
         out.sort(key=lambda item: item[0])
         return out
+
+    def predicted_objective(self, cfg: BalanceConfig, peaks: list[float], usable: list[float],
+                            timing: StepTimeModel, reference_ms: float | None) -> float | None:
+        capacity = [u / (1.0 - self.settings.headroom) for u in usable]
+        fracs = [p / c for p, c in zip(peaks, capacity, strict=True)]
+        spread = max(fracs) - min(fracs)
+        t = timing.predict(cfg)
+        if t is None:
+            return None
+        ref = reference_ms or t
+        return self.settings.weight_spread * spread + self.settings.weight_time * t / ref
 
     def _bucket_choice(self, study: optuna.Study) -> tuple[float, bool]:
         from autobalance.tuner._study import best_trial

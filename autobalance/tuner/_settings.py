@@ -62,6 +62,8 @@ class TuneSettings:
     """Objective weight of the memory spread (fraction of capacity)."""
     weight_time: float = 1.0
     """Objective weight of the step time (relative to the baseline's)."""
+    max_spread_gib: float | None = None
+    """Also infeasible: a spread of peak memory above this many GiB (None: spread only in the objective)."""
     multi_objective: bool = False
     """Spread and step time as two objectives (a Pareto front) instead of a weighted sum."""
     strategy: str = "model"
@@ -111,6 +113,8 @@ class TuneSettings:
             )
         if self.cap_mode not in ("enforce", "judge"):
             raise UsageError(f"--cap-mode={self.cap_mode!r} is unknown; use enforce or judge.")
+        if self.max_spread_gib is not None and self.max_spread_gib < 0:
+            raise UsageError(f"--max-spread-gib={self.max_spread_gib:g} is negative; use GiB >= 0.")
         if self.sampler not in SAMPLERS:
             raise UsageError(f"--sampler={self.sampler!r} is unknown; use one of {', '.join(SAMPLERS)}.")
         if self.strategy not in STRATEGIES:

@@ -137,7 +137,8 @@ class Tuner:
             )
         objective = {"weight_spread": s.weight_spread, "weight_time": s.weight_time, "headroom": s.headroom,
                      "multi_objective": s.multi_objective, "caps_bytes": s.caps_bytes(), "device": s.device,
-                     "world_size": s.world_size, "nnodes": s.nnodes, "cap_mode": s.cap_mode}
+                     "world_size": s.world_size, "nnodes": s.nnodes, "cap_mode": s.cap_mode,
+                     "max_spread_gib": s.max_spread_gib}
         stored = study.user_attrs.get(ATTR_OBJECTIVE)
         if stored is None:
             study.set_user_attr(ATTR_OBJECTIVE, objective)
@@ -278,9 +279,13 @@ class Tuner:
             if figures.measured and reference is None:
                 reference = float(figures.step_time_s)  # type: ignore[arg-type]
                 study.set_user_attr(ATTR_REFERENCE, reference)
-            constraint = figures.memory_constraint(s.headroom)
-            trial.set_user_attr("feasible", constraint <= 0 and status == "ok")
-            self.storage.set_trial_system_attr(trial._trial_id, CONSTRAINTS_KEY, [constraint])
+            constraints = [figures.memory_constraint(s.headroom)]
+            if s.max_spread_gib is not None:
+                spread = figures.spread_bytes() if figures.measured else None
+                # same keys on every trial (GPSampler requires it): unmeasured trials violate it too
+                constraints.append(1.0 if spread is None else spread / 2**30 - s.max_spread_gib)
+            trial.set_user_attr("feasible", all(c <= 0 for c in constraints) and status == "ok")
+            self.storage.set_trial_system_attr(trial._trial_id, CONSTRAINTS_KEY, constraints)
             values = figures.values(reference_step_s=reference, weight_spread=s.weight_spread,
                                     weight_time=s.weight_time, multi_objective=s.multi_objective)
             frozen = study.tell(trial, values)
