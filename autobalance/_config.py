@@ -41,6 +41,8 @@ class BalanceConfig:
             raise ConfigError(
                 f"micro_batches={self.micro_batches} has a size below 1; every rank needs at least one sample."
             )
+        if self.global_batch > _MAX_BATCH:
+            raise ConfigError(f"global_batch={self.global_batch} is out of range; use at most {_MAX_BATCH} samples per step.")
         if self.accumulation < 1:
             raise ConfigError(f"accumulation={self.accumulation} is below 1; use 1 for no accumulation.")
         total = sum(self.micro_batches) * self.accumulation
@@ -133,10 +135,12 @@ class BalanceConfig:
 
     @classmethod
     def from_json(cls, text: str) -> BalanceConfig:
+        if not isinstance(text, str) or len(text) > _MAX_JSON_CHARS:
+            raise ConfigError(f"configuration JSON is not a string of at most {_MAX_JSON_CHARS} characters; pass valid JSON.")
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"configuration JSON is malformed ({exc}); pass valid JSON.") from None
+            data = json.loads(text, parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError, NaN/Infinity, absurd nesting
+            raise ConfigError(f"configuration JSON is malformed ({str(exc)[:200]}); pass valid JSON.") from None
         return cls.from_dict(data)
 
     @classmethod
@@ -161,6 +165,16 @@ class BalanceConfig:
             bucket_cap_mb=bucket_cap_mb,
             gradient_as_bucket_view=gradient_as_bucket_view,
         )
+
+
+_MAX_BATCH = 2**31 - 1
+"""Sanity bound on the global batch (and so on every micro-batch and the accumulation)."""
+_MAX_JSON_CHARS = 1_000_000
+"""A configuration is a few hundred bytes; anything this large is not one."""
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a valid value")
 
 
 def _is_int(value: Any) -> bool:

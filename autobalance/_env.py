@@ -51,6 +51,10 @@ OOM_EXIT_CODE = 75
 """Exit code of a rank that ran out of memory (after writing its report)."""
 ERROR_EXIT_CODE = 76
 """Exit code of a rank that raised another error (after writing its report)."""
+REPORT_FAILED_EXIT_CODE = 77
+"""Exit code of a rank that could not write its report (disk full, directory gone or read-only)."""
+REPORT_FAILED_MARKER = "autobalance: report not written:"
+"""Start of the stderr line in which such a rank says why; the launcher turns it into the trial's reason."""
 
 
 def in_trial() -> bool:

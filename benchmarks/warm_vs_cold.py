@@ -49,7 +49,7 @@ def main() -> None:
     rows = []
     cold_runs = []
     # all cold runs first: a warm pool alive at the same time would hold memory on the GPUs
-    for i, (name, cfg) in enumerate(configs(args.small)):
+    for i, (_name, cfg) in enumerate(configs(args.small)):
         fields = {**template.__dict__, "config_json": None if cfg is None else cfg.to_json()}
         cold_runs.append(run_trial(TrialLaunch(**{**fields, "trial_dir": f"{root}/cold{i}", "trial_id": f"cold{i}-{os.getpid()}"})))
     pool = WarmPool(template=template, pool_dir=os.path.join(root, "pool"))

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
 import typer
 
-from autobalance._errors import AutobalanceError, TrialScriptError, UsageError
+from autobalance._errors import AutobalanceError, StudyNotFoundError, TrialScriptError, UsageError
 
 app = typer.Typer(
     name="autobalance",
@@ -27,11 +28,24 @@ def fail(message: str, code: int) -> None:
     raise typer.Exit(code)
 
 
+def existing_storage(url: str) -> str:
+    """``url`` for a command that only reads: a SQLite file that does not exist is an error (one
+    line, exit code 2), never silently created empty."""
+    if url.startswith("sqlite:///") and "?" not in url and not url.startswith("sqlite:///file:"):
+        path = url[len("sqlite:///"):]
+        if path and path != ":memory:" and not os.path.exists(path):
+            raise UsageError(
+                f"--storage={url} does not exist (no file {os.path.abspath(path)}); pass the database "
+                "`autobalance tune` wrote, e.g. --storage sqlite:///autobalance.db in its directory."
+            )
+    return url
+
+
 def run_command(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Map autobalance errors to one-line messages and exit codes."""
     try:
         return fn(*args, **kwargs)
-    except UsageError as exc:
+    except (UsageError, StudyNotFoundError) as exc:  # bad input: a wrong flag value or an unknown study name
         fail(str(exc), EXIT_USAGE)
     except TrialScriptError as exc:
         if exc.traceback_text:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import tempfile
 from typing import Any
 
 from rich.console import Console
@@ -15,23 +19,95 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _check_gpus(settings: Any) -> None:
-    if settings.device != "cuda":
+def check_gpus(*, device: str, nproc_per_node: int, visible: int) -> None:
+    """``--nproc-per-node`` against the GPUs this host sees (one GPU per rank; CUDA only)."""
+    if device != "cuda":
         return
-    import torch
-
-    visible = torch.cuda.device_count()
     if visible == 0:
         raise UsageError("--device=cuda but no CUDA device is visible; use --device cpu.")
-    if settings.nproc_per_node > visible:
+    if nproc_per_node > visible:
         raise UsageError(
-            f"--nproc-per-node={settings.nproc_per_node} is larger than the {visible} visible GPU(s); "
+            f"--nproc-per-node={nproc_per_node} is larger than the {visible} visible GPU(s); "
             f"use at most {visible} or check CUDA_VISIBLE_DEVICES."
         )
 
 
+def check_caps(*, caps_bytes: list[int] | None, capacities: list[int], device: str) -> None:
+    """``--memory-cap-gib`` against each local rank's card (on CPU: the host's memory)."""
+    for rank, (cap, capacity) in enumerate(zip(caps_bytes or [], capacities, strict=False)):
+        if cap > capacity:
+            card = "its card" if device == "cuda" else "this host's memory"
+            raise UsageError(
+                f"--memory-cap-gib={cap / 2**30:g} for rank {rank} is larger than {card} "
+                f"({capacity / 2**30:.1f} GiB); use at most {capacity / 2**30:.1f}."
+            )
+
+
+def local_capacities(device: str, nproc_per_node: int) -> list[int]:
+    """Capacity in bytes of the device of each local rank (CPU: physical memory)."""
+    if device == "cuda":
+        import torch
+
+        count = torch.cuda.device_count()
+        return [int(torch.cuda.get_device_properties(i).total_memory) for i in range(min(nproc_per_node, count))]
+    return [int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))] * nproc_per_node
+
+
+def _check_gpus(settings: Any) -> None:
+    visible = 0
+    if settings.device == "cuda":
+        import torch
+
+        visible = torch.cuda.device_count()
+    check_gpus(device=settings.device, nproc_per_node=settings.nproc_per_node, visible=visible)
+    if settings.caps_bytes():
+        check_caps(caps_bytes=settings.caps_bytes(), capacities=local_capacities(settings.device, settings.nproc_per_node),
+                   device=settings.device)
+
+
+def prepare_runs_dir(path: str) -> list[str]:
+    """Create ``--runs-dir`` and prove it is writable; returns the directories created (for cleanup)."""
+    created: list[str] = []
+    target = os.path.abspath(path)
+    missing: list[str] = []
+    probe_dir = target
+    while not os.path.isdir(probe_dir) and os.path.dirname(probe_dir) != probe_dir:
+        missing.append(probe_dir)
+        probe_dir = os.path.dirname(probe_dir)
+    try:
+        for d in reversed(missing):
+            os.mkdir(d)
+            created.append(d)
+        fd, probe = tempfile.mkstemp(prefix=".autobalance-probe-", dir=target)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        remove_dirs(created)
+        raise UsageError(
+            f"--runs-dir={path!r} is not writable ({exc.strerror or exc}); pass a writable directory for the "
+            "trials' reports and logs."
+        ) from None
+    return created
+
+
+def remove_dirs(created: list[str]) -> None:
+    for d in reversed(created):
+        with contextlib.suppress(OSError):
+            os.rmdir(d)
+
+
+def _sigterm_as_interrupt() -> None:
+    """SIGTERM (kill, a batch system's preemption) stops the study like Ctrl-C: trial killed and marked."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    with contextlib.suppress(ValueError):  # not the main thread
+        signal.signal(signal.SIGTERM, handler)
+
+
 def run_tune(*, flags: dict[str, Any], config_path: str | None) -> None:
-    from autobalance.tuner import RichReporter, TuneSettings, Tuner
+    from autobalance.tuner import RichReporter, Tuner, TuneSettings
     from autobalance.tuner._storage import open_storage
 
     if flags.get("device") is None and not (config_path and "device" in _toml_keys(config_path)):
@@ -42,11 +118,15 @@ def run_tune(*, flags: dict[str, Any], config_path: str | None) -> None:
     from autobalance._errors import StorageError
     from autobalance.store import check_storage
 
+    created = prepare_runs_dir(settings.runs_dir)
     try:
         settings.storage = check_storage(settings.storage)
+        open_storage(settings.storage)
     except StorageError as exc:
-        raise type(exc)(f"--storage: {exc}") from None  # fail before any trial when the storage is unusable
-    open_storage(settings.storage)
+        remove_dirs(created)
+        message = str(exc) if str(exc).startswith("--storage") else f"--storage: {exc}"
+        raise type(exc)(message) from None  # fail before any trial when the storage is unusable
+    _sigterm_as_interrupt()
     console = Console(stderr=True)
     reporter = RichReporter(console=console)
     tuner = Tuner(settings=settings, reporter=reporter)

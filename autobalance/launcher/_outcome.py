@@ -5,11 +5,20 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
+import re
+import signal
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["STATUSES", "TrialOutcome", "classify", "read_reports"]
+from autobalance._env import REPORT_FAILED_EXIT_CODE as _REPORT_FAILED_EXIT_CODE
+from autobalance._env import REPORT_FAILED_MARKER as _REPORT_FAILED_MARKER
+
+__all__ = ["REPORT_STATUSES", "STATUSES", "TrialOutcome", "classify", "read_reports", "report_problem"]
+
+REPORT_STATUSES = ("ok", "oom", "error", "peer_failed")
+"""What a rank may put in its report's ``status``."""
 
 STATUSES = ("ok", "oom", "timeout", "error", "crash", "interrupted", "pruned")
 """ok: measured; oom / timeout: infeasible; error: the script raised (not OOM); crash: a rank died
@@ -59,11 +68,56 @@ def read_reports(trial_dir: str, world_size: int) -> tuple[dict[int, dict[str, A
         except (OSError, ValueError) as exc:
             problems[rank] = f"report of rank {rank} is unreadable ({type(exc).__name__}: {str(exc)[:120]})"
             continue
-        if not isinstance(data, dict) or data.get("status") not in ("ok", "oom", "error", "peer_failed"):
-            problems[rank] = f"report of rank {rank} is not a valid autobalance report"
+        problem = report_problem(data)
+        if problem is not None:
+            problems[rank] = f"report of rank {rank} is not a valid autobalance report ({problem})"[:300]
             continue
         reports[rank] = data
     return reports, problems
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+def report_problem(data: Any) -> str | None:
+    """Why ``data`` cannot be used as a rank's report (types and ranges of every field the tuner
+    reads), or None. A report is plain JSON from another process: nothing in it is trusted."""
+    if not isinstance(data, dict):
+        return f"a JSON {type(data).__name__}, not an object"
+    if data.get("status") not in REPORT_STATUSES:
+        return f"status {str(data.get('status'))[:40]!r} is not one of {', '.join(REPORT_STATUSES)}"
+    for key in ("error", "traceback", "torch_version", "cuda_version"):
+        if data.get(key) is not None and not isinstance(data[key], str):
+            return f"{key} is not a string"
+    for key in ("memory", "device", "timing", "config", "defaults", "model", "breakdown"):
+        if data.get(key) is not None and not isinstance(data[key], dict):
+            return f"{key} is not an object"
+    if data["status"] == "ok":
+        for key in ("memory", "device"):
+            if not isinstance(data.get(key), dict):
+                return f"an ok report without {key}"
+        if not _number(data.get("step_time_s")):
+            return "an ok report without a step time"
+    checks = (
+        ("memory", ("peak_device", "peak_allocated", "peak_reserved", "outside_pytorch", "nvml_used_peak")),
+        ("device", ("capacity_bytes", "cap_bytes")),
+        ("timing", ("startup_s", "wall_s")),
+        ("config", ("global_batch",)),
+        ("model", ("num_blocks",)),
+    )
+    for section, keys in checks:
+        values = data.get(section) or {}
+        for key in keys:
+            if values.get(key) is not None and not _number(values[key]):
+                return f"{section}.{key} is not a non-negative number"
+    for key in ("step_time_s", "samples_per_s"):
+        if data.get(key) is not None and not _number(data[key]):
+            return f"{key} is not a non-negative number"
+    times = data.get("step_times_s")
+    if times is not None and not (isinstance(times, list) and all(_number(t) for t in times)):
+        return "step_times_s is not a list of non-negative numbers"
+    return None
 
 
 def _rank_logs(trial_dir: str) -> dict[int, str]:
@@ -72,14 +126,59 @@ def _rank_logs(trial_dir: str) -> dict[int, str]:
     for path in glob.glob(os.path.join(trial_dir, "logs", "**", "stderr.log"), recursive=True):
         rank_dir = os.path.basename(os.path.dirname(path))
         if rank_dir.isdigit():
-            with open(path, errors="replace") as fh:
-                logs[int(rank_dir)] = fh.read()[-20000:]
+            try:
+                with open(path, errors="replace") as fh:
+                    logs[int(rank_dir)] = fh.read()[-20000:]
+            except OSError:
+                continue
     return logs
+
+
+_EXITCODE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def _exit_codes(trial_dir: str) -> dict[int, int] | None:
+    """Exit codes of the ranks torchrun lists as failed in its summary (None: no summary)."""
+    try:
+        with open(os.path.join(trial_dir, "torchrun.log"), errors="replace") as fh:
+            text = fh.read()[-200000:]
+    except OSError:
+        return None
+    if "ChildFailedError" not in text:
+        return None
+    return {int(rank): int(code) for rank, code in _EXITCODE.findall(text)}
 
 
 def _traceback_in(text: str) -> str:
     start = text.rfind("Traceback (most recent call last)")
     return text[start:] if start >= 0 else ""
+
+
+_PEER_FAILURE = ("DistBackendError", "DistNetworkError", "Connection closed by peer", "Connection reset by peer",
+                 "Broken pipe", "NCCL communicator", "DistStoreError")
+"""Text of an error a rank gets because another rank died (the victim, not the cause)."""
+
+
+def _is_peer_failure(tb: str) -> bool:
+    last = tb.strip().splitlines()[-1] if tb.strip() else ""
+    return any(marker in last for marker in _PEER_FAILURE)
+
+
+def _how_it_ended(rank: int, codes: dict[int, int] | None) -> str:
+    if codes is None:
+        return "died without a report (killed or crashed)"
+    code = codes.get(rank)
+    if code is None:
+        return "exited 0 without a report (did the script stop before plan.steps() finished the trial's steps?)"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name} (signal {-code}) before it reported"
+    if code == _REPORT_FAILED_EXIT_CODE:
+        return "could not write its report"
+    return f"exited with code {code} without a report"
 
 
 def classify(
@@ -120,23 +219,37 @@ def classify(
     if problems:
         rank = min(problems)
         return outcome("crash", problems[rank], rank)
-    if returncode == 0 and len(reports) == world_size and all(r["status"] == "ok" for r in reports.values()):
-        return outcome("ok", "measured")
+    if len(reports) == world_size and all(r["status"] == "ok" for r in reports.values()):
+        # every rank measured and reported; a failure while tearing down does not spoil that
+        return outcome("ok", "measured" if returncode == 0 else f"measured (torchrun exit code {returncode} afterwards)")
     logs = _rank_logs(trial_dir)
-    missing = sorted(set(range(world_size)) - {r for r, rep in reports.items() if rep["status"] == "ok"})
-    for rank in missing:
-        local = rank % max(1, len(logs) or 1)
-        text = logs.get(rank, logs.get(local, ""))
-        tb = _traceback_in(text)
-        if tb and ("OutOfMemoryError" in tb or "out of memory" in tb.lower()):
+    silent = [r for r in range(world_size) if r not in reports]
+    for rank in silent:  # a rank that said why its report is missing (disk full, directory unwritable)
+        text = logs.get(rank, "")
+        at = text.rfind(_REPORT_FAILED_MARKER)
+        if at >= 0:
+            line = text[at + len(_REPORT_FAILED_MARKER):].strip().splitlines()[0]
+            return outcome("crash", f"no report: {line}"[:300], rank, _traceback_in(text[:at]))
+    for rank in silent:  # a rank that failed before autobalance.plan() could report (import error, ...)
+        tb = _traceback_in(logs.get(rank, ""))
+        if not tb or _is_peer_failure(tb):
+            continue
+        if "OutOfMemoryError" in tb or "out of memory" in tb.lower():
             return outcome("oom", f"rank {rank} ran out of memory before autobalance.plan() was set up", rank, tb)
-        if tb and "peer_failed" not in {r.get("status") for r in reports.values()} and rank not in reports:
-            last = tb.strip().splitlines()[-1] if tb.strip() else "an error"
-            return outcome("error", f"rank {rank} failed before reporting: {last}"[:300], rank, tb)
-    if returncode == 0:
-        return outcome("crash", f"rank {missing[0] if missing else '?'} exited 0 without a report "
-                       "(did the script stop before plan.steps() finished the trial's steps?)", missing[0] if missing else None)
+        last = tb.strip().splitlines()[-1]
+        return outcome("error", f"rank {rank} failed before reporting: {last}"[:300], rank, tb)
+    codes = _exit_codes(trial_dir)
+    # the cause is a rank without a report whose peers (if any) only saw it vanish
+    culprits = [r for r in silent if not _is_peer_failure(_traceback_in(logs.get(r, "")))] or silent
+    if culprits:
+        rank = culprits[0]
+        victims = sorted(r for r, rep in reports.items() if rep["status"] == "peer_failed")
+        tail = f"; ranks {victims} lost their connection to it" if victims else ""
+        reason = f"rank {rank} {_how_it_ended(rank, codes)}{tail}"
+        if returncode is not None and returncode < 0 and codes is None:
+            reason += f"; torchrun was killed by signal {-returncode}"
+        return outcome("crash", reason[:300], rank, "\n".join(logs.get(r, "")[-2000:] for r in sorted(logs)))
     if returncode is not None and returncode < 0:
         return outcome("crash", f"torchrun was killed by signal {-returncode}")
-    return outcome("crash", f"rank(s) {missing} died without a report (killed or crashed); torchrun exit code {returncode}",
-                   missing[0] if missing else None, "\n".join(logs.get(r, "")[-2000:] for r in sorted(logs)))
+    return outcome("crash", f"every rank reported but the job failed (reports: "
+                   f"{ {r: rep['status'] for r, rep in sorted(reports.items())} }; torchrun exit code {returncode})")

@@ -12,11 +12,14 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 
 from autobalance import _env
 
-__all__ = ["become_subreaper", "kill_trial_processes", "parent_death_signal", "trial_processes"]
+__all__ = ["become_subreaper", "interrupts_deferred", "kill_trial_processes", "parent_death_signal",
+           "trial_processes"]
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -42,6 +45,25 @@ def become_subreaper() -> bool:
 def parent_death_signal(sig: int = signal.SIGTERM) -> None:
     """For ``preexec_fn``: the child gets ``sig`` when its parent (the tuner) dies."""
     _prctl(_PR_SET_PDEATHSIG, sig)
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Hold back SIGINT and SIGTERM while a trial's processes are being killed; one that arrived
+    meanwhile is raised as KeyboardInterrupt afterwards (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda signum, _frame: held.append(signum)) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if held and sys.exc_info()[0] is None:
+        raise KeyboardInterrupt
 
 
 def _read(path: str) -> bytes:

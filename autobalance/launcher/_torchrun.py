@@ -13,7 +13,12 @@ from dataclasses import dataclass, field
 from autobalance import _env
 from autobalance._errors import LaunchError
 from autobalance.launcher._outcome import TrialOutcome, classify, read_reports
-from autobalance.launcher._procs import become_subreaper, kill_trial_processes, parent_death_signal
+from autobalance.launcher._procs import (
+    become_subreaper,
+    interrupts_deferred,
+    kill_trial_processes,
+    parent_death_signal,
+)
 
 __all__ = ["TrialLaunch", "build_command", "run_trial"]
 
@@ -88,7 +93,8 @@ def trial_environment(launch: TrialLaunch) -> dict[str, str]:
     """The parent's environment (NCCL/NVLink settings included) plus the trial's variables."""
     env = dict(os.environ)
     env.update(launch.env)
-    for name in (_env.CONFIG, _env.GLOBAL_BATCH, _env.MEMORY_CAP_BYTES, _env.STUDY, _env.CONFIG_FILE):
+    # a trial never reads the store: the storage URL (and any password in it) stays out of the job
+    for name in (_env.CONFIG, _env.GLOBAL_BATCH, _env.MEMORY_CAP_BYTES, _env.STUDY, _env.CONFIG_FILE, _env.STORAGE):
         env.pop(name, None)
     env.update({
         _env.TRIAL_DIR: launch.trial_dir,
@@ -108,6 +114,15 @@ def trial_environment(launch: TrialLaunch) -> dict[str, str]:
     return env
 
 
+def unwritable_trial_dir(launch: TrialLaunch, exc: OSError) -> TrialOutcome:
+    """The outcome of a trial whose directory cannot be created or written (nothing was started)."""
+    return TrialOutcome(
+        status="crash", trial_dir=launch.trial_dir,
+        reason=f"could not write the trial directory {launch.trial_dir} ({exc.strerror or exc}); nothing was "
+               "started. Check that --runs-dir is writable and its disk is not full",
+    )
+
+
 def run_trial(
     launch: TrialLaunch,
     *,
@@ -120,11 +135,14 @@ def run_trial(
     ``KeyboardInterrupt`` during the wait kills the job, then propagates with the outcome attached
     as ``exc.outcome``.
     """
-    os.makedirs(launch.trial_dir, exist_ok=True)
-    become_subreaper()
-    log_path = os.path.join(launch.trial_dir, "torchrun.log")
     start = time.monotonic()
-    with open(log_path, "wb") as log:
+    try:
+        os.makedirs(launch.trial_dir, exist_ok=True)
+        log = open(os.path.join(launch.trial_dir, "torchrun.log"), "wb")  # noqa: SIM115
+    except OSError as exc:
+        return unwritable_trial_dir(launch, exc)
+    become_subreaper()
+    with log:
         try:
             proc = subprocess.Popen(
                 build_command(launch), env=trial_environment(launch), stdout=log, stderr=subprocess.STDOUT,
@@ -153,21 +171,23 @@ def run_trial(
             time.sleep(poll_s)
     except KeyboardInterrupt as exc:
         interrupted = True
-        leftover = kill_trial_processes(launch.trial_id, roots=(proc.pid,))
-        proc.wait(timeout=10)
+        with interrupts_deferred():  # a second Ctrl-C must not cut the kill short
+            leftover = kill_trial_processes(launch.trial_id, roots=(proc.pid,))
+            proc.wait(timeout=10)
         outcome = classify(trial_dir=launch.trial_dir, world_size=launch.world_size, returncode=proc.returncode,
                            timed_out=False, interrupted=True, wall_s=time.monotonic() - start,
                            timeout_s=launch.timeout_s)
         outcome.leftover_pids = leftover
         exc.outcome = outcome  # type: ignore[attr-defined]
         raise
-    leftover = kill_trial_processes(launch.trial_id, roots=(proc.pid,) if proc.poll() is None else (),
-                                    grace_s=5.0)
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
+    with interrupts_deferred():
+        leftover = kill_trial_processes(launch.trial_id, roots=(proc.pid,) if proc.poll() is None else (),
+                                        grace_s=5.0)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
     outcome = classify(
         trial_dir=launch.trial_dir, world_size=launch.world_size,
         returncode=None if timed_out else proc.returncode, timed_out=timed_out, interrupted=interrupted,

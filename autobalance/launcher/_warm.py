@@ -17,12 +17,18 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 from autobalance import _env
 from autobalance._errors import LaunchError
 from autobalance.launcher._outcome import TrialOutcome, classify, read_reports
-from autobalance.launcher._procs import become_subreaper, kill_trial_processes, parent_death_signal
-from autobalance.launcher._torchrun import TrialLaunch, trial_environment
+from autobalance.launcher._procs import (
+    become_subreaper,
+    interrupts_deferred,
+    kill_trial_processes,
+    parent_death_signal,
+)
+from autobalance.launcher._torchrun import TrialLaunch, trial_environment, unwritable_trial_dir
 
 __all__ = ["WarmPool", "cold_reason"]
 
@@ -94,11 +100,12 @@ class WarmPool:
             except OSError as exc:
                 raise LaunchError(f"could not start the warm pool's torchrun ({exc}).") from exc
 
-    def close(self) -> None:
-        """Stop the workers (they exit at the next poll) and make sure no process is left."""
+    def close(self, *, graceful: bool = True) -> None:
+        """Stop the workers (they exit at the next poll) and make sure no process is left; without
+        ``graceful`` (a failed or interrupted trial: workers may be stuck in a collective) kill at once."""
         if self.proc is None:
             return
-        if self.alive:
+        if self.alive and graceful:
             with open(os.path.join(self._dir, "stop"), "w"):
                 pass
             try:
@@ -114,13 +121,17 @@ class WarmPool:
     # ------------------------------------------------------------------ trials
     def run(self, launch: TrialLaunch, *, poll_s: float = 0.02,
             on_poll: Callable[[float], bool | None] | None = None) -> TrialOutcome:
+        try:
+            os.makedirs(launch.trial_dir, exist_ok=True)
+        except OSError as exc:
+            return unwritable_trial_dir(launch, exc)
         if not self.alive:
             if self.proc is not None:
-                self.close()
+                self.close(graceful=False)
             self._start()
-        os.makedirs(launch.trial_dir, exist_ok=True)
         env = trial_environment(launch)
-        request = {"env": {k: env[k] for k in _PER_TRIAL_KEYS if k in env}, "trial_id": launch.trial_id}
+        request: dict[str, Any] = {"env": {k: env[k] for k in _PER_TRIAL_KEYS if k in env},
+                                   "trial_id": launch.trial_id}
         if launch.config_json is None:
             request["env"].pop(_env.CONFIG, None)
         path = os.path.join(self._dir, f"request-{self.seq}.json")
@@ -129,6 +140,8 @@ class WarmPool:
         os.replace(path + ".tmp", path)
         self.seq += 1
         start = time.monotonic()
+        # the trial's clock starts once every worker is up (a new pool gets start_timeout_s for that)
+        ready_at: float | None = start if self._ready() else None
         timed_out = interrupted = pruned = False
         failed_at: float | None = None
         done = False
@@ -140,12 +153,18 @@ class WarmPool:
                     break
                 if problems or any(r["status"] in ("oom", "error") for r in reports.values()):
                     failed_at = failed_at or time.monotonic()
+                    if len(reports) + len(problems) == launch.world_size:
+                        break  # every rank has answered: nothing more to wait for
                 if not self.alive:
                     break
                 if failed_at is not None and time.monotonic() - failed_at > _FAILURE_GRACE_S:
                     break
-                elapsed = time.monotonic() - start
-                if elapsed > launch.timeout_s + (self.start_timeout_s if self.seq == 1 else 0.0):
+                now = time.monotonic()
+                if ready_at is None and self._ready():
+                    ready_at = now
+                elapsed = now - start
+                if now - (ready_at if ready_at is not None else start) > (
+                        launch.timeout_s if ready_at is not None else self.start_timeout_s):
                     timed_out = True
                     break
                 if on_poll is not None and on_poll(elapsed):
@@ -153,7 +172,8 @@ class WarmPool:
                     break
                 time.sleep(poll_s)
         except KeyboardInterrupt as exc:
-            self.close()
+            with interrupts_deferred():
+                self.close(graceful=False)
             outcome = classify(trial_dir=launch.trial_dir, world_size=launch.world_size, returncode=None,
                                timed_out=False, interrupted=True, wall_s=time.monotonic() - start,
                                timeout_s=launch.timeout_s)
@@ -163,19 +183,27 @@ class WarmPool:
         if not done:
             returncode = self.proc.poll() if self.proc is not None else None
             self._copy_logs(launch.trial_dir)
-            self.close()
+            with interrupts_deferred():
+                self.close(graceful=False)
         outcome = classify(trial_dir=launch.trial_dir, world_size=launch.world_size,
                            returncode=None if timed_out else returncode, timed_out=timed_out,
                            interrupted=interrupted, wall_s=time.monotonic() - start, timeout_s=launch.timeout_s,
                            pruned=pruned)
         return outcome
 
+    def _ready(self) -> bool:
+        """Every local worker has initialised its process group and waits for requests."""
+        return all(os.path.exists(os.path.join(self._dir, f"ready-{r}"))
+                   for r in range(self.template.nproc_per_node))
+
     def _copy_logs(self, trial_dir: str) -> None:
-        """The pool's per-rank logs go with a failed trial (classify reads tracebacks from them)."""
-        src = os.path.join(self._dir, "logs")
-        dst = os.path.join(trial_dir, "logs")
-        if os.path.isdir(src) and not os.path.exists(dst):
-            try:
-                os.symlink(src, dst)
-            except OSError:
-                pass
+        """The pool's per-rank logs and torchrun's summary go with a failed trial (classify reads
+        tracebacks and exit codes from them)."""
+        for name in ("logs", "torchrun.log"):
+            src = os.path.join(self._dir, name)
+            dst = os.path.join(trial_dir, name)
+            if os.path.exists(src) and not os.path.lexists(dst):
+                try:
+                    os.symlink(src, dst)
+                except OSError:
+                    pass

@@ -9,7 +9,12 @@ from autobalance.runtime._checkpoint import apply_checkpointing, find_blocks
 from autobalance.runtime._memory import CpuMemoryTracker, MemorySnapshot, NvmlDevice
 from autobalance.runtime._plan import Plan, TrialComplete, classify_exception, plan
 from autobalance.runtime._report import report_path, write_report
-from autobalance.runtime._sampler import EpochSchedule, StepLayout, UnevenBatchSampler, epoch_schedule
+from autobalance.runtime._sampler import (
+    EpochSchedule,
+    StepLayout,
+    UnevenBatchSampler,
+    epoch_schedule,
+)
 
 __all__ = [
     "CpuMemoryTracker",

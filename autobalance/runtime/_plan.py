@@ -22,7 +22,7 @@ from torch import nn
 
 from autobalance import _env
 from autobalance._config import DTYPES, BalanceConfig, split_evenly
-from autobalance._errors import ConfigError, UsageError
+from autobalance._errors import AutobalanceError, ConfigError, UsageError
 from autobalance.runtime._breakdown import Breakdown
 from autobalance.runtime._checkpoint import apply_checkpointing, find_blocks
 from autobalance.runtime._memory import (
@@ -118,10 +118,27 @@ def _set_parent_death_signal() -> None:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         pr_set_pdeathsig = 1
         libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-        if os.getppid() == 1:  # the parent died before prctl took effect
+        if _parent_gone():  # the parent died before prctl took effect
             os._exit(1)
     except OSError:
         pass
+
+
+def _parent_gone() -> bool:
+    """Whether this rank was orphaned: re-parented to init, or to a subreaper that is not torchrun
+    (torchrun's environment carries the trial's marker, see the launcher)."""
+    ppid = os.getppid()
+    if ppid == 1:
+        return True
+    marker = os.environ.get(_env.TRIAL_ID)
+    if not marker:
+        return False
+    try:
+        with open(f"/proc/{ppid}/environ", "rb") as fh:
+            environ = fh.read().split(b"\0")
+    except OSError:
+        return False
+    return f"{_env.TRIAL_ID}={marker}".encode() not in environ
 
 
 class Plan:
@@ -187,6 +204,7 @@ class Plan:
         self._nvml: NvmlDevice | None = None
         self._outside_pytorch = 0
         self._nvml_peak: int | None = None
+        self._nvml_scope = "none"
         self._live_before_training: int | None = None
         self._setup_memory()
         self._breakdown = Breakdown(device=device, tracker=self._tracker) if self.measuring else None
@@ -413,6 +431,7 @@ class Plan:
                 "peak_reserved": mem.peak_reserved,
                 "outside_pytorch": mem.outside_pytorch,
                 "nvml_used_peak": mem.nvml_used_peak,
+                "nvml_scope": self._nvml_scope,
                 "peak_device": mem.peak_device,
                 "before_training": self._live_before_training,
             },
@@ -462,7 +481,10 @@ class Plan:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             if self._nvml is not None:
-                used = self._nvml.used_bytes()
+                # what NVML attributes to this process; the device-wide figure counts other processes too
+                own = self._nvml.process_used_bytes()
+                used = own if own is not None else self._nvml.used_bytes()
+                self._nvml_scope = "process" if own is not None else "device"
                 self._nvml_peak = max(self._nvml_peak or 0, used)
                 self._outside_pytorch = max(
                     self._outside_pytorch, used - torch.cuda.memory_reserved(self.device)
@@ -491,10 +513,15 @@ class Plan:
 
     # ----------------------------------------------------------------- trial lifecycle
     def _write(self, status: str, error: str | None = None, tb: str | None = None) -> None:
+        """Write this rank's report once; a rank that cannot (disk full, directory gone or read-only)
+        says why on stderr and leaves with REPORT_FAILED_EXIT_CODE instead of passing for a script error."""
         if self.trial_dir is None or self._report_written:
             return
         self._report_written = True
-        write_report(self.trial_dir, self.rank, self.report(status=status, error=error, tb=tb))
+        try:
+            write_report(self.trial_dir, self.rank, self.report(status=status, error=error, tb=tb))
+        except Exception as exc:
+            _report_not_written(self.rank, self.trial_dir, status, exc)
 
     def _finish_trial(self) -> None:
         self._write("ok")
@@ -511,6 +538,8 @@ class Plan:
         sys.stderr.write(text)
         try:
             self._write(status, error=f"{exc_type.__name__}: {exc}"[:2000], tb=text[-20000:])
+        except BaseException as write_exc:  # never let a failing report hide the original error
+            _report_not_written(self.rank, self.trial_dir or "", status, write_exc)
         finally:
             sys.stderr.flush()
             sys.stdout.flush()
@@ -526,6 +555,51 @@ class Plan:
                     "or lower --steps"
                 ),
             )
+
+
+def _report_not_written(rank: int, trial_dir: str, status: str, exc: BaseException) -> None:
+    """Say on stderr why the report is missing (one line the launcher recognises), then exit."""
+    try:
+        sys.stderr.write(
+            f"\n{_env.REPORT_FAILED_MARKER} rank {rank} could not write its {status!r} report to {trial_dir} "
+            f"({type(exc).__name__}: {str(exc)[:300]})\n"
+        )
+        sys.stderr.flush()
+        sys.stdout.flush()
+    finally:
+        os._exit(_env.REPORT_FAILED_EXIT_CODE)
+
+
+@contextlib.contextmanager
+def _setup_failure_reported(in_trial: bool) -> Iterator[None]:
+    """In a trial, a configuration that is rejected still leaves an ``error`` report (then raises)."""
+    try:
+        yield
+    except AutobalanceError as exc:
+        if in_trial:
+            _write_setup_report(exc)
+        raise
+
+
+def _write_setup_report(exc: BaseException) -> None:
+    trial_dir = os.environ.get(_env.TRIAL_DIR) or ""
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0") or 0)
+    report = {
+        "schema": REPORT_SCHEMA,
+        "status": "error",
+        "error": f"{type(exc).__name__}: {exc}"[:2000],
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-20000:],
+        "rank": rank,
+        "world_size": dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1") or 1),
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+        "trial_id": os.environ.get(_env.TRIAL_ID, ""),
+        "written_at": datetime.datetime.now(datetime.UTC).isoformat(),
+    }
+    try:
+        write_report(trial_dir, rank, report)
+    except Exception as write_exc:
+        _report_not_written(rank, trial_dir, "error", write_exc)
 
 
 # --------------------------------------------------------------------- construction
@@ -709,30 +783,31 @@ def plan(
         gradient_as_bucket_view=gradient_as_bucket_view,
         global_batch=int(env_global) if env_global else global_batch,
     )
-    chosen, source = _choose_config(
-        in_trial=in_trial,
-        defaults=defaults,
-        config=config,
-        config_file=config_file,
-        study=study,
-        storage=storage,
-        on_mismatch=on_mismatch,
-        device=dev,
-        world_size=world_size,
-        cap_bytes=cap_bytes,
-    )
-    result = Plan(
-        config=chosen,
-        defaults=defaults,
-        source=source,
-        device=dev,
-        rank=rank,
-        world_size=world_size,
-        local_rank=local_rank,
-        seed=seed,
-        blocks=blocks,
-        cap_bytes=cap_bytes,
-    )
+    with _setup_failure_reported(in_trial):  # e.g. a configuration from the environment that does not validate
+        chosen, source = _choose_config(
+            in_trial=in_trial,
+            defaults=defaults,
+            config=config,
+            config_file=config_file,
+            study=study,
+            storage=storage,
+            on_mismatch=on_mismatch,
+            device=dev,
+            world_size=world_size,
+            cap_bytes=cap_bytes,
+        )
+        result = Plan(
+            config=chosen,
+            defaults=defaults,
+            source=source,
+            device=dev,
+            rank=rank,
+            world_size=world_size,
+            local_rank=local_rank,
+            seed=seed,
+            blocks=blocks,
+            cap_bytes=cap_bytes,
+        )
     global CURRENT_PLAN
     CURRENT_PLAN = result
     if result.in_trial and not _warm():

@@ -126,6 +126,8 @@ def main(argv: list[str]) -> None:
 
     _set_parent_death_signal()
     _init(device)
+    with open(os.path.join(pool_dir, f"ready-{os.environ.get('LOCAL_RANK', '0')}"), "w"):
+        pass  # the launcher starts the first trial's clock once every worker is here
     _patch_process_group_lifecycle()
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     base_env = dict(os.environ)

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from autobalance.tuner._objective import TrialFigures, figures_from_outcome
 from autobalance.tuner._reporter import RichReporter, describe_config
-from autobalance.tuner._settings import SAMPLERS, STRATEGIES, TuneSettings, default_study_name, load_toml
+from autobalance.tuner._settings import (
+    SAMPLERS,
+    STRATEGIES,
+    TuneSettings,
+    default_study_name,
+    load_toml,
+)
 from autobalance.tuner._space import SearchSpace
 from autobalance.tuner._storage import list_studies, load_study, open_storage
 from autobalance.tuner._study import (

@@ -9,9 +9,15 @@ from optuna.trial import FrozenTrial
 
 from autobalance._config import BalanceConfig
 from autobalance._errors import UsageError
-from autobalance.tuner._study import ATTR_BASELINE, ATTR_CAPACITY, ATTR_DEVICE, ATTR_OBJECTIVE, ATTR_SCRIPT_SHA
+from autobalance.tuner._study import (
+    ATTR_BASELINE,
+    ATTR_CAPACITY,
+    ATTR_DEVICE,
+    ATTR_OBJECTIVE,
+    ATTR_SCRIPT_SHA,
+)
 
-__all__ = ["fingerprint_of_study", "figures_of_trial", "save_trial"]
+__all__ = ["figures_of_trial", "fingerprint_of_study", "save_trial"]
 
 _FIGURE_KEYS = ("peak_device_gib", "peak_reserved_gib", "peak_allocated_gib", "outside_pytorch_gib",
                 "capacity_gib", "spread_gib", "spread_pct_of_capacity", "step_time_ms", "samples_per_s", "status")

@@ -2,17 +2,36 @@
 
 from __future__ import annotations
 
+import os
+import time
 import warnings
 from typing import Any
 
 import optuna
 
-from autobalance._errors import StorageError, StudyNotFoundError
+from autobalance._errors import StorageError, StudyNotFoundError, UsageError
 
-__all__ = ["HEARTBEAT_INTERVAL_S", "list_studies", "load_study", "mask", "open_storage"]
+__all__ = ["HEARTBEAT_ENV", "HEARTBEAT_INTERVAL_S", "heartbeat_interval_s", "list_studies", "load_study", "mask",
+           "open_storage"]
 
 HEARTBEAT_INTERVAL_S = 10
 """A RUNNING trial whose heartbeat is older than 3 intervals is failed on the next start."""
+HEARTBEAT_ENV = "AUTOBALANCE_HEARTBEAT_S"
+"""Overrides the heartbeat interval in whole seconds (tests use 1 so a killed tuner's trial goes stale fast)."""
+
+
+def heartbeat_interval_s() -> int:
+    """The heartbeat interval: ``AUTOBALANCE_HEARTBEAT_S`` or :data:`HEARTBEAT_INTERVAL_S`."""
+    raw = os.environ.get(HEARTBEAT_ENV, "").strip()
+    if not raw:
+        return HEARTBEAT_INTERVAL_S
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise UsageError(f"{HEARTBEAT_ENV}={raw!r} is not a whole number of seconds >= 1; unset it or use e.g. 10.")
+    return value
 
 
 def mask(url: str) -> str:
@@ -28,26 +47,39 @@ def open_storage(url: str, *, heartbeat: bool = True) -> optuna.storages.RDBStor
             f"--storage={url!r} is not a database URL; use e.g. sqlite:///autobalance.db or "
             "postgresql+psycopg://user@host/db."
         )
+    interval = heartbeat_interval_s()
     engine_kwargs: dict[str, Any] = (
         {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {"pool_pre_ping": True}
     )
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return optuna.storages.RDBStorage(
-                url,
-                engine_kwargs=engine_kwargs,
-                heartbeat_interval=HEARTBEAT_INTERVAL_S if heartbeat else None,
-                grace_period=3 * HEARTBEAT_INTERVAL_S if heartbeat else None,
-            )
+        for attempt in range(4):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    return optuna.storages.RDBStorage(
+                        url,
+                        engine_kwargs=engine_kwargs,
+                        heartbeat_interval=interval if heartbeat else None,
+                        grace_period=3 * interval if heartbeat else None,
+                    )
+            except Exception as exc:
+                # several workers creating Optuna's tables in a new database at once: one wins, the
+                # others see "already exists"/"duplicate key" and find the tables on the next try
+                text = str(exc).lower()
+                if attempt == 3 or not ("already exists" in text or "duplicate key" in text):
+                    raise
+                time.sleep(0.5 + attempt)
+        raise AssertionError("unreachable")
     except ModuleNotFoundError as exc:
         raise StorageError(
             f"--storage={mask(url)} needs the Python driver {exc.name!r}; install it "
             "(PostgreSQL: pip install 'autobalance[postgres]')."
         ) from None
     except Exception as exc:
+        from autobalance.store._url import scrub
+
         detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        detail = detail.replace(url, mask(url))
+        detail = scrub(detail, url)
         raise StorageError(
             f"--storage={mask(url)} cannot be used ({type(exc).__name__}: {detail[:200]}); "
             "check the URL, that the server is up and that it is writable."

@@ -1,40 +1,62 @@
 """A tiny DDP training script with injectable faults, for the tuner's end-to-end and fault tests.
 
-AB_FAULT selects the fault (default none); AB_FAULT_ON_LAUNCH=N injects it only on the N-th
-launch (counted in AB_FAULT_COUNTER, a file; 1-based), so earlier trials succeed.
+AB_FAULT selects the fault (default none); AB_FAULT_ON_LAUNCH=N injects it from the N-th launch
+on (counted in AB_FAULT_COUNTER, a file; 1-based), so earlier trials succeed; AB_FAULT_ONCE=1
+injects it on the N-th launch only.
+
 Faults: import_error, raise, oom_backward_rank1, sigkill_rank1, hang_rank1, exit0_rank1,
-garbage_report_rank1, hang_all.
+garbage_report_rank1 (writes non-JSON in place of its report, exits 0 at step 1), hang_all,
+and, at the very end of a successful trial, on rank 1 only: report_enospc_rank1 (the disk is full
+when the report is written), report_eacces_rank1 (the report directory is not writable),
+report_garbage_rank1 / report_truncated_rank1 (the written report is not JSON / cut short).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
 import time
 
 FAULT = os.environ.get("AB_FAULT", "none")
+ON = int(os.environ.get("AB_FAULT_ON_LAUNCH", "1"))
+ONCE = os.environ.get("AB_FAULT_ONCE") == "1"
 
 
 def launch_number() -> int:
+    """1-based launch count; rank 0 increments it, the other ranks read the value of this launch."""
     counter = os.environ.get("AB_FAULT_COUNTER")
     if not counter:
         return 1
+    trial = os.environ.get("AUTOBALANCE_TRIAL_DIR", "")  # unique per trial, cold or warm
     if os.environ.get("RANK", "0") == "0":
-        n = int(open(counter).read() or 0) + 1 if os.path.exists(counter) else 1
+        n = 1
+        if os.path.exists(counter):
+            with open(counter) as fh:
+                n = int(fh.read().split()[0]) + 1
         with open(counter + ".tmp", "w") as fh:
-            fh.write(str(n))
+            fh.write(f"{n} {trial}")
         os.replace(counter + ".tmp", counter)
         return n
-    for _ in range(100):  # rank 1 reads what rank 0 wrote for this launch
+    for _ in range(600):  # the other ranks wait until rank 0 has counted this very launch
         if os.path.exists(counter):
-            break
+            with open(counter) as fh:
+                parts = fh.read().split()
+            if len(parts) == 2 and parts[1] == trial:
+                return int(parts[0])
         time.sleep(0.05)
-    return int(open(counter).read() or 1)
+    raise RuntimeError("faulty.py: rank 0 did not count this launch")
 
 
-ON = int(os.environ.get("AB_FAULT_ON_LAUNCH", "1"))
-if FAULT == "import_error" and launch_number() >= ON:
+def fault_active() -> bool:
+    if FAULT == "none":
+        return False
+    n = launch_number()
+    return n == ON if ONCE else n >= ON
+
+
+if FAULT == "import_error" and fault_active():
     import this_module_does_not_exist  # noqa: F401
 
 import torch  # noqa: E402
@@ -44,10 +66,33 @@ from torch import nn  # noqa: E402
 import autobalance as ab  # noqa: E402
 
 
+def _break_report_writing(kind: str) -> None:
+    """Rank 1's final report write fails (or writes garbage), as on a full disk or a bad mount."""
+    import autobalance.runtime._plan as plan_module
+    import autobalance.runtime._report as report_module
+
+    original = report_module.write_report
+
+    def broken(trial_dir: str, rank: int, report: dict) -> str:  # type: ignore[type-arg]
+        if kind == "enospc":
+            raise OSError(errno.ENOSPC, "No space left on device", os.path.join(trial_dir, f"rank{rank}.json"))
+        if kind == "eacces":
+            raise PermissionError(errno.EACCES, "Permission denied", trial_dir)
+        path = report_module.report_path(trial_dir, rank)
+        with open(path, "w") as fh:
+            fh.write("\x00\x17garbage, not json" if kind == "garbage" else '{"schema": 1, "status": "ok", "rank": 1, "memo')
+        return path
+
+    plan_module.write_report = broken  # type: ignore[assignment]
+    _ = original
+
+
 def main() -> None:
     plan = ab.plan(micro_batch=4)
-    active = FAULT != "none" and launch_number() >= ON
+    active = fault_active()
     rank = plan.rank
+    if active and rank == 1 and FAULT.startswith("report_") and FAULT.endswith("_rank1"):
+        _break_report_writing(FAULT[len("report_"):-len("_rank1")])
     torch.manual_seed(0)
     model = plan.wrap(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)))
     data = torch.utils.data.TensorDataset(torch.randn(400, 32), torch.randint(0, 4, (400,)))
@@ -74,7 +119,7 @@ def main() -> None:
                 loss = F.cross_entropy(model(x), y)
                 if active and step == 1 and rank == 1 and FAULT == "oom_backward_rank1":
                     # rank 1 runs out of memory inside backward while rank 0 waits in the all-reduce
-                    loss = loss * _OomInBackward.apply(torch.ones(()))
+                    loss = loss * _OomInBackward.apply(torch.ones((), requires_grad=True))
                 plan.backward(loss)
         plan.optimizer_step(opt)
 
