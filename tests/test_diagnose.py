@@ -155,3 +155,11 @@ def test_findings_are_ordered_by_size_and_oom_comes_first() -> None:
                     _report(1, numel=256, acts=20 * MIB), status="oom")
     assert [f.cause for f in diag.findings] == ["oom", "rank_extras", "uneven_inputs"]
     assert diag.findings[1].size_bytes == 29 * MIB
+
+
+def test_imbalance_causes_come_before_larger_pressure_shared_by_all_ranks() -> None:
+    # the GPT example on 2 H200s: 6.2 GiB of activations on each rank (24 blocks, none checkpointed)
+    # and 1.4 GiB of rank-0 extras; the extras are what makes the ranks differ
+    diag = _analyse(_report(0, peak=14_500 * MIB, blocks=24, acts=6_300 * MIB, extras=1_450 * MIB),
+                    _report(1, peak=13_100 * MIB, blocks=24, acts=6_300 * MIB, extras=70 * MIB))
+    assert [f.cause for f in diag.findings] == ["rank_extras", "no_checkpointing"]

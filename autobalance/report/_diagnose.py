@@ -22,6 +22,9 @@ __all__ = ["Diagnosis", "Finding", "RankBreakdown", "analyse", "print_diagnosis"
 
 MIB = 2**20
 GIB = 2**30
+IMBALANCE_CAUSES = frozenset({"rank_extras", "uneven_inputs", "amp_some_ranks", "data_parallel"})
+"""Causes that make one rank need more than another; the others (no checkpointing, optimizer state,
+allocator cache, find_unused_parameters) weigh on every rank alike and are listed after them."""
 
 
 @dataclass(kw_only=True)
@@ -275,7 +278,9 @@ def _findings(rows: list[RankBreakdown], *, command: str, status: str, reason: s
                    "(cache and fragmentation).",
             action="try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, then tune", command=command))
 
-    out.sort(key=lambda f: (f.cause != "oom", f.size_bytes is None, -(f.size_bytes or 0)))
+    # causes that make the ranks differ come before memory pressure that every rank shares
+    out.sort(key=lambda f: (f.cause != "oom", f.cause not in IMBALANCE_CAUSES, f.size_bytes is None,
+                            -(f.size_bytes or 0)))
     return out
 
 
@@ -390,7 +395,7 @@ def print_diagnosis(diag: Diagnosis, *, console: Any = None) -> None:
         if cats:
             parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in cats.items() if v and k != "total")
             console.print(f"[dim]MemTracker, rank {rank} at its first-step peak: {escape(parts)}[/]")
-    console.print("[bold]Likely causes, largest first[/]")
+    console.print("[bold]Likely causes, largest first (what makes the ranks differ, then what weighs on all)[/]")
     for i, f in enumerate(diag.findings, 1):
         size = f"size [bold]{fmt_bytes(f.size_bytes)}[/], " if f.size_bytes is not None else ""
         console.print(f"{i}. [bold]{escape(f.title)}[/]")
