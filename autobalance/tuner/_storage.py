@@ -63,10 +63,12 @@ def open_storage(url: str, *, heartbeat: bool = True) -> optuna.storages.RDBStor
                         grace_period=3 * interval if heartbeat else None,
                     )
             except Exception as exc:
-                # several workers creating Optuna's tables in a new database at once: one wins, the
-                # others see "already exists"/"duplicate key" and find the tables on the next try
+                # several workers creating Optuna's tables (and its alembic version row) in a new
+                # database at once: one wins, the others see "already exists", "duplicate key" or
+                # "UNIQUE constraint failed" and find everything in place on the next try
                 text = str(exc).lower()
-                if attempt == 3 or not ("already exists" in text or "duplicate key" in text):
+                racing = ("already exists", "duplicate key", "unique constraint")
+                if attempt == 3 or not any(word in text for word in racing):
                     raise
                 time.sleep(0.5 + attempt)
         raise AssertionError("unreachable")

@@ -1,0 +1,152 @@
+"""Several tuner processes on one study: one baseline, stale trials, no trial beyond the total.
+
+Any number of ``autobalance tune`` processes may work on one study (same ``--storage`` and
+``--study-name``), on one host or many. What keeps them consistent:
+
+* **One baseline.** The baseline trial measures the script's own configuration and defines the
+  search space. The first worker takes a claim (a row in Optuna's ``study_system_attributes``
+  whose unique key makes the insert atomic on SQLite and PostgreSQL alike) and runs it; the others
+  wait until it is recorded. A claim whose owner stops refreshing it (killed) is taken over.
+* **Stale trials.** A RUNNING trial whose heartbeat stopped (its tuner was killed) is marked
+  FAIL with status ``stale`` and is not counted, so the study runs another trial in its place.
+* **No surplus.** Two workers may ask for the last trial at the same moment. Trial numbers are
+  unique and increasing, so a trial that finds ``--trials`` counted trials numbered before it
+  is failed at once with status ``surplus`` (not counted, nothing launched).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+import uuid
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+__all__ = ["CLAIM_KEY", "NOT_COUNTED", "BaselineClaim", "fail_stale_trials", "worker_id"]
+
+CLAIM_KEY = "autobalance:baseline_claim"
+NOT_COUNTED = (None, "interrupted", "stale", "surplus")
+"""Statuses of FAIL trials that do not count towards ``--trials`` (they are run again)."""
+
+
+def worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def _table() -> Any:
+    from optuna.storages._rdb import models
+
+    return models.StudySystemAttributeModel.__table__
+
+
+class BaselineClaim:
+    """Who runs the baseline of a study: an atomic claim in the study's system attributes."""
+
+    def __init__(self, storage: optuna.storages.RDBStorage, study_id: int, *, owner: str,
+                 stale_after_s: float) -> None:
+        self.storage = storage
+        self.study_id = study_id
+        self.owner = owner
+        self.stale_after_s = stale_after_s
+        self._value: str | None = None
+
+    def _row(self) -> str | None:
+        from sqlalchemy import select
+
+        table = _table()
+        with self.storage.engine.connect() as conn:
+            row = conn.execute(
+                select(table.c.value_json).where(table.c.study_id == self.study_id, table.c.key == CLAIM_KEY)
+            ).first()
+        return None if row is None else str(row[0])
+
+    def holder(self) -> dict[str, Any] | None:
+        raw = self._row()
+        if raw is None:
+            return None
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = None
+        return value if isinstance(value, dict) else {"owner": "?", "at": 0.0}
+
+    def _stale(self, value: dict[str, Any]) -> bool:
+        at = value.get("at")
+        return not isinstance(at, (int, float)) or time.time() - at > self.stale_after_s
+
+    def try_acquire(self) -> bool:
+        """Take the claim (or a stale one); True when this worker now owns it."""
+        from sqlalchemy import delete, insert
+        from sqlalchemy.exc import IntegrityError
+
+        table = _table()
+        raw = self._row()
+        if raw is not None:
+            current = self.holder() or {}
+            if current.get("owner") == self.owner:
+                return True
+            if not self._stale(current):
+                return False
+            with self.storage.engine.begin() as conn:  # compare-and-delete: only that stale claim
+                conn.execute(delete(table).where(table.c.study_id == self.study_id, table.c.key == CLAIM_KEY,
+                                                 table.c.value_json == raw))
+        value = json.dumps({"owner": self.owner, "at": time.time()})
+        try:
+            with self.storage.engine.begin() as conn:
+                conn.execute(insert(table).values(study_id=self.study_id, key=CLAIM_KEY, value_json=value))
+        except IntegrityError:
+            return False
+        self._value = value
+        return True
+
+    def refresh(self) -> None:
+        """Keep the claim fresh while the baseline runs (compare-and-set: never steal it back)."""
+        from sqlalchemy import update
+
+        if self._value is None:
+            return
+        table = _table()
+        value = json.dumps({"owner": self.owner, "at": time.time()})
+        with self.storage.engine.begin() as conn:
+            done = conn.execute(update(table).where(
+                table.c.study_id == self.study_id, table.c.key == CLAIM_KEY, table.c.value_json == self._value,
+            ).values(value_json=value)).rowcount
+        if done:
+            self._value = value
+
+    def release(self) -> None:
+        from sqlalchemy import delete
+
+        if self._value is None:
+            return
+        table = _table()
+        with contextlib.suppress(Exception), self.storage.engine.begin() as conn:
+            conn.execute(delete(table).where(table.c.study_id == self.study_id, table.c.key == CLAIM_KEY,
+                                             table.c.value_json == self._value))
+        self._value = None
+
+
+def fail_stale_trials(study: optuna.Study, storage: optuna.storages.RDBStorage) -> list[int]:
+    """Fail RUNNING trials whose heartbeat stopped (their tuner died), marked ``stale``; returns their numbers."""
+    if storage.heartbeat_interval is None:
+        return []
+    failed: list[int] = []
+    with contextlib.suppress(Exception):
+        stale_ids = storage._get_stale_trial_ids(study._study_id)
+        for trial_id in stale_ids:
+            try:
+                storage.set_trial_user_attr(trial_id, "status", "stale")
+                storage.set_trial_user_attr(
+                    trial_id, "reason",
+                    "its tuner stopped without finishing it (killed?): the heartbeat stopped; run again in its place",
+                )
+                if storage.set_trial_state_values(trial_id, state=TrialState.FAIL):
+                    failed.append(storage.get_trial_number_from_id(trial_id))
+            except optuna.exceptions.UpdateFinishedTrialError:
+                continue  # another worker failed it first
+    return failed
