@@ -134,6 +134,7 @@ def run_tune(*, flags: dict[str, Any], config_path: str | None) -> None:
         result = tuner.run()
     finally:
         reporter.end()
+        remove_dirs(created)  # only those still empty: a study refused before any trial leaves nothing
     if result.best is not None:
         from autobalance.tuner._promote import save_trial
         from autobalance.tuner._storage import load_study

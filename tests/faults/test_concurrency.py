@@ -1,0 +1,95 @@
+"""Several tuner processes on one study at once (issue matrix 6): two on SQLite, four on PostgreSQL.
+
+Every requested trial is recorded exactly once (the study ends with exactly ``--trials`` counted
+trials, all measured), trial numbers are unique, no worker fails with "database is locked", and
+only one worker runs the baseline: the others wait for it (see ``autobalance/tuner/_workers.py``).
+A worker that asked for a trial beyond the total at the same moment as another records it as a
+FAIL ``surplus`` trial without launching anything; that is allowed here but nothing else is.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from optuna.trial import TrialState
+
+from tests.faults.conftest import (
+    CLI_TIMEOUT,
+    assert_no_processes,
+    counted,
+    env_for,
+    load,
+    sqlite_url,
+    tune_cmd,
+)
+
+pytestmark = pytest.mark.slow
+
+TRIALS = 6
+
+
+def _run_workers(url: str, tmp_path: Path, n: int, *, study: str) -> list[subprocess.CompletedProcess[str]]:
+    procs = []
+    for i in range(n):
+        cwd = tmp_path / f"worker{i}"
+        cwd.mkdir()
+        procs.append((cwd, subprocess.Popen(tune_cmd(url, trials=TRIALS, study=study, timeout=180), cwd=cwd,
+                                            env=env_for(tmp_path), text=True, stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE)))
+    done = []
+    for _cwd, proc in procs:
+        try:
+            out, err = proc.communicate(timeout=CLI_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            for _, p in procs:
+                p.kill()
+            raise
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return done
+
+
+def _check_study(url: str, study: str, results: list[subprocess.CompletedProcess[str]]) -> None:
+    for r in results:
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "database is locked" not in r.stderr + r.stdout
+    s = load(url, study)
+    trials = s.get_trials(deepcopy=False)
+    numbers = [t.number for t in trials]
+    assert sorted(numbers) == list(range(len(trials)))  # unique, no gaps
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    others = [t for t in trials if t.state != TrialState.COMPLETE]
+    assert len(complete) == TRIALS, [(t.number, t.state.name, t.user_attrs.get("status")) for t in trials]
+    assert all(t.user_attrs["status"] == "ok" for t in complete)
+    assert all(t.state == TrialState.FAIL and t.user_attrs.get("status") == "surplus" for t in others)
+    assert counted(url, study) == TRIALS
+    # one baseline, run by one worker; every other worker waited for it
+    baselines = [t for t in trials if t.user_attrs.get("baseline")]
+    assert len(baselines) == 1
+    assert s.user_attrs["autobalance:baseline_trial"] == baselines[0].number
+    waited = sum("Waiting for the baseline trial" in r.stderr for r in results)
+    assert waited >= 1
+
+
+def _launched(tmp_path: Path) -> int:
+    """Trials started by all workers together (one directory each)."""
+    return len(list(tmp_path.glob("worker*/autobalance_runs/*/trial-*")))
+
+
+def test_two_workers_on_one_sqlite_study(tmp_path: Path) -> None:
+    url = sqlite_url(tmp_path / "study.db")
+    results = _run_workers(url, tmp_path, 2, study="s")
+    _check_study(url, "s", results)
+    assert _launched(tmp_path) == TRIALS  # nothing launched twice, no second baseline
+    assert_no_processes(tmp_path)
+
+
+@pytest.mark.postgres
+def test_four_workers_on_one_postgres_study(tmp_path: Path, pg_fresh_schema: str) -> None:
+    """On an empty schema, so the four also race to create the tables (Optuna's own creation is
+    not safe against that; the tuner retries)."""
+    results = _run_workers(pg_fresh_schema, tmp_path, 4, study="s")
+    _check_study(pg_fresh_schema, "s", results)
+    assert _launched(tmp_path) == TRIALS
+    assert_no_processes(tmp_path)
