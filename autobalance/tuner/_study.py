@@ -480,6 +480,8 @@ class Tuner:
         if self.advisor is not None:
             self.advisor.before_ask(study)
         trial = study.ask()
+        with contextlib.suppress(Exception):  # beat at once: a tuner killed before its trial starts leaves it stale
+            self.storage.record_heartbeat(trial._trial_id)
         if self._surplus(study, trial):
             return
         try:

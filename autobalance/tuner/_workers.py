@@ -17,6 +17,7 @@ Any number of ``autobalance tune`` processes may work on one study (same ``--sto
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import socket
@@ -77,7 +78,12 @@ class BaselineClaim:
 
     def _stale(self, value: dict[str, Any]) -> bool:
         at = value.get("at")
-        return not isinstance(at, (int, float)) or time.time() - at > self.stale_after_s
+        if not isinstance(at, (int, float)) or time.time() - at > self.stale_after_s:
+            return True
+        host, _, rest = str(value.get("owner", "")).partition(":")
+        pid = rest.partition(":")[0]
+        # an owner on this host whose process is gone (killed) need not be waited for
+        return host == socket.gethostname() and pid.isdigit() and not os.path.exists(f"/proc/{pid}")
 
     def try_acquire(self) -> bool:
         """Take the claim (or a stale one); True when this worker now owns it."""
@@ -131,13 +137,32 @@ class BaselineClaim:
         self._value = None
 
 
+def _silent_trial_ids(study: optuna.Study, storage: optuna.storages.RDBStorage, grace_s: float) -> list[int]:
+    """RUNNING trials that never sent a heartbeat and started more than ``grace_s`` ago (their tuner
+    died between asking for the trial and starting it); Optuna's own check skips them forever."""
+    from optuna.storages._rdb import models
+    from sqlalchemy import select
+
+    old = datetime.datetime.now() - datetime.timedelta(seconds=grace_s)
+    running = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+               if t.datetime_start is not None and t.datetime_start < old]
+    if not running:
+        return []
+    ids = [t._trial_id for t in running]
+    table = models.TrialHeartbeatModel.__table__
+    with storage.engine.connect() as conn:
+        beating = {row[0] for row in conn.execute(select(table.c.trial_id).where(table.c.trial_id.in_(ids)))}
+    return [i for i in ids if i not in beating]
+
+
 def fail_stale_trials(study: optuna.Study, storage: optuna.storages.RDBStorage) -> list[int]:
     """Fail RUNNING trials whose heartbeat stopped (their tuner died), marked ``stale``; returns their numbers."""
     if storage.heartbeat_interval is None:
         return []
     failed: list[int] = []
     with contextlib.suppress(Exception):
-        stale_ids = storage._get_stale_trial_ids(study._study_id)
+        grace = storage.grace_period or 2 * storage.heartbeat_interval
+        stale_ids = storage._get_stale_trial_ids(study._study_id) + _silent_trial_ids(study, storage, grace)
         for trial_id in stale_ids:
             try:
                 storage.set_trial_user_attr(trial_id, "status", "stale")

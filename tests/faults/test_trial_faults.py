@@ -2,6 +2,7 @@
 a rank killed, hanging or leaving early, and reports that cannot be written or are garbage.
 
 Each test continues the seeded study (its baseline is trial 0), so the faulty trial is trial 1.
+Trials run in a warm worker pool (the default); ``cold`` variants run one torchrun per trial.
 """
 
 from __future__ import annotations
@@ -23,12 +24,15 @@ from tests.faults.conftest import (
 
 pytestmark = pytest.mark.slow
 
+MODE = {"warm": (), "cold": ("--cold",)}
 
-def test_oom_in_backward_while_peer_waits_in_allreduce(tmp_path: Path, seeded: str) -> None:
+
+@pytest.mark.parametrize("mode", ["warm", "cold"])
+def test_oom_in_backward_while_peer_waits_in_allreduce(tmp_path: Path, seeded: str, mode: str) -> None:
     """Matrix 1: rank 1 runs out of memory inside the synchronised backward while rank 0 waits in
     the all-reduce. The trial ends well within its timeout as infeasible ``oom``; the next one runs."""
     before = complete_trials(seeded)
-    proc = tune(seeded, cwd=tmp_path, trials=3,
+    proc = tune(seeded, *MODE[mode], cwd=tmp_path, trials=3,
                 env=env_for(tmp_path, AB_FAULT="oom_backward_rank1", AB_FAULT_ONCE="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     trials = load(seeded).trials
@@ -46,19 +50,21 @@ def test_oom_in_backward_while_peer_waits_in_allreduce(tmp_path: Path, seeded: s
 
 
 @pytest.mark.parametrize(
-    ("fault", "status", "words"),
+    ("fault", "mode", "status", "words"),
     [
-        ("sigkill_rank1", "crash", ["rank 1", "SIGKILL"]),
-        ("exit0_rank1", "crash", ["rank 1", "exited 0 without a report"]),
-        ("hang_rank1", "timeout", ["--trial-timeout 25s", "killed the whole job"]),
+        ("sigkill_rank1", "warm", "crash", ["rank 1", "SIGKILL"]),
+        ("sigkill_rank1", "cold", "crash", ["rank 1 was killed by SIGKILL (signal 9)", "ranks [0] lost their connection"]),
+        ("exit0_rank1", "warm", "crash", ["rank 1", "exited 0 without a report"]),
+        ("hang_rank1", "warm", "timeout", ["--trial-timeout 20s", "killed the whole job"]),
     ],
 )
-def test_rank_killed_hanging_or_leaving_early(tmp_path: Path, seeded: str, fault: str, status: str,
+def test_rank_killed_hanging_or_leaving_early(tmp_path: Path, seeded: str, fault: str, mode: str, status: str,
                                               words: list[str]) -> None:
     """Matrix 2: one rank is SIGKILLed mid-trial / sleeps forever before a collective / exits 0
     without a report. The trial ends (crash, or timeout = infeasible), and the study goes on."""
     before = complete_trials(seeded)
-    proc = tune(seeded, cwd=tmp_path, trials=2, timeout=25,
+    # cold trials count torchrun's start-up in the timeout, so they get more than warm ones
+    proc = tune(seeded, *MODE[mode], cwd=tmp_path, trials=2, timeout=20 if mode == "warm" else 60,
                 env=env_for(tmp_path, AB_FAULT=fault, AB_FAULT_ONCE="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     trial = load(seeded).trials[1]
@@ -67,7 +73,7 @@ def test_rank_killed_hanging_or_leaving_early(tmp_path: Path, seeded: str, fault
         assert word in trial.user_attrs["reason"]
     if status == "timeout":  # a hang is infeasible (recorded, so the sampler avoids it)
         assert trial.state == TrialState.COMPLETE and trial.system_attrs["constraints"][0] > 0
-        assert trial.user_attrs["wall_s"] < 25 + 20
+        assert trial.user_attrs["wall_s"] < 20 + 20
     else:  # a crash is a failed trial (it counts towards --trials; the study continues)
         assert trial.state == TrialState.FAIL
         assert trial.user_attrs["failing_rank"] == 1
