@@ -139,3 +139,23 @@ def test_report_with_wrong_types_is_a_crash_not_a_tuner_error(tmp_path: Path, re
     assert outcome.status == "crash"
     assert outcome.failing_rank == 1
     assert words in outcome.reason
+
+
+@pytest.mark.parametrize("mode", ["warm", "cold"])
+def test_trial_directory_that_cannot_be_created_is_a_crash_and_nothing_starts(tmp_path: Path, mode: str) -> None:
+    """Matrix 7, the launcher's side: the trial directory cannot be made (the runs directory is
+    gone, read-only or full). The trial is a crash with that reason; no torchrun is started."""
+    from autobalance.launcher import TrialLaunch, WarmPool, run_trial
+    from tests.tune_helpers import FAULTY
+
+    launch = TrialLaunch(script=FAULTY, nproc_per_node=2, trial_dir="/proc/autobalance-trial", timeout_s=30)
+    if mode == "cold":
+        outcome = run_trial(launch)
+    else:
+        pool = WarmPool(template=launch, pool_dir=str(tmp_path / "pool"))
+        outcome = pool.run(launch)
+        assert pool.proc is None  # the pool was not even started
+    assert outcome.status == "crash"
+    assert "could not write the trial directory /proc/autobalance-trial" in outcome.reason
+    assert "--runs-dir" in outcome.reason
+    assert_no_processes(tmp_path, within=0)
