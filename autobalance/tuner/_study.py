@@ -446,12 +446,17 @@ class Tuner:
         """Whether to ask for another trial; waits for other workers' running trials at the end
         (one may go stale and need a replacement)."""
         total = self.settings.trials
+        noted = False
         while True:
             fail_stale_trials(study, self.storage)
             if self.counted_trials(study) < total:
                 return True
-            if not study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            if not running:
                 return False
+            if not noted:
+                self.reporter.note(f"Waiting for {len(running)} trial(s) that other workers on this study are running.")
+                noted = True
             time.sleep(min(3.0, heartbeat_interval_s() / 2))
 
     def _surplus(self, study: optuna.Study, trial: optuna.Trial) -> bool:
