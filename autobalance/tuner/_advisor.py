@@ -293,7 +293,7 @@ class ModelAdvisor:
     # ------------------------------------------------------------------ vetoes
     def predict_infeasible(self, study: optuna.Study, config: BalanceConfig) -> tuple[TrialFigures, dict[str, Any]] | None:
         """Figures for a config the model is confident will not fit; None to launch it."""
-        model = self.model
+        model = self.model if self.model is not None else self.refit(study)
         usable = self._usable(study)
         if model is None or usable is None or self._predicted_in_a_row >= _MAX_PREDICTED_IN_A_ROW:
             return None
