@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
 import typer
@@ -65,9 +63,13 @@ def tune(
     node_rank: int | None = typer.Option(None, "--node-rank", help="torchrun --node-rank."),
     rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint", help="torchrun --rdzv-endpoint HOST:PORT."),
     torchrun_arg: list[str] | None = typer.Option(None, "--torchrun-arg", help="Extra torchrun option (repeatable)."),
+    gpus_per_trial: int | None = typer.Option(None, "--gpus-per-trial", help="Run floor(visible GPUs / K) trials at once, each on its own K GPUs."),
+    cpus_per_trial: int | None = typer.Option(None, "--cpus-per-trial", help="Run floor(usable cores / K) trials at once, each pinned to its own K cores."),
     config: str | None = typer.Option(None, "--config", help="Study TOML (flags override it)."),
 ) -> None:
-    """Tune a training script: each trial is a short real torchrun run of one configuration."""
+    """Tune a training script: each trial is a short real torchrun run of one configuration.
+
+    Multi-node trials: --nnodes N --rdzv-endpoint HOST:PORT here, `autobalance worker` on each other node."""
 
     def go() -> None:
         from autobalance.cli._tune import run_tune
@@ -81,6 +83,7 @@ def tune(
             "sampler": sampler, "seed": seed, "dtypes": _parse_list("--dtypes", dtypes),
             "max_accumulation": max_accumulation, "on_error": on_error, "runs_dir": runs_dir, "prune_factor": prune_factor, "cold": cold, "nnodes": nnodes,
             "node_rank": node_rank, "rdzv_endpoint": rdzv_endpoint, "torchrun_args": torchrun_arg or None,
+            "gpus_per_trial": gpus_per_trial, "cpus_per_trial": cpus_per_trial,
         }
         run_tune(flags=flags, config_path=config)
 
@@ -115,8 +118,6 @@ def trials(
     run_command(go)
 
 
-def _unused() -> None:  # keep imports used by later commands
-    _ = (json, os)
 
 
 @app.command()
