@@ -103,8 +103,10 @@ def test_sigkilled_tuner_leaves_no_workers_and_its_stale_trial_is_replaced(tmp_p
     assert_no_processes(tmp_path, within=60)
     assert time.monotonic() - killed_at < 60
     assert load(seeded).trials[1].state == TrialState.RUNNING  # nobody told the storage
+    if mode == "cold":
+        return  # what follows is the same for both: the storage side (shown once)
     time.sleep(4)  # > 3 heartbeat intervals
-    again = tune(seeded, *MODE[mode], cwd=tmp_path, trials=2, env=env)
+    again = tune(seeded, cwd=tmp_path, trials=2, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     trials = load(seeded).trials
     assert trials[1].state == TrialState.FAIL
