@@ -613,9 +613,20 @@ def _init_distributed(device_type: str, timeout_s: int) -> tuple[int, int, int]:
         if device_type == "cuda":
             kwargs["device_id"] = torch.device("cuda", local_rank)
         dist.init_process_group(**kwargs)
+        # the group autobalance created is torn down at exit: a live gloo/NCCL group at
+        # interpreter shutdown can abort the process ("terminate called without an active exception")
+        atexit.register(_destroy_process_group_at_exit)
     if dist.is_initialized():
         world_size, rank = dist.get_world_size(), dist.get_rank()
     return rank, world_size, local_rank
+
+
+def _destroy_process_group_at_exit() -> None:
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
 
 
 def _resolve_device(device: str | None) -> torch.device:

@@ -1,0 +1,82 @@
+"""Production jobs load the saved best configuration through plan(): every rank the same row."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autobalance import BalanceConfig
+from autobalance.store import ConfigStore, current_fingerprint, export_file
+from tests.conftest import torchrun
+
+pytestmark = pytest.mark.slow
+
+SHOW = "tests/scripts/show_plan.py"
+
+
+def plans(out_dir) -> dict[int, dict]:
+    found = {}
+    for path in sorted(out_dir.glob("rank*.json")):
+        data = json.loads(path.read_text())
+        found[data["rank"]] = data
+    return found
+
+
+def show(tmp_path, env):
+    out = tmp_path / "plans"
+    out.mkdir(exist_ok=True)
+    proc = torchrun([SHOW], env={"AUTOBALANCE_DEVICE": "cpu", "SHOW_PLAN_DIR": str(out), **env})
+    return proc, plans(out)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    url = f"sqlite:///{tmp_path / 'best.db'}"
+    config = BalanceConfig(micro_batches=[3, 5], accumulation=2, global_batch=16, checkpoint=[[0], []],
+                           dtype="bf16", bucket_cap_mb=12.5, gradient_as_bucket_view=True)
+    with ConfigStore(url=url) as store:
+        row = store.save(study_name="prod", trial_number=7, config=config, figures={"step_time_ms": 1.0},
+                         fingerprint=current_fingerprint(device_type="cpu", world_size=2, nnodes=1),
+                         saved_by="test")
+    return url, row
+
+
+def test_study_in_environment_loads_the_same_row_on_every_rank(saved, tmp_path):
+    url, row = saved
+    proc, found = show(tmp_path, {"AUTOBALANCE_STUDY": "prod", "AUTOBALANCE_STORAGE": url})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert set(found) == {0, 1}
+    for data in found.values():
+        assert data["config"] == row.config.to_dict()
+        assert data["source"] == "store:prod#7"
+
+
+def test_export_file_loads_without_a_database(saved, tmp_path):
+    _url, row = saved
+    path = export_file(row, str(tmp_path / "best.json"))
+    proc, found = show(tmp_path, {"AUTOBALANCE_CONFIG_FILE": path})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert set(found) == {0, 1}
+    assert all(d["config"] == row.config.to_dict() for d in found.values())
+
+
+def test_no_environment_means_the_script_defaults(tmp_path):
+    proc, found = show(tmp_path, {})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert set(found) == {0, 1}
+    for data in found.values():
+        assert data["source"] == "defaults"
+        assert data["config"]["micro_batches"] == [4, 4]
+
+
+def test_hardware_mismatch_is_named_and_fails_under_policy_error(tmp_path):
+    url = f"sqlite:///{tmp_path / 'best.db'}"
+    config = BalanceConfig(micro_batches=[2, 2, 2, 2], global_batch=8)
+    with ConfigStore(url=url) as store:
+        store.save(study_name="four", trial_number=1, config=config, figures={},
+                   fingerprint=current_fingerprint(device_type="cpu", world_size=4, nnodes=1), saved_by="test")
+    proc, found = show(tmp_path, {"AUTOBALANCE_STUDY": "four", "AUTOBALANCE_STORAGE": url, "SHOW_PLAN_POLICY": "error"})
+    assert proc.returncode != 0
+    assert "world size" in proc.stderr + proc.stdout
+    assert found == {}
