@@ -119,6 +119,7 @@ def test_bad_study_toml(tmp_path: Path, toml: str, words: list[str]) -> None:
     assert not db.exists()
 
 
+@pytest.mark.slow  # the seeded study runs a baseline trial
 @pytest.mark.parametrize(
     ("flags", "words"),
     [
@@ -143,6 +144,7 @@ def test_study_name_exists_with_another_search_space(tmp_path: Path, seeded: str
     assert not (tmp_path / "autobalance_runs").exists()
 
 
+@pytest.mark.slow  # the seeded study runs a baseline trial
 @pytest.mark.parametrize("command", ["best", "export", "trials", "report"])
 def test_unknown_study_lists_the_available_ones(tmp_path: Path, seeded: str, command: str) -> None:
     study = load(seeded)

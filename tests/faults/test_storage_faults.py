@@ -49,6 +49,7 @@ def test_unreachable_postgres(tmp_path: Path) -> None:
                             "check that the server is running")
 
 
+@pytest.mark.slow  # the seeded study runs a baseline trial
 def test_read_only_sqlite(tmp_path: Path, seeded: str) -> None:
     """A database opened read-only (as a read-only mount or file would be)."""
     before = complete_trials(seeded)
