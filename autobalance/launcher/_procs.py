@@ -9,12 +9,14 @@ orphaned workers are re-parented to it rather than to init.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from autobalance import _env
 
@@ -25,16 +27,23 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 
 
-def _prctl(option: int, value: int) -> bool:
-    if not sys.platform.startswith("linux"):
-        return False
+@functools.cache
+def _libc() -> Any:
+    """libc, loaded once in the parent: a child must not dlopen between fork and exec (another
+    thread of the tuner may hold the loader's lock at the fork)."""
     import ctypes
 
     try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        return libc.prctl(option, value, 0, 0, 0) == 0
+        return ctypes.CDLL("libc.so.6", use_errno=True)
     except OSError:
+        return None
+
+
+def _prctl(option: int, value: int) -> bool:
+    if not sys.platform.startswith("linux"):
         return False
+    libc = _libc()
+    return libc is not None and libc.prctl(option, value, 0, 0, 0) == 0
 
 
 def become_subreaper() -> bool:

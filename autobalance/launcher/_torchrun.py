@@ -20,7 +20,7 @@ from autobalance.launcher._procs import (
     parent_death_signal,
 )
 
-__all__ = ["TrialLaunch", "build_command", "run_trial"]
+__all__ = ["TrialLaunch", "build_command", "child_setup", "run_trial"]
 
 # After one rank reported a failure, torchrun normally tears the job down within seconds; if a
 # peer is stuck in a collective and torchrun does not, the launcher kills the job itself.
@@ -67,6 +67,12 @@ class TrialLaunch:
     """Process-group timeout inside the ranks."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment (e.g. CUDA_VISIBLE_DEVICES for parallel trials)."""
+    cpus: list[int] | None = None
+    """CPU cores the job is pinned to (``sched_setaffinity`` before torchrun starts; its workers
+    inherit it); None: not pinned."""
+    log_dir: str | None = None
+    """Where torchrun's log and the per-rank logs go (default: the trial directory; each node of a
+    multi-node trial has its own, since the trial directory is shared)."""
     trial_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     """Marks every process of the trial."""
 
@@ -74,10 +80,26 @@ class TrialLaunch:
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
 
+    @property
+    def logs_at(self) -> str:
+        return self.log_dir or self.trial_dir
+
+
+def child_setup(launch: TrialLaunch) -> Callable[[], None]:
+    """``preexec_fn`` of a trial's torchrun: die with the tuner; pinned to ``launch.cpus``."""
+    cpus = list(launch.cpus or [])
+
+    def setup() -> None:
+        parent_death_signal()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    return setup
+
 
 def build_command(launch: TrialLaunch) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(launch.nproc_per_node),
-           "--max-restarts", "0", "--log-dir", os.path.join(launch.trial_dir, "logs"), "--redirects", "3"]
+           "--max-restarts", "0", "--log-dir", os.path.join(launch.logs_at, "logs"), "--redirects", "3"]
     if launch.nnodes == 1 and launch.rdzv_endpoint is None:
         cmd.append("--standalone")
     else:
@@ -138,7 +160,8 @@ def run_trial(
     start = time.monotonic()
     try:
         os.makedirs(launch.trial_dir, exist_ok=True)
-        log = open(os.path.join(launch.trial_dir, "torchrun.log"), "wb")  # noqa: SIM115
+        os.makedirs(launch.logs_at, exist_ok=True)
+        log = open(os.path.join(launch.logs_at, "torchrun.log"), "wb")  # noqa: SIM115
     except OSError as exc:
         return unwritable_trial_dir(launch, exc)
     become_subreaper()
@@ -146,7 +169,7 @@ def run_trial(
         try:
             proc = subprocess.Popen(
                 build_command(launch), env=trial_environment(launch), stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=parent_death_signal,
+                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=child_setup(launch),
                 cwd=os.getcwd(),
             )
         except OSError as exc:

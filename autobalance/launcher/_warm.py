@@ -26,9 +26,13 @@ from autobalance.launcher._procs import (
     become_subreaper,
     interrupts_deferred,
     kill_trial_processes,
-    parent_death_signal,
 )
-from autobalance.launcher._torchrun import TrialLaunch, trial_environment, unwritable_trial_dir
+from autobalance.launcher._torchrun import (
+    TrialLaunch,
+    child_setup,
+    trial_environment,
+    unwritable_trial_dir,
+)
 
 __all__ = ["WarmPool", "cold_reason"]
 
@@ -83,7 +87,7 @@ class WarmPool:
             nproc_per_node=t.nproc_per_node, nnodes=t.nnodes, node_rank=t.node_rank,
             rdzv_endpoint=t.rdzv_endpoint, torchrun_args=t.torchrun_args, device=t.device, steps=t.steps,
             warmup=t.warmup, memory_cap_bytes=t.memory_cap_bytes, trial_dir=self._dir, timeout_s=t.timeout_s,
-            pg_timeout_s=t.pg_timeout_s, env=dict(t.env), trial_id=self.pool_id,
+            pg_timeout_s=t.pg_timeout_s, env=dict(t.env), trial_id=self.pool_id, cpus=t.cpus,
         )
         env = trial_environment(launch)
         for key in _PER_TRIAL_KEYS:
@@ -96,7 +100,7 @@ class WarmPool:
             try:
                 self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                              stdin=subprocess.DEVNULL, start_new_session=True,
-                                             preexec_fn=parent_death_signal)
+                                             preexec_fn=child_setup(launch))
             except OSError as exc:
                 raise LaunchError(f"could not start the warm pool's torchrun ({exc}).") from exc
 

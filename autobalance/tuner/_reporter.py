@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -48,6 +49,8 @@ class RichReporter:
         self._total = 0
         self._t0 = time.monotonic()
         self._best_text = "best: -"
+        self._lock = threading.RLock()
+        self._running: dict[int, float] = {}
 
     def begin(self, settings: TuneSettings, *, already: int) -> None:
         self._total = settings.trials
@@ -65,14 +68,23 @@ class RichReporter:
 
     def start(self, number: int, config: BalanceConfig | None, *, baseline: bool = False) -> None:
         label = "baseline (the script's own configuration)" if baseline else describe_config(config)
-        self.console.print(f"[dim]trial {number}[/] {escape(label)} ...")
+        with self._lock:
+            self.console.print(f"[dim]trial {number}[/] {escape(label)} ...")
 
     def tick(self, number: int, elapsed: float) -> None:
-        if self._progress is not None:
-            self._progress.update(self._task, description=f"{self._best_text}  [dim](trial {number}: {elapsed:.0f}s)[/]")
+        with self._lock:
+            self._running[number] = elapsed
+            if self._progress is not None:
+                running = ", ".join(f"trial {n}: {e:.0f}s" for n, e in sorted(self._running.items()))
+                self._progress.update(self._task, description=f"{self._best_text}  [dim]({running})[/]")
 
     def finish(self, trial: FrozenTrial, best: FrozenTrial | None, *, reused: bool = False,
                predicted: bool = False) -> None:
+        with self._lock:
+            self._running.pop(trial.number, None)
+            self._finish(trial, best, reused=reused, predicted=predicted)
+
+    def _finish(self, trial: FrozenTrial, best: FrozenTrial | None, *, reused: bool, predicted: bool) -> None:
         status = trial.user_attrs.get("status", "?")
         style = _STYLE.get(status, "white")
         extra = f" (same config as trial {trial.user_attrs.get('reused_from')}, not re-run)" if reused else ""
@@ -87,7 +99,8 @@ class RichReporter:
             self._progress.update(self._task, advance=0 if reused else 1, description=self._best_text)
 
     def note(self, text: str) -> None:
-        self.console.print(f"[dim]{escape(text)}[/]")
+        with self._lock:
+            self.console.print(f"[dim]{escape(text)}[/]")
 
     def end(self) -> None:
         if self._progress is not None:

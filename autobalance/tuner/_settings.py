@@ -84,6 +84,10 @@ class TuneSettings:
     """Stop a trial once its median measured step is this many times the best feasible step time (0: never)."""
     runs_dir: str = "autobalance_runs"
     """Where trial directories (reports, logs) are kept."""
+    gpus_per_trial: int | None = None
+    """Run floor(visible GPUs / K) one-node trials at once, each on its own K GPUs (None: one at a time)."""
+    cpus_per_trial: int | None = None
+    """Run floor(usable cores / K) one-node trials at once, each pinned to its own K cores."""
 
     def __post_init__(self) -> None:
         if not self.script.endswith(".py"):
@@ -126,6 +130,9 @@ class TuneSettings:
             if bad or not self.dtypes:
                 raise UsageError(f"--dtypes={','.join(self.dtypes)!r} is invalid; choose from {', '.join(DTYPES)}.")
         _positive("--max-accumulation", self.max_accumulation)
+        for name, value in (("--gpus-per-trial", self.gpus_per_trial), ("--cpus-per-trial", self.cpus_per_trial)):
+            if value is not None:
+                _positive(name, value)
         if self.prune_factor != 0 and self.prune_factor < 1:
             raise UsageError(f"--prune-factor={self.prune_factor:g} must be 0 (off) or at least 1; e.g. 1.5.")
         if self.memory_cap_gib is not None:

@@ -21,7 +21,9 @@ from optuna.trial import FrozenTrial, TrialState
 from autobalance._config import BalanceConfig
 from autobalance._errors import LaunchError, TrialScriptError, UsageError
 from autobalance.launcher import TrialLaunch, TrialOutcome, WarmPool, cold_reason, run_trial
+from autobalance.launcher._procs import interrupts_deferred
 from autobalance.tuner._objective import TrialFigures, figures_from_outcome
+from autobalance.tuner._parallel import Slot, plan_slots
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._space import SearchSpace
 from autobalance.tuner._storage import heartbeat_interval_s, mask, open_storage
@@ -120,6 +122,15 @@ class Tuner:
         self.pool: WarmPool | None = pool
         self._owns_pool = pool is None
         self.cold_note: str | None = None
+        # several trials at once (see _parallel): one thread per slot, these shared between them
+        self.slots: list[Slot] | None = None
+        self._local = threading.local()
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._slot_pools: dict[int, WarmPool] = {}
+        self._running_here: set[int] = set()
+        self._in_flight: dict[str, threading.Event] = {}
+        self.coordinator: Any = None
 
     # ------------------------------------------------------------------ study set-up
     def _open_study(self) -> optuna.Study:
@@ -177,6 +188,7 @@ class Tuner:
             global_batch=s.global_batch if config is None else None, steps=s.steps, warmup=s.warmup,
             memory_cap_bytes=s.caps_bytes() if s.cap_mode == "enforce" else None, trial_dir=trial_dir, timeout_s=s.trial_timeout,
             pg_timeout_s=int(max(30, min(300, s.trial_timeout / 2))),
+            env=dict(self._slot().env), cpus=list(self._slot().cpus or []) or None,
         )
         stop = threading.Event()
         beat = None
@@ -189,10 +201,14 @@ class Tuner:
                          factor=s.prune_factor) if prune and trial is not None else None
 
         def on_poll(elapsed: float) -> bool:
+            if self._stop.is_set():  # another slot failed or the tuner was interrupted
+                raise _Stopped
             self.reporter.tick(number, elapsed)
             return pruner.should_stop() if pruner is not None else False
 
         try:
+            if s.nnodes > 1:
+                return self._coordinator().run(launch, on_poll=on_poll)
             pool = self._pool(launch)
             if pool is not None:
                 return pool.run(launch, on_poll=on_poll)
@@ -201,28 +217,71 @@ class Tuner:
             stop.set()
             if beat is not None:
                 beat.join(timeout=5)
-            self.trials_run += 1
+            with self._lock:
+                self.trials_run += 1
+
+    def _slot(self) -> Slot:
+        """The slot of the calling thread (the first one on the main thread)."""
+        slot = getattr(self._local, "slot", None)
+        if slot is None:
+            slots = self._plan_slots()
+            slot = slots[0]
+        return slot  # type: ignore[no-any-return]
+
+    def _plan_slots(self) -> list[Slot]:
+        if self.slots is None:
+            s = self.settings
+            self.slots = plan_slots(device=s.device, nproc_per_node=s.nproc_per_node, nnodes=s.nnodes,
+                                    gpus_per_trial=s.gpus_per_trial, cpus_per_trial=s.cpus_per_trial)
+        return self.slots
+
+    def _coordinator(self) -> Any:
+        """The multi-node hand-off (started on first use; see ``launcher._multinode``)."""
+        if self.coordinator is None:
+            from autobalance.launcher._multinode import Coordinator
+
+            s = self.settings
+            assert s.rdzv_endpoint, "checked in run()"
+            self.coordinator = Coordinator(runs_dir=s.runs_dir, rdzv_endpoint=s.rdzv_endpoint, nnodes=s.nnodes,
+                                           nproc_per_node=s.nproc_per_node, script=s.script,
+                                           script_args=list(s.script_args), note=self.reporter.note)
+            self.coordinator.start()
+        return self.coordinator
 
     def _pool(self, launch: TrialLaunch) -> WarmPool | None:
         """The warm pool, created on first use; None when trials must run cold."""
         s = self.settings
         if s.cold or s.nnodes > 1:
             return None
-        if self.pool is None:
-            reason = cold_reason(s.script)
-            if reason is not None:
-                self.cold_note = f"Cold trials (one torchrun per trial): {reason}."
-                self.reporter.note(self.cold_note)
-                s.cold = True
-                return None
-            pool_dir = os.path.abspath(os.path.join(s.runs_dir, s.study_name))
-            self.pool = WarmPool(template=launch, pool_dir=pool_dir)
-        return self.pool
+        slot = self._slot().index
+        with self._lock:
+            pool = self.pool if slot == 0 else self._slot_pools.get(slot)
+            if pool is None:
+                reason = cold_reason(s.script)
+                if reason is not None:
+                    self.cold_note = f"Cold trials (one torchrun per trial): {reason}."
+                    self.reporter.note(self.cold_note)
+                    s.cold = True
+                    return None
+                # one pool per slot: its workers hold the slot's devices for the whole study
+                pool_dir = os.path.abspath(os.path.join(s.runs_dir, s.study_name))
+                pool = WarmPool(template=launch, pool_dir=pool_dir)
+                if slot == 0:
+                    self.pool = pool
+                else:
+                    self._slot_pools[slot] = pool
+        return pool
 
     def close(self) -> None:
         if self.pool is not None and self._owns_pool:
             self.pool.close()
             self.pool = None
+        for pool in self._slot_pools.values():
+            pool.close()
+        self._slot_pools.clear()
+        if self.coordinator is not None:
+            self.coordinator.close()
+            self.coordinator = None
 
     @staticmethod
     def _best_step_s(study: optuna.Study) -> float | None:
@@ -354,6 +413,10 @@ class Tuner:
     def run(self) -> TuneResult:
         s = self.settings
         start = time.monotonic()
+        self._plan_slots()  # bad --gpus-per-trial/--cpus-per-trial: an error before anything runs
+        if s.nnodes > 1 and not s.rdzv_endpoint:
+            raise UsageError(f"--nnodes={s.nnodes} needs --rdzv-endpoint HOST:PORT (a port on this node that the other "
+                             "nodes reach); start `autobalance worker` with the same endpoint on each of them.")
         study = self._open_study()
         space_dict = study.user_attrs.get(ATTR_SPACE)
         space = SearchSpace.from_dict(space_dict) if space_dict else None
@@ -365,8 +428,12 @@ class Tuner:
                 space = self._baseline_once(study)
             if self.advisor is None and s.strategy == "model":
                 self.advisor = _make_advisor(space=space, settings=s)
-            while self._more_trials(study):
-                self._one_trial(study, space)
+            slots = self._plan_slots()
+            if len(slots) > 1:
+                self._run_parallel(study, space, slots)
+            else:
+                while self._more_trials(study):
+                    self._one_trial(study, space)
         finally:
             self.close()
         best = best_trial(study)
@@ -376,6 +443,50 @@ class Tuner:
                             baseline=baseline, best=best, wall_s=time.monotonic() - start)
         self._summarise(study, result)
         return result
+
+    def _run_parallel(self, study: optuna.Study, space: SearchSpace, slots: list[Slot]) -> None:
+        """One thread per slot, each asking, launching and telling trials until the study is done.
+        A slot that fails (a script error that stops the study, too many crashes) or a Ctrl-C stops
+        every slot: their running trials are killed and marked interrupted (run again on the next start)."""
+        errors: list[BaseException] = []
+        self.reporter.note(f"{len(slots)} trials at a time: " + "; ".join(slot.describe() for slot in slots) + ".")
+
+        def work(slot: Slot) -> None:
+            self._local.slot = slot
+            try:
+                while not self._stop.is_set() and self._more_trials(study):
+                    self._one_trial(study, space)
+            except BaseException as exc:
+                errors.append(exc)
+                self._stop.set()
+            finally:
+                # a pool is closed by the thread that (re)started it: its parent-death signal follows that thread
+                with self._lock:
+                    pool = self._slot_pools.pop(slot.index, None)
+                    if slot.index == 0 and self._owns_pool:
+                        pool, self.pool = self.pool, None
+                if pool is not None:
+                    pool.close()
+
+        threads = [threading.Thread(target=work, args=(slot,), name=f"autobalance-slot-{slot.index}", daemon=True)
+                   for slot in slots]
+        for thread in threads:
+            thread.start()
+        try:
+            while any(t.is_alive() for t in threads):
+                for thread in threads:
+                    thread.join(timeout=0.2)
+        except KeyboardInterrupt:
+            self._stop.set()
+            with interrupts_deferred():  # the slots kill and mark their trials; a second Ctrl-C waits
+                for thread in threads:
+                    thread.join(timeout=120)
+            raise
+        real = [e for e in errors if not isinstance(e, _Stopped)]
+        if real:
+            raise real[0]
+        if errors:
+            raise KeyboardInterrupt
 
     def _summarise(self, study: optuna.Study, result: TuneResult) -> None:
         trials = study.get_trials(deepcopy=False)
@@ -448,10 +559,14 @@ class Tuner:
         total = self.settings.trials
         noted = False
         while True:
+            if self._stop.is_set():
+                return False
             fail_stale_trials(study, self.storage)
             if self.counted_trials(study) < total:
                 return True
-            running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            with self._lock:  # this tuner's own running trials (other slots) are not waited for
+                running = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                           if t._trial_id not in self._running_here]
             if not running:
                 return False
             if not noted:
@@ -482,13 +597,15 @@ class Tuner:
         return t.state == TrialState.RUNNING
 
     def _one_trial(self, study: optuna.Study, space: SearchSpace) -> None:
-        if self.advisor is not None:
-            self.advisor.before_ask(study)
-        trial = study.ask()
-        with contextlib.suppress(Exception):  # beat at once: a tuner killed before its trial starts leaves it stale
-            self.storage.record_heartbeat(trial._trial_id)
-        if self._surplus(study, trial):
-            return
+        with self._lock:  # one ask at a time: the advisor's proposals and the in-flight set stay consistent
+            if self.advisor is not None:
+                self.advisor.before_ask(study)
+            trial = study.ask()
+            with contextlib.suppress(Exception):  # beat at once: a tuner killed before its trial starts leaves it stale
+                self.storage.record_heartbeat(trial._trial_id)
+            if self._surplus(study, trial):
+                return
+            self._running_here.add(trial._trial_id)
         try:
             self._run_asked(study, space, trial)
         except BaseException as exc:
@@ -503,20 +620,42 @@ class Tuner:
                                         f"{mask(str(exc))[:250]}")
                     study.tell(trial, state=TrialState.FAIL)
             raise
+        finally:
+            with self._lock:
+                self._running_here.discard(trial._trial_id)
 
     def _run_asked(self, study: optuna.Study, space: SearchSpace, trial: optuna.Trial) -> None:
         config = space.suggest(trial)
         key = config.to_json()
-        seen = self._measured.get(key)
-        if seen is not None:
-            self._reuse(study, trial, seen)
-            return
-        if self.advisor is not None:
-            predicted = self.advisor.predict_infeasible(study, config)
-            if predicted is not None:
-                self._tell(study, trial, predicted[0], {**predicted[1], "config": config.to_dict()}, "predicted_oom")
-                self.reporter.finish(study.trials[trial.number], best_trial(study), predicted=True)
-                return
+        while True:
+            with self._lock:
+                running = self._in_flight.get(key)
+                if running is None:
+                    seen = self._measured.get(key)
+                    if seen is not None:
+                        self._reuse(study, trial, seen)
+                        return
+                    if self.advisor is not None:
+                        predicted = self.advisor.predict_infeasible(study, config)
+                        if predicted is not None:
+                            self._tell(study, trial, predicted[0], {**predicted[1], "config": config.to_dict()},
+                                       "predicted_oom")
+                            self.reporter.finish(study.trials[trial.number], best_trial(study), predicted=True)
+                            return
+                    done = self._in_flight[key] = threading.Event()
+                    break
+            # another slot measures this very configuration: wait for it, then reuse its result
+            while not running.wait(0.5):
+                if self._stop.is_set():
+                    raise _Stopped
+        try:
+            self._measure(study, trial, config)
+        finally:
+            with self._lock:
+                self._in_flight.pop(key, None)
+            done.set()
+
+    def _measure(self, study: optuna.Study, trial: optuna.Trial, config: BalanceConfig) -> None:
         self.reporter.start(trial.number, config)
         try:
             outcome = self._launch(study, number=trial.number, config=config, heartbeat_trial_id=trial._trial_id,
@@ -530,11 +669,12 @@ class Tuner:
                 trial.set_user_attr("trial_dir", partial.trial_dir)
             study.tell(trial, state=TrialState.FAIL)
             raise
-        frozen = self.record(study, trial, config, outcome)
-        if self.advisor is not None:
-            self.advisor.after_trial(study, frozen)
-        self.reporter.finish(frozen, best_trial(study))
-        self._check_stop(study, outcome)
+        with self._lock:  # matplotlib (the trial's chart) and the advisor are not thread-safe
+            frozen = self.record(study, trial, config, outcome)
+            if self.advisor is not None:
+                self.advisor.after_trial(study, frozen)
+            self.reporter.finish(frozen, best_trial(study))
+            self._check_stop(study, outcome)
 
     def _reuse(self, study: optuna.Study, trial: optuna.Trial, seen: FrozenTrial) -> None:
         for key, value in seen.user_attrs.items():
@@ -566,6 +706,11 @@ class Tuner:
                     f"Logs in {outcome.trial_dir}. (Use --on-error continue to skip such trials.)",
                     traceback_text=outcome.traceback, rank=outcome.failing_rank,
                 )
+
+
+class _Stopped(KeyboardInterrupt):
+    """Raised in a slot's trial when another slot stopped the study (or the tuner was interrupted):
+    the trial is killed and marked interrupted like on Ctrl-C."""
 
 
 def _make_advisor(*, space: SearchSpace, settings: TuneSettings) -> Any:

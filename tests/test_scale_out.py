@@ -1,0 +1,285 @@
+"""Scaling out (issue 8): multi-node trials through torchrun's c10d rendezvous (2 "nodes" x 2
+ranks on loopback, gloo) and several trials at once on disjoint CPU core sets; slot planning.
+
+The end-to-end tests run the real ``autobalance tune`` / ``autobalance worker`` commands. Several
+tuners on one study (SQLite, PostgreSQL) are covered by tests/faults/test_concurrency.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from optuna.trial import TrialState
+
+from autobalance._errors import UsageError
+from autobalance.tuner._parallel import Slot, plan_slots
+from tests.tune_helpers import FAULTY, REPO, load, processes_with
+
+PINNED = str(REPO / "tests" / "scripts" / "pinned.py")
+COMMON = ["--device", "cpu", "--strategy", "optuna", "--seed", "0", "--prune-factor", "0", "--steps", "2",
+          "--warmup", "1", "--study-name", "s"]
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200", "AB_FAULT_COUNTER": str(tmp_path / "launches")}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _no_processes(marker: Path, within: float = 30.0) -> list[int]:
+    deadline = time.monotonic() + within
+    left = processes_with(str(marker))
+    while left and time.monotonic() < deadline:
+        time.sleep(0.3)
+        left = processes_with(str(marker))
+    return left
+
+
+# --------------------------------------------------------------------------- slot planning
+def test_gpu_slots_are_disjoint_groups_of_the_visible_gpus() -> None:
+    slots = plan_slots(device="cuda", nproc_per_node=1, nnodes=1, gpus_per_trial=1, cpus_per_trial=None,
+                       gpus=["0", "1", "2"])
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in slots] == ["0", "1", "2"]
+    slots = plan_slots(device="cuda", nproc_per_node=2, nnodes=1, gpus_per_trial=2, cpus_per_trial=None,
+                       gpus=["GPU-a", "GPU-b", "GPU-c", "GPU-d", "GPU-e"])
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in slots] == ["GPU-a,GPU-b", "GPU-c,GPU-d"]  # floor(5 / 2)
+    assert all(s.cpus is None for s in slots)
+    assert "GPUs GPU-a,GPU-b" in slots[0].describe()
+
+
+def test_cpu_slots_are_disjoint_core_sets() -> None:
+    slots = plan_slots(device="cpu", nproc_per_node=2, nnodes=1, gpus_per_trial=None, cpus_per_trial=3,
+                       cpus=[0, 1, 2, 3, 4, 5, 6])
+    assert [s.cpus for s in slots] == [(0, 1, 2), (3, 4, 5)]
+    assert slots[1].describe() == "slot 1: cores 3-5"
+    both = plan_slots(device="cuda", nproc_per_node=1, nnodes=1, gpus_per_trial=1, cpus_per_trial=2,
+                      gpus=["0", "1", "2", "3"], cpus=[0, 1, 2, 3, 4, 5])
+    assert [(s.env["CUDA_VISIBLE_DEVICES"], s.cpus) for s in both] == [("0", (0, 1)), ("1", (2, 3)), ("2", (4, 5))]
+    assert plan_slots(device="cpu", nproc_per_node=2, nnodes=1, gpus_per_trial=None, cpus_per_trial=None) == [Slot(0)]
+
+
+@pytest.mark.parametrize(("kwargs", "words"), [
+    ({"device": "cpu", "gpus_per_trial": 1}, "--cpus-per-trial"),
+    ({"device": "cuda", "gpus_per_trial": 1, "nproc_per_node": 2}, "each rank needs its own GPU"),
+    ({"device": "cuda", "gpus_per_trial": 4}, "only 2 GPU(s) are visible"),
+    ({"device": "cpu", "cpus_per_trial": 9}, "only 2 core(s)"),
+    ({"device": "cpu", "cpus_per_trial": 1, "nnodes": 2}, "--nnodes"),
+])
+def test_bad_slot_flags_are_usage_errors(kwargs: dict[str, object], words: str) -> None:
+    args: dict[str, object] = {"nproc_per_node": 1, "nnodes": 1, "gpus_per_trial": None, "cpus_per_trial": None,
+                               "gpus": ["0", "1"], "cpus": [0, 1], **kwargs}
+    with pytest.raises(UsageError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        plan_slots(**args)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- multi-node trials
+def _fake_worker(hub: Path, stop: threading.Event, **info: object) -> threading.Thread:
+    """A worker registration whose beat counter moves (as ``autobalance worker`` writes it)."""
+    (hub / "workers").mkdir(parents=True, exist_ok=True)
+
+    def beat() -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            (hub / "workers" / "w.json.tmp").write_text(json.dumps({"wid": "w", "host": "nodeX", "pid": 1, **info,
+                                                                    "beat": n}))
+            os.replace(hub / "workers" / "w.json.tmp", hub / "workers" / "w.json")
+            stop.wait(0.3)
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize(("info", "words"), [
+    ({"nnodes": 2, "nproc_per_node": 2, "script_sha256": "0" * 64, "script_args": []}, "another version"),
+    ({"nnodes": 2, "nproc_per_node": 4, "script_sha256": None, "script_args": []}, "--nproc-per-node 4"),
+    (None, "1 worker node"),
+])
+def test_the_coordinator_refuses_mismatched_workers_and_says_how_to_start_them(
+        tmp_path: Path, info: dict[str, object] | None, words: str) -> None:
+    from autobalance._errors import LaunchError
+    from autobalance.launcher._multinode import Coordinator, hub_dir, script_sha256
+
+    coordinator = Coordinator(runs_dir=str(tmp_path), rdzv_endpoint="127.0.0.1:1234", nnodes=2, nproc_per_node=2,
+                              script=FAULTY, script_args=[], wait_s=4)
+    stop = threading.Event()
+    if info is not None:
+        info = {**info, "script_sha256": info["script_sha256"] or script_sha256(FAULTY)}
+        _fake_worker(Path(hub_dir(str(tmp_path), "127.0.0.1:1234")), stop, **info)
+    coordinator.start()
+    try:
+        with pytest.raises(LaunchError, match=words.replace("(", r"\(")) as err:
+            coordinator.wait_for_workers(1)
+        if info is None:
+            assert "autobalance worker --rdzv-endpoint 127.0.0.1:1234 --nnodes 2 --nproc-per-node 2" in str(err.value)
+    finally:
+        stop.set()
+        coordinator.close()
+    assert json.loads((Path(coordinator.hub) / "stop").read_text())["session"] == coordinator.session
+
+
+@pytest.mark.slow
+def test_two_nodes_on_loopback_every_rank_of_every_node_reports(tmp_path: Path) -> None:
+    """A 3-trial study whose trials are 2 nodes x 2 ranks: the tuner on "node 0", ``autobalance
+    worker`` as "node 1", both on this machine, joined by a c10d rendezvous on 127.0.0.1."""
+    runs = tmp_path / "runs"
+    endpoint = f"127.0.0.1:{_free_port()}"
+    (tmp_path / "node1").mkdir()
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "autobalance", "worker", FAULTY, "--rdzv-endpoint", endpoint, "--nnodes", "2",
+         "--nproc-per-node", "2", "--runs-dir", str(runs)],
+        cwd=tmp_path / "node1", env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        tune = subprocess.run(
+            [sys.executable, "-m", "autobalance", "tune", FAULTY, "--trials", "3", "--nproc-per-node", "2",
+             "--nnodes", "2", "--rdzv-endpoint", endpoint, "--runs-dir", str(runs), "--trial-timeout", "240",
+             "--storage", f"sqlite:///{tmp_path / 'a.db'}", *COMMON],
+            cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=900)
+        _out, err = worker.communicate(timeout=60)  # the coordinator's stop ends the worker
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    assert tune.returncode == 0, tune.stderr[-4000:]
+    assert worker.returncode == 0, err[-4000:]
+    assert "the study is over" in err
+    trials = load(tmp_path / "a.db").get_trials()
+    assert len(trials) == 3
+    launched = [t for t in trials if t.user_attrs.get("reused_from") is None]
+    assert len(launched) >= 2
+    for t in trials:
+        assert t.state == TrialState.COMPLETE and t.user_attrs["status"] == "ok", t.user_attrs.get("reason")
+        assert len(t.user_attrs["peak_device_gib"]) == 4
+        assert all(p is not None and p > 0 for p in t.user_attrs["peak_device_gib"])
+        assert len(t.user_attrs["config"]["micro_batches"]) == 4
+    for t in launched:
+        trial_dir = Path(t.user_attrs["trial_dir"])
+        reports = [json.loads((trial_dir / f"rank{r}.json").read_text()) for r in range(4)]
+        assert [r["status"] for r in reports] == ["ok"] * 4
+        assert {r["world_size"] for r in reports} == {4}
+        nodes = [json.loads(p.read_text()) for p in trial_dir.glob("node-*.json")]
+        assert [n["status"] for n in nodes] == ["finished"] and nodes[0]["returncode"] == 0
+        assert (trial_dir / "cancel").exists()  # the coordinator closed the trial
+        # each node kept its own torchrun log: this node's in the trial dir, the worker's in node-<id>/
+        assert (trial_dir / "torchrun.log").exists() and list(trial_dir.glob("node-*/torchrun.log"))
+    assert _no_processes(tmp_path) == []
+
+
+# --------------------------------------------------------------------------- parallel trials
+def _placements(trial_dir: str) -> list[dict[str, object]]:
+    return [json.loads(p.read_text()) for p in sorted(Path(trial_dir).glob("placement-rank*.json"))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["warm", "cold"])
+def test_two_trials_at_once_on_disjoint_cores(tmp_path: Path, mode: str) -> None:
+    """--cpus-per-trial 1 on a 2-core affinity mask: 2 slots of 1-rank trials, each pinned to its core."""
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    if len(cores) < 2:
+        pytest.skip("needs 2 cores")
+    db = tmp_path / "a.db"
+    cmd = [sys.executable, "-m", "autobalance", "tune", PINNED, "--trials", "7", "--nproc-per-node", "1",
+           "--cpus-per-trial", "1", "--trial-timeout", "180", "--storage", f"sqlite:///{db}", *COMMON]
+    if mode == "cold":
+        cmd.append("--cold")
+    # the tuner itself is limited to the 2 cores: its slots are one core each
+    proc = subprocess.run(["taskset", "-c", ",".join(map(str, cores)), *cmd], cwd=tmp_path, env=_env(tmp_path),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "2 trials at a time" in proc.stderr
+    trials = load(db).get_trials()
+    assert len(trials) == 7
+    assert all(t.state == TrialState.COMPLETE and t.user_attrs["status"] == "ok" for t in trials)
+    launched = [t for t in trials if t.user_attrs.get("reused_from") is None and not t.user_attrs["baseline"]]
+    where = {}
+    for t in launched:
+        placement = _placements(t.user_attrs["trial_dir"])
+        assert len(placement) == 1 and len(placement[0]["cpus"]) == 1  # type: ignore[arg-type]
+        where[t.number] = placement[0]["cpus"][0]  # type: ignore[index]
+    assert set(where.values()) == set(cores)  # both slots ran trials
+    overlapping = [(a, b) for a in launched for b in launched if a.number < b.number
+                   and a.datetime_start < b.datetime_complete and b.datetime_start < a.datetime_complete]
+    assert overlapping, "no two trials ran at the same time"
+    assert all(where[a.number] != where[b.number] for a, b in overlapping)  # concurrent trials: disjoint cores
+    assert sorted(t.number for t in trials) == list(range(7))
+    assert _no_processes(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_a_hanging_multi_node_trial_is_killed_on_every_node(tmp_path: Path) -> None:
+    """Trial 1 hangs on all 4 ranks: the coordinator's timeout kills its node's part and cancels
+    the trial; the worker sees the cancel and kills its own; the study goes on."""
+    runs = tmp_path / "runs"
+    endpoint = f"127.0.0.1:{_free_port()}"
+    env = {**_env(tmp_path), "AB_FAULT": "hang_all", "AB_FAULT_ON_LAUNCH": "2", "AB_FAULT_ONCE": "1"}
+    (tmp_path / "node1").mkdir()
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "autobalance", "worker", FAULTY, "--rdzv-endpoint", endpoint, "--nnodes", "2",
+         "--nproc-per-node", "2", "--runs-dir", str(runs)],
+        cwd=tmp_path / "node1", env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        tune = subprocess.run(
+            [sys.executable, "-m", "autobalance", "tune", FAULTY, "--trials", "2", "--nproc-per-node", "2",
+             "--nnodes", "2", "--rdzv-endpoint", endpoint, "--runs-dir", str(runs), "--trial-timeout", "60",
+             "--storage", f"sqlite:///{tmp_path / 'a.db'}", *COMMON],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+        _out, err = worker.communicate(timeout=60)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    assert tune.returncode == 0, tune.stderr[-4000:]
+    assert worker.returncode == 0, err[-4000:]
+    trials = load(tmp_path / "a.db").get_trials()
+    assert [t.user_attrs["status"] for t in trials] == ["ok", "timeout"]
+    assert "killed the whole job" in trials[1].user_attrs["reason"]
+    nodes = [json.loads(p.read_text()) for p in Path(trials[1].user_attrs["trial_dir"]).glob("node-*.json")]
+    assert [n.get("stopped") for n in nodes] == ["cancelled by the coordinator"]
+    assert _no_processes(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_interrupting_parallel_trials_kills_and_marks_every_running_one(tmp_path: Path) -> None:
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    if len(cores) < 2:
+        pytest.skip("needs 2 cores")
+    db = tmp_path / "a.db"
+    env = {**_env(tmp_path), "AB_FAULT": "hang_all", "AB_FAULT_ON_LAUNCH": "2"}
+    cmd = [sys.executable, "-m", "autobalance", "tune", PINNED, "--trials", "5", "--nproc-per-node", "1",
+           "--cpus-per-trial", "1", "--trial-timeout", "300", "--storage", f"sqlite:///{db}", *COMMON]
+    proc = subprocess.Popen(["taskset", "-c", ",".join(map(str, cores)), *cmd], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        hanging: list[Path] = []
+        while len(hanging) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.5)  # both slots' trials are up (their ranks recorded where they run)
+            hanging = [p for p in (tmp_path / "autobalance_runs" / "s").glob("trial-*")
+                       if list(p.glob("placement-rank0.json")) and not list(p.glob("rank0.json"))]
+        assert len(hanging) == 2, proc.stderr.read() if proc.poll() is not None else "trials did not start"
+        time.sleep(2)
+        proc.send_signal(2)  # Ctrl-C
+        _out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err[-4000:]
+    trials = load(db).get_trials()
+    interrupted = [t for t in trials if t.user_attrs.get("status") == "interrupted"]
+    assert len(interrupted) == 2 and all(t.state == TrialState.FAIL for t in interrupted)
+    assert not [t for t in trials if t.state == TrialState.RUNNING]
+    assert _no_processes(tmp_path) == []
