@@ -42,6 +42,8 @@ def short_figures(trial: FrozenTrial) -> str:
 
 
 class RichReporter:
+    """Thread-safe: with parallel trials every slot reports through the same instance."""
+
     def __init__(self, *, console: Console | None = None) -> None:
         self.console = console or Console(stderr=True)
         self._progress: Progress | None = None
