@@ -208,7 +208,10 @@ def main() -> None:
             sys.exit(f"unknown mode {mode!r}")
         print(json.dumps({mode: result[mode]["summary"]}), flush=True)
     result["summary"] = {m: result[m]["summary"] for m in modes}
-    write_result("parallel_trials" + ("_small" if args.small else ""), result)
+    name = "parallel_trials" + ("_small" if args.small else "")
+    if sorted(modes) != ["cold", "tune", "warm"]:  # a partial run does not overwrite the full one
+        name += "_" + "_".join(modes)
+    write_result(name, result)
 
 
 if __name__ == "__main__":
