@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from autobalance._errors import ConfigError
 
-__all__ = ["DTYPES", "BalanceConfig", "split_evenly"]
+__all__ = ["COMPILE_MODES", "DTYPES", "BalanceConfig", "split_evenly"]
 
 DTYPES = ("fp32", "bf16", "fp16")
+COMPILE_MODES = ("off", "default", "max-autotune-no-cudagraphs")
+"""``torch.compile`` modes a configuration may ask for (``off``: eager). CUDA-graph modes are left
+out: they keep their own memory pools and do not compose with DDP's buckets."""
 
 
 @dataclass(kw_only=True)
@@ -31,6 +35,13 @@ class BalanceConfig:
     """DDP gradient bucket size in MiB."""
     gradient_as_bucket_view: bool = False
     """DDP ``gradient_as_bucket_view`` (gradients alias the buckets: saves one gradient copy)."""
+    compile: str = "off"
+    """``torch.compile`` of the DDP-wrapped model: ``off`` (eager), ``default`` or
+    ``max-autotune-no-cudagraphs`` (Inductor modes)."""
+    activation_budget: list[float] | None = None
+    """Per rank, ``torch._functorch.config.activation_memory_budget`` set before compiling: the
+    fraction of activation memory the partitioner may keep (1.0: its default; lower: recompute
+    more). Only with ``compile`` on, which excludes layer checkpointing (``checkpoint`` all empty)."""
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -70,6 +81,43 @@ class BalanceConfig:
             raise ConfigError(
                 f"bucket_cap_mb={self.bucket_cap_mb} is out of range; use a size in (0, 10000] MiB (DDP's default is 25)."
             )
+        self._check_compile(ranks)
+
+    def _check_compile(self, ranks: int) -> None:
+        if self.compile not in COMPILE_MODES:
+            raise ConfigError(f"compile={self.compile!r} is unknown; use one of {', '.join(COMPILE_MODES)}.")
+        if self.compile == "off":
+            if self.activation_budget is not None:
+                raise ConfigError(
+                    f"activation_budget={self.activation_budget} needs compile on; set compile='default' "
+                    "or activation_budget=null."
+                )
+            return
+        for rank, blocks in enumerate(self.checkpoint):
+            if blocks:
+                raise ConfigError(
+                    f"checkpoint[{rank}]={blocks} with compile={self.compile!r}: layer checkpointing and the "
+                    "compile activation budget would both recompute; use checkpoint=[] on every rank (lower "
+                    "activation_budget instead) or compile='off'."
+                )
+        if self.bucket_cap_mb < 1.0:
+            raise ConfigError(
+                f"bucket_cap_mb={self.bucket_cap_mb} with compile={self.compile!r} is below 1 MiB, the first "
+                "bucket of a compiled DDP model (its DDPOptimizer asserts it); use bucket_cap_mb >= 1 or compile='off'."
+            )
+        if self.activation_budget is None:
+            return
+        if len(self.activation_budget) != ranks:
+            raise ConfigError(
+                f"activation_budget has {len(self.activation_budget)} entries for {ranks} ranks; give one "
+                "budget per rank (or null for the partitioner's default)."
+            )
+        for rank, budget in enumerate(self.activation_budget):
+            if not 0.0 <= budget <= 1.0:
+                raise ConfigError(
+                    f"activation_budget[{rank}]={budget} is out of range; use a fraction in [0, 1] "
+                    "(1.0 = the partitioner's default, lower = more recomputation)."
+                )
 
     def _check_types(self) -> None:
         def bad(name: str, value: Any, expected: str) -> ConfigError:
@@ -91,6 +139,13 @@ class BalanceConfig:
         self.bucket_cap_mb = float(self.bucket_cap_mb)
         if not isinstance(self.gradient_as_bucket_view, bool):
             raise bad("gradient_as_bucket_view", self.gradient_as_bucket_view, "true or false")
+        if not isinstance(self.compile, str):
+            raise bad("compile", self.compile, "a string")
+        budget = self.activation_budget
+        if budget is not None:
+            if not isinstance(budget, list) or not all(_is_number(b) and math.isfinite(b) for b in budget):
+                raise bad("activation_budget", budget, "null or a list of fractions (one per rank)")
+            self.activation_budget = [float(b) for b in budget]
 
     @property
     def world_size(self) -> int:
@@ -179,6 +234,10 @@ def _reject_constant(name: str) -> Any:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def split_evenly(total: int, weights: list[float]) -> list[int]:

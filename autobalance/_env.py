@@ -69,3 +69,21 @@ WARM = "AUTOBALANCE_WARM"
 """Set to ``1`` in the processes of a warm worker pool: the script runs once per trial in one process."""
 POOL_DIR = "AUTOBALANCE_POOL_DIR"
 """Directory through which the launcher hands trial requests to a warm pool."""
+
+VERIFY_FILE = "verify.json"
+"""A file of that name in the trial directory makes the trial a verification run (``autobalance
+verify``): JSON with ``dropout`` (``off``: the model runs in eval mode so every sample's computation
+is independent of the split; ``on``: train mode, the global RNG seeded per rank at the first step)
+and optionally ``init`` (a ``.pt`` of the starting weights to load). After the first optimizer step
+rank 0 writes ``verify-step.pt`` (gradients and updated parameters, tensors only), ``verify-init.pt``
+(the starting weights) and ``verify-step.json`` (the step's sample indices), then the trial ends.
+It is a file, not a variable, so it reaches warm workers (which take only per-trial variables)."""
+COMPILE_BACKEND = "AUTOBALANCE_COMPILE_BACKEND"
+"""``torch.compile`` backend for compiled configurations (default ``inductor``); tests use
+``aot_eager_decomp_partition`` (the same partitioner and activation budget, no C++ compile)."""
+TEST_DISABLE_LOSS_WEIGHTING = "AUTOBALANCE_TEST_DISABLE_LOSS_WEIGHTING"
+"""Test only: ``1`` turns off the uneven-batch loss weighting in ``plan.backward`` (a deliberately
+wrong runtime that ``autobalance verify`` must reject). Never set it in a real job."""
+TEST_NO_RNG_PRESERVE = "AUTOBALANCE_TEST_NO_RNG_PRESERVE"
+"""Test only: ``1`` checkpoints blocks without preserving the RNG state (dropout masks differ in
+the recomputation: wrong gradients that ``autobalance verify`` must reject). Never set it in a real job."""

@@ -63,6 +63,7 @@ def main() -> None:
     from autobalance.cli import (
         _commands,  # noqa: F401  (registers the commands)
         _report_cmds,  # noqa: F401
+        _verify_cmds,  # noqa: F401
         _worker_cmds,  # noqa: F401
     )
 

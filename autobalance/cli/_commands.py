@@ -65,6 +65,9 @@ def tune(
     torchrun_arg: list[str] | None = typer.Option(None, "--torchrun-arg", help="Extra torchrun option (repeatable)."),
     gpus_per_trial: int | None = typer.Option(None, "--gpus-per-trial", help="Run floor(visible GPUs / K) trials at once, each on its own K GPUs."),
     cpus_per_trial: int | None = typer.Option(None, "--cpus-per-trial", help="Run floor(usable cores / K) trials at once, each pinned to its own K cores."),
+    compile: str | None = typer.Option(None, "--compile", help="torch.compile in the search: off, on or search [default: search on CUDA, off on CPU]."),
+    compile_mode: str | None = typer.Option(None, "--compile-mode", help="Mode of compiled trials: default or max-autotune-no-cudagraphs [default: default]."),
+    verify: bool | None = typer.Option(None, "--verify/--no-verify", help="Verify the best configuration (same update as the baseline) before saving it [default: on]."),
     config: str | None = typer.Option(None, "--config", help="Study TOML (flags override it)."),
 ) -> None:
     """Tune a training script: each trial is a short real torchrun run of one configuration.
@@ -84,6 +87,7 @@ def tune(
             "max_accumulation": max_accumulation, "on_error": on_error, "runs_dir": runs_dir, "prune_factor": prune_factor, "cold": cold, "nnodes": nnodes,
             "node_rank": node_rank, "rdzv_endpoint": rdzv_endpoint, "torchrun_args": torchrun_arg or None,
             "gpus_per_trial": gpus_per_trial, "cpus_per_trial": cpus_per_trial,
+            "compile": compile, "compile_mode": compile_mode, "verify": verify,
         }
         run_tune(flags=flags, config_path=config)
 

@@ -140,9 +140,19 @@ def run_tune(*, flags: dict[str, Any], config_path: str | None) -> None:
         from autobalance.tuner._storage import load_study
 
         study = load_study(study_name=settings.study_name, storage_url=settings.storage)
-        save_trial(storage_url=settings.storage, study=study, trial_number=result.best.number, action="tune")
-        result.saved = True
-        result.notes.append(f"Saved trial {result.best.number} as the best configuration of '{settings.study_name}'.")
+        chosen = result.best
+        if settings.verify:  # a configuration that fails verification is never saved
+            from autobalance.tuner._verify import verify_for_saving
+
+            chosen = verify_for_saving(settings=settings, study=study, best=result.best, baseline=result.baseline,
+                                       notes=result.notes, note=reporter.note)
+        if chosen is not None:
+            if chosen.number != result.best.number:
+                result.notes.append(f"Trial {chosen.number} is saved instead of trial {result.best.number}.")
+                result.best = chosen
+            save_trial(storage_url=settings.storage, study=study, trial_number=chosen.number, action="tune")
+            result.saved = True
+            result.notes.append(f"Saved trial {chosen.number} as the best configuration of '{settings.study_name}'.")
     from autobalance.cli._views import print_result
 
     print_result(result, settings=settings, console=Console())

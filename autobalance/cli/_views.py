@@ -113,8 +113,12 @@ def print_result(result: Any, *, settings: Any, console: Console) -> None:
         return
     for note in result.notes:
         console.print(note)
+    if not result.saved:
+        console.print("[red]No configuration was saved[/] (see above); the study keeps every trial.")
     console.print(f"See it: autobalance dashboard --storage {result.storage}   (per-rank charts per trial), or "
                   f"autobalance report --study-name {result.study_name} --storage {result.storage} -o report.html")
+    if not result.saved:
+        return
     console.print(
         f"Use it in production: AUTOBALANCE_STUDY={result.study_name} AUTOBALANCE_STORAGE={result.storage} "
         f"torchrun ... {settings.script}   (or `autobalance export --study-name {result.study_name} -o best.json` "

@@ -150,15 +150,17 @@ class Breakdown:
         self._live_before_ddp = self.live() if self.active else 0
 
     def on_wrapped(self, wrapped: nn.Module, *, find_unused_parameters: bool, num_blocks: int,
-                   checkpointed: int, micro_batch: int) -> None:
+                   checkpointed: int, micro_batch: int, compiled: bool = False) -> None:
         if self.active:
             ddp = isinstance(wrapped, nn.parallel.DistributedDataParallel)
             self.figures["ddp_buckets"] = self._trainable if ddp else 0
             self.figures["ddp_constructor_growth"] = max(0, self.live() - self._live_before_ddp) if ddp else 0
         self.flags.update({
             "find_unused_parameters": find_unused_parameters, "num_blocks": num_blocks,
-            "checkpointed_blocks": checkpointed, "micro_batch": micro_batch,
+            "checkpointed_blocks": checkpointed, "micro_batch": micro_batch, "compiled": compiled,
         })
+        if compiled:
+            self._want_memtracker = False  # a dispatch mode: Dynamo would not compile under it
         handles: list[Any] = []
 
         def pre_hook(_module: nn.Module, args: Any, kwargs: Any) -> None:

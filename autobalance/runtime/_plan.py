@@ -25,6 +25,7 @@ from autobalance._config import DTYPES, BalanceConfig, split_evenly
 from autobalance._errors import AutobalanceError, ConfigError, UsageError
 from autobalance.runtime._breakdown import Breakdown
 from autobalance.runtime._checkpoint import apply_checkpointing, find_blocks
+from autobalance.runtime._compile import CompileState
 from autobalance.runtime._memory import (
     CpuMemoryTracker,
     MemorySnapshot,
@@ -33,6 +34,7 @@ from autobalance.runtime._memory import (
 )
 from autobalance.runtime._report import write_report
 from autobalance.runtime._sampler import StepLayout, UnevenBatchSampler
+from autobalance.runtime._verify import VerifyRun, gradients
 
 __all__ = ["Plan", "TrialComplete", "classify_exception", "plan"]
 
@@ -206,6 +208,14 @@ class Plan:
         self._nvml_peak: int | None = None
         self._nvml_scope = "none"
         self._live_before_training: int | None = None
+        self.compile_state: CompileState | None = None
+        if config.compile != "off":
+            budgets = config.activation_budget
+            self.compile_state = CompileState(mode=config.compile, budget=budgets[rank] if budgets else None)
+        self._compile_steps = 1 if self.compile_state is not None else 0
+        """Optimizer steps spent compiling (timed as compile_s, not as a measured step)."""
+        self.verify = VerifyRun.from_trial_dir(self.trial_dir)
+        self._loss_weighting = os.environ.get(_env.TEST_DISABLE_LOSS_WEIGHTING) != "1"
         self._setup_memory()
         self._breakdown = Breakdown(device=device, tracker=self._tracker) if self.measuring else None
 
@@ -240,6 +250,8 @@ class Plan:
             self._breakdown.on_wrap_entry(model)
         path, block_list = find_blocks(model, blocks or self.blocks_path)
         self.config.validate_for(world_size=self.world_size, num_layers=len(block_list))
+        if self.verify is not None:
+            self.verify.on_wrap(model, rank=self.rank)
         apply_checkpointing(block_list, self.config.checkpoint[self.rank])
         model = model.to(self.device)
         if self._breakdown is not None:
@@ -251,6 +263,7 @@ class Plan:
             "num_parameters": sum(p.numel() for p in params),
             "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
             "find_unused_parameters": find_unused_parameters,
+            "compile": self.config.compile,
         }
         if self._tracker is not None:
             self._tracker.track_existing(params)
@@ -272,7 +285,10 @@ class Plan:
         if self._breakdown is not None:
             self._breakdown.on_wrapped(wrapped, find_unused_parameters=find_unused_parameters,
                                        num_blocks=len(block_list), micro_batch=self.micro_batch,
-                                       checkpointed=len(self.config.checkpoint[self.rank]))
+                                       checkpointed=len(self.config.checkpoint[self.rank]),
+                                       compiled=self.compile_state is not None)
+        if self.compile_state is not None:
+            self.compile_state.apply(model)  # in place, inside DDP (which stays as it is)
         return wrapped
 
     def dataloader(
@@ -315,8 +331,13 @@ class Plan:
             self._layout = layout
             self._step_samples = layout.total
             self._micro_index = 0
-            yield [next(batches) for _ in mine]
-            if self.in_trial and self._steps_done >= self.warmup_steps + self.measured_steps:
+            items = [next(batches) for _ in mine]
+            if self.verify is not None and self._steps_done == 0:
+                self.verify.on_first_step(rank=self.rank)
+            yield items
+            if self.verify is not None and self._steps_done >= 1:
+                self._finish_trial()  # a verification run: one optimizer step, saved
+            if self.in_trial and self._steps_done >= self._compile_steps + self.warmup_steps + self.measured_steps:
                 self._finish_trial()
 
     @contextlib.contextmanager
@@ -336,18 +357,35 @@ class Plan:
             if self.config.dtype != "fp32"
             else contextlib.nullcontext()
         )
+        if self.verify is not None:
+            self.verify.set_mode(self.model)
         if self._breakdown is not None:
             self._breakdown.on_micro_step_entry()
-        with sync, autocast:
+        paused = self._tracker_paused() if self.compile_state is not None else contextlib.nullcontext()
+        with sync, autocast, paused:
             yield
         self._micro_index += 1
+
+    @contextlib.contextmanager
+    def _tracker_paused(self) -> Iterator[None]:
+        """Dynamo does not compile under a dispatch mode: the CPU tracker steps aside while the
+        compiled model runs (tensors allocated there go uncounted; gradients are added after)."""
+        tracker = self._tracker
+        if tracker is None:
+            yield
+            return
+        tracker.__exit__(None, None, None)
+        try:
+            yield
+        finally:
+            tracker.__enter__()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of this micro-batch's mean loss, weighted so that DDP's average over ranks
         equals the mean-loss gradient over the whole global batch (uneven splits included)."""
         layout = self._require_layout()
         size = len(layout.micro_batches[self.rank][self._micro_index])
-        weight = self.world_size * size / self._step_samples
+        weight = self.world_size * size / self._step_samples if self._loss_weighting else 1.0
         if self._breakdown is not None:
             self._breakdown.on_backward_entry()
         scaled = loss * weight
@@ -356,6 +394,8 @@ class Plan:
                 self.scaler.scale(scaled).backward()
             else:
                 scaled.backward()
+        if self.compile_state is not None and self._tracker is not None and self.model is not None:
+            self._tracker.track_existing(p.grad for p in self.model.parameters() if p.grad is not None)
         if self._breakdown is not None:
             self._breakdown.on_backward_exit(self.model)
 
@@ -365,6 +405,10 @@ class Plan:
         """Step the optimizer (through the GradScaler for fp16), zero the gradients, measure."""
         if self._breakdown is not None:
             self._breakdown.on_optimizer_step_entry(optimizer)
+        verify_grads = None
+        if self.verify is not None and self.model is not None and self._steps_done == 0:
+            scale = float(self.scaler.get_scale()) if self.scaler is not None else 1.0
+            verify_grads = gradients(self.model, scale=scale)
         if clip_grad_norm is not None:
             if self.scaler is not None:
                 self.scaler.unscale_(optimizer)
@@ -377,6 +421,11 @@ class Plan:
             optimizer.step()
         if self._breakdown is not None:
             self._breakdown.on_optimizer_step_exit(optimizer)
+        if verify_grads is not None and self.verify is not None and self.model is not None:
+            layout = self._require_layout()
+            self.verify.save_step(model=self.model, rank=self.rank, grads=verify_grads, layout=layout.micro_batches,
+                                  info={"config": self.config.to_dict(), "loss_weighting": self._loss_weighting,
+                                        "training": self.model.training})
         optimizer.zero_grad(set_to_none=True)
         if self._breakdown is not None:
             self._breakdown.on_step_done()
@@ -437,8 +486,14 @@ class Plan:
             },
             "timing": {
                 "startup_s": (self._first_step_at - self._started_at) if self._first_step_at else None,
+                "compile_s": self.compile_state.compile_s if self.compile_state is not None else None,
                 "wall_s": time.time() - self._started_at,
             },
+            "compile": (self.compile_state.to_dict(device_type=self.device.type) if self.compile_state is not None
+                        else {"mode": "off"}),
+            "activation_budget": self.compile_state.budget_used if self.compile_state is not None else None,
+            "verify": {"dropout": self.verify.dropout, "loss_weighting": self._loss_weighting}
+            if self.verify is not None else None,
             "breakdown": self._breakdown.to_dict() if self._breakdown is not None else None,
             "torch_version": torch.__version__,
             "cuda_version": torch.version.cuda,
@@ -491,7 +546,12 @@ class Plan:
                 )
         now = time.perf_counter()
         if self._step_start is not None:
-            self._step_times.append(now - self._step_start)
+            if self.compile_state is not None and self.compile_state.compile_s is None:
+                self.compile_state.first_step_done(now - self._step_start)  # compiled in this step
+                if self.verify is not None:  # a verification run has this one step only
+                    self._step_times.append(now - self._step_start)
+            else:
+                self._step_times.append(now - self._step_start)
         self._step_start = now
         if self.trial_dir is not None and self.rank == 0:
             self._write_progress()

@@ -57,9 +57,15 @@ def _init(device: str) -> None:
         dist.init_process_group("gloo", timeout=timeout)
 
 
-def _reset_between_trials(device: str) -> None:
+def _reset_between_trials(device: str, budget: float | None) -> None:
     import torch
 
+    if "torch._dynamo" in sys.modules:  # compiled trials: drop the previous trial's graphs and guards
+        torch._dynamo.reset()
+    if budget is not None:
+        import torch._functorch.config as functorch_config
+
+        functorch_config.activation_memory_budget = budget
     gc.collect()
     torch.manual_seed(0)
     if device == "cuda":
@@ -131,13 +137,16 @@ def main(argv: list[str]) -> None:
     _patch_process_group_lifecycle()
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     base_env = dict(os.environ)
+    import torch._functorch.config as functorch_config
+
+    budget = float(functorch_config.activation_memory_budget)  # restored before each trial
     seq = 0
     while True:
         request = _wait_for_request(pool_dir, seq)
         if request is None:
             break
         _apply_environment(request, base_env)
-        _reset_between_trials(device)
+        _reset_between_trials(device, budget)
         from autobalance.runtime import _plan
 
         _plan.CURRENT_PLAN = None

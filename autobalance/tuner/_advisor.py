@@ -42,8 +42,8 @@ def observations_from_trials(trials: list[FrozenTrial], *, num_layers: int) -> l
             continue
         cfg = t.user_attrs.get("config")
         peaks = t.user_attrs.get("peak_device_gib") or []
-        if not cfg or len(peaks) != len(cfg["micro_batches"]):
-            continue
+        if not cfg or len(peaks) != len(cfg["micro_batches"]) or cfg.get("compile", "off") != "off":
+            continue  # the model is of eager memory; compiled trials follow their budget instead
         for rank, peak in enumerate(peaks):
             if peak is None or peak <= 0:
                 continue
@@ -95,7 +95,8 @@ class StepTimeModel:
         prior = _DTYPE_SPEED_PRIOR.get(device, _DTYPE_SPEED_PRIOR["cpu"])
         rows = [(t.user_attrs["config"], float(t.user_attrs["step_time_ms"])) for t in trials
                 if t.user_attrs.get("status") == "ok" and t.user_attrs.get("step_time_ms")
-                and t.user_attrs.get("reused_from") is None and t.user_attrs.get("config")]
+                and t.user_attrs.get("reused_from") is None and t.user_attrs.get("config")
+                and t.user_attrs["config"].get("compile", "off") == "off"]
         any_ckpt = any(any(ck for ck in cfg["checkpoint"]) for cfg, _ in rows)
         best: StepTimeModel | None = None
         best_err = math.inf
@@ -248,8 +249,8 @@ class ModelAdvisor:
         does not: bucket sizes, dtypes the model cannot predict yet); so are proposals scored more
         than ``_WORTH`` times the best candidate's score.
         """
-        if study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
-            return
+        if study.get_trials(deepcopy=False, states=(TrialState.WAITING,)) or "off" not in self.space.compile_modes:
+            return  # (its proposals are eager configurations)
         self._asks += 1
         if self._asks % SAMPLER_EVERY == 0:
             return
@@ -295,7 +296,8 @@ class ModelAdvisor:
         """Figures for a config the model is confident will not fit; None to launch it."""
         model = self.model if self.model is not None else self.refit(study)
         usable = self._usable(study)
-        if model is None or usable is None or self._predicted_in_a_row >= _MAX_PREDICTED_IN_A_ROW:
+        if (model is None or usable is None or self._predicted_in_a_row >= _MAX_PREDICTED_IN_A_ROW
+                or config.compile != "off"):  # compiled memory follows the budget, not this model
             return None
         counts = [len(c) for c in config.checkpoint]
         if not model.can_predict(config.dtype) or not all(

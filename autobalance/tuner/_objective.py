@@ -3,7 +3,7 @@ attributes shown in the dashboard."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from autobalance.launcher import TrialOutcome
@@ -33,6 +33,9 @@ class TrialFigures:
     samples_per_s: float | None
     startup_s: float | None
     """Start of the rank to its first step (torchrun + import + init + model build)."""
+    compile: dict[str, Any] = field(default_factory=dict)
+    """Compiled trials: ``compile_s`` (slowest rank's first step), ``activation_budget_used`` (per
+    rank, as reported) and ``compile_cache`` (Inductor cache hits/misses over the ranks)."""
 
     def usable(self, headroom: float) -> list[float]:
         return [c * (1.0 - headroom) for c in self.capacity]
@@ -99,6 +102,7 @@ class TrialFigures:
             "samples_per_s": None if self.samples_per_s is None else round(self.samples_per_s, 2),
             "startup_s": None if self.startup_s is None else round(self.startup_s, 2),
             "memory_constraint": round(self.memory_constraint(headroom), 5),
+            **self.compile,
             **per_rank,
         }
 
@@ -133,8 +137,11 @@ def figures_from_outcome(
     step = max(steps) if len(steps) == world_size else None
     first = next(iter(outcome.reports.values()), {})
     gb = (first.get("config") or {}).get("global_batch")
+    from autobalance.tuner._compile import compile_figures
+
     return TrialFigures(
         status=outcome.status, peak_device=peak_device, peak_allocated=alloc, peak_reserved=reserved,
         outside_pytorch=outside, capacity=capacity, step_time_s=step,
         samples_per_s=(gb / step) if (gb and step) else None, startup_s=max(startup) if startup else None,
+        compile=compile_figures(outcome.reports),
     )

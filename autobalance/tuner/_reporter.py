@@ -25,7 +25,13 @@ def describe_config(config: dict[str, Any] | BalanceConfig | None) -> str:
         return "script defaults"
     c = config.to_dict() if isinstance(config, BalanceConfig) else config
     ckpt = [len(x) for x in c.get("checkpoint", [])]
-    return (f"mb={c['micro_batches']} acc={c['accumulation']} ckpt={ckpt} {c['dtype']} "
+    mode = c.get("compile", "off")
+    if mode != "off":
+        budget = c.get("activation_budget")
+        recompute = f"compile={mode} budget={[round(b, 2) for b in budget] if budget else 'default'}"
+    else:
+        recompute = f"ckpt={ckpt}"
+    return (f"mb={c['micro_batches']} acc={c['accumulation']} {recompute} {c['dtype']} "
             f"bucket={c['bucket_cap_mb']:.0f}MB{' view' if c.get('gradient_as_bucket_view') else ''}")
 
 
@@ -38,6 +44,8 @@ def short_figures(trial: FrozenTrial) -> str:
         parts.append(f"spread {a['spread_gib']:.3g} GiB")
     if a.get("step_time_ms") is not None:
         parts.append(f"step {a['step_time_ms']:.1f} ms")
+    if a.get("compile_s") is not None:
+        parts.append(f"compile {a['compile_s']:.1f} s")
     return "  ".join(parts)
 
 

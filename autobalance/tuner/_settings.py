@@ -8,13 +8,14 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from autobalance._config import DTYPES
+from autobalance._config import COMPILE_MODES, DTYPES
 from autobalance._errors import UsageError
 
-__all__ = ["SAMPLERS", "STRATEGIES", "TuneSettings", "default_study_name", "load_toml"]
+__all__ = ["COMPILE_CHOICES", "SAMPLERS", "STRATEGIES", "TuneSettings", "compile_modes", "default_study_name", "load_toml"]
 
 SAMPLERS = ("tpe", "gp", "random", "nsga2")
 STRATEGIES = ("model", "optuna")
+COMPILE_CHOICES = ("off", "on", "search")
 
 
 @dataclass(kw_only=True)
@@ -84,6 +85,15 @@ class TuneSettings:
     """Stop a trial once its median measured step is this many times the best feasible step time (0: never)."""
     runs_dir: str = "autobalance_runs"
     """Where trial directories (reports, logs) are kept."""
+    compile: str | None = None
+    """``torch.compile`` in the search: ``off`` (eager only), ``on`` (every trial compiled, with a
+    per-rank activation budget), ``search`` (both). Default: ``search`` on CUDA, ``off`` on CPU
+    (a CPU compile costs tens of seconds per configuration and rarely pays off there)."""
+    compile_mode: str = "default"
+    """The ``torch.compile`` mode of compiled trials: ``default`` or ``max-autotune-no-cudagraphs``."""
+    verify: bool = True
+    """Before the best configuration is saved, prove with ``autobalance verify`` that it computes the
+    baseline's update (a failing configuration is never saved)."""
     gpus_per_trial: int | None = None
     """Run floor(visible GPUs / K) one-node trials at once, each on its own K GPUs (None: one at a time)."""
     cpus_per_trial: int | None = None
@@ -130,6 +140,13 @@ class TuneSettings:
             if bad or not self.dtypes:
                 raise UsageError(f"--dtypes={','.join(self.dtypes)!r} is invalid; choose from {', '.join(DTYPES)}.")
         _positive("--max-accumulation", self.max_accumulation)
+        if self.compile is not None and self.compile not in COMPILE_CHOICES:
+            raise UsageError(f"--compile={self.compile!r} is unknown; use one of {', '.join(COMPILE_CHOICES)}.")
+        if self.compile_mode not in COMPILE_MODES or self.compile_mode == "off":
+            raise UsageError(
+                f"--compile-mode={self.compile_mode!r} is unknown; use one of {', '.join(COMPILE_MODES[1:])} "
+                "(turn compile off with --compile off)."
+            )
         for name, value in (("--gpus-per-trial", self.gpus_per_trial), ("--cpus-per-trial", self.cpus_per_trial)):
             if value is not None:
                 _positive(name, value)
@@ -154,6 +171,10 @@ class TuneSettings:
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
 
+    def compile_modes(self) -> list[str]:
+        """The compile modes this run searches (see ``compile``)."""
+        return compile_modes(self.compile, self.compile_mode, self.device)
+
     def caps_bytes(self) -> list[int] | None:
         if self.memory_cap_gib is None:
             return None
@@ -166,6 +187,12 @@ class TuneSettings:
         values = load_toml(toml_path) if toml_path else {}
         values.update({k: v for k, v in flags.items() if v is not None})
         return cls(**values)
+
+
+def compile_modes(choice: str | None, mode: str, device: str) -> list[str]:
+    """``--compile`` (None: the device's default) as the list of modes searched."""
+    resolved = choice or ("search" if device == "cuda" else "off")
+    return {"off": ["off"], "on": [mode], "search": ["off", mode]}[resolved]
 
 
 def _positive(name: str, value: int) -> None:

@@ -1,19 +1,27 @@
 """The search space: per-rank shares of a fixed global batch, accumulation, per-rank
-checkpointing, AMP dtype and DDP bucket settings - parameterised so samplers can learn."""
+checkpointing, AMP dtype and DDP bucket settings - parameterised so samplers can learn.
+
+With compile searched, ``compile`` is sampled first and the recomputation dimensions are
+conditional on it: eager trials sample per-rank layer checkpointing (``ckpt_r{r}``), compiled
+trials a per-rank activation-memory budget (``budget_r{r}``, on a 0.05 grid so repeated budgets
+hit the Inductor cache) and no checkpointing. The two never apply together (no double
+recomputation; :class:`BalanceConfig` rejects that combination)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import optuna
 
 from autobalance._config import BalanceConfig, split_evenly
 
-__all__ = ["SHARE_RANGE", "SearchSpace"]
+__all__ = ["BUDGET_RANGE", "SHARE_RANGE", "SearchSpace"]
 
 SHARE_RANGE = (0.05, 1.0)
 BUCKET_RANGE_MB = (1.0, 200.0)
+BUDGET_RANGE = (0.05, 1.0)
+BUDGET_STEP = 0.05
 
 
 @dataclass(kw_only=True)
@@ -30,14 +38,22 @@ class SearchSpace:
     """AMP dtypes searched."""
     accumulations: list[int]
     """Accumulation counts that divide the global batch with at least one sample per rank."""
+    compile_modes: list[str] = field(default_factory=lambda: ["off"])
+    """``torch.compile`` modes searched; ``["off"]`` (also for studies from before compile was
+    searchable): no ``compile`` parameter at all."""
 
     @classmethod
     def build(
-        cls, *, world_size: int, global_batch: int, num_layers: int, dtypes: list[str], max_accumulation: int
+        cls, *, world_size: int, global_batch: int, num_layers: int, dtypes: list[str], max_accumulation: int,
+        compile_modes: list[str] | None = None,
     ) -> SearchSpace:
         accs = [a for a in range(1, max_accumulation + 1) if global_batch % a == 0 and global_batch // a >= world_size]
         return cls(world_size=world_size, global_batch=global_batch, num_layers=num_layers, dtypes=list(dtypes),
-                   accumulations=accs or [1])
+                   accumulations=accs or [1], compile_modes=list(compile_modes or ["off"]))
+
+    @property
+    def compile_searched(self) -> bool:
+        return self.compile_modes != ["off"]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -53,27 +69,43 @@ class SearchSpace:
         if self.world_size > 1:
             for r in range(self.world_size):
                 d[f"share_r{r}"] = optuna.distributions.FloatDistribution(*SHARE_RANGE)
-        if self.num_layers > 0:
+        if self.compile_searched:
+            d["compile"] = optuna.distributions.CategoricalDistribution(self.compile_modes)
+        if self.num_layers > 0 and "off" in self.compile_modes:
             for r in range(self.world_size):
                 d[f"ckpt_r{r}"] = optuna.distributions.IntDistribution(0, self.num_layers)
+        if any(m != "off" for m in self.compile_modes):
+            for r in range(self.world_size):
+                d[f"budget_r{r}"] = optuna.distributions.FloatDistribution(*BUDGET_RANGE, step=BUDGET_STEP)
         d["dtype"] = optuna.distributions.CategoricalDistribution(self.dtypes)
         d["bucket_cap_mb"] = optuna.distributions.FloatDistribution(*BUCKET_RANGE_MB, log=True)
         d["grad_as_bucket_view"] = optuna.distributions.CategoricalDistribution([False, True])
         return d
 
     def suggest(self, trial: optuna.Trial) -> BalanceConfig:
-        params = {name: _suggest(trial, name, dist) for name, dist in self.distributions().items()}
+        params: dict[str, Any] = {}
+        for name, dist in self.distributions().items():
+            compiled = params.get("compile", "off") != "off"
+            if (name.startswith("ckpt_r") and compiled) or (name.startswith("budget_r") and not compiled):
+                continue  # conditional on compile: checkpointing for eager trials, budgets for compiled ones
+            params[name] = _suggest(trial, name, dist)
         return self.config_from_params(params)
 
     def config_from_params(self, params: dict[str, Any]) -> BalanceConfig:
         acc = int(params["accumulation"])
         shares = [float(params.get(f"share_r{r}", 1.0)) for r in range(self.world_size)]
         micro = split_evenly(self.global_batch // acc, shares)
-        ckpt = [list(range(int(params.get(f"ckpt_r{r}", 0)))) for r in range(self.world_size)]
+        mode = str(params.get("compile", "off"))
+        budget: list[float] | None = None
+        if mode == "off":
+            ckpt = [list(range(int(params.get(f"ckpt_r{r}", 0)))) for r in range(self.world_size)]
+        else:
+            ckpt = [[] for _ in range(self.world_size)]
+            budget = [round(float(params.get(f"budget_r{r}", 1.0)), 3) for r in range(self.world_size)]
         return BalanceConfig(
             micro_batches=micro, accumulation=acc, global_batch=self.global_batch, checkpoint=ckpt,
             dtype=str(params["dtype"]), bucket_cap_mb=round(float(params["bucket_cap_mb"]), 3),
-            gradient_as_bucket_view=bool(params["grad_as_bucket_view"]),
+            gradient_as_bucket_view=bool(params["grad_as_bucket_view"]), compile=mode, activation_budget=budget,
         )
 
     def params_from_config(self, config: BalanceConfig) -> dict[str, Any]:
@@ -83,9 +115,17 @@ class SearchSpace:
         if self.world_size > 1:
             for r, b in enumerate(config.micro_batches):
                 params[f"share_r{r}"] = min(SHARE_RANGE[1], max(SHARE_RANGE[0], b / top))
-        if self.num_layers > 0:
-            for r, blocks in enumerate(config.checkpoint):
-                params[f"ckpt_r{r}"] = min(self.num_layers, len(blocks))
+        if self.compile_searched:
+            params["compile"] = config.compile
+        if config.compile == "off":
+            if self.num_layers > 0:
+                for r, blocks in enumerate(config.checkpoint):
+                    params[f"ckpt_r{r}"] = min(self.num_layers, len(blocks))
+        else:
+            for r in range(self.world_size):
+                budget = config.activation_budget[r] if config.activation_budget else 1.0
+                budget = round(round(budget / BUDGET_STEP) * BUDGET_STEP, 3)
+                params[f"budget_r{r}"] = min(BUDGET_RANGE[1], max(BUDGET_RANGE[0], budget))
         params["dtype"] = config.dtype
         params["bucket_cap_mb"] = min(BUCKET_RANGE_MB[1], max(BUCKET_RANGE_MB[0], config.bucket_cap_mb))
         params["grad_as_bucket_view"] = config.gradient_as_bucket_view
@@ -93,7 +133,8 @@ class SearchSpace:
 
     def contains(self, config: BalanceConfig) -> bool:
         return (config.global_batch == self.global_batch and config.world_size == self.world_size
-                and config.accumulation in self.accumulations and config.dtype in self.dtypes)
+                and config.accumulation in self.accumulations and config.dtype in self.dtypes
+                and config.compile in self.compile_modes)
 
 
 def _suggest(trial: optuna.Trial, name: str, dist: optuna.distributions.BaseDistribution) -> Any:
@@ -102,4 +143,4 @@ def _suggest(trial: optuna.Trial, name: str, dist: optuna.distributions.BaseDist
     if isinstance(dist, optuna.distributions.IntDistribution):
         return trial.suggest_int(name, dist.low, dist.high, log=dist.log)
     assert isinstance(dist, optuna.distributions.FloatDistribution)
-    return trial.suggest_float(name, dist.low, dist.high, log=dist.log)
+    return trial.suggest_float(name, dist.low, dist.high, step=dist.step, log=dist.log)

@@ -22,6 +22,7 @@ from autobalance._config import BalanceConfig
 from autobalance._errors import LaunchError, TrialScriptError, UsageError
 from autobalance.launcher import TrialLaunch, TrialOutcome, WarmPool, cold_reason, run_trial
 from autobalance.launcher._procs import interrupts_deferred
+from autobalance.tuner._compile import ATTR_COMPILE_TOTAL, compile_env, compile_notes, space_problem
 from autobalance.tuner._objective import TrialFigures, figures_from_outcome
 from autobalance.tuner._parallel import Slot, plan_slots
 from autobalance.tuner._settings import TuneSettings
@@ -188,7 +189,7 @@ class Tuner:
             global_batch=s.global_batch if config is None else None, steps=s.steps, warmup=s.warmup,
             memory_cap_bytes=s.caps_bytes() if s.cap_mode == "enforce" else None, trial_dir=trial_dir, timeout_s=s.trial_timeout,
             pg_timeout_s=int(max(30, min(300, s.trial_timeout / 2))),
-            env=dict(self._slot().env), cpus=list(self._slot().cpus or []) or None,
+            env={**compile_env(s), **self._slot().env}, cpus=list(self._slot().cpus or []) or None,
         )
         stop = threading.Event()
         beat = None
@@ -379,7 +380,8 @@ class Tuner:
             dtypes = [defaults.dtype, *dtypes]
         space = SearchSpace.build(world_size=s.world_size, global_batch=defaults.global_batch,
                                   num_layers=int(rep["model"].get("num_blocks", 0)), dtypes=dtypes,
-                                  max_accumulation=max(s.max_accumulation, defaults.accumulation))
+                                  max_accumulation=max(s.max_accumulation, defaults.accumulation),
+                                  compile_modes=s.compile_modes())
         if defaults.accumulation not in space.accumulations:
             space.accumulations = sorted({*space.accumulations, defaults.accumulation})
         capacity = [float((outcome.reports.get(r) or rep)["device"]["capacity_bytes"]) for r in range(s.world_size)]
@@ -498,6 +500,10 @@ class Tuner:
             result.notes.append(f"{pruned} trial(s) were stopped early (pruned) as clearly slower than the best.")
         if self.cold_note:
             result.notes.append(self.cold_note)
+        compile_lines, compile_total = compile_notes(trials)
+        if compile_lines:
+            study.set_user_attr(ATTR_COMPILE_TOTAL, round(compile_total, 3))
+            result.notes.extend(compile_lines)
         if self.advisor is not None:
             error = self.advisor.holdout_error(study)
             if error is not None:
@@ -512,6 +518,9 @@ class Tuner:
             problems.append(f"--global-batch={s.global_batch} (the study searches global batch {space.global_batch})")
         if s.dtypes is not None and set(s.dtypes) - set(space.dtypes):
             problems.append(f"--dtypes={','.join(s.dtypes)} (the study searches {','.join(space.dtypes)})")
+        compile_problem = space_problem(s, space)
+        if compile_problem:
+            problems.append(compile_problem)
         if problems:
             raise UsageError(
                 f"--study-name={s.study_name!r} exists with another search space: {'; '.join(problems)}; "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import uuid
@@ -35,6 +36,12 @@ def full_config() -> BalanceConfig:
         bucket_cap_mb=12.5,
         gradient_as_bucket_view=True,
     )
+
+
+def full_compiled_config() -> BalanceConfig:
+    """The compiled counterpart: compile and per-rank budgets set (checkpointing excludes them)."""
+    return dataclasses.replace(full_config(), checkpoint=[[], [], []], compile="max-autotune-no-cudagraphs",
+                               activation_budget=[0.45, 0.8, 1.0])
 
 
 def make_fingerprint(**overrides: Any) -> HardwareFingerprint:

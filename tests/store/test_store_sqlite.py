@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import FIGURES, full_config, make_fingerprint
+from conftest import FIGURES, full_compiled_config, full_config, make_fingerprint
 from store_workers import SAVES_PER_WORKER, run_concurrent_saves
 
 from autobalance import BalanceConfig, SchemaVersionError, StorageError, StudyNotFoundError
@@ -23,7 +23,8 @@ def _db(url: str) -> str:
 
 
 def test_full_config_sets_every_field() -> None:
-    config = full_config()
+    """Between them (checkpointing and compile exclude each other), every field differs from its default."""
+    configs = (full_config(), full_compiled_config())
     for f in dataclasses.fields(BalanceConfig):
         default = (
             f.default
@@ -31,8 +32,15 @@ def test_full_config_sets_every_field() -> None:
             else (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
         )
         if f.name == "checkpoint":
-            default = [[] for _ in config.micro_batches]
-        assert getattr(config, f.name) != default, f"full_config leaves {f.name} at its default"
+            default = [[] for _ in configs[0].micro_batches]
+        assert any(getattr(c, f.name) != default for c in configs), f"full_config leaves {f.name} at its default"
+
+
+def test_round_trip_compiled_config(sqlite_url: str, save_kwargs: SaveKwargs) -> None:
+    with ConfigStore(url=sqlite_url) as store:
+        store.save(**{**save_kwargs(), "config": full_compiled_config()})
+    with ConfigStore(url=sqlite_url) as store:
+        assert store.load("s").config == full_compiled_config()
 
 
 def test_round_trip_every_field(sqlite_url: str, save_kwargs: SaveKwargs) -> None:

@@ -1,0 +1,122 @@
+"""``torch.compile`` of the wrapped model with this rank's activation-memory budget.
+
+The model inside DDP is compiled in place (as ``nn.Module.compile`` does): ``plan.wrap()`` still
+returns the ``DistributedDataParallel`` (``.module``, ``no_sync``, hooks and ``state_dict`` keys
+unchanged). DDP's own forward runs eagerly (Dynamo graph-breaks in it anyway) and calls the model
+inside its "active DDP module" context, so Dynamo's DDPOptimizer splits the compiled graph at the
+bucket boundaries and the all-reduces overlap the backward as in eager mode - what
+``torch.compile(ddp_model)`` does, without a wrapper type that changes ``state_dict`` keys.
+
+The budget is ``torch._functorch.config.activation_memory_budget``, read by the min-cut
+partitioner when the joint graph is partitioned, which happens lazily during the first forward
+and backward; it is set per process before that (ranks may differ). Compilation happens in the
+first optimizer step, which is timed as ``compile_s`` and not counted as a measured step.
+
+The persistent caches are Inductor's: ``TORCHINDUCTOR_CACHE_DIR`` (the tuner sets one per study)
+with the FX graph and AOTAutograd caches; hits and misses are read from Dynamo's counters.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from autobalance import _env
+
+__all__ = ["DEFAULT_BACKEND", "CompileState"]
+
+DEFAULT_BACKEND = "inductor"
+_COUNTERS = (
+    ("inductor", "fxgraph_cache_hit"),
+    ("inductor", "fxgraph_cache_miss"),
+    ("inductor", "fxgraph_cache_bypass"),
+    ("aot_autograd", "autograd_cache_hit"),
+    ("aot_autograd", "autograd_cache_miss"),
+    ("aot_autograd", "autograd_cache_bypass"),
+    ("stats", "unique_graphs"),
+)
+
+
+def _counters() -> dict[str, int]:
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:  # pragma: no cover - Dynamo unavailable
+        return {}
+    out = {f"{group}.{name}": int(counters[group][name]) for group, name in _COUNTERS}
+    out["graph_breaks"] = int(sum(counters["graph_break"].values()))
+    return out
+
+
+class CompileState:
+    """How this rank compiles, and what compiling cost."""
+
+    def __init__(self, *, mode: str, budget: float | None) -> None:
+        self.mode = mode
+        self.budget_requested = budget
+        self.backend = os.environ.get(_env.COMPILE_BACKEND) or DEFAULT_BACKEND
+        self.budget_used: float | None = None
+        self.compile_s: float | None = None
+        self._before: dict[str, int] = {}
+        self._after_first_step: dict[str, int] | None = None
+
+    def apply(self, module: nn.Module) -> None:
+        """Set this rank's budget and compile ``module`` (the model inside DDP) in place; Dynamo
+        compiles on its first call."""
+        import torch._functorch.config as functorch_config
+
+        if self.budget_requested is not None:
+            functorch_config.activation_memory_budget = float(self.budget_requested)
+        self.budget_used = float(functorch_config.activation_memory_budget)
+        kwargs: dict[str, Any] = {"backend": self.backend}
+        if self.backend == DEFAULT_BACKEND and self.mode != "default":
+            kwargs["mode"] = self.mode
+        self._before = _counters()
+        call_impl = module._call_impl
+
+        def call(*args: Any, **kw: Any) -> Any:  # a frame outside Dynamo's skip list, as torch.compile(module) adds
+            return call_impl(*args, **kw)
+
+        # nn.Module.compile() would compile _call_impl itself, a frame Dynamo skips: a model made only
+        # of torch.nn modules (nn.Sequential of nn.Linear, ...) would then silently run eagerly
+        module._compiled_call_impl = torch.compile(call, **kwargs)
+
+    def first_step_done(self, seconds: float) -> None:
+        """The first optimizer step (where compilation happens) took ``seconds``."""
+        import torch._functorch.config as functorch_config
+
+        self.compile_s = seconds
+        # what the partitioner read: a script that changed it after wrap() is visible here
+        self.budget_used = float(functorch_config.activation_memory_budget)
+        self._after_first_step = _counters()
+
+    def to_dict(self, *, device_type: str) -> dict[str, Any]:
+        now = _counters()
+        first = self._after_first_step or now
+        delta = {k: now.get(k, 0) - self._before.get(k, 0) for k in now}
+        later = {k: now.get(k, 0) - first.get(k, 0) for k in now}
+        inductor = getattr(getattr(torch, "_inductor", None), "config", None)
+        return {
+            "mode": self.mode,
+            "backend": self.backend,
+            "activation_budget": self.budget_used,
+            "activation_budget_requested": self.budget_requested,
+            "compile_s": self.compile_s,
+            "cache": {
+                "fx_graph_hits": delta.get("inductor.fxgraph_cache_hit", 0),
+                "fx_graph_misses": delta.get("inductor.fxgraph_cache_miss", 0),
+                "fx_graph_bypasses": delta.get("inductor.fxgraph_cache_bypass", 0),
+                "aot_autograd_hits": delta.get("aot_autograd.autograd_cache_hit", 0),
+                "aot_autograd_misses": delta.get("aot_autograd.autograd_cache_miss", 0),
+                "dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+                "fx_graph_cache": bool(getattr(inductor, "fx_graph_cache", False)) if inductor else None,
+            },
+            "graphs": delta.get("stats.unique_graphs", 0),
+            "graph_breaks": delta.get("graph_breaks", 0),
+            "recompiles_after_first_step": later.get("stats.unique_graphs", 0),
+            # on CPU the live-tensor tracker (a dispatch mode) would stop Dynamo from compiling, so it
+            # is paused inside micro-steps: tensors allocated there (activations) are not counted
+            "activations_measured": device_type == "cuda",
+        }

@@ -1,0 +1,511 @@
+"""``autobalance verify``: prove that a tuned configuration computes the update the user's own
+configuration computes, before anyone trains with it.
+
+Every run is one optimizer step of the training script as a verification trial (see
+:mod:`autobalance.runtime._verify`): the same starting weights (saved by the first run, loaded by
+the others), the same global batch (the first ``global_batch`` samples of the epoch's permutation,
+whatever the split), no memory cap. Rank 0 saves the averaged, unscaled gradients and the updated
+parameters. Each figure is one relative L2 error over all parameters, ``|a - b| / |b|``: of the
+gradients (what the configuration computes) and of the updated parameters (what training continues
+from). The update itself (``updated - starting weights``) is reported too, for information only: an
+optimizer such as Adam normalises every element on its first step, so elements whose gradient is
+all cancellation (about 0) get updates of full size from rounding noise alone.
+
+The rule:
+
+1. **Equivalence** (dropout off: the model runs in eval mode, so each sample's computation does
+   not depend on its micro-batch). The reference is the baseline configuration in fp32 (the
+   baseline itself when it is fp32, else one more run of it in fp32).
+
+   - tuned in fp32: gradients and updated parameters within ``1e-6`` relative of the reference;
+   - tuned in bf16/fp16: within ``max(1e-6, NOISE_FACTOR x noise)``, where ``noise`` is the error of
+     the baseline configuration run in the tuned dtype against the same fp32 reference (the
+     baseline run a second time, in that dtype): the rounding the user already accepts.
+
+2. **RNG replay** (only when the tuned configuration recomputes: checkpointed blocks, or compile
+   with a budget below 1). Dropout on (train mode, the global RNG seeded per rank at the first
+   step): the tuned configuration against itself without the recomputation (no checkpointing,
+   default budget), same split. Recomputation must not change anything: within ``1e-6`` in fp32,
+   the tolerance of rule 1 otherwise. This catches checkpointing that does not replay dropout masks
+   and partitioner bugs that recompute random ops with new random numbers.
+
+Any run that fails, or takes other samples than the baseline, fails the verification.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from autobalance import _env
+from autobalance._config import BalanceConfig, split_evenly
+from autobalance._errors import UsageError
+from autobalance.launcher import TrialLaunch, TrialOutcome, WarmPool, cold_reason, run_trial
+
+__all__ = [
+    "FP32_TOLERANCE",
+    "NOISE_FACTOR",
+    "Check",
+    "Verification",
+    "Verifier",
+    "VerifyTarget",
+    "recomputes",
+]
+
+FP32_TOLERANCE = 1e-6
+NOISE_FACTOR = 4.0
+"""Mixed precision: the tuned configuration may be this many times as far from the fp32 reference
+as the baseline configuration is in the same dtype (different splits round different sums)."""
+
+_INIT_FILE = "verify-init.pt"
+_STEP_FILE = "verify-step.pt"
+_STEP_JSON = "verify-step.json"
+
+
+def recomputes(config: BalanceConfig) -> bool:
+    """Whether ``config`` recomputes activations (checkpointing, or a compile budget below 1)."""
+    if any(config.checkpoint):
+        return True
+    return config.compile != "off" and any(b < 1.0 for b in (config.activation_budget or []))
+
+
+def without_recompute(config: BalanceConfig) -> BalanceConfig:
+    return dataclasses.replace(config, checkpoint=[[] for _ in config.micro_batches], activation_budget=None)
+
+
+@dataclass(kw_only=True)
+class VerifyTarget:
+    """Where and how the verification runs are launched (one node)."""
+
+    script: str
+    script_args: list[str] = field(default_factory=list)
+    nproc_per_node: int
+    device: str = "cpu"
+    torchrun_args: list[str] = field(default_factory=list)
+    timeout_s: float = 300.0
+    work_dir: str
+    """Directory for the runs (created)."""
+    cold: bool = False
+    """One torchrun per run instead of a warm worker pool."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment of the runs (e.g. the study's Inductor cache)."""
+
+
+@dataclass(kw_only=True)
+class StepResult:
+    name: str
+    config: dict[str, Any]
+    trial_dir: str
+    grads: dict[str, Any]
+    params: dict[str, Any]
+    samples: list[int]
+    info: dict[str, Any]
+
+
+@dataclass(kw_only=True)
+class Check:
+    """One comparison of two runs."""
+
+    name: str
+    """``equivalence``, ``noise`` (how far the baseline itself is in mixed precision) or ``rng-replay``."""
+    runs: tuple[str, str]
+    """(compared, reference)."""
+    grad_rel: float
+    param_rel: float
+    """Of the updated parameters."""
+    update_rel: float
+    """Of the updates (``updated - starting weights``); informational."""
+    tolerance: tuple[float, float] | None
+    """(gradients, updated parameters); None: informational."""
+    worst: str
+    """The parameter with the largest relative gradient error."""
+
+    @property
+    def passed(self) -> bool:
+        if self.tolerance is None:
+            return True
+        return self.grad_rel <= self.tolerance[0] and self.param_rel <= self.tolerance[1]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "runs": list(self.runs), "grad_rel": _finite(self.grad_rel),
+                "param_rel": _finite(self.param_rel), "update_rel": _finite(self.update_rel), "tolerance": list(self.tolerance) if self.tolerance else None,
+                "worst_parameter": self.worst, "passed": self.passed}
+
+
+@dataclass(kw_only=True)
+class Verification:
+    """The verdict on one configuration."""
+
+    passed: bool
+    reason: str
+    """One line: why it passed or failed."""
+    checks: list[Check] = field(default_factory=list)
+    runs: dict[str, str] = field(default_factory=dict)
+    """Run name -> its directory (reports, logs, saved tensors)."""
+    wall_s: float = 0.0
+    skipped: bool = False
+    """Nothing was run (e.g. the configuration is the script's own)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"passed": self.passed, "reason": self.reason, "skipped": self.skipped, "wall_s": round(self.wall_s, 2),
+                "checks": [c.to_dict() for c in self.checks], "runs": dict(self.runs)}
+
+
+class _RunFailed(Exception):
+    def __init__(self, name: str, text: str) -> None:
+        super().__init__(f"the {name} run failed: {text}")
+        self.name = name
+
+
+class Verifier:
+    """Launches the verification runs of one configuration and judges them (see the module doc)."""
+
+    def __init__(self, target: VerifyTarget, *, note: Callable[[str], None] | None = None) -> None:
+        self.target = target
+        self.note = note or (lambda text: None)
+        self._pool: WarmPool | None = None
+        self._runs: dict[str, str] = {}
+        self._init_path: str | None = None
+        self._init: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ running
+    def _launch(self, launch: TrialLaunch) -> TrialOutcome:
+        t = self.target
+        if not t.cold and cold_reason(t.script) is None:
+            if self._pool is None:
+                self._pool = WarmPool(template=launch, pool_dir=os.path.join(t.work_dir, "pool"))
+            return self._pool.run(launch)
+        return run_trial(launch)
+
+    def _run(self, name: str, config: BalanceConfig | None, *, dropout: str, global_batch: int) -> StepResult:
+        t = self.target
+        trial_dir = os.path.join(t.work_dir, name)
+        os.makedirs(trial_dir, exist_ok=True)
+        with open(os.path.join(trial_dir, _env.VERIFY_FILE), "w") as fh:
+            json.dump({"dropout": dropout, "init": self._init_path}, fh)
+        self._runs[name] = trial_dir
+        self.note(f"verify: {name} run ({'script defaults' if config is None else _short(config)}, dropout {dropout})")
+        launch = TrialLaunch(
+            script=t.script, script_args=list(t.script_args), nproc_per_node=t.nproc_per_node,
+            torchrun_args=list(t.torchrun_args), device=t.device,
+            config_json=None if config is None else config.to_json(),
+            global_batch=global_batch if config is None else None, steps=1, warmup=0, trial_dir=trial_dir,
+            timeout_s=t.timeout_s, pg_timeout_s=int(max(30, min(300, t.timeout_s / 2))), env=dict(t.env),
+        )
+        outcome = self._launch(launch)
+        step_file = os.path.join(trial_dir, _STEP_FILE)
+        if outcome.status != "ok" or not os.path.isfile(step_file):
+            text = f"{outcome.status}: {outcome.reason}" if outcome.status != "ok" else "no step was saved"
+            raise _RunFailed(name, f"{text} (logs in {trial_dir})")
+        return self._load(name, trial_dir)
+
+    def _load(self, name: str, trial_dir: str) -> StepResult:
+        import torch
+
+        saved = torch.load(os.path.join(trial_dir, _STEP_FILE), map_location="cpu", weights_only=True)
+        with open(os.path.join(trial_dir, _STEP_JSON)) as fh:
+            info = json.load(fh)
+        samples = sorted(int(i) for rank in info["micro_batches"] for mb in rank for i in mb)
+        if self._init_path is None:
+            self._init_path = os.path.join(trial_dir, _INIT_FILE)
+            self._init = torch.load(self._init_path, map_location="cpu", weights_only=True)
+        return StepResult(name=name, config=info["config"], trial_dir=trial_dir, grads=dict(saved["grads"]),
+                          params=dict(saved["params"]), samples=samples, info=info)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    # ------------------------------------------------------------------ judging
+    def _compare(self, name: str, a: StepResult, b: StepResult, tolerance: tuple[float, float] | None) -> Check:
+        if set(a.grads) != set(b.grads) or set(a.params) != set(b.params):
+            missing = sorted(set(a.grads) ^ set(b.grads))[:3] or sorted(set(a.params) ^ set(b.params))[:3]
+            raise _RunFailed(a.name, f"its parameters differ from the {b.name} run's (e.g. {missing})")
+        if not b.grads:
+            raise _RunFailed(b.name, "no parameter had a gradient")
+        grad_rel, worst = _relative(a.grads, b.grads)
+        upd_a = {k: v - self._init[k].float() for k, v in a.params.items() if k in self._init}
+        upd_b = {k: v - self._init[k].float() for k, v in b.params.items() if k in self._init}
+        update_rel, _ = _relative(upd_a, upd_b)
+        param_rel, _ = _relative(a.params, b.params)
+        return Check(name=name, runs=(a.name, b.name), grad_rel=grad_rel, param_rel=param_rel, update_rel=update_rel,
+                     tolerance=tolerance, worst=worst)
+
+    def verify(self, tuned: BalanceConfig, *, baseline: BalanceConfig | None = None) -> Verification:
+        """Run and judge; ``baseline``: the study's baseline configuration when known (a tuned
+        configuration equal to it needs no proof)."""
+        start = time.monotonic()
+        if baseline is not None and baseline.to_dict() == tuned.to_dict():
+            return Verification(passed=True, skipped=True, reason="the configuration is the script's own (nothing to verify)")
+        os.makedirs(self.target.work_dir, exist_ok=True)
+        checks: list[Check] = []
+        try:
+            result = self._verify(tuned, checks)
+        except _RunFailed as exc:
+            result = Verification(passed=False, reason=f"{exc}")
+        finally:
+            self.close()
+        result.checks = checks
+        result.runs = dict(self._runs)
+        result.wall_s = time.monotonic() - start
+        return result
+
+    def _verify(self, tuned: BalanceConfig, checks: list[Check]) -> Verification:
+        gb = tuned.global_batch
+        try:
+            base = self._run("baseline", None, dropout="off", global_batch=gb)
+            note = ""
+        except _RunFailed as exc:
+            fallback = self._fallback_reference(tuned)
+            if fallback is None or "oom" not in str(exc):
+                raise
+            base = self._run("baseline-small", fallback, dropout="off", global_batch=gb)
+            note = (f" (the script's own configuration ran out of memory; the reference is the even split "
+                    f"{fallback.micro_batches} x accumulation {fallback.accumulation})")
+        base_cfg = BalanceConfig.from_dict(base.config)
+        if base_cfg.global_batch != gb:
+            raise UsageError(
+                f"the configuration's global_batch={gb} differs from the script's {base_cfg.global_batch}; "
+                "verify a configuration of this script's study."
+            )
+        run = self._run("tuned", tuned, dropout="off", global_batch=gb)
+        self._same_samples(run, base)
+        reference = base if base_cfg.dtype == "fp32" else self._run(
+            "baseline-fp32", dataclasses.replace(base_cfg, dtype="fp32"), dropout="off", global_batch=gb)
+        if tuned.dtype == "fp32":
+            tolerance = (FP32_TOLERANCE, FP32_TOLERANCE)
+        else:
+            same = base if base_cfg.dtype == tuned.dtype else self._run(
+                f"baseline-{tuned.dtype}", dataclasses.replace(base_cfg, dtype=tuned.dtype), dropout="off", global_batch=gb)
+            noise = self._compare("noise", same, reference, None)
+            checks.append(noise)
+            tolerance = (max(FP32_TOLERANCE, NOISE_FACTOR * noise.grad_rel),
+                         max(FP32_TOLERANCE, NOISE_FACTOR * noise.param_rel))
+        equivalence = self._compare("equivalence", run, reference, tolerance)
+        checks.append(equivalence)
+        if not equivalence.passed:
+            return Verification(passed=False, reason=(
+                f"its step differs from the baseline's: gradients {equivalence.grad_rel:.2e}, parameters "
+                f"{equivalence.param_rel:.2e} relative (tolerance {tolerance[0]:.1e}, {tolerance[1]:.1e}; worst "
+                f"parameter {equivalence.worst}){note}"))
+        if recomputes(tuned):
+            replay = self._run("tuned-dropout", tuned, dropout="on", global_batch=gb)
+            plain = self._run("tuned-dropout-no-recompute", without_recompute(tuned), dropout="on", global_batch=gb)
+            check = self._compare("rng-replay", replay, plain, tolerance)
+            checks.append(check)
+            if not check.passed:
+                return Verification(passed=False, reason=(
+                    f"with dropout, its recomputation changes the step: gradients {check.grad_rel:.2e}, parameters "
+                    f"{check.param_rel:.2e} relative to the same configuration without recomputation (tolerance "
+                    f"{tolerance[0]:.1e}): dropout masks are not replayed (worst parameter {check.worst})"))
+        what = "matches" if tuned.dtype == "fp32" else f"is within {NOISE_FACTOR:g}x the baseline's own {tuned.dtype} error of"
+        return Verification(passed=True, reason=(
+            f"its step {what} the baseline's (gradients {equivalence.grad_rel:.1e}, updated parameters "
+            f"{equivalence.param_rel:.1e} relative){' and recomputation replays dropout' if recomputes(tuned) else ''}"
+            f"{note}"))
+
+    def _same_samples(self, run: StepResult, base: StepResult) -> None:
+        if run.samples != base.samples:
+            raise _RunFailed(run.name, f"it took other samples than the baseline's first global batch "
+                                       f"({len(run.samples)} vs {len(base.samples)} samples)")
+
+    @staticmethod
+    def _fallback_reference(tuned: BalanceConfig) -> BalanceConfig | None:
+        """An even split with the largest accumulation: the least memory a reference can take."""
+        world, gb = tuned.world_size, tuned.global_batch
+        accs = [a for a in range(1, gb + 1) if gb % a == 0 and gb // a >= world]
+        if not accs:
+            return None
+        acc = max(accs)
+        return BalanceConfig(micro_batches=split_evenly(gb // acc, [1.0] * world), accumulation=acc, global_batch=gb,
+                             dtype=tuned.dtype)
+
+
+def _relative(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, str]:
+    """|a - b| / |b| over all tensors (float64 sums), and the name with the largest per-tensor error."""
+    num = den = 0.0
+    worst, worst_rel = "", -1.0
+    for key in sorted(b):
+        diff = float((a[key].double() - b[key].double()).pow(2).sum())
+        ref = float(b[key].double().pow(2).sum())
+        num += diff
+        den += ref
+        rel = math.sqrt(diff / ref) if ref > 0 else (0.0 if diff == 0 else math.inf)
+        if rel > worst_rel:
+            worst, worst_rel = key, rel
+    if den == 0:
+        return (0.0 if num == 0 else math.inf), worst
+    return math.sqrt(num / den), worst
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _short(config: BalanceConfig) -> str:
+    from autobalance.tuner._reporter import describe_config
+
+    return describe_config(config)
+
+
+# ---------------------------------------------------------------------- in the study
+ATTR_VERIFY_PREFIX = "autobalance:verify:"
+"""Study attribute ``autobalance:verify:<trial number>``: that trial's :meth:`Verification.to_dict`."""
+MAX_CANDIDATES = 3
+"""When the best configuration fails verification, the next best are tried (distinct configurations)."""
+
+
+def target_for(settings: Any, *, label: str) -> VerifyTarget:
+    """The verification runs of a tune run's study (its script, ranks, device, Inductor cache)."""
+    from autobalance.tuner._compile import compile_env
+
+    work = os.path.abspath(os.path.join(settings.runs_dir, settings.study_name, f"verify-{label}-{int(time.time())}"))
+    return VerifyTarget(script=settings.script, script_args=list(settings.script_args),
+                        nproc_per_node=settings.nproc_per_node, device=settings.device,
+                        torchrun_args=list(settings.torchrun_args), timeout_s=settings.trial_timeout, work_dir=work,
+                        cold=settings.cold, env=compile_env(settings))
+
+
+def ranked_candidates(study: Any) -> list[Any]:
+    """Feasible trials, best first (the order of ``best_trial``), one per configuration."""
+    from autobalance.tuner._study import ATTR_OBJECTIVE, is_feasible
+
+    objective = study.user_attrs.get(ATTR_OBJECTIVE, {})
+    ws, wt = objective.get("weight_spread", 1.0), objective.get("weight_time", 1.0)
+    feasible = [t for t in study.get_trials(deepcopy=False) if is_feasible(t)]
+    if len(study.directions) == 1:
+        feasible.sort(key=lambda t: (t.values[0], t.number))
+    else:
+        feasible.sort(key=lambda t: (ws * t.values[0] + wt * t.values[1], t.number))
+    seen: set[str] = set()
+    out = []
+    for t in feasible:
+        key = json.dumps(t.user_attrs.get("config"), sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append(t)
+    return out
+
+
+def verify_for_saving(*, settings: Any, study: Any, best: Any, baseline: Any,
+                      notes: list[str], note: Callable[[str], None] | None = None) -> Any:
+    """The trial to save: ``best`` if it passes verification, else the next best that does (up to
+    :data:`MAX_CANDIDATES`); None when none does. Each verdict is kept as a study attribute, so a
+    continued study does not verify the same trial twice; ``notes`` get one line per verdict."""
+    if settings.nnodes > 1:
+        notes.append("Verification skipped (multi-node study): run `autobalance verify` on one node before "
+                     "training with the saved configuration.")
+        return best
+    baseline_cfg = None
+    if baseline is not None and baseline.user_attrs.get("config"):
+        baseline_cfg = BalanceConfig.from_dict(baseline.user_attrs["config"])
+    candidates = [best] + [t for t in ranked_candidates(study) if t.number != best.number]
+    tried = 0
+    for trial in candidates:
+        if tried >= MAX_CANDIDATES:
+            break
+        previous = study.user_attrs.get(f"{ATTR_VERIFY_PREFIX}{trial.number}")
+        if previous is not None and not previous.get("passed"):
+            continue  # failed before: never saved
+        if previous is not None:
+            return trial
+        tried += 1
+        config = BalanceConfig.from_dict(trial.user_attrs["config"])
+        verdict = Verifier(target_for(settings, label=f"trial{trial.number}"), note=note).verify(
+            config, baseline=baseline_cfg)
+        study.set_user_attr(f"{ATTR_VERIFY_PREFIX}{trial.number}", verdict.to_dict())
+        if verdict.passed:
+            if not verdict.skipped:
+                notes.append(f"Verified trial {trial.number}: {verdict.reason} ({verdict.wall_s:.0f} s).")
+            return trial
+        notes.append(f"Not saved: trial {trial.number} failed verification: {verdict.reason}.")
+    return None
+
+
+# ---------------------------------------------------------------------- the command
+def load_config_file(path: str) -> BalanceConfig:
+    """A configuration file: a BalanceConfig JSON object or a file written by ``autobalance export``."""
+    try:
+        with open(path) as fh:
+            text = fh.read(2_000_000)
+    except OSError as exc:
+        raise UsageError(f"--config={path!r} cannot be read ({exc.strerror or exc}); pass a configuration JSON file.") from None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        raise UsageError(f"--config={path!r} is not JSON; pass a file written by `autobalance export`.") from None
+    if isinstance(data, dict) and "config" in data and isinstance(data["config"], dict):
+        data = data["config"]
+    return BalanceConfig.from_dict(data)
+
+
+def run_verify_command(*, script: str, script_args: list[str], study_name: str | None, storage: str,
+                       trial: int | None, config_file: str | None, nproc_per_node: int | None, device: str | None,
+                       runs_dir: str, trial_timeout: float, cold: bool,
+                       note: Callable[[str], None] | None = None) -> tuple[Verification, BalanceConfig, str]:
+    """Verify a study's best trial (or ``trial``), or the configuration in ``config_file``.
+    Returns the verdict, the configuration and what it was (for the output)."""
+    if not script.endswith(".py") or not os.path.isfile(script):
+        raise UsageError(f"SCRIPT={script!r} is not an existing Python file; pass the training script the study tuned.")
+    if trial is not None and config_file is not None:
+        raise UsageError("--trial and --config both given; verify either a study's trial or a configuration file.")
+    if config_file is None and study_name is None:
+        raise UsageError("nothing to verify: pass --study-name (its best trial, or --trial N) or --config FILE.")
+    if trial is not None and trial < 0:
+        raise UsageError(f"--trial={trial} is negative; pass a trial number of the study.")
+    study = None
+    env: dict[str, str] = {}
+    if config_file is not None:
+        config = load_config_file(config_file)
+        what = f"the configuration in {config_file}"
+        label = "file"
+    else:
+        from autobalance.tuner._compile import cache_dir
+        from autobalance.tuner._storage import load_study
+        from autobalance.tuner._study import ATTR_DEVICE, best_trial
+
+        study = load_study(study_name=str(study_name), storage_url=storage)
+        trials = study.get_trials(deepcopy=False)
+        if trial is not None:
+            if trial >= len(trials) or not trials[trial].user_attrs.get("config"):
+                raise UsageError(f"--trial={trial} is not a trial of {study_name!r} with a configuration; list them with "
+                                 f"`autobalance trials --study-name {study_name}`.")
+            chosen = trials[trial]
+        else:
+            found = best_trial(study)
+            if found is None:
+                raise UsageError(f"study {study_name!r} has no feasible trial yet; pass --trial N or run more trials.")
+            chosen = found
+        config = BalanceConfig.from_dict(chosen.user_attrs["config"])
+        what = f"trial {chosen.number} of '{study_name}'"
+        label = f"trial{chosen.number}"
+        device = device or (study.user_attrs.get(ATTR_DEVICE) or {}).get("type")
+        if config.compile != "off" and not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+            env = {"TORCHINDUCTOR_CACHE_DIR": cache_dir(runs_dir, str(study_name)),  # the study's own cache
+                   "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
+                   "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
+    nproc = nproc_per_node or config.world_size
+    if nproc != config.world_size:
+        raise UsageError(f"--nproc-per-node={nproc} but {what} has {config.world_size} ranks; verify on one node "
+                         f"with --nproc-per-node {config.world_size}.")
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise UsageError(f"--device={device!r} is unknown; use cpu or cuda.")
+    name = study_name or "verify"
+    work = os.path.abspath(os.path.join(runs_dir, name, f"verify-{label}-{int(time.time())}"))
+    target = VerifyTarget(script=script, script_args=script_args, nproc_per_node=nproc, device=device,
+                          timeout_s=trial_timeout, work_dir=work, cold=cold, env=env)
+    verdict = Verifier(target, note=note).verify(config)  # always run, even for the script's own configuration
+    if study is not None:
+        study.set_user_attr(f"{ATTR_VERIFY_PREFIX}{label[len('trial'):]}", verdict.to_dict())
+    return verdict, config, what
