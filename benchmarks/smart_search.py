@@ -91,7 +91,7 @@ def run_studies(args: argparse.Namespace, pool: WarmPool, root: str, usable: flo
         settings = TuneSettings(
             script=GPT, script_args=SCRIPT_ARGS, trials=args.trials, nproc_per_node=2, device=DEVICE,
             storage=f"sqlite:///{root}/studies.db", study_name=name, memory_cap_gib=[args.cap_gib],
-            cap_mode="judge", max_spread_gib=SPREAD_LIMIT_GIB if args.spread_constraint else None, strategy="model" if strategy == "model" else "optuna",
+            cap_mode="judge", compile="off", max_spread_gib=SPREAD_LIMIT_GIB if args.spread_constraint else None, strategy="model" if strategy == "model" else "optuna",
             sampler="tpe" if strategy in ("model", "tpe") else "random", seed=seed, steps=3, warmup=1,
             trial_timeout=120, runs_dir=f"{root}/runs",
         )
