@@ -39,3 +39,10 @@ def test_unknown_key_is_rejected(tmp_path):
     bad.write_text("[tune]\ntrails = 3\n")
     with pytest.raises(UsageError, match="unknown key 'trails'"):
         load_toml(str(bad))
+
+
+def test_script_may_come_from_the_file_only():
+    settings = TuneSettings.merge(flags={"script": None}, toml_path=str(REPO / "studies" / "mlp.toml"))
+    assert settings.script.endswith("examples/mlp/train.py")
+    with pytest.raises(UsageError, match="SCRIPT is missing"):
+        TuneSettings.merge(flags={"script": None}, toml_path=None)

@@ -33,7 +33,7 @@ def _parse_list(name: str, text: str | None) -> list[str] | None:
 @app.command(context_settings=_CONTEXT)
 def tune(
     ctx: typer.Context,
-    script: str = typer.Argument(..., help="Training script that uses autobalance.plan(); its own arguments follow (after --)."),
+    script: str | None = typer.Argument(None, help="Training script that uses autobalance.plan() (or `script` in --config); its own arguments follow (after --)."),
     trials: int | None = typer.Option(None, help="Total trials of the study [default: 20]."),
     nproc_per_node: int | None = typer.Option(None, "--nproc-per-node", help="Ranks per node [default: 2]."),
     device: str | None = typer.Option(None, help="cpu or cuda [default: cuda when available]."),

@@ -186,6 +186,11 @@ class TuneSettings:
         """Flags given on the command line win over the study TOML, which wins over defaults."""
         values = load_toml(toml_path) if toml_path else {}
         values.update({k: v for k, v in flags.items() if v is not None})
+        if not values.get("script"):
+            raise UsageError(
+                "SCRIPT is missing; pass the training script (autobalance tune train.py ...) or a study "
+                "TOML that names it (--config studies/NAME.toml with script = \"...\")."
+            )
         return cls(**values)
 
 
