@@ -23,6 +23,7 @@ import optuna
 import pytest
 from optuna.trial import FrozenTrial, TrialState
 
+from tests.pg_helpers import throwaway_schema
 from tests.tune_helpers import FAULTY, processes_with
 
 STUDY = "s"
@@ -188,20 +189,8 @@ def pg_study(postgres_server: str) -> Iterator[str]:
 def pg_fresh_schema(postgres_server: str) -> Iterator[str]:
     """A URL whose tables live in a new, empty schema (dropped after): the first workers on it
     create Optuna's and autobalance's tables concurrently."""
-    from sqlalchemy import create_engine, text
-    from sqlalchemy.engine import make_url
-
-    schema = f"autobalance_faults_{uuid.uuid4().hex[:10]}"
-    engine = create_engine(postgres_server, isolation_level="AUTOCOMMIT")
-    with engine.connect() as conn:
-        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-    url = make_url(postgres_server).update_query_dict({"options": f"-csearch_path={schema}"})
-    try:
-        yield url.render_as_string(hide_password=False)
-    finally:
-        with engine.connect() as conn:
-            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
-        engine.dispose()
+    with throwaway_schema(postgres_server, prefix="autobalance_faults") as url:
+        yield url
 
 
 def drop_pg_study(url: str, name: str) -> None:

@@ -18,6 +18,7 @@ if str(HERE) not in sys.path:  # store_workers must be importable in spawned pro
 
 from autobalance import BalanceConfig  # noqa: E402
 from autobalance.store import HardwareFingerprint, mask_url  # noqa: E402
+from tests.pg_helpers import throwaway_schema  # noqa: E402
 
 POSTGRES_ENV = "AUTOBALANCE_TEST_POSTGRES_URL"
 POSTGRES_DEFAULT = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -146,17 +147,5 @@ def postgres_url(postgres_server: str) -> Iterator[str]:
 
     Nothing outside that schema (Optuna's tables, other tests' data) is touched.
     """
-    from sqlalchemy import create_engine, text
-    from sqlalchemy.engine import make_url
-
-    schema = f"autobalance_test_{uuid.uuid4().hex[:12]}"
-    engine = create_engine(postgres_server, isolation_level="AUTOCOMMIT")
-    with engine.connect() as conn:
-        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-    url = make_url(postgres_server).update_query_dict({"options": f"-csearch_path={schema}"})
-    try:
-        yield url.render_as_string(hide_password=False)
-    finally:
-        with engine.connect() as conn:
-            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
-        engine.dispose()
+    with throwaway_schema(postgres_server, prefix="autobalance_test") as url:
+        yield url
