@@ -266,11 +266,10 @@ def test_interrupting_parallel_trials_kills_and_marks_every_running_one(tmp_path
         deadline = time.monotonic() + 300
         hanging: list[Path] = []
         while len(hanging) < 2 and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.5)  # both slots' trials are up (their ranks recorded where they run)
+            time.sleep(0.5)  # both slots' trials hang (a trial still starting up could end before the Ctrl-C)
             hanging = [p for p in (tmp_path / "autobalance_runs" / "s").glob("trial-*")
-                       if list(p.glob("placement-rank0.json")) and not list(p.glob("rank0.json"))]
+                       if (p / "hanging-rank0").exists() and not (p / "rank0.json").exists()]
         assert len(hanging) == 2, proc.stderr.read() if proc.poll() is not None else "trials did not start"
-        time.sleep(2)
         proc.send_signal(2)  # Ctrl-C
         _out, err = proc.communicate(timeout=120)
     finally:
@@ -280,6 +279,6 @@ def test_interrupting_parallel_trials_kills_and_marks_every_running_one(tmp_path
     assert proc.returncode == 130, err[-4000:]
     trials = load(db).get_trials()
     interrupted = [t for t in trials if t.user_attrs.get("status") == "interrupted"]
-    assert len(interrupted) == 2 and all(t.state == TrialState.FAIL for t in interrupted)
+    assert len(interrupted) == 2 and all(t.state == TrialState.FAIL for t in interrupted), err[-4000:]
     assert not [t for t in trials if t.state == TrialState.RUNNING]
     assert _no_processes(tmp_path) == []

@@ -59,6 +59,9 @@ REPORT_GRACE_S = 30.0
 (a shared filesystem's attribute cache may hide new files for a while)."""
 NODE_FAILED_GRACE_S = 15.0
 """A worker node's torchrun failed while this node's still runs: kill after this long."""
+DONE_GRACE_S = 20.0
+"""The coordinator's cancel came after every rank reported (the trial is over): how long a worker
+lets its own torchrun finish its exit barrier before killing it."""
 WAIT_ENV = "AUTOBALANCE_NODES_WAIT_S"
 """How long the coordinator waits for the worker nodes before giving up (default 600 s)."""
 
@@ -438,10 +441,18 @@ def _serve(request: dict[str, Any], *, hub: str, wid: str, host: str, info: dict
     say(f"autobalance worker {wid}: trial {request.get('seq')} ({trial_dir})")
     stopped: list[str] = []
 
+    world_size = int(info["nnodes"]) * int(info["nproc_per_node"])
+    done_seen: list[float] = []
+
     def on_poll(elapsed: float) -> bool:
         if os.path.exists(cancel):
-            stopped.append("cancelled by the coordinator")
-            return True
+            # the coordinator's torchrun may end a moment before this one: a finished trial is not killed
+            if not done_seen and len(read_reports(trial_dir, world_size)[0]) == world_size:
+                done_seen.append(time.monotonic())
+            if not done_seen or time.monotonic() - done_seen[0] > DONE_GRACE_S:
+                stopped.append("cancelled by the coordinator")
+                return True
+            return False
         coord = _read_json(os.path.join(hub, "coordinator.json")) or {}
         if coord.get("session") == session:
             coordinator.see(session, coord.get("beat"))

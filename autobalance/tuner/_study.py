@@ -453,7 +453,9 @@ class Tuner:
         errors: list[BaseException] = []
         self.reporter.note(f"{len(slots)} trials at a time: " + "; ".join(slot.describe() for slot in slots) + ".")
 
-        def work(slot: Slot) -> None:
+        finished = [threading.Event() for _ in slots]
+
+        def work(slot: Slot, done: threading.Event) -> None:
             self._local.slot = slot
             try:
                 while not self._stop.is_set() and self._more_trials(study):
@@ -469,20 +471,23 @@ class Tuner:
                         pool, self.pool = self.pool, None
                 if pool is not None:
                     pool.close()
+                done.set()
 
-        threads = [threading.Thread(target=work, args=(slot,), name=f"autobalance-slot-{slot.index}", daemon=True)
-                   for slot in slots]
+        threads = [threading.Thread(target=work, args=(slot, done), name=f"autobalance-slot-{slot.index}",
+                                    daemon=True) for slot, done in zip(slots, finished, strict=True)]
         for thread in threads:
             thread.start()
+        # Events, not Thread.join: a join interrupted by Ctrl-C can mark a running thread as stopped
+        # (CPython < 3.13), and the tuner would then exit while a slot still records its trial.
         try:
-            while any(t.is_alive() for t in threads):
-                for thread in threads:
-                    thread.join(timeout=0.2)
+            while not all(done.is_set() for done in finished):
+                for done in finished:
+                    done.wait(timeout=0.2)
         except KeyboardInterrupt:
             self._stop.set()
             with interrupts_deferred():  # the slots kill and mark their trials; a second Ctrl-C waits
-                for thread in threads:
-                    thread.join(timeout=120)
+                for done in finished:
+                    done.wait(timeout=120)
             raise
         real = [e for e in errors if not isinstance(e, _Stopped)]
         if real:

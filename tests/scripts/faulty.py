@@ -113,6 +113,9 @@ def main() -> None:
                     fh.write("{not json")
                 os._exit(0)
         if active and step == 1 and FAULT == "hang_all":
+            # a marker tests wait for: this rank hangs from now on (not merely slow to start)
+            with open(os.path.join(os.environ["AUTOBALANCE_TRIAL_DIR"], f"hanging-rank{rank}"), "w"):
+                pass
             time.sleep(3600)
         for x, y in micro_batches:
             with plan.micro_step():
