@@ -19,6 +19,7 @@ from autobalance._errors import (
     StudyNotFoundError,
     TrialScriptError,
     UsageError,
+    VerificationError,
 )
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ __all__ = [
     "StudyNotFoundError",
     "TrialScriptError",
     "UsageError",
+    "VerificationError",
     "plan",
     "split_evenly",
 ]

@@ -12,6 +12,7 @@ __all__ = [
     "StudyNotFoundError",
     "TrialScriptError",
     "UsageError",
+    "VerificationError",
 ]
 
 
@@ -54,3 +55,7 @@ class TrialScriptError(AutobalanceError):
         super().__init__(message)
         self.traceback_text = traceback_text
         self.rank = rank
+
+
+class VerificationError(AutobalanceError):
+    """A configuration did not compute the baseline's update (``autobalance verify``): never saved."""

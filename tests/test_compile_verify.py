@@ -155,3 +155,71 @@ def test_tune_verifies_the_best_before_saving_it(tmp_path, wrong):
         assert "failed verification" in proc.stdout and "No configuration was saved" in proc.stdout
         assert "Use it in production" not in proc.stdout
         assert best.returncode != 0  # nothing in the store
+
+
+def _promote(tmp_path, db, number: int, *extra: str, env=None):
+    return cli(["promote", "--study-name", "s", "--trial", str(number), "--storage", f"sqlite:///{db}", *extra],
+               cwd=tmp_path, env=env, timeout=400)
+
+
+def test_promote_verifies_like_tune_and_never_saves_a_failed_trial(tmp_path):
+    db = tmp_path / "a.db"
+    broken = {"AUTOBALANCE_TEST_DISABLE_LOSS_WEIGHTING": "1"}
+    args = ["tune", GPT, "--trials", "4", "--nproc-per-node", "2", "--device", "cpu", "--storage", f"sqlite:///{db}",
+            "--study-name", "s", "--strategy", "optuna", "--sampler", "random", "--seed", "3", "--trial-timeout", "120",
+            "--memory-cap-gib", "0.0145", "--dtypes", "fp32", "--max-accumulation", "1", "--runs-dir", str(tmp_path / "runs")]
+    assert cli(args, cwd=tmp_path, env=broken).returncode == 0
+    study = load(db)
+    assert study.user_attrs["autobalance:launch"]["script"] == GPT
+    failed = [int(k.rsplit(":", 1)[1]) for k, v in study.user_attrs.items()
+              if k.startswith("autobalance:verify:") and not v["passed"]]
+    unverified = [t.number for t in study.trials if t.user_attrs.get("status") == "ok"
+                  and f"autobalance:verify:{t.number}" not in study.user_attrs]
+    assert failed and unverified
+
+    # a trial that failed verification is never saved, whatever is asked
+    for extra in ((), ("--no-verify",)):
+        refused = _promote(tmp_path, db, failed[0], *extra)
+        assert refused.returncode == 1 and "failed verification" in refused.stderr, refused.stderr
+        assert "never saved" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+    # an unverified trial is verified first (the script from the study); with the bug it fails
+    number = unverified[0]
+    bad = _promote(tmp_path, db, number, env=broken)
+    assert bad.returncode == 1 and f"trial {number} of 's' failed verification" in bad.stderr, bad.stderr
+    assert load(db).user_attrs[f"autobalance:verify:{number}"]["passed"] is False
+    assert cli(["best", "--study-name", "s", "--storage", f"sqlite:///{db}"], cwd=tmp_path).returncode != 0
+
+    # the script fixed: verify it again, then promote saves it, marked verified
+    again = cli(["verify", GPT, "--study-name", "s", "--trial", str(number), "--storage", f"sqlite:///{db}",
+                 "--runs-dir", str(tmp_path / "runs")], cwd=tmp_path, timeout=400)
+    assert again.returncode == 0, again.stderr[-3000:] + again.stdout[-2000:]
+    ok = _promote(tmp_path, db, number)
+    assert ok.returncode == 0 and "verified earlier" in ok.stdout, ok.stderr
+    saved = json.loads(cli(["best", "--study-name", "s", "--storage", f"sqlite:///{db}", "--format", "json"],
+                           cwd=tmp_path).stdout)
+    assert saved["trial_number"] == number
+    assert saved["figures"]["verification"]["passed"] is True
+
+
+def test_promote_runs_the_verification_itself_and_no_verify_skips_it(tmp_path):
+    db = tmp_path / "a.db"
+    args = ["tune", MLP, "--trials", "3", "--nproc-per-node", "2", "--device", "cpu", "--storage", f"sqlite:///{db}",
+            "--study-name", "s", "--strategy", "optuna", "--sampler", "random", "--seed", "0", "--trial-timeout", "120",
+            "--dtypes", "fp32", "--no-verify", "--runs-dir", str(tmp_path / "runs")]
+    assert cli(args, cwd=tmp_path).returncode == 0
+    study = load(db)
+    base = study.user_attrs["autobalance:baseline_trial"]
+    others = [t.number for t in study.trials if t.user_attrs.get("status") == "ok" and t.number != base]
+    assert len(others) >= 2
+    ok = _promote(tmp_path, db, others[0])
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert "(verified: " in ok.stdout, ok.stdout
+    assert load(db).user_attrs[f"autobalance:verify:{others[0]}"]["passed"] is True
+    unchecked = _promote(tmp_path, db, others[1], "--no-verify")
+    assert unchecked.returncode == 0 and "not verified (--no-verify)" in unchecked.stdout, unchecked.stderr
+    saved = json.loads(cli(["best", "--study-name", "s", "--storage", f"sqlite:///{db}", "--format", "json"],
+                           cwd=tmp_path).stdout)
+    assert saved["trial_number"] == others[1] and saved["figures"]["verification"] is None
+    # a moved script: a one-line error naming --script
+    moved = _promote(tmp_path, db, others[1], "--script", str(tmp_path / "gone.py"))
+    assert moved.returncode == 2 and "--script=" in moved.stderr and len(moved.stderr.strip().splitlines()) == 1

@@ -124,23 +124,35 @@ def trials(
 
 
 
-@app.command()
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def promote(
+    ctx: typer.Context,
     study_name: str = typer.Option(..., "--study-name"),
     trial: int = typer.Option(..., "--trial", help="Trial number to save as the study's best."),
     storage: str = typer.Option("sqlite:///autobalance.db"),
+    verify: bool = typer.Option(True, "--verify/--no-verify", help="Verify the trial (same update as the baseline) before saving it, as `tune` does."),
+    script: str | None = typer.Option(None, "--script", help="The training script to verify with (default: the one the study's latest `tune` ran; its arguments follow --)."),
 ) -> None:
-    """Save a chosen trial (e.g. a point of the Pareto front) as the study's best configuration."""
+    """Save a chosen trial (e.g. a point of the Pareto front) as the study's best configuration.
+
+    Like the end of `tune`, the trial is verified first (one optimizer step against the script's own
+    configuration): a trial that fails is never saved (exit code 1)."""
 
     def go() -> None:
+        from rich.console import Console
+        from rich.markup import escape
+
         from autobalance.store import check_storage
-        from autobalance.tuner._promote import save_trial
+        from autobalance.tuner._promote import promote_trial
         from autobalance.tuner._storage import load_study
 
+        err = Console(stderr=True)
         url = check_storage(existing_storage(storage))
         study = load_study(study_name=study_name, storage_url=url)
-        saved = save_trial(storage_url=url, study=study, trial_number=trial, action="promote")
-        typer.echo(f"Saved trial {saved.trial_number} of '{study_name}' as its best configuration.")
+        saved, line = promote_trial(storage_url=url, study=study, trial_number=trial, verify=verify, script=script,
+                                    script_args=list(ctx.args) if ctx.args else None,
+                                    note=lambda text: err.print(f"[dim]{escape(text)}[/]"))
+        typer.echo(f"Saved trial {saved.trial_number} of '{study_name}' as its best configuration ({line}).")
 
     run_command(go)
 

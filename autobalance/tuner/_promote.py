@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
+import os
+import time
+from collections.abc import Callable
 from typing import Any
 
 import optuna
 from optuna.trial import FrozenTrial
 
 from autobalance._config import BalanceConfig
-from autobalance._errors import UsageError
+from autobalance._errors import UsageError, VerificationError
 from autobalance.tuner._study import (
     ATTR_BASELINE,
     ATTR_CAPACITY,
     ATTR_DEVICE,
+    ATTR_LAUNCH,
     ATTR_OBJECTIVE,
     ATTR_SCRIPT_SHA,
+    script_sha256,
 )
+from autobalance.tuner._verify import ATTR_VERIFY_PREFIX
 
-__all__ = ["figures_of_trial", "fingerprint_of_study", "save_trial"]
+__all__ = ["figures_of_trial", "fingerprint_of_study", "promote_trial", "save_trial"]
 
 _FIGURE_KEYS = ("peak_device_gib", "peak_reserved_gib", "peak_allocated_gib", "outside_pytorch_gib",
                 "capacity_gib", "spread_gib", "spread_pct_of_capacity", "step_time_ms", "samples_per_s", "status")
@@ -26,6 +32,9 @@ _FIGURE_KEYS = ("peak_device_gib", "peak_reserved_gib", "peak_allocated_gib", "o
 def figures_of_trial(study: optuna.Study, trial: FrozenTrial) -> dict[str, Any]:
     figures: dict[str, Any] = {k: trial.user_attrs.get(k) for k in _FIGURE_KEYS}
     figures["values"] = trial.values
+    verdict = study.user_attrs.get(f"{ATTR_VERIFY_PREFIX}{trial.number}")
+    figures["verification"] = None if verdict is None else {
+        k: verdict.get(k) for k in ("passed", "reason", "skipped")}
     base_no = study.user_attrs.get(ATTR_BASELINE)
     if base_no is not None:
         base = study.trials[base_no]
@@ -60,6 +69,81 @@ def save_trial(*, storage_url: str, study: optuna.Study, trial_number: int, acti
     """Save the trial's configuration as the study's current best; returns the SavedConfig."""
     from autobalance.store import ConfigStore, make_saved_by
 
+    trial = _measured_trial(study, trial_number)
+    with ConfigStore(url=storage_url) as store:
+        return store.save(
+            study_name=study.study_name,
+            trial_number=trial_number,
+            config=BalanceConfig.from_dict(trial.user_attrs["config"]),
+            figures=figures_of_trial(study, trial),
+            fingerprint=fingerprint_of_study(study),
+            script_sha256=str(study.user_attrs.get(ATTR_SCRIPT_SHA, "")),
+            saved_by=make_saved_by(action),
+        )
+
+
+def promote_trial(*, storage_url: str, study: optuna.Study, trial_number: int, verify: bool = True,
+                  script: str | None = None, script_args: list[str] | None = None,
+                  note: Callable[[str], None] | None = None) -> tuple[Any, str]:
+    """``autobalance promote``: save a chosen trial as the study's best, verified first like the end
+    of ``tune`` (a trial that failed verification is never saved; ``verify=False`` skips a trial
+    not verified yet). ``script``/``script_args`` default to how the study's latest ``tune`` ran it.
+    Returns the SavedConfig and one line on the verification."""
+    trial = _measured_trial(study, trial_number)
+    previous = study.user_attrs.get(f"{ATTR_VERIFY_PREFIX}{trial_number}")
+    if previous is not None and not previous.get("passed"):
+        raise VerificationError(
+            f"trial {trial_number} of {study.study_name!r} failed verification ({previous.get('reason')}); a configuration "
+            "that fails is never saved. Promote another trial (`autobalance trials --study-name "
+            f"{study.study_name}`), or, if the script was fixed since, verify it again with `autobalance verify SCRIPT "
+            f"--study-name {study.study_name} --trial {trial_number}`.")
+    if previous is not None:
+        line = f"verified earlier: {previous.get('reason')}"
+    elif not verify:
+        line = "not verified (--no-verify)"
+    else:
+        verdict = _verify_trial(study, trial, script=script, script_args=script_args, note=note)
+        study.set_user_attr(f"{ATTR_VERIFY_PREFIX}{trial_number}", verdict.to_dict())
+        if not verdict.passed:
+            raise VerificationError(f"trial {trial_number} of {study.study_name!r} failed verification: {verdict.reason}; "
+                                    "it is not saved. Promote another trial.")
+        line = f"verified: {verdict.reason} ({verdict.wall_s:.0f} s)"
+    saved = save_trial(storage_url=storage_url, study=study, trial_number=trial_number, action="promote")
+    return saved, line
+
+
+def _verify_trial(study: optuna.Study, trial: FrozenTrial, *, script: str | None, script_args: list[str] | None,
+                  note: Callable[[str], None] | None) -> Any:
+    from autobalance.tuner._verify import Verifier, VerifyTarget
+
+    launch = dict(study.user_attrs.get(ATTR_LAUNCH) or {})
+    script = script or launch.get("script")
+    if not script:
+        raise UsageError(f"study {study.study_name!r} does not record its training script (tuned before autobalance "
+                         "kept it); pass --script PATH, or --no-verify to save without verification.")
+    if not os.path.isfile(script):
+        raise UsageError(f"--script={script!r} is not a file; pass the training script the study tuned, or --no-verify.")
+    tuned_sha = study.user_attrs.get(ATTR_SCRIPT_SHA)
+    if tuned_sha and script_sha256(script) != tuned_sha:
+        raise UsageError(f"--script={script!r} differs from the script the study tuned (sha256); pass that script, "
+                         "or --no-verify to save without verification.")
+    base_no = study.user_attrs.get(ATTR_BASELINE)
+    baseline = None
+    if base_no is not None and study.trials[base_no].user_attrs.get("config"):
+        baseline = BalanceConfig.from_dict(study.trials[base_no].user_attrs["config"])
+    config = BalanceConfig.from_dict(trial.user_attrs["config"])
+    runs_dir = str(launch.get("runs_dir") or "autobalance_runs")
+    device = launch.get("device") or (study.user_attrs.get(ATTR_DEVICE) or {}).get("type") or "cpu"
+    target = VerifyTarget(
+        script=script, script_args=list(script_args if script_args is not None else launch.get("script_args") or []),
+        nproc_per_node=int(launch.get("nproc_per_node") or config.world_size), device=str(device),
+        torchrun_args=list(launch.get("torchrun_args") or []), timeout_s=float(launch.get("trial_timeout") or 300),
+        work_dir=os.path.join(runs_dir, study.study_name, f"verify-trial{trial.number}-{int(time.time())}"),
+        cold=bool(launch.get("cold", False)), env=dict(launch.get("compile_env") or {}))
+    return Verifier(target, note=note).verify(config, baseline=baseline)
+
+
+def _measured_trial(study: optuna.Study, trial_number: int) -> FrozenTrial:
     trials = study.get_trials(deepcopy=False)
     if not 0 <= trial_number < len(trials):
         raise UsageError(
@@ -72,13 +156,4 @@ def save_trial(*, storage_url: str, study: optuna.Study, trial_number: int, acti
             f"--trial={trial_number} has no measured configuration (status {trial.user_attrs.get('status')!r}); "
             "promote a trial whose status is ok."
         )
-    with ConfigStore(url=storage_url) as store:
-        return store.save(
-            study_name=study.study_name,
-            trial_number=trial_number,
-            config=BalanceConfig.from_dict(trial.user_attrs["config"]),
-            figures=figures_of_trial(study, trial),
-            fingerprint=fingerprint_of_study(study),
-            script_sha256=str(study.user_attrs.get(ATTR_SCRIPT_SHA, "")),
-            saved_by=make_saved_by(action),
-        )
+    return trial

@@ -48,6 +48,9 @@ ATTR_BASELINE = "autobalance:baseline_trial"
 ATTR_CAPACITY = "autobalance:capacity_bytes"
 ATTR_DEVICE = "autobalance:device"
 ATTR_SCRIPT_SHA = "autobalance:script_sha256"
+ATTR_LAUNCH = "autobalance:launch"
+"""How the latest ``tune`` ran the script (path, arguments, ranks, runs dir): what ``promote`` needs
+to verify a trial without being told again."""
 CONSTRAINTS_KEY = "constraints"  # the legacy system attribute: read by every sampler and by optuna-dashboard
 MAX_CRASHES_IN_A_ROW = 3
 _WARM_PRUNE_MIN_STEPS = 20
@@ -164,6 +167,12 @@ class Tuner:
                 f"--study-name={s.study_name!r} exists with another search space/objective (differs in: {', '.join(diff)}); "
                 "run with the original settings to continue it, or pass a new --study-name."
             )
+        if s.nnodes == 1:
+            study.set_user_attr(ATTR_LAUNCH, {
+                "script": os.path.abspath(s.script), "script_args": list(s.script_args),
+                "nproc_per_node": s.nproc_per_node, "device": s.device, "torchrun_args": list(s.torchrun_args),
+                "runs_dir": os.path.abspath(s.runs_dir), "trial_timeout": s.trial_timeout, "cold": s.cold,
+                "compile_env": compile_env(s)})
         fail_stale_trials(study, self.storage)
         self._measured = {
             json.dumps(t.user_attrs["config"], sort_keys=True): t
