@@ -22,7 +22,7 @@ from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._solver import balanced_split_for, plans_from_model, predict_config_feasible
 from autobalance.tuner._space import SearchSpace
 
-__all__ = ["ModelAdvisor", "observations_from_trials"]
+__all__ = ["ModelAdvisor", "dominating_over_cap", "observations_from_trials"]
 
 GIB = 2**30
 _MAX_PREDICTED_IN_A_ROW = 25
@@ -52,6 +52,60 @@ def observations_from_trials(trials: list[FrozenTrial], *, num_layers: int) -> l
                 num_layers=max(1, num_layers), dtype=cfg["dtype"], peak_bytes=float(peak) * GIB, ok=status == "ok",
             ))
     return obs
+
+
+def _budget(cfg: dict[str, Any], rank: int) -> float:
+    budgets = cfg.get("activation_budget")
+    return 1.0 if not budgets else float(budgets[rank])
+
+
+def _ranks_over_cap(t: FrozenTrial) -> list[int] | None:
+    """Ranks whose memory did not fit in trial ``t``; [] when it fit; None when it ran out of memory
+    but the rank is unknown (then only a configuration that dominates it on every rank is implied)."""
+    peaks = t.user_attrs.get("peak_device_gib") or []
+    usable = t.user_attrs.get("usable_gib") or []
+    over = {r for r, (p, u) in enumerate(zip(peaks, usable, strict=False)) if p is not None and u and p > u}
+    if t.user_attrs.get("status") == "oom":
+        if t.user_attrs.get("failing_rank") is not None:
+            over.add(int(t.user_attrs["failing_rank"]))
+        if not over:
+            return None
+    return sorted(over)
+
+
+def _needs_at_least(cfg: dict[str, Any], other: dict[str, Any], rank: int) -> bool:
+    """Rank ``rank`` of ``cfg`` holds at least the memory it held under ``other``: same dtype and
+    compile mode, a micro-batch no smaller, no more recomputation (checkpointing the first N blocks,
+    or a compile budget: a larger budget keeps more activations), buckets no smaller and not views
+    where ``other`` used views. Accumulation does not change a rank's peak."""
+    if cfg["dtype"] != other["dtype"] or cfg.get("compile", "off") != other.get("compile", "off"):
+        return False
+    return (cfg["micro_batches"][rank] >= other["micro_batches"][rank]
+            and len(cfg["checkpoint"][rank]) <= len(other["checkpoint"][rank])
+            and _budget(cfg, rank) >= _budget(other, rank)
+            and float(cfg["bucket_cap_mb"]) >= float(other["bucket_cap_mb"])
+            and (not cfg["gradient_as_bucket_view"] or bool(other["gradient_as_bucket_view"])))
+
+
+def dominating_over_cap(trials: list[FrozenTrial], config: BalanceConfig) -> tuple[FrozenTrial, int] | None:
+    """A launched trial that did not fit on some rank where ``config`` needs at least as much memory
+    (so ``config`` will not fit either), with that rank; None when there is none. Model-free: it
+    needs only monotonicity, so it covers compiled configurations, which the memory model does not."""
+    cfg = config.to_dict()
+    for t in trials:
+        other = t.user_attrs.get("config")
+        if (t.state != TrialState.COMPLETE or t.user_attrs.get("status") not in ("ok", "oom") or not other
+                or t.user_attrs.get("reused_from") is not None or len(other["micro_batches"]) != config.world_size):
+            continue
+        over = _ranks_over_cap(t)
+        if over is None:
+            if all(_needs_at_least(cfg, other, r) for r in range(config.world_size)):
+                return t, int(t.user_attrs.get("failing_rank") or 0)
+            continue
+        for r in over:
+            if _needs_at_least(cfg, other, r):
+                return t, r
+    return None
 
 
 ACC_OVERHEAD = 0.08
@@ -293,11 +347,17 @@ class ModelAdvisor:
 
     # ------------------------------------------------------------------ vetoes
     def predict_infeasible(self, study: optuna.Study, config: BalanceConfig) -> tuple[TrialFigures, dict[str, Any]] | None:
-        """Figures for a config the model is confident will not fit; None to launch it."""
-        model = self.model if self.model is not None else self.refit(study)
+        """Figures for a config that will not fit (a measured trial it dominates did not, or the
+        model is confident); None to launch it."""
         usable = self._usable(study)
-        if (model is None or usable is None or self._predicted_in_a_row >= _MAX_PREDICTED_IN_A_ROW
-                or config.compile != "off"):  # compiled memory follows the budget, not this model
+        if usable is None or self._predicted_in_a_row >= _MAX_PREDICTED_IN_A_ROW:
+            return None
+        dominated = dominating_over_cap(study.get_trials(deepcopy=False), config)
+        if dominated is not None:
+            self._predicted_in_a_row += 1
+            return self._dominance_figures(config, usable, *dominated)
+        model = self.model if self.model is not None else self.refit(study)
+        if model is None or config.compile != "off":  # compiled memory follows the budget, not this model
             return None
         counts = [len(c) for c in config.checkpoint]
         if not model.can_predict(config.dtype) or not all(
@@ -321,8 +381,35 @@ class ModelAdvisor:
             **figures.user_attrs(self.settings.headroom),
             "status": "predicted_oom",
             "predicted": True,
+            "predicted_by": "memory-model",
             "reason": (f"not launched: the memory model predicts rank {worst} at {peaks[worst] / GIB:.3f} GiB "
                        f"(+{100 * model.safety_margin:.0f}% margin) > usable {usable[worst] / GIB:.3f} GiB"),
+            "baseline": False,
+        }
+        return figures, attrs
+
+    def _dominance_figures(self, config: BalanceConfig, usable: list[float], trial: FrozenTrial,
+                           rank: int) -> tuple[TrialFigures, dict[str, Any]]:
+        capacity = [u / (1.0 - self.settings.headroom) for u in usable]
+        seen = (trial.user_attrs.get("peak_device_gib") or [None] * config.world_size)[rank]
+        peaks: list[float | None] = [None] * config.world_size
+        peaks[rank] = None if seen is None else float(seen) * GIB  # a lower bound: this one needs at least that
+        figures = TrialFigures(status="predicted_oom", peak_device=peaks, peak_allocated=[None] * len(peaks),
+                               peak_reserved=[None] * len(peaks), outside_pytorch=[None] * len(peaks),
+                               capacity=capacity, step_time_s=None, samples_per_s=None, startup_s=None)
+        other = trial.user_attrs["config"]
+        what = (f"budget {_budget(other, rank):g}" if other.get("compile", "off") != "off"
+                else f"{len(other['checkpoint'][rank])} checkpointed blocks")
+        attrs = {
+            **figures.user_attrs(self.settings.headroom),
+            "status": "predicted_oom",
+            "predicted": True,
+            "predicted_by": "dominance",
+            "dominated_by": trial.number,
+            "reason": (f"not launched: trial {trial.number} exceeded rank {rank}'s usable memory "
+                       f"({usable[rank] / GIB:.3f} GiB) with micro-batch {other['micro_batches'][rank]}, {what}; this "
+                       "configuration needs at least as much there (same dtype and compile mode, no smaller "
+                       "micro-batch, no more recomputation, no smaller bucket)"),
             "baseline": False,
         }
         return figures, attrs

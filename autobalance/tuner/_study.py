@@ -506,10 +506,17 @@ class Tuner:
 
     def _summarise(self, study: optuna.Study, result: TuneResult) -> None:
         trials = study.get_trials(deepcopy=False)
-        predicted = sum(t.user_attrs.get("status") == "predicted_oom" for t in trials)
+        predicted = [t for t in trials if t.user_attrs.get("status") == "predicted_oom"]
         pruned = sum(t.state == TrialState.PRUNED for t in trials)
         if predicted:
-            result.notes.append(f"{predicted} configuration(s) predicted to run out of memory were recorded without launching.")
+            result.notes.append(f"{len(predicted)} configuration(s) predicted to run out of memory were recorded without "
+                                "launching.")
+        compiled_skipped = sum((t.user_attrs.get("config") or {}).get("compile", "off") != "off" for t in predicted)
+        compile_times = sorted(float(t.user_attrs["compile_s"]) for t in trials if t.user_attrs.get("compile_s"))
+        if compiled_skipped and compile_times:
+            median = compile_times[len(compile_times) // 2]
+            result.notes.append(f"{compiled_skipped} of them compiled: about {compiled_skipped * median:.0f} s of "
+                                f"compilation saved (the study's median compile, {median:.1f} s, each).")
         if pruned:
             result.notes.append(f"{pruned} trial(s) were stopped early (pruned) as clearly slower than the best.")
         if self.cold_note:
