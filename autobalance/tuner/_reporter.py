@@ -99,7 +99,9 @@ class RichReporter:
         style = _STYLE.get(status, "white")
         extra = f" (same config as trial {trial.user_attrs.get('reused_from')}, not re-run)" if reused else ""
         if predicted:
-            extra = " (predicted by the memory model, not launched)"
+            extra = (f" (implied by trial {trial.user_attrs.get('dominated_by')}, not launched)"
+                     if trial.user_attrs.get("predicted_by") == "dominance" else
+                     " (predicted by the memory model, not launched)")
         reason = "" if status == "ok" else f"  [dim]{escape(str(trial.user_attrs.get('reason', ''))[:160])}[/]"
         self.console.print(f"  trial {trial.number} [{style}]{status}[/]{escape(extra)}  {escape(short_figures(trial))}{reason}")
         if best is not None:
