@@ -62,6 +62,8 @@ NODE_FAILED_GRACE_S = 15.0
 DONE_GRACE_S = 20.0
 """The coordinator's cancel came after every rank reported (the trial is over): how long a worker
 lets its own torchrun finish its exit barrier before killing it."""
+CANCEL_WAIT_S = 10.0
+"""A worker's torchrun failed on its own: how long to look for the coordinator's cancel that explains it."""
 WAIT_ENV = "AUTOBALANCE_NODES_WAIT_S"
 """How long the coordinator waits for the worker nodes before giving up (default 600 s)."""
 
@@ -472,6 +474,14 @@ def _serve(request: dict[str, Any], *, hub: str, wid: str, host: str, info: dict
             _write_json(state_path, {"status": "finished", "host": host, "returncode": None,
                                      "stopped": "the worker was interrupted"})
         raise
+    if not stopped and outcome.returncode != 0:
+        # the coordinator killed its side first (timeout, its own failure), and this node's torchrun
+        # lost the rendezvous before the cancel was seen: the cancel is the cause, not this node
+        deadline = time.monotonic() + CANCEL_WAIT_S
+        while time.monotonic() < deadline and not os.path.exists(cancel):
+            time.sleep(0.2)
+        if os.path.exists(cancel):
+            stopped.append("cancelled by the coordinator")
     tail = ""
     with contextlib.suppress(OSError), open(os.path.join(launch.logs_at, "torchrun.log"), errors="replace") as fh:
         tail = fh.read()[-3000:]
