@@ -13,6 +13,8 @@ __all__ = [
     "DEVICE",
     "DIAGNOSE",
     "GLOBAL_BATCH",
+    "MAX_STEPS",
+    "MEASURE_S",
     "MEMORY_CAP_BYTES",
     "PG_TIMEOUT_S",
     "STEPS",
@@ -42,6 +44,11 @@ STEPS = "AUTOBALANCE_STEPS"
 """Measured optimizer steps in a trial."""
 WARMUP = "AUTOBALANCE_WARMUP"
 """Warm-up optimizer steps in a trial (not timed)."""
+MEASURE_S = "AUTOBALANCE_MEASURE_S"
+"""Measure for about this many seconds: after the first measured step, the ranks agree on the number
+of measured steps (at least STEPS, at most MAX_STEPS). Absent or 0: exactly STEPS."""
+MAX_STEPS = "AUTOBALANCE_MAX_STEPS"
+"""Upper bound on measured steps when MEASURE_S is set (default 50)."""
 MEMORY_CAP_BYTES = "AUTOBALANCE_MEMORY_CAP_BYTES"
 """Per-rank memory cap in bytes: one integer, or a comma-separated list indexed by rank."""
 PG_TIMEOUT_S = "AUTOBALANCE_PG_TIMEOUT_S"

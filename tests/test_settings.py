@@ -46,3 +46,24 @@ def test_script_may_come_from_the_file_only():
     assert settings.script.endswith("examples/mlp/train.py")
     with pytest.raises(UsageError, match="SCRIPT is missing"):
         TuneSettings.merge(flags={"script": None}, toml_path=None)
+
+
+def test_measure_s_takes_seconds_zero_or_auto_from_flags_and_files(tmp_path):
+    script = str(REPO / "examples" / "gpt" / "train.py")
+    assert TuneSettings(script=script).measure_s == "auto"
+    assert TuneSettings(script=script, measure_s="1.5").measure_s == 1.5  # a flag arrives as text
+    assert TuneSettings(script=script, measure_s="0").measure_s == 0.0
+    for value, words in (("soon", "not a number"), ("-1", "between 0 and 3600"), (float("nan"), "between 0")):
+        with pytest.raises(UsageError, match=f"--measure-s=.*{words}") as info:
+            TuneSettings(script=script, measure_s=value)
+        assert "auto" in str(info.value) and "\n" not in str(info.value)
+    with pytest.raises(UsageError, match="--max-steps=2 is below --steps=3"):
+        TuneSettings(script=script, max_steps=2)
+    toml = tmp_path / "s.toml"
+    toml.write_text(f'[tune]\nscript = "{script}"\nmeasure-s = "auto"\nmax-steps = 20\n')
+    assert TuneSettings.merge(flags={}, toml_path=str(toml)).measure_s == "auto"
+    toml.write_text(f'[tune]\nscript = "{script}"\nmeasure-s = 2\n')
+    assert TuneSettings.merge(flags={}, toml_path=str(toml)).measure_s == 2.0
+    toml.write_text(f'[tune]\nscript = "{script}"\nmeasure-s = "later"\n')
+    with pytest.raises(UsageError, match=r'measure_s = .later., which is not a number or "auto"'):
+        load_toml(str(toml))

@@ -40,6 +40,8 @@ def tune(
     global_batch: int | None = typer.Option(None, "--global-batch", help="Samples per optimizer step [default: the script's]."),
     steps: int | None = typer.Option(None, help="Measured optimizer steps per trial [default: 3]."),
     warmup: int | None = typer.Option(None, help="Warm-up steps per trial [default: 1]."),
+    measure_s: str | None = typer.Option(None, "--measure-s", help="Measure each trial for about this many seconds (at least --steps steps), 0 = exactly --steps, or auto (CUDA: 7/3 of the per-trial overhead, at most 2 s; CPU: 0) [default: auto]."),
+    max_steps: int | None = typer.Option(None, "--max-steps", help="Most measured steps per trial when --measure-s lengthens it [default: 50]."),
     storage: str | None = typer.Option(None, help="Study database URL [default: sqlite:///autobalance.db]."),
     study_name: str | None = typer.Option(None, "--study-name", help="[default: derived from the script path]."),
     trial_timeout: float | None = typer.Option(None, "--trial-timeout", help="Seconds per trial, start-up included [default: 300]."),
@@ -80,7 +82,7 @@ def tune(
         flags: dict[str, Any] = {
             "script": script, "script_args": list(ctx.args) or None, "trials": trials,
             "nproc_per_node": nproc_per_node, "device": device, "global_batch": global_batch, "steps": steps,
-            "warmup": warmup, "storage": storage, "study_name": study_name, "trial_timeout": trial_timeout,
+            "warmup": warmup, "measure_s": measure_s, "max_steps": max_steps, "storage": storage, "study_name": study_name, "trial_timeout": trial_timeout,
             "memory_cap_gib": _parse_caps(memory_cap_gib), "headroom": headroom, "cap_mode": cap_mode, "weight_spread": weight_spread,
             "weight_time": weight_time, "multi_objective": multi_objective, "max_spread_gib": max_spread_gib, "strategy": strategy,
             "sampler": sampler, "seed": seed, "dtypes": _parse_list("--dtypes", dtypes),

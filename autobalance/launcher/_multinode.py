@@ -253,7 +253,8 @@ class Coordinator:
             "trial_id": launch.trial_id, "trial_dir": launch.trial_dir if rel.startswith("..") else rel,
             "nodes": [w["wid"] for w in nodes], "nnodes": launch.nnodes, "nproc_per_node": launch.nproc_per_node,
             "device": launch.device, "config_json": launch.config_json, "global_batch": launch.global_batch,
-            "steps": launch.steps, "warmup": launch.warmup, "memory_cap_bytes": launch.memory_cap_bytes,
+            "steps": launch.steps, "warmup": launch.warmup, "measure_s": launch.measure_s,
+            "max_steps": launch.max_steps, "memory_cap_bytes": launch.memory_cap_bytes,
             "timeout_s": launch.timeout_s, "pg_timeout_s": launch.pg_timeout_s,
             "script_sha256": self.script_sha, "script_args": self.script_args,
         }
@@ -432,7 +433,8 @@ def _serve(request: dict[str, Any], *, hub: str, wid: str, host: str, info: dict
         nnodes=int(info["nnodes"]), node_rank=node_rank, rdzv_endpoint=endpoint, rdzv_id=str(request["rdzv_id"]),
         torchrun_args=torchrun_args, device=str(request.get("device", "cpu")), config_json=request.get("config_json"),
         global_batch=request.get("global_batch"), steps=int(request.get("steps", 3)),
-        warmup=int(request.get("warmup", 1)), memory_cap_bytes=[int(c) for c in caps] if caps else None,
+        warmup=int(request.get("warmup", 1)), measure_s=float(request.get("measure_s", 0.0)),
+        max_steps=int(request.get("max_steps", 50)), memory_cap_bytes=[int(c) for c in caps] if caps else None,
         trial_dir=trial_dir, log_dir=os.path.join(trial_dir, f"node-{wid}"),
         # the coordinator's cancel ends the trial; this limit only backs it up
         timeout_s=float(request.get("timeout_s", 300)) + 60, pg_timeout_s=int(request.get("pg_timeout_s", 60)),

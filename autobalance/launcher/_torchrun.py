@@ -57,6 +57,10 @@ class TrialLaunch:
     """Measured optimizer steps."""
     warmup: int = 1
     """Warm-up optimizer steps (not timed)."""
+    measure_s: float = 0.0
+    """Measure for about this long (more than ``steps`` measured steps, at most ``max_steps``); 0: exactly ``steps``."""
+    max_steps: int = 50
+    """Upper bound on measured steps when ``measure_s`` is set."""
     memory_cap_bytes: list[int] | None = None
     """Per-rank memory cap (one entry = all ranks)."""
     trial_dir: str
@@ -123,10 +127,14 @@ def trial_environment(launch: TrialLaunch) -> dict[str, str]:
         _env.TRIAL_ID: launch.trial_id,
         _env.STEPS: str(launch.steps),
         _env.WARMUP: str(launch.warmup),
+        _env.MAX_STEPS: str(launch.max_steps),
         _env.DEVICE: launch.device,
         _env.PG_TIMEOUT_S: str(launch.pg_timeout_s),
         "PYTHONUNBUFFERED": "1",
     })
+    env.pop(_env.MEASURE_S, None)
+    if launch.measure_s > 0:
+        env[_env.MEASURE_S] = f"{launch.measure_s:.6g}"
     if launch.config_json is not None:
         env[_env.CONFIG] = launch.config_json
     if launch.global_batch is not None:

@@ -37,7 +37,7 @@ from autobalance.launcher._torchrun import (
 __all__ = ["WarmPool", "cold_reason"]
 
 _FAILURE_GRACE_S = 10.0
-_PER_TRIAL_KEYS = (_env.TRIAL_DIR, _env.CONFIG, _env.GLOBAL_BATCH, "PYTHONUNBUFFERED")
+_PER_TRIAL_KEYS = (_env.TRIAL_DIR, _env.CONFIG, _env.GLOBAL_BATCH, _env.MEASURE_S, "PYTHONUNBUFFERED")
 _FORKING = re.compile(r"\b(mp\.spawn|multiprocessing\.spawn|os\.fork|torch\.multiprocessing\.spawn)\b")
 
 
@@ -86,7 +86,8 @@ class WarmPool:
             script="-m", script_args=["autobalance.runtime._worker", t.script, *t.script_args],
             nproc_per_node=t.nproc_per_node, nnodes=t.nnodes, node_rank=t.node_rank,
             rdzv_endpoint=t.rdzv_endpoint, torchrun_args=t.torchrun_args, device=t.device, steps=t.steps,
-            warmup=t.warmup, memory_cap_bytes=t.memory_cap_bytes, trial_dir=self._dir, timeout_s=t.timeout_s,
+            warmup=t.warmup, max_steps=t.max_steps, memory_cap_bytes=t.memory_cap_bytes, trial_dir=self._dir,
+            timeout_s=t.timeout_s,
             pg_timeout_s=t.pg_timeout_s, env=dict(t.env), trial_id=self.pool_id, cpus=t.cpus,
         )
         env = trial_environment(launch)

@@ -6,6 +6,7 @@ import atexit
 import contextlib
 import datetime
 import json
+import math
 import os
 import socket
 import statistics
@@ -79,6 +80,19 @@ def _int_env(name: str, default: int) -> int:
         return int(raw)
     except ValueError:
         raise UsageError(f"{name}={raw!r} is not an integer; set it to a whole number.") from None
+
+
+def _float_env(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise UsageError(f"{name}={raw!r} is not a number; set it to seconds, e.g. 1.5.") from None
+    if not math.isfinite(value) or value < 0:
+        raise UsageError(f"{name}={raw!r} must be a finite number >= 0; set it to seconds, e.g. 1.5.")
+    return value
 
 
 def _cap_for_rank(raw: str | None, rank: int) -> int | None:
@@ -184,6 +198,10 @@ class Plan:
         self.trial_id = os.environ.get(_env.TRIAL_ID, "")
         self.warmup_steps = _int_env(_env.WARMUP, 1)
         self.measured_steps = _int_env(_env.STEPS, 3)
+        self.measure_s = _float_env(_env.MEASURE_S, 0.0)
+        self.max_steps = max(self.measured_steps, _int_env(_env.MAX_STEPS, 50))
+        self._target_steps = self.measured_steps
+        """Measured steps of this trial: ``measured_steps``, or more once ``measure_s`` sets it."""
         self.measuring = self.trial_dir is not None
         self.scaler: Any = None
         if config.dtype == "fp16":
@@ -337,7 +355,7 @@ class Plan:
             yield items
             if self.verify is not None and self._steps_done >= 1:
                 self._finish_trial()  # a verification run: one optimizer step, saved
-            if self.in_trial and self._steps_done >= self._compile_steps + self.warmup_steps + self.measured_steps:
+            if self.in_trial and self._steps_done >= self._compile_steps + self.warmup_steps + self._target_steps:
                 self._finish_trial()
 
     @contextlib.contextmanager
@@ -474,6 +492,7 @@ class Plan:
             "warmup_steps": self.warmup_steps,
             "step_times_s": measured,
             "step_time_s": step_time,
+            "measured_steps": len(measured),
             "samples_per_s": (self.config.global_batch / step_time) if step_time else None,
             "memory": {
                 "peak_allocated": mem.peak_allocated,
@@ -487,6 +506,8 @@ class Plan:
             "timing": {
                 "startup_s": (self._first_step_at - self._started_at) if self._first_step_at else None,
                 "compile_s": self.compile_state.compile_s if self.compile_state is not None else None,
+                "steps_s": sum(self._step_times),
+                "measure_s": self.measure_s,
                 "wall_s": time.time() - self._started_at,
             },
             "compile": (self.compile_state.to_dict(device_type=self.device.type) if self.compile_state is not None
@@ -552,9 +573,24 @@ class Plan:
                     self._step_times.append(now - self._step_start)
             else:
                 self._step_times.append(now - self._step_start)
+                if len(self._step_times) == self.warmup_steps + 1 and self.measure_s > 0 and self.verify is None:
+                    self._set_target_steps(self._step_times[-1])
+                    now = time.perf_counter()  # the agreement is not part of the next step
         self._step_start = now
         if self.trial_dir is not None and self.rank == 0:
             self._write_progress()
+
+    def _set_target_steps(self, first_measured_s: float) -> None:
+        """Measure for about ``measure_s``: every rank takes the slowest rank's first measured step
+        (one tiny all-reduce, at the same point on every rank), so all stop after the same step."""
+        slowest = first_measured_s
+        if self.in_trial and dist.is_available() and dist.is_initialized():
+            on = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+            t = torch.tensor([first_measured_s], dtype=torch.float64, device=on)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            slowest = float(t.item())
+        wanted = math.ceil(self.measure_s / max(slowest, 1e-6))
+        self._target_steps = max(self.measured_steps, min(self.max_steps, wanted))
 
     def _write_progress(self) -> None:
         """Step times so far, for the tuner's pruner (rank 0 only; the ranks step in lockstep)."""
@@ -606,6 +642,10 @@ class Plan:
             os._exit(_env.OOM_EXIT_CODE if status == "oom" else _env.ERROR_EXIT_CODE)
 
     def _on_exit(self) -> None:
+        if self.trial_dir is not None and not self._report_written and self._target_steps > self.measured_steps \
+                and len(self._step_times) >= self.warmup_steps + self.measured_steps:
+            self._write("ok")  # the data ran out before the longer measurement, after the minimum: enough
+            return
         if self.trial_dir is not None and not self._report_written:
             self._write(
                 "error",

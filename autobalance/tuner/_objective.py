@@ -33,6 +33,10 @@ class TrialFigures:
     samples_per_s: float | None
     startup_s: float | None
     """Start of the rank to its first step (torchrun + import + init + model build)."""
+    steps_s: float | None = None
+    """Slowest rank's time in warm-up and measured steps (compilation excluded)."""
+    measured_steps: int | None = None
+    """Measured steps (more than ``--steps`` when ``--measure-s`` lengthened the measurement)."""
     compile: dict[str, Any] = field(default_factory=dict)
     """Compiled trials: ``compile_s`` (slowest rank's first step), ``activation_budget_used`` (per
     rank, as reported) and ``compile_cache`` (Inductor cache hits/misses over the ranks)."""
@@ -101,6 +105,8 @@ class TrialFigures:
             "step_time_ms": None if self.step_time_s is None else round(1000 * self.step_time_s, 3),
             "samples_per_s": None if self.samples_per_s is None else round(self.samples_per_s, 2),
             "startup_s": None if self.startup_s is None else round(self.startup_s, 2),
+            **({} if self.steps_s is None else {"steps_s": round(self.steps_s, 4)}),
+            **({} if self.measured_steps is None else {"measured_steps": self.measured_steps}),
             "memory_constraint": round(self.memory_constraint(headroom), 5),
             **self.compile,
             **per_rank,
@@ -117,6 +123,8 @@ def figures_from_outcome(
     capacity: list[float] = []
     steps: list[float] = []
     startup: list[float] = []
+    steps_s: list[float] = []
+    counts: list[int] = []
     for r in range(world_size):
         rep = outcome.reports.get(r)
         mem = rep.get("memory", {}) if rep else {}
@@ -134,6 +142,10 @@ def figures_from_outcome(
             steps.append(float(rep["step_time_s"]))
         if rep is not None and (rep.get("timing") or {}).get("startup_s") is not None:
             startup.append(float(rep["timing"]["startup_s"]))
+        if ok and rep is not None and (rep.get("timing") or {}).get("steps_s") is not None:
+            steps_s.append(float(rep["timing"]["steps_s"]))
+        if ok and rep is not None and rep.get("measured_steps") is not None:
+            counts.append(int(rep["measured_steps"]))
     step = max(steps) if len(steps) == world_size else None
     first = next(iter(outcome.reports.values()), {})
     gb = (first.get("config") or {}).get("global_batch")
@@ -143,5 +155,7 @@ def figures_from_outcome(
         status=outcome.status, peak_device=peak_device, peak_allocated=alloc, peak_reserved=reserved,
         outside_pytorch=outside, capacity=capacity, step_time_s=step,
         samples_per_s=(gb / step) if (gb and step) else None, startup_s=max(startup) if startup else None,
+        steps_s=max(steps_s) if len(steps_s) == world_size else None,
+        measured_steps=min(counts) if len(counts) == world_size else None,
         compile=compile_figures(outcome.reports),
     )

@@ -46,6 +46,13 @@ class TuneSettings:
     """Measured optimizer steps per trial."""
     warmup: int = 1
     """Warm-up optimizer steps per trial (not timed)."""
+    measure_s: float | str = "auto"
+    """Measure each trial for about this many seconds (at least ``steps``, at most ``max_steps``
+    measured steps); 0: exactly ``steps``. ``auto``: on CUDA, 7/3 of the study's per-trial overhead
+    so far (start-up and hand-over outside the steps: the steps then take >= 70 % of a trial), at
+    most 2 s; on CPU, 0."""
+    max_steps: int = 50
+    """Upper bound on measured steps per trial when ``measure_s`` lengthens the measurement."""
     storage: str = "sqlite:///autobalance.db"
     """SQLAlchemy URL of the Optuna study and the saved configurations."""
     study_name: str = ""
@@ -108,6 +115,19 @@ class TuneSettings:
         _positive("--nproc-per-node", self.nproc_per_node)
         _positive("--nnodes", self.nnodes)
         _positive("--steps", self.steps)
+        if isinstance(self.measure_s, str) and self.measure_s != "auto":
+            try:
+                self.measure_s = float(self.measure_s)
+            except ValueError:
+                raise UsageError(f"--measure-s={self.measure_s!r} is not a number of seconds; use e.g. 1.5, 0 (off) "
+                                 "or auto.") from None
+        if not isinstance(self.measure_s, str) and not (0 <= float(self.measure_s) < 3600):
+            raise UsageError(f"--measure-s={self.measure_s!r} must be between 0 and 3600 seconds; use e.g. 1.5, 0 "
+                             "(off) or auto.")
+        _positive("--max-steps", self.max_steps)
+        if self.max_steps < self.steps:
+            raise UsageError(f"--max-steps={self.max_steps} is below --steps={self.steps}; raise it to at least "
+                             f"{self.steps}.")
         if self.warmup < 0:
             raise UsageError(f"--warmup={self.warmup} is negative; use 0 or more.")
         if self.device not in ("cpu", "cuda"):
@@ -215,6 +235,7 @@ def _toml_type_problem(annotation: str, value: Any) -> str | None:
     checks: dict[str, tuple[str, Any]] = {
         "int": ("a whole number", lambda v: isinstance(v, int) and not isinstance(v, bool)),
         "float": ("a number", _is_number),
+        "float | str": ('a number or "auto"', lambda v: _is_number(v) or v == "auto"),
         "str": ("a string", lambda v: isinstance(v, str)),
         "bool": ("true or false", lambda v: isinstance(v, bool)),
         "list[str]": ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
@@ -257,7 +278,7 @@ def load_toml(path: str) -> dict[str, Any]:
         expected = _toml_type_problem(annotations[name], value)
         if expected is not None:
             raise UsageError(f"--config={path!r} has {name} = {value!r}, which is not {expected}; fix that key.")
-        if annotations[name].startswith("float") and not isinstance(value, bool):
+        if annotations[name].startswith("float") and _is_number(value):
             values[name] = float(value)
         elif annotations[name].startswith("list[float]"):
             values[name] = [float(v) for v in value]

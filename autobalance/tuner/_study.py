@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import socket
+import statistics
 import threading
 import time
 import warnings
@@ -196,6 +197,7 @@ class Tuner:
             node_rank=s.node_rank, rdzv_endpoint=s.rdzv_endpoint, torchrun_args=list(s.torchrun_args),
             device=s.device, config_json=None if config is None else config.to_json(),
             global_batch=s.global_batch if config is None else None, steps=s.steps, warmup=s.warmup,
+            measure_s=self._measure_s(study), max_steps=s.max_steps,
             memory_cap_bytes=s.caps_bytes() if s.cap_mode == "enforce" else None, trial_dir=trial_dir, timeout_s=s.trial_timeout,
             pg_timeout_s=int(max(30, min(300, s.trial_timeout / 2))),
             env={**compile_env(s), **self._slot().env}, cpus=list(self._slot().cpus or []) or None,
@@ -229,6 +231,17 @@ class Tuner:
                 beat.join(timeout=5)
             with self._lock:
                 self.trials_run += 1
+
+    def _measure_s(self, study: optuna.Study) -> float:
+        """How long the next trial measures: ``--measure-s``, or with ``auto`` on CUDA 7/3 of the
+        per-trial overhead seen so far (so the steps take >= 70 % of a trial), at most 2 s."""
+        s = self.settings
+        if not isinstance(s.measure_s, str):
+            return float(s.measure_s)
+        if s.device != "cuda":
+            return 0.0
+        overhead = per_trial_overhead_s(study.get_trials(deepcopy=False))
+        return 0.0 if overhead is None else min(AUTO_MEASURE_MAX_S, AUTO_MEASURE_FACTOR * overhead)
 
     def _slot(self) -> Slot:
         """The slot of the calling thread (the first one on the main thread)."""
@@ -511,6 +524,14 @@ class Tuner:
         if predicted:
             result.notes.append(f"{len(predicted)} configuration(s) predicted to run out of memory were recorded without "
                                 "launching.")
+        launched = [t for t in trials if t.user_attrs.get("status") == "ok" and t.user_attrs.get("steps_s") is not None
+                    and t.user_attrs.get("wall_s") and t.user_attrs.get("reused_from") is None]
+        if len(launched) >= 3:
+            walls = sum(float(t.user_attrs["wall_s"]) for t in launched[1:])  # the first one started the workers
+            in_steps = sum(float(t.user_attrs["steps_s"]) for t in launched[1:])
+            result.notes.append(f"Steps took {100 * in_steps / walls:.0f}% of the measured trials' wall time (median "
+                                f"overhead {per_trial_overhead_s(launched[1:], last=len(launched)) or 0:.2f} s per "
+                                "trial: start-up, the script's set-up, hand-over).")
         compiled_skipped = sum((t.user_attrs.get("config") or {}).get("compile", "off") != "off" for t in predicted)
         compile_times = sorted(float(t.user_attrs["compile_s"]) for t in trials if t.user_attrs.get("compile_s"))
         if compiled_skipped and compile_times:
@@ -736,6 +757,26 @@ class Tuner:
                     f"Logs in {outcome.trial_dir}. (Use --on-error continue to skip such trials.)",
                     traceback_text=outcome.traceback, rank=outcome.failing_rank,
                 )
+
+
+AUTO_MEASURE_FACTOR = 7 / 3
+"""``--measure-s auto``: measure 7/3 of the overhead, so the overhead is <= 30 % of a trial."""
+AUTO_MEASURE_MAX_S = 2.0
+"""``--measure-s auto`` never measures longer than this (cold trials' overhead is seconds)."""
+
+
+def per_trial_overhead_s(trials: list[FrozenTrial], *, last: int = 5) -> float | None:
+    """Median, over the last ``last`` launched ok trials, of the trial's wall time outside its
+    warm-up and measured steps and its compilation (start-up, set-up, hand-over); None before any."""
+    overheads = []
+    for t in trials:
+        a = t.user_attrs
+        if (t.state != TrialState.COMPLETE or a.get("status") != "ok" or a.get("reused_from") is not None
+                or a.get("wall_s") is None or a.get("steps_s") is None):
+            continue
+        overheads.append(max(0.0, float(a["wall_s"]) - float(a["steps_s"]) - float(a.get("compile_s") or 0.0)))
+    recent = overheads[-last:]
+    return statistics.median(recent) if recent else None
 
 
 class _Stopped(KeyboardInterrupt):
