@@ -168,12 +168,6 @@ class Tuner:
                 f"--study-name={s.study_name!r} exists with another search space/objective (differs in: {', '.join(diff)}); "
                 "run with the original settings to continue it, or pass a new --study-name."
             )
-        if s.nnodes == 1:
-            study.set_user_attr(ATTR_LAUNCH, {
-                "script": os.path.abspath(s.script), "script_args": list(s.script_args),
-                "nproc_per_node": s.nproc_per_node, "device": s.device, "torchrun_args": list(s.torchrun_args),
-                "runs_dir": os.path.abspath(s.runs_dir), "trial_timeout": s.trial_timeout, "cold": s.cold,
-                "compile_env": compile_env(s)})
         fail_stale_trials(study, self.storage)
         self._measured = {
             json.dumps(t.user_attrs["config"], sort_keys=True): t
@@ -231,6 +225,16 @@ class Tuner:
                 beat.join(timeout=5)
             with self._lock:
                 self.trials_run += 1
+
+    def _record_launch(self, study: optuna.Study) -> None:
+        """How this run starts the script (once it is accepted): what ``promote`` verifies with."""
+        s = self.settings
+        if s.nnodes == 1:
+            study.set_user_attr(ATTR_LAUNCH, {
+                "script": os.path.abspath(s.script), "script_args": list(s.script_args),
+                "nproc_per_node": s.nproc_per_node, "device": s.device, "torchrun_args": list(s.torchrun_args),
+                "runs_dir": os.path.abspath(s.runs_dir), "trial_timeout": s.trial_timeout, "cold": s.cold,
+                "compile_env": compile_env(s)})
 
     def _measure_s(self, study: optuna.Study) -> float:
         """How long the next trial measures: ``--measure-s``, or with ``auto`` on CUDA 7/3 of the
@@ -450,6 +454,7 @@ class Tuner:
         try:
             if space is None or ATTR_BASELINE not in study.user_attrs:
                 space = self._baseline_once(study)
+            self._record_launch(study)
             if self.advisor is None and s.strategy == "model":
                 self.advisor = _make_advisor(space=space, settings=s)
             slots = self._plan_slots()
