@@ -1,0 +1,69 @@
+"""The smart search's step-time model: fixed costs per step and per micro-step, per-sample cost per
+dtype, recomputation cost; fitted from trials (fast)."""
+
+from __future__ import annotations
+
+import itertools
+
+import optuna
+import pytest
+
+from autobalance import BalanceConfig
+from autobalance.tuner._advisor import RECOMPUTE_PRIOR, StepTimeModel
+
+LAYERS = 8
+
+
+def truth(cfg: BalanceConfig) -> float:
+    """a = 4 ms per step, b = 20 ms per micro-step, k = 1.5 (bf16) / 3 (fp32) ms per sample, g = 12 ms
+    to recompute all blocks."""
+    k = {"bf16": 1.5, "fp32": 3.0}[cfg.dtype]
+    micro = max(20 + k * m + 12 * len(c) / LAYERS for m, c in zip(cfg.micro_batches, cfg.checkpoint, strict=True))
+    return 4 + cfg.accumulation * micro
+
+
+def trial(cfg: BalanceConfig, ms: float) -> optuna.trial.FrozenTrial:
+    return optuna.trial.create_trial(state=optuna.trial.TrialState.COMPLETE, value=1.0,
+                                     user_attrs={"status": "ok", "config": cfg.to_dict(), "step_time_ms": ms})
+
+
+def configs(dtypes: tuple[str, ...], *, ckpt: bool = True) -> list[BalanceConfig]:
+    out = []
+    for dtype, acc, m0, c0 in itertools.product(dtypes, (1, 2), (3, 6), (0, 4) if ckpt else (0,)):
+        total = 16 // acc
+        out.append(BalanceConfig(micro_batches=[m0, total - m0], accumulation=acc, global_batch=16, dtype=dtype,
+                                 checkpoint=[list(range(c0)), []]))
+    return out
+
+
+def test_recovers_fixed_per_sample_and_recompute_costs():
+    seen = configs(("bf16", "fp32"))
+    model = StepTimeModel.fit([trial(c, truth(c)) for c in seen], num_layers=LAYERS, device="cuda")
+    assert model.a == pytest.approx(4, abs=0.05) and model.b == pytest.approx(20, rel=1e-3)
+    assert model.k == pytest.approx({"bf16": 1.5, "fp32": 3.0}, rel=1e-3)
+    assert model.g == pytest.approx(12, rel=1e-3)
+    unseen = BalanceConfig(micro_batches=[5, 11], global_batch=16, dtype="bf16", checkpoint=[[0, 1], [0]])
+    assert model.predict(unseen) == pytest.approx(truth(unseen), rel=1e-3)
+    # the solver's proxy: recomputing all blocks = g / (k * typical micro-batch) of a micro-step's compute
+    assert model.rho == pytest.approx(12 / (1.5 * model.typical_micro_batch), rel=1e-3)
+
+
+def test_few_trials_fall_back_to_the_proportional_form_and_unseen_dtypes_use_the_prior():
+    few = configs(("bf16",))[:3]
+    model = StepTimeModel.fit([trial(c, truth(c)) for c in few], num_layers=LAYERS, device="cuda")
+    assert model.a == model.b == 0.0 and model.k["bf16"] > 0
+    fp16 = BalanceConfig(micro_batches=[8, 8], global_batch=16, dtype="fp16")
+    bf16 = BalanceConfig(micro_batches=[8, 8], global_batch=16, dtype="bf16")
+    assert model.predict(fp16) == pytest.approx(model.predict(bf16))  # same speed prior on CUDA
+    fp32 = BalanceConfig(micro_batches=[8, 8], global_batch=16, dtype="fp32")
+    assert model.predict(fp32) == pytest.approx(model.predict(bf16) / 0.55)
+    assert StepTimeModel.fit([], num_layers=LAYERS, device="cuda").predict(bf16) is None
+
+
+def test_without_checkpointing_data_the_recompute_cost_is_the_prior():
+    extra = BalanceConfig(micro_batches=[2, 6], accumulation=2, global_batch=16, dtype="bf16")
+    seen = [*configs(("bf16",), ckpt=False), extra]
+    model = StepTimeModel.fit([trial(c, truth(c)) for c in seen], num_layers=LAYERS, device="cuda")
+    assert model.g == pytest.approx(RECOMPUTE_PRIOR * (model.b + model.k["bf16"] * model.typical_micro_batch))
+    cfg = BalanceConfig(micro_batches=[7, 9], global_batch=16, dtype="bf16")
+    assert model.predict(cfg) == pytest.approx(truth(cfg), rel=0.02)
