@@ -51,10 +51,19 @@ def test_measure_s_lengthens_cold_and_warm_trials_up_to_the_bounds(tmp_path):
         assert _counts(pool.run(_launch(tmp_path, "w-long", measure_s=600.0, max_steps=4))) == [4, 4]
         assert _counts(pool.run(_launch(tmp_path, "w-off", max_steps=4))) == [2, 2]
         assert pool.starts == 1
+        first_id = pool.pool_id
+    finally:
+        pool.close()
+    # warm, the data running out after the minimum: measured, and the pool goes on
+    pool = WarmPool(template=_launch(tmp_path, "pool2-template"), pool_dir=str(tmp_path / "pool2"))
+    try:
+        assert _counts(pool.run(_launch(tmp_path, "w-ran-out", measure_s=600.0))) == [7, 7]
+        assert _counts(pool.run(_launch(tmp_path, "w-after"))) == [2, 2]
+        assert pool.starts == 1
         pool_id = pool.pool_id
     finally:
         pool.close()
-    assert trial_processes(pool_id) == []
+    assert trial_processes(first_id) == [] and trial_processes(pool_id) == []
 
 
 def test_auto_measure_targets_the_overhead_of_recent_trials():

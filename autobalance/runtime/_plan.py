@@ -641,11 +641,13 @@ class Plan:
             sys.stdout.flush()
             os._exit(_env.OOM_EXIT_CODE if status == "oom" else _env.ERROR_EXIT_CODE)
 
-    def _on_exit(self) -> None:
+    def _on_exit(self) -> str | None:
+        """The script ended before the trial's steps were done: report it. Returns the status written
+        (``ok`` when the data ran out during a longer ``measure_s`` measurement, after the minimum)."""
         if self.trial_dir is not None and not self._report_written and self._target_steps > self.measured_steps \
                 and len(self._step_times) >= self.warmup_steps + self.measured_steps:
-            self._write("ok")  # the data ran out before the longer measurement, after the minimum: enough
-            return
+            self._write("ok")
+            return "ok"
         if self.trial_dir is not None and not self._report_written:
             self._write(
                 "error",
@@ -655,6 +657,8 @@ class Plan:
                     "or lower --steps"
                 ),
             )
+            return "error"
+        return None
 
 
 def _report_not_written(rank: int, trial_dir: str, status: str, exc: BaseException) -> None:

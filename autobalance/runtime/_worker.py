@@ -157,10 +157,9 @@ def main(argv: list[str]) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
-        if outcome == "exit":
-            # the script ended without finishing the trial's steps: report it, then leave the pool
-            if plan is not None:
-                plan._on_exit()
+        # the script ended without finishing the trial's steps: report it; unless that still made a
+        # measurement (its data ran out during a longer --measure-s one), leave the pool
+        if outcome == "exit" and (plan is None or plan._on_exit() != "ok"):
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(_env.ERROR_EXIT_CODE)
