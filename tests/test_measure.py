@@ -80,3 +80,7 @@ def test_auto_measure_targets_the_overhead_of_recent_trials():
     # only the recent trials: a cold start long ago does not inflate it
     trials = [trial(15.0, 0.5)] + [trial(0.7, 0.5)] * 5
     assert per_trial_overhead_s(trials) == pytest.approx(0.2)
+    # a warm pool (re)started for a trial: its start is not per-trial overhead
+    restarted = trial(14.7, 0.5)
+    restarted.user_attrs["pool_start_s"] = 14.0
+    assert per_trial_overhead_s([restarted]) == pytest.approx(0.2)

@@ -48,6 +48,8 @@ class TrialOutcome:
     """Processes that had to be SIGKILLed after torchrun ended (for diagnostics)."""
     trial_dir: str = ""
     """Where reports and logs of this trial live."""
+    pool_start_s: float = 0.0
+    """Of ``wall_s``: waiting for a warm pool that was (re)started for this trial to come up."""
 
     @property
     def feasible_measurement(self) -> bool:

@@ -194,6 +194,7 @@ class WarmPool:
                            returncode=None if timed_out else returncode, timed_out=timed_out,
                            interrupted=interrupted, wall_s=time.monotonic() - start, timeout_s=launch.timeout_s,
                            pruned=pruned)
+        outcome.pool_start_s = max(0.0, (ready_at if ready_at is not None else time.monotonic()) - start)
         return outcome
 
     def _ready(self) -> bool:

@@ -345,6 +345,8 @@ class Tuner:
             attrs["error_tail"] = outcome.traceback[-1500:]
         if outcome.failing_rank is not None:
             attrs["failing_rank"] = outcome.failing_rank
+        if outcome.pool_start_s > 0.05:
+            attrs["pool_start_s"] = round(outcome.pool_start_s, 3)
         try:  # per-rank memory chart as a trial artifact; Optuna accepts artifacts only before tell
             from autobalance.report import artifact_dir_for, upload_trial_chart
 
@@ -531,12 +533,15 @@ class Tuner:
                                 "launching.")
         launched = [t for t in trials if t.user_attrs.get("status") == "ok" and t.user_attrs.get("steps_s") is not None
                     and t.user_attrs.get("wall_s") and t.user_attrs.get("reused_from") is None]
-        if len(launched) >= 3:
-            walls = sum(float(t.user_attrs["wall_s"]) for t in launched[1:])  # the first one started the workers
-            in_steps = sum(float(t.user_attrs["steps_s"]) for t in launched[1:])
-            result.notes.append(f"Steps took {100 * in_steps / walls:.0f}% of the measured trials' wall time (median "
-                                f"overhead {per_trial_overhead_s(launched[1:], last=len(launched)) or 0:.2f} s per "
-                                "trial: start-up, the script's set-up, hand-over).")
+        if len(launched) >= 2:
+            # a warm pool's own start is paid once per (re)start, not per trial: reported apart
+            starts = sum(float(t.user_attrs.get("pool_start_s") or 0.0) for t in launched)
+            walls = sum(float(t.user_attrs["wall_s"]) for t in launched) - starts
+            in_steps = sum(float(t.user_attrs["steps_s"]) for t in launched)
+            result.notes.append(
+                f"Steps took {100 * in_steps / max(walls, 1e-9):.0f}% of the measured trials' wall time (median "
+                f"overhead {per_trial_overhead_s(launched, last=len(launched)) or 0:.2f} s per trial: the script's "
+                "set-up, hand-over" + (f"; plus {starts:.1f} s starting warm workers)." if starts else ")."))
         compiled_skipped = sum((t.user_attrs.get("config") or {}).get("compile", "off") != "off" for t in predicted)
         compile_times = sorted(float(t.user_attrs["compile_s"]) for t in trials if t.user_attrs.get("compile_s"))
         if compiled_skipped and compile_times:
@@ -772,14 +777,16 @@ AUTO_MEASURE_MAX_S = 2.0
 
 def per_trial_overhead_s(trials: list[FrozenTrial], *, last: int = 5) -> float | None:
     """Median, over the last ``last`` launched ok trials, of the trial's wall time outside its
-    warm-up and measured steps and its compilation (start-up, set-up, hand-over); None before any."""
+    warm-up and measured steps, its compilation and the start of a warm pool (what remains: a cold
+    trial's start-up, the script's set-up, the hand-over); None before any."""
     overheads = []
     for t in trials:
         a = t.user_attrs
         if (t.state != TrialState.COMPLETE or a.get("status") != "ok" or a.get("reused_from") is not None
                 or a.get("wall_s") is None or a.get("steps_s") is None):
             continue
-        overheads.append(max(0.0, float(a["wall_s"]) - float(a["steps_s"]) - float(a.get("compile_s") or 0.0)))
+        overheads.append(max(0.0, float(a["wall_s"]) - float(a["steps_s"]) - float(a.get("compile_s") or 0.0)
+                             - float(a.get("pool_start_s") or 0.0)))
     recent = overheads[-last:]
     return statistics.median(recent) if recent else None
 
