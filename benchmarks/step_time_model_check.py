@@ -3,6 +3,8 @@ on the H200 grid of the GPT scenario (``2026-11-30-h200x2/smart_search_grid.json
 configurations, bf16/fp16): fit on N random configurations, predict the others; 50 draws per N.
 
     python benchmarks/step_time_model_check.py [--sizes 4,6,10,20,143] [--out FILE]
+
+Runs unchanged in a checkout of an older commit (copy it there) to compare models.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import optuna
 
+from autobalance import BalanceConfig
 from autobalance.tuner._advisor import StepTimeModel
 
 GRID = os.path.join(os.path.dirname(os.path.abspath(__file__)), "2026-11-30-h200x2", "smart_search_grid.json")
@@ -42,13 +45,17 @@ def main() -> None:
             model = StepTimeModel.fit([trials[i] for i in chosen], num_layers=16, device="cuda")
             held = [i for i in range(len(rows)) if i not in chosen] or list(chosen)  # all: in-sample
             for i in held:
-                predicted = model.predict(rows[i]["config"])
+                predicted = model.predict(BalanceConfig.from_dict(rows[i]["config"]))
                 assert predicted is not None
                 errors.append(abs(predicted / rows[i]["step_ms"] - 1))
         row = {"fitted_on": n, "median_rel_error": round(statistics.median(errors), 4),
                "p90_rel_error": round(sorted(errors)[int(0.9 * len(errors))], 4)}
         results.append(row)
         print(json.dumps(row), flush=True)
+    best = min((r for r in rows if r["feasible"] and r["spread_gib"] <= 0.5), key=lambda r: r["step_ms"])
+    fitted = StepTimeModel.fit(trials, num_layers=16, device="cuda")
+    print(json.dumps({"grid_best": best["config"], "measured_ms": round(best["step_ms"], 2),
+                      "predicted_ms_fitted_on_all": round(fitted.predict(BalanceConfig.from_dict(best["config"])), 2)}))
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"benchmark": "step_time_model_check", "grid": os.path.relpath(GRID), "results": results}, fh,

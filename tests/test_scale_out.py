@@ -131,28 +131,35 @@ def test_the_coordinator_refuses_mismatched_workers_and_says_how_to_start_them(
     assert json.loads((Path(coordinator.hub) / "stop").read_text())["session"] == coordinator.session
 
 
-@pytest.mark.slow
-def test_two_nodes_on_loopback_every_rank_of_every_node_reports(tmp_path: Path) -> None:
-    """A 3-trial study whose trials are 2 nodes x 2 ranks: the tuner on "node 0", ``autobalance
-    worker`` as "node 1", both on this machine, joined by a c10d rendezvous on 127.0.0.1."""
+def _two_node_study(tmp_path: Path, *, trials: int, trial_timeout: int,
+                    env: dict[str, str]) -> tuple[subprocess.CompletedProcess[str], subprocess.Popen[str], str]:
+    """``tune`` as "node 0" and ``autobalance worker`` as "node 1" on this machine, joined by a c10d
+    rendezvous on 127.0.0.1: the finished tune, the worker (ended) and the worker's stderr."""
     runs = tmp_path / "runs"
     endpoint = f"127.0.0.1:{_free_port()}"
     (tmp_path / "node1").mkdir()
     worker = subprocess.Popen(
         [sys.executable, "-m", "autobalance", "worker", FAULTY, "--rdzv-endpoint", endpoint, "--nnodes", "2",
          "--nproc-per-node", "2", "--runs-dir", str(runs)],
-        cwd=tmp_path / "node1", env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd=tmp_path / "node1", env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         tune = subprocess.run(
-            [sys.executable, "-m", "autobalance", "tune", FAULTY, "--trials", "3", "--nproc-per-node", "2",
-             "--nnodes", "2", "--rdzv-endpoint", endpoint, "--runs-dir", str(runs), "--trial-timeout", "240",
-             "--storage", f"sqlite:///{tmp_path / 'a.db'}", *COMMON],
-            cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=900)
+            [sys.executable, "-m", "autobalance", "tune", FAULTY, "--trials", str(trials), "--nproc-per-node", "2",
+             "--nnodes", "2", "--rdzv-endpoint", endpoint, "--runs-dir", str(runs), "--trial-timeout",
+             str(trial_timeout), "--storage", f"sqlite:///{tmp_path / 'a.db'}", *COMMON],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
         _out, err = worker.communicate(timeout=60)  # the coordinator's stop ends the worker
     finally:
         if worker.poll() is None:
             worker.kill()
             worker.wait()
+    return tune, worker, err
+
+
+@pytest.mark.slow
+def test_two_nodes_on_loopback_every_rank_of_every_node_reports(tmp_path: Path) -> None:
+    """A 3-trial study whose trials are 2 nodes x 2 ranks."""
+    tune, worker, err = _two_node_study(tmp_path, trials=3, trial_timeout=240, env=_env(tmp_path))
     assert tune.returncode == 0, tune.stderr[-4000:]
     assert worker.returncode == 0, err[-4000:]
     assert "the study is over" in err
@@ -222,25 +229,8 @@ def test_two_trials_at_once_on_disjoint_cores(tmp_path: Path, mode: str) -> None
 def test_a_hanging_multi_node_trial_is_killed_on_every_node(tmp_path: Path) -> None:
     """Trial 1 hangs on all 4 ranks: the coordinator's timeout kills its node's part and cancels
     the trial; the worker sees the cancel and kills its own; the study goes on."""
-    runs = tmp_path / "runs"
-    endpoint = f"127.0.0.1:{_free_port()}"
     env = {**_env(tmp_path), "AB_FAULT": "hang_all", "AB_FAULT_ON_LAUNCH": "2", "AB_FAULT_ONCE": "1"}
-    (tmp_path / "node1").mkdir()
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "autobalance", "worker", FAULTY, "--rdzv-endpoint", endpoint, "--nnodes", "2",
-         "--nproc-per-node", "2", "--runs-dir", str(runs)],
-        cwd=tmp_path / "node1", env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        tune = subprocess.run(
-            [sys.executable, "-m", "autobalance", "tune", FAULTY, "--trials", "2", "--nproc-per-node", "2",
-             "--nnodes", "2", "--rdzv-endpoint", endpoint, "--runs-dir", str(runs), "--trial-timeout", "60",
-             "--storage", f"sqlite:///{tmp_path / 'a.db'}", *COMMON],
-            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-        _out, err = worker.communicate(timeout=60)
-    finally:
-        if worker.poll() is None:
-            worker.kill()
-            worker.wait()
+    tune, worker, err = _two_node_study(tmp_path, trials=2, trial_timeout=60, env=env)
     assert tune.returncode == 0, tune.stderr[-4000:]
     assert worker.returncode == 0, err[-4000:]
     trials = load(tmp_path / "a.db").get_trials()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import optuna
 import pytest
 
@@ -39,6 +41,11 @@ def test_tune_gpt_records_trials_with_per_rank_attributes(tmp_path):
     assert '"micro_batches"' in best.stdout
     listing = cli(["trials", "--study-name", "s", "--storage", f"sqlite:///{db}"], cwd=tmp_path)
     assert listing.returncode == 0 and "baseline" in listing.stdout
+    rows = json.loads(cli(["trials", "--study-name", "s", "--storage", f"sqlite:///{db}", "--json"],
+                          cwd=tmp_path).stdout)
+    # on CPU --measure-s auto is off: exactly --steps (3) measured steps, timed inside each trial's wall time
+    assert [r["measured_steps"] for r in rows] == [3, 3, 3]
+    assert all(0 < r["steps_s"] < r["wall_s"] for r in rows)
     studies = cli(["studies", "--storage", f"sqlite:///{db}"], cwd=tmp_path)
     assert studies.returncode == 0 and "s" in studies.stdout
 

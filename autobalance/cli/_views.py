@@ -49,6 +49,7 @@ def trial_rows(study: Any) -> list[dict[str, Any]]:
             "number": t.number, "state": t.state.name, "status": a.get("status"), "baseline": a.get("baseline", False),
             "feasible": a.get("feasible"), "config": a.get("config"), "peak_device_gib": a.get("peak_device_gib"),
             "spread_gib": a.get("spread_gib"), "step_time_ms": a.get("step_time_ms"),
+            "measured_steps": a.get("measured_steps"), "steps_s": a.get("steps_s"), "wall_s": a.get("wall_s"),
             "values": t.values, "reason": a.get("reason"),
         })
     return rows
