@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from autobalance._config import DTYPES, BalanceConfig, split_evenly
+from autobalance._config import DTYPES, BalanceConfig, micro_step_sizes, split_evenly
 from autobalance._errors import (
     AutobalanceError,
     ConfigError,
@@ -41,6 +41,7 @@ __all__ = [
     "TrialScriptError",
     "UsageError",
     "VerificationError",
+    "micro_step_sizes",
     "plan",
     "split_evenly",
 ]

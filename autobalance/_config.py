@@ -9,7 +9,7 @@ from typing import Any
 
 from autobalance._errors import ConfigError
 
-__all__ = ["COMPILE_MODES", "DTYPES", "BalanceConfig", "split_evenly"]
+__all__ = ["COMPILE_MODES", "DTYPES", "BalanceConfig", "micro_step_sizes", "split_at_least", "split_evenly"]
 
 DTYPES = ("fp32", "bf16", "fp16")
 COMPILE_MODES = ("off", "default", "max-autotune-no-cudagraphs")
@@ -19,14 +19,28 @@ out: they keep their own memory pools and do not compose with DDP's buckets."""
 
 @dataclass(kw_only=True)
 class BalanceConfig:
-    """How each rank of a data-parallel job trains; the unit the tuner searches over."""
+    """How each rank of a data-parallel job trains; the unit the tuner searches over.
 
-    micro_batches: list[int]
-    """Micro-batch size of each rank (index = global rank); ranks may differ."""
+    Two forms. Equal micro-batches: rank ``r`` runs ``accumulation`` micro-steps of
+    ``micro_batches[r]`` samples. Any split (``rank_samples`` set): rank ``r`` takes
+    ``rank_samples[r]`` samples per optimizer step in ``accumulation`` micro-steps whose sizes differ
+    by at most one, larger first (32 samples in 6 steps: 6,6,5,5,5,5); ``micro_batches[r]`` is then
+    its largest micro-batch. Every rank runs the same number of micro-steps either way, so ``no_sync``
+    and the one all-reduce per optimizer step are unchanged. A split that is equal is stored in the
+    equal form (``rank_samples`` left out), so configurations from before any split load unchanged.
+    """
+
+    micro_batches: list[int] = field(default_factory=list)
+    """Micro-batch size of each rank (index = global rank); ranks may differ. With ``rank_samples``
+    set: each rank's largest micro-batch (derived from ``rank_samples`` when left empty)."""
     accumulation: int = 1
-    """Micro-steps per optimizer step; all but the last run under ``no_sync``."""
+    """Micro-steps per optimizer step, the same on every rank; all but the last run under ``no_sync``."""
     global_batch: int
-    """Samples per optimizer step over all ranks: ``sum(micro_batches) * accumulation``."""
+    """Samples per optimizer step over all ranks: ``sum(micro_batches) * accumulation``, or
+    ``sum(rank_samples)`` with any split."""
+    rank_samples: list[int] | None = None
+    """Per rank, the samples it takes per optimizer step, split over the ``accumulation`` micro-steps
+    as evenly as possible (at least one sample each); None: ``micro_batches[r] * accumulation``."""
     checkpoint: list[list[int]] = field(default_factory=list)
     """Per rank, the indices of the blocks that are activation-checkpointed ([] = none)."""
     dtype: str = "fp32"
@@ -45,19 +59,21 @@ class BalanceConfig:
 
     def __post_init__(self) -> None:
         self._check_types()
-        ranks = len(self.micro_batches)
-        if ranks == 0:
-            raise ConfigError("micro_batches=[] is empty; give one micro-batch size per rank.")
-        if any(b < 1 for b in self.micro_batches):
-            raise ConfigError(
-                f"micro_batches={self.micro_batches} has a size below 1; every rank needs at least one sample."
-            )
         if self.global_batch > _MAX_BATCH:
             raise ConfigError(f"global_batch={self.global_batch} is out of range; use at most {_MAX_BATCH} samples per step.")
         if self.accumulation < 1:
             raise ConfigError(f"accumulation={self.accumulation} is below 1; use 1 for no accumulation.")
+        if self.rank_samples is not None:
+            self._check_rank_samples()
+        ranks = len(self.micro_batches)
+        if ranks == 0:
+            raise ConfigError("micro_batches=[] is empty; give one micro-batch size per rank (or rank_samples).")
+        if any(b < 1 for b in self.micro_batches):
+            raise ConfigError(
+                f"micro_batches={self.micro_batches} has a size below 1; every rank needs at least one sample."
+            )
         total = sum(self.micro_batches) * self.accumulation
-        if total != self.global_batch:
+        if self.rank_samples is None and total != self.global_batch:
             raise ConfigError(
                 f"micro_batches={self.micro_batches} sums to {sum(self.micro_batches)} x accumulation "
                 f"{self.accumulation} = {total}, not global_batch={self.global_batch}; "
@@ -82,6 +98,32 @@ class BalanceConfig:
                 f"bucket_cap_mb={self.bucket_cap_mb} is out of range; use a size in (0, 10000] MiB (DDP's default is 25)."
             )
         self._check_compile(ranks)
+
+    def _check_rank_samples(self) -> None:
+        """Check the any-split form; derive ``micro_batches``; store an equal split in the equal form."""
+        shares, acc = self.rank_samples or [], self.accumulation
+        if not shares:
+            raise ConfigError("rank_samples=[] is empty; give one sample count per rank (or null for equal micro-batches).")
+        if any(s < acc for s in shares):
+            raise ConfigError(
+                f"rank_samples={shares} gives a rank fewer samples than accumulation={acc} micro-steps; "
+                f"give every rank at least {acc} samples (one per micro-step) or lower the accumulation."
+            )
+        if sum(shares) != self.global_batch:
+            raise ConfigError(
+                f"rank_samples={shares} sums to {sum(shares)}, not global_batch={self.global_batch}; "
+                "make the per-rank samples add up to the global batch."
+            )
+        largest = [-(-s // acc) for s in shares]
+        if not self.micro_batches:
+            self.micro_batches = largest
+        elif self.micro_batches != largest:
+            raise ConfigError(
+                f"micro_batches={self.micro_batches} does not match rank_samples={shares} in {acc} micro-steps "
+                f"(largest micro-batches {largest}); leave micro_batches out or set it to {largest}."
+            )
+        if all(s == b * acc for s, b in zip(shares, largest, strict=True)):
+            self.rank_samples = None  # an equal split: the equal form, as stored before any split existed
 
     def _check_compile(self, ranks: int) -> None:
         if self.compile not in COMPILE_MODES:
@@ -128,6 +170,9 @@ class BalanceConfig:
         for name in ("accumulation", "global_batch"):
             if not _is_int(getattr(self, name)):
                 raise bad(name, getattr(self, name), "an integer")
+        shares = self.rank_samples
+        if shares is not None and (not isinstance(shares, list) or not all(_is_int(s) for s in shares)):
+            raise bad("rank_samples", shares, "null or a list of integers (samples per optimizer step, per rank)")
         if not isinstance(self.checkpoint, list) or not all(
             isinstance(c, list) and all(_is_int(i) for i in c) for c in self.checkpoint
         ):
@@ -151,6 +196,30 @@ class BalanceConfig:
     def world_size(self) -> int:
         return len(self.micro_batches)
 
+    @property
+    def samples_per_rank(self) -> list[int]:
+        """Per rank, the samples it takes per optimizer step (they sum to the global batch)."""
+        if self.rank_samples is not None:
+            return list(self.rank_samples)
+        return [b * self.accumulation for b in self.micro_batches]
+
+    def micro_step_sizes(self, rank: int) -> list[int]:
+        """Sizes of ``rank``'s micro-batches in one optimizer step, larger first."""
+        return micro_step_sizes(self.samples_per_rank[rank], self.accumulation)
+
+    @property
+    def equal_micro_batches(self) -> bool:
+        """Whether every micro-step of a rank has the same size (the form from before any split)."""
+        return self.rank_samples is None
+
+    def split_lines(self) -> list[str]:
+        """The split as people read it, one line per rank: ``rank 0: 6,6,5,5,5,5``."""
+        return [f"rank {r}: {','.join(str(n) for n in self.micro_step_sizes(r))}" for r in range(self.world_size)]
+
+    def split_text(self) -> str:
+        """:meth:`split_lines` on one line, ranks separated by ``; ``."""
+        return "; ".join(self.split_lines())
+
     def validate_for(self, *, world_size: int, num_layers: int | None = None) -> None:
         """Checks that depend on the job this configuration is applied to."""
         if self.world_size != world_size:
@@ -167,7 +236,10 @@ class BalanceConfig:
                     )
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if data["rank_samples"] is None:
+            del data["rank_samples"]  # the equal form is stored as it was before any split existed
+        return data
 
     @classmethod
     def from_dict(cls, data: Any) -> BalanceConfig:
@@ -180,6 +252,8 @@ class BalanceConfig:
                 f"configuration has unknown field(s) {unknown}; the known fields are {sorted(known)}."
             )
         required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+        if data.get("rank_samples") is None:
+            required.add("micro_batches")
         missing = sorted(required - set(data))
         if missing:
             raise ConfigError(f"configuration lacks required field(s) {missing}; add them.")
@@ -220,6 +294,13 @@ class BalanceConfig:
             bucket_cap_mb=bucket_cap_mb,
             gradient_as_bucket_view=gradient_as_bucket_view,
         )
+
+    @classmethod
+    def any_split(cls, *, rank_samples: list[int], accumulation: int = 1, **fields_: Any) -> BalanceConfig:
+        """A configuration from per-rank samples per optimizer step and the number of micro-steps
+        (``global_batch`` = their sum; the other fields as for the constructor)."""
+        return cls(rank_samples=list(rank_samples), accumulation=accumulation,
+                   global_batch=sum(rank_samples), **fields_)
 
 
 _MAX_BATCH = 2**31 - 1
@@ -262,4 +343,25 @@ def split_evenly(total: int, weights: list[float]) -> list[int]:
     while total >= n and min(parts) == 0:
         parts[parts.index(max(parts))] -= 1
         parts[parts.index(0)] += 1
+    return parts
+
+
+def micro_step_sizes(samples: int, steps: int) -> list[int]:
+    """``samples`` split over ``steps`` micro-steps as evenly as possible, larger first
+    (``micro_step_sizes(32, 6) == [6, 6, 5, 5, 5, 5]``)."""
+    if steps < 1:
+        raise ValueError(f"steps={steps} is below 1")
+    base, extra = divmod(samples, steps)
+    return [base + 1] * extra + [base] * (steps - extra)
+
+
+def split_at_least(total: int, weights: list[float], minimum: int) -> list[int]:
+    """:func:`split_evenly`, then samples moved from the largest parts until every part is at
+    least ``minimum`` (needs ``total >= minimum * len(weights)``)."""
+    if total < minimum * len(weights):
+        raise ValueError(f"total={total} is below minimum={minimum} x {len(weights)} parts")
+    parts = split_evenly(total, weights)
+    while min(parts) < minimum:
+        parts[parts.index(max(parts))] -= 1
+        parts[parts.index(min(parts))] += 1
     return parts

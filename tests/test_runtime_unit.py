@@ -10,11 +10,13 @@ import torch
 from torch import nn
 
 from autobalance import BalanceConfig
+from autobalance._config import split_at_least
 from autobalance.runtime import (
     CpuMemoryTracker,
     apply_checkpointing,
     epoch_schedule,
     find_blocks,
+    micro_batch_weight,
     write_report,
 )
 
@@ -35,6 +37,44 @@ def test_schedule_uses_every_sample_once_in_proportion(num_samples, mbs, acc):
         for rank, size in enumerate(mbs):
             assert step.micro_batches[rank], "every rank takes part in every step"
             assert all(0 < len(mb) <= size for mb in step.micro_batches[rank])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_any_split_schedule_every_sample_once_and_even_micro_steps(seed):
+    """Random global batches (primes included), 1-3 ranks, any number of micro-steps."""
+    import random
+
+    rng = random.Random(seed)
+    world = rng.randint(1, 3)
+    acc = rng.randint(1, 6)
+    global_batch = rng.choice([p for p in (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 53) if p >= world * acc]
+                              or [world * acc + rng.randint(0, 9)])
+    shares = [rng.uniform(0.05, 1.0) for _ in range(world)]
+    cfg = BalanceConfig.any_split(rank_samples=split_at_least(global_batch, shares, acc), accumulation=acc)
+    num_samples = rng.randint(1, 5 * global_batch)
+    sched = epoch_schedule(num_samples=num_samples, config=cfg, epoch=seed, seed=3)
+    seen = [i for step in sched.steps for rank in step.micro_batches for mb in rank for i in mb]
+    assert sorted(seen) == sorted(set(seen)) and len(seen) + sched.dropped == num_samples
+    assert sched.dropped < world
+    for step in sched.steps:
+        full = step.total == global_batch  # a partial last step has fewer
+        for rank in range(world):
+            got = [len(mb) for mb in step.micro_batches[rank]]
+            assert got and min(got) >= 1 and max(got) <= cfg.micro_batches[rank]
+            assert max(got) - min(got) <= 1
+            if full:
+                assert got == cfg.micro_step_sizes(rank)
+        # the weights of one step add up to world_size: the weighted average is the step's mean
+        weights = [micro_batch_weight(count=len(mb), step_total=step.total, world_size=world)
+                   for rank in step.micro_batches for mb in rank]
+        assert sum(weights) == pytest.approx(world)
+
+
+def test_schedule_of_a_prime_batch_on_one_rank():
+    cfg = BalanceConfig.any_split(rank_samples=[31], accumulation=6)
+    sched = epoch_schedule(num_samples=70, config=cfg, epoch=0, seed=0, shuffle=False)
+    assert [[len(mb) for mb in s.micro_batches[0]] for s in sched.steps] == [[6, 5, 5, 5, 5, 5]] * 2 + [[4, 4]]
+    assert [i for s in sched.steps for mb in s.micro_batches[0] for i in mb] == list(range(70))
 
 
 def test_schedule_deterministic_per_seed_and_epoch():

@@ -15,6 +15,7 @@ from autobalance.runtime._sampler import (
     UnevenBatchSampler,
     epoch_schedule,
 )
+from autobalance.runtime._weighting import micro_batch_weight
 
 __all__ = [
     "CpuMemoryTracker",
@@ -29,6 +30,7 @@ __all__ = [
     "classify_exception",
     "epoch_schedule",
     "find_blocks",
+    "micro_batch_weight",
     "plan",
     "report_path",
     "write_report",

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autobalance._config import BalanceConfig, split_evenly
+from autobalance._config import BalanceConfig, micro_step_sizes, split_evenly
 
 __all__ = ["EpochSchedule", "StepLayout", "UnevenBatchSampler", "epoch_schedule"]
 
@@ -37,9 +37,11 @@ def epoch_schedule(
     """The whole epoch's assignment of samples to ranks, micro-batches and steps.
 
     Full steps take ``global_batch`` samples: micro-step ``m`` gives rank ``r`` the next
-    ``micro_batches[r]`` samples. A final partial step splits the remaining samples over the ranks
-    in proportion to the split (each rank at least one, chunks no larger than its micro-batch),
-    so every sample is used exactly once; a tail smaller than the number of ranks is dropped.
+    ``config.micro_step_sizes(r)[m]`` samples (``micro_batches[r]`` with equal micro-batches). A
+    final partial step splits the remaining samples over the ranks in proportion to their samples
+    per step (each rank at least one), each rank's share in as few micro-batches as keep every one
+    within its largest micro-batch, sizes differing by at most one; so every sample is used exactly
+    once; a tail smaller than the number of ranks is dropped.
     Every rank computes the same schedule from (seed, epoch), so no communication is needed.
     """
     if shuffle:
@@ -49,24 +51,27 @@ def epoch_schedule(
     else:
         order = list(range(num_samples))
     world = config.world_size
+    sizes = [config.micro_step_sizes(rank) for rank in range(world)]
     steps: list[StepLayout] = []
     pos = 0
     while num_samples - pos >= config.global_batch:
         layout: list[list[list[int]]] = [[] for _ in range(world)]
-        for _ in range(config.accumulation):
-            for rank, size in enumerate(config.micro_batches):
+        for m in range(config.accumulation):
+            for rank in range(world):
+                size = sizes[rank][m]
                 layout[rank].append(order[pos : pos + size])
                 pos += size
         steps.append(StepLayout(micro_batches=layout))
     remaining = num_samples - pos
     if remaining >= world:
-        shares = split_evenly(remaining, [float(b) for b in config.micro_batches])
+        shares = split_evenly(remaining, [float(n) for n in config.samples_per_rank])
         layout = [[] for _ in range(world)]
         for rank, share in enumerate(shares):
-            size = config.micro_batches[rank]
-            chunk = order[pos : pos + share]
-            pos += share
-            layout[rank] = [chunk[i : i + size] for i in range(0, len(chunk), size)]
+            largest = config.micro_batches[rank]
+            chunks = micro_step_sizes(share, -(-share // largest))
+            for size in chunks:
+                layout[rank].append(order[pos : pos + size])
+                pos += size
         steps.append(StepLayout(micro_batches=layout))
         remaining = 0
     return EpochSchedule(steps=steps, dropped=remaining)

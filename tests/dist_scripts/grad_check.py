@@ -1,7 +1,9 @@
-"""Run by tests under torchrun (2 ranks, gloo): for many configurations, the plan's one-step
-update must equal one process's update on the concatenated global batch.
+"""Run by tests under torchrun (gloo): for many configurations, the plan's one-step update must
+equal one process's update on the concatenated global batch.
 
-Writes a JSON list of results to the path in argv[1] (rank 0 only).
+argv: output path (rank 0 writes a JSON list of results), number of cases, and the form:
+``equal`` (2 ranks, equal micro-batches per rank, the default) or ``any`` (any world size: random
+global batches, primes included, split any way over the ranks and 1-6 micro-steps).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autobalance as ab
+from autobalance._config import split_at_least
 from autobalance.runtime import epoch_schedule
 
 
@@ -76,15 +79,55 @@ def one_case(cfg: ab.BalanceConfig, data: torch.utils.data.TensorDataset) -> dic
     return {"config": cfg.to_dict(), "rel_error": rel, "allreduce_calls": calls["n"]}
 
 
+def epoch_check(cfg: ab.BalanceConfig, *, num_samples: int) -> dict:
+    """One epoch through plan.steps on every rank: which samples each saw, and how many steps."""
+    plan = ab.plan(config=cfg, device="cpu")
+    loader = plan.dataloader(torch.utils.data.TensorDataset(torch.arange(num_samples)), seed=5)
+    mine: list[int] = []
+    steps = 0
+    for micro_batches in plan.steps(loader):
+        steps += 1
+        for (x,) in micro_batches:
+            mine.extend(int(i) for i in x)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {"samples": mine, "steps": steps})
+    seen = [i for g in gathered for i in g["samples"]]
+    return {"num_samples": num_samples, "seen": len(seen), "distinct": len(set(seen)),
+            "steps_per_rank": [g["steps"] for g in gathered]}
+
+
+PRIMES = [2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61]
+
+
+def any_split(case: int, rng: random.Random, world: int) -> ab.BalanceConfig:
+    acc = 1 + case % 6
+    low = world * acc
+    if case % 2 == 0:
+        global_batch = rng.choice([p for p in PRIMES if p >= low])
+    else:
+        global_batch = rng.randint(low, low + 40)
+    shares = [rng.uniform(0.05, 1.0) for _ in range(world)]
+    ckpt = [sorted(rng.sample(range(4), rng.randint(0, 4))) for _ in range(world)]
+    return ab.BalanceConfig.any_split(
+        rank_samples=split_at_least(global_batch, shares, acc), accumulation=acc, checkpoint=ckpt,
+        bucket_cap_mb=1000.0, gradient_as_bucket_view=bool(case % 3 == 1),
+    )
+
+
 def main() -> None:
     out = sys.argv[1]
     cases = int(sys.argv[2]) if len(sys.argv) > 2 else 12
+    form = sys.argv[3] if len(sys.argv) > 3 else "equal"
     dist.init_process_group("gloo")
-    rng = random.Random(42)
+    rng = random.Random(42 if form == "equal" else 42 + dist.get_world_size())
     g = torch.Generator().manual_seed(3)
     data = torch.utils.data.TensorDataset(torch.randn(256, 16, generator=g), torch.randint(0, 5, (256,), generator=g))
     results = []
     for case in range(cases):
+        if form == "any":
+            cfg = any_split(case, rng, dist.get_world_size())
+            results.append({**one_case(cfg, data), "epoch": epoch_check(cfg, num_samples=97 + case)})
+            continue
         acc = 1 + case % 4
         mbs = [rng.randint(1, 9), rng.randint(1, 9)]
         ckpt = [sorted(rng.sample(range(4), rng.randint(0, 4))) for _ in range(2)]
