@@ -3,17 +3,31 @@
 from __future__ import annotations
 
 __all__ = [
+    "EXIT_FAILURE",
+    "EXIT_INTERRUPTED",
+    "EXIT_USAGE",
     "AutobalanceError",
     "ConfigError",
     "HardwareMismatchError",
     "LaunchError",
     "SchemaVersionError",
     "StorageError",
+    "StorageURLError",
     "StudyNotFoundError",
     "TrialScriptError",
     "UsageError",
     "VerificationError",
+    "exit_code",
 ]
+
+EXIT_FAILURE = 1
+"""The run went wrong: a trial script error, a storage that cannot be reached or written, a failed
+verification, a launch failure."""
+EXIT_USAGE = 2
+"""The command was wrong: a bad flag value, an unknown study, a malformed storage URL (as click's own
+usage errors: an unknown option, a missing argument)."""
+EXIT_INTERRUPTED = 130
+"""Ctrl-C or SIGTERM (128 + SIGINT, as a shell reports it)."""
 
 
 class AutobalanceError(Exception):
@@ -30,6 +44,11 @@ class ConfigError(UsageError):
 
 class StorageError(AutobalanceError):
     """The storage URL is wrong, unreachable or read-only."""
+
+
+class StorageURLError(StorageError):
+    """The storage URL itself is wrong: not a URL, an unknown scheme or driver, a SQLite file in a
+    directory that does not exist (a usage error: exit code 2)."""
 
 
 class StudyNotFoundError(StorageError):
@@ -59,3 +78,16 @@ class TrialScriptError(AutobalanceError):
 
 class VerificationError(AutobalanceError):
     """A configuration did not compute the baseline's update (``autobalance verify``): never saved."""
+
+
+_USAGE_ERRORS: tuple[type[BaseException], ...] = (UsageError, StudyNotFoundError, StorageURLError)
+
+
+def exit_code(exc: BaseException) -> int:
+    """The exit code of a command that ended with ``exc``: the one mapping from classes of error to
+    codes (README, "Exit codes"): usage 2, run failure 1, interrupted 130."""
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    if isinstance(exc, _USAGE_ERRORS):
+        return EXIT_USAGE
+    return EXIT_FAILURE

@@ -118,7 +118,7 @@ def run_verify(root: str, grid: dict[str, Any] | None) -> list[dict[str, Any]]:
 def run_study(args: argparse.Namespace, root: str) -> dict[str, Any]:
     import optuna
 
-    from autobalance.cli._tune import quiet_optuna
+    from autobalance.cli._common import quiet_optuna
     from autobalance.tuner import Tuner, TuneSettings
     from autobalance.tuner._verify import verify_for_saving
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import typer
 
-from autobalance.cli._app import app, run_command
+from autobalance.cli._common import parse_floats, quiet_optuna, run_command
 
+commands = typer.Typer()
 _CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
-@app.command()
+@commands.command()
 def report(
     study_name: str = typer.Option(..., "--study-name", help="Study to report on."),
     storage: str = typer.Option("sqlite:///autobalance.db", help="Study database URL."),
@@ -19,7 +20,6 @@ def report(
     """Write one offline HTML file: per-rank peaks per trial, step time vs spread, baseline vs best, importances."""
 
     def go() -> None:
-        from autobalance.cli._tune import quiet_optuna
         from autobalance.report import build_report
         from autobalance.store import check_storage
         from autobalance.tuner import load_study
@@ -35,7 +35,7 @@ def report(
     run_command(go)
 
 
-@app.command()
+@commands.command()
 def dashboard(
     storage: str = typer.Option("sqlite:///autobalance.db", help="Study database URL."),
     host: str = typer.Option("127.0.0.1", help="Address to bind (127.0.0.1: this machine only)."),
@@ -44,7 +44,6 @@ def dashboard(
     """Start optuna-dashboard on the studies, with each trial's per-rank memory chart as an artifact."""
 
     def go() -> None:
-        from autobalance.cli._tune import quiet_optuna
         from autobalance.report import serve_dashboard
         from autobalance.store import check_storage
 
@@ -55,12 +54,12 @@ def dashboard(
     run_command(go)
 
 
-@app.command(context_settings=_CONTEXT)
+@commands.command(context_settings=_CONTEXT)
 def diagnose(
     ctx: typer.Context,
     script: str = typer.Argument(..., help="Training script that uses autobalance.plan(); its own arguments follow."),
     nproc_per_node: int = typer.Option(2, "--nproc-per-node", help="Ranks (one per GPU)."),
-    device: str | None = typer.Option(None, help="cpu or cuda [default: cuda when available]."),
+    device: str | None = typer.Option(None, help="cpu or cuda.", show_default="cuda when a GPU is visible, else cpu"),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
     memory_cap_gib: str | None = typer.Option(None, "--memory-cap-gib", help="Emulated capacity: X or X,Y,... per rank."),
     steps: int = typer.Option(2, help="Measured optimizer steps."),
@@ -76,11 +75,10 @@ def diagnose(
         from rich.console import Console
 
         from autobalance._errors import UsageError
-        from autobalance.cli._commands import _parse_caps
-        from autobalance.cli._tune import _default_device
         from autobalance.report import print_diagnosis, run_diagnose
+        from autobalance.tuner import default_device
 
-        dev = device or _default_device()
+        dev = device or default_device()
         if dev not in ("cpu", "cuda"):
             raise UsageError(f"--device={dev!r} is not supported; use cpu or cuda.")
         if dev == "cuda":
@@ -94,7 +92,7 @@ def diagnose(
             err.print(f"Running {script} at its own configuration on {nproc_per_node} {dev} rank(s)...")
         diag = run_diagnose(
             script=script, script_args=list(ctx.args), nproc_per_node=nproc_per_node, device=dev,
-            memory_cap_gib=_parse_caps(memory_cap_gib), memory_cap_text=memory_cap_gib, steps=steps, warmup=warmup,
+            memory_cap_gib=parse_floats("--memory-cap-gib", memory_cap_gib), memory_cap_text=memory_cap_gib, steps=steps, warmup=warmup,
             timeout_s=trial_timeout, runs_dir=runs_dir,
         )
         if as_json:

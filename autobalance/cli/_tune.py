@@ -4,19 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import tempfile
 from typing import Any
 
 from rich.console import Console
 
 from autobalance._errors import UsageError
-
-
-def _default_device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+from autobalance.cli._common import quiet_optuna, sigterm_as_interrupt
 
 
 def check_gpus(*, device: str, nproc_per_node: int, visible: int) -> None:
@@ -96,28 +90,16 @@ def remove_dirs(created: list[str]) -> None:
             os.rmdir(d)
 
 
-def _sigterm_as_interrupt() -> None:
-    """SIGTERM (kill, a batch system's preemption) stops the study like Ctrl-C: trial killed and marked."""
-
-    def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    with contextlib.suppress(ValueError):  # not the main thread
-        signal.signal(signal.SIGTERM, handler)
-
-
 def run_tune(*, flags: dict[str, Any], config_path: str | None) -> None:
-    from autobalance.tuner import RichReporter, Tuner, TuneSettings
-    from autobalance.tuner._storage import open_storage
+    """Settings (flags > study TOML > defaults; the TOML is read once), checks before anything runs,
+    the study, then verify-and-save (:func:`autobalance.tuner.save_best`) and the summary."""
+    from autobalance._errors import StorageError
+    from autobalance.store import check_storage
+    from autobalance.tuner import RichReporter, Tuner, TuneSettings, open_storage, save_best
 
-    if flags.get("device") is None and not (config_path and "device" in _toml_keys(config_path)):
-        flags["device"] = _default_device()
     settings = TuneSettings.merge(flags=flags, toml_path=config_path)
     quiet_optuna()
     _check_gpus(settings)
-    from autobalance._errors import StorageError
-    from autobalance.store import check_storage
-
     created = prepare_runs_dir(settings.runs_dir)
     try:
         settings.storage = check_storage(settings.storage)
@@ -126,49 +108,18 @@ def run_tune(*, flags: dict[str, Any], config_path: str | None) -> None:
         remove_dirs(created)
         message = str(exc) if str(exc).startswith("--storage") else f"--storage: {exc}"
         raise type(exc)(message) from None  # fail before any trial when the storage is unusable
-    _sigterm_as_interrupt()
-    console = Console(stderr=True)
-    reporter = RichReporter(console=console)
+    sigterm_as_interrupt()
+    reporter = RichReporter(console=Console(stderr=True))
     tuner = Tuner(settings=settings, reporter=reporter)
     try:
         result = tuner.run()
     finally:
         reporter.end()
         remove_dirs(created)  # only those still empty: a study refused before any trial leaves nothing
-    if result.best is not None:
-        from autobalance.tuner._promote import save_trial
-        from autobalance.tuner._storage import load_study
-
-        study = load_study(study_name=settings.study_name, storage_url=settings.storage)
-        chosen = result.best
-        if settings.verify:  # a configuration that fails verification is never saved
-            from autobalance.tuner._verify import verify_for_saving
-
-            chosen = verify_for_saving(settings=settings, study=study, best=result.best, baseline=result.baseline,
-                                       notes=result.notes, note=reporter.note)
-        if chosen is not None:
-            if chosen.number != result.best.number:
-                result.notes.append(f"Trial {chosen.number} is saved instead of trial {result.best.number}.")
-                result.best = chosen
-            save_trial(storage_url=settings.storage, study=study, trial_number=chosen.number, action="tune")
-            result.saved = True
-            result.notes.append(f"Saved trial {chosen.number} as the best configuration of '{settings.study_name}'.")
+    saving = save_best(settings=settings, result=result, note=reporter.note)
     from autobalance.cli._views import print_result
 
     print_result(result, settings=settings, console=Console())
-
-
-def _toml_keys(path: str) -> set[str]:
-    from autobalance.tuner import load_toml
-
-    return {k for k in load_toml(path)}
-
-
-def quiet_optuna() -> None:
-    import warnings
-
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
-    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    # Here `saving.rejected_all` (every candidate failed verification, nothing saved) can decide the
+    # exit code (issue 16: the `verify` helper's part).
+    del saving

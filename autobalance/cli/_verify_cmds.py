@@ -6,12 +6,14 @@ import json
 
 import typer
 
-from autobalance.cli._app import EXIT_FAILURE, app, existing_storage, run_command
+from autobalance._errors import EXIT_FAILURE
+from autobalance.cli._common import existing_storage, run_command
 
+commands = typer.Typer()
 _CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
-@app.command(context_settings=_CONTEXT)
+@commands.command(context_settings=_CONTEXT)
 def verify(
     ctx: typer.Context,
     script: str = typer.Argument(..., help="The training script the study tuned; its own arguments follow (after --)."),

@@ -7,9 +7,10 @@ import re
 
 import typer
 
-from autobalance._errors import UsageError
-from autobalance.cli._app import EXIT_INTERRUPTED, app, fail, run_command
+from autobalance._errors import EXIT_INTERRUPTED, UsageError
+from autobalance.cli._common import fail, quiet_optuna, run_command, sigterm_as_interrupt
 
+commands = typer.Typer()
 _CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
@@ -20,7 +21,7 @@ def check_endpoint(endpoint: str) -> str:
     return endpoint
 
 
-@app.command(context_settings=_CONTEXT)
+@commands.command(context_settings=_CONTEXT)
 def worker(
     ctx: typer.Context,
     script: str = typer.Argument(..., help="The same training script as the tune command's; its arguments follow (after --)."),
@@ -35,7 +36,6 @@ def worker(
     """Serve multi-node trials: join each trial's torchrun rendezvous from this node until the study ends."""
 
     def go() -> None:
-        from autobalance.cli._tune import _sigterm_as_interrupt, quiet_optuna
         from autobalance.launcher._multinode import run_worker
 
         if not script.endswith(".py") or not os.path.isfile(script):
@@ -49,7 +49,7 @@ def worker(
             raise UsageError(f"--idle-timeout={idle_timeout:g} must be positive; e.g. 600.")
         check_endpoint(rdzv_endpoint)
         quiet_optuna()
-        _sigterm_as_interrupt()
+        sigterm_as_interrupt()
         try:
             run_worker(script=script, script_args=list(ctx.args), runs_dir=runs_dir, rdzv_endpoint=rdzv_endpoint,
                        nnodes=nnodes, nproc_per_node=nproc_per_node, node_rank=node_rank,

@@ -8,7 +8,7 @@ import re
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, unquote
 
-from autobalance._errors import StorageError
+from autobalance._errors import StorageError, StorageURLError
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import URL, Engine
@@ -98,16 +98,16 @@ def normalize_storage_url(url: str) -> str:
     raw = (url or "").strip()
     example = "use e.g. sqlite:///autobalance.db or postgresql+psycopg://user@host:5432/db"
     if not raw:
-        raise StorageError(f"Storage URL is empty; {example}.")
+        raise StorageURLError(f"Storage URL is empty; {example}.")
     if "://" not in raw:
         if raw.lower().endswith((".db", ".sqlite", ".sqlite3")):
             raw = "sqlite:///" + raw
         else:
-            raise StorageError(f"Storage URL {mask_url(raw)!r} is not a SQLAlchemy URL; {example}.")
+            raise StorageURLError(f"Storage URL {mask_url(raw)!r} is not a SQLAlchemy URL; {example}.")
     try:
         parsed = make_url(raw)
     except (ArgumentError, ValueError) as exc:
-        raise StorageError(
+        raise StorageURLError(
             f"Storage URL {mask_url(raw)!r} cannot be parsed ({scrub(str(exc), raw)}); {example}."
         ) from None
     backend, _, driver = parsed.drivername.partition("+")
@@ -122,7 +122,7 @@ def normalize_storage_url(url: str) -> str:
     try:
         dialect_cls = parsed.get_dialect()
     except NoSuchModuleError:
-        raise StorageError(
+        raise StorageURLError(
             f"Storage URL {masked!r} names an unknown database or driver {parsed.drivername!r}; {example}."
         ) from None
     try:
@@ -230,7 +230,7 @@ def check_storage(url: str) -> str:
     masked = mask_url(normalized)
     path = sqlite_path(make_url(normalized))
     if path is not None and not os.path.isdir(os.path.dirname(path)):
-        raise StorageError(
+        raise StorageURLError(
             f"Storage {masked} cannot be created: directory {os.path.dirname(path)} does not exist; "
             "create it or pass another --storage."
         )

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from autobalance.tuner._finish import Saving, save_best
 from autobalance.tuner._objective import TrialFigures, figures_from_outcome
 from autobalance.tuner._reporter import RichReporter, describe_config
 from autobalance.tuner._settings import (
     SAMPLERS,
     STRATEGIES,
+    SettingDoc,
     TuneSettings,
+    default_device,
     default_study_name,
     load_toml,
+    setting_docs,
 )
 from autobalance.tuner._space import SearchSpace
 from autobalance.tuner._storage import list_studies, load_study, open_storage
@@ -33,12 +37,15 @@ __all__ = [
     "SAMPLERS",
     "STRATEGIES",
     "RichReporter",
+    "Saving",
     "SearchSpace",
+    "SettingDoc",
     "TrialFigures",
     "TuneResult",
     "TuneSettings",
     "Tuner",
     "best_trial",
+    "default_device",
     "default_study_name",
     "describe_config",
     "figures_from_outcome",
@@ -48,4 +55,6 @@ __all__ = [
     "load_toml",
     "make_sampler",
     "open_storage",
+    "save_best",
+    "setting_docs",
 ]

@@ -2,16 +2,31 @@
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
+import itertools
 import os
 import re
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from autobalance._config import COMPILE_MODES, DTYPES
 from autobalance._errors import UsageError
 
-__all__ = ["COMPILE_CHOICES", "SAMPLERS", "STRATEGIES", "TuneSettings", "compile_modes", "default_study_name", "load_toml"]
+__all__ = [
+    "COMPILE_CHOICES",
+    "SAMPLERS",
+    "STRATEGIES",
+    "SettingDoc",
+    "TuneSettings",
+    "compile_modes",
+    "default_device",
+    "default_study_name",
+    "load_toml",
+    "setting_docs",
+]
 
 SAMPLERS = ("tpe", "gp", "random", "nsga2")
 STRATEGIES = ("model", "optuna")
@@ -23,9 +38,10 @@ class TuneSettings:
     """Everything ``autobalance tune`` needs; validated on construction."""
 
     script: str
-    """The training script (uses ``autobalance.plan()``)."""
+    """The training script, which calls ``autobalance.plan`` (default: the ``script`` key of the study
+    TOML)."""
     script_args: list[str] = field(default_factory=list)
-    """Arguments for the script."""
+    """Arguments for the script (default: none)."""
     trials: int = 20
     """Total trials of the study (a re-run continues up to this total)."""
     nproc_per_node: int = 2
@@ -33,13 +49,13 @@ class TuneSettings:
     nnodes: int = 1
     """Nodes per trial (multi-node trials use a c10d rendezvous)."""
     node_rank: int | None = None
-    """This node's rank for a static multi-node launch."""
+    """This node's rank for a static multi-node launch (default: none, the rendezvous assigns it)."""
     rdzv_endpoint: str | None = None
-    """``HOST:PORT`` of the rendezvous for multi-node trials."""
+    """``HOST:PORT`` of the rendezvous for multi-node trials (default: none)."""
     torchrun_args: list[str] = field(default_factory=list)
-    """Extra torchrun options, passed through."""
-    device: str = "cpu"
-    """``cpu`` or ``cuda``."""
+    """Extra torchrun options, passed through (default: none)."""
+    device: str = "auto"
+    """``cpu``, ``cuda`` or ``auto`` (cuda when a GPU is visible, else cpu)."""
     global_batch: int | None = None
     """Samples per optimizer step (default: the script's own)."""
     steps: int = 3
@@ -60,7 +76,8 @@ class TuneSettings:
     trial_timeout: float = 300.0
     """Hard wall-clock limit per trial in seconds (start-up included)."""
     memory_cap_gib: list[float] | None = None
-    """Emulated capacity per rank in GiB (one value = every rank)."""
+    """Emulated capacity per rank in GiB: one value for every rank or one per rank (default: the
+    card's capacity; on CPU the host's memory)."""
     cap_mode: str = "enforce"
     """``enforce``: ranks run under the cap (allocator fraction / CPU budget) and really OOM;
     ``judge``: ranks run uncapped and a peak above the cap is judged infeasible (no OOM, no restarts)."""
@@ -71,7 +88,8 @@ class TuneSettings:
     weight_time: float = 1.0
     """Objective weight of the step time (relative to the baseline's)."""
     max_spread_gib: float | None = None
-    """Also infeasible: a spread of peak memory above this many GiB (None: spread only in the objective)."""
+    """Also infeasible: a spread of peak memory above this many GiB (default: none, the spread only
+    counts in the objective)."""
     multi_objective: bool = False
     """Spread and step time as two objectives (a Pareto front) instead of a weighted sum."""
     strategy: str = "model"
@@ -79,7 +97,7 @@ class TuneSettings:
     sampler: str = "tpe"
     """Optuna sampler: tpe, gp, random or nsga2."""
     seed: int | None = None
-    """Sampler seed (reproducible studies)."""
+    """Sampler seed, for reproducible studies (default: none, a fresh seed each run)."""
     dtypes: list[str] | None = None
     """AMP dtypes to search (default: all the device supports)."""
     max_accumulation: int = 8
@@ -94,17 +112,19 @@ class TuneSettings:
     """Where trial directories (reports, logs) are kept."""
     compile: str | None = None
     """``torch.compile`` in the search: ``off`` (eager only), ``on`` (every trial compiled, with a
-    per-rank activation budget), ``search`` (both). Default: ``search`` on CUDA, ``off`` on CPU
-    (a CPU compile costs tens of seconds per configuration and rarely pays off there)."""
+    per-rank activation budget), ``search`` (both) (default: ``search`` on CUDA, ``off`` on CPU). On
+    CPU a compile costs tens of seconds per configuration and rarely pays off."""
     compile_mode: str = "default"
     """The ``torch.compile`` mode of compiled trials: ``default`` or ``max-autotune-no-cudagraphs``."""
     verify: bool = True
     """Before the best configuration is saved, prove with ``autobalance verify`` that it computes the
     baseline's update (a failing configuration is never saved)."""
     gpus_per_trial: int | None = None
-    """Run floor(visible GPUs / K) one-node trials at once, each on its own K GPUs (None: one at a time)."""
+    """Run floor(visible GPUs / K) one-node trials at once, each on its own K GPUs (default: none,
+    one trial at a time)."""
     cpus_per_trial: int | None = None
-    """Run floor(usable cores / K) one-node trials at once, each pinned to its own K cores."""
+    """Run floor(usable cores / K) one-node trials at once, each pinned to its own K cores (default:
+    none, one trial at a time)."""
 
     def __post_init__(self) -> None:
         if not self.script.endswith(".py"):
@@ -130,8 +150,10 @@ class TuneSettings:
                              f"{self.steps}.")
         if self.warmup < 0:
             raise UsageError(f"--warmup={self.warmup} is negative; use 0 or more.")
+        if self.device == "auto":
+            self.device = default_device()
         if self.device not in ("cpu", "cuda"):
-            raise UsageError(f"--device={self.device!r} is unknown; use cpu or cuda.")
+            raise UsageError(f"--device={self.device!r} is unknown; use cpu, cuda or auto.")
         if self.global_batch is not None and self.global_batch < self.world_size:
             raise UsageError(
                 f"--global-batch={self.global_batch} is smaller than the {self.world_size} ranks; "
@@ -212,6 +234,77 @@ class TuneSettings:
                 "TOML that names it (--config studies/NAME.toml with script = \"...\")."
             )
         return cls(**values)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SettingDoc:
+    """What the command line and the docs say about one :class:`TuneSettings` field."""
+
+    name: str
+    """The field (also the study TOML key; dashes or underscores)."""
+    help: str
+    """The field's docstring as plain text, without its ``(default: ...)`` clause."""
+    text: str
+    """The same with its reStructuredText ````code```` marks kept (a renderer may turn field names into flags)."""
+    default: str
+    """The default as shown to a user: the field's default value, or the docstring's
+    ``(default: ...)`` text when the value alone says nothing (None, "", an empty list)."""
+    value: Any
+    """The default value itself (``MISSING`` for a required field)."""
+
+
+_DEFAULT_CLAUSE = re.compile(r"\s*\(default: ([^()]*)\)")
+
+
+@functools.lru_cache(maxsize=1)
+def setting_docs() -> dict[str, SettingDoc]:
+    """Help and default of every :class:`TuneSettings` field, read from the field docstrings in this
+    module's source, so flags, TOML keys and docs are derived from one place and cannot drift.
+
+    A field whose default is None, "" or empty must say what that means with ``(default: ...)`` in
+    its docstring; any other field shows its default value."""
+    tree = ast.parse(inspect.getsource(TuneSettings))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for stmt, following in itertools.pairwise(body):
+        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)):
+            docs[stmt.target.id] = " ".join(following.value.value.split())
+    out: dict[str, SettingDoc] = {}
+    for f in fields(TuneSettings):
+        text = docs.get(f.name)
+        if text is None:
+            raise AssertionError(f"TuneSettings.{f.name} has no docstring")
+        value: Any = f.default if f.default is not MISSING else (
+            f.default_factory() if f.default_factory is not MISSING else MISSING)
+        clause = _DEFAULT_CLAUSE.search(text)
+        kept = _DEFAULT_CLAUSE.sub("", text)
+        if clause is not None:
+            default = clause.group(1).replace("``", "")
+        elif value is MISSING or value is None or value == "" or value == []:
+            raise AssertionError(f"TuneSettings.{f.name}: say what its empty default means with (default: ...)")
+        else:
+            default = _show(value)
+        out[f.name] = SettingDoc(name=f.name, help=kept.replace("``", ""), text=kept, default=default, value=value)
+    return out
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, list):
+        return ",".join(_show(v) for v in value)
+    return str(value)
+
+
+def default_device() -> str:
+    """``cuda`` when a GPU is visible, else ``cpu`` (what ``device = "auto"`` means)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def compile_modes(choice: str | None, mode: str, device: str) -> list[str]:

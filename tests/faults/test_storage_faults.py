@@ -1,6 +1,7 @@
 """A storage URL that is wrong, unreachable or read-only (issue matrix 8): one line on stderr
-that names ``--storage`` and the (masked) URL, exit code 1, before any trial starts: no torchrun
-is launched and no trial directory is made."""
+that names ``--storage`` and the (masked) URL, before any trial starts: no torchrun is launched and
+no trial directory is made. A wrong URL is a usage error (exit code 2); a storage that cannot be
+reached or written is a run failure (exit code 1)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ from tests.faults.conftest import (
 )
 
 
-def _fails_before_any_trial(tmp_path: Path, url: str, *words: str) -> str:
+def _fails_before_any_trial(tmp_path: Path, url: str, *words: str, code: int = 1) -> str:
     proc = tune(url, cwd=tmp_path, trials=2, timeout=30)
-    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.returncode == code, proc.stderr[-3000:]
     line = one_line(proc.stderr)
     assert line.startswith("autobalance: error: --storage")
     for word in words:
@@ -40,7 +41,7 @@ def _fails_before_any_trial(tmp_path: Path, url: str, *words: str) -> str:
     ids=["unknown-scheme", "missing-directory", "not-a-url"],
 )
 def test_wrong_storage_url(tmp_path: Path, url: str, words: list[str]) -> None:
-    _fails_before_any_trial(tmp_path, url, *words)
+    _fails_before_any_trial(tmp_path, url, *words, code=2)
 
 
 def test_unreachable_postgres(tmp_path: Path) -> None:
