@@ -230,9 +230,13 @@ class BalanceConfig:
         if num_layers is not None:
             for rank, blocks in enumerate(self.checkpoint):
                 if blocks and blocks[-1] >= num_layers:
+                    fix = (f"use indices 0..{num_layers - 1}, or name other blocks with plan.wrap(model, blocks=...)"
+                           if num_layers else
+                           "no repeated blocks were found: name them with plan.wrap(model, blocks=\"path.to.blocks\") "
+                           "(a ModuleList or nn.Sequential of the model's blocks)")
                     raise ConfigError(
                         f"checkpoint[{rank}]={blocks} names block {blocks[-1]} but the model has "
-                        f"{num_layers} blocks; use indices 0..{num_layers - 1}."
+                        f"{num_layers} blocks; {fix}."
                     )
 
     def to_dict(self) -> dict[str, Any]:

@@ -2,52 +2,149 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections import Counter
+from collections.abc import Iterator
+from types import TracebackType
+from typing import Any
 
+import torch
 from torch import nn
 
 from autobalance import _env
 from autobalance._errors import ConfigError
 
-__all__ = ["apply_checkpointing", "find_blocks"]
+__all__ = ["BLOCKS_HINT", "BlockRun", "apply_checkpointing", "find_blocks"]
+
+BLOCKS_HINT = ("name them with plan.wrap(model, blocks=\"path.to.blocks\") (or ab.plan(blocks=...)): a ModuleList "
+               "or nn.Sequential of the model's repeated blocks, e.g. 'transformer.h'")
+"""How a user names the blocks when discovery finds none (ends every error about blocks)."""
 
 
-def find_blocks(model: nn.Module, path: str | None = None) -> tuple[str, nn.ModuleList]:
-    """The model's repeated blocks: the ``ModuleList`` at ``path``, or the largest one whose
-    children all have the same type (e.g. a transformer's layers)."""
+class BlockRun:
+    """Consecutive children of one module that have the same type: the blocks that may be
+    checkpointed. Indexing reads and replaces those children in place (``blocks[i] = wrapped``)."""
+
+    def __init__(self, parent: nn.Module | None, names: list[str], path: str) -> None:
+        self.parent = parent
+        self.names = names
+        self.path = path
+        """Where the blocks live: the container's dotted path (``""``: the model itself), with
+        ``[first..last]`` when they are only part of its children."""
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, index: int) -> nn.Module:
+        assert self.parent is not None
+        child = self.parent._modules[self.names[index]]
+        assert child is not None
+        return child
+
+    def __setitem__(self, index: int, module: nn.Module) -> None:
+        assert self.parent is not None
+        setattr(self.parent, self.names[index], module)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return (self[i] for i in range(len(self)))
+
+
+def _composite(module: nn.Module) -> bool:
+    return next(module.children(), None) is not None
+
+
+def _has_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def find_blocks(model: nn.Module, path: str | None = None) -> tuple[str, BlockRun]:
+    """The model's repeated blocks: every child of the ``ModuleList``/``nn.Sequential`` at ``path``,
+    or the largest run of same-type children anywhere in the module tree.
+
+    Candidates are a ``ModuleList``/``nn.Sequential`` whose children all have one type (any length)
+    and, in any module, two or more consecutive children of one type that hold parameters. The
+    best has composite blocks (modules with children of their own: a transformer layer rather than
+    a pair of ``Linear`` layers), then the most blocks, then is a whole list; ties go to the first
+    in the tree. None found: an empty run (``len() == 0``).
+    """
     if path is not None:
         try:
             found = model.get_submodule(path)
         except AttributeError:
             raise ConfigError(
-                f"blocks={path!r} is not a submodule of {type(model).__name__}; name a ModuleList "
-                "such as 'transformer.h'."
+                f"blocks={path!r} is not a submodule of {type(model).__name__}; name a ModuleList or "
+                "nn.Sequential of repeated blocks such as 'transformer.h'."
             ) from None
         if not isinstance(found, (nn.ModuleList, nn.Sequential)):
             raise ConfigError(
-                f"blocks={path!r} is a {type(found).__name__}, not a ModuleList; name the list of blocks."
+                f"blocks={path!r} is a {type(found).__name__}, not a ModuleList or nn.Sequential; name the "
+                "container that holds the repeated blocks."
             )
-        return path, found  # type: ignore[return-value]
-    best: tuple[str, nn.ModuleList] | None = None
+        return path, BlockRun(found, [n for n, m in found._modules.items() if m is not None], path)
+    best: tuple[tuple[bool, int, bool], BlockRun] | None = None
     for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+        children = [(n, m) for n, m in module._modules.items() if m is not None]
+        if not children:
             continue
-        types = Counter(type(child) for child in module)
-        if len(types) != 1:
-            continue
-        if best is None or len(module) > len(best[1]):
-            best = (name, module)
+        is_list = isinstance(module, (nn.ModuleList, nn.Sequential))
+        runs: list[list[tuple[str, nn.Module]]] = []
+        for child_name, child in children:
+            if runs and type(runs[-1][-1][1]) is type(child):
+                runs[-1].append((child_name, child))
+            else:
+                runs.append([(child_name, child)])
+        for run in runs:
+            whole = is_list and len(run) == len(children)
+            if not whole and (len(run) < 2 or not all(_has_parameters(m) for _, m in run)):
+                continue
+            key = (all(_composite(m) for _, m in run), len(run), whole)
+            if best is None or key > best[0]:
+                names = [n for n, _ in run]
+                where = name if whole else f"{name}[{names[0]}..{names[-1]}]"
+                best = (key, BlockRun(module, names, where))
     if best is None:
-        return "", nn.ModuleList()
-    return best
+        return "", BlockRun(None, [], "")
+    return best[1].path, best[1]
 
 
-def apply_checkpointing(blocks: nn.ModuleList, indices: list[int]) -> None:
+class _KeepBuffers:
+    """Around a recomputation: the block's buffers are put back as they were before it, so a layer
+    that updates buffers in its forward (BatchNorm's running statistics, ``num_batches_tracked``)
+    updates them once per forward, not again when checkpointing recomputes it."""
+
+    def __init__(self, block: nn.Module) -> None:
+        self.block = block
+        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __enter__(self) -> None:
+        # every buffer, not only those whose version counter moves: kernels such as batch_norm's
+        # update the running statistics without bumping it
+        self._saved = [(b, b.detach().clone()) for b in self.block.buffers()]
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        with torch.no_grad():
+            for buf, value in self._saved:
+                buf.copy_(value)
+        self._saved = []
+
+
+def _context_fn(block: nn.Module) -> Any:
+    if next(block.buffers(), None) is None:
+        return None
+
+    def contexts() -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
+        return contextlib.nullcontext(), _KeepBuffers(block)
+
+    return contexts
+
+
+def apply_checkpointing(blocks: BlockRun | nn.ModuleList | nn.Sequential, indices: list[int]) -> None:
     """Wrap ``blocks[i]`` for each index in PyTorch's non-reentrant checkpoint wrapper.
 
     Non-reentrant checkpointing with ``preserve_rng_state=True`` replays dropout exactly; the
-    wrapper strips its prefix from ``state_dict`` keys, so saved checkpoints stay compatible.
+    wrapper strips its prefix from ``state_dict`` keys, so saved checkpoints stay compatible. A
+    block with buffers gets its buffers restored after the recomputation (see :class:`_KeepBuffers`).
     """
     if not indices:
         return
@@ -61,10 +158,16 @@ def apply_checkpointing(blocks: nn.ModuleList, indices: list[int]) -> None:
     for index in indices:
         if index >= len(blocks):
             raise ConfigError(
-                f"checkpoint index {index} is out of range for {len(blocks)} blocks; use 0..{len(blocks) - 1}."
+                f"checkpoint index {index} is out of range for {len(blocks)} blocks; use 0..{len(blocks) - 1}"
+                + ("." if len(blocks) else f", or {BLOCKS_HINT}.")
             )
-        if isinstance(blocks[index], CheckpointWrapper):
+        block = blocks[index]
+        if isinstance(block, CheckpointWrapper):
             continue
+        kwargs: dict[str, Any] = {}
+        context = _context_fn(block)
+        if context is not None:
+            kwargs["context_fn"] = context
         blocks[index] = checkpoint_wrapper(
-            blocks[index], checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=preserve_rng
+            block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=preserve_rng, **kwargs
         )

@@ -11,23 +11,39 @@ from). The update itself (``updated - starting weights``) is reported too, for i
 optimizer such as Adam normalises every element on its first step, so elements whose gradient is
 all cancellation (about 0) get updates of full size from rounding noise alone.
 
-The rule:
+The rule, in two parts whatever the dtype:
 
-1. **Equivalence** (dropout off: the model runs in eval mode, so each sample's computation does
-   not depend on its micro-batch). The reference is the baseline configuration in fp32 (the
-   baseline itself when it is fp32, else one more run of it in fp32).
+1. **The configuration's math** (``equivalence``): the tuned configuration run in fp32 against the
+   baseline configuration in fp32 (the baseline itself when it is fp32, else one more run of it in
+   fp32): gradients, updated parameters and buffers within ``1e-6`` relative, always. The split,
+   accumulation, checkpoint set or compile budget and buckets change nothing in exact arithmetic,
+   so a broken loss weighting (a sum-reduced loss, a token mean) fails here and can never hide in
+   bf16/fp16 rounding. Dropout is off: the model runs in eval mode, so each sample's computation
+   does not depend on its micro-batch - except a model with batch-dependent layers (BatchNorm and
+   its kind: see :mod:`autobalance.runtime._batch_dependent`), which runs in train mode (dropout
+   layers alone in eval), so the step verified is the step that trains, running statistics
+   included; ``allow_batch_dependent``: eval mode (the user accepts changed batch statistics).
 
-   - tuned in fp32: gradients and updated parameters within ``1e-6`` relative of the reference;
-   - tuned in bf16/fp16: within ``max(1e-6, NOISE_FACTOR x noise)``, where ``noise`` is the error of
-     the baseline configuration run in the tuned dtype against the same fp32 reference (the
-     baseline run a second time, in that dtype): the rounding the user already accepts.
+2. **The dtype's effect** (``dtype``, tuned in bf16/fp16 only): the tuned configuration in its dtype
+   against the same fp32 reference, within ``max(1e-6, NOISE_FACTOR x noise)``, where ``noise`` is
+   the error of the baseline configuration run in the tuned dtype (the ``noise`` check): the
+   rounding the user already accepts.
 
-2. **RNG replay** (only when the tuned configuration recomputes: checkpointed blocks, or compile
+3. **RNG replay** (only when the tuned configuration recomputes: checkpointed blocks, or compile
    with a budget below 1). Dropout on (train mode, the global RNG seeded per rank at the first
    step): the tuned configuration against itself without the recomputation (no checkpointing,
-   default budget), same split. Recomputation must not change anything: within ``1e-6`` in fp32,
-   the tolerance of rule 1 otherwise. This catches checkpointing that does not replay dropout masks
+   default budget), same split. Recomputation must not change anything, buffers included (a
+   recomputed BatchNorm must not update its running statistics twice): within ``1e-6`` in fp32,
+   the tolerance of part 2 otherwise. This catches checkpointing that does not replay dropout masks
    and partitioner bugs that recompute random ops with new random numbers.
+
+An fp16 run whose first step overflows (the GradScaler skips it) runs that step again at the scale
+the scaler settles on; the verdict says so.
+
+What it cannot see: steps after the first (an optimizer or schedule that behaves differently
+later), data other than the first global batch, a loss that differs between runs for reasons of
+its own (non-deterministic ops fail part 1 rather than pass), and multi-node configurations
+(verified on one node only when asked).
 
 Any run that fails, or takes other samples than the baseline, fails the verification.
 """
@@ -49,6 +65,7 @@ from autobalance._errors import UsageError
 from autobalance.launcher import TrialLaunch, TrialOutcome, WarmPool, cold_reason, run_trial
 
 __all__ = [
+    "FP32_CAUSES",
     "FP32_TOLERANCE",
     "NOISE_FACTOR",
     "Check",
@@ -104,8 +121,13 @@ class StepResult:
     trial_dir: str
     grads: dict[str, Any]
     params: dict[str, Any]
+    buffers: dict[str, Any]
     samples: list[int]
     info: dict[str, Any]
+
+    @property
+    def overflow_skips(self) -> int:
+        return int(self.info.get("overflow_skips") or 0)
 
 
 @dataclass(kw_only=True)
@@ -113,7 +135,8 @@ class Check:
     """One comparison of two runs."""
 
     name: str
-    """``equivalence``, ``noise`` (how far the baseline itself is in mixed precision) or ``rng-replay``."""
+    """``equivalence`` (the configuration's math, both in fp32), ``noise`` (how far the baseline
+    itself is in mixed precision), ``dtype`` (the tuned configuration in its dtype) or ``rng-replay``."""
     runs: tuple[str, str]
     """(compared, reference)."""
     grad_rel: float
@@ -121,21 +144,56 @@ class Check:
     """Of the updated parameters."""
     update_rel: float
     """Of the updates (``updated - starting weights``); informational."""
-    tolerance: tuple[float, float] | None
-    """(gradients, updated parameters); None: informational."""
+    buffer_rel: float
+    """Of the buffers after the step (running statistics, ``num_batches_tracked``; 0 without buffers)."""
+    tolerance: tuple[float, float, float] | None
+    """(gradients, updated parameters, buffers); None: informational."""
     worst: str
-    """The parameter with the largest relative gradient error."""
+    """The parameter with the largest relative gradient error (``""``: none stands out)."""
 
     @property
     def passed(self) -> bool:
         if self.tolerance is None:
             return True
-        return self.grad_rel <= self.tolerance[0] and self.param_rel <= self.tolerance[1]
+        return (self.grad_rel <= self.tolerance[0] and self.param_rel <= self.tolerance[1]
+                and self.buffer_rel <= self.tolerance[2])
+
+    @property
+    def finite(self) -> bool:
+        return math.isfinite(self.grad_rel) and math.isfinite(self.param_rel)
+
+    def figures(self) -> str:
+        """``gradients 2.1e-02, parameters 3.0e-03, buffers 0.0e+00 relative (tolerance 1.0e-06; worst
+        parameter fc.weight)`` - or, for runs whose gradients are not finite, says so."""
+        if not math.isfinite(self.grad_rel):
+            text = f"gradients not finite (inf or nan) in the {self.runs[0]} run"
+        else:
+            text = f"gradients {self.grad_rel:.2e}, parameters {self.param_rel:.2e}"
+            if self.buffer_rel:
+                text += f", buffers {self.buffer_rel:.2e}"
+            text += " relative"
+        extra = []
+        if self.tolerance is not None:
+            extra.append(f"tolerance {self.tolerance[0]:.1e}")
+        if self.worst and math.isfinite(self.grad_rel):
+            extra.append(f"worst parameter {self.worst}")
+        return text + (f" ({'; '.join(extra)})" if extra else "")
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "runs": list(self.runs), "grad_rel": _finite(self.grad_rel),
-                "param_rel": _finite(self.param_rel), "update_rel": _finite(self.update_rel), "tolerance": list(self.tolerance) if self.tolerance else None,
-                "worst_parameter": self.worst, "passed": self.passed}
+                "param_rel": _finite(self.param_rel), "update_rel": _finite(self.update_rel),
+                "buffer_rel": _finite(self.buffer_rel), "tolerance": list(self.tolerance) if self.tolerance else None,
+                "worst_parameter": self.worst or None, "passed": self.passed}
+
+
+FP32_CAUSES = (
+    "likely causes: a loss that is not a per-sample mean (reduction='sum', or a mean over a number of tokens "
+    "that differs between micro-batches), so a sample's weight depends on its micro-batch: make the loss the "
+    "mean over the micro-batch's samples; layers whose step depends on the batch that autobalance does not "
+    "recognise (it knows BatchNorm and modules with running_* buffers); or non-deterministic ops "
+    "(`autobalance verify --config` with the script's own configuration fails too)"
+)
+"""What to say when the fp32 math differs."""
 
 
 @dataclass(kw_only=True)
@@ -151,10 +209,12 @@ class Verification:
     wall_s: float = 0.0
     skipped: bool = False
     """Nothing was run (e.g. the configuration is the script's own)."""
+    notes: list[str] = field(default_factory=list)
+    """What else the runs showed, in words (fp16 steps skipped for overflow, batch-dependent layers)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"passed": self.passed, "reason": self.reason, "skipped": self.skipped, "wall_s": round(self.wall_s, 2),
-                "checks": [c.to_dict() for c in self.checks], "runs": dict(self.runs)}
+                "checks": [c.to_dict() for c in self.checks], "runs": dict(self.runs), "notes": list(self.notes)}
 
 
 class _RunFailed(Exception):
@@ -166,13 +226,16 @@ class _RunFailed(Exception):
 class Verifier:
     """Launches the verification runs of one configuration and judges them (see the module doc)."""
 
-    def __init__(self, target: VerifyTarget, *, note: Callable[[str], None] | None = None) -> None:
+    def __init__(self, target: VerifyTarget, *, note: Callable[[str], None] | None = None,
+                 allow_batch_dependent: bool = False) -> None:
         self.target = target
         self.note = note or (lambda text: None)
+        self.allow_batch_dependent = allow_batch_dependent
         self._pool: WarmPool | None = None
         self._runs: dict[str, str] = {}
         self._init_path: str | None = None
         self._init: dict[str, Any] = {}
+        self._results: list[StepResult] = []
 
     # ------------------------------------------------------------------ running
     def _launch(self, launch: TrialLaunch) -> TrialOutcome:
@@ -188,7 +251,8 @@ class Verifier:
         trial_dir = os.path.join(t.work_dir, name)
         os.makedirs(trial_dir, exist_ok=True)
         with open(os.path.join(trial_dir, _env.VERIFY_FILE), "w") as fh:
-            json.dump({"dropout": dropout, "init": self._init_path}, fh)
+            json.dump({"dropout": dropout, "init": self._init_path,
+                       "allow_batch_dependent": self.allow_batch_dependent}, fh)
         self._runs[name] = trial_dir
         self.note(f"verify: {name} run ({'script defaults' if config is None else _short(config)}, dropout {dropout})")
         launch = TrialLaunch(
@@ -203,7 +267,9 @@ class Verifier:
         if outcome.status != "ok" or not os.path.isfile(step_file):
             text = f"{outcome.status}: {outcome.reason}" if outcome.status != "ok" else "no step was saved"
             raise _RunFailed(name, f"{text} (logs in {trial_dir})")
-        return self._load(name, trial_dir)
+        result = self._load(name, trial_dir)
+        self._results.append(result)
+        return result
 
     def _load(self, name: str, trial_dir: str) -> StepResult:
         import torch
@@ -216,7 +282,8 @@ class Verifier:
             self._init_path = os.path.join(trial_dir, _INIT_FILE)
             self._init = torch.load(self._init_path, map_location="cpu", weights_only=True)
         return StepResult(name=name, config=info["config"], trial_dir=trial_dir, grads=dict(saved["grads"]),
-                          params=dict(saved["params"]), samples=samples, info=info)
+                          params=dict(saved["params"]), buffers=dict(saved.get("buffers") or {}), samples=samples,
+                          info=info)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -224,7 +291,7 @@ class Verifier:
             self._pool = None
 
     # ------------------------------------------------------------------ judging
-    def _compare(self, name: str, a: StepResult, b: StepResult, tolerance: tuple[float, float] | None) -> Check:
+    def _compare(self, name: str, a: StepResult, b: StepResult, tolerance: tuple[float, float, float] | None) -> Check:
         if set(a.grads) != set(b.grads) or set(a.params) != set(b.params):
             missing = sorted(set(a.grads) ^ set(b.grads))[:3] or sorted(set(a.params) ^ set(b.params))[:3]
             raise _RunFailed(a.name, f"its parameters differ from the {b.name} run's (e.g. {missing})")
@@ -235,8 +302,10 @@ class Verifier:
         upd_b = {k: v - self._init[k].float() for k, v in b.params.items() if k in self._init}
         update_rel, _ = _relative(upd_a, upd_b)
         param_rel, _ = _relative(a.params, b.params)
+        shared = sorted(set(a.buffers) & set(b.buffers))
+        buffer_rel, _ = _relative({k: a.buffers[k] for k in shared}, {k: b.buffers[k] for k in shared})
         return Check(name=name, runs=(a.name, b.name), grad_rel=grad_rel, param_rel=param_rel, update_rel=update_rel,
-                     tolerance=tolerance, worst=worst)
+                     buffer_rel=buffer_rel, tolerance=tolerance, worst=worst)
 
     def verify(self, tuned: BalanceConfig, *, baseline: BalanceConfig | None = None) -> Verification:
         """Run and judge; ``baseline``: the study's baseline configuration when known (a tuned
@@ -255,7 +324,27 @@ class Verifier:
         result.checks = checks
         result.runs = dict(self._runs)
         result.wall_s = time.monotonic() - start
+        result.notes = self._notes()
+        if result.notes and not result.skipped:
+            result.reason += "; " + "; ".join(result.notes)
         return result
+
+    def _notes(self) -> list[str]:
+        notes = []
+        skipped = [r for r in self._results if r.overflow_skips]
+        if skipped:
+            runs = ", ".join(f"{r.name} ({r.overflow_skips}x, then scale {r.info.get('scale', '?')})" for r in skipped)
+            notes.append(f"fp16 overflow: the first step of the {runs} run(s) overflowed and the GradScaler skipped it; "
+                         "it was run again at the scale the scaler settled on")
+        dependent = next((r.info.get("batch_dependent") for r in self._results if r.info.get("batch_dependent")), None)
+        if dependent:
+            shown = ", ".join(dependent[:3]) + (f" and {len(dependent) - 3} more" if len(dependent) > 3 else "")
+            if self.allow_batch_dependent:
+                notes.append(f"batch-dependent layers ({shown}) verified in eval mode (allowed to change: "
+                             "their batch statistics differ with the split)")
+            else:
+                notes.append(f"batch-dependent layers ({shown}) verified in train mode, running statistics included")
+        return notes
 
     def _verify(self, tuned: BalanceConfig, checks: list[Check]) -> Verification:
         gb = tuned.global_batch
@@ -275,41 +364,64 @@ class Verifier:
                 f"the configuration's global_batch={gb} differs from the script's {base_cfg.global_batch}; "
                 "verify a configuration of this script's study."
             )
-        run = self._run("tuned", tuned, dropout="off", global_batch=gb)
-        self._same_samples(run, base)
         reference = base if base_cfg.dtype == "fp32" else self._run(
             "baseline-fp32", dataclasses.replace(base_cfg, dtype="fp32"), dropout="off", global_batch=gb)
-        if tuned.dtype == "fp32":
-            tolerance = (FP32_TOLERANCE, FP32_TOLERANCE)
-        else:
+        exact = (FP32_TOLERANCE, FP32_TOLERANCE, FP32_TOLERANCE)
+        # part 1: the configuration's math, both in fp32
+        math_run = self._run("tuned" if tuned.dtype == "fp32" else "tuned-fp32",
+                             dataclasses.replace(tuned, dtype="fp32"), dropout="off", global_batch=gb)
+        self._same_samples(math_run, base)
+        equivalence = self._compare("equivalence", math_run, reference, exact)
+        checks.append(equivalence)
+        if not equivalence.passed:
+            where = "" if tuned.dtype == "fp32" else " (both run in fp32)"
+            causes = FP32_CAUSES if equivalence.finite else "check the loss for inf/nan"
+            return Verification(passed=False, reason=(
+                f"its step differs from the baseline's{where}: {equivalence.figures()}{note}; {causes}"))
+        tolerance = exact
+        precision: Check | None = None
+        # part 2: the dtype's effect, against the baseline's own rounding
+        if tuned.dtype != "fp32":
             same = base if base_cfg.dtype == tuned.dtype else self._run(
                 f"baseline-{tuned.dtype}", dataclasses.replace(base_cfg, dtype=tuned.dtype), dropout="off", global_batch=gb)
             noise = self._compare("noise", same, reference, None)
             checks.append(noise)
+            if not noise.finite:
+                return Verification(passed=False, reason=(
+                    f"the script's own configuration in {tuned.dtype} has no finite step to compare with "
+                    f"({noise.figures()}){note}"))
             tolerance = (max(FP32_TOLERANCE, NOISE_FACTOR * noise.grad_rel),
-                         max(FP32_TOLERANCE, NOISE_FACTOR * noise.param_rel))
-        equivalence = self._compare("equivalence", run, reference, tolerance)
-        checks.append(equivalence)
-        if not equivalence.passed:
-            return Verification(passed=False, reason=(
-                f"its step differs from the baseline's: gradients {equivalence.grad_rel:.2e}, parameters "
-                f"{equivalence.param_rel:.2e} relative (tolerance {tolerance[0]:.1e}, {tolerance[1]:.1e}; worst "
-                f"parameter {equivalence.worst}){note}"))
+                         max(FP32_TOLERANCE, NOISE_FACTOR * noise.param_rel),
+                         max(FP32_TOLERANCE, NOISE_FACTOR * noise.buffer_rel))
+            run = self._run("tuned", tuned, dropout="off", global_batch=gb)
+            self._same_samples(run, base)
+            precision = self._compare("dtype", run, reference, tolerance)
+            checks.append(precision)
+            if not precision.passed:
+                return Verification(passed=False, reason=(
+                    f"in {tuned.dtype} its step is further from the fp32 reference than {NOISE_FACTOR:g}x the "
+                    f"baseline's own {tuned.dtype} error: {precision.figures()}{note}"))
         if recomputes(tuned):
             replay = self._run("tuned-dropout", tuned, dropout="on", global_batch=gb)
             plain = self._run("tuned-dropout-no-recompute", without_recompute(tuned), dropout="on", global_batch=gb)
             check = self._compare("rng-replay", replay, plain, tolerance)
             checks.append(check)
             if not check.passed:
+                why = ("its recomputation updates buffers again (e.g. BatchNorm running statistics)"
+                       if check.grad_rel <= tolerance[0] and check.param_rel <= tolerance[1]
+                       else "dropout masks are not replayed")
                 return Verification(passed=False, reason=(
-                    f"with dropout, its recomputation changes the step: gradients {check.grad_rel:.2e}, parameters "
-                    f"{check.param_rel:.2e} relative to the same configuration without recomputation (tolerance "
-                    f"{tolerance[0]:.1e}): dropout masks are not replayed (worst parameter {check.worst})"))
-        what = "matches" if tuned.dtype == "fp32" else f"is within {NOISE_FACTOR:g}x the baseline's own {tuned.dtype} error of"
+                    f"with dropout, its recomputation changes the step relative to the same configuration without "
+                    f"recomputation: {check.figures()}: {why}"))
+        if precision is None:
+            what = (f"its step matches the baseline's (gradients {equivalence.grad_rel:.1e}, updated parameters "
+                    f"{equivalence.param_rel:.1e} relative)")
+        else:
+            what = (f"in fp32 its step matches the baseline's (gradients {equivalence.grad_rel:.1e} relative) and in "
+                    f"{tuned.dtype} it is within {NOISE_FACTOR:g}x the baseline's own {tuned.dtype} error (gradients "
+                    f"{precision.grad_rel:.1e})")
         return Verification(passed=True, reason=(
-            f"its step {what} the baseline's (gradients {equivalence.grad_rel:.1e}, updated parameters "
-            f"{equivalence.param_rel:.1e} relative){' and recomputation replays dropout' if recomputes(tuned) else ''}"
-            f"{note}"))
+            f"{what}{' and recomputation replays dropout' if recomputes(tuned) else ''}{note}"))
 
     def _same_samples(self, run: StepResult, base: StepResult) -> None:
         if run.samples != base.samples:
@@ -329,7 +441,8 @@ class Verifier:
 
 
 def _relative(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, str]:
-    """|a - b| / |b| over all tensors (float64 sums), and the name with the largest per-tensor error."""
+    """|a - b| / |b| over all tensors (float64 sums), and the name with the largest per-tensor error
+    (inf/nan counts as the largest; ``""`` when there is no tensor)."""
     num = den = 0.0
     worst, worst_rel = "", -1.0
     for key in sorted(b):
@@ -338,7 +451,9 @@ def _relative(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, str]:
         num += diff
         den += ref
         rel = math.sqrt(diff / ref) if ref > 0 else (0.0 if diff == 0 else math.inf)
-        if rel > worst_rel:
+        if not math.isfinite(rel) and math.isfinite(worst_rel):
+            worst, worst_rel = key, math.inf
+        elif rel > worst_rel:
             worst, worst_rel = key, rel
     if den == 0:
         return (0.0 if num == 0 else math.inf), worst

@@ -1,0 +1,124 @@
+"""Block discovery in any container, batch-dependent layers, and checkpointing that leaves buffers
+updated once per forward (in process, tiny models: fast)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from autobalance import BalanceConfig
+from autobalance._errors import ConfigError
+from autobalance.runtime._batch_dependent import BufferWatch, batch_dependent_modules
+from autobalance.runtime._checkpoint import apply_checkpointing, find_blocks
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = 8, norm: bool = False) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.norm = nn.BatchNorm1d(width) if norm else nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.norm(self.fc(x)))
+
+
+class SequentialBody(nn.Module):
+    """``model.body.layers``: six identical blocks in an nn.Sequential (the issue's script)."""
+
+    def __init__(self, norm: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.body = nn.Module()
+        self.body.layers = nn.Sequential(*[Block(norm=norm) for _ in range(6)])
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body.layers(self.embed(x)))
+
+
+def test_blocks_in_a_nested_sequential_are_found():
+    path, blocks = find_blocks(SequentialBody())
+    assert path == "body.layers" and len(blocks) == 6 and all(isinstance(b, Block) for b in blocks)
+
+
+def test_a_run_inside_a_mixed_sequential_is_found_and_checkpointed_in_place():
+    model = nn.Sequential(nn.Linear(4, 8), *[Block() for _ in range(3)], nn.Linear(8, 2))
+    path, blocks = find_blocks(model)
+    assert len(blocks) == 3 and path == "[1..3]"
+    apply_checkpointing(blocks, [0, 2])
+    kinds = [type(m).__name__ for m in model]
+    assert kinds == ["Linear", "CheckpointWrapper", "Block", "CheckpointWrapper", "Linear"]
+    model(torch.randn(5, 4)).sum().backward()  # still runs, gradients flow
+
+
+def test_composite_blocks_beat_a_pair_of_leaf_layers_and_the_largest_run_wins():
+    class Gpt(nn.Module):  # two Embeddings side by side, then one block in a ModuleList
+        def __init__(self, layers: int) -> None:
+            super().__init__()
+            self.tok = nn.Embedding(10, 8)
+            self.pos = nn.Embedding(10, 8)
+            self.blocks = nn.ModuleList([Block() for _ in range(layers)])
+
+    assert find_blocks(Gpt(1))[0] == "blocks"
+    nested = nn.Sequential(nn.Sequential(*[Block() for _ in range(2)]), nn.Sequential(*[Block() for _ in range(4)]))
+    path, blocks = find_blocks(nested)
+    assert path == "1" and len(blocks) == 4
+    assert len(find_blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)))[1]) == 0
+
+
+def test_no_blocks_error_points_to_blocks_argument():
+    cfg = BalanceConfig(micro_batches=[2, 2], global_batch=4, checkpoint=[[0, 2], []])
+    with pytest.raises(ConfigError, match=r"blocks=") as info:
+        cfg.validate_for(world_size=2, num_layers=0)
+    assert "use indices 0..-1" not in str(info.value)
+    with pytest.raises(ConfigError, match="blocks="):
+        find_blocks(SequentialBody(), "body")  # a plain Module, not a list of blocks
+
+
+def test_batch_dependent_layers_are_detected_statically_and_by_their_buffer_writes():
+    assert batch_dependent_modules(SequentialBody(norm=True)) == [
+        f"body.layers.{i}.norm (BatchNorm1d)" for i in range(6)]
+    assert batch_dependent_modules(SequentialBody()) == []
+
+    class Ema(nn.Module):  # a custom layer that updates a buffer in its forward
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("avg", torch.zeros(4))
+            self.register_buffer("const", torch.ones(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.avg.mul_(0.9).add_(0.1 * x.mean(0).detach())
+            return x * self.const
+
+    model = nn.Sequential(nn.Linear(4, 4), Ema())
+    watch = BufferWatch(model)
+    model(torch.randn(3, 4))
+    watch.close()
+    assert watch.found == ["1 (Ema)"]
+    const_only = nn.Sequential(nn.Linear(4, 4))
+    const_only.register_buffer("mask", torch.ones(4))
+    watch = BufferWatch(const_only)
+    const_only(torch.randn(3, 4))
+    assert watch.found == []
+
+
+def test_checkpointed_batchnorm_updates_its_running_statistics_once_per_step():
+    torch.manual_seed(0)
+    plain = SequentialBody(norm=True)
+    ckpt = SequentialBody(norm=True)
+    ckpt.load_state_dict(plain.state_dict())
+    _, blocks = find_blocks(ckpt)
+    apply_checkpointing(blocks, [0, 1, 2, 3, 4, 5])
+    x = torch.randn(16, 4)
+    for model in (plain, ckpt):
+        model.train()
+        model(x).square().mean().backward()
+    for i in range(6):
+        bn_plain = plain.body.layers[i].norm
+        bn_ckpt = ckpt.body.layers[i]._checkpoint_wrapped_module.norm
+        assert int(bn_ckpt.num_batches_tracked) == 1
+        assert torch.equal(bn_ckpt.running_mean, bn_plain.running_mean)
+        assert torch.equal(bn_ckpt.running_var, bn_plain.running_var)
+    grads = [torch.cat([p.grad.flatten() for p in m.parameters()]) for m in (plain, ckpt)]
+    assert torch.allclose(grads[0], grads[1], rtol=0, atol=1e-6)
