@@ -294,7 +294,7 @@ class ModelAdvisor:
                                 checkpoint=[list(range(c)) for c in counts], dtype=dtype,
                                 bucket_cap_mb=bucket, gradient_as_bucket_view=view)
             key = cfg.to_json()
-            if key in seen:
+            if key in seen or not self.space.contains(cfg):  # e.g. a split the space keeps fixed
                 return
             seen.add(key)
             fits, peaks = predict_config_feasible(model, cfg, num_layers=layers, limits=usable)

@@ -114,7 +114,7 @@ def promote_trial(*, storage_url: str, study: optuna.Study, trial_number: int, v
 
 def _verify_trial(study: optuna.Study, trial: FrozenTrial, *, script: str | None, script_args: list[str] | None,
                   note: Callable[[str], None] | None) -> Any:
-    from autobalance.tuner._verify import Verifier, VerifyTarget
+    from autobalance.tuner._verify import Verifier, VerifyTarget, allows_batch_dependent
 
     launch = dict(study.user_attrs.get(ATTR_LAUNCH) or {})
     script = script or launch.get("script")
@@ -140,7 +140,7 @@ def _verify_trial(study: optuna.Study, trial: FrozenTrial, *, script: str | None
         torchrun_args=list(launch.get("torchrun_args") or []), timeout_s=float(launch.get("trial_timeout") or 300),
         work_dir=os.path.join(runs_dir, study.study_name, f"verify-trial{trial.number}-{int(time.time())}"),
         cold=bool(launch.get("cold", False)), env=dict(launch.get("compile_env") or {}))
-    return Verifier(target, note=note).verify(config, baseline=baseline)
+    return Verifier(target, note=note, allow_batch_dependent=allows_batch_dependent(study)).verify(config, baseline=baseline)
 
 
 def _measured_trial(study: optuna.Study, trial_number: int) -> FrozenTrial:

@@ -41,6 +41,10 @@ class SearchSpace:
     compile_modes: list[str] = field(default_factory=lambda: ["off"])
     """``torch.compile`` modes searched; ``["off"]`` (also for studies from before compile was
     searchable): no ``compile`` parameter at all."""
+    fixed_split: bool = False
+    """The split stays the script's own even split (no ``share_r`` parameters): the model has
+    batch-dependent layers whose train-mode step another split would change (``accumulations`` is
+    then the script's own count only)."""
 
     @classmethod
     def build(
@@ -66,7 +70,7 @@ class SearchSpace:
         d: dict[str, optuna.distributions.BaseDistribution] = {
             "accumulation": optuna.distributions.CategoricalDistribution(self.accumulations),
         }
-        if self.world_size > 1:
+        if self.world_size > 1 and not self.fixed_split:
             for r in range(self.world_size):
                 d[f"share_r{r}"] = optuna.distributions.FloatDistribution(*SHARE_RANGE)
         if self.compile_searched:
@@ -112,7 +116,7 @@ class SearchSpace:
         """Parameters that describe ``config`` (used to enqueue the baseline and solver proposals)."""
         top = max(config.micro_batches)
         params: dict[str, Any] = {"accumulation": config.accumulation}
-        if self.world_size > 1:
+        if self.world_size > 1 and not self.fixed_split:
             for r, b in enumerate(config.micro_batches):
                 params[f"share_r{r}"] = min(SHARE_RANGE[1], max(SHARE_RANGE[0], b / top))
         if self.compile_searched:
@@ -132,6 +136,9 @@ class SearchSpace:
         return params
 
     def contains(self, config: BalanceConfig) -> bool:
+        if self.fixed_split and config.micro_batches != split_evenly(self.global_batch // config.accumulation,
+                                                                     [1.0] * self.world_size):
+            return False
         return (config.global_batch == self.global_batch and config.world_size == self.world_size
                 and config.accumulation in self.accumulations and config.dtype in self.dtypes
                 and config.compile in self.compile_modes)

@@ -72,6 +72,7 @@ __all__ = [
     "Verification",
     "Verifier",
     "VerifyTarget",
+    "allows_batch_dependent",
     "recomputes",
 ]
 
@@ -473,6 +474,9 @@ def _short(config: BalanceConfig) -> str:
 # ---------------------------------------------------------------------- in the study
 ATTR_VERIFY_PREFIX = "autobalance:verify:"
 """Study attribute ``autobalance:verify:<trial number>``: that trial's :meth:`Verification.to_dict`."""
+ATTR_ALLOW_BATCH_DEPENDENT = "autobalance:allow_batch_dependent"
+"""Study attribute: True when the study was tuned with ``--allow-batch-dependent`` (its configurations
+may change the train-mode step of batch-dependent layers, and are verified in eval mode)."""
 MAX_CANDIDATES = 3
 """When the best configuration fails verification, the next best are tried (distinct configurations)."""
 
@@ -486,6 +490,11 @@ def target_for(settings: Any, *, label: str) -> VerifyTarget:
                         nproc_per_node=settings.nproc_per_node, device=settings.device,
                         torchrun_args=list(settings.torchrun_args), timeout_s=settings.trial_timeout, work_dir=work,
                         cold=settings.cold, env=compile_env(settings))
+
+
+def allows_batch_dependent(study: Any) -> bool:
+    """Whether ``study`` was tuned allowing changes to batch-dependent layers (``--allow-batch-dependent``)."""
+    return bool(study.user_attrs.get(ATTR_ALLOW_BATCH_DEPENDENT, False))
 
 
 def ranked_candidates(study: Any) -> list[Any]:
@@ -533,7 +542,8 @@ def verify_for_saving(*, settings: Any, study: Any, best: Any, baseline: Any,
             return trial
         tried += 1
         config = BalanceConfig.from_dict(trial.user_attrs["config"])
-        verdict = Verifier(target_for(settings, label=f"trial{trial.number}"), note=note).verify(
+        verdict = Verifier(target_for(settings, label=f"trial{trial.number}"), note=note,
+                           allow_batch_dependent=allows_batch_dependent(study)).verify(
             config, baseline=baseline_cfg)
         study.set_user_attr(f"{ATTR_VERIFY_PREFIX}{trial.number}", verdict.to_dict())
         if verdict.passed:
@@ -620,7 +630,8 @@ def run_verify_command(*, script: str, script_args: list[str], study_name: str |
     work = os.path.abspath(os.path.join(runs_dir, name, f"verify-{label}-{int(time.time())}"))
     target = VerifyTarget(script=script, script_args=script_args, nproc_per_node=nproc, device=device,
                           timeout_s=trial_timeout, work_dir=work, cold=cold, env=env)
-    verdict = Verifier(target, note=note).verify(config)  # always run, even for the script's own configuration
+    allow = allows_batch_dependent(study) if study is not None else False
+    verdict = Verifier(target, note=note, allow_batch_dependent=allow).verify(config)  # always run, even the script's own
     if study is not None:
         study.set_user_attr(f"{ATTR_VERIFY_PREFIX}{label[len('trial'):]}", verdict.to_dict())
     return verdict, config, what
