@@ -67,7 +67,7 @@ def main() -> None:
     model = plan.wrap(Net(norm=args.norm, body=args.body))
     extra = None
     if plan.rank == 0 and args.rank0_extra_mb > 0:
-        extra = torch.zeros(int(args.rank0_extra_mb * 2**20 / 4))  # noqa: F841 (kept alive: rank 0's extra)
+        extra = torch.zeros(int(args.rank0_extra_mb * 2**20 / 4))  # kept alive: rank 0's extra
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(args.samples, 16, generator=g),
                                           torch.randint(0, 4, (args.samples,), generator=g))
