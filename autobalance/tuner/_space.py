@@ -136,6 +136,8 @@ class SearchSpace:
         return params
 
     def contains(self, config: BalanceConfig) -> bool:
+        if self.fixed_split and config.rank_samples is not None:
+            return False
         if self.fixed_split and config.micro_batches != split_evenly(self.global_batch // config.accumulation,
                                                                      [1.0] * self.world_size):
             return False
