@@ -89,9 +89,13 @@ def test_verify_bf16_uses_the_baselines_own_error(tmp_path):
     proc = _verify(tmp_path, BalanceConfig(micro_batches=[5, 11], global_batch=16, dtype="bf16"))
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     verdict = json.loads(proc.stdout)
-    noise, eq = verdict["checks"]
+    math, noise, eq = verdict["checks"]
+    # first the split's math with both in fp32, exactly; then the dtype against the baseline's own rounding
+    assert math["name"] == "equivalence" and math["runs"] == ["tuned-fp32", "baseline"]
+    assert math["tolerance"] == [1e-6, 1e-6, 1e-6] and math["grad_rel"] <= 1e-6
     assert noise["name"] == "noise" and noise["runs"] == ["baseline-bf16", "baseline"]
     assert 1e-6 < noise["grad_rel"] < 0.1
+    assert eq["name"] == "dtype" and eq["runs"] == ["tuned", "baseline"]
     assert eq["tolerance"][0] == pytest.approx(4 * noise["grad_rel"])
     assert eq["grad_rel"] <= eq["tolerance"][0]
 

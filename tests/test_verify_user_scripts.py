@@ -1,0 +1,68 @@
+"""``autobalance verify`` on training scripts written the way users write them
+(tests/scripts/user_train.py; real torchrun jobs, 2 CPU ranks, gloo, a tiny model).
+
+Each test is one verification: a handful of one-step runs in one warm pool."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from autobalance import BalanceConfig
+from tests.tune_helpers import REPO, cli
+
+pytestmark = pytest.mark.slow
+
+USER = str(REPO / "tests" / "scripts" / "user_train.py")
+
+
+def _verify(tmp_path: Path, cfg: BalanceConfig, *script_args: str, name: str = "c.json") -> tuple[int, dict, str]:
+    path = tmp_path / name
+    path.write_text(cfg.to_json())
+    proc = cli(["verify", USER, "--config", str(path), "--device", "cpu", "--runs-dir", str(tmp_path / "runs"),
+                "--trial-timeout", "120", "--json", "--", *script_args], cwd=tmp_path, timeout=600)
+    assert proc.stdout.strip(), proc.stderr[-3000:]
+    return proc.returncode, json.loads(proc.stdout), proc.stderr
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_a_sum_reduced_loss_fails_the_fp32_math_whatever_the_dtype(tmp_path, dtype):
+    # each sample weighs 11/16 on one rank and 5/16 on the other instead of 1/2: a systematic
+    # reweighting that the bf16/fp16 tolerance of the baseline's own rounding used to hide
+    cfg = BalanceConfig(micro_batches=[5, 11], global_batch=16, dtype=dtype)
+    code, verdict, err = _verify(tmp_path, cfg, "--loss", "sum", "--dtype", dtype, "--micro-batch", "8")
+    assert code == 1, err[-3000:]
+    assert verdict["passed"] is False
+    equivalence = verdict["checks"][0]
+    assert equivalence["name"] == "equivalence" and equivalence["runs"] == ["tuned-fp32", "baseline-fp32"]
+    assert equivalence["tolerance"] == [1e-6, 1e-6, 1e-6]
+    assert equivalence["grad_rel"] > 1e-3
+    assert "both run in fp32" in verdict["reason"] and "per-sample mean" in verdict["reason"]
+    assert "reduction='sum'" in verdict["reason"]
+    assert "tuned" not in verdict["runs"]  # the dtype's own run is not even needed
+
+
+def test_batchnorm_model_is_verified_in_train_mode_and_checkpointing_updates_running_stats_once(tmp_path):
+    args = ("--norm", "batch", "--micro-batch", "8")
+    # an uneven split changes what BatchNorm normalises with: in train mode the step differs
+    code, verdict, err = _verify(tmp_path, BalanceConfig(micro_batches=[5, 11], global_batch=16), *args)
+    assert code == 1, err[-3000:]
+    assert verdict["passed"] is False and verdict["checks"][0]["grad_rel"] > 1e-3
+    assert any("batch-dependent layers (body.layers.0.norm (BatchNorm1d)" in n and "train mode" in n
+               for n in verdict["notes"]), verdict["notes"]
+
+    # the script's split with every BatchNorm block checkpointed: the same step, running statistics included
+    ckpt = BalanceConfig(micro_batches=[8, 8], global_batch=16, checkpoint=[[0, 1, 2, 3, 4, 5], [0, 1]])
+    code, verdict, err = _verify(tmp_path, ckpt, *args, name="ckpt.json")
+    assert code == 0, err[-3000:] + json.dumps(verdict)[-2000:]
+    checks = {c["name"]: c for c in verdict["checks"]}
+    assert checks["equivalence"]["grad_rel"] <= 1e-6 and checks["equivalence"]["buffer_rel"] <= 1e-6
+    assert checks["rng-replay"]["buffer_rel"] <= 1e-6
+    step = torch.load(Path(verdict["runs"]["tuned"]) / "verify-step.pt", weights_only=True)
+    tracked = {k: v for k, v in step["buffers"].items() if k.endswith("num_batches_tracked")}
+    assert len(tracked) == 6 and all(float(v) == 1.0 for v in tracked.values()), tracked
+    info = json.loads((Path(verdict["runs"]["tuned"]) / "verify-step.json").read_text())
+    assert info["train_mode"] is True
