@@ -143,7 +143,7 @@ def test_tune_verifies_the_best_before_saving_it(tmp_path, wrong):
             "--study-name", "s", "--strategy", "optuna", "--sampler", "random", "--seed", "3", "--trial-timeout", "120",
             "--memory-cap-gib", "0.0145", "--dtypes", "fp32", "--max-accumulation", "1", "--runs-dir", str(tmp_path / "runs")]
     proc = cli(args, cwd=tmp_path, env={"AUTOBALANCE_TEST_DISABLE_LOSS_WEIGHTING": "1"} if wrong else None)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == (1 if wrong else 0), proc.stderr[-3000:]
     study = load(db)
     verdicts = {k: v for k, v in study.user_attrs.items() if k.startswith("autobalance:verify:")}
     assert verdicts
@@ -159,6 +159,9 @@ def test_tune_verifies_the_best_before_saving_it(tmp_path, wrong):
         assert "failed verification" in proc.stdout and "No configuration was saved" in proc.stdout
         assert "Use it in production" not in proc.stdout
         assert best.returncode != 0  # nothing in the store
+        # the exit code says it, and the one error line says what to do
+        assert "nothing was saved: every configuration tried failed verification" in proc.stderr
+        assert "per-sample mean" in proc.stderr
 
 
 def _promote(tmp_path, db, number: int, *extra: str, env=None):
@@ -172,7 +175,7 @@ def test_promote_verifies_like_tune_and_never_saves_a_failed_trial(tmp_path):
     args = ["tune", GPT, "--trials", "4", "--nproc-per-node", "2", "--device", "cpu", "--storage", f"sqlite:///{db}",
             "--study-name", "s", "--strategy", "optuna", "--sampler", "random", "--seed", "3", "--trial-timeout", "120",
             "--memory-cap-gib", "0.0145", "--dtypes", "fp32", "--max-accumulation", "1", "--runs-dir", str(tmp_path / "runs")]
-    assert cli(args, cwd=tmp_path, env=broken).returncode == 0
+    assert cli(args, cwd=tmp_path, env=broken).returncode == 1  # every candidate failed: nothing saved
     study = load(db)
     assert study.user_attrs["autobalance:launch"]["script"] == GPT
     failed = [int(k.rsplit(":", 1)[1]) for k, v in study.user_attrs.items()

@@ -120,6 +120,14 @@ def run_tune(*, flags: dict[str, Any], config_path: str | None) -> None:
     from autobalance.cli._views import print_result
 
     print_result(result, settings=settings, console=Console())
-    # Here `saving.rejected_all` (every candidate failed verification, nothing saved) can decide the
-    # exit code (issue 16: the `verify` helper's part).
-    del saving
+    if saving.rejected_all:  # nothing saved because every candidate failed: not a success
+        from autobalance._errors import VerificationError
+
+        trials = ", ".join(str(n) for n in saving.rejected)
+        raise VerificationError(
+            f"nothing was saved: every configuration tried failed verification (trial(s) {trials}; the reasons are "
+            "above). Fix what they name in the script (most often a loss that is not a per-sample mean), then "
+            "tune a new study (--study-name), or re-verify one of these trials with `autobalance verify SCRIPT "
+            "--study-name NAME --trial N` and save it with `autobalance promote`; until then keep the script's "
+            "own configuration."
+        )

@@ -30,10 +30,12 @@ def verify(
 ) -> None:
     """Prove a configuration computes the baseline's update: same weights, same global batch, one step.
 
-    fp32: gradients and updated parameters within 1e-6 relative of the script's own configuration; bf16/fp16:
-    within 4x the baseline's own error in that dtype (both against the baseline in fp32). When the
-    configuration recomputes (checkpointing, compile budget < 1), also with dropout on: the same
-    configuration without recomputation must give the same step. Exit code 1 when it fails."""
+    Always: the configuration's math with both it and the script's own configuration in fp32 - gradients,
+    updated parameters and buffers within 1e-6 relative (a loss that is not a per-sample mean fails here,
+    whatever the dtype). bf16/fp16: also in its dtype, within 4x the script's own error in that dtype. A model
+    with BatchNorm-like layers runs in train mode. When the configuration recomputes (checkpointing, compile
+    budget < 1), also with dropout on: the same configuration without recomputation must give the same step.
+    Exit code 1 when it fails."""
 
     def go() -> None:
         from rich.console import Console
@@ -55,14 +57,14 @@ def verify(
         else:
             console = Console()
             table = Table(title=f"Verification of {what}: {describe_config(cfg)}")
-            for col in ("check", "runs", "gradients", "parameters", "update (info)", "tolerance", "worst", "result"):
+            for col in ("check", "runs", "gradients", "parameters", "buffers", "update (info)", "tolerance", "worst",
+                        "result"):
                 table.add_column(col)
             for c in verdict.checks:
                 tol = "-" if c.tolerance is None else f"{c.tolerance[0]:.1e} / {c.tolerance[1]:.1e}"
                 result = "info" if c.tolerance is None else ("pass" if c.passed else "[red]FAIL[/]")
-                table.add_row(c.name, f"{c.runs[0]} vs {c.runs[1]}", f"{c.grad_rel:.2e}", f"{c.param_rel:.2e}",
-                              f"{c.update_rel:.2e}", tol,
-                              escape(c.worst), result)
+                table.add_row(c.name, f"{c.runs[0]} vs {c.runs[1]}", _figure(c.grad_rel), _figure(c.param_rel),
+                              _figure(c.buffer_rel), _figure(c.update_rel), tol, escape(c.worst or "-"), result)
             console.print(table)
             word = "[green]PASS[/]" if verdict.passed else "[red]FAIL[/]"
             console.print(f"{word}: {escape(verdict.reason)} ({verdict.wall_s:.0f} s; runs in "
@@ -71,3 +73,10 @@ def verify(
             raise typer.Exit(EXIT_FAILURE)
 
     run_command(go)
+
+
+def _figure(value: float) -> str:
+    """A relative error for the table: ``inf/nan`` said as ``not finite``."""
+    import math
+
+    return f"{value:.2e}" if math.isfinite(value) else "not finite"

@@ -119,6 +119,10 @@ class TuneSettings:
     verify: bool = True
     """Before the best configuration is saved, prove with ``autobalance verify`` that it computes the
     baseline's update (a failing configuration is never saved)."""
+    allow_batch_dependent: bool = False
+    """With batch-dependent layers (BatchNorm and its kind), search splits and accumulation anyway:
+    they change those layers' train-mode step (batch statistics), so such configurations are verified
+    in eval mode. Off: the split and accumulation stay the script's own."""
     gpus_per_trial: int | None = None
     """Run floor(visible GPUs / K) one-node trials at once, each on its own K GPUs (default: none,
     one trial at a time)."""
