@@ -13,8 +13,11 @@ pytestmark = pytest.mark.slow
 
 
 def test_tune_gpt_records_trials_with_per_rank_attributes(tmp_path):
+    """Besides the attributes: fails if the study records a value without the spread term (the
+    0.5 GiB cap makes rank 0's extra ~4 MiB a spread of about 1 % of capacity, far above the
+    rounding of the attributes the value is recomputed from)."""
     db = tmp_path / "a.db"
-    proc = cli(tune_args(GPT, db, trials=3), cwd=tmp_path)
+    proc = cli(tune_args(GPT, db, "--memory-cap-gib", "0.5", trials=3), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     study = load(db)
     trials = study.get_trials()
@@ -35,6 +38,16 @@ def test_tune_gpt_records_trials_with_per_rank_attributes(tmp_path):
     peaks = base.user_attrs["peak_device_gib"]
     assert peaks[0] > peaks[1]
     assert "Baseline" in proc.stdout and "best" in proc.stdout
+    # the recorded objective: spread (fraction of capacity) + step time / the baseline's step time
+    reference = load(db).user_attrs["autobalance:reference_step_s"]
+    assert reference == pytest.approx(base.user_attrs["step_time_ms"] / 1000, abs=1e-6)
+    for t in trials:
+        spread = t.user_attrs["spread_pct_of_capacity"] / 100
+        assert spread == pytest.approx((max(t.user_attrs["peak_device_gib"]) - min(t.user_attrs["peak_device_gib"])) / 0.5,
+                                       abs=5e-4)
+        assert spread > 0.002  # the ~4 MiB imbalance is visible at this cap
+        expected = spread + t.user_attrs["step_time_ms"] / 1000 / reference
+        assert t.values == [pytest.approx(expected, abs=5e-5)]
     # the best configuration was saved to the store and can be printed and exported
     best = cli(["best", "--study-name", "s", "--storage", f"sqlite:///{db}", "--format", "json"], cwd=tmp_path)
     assert best.returncode == 0, best.stderr
@@ -47,7 +60,12 @@ def test_tune_gpt_records_trials_with_per_rank_attributes(tmp_path):
     assert [r["measured_steps"] for r in rows] == [3, 3, 3]
     assert all(0 < r["steps_s"] < r["wall_s"] for r in rows)
     studies = cli(["studies", "--storage", f"sqlite:///{db}"], cwd=tmp_path)
-    assert studies.returncode == 0 and "s" in studies.stdout
+    assert studies.returncode == 0, studies.stderr
+    # the study's row: name, 3 trials, 3 complete, 3 feasible, the best trial's step time
+    rows = [[c.strip() for c in line.strip().strip("│").split("│")] for line in studies.stdout.splitlines()
+            if line.count("│") >= 6]
+    best_trial = min(trials, key=lambda t: t.values[0])
+    assert [r[:5] for r in rows] == [["s", "3", "3", "3", f"{best_trial.user_attrs['step_time_ms']:.1f}"]], studies.stdout
 
 
 def test_oom_trial_is_recorded_infeasible_and_study_continues(tmp_path):

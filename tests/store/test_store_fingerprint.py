@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from conftest import GIB, make_fingerprint
@@ -110,14 +111,44 @@ def test_versions_are_minor() -> None:
     ]
 
 
-def test_current_fingerprint_cpu() -> None:
+def _meminfo_total() -> int:
+    with open("/proc/meminfo", encoding="utf-8") as fh:
+        for line in fh:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no MemTotal in /proc/meminfo")
+
+
+def _cpuinfo_model() -> str:
+    with open("/proc/cpuinfo", encoding="utf-8") as fh:
+        for line in fh:
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    raise AssertionError("no model name in /proc/cpuinfo")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="reads the machine's figures from /proc (Linux)")
+def test_current_fingerprint_cpu_reports_this_machine() -> None:
+    """Checked against /proc, not against the inputs: fails if the host memory is misreported
+    (a 1-byte or a per-process figure), if the CPU model is not the machine's, if the torch
+    version is not the running one, or if one cap is applied to every rank."""
+    import torch
+
     fp = current_fingerprint(device_type="cpu", world_size=2, nnodes=1, cap_bytes=[GIB, None])
     assert fp.device_type == "cpu"
     assert fp.world_size == 2
     assert fp.cap_bytes == [GIB, None]
+    total = _meminfo_total()
     assert len(fp.capacity_bytes) == 2
-    assert fp.torch_version
+    for capacity in fp.capacity_bytes:
+        assert abs(capacity - total) <= 0.01 * total, (capacity, total)
+    assert fp.device_name == _cpuinfo_model()
+    assert fp.torch_version == torch.__version__
+    assert fp.nnodes == 1
     assert differences(fp, fp) == []
+    # the rank-1 cap is absent on this job: named as the difference
+    assert differences(current_fingerprint(device_type="cpu", world_size=2, nnodes=1, cap_bytes=GIB), fp) == [
+        "rank 1 memory cap 1.0 GiB (tuned) vs no cap (this job)"]
 
 
 def test_current_fingerprint_rejects_unknown_device() -> None:
