@@ -1,9 +1,11 @@
-"""Run by tests under torchrun (gloo): for many configurations, the plan's one-step update must
-equal one process's update on the concatenated global batch.
+"""Run by tests under torchrun (gloo, any world size): for many configurations, every optimizer
+step of a whole epoch (the short last step included) must update the weights as one process would
+on that step's samples concatenated.
 
-argv: output path (rank 0 writes a JSON list of results), number of cases, and the form:
-``equal`` (2 ranks, equal micro-batches per rank, the default) or ``any`` (any world size: random
-global batches, primes included, split any way over the ranks and 1-6 micro-steps).
+argv: output path (rank 0 writes ``{"equal": [...], "any": [...]}``), the number of cases of each
+form: ``equal`` (equal micro-batches on each rank, sizes random per rank, accumulation 1-4) and
+``any`` (random global batches, primes included, split any way over the ranks and 1-6 micro-steps
+whose sizes differ by one; with a one-epoch coverage check of its own).
 """
 
 from __future__ import annotations
@@ -45,7 +47,10 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def one_case(cfg: ab.BalanceConfig, data: torch.utils.data.TensorDataset) -> dict:
+def one_case(cfg: ab.BalanceConfig, data: torch.utils.data.TensorDataset, lr: float = 0.05) -> dict:
+    """A whole epoch: before every optimizer step the reference takes the model's current weights;
+    the step's update must equal ``lr`` x the reference's gradient of the mean loss over exactly the
+    samples the schedule gives that step (the short last step included)."""
     plan = ab.plan(config=cfg, device="cpu")
     torch.manual_seed(0)
     reference = Net()
@@ -59,24 +64,50 @@ def one_case(cfg: ab.BalanceConfig, data: torch.utils.data.TensorDataset) -> dic
             return fut.then(lambda f: f.value()[0] / dist.get_world_size())
         plan.ddp.register_comm_hook(None, hook)
     loader = plan.dataloader(data, seed=7)
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    before = [p.detach().clone() for p in reference.parameters()]
-    for micro_batches in plan.steps(loader):
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    schedule = epoch_schedule(num_samples=len(data), config=cfg, epoch=0, seed=7)
+    errors: list[float] = []
+    totals: list[int] = []
+    allreduces: list[int] = []
+    seen: list[int] = []
+    for i, micro_batches in enumerate(plan.steps(loader)):
+        before = [p.detach().clone() for p in model.parameters()]
+        calls_before = calls["n"]
         for x, y in micro_batches:
             with plan.micro_step():
                 plan.backward(F.cross_entropy(model(x), y))
         plan.optimizer_step(opt)
-        break
-    step = epoch_schedule(num_samples=len(data), config=cfg, epoch=0, seed=7).steps[0]
-    idx = [i for rank in step.micro_batches for mb in rank for i in mb]
-    x_all, y_all = data.tensors[0][idx], data.tensors[1][idx]
-    F.cross_entropy(reference(x_all), y_all).backward()
-    ref_grad = torch.cat([p.grad.flatten() for p in reference.parameters()])
-    got = torch.cat([(b - p.detach()).flatten() for b, p in zip(before, model.parameters(), strict=True)])
-    rel = float((got - ref_grad).norm() / ref_grad.norm())
+        allreduces.append(calls["n"] - calls_before)
+        step = schedule.steps[i]
+        idx = [j for rank in step.micro_batches for mb in rank for j in mb]
+        seen.extend(idx)
+        with torch.no_grad():
+            for r, b in zip(reference.parameters(), before, strict=True):
+                r.copy_(b)
+        reference.zero_grad(set_to_none=True)
+        x_all, y_all = data.tensors[0][idx], data.tensors[1][idx]
+        F.cross_entropy(reference(x_all), y_all).backward()
+        ref_grad = torch.cat([p.grad.flatten() for p in reference.parameters()])
+        got = torch.cat([((b - p.detach()) / lr).flatten() for b, p in zip(before, model.parameters(), strict=True)])
+        errors.append(float((got - ref_grad).norm() / ref_grad.norm()))
+        totals.append(step.total)
+    result = {"config": cfg.to_dict(), "num_samples": len(data), "rel_errors": errors,
+              "rel_error": max(errors), "step_totals": totals, "schedule_steps": len(schedule.steps),
+              "dropped": schedule.dropped, "allreduce_calls": allreduces, "samples_seen": len(seen),
+              "distinct_samples": len(set(seen))}
     del model, plan, opt, loader
     gc.collect()
-    return {"config": cfg.to_dict(), "rel_error": rel, "allreduce_calls": calls["n"]}
+    return result
+
+
+def epoch_data(full: torch.utils.data.TensorDataset, cfg: ab.BalanceConfig, rng: random.Random
+               ) -> torch.utils.data.TensorDataset:
+    """One or two full steps, then a short last step of at least one sample per rank when the
+    global batch leaves room for one."""
+    world = cfg.world_size
+    tail = rng.randint(world, cfg.global_batch - 1) if cfg.global_batch - 1 >= world else 0
+    n = cfg.global_batch * rng.randint(1, 2) + tail
+    return torch.utils.data.TensorDataset(full.tensors[0][:n], full.tensors[1][:n])
 
 
 def epoch_check(cfg: ab.BalanceConfig, *, num_samples: int) -> dict:
@@ -114,28 +145,35 @@ def any_split(case: int, rng: random.Random, world: int) -> ab.BalanceConfig:
     )
 
 
+def equal_split(case: int, rng: random.Random, world: int) -> ab.BalanceConfig:
+    acc = 1 + case % 4
+    mbs = [rng.randint(1, 7) for _ in range(world)]
+    mbs[0] = max(mbs[0], 2)  # a global batch of at least world + 1: room for a short last step
+    ckpt = [sorted(rng.sample(range(4), rng.randint(0, 4))) for _ in range(world)]
+    return ab.BalanceConfig(
+        micro_batches=mbs, accumulation=acc, global_batch=sum(mbs) * acc, checkpoint=ckpt,
+        bucket_cap_mb=1000.0, gradient_as_bucket_view=bool(case % 2),
+    )
+
+
 def main() -> None:
     out = sys.argv[1]
-    cases = int(sys.argv[2]) if len(sys.argv) > 2 else 12
-    form = sys.argv[3] if len(sys.argv) > 3 else "equal"
+    equal_cases = int(sys.argv[2]) if len(sys.argv) > 2 else 6
+    any_cases = int(sys.argv[3]) if len(sys.argv) > 3 else 12
     dist.init_process_group("gloo")
-    rng = random.Random(42 if form == "equal" else 42 + dist.get_world_size())
+    world = dist.get_world_size()
     g = torch.Generator().manual_seed(3)
-    data = torch.utils.data.TensorDataset(torch.randn(256, 16, generator=g), torch.randint(0, 5, (256,), generator=g))
-    results = []
-    for case in range(cases):
-        if form == "any":
-            cfg = any_split(case, rng, dist.get_world_size())
-            results.append({**one_case(cfg, data), "epoch": epoch_check(cfg, num_samples=97 + case)})
-            continue
-        acc = 1 + case % 4
-        mbs = [rng.randint(1, 9), rng.randint(1, 9)]
-        ckpt = [sorted(rng.sample(range(4), rng.randint(0, 4))) for _ in range(2)]
-        cfg = ab.BalanceConfig(
-            micro_batches=mbs, accumulation=acc, global_batch=sum(mbs) * acc, checkpoint=ckpt,
-            bucket_cap_mb=1000.0, gradient_as_bucket_view=bool(case % 2),
-        )
-        results.append(one_case(cfg, data))
+    full = torch.utils.data.TensorDataset(torch.randn(400, 16, generator=g), torch.randint(0, 5, (400,), generator=g))
+    results: dict[str, list[dict]] = {"equal": [], "any": []}
+    rng = random.Random(42 + world)
+    for case in range(equal_cases):
+        cfg = equal_split(case, rng, world)
+        results["equal"].append(one_case(cfg, epoch_data(full, cfg, rng)))
+    rng = random.Random(42 + world)
+    for case in range(any_cases):
+        cfg = any_split(case, rng, world)
+        results["any"].append({**one_case(cfg, epoch_data(full, cfg, rng)),
+                               "epoch": epoch_check(cfg, num_samples=97 + case)})
     if dist.get_rank() == 0:
         with open(out, "w") as fh:
             json.dump(results, fh)
