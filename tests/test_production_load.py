@@ -43,22 +43,30 @@ def saved(tmp_path):
 
 
 def test_study_in_environment_loads_the_same_row_on_every_rank(saved, tmp_path):
+    """Rank 0 reads the store once and broadcasts: fails if every rank opens the database (a
+    thousand ranks would hammer it), if rank 0 does not read it, or if rank 1 ends up with
+    anything but rank 0's row."""
     url, row = saved
-    proc, found = show(tmp_path, {"AUTOBALANCE_STUDY": "prod", "AUTOBALANCE_STORAGE": url})
+    proc, found = show(tmp_path, {"AUTOBALANCE_STUDY": "prod", "AUTOBALANCE_STORAGE": url,
+                                  "SHOW_PLAN_WATCH": str(tmp_path / "best.db")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert set(found) == {0, 1}
     for data in found.values():
         assert data["config"] == row.config.to_dict()
         assert data["source"] == "store:prod#7"
+    assert any(t.startswith("sqlite3.connect") for t in found[0]["touched"]), found[0]
+    assert found[1]["touched"] == []
 
 
 def test_export_file_loads_without_a_database(saved, tmp_path):
     _url, row = saved
     path = export_file(row, str(tmp_path / "best.json"))
-    proc, found = show(tmp_path, {"AUTOBALANCE_CONFIG_FILE": path})
+    proc, found = show(tmp_path, {"AUTOBALANCE_CONFIG_FILE": path, "SHOW_PLAN_WATCH": path})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert set(found) == {0, 1}
     assert all(d["config"] == row.config.to_dict() for d in found.values())
+    # read by rank 0 only (fails if every rank reads the file)
+    assert found[0]["touched"] == [f"open {path}"] and found[1]["touched"] == []
 
 
 def test_no_environment_means_the_script_defaults(tmp_path):
