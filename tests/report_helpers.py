@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from tests.services import service_missing
 from tests.tune_helpers import GPT, cli, load, tune_args
 
 STUDY = "report-demo"
@@ -70,12 +71,12 @@ def browser_or_skip() -> tuple[str, str]:
     missing = [name for name, path in (("chromium", browser), ("chromedriver (Debian: chromium-driver)", driver))
                if path is None]
     if missing:
-        pytest.skip(f"headless browser tests need {' and '.join(missing)} on PATH: "
-                    "apt-get install -y chromium chromium-driver")
+        service_missing(f"headless browser tests need {' and '.join(missing)} on PATH: "
+                        "apt-get install -y chromium chromium-driver")
     try:
         import selenium  # noqa: F401
     except ImportError:
-        pytest.skip("headless browser tests need the selenium package: pip install 'autobalance[test]'")
+        service_missing("headless browser tests need the selenium package: pip install 'autobalance[test]'")
     assert browser is not None and driver is not None
     return browser, driver
 

@@ -24,6 +24,7 @@ import pytest
 from optuna.trial import FrozenTrial, TrialState
 
 from tests.pg_helpers import throwaway_schema
+from tests.services import service_missing
 from tests.tune_helpers import FAULTY, processes_with
 
 STUDY = "s"
@@ -170,7 +171,7 @@ def postgres_server() -> str:
             conn.execute(text("SELECT 1"))
     except Exception as exc:
         first = str(getattr(exc, "orig", exc)).strip().splitlines()[0]
-        pytest.skip(f"PostgreSQL fault tests skipped: no server answers at {mask_url(url)} ({first}); "
+        service_missing(f"PostgreSQL fault tests skipped: no server answers at {mask_url(url)} ({first}); "
                     f"set {POSTGRES_ENV} to a reachable server.")
     finally:
         engine.dispose()

@@ -19,6 +19,7 @@ if str(HERE) not in sys.path:  # store_workers must be importable in spawned pro
 from autobalance import BalanceConfig  # noqa: E402
 from autobalance.store import HardwareFingerprint, mask_url  # noqa: E402
 from tests.pg_helpers import throwaway_schema  # noqa: E402
+from tests.services import service_missing  # noqa: E402
 
 POSTGRES_ENV = "AUTOBALANCE_TEST_POSTGRES_URL"
 POSTGRES_DEFAULT = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -125,14 +126,14 @@ def postgres_server() -> str:
     try:
         url = normalize_storage_url(raw)
     except StorageError as exc:
-        pytest.skip(f"PostgreSQL tests skipped: {exc}")
+        service_missing(f"PostgreSQL tests skipped: {exc}")
     engine = create_engine(url, connect_args={"connect_timeout": 5})
     try:
         with engine.connect() as conn:
             conn.execute(text("SELECT 1"))
     except Exception as exc:
         first = str(getattr(exc, "orig", exc)).strip().splitlines()[0]
-        pytest.skip(
+        service_missing(
             f"PostgreSQL tests skipped: no server answers at {mask_url(url)} ({first}); "
             f"set {POSTGRES_ENV} to a reachable server."
         )
