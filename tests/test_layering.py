@@ -14,6 +14,8 @@ FORBIDDEN = {
     "runtime": ("autobalance.tuner", "autobalance.launcher", "autobalance.cli", "autobalance.report"),
     "launcher": ("autobalance.tuner", "autobalance.cli", "autobalance.report"),
     "store": ("autobalance.tuner", "autobalance.launcher", "autobalance.cli", "autobalance.runtime"),
+    "protocol": ("autobalance.tuner", "autobalance.launcher", "autobalance.cli", "autobalance.runtime",
+                 "autobalance.report", "autobalance.store", "autobalance._"),
 }
 
 
@@ -36,3 +38,14 @@ def test_room_does_not_import_upstream(room):
             if name.startswith(FORBIDDEN[room]):
                 offenders.append(f"{path.relative_to(PKG)} imports {name}")
     assert offenders == []
+
+
+def test_protocol_imports_no_heavy_module():
+    """The floor every room stands on: importing it loads neither torch nor optuna."""
+    import subprocess
+    import sys
+
+    code = ("import sys, autobalance.protocol; "
+            "print(sorted(m for m in ('torch', 'optuna', 'sqlalchemy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"

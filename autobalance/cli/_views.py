@@ -8,6 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from autobalance.protocol import TrialAttr
 from autobalance.tuner._reporter import describe_config
 
 
@@ -26,7 +27,7 @@ def print_studies(storage_url: str) -> None:
     table = Table(title=f"Studies in {mask(storage_url)}")
     for col in ("study", "trials", "complete", "feasible", "best step (ms)", "best spread (GiB)"):
         table.add_column(col)
-    from autobalance.tuner import best_trial, is_feasible
+    from autobalance.protocol import best_trial, is_feasible
 
     for name in names:
         study = optuna.load_study(study_name=name, storage=storage)
@@ -46,11 +47,11 @@ def trial_rows(study: Any) -> list[dict[str, Any]]:
     for t in study.get_trials(deepcopy=False):
         a = t.user_attrs
         rows.append({
-            "number": t.number, "state": t.state.name, "status": a.get("status"), "baseline": a.get("baseline", False),
-            "feasible": a.get("feasible"), "config": a.get("config"), "peak_device_gib": a.get("peak_device_gib"),
-            "spread_gib": a.get("spread_gib"), "step_time_ms": a.get("step_time_ms"),
-            "measured_steps": a.get("measured_steps"), "steps_s": a.get("steps_s"), "wall_s": a.get("wall_s"),
-            "values": t.values, "reason": a.get("reason"),
+            "number": t.number, "state": t.state.name, "status": a.get(TrialAttr.STATUS), "baseline": a.get(TrialAttr.BASELINE, False),
+            "feasible": a.get(TrialAttr.FEASIBLE), "config": a.get(TrialAttr.CONFIG), "peak_device_gib": a.get(TrialAttr.PEAK_DEVICE_GIB),
+            "spread_gib": a.get(TrialAttr.SPREAD_GIB), "step_time_ms": a.get(TrialAttr.STEP_TIME_MS),
+            "measured_steps": a.get(TrialAttr.MEASURED_STEPS), "steps_s": a.get(TrialAttr.STEPS_S), "wall_s": a.get(TrialAttr.WALL_S),
+            "values": t.values, "reason": a.get(TrialAttr.REASON),
         })
     return rows
 

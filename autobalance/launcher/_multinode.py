@@ -47,6 +47,7 @@ from typing import Any
 from autobalance._errors import LaunchError
 from autobalance.launcher._outcome import TrialOutcome, classify, read_reports
 from autobalance.launcher._torchrun import TrialLaunch, run_trial, unwritable_trial_dir
+from autobalance.protocol import Status
 
 __all__ = ["Coordinator", "hub_dir", "run_worker"]
 
@@ -277,17 +278,17 @@ class Coordinator:
             _touch(os.path.join(launch.trial_dir, "cancel"))
         if aborted:
             reason, tail = aborted[0]
-            return dataclasses.replace(outcome, status="crash", reason=reason[:300], traceback=tail)
-        if outcome.status == "timeout":
+            return dataclasses.replace(outcome, status=Status.CRASH, reason=reason[:300], traceback=tail)
+        if outcome.status == Status.TIMEOUT:
             started = [w for w in nodes if (self._node_state(launch.trial_dir, w) or {}).get("status")
                        in ("started", "finished")]
             if len(started) < len(nodes):
                 missing = [w.get("host", "?") for w in nodes if w not in started]
-                return dataclasses.replace(outcome, status="crash", reason=(
+                return dataclasses.replace(outcome, status=Status.CRASH, reason=(
                     f"worker node(s) {', '.join(missing)} did not start the trial within --trial-timeout "
                     f"{launch.timeout_s:g}s; the ranks that did waited at the rendezvous")[:300])
             return outcome
-        if outcome.status in ("interrupted", "pruned") or len(outcome.reports) == launch.world_size:
+        if outcome.status in (Status.INTERRUPTED, Status.PRUNED) or len(outcome.reports) == launch.world_size:
             return outcome
         return self._late_reports(launch, outcome)
 

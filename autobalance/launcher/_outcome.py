@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import glob
 import json
-import math
 import os
 import re
 import signal
@@ -14,13 +13,18 @@ from typing import Any
 
 from autobalance._env import REPORT_FAILED_EXIT_CODE as _REPORT_FAILED_EXIT_CODE
 from autobalance._env import REPORT_FAILED_MARKER as _REPORT_FAILED_MARKER
+from autobalance.protocol import (
+    OUTCOME_STATUSES,
+    Status,
+    looks_like_oom,
+    looks_like_peer_failure,
+    report_path,
+    report_problem,
+)
 
-__all__ = ["REPORT_STATUSES", "STATUSES", "TrialOutcome", "classify", "read_reports", "report_problem"]
+__all__ = ["STATUSES", "TrialOutcome", "classify", "read_reports"]
 
-REPORT_STATUSES = ("ok", "oom", "error", "peer_failed")
-"""What a rank may put in its report's ``status``."""
-
-STATUSES = ("ok", "oom", "timeout", "error", "crash", "interrupted", "pruned")
+STATUSES = OUTCOME_STATUSES
 """ok: measured; oom / timeout: infeasible; error: the script raised (not OOM); crash: a rank died
 or left no usable report (killed, exited early, garbage report); interrupted: the tuner was stopped;
 pruned: stopped early by the tuner because it was clearly slower than the best feasible trial."""
@@ -30,7 +34,7 @@ pruned: stopped early by the tuner because it was clearly slower than the best f
 class TrialOutcome:
     """The result of one torchrun job."""
 
-    status: str
+    status: Status
     """One of :data:`STATUSES`."""
     reason: str
     """One line saying why (the failing rank and what happened)."""
@@ -53,7 +57,7 @@ class TrialOutcome:
 
     @property
     def feasible_measurement(self) -> bool:
-        return self.status == "ok"
+        return self.status == Status.OK
 
 
 def read_reports(trial_dir: str, world_size: int) -> tuple[dict[int, dict[str, Any]], dict[int, str]]:
@@ -61,7 +65,7 @@ def read_reports(trial_dir: str, world_size: int) -> tuple[dict[int, dict[str, A
     reports: dict[int, dict[str, Any]] = {}
     problems: dict[int, str] = {}
     for rank in range(world_size):
-        path = os.path.join(trial_dir, f"rank{rank}.json")
+        path = report_path(trial_dir, rank)
         if not os.path.exists(path):
             continue
         try:
@@ -76,50 +80,6 @@ def read_reports(trial_dir: str, world_size: int) -> tuple[dict[int, dict[str, A
             continue
         reports[rank] = data
     return reports, problems
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
-
-
-def report_problem(data: Any) -> str | None:
-    """Why ``data`` cannot be used as a rank's report (types and ranges of every field the tuner
-    reads), or None. A report is plain JSON from another process: nothing in it is trusted."""
-    if not isinstance(data, dict):
-        return f"a JSON {type(data).__name__}, not an object"
-    if data.get("status") not in REPORT_STATUSES:
-        return f"status {str(data.get('status'))[:40]!r} is not one of {', '.join(REPORT_STATUSES)}"
-    for key in ("error", "traceback", "torch_version", "cuda_version"):
-        if data.get(key) is not None and not isinstance(data[key], str):
-            return f"{key} is not a string"
-    for key in ("memory", "device", "timing", "config", "defaults", "model", "breakdown"):
-        if data.get(key) is not None and not isinstance(data[key], dict):
-            return f"{key} is not an object"
-    if data["status"] == "ok":
-        for key in ("memory", "device"):
-            if not isinstance(data.get(key), dict):
-                return f"an ok report without {key}"
-        if not _number(data.get("step_time_s")):
-            return "an ok report without a step time"
-    checks = (
-        ("memory", ("peak_device", "peak_allocated", "peak_reserved", "outside_pytorch", "nvml_used_peak")),
-        ("device", ("capacity_bytes", "cap_bytes")),
-        ("timing", ("startup_s", "wall_s")),
-        ("config", ("global_batch",)),
-        ("model", ("num_blocks",)),
-    )
-    for section, keys in checks:
-        values = data.get(section) or {}
-        for key in keys:
-            if values.get(key) is not None and not _number(values[key]):
-                return f"{section}.{key} is not a non-negative number"
-    for key in ("step_time_s", "samples_per_s"):
-        if data.get(key) is not None and not _number(data[key]):
-            return f"{key} is not a non-negative number"
-    times = data.get("step_times_s")
-    if times is not None and not (isinstance(times, list) and all(_number(t) for t in times)):
-        return "step_times_s is not a list of non-negative numbers"
-    return None
 
 
 def _rank_logs(trial_dir: str) -> dict[int, str]:
@@ -156,14 +116,9 @@ def _traceback_in(text: str) -> str:
     return text[start:] if start >= 0 else ""
 
 
-_PEER_FAILURE = ("DistBackendError", "DistNetworkError", "Connection closed by peer", "Connection reset by peer",
-                 "Broken pipe", "NCCL communicator", "DistStoreError")
-"""Text of an error a rank gets because another rank died (the victim, not the cause)."""
-
-
 def _is_peer_failure(tb: str) -> bool:
     last = tb.strip().splitlines()[-1] if tb.strip() else ""
-    return any(marker in last for marker in _PEER_FAILURE)
+    return looks_like_peer_failure(last)
 
 
 def _how_it_ended(rank: int, codes: dict[int, int] | None) -> str:
@@ -196,34 +151,34 @@ def classify(
 ) -> TrialOutcome:
     reports, problems = read_reports(trial_dir, world_size)
 
-    def outcome(status: str, reason: str, rank: int | None = None, tb: str = "") -> TrialOutcome:
+    def outcome(status: Status, reason: str, rank: int | None = None, tb: str = "") -> TrialOutcome:
         return TrialOutcome(
             status=status, reason=reason, reports=reports, returncode=returncode, wall_s=wall_s,
             failing_rank=rank, traceback=tb, trial_dir=trial_dir,
         )
 
     if interrupted:
-        return outcome("interrupted", "the tuner was interrupted; the trial's processes were killed")
+        return outcome(Status.INTERRUPTED, "the tuner was interrupted; the trial's processes were killed")
     if pruned:
-        return outcome("pruned", "stopped early: its step time was clearly worse than the best feasible trial's")
+        return outcome(Status.PRUNED, "stopped early: its step time was clearly worse than the best feasible trial's")
     for rank, rep in sorted(reports.items()):
-        if rep["status"] == "oom":
-            return outcome("oom", f"rank {rank} ran out of memory: {rep.get('error') or ''}"[:300], rank,
+        if rep["status"] == Status.OOM:
+            return outcome(Status.OOM, f"rank {rank} ran out of memory: {rep.get('error') or ''}"[:300], rank,
                            rep.get("traceback") or "")
     for rank, rep in sorted(reports.items()):
-        if rep["status"] == "error":
-            return outcome("error", f"rank {rank} raised {rep.get('error') or 'an error'}"[:300], rank,
+        if rep["status"] == Status.ERROR:
+            return outcome(Status.ERROR, f"rank {rank} raised {rep.get('error') or 'an error'}"[:300], rank,
                            rep.get("traceback") or "")
     if timed_out:
         waiting = sorted(set(range(world_size)) - set(reports))
-        return outcome("timeout", f"no result within --trial-timeout {timeout_s:g}s (ranks {waiting} did not report); "
+        return outcome(Status.TIMEOUT, f"no result within --trial-timeout {timeout_s:g}s (ranks {waiting} did not report); "
                        "killed the whole job")
     if problems:
         rank = min(problems)
-        return outcome("crash", problems[rank], rank)
-    if len(reports) == world_size and all(r["status"] == "ok" for r in reports.values()):
+        return outcome(Status.CRASH, problems[rank], rank)
+    if len(reports) == world_size and all(r["status"] == Status.OK for r in reports.values()):
         # every rank measured and reported; a failure while tearing down does not spoil that
-        return outcome("ok", "measured" if returncode == 0 else f"measured (torchrun exit code {returncode} afterwards)")
+        return outcome(Status.OK, "measured" if returncode == 0 else f"measured (torchrun exit code {returncode} afterwards)")
     logs = _rank_logs(trial_dir)
     silent = [r for r in range(world_size) if r not in reports]
     for rank in silent:  # a rank that said why its report is missing (disk full, directory unwritable)
@@ -231,27 +186,27 @@ def classify(
         at = text.rfind(_REPORT_FAILED_MARKER)
         if at >= 0:
             line = text[at + len(_REPORT_FAILED_MARKER):].strip().splitlines()[0]
-            return outcome("crash", f"no report: {line}"[:300], rank, _traceback_in(text[:at]))
+            return outcome(Status.CRASH, f"no report: {line}"[:300], rank, _traceback_in(text[:at]))
     for rank in silent:  # a rank that failed before autobalance.plan() could report (import error, ...)
         tb = _traceback_in(logs.get(rank, ""))
         if not tb or _is_peer_failure(tb):
             continue
-        if "OutOfMemoryError" in tb or "out of memory" in tb.lower():
-            return outcome("oom", f"rank {rank} ran out of memory before autobalance.plan() was set up", rank, tb)
+        if looks_like_oom(tb):
+            return outcome(Status.OOM, f"rank {rank} ran out of memory before autobalance.plan() was set up", rank, tb)
         last = tb.strip().splitlines()[-1]
-        return outcome("error", f"rank {rank} failed before reporting: {last}"[:300], rank, tb)
+        return outcome(Status.ERROR, f"rank {rank} failed before reporting: {last}"[:300], rank, tb)
     codes = _exit_codes(trial_dir)
     # the cause is a rank without a report whose peers (if any) only saw it vanish
     culprits = [r for r in silent if not _is_peer_failure(_traceback_in(logs.get(r, "")))] or silent
     if culprits:
         rank = culprits[0]
-        victims = sorted(r for r, rep in reports.items() if rep["status"] == "peer_failed")
+        victims = sorted(r for r, rep in reports.items() if rep["status"] == Status.PEER_FAILED)
         tail = f"; ranks {victims} lost their connection to it" if victims else ""
         reason = f"rank {rank} {_how_it_ended(rank, codes)}{tail}"
         if returncode is not None and returncode < 0 and codes is None:
             reason += f"; torchrun was killed by signal {-returncode}"
-        return outcome("crash", reason[:300], rank, "\n".join(logs.get(r, "")[-2000:] for r in sorted(logs)))
+        return outcome(Status.CRASH, reason[:300], rank, "\n".join(logs.get(r, "")[-2000:] for r in sorted(logs)))
     if returncode is not None and returncode < 0:
-        return outcome("crash", f"torchrun was killed by signal {-returncode}")
-    return outcome("crash", f"every rank reported but the job failed (reports: "
+        return outcome(Status.CRASH, f"torchrun was killed by signal {-returncode}")
+    return outcome(Status.CRASH, f"every rank reported but the job failed (reports: "
                    f"{ {r: rep['status'] for r, rep in sorted(reports.items())} }; torchrun exit code {returncode})")

@@ -19,6 +19,7 @@ from autobalance.launcher._procs import (
     kill_trial_processes,
     parent_death_signal,
 )
+from autobalance.protocol import Status
 
 __all__ = ["TrialLaunch", "build_command", "child_setup", "run_trial"]
 
@@ -147,7 +148,7 @@ def trial_environment(launch: TrialLaunch) -> dict[str, str]:
 def unwritable_trial_dir(launch: TrialLaunch, exc: OSError) -> TrialOutcome:
     """The outcome of a trial whose directory cannot be created or written (nothing was started)."""
     return TrialOutcome(
-        status="crash", trial_dir=launch.trial_dir,
+        status=Status.CRASH, trial_dir=launch.trial_dir,
         reason=f"could not write the trial directory {launch.trial_dir} ({exc.strerror or exc}); nothing was "
                "started. Check that --runs-dir is writable and its disk is not full",
     )
@@ -195,7 +196,7 @@ def run_trial(
                 break
             if failure_seen_at is None:
                 reports, _ = read_reports(launch.trial_dir, launch.world_size)
-                if any(r["status"] in ("oom", "error") for r in reports.values()):
+                if any(r["status"] in (Status.OOM, Status.ERROR) for r in reports.values()):
                     failure_seen_at = time.monotonic()
             elif time.monotonic() - failure_seen_at > _FAILURE_GRACE_S:
                 break

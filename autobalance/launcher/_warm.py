@@ -33,6 +33,7 @@ from autobalance.launcher._torchrun import (
     trial_environment,
     unwritable_trial_dir,
 )
+from autobalance.protocol import Status
 
 __all__ = ["WarmPool", "cold_reason"]
 
@@ -153,10 +154,10 @@ class WarmPool:
         try:
             while True:
                 reports, problems = read_reports(launch.trial_dir, launch.world_size)
-                if len(reports) == launch.world_size and all(r["status"] == "ok" for r in reports.values()):
+                if len(reports) == launch.world_size and all(r["status"] == Status.OK for r in reports.values()):
                     done = True
                     break
-                if problems or any(r["status"] in ("oom", "error") for r in reports.values()):
+                if problems or any(r["status"] in (Status.OOM, Status.ERROR) for r in reports.values()):
                     failed_at = failed_at or time.monotonic()
                     if len(reports) + len(problems) == launch.world_size:
                         break  # every rank has answered: nothing more to wait for

@@ -7,6 +7,8 @@ import os
 import tempfile
 from typing import Any
 
+from autobalance.protocol import Status
+
 __all__ = ["ARTIFACT_PREFIX", "artifact_dir_for", "render_trial_chart", "upload_trial_chart"]
 
 ARTIFACT_PREFIX = "memory-per-rank"
@@ -72,7 +74,7 @@ def _render_png(peaks: list[float | None], caps: list[float | None], usable: lis
     ax = fig.add_subplot()
     ranks = list(range(len(peaks)))
     values = [p or 0.0 for p in peaks]
-    colors = ["#d62728" if status != "ok" else "#1f77b4"] * len(ranks)
+    colors = ["#d62728" if status != Status.OK else "#1f77b4"] * len(ranks)
     ax.bar(ranks, values, color=colors, width=0.6, label="peak")
     top = max(values) if values else 1.0
     for name, series, style in (("capacity", caps, "-"), ("usable", usable, "--")):
@@ -101,7 +103,7 @@ def _render_svg_html(peaks: list[float | None], caps: list[float | None], usable
     top = max([*values, *[v for v in lines if v <= 3 * max(values or [1.0])]] or [1.0]) * 1.15 or 1.0
     bar_w = (width - 2 * pad) / max(1, len(values))
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}">']
-    color = "#1f77b4" if status == "ok" else "#d62728"
+    color = "#1f77b4" if status == Status.OK else "#d62728"
     for r, v in enumerate(values):
         h = (height - 2 * pad) * v / top
         x = pad + r * bar_w + bar_w * 0.2

@@ -17,6 +17,7 @@ from typing import Any
 
 from autobalance import _env
 from autobalance._errors import LaunchError, TrialScriptError, UsageError
+from autobalance.protocol import Status
 
 __all__ = ["Diagnosis", "Finding", "RankBreakdown", "analyse", "print_diagnosis", "run_diagnose"]
 
@@ -165,10 +166,10 @@ def _findings(rows: list[RankBreakdown], *, command: str, status: str, reason: s
     top_peak = max(peaks) if peaks else 0
     significant = max(MIB, int(0.02 * top_peak))
 
-    if status == "oom":
-        oom = [r.rank for r in rows if r.status == "oom"]
+    if status == Status.OOM:
+        oom = [r.rank for r in rows if r.status == Status.OOM]
         out.append(Finding(
-            cause="oom", title=f"rank(s) {oom} ran out of memory at the script's own configuration",
+            cause=Status.OOM, title=f"rank(s) {oom} ran out of memory at the script's own configuration",
             size_bytes=None, ranks=oom, detail=reason,
             action="autobalance searches configurations that fit: smaller micro-batches or more checkpointing "
                    "on the full rank, more on the others (same global batch)", command=command))
@@ -279,7 +280,7 @@ def _findings(rows: list[RankBreakdown], *, command: str, status: str, reason: s
             action="try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, then tune", command=command))
 
     # causes that make the ranks differ come before memory pressure that every rank shares
-    out.sort(key=lambda f: (f.cause != "oom", f.cause not in IMBALANCE_CAUSES, f.size_bytes is None,
+    out.sort(key=lambda f: (f.cause != Status.OOM, f.cause not in IMBALANCE_CAUSES, f.size_bytes is None,
                             -(f.size_bytes or 0)))
     return out
 
@@ -332,13 +333,13 @@ def run_diagnose(*, script: str, script_args: list[str], nproc_per_node: int, de
         pg_timeout_s=int(max(30, min(300, timeout_s / 2))), env={_env.DIAGNOSE: "1"},
     )
     outcome = run_trial(launch)
-    if outcome.status == "error":
+    if outcome.status == Status.ERROR:
         raise TrialScriptError(f"the script failed at its own configuration: {outcome.reason}. Logs in {trial_dir}.",
                                traceback_text=outcome.traceback, rank=outcome.failing_rank)
     if not any((rep or {}).get("breakdown") for rep in outcome.reports.values()):
         raise LaunchError(
             f"the run ended with '{outcome.status}' ({outcome.reason}) before any rank measured its memory; logs in "
-            f"{trial_dir}. " + ("Raise --trial-timeout." if outcome.status == "timeout" else
+            f"{trial_dir}. " + ("Raise --trial-timeout." if outcome.status == Status.TIMEOUT else
                                 "Check that the script calls plan.wrap() and trains through plan.steps().")
         )
     return analyse(outcome, script=script, script_args=list(script_args), world_size=nproc_per_node,

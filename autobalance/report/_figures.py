@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from autobalance.protocol import Status
 from autobalance.report._rows import StudySummary, TrialRow, pareto_front
 
 __all__ = ["importance_figure", "memory_figure", "rank_colors", "tradeoff_figure"]
@@ -54,12 +55,12 @@ def memory_figure(summary: StudySummary) -> Any:
                 x=labels, y=series, name=name, mode="lines", line={"color": "#333333", "dash": dash, "shape": "hvh"},
                 hovertemplate=f"{name}: %{{y:.4f}} GiB<extra></extra>", visible="legendonly" if off_scale else True,
             ))
-    bad = [r for r in rows if r.failed_memory or r.status in ("timeout", "error", "crash")]
+    bad = [r for r in rows if r.failed_memory or r.status in (Status.TIMEOUT, Status.ERROR, Status.CRASH)]
     if bad:
         fig.add_trace(go.Scatter(
             x=[r.label for r in bad], y=[(_max(r.peaks_gib) or 0.0) + 0.06 * top for r in bad],
             mode="markers+text", name="OOM / infeasible", marker={"symbol": "x", "size": 12, "color": BAD},
-            text=[("infeasible" if r.status == "ok" else r.status.upper()) for r in bad], textposition="top center",
+            text=[("infeasible" if r.status == Status.OK else r.status.upper()) for r in bad], textposition="top center",
             textfont={"color": BAD}, customdata=[r.reason or "" for r in bad],
             hovertemplate="%{x}: %{text}<br>%{customdata}<extra></extra>",
         ))

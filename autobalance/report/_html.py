@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from autobalance.protocol import Status
 from autobalance.report._rows import StudySummary, TrialRow, summarize
 
 __all__ = ["ReportFiles", "build_report"]
@@ -86,7 +87,7 @@ def _trials_table(summary: StudySummary) -> str:
             "<th>configuration</th><th>peak GiB per rank</th><th>spread GiB</th><th>step ms</th></tr></thead><tbody>")
     body = []
     for r in summary.rows:
-        cls = " class='bad'" if r.failed_memory or r.status not in ("ok",) else ""
+        cls = " class='bad'" if r.failed_memory or r.status not in (Status.OK,) else ""
         chosen = " class='chosen'" if summary.best is not None and r.number == summary.best.number else cls
         peaks = " ".join("-" if p is None else f"{p:.4f}" for p in r.peaks_gib) or "-"
         body.append(f"<tr{chosen}><td>{_e(r.label)}</td><td>{_e(r.state)}</td><td>{_e(r.status)}</td>"

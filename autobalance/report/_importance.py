@@ -5,6 +5,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from autobalance.protocol import StudyAttr, weighted_objective
+
 __all__ = ["MIN_TRIALS_FOR_IMPORTANCE", "param_importances"]
 
 MIN_TRIALS_FOR_IMPORTANCE = 5
@@ -25,13 +27,10 @@ def param_importances(study: Any, *, min_trials: int = MIN_TRIALS_FOR_IMPORTANCE
     target = None
     target_name = "objective"
     if len(study.directions) > 1:
-        from autobalance.tuner import ATTR_OBJECTIVE
-
-        obj = study.user_attrs.get(ATTR_OBJECTIVE) or {}
-        ws, wt = float(obj.get("weight_spread", 1.0)), float(obj.get("weight_time", 1.0))
+        obj = study.user_attrs.get(StudyAttr.OBJECTIVE) or {}
 
         def target(t: Any) -> float:
-            return ws * t.values[0] + wt * t.values[1]
+            return weighted_objective(t.values, obj)
 
         target_name = "weighted spread + time"
     try:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from autobalance.protocol import Status, StudyAttr, TrialAttr, best_trial
+
 __all__ = ["StudySummary", "TrialRow", "pareto_front", "summarize"]
 
 
@@ -33,12 +35,12 @@ class TrialRow:
 
     @property
     def measured(self) -> bool:
-        return self.status == "ok" and self.spread_gib is not None and self.step_ms is not None
+        return self.status == Status.OK and self.spread_gib is not None and self.step_ms is not None
 
     @property
     def failed_memory(self) -> bool:
         """OOM, predicted OOM, or over the usable limit (infeasible by the memory constraint)."""
-        return self.status in ("oom", "predicted_oom") or (self.status == "ok" and not self.feasible)
+        return self.status in (Status.OOM, Status.PREDICTED_OOM) or (self.status == Status.OK and not self.feasible)
 
 
 @dataclass(kw_only=True)
@@ -62,13 +64,13 @@ def _floats(value: Any) -> list[float | None]:
 def _row(trial: Any) -> TrialRow:
     a = trial.user_attrs
     return TrialRow(
-        number=trial.number, state=trial.state.name, status=str(a.get("status") or trial.state.name.lower()),
-        baseline=bool(a.get("baseline", False)), feasible=bool(a.get("feasible", False)), config=a.get("config"),
-        params=dict(trial.params), peaks_gib=_floats(a.get("peak_device_gib")),
-        capacity_gib=_floats(a.get("capacity_gib")), usable_gib=_floats(a.get("usable_gib")),
-        spread_gib=a.get("spread_gib"), spread_pct=a.get("spread_pct_of_capacity"), step_ms=a.get("step_time_ms"),
-        values=list(trial.values) if trial.values is not None else None, reason=a.get("reason"),
-        reused_from=a.get("reused_from"),
+        number=trial.number, state=trial.state.name, status=str(a.get(TrialAttr.STATUS) or trial.state.name.lower()),
+        baseline=bool(a.get(TrialAttr.BASELINE, False)), feasible=bool(a.get(TrialAttr.FEASIBLE, False)), config=a.get(TrialAttr.CONFIG),
+        params=dict(trial.params), peaks_gib=_floats(a.get(TrialAttr.PEAK_DEVICE_GIB)),
+        capacity_gib=_floats(a.get("capacity_gib")), usable_gib=_floats(a.get(TrialAttr.USABLE_GIB)),
+        spread_gib=a.get(TrialAttr.SPREAD_GIB), spread_pct=a.get("spread_pct_of_capacity"), step_ms=a.get(TrialAttr.STEP_TIME_MS),
+        values=list(trial.values) if trial.values is not None else None, reason=a.get(TrialAttr.REASON),
+        reused_from=a.get(TrialAttr.REUSED_FROM),
     )
 
 
@@ -87,11 +89,9 @@ def pareto_front(rows: list[TrialRow]) -> list[TrialRow]:
 
 
 def summarize(study: Any) -> StudySummary:
-    from autobalance.tuner import ATTR_BASELINE, ATTR_OBJECTIVE, best_trial
-
     rows = [_row(t) for t in study.get_trials(deepcopy=False)]
     by_number = {r.number: r for r in rows}
-    base_no = study.user_attrs.get(ATTR_BASELINE)
+    base_no = study.user_attrs.get(StudyAttr.BASELINE)
     baseline = by_number.get(base_no) if base_no is not None else next((r for r in rows if r.baseline), None)
     best = best_trial(study)
     try:
@@ -102,6 +102,6 @@ def summarize(study: Any) -> StudySummary:
         name=study.study_name, rows=rows, baseline=baseline,
         best=by_number.get(best.number) if best is not None else None,
         directions=[d.name.lower() for d in study.directions], metric_names=names,
-        objective=dict(study.user_attrs.get(ATTR_OBJECTIVE) or {}),
-        device=dict(study.user_attrs.get("autobalance:device") or {}),
+        objective=dict(study.user_attrs.get(StudyAttr.OBJECTIVE) or {}),
+        device=dict(study.user_attrs.get(StudyAttr.DEVICE) or {}),
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from autobalance.protocol import Status
 from autobalance.report._figures import BAD, rank_colors
 from autobalance.report._rows import StudySummary, pareto_front
 
@@ -51,8 +52,8 @@ def write_pngs(summary: StudySummary, png_dir: str, *, importances: dict[str, fl
             ax.step(range(len(rows)), [v if v is not None else float("nan") for v in series], where="mid",
                     color="#333333", linestyle=style, linewidth=1, label=name)
     for i, r in enumerate(rows):
-        if r.failed_memory or r.status in ("timeout", "error", "crash"):
-            ax.annotate("infeasible" if r.status == "ok" else r.status.upper(), (i, (_max(r.peaks_gib) or 0) + 0.04 * top),
+        if r.failed_memory or r.status in (Status.TIMEOUT, Status.ERROR, Status.CRASH):
+            ax.annotate("infeasible" if r.status == Status.OK else r.status.upper(), (i, (_max(r.peaks_gib) or 0) + 0.04 * top),
                         ha="center", color=BAD, fontsize=8, weight="bold")
     ax.set_xticks(range(len(rows)), [r.label for r in rows], rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("GiB")

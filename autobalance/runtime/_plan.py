@@ -24,6 +24,15 @@ from torch import nn
 from autobalance import _env
 from autobalance._config import DTYPES, BalanceConfig, split_evenly
 from autobalance._errors import AutobalanceError, ConfigError, UsageError
+from autobalance.protocol import (
+    RankDevice,
+    RankMemory,
+    RankReport,
+    RankTiming,
+    Status,
+    looks_like_oom,
+    looks_like_peer_failure,
+)
 from autobalance.runtime._breakdown import Breakdown
 from autobalance.runtime._checkpoint import apply_checkpointing, find_blocks
 from autobalance.runtime._compile import CompileState
@@ -39,7 +48,6 @@ from autobalance.runtime._verify import VerifyRun, gradients
 
 __all__ = ["Plan", "TrialComplete", "classify_exception", "plan"]
 
-REPORT_SCHEMA = 1
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -50,26 +58,23 @@ class TrialComplete(SystemExit):
         super().__init__(0)
 
 
-def classify_exception(exc: BaseException) -> str:
+def classify_exception(exc: BaseException) -> Status:
     """``oom`` for out-of-memory, ``peer_failed`` for a collective broken by another rank, else ``error``."""
     if isinstance(exc, torch.OutOfMemoryError):
-        return "oom"
+        return Status.OOM
     text = str(exc)
-    if isinstance(exc, RuntimeError) and (
-        "out of memory" in text.lower() or "DefaultCPUAllocator: can't allocate" in text
-    ):
-        return "oom"
+    if isinstance(exc, RuntimeError) and looks_like_oom(text):
+        return Status.OOM
     dist_errors = tuple(
         cls
         for cls in (getattr(dist, "DistBackendError", None), getattr(dist, "DistNetworkError", None))
         if cls is not None
     )
     if dist_errors and isinstance(exc, dist_errors):
-        return "peer_failed"
-    peer_markers = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator")
-    if isinstance(exc, RuntimeError) and any(m in text for m in peer_markers):
-        return "peer_failed"
-    return "error"
+        return Status.PEER_FAILED
+    if isinstance(exc, RuntimeError) and looks_like_peer_failure(text):
+        return Status.PEER_FAILED
+    return Status.ERROR
 
 
 def _int_env(name: str, default: int) -> int:
@@ -467,77 +472,65 @@ class Plan:
         peak = self._tracker.peak_bytes if self._tracker is not None else 0
         return MemorySnapshot(peak_allocated=peak, peak_reserved=peak, outside_pytorch=0, nvml_used_peak=None)
 
-    def report(self, *, status: str = "ok", error: str | None = None, tb: str | None = None) -> dict[str, Any]:
+    def report(self, *, status: Status = Status.OK, error: str | None = None, tb: str | None = None) -> dict[str, Any]:
         """This rank's figures as a JSON-ready dict (what a trial writes to ``rank<R>.json``)."""
         measured = self._step_times[self.warmup_steps :] if self.in_trial else self._step_times
         step_time = statistics.median(measured) if measured else None
         mem = self.memory()
-        return {
-            "schema": REPORT_SCHEMA,
-            "status": status,
-            "error": error,
-            "traceback": tb,
-            "rank": self.rank,
-            "local_rank": self.local_rank,
-            "world_size": self.world_size,
-            "hostname": socket.gethostname(),
-            "pid": os.getpid(),
-            "trial_id": self.trial_id,
-            "device": self._device_info(),
-            "config": self.config.to_dict(),
-            "source": self.source,
-            "defaults": self.defaults.to_dict(),
-            "model": self.model_info,
-            "steps_done": self._steps_done,
-            "warmup_steps": self.warmup_steps,
-            "step_times_s": measured,
-            "step_time_s": step_time,
-            "measured_steps": len(measured),
-            "samples_per_s": (self.config.global_batch / step_time) if step_time else None,
-            "memory": {
-                "peak_allocated": mem.peak_allocated,
-                "peak_reserved": mem.peak_reserved,
-                "outside_pytorch": mem.outside_pytorch,
-                "nvml_used_peak": mem.nvml_used_peak,
-                "nvml_scope": self._nvml_scope,
-                "peak_device": mem.peak_device,
-                "before_training": self._live_before_training,
-            },
-            "timing": {
-                "startup_s": (self._first_step_at - self._started_at) if self._first_step_at else None,
-                "compile_s": self.compile_state.compile_s if self.compile_state is not None else None,
-                "steps_s": sum(self._step_times),
-                "measure_s": self.measure_s,
-                "wall_s": time.time() - self._started_at,
-            },
-            "compile": (self.compile_state.to_dict(device_type=self.device.type) if self.compile_state is not None
-                        else {"mode": "off"}),
-            "activation_budget": self.compile_state.budget_used if self.compile_state is not None else None,
-            "verify": {"dropout": self.verify.dropout, "loss_weighting": self._loss_weighting}
+        return RankReport(
+            status=status,
+            error=error,
+            traceback=tb,
+            rank=self.rank,
+            local_rank=self.local_rank,
+            world_size=self.world_size,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            trial_id=self.trial_id,
+            device=self._device_info(),
+            config=self.config.to_dict(),
+            source=self.source,
+            defaults=self.defaults.to_dict(),
+            model=self.model_info,
+            steps_done=self._steps_done,
+            warmup_steps=self.warmup_steps,
+            step_times_s=measured,
+            step_time_s=step_time,
+            measured_steps=len(measured),
+            samples_per_s=(self.config.global_batch / step_time) if step_time else None,
+            memory=RankMemory(
+                peak_allocated=mem.peak_allocated,
+                peak_reserved=mem.peak_reserved,
+                outside_pytorch=mem.outside_pytorch,
+                nvml_used_peak=mem.nvml_used_peak,
+                nvml_scope=self._nvml_scope,
+                peak_device=mem.peak_device,
+                before_training=self._live_before_training,
+            ),
+            timing=RankTiming(
+                startup_s=(self._first_step_at - self._started_at) if self._first_step_at else None,
+                compile_s=self.compile_state.compile_s if self.compile_state is not None else None,
+                steps_s=sum(self._step_times),
+                measure_s=self.measure_s,
+                wall_s=time.time() - self._started_at,
+            ),
+            compile=(self.compile_state.to_dict(device_type=self.device.type) if self.compile_state is not None
+                     else {"mode": "off"}),
+            activation_budget=self.compile_state.budget_used if self.compile_state is not None else None,
+            verify={"dropout": self.verify.dropout, "loss_weighting": self._loss_weighting}
             if self.verify is not None else None,
-            "breakdown": self._breakdown.to_dict() if self._breakdown is not None else None,
-            "torch_version": torch.__version__,
-            "cuda_version": torch.version.cuda,
-            "written_at": datetime.datetime.now(datetime.UTC).isoformat(),
-        }
+            breakdown=self._breakdown.to_dict() if self._breakdown is not None else None,
+            torch_version=torch.__version__,
+            cuda_version=torch.version.cuda,
+            written_at=datetime.datetime.now(datetime.UTC).isoformat(),
+        ).to_dict()
 
-    def _device_info(self) -> dict[str, Any]:
+    def _device_info(self) -> RankDevice:
         if self.device.type == "cuda":
             props = torch.cuda.get_device_properties(self.device)
-            return {
-                "type": "cuda",
-                "name": props.name,
-                "capacity_bytes": int(props.total_memory),
-                "cap_bytes": self.cap_bytes,
-                "uuid": self._nvml.uuid if self._nvml else None,
-            }
-        return {
-            "type": "cpu",
-            "name": "cpu",
-            "capacity_bytes": cpu_capacity_bytes(),
-            "cap_bytes": self.cap_bytes,
-            "uuid": None,
-        }
+            return RankDevice(type="cuda", name=props.name, capacity_bytes=int(props.total_memory),
+                              cap_bytes=self.cap_bytes, uuid=self._nvml.uuid if self._nvml else None)
+        return RankDevice(type="cpu", name="cpu", capacity_bytes=cpu_capacity_bytes(), cap_bytes=self.cap_bytes)
 
     def _setup_memory(self) -> None:
         if self.device.type == "cuda":
@@ -608,7 +601,7 @@ class Plan:
         return self._layout
 
     # ----------------------------------------------------------------- trial lifecycle
-    def _write(self, status: str, error: str | None = None, tb: str | None = None) -> None:
+    def _write(self, status: Status, error: str | None = None, tb: str | None = None) -> None:
         """Write this rank's report once; a rank that cannot (disk full, directory gone or read-only)
         says why on stderr and leaves with REPORT_FAILED_EXIT_CODE instead of passing for a script error."""
         if self.trial_dir is None or self._report_written:
@@ -620,7 +613,7 @@ class Plan:
             _report_not_written(self.rank, self.trial_dir, status, exc)
 
     def _finish_trial(self) -> None:
-        self._write("ok")
+        self._write(Status.OK)
         if self._tracker is not None:
             self._tracker.__exit__(None, None, None)
             self._tracker = None
@@ -639,33 +632,33 @@ class Plan:
         finally:
             sys.stderr.flush()
             sys.stdout.flush()
-            os._exit(_env.OOM_EXIT_CODE if status == "oom" else _env.ERROR_EXIT_CODE)
+            os._exit(_env.OOM_EXIT_CODE if status == Status.OOM else _env.ERROR_EXIT_CODE)
 
-    def _on_exit(self) -> str | None:
+    def _on_exit(self) -> Status | None:
         """The script ended before the trial's steps were done: report it. Returns the status written
         (``ok`` when the data ran out during a longer ``measure_s`` measurement, after the minimum)."""
         if self.trial_dir is not None and not self._report_written and self._target_steps > self.measured_steps \
                 and len(self._step_times) >= self.warmup_steps + self.measured_steps:
-            self._write("ok")
-            return "ok"
+            self._write(Status.OK)
+            return Status.OK
         if self.trial_dir is not None and not self._report_written:
             self._write(
-                "error",
+                Status.ERROR,
                 error=(
                     f"the script ended after {self._steps_done} optimizer steps, before the trial's "
                     f"{self.warmup_steps} warm-up + {self.measured_steps} measured steps; give it more data "
                     "or lower --steps"
                 ),
             )
-            return "error"
+            return Status.ERROR
         return None
 
 
-def _report_not_written(rank: int, trial_dir: str, status: str, exc: BaseException) -> None:
+def _report_not_written(rank: int, trial_dir: str, status: Status, exc: BaseException) -> None:
     """Say on stderr why the report is missing (one line the launcher recognises), then exit."""
     try:
         sys.stderr.write(
-            f"\n{_env.REPORT_FAILED_MARKER} rank {rank} could not write its {status!r} report to {trial_dir} "
+            f"\n{_env.REPORT_FAILED_MARKER} rank {rank} could not write its {str(status)!r} report to {trial_dir} "
             f"({type(exc).__name__}: {str(exc)[:300]})\n"
         )
         sys.stderr.flush()
@@ -688,22 +681,21 @@ def _setup_failure_reported(in_trial: bool) -> Iterator[None]:
 def _write_setup_report(exc: BaseException) -> None:
     trial_dir = os.environ.get(_env.TRIAL_DIR) or ""
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0") or 0)
-    report = {
-        "schema": REPORT_SCHEMA,
-        "status": "error",
-        "error": f"{type(exc).__name__}: {exc}"[:2000],
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-20000:],
-        "rank": rank,
-        "world_size": dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1") or 1),
-        "hostname": socket.gethostname(),
-        "pid": os.getpid(),
-        "trial_id": os.environ.get(_env.TRIAL_ID, ""),
-        "written_at": datetime.datetime.now(datetime.UTC).isoformat(),
-    }
+    report = RankReport(
+        status=Status.ERROR,
+        error=f"{type(exc).__name__}: {exc}"[:2000],
+        traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-20000:],
+        rank=rank,
+        world_size=dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1") or 1),
+        hostname=socket.gethostname(),
+        pid=os.getpid(),
+        trial_id=os.environ.get(_env.TRIAL_ID, ""),
+        written_at=datetime.datetime.now(datetime.UTC).isoformat(),
+    )
     try:
-        write_report(trial_dir, rank, report)
+        write_report(trial_dir, rank, report.to_dict())
     except Exception as write_exc:
-        _report_not_written(rank, trial_dir, "error", write_exc)
+        _report_not_written(rank, trial_dir, Status.ERROR, write_exc)
 
 
 # --------------------------------------------------------------------- construction

@@ -7,11 +7,9 @@ import os
 import tempfile
 from typing import Any
 
+from autobalance.protocol import report_path
+
 __all__ = ["report_path", "write_report"]
-
-
-def report_path(trial_dir: str, rank: int) -> str:
-    return os.path.join(trial_dir, f"rank{rank}.json")
 
 
 def write_report(trial_dir: str, rank: int, report: dict[str, Any]) -> str:

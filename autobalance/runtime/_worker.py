@@ -23,6 +23,7 @@ import traceback
 from typing import Any
 
 from autobalance import _env
+from autobalance.protocol import Status
 
 _POLL_S = 0.01
 
@@ -101,7 +102,7 @@ def _run_script(script: str, args: list[str]) -> tuple[str, BaseException | None
     try:
         runpy.run_path(script, run_name="__main__")
     except TrialComplete:
-        return "ok", None, ""
+        return Status.OK, None, ""
     except SystemExit as exc:
         return "exit", exc, ""
     except BaseException as exc:
@@ -118,7 +119,7 @@ def _report_failure(exc: BaseException, text: str) -> int:
     if plan is not None:
         with contextlib.suppress(Exception):
             plan._write(status, error=f"{type(exc).__name__}: {exc}"[:2000], tb=text[-20000:])
-    return _env.OOM_EXIT_CODE if status == "oom" else _env.ERROR_EXIT_CODE
+    return _env.OOM_EXIT_CODE if status == Status.OOM else _env.ERROR_EXIT_CODE
 
 
 def main(argv: list[str]) -> None:
@@ -159,7 +160,7 @@ def main(argv: list[str]) -> None:
             os._exit(code)
         # the script ended without finishing the trial's steps: report it; unless that still made a
         # measurement (its data ran out during a longer --measure-s one), leave the pool
-        if outcome == "exit" and (plan is None or plan._on_exit() != "ok"):
+        if outcome == "exit" and (plan is None or plan._on_exit() != Status.OK):
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(_env.ERROR_EXIT_CODE)

@@ -16,6 +16,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from autobalance._config import BalanceConfig
+from autobalance.protocol import Status, StudyAttr, TrialAttr, best_trial
 from autobalance.tuner._memory_model import MemoryModel, MemoryObservation
 from autobalance.tuner._objective import TrialFigures
 from autobalance.tuner._settings import TuneSettings
@@ -39,11 +40,11 @@ def observations_from_trials(trials: list[FrozenTrial], *, num_layers: int) -> l
     """One observation per rank of every measured (ok) or OOMed trial (OOM peaks are lower bounds)."""
     obs: list[MemoryObservation] = []
     for t in trials:
-        status = t.user_attrs.get("status")
-        if t.state != TrialState.COMPLETE or status not in ("ok", "oom") or t.user_attrs.get("reused_from") is not None:
+        status = t.user_attrs.get(TrialAttr.STATUS)
+        if t.state != TrialState.COMPLETE or status not in (Status.OK, Status.OOM) or t.user_attrs.get(TrialAttr.REUSED_FROM) is not None:
             continue
-        cfg = t.user_attrs.get("config")
-        peaks = t.user_attrs.get("peak_device_gib") or []
+        cfg = t.user_attrs.get(TrialAttr.CONFIG)
+        peaks = t.user_attrs.get(TrialAttr.PEAK_DEVICE_GIB) or []
         if not cfg or len(peaks) != len(cfg["micro_batches"]) or cfg.get("compile", "off") != "off":
             continue  # the model is of eager memory; compiled trials follow their budget instead
         for rank, peak in enumerate(peaks):
@@ -51,7 +52,7 @@ def observations_from_trials(trials: list[FrozenTrial], *, num_layers: int) -> l
                 continue
             obs.append(MemoryObservation(
                 rank=rank, micro_batch=int(cfg["micro_batches"][rank]), checkpointed=len(cfg["checkpoint"][rank]),
-                num_layers=max(1, num_layers), dtype=cfg["dtype"], peak_bytes=float(peak) * GIB, ok=status == "ok",
+                num_layers=max(1, num_layers), dtype=cfg["dtype"], peak_bytes=float(peak) * GIB, ok=status == Status.OK,
             ))
     return obs
 
@@ -64,12 +65,12 @@ def _budget(cfg: dict[str, Any], rank: int) -> float:
 def _ranks_over_cap(t: FrozenTrial) -> list[int] | None:
     """Ranks whose memory did not fit in trial ``t``; [] when it fit; None when it ran out of memory
     but the rank is unknown (then only a configuration that dominates it on every rank is implied)."""
-    peaks = t.user_attrs.get("peak_device_gib") or []
-    usable = t.user_attrs.get("usable_gib") or []
+    peaks = t.user_attrs.get(TrialAttr.PEAK_DEVICE_GIB) or []
+    usable = t.user_attrs.get(TrialAttr.USABLE_GIB) or []
     over = {r for r, (p, u) in enumerate(zip(peaks, usable, strict=False)) if p is not None and u and p > u}
-    if t.user_attrs.get("status") == "oom":
-        if t.user_attrs.get("failing_rank") is not None:
-            over.add(int(t.user_attrs["failing_rank"]))
+    if t.user_attrs.get(TrialAttr.STATUS) == Status.OOM:
+        if t.user_attrs.get(TrialAttr.FAILING_RANK) is not None:
+            over.add(int(t.user_attrs[TrialAttr.FAILING_RANK]))
         if not over:
             return None
     return sorted(over)
@@ -95,14 +96,14 @@ def dominating_over_cap(trials: list[FrozenTrial], config: BalanceConfig) -> tup
     needs only monotonicity, so it covers compiled configurations, which the memory model does not."""
     cfg = config.to_dict()
     for t in trials:
-        other = t.user_attrs.get("config")
-        if (t.state != TrialState.COMPLETE or t.user_attrs.get("status") not in ("ok", "oom") or not other
-                or t.user_attrs.get("reused_from") is not None or len(other["micro_batches"]) != config.world_size):
+        other = t.user_attrs.get(TrialAttr.CONFIG)
+        if (t.state != TrialState.COMPLETE or t.user_attrs.get(TrialAttr.STATUS) not in (Status.OK, Status.OOM) or not other
+                or t.user_attrs.get(TrialAttr.REUSED_FROM) is not None or len(other["micro_batches"]) != config.world_size):
             continue
         over = _ranks_over_cap(t)
         if over is None:
             if all(_needs_at_least(cfg, other, r) for r in range(config.world_size)):
-                return t, int(t.user_attrs.get("failing_rank") or 0)
+                return t, int(t.user_attrs.get(TrialAttr.FAILING_RANK) or 0)
             continue
         for r in over:
             if _needs_at_least(cfg, other, r):
@@ -171,10 +172,10 @@ class StepTimeModel:
     @classmethod
     def fit(cls, trials: list[FrozenTrial], *, num_layers: int, device: str) -> StepTimeModel:
         prior = _DTYPE_SPEED_PRIOR.get(device, _DTYPE_SPEED_PRIOR["cpu"])
-        rows = [(t.user_attrs["config"], float(t.user_attrs["step_time_ms"])) for t in trials
-                if t.user_attrs.get("status") == "ok" and t.user_attrs.get("step_time_ms")
-                and t.user_attrs.get("reused_from") is None and t.user_attrs.get("config")
-                and t.user_attrs["config"].get("compile", "off") == "off"]
+        rows = [(t.user_attrs[TrialAttr.CONFIG], float(t.user_attrs[TrialAttr.STEP_TIME_MS])) for t in trials
+                if t.user_attrs.get(TrialAttr.STATUS) == Status.OK and t.user_attrs.get(TrialAttr.STEP_TIME_MS)
+                and t.user_attrs.get(TrialAttr.REUSED_FROM) is None and t.user_attrs.get(TrialAttr.CONFIG)
+                and t.user_attrs[TrialAttr.CONFIG].get("compile", "off") == "off"]
         dtypes = sorted({cfg["dtype"] for cfg, _ in rows})
         typical = (sum(sum(cfg["micro_batches"]) / len(cfg["micro_batches"]) for cfg, _ in rows) / len(rows)
                    if rows else 1.0)
@@ -236,7 +237,7 @@ class ModelAdvisor:
     # ------------------------------------------------------------------ model
     def _usable(self, study: optuna.Study) -> list[float] | None:
         caps = self.settings.caps_bytes()
-        capacity = caps or study.user_attrs.get("autobalance:capacity_bytes")
+        capacity = caps or study.user_attrs.get(StudyAttr.CAPACITY)
         if not capacity:
             return None
         if len(capacity) == 1:
@@ -257,7 +258,7 @@ class ModelAdvisor:
 
     # ------------------------------------------------------------------ proposals
     def _reference_ms(self, study: optuna.Study) -> float | None:
-        ref = study.user_attrs.get("autobalance:reference_step_s")
+        ref = study.user_attrs.get(StudyAttr.REFERENCE)
         return 1000 * float(ref) if ref else None
 
     def _neighbours(self, micro: list[int]) -> list[list[int]]:
@@ -342,11 +343,9 @@ class ModelAdvisor:
         return self.settings.weight_spread * spread + self.settings.weight_time * t / ref
 
     def _bucket_choice(self, study: optuna.Study) -> tuple[float, bool]:
-        from autobalance.tuner._study import best_trial
-
         best = best_trial(study)
         if best is not None:
-            cfg = best.user_attrs["config"]
+            cfg = best.user_attrs[TrialAttr.CONFIG]
             return float(cfg["bucket_cap_mb"]), bool(cfg["gradient_as_bucket_view"])
         return 25.0, True
 
@@ -370,8 +369,8 @@ class ModelAdvisor:
             if score > _WORTH * best_score:
                 return
             key = cfg.to_json()
-            measured = {json.dumps(t.user_attrs.get("config"), sort_keys=True)
-                        for t in study.get_trials(deepcopy=False) if t.user_attrs.get("config")}
+            measured = {json.dumps(t.user_attrs.get(TrialAttr.CONFIG), sort_keys=True)
+                        for t in study.get_trials(deepcopy=False) if t.user_attrs.get(TrialAttr.CONFIG)}
             if key in self._proposed or key in measured:
                 continue
             self._proposed.add(key)
@@ -381,8 +380,8 @@ class ModelAdvisor:
 
     def holdout_error(self, study: optuna.Study) -> float | None:
         """Leave-one-trial-out mean relative error of the peak prediction over measured trials."""
-        trials = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("status") == "ok"
-                  and t.user_attrs.get("reused_from") is None]
+        trials = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get(TrialAttr.STATUS) == Status.OK
+                  and t.user_attrs.get(TrialAttr.REUSED_FROM) is None]
         errors: list[float] = []
         for i, held in enumerate(trials):
             train = observations_from_trials(trials[:i] + trials[i + 1:], num_layers=self.space.num_layers)
@@ -428,12 +427,12 @@ class ModelAdvisor:
         self._predicted_in_a_row += 1
         capacity = [u / (1.0 - self.settings.headroom) for u in usable]
         worst = max(range(len(peaks)), key=lambda r: peaks[r] / usable[r])
-        figures = TrialFigures(status="predicted_oom", peak_device=list(peaks), peak_allocated=[None] * len(peaks),
+        figures = TrialFigures(status=Status.PREDICTED_OOM, peak_device=list(peaks), peak_allocated=[None] * len(peaks),
                                peak_reserved=[None] * len(peaks), outside_pytorch=[None] * len(peaks),
                                capacity=capacity, step_time_s=None, samples_per_s=None, startup_s=None)
         attrs = {
             **figures.user_attrs(self.settings.headroom),
-            "status": "predicted_oom",
+            "status": Status.PREDICTED_OOM,
             "predicted": True,
             "predicted_by": "memory-model",
             "reason": (f"not launched: the memory model predicts rank {worst} at {peaks[worst] / GIB:.3f} GiB "
@@ -445,18 +444,18 @@ class ModelAdvisor:
     def _dominance_figures(self, config: BalanceConfig, usable: list[float], trial: FrozenTrial,
                            rank: int) -> tuple[TrialFigures, dict[str, Any]]:
         capacity = [u / (1.0 - self.settings.headroom) for u in usable]
-        seen = (trial.user_attrs.get("peak_device_gib") or [None] * config.world_size)[rank]
+        seen = (trial.user_attrs.get(TrialAttr.PEAK_DEVICE_GIB) or [None] * config.world_size)[rank]
         peaks: list[float | None] = [None] * config.world_size
         peaks[rank] = None if seen is None else float(seen) * GIB  # a lower bound: this one needs at least that
-        figures = TrialFigures(status="predicted_oom", peak_device=peaks, peak_allocated=[None] * len(peaks),
+        figures = TrialFigures(status=Status.PREDICTED_OOM, peak_device=peaks, peak_allocated=[None] * len(peaks),
                                peak_reserved=[None] * len(peaks), outside_pytorch=[None] * len(peaks),
                                capacity=capacity, step_time_s=None, samples_per_s=None, startup_s=None)
-        other = trial.user_attrs["config"]
+        other = trial.user_attrs[TrialAttr.CONFIG]
         what = (f"budget {_budget(other, rank):g}" if other.get("compile", "off") != "off"
                 else f"{len(other['checkpoint'][rank])} checkpointed blocks")
         attrs = {
             **figures.user_attrs(self.settings.headroom),
-            "status": "predicted_oom",
+            "status": Status.PREDICTED_OOM,
             "predicted": True,
             "predicted_by": "dominance",
             "dominated_by": trial.number,
@@ -470,7 +469,7 @@ class ModelAdvisor:
 
     def after_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
         """A launched trial that OOMed although the model said it fits widens the safety margin."""
-        if self.model is None or trial.user_attrs.get("status") != "oom":
+        if self.model is None or trial.user_attrs.get(TrialAttr.STATUS) != Status.OOM:
             return
         usable = self._usable(study)
         for obs in observations_from_trials([trial], num_layers=self.space.num_layers):

@@ -8,12 +8,13 @@ from typing import Any
 
 from optuna.trial import FrozenTrial
 
+from autobalance.protocol import StudyAttr, TrialAttr
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._space import SearchSpace
 
 __all__ = ["ATTR_COMPILE_TOTAL", "cache_dir", "compile_env", "compile_figures", "compile_notes", "space_problem"]
 
-ATTR_COMPILE_TOTAL = "autobalance:compile_total_s"
+ATTR_COMPILE_TOTAL = StudyAttr.COMPILE_TOTAL
 CACHE_SUBDIR = "inductor-cache"
 
 
@@ -66,22 +67,22 @@ def compile_figures(reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
 
 def compile_notes(trials: list[FrozenTrial]) -> tuple[list[str], float]:
     """Summary lines on compile time (total, and per trial with a cold or warm cache), and the total."""
-    launched = [t for t in trials if t.user_attrs.get("compile_s") is not None
-                and t.user_attrs.get("reused_from") is None]
+    launched = [t for t in trials if t.user_attrs.get(TrialAttr.COMPILE_S) is not None
+                and t.user_attrs.get(TrialAttr.REUSED_FROM) is None]
     if not launched:
         return [], 0.0
-    times = [float(t.user_attrs["compile_s"]) for t in launched]
+    times = [float(t.user_attrs[TrialAttr.COMPILE_S]) for t in launched]
     total = sum(times)
     lines = [f"Compile: {len(launched)} compiled trial(s) spent {total:.1f} s compiling in total "
              f"(median {statistics.median(times):.1f} s); the objective uses step time only, production runs "
              "compile once."]
-    warm = [float(t.user_attrs["compile_s"]) for t in launched
-            if (t.user_attrs.get("compile_cache") or {}).get("fx_graph_hits", 0) > 0
-            and (t.user_attrs.get("compile_cache") or {}).get("fx_graph_misses", 0) == 0]
-    cold = [float(t.user_attrs["compile_s"]) for t in launched
-            if (t.user_attrs.get("compile_cache") or {}).get("fx_graph_misses", 0) > 0]
-    hits = sum((t.user_attrs.get("compile_cache") or {}).get("fx_graph_hits", 0) for t in launched)
-    misses = sum((t.user_attrs.get("compile_cache") or {}).get("fx_graph_misses", 0) for t in launched)
+    warm = [float(t.user_attrs[TrialAttr.COMPILE_S]) for t in launched
+            if (t.user_attrs.get(TrialAttr.COMPILE_CACHE) or {}).get("fx_graph_hits", 0) > 0
+            and (t.user_attrs.get(TrialAttr.COMPILE_CACHE) or {}).get("fx_graph_misses", 0) == 0]
+    cold = [float(t.user_attrs[TrialAttr.COMPILE_S]) for t in launched
+            if (t.user_attrs.get(TrialAttr.COMPILE_CACHE) or {}).get("fx_graph_misses", 0) > 0]
+    hits = sum((t.user_attrs.get(TrialAttr.COMPILE_CACHE) or {}).get("fx_graph_hits", 0) for t in launched)
+    misses = sum((t.user_attrs.get(TrialAttr.COMPILE_CACHE) or {}).get("fx_graph_misses", 0) for t in launched)
     if hits or misses:
         text = f"Inductor FX graph cache: {hits} hit(s), {misses} miss(es)"
         if warm and cold:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autobalance.launcher import TrialOutcome
+from autobalance.protocol import RankDevice, RankMemory, RankReport, RankTiming, Status
 
 __all__ = ["INFEASIBLE_TIME", "TrialFigures", "figures_from_outcome"]
 
@@ -46,7 +47,7 @@ class TrialFigures:
 
     @property
     def measured(self) -> bool:
-        return self.status == "ok" and all(p is not None for p in self.peak_device) and self.step_time_s is not None
+        return self.status == Status.OK and all(p is not None for p in self.peak_device) and self.step_time_s is not None
 
     def spread_fraction_if_measured(self) -> float | None:
         return self.spread_fraction() if self.measured else None
@@ -66,7 +67,7 @@ class TrialFigures:
         """<= 0 when every rank's peak fits in capacity x (1 - headroom); > 0 otherwise (OOM: >= 1)."""
         ratios = [float(p) / u for p, u in zip(self.peak_device, self.usable(headroom), strict=True) if p is not None]
         worst = (max(ratios) - 1.0) if ratios else 0.0
-        if self.status in ("oom", "timeout", "predicted_oom"):
+        if self.status in (Status.OOM, Status.TIMEOUT, Status.PREDICTED_OOM):
             return max(1.0, worst)
         return worst
 
@@ -113,6 +114,10 @@ class TrialFigures:
         }
 
 
+def _float(value: float | None) -> float | None:
+    return None if value is None else float(value)
+
+
 def figures_from_outcome(
     outcome: TrialOutcome, *, world_size: int, caps: list[int] | None, fallback_capacity: list[float] | None = None
 ) -> TrialFigures:
@@ -125,30 +130,32 @@ def figures_from_outcome(
     startup: list[float] = []
     steps_s: list[float] = []
     counts: list[int] = []
+    reports = {r: RankReport.from_dict(rep) for r, rep in outcome.reports.items()}
     for r in range(world_size):
-        rep = outcome.reports.get(r)
-        mem = rep.get("memory", {}) if rep else {}
-        ok = rep is not None and rep.get("status") == "ok"
+        rep = reports.get(r)
+        mem = rep.memory if rep is not None and rep.memory is not None else RankMemory()
+        ok = rep is not None and rep.status == Status.OK
         # an OOM rank's peak is a lower bound: kept for display and the memory model, never as a measurement
-        peak_device.append(float(mem["peak_device"]) if mem.get("peak_device") is not None else None)
-        alloc.append(float(mem["peak_allocated"]) if mem.get("peak_allocated") is not None else None)
-        reserved.append(float(mem["peak_reserved"]) if mem.get("peak_reserved") is not None else None)
-        outside.append(float(mem["outside_pytorch"]) if mem.get("outside_pytorch") is not None else None)
+        peak_device.append(_float(mem.peak_device))
+        alloc.append(_float(mem.peak_allocated))
+        reserved.append(_float(mem.peak_reserved))
+        outside.append(_float(mem.outside_pytorch))
         cap = caps[r] if caps else None
-        dev = rep.get("device", {}) if rep else {}
+        dev = rep.device if rep is not None and rep.device is not None else RankDevice()
         fallback = fallback_capacity[r] if fallback_capacity else None
-        capacity.append(float(cap or dev.get("cap_bytes") or dev.get("capacity_bytes") or fallback or 2**40))
-        if ok and rep is not None and rep.get("step_time_s") is not None:
-            steps.append(float(rep["step_time_s"]))
-        if rep is not None and (rep.get("timing") or {}).get("startup_s") is not None:
-            startup.append(float(rep["timing"]["startup_s"]))
-        if ok and rep is not None and (rep.get("timing") or {}).get("steps_s") is not None:
-            steps_s.append(float(rep["timing"]["steps_s"]))
-        if ok and rep is not None and rep.get("measured_steps") is not None:
-            counts.append(int(rep["measured_steps"]))
+        capacity.append(float(cap or dev.cap_bytes or dev.capacity_bytes or fallback or 2**40))
+        timing = rep.timing if rep is not None and rep.timing is not None else RankTiming()
+        if ok and rep is not None and rep.step_time_s is not None:
+            steps.append(float(rep.step_time_s))
+        if timing.startup_s is not None:
+            startup.append(float(timing.startup_s))
+        if ok and timing.steps_s is not None:
+            steps_s.append(float(timing.steps_s))
+        if ok and rep is not None and rep.measured_steps is not None:
+            counts.append(int(rep.measured_steps))
     step = max(steps) if len(steps) == world_size else None
-    first = next(iter(outcome.reports.values()), {})
-    gb = (first.get("config") or {}).get("global_batch")
+    first = next(iter(reports.values()), None)
+    gb = ((first.config if first is not None else None) or {}).get("global_batch")
     from autobalance.tuner._compile import compile_figures
 
     return TrialFigures(

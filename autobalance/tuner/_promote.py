@@ -12,16 +12,8 @@ from optuna.trial import FrozenTrial
 
 from autobalance._config import BalanceConfig
 from autobalance._errors import UsageError, VerificationError
-from autobalance.tuner._study import (
-    ATTR_BASELINE,
-    ATTR_CAPACITY,
-    ATTR_DEVICE,
-    ATTR_LAUNCH,
-    ATTR_OBJECTIVE,
-    ATTR_SCRIPT_SHA,
-    script_sha256,
-)
-from autobalance.tuner._verify import ATTR_VERIFY_PREFIX
+from autobalance.protocol import Status, StudyAttr, TrialAttr
+from autobalance.tuner._study import script_sha256
 
 __all__ = ["figures_of_trial", "fingerprint_of_study", "promote_trial", "save_trial"]
 
@@ -32,27 +24,27 @@ _FIGURE_KEYS = ("peak_device_gib", "peak_reserved_gib", "peak_allocated_gib", "o
 def figures_of_trial(study: optuna.Study, trial: FrozenTrial) -> dict[str, Any]:
     figures: dict[str, Any] = {k: trial.user_attrs.get(k) for k in _FIGURE_KEYS}
     figures["values"] = trial.values
-    verdict = study.user_attrs.get(f"{ATTR_VERIFY_PREFIX}{trial.number}")
+    verdict = study.user_attrs.get(f"{StudyAttr.VERIFY_PREFIX}{trial.number}")
     figures["verification"] = None if verdict is None else {
         k: verdict.get(k) for k in ("passed", "reason", "skipped")}
-    base_no = study.user_attrs.get(ATTR_BASELINE)
+    base_no = study.user_attrs.get(StudyAttr.BASELINE)
     if base_no is not None:
         base = study.trials[base_no]
         figures["baseline"] = {k: base.user_attrs.get(k) for k in _FIGURE_KEYS}
         figures["baseline"]["trial"] = base_no
-        if base.user_attrs.get("step_time_ms") and trial.user_attrs.get("step_time_ms"):
-            figures["speedup_vs_baseline"] = round(base.user_attrs["step_time_ms"] / trial.user_attrs["step_time_ms"], 4)
+        if base.user_attrs.get(TrialAttr.STEP_TIME_MS) and trial.user_attrs.get(TrialAttr.STEP_TIME_MS):
+            figures["speedup_vs_baseline"] = round(base.user_attrs[TrialAttr.STEP_TIME_MS] / trial.user_attrs[TrialAttr.STEP_TIME_MS], 4)
     return figures
 
 
 def fingerprint_of_study(study: optuna.Study) -> Any:
     from autobalance.store import HardwareFingerprint
 
-    objective = study.user_attrs.get(ATTR_OBJECTIVE, {})
-    device = study.user_attrs.get(ATTR_DEVICE, {})
+    objective = study.user_attrs.get(StudyAttr.OBJECTIVE, {})
+    device = study.user_attrs.get(StudyAttr.DEVICE, {})
     world = int(objective.get("world_size", 1))
     caps = objective.get("caps_bytes") or [None] * world
-    capacity = [int(c) for c in study.user_attrs.get(ATTR_CAPACITY, [])] or [0] * world
+    capacity = [int(c) for c in study.user_attrs.get(StudyAttr.CAPACITY, [])] or [0] * world
     return HardwareFingerprint(
         device_type=device.get("type", objective.get("device", "cpu")),
         device_name=device.get("name", "unknown"),
@@ -60,8 +52,8 @@ def fingerprint_of_study(study: optuna.Study) -> Any:
         cap_bytes=list(caps),
         world_size=world,
         nnodes=int(objective.get("nnodes", 1)),
-        torch_version=str(study.user_attrs.get("autobalance:torch_version") or ""),
-        cuda_version=study.user_attrs.get("autobalance:cuda_version"),
+        torch_version=str(study.user_attrs.get(StudyAttr.TORCH_VERSION) or ""),
+        cuda_version=study.user_attrs.get(StudyAttr.CUDA_VERSION),
     )
 
 
@@ -74,10 +66,10 @@ def save_trial(*, storage_url: str, study: optuna.Study, trial_number: int, acti
         return store.save(
             study_name=study.study_name,
             trial_number=trial_number,
-            config=BalanceConfig.from_dict(trial.user_attrs["config"]),
+            config=BalanceConfig.from_dict(trial.user_attrs[TrialAttr.CONFIG]),
             figures=figures_of_trial(study, trial),
             fingerprint=fingerprint_of_study(study),
-            script_sha256=str(study.user_attrs.get(ATTR_SCRIPT_SHA, "")),
+            script_sha256=str(study.user_attrs.get(StudyAttr.SCRIPT_SHA, "")),
             saved_by=make_saved_by(action),
         )
 
@@ -90,7 +82,7 @@ def promote_trial(*, storage_url: str, study: optuna.Study, trial_number: int, v
     not verified yet). ``script``/``script_args`` default to how the study's latest ``tune`` ran it.
     Returns the SavedConfig and one line on the verification."""
     trial = _measured_trial(study, trial_number)
-    previous = study.user_attrs.get(f"{ATTR_VERIFY_PREFIX}{trial_number}")
+    previous = study.user_attrs.get(f"{StudyAttr.VERIFY_PREFIX}{trial_number}")
     if previous is not None and not previous.get("passed"):
         raise VerificationError(
             f"trial {trial_number} of {study.study_name!r} failed verification ({previous.get('reason')}); a configuration "
@@ -103,7 +95,7 @@ def promote_trial(*, storage_url: str, study: optuna.Study, trial_number: int, v
         line = "not verified (--no-verify)"
     else:
         verdict = _verify_trial(study, trial, script=script, script_args=script_args, note=note)
-        study.set_user_attr(f"{ATTR_VERIFY_PREFIX}{trial_number}", verdict.to_dict())
+        study.set_user_attr(f"{StudyAttr.VERIFY_PREFIX}{trial_number}", verdict.to_dict())
         if not verdict.passed:
             raise VerificationError(f"trial {trial_number} of {study.study_name!r} failed verification: {verdict.reason}; "
                                     "it is not saved. Promote another trial.")
@@ -116,24 +108,24 @@ def _verify_trial(study: optuna.Study, trial: FrozenTrial, *, script: str | None
                   note: Callable[[str], None] | None) -> Any:
     from autobalance.tuner._verify import Verifier, VerifyTarget, allows_batch_dependent
 
-    launch = dict(study.user_attrs.get(ATTR_LAUNCH) or {})
+    launch = dict(study.user_attrs.get(StudyAttr.LAUNCH) or {})
     script = script or launch.get("script")
     if not script:
         raise UsageError(f"study {study.study_name!r} does not record its training script (tuned before autobalance "
                          "kept it); pass --script PATH, or --no-verify to save without verification.")
     if not os.path.isfile(script):
         raise UsageError(f"--script={script!r} is not a file; pass the training script the study tuned, or --no-verify.")
-    tuned_sha = study.user_attrs.get(ATTR_SCRIPT_SHA)
+    tuned_sha = study.user_attrs.get(StudyAttr.SCRIPT_SHA)
     if tuned_sha and script_sha256(script) != tuned_sha:
         raise UsageError(f"--script={script!r} differs from the script the study tuned (sha256); pass that script, "
                          "or --no-verify to save without verification.")
-    base_no = study.user_attrs.get(ATTR_BASELINE)
+    base_no = study.user_attrs.get(StudyAttr.BASELINE)
     baseline = None
-    if base_no is not None and study.trials[base_no].user_attrs.get("config"):
-        baseline = BalanceConfig.from_dict(study.trials[base_no].user_attrs["config"])
-    config = BalanceConfig.from_dict(trial.user_attrs["config"])
+    if base_no is not None and study.trials[base_no].user_attrs.get(TrialAttr.CONFIG):
+        baseline = BalanceConfig.from_dict(study.trials[base_no].user_attrs[TrialAttr.CONFIG])
+    config = BalanceConfig.from_dict(trial.user_attrs[TrialAttr.CONFIG])
     runs_dir = str(launch.get("runs_dir") or "autobalance_runs")
-    device = launch.get("device") or (study.user_attrs.get(ATTR_DEVICE) or {}).get("type") or "cpu"
+    device = launch.get("device") or (study.user_attrs.get(StudyAttr.DEVICE) or {}).get("type") or "cpu"
     target = VerifyTarget(
         script=script, script_args=list(script_args if script_args is not None else launch.get("script_args") or []),
         nproc_per_node=int(launch.get("nproc_per_node") or config.world_size), device=str(device),
@@ -151,7 +143,7 @@ def _measured_trial(study: optuna.Study, trial_number: int) -> FrozenTrial:
             f"list them with `autobalance trials --study-name {study.study_name}`."
         )
     trial = trials[trial_number]
-    if "config" not in trial.user_attrs or trial.user_attrs.get("status") != "ok":
+    if TrialAttr.CONFIG not in trial.user_attrs or trial.user_attrs.get(TrialAttr.STATUS) != Status.OK:
         raise UsageError(
             f"--trial={trial_number} has no measured configuration (status {trial.user_attrs.get('status')!r}); "
             "promote a trial whose status is ok."

@@ -12,12 +12,13 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from autobalance._config import BalanceConfig
+from autobalance.protocol import Status, TrialAttr
 from autobalance.tuner._settings import TuneSettings
 
 __all__ = ["RichReporter", "describe_config", "short_figures"]
 
-_STYLE = {"ok": "green", "oom": "red", "timeout": "red", "error": "bold red", "crash": "yellow",
-          "predicted_oom": "magenta", "interrupted": "yellow"}
+_STYLE = {Status.OK: "green", Status.OOM: "red", Status.TIMEOUT: "red", Status.ERROR: "bold red",
+          Status.CRASH: "yellow", Status.PREDICTED_OOM: "magenta", Status.INTERRUPTED: "yellow"}
 
 
 def describe_config(config: dict[str, Any] | BalanceConfig | None) -> str:
@@ -37,14 +38,14 @@ def describe_config(config: dict[str, Any] | BalanceConfig | None) -> str:
 
 def short_figures(trial: FrozenTrial) -> str:
     a = trial.user_attrs
-    peaks = a.get("peak_device_gib") or []
+    peaks = a.get(TrialAttr.PEAK_DEVICE_GIB) or []
     peak_txt = " ".join(f"r{r}={p:.3g}" if p is not None else f"r{r}=-" for r, p in enumerate(peaks))
     parts = [f"peaks GiB [{peak_txt}]"] if peaks else []
-    if a.get("spread_gib") is not None:
+    if a.get(TrialAttr.SPREAD_GIB) is not None:
         parts.append(f"spread {a['spread_gib']:.3g} GiB")
-    if a.get("step_time_ms") is not None:
+    if a.get(TrialAttr.STEP_TIME_MS) is not None:
         parts.append(f"step {a['step_time_ms']:.1f} ms")
-    if a.get("compile_s") is not None:
+    if a.get(TrialAttr.COMPILE_S) is not None:
         parts.append(f"compile {a['compile_s']:.1f} s")
     return "  ".join(parts)
 
@@ -95,14 +96,14 @@ class RichReporter:
             self._finish(trial, best, reused=reused, predicted=predicted)
 
     def _finish(self, trial: FrozenTrial, best: FrozenTrial | None, *, reused: bool, predicted: bool) -> None:
-        status = trial.user_attrs.get("status", "?")
+        status = trial.user_attrs.get(TrialAttr.STATUS, "?")
         style = _STYLE.get(status, "white")
         extra = f" (same config as trial {trial.user_attrs.get('reused_from')}, not re-run)" if reused else ""
         if predicted:
             extra = (f" (implied by trial {trial.user_attrs.get('dominated_by')}, not launched)"
-                     if trial.user_attrs.get("predicted_by") == "dominance" else
+                     if trial.user_attrs.get(TrialAttr.PREDICTED_BY) == "dominance" else
                      " (predicted by the memory model, not launched)")
-        reason = "" if status == "ok" else f"  [dim]{escape(str(trial.user_attrs.get('reason', ''))[:160])}[/]"
+        reason = "" if status == Status.OK else f"  [dim]{escape(str(trial.user_attrs.get('reason', ''))[:160])}[/]"
         self.console.print(f"  trial {trial.number} [{style}]{status}[/]{escape(extra)}  {escape(short_figures(trial))}{reason}")
         if best is not None:
             self._best_text = (f"best #{best.number}: {best.user_attrs.get('step_time_ms', 0):.1f} ms, "

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from autobalance.protocol import StudyAttr
 from autobalance.tuner._space import SearchSpace
 
 __all__ = ["ATTR_SCRIPT_FACTS", "batch_dependent_layers", "keep_split", "script_facts"]
 
-ATTR_SCRIPT_FACTS = "autobalance:script_facts"
+ATTR_SCRIPT_FACTS = StudyAttr.SCRIPT_FACTS
 """Study attribute: the lines of :func:`script_facts` for the baseline (shown again in the summary)."""
 
 

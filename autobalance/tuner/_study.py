@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import getpass
 import hashlib
 import json
 import os
-import socket
 import statistics
 import threading
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +20,16 @@ from autobalance._config import BalanceConfig
 from autobalance._errors import LaunchError, TrialScriptError, UsageError
 from autobalance.launcher import TrialLaunch, TrialOutcome, WarmPool, cold_reason, run_trial
 from autobalance.launcher._procs import interrupts_deferred
+from autobalance.protocol import (
+    CONSTRAINTS_KEY,
+    MEASURED_STATUSES,
+    TOLD_STATUSES,
+    Status,
+    StudyAttr,
+    TrialAttr,
+    best_trial,
+    is_feasible,
+)
 from autobalance.tuner._compile import ATTR_COMPILE_TOTAL, compile_env, compile_notes, space_problem
 from autobalance.tuner._objective import TrialFigures, figures_from_outcome
 from autobalance.tuner._parallel import Slot, plan_slots
@@ -42,17 +49,14 @@ __all__ = [
     "make_sampler",
 ]
 
-ATTR_SPACE = "autobalance:space"
-ATTR_OBJECTIVE = "autobalance:objective"
-ATTR_REFERENCE = "autobalance:reference_step_s"
-ATTR_BASELINE = "autobalance:baseline_trial"
-ATTR_CAPACITY = "autobalance:capacity_bytes"
-ATTR_DEVICE = "autobalance:device"
-ATTR_SCRIPT_SHA = "autobalance:script_sha256"
-ATTR_LAUNCH = "autobalance:launch"
-"""How the latest ``tune`` ran the script (path, arguments, ranks, runs dir): what ``promote`` needs
-to verify a trial without being told again."""
-CONSTRAINTS_KEY = "constraints"  # the legacy system attribute: read by every sampler and by optuna-dashboard
+ATTR_SPACE = StudyAttr.SPACE
+ATTR_OBJECTIVE = StudyAttr.OBJECTIVE
+ATTR_REFERENCE = StudyAttr.REFERENCE
+ATTR_BASELINE = StudyAttr.BASELINE
+ATTR_CAPACITY = StudyAttr.CAPACITY
+ATTR_DEVICE = StudyAttr.DEVICE
+ATTR_SCRIPT_SHA = StudyAttr.SCRIPT_SHA
+ATTR_LAUNCH = StudyAttr.LAUNCH
 MAX_CRASHES_IN_A_ROW = 3
 _WARM_PRUNE_MIN_STEPS = 20
 
@@ -87,24 +91,6 @@ def make_sampler(settings: TuneSettings, *, n_trials: int) -> optuna.samplers.Ba
         return optuna.samplers.TPESampler(
             seed=seed, multivariate=True, constant_liar=True, n_startup_trials=min(10, max(3, n_trials // 4))
         )
-
-
-def is_feasible(trial: FrozenTrial) -> bool:
-    cons = trial.system_attrs.get(CONSTRAINTS_KEY)
-    return bool(trial.state == TrialState.COMPLETE and cons is not None and all(c <= 0 for c in cons)
-                and trial.user_attrs.get("status") == "ok")
-
-
-def best_trial(study: optuna.Study) -> FrozenTrial | None:
-    """The best feasible trial: lowest objective, or on a Pareto front the lowest weighted sum."""
-    objective = study.user_attrs.get(ATTR_OBJECTIVE, {})
-    feasible = [t for t in study.get_trials(deepcopy=False) if is_feasible(t)]
-    if not feasible:
-        return None
-    if len(study.directions) == 1:
-        return min(feasible, key=lambda t: (t.values[0], t.number))
-    ws, wt = objective.get("weight_spread", 1.0), objective.get("weight_time", 1.0)
-    return min(feasible, key=lambda t: (ws * t.values[0] + wt * t.values[1], t.number))
 
 
 def script_sha256(path: str) -> str:
@@ -170,9 +156,9 @@ class Tuner:
             )
         fail_stale_trials(study, self.storage)
         self._measured = {
-            json.dumps(t.user_attrs["config"], sort_keys=True): t
+            json.dumps(t.user_attrs[TrialAttr.CONFIG], sort_keys=True): t
             for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            if "config" in t.user_attrs and t.user_attrs.get("status") in ("ok", "oom")
+            if TrialAttr.CONFIG in t.user_attrs and t.user_attrs.get(TrialAttr.STATUS) in MEASURED_STATUSES
         }
         return study
 
@@ -312,8 +298,8 @@ class Tuner:
 
     @staticmethod
     def _best_step_s(study: optuna.Study) -> float | None:
-        times = [t.user_attrs["step_time_ms"] / 1000 for t in study.get_trials(deepcopy=False)
-                 if is_feasible(t) and t.user_attrs.get("step_time_ms")]
+        times = [t.user_attrs[TrialAttr.STEP_TIME_MS] / 1000 for t in study.get_trials(deepcopy=False)
+                 if is_feasible(t) and t.user_attrs.get(TrialAttr.STEP_TIME_MS)]
         return min(times) if times else None
 
     def _heartbeat(self, trial_id: int, stop: threading.Event) -> None:
@@ -360,9 +346,9 @@ class Tuner:
         s = self.settings
         for key, value in attrs.items():
             trial.set_user_attr(key, value)
-        if status == "pruned":
+        if status == Status.PRUNED:
             return study.tell(trial, state=TrialState.PRUNED)
-        if status in ("ok", "oom", "timeout", "predicted_oom"):
+        if status in TOLD_STATUSES:
             reference = study.user_attrs.get(ATTR_REFERENCE)
             if figures.measured and reference is None:
                 reference = float(figures.step_time_s)  # type: ignore[arg-type]
@@ -372,14 +358,14 @@ class Tuner:
                 spread = figures.spread_bytes() if figures.measured else None
                 # same keys on every trial (GPSampler requires it): unmeasured trials violate it too
                 constraints.append(1.0 if spread is None else spread / 2**30 - s.max_spread_gib)
-            trial.set_user_attr("feasible", all(c <= 0 for c in constraints) and status == "ok")
+            trial.set_user_attr(TrialAttr.FEASIBLE, all(c <= 0 for c in constraints) and status == Status.OK)
             self.storage.set_trial_system_attr(trial._trial_id, CONSTRAINTS_KEY, constraints)
             values = figures.values(reference_step_s=reference, weight_spread=s.weight_spread,
                                     weight_time=s.weight_time, multi_objective=s.multi_objective)
             frozen = study.tell(trial, values)
         else:
             frozen = study.tell(trial, state=TrialState.FAIL)
-        if "config" in attrs and status in ("ok", "oom"):
+        if "config" in attrs and status in MEASURED_STATUSES:
             self._measured[json.dumps(attrs["config"], sort_keys=True)] = frozen
         return frozen
 
@@ -390,7 +376,7 @@ class Tuner:
         self.reporter.start(number, None, baseline=True)
         outcome = self._launch(study, number=number, config=None, heartbeat_trial_id=None)
         rep = next((r for _, r in sorted(outcome.reports.items()) if r.get("defaults") and r.get("model")), None)
-        if outcome.status == "error":
+        if outcome.status == Status.ERROR:
             raise TrialScriptError(
                 f"the baseline trial (the script's own configuration) failed: {outcome.reason}. "
                 f"Fix the script; logs in {outcome.trial_dir}.", traceback_text=outcome.traceback,
@@ -400,7 +386,7 @@ class Tuner:
             raise LaunchError(
                 f"the baseline trial ended with '{outcome.status}' ({outcome.reason}) before any rank reported "
                 f"its model; logs in {outcome.trial_dir}. "
-                + ("Raise --trial-timeout." if outcome.status == "timeout" else "Check that the script calls plan.wrap().")
+                + ("Raise --trial-timeout." if outcome.status == Status.TIMEOUT else "Check that the script calls plan.wrap().")
             )
         defaults = BalanceConfig.from_dict(rep["defaults"])
         dtypes = s.dtypes or self._default_dtypes(rep)
@@ -425,8 +411,8 @@ class Tuner:
         study.set_user_attr(ATTR_CAPACITY, capacity)
         study.set_user_attr(ATTR_DEVICE, rep["device"])
         study.set_user_attr(ATTR_SCRIPT_SHA, script_sha256(s.script))
-        study.set_user_attr("autobalance:torch_version", rep.get("torch_version"))
-        study.set_user_attr("autobalance:cuda_version", rep.get("cuda_version"))
+        study.set_user_attr(StudyAttr.TORCH_VERSION, rep.get("torch_version"))
+        study.set_user_attr(StudyAttr.CUDA_VERSION, rep.get("cuda_version"))
         study.enqueue_trial(space.params_from_config(defaults), user_attrs={"baseline": True})
         trial = study.ask()
         frozen = self.record(study, trial, defaults, outcome, baseline=True)
@@ -526,24 +512,24 @@ class Tuner:
 
     def _summarise(self, study: optuna.Study, result: TuneResult) -> None:
         trials = study.get_trials(deepcopy=False)
-        predicted = [t for t in trials if t.user_attrs.get("status") == "predicted_oom"]
+        predicted = [t for t in trials if t.user_attrs.get(TrialAttr.STATUS) == Status.PREDICTED_OOM]
         pruned = sum(t.state == TrialState.PRUNED for t in trials)
         if predicted:
             result.notes.append(f"{len(predicted)} configuration(s) predicted to run out of memory were recorded without "
                                 "launching.")
-        launched = [t for t in trials if t.user_attrs.get("status") == "ok" and t.user_attrs.get("steps_s") is not None
-                    and t.user_attrs.get("wall_s") and t.user_attrs.get("reused_from") is None]
+        launched = [t for t in trials if t.user_attrs.get(TrialAttr.STATUS) == Status.OK and t.user_attrs.get(TrialAttr.STEPS_S) is not None
+                    and t.user_attrs.get(TrialAttr.WALL_S) and t.user_attrs.get(TrialAttr.REUSED_FROM) is None]
         if len(launched) >= 2:
             # a warm pool's own start is paid once per (re)start, not per trial: reported apart
-            starts = sum(float(t.user_attrs.get("pool_start_s") or 0.0) for t in launched)
-            walls = sum(float(t.user_attrs["wall_s"]) for t in launched) - starts
-            in_steps = sum(float(t.user_attrs["steps_s"]) for t in launched)
+            starts = sum(float(t.user_attrs.get(TrialAttr.POOL_START_S) or 0.0) for t in launched)
+            walls = sum(float(t.user_attrs[TrialAttr.WALL_S]) for t in launched) - starts
+            in_steps = sum(float(t.user_attrs[TrialAttr.STEPS_S]) for t in launched)
             result.notes.append(
                 f"Steps took {100 * in_steps / max(walls, 1e-9):.0f}% of the measured trials' wall time (median "
                 f"overhead {per_trial_overhead_s(launched, last=len(launched)) or 0:.2f} s per trial: the script's "
                 "set-up, hand-over" + (f"; plus {starts:.1f} s starting warm workers)." if starts else ")."))
-        compiled_skipped = sum((t.user_attrs.get("config") or {}).get("compile", "off") != "off" for t in predicted)
-        compile_times = sorted(float(t.user_attrs["compile_s"]) for t in trials if t.user_attrs.get("compile_s"))
+        compiled_skipped = sum((t.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile", "off") != "off" for t in predicted)
+        compile_times = sorted(float(t.user_attrs[TrialAttr.COMPILE_S]) for t in trials if t.user_attrs.get(TrialAttr.COMPILE_S))
         if compiled_skipped and compile_times:
             median = compile_times[len(compile_times) // 2]
             result.notes.append(f"{compiled_skipped} of them compiled: about {compiled_skipped * median:.0f} s of "
@@ -559,7 +545,7 @@ class Tuner:
         if self.advisor is not None:
             error = self.advisor.holdout_error(study)
             if error is not None:
-                study.set_user_attr("autobalance:memory_model_holdout_error", error)
+                study.set_user_attr(StudyAttr.MEMORY_MODEL_ERROR, error)
                 result.notes.append(f"Memory model: {100 * error:.1f}% mean error predicting held-out trials' per-rank peaks.")
 
     def _check_space(self, space: SearchSpace) -> None:
@@ -642,17 +628,17 @@ class Tuner:
         counted = sum(1 for t in before if self._counts(t))
         if counted < total:
             return False
-        trial.set_user_attr("status", "surplus")
-        trial.set_user_attr("reason", f"{total} trials were already counted when it was asked (another worker "
+        trial.set_user_attr(TrialAttr.STATUS, Status.SURPLUS)
+        trial.set_user_attr(TrialAttr.REASON, f"{total} trials were already counted when it was asked (another worker "
                                       "took the last one); nothing was launched")
         study.tell(trial, state=TrialState.FAIL)
         return True
 
     @staticmethod
     def _counts(t: FrozenTrial) -> bool:
-        status = t.user_attrs.get("status")
+        status = t.user_attrs.get(TrialAttr.STATUS)
         if t.state in (TrialState.COMPLETE, TrialState.PRUNED):
-            return status != "predicted_oom"
+            return status != Status.PREDICTED_OOM
         if t.state == TrialState.FAIL:
             return status not in NOT_COUNTED
         return t.state == TrialState.RUNNING
@@ -675,8 +661,8 @@ class Tuner:
             with contextlib.suppress(Exception):
                 if study._storage.get_trial(trial._trial_id).state == TrialState.RUNNING:
                     interrupted = isinstance(exc, KeyboardInterrupt)
-                    trial.set_user_attr("status", "interrupted" if interrupted else "crash")
-                    trial.set_user_attr("reason", "the tuner was interrupted (Ctrl-C or SIGTERM); the trial's processes "
+                    trial.set_user_attr(TrialAttr.STATUS, Status.INTERRUPTED if interrupted else Status.CRASH)
+                    trial.set_user_attr(TrialAttr.REASON, "the tuner was interrupted (Ctrl-C or SIGTERM); the trial's processes "
                                         "were killed" if interrupted else f"the tuner failed: {type(exc).__name__}: "
                                         f"{mask(str(exc))[:250]}")
                     study.tell(trial, state=TrialState.FAIL)
@@ -700,7 +686,7 @@ class Tuner:
                         predicted = self.advisor.predict_infeasible(study, config)
                         if predicted is not None:
                             self._tell(study, trial, predicted[0], {**predicted[1], "config": config.to_dict()},
-                                       "predicted_oom")
+                                       Status.PREDICTED_OOM)
                             self.reporter.finish(study.trials[trial.number], best_trial(study), predicted=True)
                             return
                     done = self._in_flight[key] = threading.Event()
@@ -723,11 +709,11 @@ class Tuner:
                                    trial=trial)
         except KeyboardInterrupt as exc:
             partial = getattr(exc, "outcome", None)
-            trial.set_user_attr("status", "interrupted")
-            trial.set_user_attr("reason", "the tuner was interrupted (Ctrl-C or SIGTERM); the trial's processes were killed")
-            trial.set_user_attr("config", config.to_dict())
+            trial.set_user_attr(TrialAttr.STATUS, Status.INTERRUPTED)
+            trial.set_user_attr(TrialAttr.REASON, "the tuner was interrupted (Ctrl-C or SIGTERM); the trial's processes were killed")
+            trial.set_user_attr(TrialAttr.CONFIG, config.to_dict())
             if partial is not None:
-                trial.set_user_attr("trial_dir", partial.trial_dir)
+                trial.set_user_attr(TrialAttr.TRIAL_DIR, partial.trial_dir)
             study.tell(trial, state=TrialState.FAIL)
             raise
         with self._lock:  # matplotlib (the trial's chart) and the advisor are not thread-safe
@@ -741,8 +727,8 @@ class Tuner:
         for key, value in seen.user_attrs.items():
             if key not in ("baseline",):
                 trial.set_user_attr(key, value)
-        trial.set_user_attr("baseline", False)
-        trial.set_user_attr("reused_from", seen.number)
+        trial.set_user_attr(TrialAttr.BASELINE, False)
+        trial.set_user_attr(TrialAttr.REUSED_FROM, seen.number)
         self.storage.set_trial_system_attr(trial._trial_id, CONSTRAINTS_KEY,
                                            list(seen.system_attrs.get(CONSTRAINTS_KEY, [1.0])))
         frozen = study.tell(trial, list(seen.values))
@@ -750,7 +736,7 @@ class Tuner:
 
     def _check_stop(self, study: optuna.Study, outcome: TrialOutcome) -> None:
         s = self.settings
-        if outcome.status == "crash":
+        if outcome.status == Status.CRASH:
             self._crashes_in_a_row += 1
             if self._crashes_in_a_row >= MAX_CRASHES_IN_A_ROW:
                 raise LaunchError(
@@ -759,8 +745,8 @@ class Tuner:
                 )
             return
         self._crashes_in_a_row = 0
-        if outcome.status == "error":
-            any_ok = any(t.user_attrs.get("status") == "ok" for t in study.get_trials(deepcopy=False))
+        if outcome.status == Status.ERROR:
+            any_ok = any(t.user_attrs.get(TrialAttr.STATUS) == Status.OK for t in study.get_trials(deepcopy=False))
             if s.on_error == "stop" or not any_ok:
                 raise TrialScriptError(
                     f"trial {study.trials[-1].number} failed in the training script: {outcome.reason}. "
@@ -782,11 +768,11 @@ def per_trial_overhead_s(trials: list[FrozenTrial], *, last: int = 5) -> float |
     overheads = []
     for t in trials:
         a = t.user_attrs
-        if (t.state != TrialState.COMPLETE or a.get("status") != "ok" or a.get("reused_from") is not None
-                or a.get("wall_s") is None or a.get("steps_s") is None):
+        if (t.state != TrialState.COMPLETE or a.get(TrialAttr.STATUS) != Status.OK or a.get(TrialAttr.REUSED_FROM) is not None
+                or a.get(TrialAttr.WALL_S) is None or a.get(TrialAttr.STEPS_S) is None):
             continue
-        overheads.append(max(0.0, float(a["wall_s"]) - float(a["steps_s"]) - float(a.get("compile_s") or 0.0)
-                             - float(a.get("pool_start_s") or 0.0)))
+        overheads.append(max(0.0, float(a[TrialAttr.WALL_S]) - float(a[TrialAttr.STEPS_S]) - float(a.get(TrialAttr.COMPILE_S) or 0.0)
+                             - float(a.get(TrialAttr.POOL_START_S) or 0.0)))
     recent = overheads[-last:]
     return statistics.median(recent) if recent else None
 
@@ -840,14 +826,3 @@ class _NullReporter:
     def note(self, text: str) -> None: ...
     def finish(self, trial: FrozenTrial, best: FrozenTrial | None, *, reused: bool = False,
                predicted: bool = False) -> None: ...
-
-
-def saved_by(what: str) -> str:
-    try:
-        user = getpass.getuser()
-    except Exception:
-        user = "unknown"
-    return f"{user}@{socket.gethostname()} ({what})"
-
-
-Callback = Callable[[FrozenTrial], None]

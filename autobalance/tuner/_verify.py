@@ -63,6 +63,14 @@ from autobalance import _env
 from autobalance._config import BalanceConfig, split_evenly
 from autobalance._errors import UsageError
 from autobalance.launcher import TrialLaunch, TrialOutcome, WarmPool, cold_reason, run_trial
+from autobalance.protocol import (
+    Status,
+    StudyAttr,
+    TrialAttr,
+    best_trial,
+    is_feasible,
+    weighted_objective,
+)
 
 __all__ = [
     "FP32_CAUSES",
@@ -265,8 +273,8 @@ class Verifier:
         )
         outcome = self._launch(launch)
         step_file = os.path.join(trial_dir, _STEP_FILE)
-        if outcome.status != "ok" or not os.path.isfile(step_file):
-            text = f"{outcome.status}: {outcome.reason}" if outcome.status != "ok" else "no step was saved"
+        if outcome.status != Status.OK or not os.path.isfile(step_file):
+            text = f"{outcome.status}: {outcome.reason}" if outcome.status != Status.OK else "no step was saved"
             raise _RunFailed(name, f"{text} (logs in {trial_dir})")
         result = self._load(name, trial_dir)
         self._results.append(result)
@@ -354,7 +362,7 @@ class Verifier:
             note = ""
         except _RunFailed as exc:
             fallback = self._fallback_reference(tuned)
-            if fallback is None or "oom" not in str(exc):
+            if fallback is None or Status.OOM not in str(exc):
                 raise
             base = self._run("baseline-small", fallback, dropout="off", global_batch=gb)
             note = (f" (the script's own configuration ran out of memory; the reference is the even split "
@@ -472,9 +480,9 @@ def _short(config: BalanceConfig) -> str:
 
 
 # ---------------------------------------------------------------------- in the study
-ATTR_VERIFY_PREFIX = "autobalance:verify:"
+ATTR_VERIFY_PREFIX = StudyAttr.VERIFY_PREFIX
 """Study attribute ``autobalance:verify:<trial number>``: that trial's :meth:`Verification.to_dict`."""
-ATTR_ALLOW_BATCH_DEPENDENT = "autobalance:allow_batch_dependent"
+ATTR_ALLOW_BATCH_DEPENDENT = StudyAttr.ALLOW_BATCH_DEPENDENT
 """Study attribute: True when the study was tuned with ``--allow-batch-dependent`` (its configurations
 may change the train-mode step of batch-dependent layers, and are verified in eval mode)."""
 MAX_CANDIDATES = 3
@@ -499,19 +507,13 @@ def allows_batch_dependent(study: Any) -> bool:
 
 def ranked_candidates(study: Any) -> list[Any]:
     """Feasible trials, best first (the order of ``best_trial``), one per configuration."""
-    from autobalance.tuner._study import ATTR_OBJECTIVE, is_feasible
-
-    objective = study.user_attrs.get(ATTR_OBJECTIVE, {})
-    ws, wt = objective.get("weight_spread", 1.0), objective.get("weight_time", 1.0)
+    objective = study.user_attrs.get(StudyAttr.OBJECTIVE, {})
     feasible = [t for t in study.get_trials(deepcopy=False) if is_feasible(t)]
-    if len(study.directions) == 1:
-        feasible.sort(key=lambda t: (t.values[0], t.number))
-    else:
-        feasible.sort(key=lambda t: (ws * t.values[0] + wt * t.values[1], t.number))
+    feasible.sort(key=lambda t: (weighted_objective(t.values, objective), t.number))
     seen: set[str] = set()
     out = []
     for t in feasible:
-        key = json.dumps(t.user_attrs.get("config"), sort_keys=True)
+        key = json.dumps(t.user_attrs.get(TrialAttr.CONFIG), sort_keys=True)
         if key not in seen:
             seen.add(key)
             out.append(t)
@@ -528,8 +530,8 @@ def verify_for_saving(*, settings: Any, study: Any, best: Any, baseline: Any,
                      "training with the saved configuration.")
         return best
     baseline_cfg = None
-    if baseline is not None and baseline.user_attrs.get("config"):
-        baseline_cfg = BalanceConfig.from_dict(baseline.user_attrs["config"])
+    if baseline is not None and baseline.user_attrs.get(TrialAttr.CONFIG):
+        baseline_cfg = BalanceConfig.from_dict(baseline.user_attrs[TrialAttr.CONFIG])
     candidates = [best] + [t for t in ranked_candidates(study) if t.number != best.number]
     tried = 0
     for trial in candidates:
@@ -541,7 +543,7 @@ def verify_for_saving(*, settings: Any, study: Any, best: Any, baseline: Any,
         if previous is not None:
             return trial
         tried += 1
-        config = BalanceConfig.from_dict(trial.user_attrs["config"])
+        config = BalanceConfig.from_dict(trial.user_attrs[TrialAttr.CONFIG])
         verdict = Verifier(target_for(settings, label=f"trial{trial.number}"), note=note,
                            allow_batch_dependent=allows_batch_dependent(study)).verify(
             config, baseline=baseline_cfg)
@@ -594,12 +596,10 @@ def run_verify_command(*, script: str, script_args: list[str], study_name: str |
     else:
         from autobalance.tuner._compile import cache_dir
         from autobalance.tuner._storage import load_study
-        from autobalance.tuner._study import ATTR_DEVICE, best_trial
-
         study = load_study(study_name=str(study_name), storage_url=storage)
         trials = study.get_trials(deepcopy=False)
         if trial is not None:
-            if trial >= len(trials) or not trials[trial].user_attrs.get("config"):
+            if trial >= len(trials) or not trials[trial].user_attrs.get(TrialAttr.CONFIG):
                 raise UsageError(f"--trial={trial} is not a trial of {study_name!r} with a configuration; list them with "
                                  f"`autobalance trials --study-name {study_name}`.")
             chosen = trials[trial]
@@ -608,10 +608,10 @@ def run_verify_command(*, script: str, script_args: list[str], study_name: str |
             if found is None:
                 raise UsageError(f"study {study_name!r} has no feasible trial yet; pass --trial N or run more trials.")
             chosen = found
-        config = BalanceConfig.from_dict(chosen.user_attrs["config"])
+        config = BalanceConfig.from_dict(chosen.user_attrs[TrialAttr.CONFIG])
         what = f"trial {chosen.number} of '{study_name}'"
         label = f"trial{chosen.number}"
-        device = device or (study.user_attrs.get(ATTR_DEVICE) or {}).get("type")
+        device = device or (study.user_attrs.get(StudyAttr.DEVICE) or {}).get("type")
         if config.compile != "off" and not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
             env = {"TORCHINDUCTOR_CACHE_DIR": cache_dir(runs_dir, str(study_name)),  # the study's own cache
                    "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",

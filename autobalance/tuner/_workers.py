@@ -28,10 +28,12 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
+from autobalance.protocol import Status, StudyAttr, TrialAttr
+
 __all__ = ["CLAIM_KEY", "NOT_COUNTED", "BaselineClaim", "fail_stale_trials", "worker_id"]
 
-CLAIM_KEY = "autobalance:baseline_claim"
-NOT_COUNTED = (None, "interrupted", "stale", "surplus")
+CLAIM_KEY = StudyAttr.BASELINE_CLAIM
+NOT_COUNTED = (None, Status.INTERRUPTED, Status.STALE, Status.SURPLUS)
 """Statuses of FAIL trials that do not count towards ``--trials`` (they are run again)."""
 
 
@@ -165,7 +167,7 @@ def fail_stale_trials(study: optuna.Study, storage: optuna.storages.RDBStorage) 
         stale_ids = storage._get_stale_trial_ids(study._study_id) + _silent_trial_ids(study, storage, grace)
         for trial_id in stale_ids:
             try:
-                storage.set_trial_user_attr(trial_id, "status", "stale")
+                storage.set_trial_user_attr(trial_id, TrialAttr.STATUS, Status.STALE)
                 storage.set_trial_user_attr(
                     trial_id, "reason",
                     "its tuner stopped without finishing it (killed?): the heartbeat stopped; run again in its place",

@@ -1,0 +1,64 @@
+"""The protocol between the rooms: statuses, a rank's report, the study's attribute names and
+which trial is feasible / the best.
+
+The floor of the package: it imports nothing else of autobalance (and neither torch nor optuna at
+import time), so the runtime, the launcher, the tuner, the report and the CLI can all use it.
+"""
+
+from __future__ import annotations
+
+from autobalance.protocol._attrs import CONSTRAINTS_KEY, StudyAttr, TrialAttr
+from autobalance.protocol._report import (
+    REPORT_SCHEMA,
+    InvalidReport,
+    RankDevice,
+    RankMemory,
+    RankReport,
+    RankTiming,
+    is_number,
+    report_path,
+    report_problem,
+)
+from autobalance.protocol._status import (
+    FAILED_STATUSES,
+    INFEASIBLE_STATUSES,
+    MEASURED_STATUSES,
+    OOM_MARKERS,
+    OUTCOME_STATUSES,
+    PEER_FAILURE_MARKERS,
+    REPORT_STATUSES,
+    TOLD_STATUSES,
+    Status,
+    looks_like_oom,
+    looks_like_peer_failure,
+)
+from autobalance.protocol._trials import best_trial, is_feasible, weighted_objective
+
+__all__ = [
+    "CONSTRAINTS_KEY",
+    "FAILED_STATUSES",
+    "INFEASIBLE_STATUSES",
+    "MEASURED_STATUSES",
+    "OOM_MARKERS",
+    "OUTCOME_STATUSES",
+    "PEER_FAILURE_MARKERS",
+    "REPORT_SCHEMA",
+    "REPORT_STATUSES",
+    "TOLD_STATUSES",
+    "InvalidReport",
+    "RankDevice",
+    "RankMemory",
+    "RankReport",
+    "RankTiming",
+    "Status",
+    "StudyAttr",
+    "TrialAttr",
+    "best_trial",
+    "is_feasible",
+    "is_number",
+    "looks_like_oom",
+    "looks_like_peer_failure",
+    "report_path",
+    "report_problem",
+    "weighted_objective",
+]

@@ -1,0 +1,75 @@
+"""The names under which a study keeps what autobalance records: study attributes (set once per
+study) and trial attributes (set on every trial). Readers (report, CLI views, production loading)
+use these, never the literal strings."""
+
+from __future__ import annotations
+
+__all__ = ["CONSTRAINTS_KEY", "StudyAttr", "TrialAttr"]
+
+CONSTRAINTS_KEY = "constraints"
+"""Optuna's (legacy) trial system attribute for constraint values: read by every sampler and by
+optuna-dashboard; ``<= 0`` everywhere means feasible."""
+
+
+class StudyAttr:
+    """Study user attributes."""
+
+    SPACE = "autobalance:space"
+    """The search space (``SearchSpace.to_dict``), fixed by the baseline trial."""
+    OBJECTIVE = "autobalance:objective"
+    """Objective settings (weights, headroom, caps, device, world size, ...): a continued study must match."""
+    REFERENCE = "autobalance:reference_step_s"
+    """The first measured step time: step times are normalised by it."""
+    BASELINE = "autobalance:baseline_trial"
+    """Number of the baseline trial (the script's own configuration)."""
+    CAPACITY = "autobalance:capacity_bytes"
+    """Per-rank device capacity seen by the baseline."""
+    DEVICE = "autobalance:device"
+    """The baseline's rank-0 device section."""
+    SCRIPT_SHA = "autobalance:script_sha256"
+    LAUNCH = "autobalance:launch"
+    """How the latest ``tune`` ran the script (path, arguments, ranks, runs dir): what ``promote`` needs
+    to verify a trial without being told again."""
+    SCRIPT_FACTS = "autobalance:script_facts"
+    """What the baseline's report says about the script, in words (shown again in the summary)."""
+    TORCH_VERSION = "autobalance:torch_version"
+    CUDA_VERSION = "autobalance:cuda_version"
+    COMPILE_TOTAL = "autobalance:compile_total_s"
+    """Seconds spent compiling over the study."""
+    MEMORY_MODEL_ERROR = "autobalance:memory_model_holdout_error"
+    BASELINE_CLAIM = "autobalance:baseline_claim"
+    """Which worker runs the baseline (concurrent workers on one study)."""
+    ALLOW_BATCH_DEPENDENT = "autobalance:allow_batch_dependent"
+    """True when the study was tuned with ``--allow-batch-dependent`` (verified in eval mode)."""
+    VERIFY_PREFIX = "autobalance:verify:"
+    """``+ <trial number>``: the verdict of verifying that trial's configuration."""
+
+
+class TrialAttr:
+    """Trial user attributes (the per-rank figures are listed in the tuner's ``TrialFigures.user_attrs``)."""
+
+    STATUS = "status"
+    """A :class:`~autobalance.protocol.Status` value."""
+    REASON = "reason"
+    """One line saying why (the failing rank and what happened)."""
+    CONFIG = "config"
+    """The trial's ``BalanceConfig.to_dict()``."""
+    BASELINE = "baseline"
+    """True on the baseline trial."""
+    FEASIBLE = "feasible"
+    REUSED_FROM = "reused_from"
+    """Number of the trial whose measurement was reused (a repeated configuration)."""
+    PREDICTED_BY = "predicted_by"
+    TRIAL_DIR = "trial_dir"
+    WALL_S = "wall_s"
+    STEPS_S = "steps_s"
+    STEP_TIME_MS = "step_time_ms"
+    MEASURED_STEPS = "measured_steps"
+    SPREAD_GIB = "spread_gib"
+    COMPILE_S = "compile_s"
+    COMPILE_CACHE = "compile_cache"
+    POOL_START_S = "pool_start_s"
+    PEAK_DEVICE_GIB = "peak_device_gib"
+    USABLE_GIB = "usable_gib"
+    FAILING_RANK = "failing_rank"
+    ERROR_TAIL = "error_tail"

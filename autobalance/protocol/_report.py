@@ -1,0 +1,215 @@
+"""A rank's report: what each rank of a trial writes to ``rank<R>.json`` (built by the runtime,
+validated by the launcher, read by the tuner). Plain JSON from another process: nothing in it is
+trusted until :func:`report_problem` says it is usable."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from autobalance.protocol._status import REPORT_STATUSES, Status
+
+__all__ = [
+    "REPORT_SCHEMA",
+    "InvalidReport",
+    "RankDevice",
+    "RankMemory",
+    "RankReport",
+    "RankTiming",
+    "is_number",
+    "report_path",
+    "report_problem",
+]
+
+REPORT_SCHEMA = 1
+
+
+def report_path(trial_dir: str, rank: int) -> str:
+    """Where rank ``rank`` of the trial in ``trial_dir`` writes its report."""
+    return os.path.join(trial_dir, f"rank{rank}.json")
+
+
+class InvalidReport(ValueError):
+    """A report that :func:`report_problem` rejects (its message says why)."""
+
+
+def is_number(value: Any) -> bool:
+    """A finite, non-negative JSON number (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+class _Section:
+    """A JSON object of known keys; unknown keys are kept (``extra``) so a report round-trips."""
+
+    extra: dict[str, Any]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Any:
+        names = {f.name for f in dataclasses.fields(cls) if f.name != "extra"}  # type: ignore[arg-type]
+        make: Any = cls
+        return make(**{k: v for k, v in data.items() if k in names},
+                    extra={k: v for k, v in data.items() if k not in names})
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}  # type: ignore[arg-type]
+        return {**out, **self.extra}
+
+
+@dataclass(kw_only=True)
+class RankDevice(_Section):
+    """The rank's device."""
+
+    type: str = "cpu"
+    """``cuda`` or ``cpu``."""
+    name: str = ""
+    capacity_bytes: float | None = None
+    """The device's memory (CPU: the machine's)."""
+    cap_bytes: float | None = None
+    """The emulated per-rank cap, when the trial enforced one."""
+    uuid: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class RankMemory(_Section):
+    """Peaks over the trial, bytes."""
+
+    peak_allocated: float | None = None
+    peak_reserved: float | None = None
+    outside_pytorch: float | None = None
+    """Device memory NVML attributes to the process beyond what the allocator reserved."""
+    nvml_used_peak: float | None = None
+    nvml_scope: str | None = None
+    """``process``, ``device`` or ``none``: what ``nvml_used_peak`` counts."""
+    peak_device: float | None = None
+    """Peak reserved + outside PyTorch: what the rank needs of its device."""
+    before_training: float | None = None
+    """Live bytes before the first step (model, optimizer state)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class RankTiming(_Section):
+    """Seconds."""
+
+    startup_s: float | None = None
+    """Start of the rank to its first step."""
+    compile_s: float | None = None
+    steps_s: float | None = None
+    """Warm-up and measured steps (compilation excluded)."""
+    measure_s: float | None = None
+    wall_s: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class RankReport:
+    """One rank's figures of one trial. ``to_dict`` gives the JSON written to ``rank<R>.json``;
+    ``from_dict`` reads one back after :func:`report_problem` accepted it."""
+
+    schema: int = REPORT_SCHEMA
+    status: Status
+    """One of :data:`REPORT_STATUSES`."""
+    error: str | None = None
+    """``Type: message`` of the exception that ended the trial on this rank."""
+    traceback: str | None = None
+    rank: int
+    local_rank: int | None = None
+    world_size: int
+    hostname: str = ""
+    pid: int | None = None
+    trial_id: str | None = None
+    device: RankDevice | None = None
+    config: dict[str, Any] | None = None
+    """The applied :class:`~autobalance.BalanceConfig` (``to_dict``)."""
+    source: str | None = None
+    """Where the configuration came from (trial, file, store, defaults)."""
+    defaults: dict[str, Any] | None = None
+    """The script's own configuration (``to_dict``)."""
+    model: dict[str, Any] | None = None
+    """What the runtime saw of the model (``num_blocks``, ...)."""
+    steps_done: int | None = None
+    warmup_steps: int | None = None
+    step_times_s: list[float] | None = None
+    """Measured steps' times (warm-up excluded)."""
+    step_time_s: float | None = None
+    """Median of ``step_times_s``."""
+    measured_steps: int | None = None
+    samples_per_s: float | None = None
+    memory: RankMemory | None = None
+    timing: RankTiming | None = None
+    compile: dict[str, Any] | None = None
+    activation_budget: float | None = None
+    verify: dict[str, Any] | None = None
+    breakdown: dict[str, Any] | None = None
+    """``autobalance diagnose``: MemTracker's per-module breakdown."""
+    torch_version: str | None = None
+    cuda_version: str | None = None
+    written_at: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = value.to_dict() if isinstance(value, _Section) else value
+        out["status"] = str(self.status)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any) -> RankReport:
+        """The typed report; :class:`InvalidReport` when :func:`report_problem` rejects ``data``."""
+        problem = report_problem(data)
+        if problem is not None:
+            raise InvalidReport(problem)
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in names}
+        values["status"] = Status(data["status"])
+        values.setdefault("rank", -1)
+        values.setdefault("world_size", 0)
+        for key, section in (("device", RankDevice), ("memory", RankMemory), ("timing", RankTiming)):
+            if isinstance(data.get(key), dict):
+                values[key] = section.from_dict(data[key])
+        return cls(**values)
+
+
+def report_problem(data: Any) -> str | None:
+    """Why ``data`` cannot be used as a rank's report (types and ranges of every field the tuner
+    reads), or None."""
+    if not isinstance(data, dict):
+        return f"a JSON {type(data).__name__}, not an object"
+    if data.get("status") not in REPORT_STATUSES:
+        return f"status {str(data.get('status'))[:40]!r} is not one of {', '.join(REPORT_STATUSES)}"
+    for key in ("error", "traceback", "torch_version", "cuda_version"):
+        if data.get(key) is not None and not isinstance(data[key], str):
+            return f"{key} is not a string"
+    for key in ("memory", "device", "timing", "config", "defaults", "model", "breakdown"):
+        if data.get(key) is not None and not isinstance(data[key], dict):
+            return f"{key} is not an object"
+    if data["status"] == Status.OK:
+        for key in ("memory", "device"):
+            if not isinstance(data.get(key), dict):
+                return f"an ok report without {key}"
+        if not is_number(data.get("step_time_s")):
+            return "an ok report without a step time"
+    checks = (
+        ("memory", ("peak_device", "peak_allocated", "peak_reserved", "outside_pytorch", "nvml_used_peak")),
+        ("device", ("capacity_bytes", "cap_bytes")),
+        ("timing", ("startup_s", "compile_s", "steps_s", "wall_s")),
+        ("config", ("global_batch",)),
+        ("model", ("num_blocks",)),
+    )
+    for section, keys in checks:
+        values = data.get(section) or {}
+        for key in keys:
+            if values.get(key) is not None and not is_number(values[key]):
+                return f"{section}.{key} is not a non-negative number"
+    for key in ("step_time_s", "samples_per_s", "measured_steps"):
+        if data.get(key) is not None and not is_number(data[key]):
+            return f"{key} is not a non-negative number"
+    times = data.get("step_times_s")
+    if times is not None and not (isinstance(times, list) and all(is_number(t) for t in times)):
+        return "step_times_s is not a list of non-negative numbers"
+    return None

@@ -1,0 +1,43 @@
+"""Which trials of a study count as feasible, and which one is the best: shared by the tuner, the
+report, the CLI views and production loading (optuna is imported by the caller)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from autobalance.protocol._attrs import CONSTRAINTS_KEY, StudyAttr, TrialAttr
+from autobalance.protocol._status import Status
+
+if TYPE_CHECKING:
+    import optuna
+    from optuna.trial import FrozenTrial
+
+__all__ = ["best_trial", "is_feasible", "weighted_objective"]
+
+
+def is_feasible(trial: FrozenTrial) -> bool:
+    """Complete, measured (status ok) and within every constraint (memory, spread)."""
+    from optuna.trial import TrialState
+
+    cons = trial.system_attrs.get(CONSTRAINTS_KEY)
+    return bool(trial.state == TrialState.COMPLETE and cons is not None and all(c <= 0 for c in cons)
+                and trial.user_attrs.get(TrialAttr.STATUS) == Status.OK)
+
+
+def weighted_objective(values: list[float] | tuple[float, ...], objective: dict[str, Any]) -> float:
+    """One number for a trial's objective values: the value itself, or on a Pareto front (spread,
+    time) the weighted sum with the study's weights."""
+    if len(values) == 1:
+        return float(values[0])
+    ws, wt = objective.get("weight_spread", 1.0), objective.get("weight_time", 1.0)
+    return float(ws * values[0] + wt * values[1])
+
+
+def best_trial(study: optuna.Study) -> FrozenTrial | None:
+    """The best feasible trial: lowest objective, or on a Pareto front the lowest weighted sum
+    (ties: the earlier trial)."""
+    objective = study.user_attrs.get(StudyAttr.OBJECTIVE, {})
+    feasible = [t for t in study.get_trials(deepcopy=False) if is_feasible(t)]
+    if not feasible:
+        return None
+    return min(feasible, key=lambda t: (weighted_objective(t.values, objective), t.number))
