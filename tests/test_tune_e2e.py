@@ -58,7 +58,7 @@ def test_tune_gpt_records_trials_with_per_rank_attributes(tmp_path):
                           cwd=tmp_path).stdout)
     # on CPU --measure-s auto is off: exactly --steps (3) measured steps, timed inside each trial's wall time
     assert [r["measured_steps"] for r in rows] == [3, 3, 3]
-    assert all(0 < r["steps_s"] < r["wall_s"] for r in rows)
+    assert all(0 < r["time_in_steps_s"] < r["wall_s"] for r in rows)
     studies = cli(["studies", "--storage", f"sqlite:///{db}"], cwd=tmp_path)
     assert studies.returncode == 0, studies.stderr
     # the study's row: name, 3 trials, 3 complete, 3 feasible, the best trial's step time

@@ -17,17 +17,19 @@ def report(
     output: str = typer.Option("report.html", "-o", "--output", help="HTML file to write (one offline file)."),
     png: str | None = typer.Option(None, "--png", help="Also write static PNG charts into this directory."),
 ) -> None:
-    """Write one offline HTML file: per-rank peaks per trial, step time vs spread, baseline vs best, importances."""
+    """Write one offline HTML file: why the chosen trial won, step time vs peak memory, what dtype/compile/budget/
+    micro-batch did, compile cost, per-rank peaks per trial, baseline vs best, importances."""
 
     def go() -> None:
         from autobalance.report import build_report
         from autobalance.store import check_storage
         from autobalance.tuner import load_study
+        from autobalance.tuner._storage import mask
 
         quiet_optuna()
         url = check_storage(storage)
         study = load_study(study_name=study_name, storage_url=url)
-        files = build_report(study, output_html=output, png_dir=png)
+        files = build_report(study, output_html=output, png_dir=png, storage_url=mask(url))
         typer.echo(f"Wrote {files.html}")
         for path in files.pngs:
             typer.echo(f"Wrote {path}")

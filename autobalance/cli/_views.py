@@ -50,7 +50,7 @@ def trial_rows(study: Any) -> list[dict[str, Any]]:
             "number": t.number, "state": t.state.name, "status": a.get(TrialAttr.STATUS), "baseline": a.get(TrialAttr.BASELINE, False),
             "feasible": a.get(TrialAttr.FEASIBLE), "config": a.get(TrialAttr.CONFIG), "peak_device_gib": a.get(TrialAttr.PEAK_DEVICE_GIB),
             "spread_gib": a.get(TrialAttr.SPREAD_GIB), "step_time_ms": a.get(TrialAttr.STEP_TIME_MS),
-            "measured_steps": a.get(TrialAttr.MEASURED_STEPS), "steps_s": a.get(TrialAttr.STEPS_S), "wall_s": a.get(TrialAttr.WALL_S),
+            "measured_steps": a.get(TrialAttr.MEASURED_STEPS), "time_in_steps_s": a.get(TrialAttr.STEPS_S), "wall_s": a.get(TrialAttr.WALL_S),
             "values": t.values, "reason": a.get(TrialAttr.REASON),
         })
     return rows

@@ -1,13 +1,15 @@
-"""The report's plotly figures: per-rank peak memory per trial, step time versus spread, importances."""
+"""The report's plotly figures: per-rank peak memory per trial, step time versus peak memory and
+versus spread, what dtype / compile / budget / micro-batch did to step time, compile cost,
+importances."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from autobalance.protocol import Status
 from autobalance.report._rows import StudySummary, TrialRow, pareto_front
 
-__all__ = ["importance_figure", "memory_figure", "rank_colors", "tradeoff_figure"]
+__all__ = ["compile_figure", "factor_values", "factors_figure", "importance_figure", "memory_figure", "rank_colors",
+           "time_memory_figure", "tradeoff_figure"]
 
 _PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
 BAD = "#d62728"
@@ -28,6 +30,14 @@ def _max(values: list[float | None]) -> float | None:
     return max(known) if known else None
 
 
+def _mark(row: TrialRow) -> str:
+    if row.predicted:
+        return "predicted OOM"
+    if row.status == "ok":
+        return "over limit"
+    return row.status.upper()
+
+
 def memory_figure(summary: StudySummary) -> Any:
     """Grouped bars: one group per trial, one bar per rank; capacity and usable lines; OOM marked."""
     import plotly.graph_objects as go
@@ -40,8 +50,10 @@ def memory_figure(summary: StudySummary) -> Any:
         y = [r.peaks_gib[rank] if rank < len(r.peaks_gib) else None for r in rows]
         fig.add_trace(go.Bar(
             x=labels, y=y, name=f"rank {rank}", marker_color=color,
-            marker_pattern_shape=["x" if r.failed_memory else "" for r in rows],
-            customdata=[[r.status, _describe(r)] for r in rows],
+            marker_pattern_shape=["/" if r.predicted else ("x" if r.failed_memory else "") for r in rows],
+            marker_opacity=[0.35 if r.predicted else 1.0 for r in rows],
+            customdata=[[r.outcome + (" (a prediction, not a measurement)" if r.predicted else ""), _describe(r)]
+                        for r in rows],
             hovertemplate=f"rank {rank}: %{{y:.4f}} GiB<br>%{{x}} %{{customdata[0]}}<br>%{{customdata[1]}}<extra></extra>",
         ))
     top = _max([_max(r.peaks_gib) for r in rows]) or 1.0
@@ -55,16 +67,18 @@ def memory_figure(summary: StudySummary) -> Any:
                 x=labels, y=series, name=name, mode="lines", line={"color": "#333333", "dash": dash, "shape": "hvh"},
                 hovertemplate=f"{name}: %{{y:.4f}} GiB<extra></extra>", visible="legendonly" if off_scale else True,
             ))
-    bad = [r for r in rows if r.failed_memory or r.status in (Status.TIMEOUT, Status.ERROR, Status.CRASH)]
+    bad = [r for r in rows if r.failed_memory or r.status in ("timeout", "error", "crash")]
     if bad:
         fig.add_trace(go.Scatter(
             x=[r.label for r in bad], y=[(_max(r.peaks_gib) or 0.0) + 0.06 * top for r in bad],
-            mode="markers+text", name="OOM / infeasible", marker={"symbol": "x", "size": 12, "color": BAD},
-            text=[("infeasible" if r.status == Status.OK else r.status.upper()) for r in bad], textposition="top center",
+            mode="markers+text", name="OOM / over the limit / predicted", marker={"symbol": "x", "size": 12, "color": BAD},
+            text=[_mark(r) for r in bad], textposition="top center",
             textfont={"color": BAD}, customdata=[r.reason or "" for r in bad],
             hovertemplate="%{x}: %{text}<br>%{customdata}<extra></extra>",
         ))
     title = "Peak device memory per rank, per trial"
+    if any(r.predicted for r in rows):
+        title += " (pale hatched bars: predicted, never run)"
     if off_scale and cap_top is not None:
         title += f" (capacity {cap_top:.3g} GiB is off scale; toggle it in the legend)"
     fig.update_layout(
@@ -130,4 +144,188 @@ def importance_figure(importances: dict[str, float]) -> Any:
     fig.update_layout(title="Parameter importances for the objective", xaxis_title="importance",
                       template="plotly_white", height=max(240, 60 + 36 * len(items)),
                       margin={"t": 60, "l": 160, "r": 20, "b": 50})
+    return fig
+
+
+def _limits(summary: StudySummary) -> tuple[list[float | None], list[float | None]]:
+    """Per rank: the capacity and the usable limit of the study (from its first trial that has them)."""
+    n = summary.world_size
+    for row in summary.rows:
+        if len(row.capacity_gib) == n and all(v is not None for v in row.capacity_gib):
+            usable = row.usable_gib if len(row.usable_gib) == n else [None] * n
+            return list(row.capacity_gib), list(usable)
+    return [None] * n, [None] * n
+
+
+def time_memory_figure(summary: StudySummary) -> Any:
+    """Step time against each rank's peak memory: one marker per rank and trial, a trial's ranks
+    joined by a line (its length is the spread); the capacity and usable limit as vertical lines.
+    Trials without a step time (OOM, predicted) sit in a band above, at their (lower-bound or
+    predicted) peak."""
+    import plotly.graph_objects as go
+
+    n = summary.world_size
+    colors = rank_colors(n)
+    measured = [r for r in summary.rows if r.step_ms is not None and r.peak_gib is not None]
+    unmeasured = [r for r in summary.rows if r.step_ms is None and r.peak_gib is not None and r.reused_from is None]
+    top = max((float(r.step_ms) for r in measured), default=100.0)  # type: ignore[arg-type]
+    band = top * 1.12
+    fig = go.Figure()
+    for row in measured:  # a trial's ranks joined
+        peaks = [p for p in row.peaks_gib if p is not None]
+        if len(peaks) > 1:
+            fig.add_trace(go.Scatter(x=[min(peaks), max(peaks)], y=[row.step_ms, row.step_ms], mode="lines",
+                                     line={"color": "#bbbbbb", "width": 1}, showlegend=False, hoverinfo="skip"))
+    for rank in range(n):
+        for feasible in (True, False):
+            subset = [r for r in measured if r.feasible == feasible and rank < r.ranks and r.peaks_gib[rank] is not None]
+            if not subset:
+                continue
+            name = (f"rank {rank}" if n > 1 else "peak") + ("" if feasible else ": over the limit")
+            fig.add_trace(go.Scatter(
+                x=[r.peaks_gib[rank] for r in subset], y=[r.step_ms for r in subset], mode="markers", name=name,
+                marker={"size": 10, "color": colors[rank], "symbol": "circle" if feasible else "x",
+                        "line": {"color": BAD if not feasible else colors[rank], "width": 2}},
+                text=[r.label for r in subset], customdata=[[r.outcome, _describe(r)] for r in subset],
+                hovertemplate=(f"%{{text}} rank {rank}: %{{x:.3f}} GiB, step %{{y:.1f}} ms<br>%{{customdata[0]}}"
+                               "<br>%{customdata[1]}<extra></extra>"),
+            ))
+    for predicted in (False, True):
+        subset = [r for r in unmeasured if r.predicted == predicted]
+        if not subset:
+            continue
+        name = "predicted OOM (not run; predicted peak)" if predicted else "OOM / no step time (peak is a lower bound)"
+        fig.add_trace(go.Scatter(
+            x=[r.peak_gib for r in subset], y=[band] * len(subset), mode="markers+text", name=name,
+            marker={"size": 11, "color": "rgba(0,0,0,0)" if predicted else BAD,
+                    "symbol": "triangle-up-open" if predicted else "triangle-up",
+                    "line": {"color": BAD, "width": 1.5}},
+            text=[r.label.split()[0] for r in subset], textposition="top center", textfont={"size": 9},
+            customdata=[[r.outcome, r.reason or "", _describe(r)] for r in subset],
+            hovertemplate="%{text}: %{customdata[0]}, peak >= %{x:.3f} GiB<br>%{customdata[1]}<br>%{customdata[2]}"
+                          "<extra></extra>",
+        ))
+    best = summary.best
+    if best is not None and best.step_ms is not None and best.peak_gib is not None:
+        fig.add_trace(go.Scatter(
+            x=[best.peak_gib], y=[best.step_ms], mode="markers+text", name=f"chosen {best.label}",
+            marker={"size": 20, "color": "#ffbf00", "symbol": "star", "line": {"color": "#000000", "width": 1}},
+            text=[f"chosen {best.label}"], textposition="bottom center",
+            hovertemplate=f"chosen {best.label}: highest rank %{{x:.3f}} GiB, %{{y:.1f}} ms<extra></extra>",
+        ))
+    caps, usable = _limits(summary)
+    xs = [p for r in [*measured, *unmeasured] for p in r.peaks_gib if p is not None]
+    right = max(xs, default=1.0)
+    for name, series, dash in (("capacity", caps, "solid"), ("usable", usable, "dash")):
+        levels = [(r, float(v)) for r, v in enumerate(series) if v is not None]
+        if not levels or min(v for _, v in levels) > 3 * right:
+            continue  # host RAM on CPU: a far-away line would flatten the markers
+        one_level = len({round(v, 4) for _, v in levels}) == 1
+        for r, v in (levels[:1] if one_level else levels):
+            label = f"{name} {v:.3g} GiB" + ("" if one_level or n == 1 else f" (rank {r})")
+            fig.add_vline(x=v, line={"color": "#333333" if one_level else colors[r], "dash": dash, "width": 1},
+                          annotation_text=label, annotation_position="top left" if name == "usable" else "top right",
+                          annotation_font_size=10)
+            right = max(right, v)
+    fig.update_layout(
+        title="Step time versus peak memory per rank (left of the usable line and low is better)",
+        xaxis_title="peak device memory (GiB)", yaxis_title="step time (ms)", template="plotly_white", height=480,
+        margin={"t": 70, "l": 60, "r": 20, "b": 60}, legend_title="",
+    )
+    if unmeasured:
+        fig.add_annotation(x=0, xref="paper", y=band, yref="y", text="no step time", showarrow=False, xanchor="left",
+                           yanchor="bottom", font={"size": 10, "color": "#777777"})
+    return fig
+
+
+def factor_values(row: TrialRow) -> dict[str, Any]:
+    """The settings whose effect on step time the report shows, for one trial."""
+    c = row.config or {}
+    budget = c.get("activation_budget")
+    mode = c.get("compile", "off")
+    micro = c.get("micro_batches") or []
+    return {
+        "dtype": c.get("dtype"),
+        "compile": mode,
+        "activation budget": (None if mode == "off" else ("default" if not budget else
+                                                          "/".join(f"{b:g}" for b in sorted(set(budget))))),
+        "micro-batch": None if not micro else "/".join(str(m) for m in micro),
+        "accumulation": c.get("accumulation"),
+    }
+
+
+def _varying(rows: list[TrialRow]) -> list[str]:
+    keys = list(factor_values(rows[0]).keys()) if rows else []
+    return [k for k in keys if len({str(factor_values(r)[k]) for r in rows if factor_values(r)[k] is not None}) > 1]
+
+
+def factors_figure(summary: StudySummary) -> Any | None:
+    """One panel per setting that varied across measured trials: step time by its value, each trial a
+    marker (blue: fits; red x: over the limit); the chosen trial starred. None when nothing varied."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    measured = [r for r in summary.rows if r.step_ms is not None and r.reused_from is None]
+    keys = _varying(measured)
+    if not keys:
+        return None
+    fig = make_subplots(rows=1, cols=len(keys), shared_yaxes=True, subplot_titles=keys, horizontal_spacing=0.04)
+    for col, key in enumerate(keys, start=1):
+        order = sorted({str(factor_values(r)[key]) for r in measured if factor_values(r)[key] is not None},
+                       key=_natural)
+        for feasible in (True, False):
+            subset = [r for r in measured if r.feasible == feasible and factor_values(r)[key] is not None]
+            if not subset:
+                continue
+            fig.add_trace(go.Scatter(
+                x=[str(factor_values(r)[key]) for r in subset], y=[r.step_ms for r in subset], mode="markers",
+                name="fits" if feasible else "over the limit", legendgroup="fits" if feasible else "over",
+                showlegend=col == 1, marker={"size": 10, "color": "#1f77b4" if feasible else BAD,
+                                             "symbol": "circle" if feasible else "x", "opacity": 0.85},
+                text=[r.label for r in subset], customdata=[_describe(r) for r in subset],
+                hovertemplate=f"%{{text}}: {key} %{{x}}, %{{y:.1f}} ms<br>%{{customdata}}<extra></extra>",
+            ), row=1, col=col)
+        fig.update_xaxes(type="category", categoryorder="array", categoryarray=order, row=1, col=col)
+        best = summary.best
+        if best is not None and best.step_ms is not None and factor_values(best)[key] is not None:
+            fig.add_trace(go.Scatter(
+                x=[str(factor_values(best)[key])], y=[best.step_ms], mode="markers", name=f"chosen {best.label}",
+                legendgroup="chosen", showlegend=col == 1,
+                marker={"size": 18, "color": "#ffbf00", "symbol": "star", "line": {"color": "#000000", "width": 1}},
+                hovertemplate=f"chosen {best.label}<extra></extra>",
+            ), row=1, col=col)
+    fig.update_yaxes(title_text="step time (ms)", row=1, col=1)
+    fig.update_layout(title="What each setting did to step time (measured trials)", template="plotly_white",
+                      height=420, margin={"t": 80, "l": 60, "r": 20, "b": 60})
+    return fig
+
+
+def _natural(text: str) -> tuple[Any, ...]:
+    try:
+        return (0, float(text.split("/")[0]), text)
+    except ValueError:
+        return (1, 0.0, text)
+
+
+def compile_figure(summary: StudySummary) -> Any | None:
+    """Seconds each compiled trial spent compiling (its first step), by cache hit or miss; None
+    when nothing compiled."""
+    import plotly.graph_objects as go
+
+    rows = [r for r in summary.rows if r.compile_s is not None and r.reused_from is None]
+    if not rows:
+        return None
+    total = sum(float(r.compile_s or 0.0) for r in rows)
+    fig = go.Figure()
+    for name, hit, color in (("cache miss (compiled)", False, "#ff7f0e"), ("from the Inductor cache", True, "#2ca02c"),
+                             ("cache unknown", None, "#7f7f7f")):
+        subset = [r for r in rows if r.compile_cache_hit is hit]
+        if subset:
+            fig.add_trace(go.Bar(x=[r.label for r in subset], y=[r.compile_s for r in subset], name=name,
+                                 marker_color=color, customdata=[_describe(r) for r in subset],
+                                 hovertemplate="%{x}: %{y:.1f} s compiling<br>%{customdata}<extra></extra>"))
+    fig.update_layout(title=f"Compile cost: {total:.0f} s over {len(rows)} compiled trial(s) (the objective counts "
+                            "step time only; a production run compiles once)",
+                      xaxis_title="trial", yaxis_title="seconds compiling", template="plotly_white", height=380,
+                      xaxis={"type": "category"}, margin={"t": 60, "l": 60, "r": 20, "b": 60}, legend_title="")
     return fig

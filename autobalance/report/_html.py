@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import datetime
 import html
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from autobalance.protocol import Status
 from autobalance.report._rows import StudySummary, TrialRow, summarize
 
-__all__ = ["ReportFiles", "build_report"]
+__all__ = ["ReportFiles", "build_report", "config_rows"]
 
 
 @dataclass(kw_only=True)
@@ -30,6 +28,54 @@ def _num(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+_DTYPES = {"fp32": "fp32 (no autocast)", "bf16": "bf16 autocast", "fp16": "fp16 autocast with a GradScaler"}
+
+
+def _per_rank(values: list[Any], fmt: Any = str) -> str:
+    if len(values) == 1:
+        return fmt(values[0])
+    if len({repr(v) for v in values}) == 1:
+        return f"{fmt(values[0])} on every rank"
+    return ", ".join(f"rank {r}: {fmt(v)}" for r, v in enumerate(values))
+
+
+def config_rows(config: dict[str, Any]) -> list[tuple[str, str]]:
+    """A configuration as (setting, readable value) pairs: per-rank values spelled out, no JSON."""
+    c = dict(config)
+    rows: list[tuple[str, str]] = []
+    micro = c.pop("micro_batches", None)
+    if micro is not None:
+        rows.append(("micro-batch (samples per micro-step)", _per_rank(list(micro))))
+    if "accumulation" in c:
+        rows.append(("gradient accumulation (micro-steps per optimizer step)", str(c.pop("accumulation"))))
+    if "global_batch" in c:
+        rows.append(("global batch (samples per optimizer step)", str(c.pop("global_batch"))))
+    if "dtype" in c:
+        dtype = c.pop("dtype")
+        rows.append(("precision", _DTYPES.get(dtype, str(dtype))))
+    mode = c.pop("compile", "off")
+    rows.append(("torch.compile", "off (eager)" if mode == "off" else f"mode {mode}"))
+    budget = c.pop("activation_budget", None)
+    if mode != "off":
+        rows.append(("activation memory budget", "Inductor's default" if not budget else _per_rank(list(budget), lambda b: f"{b:g}")))
+    ckpt = c.pop("checkpoint", None)
+    if ckpt is not None and (mode == "off" or any(ckpt)):
+        rows.append(("checkpointed blocks", _per_rank([list(b) for b in ckpt],
+                                                      lambda b: "none" if not b else f"{len(b)} ({', '.join(map(str, b))})")))
+    if "bucket_cap_mb" in c:
+        rows.append(("DDP bucket size", f"{float(c.pop('bucket_cap_mb')):g} MB"))
+    if "gradient_as_bucket_view" in c:
+        rows.append(("DDP gradient_as_bucket_view", "yes" if c.pop("gradient_as_bucket_view") else "no"))
+    for key, value in c.items():
+        rows.append((key.replace("_", " "), str(value)))
+    return rows
+
+
+def _spread(row: TrialRow) -> float | None:
+    """A measured spread only: an OOM trial's peaks are lower bounds, a predicted one's are predictions."""
+    return row.spread_gib if row.status == "ok" else None
+
+
 def _comparison(summary: StudySummary) -> str:
     base, best = summary.baseline, summary.best
 
@@ -44,92 +90,155 @@ def _comparison(summary: StudySummary) -> str:
         "</tr></thead><tbody>",
         "<tr><th>configuration</th>" + cell(base, lambda r: describe_config(r.config)) +
         cell(best, lambda r: describe_config(r.config)) + "</tr>",
-        "<tr><th>status</th>" + cell(base, lambda r: r.status) + cell(best, lambda r: r.status) + "</tr>",
+        "<tr><th>outcome</th>" + cell(base, lambda r: r.outcome) + cell(best, lambda r: r.outcome) + "</tr>",
     ]
     ranks = max(len(base.peaks_gib) if base else 0, len(best.peaks_gib) if best else 0)
     for r in range(ranks):
-        lines.append(f"<tr><th>rank {r} peak (GiB)</th>"
-                     + cell(base, lambda x, r=r: _num(x.peaks_gib[r] if r < len(x.peaks_gib) else None, ".4f"))
-                     + cell(best, lambda x, r=r: _num(x.peaks_gib[r] if r < len(x.peaks_gib) else None, ".4f"))
+        name = f"rank {r} peak (GiB)" if summary.multi_rank else "peak (GiB)"
+        lines.append(f"<tr><th>{name}</th>"
+                     + cell(base, lambda x, r=r: _num(x.peaks_gib[r] if r < len(x.peaks_gib) else None, ".3f"))
+                     + cell(best, lambda x, r=r: _num(x.peaks_gib[r] if r < len(x.peaks_gib) else None, ".3f"))
                      + "</tr>")
-    lines.append("<tr><th>spread (GiB)</th>" + cell(base, lambda r: _num(r.spread_gib, ".4f"))
-                 + cell(best, lambda r: _num(r.spread_gib, ".4f")) + "</tr>")
-    lines.append("<tr><th>spread (% of capacity)</th>" + cell(base, lambda r: _num(r.spread_pct, ".2f"))
-                 + cell(best, lambda r: _num(r.spread_pct, ".2f")) + "</tr>")
+    if summary.multi_rank:
+        lines.append("<tr><th>spread (GiB)</th>" + cell(base, lambda r: _num(_spread(r), ".3f"))
+                     + cell(best, lambda r: _num(_spread(r), ".3f")) + "</tr>")
+        lines.append("<tr><th>spread (% of capacity)</th>"
+                     + cell(base, lambda r: _num(r.spread_pct if r.status == "ok" else None, ".2f"))
+                     + cell(best, lambda r: _num(r.spread_pct if r.status == "ok" else None, ".2f")) + "</tr>")
     lines.append("<tr><th>step time (ms)</th>" + cell(base, lambda r: _num(r.step_ms, ".1f"))
                  + cell(best, lambda r: _num(r.step_ms, ".1f")) + "</tr>")
     if base and best and base.step_ms and best.step_ms:
         lines.append(f"<tr><th>speed-up</th><td>1.00x</td><td>{base.step_ms / best.step_ms:.2f}x</td></tr>")
-    if base and best and base.spread_gib is not None and best.spread_gib is not None:
-        lines.append(f"<tr><th>spread reduction</th><td>-</td><td>{_num(base.spread_gib - best.spread_gib, '.4f')} GiB</td></tr>")
+    if summary.multi_rank and base and best and _spread(base) is not None and _spread(best) is not None:
+        lines.append("<tr><th>spread reduction</th><td>-</td>"
+                     f"<td>{_num(_spread(base) - _spread(best), '.3f')} GiB</td></tr>")  # type: ignore[operator]
     lines.append("</tbody></table>")
     return "\n".join(lines)
 
 
 def _best_config(summary: StudySummary) -> str:
+    from autobalance.report._why import why_this_one
+
+    why = " ".join(why_this_one(summary, script=summary.script or "SCRIPT"))
     best = summary.best
     if best is None:
-        return ("<p class='warn'>No feasible configuration yet: every trial ran out of memory, went over the usable "
-                "limit or failed. Run more trials, raise <code>--memory-cap-gib</code> or lower <code>--headroom</code>.</p>")
-    rows = "".join(f"<tr><th>{_e(k)}</th><td><code>{_e(json.dumps(v))}</code></td></tr>"
-                   for k, v in (best.config or {}).items())
-    use = (f"AUTOBALANCE_STUDY={summary.name} AUTOBALANCE_STORAGE=... torchrun ...  "
-           f"# or: autobalance export --study-name {summary.name} -o best.json")
-    return (f"<p>Trial {_e(best.label)}: peak spread {_num(best.spread_gib, '.4f')} GiB, step "
-            f"{_num(best.step_ms, '.1f')} ms.</p><table class='cfg' id='best-config'>{rows}</table>"
+        return f"<p class='warn' id='why'>{_e(why)}</p>"
+    rows = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in config_rows(best.config or {}))
+    storage = summary.storage_url or "..."
+    use = (f"AUTOBALANCE_STUDY={summary.name} AUTOBALANCE_STORAGE={storage} torchrun ...  "
+           f"# or: autobalance export --study-name {summary.name} --storage {storage} -o best.json")
+    figures = [f"step {_num(best.step_ms, '.1f')} ms", f"highest peak {_num(best.peak_gib, '.3f')} GiB"]
+    if summary.multi_rank:
+        figures.append(f"spread {_num(best.spread_gib, '.3f')} GiB")
+    return (f"<p>Trial {_e(best.label)}: {_e(', '.join(figures))}.</p>"
+            f"<h3>Why this one</h3><p id='why'>{_e(why)}</p>"
+            f"<table class='cfg' id='best-config'>{rows}</table>"
             f"<p>Use it: <code>{_e(use)}</code></p>")
 
 
 def _trials_table(summary: StudySummary) -> str:
     from autobalance.tuner import describe_config
 
-    head = ("<table class='trials' id='trials'><thead><tr><th>#</th><th>state</th><th>status</th><th>feasible</th>"
-            "<th>configuration</th><th>peak GiB per rank</th><th>spread GiB</th><th>step ms</th></tr></thead><tbody>")
+    spread_head = "<th>spread GiB</th>" if summary.multi_rank else ""
+    peak_head = "peak GiB per rank" if summary.multi_rank else "peak GiB"
+    head = ("<table class='trials' id='trials'><thead><tr><th>#</th><th>outcome</th><th>configuration</th>"
+            f"<th>{peak_head}</th>{spread_head}<th>step ms</th><th>compile s</th>"
+            "<th title='seconds the slowest rank spent in warm-up and measured steps'>time in steps s</th>"
+            "</tr></thead><tbody>")
     body = []
     for r in summary.rows:
-        cls = " class='bad'" if r.failed_memory or r.status not in (Status.OK,) else ""
-        chosen = " class='chosen'" if summary.best is not None and r.number == summary.best.number else cls
-        peaks = " ".join("-" if p is None else f"{p:.4f}" for p in r.peaks_gib) or "-"
-        body.append(f"<tr{chosen}><td>{_e(r.label)}</td><td>{_e(r.state)}</td><td>{_e(r.status)}</td>"
-                    f"<td>{'yes' if r.feasible else 'no'}</td><td>{_e(describe_config(r.config) if r.config else '-')}</td>"
-                    f"<td>{_e(peaks)}</td><td>{_num(r.spread_gib, '.4f')}</td><td>{_num(r.step_ms, '.1f')}</td></tr>")
+        classes = []
+        if summary.best is not None and r.number == summary.best.number:
+            classes.append("chosen")
+        elif r.failed_memory or r.status != "ok":
+            classes.append("bad")
+        if r.predicted:
+            classes.append("predicted")
+        cls = f" class='{' '.join(classes)}'" if classes else ""
+        peaks = " ".join("-" if p is None else f"{p:.3f}" for p in r.peaks_gib) or "-"
+        if r.predicted and peaks != "-":
+            peaks = f"{peaks} (predicted)"
+        elif r.status == "oom" and peaks != "-":
+            peaks = f"{peaks} (at least)"
+        spread = f"<td>{_num(_spread(r), '.3f')}</td>" if summary.multi_rank else ""
+        outcome = r.outcome + (" (chosen)" if "chosen" in classes else "")
+        body.append(f"<tr{cls}><td>{_e(r.label)}</td><td title='{_e(r.reason or '')}'>{_e(outcome)}</td>"
+                    f"<td>{_e(describe_config(r.config) if r.config else '-')}</td>"
+                    f"<td>{_e(peaks)}</td>{spread}<td>{_num(r.step_ms, '.1f')}</td><td>{_num(r.compile_s, '.1f')}</td>"
+                    f"<td>{_num(r.time_in_steps_s, '.2f')}</td></tr>")
     return head + "".join(body) + "</tbody></table>"
+
+
+def _compile_text(summary: StudySummary) -> str:
+    rows = [r for r in summary.rows if r.compile_s is not None and r.reused_from is None]
+    if not rows:
+        return "<p class='meta' id='compile-note'>No trial compiled (torch.compile was off throughout).</p>"
+    times = sorted(float(r.compile_s) for r in rows)  # type: ignore[arg-type]
+    total = summary.compile_total_s if summary.compile_total_s is not None else sum(times)
+    hits = sum(1 for r in rows if r.compile_cache_hit)
+    return (f"<p class='meta' id='compile-note'>{len(rows)} compiled trial(s) spent {total:.0f} s compiling in all "
+            f"(median {times[len(times) // 2]:.1f} s, longest {times[-1]:.1f} s); {hits} came from the Inductor cache. "
+            "Step times exclude the compiling step.</p>")
 
 
 _STYLE = """
 body { font-family: system-ui, -apple-system, 'Segoe UI', sans-serif; margin: 24px auto; max-width: 1200px; color: #222; }
-h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 1.6em; border-bottom: 1px solid #ddd; }
+h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 1.6em; border-bottom: 1px solid #ddd; } h3 { font-size: 1em; }
 table { border-collapse: collapse; margin: 8px 0; font-size: 0.9em; }
 th, td { border: 1px solid #ddd; padding: 4px 8px; text-align: left; }
 thead th { background: #f4f4f4; } tr.bad td { color: #b00; } tr.chosen td { background: #fff6cc; font-weight: bold; }
-.meta { color: #555; } .warn { color: #b00; } code { font-size: 0.95em; }
+tr.predicted td { font-style: italic; color: #a55; }
+table.cfg th { font-weight: normal; color: #555; }
+.meta { color: #555; } .warn { color: #b00; } code { font-size: 0.95em; } #why { max-width: 70em; line-height: 1.4; }
 """
 
 
-def build_report(study: Any, *, output_html: str, png_dir: str | None = None) -> ReportFiles:
-    """Write the study's report to ``output_html`` (and PNGs to ``png_dir``); returns the paths."""
+def build_report(study: Any, *, output_html: str, png_dir: str | None = None,
+                 storage_url: str | None = None) -> ReportFiles:
+    """Write the study's report to ``output_html`` (and PNGs to ``png_dir``); returns the paths.
+    ``storage_url`` (masked) fills the commands the report suggests."""
     import plotly.io as pio
 
-    from autobalance.report._figures import importance_figure, memory_figure, tradeoff_figure
+    from autobalance.report._figures import (
+        compile_figure,
+        factors_figure,
+        importance_figure,
+        memory_figure,
+        time_memory_figure,
+        tradeoff_figure,
+    )
     from autobalance.report._importance import param_importances
 
-    summary = summarize(study)
+    summary = summarize(study, storage_url=storage_url)
     importances, note = param_importances(study)
     config = {"displaylogo": False, "responsive": True}
-    charts: list[str] = []
     first = True
-    for div_id, fig in (("memory-chart", memory_figure(summary)), ("tradeoff-chart", tradeoff_figure(summary)),
-                        *((("importance-chart", importance_figure(importances)),) if importances else ())):
-        charts.append(pio.to_html(fig, full_html=False, include_plotlyjs=first, div_id=div_id,
-                                  config=config, include_mathjax=False))
+
+    def chart(div_id: str, fig: Any) -> str:
+        nonlocal first
+        text = pio.to_html(fig, full_html=False, include_plotlyjs=first, div_id=div_id, config=config,
+                           include_mathjax=False)
         first = False
+        return str(text)
+
+    time_memory = chart("time-memory-chart", time_memory_figure(summary))
+    factors = factors_figure(summary)
+    factors_html = (chart("factors-chart", factors) if factors is not None else
+                    "<p class='meta' id='factors-note'>No setting varied across the measured trials.</p>")
+    comp = compile_figure(summary)
+    compile_html = _compile_text(summary) + (chart("compile-chart", comp) if comp is not None else "")
+    memory = chart("memory-chart", memory_figure(summary))
+    spread_html = ""
+    if summary.multi_rank:
+        spread_html = f"<h2>Step time versus spread</h2>\n{chart('tradeoff-chart', tradeoff_figure(summary))}"
+    importance_html = (chart("importance-chart", importance_figure(importances)) if importances else
+                       f"<p class='meta' id='importance-note'>Parameter importances: {_e(note)}.</p>")
     device = summary.device
     meta = (f"{len(summary.rows)} trials; objective {', '.join(summary.directions)} "
             f"{'(' + ', '.join(summary.metric_names) + ')' if summary.metric_names else ''}; "
             f"device {device.get('name', '?')} ({device.get('type', '?')}); world size "
-            f"{summary.objective.get('world_size', '?')}; generated "
+            f"{summary.world_size}; generated "
             f"{datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}")
-    importance_html = charts[2] if importances else f"<p class='meta' id='importance-note'>Parameter importances: {_e(note)}.</p>"
     page = f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>autobalance report: {_e(summary.name)}</title>
 <style>{_STYLE}</style></head><body>
@@ -139,12 +248,20 @@ def build_report(study: Any, *, output_html: str, png_dir: str | None = None) ->
 {_best_config(summary)}
 <h2>Baseline versus best</h2>
 {_comparison(summary)}
+<h2>Step time versus peak memory</h2>
+<p class="meta">One marker per rank and trial (a trial's ranks joined by a grey line); red x: over the usable limit.
+Triangles above: trials without a step time at their peak (out of memory: a lower bound; hollow: predicted, never run).</p>
+{time_memory}
+<h2>What the settings did to step time</h2>
+{factors_html}
+<h2>Compile cost</h2>
+{compile_html}
 <h2>Peak memory per rank</h2>
 <p class="meta">Bars: each rank's peak device memory (allocator reserved + memory outside PyTorch). Lines: capacity
-and the usable limit (capacity minus headroom). Crossed bars and red marks: out of memory or over the usable limit.</p>
-{charts[0]}
-<h2>Step time versus spread</h2>
-{charts[1]}
+and the usable limit (capacity minus headroom). Crossed bars and red marks: out of memory or over the usable limit;
+pale hatched bars: predicted, never run.</p>
+{memory}
+{spread_html}
 <h2>Parameter importances</h2>
 {importance_html}
 <h2>All trials</h2>

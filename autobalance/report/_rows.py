@@ -5,9 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from autobalance.protocol import Status, StudyAttr, TrialAttr, best_trial
-
-__all__ = ["StudySummary", "TrialRow", "pareto_front", "summarize"]
+__all__ = ["StudySummary", "TrialRow", "outcome_label", "pareto_front", "summarize"]
 
 
 @dataclass(kw_only=True)
@@ -28,19 +26,56 @@ class TrialRow:
     values: list[float] | None
     reason: str | None = None
     reused_from: int | None = None
+    failing_rank: int | None = None
+    compile_s: float | None = None
+    """Slowest rank's first (compiling) step, seconds; None for eager trials."""
+    time_in_steps_s: float | None = None
+    """Seconds the slowest rank spent in warm-up and measured steps (the user attribute ``steps_s``)."""
+    compile_cache_hit: bool | None = None
+    """Inductor FX graph cache: True when every graph came from the cache, False on a miss."""
+    predicted: bool = False
+    """Never launched: judged out of memory from the memory model or a dominating trial."""
 
     @property
     def label(self) -> str:
         return f"#{self.number}" + (" (baseline)" if self.baseline else "")
 
     @property
+    def ranks(self) -> int:
+        return len(self.peaks_gib)
+
+    @property
+    def peak_gib(self) -> float | None:
+        """The highest rank's peak (a lower bound for an OOM, a prediction for a predicted trial)."""
+        known = [p for p in self.peaks_gib if p is not None]
+        return max(known) if known else None
+
+    @property
+    def worst_rank(self) -> int | None:
+        """The rank closest to (or furthest over) its usable limit."""
+        ratios = [(p / u, r) for r, (p, u) in enumerate(zip(self.peaks_gib, self.usable_gib, strict=False))
+                  if p is not None and u]
+        return max(ratios)[1] if ratios else None
+
+    @property
+    def outcome(self) -> str:
+        """A few words that tell the trial apart at a glance (see :func:`outcome_label`)."""
+        many = self.ranks > 1
+        return outcome_label(status=self.status, feasible=self.feasible,
+                             failing_rank=self.failing_rank if many else None, worst_rank=self.worst_rank if many else None,
+                             predicted=self.predicted, reused_from=self.reused_from)
+
+    def config_value(self, key: str) -> Any:
+        return (self.config or {}).get(key)
+
+    @property
     def measured(self) -> bool:
-        return self.status == Status.OK and self.spread_gib is not None and self.step_ms is not None
+        return self.status == "ok" and self.spread_gib is not None and self.step_ms is not None
 
     @property
     def failed_memory(self) -> bool:
         """OOM, predicted OOM, or over the usable limit (infeasible by the memory constraint)."""
-        return self.status in (Status.OOM, Status.PREDICTED_OOM) or (self.status == Status.OK and not self.feasible)
+        return self.status in ("oom", "predicted_oom") or (self.status == "ok" and not self.feasible)
 
 
 @dataclass(kw_only=True)
@@ -53,6 +88,39 @@ class StudySummary:
     metric_names: list[str] | None
     objective: dict[str, Any] = field(default_factory=dict)
     device: dict[str, Any] = field(default_factory=dict)
+    verify: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """Verification verdicts by trial number (``autobalance verify``, the end of ``tune``, ``promote``)."""
+    compile_total_s: float | None = None
+    storage_url: str | None = None
+    """Masked storage URL (for the commands the report suggests), when known."""
+    script: str | None = None
+    """The training script of the study's latest ``tune``, when recorded."""
+
+    @property
+    def world_size(self) -> int:
+        ws = self.objective.get("world_size")
+        return int(ws) if ws else max((r.ranks for r in self.rows), default=1)
+
+    @property
+    def multi_rank(self) -> bool:
+        """Spread (max - min over ranks) means something only with two ranks or more."""
+        return self.world_size > 1
+
+
+def outcome_label(*, status: str, feasible: bool, failing_rank: int | None = None, worst_rank: int | None = None,
+                  predicted: bool = False, reused_from: int | None = None) -> str:
+    """``ok``, ``over limit (rank 0)``, ``OOM (rank 1)``, ``predicted OOM``, ``timeout``, ...: what
+    happened to a trial in a few words (the dashboard's ``outcome`` attribute and the report's tables)."""
+    if predicted or status == "predicted_oom":
+        return "predicted OOM (not run)"
+    where = f" (rank {failing_rank})" if failing_rank is not None else ""
+    if status == "ok":
+        text = "ok" if feasible else "over limit" + (f" (rank {worst_rank})" if worst_rank is not None else "")
+    elif status == "oom":
+        text = "OOM" + where
+    else:
+        text = status + where
+    return text + (f", as #{reused_from}" if reused_from is not None else "")
 
 
 def _floats(value: Any) -> list[float | None]:
@@ -64,14 +132,24 @@ def _floats(value: Any) -> list[float | None]:
 def _row(trial: Any) -> TrialRow:
     a = trial.user_attrs
     return TrialRow(
-        number=trial.number, state=trial.state.name, status=str(a.get(TrialAttr.STATUS) or trial.state.name.lower()),
-        baseline=bool(a.get(TrialAttr.BASELINE, False)), feasible=bool(a.get(TrialAttr.FEASIBLE, False)), config=a.get(TrialAttr.CONFIG),
-        params=dict(trial.params), peaks_gib=_floats(a.get(TrialAttr.PEAK_DEVICE_GIB)),
-        capacity_gib=_floats(a.get("capacity_gib")), usable_gib=_floats(a.get(TrialAttr.USABLE_GIB)),
-        spread_gib=a.get(TrialAttr.SPREAD_GIB), spread_pct=a.get("spread_pct_of_capacity"), step_ms=a.get(TrialAttr.STEP_TIME_MS),
-        values=list(trial.values) if trial.values is not None else None, reason=a.get(TrialAttr.REASON),
-        reused_from=a.get(TrialAttr.REUSED_FROM),
+        number=trial.number, state=trial.state.name, status=str(a.get("status") or trial.state.name.lower()),
+        baseline=bool(a.get("baseline", False)), feasible=bool(a.get("feasible", False)), config=a.get("config"),
+        params=dict(trial.params), peaks_gib=_floats(a.get("peak_device_gib")),
+        capacity_gib=_floats(a.get("capacity_gib")), usable_gib=_floats(a.get("usable_gib")),
+        spread_gib=a.get("spread_gib"), spread_pct=a.get("spread_pct_of_capacity"), step_ms=a.get("step_time_ms"),
+        values=list(trial.values) if trial.values is not None else None, reason=a.get("reason"),
+        reused_from=a.get("reused_from"), failing_rank=a.get("failing_rank"),
+        compile_s=None if a.get("compile_s") is None else float(a["compile_s"]),
+        time_in_steps_s=None if a.get("steps_s") is None else float(a["steps_s"]),
+        compile_cache_hit=_cache_hit(a.get("compile_cache")),
+        predicted=bool(a.get("predicted")) or a.get("status") == "predicted_oom",
     )
+
+
+def _cache_hit(cache: Any) -> bool | None:
+    if not isinstance(cache, dict) or not (cache.get("fx_graph_hits") or cache.get("fx_graph_misses")):
+        return None
+    return not cache.get("fx_graph_misses")
 
 
 def pareto_front(rows: list[TrialRow]) -> list[TrialRow]:
@@ -88,7 +166,11 @@ def pareto_front(rows: list[TrialRow]) -> list[TrialRow]:
     return sorted(front, key=lambda r: (r.spread_gib, r.step_ms))
 
 
-def summarize(study: Any) -> StudySummary:
+def summarize(study: Any, *, storage_url: str | None = None) -> StudySummary:
+    from autobalance.protocol import StudyAttr, best_trial
+
+    prefix = StudyAttr.VERIFY_PREFIX
+
     rows = [_row(t) for t in study.get_trials(deepcopy=False)]
     by_number = {r.number: r for r in rows}
     base_no = study.user_attrs.get(StudyAttr.BASELINE)
@@ -104,4 +186,8 @@ def summarize(study: Any) -> StudySummary:
         directions=[d.name.lower() for d in study.directions], metric_names=names,
         objective=dict(study.user_attrs.get(StudyAttr.OBJECTIVE) or {}),
         device=dict(study.user_attrs.get(StudyAttr.DEVICE) or {}),
+        verify={int(k[len(prefix):]): v for k, v in study.user_attrs.items()
+                if k.startswith(prefix) and k[len(prefix):].isdigit() and isinstance(v, dict)},
+        compile_total_s=study.user_attrs.get(StudyAttr.COMPILE_TOTAL), storage_url=storage_url,
+        script=(study.user_attrs.get(StudyAttr.LAUNCH) or {}).get("script"),
     )

@@ -1,11 +1,13 @@
-"""Static PNG versions of the report's charts (matplotlib; ``autobalance report --png DIR``)."""
+"""Static PNG versions of the report's charts (matplotlib; ``autobalance report --png DIR``):
+memory.png, time_memory.png, factors.png (when a setting varied), compile.png (when a trial
+compiled), tradeoff.png (two ranks or more), importance.png (when computable)."""
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
-from autobalance.protocol import Status
-from autobalance.report._figures import BAD, rank_colors
+from autobalance.report._figures import BAD, _limits, _natural, _varying, factor_values, rank_colors
 from autobalance.report._rows import StudySummary, pareto_front
 
 __all__ = ["write_pngs"]
@@ -21,7 +23,7 @@ def _max(values: list[float | None]) -> float | None:
 
 
 def write_pngs(summary: StudySummary, png_dir: str, *, importances: dict[str, float] | None) -> list[str]:
-    """Write memory.png, tradeoff.png (and importance.png) into ``png_dir``; returns the paths."""
+    """Write the PNGs into ``png_dir``; returns the paths."""
     try:
         import matplotlib
     except ImportError:
@@ -52,9 +54,10 @@ def write_pngs(summary: StudySummary, png_dir: str, *, importances: dict[str, fl
             ax.step(range(len(rows)), [v if v is not None else float("nan") for v in series], where="mid",
                     color="#333333", linestyle=style, linewidth=1, label=name)
     for i, r in enumerate(rows):
-        if r.failed_memory or r.status in (Status.TIMEOUT, Status.ERROR, Status.CRASH):
-            ax.annotate("infeasible" if r.status == Status.OK else r.status.upper(), (i, (_max(r.peaks_gib) or 0) + 0.04 * top),
-                        ha="center", color=BAD, fontsize=8, weight="bold")
+        if r.failed_memory or r.status in ("timeout", "error", "crash"):
+            text = "predicted OOM" if r.predicted else ("over limit" if r.status == "ok" else r.status.upper())
+            ax.annotate(text, (i, (_max(r.peaks_gib) or 0) + 0.04 * top), ha="center", color=BAD, fontsize=8,
+                        weight="bold")
     ax.set_xticks(range(len(rows)), [r.label for r in rows], rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("GiB")
     ax.set_title("Peak device memory per rank, per trial")
@@ -63,6 +66,126 @@ def write_pngs(summary: StudySummary, png_dir: str, *, importances: dict[str, fl
     paths.append(os.path.join(png_dir, "memory.png"))
     fig.savefig(paths[-1])
 
+    paths.append(_time_memory_png(summary, png_dir, Figure))
+    factors = _factors_png(summary, png_dir, Figure)
+    if factors:
+        paths.append(factors)
+    compiled = _compile_png(summary, png_dir, Figure)
+    if compiled:
+        paths.append(compiled)
+    if summary.multi_rank:
+        paths.append(_tradeoff_png(summary, png_dir, Figure))
+    if importances:
+        items = sorted(importances.items(), key=lambda kv: kv[1])
+        fig = Figure(figsize=(6.4, max(2.4, 0.5 + 0.4 * len(items))), dpi=110)
+        ax = fig.add_subplot()
+        ax.barh([k for k, _ in items], [v for _, v in items], color="#1f77b4")
+        ax.set_xlabel("importance")
+        ax.set_title("Parameter importances")
+        fig.tight_layout()
+        paths.append(os.path.join(png_dir, "importance.png"))
+        fig.savefig(paths[-1])
+    return paths
+
+
+def _time_memory_png(summary: StudySummary, png_dir: str, Figure: Any) -> str:
+    fig = Figure(figsize=(7.2, 4.6), dpi=110)
+    ax = fig.add_subplot()
+    n = summary.world_size
+    colors = rank_colors(n)
+    measured = [r for r in summary.rows if r.step_ms is not None and r.peak_gib is not None]
+    unmeasured = [r for r in summary.rows if r.step_ms is None and r.peak_gib is not None and r.reused_from is None]
+    top = max((float(r.step_ms) for r in measured), default=100.0)  # type: ignore[arg-type]
+    for r in measured:
+        peaks = [p for p in r.peaks_gib if p is not None]
+        if len(peaks) > 1:
+            ax.plot([min(peaks), max(peaks)], [r.step_ms, r.step_ms], color="#bbbbbb", linewidth=1, zorder=1)
+    for rank in range(n):
+        for feasible in (True, False):
+            subset = [r for r in measured if r.feasible == feasible and rank < r.ranks and r.peaks_gib[rank] is not None]
+            if subset:
+                ax.scatter([r.peaks_gib[rank] for r in subset], [_f(r.step_ms) for r in subset], color=colors[rank],
+                           marker="o" if feasible else "X", edgecolors=colors[rank] if feasible else BAD, s=45,
+                           label=(f"rank {rank}" if n > 1 else "peak") + ("" if feasible else ": over the limit"),
+                           zorder=3)
+    for predicted in (False, True):
+        subset = [r for r in unmeasured if r.predicted == predicted]
+        if subset:
+            ax.scatter([_f(r.peak_gib) for r in subset], [top * 1.12] * len(subset), marker="^",
+                       facecolors="none" if predicted else BAD, edgecolors=BAD, s=50, zorder=3,
+                       label="predicted OOM (not run)" if predicted else "OOM (peak: a lower bound)")
+    best = summary.best
+    if best is not None and best.step_ms is not None:
+        ax.scatter([_f(best.peak_gib)], [_f(best.step_ms)], marker="*", s=260, color="#ffbf00", edgecolors="black",
+                   label=f"chosen {best.label}", zorder=5)
+    caps, usable = _limits(summary)
+    right = max((p for r in [*measured, *unmeasured] for p in r.peaks_gib if p is not None), default=1.0)
+    for name, series, style in (("capacity", caps, "-"), ("usable", usable, "--")):
+        levels = sorted({round(float(v), 4) for v in series if v is not None})
+        if levels and levels[0] <= 3 * right:
+            for v in levels:
+                ax.axvline(v, color="#333333", linestyle=style, linewidth=1, label=f"{name} {v:.4g} GiB")
+    ax.set_xlabel("peak device memory (GiB)")
+    ax.set_ylabel("step time (ms)")
+    ax.set_title("Step time versus peak memory per rank")
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    path = os.path.join(png_dir, "time_memory.png")
+    fig.savefig(path)
+    return path
+
+
+def _factors_png(summary: StudySummary, png_dir: str, Figure: Any) -> str | None:
+    measured = [r for r in summary.rows if r.step_ms is not None and r.reused_from is None]
+    keys = _varying(measured)
+    if not keys:
+        return None
+    fig = Figure(figsize=(max(4.0, 2.4 * len(keys)), 3.6), dpi=110)
+    axes = fig.subplots(1, len(keys), sharey=True, squeeze=False)[0]
+    for ax, key in zip(axes, keys, strict=True):
+        order = sorted({str(factor_values(r)[key]) for r in measured if factor_values(r)[key] is not None}, key=_natural)
+        for feasible in (True, False):
+            subset = [r for r in measured if r.feasible == feasible and factor_values(r)[key] is not None]
+            if subset:
+                ax.scatter([order.index(str(factor_values(r)[key])) for r in subset], [_f(r.step_ms) for r in subset],
+                           color="#1f77b4" if feasible else BAD, marker="o" if feasible else "X", s=35,
+                           label="fits" if feasible else "over the limit")
+        best = summary.best
+        if best is not None and best.step_ms is not None and factor_values(best)[key] is not None:
+            ax.scatter([order.index(str(factor_values(best)[key]))], [_f(best.step_ms)], marker="*", s=200,
+                       color="#ffbf00", edgecolors="black", zorder=5, label=f"chosen {best.label}")
+        ax.set_xticks(range(len(order)), order, fontsize=7, rotation=20)
+        ax.set_xlim(-0.5, len(order) - 0.5)
+        ax.set_title(key, fontsize=9)
+    axes[0].set_ylabel("step time (ms)")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("What each setting did to step time", fontsize=10)
+    fig.tight_layout()
+    path = os.path.join(png_dir, "factors.png")
+    fig.savefig(path)
+    return path
+
+
+def _compile_png(summary: StudySummary, png_dir: str, Figure: Any) -> str | None:
+    rows = [r for r in summary.rows if r.compile_s is not None and r.reused_from is None]
+    if not rows:
+        return None
+    fig = Figure(figsize=(max(4.0, 0.5 * len(rows) + 2), 3.4), dpi=110)
+    ax = fig.add_subplot()
+    colors = ["#2ca02c" if r.compile_cache_hit else ("#ff7f0e" if r.compile_cache_hit is False else "#7f7f7f")
+              for r in rows]
+    ax.bar(range(len(rows)), [_f(r.compile_s) for r in rows], color=colors)
+    ax.set_xticks(range(len(rows)), [r.label for r in rows], fontsize=8, rotation=30)
+    ax.set_ylabel("seconds compiling")
+    ax.set_title(f"Compile cost: {sum(_f(r.compile_s) for r in rows):.0f} s over {len(rows)} trial(s) "
+                 "(green: from the cache)", fontsize=9)
+    fig.tight_layout()
+    path = os.path.join(png_dir, "compile.png")
+    fig.savefig(path)
+    return path
+
+
+def _tradeoff_png(summary: StudySummary, png_dir: str, Figure: Any) -> str:
     fig = Figure(figsize=(6.4, 4.2), dpi=110)
     ax = fig.add_subplot()
     measured = [r for r in summary.rows if r.measured]
@@ -85,17 +208,6 @@ def write_pngs(summary: StudySummary, png_dir: str, *, importances: dict[str, fl
     ax.set_title("Step time versus spread")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    paths.append(os.path.join(png_dir, "tradeoff.png"))
-    fig.savefig(paths[-1])
-
-    if importances:
-        items = sorted(importances.items(), key=lambda kv: kv[1])
-        fig = Figure(figsize=(6.4, max(2.4, 0.5 + 0.4 * len(items))), dpi=110)
-        ax = fig.add_subplot()
-        ax.barh([k for k, _ in items], [v for _, v in items], color="#1f77b4")
-        ax.set_xlabel("importance")
-        ax.set_title("Parameter importances")
-        fig.tight_layout()
-        paths.append(os.path.join(png_dir, "importance.png"))
-        fig.savefig(paths[-1])
-    return paths
+    path = os.path.join(png_dir, "tradeoff.png")
+    fig.savefig(path)
+    return path
