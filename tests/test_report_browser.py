@@ -1,31 +1,29 @@
 """The report file and optuna-dashboard loaded in headless Chromium: the DOM after JavaScript ran.
 
-Needs Debian's chromium and chromium-driver (apt-get install -y chromium chromium-driver) and
-selenium; skipped, naming what is missing, without them. Set AUTOBALANCE_UPDATE_SCREENSHOTS=1 to
-refresh docs/report.png and docs/dashboard.png.
+The study is synthetic (written through the tuner's recording, no torchrun; see
+tests/synthetic_study.py) and shaped like the GPU study of issue 17: trial 3 is over the memory cap
+and faster than the best, trial 2. Needs Debian's chromium and chromium-driver (apt-get install -y
+chromium chromium-driver) and selenium; skipped, naming what is missing, without them. Set
+AUTOBALANCE_UPDATE_SCREENSHOTS=1 to refresh docs/report.png and docs/dashboard.png.
 """
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import optuna
 import pytest
 
-from autobalance.report import dashboard_app
+from autobalance.report import artifact_dir_for, build_report, dashboard_app
 from autobalance.tuner import best_trial
-from tests.report_helpers import (
-    STUDY,
-    SmallStudy,
-    WsgiServer,
-    make_small_study,
-    screenshot_path,
-    start_chrome,
-    wait_for,
-)
-
-pytestmark = pytest.mark.slow
+from tests.report_helpers import WsgiServer, screenshot_path, start_chrome, wait_for
+from tests.synthetic_study import BEST_2, NAME, OVER_CAP_FASTER_2, build_study
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +33,15 @@ def chrome() -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def small_study(tmp_path_factory: pytest.TempPathFactory) -> SmallStudy:
-    return make_small_study(tmp_path_factory)
+def synthetic(tmp_path_factory: pytest.TempPathFactory) -> tuple[optuna.Study, Path]:
+    root = tmp_path_factory.mktemp("browser")
+    db = root / "study.db"
+    study = build_study(db, verified=BEST_2)
+    from autobalance.tuner._promote import save_trial
+
+    save_trial(storage_url=f"sqlite:///{db}", study=study, trial_number=BEST_2, action="test")
+    return study, db
+
 
 _CHART_STATS = """
 return [...document.querySelectorAll('.js-plotly-plot')].map(el => ({
@@ -44,69 +49,101 @@ return [...document.querySelectorAll('.js-plotly-plot')].map(el => ({
   traces: (el.data || []).length,
   bars: el.querySelectorAll('.barlayer .trace .point').length,
   markers: el.querySelectorAll('.scatterlayer .trace .point').length,
-  lines: el.querySelectorAll('.scatterlayer .trace path.js-line').length,
   texts: [...el.querySelectorAll('text')].map(t => t.textContent),
 }));
 """
 
 
-def test_report_shows_its_charts_with_data(chrome, small_study: SmallStudy, tmp_path, repo) -> None:
-    study = small_study.study()
-    chrome.get(small_study.html.as_uri())
+def test_report_shows_time_vs_memory_settings_and_compile_charts(chrome, synthetic, tmp_path, repo) -> None:
+    study, db = synthetic
+    files = build_report(study, output_html=str(tmp_path / "report.html"), storage_url=f"sqlite:///{db}")
+    chrome.set_window_size(1400, 2300)
+    chrome.get(Path(files.html).as_uri())
     wait_for(chrome, lambda d: d.execute_script(
-        "return document.querySelectorAll('.js-plotly-plot .main-svg').length >= 4"))
+        "return document.querySelectorAll('.js-plotly-plot .main-svg').length >= 10"))
     charts = {c["id"]: c for c in chrome.execute_script(_CHART_STATS)}
-    assert {"memory-chart", "tradeoff-chart"} <= set(charts)
+    assert {"time-memory-chart", "factors-chart", "compile-chart", "memory-chart", "tradeoff-chart"} <= set(charts)
 
-    # one bar per rank and trial that measured a peak (the OOM baseline's lower bound included)
-    expected_bars = sum(p is not None for t in study.get_trials() for p in t.user_attrs["peak_device_gib"])
-    memory = charts["memory-chart"]
-    assert memory["bars"] == expected_bars > 0
-    assert "OOM" in memory["texts"]  # the capped baseline is marked
-    assert {"rank 0", "rank 1", "capacity"} <= set(memory["texts"])  # legend entries
+    tm = charts["time-memory-chart"]
+    measured = [t for t in study.get_trials() if t.user_attrs.get("step_time_ms") is not None]
+    # one marker per rank of each measured trial, the OOM / predicted trials above, the chosen star
+    assert tm["markers"] >= 2 * len(measured) + 3
+    texts = " ".join(tm["texts"])
+    for label in ("rank 0", "rank 1: over the limit", "capacity 16 GiB", "usable 15.2 GiB",
+                  "predicted OOM (not run; predicted peak)", f"chosen #{BEST_2}"):
+        assert label in texts, label
+    factors = " ".join(charts["factors-chart"]["texts"])
+    assert "activation budget" in factors and "compile" in factors and "dtype" in factors
+    assert charts["compile-chart"]["bars"] == 3
 
-    tradeoff = charts["tradeoff-chart"]
-    measured = [t for t in study.get_trials() if t.user_attrs.get("status") == "ok"]
-    assert tradeoff["markers"] >= len(measured) > 0
-    assert "Pareto front" in tradeoff["texts"]
-    assert any(t.startswith("chosen #") for t in tradeoff["texts"])  # the best configuration highlighted
-
-    if "importance-chart" in charts:
-        assert charts["importance-chart"]["bars"] > 0
-    else:
-        assert chrome.find_element("id", "importance-note").text.startswith("Parameter importances")
-
-    body = chrome.find_element("tag name", "body").text
-    assert "Baseline versus best" in body and "baseline #0 (baseline)" in body
-    assert "micro_batches" in chrome.find_element("id", "best-config").text
+    why = chrome.find_element("id", "why").text
+    assert why.startswith(f"Trial #{BEST_2} won") and f"#{OVER_CAP_FASTER_2} (128.0 ms)" in why
+    assert "bf16 autocast" in chrome.find_element("id", "best-config").text
     chrome.save_screenshot(str(screenshot_path(repo, "report.png", tmp_path)))
+    chrome.set_window_size(1400, 1600)
 
 
-def test_dashboard_lists_the_study_and_shows_per_rank_attributes_and_the_artifact(
-    chrome, small_study: SmallStudy, tmp_path, repo
-) -> None:
-    study = small_study.study()
-    best = best_trial(study)
-    assert best is not None
-    with WsgiServer(dashboard_app(small_study.url)) as server:
-        chrome.get(server.url + "/dashboard")
-        link = wait_for(chrome, lambda d: next(
-            (a for a in d.find_elements("tag name", "a")
-             if STUDY in a.text and "/dashboard/studies/" in (a.get_attribute("href") or "")), None))
-        href = link.get_attribute("href")
-        assert href.rstrip("/").endswith(f"/dashboard/studies/{study._study_id}")
+def _best_badge(driver: Any) -> int:
+    text = wait_for(driver, lambda d: re.search(r"Best Trial \(number=(\d+)\)", d.find_element("tag name", "body").text))
+    return int(text.group(1))
 
-        chrome.get(f"{server.url}/dashboard/studies/{study._study_id}/trials?numbers={best.number}")
-        artifact = f"memory-per-rank-trial{best.number:04d}.png"
-        wait_for(chrome, lambda d: artifact in d.find_element("tag name", "body").text)
+
+def test_dashboard_best_trial_is_the_saved_best_and_carries_why(chrome, synthetic, tmp_path, repo) -> None:
+    study, db = synthetic
+    from autobalance.store import ConfigStore
+
+    with ConfigStore(url=f"sqlite:///{db}") as store:
+        saved = store.load(NAME).trial_number
+    assert saved == BEST_2 == best_trial(study).number  # type: ignore[union-attr]
+    over = study.trials[OVER_CAP_FASTER_2]
+    assert over.user_attrs["step_time_ms"] < study.trials[BEST_2].user_attrs["step_time_ms"]
+
+    with WsgiServer(dashboard_app(f"sqlite:///{db}")) as server:
+        with urllib.request.urlopen(f"{server.url}/api/studies/{study._study_id}", timeout=30) as resp:
+            detail = json.load(resp)
+        assert [t["number"] for t in detail["best_trials"]] == [saved]
+
+        chrome.get(f"{server.url}/dashboard/studies/{study._study_id}")
+        assert _best_badge(chrome) == saved
+
+        chrome.get(f"{server.url}/dashboard/studies/{study._study_id}/trials?numbers={saved}")
+        wait_for(chrome, lambda d: "Why it won" in d.find_element("tag name", "body").text)
         body = chrome.find_element("tag name", "body").text
-        for attr in ("peak_device_gib", "capacity_gib", "spread_gib", "step_time_ms", "memory_constraint"):
+        assert f"#{OVER_CAP_FASTER_2} (128.0 ms)" in body  # the note names the faster, excluded trial
+        for attr in ("outcome", "step_time_ms", "peak_max_gib", "peak_rank0_gib", "peak_rank1_gib", "compile_s"):
             assert attr in body, attr
-        assert f"Trial {best.number}" in body
-        # the artifact's image is shown and actually loaded
+        wait_for(chrome, lambda d: next(
+            (i for i in d.find_elements("tag name", "img") if "/artifacts/" in (i.get_attribute("src") or "")
+             and d.execute_script("return arguments[0].complete && arguments[0].naturalWidth > 0", i)), None))
+        chrome.save_screenshot(str(screenshot_path(repo, "dashboard.png", tmp_path)))
+
+        # every trial is told apart at a glance, and the over-cap one says so
+        outcomes = {t["number"]: next(a["value"] for a in t["user_attrs"] if a["key"] == "outcome")
+                    for t in detail["trials"]}
+        assert outcomes[OVER_CAP_FASTER_2].startswith("over limit") and outcomes[5].startswith("predicted OOM")
+        assert outcomes[0] == "OOM (rank 0)" and outcomes[saved] == "best"
+
+
+def test_a_copied_database_opens_its_charts(chrome, synthetic, tmp_path) -> None:
+    _, db = synthetic
+    copy = tmp_path / "elsewhere" / "copy.db"
+    copy.parent.mkdir()
+    shutil.copy(db, copy)
+    url = f"sqlite:///{copy}"
+    assert not Path(artifact_dir_for(url)).exists()
+    warnings: list[str] = []
+    app = dashboard_app(url, warn=warnings.append)
+    assert len(warnings) == 1 and artifact_dir_for(url) in warnings[0] and "re-rendered" in warnings[0]
+    assert not Path(artifact_dir_for(url)).exists()  # opening a study writes nothing beside it
+    with WsgiServer(app) as server:
+        copied = optuna.load_study(study_name=NAME, storage=url)
+        for t in copied.get_trials():
+            for meta in optuna.artifacts.get_all_artifact_meta(t, storage=copied._storage):
+                link = f"{server.url}/artifacts/{copied._study_id}/{t._trial_id}/{meta.artifact_id}"
+                with urllib.request.urlopen(link, timeout=30) as resp:
+                    assert resp.read(8) == b"\x89PNG\r\n\x1a\n", t.number
+        chrome.get(f"{server.url}/dashboard/studies/{copied._study_id}/trials?numbers={OVER_CAP_FASTER_2}")
         img = wait_for(chrome, lambda d: next(
             (i for i in d.find_elements("tag name", "img") if "/artifacts/" in (i.get_attribute("src") or "")
              and d.execute_script("return arguments[0].complete && arguments[0].naturalWidth > 0", i)), None))
-        with urllib.request.urlopen(img.get_attribute("src"), timeout=10) as resp:
-            assert resp.read(8) == b"\x89PNG\r\n\x1a\n"
-        chrome.save_screenshot(str(screenshot_path(repo, "dashboard.png", tmp_path)))
+        assert img.get_attribute("src")

@@ -11,7 +11,12 @@ from pathlib import Path
 import pytest
 
 from autobalance.report import build_report
-from autobalance.report._figures import compile_figure, factors_figure, memory_figure, time_memory_figure
+from autobalance.report._figures import (
+    compile_figure,
+    factors_figure,
+    memory_figure,
+    time_memory_figure,
+)
 from autobalance.report._html import config_rows
 from autobalance.report._rows import summarize
 from tests.synthetic_study import BEST_1, BEST_2, OVER_CAP_FASTER_2, build_study

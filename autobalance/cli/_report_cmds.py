@@ -51,7 +51,8 @@ def dashboard(
 
         quiet_optuna()
         url = check_storage(storage)
-        serve_dashboard(url, host=host, port=port, echo=lambda text: typer.echo(text))
+        serve_dashboard(url, host=host, port=port, echo=lambda text: typer.echo(text),
+                        warn=lambda text: typer.echo(text, err=True))
 
     run_command(go)
 

@@ -7,9 +7,7 @@ import os
 import tempfile
 from typing import Any
 
-from autobalance.protocol import Status
-
-__all__ = ["ARTIFACT_PREFIX", "artifact_dir_for", "render_trial_chart", "upload_trial_chart"]
+__all__ = ["ARTIFACT_PREFIX", "artifact_dir_for", "chart_verdict", "render_trial_chart", "upload_trial_chart"]
 
 ARTIFACT_PREFIX = "memory-per-rank"
 DEFAULT_ARTIFACT_DIR = "autobalance_artifacts"
@@ -44,8 +42,45 @@ def _have_matplotlib() -> bool:
     return True
 
 
+GOOD = "#1f77b4"
+BAD = "#d62728"
+PREDICTED = "#f4a6a6"
+
+
+def chart_verdict(attrs: dict[str, Any]) -> tuple[str, list[str]]:
+    """The chart's title words and each rank's bar colour, from feasibility (not status): a rank
+    over its usable limit, or the rank that ran out of memory, is red; a predicted trial is pale."""
+    from autobalance.report._rows import outcome_label
+
+    peaks = _per_rank(attrs, "peak_device_gib")
+    usable = _per_rank(attrs, "usable_gib")
+    status = str(attrs.get("status") or "?")
+    over = [p is not None and u is not None and float(p) > float(u)
+            for p, u in zip(peaks, [*usable, *[None] * len(peaks)], strict=False)]
+    predicted = bool(attrs.get("predicted")) or status == "predicted_oom"
+    feasible = status == "ok" and not any(over) and attrs.get("feasible", True) is not False
+    ratios = [(float(p) / float(u), r) for r, (p, u) in enumerate(zip(peaks, usable, strict=False)) if p is not None and u]
+    worst = max(ratios)[1] if ratios else None
+    many = len(peaks) > 1
+    words = outcome_label(status=status, feasible=feasible, failing_rank=attrs.get("failing_rank") if many else None,
+                          worst_rank=worst if many else None, predicted=predicted)
+    failing = attrs.get("failing_rank")
+    colors = []
+    for r in range(len(peaks)):
+        if predicted:
+            colors.append(PREDICTED)
+        elif feasible:
+            colors.append(GOOD)
+        elif over[r] or r == failing or (status == "ok" and not any(over)):
+            colors.append(BAD)
+        else:
+            colors.append("#9ecae1")  # a rank that fit in a trial that did not
+    return words, colors
+
+
 def render_trial_chart(attrs: dict[str, Any], *, number: int, path_stem: str) -> str | None:
-    """Draw one trial's per-rank peak memory (bars) against capacity and the usable limit.
+    """Draw one trial's per-rank peak memory (bars) against capacity and the usable limit, coloured
+    by feasibility: blue fits, red over the limit or out of memory, pale red predicted (never run).
 
     Writes ``path_stem + '.png'`` (matplotlib) or, without matplotlib, ``path_stem + '.html'``
     (an inline SVG, no scripts). Returns the path, or None when the trial measured nothing.
@@ -55,16 +90,18 @@ def render_trial_chart(attrs: dict[str, Any], *, number: int, path_stem: str) ->
         return None
     caps = _per_rank(attrs, "capacity_gib")
     usable = _per_rank(attrs, "usable_gib")
-    status = str(attrs.get("status") or "?")
+    words, colors = chart_verdict(attrs)
     spread = attrs.get("spread_gib")
-    title = f"trial {number}: {status}" + (f", spread {spread:.3g} GiB" if isinstance(spread, (int, float)) else "")
+    title = f"trial {number}: {words}"
+    if isinstance(spread, (int, float)) and len(peaks) > 1 and attrs.get("status") == "ok":
+        title += f", spread {spread:.3g} GiB"
     if _have_matplotlib():
-        return _render_png(peaks, caps, usable, title=title, status=status, path=path_stem + ".png")
-    return _render_svg_html(peaks, caps, usable, title=title, status=status, path=path_stem + ".html")
+        return _render_png(peaks, caps, usable, title=title, colors=colors, path=path_stem + ".png")
+    return _render_svg_html(peaks, caps, usable, title=title, colors=colors, path=path_stem + ".html")
 
 
 def _render_png(peaks: list[float | None], caps: list[float | None], usable: list[float | None], *,
-                title: str, status: str, path: str) -> str:
+                title: str, colors: list[str], path: str) -> str:
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -74,7 +111,6 @@ def _render_png(peaks: list[float | None], caps: list[float | None], usable: lis
     ax = fig.add_subplot()
     ranks = list(range(len(peaks)))
     values = [p or 0.0 for p in peaks]
-    colors = ["#d62728" if status != Status.OK else "#1f77b4"] * len(ranks)
     ax.bar(ranks, values, color=colors, width=0.6, label="peak")
     top = max(values) if values else 1.0
     for name, series, style in (("capacity", caps, "-"), ("usable", usable, "--")):
@@ -96,15 +132,15 @@ def _render_png(peaks: list[float | None], caps: list[float | None], usable: lis
 
 
 def _render_svg_html(peaks: list[float | None], caps: list[float | None], usable: list[float | None], *,
-                     title: str, status: str, path: str) -> str:
+                     title: str, colors: list[str], path: str) -> str:
     width, height, pad = 360, 200, 30
     values = [p or 0.0 for p in peaks]
     lines = [float(v) for v in [*caps, *usable] if v is not None]
     top = max([*values, *[v for v in lines if v <= 3 * max(values or [1.0])]] or [1.0]) * 1.15 or 1.0
     bar_w = (width - 2 * pad) / max(1, len(values))
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}">']
-    color = "#1f77b4" if status == Status.OK else "#d62728"
     for r, v in enumerate(values):
+        color = colors[r]
         h = (height - 2 * pad) * v / top
         x = pad + r * bar_w + bar_w * 0.2
         parts.append(f'<rect x="{x:.1f}" y="{height - pad - h:.1f}" width="{bar_w * 0.6:.1f}" height="{h:.1f}" '

@@ -1,43 +1,143 @@
-"""optuna-dashboard over a study database, with the artifact store that holds the per-trial charts."""
+"""optuna-dashboard over a study database, with the artifact store that holds the per-trial charts.
+
+The charts live in a folder beside a SQLite file (see :func:`artifact_dir_for`). When a study
+database was copied without that folder, each missing chart is re-rendered on demand from the
+trial's own figures (its user attributes) into a temporary folder, and the dashboard says so when
+it starts.
+"""
 
 from __future__ import annotations
 
+import io
+import json
 import os
+import tempfile
+import threading
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, BinaryIO
 
-from autobalance.report._artifacts import artifact_dir_for
+from autobalance.report._artifacts import artifact_dir_for, render_trial_chart
 
-__all__ = ["dashboard_app", "serve_dashboard"]
+__all__ = ["ChartStore", "dashboard_app", "serve_dashboard"]
+
+_ARTIFACT_KEY = "artifacts:"  # optuna.artifacts' trial system attribute prefix
 
 
-def dashboard_app(storage_url: str) -> Any:
-    """optuna-dashboard's WSGI application for ``storage_url`` and its artifact directory."""
+@dataclass(kw_only=True)
+class _Missing:
+    number: int
+    filename: str
+    attrs: dict[str, Any]
+
+
+class ChartStore:
+    """Optuna's artifact store protocol over the artifact folder, re-rendering a trial's chart from
+    its figures when its file is missing."""
+
+    def __init__(self, base_dir: str, missing: dict[str, _Missing]) -> None:
+        from optuna.artifacts import FileSystemArtifactStore
+
+        self.base_dir = base_dir
+        self.missing = missing
+        self._files = FileSystemArtifactStore(base_dir) if os.path.isdir(base_dir) else None
+        self._rendered: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+        self._tmp: str | None = None
+
+    def open_reader(self, artifact_id: str) -> BinaryIO:
+        from optuna.artifacts.exceptions import ArtifactNotFound
+
+        if artifact_id in self.missing:
+            return io.BytesIO(self._render(artifact_id))
+        if self._files is None:
+            raise ArtifactNotFound(f"no artifact folder {self.base_dir}")
+        return self._files.open_reader(artifact_id)
+
+    def write(self, artifact_id: str, content_body: BinaryIO) -> None:
+        from optuna.artifacts import FileSystemArtifactStore
+
+        os.makedirs(self.base_dir, exist_ok=True)
+        self._files = self._files or FileSystemArtifactStore(self.base_dir)
+        self._files.write(artifact_id, content_body)
+        self.missing.pop(artifact_id, None)
+
+    def remove(self, artifact_id: str) -> None:
+        self.missing.pop(artifact_id, None)
+        if self._files is not None:
+            self._files.remove(artifact_id)
+
+    def _render(self, artifact_id: str) -> bytes:
+        from optuna.artifacts.exceptions import ArtifactNotFound
+
+        with self._lock:  # matplotlib is not thread-safe; the server may be
+            if artifact_id in self._rendered:
+                return self._rendered[artifact_id]
+            item = self.missing[artifact_id]
+            self._tmp = self._tmp or tempfile.mkdtemp(prefix="autobalance-charts-")
+            stem = os.path.join(self._tmp, os.path.splitext(item.filename)[0])
+            path = render_trial_chart(item.attrs, number=item.number, path_stem=stem)
+            if path is None or os.path.splitext(path)[1] != os.path.splitext(item.filename)[1]:
+                raise ArtifactNotFound(f"trial {item.number}'s chart {item.filename} cannot be re-rendered here")
+            with open(path, "rb") as fh:
+                data = fh.read()
+            os.unlink(path)
+            self._rendered[artifact_id] = data
+            return data
+
+
+def missing_charts(storage: Any, base_dir: str) -> dict[str, _Missing]:
+    """Artifact id -> the trial whose chart file is not in ``base_dir``, over every study."""
+    missing: dict[str, _Missing] = {}
+    for study in storage.get_all_studies():
+        for trial in storage.get_all_trials(study._study_id, deepcopy=False):
+            for key, value in trial.system_attrs.items():
+                if not key.startswith(_ARTIFACT_KEY):
+                    continue
+                try:
+                    meta = json.loads(value)
+                except (TypeError, ValueError):
+                    continue
+                artifact_id = str(meta.get("artifact_id") or key[len(_ARTIFACT_KEY):])
+                if not os.path.isfile(os.path.join(base_dir, artifact_id)):
+                    missing[artifact_id] = _Missing(number=trial.number, filename=str(meta.get("filename") or ""),
+                                                    attrs=dict(trial.user_attrs))
+    return missing
+
+
+def dashboard_app(storage_url: str, *, warn: Callable[[str], None] | None = None) -> Any:
+    """optuna-dashboard's WSGI application for ``storage_url`` and its artifact directory.
+    ``warn`` hears one line when charts are missing from the artifact folder (re-rendered on demand)."""
     try:
         import optuna_dashboard
     except ImportError:
         from autobalance._errors import UsageError
 
         raise UsageError("the dashboard needs optuna-dashboard; install it with pip install 'autobalance[report]'.") from None
-    from optuna.artifacts import FileSystemArtifactStore
 
     from autobalance.tuner import open_storage
 
     storage = open_storage(storage_url, heartbeat=False)
     art_dir = artifact_dir_for(storage_url)
-    os.makedirs(art_dir, exist_ok=True)
-    return optuna_dashboard.wsgi(storage, artifact_store=FileSystemArtifactStore(art_dir))
+    missing = missing_charts(storage, art_dir)
+    if missing and warn is not None:
+        where = "is missing" if not os.path.isdir(art_dir) else f"lacks {len(missing)} of them"
+        warn(f"warning: the per-trial charts' folder {art_dir} {where} (was the database copied without it?); "
+             f"{len(missing)} chart(s) will be re-rendered from the trials' figures when opened.")
+    return optuna_dashboard.wsgi(storage, artifact_store=ChartStore(art_dir, missing))
 
 
 def serve_dashboard(storage_url: str, *, host: str = "127.0.0.1", port: int = 8080,
-                    echo: Callable[[str], None] = print) -> None:
-    """Serve the dashboard until interrupted (wsgiref, as ``optuna_dashboard.run_server`` does)."""
+                    echo: Callable[[str], None] = print, warn: Callable[[str], None] | None = None) -> None:
+    """Serve the dashboard until interrupted (wsgiref, as ``optuna_dashboard.run_server`` does).
+    ``warn`` (default: stderr) hears about charts missing from the artifact folder."""
+    import sys
     from wsgiref.simple_server import WSGIRequestHandler, make_server
 
     from autobalance._errors import UsageError
     from autobalance.tuner._storage import mask
 
-    app = dashboard_app(storage_url)
+    app = dashboard_app(storage_url, warn=warn or (lambda text: print(text, file=sys.stderr)))
 
     class _Quiet(WSGIRequestHandler):
         def log_message(self, format: str, *args: Any) -> None:
