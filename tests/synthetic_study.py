@@ -85,7 +85,8 @@ def _report(spec: Spec, rank: int, config: BalanceConfig) -> dict[str, Any]:
     peak = spec.peaks_gib[rank]
     failed = spec.status == "oom" and rank == spec.failing_rank
     rep: dict[str, Any] = {
-        "status": "oom" if failed else ("ok" if spec.status == "ok" else "killed"),
+        "status": "oom" if failed else ("ok" if spec.status == "ok" else "peer_failed"), "rank": rank,
+        "world_size": len(spec.micro),
         "memory": {} if peak is None else {"peak_device": peak * GIB, "peak_allocated": 0.9 * peak * GIB,
                                            "peak_reserved": 0.95 * peak * GIB, "outside_pytorch": 0.05 * peak * GIB},
         "device": {"type": "cuda", "name": "synthetic GPU", "capacity_bytes": 141 * GIB, "cap_bytes": CAP_GIB * GIB},
