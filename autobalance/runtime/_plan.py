@@ -14,7 +14,7 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -45,6 +45,7 @@ from autobalance.runtime._memory import (
 from autobalance.runtime._report import write_report
 from autobalance.runtime._sampler import StepLayout, UnevenBatchSampler
 from autobalance.runtime._verify import VerifyRun, gradients
+from autobalance.runtime._weighting import micro_batch_weight
 
 __all__ = ["Plan", "TrialComplete", "classify_exception", "plan"]
 
@@ -219,6 +220,10 @@ class Plan:
         self._layout: StepLayout | None = None
         self._micro_index = 0
         self._step_samples = 0
+        self._step_counts: list[float] | None = None
+        """With ``plan.steps(loader, count=...)``: this rank's count per micro-batch of the step."""
+        self._step_count_total = 0.0
+        """... and the step's total count over every rank and micro-batch (one scalar all-reduce)."""
         self._steps_done = 0
         self._step_times: list[float] = []
         self._step_start: float | None = None
@@ -332,8 +337,18 @@ class Plan:
         )
         return torch.utils.data.DataLoader(dataset, batch_sampler=self._sampler, **loader_kwargs)
 
-    def steps(self, loader: Iterable[Any]) -> Iterator[list[Any]]:
+    def steps(
+        self, loader: Iterable[Any], *, count: Callable[[Any], Any] | None = None
+    ) -> Iterator[list[Any]]:
         """One epoch of optimizer steps: each item is this rank's list of micro-batches.
+
+        ``count``: for a loss that is a mean over something other than samples (real tokens,
+        with padding or ``ignore_index``), a function of one micro-batch (as the loader yields it)
+        returning how many units its loss averages over, e.g.
+        ``count=lambda batch: (batch[1] != -100).sum()``. Each micro-batch's loss is then weighted
+        by its share of the whole optimizer step's count over all ranks and micro-steps (one scalar
+        all-reduce per step, before the first backward), so the update is the global mean over
+        those units for any split. Without it, losses are taken as per-sample means.
 
         In a trial, stops the run (exit code 0) once warm-up and measured steps are done.
         """
@@ -355,6 +370,10 @@ class Plan:
             self._step_samples = layout.total
             self._micro_index = 0
             items = [next(batches) for _ in mine]
+            if count is not None:
+                self._count_step(items, count)
+            else:
+                self._step_counts = None
             if self.verify is not None and self._steps_done == 0:
                 self.verify.on_first_step(rank=self.rank)
             yield items
@@ -362,6 +381,30 @@ class Plan:
                 self._finish_trial()  # a verification run: one optimizer step, saved
             if self.in_trial and self._steps_done >= self._compile_steps + self.warmup_steps + self._target_steps:
                 self._finish_trial()
+
+    def _count_step(self, items: list[Any], count: Callable[[Any], Any]) -> None:
+        """Each micro-batch's count (``count=`` of ``plan.steps``) and the step's total over all
+        ranks: one scalar all-reduce, before the step's first backward."""
+        counts: list[float] = []
+        for i, item in enumerate(items):
+            value = count(item)
+            value = float(value.item() if isinstance(value, torch.Tensor) else value)
+            if not math.isfinite(value) or value < 0:
+                raise UsageError(
+                    f"count= returned {value!r} for micro-batch {i} of step {self._steps_done}; it must be "
+                    "a finite number >= 0 (how many units, e.g. real tokens, the micro-batch's loss averages over)."
+                )
+            counts.append(value)
+        total = torch.tensor([sum(counts)], dtype=torch.float64, device=self.device)
+        if self.world_size > 1 and dist.is_initialized():
+            dist.all_reduce(total)
+        self._step_counts = counts
+        self._step_count_total = float(total.item())
+        if self._step_count_total <= 0:
+            raise UsageError(
+                f"count= returned 0 for every micro-batch of step {self._steps_done} on every rank: the step's "
+                "loss averages over nothing. Check the count function (e.g. (labels != -100).sum())."
+            )
 
     @contextlib.contextmanager
     def micro_step(self, batch: Any = None) -> Iterator[None]:
@@ -407,8 +450,11 @@ class Plan:
         """Backward of this micro-batch's mean loss, weighted so that DDP's average over ranks
         equals the mean-loss gradient over the whole global batch (uneven splits included)."""
         layout = self._require_layout()
-        size = len(layout.micro_batches[self.rank][self._micro_index])
-        weight = self.world_size * size / self._step_samples if self._loss_weighting else 1.0
+        if self._step_counts is not None:
+            count, total = self._step_counts[self._micro_index], self._step_count_total
+        else:
+            count, total = len(layout.micro_batches[self.rank][self._micro_index]), self._step_samples
+        weight = micro_batch_weight(count=count, step_total=total, world_size=self.world_size) if self._loss_weighting else 1.0
         if self._breakdown is not None:
             self._breakdown.on_backward_entry()
         scaled = loss * weight

@@ -6,6 +6,7 @@ fewer samples per micro-step (or more checkpointing) with the global batch uncha
 
     torchrun --nproc-per-node 2 examples/gpt/train.py                  # CPU: tiny, seconds
     torchrun --nproc-per-node 2 examples/gpt/train.py --n-layer 24 --n-embd 1024 --block-size 1024
+    torchrun --nproc-per-node 2 examples/gpt/train.py --variable-length   # padded sequences, token-mean loss
     autobalance tune examples/gpt/train.py --trials 30 --nproc-per-node 2
 
 The lines that adopt autobalance are marked with `# ab`.
@@ -22,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import autobalance as ab  # ab
+
+IGNORE = -100  # label of padding positions (F.cross_entropy's default ignore_index)
 
 
 class CausalSelfAttention(nn.Module):
@@ -89,6 +92,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0 = all)")
     p.add_argument("--val-cache-mib", type=float, default=4.0, help="rank-0 cached validation batch size")
     p.add_argument("--no-ema", action="store_true", help="rank 0 keeps no EMA copy")
+    p.add_argument("--variable-length", action="store_true",
+                   help="sequences of random length, padded; the loss is the mean over real tokens")
     return p.parse_args()
 
 
@@ -118,18 +123,25 @@ def main() -> None:
 
     g = torch.Generator().manual_seed(1234)
     data = torch.randint(0, args.vocab, (args.samples, args.block_size + 1), generator=g)
-    dataset = torch.utils.data.TensorDataset(data[:, :-1], data[:, 1:])
+    inputs, targets = data[:, :-1], data[:, 1:].clone()
+    if args.variable_length:  # padding is never predicted: it is ignored by the loss
+        lengths = torch.randint(1, args.block_size + 1, (args.samples,), generator=g)
+        targets[torch.arange(args.block_size)[None, :] >= lengths[:, None]] = IGNORE
+    dataset = torch.utils.data.TensorDataset(inputs, targets)
     loader = plan.dataloader(dataset)  # ab: this rank's micro-batches, uneven shards
+    # ab: a loss averaged over real tokens is weighted by each micro-batch's share of the step's
+    # real tokens (over all ranks), so every split computes the global token-mean update
+    count = (lambda batch: (batch[1] != IGNORE).sum()) if args.variable_length else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=plan.device.type == "cuda")
 
     step = 0
     for _epoch in range(args.epochs):
-        for micro_batches in plan.steps(loader):  # ab: one optimizer step each
+        for micro_batches in plan.steps(loader, count=count):  # ab: one optimizer step each
             for x, y in micro_batches:
                 x, y = x.to(plan.device, non_blocking=True), y.to(plan.device, non_blocking=True)
                 with plan.micro_step():  # ab: autocast + no_sync on all but the last
                     logits = model(x)
-                    loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+                    loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=IGNORE)
                     plan.backward(loss)  # ab: uneven-batch loss weighting, GradScaler for fp16
             plan.optimizer_step(optimizer)  # ab
             if ema is not None:
