@@ -60,3 +60,20 @@ def test_tune_saves_a_verified_uneven_split_for_a_token_mean_script(tmp_path):
     assert sum(config["micro_batches"]) * config["accumulation"] == 16, saved
     assert config["micro_batches"][0] < config["micro_batches"][1], saved  # rank 0 holds the extras
     assert "verif" in text, saved
+
+
+def test_verify_accepts_a_token_mean_split_with_count_and_explains_without(tmp_path):
+    """The same uneven split of a token-mean script: verified with ``count=``; without it verify
+    fails in fp32 and names the fix (``count=``) in words."""
+    from autobalance import BalanceConfig
+    from tests.tune_helpers import REPO, cli
+
+    script = str(REPO / "tests" / "scripts" / "token_lm.py")
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(BalanceConfig(micro_batches=[5, 11], global_batch=16).to_dict()))
+    common = ["--config", str(path), "--device", "cpu", "--runs-dir", str(tmp_path / "runs")]
+    with_count = cli(["verify", script, *common, "--", "--count"], cwd=tmp_path)
+    assert with_count.returncode == 0, with_count.stdout[-3000:] + with_count.stderr[-3000:]
+    without = cli(["verify", script, *common], cwd=tmp_path)
+    assert without.returncode == 1, without.stdout[-3000:] + without.stderr[-3000:]
+    assert "count=" in " ".join((without.stdout + without.stderr).split())

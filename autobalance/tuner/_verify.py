@@ -196,9 +196,9 @@ class Check:
 
 
 FP32_CAUSES = (
-    "likely causes: a loss that is not a per-sample mean (reduction='sum', or a mean over a number of tokens "
-    "that differs between micro-batches), so a sample's weight depends on its micro-batch: make the loss the "
-    "mean over the micro-batch's samples; layers whose step depends on the batch that autobalance does not "
+    "likely causes: a loss that is not a per-sample mean, so a sample's weight depends on its micro-batch: "
+    "a mean over tokens (padding, ignore_index) needs `plan.steps(loader, count=lambda batch: n_real_tokens)`, "
+    "a reduction='sum' loss must become the mean over the micro-batch's samples (README: Losses); layers whose step depends on the batch that autobalance does not "
     "recognise (it knows BatchNorm and modules with running_* buffers); or non-deterministic ops "
     "(`autobalance verify --config` with the script's own configuration fails too)"
 )
