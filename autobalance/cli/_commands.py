@@ -7,7 +7,7 @@ from typing import Any
 import typer
 
 from autobalance._errors import UsageError
-from autobalance.cli._common import existing_storage, run_command
+from autobalance.cli._common import console, existing_storage, run_command
 from autobalance.cli._options import settings_from_command_line, with_settings_options
 
 commands = typer.Typer()
@@ -72,14 +72,12 @@ def promote(
     configuration): a trial that fails is never saved (exit code 1)."""
 
     def go() -> None:
-        from rich.console import Console
         from rich.markup import escape
 
         from autobalance.store import check_storage
-        from autobalance.tuner._promote import promote_trial
-        from autobalance.tuner._storage import load_study
+        from autobalance.tuner import load_study, promote_trial
 
-        err = Console(stderr=True)
+        err = console(stderr=True)
         url = check_storage(existing_storage(storage))
         study = load_study(study_name=study_name, storage_url=url)
         saved, line = promote_trial(storage_url=url, study=study, trial_number=trial, verify=verify, script=script,

@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
-from typing import Any, Literal, NoReturn
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import typer
 
@@ -19,8 +19,12 @@ from autobalance._errors import (
     exit_code,
 )
 
+if TYPE_CHECKING:
+    from rich.console import Console
+
 __all__ = [
     "HELP_MARKUP",
+    "console",
     "existing_storage",
     "fail",
     "help_text",
@@ -48,6 +52,20 @@ def help_text(text: str) -> str:
     return escape(text)
 
 
+UNWRAPPED_WIDTH = 10_000
+"""Console width into a pipe or a file: tables keep their natural width and lines are never wrapped."""
+
+
+def console(*, stderr: bool = False) -> Console:
+    """A rich console for a command's output: a terminal's own width; into a pipe or a file (COLUMNS
+    unset) nothing is cut at 80 columns or wrapped mid-command."""
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    wide = not stream.isatty() and not os.environ.get("COLUMNS")
+    return Console(stderr=stderr, width=UNWRAPPED_WIDTH if wide else None)
+
+
 def fail(message: str, code: int) -> NoReturn:
     typer.echo(f"autobalance: error: {message}", err=True)
     raise typer.Exit(code)
@@ -64,8 +82,8 @@ def run_command(fn: Callable[..., Any], *args: Any, interrupted: str = INTERRUPT
         fail(str(exc), exit_code(exc))
     except AutobalanceError as exc:
         fail(str(exc), exit_code(exc))
-    except KeyboardInterrupt as exc:
-        fail(interrupted, exit_code(exc))
+    except KeyboardInterrupt as exc:  # a command may say more (``KeyboardInterrupt(message)``)
+        fail(str(exc) or interrupted, exit_code(exc))
     return None
 
 

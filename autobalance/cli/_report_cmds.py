@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from autobalance.cli._common import parse_floats, quiet_optuna, run_command
+from autobalance.cli._common import console, parse_floats, quiet_optuna, run_command
 
 commands = typer.Typer()
 _CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
@@ -75,8 +75,6 @@ def diagnose(
     def go() -> None:
         import json
 
-        from rich.console import Console
-
         from autobalance._errors import UsageError
         from autobalance.report import print_diagnosis, run_diagnose
         from autobalance.tuner import default_device
@@ -90,7 +88,7 @@ def diagnose(
             if nproc_per_node > torch.cuda.device_count():
                 raise UsageError(f"--nproc-per-node={nproc_per_node} is larger than the {torch.cuda.device_count()} "
                                  "visible GPU(s).")
-        err = Console(stderr=True)
+        err = console(stderr=True)
         if not as_json:
             err.print(f"Running {script} at its own configuration on {nproc_per_node} {dev} rank(s)...")
         diag = run_diagnose(
@@ -101,6 +99,6 @@ def diagnose(
         if as_json:
             typer.echo(json.dumps(diag.to_dict(), indent=1, default=str))
         else:
-            print_diagnosis(diag, console=Console())
+            print_diagnosis(diag, console=console())
 
     run_command(go)

@@ -7,10 +7,28 @@ import os
 import tempfile
 from typing import Any
 
-from rich.console import Console
-
 from autobalance._errors import UsageError
-from autobalance.cli._common import quiet_optuna, sigterm_as_interrupt
+from autobalance.cli._common import console, quiet_optuna, sigterm_as_interrupt
+
+
+def interrupted_message(settings: Any) -> str:
+    """After Ctrl-C: what happened, the best trial so far and how to keep it (one line)."""
+    from autobalance.store import mask_url
+    from autobalance.tuner import best_so_far, describe_config
+
+    text = "interrupted; the running trial was killed and marked failed."
+    best = best_so_far(study_name=settings.study_name, storage_url=settings.storage)
+    if best is None:
+        text += " No feasible trial yet."
+    else:
+        a = best.user_attrs
+        figures = ", ".join(f for f in (
+            f"step {a['step_time_ms']:.1f} ms" if a.get("step_time_ms") is not None else "",
+            f"spread {a['spread_gib']:.4g} GiB" if a.get("spread_gib") is not None else "") if f)
+        text += (f" Best so far: trial {best.number} ({describe_config(a.get('config'))}; {figures}); keep it with "
+                 f"`autobalance promote --study-name {settings.study_name} --trial {best.number} --storage "
+                 f"{mask_url(settings.storage)}` (verifies, then saves), or")
+    return text + " run the same command again to continue the study."
 
 
 def check_gpus(*, device: str, nproc_per_node: int, visible: int) -> None:
@@ -109,17 +127,19 @@ def run_tune(*, flags: dict[str, Any], config_path: str | None) -> None:
         message = str(exc) if str(exc).startswith("--storage") else f"--storage: {exc}"
         raise type(exc)(message) from None  # fail before any trial when the storage is unusable
     sigterm_as_interrupt()
-    reporter = RichReporter(console=Console(stderr=True))
+    reporter = RichReporter(console=console(stderr=True))
     tuner = Tuner(settings=settings, reporter=reporter)
     try:
         result = tuner.run()
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(interrupted_message(settings)) from None
     finally:
         reporter.end()
         remove_dirs(created)  # only those still empty: a study refused before any trial leaves nothing
     saving = save_best(settings=settings, result=result, note=reporter.note)
     from autobalance.cli._views import print_result
 
-    print_result(result, settings=settings, console=Console())
+    print_result(result, settings=settings, console=console(), nothing_feasible=saving.nothing_feasible)
     if saving.rejected_all:  # nothing saved because every candidate failed: not a success
         from autobalance._errors import VerificationError
 

@@ -7,7 +7,7 @@ import json
 import typer
 
 from autobalance._errors import EXIT_FAILURE
-from autobalance.cli._common import existing_storage, run_command
+from autobalance.cli._common import console, existing_storage, run_command
 
 commands = typer.Typer()
 _CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
@@ -38,14 +38,12 @@ def verify(
     Exit code 1 when it fails."""
 
     def go() -> None:
-        from rich.console import Console
         from rich.markup import escape
         from rich.table import Table
 
-        from autobalance.tuner._reporter import describe_config
-        from autobalance.tuner._verify import run_verify_command
+        from autobalance.tuner import describe_config, run_verify_command
 
-        err = Console(stderr=True)
+        err = console(stderr=True)
         url = existing_storage(storage) if study_name is not None and config is None else storage
         verdict, cfg, what = run_verify_command(
             script=script, script_args=list(ctx.args), study_name=study_name, storage=url, trial=trial,
@@ -55,7 +53,7 @@ def verify(
         if as_json:
             print(json.dumps({"what": what, "config": cfg.to_dict(), **verdict.to_dict()}, indent=1))
         else:
-            console = Console()
+            out = console()
             table = Table(title=f"Verification of {what}: {describe_config(cfg)}")
             for col in ("check", "runs", "gradients", "parameters", "buffers", "update (info)", "tolerance", "worst",
                         "result"):
@@ -65,9 +63,9 @@ def verify(
                 result = "info" if c.tolerance is None else ("pass" if c.passed else "[red]FAIL[/]")
                 table.add_row(c.name, f"{c.runs[0]} vs {c.runs[1]}", _figure(c.grad_rel), _figure(c.param_rel),
                               _figure(c.buffer_rel), _figure(c.update_rel), tol, escape(c.worst or "-"), result)
-            console.print(table)
+            out.print(table)
             word = "[green]PASS[/]" if verdict.passed else "[red]FAIL[/]"
-            console.print(f"{word}: {escape(verdict.reason)} ({verdict.wall_s:.0f} s; runs in "
+            out.print(f"{word}: {escape(verdict.reason)} ({verdict.wall_s:.0f} s; runs in "
                           f"{escape(next(iter(verdict.runs.values()), '-').rsplit('/', 1)[0])})")
         if not verdict.passed:
             raise typer.Exit(EXIT_FAILURE)

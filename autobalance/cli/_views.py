@@ -6,23 +6,25 @@ import json
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
+from autobalance.cli._common import console
 from autobalance.protocol import TrialAttr
-from autobalance.tuner._reporter import describe_config
+from autobalance.tuner import describe_config
 
 
 def print_studies(storage_url: str) -> None:
     import optuna
 
+    from autobalance.store import mask_url as mask
     from autobalance.tuner import list_studies, open_storage
-    from autobalance.tuner._storage import mask
 
     storage = open_storage(storage_url, heartbeat=False)
     names = list_studies(storage)
-    console = Console()
+    out = console()
     if not names:
-        console.print(f"No studies in {mask(storage_url)}. Start one with `autobalance tune SCRIPT`.")
+        out.print(f"No studies in {mask(storage_url)}. Start one with `autobalance tune SCRIPT`.")
         return
     table = Table(title=f"Studies in {mask(storage_url)}")
     for col in ("study", "trials", "complete", "feasible", "best step (ms)", "best spread (GiB)"):
@@ -39,7 +41,7 @@ def print_studies(storage_url: str) -> None:
             f"{best.user_attrs.get('step_time_ms', 0):.1f}" if best else "-",
             f"{best.user_attrs.get('spread_gib', 0):.3g}" if best else "-",
         )
-    console.print(table)
+    out.print(table)
 
 
 def trial_rows(study: Any) -> list[dict[str, Any]]:
@@ -77,7 +79,7 @@ def print_trials(*, study_name: str, storage: str, as_json: bool) -> None:
             "-" if r["step_time_ms"] is None else f"{r['step_time_ms']:.1f}",
             "-" if not r["values"] else " ".join(f"{v:.4g}" for v in r["values"]),
         )
-    Console().print(table)
+    console().print(table)
 
 
 def comparison_table(baseline: Any, best: Any) -> Table:
@@ -105,13 +107,12 @@ def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def print_result(result: Any, *, settings: Any, console: Console) -> None:
+def print_result(result: Any, *, settings: Any, console: Console, nothing_feasible: str = "") -> None:
     console.print(comparison_table(result.baseline, result.best))
     console.print(f"{result.trials_run} trial(s) launched in {result.wall_s:.1f} s. Study '{result.study_name}' "
                   f"lives in {result.storage}.")
     if result.best is None:
-        console.print("[red]No feasible configuration yet[/]: every trial ran out of memory or failed. "
-                      "Try more trials, a larger --memory-cap-gib or --headroom 0.")
+        console.print(f"[red]No feasible configuration yet[/]: {escape(nothing_feasible or 'no trial was feasible.')}")
         return
     for note in result.notes:
         console.print(note)
@@ -150,4 +151,4 @@ def print_saved(saved: Any, *, fmt: str) -> None:
     fp = saved.fingerprint
     table.add_row("hardware", f"{fp.world_size} x {fp.device_name} ({fp.device_type})")
     table.add_row("saved", f"{saved.created_at} by {saved.saved_by}")
-    Console().print(table)
+    console().print(table)

@@ -36,7 +36,7 @@ def worker(
     """Serve multi-node trials: join each trial's torchrun rendezvous from this node until the study ends."""
 
     def go() -> None:
-        from autobalance.launcher._multinode import run_worker
+        from autobalance.launcher import run_worker
 
         if not script.endswith(".py") or not os.path.isfile(script):
             raise UsageError(f"SCRIPT={script!r} is not an existing Python file; pass the same training script as "

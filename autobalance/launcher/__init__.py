@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from autobalance.launcher._multinode import run_worker
 from autobalance.launcher._outcome import STATUSES, TrialOutcome, classify, read_reports
 from autobalance.launcher._procs import become_subreaper, kill_trial_processes, trial_processes
 from autobalance.launcher._torchrun import TrialLaunch, build_command, run_trial, trial_environment
@@ -19,6 +20,7 @@ __all__ = [
     "kill_trial_processes",
     "read_reports",
     "run_trial",
+    "run_worker",
     "trial_environment",
     "trial_processes",
 ]

@@ -13,6 +13,7 @@ __all__ = [
     "CAPACITY_TOLERANCE",
     "DEVICE_TYPES",
     "HardwareFingerprint",
+    "cpu_model_name",
     "current_fingerprint",
     "differences",
     "minor_differences",
@@ -24,6 +25,8 @@ CAPACITY_TOLERANCE = 0.02
 """Relative difference of a rank's usable memory above which two fingerprints differ."""
 
 _GIB = 1024**3
+GENERIC_CPU_NAME = "cpu"
+"""The CPU name of a fingerprint whose CPU model is unknown (studies tuned before trials reported it)."""
 
 
 @dataclass(kw_only=True)
@@ -126,7 +129,11 @@ def _copy(value: Any) -> Any:
 
 
 def _gib(n: int | None) -> str:
-    return "no cap" if n is None else f"{n / _GIB:.1f} GiB"
+    """Bytes as GiB with enough digits to tell small caps apart (0.0145 GiB, not 0.0 GiB)."""
+    if n is None:
+        return "no cap"
+    gib = n / _GIB
+    return f"{gib:.1f} GiB" if gib >= 1 else f"{gib:.3g} GiB"
 
 
 def differences(stored: HardwareFingerprint, current: HardwareFingerprint) -> list[str]:
@@ -170,6 +177,7 @@ def minor_differences(stored: HardwareFingerprint, current: HardwareFingerprint)
     if (
         stored.device_type == current.device_type == "cpu"
         and stored.device_name != current.device_name
+        and GENERIC_CPU_NAME not in (stored.device_name, current.device_name)  # model unknown: nothing to compare
     ):
         out.append(f"CPU {stored.device_name!r} (tuned) vs {current.device_name!r} (this job)")
     return out
@@ -281,6 +289,11 @@ def _nvml_devices(local: int) -> tuple[list[str], list[int]]:
         pynvml.nvmlShutdown()
 
 
+def cpu_model_name() -> str:
+    """This host's CPU model as a fingerprint names it (``/proc/cpuinfo``'s model name)."""
+    return _cpu_name()
+
+
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -289,7 +302,7 @@ def _cpu_name() -> str:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine() or "cpu"
+    return platform.processor() or platform.machine() or GENERIC_CPU_NAME
 
 
 def _physical_memory() -> int:

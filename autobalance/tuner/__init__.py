@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from autobalance.tuner._finish import Saving, save_best
+from autobalance.tuner._finish import Saving, best_so_far, nothing_feasible, save_best
 from autobalance.tuner._objective import TrialFigures, figures_from_outcome
+from autobalance.tuner._promote import promote_trial
 from autobalance.tuner._reporter import RichReporter, describe_config
 from autobalance.tuner._settings import (
     SAMPLERS,
@@ -28,6 +29,7 @@ from autobalance.tuner._study import (
     is_feasible,
     make_sampler,
 )
+from autobalance.tuner._verify import run_verify_command
 
 __all__ = [
     "ATTR_BASELINE",
@@ -44,6 +46,7 @@ __all__ = [
     "TuneResult",
     "TuneSettings",
     "Tuner",
+    "best_so_far",
     "best_trial",
     "default_device",
     "default_study_name",
@@ -54,7 +57,10 @@ __all__ = [
     "load_study",
     "load_toml",
     "make_sampler",
+    "nothing_feasible",
     "open_storage",
+    "promote_trial",
+    "run_verify_command",
     "save_best",
     "setting_docs",
 ]

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from autobalance.tuner._settings import TuneSettings
-from autobalance.tuner._study import TuneResult
+from autobalance.tuner._study import ATTR_OBJECTIVE, TuneResult
 
-__all__ = ["Saving", "save_best"]
+__all__ = ["Saving", "best_so_far", "nothing_feasible", "save_best"]
 
 
 @dataclass(kw_only=True)
@@ -19,6 +21,8 @@ class Saving:
     """The trial saved as the study's best configuration (None: nothing saved)."""
     rejected: list[int] = field(default_factory=list)
     """Trials that failed verification (in this run or an earlier one): never saved."""
+    nothing_feasible: str = ""
+    """When the study has no feasible trial: what its trials ran into and what to change."""
 
     @property
     def rejected_all(self) -> bool:
@@ -35,9 +39,9 @@ def save_best(*, settings: TuneSettings, result: TuneResult,
     from autobalance.tuner._storage import load_study
     from autobalance.tuner._verify import ATTR_VERIFY_PREFIX, verify_for_saving
 
-    if result.best is None:
-        return Saving()
     study = load_study(study_name=settings.study_name, storage_url=settings.storage)
+    if result.best is None:
+        return Saving(nothing_feasible=nothing_feasible(study))
     chosen = result.best
     if settings.verify:  # a configuration that fails verification is never saved
         chosen = verify_for_saving(settings=settings, study=study, best=result.best, baseline=result.baseline,
@@ -54,3 +58,67 @@ def save_best(*, settings: TuneSettings, result: TuneResult,
     result.saved = True
     result.notes.append(f"Saved trial {chosen.number} as the best configuration of '{settings.study_name}'.")
     return Saving(trial=chosen.number, rejected=rejected)
+
+
+def _why_infeasible(trial: Any) -> str:
+    """The class of a trial that is not feasible (see :func:`nothing_feasible`)."""
+    a = trial.user_attrs
+    status = a.get("status")
+    if status == "ok":
+        peaks = a.get("peak_device_gib") or []
+        capacity = a.get("capacity_gib") or []
+        usable = a.get("usable_gib") or []
+        if any(p is not None and c and p > c for p, c in zip(peaks, capacity, strict=False)):
+            return "over"
+        if any(p is not None and u and p > u for p, u in zip(peaks, usable, strict=False)):
+            return "headroom"
+        return "spread"
+    if status in ("oom", "predicted_oom"):
+        return "oom"
+    if status == "pruned" or trial.state.name == "PRUNED":
+        return "pruned"
+    return "failed"
+
+
+def nothing_feasible(study: Any) -> str:
+    """Why a study has no feasible trial, counted by cause, and what to change; e.g. "of 3 trials, 3
+    ran but left less than the headroom free (...). Try --headroom 0 ..." """
+    counted = [t for t in study.get_trials(deepcopy=False)
+               if t.state.name in ("COMPLETE", "FAIL", "PRUNED") and t.user_attrs.get("status")
+               not in (None, "interrupted", "stale", "surplus")]
+    if not counted:
+        return "no trial finished. Run the command again to start the study."
+    why = Counter(_why_infeasible(t) for t in counted)
+    objective = study.user_attrs.get(ATTR_OBJECTIVE) or {}
+    headroom = objective.get("headroom")
+    words = {
+        "headroom": "ran but left less than the headroom free (peak above capacity x (1 - --headroom"
+                    + (f" {headroom:g}" if isinstance(headroom, (int, float)) else "") + "))",
+        "over": "ran but peaked above the memory cap (judged, not enforced)",
+        "spread": "ran but their spread was above --max-spread-gib",
+        "oom": "ran out of memory (or were predicted to)",
+        "pruned": "were stopped early as slower than the best",
+        "failed": "failed (timeout, crash or script error; see `autobalance trials`)",
+    }
+    fixes = {
+        "headroom": "a smaller --headroom (e.g. 0)",
+        "over": "a larger --memory-cap-gib",
+        "spread": "a larger --max-spread-gib",
+        "oom": "a larger --memory-cap-gib",
+        "failed": "a look at the failed trials' reasons",
+    }
+    parts = [f"{n} {words[k]}" for k, n in why.most_common()]
+    todo = [*dict.fromkeys(fixes[k] for k, _ in why.most_common() if k in fixes), "more --trials"]
+    advice = todo[0] if len(todo) == 1 else f"{', '.join(todo[:-1])} or {todo[-1]}"
+    return f"of {len(counted)} trial(s), {'; '.join(parts)}. Try {advice}."
+
+
+def best_so_far(*, study_name: str, storage_url: str) -> Any:
+    """The study's best feasible trial now (None: none yet, or the study cannot be read)."""
+    from autobalance.tuner._storage import load_study
+    from autobalance.tuner._study import best_trial
+
+    try:
+        return best_trial(load_study(study_name=study_name, storage_url=storage_url))
+    except Exception:  # an interrupted run may not have created the study yet
+        return None

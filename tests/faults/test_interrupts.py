@@ -66,7 +66,12 @@ def test_interrupt_kills_the_trial_marks_it_and_a_rerun_continues(tmp_path: Path
     proc.send_signal(sig)
     _out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-3000:]
-    assert err.strip().splitlines()[-1].startswith("autobalance: error: interrupted;")
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("autobalance: error: interrupted;")
+    # the best so far (the seeded baseline) and how to keep it, on the same line
+    assert "Best so far: trial 0 (mb=" in last
+    assert f"`autobalance promote --study-name s --trial 0 --storage {seeded}`" in last
+    assert last.endswith("or run the same command again to continue the study.")
     assert "Traceback" not in err
     trial = load(seeded).trials[1]
     assert trial.state == TrialState.FAIL

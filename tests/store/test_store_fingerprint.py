@@ -11,6 +11,7 @@ from conftest import GIB, make_fingerprint
 from autobalance import ConfigError
 from autobalance.store import (
     HardwareFingerprint,
+    cpu_model_name,
     current_fingerprint,
     differences,
     minor_differences,
@@ -154,3 +155,17 @@ def test_current_fingerprint_cpu_reports_this_machine() -> None:
 def test_current_fingerprint_rejects_unknown_device() -> None:
     with pytest.raises(ConfigError, match="device_type='tpu'"):
         current_fingerprint(device_type="tpu", world_size=1)
+
+
+def test_small_caps_are_printed_with_their_digits() -> None:
+    stored = make_fingerprint(device_type="cpu", device_name="A", cap_bytes=[int(0.0145 * GIB)] * 3)
+    uncapped = make_fingerprint(device_type="cpu", device_name="A", cap_bytes=[])
+    assert differences(stored, uncapped)[0] == "rank 0 memory cap 0.0145 GiB (tuned) vs no cap (this job)"
+
+
+def test_an_unknown_cpu_model_is_not_a_difference() -> None:
+    """Studies tuned before trials reported the CPU model say 'cpu': not a different machine."""
+    old = make_fingerprint(device_type="cpu", device_name="cpu", cap_bytes=[])
+    here = make_fingerprint(device_type="cpu", device_name=cpu_model_name(), cap_bytes=[])
+    assert minor_differences(old, here) == []
+    assert cpu_model_name()  # e.g. 'Intel(R) Xeon(R) Processor': what this machine's fingerprint names
