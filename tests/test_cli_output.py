@@ -25,6 +25,7 @@ from autobalance import (
     VerificationError,
 )
 from autobalance._errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, exit_code
+from autobalance.protocol import StudyAttr
 
 REPO = Path(__file__).resolve().parents[1]
 GPT = str(REPO / "examples" / "gpt" / "train.py")
@@ -127,7 +128,7 @@ def test_nothing_feasible_says_what_the_trials_ran_into(tmp_path: Path) -> None:
     from autobalance.tuner import nothing_feasible
 
     study = optuna.create_study(study_name="s", storage=f"sqlite:///{tmp_path / 'a.db'}")
-    study.set_user_attr("autobalance:objective", {"headroom": 0.05})
+    study.set_user_attr(StudyAttr.OBJECTIVE, {"headroom": 0.05})
     for peak in (0.97, 0.98, 0.99):  # of a 1 GiB card: over the 0.95 usable, under the card
         study.add_trial(optuna.trial.create_trial(
             state=optuna.trial.TrialState.COMPLETE, values=[1.0], params={}, distributions={},

@@ -7,8 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from autobalance.protocol import Status, StudyAttr, TrialAttr, best_trial
 from autobalance.tuner._settings import TuneSettings
-from autobalance.tuner._study import ATTR_OBJECTIVE, TuneResult
+from autobalance.tuner._study import TuneResult
 
 __all__ = ["Saving", "best_so_far", "nothing_feasible", "save_best"]
 
@@ -37,7 +38,7 @@ def save_best(*, settings: TuneSettings, result: TuneResult,
     ``notes``) for the summary and returns what was saved and what was rejected."""
     from autobalance.tuner._promote import save_trial
     from autobalance.tuner._storage import load_study
-    from autobalance.tuner._verify import ATTR_VERIFY_PREFIX, verify_for_saving
+    from autobalance.tuner._verify import verify_for_saving
 
     study = load_study(study_name=settings.study_name, storage_url=settings.storage)
     if result.best is None:
@@ -47,8 +48,9 @@ def save_best(*, settings: TuneSettings, result: TuneResult,
         chosen = verify_for_saving(settings=settings, study=study, best=result.best, baseline=result.baseline,
                                    notes=result.notes, note=note)
     verdicts = study.user_attrs
-    rejected = sorted(int(key[len(ATTR_VERIFY_PREFIX):]) for key, verdict in verdicts.items()
-                      if key.startswith(ATTR_VERIFY_PREFIX) and isinstance(verdict, dict) and not verdict.get("passed"))
+    prefix = StudyAttr.VERIFY_PREFIX
+    rejected = sorted(int(key[len(prefix):]) for key, verdict in verdicts.items()
+                      if key.startswith(prefix) and isinstance(verdict, dict) and not verdict.get("passed"))
     if chosen is None:
         return Saving(rejected=rejected)
     if chosen.number != result.best.number:
@@ -63,19 +65,19 @@ def save_best(*, settings: TuneSettings, result: TuneResult,
 def _why_infeasible(trial: Any) -> str:
     """The class of a trial that is not feasible (see :func:`nothing_feasible`)."""
     a = trial.user_attrs
-    status = a.get("status")
-    if status == "ok":
-        peaks = a.get("peak_device_gib") or []
+    status = a.get(TrialAttr.STATUS)
+    if status == Status.OK:
+        peaks = a.get(TrialAttr.PEAK_DEVICE_GIB) or []
         capacity = a.get("capacity_gib") or []
-        usable = a.get("usable_gib") or []
+        usable = a.get(TrialAttr.USABLE_GIB) or []
         if any(p is not None and c and p > c for p, c in zip(peaks, capacity, strict=False)):
             return "over"
         if any(p is not None and u and p > u for p, u in zip(peaks, usable, strict=False)):
             return "headroom"
         return "spread"
-    if status in ("oom", "predicted_oom"):
+    if status in (Status.OOM, Status.PREDICTED_OOM):
         return "oom"
-    if status == "pruned" or trial.state.name == "PRUNED":
+    if status == Status.PRUNED or trial.state.name == "PRUNED":
         return "pruned"
     return "failed"
 
@@ -84,12 +86,12 @@ def nothing_feasible(study: Any) -> str:
     """Why a study has no feasible trial, counted by cause, and what to change; e.g. "of 3 trials, 3
     ran but left less than the headroom free (...). Try --headroom 0 ..." """
     counted = [t for t in study.get_trials(deepcopy=False)
-               if t.state.name in ("COMPLETE", "FAIL", "PRUNED") and t.user_attrs.get("status")
-               not in (None, "interrupted", "stale", "surplus")]
+               if t.state.name in ("COMPLETE", "FAIL", "PRUNED") and t.user_attrs.get(TrialAttr.STATUS)
+               not in (None, Status.INTERRUPTED, Status.STALE, Status.SURPLUS)]
     if not counted:
         return "no trial finished. Run the command again to start the study."
     why = Counter(_why_infeasible(t) for t in counted)
-    objective = study.user_attrs.get(ATTR_OBJECTIVE) or {}
+    objective = study.user_attrs.get(StudyAttr.OBJECTIVE) or {}
     headroom = objective.get("headroom")
     words = {
         "headroom": "ran but left less than the headroom free (peak above capacity x (1 - --headroom"
@@ -116,7 +118,6 @@ def nothing_feasible(study: Any) -> str:
 def best_so_far(*, study_name: str, storage_url: str) -> Any:
     """The study's best feasible trial now (None: none yet, or the study cannot be read)."""
     from autobalance.tuner._storage import load_study
-    from autobalance.tuner._study import best_trial
 
     try:
         return best_trial(load_study(study_name=study_name, storage_url=storage_url))
