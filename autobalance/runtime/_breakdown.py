@@ -1,7 +1,7 @@
 """Where one rank's memory goes during the first optimizer step, and what the runtime can see of
 the usual causes of imbalance (for ``autobalance diagnose``).
 
-:class:`Plan` calls the ``on_*`` hooks at fixed points of its API; every figure is bytes of live
+A :class:`~autobalance.runtime._parts.Part` of a trial's plan, called at the plan's fixed points; every figure is bytes of live
 tensors on the rank's device (the CPU tracker on CPU, the CUDA caching allocator on CUDA):
 
 - ``held_at_wrap``: live when ``plan.wrap()`` is entered (memory held before training, e.g. a
@@ -29,12 +29,17 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from autobalance import _env
+from autobalance.runtime._meter import MemoryMeter
+from autobalance.runtime._parts import Part
+
+if TYPE_CHECKING:
+    from autobalance.runtime._plan import Plan
 
 __all__ = ["Breakdown"]
 
@@ -86,12 +91,13 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
     return None
 
 
-class Breakdown:
+class Breakdown(Part):
     """Collects one rank's memory breakdown and flags; see the module docstring."""
 
-    def __init__(self, *, device: torch.device, tracker: Any) -> None:
+    def __init__(self, *, device: torch.device, meter: MemoryMeter) -> None:
         self.device = device
-        self.tracker = tracker
+        self.meter = meter
+        self.tracker = meter.tracker
         self.figures: dict[str, int | None] = {}
         self.flags: dict[str, Any] = {}
         self.modules: list[dict[str, Any]] = []
@@ -100,7 +106,6 @@ class Breakdown:
         self._fwd_started = self._bwd_done = self._step_done = False
         self._live_before_fwd = 0
         self._live_before_opt = 0
-        self._peak_floor = (0, 0)
         self._live_before_ddp = 0
         self._trainable = 0
         self._wrapped: nn.Module | None = None
@@ -119,8 +124,8 @@ class Breakdown:
 
     def _start_window(self) -> None:
         if self.device.type == "cuda":
-            self._peak_floor = (int(torch.cuda.max_memory_allocated(self.device)),
-                                int(torch.cuda.max_memory_reserved(self.device)))
+            self.meter.peak_floor = (int(torch.cuda.max_memory_allocated(self.device)),
+                                     int(torch.cuda.max_memory_reserved(self.device)))
             torch.cuda.reset_peak_memory_stats(self.device)
         elif self.tracker is not None:
             self.tracker.start_window()
@@ -130,12 +135,8 @@ class Breakdown:
             return int(torch.cuda.max_memory_allocated(self.device))
         return int(self.tracker.window_peak) if self.tracker is not None else 0
 
-    def peak_floor(self) -> tuple[int, int]:
-        """Peaks (allocated, reserved) from before the CUDA peak statistics were reset."""
-        return self._peak_floor
-
     # ------------------------------------------------------------------ hooks called by Plan
-    def on_wrap_entry(self, model: nn.Module) -> None:
+    def on_wrap(self, plan: Plan, model: nn.Module) -> None:
         self.flags["data_parallel"] = _contains_data_parallel(model)
         if not self.active:
             return
@@ -143,21 +144,22 @@ class Breakdown:
         self.figures["model_on_device_at_wrap"] = _storage_bytes(
             [*model.parameters(), *model.buffers()], self.device)
 
-    def on_model_moved(self, model: nn.Module) -> None:
+    def on_model_moved(self, plan: Plan, model: nn.Module) -> None:
         self.figures["parameters"] = _storage_bytes(model.parameters(), self.device)
         self.figures["buffers"] = _storage_bytes(model.buffers(), self.device)
         self._trainable = _storage_bytes((p for p in model.parameters() if p.requires_grad), self.device)
         self._live_before_ddp = self.live() if self.active else 0
 
-    def on_wrapped(self, wrapped: nn.Module, *, find_unused_parameters: bool, num_blocks: int,
-                   checkpointed: int, micro_batch: int, compiled: bool = False) -> None:
+    def on_wrapped(self, plan: Plan, wrapped: nn.Module) -> None:
+        compiled = plan.compile_state is not None
         if self.active:
             ddp = isinstance(wrapped, nn.parallel.DistributedDataParallel)
             self.figures["ddp_buckets"] = self._trainable if ddp else 0
             self.figures["ddp_constructor_growth"] = max(0, self.live() - self._live_before_ddp) if ddp else 0
         self.flags.update({
-            "find_unused_parameters": find_unused_parameters, "num_blocks": num_blocks,
-            "checkpointed_blocks": checkpointed, "micro_batch": micro_batch, "compiled": compiled,
+            "find_unused_parameters": plan.model_info["find_unused_parameters"],
+            "num_blocks": plan.model_info["num_blocks"], "checkpointed_blocks": len(plan.config.checkpoint[plan.rank]),
+            "micro_batch": plan.micro_batch, "compiled": compiled,
         })
         if compiled:
             self._want_memtracker = False  # a dispatch mode: Dynamo would not compile under it
@@ -179,9 +181,9 @@ class Breakdown:
         handles.append(wrapped.register_forward_hook(post_hook))
         self._wrapped = wrapped
 
-    def on_micro_step_entry(self) -> None:
+    def on_micro_step(self, plan: Plan) -> None:
         if self._fwd_started or not self.active:
-            return
+            return None
         self._fwd_started = True
         self._live_before_fwd = self.live()
         self.figures["live_before_first_forward"] = self._live_before_fwd
@@ -189,11 +191,12 @@ class Breakdown:
         if self._want_memtracker and self._wrapped is not None:
             self._enter_memtracker()
 
-    def on_backward_entry(self) -> None:
+    def before_backward(self, plan: Plan) -> None:
         if self._fwd_started and not self._bwd_done and self.active and "activations_peak" not in self.figures:
             self.figures["activations_peak"] = max(0, self._window_peak() - self._live_before_fwd)
 
-    def on_backward_exit(self, model: nn.Module | None) -> None:
+    def after_backward(self, plan: Plan) -> None:
+        model = plan.model
         if self._bwd_done or not self._fwd_started or not self.active:
             return
         self._bwd_done = True
@@ -202,7 +205,7 @@ class Breakdown:
             self.figures["gradients"] = _storage_bytes(
                 (p.grad for p in model.parameters() if p.grad is not None), self.device)
 
-    def on_optimizer_step_entry(self, optimizer: torch.optim.Optimizer) -> None:
+    def before_optimizer_step(self, plan: Plan, optimizer: torch.optim.Optimizer) -> None:
         if self._step_done or not self.active:
             return
         self._live_before_opt = self.live()
@@ -212,7 +215,7 @@ class Breakdown:
             except Exception as exc:
                 self._drop_memtracker(exc)
 
-    def on_optimizer_step_exit(self, optimizer: torch.optim.Optimizer) -> None:
+    def after_optimizer_step(self, plan: Plan, optimizer: torch.optim.Optimizer) -> None:
         if not self.active:
             return
         if not self._step_done:
@@ -223,7 +226,7 @@ class Breakdown:
             self.figures["first_step_peak"] = max(0, self._window_peak() - self._live_before_fwd)
             self._exit_memtracker()
 
-    def on_step_done(self) -> None:
+    def after_step(self, plan: Plan) -> None:
         if self.active:
             self.figures["live_after_step"] = self.live()
 

@@ -19,12 +19,16 @@ with the FX graph and AOTAutograd caches; hits and misses are read from Dynamo's
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from autobalance import _env
+from autobalance.runtime._parts import Part
+
+if TYPE_CHECKING:
+    from autobalance.runtime._plan import Plan
 
 __all__ = ["DEFAULT_BACKEND", "CompileState"]
 
@@ -50,8 +54,8 @@ def _counters() -> dict[str, int]:
     return out
 
 
-class CompileState:
-    """How this rank compiles, and what compiling cost."""
+class CompileState(Part):
+    """How this rank compiles, and what compiling cost (a part of a compiled configuration's plan)."""
 
     def __init__(self, *, mode: str, budget: float | None) -> None:
         self.mode = mode
@@ -82,6 +86,27 @@ class CompileState:
         # nn.Module.compile() would compile _call_impl itself, a frame Dynamo skips: a model made only
         # of torch.nn modules (nn.Sequential of nn.Linear, ...) would then silently run eagerly
         module._compiled_call_impl = torch.compile(call, **kwargs)
+
+    # ------------------------------------------------------------------ hooks called by Plan
+    def on_wrapped(self, plan: Plan, wrapped: nn.Module) -> None:
+        if plan.model is not None:
+            self.apply(plan.model)  # in place, inside DDP (which stays as it is)
+
+    def on_micro_step(self, plan: Plan) -> Any:
+        """Dynamo does not compile under a dispatch mode: the CPU tracker steps aside."""
+        return plan.meter.paused()
+
+    def after_backward(self, plan: Plan) -> None:
+        """The gradients were made while the tracker was paused: count them now."""
+        if plan.model is not None:
+            plan.meter.track(p.grad for p in plan.model.parameters() if p.grad is not None)
+
+    def step_timed(self, plan: Plan, seconds: float) -> bool:
+        """The first step is where compilation happens: it is ``compile_s``, not a measured step."""
+        if self.compile_s is not None:
+            return False
+        self.first_step_done(seconds)
+        return True
 
     def first_step_done(self, seconds: float) -> None:
         """The first optimizer step (where compilation happens) took ``seconds``."""

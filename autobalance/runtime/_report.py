@@ -1,15 +1,31 @@
-"""Per-rank trial reports: one JSON file per rank, written atomically."""
+"""Per-rank trial reports: what one rank measured, as one JSON file per rank, written atomically.
+
+:func:`build_report` is the one place that fills the typed report (:class:`autobalance.protocol.RankReport`,
+which owns the format and its validator) from a plan: its
+configuration, step times, memory peaks, and the figures of its optional parts (``compile``,
+``verify``, ``breakdown``; ``None`` or ``{"mode": "off"}`` when the part is off).
+:func:`setup_failure_report` is the short report of a rank whose configuration was rejected
+before a plan existed.
+"""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import socket
+import statistics
 import tempfile
-from typing import Any
+import time
+import traceback
+from typing import TYPE_CHECKING, Any
 
-from autobalance.protocol import report_path
+from autobalance.protocol import RankDevice, RankMemory, RankReport, RankTiming, Status, report_path
 
-__all__ = ["report_path", "write_report"]
+if TYPE_CHECKING:
+    from autobalance.runtime._plan import Plan
+
+__all__ = ["build_report", "report_path", "setup_failure_report", "write_report"]
 
 
 def write_report(trial_dir: str, rank: int, report: dict[str, Any]) -> str:
@@ -29,3 +45,93 @@ def write_report(trial_dir: str, rank: int, report: dict[str, Any]) -> str:
             pass
         raise
     return path
+
+
+def build_report(plan: Plan, *, status: Status = Status.OK, error: str | None = None,
+                 tb: str | None = None) -> dict[str, Any]:
+    """This rank's figures as a JSON-ready dict (what a trial writes to ``rank<R>.json``)."""
+    import torch
+
+    clock, meter = plan.clock, plan.meter
+    measured = clock.measured()
+    step_time = statistics.median(measured) if measured else None
+    mem = plan.memory()
+    compiled, verify, breakdown = plan.compile_state, plan.verify, plan.breakdown
+    return RankReport(
+        status=status,
+        error=error,
+        traceback=tb,
+        rank=plan.rank,
+        local_rank=plan.local_rank,
+        world_size=plan.world_size,
+        hostname=socket.gethostname(),
+        pid=os.getpid(),
+        trial_id=plan.trial_id,
+        device=_device_info(plan),
+        config=plan.config.to_dict(),
+        source=plan.source,
+        defaults=plan.defaults.to_dict(),
+        model=plan.model_info,
+        steps_done=plan.steps_done,
+        warmup_steps=clock.warmup_steps,
+        step_times_s=measured,
+        step_time_s=step_time,
+        measured_steps=len(measured),
+        samples_per_s=(plan.config.global_batch / step_time) if step_time else None,
+        memory=RankMemory(
+            peak_allocated=mem.peak_allocated,
+            peak_reserved=mem.peak_reserved,
+            outside_pytorch=mem.outside_pytorch,
+            nvml_used_peak=mem.nvml_used_peak,
+            nvml_scope=meter.nvml_scope,
+            peak_device=mem.peak_device,
+            before_training=meter.before_training,
+        ),
+        timing=RankTiming(
+            startup_s=(clock.first_step_at - clock.started_at) if clock.first_step_at else None,
+            compile_s=compiled.compile_s if compiled is not None else None,
+            steps_s=sum(clock.step_times),
+            measure_s=clock.measure_s,
+            wall_s=time.time() - clock.started_at,
+        ),
+        compile=compiled.to_dict(device_type=plan.device.type) if compiled is not None else {"mode": "off"},
+        activation_budget=compiled.budget_used if compiled is not None else None,
+        verify={"dropout": verify.dropout, "loss_weighting": plan._loss_weighting} if verify is not None else None,
+        breakdown=breakdown.to_dict() if breakdown is not None else None,
+        torch_version=torch.__version__,
+        cuda_version=torch.version.cuda,
+        written_at=datetime.datetime.now(datetime.UTC).isoformat(),
+    ).to_dict()
+
+
+def _device_info(plan: Plan) -> RankDevice:
+    import torch
+
+    from autobalance.runtime._memory import cpu_capacity_bytes
+
+    if plan.device.type == "cuda":
+        props = torch.cuda.get_device_properties(plan.device)
+        nvml = plan.meter.nvml
+        return RankDevice(type="cuda", name=props.name, capacity_bytes=int(props.total_memory),
+                          cap_bytes=plan.cap_bytes, uuid=nvml.uuid if nvml else None)
+    return RankDevice(type="cpu", name="cpu", capacity_bytes=cpu_capacity_bytes(), cap_bytes=plan.cap_bytes)
+
+
+def setup_failure_report(exc: BaseException) -> dict[str, Any]:
+    """The report of a rank whose configuration was rejected before its plan was built."""
+    import torch.distributed as dist
+
+    from autobalance import _env
+
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0") or 0)
+    return RankReport(
+        status=Status.ERROR,
+        error=f"{type(exc).__name__}: {exc}"[:2000],
+        traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-20000:],
+        rank=rank,
+        world_size=dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1") or 1),
+        hostname=socket.gethostname(),
+        pid=os.getpid(),
+        trial_id=os.environ.get(_env.TRIAL_ID, ""),
+        written_at=datetime.datetime.now(datetime.UTC).isoformat(),
+    ).to_dict()

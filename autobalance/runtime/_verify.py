@@ -25,13 +25,17 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from autobalance import _env
 from autobalance._errors import ConfigError
+from autobalance.runtime._parts import Part
+
+if TYPE_CHECKING:
+    from autobalance.runtime._plan import Plan
 
 __all__ = ["INIT_FILE", "MAX_OVERFLOW_RETRIES", "SEED", "STEP_FILE", "STEP_JSON", "VerifyRun", "gradients",
            "param_name"]
@@ -53,8 +57,8 @@ def param_name(name: str) -> str:
     return name
 
 
-class VerifyRun:
-    """What a verification run does beyond an ordinary trial."""
+class VerifyRun(Part):
+    """What a verification run does beyond an ordinary trial (a part of its plan)."""
 
     def __init__(self, *, trial_dir: str, dropout: str, init: str | None, allow_batch_dependent: bool = False) -> None:
         self.trial_dir = trial_dir
@@ -66,6 +70,7 @@ class VerifyRun:
         self.overflow_skips = 0
         """fp16: steps the GradScaler skipped (overflow) before the verified one."""
         self._buffers: dict[str, torch.Tensor] = {}
+        self._grads: dict[str, torch.Tensor] | None = None
 
     @classmethod
     def from_trial_dir(cls, trial_dir: str | None) -> VerifyRun | None:
@@ -92,12 +97,12 @@ class VerifyRun:
         return self.dropout == "on" or (bool(self.batch_dependent) and not self.allow_batch_dependent)
 
     # ------------------------------------------------------------------ hooks called by Plan
-    def on_wrap(self, model: nn.Module, *, rank: int) -> None:
+    def on_wrap(self, plan: Plan, model: nn.Module) -> None:
         """Same starting weights in every run: load them (rank 0; DDP broadcasts) or save them."""
         from autobalance.runtime._batch_dependent import batch_dependent_modules
 
         self.batch_dependent = batch_dependent_modules(model)
-        if rank == 0:
+        if plan.rank == 0:
             if self.init:
                 state = torch.load(self.init, map_location="cpu", weights_only=True)
                 model.load_state_dict(state, strict=True)
@@ -105,6 +110,9 @@ class VerifyRun:
                 state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
                 torch.save(state, os.path.join(self.trial_dir, INIT_FILE))
         self.set_mode(model)
+
+    def on_micro_step(self, plan: Plan) -> None:
+        self.set_mode(plan.model)
 
     def set_mode(self, model: nn.Module | None) -> None:
         """``dropout: off``: eval mode (no dropout, BatchNorm on running statistics): each sample's
@@ -142,6 +150,27 @@ class VerifyRun:
                     saved = self._buffers.get(name)
                     if saved is not None:
                         buf.copy_(saved)
+
+    def on_step_start(self, plan: Plan) -> None:
+        if plan.steps_done == 0:
+            self.on_first_step(rank=plan.rank)
+
+    def before_optimizer_step(self, plan: Plan, optimizer: torch.optim.Optimizer) -> None:
+        """The first step's averaged gradients, before clipping and the update change them."""
+        if plan.model is not None and plan.steps_done == 0:
+            scale = float(plan.scaler.get_scale()) if plan.scaler is not None else 1.0
+            self._grads = gradients(plan.model, scale=scale)
+
+    def after_optimizer_step(self, plan: Plan, optimizer: torch.optim.Optimizer) -> None:
+        grads, self._grads = self._grads, None
+        if grads is not None and plan.model is not None:
+            self.save_step(model=plan.model, rank=plan.rank, grads=grads, layout=plan.layout.micro_batches,
+                           info={"config": plan.config.to_dict(), "loss_weighting": plan._loss_weighting,
+                                 "training": plan.model.training})
+
+    def trial_done(self, plan: Plan) -> bool:
+        """A verification run is one optimizer step."""
+        return plan.steps_done >= 1
 
     def save_step(self, *, model: nn.Module, rank: int, grads: dict[str, torch.Tensor],
                   layout: list[list[list[int]]], info: dict[str, Any]) -> None:

@@ -96,7 +96,7 @@ def _apply_environment(request: dict[str, Any], base_env: dict[str, str]) -> Non
 
 def _run_script(script: str, args: list[str]) -> tuple[str, BaseException | None, str]:
     """``ok`` | ``exit`` (the script ended without finishing the trial) | ``raised``."""
-    from autobalance.runtime._plan import TrialComplete
+    from autobalance.runtime._exit import TrialComplete
 
     sys.argv = [script, *args]
     try:
@@ -112,13 +112,14 @@ def _run_script(script: str, args: list[str]) -> tuple[str, BaseException | None
 
 def _report_failure(exc: BaseException, text: str) -> int:
     from autobalance.runtime import _plan
+    from autobalance.runtime._exit import classify_exception
 
-    status = _plan.classify_exception(exc)
+    status = classify_exception(exc)
     sys.stderr.write(text)
     plan = _plan.CURRENT_PLAN
     if plan is not None:
         with contextlib.suppress(Exception):
-            plan._write(status, error=f"{type(exc).__name__}: {exc}"[:2000], tb=text[-20000:])
+            plan.ending.write(status, error=f"{type(exc).__name__}: {exc}"[:2000], tb=text[-20000:])
     return _env.OOM_EXIT_CODE if status == Status.OOM else _env.ERROR_EXIT_CODE
 
 
@@ -129,9 +130,9 @@ def main(argv: list[str]) -> None:
     script, args = argv[0], argv[1:]
     pool_dir = os.environ[_env.POOL_DIR]
     device = os.environ.get(_env.DEVICE, "cpu")
-    from autobalance.runtime._plan import _set_parent_death_signal
+    from autobalance.runtime._exit import set_parent_death_signal
 
-    _set_parent_death_signal()
+    set_parent_death_signal()
     _init(device)
     with open(os.path.join(pool_dir, f"ready-{os.environ.get('LOCAL_RANK', '0')}"), "w"):
         pass  # the launcher starts the first trial's clock once every worker is here
@@ -160,12 +161,12 @@ def main(argv: list[str]) -> None:
             os._exit(code)
         # the script ended without finishing the trial's steps: report it; unless that still made a
         # measurement (its data ran out during a longer --measure-s one), leave the pool
-        if outcome == "exit" and (plan is None or plan._on_exit() != Status.OK):
+        if outcome == "exit" and (plan is None or plan.ending.on_exit() != Status.OK):
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(_env.ERROR_EXIT_CODE)
-        if plan is not None and plan._tracker is not None:
-            plan._tracker.__exit__(None, None, None)
+        if plan is not None:
+            plan.meter.close()
         del plan
         seq += 1
     import torch.distributed as dist

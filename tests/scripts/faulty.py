@@ -68,7 +68,7 @@ import autobalance as ab  # noqa: E402
 
 def _break_report_writing(kind: str) -> None:
     """Rank 1's final report write fails (or writes garbage), as on a full disk or a bad mount."""
-    import autobalance.runtime._plan as plan_module
+    import autobalance.runtime._exit as plan_module
     import autobalance.runtime._report as report_module
 
     original = report_module.write_report

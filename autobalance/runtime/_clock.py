@@ -1,0 +1,114 @@
+"""How long a trial runs and what its steps took: warm-up, measured steps, progress for the pruner.
+
+A trial (the launcher sets ``AUTOBALANCE_TRIAL_DIR``) runs ``AUTOBALANCE_WARMUP`` warm-up steps, then
+``AUTOBALANCE_STEPS`` measured ones; with ``AUTOBALANCE_MEASURE_S`` it measures for about that many
+seconds instead (at least the minimum, at most ``AUTOBALANCE_MAX_STEPS``), every rank agreeing on the
+count from the slowest rank's first measured step. Steps spent compiling come first and are timed as
+``compile_s`` by the compile part, not here. After each step rank 0 rewrites ``progress.json`` (step
+times so far) for the tuner's pruner. Outside a trial the clock only records step times.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from autobalance import _env
+from autobalance.runtime._setup import float_env, int_env
+
+__all__ = ["PROGRESS_FILE", "StepClock"]
+
+PROGRESS_FILE = "progress.json"
+
+
+class StepClock:
+    """One rank's step timing and the trial's step count."""
+
+    def __init__(self, *, trial_dir: str | None, rank: int, device: torch.device, compile_steps: int,
+                 one_step: bool) -> None:
+        self.trial_dir = trial_dir
+        self.rank = rank
+        self.device = device
+        self.warmup_steps = int_env(_env.WARMUP, 1)
+        self.measured_steps = int_env(_env.STEPS, 3)
+        self.measure_s = float_env(_env.MEASURE_S, 0.0)
+        self.max_steps = max(self.measured_steps, int_env(_env.MAX_STEPS, 50))
+        self.target_steps = self.measured_steps
+        """Measured steps of this trial: ``measured_steps``, or more once ``measure_s`` sets it."""
+        self.compile_steps = compile_steps
+        """Optimizer steps spent compiling (timed as compile_s, not as a measured step)."""
+        self.one_step = one_step
+        """A verification run: its one step is recorded even when compiling, never extended."""
+        self.step_times: list[float] = []
+        self.started_at = time.time()
+        self.first_step_at: float | None = None
+        self._step_start: float | None = None
+
+    @property
+    def in_trial(self) -> bool:
+        return self.trial_dir is not None
+
+    def start(self) -> None:
+        """The first ``steps()`` call: the clock of the first step starts."""
+        if self._step_start is None:
+            self._step_start = time.perf_counter()
+            self.first_step_at = time.time()
+
+    def lap(self) -> float | None:
+        """Seconds since the previous step ended (or the first started); ``None`` before any step."""
+        now = time.perf_counter()
+        seconds = None if self._step_start is None else now - self._step_start
+        self._step_start = now
+        return seconds
+
+    def record(self, seconds: float, *, claimed: bool) -> None:
+        """A step took ``seconds``; ``claimed`` when a part timed it otherwise (the compile step)."""
+        if claimed:
+            if self.one_step:  # a verification run has this one step only
+                self.step_times.append(seconds)
+            return
+        self.step_times.append(seconds)
+        if len(self.step_times) == self.warmup_steps + 1 and self.measure_s > 0 and not self.one_step:
+            self._set_target_steps(seconds)
+            self._step_start = time.perf_counter()  # the agreement is not part of the next step
+
+    def done(self, steps_done: int) -> bool:
+        """Whether a trial has run its compile, warm-up and measured steps."""
+        return self.in_trial and steps_done >= self.compile_steps + self.warmup_steps + self.target_steps
+
+    def measured_enough(self) -> bool:
+        """The data ran out during a longer ``measure_s`` measurement, after the minimum: still a result."""
+        return self.target_steps > self.measured_steps and \
+            len(self.step_times) >= self.warmup_steps + self.measured_steps
+
+    def measured(self) -> list[float]:
+        """The measured step times (a trial's warm-up steps left out)."""
+        return self.step_times[self.warmup_steps:] if self.in_trial else self.step_times
+
+    def write_progress(self, steps_done: int) -> None:
+        """Step times so far, for the tuner's pruner (rank 0 only; the ranks step in lockstep)."""
+        if self.trial_dir is None or self.rank != 0:
+            return
+        path = os.path.join(self.trial_dir, PROGRESS_FILE)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump({"steps_done": steps_done, "warmup_steps": self.warmup_steps,
+                       "step_times_s": self.step_times}, fh)
+        os.replace(tmp, path)
+
+    def _set_target_steps(self, first_measured_s: float) -> None:
+        """Measure for about ``measure_s``: every rank takes the slowest rank's first measured step
+        (one tiny all-reduce, at the same point on every rank), so all stop after the same step."""
+        slowest = first_measured_s
+        if self.in_trial and dist.is_available() and dist.is_initialized():
+            on = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+            t = torch.tensor([first_measured_s], dtype=torch.float64, device=on)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            slowest = float(t.item())
+        wanted = math.ceil(self.measure_s / max(slowest, 1e-6))
+        self.target_steps = max(self.measured_steps, min(self.max_steps, wanted))

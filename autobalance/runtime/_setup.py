@@ -1,0 +1,101 @@
+"""A rank's process set-up: its settings from the environment, its device, its process group.
+
+The launcher passes a trial's settings as ``AUTOBALANCE_*`` variables (see :mod:`autobalance._env`);
+a malformed one is a :class:`~autobalance._errors.UsageError` naming the variable. The process
+group is created here when torchrun started the rank and nobody created it yet, with a short
+timeout in a trial so that a lost peer cannot hang a rank, and torn down at exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import math
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autobalance import _env
+from autobalance._errors import UsageError
+
+__all__ = ["cap_for_rank", "float_env", "init_distributed", "int_env", "resolve_device"]
+
+
+def int_env(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise UsageError(f"{name}={raw!r} is not an integer; set it to a whole number.") from None
+
+
+def float_env(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise UsageError(f"{name}={raw!r} is not a number; set it to seconds, e.g. 1.5.") from None
+    if not math.isfinite(value) or value < 0:
+        raise UsageError(f"{name}={raw!r} must be a finite number >= 0; set it to seconds, e.g. 1.5.")
+    return value
+
+
+def cap_for_rank(raw: str | None, rank: int) -> int | None:
+    if not raw:
+        return None
+    parts = [p.strip() for p in raw.split(",") if p.strip()]
+    try:
+        values = [int(float(p)) for p in parts]
+    except ValueError:
+        raise UsageError(
+            f"{_env.MEMORY_CAP_BYTES}={raw!r} is not a byte count or a comma-separated list of them."
+        ) from None
+    if len(values) == 1:
+        return values[0]
+    if rank >= len(values):
+        raise UsageError(
+            f"{_env.MEMORY_CAP_BYTES}={raw!r} has {len(values)} entries but this is rank {rank}; "
+            "give one cap per rank."
+        )
+    return values[rank]
+
+
+def init_distributed(device_type: str, timeout_s: int) -> tuple[int, int, int]:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s)}
+        if device_type == "cuda":
+            kwargs["device_id"] = torch.device("cuda", local_rank)
+        dist.init_process_group(**kwargs)
+        # the group autobalance created is torn down at exit: a live gloo/NCCL group at
+        # interpreter shutdown can abort the process ("terminate called without an active exception")
+        atexit.register(_destroy_process_group_at_exit)
+    if dist.is_initialized():
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+    return rank, world_size, local_rank
+
+
+def _destroy_process_group_at_exit() -> None:
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def resolve_device(device: str | None) -> torch.device:
+    choice = device or os.environ.get(_env.DEVICE) or ("cuda" if torch.cuda.is_available() else "cpu")
+    if choice not in ("cpu", "cuda"):
+        raise UsageError(f"device={choice!r} is not supported; use 'cpu' or 'cuda'.")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise UsageError("device='cuda' but no CUDA device is visible; use device='cpu'.")
+    return torch.device(choice)
