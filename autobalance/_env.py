@@ -88,9 +88,3 @@ It is a file, not a variable, so it reaches warm workers (which take only per-tr
 COMPILE_BACKEND = "AUTOBALANCE_COMPILE_BACKEND"
 """``torch.compile`` backend for compiled configurations (default ``inductor``); tests use
 ``aot_eager_decomp_partition`` (the same partitioner and activation budget, no C++ compile)."""
-TEST_DISABLE_LOSS_WEIGHTING = "AUTOBALANCE_TEST_DISABLE_LOSS_WEIGHTING"
-"""Test only: ``1`` turns off the uneven-batch loss weighting in ``plan.backward`` (a deliberately
-wrong runtime that ``autobalance verify`` must reject). Never set it in a real job."""
-TEST_NO_RNG_PRESERVE = "AUTOBALANCE_TEST_NO_RNG_PRESERVE"
-"""Test only: ``1`` checkpoints blocks without preserving the RNG state (dropout masks differ in
-the recomputation: wrong gradients that ``autobalance verify`` must reject). Never set it in a real job."""

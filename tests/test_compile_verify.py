@@ -15,6 +15,7 @@ import pytest
 
 from autobalance import BalanceConfig
 from autobalance.launcher import TrialLaunch, run_trial
+from tests.bugs import inject
 from tests.tune_helpers import GPT, REPO, cli, load
 
 pytestmark = pytest.mark.slow
@@ -71,15 +72,15 @@ def test_verify_passes_a_correct_uneven_config_and_fails_deliberately_wrong_runt
     assert checks["equivalence"]["grad_rel"] <= 1e-6 and checks["equivalence"]["param_rel"] <= 1e-6
     assert checks["rng-replay"]["grad_rel"] <= 1e-6  # checkpointing replays dropout exactly
 
-    # the uneven loss weighting switched off: each rank's mean loss counts the same, whatever its share
-    wrong = _verify(tmp_path, cfg, env={"AUTOBALANCE_TEST_DISABLE_LOSS_WEIGHTING": "1"})
+    # the uneven loss weighting dropped (tests/bugs): each rank's mean loss counts the same, whatever its share
+    wrong = _verify(tmp_path, cfg, env=inject("loss-weighting"))
     assert wrong.returncode == 1, wrong.stderr[-3000:]
     verdict = json.loads(wrong.stdout)
     assert verdict["passed"] is False and "differs from the baseline" in verdict["reason"]
     assert verdict["checks"][0]["grad_rel"] > 0.01
 
     # checkpointing without preserved RNG state: the recomputation draws other dropout masks
-    no_rng = _verify(tmp_path, cfg, env={"AUTOBALANCE_TEST_NO_RNG_PRESERVE": "1"})
+    no_rng = _verify(tmp_path, cfg, env=inject("no-rng-preserve"))
     assert no_rng.returncode == 1, no_rng.stderr[-3000:]
     verdict = json.loads(no_rng.stdout)
     assert verdict["passed"] is False and "dropout masks are not replayed" in verdict["reason"]
@@ -142,7 +143,7 @@ def test_tune_verifies_the_best_before_saving_it(tmp_path, wrong):
     args = ["tune", GPT, "--trials", "4", "--nproc-per-node", "2", "--device", "cpu", "--storage", f"sqlite:///{db}",
             "--study-name", "s", "--strategy", "optuna", "--sampler", "random", "--seed", "3", "--trial-timeout", "120",
             "--memory-cap-gib", "0.0145", "--dtypes", "fp32", "--max-accumulation", "1", "--runs-dir", str(tmp_path / "runs")]
-    proc = cli(args, cwd=tmp_path, env={"AUTOBALANCE_TEST_DISABLE_LOSS_WEIGHTING": "1"} if wrong else None)
+    proc = cli(args, cwd=tmp_path, env=inject("loss-weighting") if wrong else None)
     assert proc.returncode == (1 if wrong else 0), proc.stderr[-3000:]
     study = load(db)
     verdicts = {k: v for k, v in study.user_attrs.items() if k.startswith("autobalance:verify:")}
@@ -171,7 +172,7 @@ def _promote(tmp_path, db, number: int, *extra: str, env=None):
 
 def test_promote_verifies_like_tune_and_never_saves_a_failed_trial(tmp_path):
     db = tmp_path / "a.db"
-    broken = {"AUTOBALANCE_TEST_DISABLE_LOSS_WEIGHTING": "1"}
+    broken = inject("loss-weighting")
     args = ["tune", GPT, "--trials", "4", "--nproc-per-node", "2", "--device", "cpu", "--storage", f"sqlite:///{db}",
             "--study-name", "s", "--strategy", "optuna", "--sampler", "random", "--seed", "3", "--trial-timeout", "120",
             "--memory-cap-gib", "0.0145", "--dtypes", "fp32", "--max-accumulation", "1", "--runs-dir", str(tmp_path / "runs")]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
@@ -11,7 +10,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from autobalance import _env
 from autobalance._errors import ConfigError
 
 __all__ = ["BLOCKS_HINT", "BlockRun", "apply_checkpointing", "find_blocks"]
@@ -19,6 +17,10 @@ __all__ = ["BLOCKS_HINT", "BlockRun", "apply_checkpointing", "find_blocks"]
 BLOCKS_HINT = ("name them with plan.wrap(model, blocks=\"path.to.blocks\") (or ab.plan(blocks=...)): a ModuleList "
                "or nn.Sequential of the model's repeated blocks, e.g. 'transformer.h'")
 """How a user names the blocks when discovery finds none (ends every error about blocks)."""
+
+_PRESERVE_RNG_STATE = True
+"""Always ``True`` (dropout replays exactly in the recomputation). A private seam, not a setting:
+the tests replace it from their own code to build a known-wrong runtime (``tests/bugs``)."""
 
 
 class BlockRun:
@@ -154,7 +156,6 @@ def apply_checkpointing(blocks: BlockRun | nn.ModuleList | nn.Sequential, indice
         checkpoint_wrapper,
     )
 
-    preserve_rng = os.environ.get(_env.TEST_NO_RNG_PRESERVE) != "1"  # test-only: a known-wrong runtime
     for index in indices:
         if index >= len(blocks):
             raise ConfigError(
@@ -169,5 +170,5 @@ def apply_checkpointing(blocks: BlockRun | nn.ModuleList | nn.Sequential, indice
         if context is not None:
             kwargs["context_fn"] = context
         blocks[index] = checkpoint_wrapper(
-            block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=preserve_rng, **kwargs
+            block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=_PRESERVE_RNG_STATE, **kwargs
         )

@@ -114,7 +114,6 @@ class Plan:
         self._step_count_total = 0.0
         """... and the step's total count over every rank and micro-batch (one scalar all-reduce)."""
         self._steps_done = 0
-        self._loss_weighting = os.environ.get(_env.TEST_DISABLE_LOSS_WEIGHTING) != "1"
         # the optional parts: each is None when off, and only those that are on are called
         budgets = config.activation_budget
         self.compile_state = (CompileState(mode=config.compile, budget=budgets[rank] if budgets else None)
@@ -304,13 +303,13 @@ class Plan:
 
     def _loss_weight(self) -> float:
         """What this micro-batch's mean loss is multiplied by (see :mod:`~autobalance.runtime._weighting`):
-        its share of the step's samples, or of the step's ``count=`` over all ranks."""
+        its share of the step's samples, or of the step's ``count=`` over all ranks. A private seam: the
+        tests replace it from their own code to build a known-wrong runtime (``tests/bugs``)."""
         if self._step_counts is not None:
             count, total = self._step_counts[self._micro_index], self._step_count_total
         else:
             count, total = len(self.layout.micro_batches[self.rank][self._micro_index]), self._step_samples
-        return micro_batch_weight(count=count, step_total=total, world_size=self.world_size) \
-            if self._loss_weighting else 1.0
+        return micro_batch_weight(count=count, step_total=total, world_size=self.world_size)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of this micro-batch's mean loss, weighted so that DDP's average over ranks

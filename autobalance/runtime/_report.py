@@ -96,7 +96,7 @@ def build_report(plan: Plan, *, status: Status = Status.OK, error: str | None = 
         ),
         compile=compiled.to_dict(device_type=plan.device.type) if compiled is not None else {"mode": "off"},
         activation_budget=compiled.budget_used if compiled is not None else None,
-        verify={"dropout": verify.dropout, "loss_weighting": plan._loss_weighting} if verify is not None else None,
+        verify={"dropout": verify.dropout, "loss_weighting": True} if verify is not None else None,
         breakdown=breakdown.to_dict() if breakdown is not None else None,
         torch_version=torch.__version__,
         cuda_version=torch.version.cuda,

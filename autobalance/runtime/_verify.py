@@ -165,7 +165,7 @@ class VerifyRun(Part):
         grads, self._grads = self._grads, None
         if grads is not None and plan.model is not None:
             self.save_step(model=plan.model, rank=plan.rank, grads=grads, layout=plan.layout.micro_batches,
-                           info={"config": plan.config.to_dict(), "loss_weighting": plan._loss_weighting,
+                           info={"config": plan.config.to_dict(), "loss_weighting": True,
                                  "training": plan.model.training})
 
     def trial_done(self, plan: Plan) -> bool:

@@ -1,0 +1,38 @@
+"""Known-wrong runtimes, injected into a test's training ranks from outside autobalance.
+
+``autobalance verify`` (and the tune/promote gate built on it) must reject a runtime that computes
+the wrong step. The broken variants live here, in the tests, not behind switches in the package:
+a test puts this directory first on ``PYTHONPATH`` and names the bug in ``TESTS_INJECT_BUG``; Python
+imports this ``sitecustomize`` at start-up in every process of the job, and in the training ranks
+(``RANK`` set by torchrun) it patches the runtime before the script runs:
+
+- ``loss-weighting``: ``plan.backward`` no longer weights a micro-batch's mean loss by its share of
+  the global batch (each rank's mean counts the same, whatever its share: wrong for uneven splits);
+- ``no-rng-preserve``: blocks are checkpointed without preserving the RNG state (the recomputation
+  draws other dropout masks: wrong gradients whenever dropout is on).
+"""
+
+from __future__ import annotations
+
+import os
+
+BUGS = ("loss-weighting", "no-rng-preserve")
+
+
+def _inject(bug: str) -> None:
+    if bug == "loss-weighting":
+        from autobalance.runtime._plan import Plan
+
+        Plan._loss_weight = lambda self: 1.0  # type: ignore[method-assign]
+    elif bug == "no-rng-preserve":
+        import autobalance.runtime._checkpoint as checkpoint
+
+        checkpoint._PRESERVE_RNG_STATE = False
+    else:
+        raise SystemExit(f"TESTS_INJECT_BUG={bug!r} is unknown; use one of {', '.join(BUGS)}.")
+
+
+_bug = os.environ.get("TESTS_INJECT_BUG")
+if _bug and os.environ.get("RANK") is not None:
+    _inject(_bug)
+
