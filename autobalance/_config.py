@@ -9,7 +9,15 @@ from typing import Any
 
 from autobalance._errors import ConfigError
 
-__all__ = ["COMPILE_MODES", "DTYPES", "BalanceConfig", "micro_step_sizes", "split_at_least", "split_evenly"]
+__all__ = [
+    "COMPILE_MODES",
+    "DTYPES",
+    "BalanceConfig",
+    "micro_step_sizes",
+    "samples_within",
+    "split_at_least",
+    "split_evenly",
+]
 
 DTYPES = ("fp32", "bf16", "fp16")
 COMPILE_MODES = ("off", "default", "max-autotune-no-cudagraphs")
@@ -369,3 +377,25 @@ def split_at_least(total: int, weights: list[float], minimum: int) -> list[int]:
         parts[parts.index(max(parts))] -= 1
         parts[parts.index(min(parts))] += 1
     return parts
+
+
+def samples_within(
+    largest: list[int], accumulation: int, global_batch: int, cost: list[float] | None = None
+) -> list[int]:
+    """Per-rank samples per step that sum to ``global_batch`` with each rank's micro-batches at most
+    ``largest[r]`` (``accumulation`` micro-steps of at least one sample): from ``largest[r] *
+    accumulation``, samples are taken one at a time from the rank whose ``samples * cost[r]`` is
+    highest (its step ends last; ``cost`` defaults to 1). Needs ``accumulation * len(largest) <=
+    global_batch <= sum(largest) * accumulation``."""
+    world = len(largest)
+    weights = cost or [1.0] * world
+    samples = [b * accumulation for b in largest]
+    if not accumulation * world <= global_batch <= sum(samples):
+        raise ValueError(
+            f"global_batch={global_batch} is outside [{accumulation * world}, {sum(samples)}] for "
+            f"largest micro-batches {largest} in {accumulation} micro-steps"
+        )
+    for _ in range(sum(samples) - global_batch):
+        r = max((r for r in range(world) if samples[r] > accumulation), key=lambda r: (samples[r] * weights[r], -r))
+        samples[r] -= 1
+    return samples

@@ -143,3 +143,19 @@ def test_split_at_least(total, minimum):
             continue
         parts = split_at_least(total, weights, minimum)
         assert sum(parts) == total and min(parts) >= minimum
+
+
+def test_samples_within_keeps_largest_micro_batches_and_sums():
+    from autobalance._config import samples_within
+
+    # 32 samples, 6 micro-steps, one rank: largest 6 -> 36 capacity, 4 taken away
+    assert samples_within([6], 6, 32) == [32]
+    assert BalanceConfig.any_split(rank_samples=samples_within([6], 6, 32), accumulation=6).micro_batches == [6]
+    # two ranks, the costlier one gives samples up first
+    got = samples_within([5, 5], 4, 37, cost=[1.0, 1.5])
+    assert sum(got) == 37 and got[1] < got[0]
+    for largest, acc, total in (([3, 9, 4], 5, 77), ([1, 1], 3, 6), ([7], 1, 7), ([2, 8], 3, 22)):
+        got = samples_within(largest, acc, total)
+        assert sum(got) == total and all(acc <= s <= b * acc for s, b in zip(got, largest, strict=True))
+    with pytest.raises(ValueError, match="outside"):
+        samples_within([2, 2], 3, 13)

@@ -69,6 +69,20 @@ def test_export_file_loads_without_a_database(saved, tmp_path):
     assert found[0]["touched"] == [f"open {path}"] and found[1]["touched"] == []
 
 
+def test_an_any_split_export_loads_on_every_rank_and_is_shown_once(tmp_path):
+    config = BalanceConfig.any_split(rank_samples=[32, 21], accumulation=6, checkpoint=[[0], []], dtype="bf16")
+    with ConfigStore(url=f"sqlite:///{tmp_path / 'any.db'}") as store:
+        row = store.save(study_name="prod", trial_number=3, config=config, figures={},
+                         fingerprint=current_fingerprint(device_type="cpu", world_size=2, nnodes=1), saved_by="test")
+    path = export_file(row, str(tmp_path / "any.json"))
+    proc, found = show(tmp_path, {"AUTOBALANCE_CONFIG_FILE": path})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert set(found) == {0, 1}
+    assert all(BalanceConfig.from_dict(d["config"]) == config for d in found.values())
+    shown = [line for line in proc.stderr.splitlines() if "micro-batches per optimizer step" in line]
+    assert len(shown) == 1 and shown[0].endswith("rank 0: 6,6,5,5,5,5; rank 1: 4,4,4,3,3,3"), proc.stderr[-2000:]
+
+
 def test_no_environment_means_the_script_defaults(tmp_path):
     proc, found = show(tmp_path, {})
     assert proc.returncode == 0, proc.stderr[-3000:]

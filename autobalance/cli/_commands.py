@@ -122,7 +122,9 @@ def export(
 
         url = check_storage(existing_storage(storage))
         with ConfigStore(url=url) as store:
-            path = export_file(store.load(study_name), output)
+            saved = store.load(study_name)
+            path = export_file(saved, output)
         typer.echo(f"Wrote {path}. Use it with AUTOBALANCE_CONFIG_FILE={path} torchrun ...")
+        typer.echo("micro-batches per optimizer step: " + "; ".join(saved.config.split_lines()))
 
     run_command(go)

@@ -144,6 +144,7 @@ def print_saved(saved: Any, *, fmt: str) -> None:
     table.add_column("value")
     for key, value in saved.config.to_dict().items():
         table.add_row(key, str(value))
+    table.add_row("micro-batches", "\n".join(saved.config.split_lines()))  # e.g. rank 0: 6,6,5,5,5,5
     fig = saved.figures
     for key in ("peak_device_gib", "spread_gib", "step_time_ms", "speedup_vs_baseline"):
         if fig.get(key) is not None:

@@ -54,6 +54,9 @@ class TrialAttr:
     """One line saying why (the failing rank and what happened)."""
     CONFIG = "config"
     """The trial's ``BalanceConfig.to_dict()``."""
+    SPLIT = "split"
+    """The trial's micro-batches per rank as people read them (``BalanceConfig.split_lines()``:
+    ``rank 0: 6,6,5,5,5,5``), for the dashboard; display only."""
     BASELINE = "baseline"
     """True on the baseline trial."""
     FEASIBLE = "feasible"

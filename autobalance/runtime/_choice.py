@@ -108,7 +108,11 @@ def _load_stored(
             )
             script = sys.argv[0] if sys.argv and os.path.isfile(sys.argv[0]) else None
             store.check_compatibility(saved, current=current, script_path=script, policy=on_mismatch)
-            text = json.dumps({"config": saved.config.to_dict(), "source": f"store:{saved.study_name}#{saved.trial_number}"})
+            source = f"store:{saved.study_name}#{saved.trial_number}"
+            text = json.dumps({"config": saved.config.to_dict(), "source": source})
+            # one plain line on rank 0: what this job applies (rank 0: 6,6,5,5,5,5; rank 1: ...)
+            print(f"autobalance: {source} ({config_file or 'store'}): micro-batches per optimizer step "
+                  f"{saved.config.split_text()}", file=sys.stderr, flush=True)
         except Exception as exc:
             text = json.dumps({"failure": str(exc), "kind": type(exc).__name__})
     shared = json.loads(_broadcast_json(text, device=device))

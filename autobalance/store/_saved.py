@@ -96,12 +96,16 @@ class SavedConfig:
         self.created_at = as_utc(self.created_at)
 
     def to_dict(self) -> dict[str, Any]:
-        """The export file format (JSON-ready)."""
+        """The export file format (JSON-ready). A configuration with any split also carries
+        ``split``, each rank's micro-batches as people read them (display only, derived from
+        ``config``); an equal split is written exactly as before any split existed."""
+        shown = {} if self.config.equal_micro_batches else {"split": self.config.split_lines()}
         return {
             "format": EXPORT_FORMAT,
             "format_version": EXPORT_FORMAT_VERSION,
             "study_name": self.study_name,
             "trial_number": self.trial_number,
+            **shown,
             "config": self.config.to_dict(),
             "figures": json.loads(figures_to_json(self.figures)),
             "fingerprint": self.fingerprint.to_dict(),
@@ -141,7 +145,7 @@ class SavedConfig:
                 f"saved configuration has format_version {version}, older than this autobalance's "
                 f"({EXPORT_FORMAT_VERSION}); export it again with `autobalance export`."
             )
-        body = {k: v for k, v in data.items() if k not in ("format", "format_version")}
+        body = {k: v for k, v in data.items() if k not in ("format", "format_version", "split")}
         unknown = sorted(set(body) - set(_FIELDS))
         if unknown:
             raise ConfigError(
@@ -161,10 +165,16 @@ class SavedConfig:
             raise ConfigError(
                 f"saved configuration figures={figures!r} is not a JSON object; fix the figures."
             )
+        config = config_from_dict(body["config"])
+        if "split" in data and data["split"] != config.split_lines():
+            raise ConfigError(
+                f"saved configuration has split={data['split']!r}, which is not its config's "
+                f"{config.split_lines()!r}; split is display only: drop it or change config instead."
+            )
         return cls(
             study_name=body["study_name"],
             trial_number=body["trial_number"],
-            config=config_from_dict(body["config"]),
+            config=config,
             figures=figures,
             fingerprint=HardwareFingerprint.from_dict(body["fingerprint"]),
             script_sha256=body.get("script_sha256", ""),

@@ -232,3 +232,62 @@ def test_script_change_warns(sqlite_url: str, save_kwargs: SaveKwargs, tmp_path:
 def test_unknown_policy(saved: SavedConfig) -> None:
     with pytest.raises(UsageError, match="policy='ignore'"):
         check_compatibility(saved, current=make_fingerprint(), script_path=None, policy="ignore")
+
+
+def _any_split() -> BalanceConfig:
+    return BalanceConfig.any_split(rank_samples=[32, 21, 7], accumulation=6, checkpoint=[[0], [], [1]],
+                                   dtype="bf16", gradient_as_bucket_view=True)
+
+
+def test_any_split_saves_exports_and_loads_and_shows_plainly(sqlite_url: str, save_kwargs: SaveKwargs,
+                                                              tmp_path: Path) -> None:
+    with ConfigStore(url=sqlite_url) as store:
+        saved = store.save(**save_kwargs(config=_any_split()))
+        assert store.load("s").config == _any_split()
+    path = tmp_path / "best.json"
+    export_file(saved, path)
+    data = json.loads(path.read_text())
+    assert data["split"] == ["rank 0: 6,6,5,5,5,5", "rank 1: 4,4,4,3,3,3", "rank 2: 2,1,1,1,1,1"]
+    assert data["config"]["rank_samples"] == [32, 21, 7]
+    assert read_export_file(path).config == _any_split()
+    data["split"][0] = "rank 0: 8,8,8,8"  # display only: an edit there is refused, not silently ignored
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="split is display only") as info:
+        read_export_file(path)
+    assert "\n" not in str(info.value)
+
+
+OLD_EXPORT = """{
+  "format": "autobalance.saved_config", "format_version": 1, "study_name": "old", "trial_number": 3,
+  "config": {"micro_batches": [3, 5], "accumulation": 2, "global_batch": 16, "checkpoint": [[0], []],
+             "dtype": "bf16", "bucket_cap_mb": 25.0, "gradient_as_bucket_view": true, "compile": "off",
+             "activation_budget": null},
+  "figures": {}, "fingerprint": %s, "script_sha256": "", "created_at": "2026-11-30T10:00:00+00:00",
+  "saved_by": "tune"
+}"""
+
+
+def test_old_export_files_and_rows_load_and_equal_splits_are_written_as_before(
+    sqlite_url: str, save_kwargs: SaveKwargs, tmp_path: Path
+) -> None:
+    path = tmp_path / "old.json"
+    path.write_text(OLD_EXPORT % json.dumps(make_fingerprint(world_size=2).to_dict()))
+    loaded = read_export_file(path)
+    assert loaded.config.samples_per_rank == [6, 10] and loaded.config.micro_step_sizes(0) == [3, 3]
+    again = tmp_path / "again.json"
+    export_file(loaded, again)
+    assert "split" not in json.loads(again.read_text())
+    assert json.loads(again.read_text())["config"] == json.loads(path.read_text())["config"]
+    # an equal split given as per-rank samples is stored as the same old-form row
+    with ConfigStore(url=sqlite_url) as store:
+        store.save(**save_kwargs(config=BalanceConfig.any_split(rank_samples=[6, 10, 8], accumulation=2)))
+        row = store.load("s")
+    assert row.config == BalanceConfig(micro_batches=[3, 5, 4], accumulation=2, global_batch=24)
+    import sqlite3
+
+    with sqlite3.connect(sqlite_url.removeprefix("sqlite:///")) as db:
+        (stored,) = db.execute("SELECT config_json FROM autobalance_saved_config").fetchone()
+    # byte for byte what the code before any split wrote for this configuration
+    assert stored == ('{"accumulation": 2, "activation_budget": null, "bucket_cap_mb": 25.0, "checkpoint": [[], [], []], '
+                      '"compile": "off", "dtype": "fp32", "global_batch": 24, "gradient_as_bucket_view": false, '
+                      '"micro_batches": [3, 5, 4]}')
