@@ -122,3 +122,30 @@ def test_checkpointed_batchnorm_updates_its_running_statistics_once_per_step():
         assert torch.equal(bn_ckpt.running_var, bn_plain.running_var)
     grads = [torch.cat([p.grad.flatten() for p in m.parameters()]) for m in (plain, ckpt)]
     assert torch.allclose(grads[0], grads[1], rtol=0, atol=1e-6)
+
+
+def test_a_study_keeps_a_batch_dependent_models_split_and_says_why():
+    from autobalance.tuner._script_facts import keep_split, script_facts
+    from autobalance.tuner._space import SearchSpace
+
+    report = {"model": {"num_blocks": 6, "blocks_path": "body.layers",
+                        "batch_dependent": ["body.layers.0.norm (BatchNorm1d)"]}}
+    space = SearchSpace.build(world_size=2, global_batch=32, num_layers=6, dtypes=["fp32"], max_accumulation=4)
+    assert keep_split(space, report=report, accumulation=1, allow=False)
+    assert space.accumulations == [1] and not any(n.startswith("share_r") for n in space.distributions())
+    assert space.contains(BalanceConfig(micro_batches=[16, 16], global_batch=32, checkpoint=[[0], []]))
+    assert not space.contains(BalanceConfig(micro_batches=[10, 22], global_batch=32))
+    assert not space.contains(BalanceConfig(micro_batches=[8, 8], accumulation=2, global_batch=32))
+    lines = script_facts(report, kept_split=True, allow=False, split="16,16")
+    assert any("BatchNorm1d" in line and "stay the script's own" in line and "--allow-batch-dependent" in line
+               for line in lines), lines
+    free = SearchSpace.build(world_size=2, global_batch=32, num_layers=6, dtypes=["fp32"], max_accumulation=4)
+    assert not keep_split(free, report=report, accumulation=1, allow=True)
+    assert "share_r0" in free.distributions()
+
+
+def test_a_study_without_blocks_says_so_first_and_how_to_name_them():
+    from autobalance.tuner._script_facts import script_facts
+
+    lines = script_facts({"model": {"num_blocks": 0, "blocks_path": ""}}, kept_split=False, allow=False, split="8,8")
+    assert lines[0].startswith("No repeated blocks found") and "blocks=" in lines[0]

@@ -66,3 +66,19 @@ def test_batchnorm_model_is_verified_in_train_mode_and_checkpointing_updates_run
     assert len(tracked) == 6 and all(float(v) == 1.0 for v in tracked.values()), tracked
     info = json.loads((Path(verdict["runs"]["tuned"]) / "verify-step.json").read_text())
     assert info["train_mode"] is True
+
+
+def test_an_fp16_script_whose_first_step_overflows_verifies(tmp_path):
+    # the loss x 1000 overflows fp16 at the GradScaler's initial scale (65536): the script's first
+    # steps are skipped until the scale is low enough, in every fp16 run; the fp32 runs are unaffected
+    cfg = BalanceConfig(micro_batches=[5, 11], global_batch=16, dtype="fp16")
+    code, verdict, err = _verify(tmp_path, cfg, "--dtype", "fp16", "--loss-factor", "1000", "--micro-batch", "8")
+    assert code == 0, err[-3000:] + json.dumps(verdict)[-3000:]
+    assert verdict["passed"] is True
+    assert [c["name"] for c in verdict["checks"]] == ["equivalence", "noise", "dtype"]
+    assert all(c["grad_rel"] is not None for c in verdict["checks"])  # finite everywhere
+    overflow = [n for n in verdict["notes"] if "overflow" in n]
+    assert overflow and "GradScaler skipped" in overflow[0] and "baseline" in overflow[0] and "tuned" in overflow[0]
+    assert "worst parameter )" not in verdict["reason"]
+    skips = json.loads((Path(verdict["runs"]["tuned"]) / "verify-step.json").read_text())["overflow_skips"]
+    assert skips >= 1
