@@ -138,7 +138,18 @@ class RankReport:
     step_time_s: float | None = None
     """Median of ``step_times_s``."""
     measured_steps: int | None = None
+    step_samples: list[int] | None = None
+    """Samples of each measured step (all ranks): the global batch, or fewer in a partial step."""
+    partial_steps: int | None = None
+    """Measured steps with fewer samples than the global batch (the end of an epoch, or a dataset
+    smaller than one global batch); ``step_time_s`` leaves them out when full steps were measured."""
+    samples_per_step: float | None = None
+    """Samples of the steps ``step_time_s`` stands for: the global batch, or the partial steps' mean."""
     samples_per_s: float | None = None
+    """``samples_per_step / step_time_s``: the samples really used per second."""
+    data: dict[str, Any] | None = None
+    """The dataset as the plan's loader sees it: ``samples``, ``global_batch``, ``steps_per_epoch``,
+    ``dropped`` (a tail smaller than the number of ranks)."""
     memory: RankMemory | None = None
     timing: RankTiming | None = None
     compile: dict[str, Any] | None = None
@@ -185,7 +196,7 @@ def report_problem(data: Any) -> str | None:
     for key in ("error", "traceback", "torch_version", "cuda_version"):
         if data.get(key) is not None and not isinstance(data[key], str):
             return f"{key} is not a string"
-    for key in ("memory", "device", "timing", "config", "defaults", "model", "breakdown"):
+    for key in ("memory", "device", "timing", "config", "defaults", "model", "breakdown", "data"):
         if data.get(key) is not None and not isinstance(data[key], dict):
             return f"{key} is not an object"
     if data["status"] == Status.OK:
@@ -206,7 +217,7 @@ def report_problem(data: Any) -> str | None:
         for key in keys:
             if values.get(key) is not None and not is_number(values[key]):
                 return f"{section}.{key} is not a non-negative number"
-    for key in ("step_time_s", "samples_per_s", "measured_steps"):
+    for key in ("step_time_s", "samples_per_s", "measured_steps", "partial_steps", "samples_per_step"):
         if data.get(key) is not None and not is_number(data[key]):
             return f"{key} is not a non-negative number"
     times = data.get("step_times_s")

@@ -156,6 +156,8 @@ def figures_from_outcome(
     step = max(steps) if len(steps) == world_size else None
     first = next(iter(reports.values()), None)
     gb = ((first.config if first is not None else None) or {}).get("global_batch")
+    if first is not None and first.samples_per_step:
+        gb = first.samples_per_step  # partial steps count the samples they really used
     from autobalance.tuner._compile import compile_figures
 
     return TrialFigures(
