@@ -10,12 +10,17 @@ differently, and is verified in train mode.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-__all__ = ["BufferWatch", "batch_dependent_modules", "dropout_modules"]
+from autobalance.runtime._parts import Part
+
+if TYPE_CHECKING:
+    from autobalance.runtime._plan import Plan
+
+__all__ = ["BatchDependence", "BufferWatch", "batch_dependent_modules", "dropout_modules"]
 
 _RUNNING_PREFIX = "running_"
 _COUNTER = "num_batches_tracked"
@@ -88,3 +93,24 @@ class BufferWatch:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+class BatchDependence(Part):
+    """A trial's part (eager only: hooks would be traced into a compiled graph): watches the first
+    step with :class:`BufferWatch` and adds the modules it caught to the report's
+    ``model.batch_dependent`` (next to those :func:`batch_dependent_modules` knows by type)."""
+
+    def __init__(self) -> None:
+        self._watch: BufferWatch | None = None
+
+    def on_wrapped(self, plan: Plan, wrapped: nn.Module) -> None:
+        if plan.model is not None:
+            self._watch = BufferWatch(plan.model)
+
+    def after_step(self, plan: Plan) -> None:
+        watch, self._watch = self._watch, None
+        if watch is None:
+            return
+        watch.close()
+        known = plan.model_info.setdefault("batch_dependent", [])
+        known.extend(x for x in watch.found if x not in known)

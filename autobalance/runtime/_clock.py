@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import time
 
 import torch
@@ -45,6 +46,8 @@ class StepClock:
         self.one_step = one_step
         """A verification run: its one step is recorded even when compiling, never extended."""
         self.step_times: list[float] = []
+        self.step_samples: list[int | None] = []
+        """Samples of each timed step over all ranks (fewer than the global batch in a partial step)."""
         self.started_at = time.time()
         self.first_step_at: float | None = None
         self._step_start: float | None = None
@@ -66,13 +69,16 @@ class StepClock:
         self._step_start = now
         return seconds
 
-    def record(self, seconds: float, *, claimed: bool) -> None:
-        """A step took ``seconds``; ``claimed`` when a part timed it otherwise (the compile step)."""
+    def record(self, seconds: float, *, claimed: bool, samples: int | None = None) -> None:
+        """A step of ``samples`` took ``seconds``; ``claimed`` when a part timed it otherwise (the
+        compile step)."""
         if claimed:
             if self.one_step:  # a verification run has this one step only
                 self.step_times.append(seconds)
+                self.step_samples.append(samples)
             return
         self.step_times.append(seconds)
+        self.step_samples.append(samples)
         if len(self.step_times) == self.warmup_steps + 1 and self.measure_s > 0 and not self.one_step:
             self._set_target_steps(seconds)
             self._step_start = time.perf_counter()  # the agreement is not part of the next step
@@ -89,6 +95,25 @@ class StepClock:
     def measured(self) -> list[float]:
         """The measured step times (a trial's warm-up steps left out)."""
         return self.step_times[self.warmup_steps:] if self.in_trial else self.step_times
+
+    def measured_samples(self, global_batch: int) -> list[int]:
+        """The measured steps' samples (a step recorded without its count counts as a full one)."""
+        samples = self.step_samples[self.warmup_steps:] if self.in_trial else self.step_samples
+        return [global_batch if n is None else n for n in samples]
+
+    def step_figures(self, global_batch: int) -> tuple[float | None, float | None, int]:
+        """(step time, the samples that time stands for, measured partial steps). Partial steps (the
+        end of an epoch) do less work: they are left out when a full step was measured; when every
+        measured step is partial (a dataset smaller than one global batch), the time is theirs and
+        the samples their mean."""
+        times, samples = self.measured(), self.measured_samples(global_batch)
+        partial = sum(1 for n in samples if n < global_batch)
+        full = [t for t, n in zip(times, samples, strict=True) if n >= global_batch]
+        if full:
+            return statistics.median(full), float(global_batch), partial
+        if times:
+            return statistics.median(times), sum(samples) / len(samples), partial
+        return None, None, partial
 
     def write_progress(self, steps_done: int) -> None:
         """Step times so far, for the tuner's pruner (rank 0 only; the ranks step in lockstep)."""

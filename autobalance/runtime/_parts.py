@@ -19,6 +19,8 @@ hook                        called by the plan
 ``after_backward``          ``backward()``: after it (gradients accumulated)
 ``before_optimizer_step``   ``optimizer_step()``: before clipping and ``optimizer.step()``
 ``after_optimizer_step``    ``optimizer_step()``: after ``optimizer.step()``, gradients still set
+``repeat_step``             ``optimizer_step()``: gradients set to None; ``True`` runs the same
+                            micro-batches again as the same step (not counted, not timed)
 ``after_step``              ``optimizer_step()``: gradients set to None, the step counted
 ``step_timed``              after a timed step: ``True`` claims its time (not a measured step)
 ``trial_done``              after a step: ``True`` ends the trial (its report is written)
@@ -72,6 +74,12 @@ class Part:
 
     def after_optimizer_step(self, plan: Plan, optimizer: torch.optim.Optimizer) -> None:
         """After ``optimizer.step()``, before the gradients are set to None."""
+
+    def repeat_step(self, plan: Plan) -> bool:
+        """After the step (gradients set to None): ``True`` has ``steps()`` yield the same micro-batches
+        again as the same step, which is then neither counted nor timed (an fp16 verification step
+        that the GradScaler skipped)."""
+        return False
 
     def after_step(self, plan: Plan) -> None:
         """The step is done: gradients set to None, ``plan.steps_done`` counts it."""

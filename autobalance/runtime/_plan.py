@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -30,6 +31,7 @@ from autobalance import _env
 from autobalance._config import BalanceConfig
 from autobalance._errors import ConfigError, UsageError
 from autobalance.protocol import Status
+from autobalance.runtime._batch_dependent import BatchDependence, batch_dependent_modules
 from autobalance.runtime._breakdown import Breakdown
 from autobalance.runtime._checkpoint import apply_checkpointing, find_blocks
 from autobalance.runtime._choice import choose_config, default_config
@@ -125,7 +127,13 @@ class Plan:
                                compile_steps=1 if self.compile_state is not None else 0,
                                one_step=self.verify is not None)
         self.ending = TrialEnd(self)
-        self._parts: list[Part] = [p for p in (self.compile_state, self.breakdown, self.verify) if p is not None]
+        self.batch_watch = (BatchDependence() if self.measuring and self.compile_state is None else None)
+        self._parts: list[Part] = [p for p in (self.compile_state, self.breakdown, self.verify, self.batch_watch)
+                                   if p is not None]
+        self.data_info: dict[str, Any] | None = None
+        """The dataset as :meth:`dataloader` saw it (samples, global batch, steps per epoch, dropped)."""
+        self._repeat_step = False
+        """A part asked for the step to be run again (an overflowed fp16 verification step)."""
 
     # ----------------------------------------------------------------- public properties
     @property
@@ -182,6 +190,7 @@ class Plan:
             "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
             "find_unused_parameters": find_unused_parameters,
             "compile": self.config.compile,
+            "batch_dependent": batch_dependent_modules(model),
         }
         self.meter.on_model_moved(model)
         self.model = model
@@ -213,6 +222,15 @@ class Plan:
             seed=self.seed if seed is None else seed,
             shuffle=shuffle,
         )
+        schedule = self._sampler.schedule
+        self.data_info = {"samples": len(dataset), "global_batch": self.config.global_batch,
+                          "steps_per_epoch": len(schedule.steps), "dropped": schedule.dropped}
+        if 0 < len(dataset) < self.config.global_batch and not self.in_trial and self.rank == 0:
+            warnings.warn(
+                f"autobalance: the dataset has {len(dataset)} samples, fewer than one global batch "
+                f"({self.config.global_batch}): every optimizer step is a partial step of {len(dataset)} samples.",
+                stacklevel=2,
+            )
         return torch.utils.data.DataLoader(dataset, batch_sampler=self._sampler, **loader_kwargs)
 
     def steps(
@@ -238,20 +256,29 @@ class Plan:
         assert sampler is not None
         sampler.set_epoch(self._epoch)
         self._epoch += 1
+        if not sampler.schedule.steps:
+            raise UsageError(
+                f"the dataset has {sampler.num_samples} sample(s), fewer than the {self.world_size} ranks: an epoch "
+                f"has no optimizer step (nothing would train). Give plan.dataloader() at least {self.world_size} "
+                f"samples (one global batch is {self.config.global_batch})."
+            )
         batches = iter(loader)
         self.clock.start()
         for layout in sampler.schedule.steps:
-            self._layout = layout
-            self._step_samples = layout.total
-            self._micro_index = 0
             items = [next(batches) for _ in layout.micro_batches[self.rank]]
-            if count is not None:
-                self._count_step(items, count)
-            else:
-                self._step_counts = None
-            for part in self._parts:
-                part.on_step_start(self)
-            yield items
+            self._repeat_step = True
+            while self._repeat_step:  # once, unless a part asks for the step again (see optimizer_step)
+                self._repeat_step = False
+                self._layout = layout
+                self._step_samples = layout.total
+                self._micro_index = 0
+                if count is not None:
+                    self._count_step(items, count)
+                else:
+                    self._step_counts = None
+                for part in self._parts:
+                    part.on_step_start(self)
+                yield items
             if any([part.trial_done(self) for part in self._parts]) or self.clock.done(self._steps_done):
                 self.ending.finish()
 
@@ -345,6 +372,9 @@ class Plan:
         for part in self._parts:
             part.after_optimizer_step(self, optimizer)
         optimizer.zero_grad(set_to_none=True)
+        if any([part.repeat_step(self) for part in self._parts]):
+            self._repeat_step = True  # the same micro-batches again, as the same (uncounted) step
+            return
         self._steps_done += 1
         for part in self._parts:
             part.after_step(self)
@@ -357,7 +387,7 @@ class Plan:
         seconds = self.clock.lap()
         if seconds is not None:
             claimed = [part.step_timed(self, seconds) for part in self._parts]
-            self.clock.record(seconds, claimed=any(claimed))
+            self.clock.record(seconds, claimed=any(claimed), samples=self._step_samples)
         self.clock.write_progress(self._steps_done)
 
     # ----------------------------------------------------------------- measurement

@@ -14,7 +14,6 @@ import datetime
 import json
 import os
 import socket
-import statistics
 import tempfile
 import time
 import traceback
@@ -54,7 +53,7 @@ def build_report(plan: Plan, *, status: Status = Status.OK, error: str | None = 
 
     clock, meter = plan.clock, plan.meter
     measured = clock.measured()
-    step_time = statistics.median(measured) if measured else None
+    step_time, samples_per_step, partial = clock.step_figures(plan.config.global_batch)
     mem = plan.memory()
     compiled, verify, breakdown = plan.compile_state, plan.verify, plan.breakdown
     return RankReport(
@@ -77,7 +76,11 @@ def build_report(plan: Plan, *, status: Status = Status.OK, error: str | None = 
         step_times_s=measured,
         step_time_s=step_time,
         measured_steps=len(measured),
-        samples_per_s=(plan.config.global_batch / step_time) if step_time else None,
+        step_samples=clock.measured_samples(plan.config.global_batch),
+        partial_steps=partial,
+        samples_per_step=samples_per_step,
+        samples_per_s=(samples_per_step / step_time) if step_time and samples_per_step else None,
+        data=plan.data_info,
         memory=RankMemory(
             peak_allocated=mem.peak_allocated,
             peak_reserved=mem.peak_reserved,
@@ -96,7 +99,8 @@ def build_report(plan: Plan, *, status: Status = Status.OK, error: str | None = 
         ),
         compile=compiled.to_dict(device_type=plan.device.type) if compiled is not None else {"mode": "off"},
         activation_budget=compiled.budget_used if compiled is not None else None,
-        verify={"dropout": verify.dropout, "loss_weighting": True} if verify is not None else None,
+        verify=({"dropout": verify.dropout, "loss_weighting": True, "train_mode": verify.train_mode,
+                 "overflow_skips": verify.overflow_skips} if verify is not None else None),
         breakdown=breakdown.to_dict() if breakdown is not None else None,
         torch_version=torch.__version__,
         cuda_version=torch.version.cuda,

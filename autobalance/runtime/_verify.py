@@ -71,6 +71,10 @@ class VerifyRun(Part):
         """fp16: steps the GradScaler skipped (overflow) before the verified one."""
         self._buffers: dict[str, torch.Tensor] = {}
         self._grads: dict[str, torch.Tensor] | None = None
+        self._scale: float = 1.0
+        self._overflowed = False
+        self.saved = False
+        """The step was saved: the run is done."""
 
     @classmethod
     def from_trial_dir(cls, trial_dir: str | None) -> VerifyRun | None:
@@ -152,25 +156,38 @@ class VerifyRun(Part):
                         buf.copy_(saved)
 
     def on_step_start(self, plan: Plan) -> None:
-        if plan.steps_done == 0:
-            self.on_first_step(rank=plan.rank)
+        if not self.saved:  # the first step, or the same step again after an overflow: same seeds
+            self.on_first_step(rank=plan.rank, model=plan.model)
 
     def before_optimizer_step(self, plan: Plan, optimizer: torch.optim.Optimizer) -> None:
         """The first step's averaged gradients, before clipping and the update change them."""
-        if plan.model is not None and plan.steps_done == 0:
-            scale = float(plan.scaler.get_scale()) if plan.scaler is not None else 1.0
-            self._grads = gradients(plan.model, scale=scale)
+        if plan.model is not None and not self.saved:
+            self._scale = float(plan.scaler.get_scale()) if plan.scaler is not None else 1.0
+            self._grads = gradients(plan.model, scale=self._scale)
 
     def after_optimizer_step(self, plan: Plan, optimizer: torch.optim.Optimizer) -> None:
         grads, self._grads = self._grads, None
-        if grads is not None and plan.model is not None:
-            self.save_step(model=plan.model, rank=plan.rank, grads=grads, layout=plan.layout.micro_batches,
-                           info={"config": plan.config.to_dict(), "loss_weighting": True,
-                                 "training": plan.model.training})
+        if grads is None or plan.model is None:
+            return
+        if plan.scaler is not None and float(plan.scaler.get_scale()) < self._scale:
+            self._overflowed = True  # the scaler found inf/nan, skipped the update and lowered its scale
+            return
+        self.save_step(model=plan.model, rank=plan.rank, grads=grads, layout=plan.layout.micro_batches,
+                       info={"config": plan.config.to_dict(), "loss_weighting": True,
+                             "training": plan.model.training, "scale": self._scale})
+        self.saved = True
+
+    def repeat_step(self, plan: Plan) -> bool:
+        """An overflowed fp16 step: run it again (buffers restored) at the scaler's lower scale."""
+        if not self._overflowed:
+            return False
+        self._overflowed = False
+        self.on_overflow(model=plan.model)
+        return True
 
     def trial_done(self, plan: Plan) -> bool:
-        """A verification run is one optimizer step."""
-        return plan.steps_done >= 1
+        """A verification run is one optimizer step (saved)."""
+        return self.saved
 
     def save_step(self, *, model: nn.Module, rank: int, grads: dict[str, torch.Tensor],
                   layout: list[list[list[int]]], info: dict[str, Any]) -> None:
