@@ -60,6 +60,8 @@ ERROR_EXIT_CODE = 76
 """Exit code of a rank that raised another error (after writing its report)."""
 REPORT_FAILED_EXIT_CODE = 77
 """Exit code of a rank that could not write its report (disk full, directory gone or read-only)."""
+NO_PLAN_EXIT_CODE = 78
+"""Exit code of a warm worker's rank whose script ran to its end without calling ``autobalance.plan()``."""
 REPORT_FAILED_MARKER = "autobalance: report not written:"
 """Start of the stderr line in which such a rank says why; the launcher turns it into the trial's reason."""
 

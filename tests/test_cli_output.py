@@ -144,3 +144,16 @@ def test_nothing_feasible_says_what_the_trials_ran_into(tmp_path: Path) -> None:
     assert "1 ran out of memory" in text and "--headroom 0.05" in text
     assert "Try a smaller --headroom (e.g. 0), a larger --memory-cap-gib or more --trials." in text
     assert "failed" not in text
+
+
+@pytest.mark.slow  # one real (warm) baseline trial
+def test_a_script_without_plan_is_told_so_not_called_a_crash(tmp_path: Path) -> None:
+    script = tmp_path / "plain.py"
+    script.write_text("print('training without autobalance')\n")
+    proc = run(["tune", str(script), "--trials", "2", "--nproc-per-node", "2", "--device", "cpu",
+                "--storage", f"sqlite:///{tmp_path / 'a.db'}", "--trial-timeout", "120"], tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("autobalance: error: the baseline trial (the script's own configuration) measured nothing")
+    assert "finished normally without calling autobalance.plan()" in line
+    assert "'crash'" not in line and "Check that the script calls plan.wrap()" not in line

@@ -11,6 +11,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any
 
+from autobalance._env import NO_PLAN_EXIT_CODE as _NO_PLAN_EXIT_CODE
 from autobalance._env import REPORT_FAILED_EXIT_CODE as _REPORT_FAILED_EXIT_CODE
 from autobalance._env import REPORT_FAILED_MARKER as _REPORT_FAILED_MARKER
 from autobalance.protocol import (
@@ -126,7 +127,10 @@ def _how_it_ended(rank: int, codes: dict[int, int] | None) -> str:
         return "died without a report (killed or crashed)"
     code = codes.get(rank)
     if code is None:
-        return "exited 0 without a report (did the script stop before plan.steps() finished the trial's steps?)"
+        return ("finished normally (exit code 0) without a report: the script did not call autobalance.plan(), or "
+                "stopped before plan.steps() finished the trial's steps")
+    if code == _NO_PLAN_EXIT_CODE:
+        return "finished normally without calling autobalance.plan(): nothing was measured"
     if code < 0:
         try:
             name = signal.Signals(-code).name

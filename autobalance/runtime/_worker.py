@@ -162,9 +162,13 @@ def main(argv: list[str]) -> None:
         # the script ended without finishing the trial's steps: report it; unless that still made a
         # measurement (its data ran out during a longer --measure-s one), leave the pool
         if outcome == "exit" and (plan is None or plan.ending.on_exit() != Status.OK):
+            normal = exc is None or getattr(exc, "code", 1) in (None, 0)
+            if plan is None and normal:  # it never asked for its configuration: nothing was measured
+                sys.stderr.write("autobalance: the script finished without calling autobalance.plan(); a trial "
+                                 "measures the steps of plan.steps().\n")
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(_env.ERROR_EXIT_CODE)
+            os._exit(_env.NO_PLAN_EXIT_CODE if plan is None and normal else _env.ERROR_EXIT_CODE)
         if plan is not None:
             plan.meter.close()
         del plan

@@ -55,7 +55,7 @@ def test_oom_in_backward_while_peer_waits_in_allreduce(tmp_path: Path, seeded: s
     [
         ("sigkill_rank1", "warm", "crash", ["rank 1", "SIGKILL"]),
         ("sigkill_rank1", "cold", "crash", ["rank 1 was killed by SIGKILL (signal 9)", "ranks [0] lost their connection"]),
-        ("exit0_rank1", "warm", "crash", ["rank 1", "exited 0 without a report"]),
+        ("exit0_rank1", "warm", "crash", ["rank 1", "finished normally (exit code 0) without a report"]),
         ("hang_rank1", "warm", "timeout", ["--trial-timeout 20s", "killed the whole job"]),
     ],
 )
