@@ -15,6 +15,10 @@ pytestmark = pytest.mark.slow
 SHOW = "tests/scripts/show_plan.py"
 
 
+def _using(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("autobalance: using")]
+
+
 def plans(out_dir) -> dict[int, dict]:
     found = {}
     for path in sorted(out_dir.glob("rank*.json")):
@@ -54,6 +58,10 @@ def test_study_in_environment_loads_the_same_row_on_every_rank(saved, tmp_path):
     for data in found.values():
         assert data["config"] == row.config.to_dict()
         assert data["source"] == "store:prod#7"
+    # one line (rank 0) names the source of the configuration; the same machine is no mismatch
+    assert _using(proc.stderr) == [f"autobalance: using study prod, trial 7 ({url}): micro-batches per optimizer "
+                                   "step rank 0: 3,3; rank 1: 5,5"]
+    assert "(tuned) vs" not in proc.stderr
     assert any(t.startswith("sqlite3.connect") for t in found[0]["touched"]), found[0]
     assert found[1]["touched"] == []
 
@@ -65,6 +73,8 @@ def test_export_file_loads_without_a_database(saved, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert set(found) == {0, 1}
     assert all(d["config"] == row.config.to_dict() for d in found.values())
+    assert _using(proc.stderr) == [f"autobalance: using {path} (study prod, trial 7): micro-batches per optimizer "
+                                   "step rank 0: 3,3; rank 1: 5,5"]
     # read by rank 0 only (fails if every rank reads the file)
     assert found[0]["touched"] == [f"open {path}"] and found[1]["touched"] == []
 
@@ -90,6 +100,7 @@ def test_no_environment_means_the_script_defaults(tmp_path):
     for data in found.values():
         assert data["source"] == "defaults"
         assert data["config"]["micro_batches"] == [4, 4]
+    assert _using(proc.stderr) == []  # the script's own defaults: nothing to announce
 
 
 def test_hardware_mismatch_is_named_and_fails_under_policy_error(tmp_path):

@@ -7,6 +7,7 @@ import json
 import optuna
 import pytest
 
+from tests.conftest import torchrun
 from tests.tune_helpers import FAULTY, GPT, cli, load, processes_with, tune_args
 
 pytestmark = pytest.mark.slow
@@ -66,6 +67,18 @@ def test_tune_gpt_records_trials_with_per_rank_attributes(tmp_path):
             if line.count("│") >= 6]
     best_trial = min(trials, key=lambda t: t.values[0])
     assert [r[:5] for r in rows] == [["s", "3", "3", "3", f"{best_trial.user_attrs['step_time_ms']:.1f}"]], studies.stdout
+    # a production job on the machine that tuned, under the same cap: the saved fingerprint matches it
+    # (the CPU model the trials reported), and one line names the source of its configuration
+    out = tmp_path / "plans"
+    out.mkdir()
+    prod = torchrun(["tests/scripts/show_plan.py"], env={
+        "AUTOBALANCE_DEVICE": "cpu", "SHOW_PLAN_DIR": str(out), "AUTOBALANCE_STUDY": "s",
+        "AUTOBALANCE_STORAGE": f"sqlite:///{db}", "AUTOBALANCE_MEMORY_CAP_BYTES": str(int(0.5 * 2**30))})
+    assert prod.returncode == 0, prod.stderr[-3000:]
+    using = [line for line in prod.stderr.splitlines() if line.startswith("autobalance: using")]
+    trial = json.loads(best.stdout)["trial_number"]
+    assert len(using) == 1 and using[0].startswith(f"autobalance: using study s, trial {trial} (sqlite:///{db}): "), using
+    assert "(tuned) vs" not in prod.stderr, prod.stderr[-2000:]
 
 
 def test_oom_trial_is_recorded_infeasible_and_study_continues(tmp_path):

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from autobalance.protocol._attrs import CONSTRAINTS_KEY, StudyAttr, TrialAttr
 from autobalance.protocol._report import (
+    GENERIC_CPU_NAME,
     REPORT_SCHEMA,
     InvalidReport,
     RankDevice,
     RankMemory,
     RankReport,
     RankTiming,
+    cpu_model_name,
     is_number,
     report_path,
     report_problem,
@@ -37,6 +39,7 @@ from autobalance.protocol._trials import best_trial, is_feasible, weighted_objec
 __all__ = [
     "CONSTRAINTS_KEY",
     "FAILED_STATUSES",
+    "GENERIC_CPU_NAME",
     "INFEASIBLE_STATUSES",
     "MEASURED_STATUSES",
     "OOM_MARKERS",
@@ -54,6 +57,7 @@ __all__ = [
     "StudyAttr",
     "TrialAttr",
     "best_trial",
+    "cpu_model_name",
     "is_feasible",
     "is_number",
     "looks_like_oom",

@@ -58,6 +58,25 @@ class _Section:
         return {**out, **self.extra}
 
 
+GENERIC_CPU_NAME = "cpu"
+"""The name of a CPU whose model is unknown (and what studies recorded before ranks reported it)."""
+
+
+def cpu_model_name() -> str:
+    """This host's processor model (``/proc/cpuinfo``): what a CPU rank reports as its device name and a
+    production job's hardware fingerprint compares with."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or GENERIC_CPU_NAME
+
+
 @dataclass(kw_only=True)
 class RankDevice(_Section):
     """The rank's device."""
@@ -65,6 +84,7 @@ class RankDevice(_Section):
     type: str = "cpu"
     """``cuda`` or ``cpu``."""
     name: str = ""
+    """The GPU model, or on CPU the processor model (:func:`cpu_model_name`)."""
     capacity_bytes: float | None = None
     """The device's memory (CPU: the machine's)."""
     cap_bytes: float | None = None

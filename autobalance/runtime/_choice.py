@@ -110,9 +110,13 @@ def _load_stored(
             store.check_compatibility(saved, current=current, script_path=script, policy=on_mismatch)
             source = f"store:{saved.study_name}#{saved.trial_number}"
             text = json.dumps({"config": saved.config.to_dict(), "source": source})
-            # one plain line on rank 0: what this job applies (rank 0: 6,6,5,5,5,5; rank 1: ...)
-            print(f"autobalance: {source} ({config_file or 'store'}): micro-batches per optimizer step "
-                  f"{saved.config.split_text()}", file=sys.stderr, flush=True)
+            # one plain line on rank 0: where this job's configuration comes from and what it applies
+            # (micro-batches per optimizer step; rank 0: 6,6,5,5,5,5; rank 1: ...)
+            where = (f"{config_file} (study {saved.study_name}, trial {saved.trial_number})" if config_file else
+                     f"study {saved.study_name}, trial {saved.trial_number} "
+                     f"({store.mask_url(storage or store.DEFAULT_STORAGE)})")
+            print(f"autobalance: using {where}: micro-batches per optimizer step {saved.config.split_text()}",
+                  file=sys.stderr, flush=True)
         except Exception as exc:
             text = json.dumps({"failure": str(exc), "kind": type(exc).__name__})
     shared = json.loads(_broadcast_json(text, device=device))

@@ -19,7 +19,15 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
-from autobalance.protocol import RankDevice, RankMemory, RankReport, RankTiming, Status, report_path
+from autobalance.protocol import (
+    RankDevice,
+    RankMemory,
+    RankReport,
+    RankTiming,
+    Status,
+    cpu_model_name,
+    report_path,
+)
 
 if TYPE_CHECKING:
     from autobalance.runtime._plan import Plan
@@ -118,7 +126,7 @@ def _device_info(plan: Plan) -> RankDevice:
         nvml = plan.meter.nvml
         return RankDevice(type="cuda", name=props.name, capacity_bytes=int(props.total_memory),
                           cap_bytes=plan.cap_bytes, uuid=nvml.uuid if nvml else None)
-    return RankDevice(type="cpu", name="cpu", capacity_bytes=cpu_capacity_bytes(), cap_bytes=plan.cap_bytes)
+    return RankDevice(type="cpu", name=cpu_model_name(), capacity_bytes=cpu_capacity_bytes(), cap_bytes=plan.cap_bytes)
 
 
 def setup_failure_report(exc: BaseException) -> dict[str, Any]:

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import os
-import platform
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from autobalance._errors import ConfigError
+from autobalance.protocol import GENERIC_CPU_NAME, cpu_model_name
 
 __all__ = [
     "CAPACITY_TOLERANCE",
     "DEVICE_TYPES",
     "HardwareFingerprint",
-    "cpu_model_name",
     "current_fingerprint",
     "differences",
     "minor_differences",
@@ -25,8 +24,6 @@ CAPACITY_TOLERANCE = 0.02
 """Relative difference of a rank's usable memory above which two fingerprints differ."""
 
 _GIB = 1024**3
-GENERIC_CPU_NAME = "cpu"
-"""The CPU name of a fingerprint whose CPU model is unknown (studies tuned before trials reported it)."""
 
 
 @dataclass(kw_only=True)
@@ -240,7 +237,7 @@ def current_fingerprint(
 def _device_names(device_type: str, local: int) -> list[str]:
     if device_type == "cuda":
         return _cuda_devices(local)[0]
-    return [_cpu_name()]
+    return [cpu_model_name()]
 
 
 def _cuda_devices(local: int) -> tuple[list[str], list[int]]:
@@ -289,20 +286,6 @@ def _nvml_devices(local: int) -> tuple[list[str], list[int]]:
         pynvml.nvmlShutdown()
 
 
-def cpu_model_name() -> str:
-    """This host's CPU model as a fingerprint names it (``/proc/cpuinfo``'s model name)."""
-    return _cpu_name()
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or GENERIC_CPU_NAME
 
 
 def _physical_memory() -> int:

@@ -9,9 +9,9 @@ import pytest
 from conftest import GIB, make_fingerprint
 
 from autobalance import ConfigError
+from autobalance.protocol import cpu_model_name
 from autobalance.store import (
     HardwareFingerprint,
-    cpu_model_name,
     current_fingerprint,
     differences,
     minor_differences,
