@@ -6,7 +6,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import re
 import signal
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +13,12 @@ from typing import Any
 from autobalance._env import NO_PLAN_EXIT_CODE as _NO_PLAN_EXIT_CODE
 from autobalance._env import REPORT_FAILED_EXIT_CODE as _REPORT_FAILED_EXIT_CODE
 from autobalance._env import REPORT_FAILED_MARKER as _REPORT_FAILED_MARKER
+from autobalance.launcher._failure_order import (
+    TorchrunFailure,
+    by_report_time,
+    failure_order,
+    torchrun_failures,
+)
 from autobalance.protocol import (
     OUTCOME_STATUSES,
     Status,
@@ -97,19 +102,14 @@ def _rank_logs(trial_dir: str) -> dict[int, str]:
     return logs
 
 
-_EXITCODE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
-
-
-def _exit_codes(trial_dir: str) -> dict[int, int] | None:
-    """Exit codes of the ranks torchrun lists as failed in its summary (None: no summary)."""
+def _torchrun_failures(trial_dir: str) -> dict[int, TorchrunFailure] | None:
+    """The ranks torchrun lists as failed in its summary (None: no summary)."""
     try:
         with open(os.path.join(trial_dir, "torchrun.log"), errors="replace") as fh:
             text = fh.read()[-200000:]
     except OSError:
         return None
-    if "ChildFailedError" not in text:
-        return None
-    return {int(rank): int(code) for rank, code in _EXITCODE.findall(text)}
+    return torchrun_failures(text)
 
 
 def _traceback_in(text: str) -> str:
@@ -165,14 +165,15 @@ def classify(
         return outcome(Status.INTERRUPTED, "the tuner was interrupted; the trial's processes were killed")
     if pruned:
         return outcome(Status.PRUNED, "stopped early: its step time was clearly worse than the best feasible trial's")
-    for rank, rep in sorted(reports.items()):
-        if rep["status"] == Status.OOM:
-            return outcome(Status.OOM, f"rank {rank} ran out of memory: {rep.get('error') or ''}"[:300], rank,
-                           rep.get("traceback") or "")
-    for rank, rep in sorted(reports.items()):
-        if rep["status"] == Status.ERROR:
-            return outcome(Status.ERROR, f"rank {rank} raised {rep.get('error') or 'an error'}"[:300], rank,
-                           rep.get("traceback") or "")
+    # the first failure in time names the trial (a later one may be a consequence of it)
+    for rank in by_report_time(trial_dir, [r for r, rep in reports.items() if rep["status"] == Status.OOM]):
+        rep = reports[rank]
+        return outcome(Status.OOM, f"rank {rank} ran out of memory: {rep.get('error') or ''}"[:300], rank,
+                       rep.get("traceback") or "")
+    for rank in by_report_time(trial_dir, [r for r, rep in reports.items() if rep["status"] == Status.ERROR]):
+        rep = reports[rank]
+        return outcome(Status.ERROR, f"rank {rank} raised {rep.get('error') or 'an error'}"[:300], rank,
+                       rep.get("traceback") or "")
     if timed_out:
         waiting = sorted(set(range(world_size)) - set(reports))
         return outcome(Status.TIMEOUT, f"no result within --trial-timeout {timeout_s:g}s (ranks {waiting} did not report); "
@@ -184,7 +185,10 @@ def classify(
         # every rank measured and reported; a failure while tearing down does not spoil that
         return outcome(Status.OK, "measured" if returncode == 0 else f"measured (torchrun exit code {returncode} afterwards)")
     logs = _rank_logs(trial_dir)
-    silent = [r for r in range(world_size) if r not in reports]
+    failures = _torchrun_failures(trial_dir)
+    codes = None if failures is None else {r: f.exitcode for r, f in failures.items()}
+    # first failure first: a rank torchrun had to stop (its teardown) is never the cause of the others
+    silent = failure_order([r for r in range(world_size) if r not in reports], failures)
     for rank in silent:  # a rank that said why its report is missing (disk full, directory unwritable)
         text = logs.get(rank, "")
         at = text.rfind(_REPORT_FAILED_MARKER)
@@ -199,7 +203,6 @@ def classify(
             return outcome(Status.OOM, f"rank {rank} ran out of memory before autobalance.plan() was set up", rank, tb)
         last = tb.strip().splitlines()[-1]
         return outcome(Status.ERROR, f"rank {rank} failed before reporting: {last}"[:300], rank, tb)
-    codes = _exit_codes(trial_dir)
     # the cause is a rank without a report whose peers (if any) only saw it vanish
     culprits = [r for r in silent if not _is_peer_failure(_traceback_in(logs.get(r, "")))] or silent
     if culprits:
