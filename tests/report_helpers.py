@@ -95,14 +95,16 @@ def start_chrome() -> Iterator[Any]:
                 "--window-size=1400,1600", "--hide-scrollbars", "--disable-extensions"):
         options.add_argument(arg)
     driver = webdriver.Chrome(service=Service(driver_path), options=options)
-    driver.set_page_load_timeout(60)
+    driver.set_page_load_timeout(300)  # a loaded CI machine renders slowly; a real hang still ends
     try:
         yield driver
     finally:
         driver.quit()
 
 
-def wait_for(driver: Any, predicate: Any, timeout: float = 30.0) -> Any:
+def wait_for(driver: Any, predicate: Any, timeout: float = 120.0) -> Any:
+    """Poll ``predicate`` until it is truthy: a state of the page, never a fixed sleep (the
+    generous timeout only matters on a loaded machine)."""
     from selenium.webdriver.support.ui import WebDriverWait
 
     return WebDriverWait(driver, timeout, poll_frequency=0.2).until(predicate)
