@@ -55,6 +55,7 @@ def test_the_rank_torchrun_terminated_is_not_the_cause(tmp_path):
     assert outcome.status == "crash"
     assert outcome.failing_rank == 1
     assert outcome.reason.startswith("rank 1 was killed by SIGKILL (signal 9)"), outcome.reason
+    assert outcome.reason.endswith("; ranks [0] were stopped by torchrun when it ended the job"), outcome.reason
 
 
 def test_earlier_failure_time_wins_over_rank_number(tmp_path):

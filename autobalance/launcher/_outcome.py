@@ -209,6 +209,9 @@ def classify(
         rank = culprits[0]
         victims = sorted(r for r, rep in reports.items() if rep["status"] == Status.PEER_FAILED)
         tail = f"; ranks {victims} lost their connection to it" if victims else ""
+        stopped = sorted(r for r in silent if r != rank and failures and r in failures and failures[r].torn_down)
+        if stopped:  # still running when it died: torchrun's teardown ended them before they noticed
+            tail += f"; ranks {stopped} were stopped by torchrun when it ended the job"
         reason = f"rank {rank} {_how_it_ended(rank, codes)}{tail}"
         if returncode is not None and returncode < 0 and codes is None:
             reason += f"; torchrun was killed by signal {-returncode}"

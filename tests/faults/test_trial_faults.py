@@ -54,13 +54,16 @@ def test_oom_in_backward_while_peer_waits_in_allreduce(tmp_path: Path, seeded: s
     ("fault", "mode", "status", "words"),
     [
         ("sigkill_rank1", "warm", "crash", ["rank 1", "SIGKILL"]),
-        ("sigkill_rank1", "cold", "crash", ["rank 1 was killed by SIGKILL (signal 9)", "ranks [0] lost their connection"]),
+        # rank 0 either notices the lost connection (its report says so) or, on a busy machine, is
+        # still in its step when torchrun ends the job: the reason says which, and never blames it
+        ("sigkill_rank1", "cold", "crash", ["rank 1 was killed by SIGKILL (signal 9)",
+                                            ("ranks [0] lost their connection", "ranks [0] were stopped by torchrun")]),
         ("exit0_rank1", "warm", "crash", ["rank 1", "finished normally (exit code 0) without a report"]),
         ("hang_rank1", "warm", "timeout", ["--trial-timeout 20s", "killed the whole job"]),
     ],
 )
 def test_rank_killed_hanging_or_leaving_early(tmp_path: Path, seeded: str, fault: str, mode: str, status: str,
-                                              words: list[str]) -> None:
+                                              words: list[str | tuple[str, ...]]) -> None:
     """Matrix 2: one rank is SIGKILLed mid-trial / sleeps forever before a collective / exits 0
     without a report. The trial ends (crash, or timeout = infeasible), and the study goes on."""
     before = complete_trials(seeded)
@@ -70,8 +73,9 @@ def test_rank_killed_hanging_or_leaving_early(tmp_path: Path, seeded: str, fault
     assert proc.returncode == 0, proc.stderr[-3000:]
     trial = load(seeded).trials[1]
     assert trial.user_attrs["status"] == status, trial.user_attrs.get("reason")
-    for word in words:
-        assert word in trial.user_attrs["reason"]
+    for word in words:  # a tuple: one of its phrases
+        assert any(w in trial.user_attrs["reason"] for w in ((word,) if isinstance(word, str) else word)), \
+            trial.user_attrs["reason"]
     if status == "timeout":  # a hang is infeasible (recorded, so the sampler avoids it)
         assert trial.state == TrialState.COMPLETE and trial.system_attrs["constraints"][0] > 0
         assert trial.user_attrs["wall_s"] < 20 + 20
