@@ -163,3 +163,18 @@ def test_imbalance_causes_come_before_larger_pressure_shared_by_all_ranks() -> N
     diag = _analyse(_report(0, peak=14_500 * MIB, blocks=24, acts=6_300 * MIB, extras=1_450 * MIB),
                     _report(1, peak=13_100 * MIB, blocks=24, acts=6_300 * MIB, extras=70 * MIB))
     assert [f.cause for f in diag.findings] == ["rank_extras", "no_checkpointing"]
+
+
+def test_a_loss_outside_the_wrapped_model_is_named_with_the_logits_size() -> None:
+    """Fails if diagnose stops reading ``loss_in_model`` / ``output_bytes`` from the rank reports."""
+    outside = [_report(r) for r in range(2)]
+    for rep in outside:
+        rep["breakdown"]["flags"].update(loss_in_model=False, output_bytes=30 * MIB)
+    causes = {f.cause: f for f in _analyse(*outside).findings}
+    finding = causes["loss_outside_model"]
+    assert finding.size_bytes == 30 * MIB and finding.ranks == [0, 1]
+    assert "loss=" in finding.action
+    inside = [_report(r) for r in range(2)]
+    for rep in inside:
+        rep["breakdown"]["flags"].update(loss_in_model=True, output_bytes=30 * MIB)
+    assert "loss_outside_model" not in {f.cause for f in _analyse(*inside).findings}

@@ -16,11 +16,13 @@ from autobalance.runtime._sampler import (
     epoch_schedule,
 )
 from autobalance.runtime._weighting import micro_batch_weight
+from autobalance.runtime._with_loss import ModelWithLoss
 
 __all__ = [
     "CpuMemoryTracker",
     "EpochSchedule",
     "MemorySnapshot",
+    "ModelWithLoss",
     "NvmlDevice",
     "Plan",
     "StepLayout",

@@ -160,6 +160,7 @@ class Breakdown(Part):
             "find_unused_parameters": plan.model_info["find_unused_parameters"],
             "num_blocks": plan.model_info["num_blocks"], "checkpointed_blocks": len(plan.config.checkpoint[plan.rank]),
             "micro_batch": plan.micro_batch, "compiled": compiled,
+            "loss_in_model": bool(plan.model_info.get("loss_in_model")),
         })
         if compiled:
             self._want_memtracker = False  # a dispatch mode: Dynamo would not compile under it
@@ -176,6 +177,7 @@ class Breakdown(Part):
             handles[1].remove()
             out = _first_tensor(output)
             self.flags["output_dtype"] = str(out.dtype).replace("torch.", "") if out is not None else None
+            self.flags["output_bytes"] = int(out.numel() * out.element_size()) if out is not None else None
 
         handles.append(wrapped.register_forward_pre_hook(pre_hook, with_kwargs=True))
         handles.append(wrapped.register_forward_hook(post_hook))

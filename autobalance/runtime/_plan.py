@@ -53,6 +53,7 @@ from autobalance.runtime._sampler import StepLayout, UnevenBatchSampler
 from autobalance.runtime._setup import cap_for_rank, init_distributed, int_env, resolve_device
 from autobalance.runtime._verify import VerifyRun
 from autobalance.runtime._weighting import micro_batch_weight
+from autobalance.runtime._with_loss import ModelWithLoss
 
 __all__ = ["Plan", "TrialComplete", "classify_exception", "plan"]
 
@@ -172,8 +173,15 @@ class Plan:
         *,
         blocks: str | None = None,
         find_unused_parameters: bool = False,
+        loss: Callable[..., torch.Tensor] | None = None,
     ) -> nn.Module:
-        """Checkpoint this rank's chosen blocks, move to the device, then wrap in DDP."""
+        """Checkpoint this rank's chosen blocks, move to the device, then wrap in DDP.
+
+        ``loss``: the script's loss function ``loss(output, *targets)``. The returned module then
+        computes it: ``loss = model(x, y)`` (inside ``plan.micro_step()``), so a compiled
+        configuration compiles the model and its loss as one graph (the logits are then not kept at
+        full size for the backward). Checkpoints keep the model's own ``state_dict`` keys.
+        """
         path, block_list = find_blocks(model, blocks or self.blocks_path)
         self.config.validate_for(world_size=self.world_size, num_layers=len(block_list))
         for part in self._parts:
@@ -191,8 +199,11 @@ class Plan:
             "find_unused_parameters": find_unused_parameters,
             "compile": self.config.compile,
             "batch_dependent": batch_dependent_modules(model),
+            "loss_in_model": loss is not None,
         }
         self.meter.on_model_moved(model)
+        if loss is not None:
+            model = ModelWithLoss(model, loss)
         self.model = model
         wrapped: nn.Module = model
         if self.world_size > 1 and dist.is_initialized():

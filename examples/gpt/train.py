@@ -76,6 +76,11 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the real (non-padding) tokens, in fp32."""
+    return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=IGNORE)
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n-layer", type=int, default=4)
@@ -92,6 +97,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0 = all)")
     p.add_argument("--val-cache-mib", type=float, default=4.0, help="rank-0 cached validation batch size")
     p.add_argument("--no-ema", action="store_true", help="rank 0 keeps no EMA copy")
+    p.add_argument("--loss-outside", action="store_true",
+                   help="compute the loss outside the wrapped model (as most scripts do; for comparison)")
     p.add_argument("--variable-length", action="store_true",
                    help="sequences of random length, padded; the loss is the mean over real tokens")
     return p.parse_args()
@@ -106,7 +113,9 @@ def main() -> None:
             vocab=args.vocab, block_size=args.block_size, n_layer=args.n_layer,
             n_embd=args.n_embd, n_head=args.n_head, dropout=args.dropout,
         )
-    model = plan.wrap(model)  # ab: checkpointing of the chosen blocks, then DDP
+    # ab: checkpointing of the chosen blocks, then DDP; with loss= the wrapped model returns the loss,
+    # so a compiled configuration compiles model and loss together (the logits are not stored at full size)
+    model = plan.wrap(model, loss=None if args.loss_outside else lm_loss)
     raw = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
     # Rank-0-only extras: an EMA copy of the weights and a cached validation batch.
@@ -140,8 +149,7 @@ def main() -> None:
             for x, y in micro_batches:
                 x, y = x.to(plan.device, non_blocking=True), y.to(plan.device, non_blocking=True)
                 with plan.micro_step():  # ab: autocast + no_sync on all but the last
-                    logits = model(x)
-                    loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=IGNORE)
+                    loss = lm_loss(model(x), y) if args.loss_outside else model(x, y)
                     plan.backward(loss)  # ab: uneven-batch loss weighting, GradScaler for fp16
             plan.optimizer_step(optimizer)  # ab
             if ema is not None:
