@@ -77,7 +77,7 @@ def test_compiled_configuration_compiles_the_loss_with_the_model(monkeypatch):
 
     captured: list[str] = []
 
-    def recording_backend(gm: torch.fx.GraphModule, example_inputs):  # noqa: ARG001
+    def recording_backend(gm: torch.fx.GraphModule, example_inputs):
         captured.append(str(gm.graph))
         return gm.forward
 
