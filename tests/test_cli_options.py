@@ -116,5 +116,9 @@ def test_a_flag_wins_over_the_toml_only_when_given(tmp_path: Path, monkeypatch: 
     result = runner.invoke(app, ["tune", "--config", str(toml), "--no-cold", "--memory-cap-gib", "1,2"])
     assert result.exit_code == 0, result.output
     assert seen["settings"].cold is False and seen["settings"].memory_cap_gib == [1.0, 2.0]
+    # the script from the TOML, its own arguments after --
+    result = runner.invoke(app, ["tune", "--config", str(toml), "--", "--n-layer", "2"])
+    assert result.exit_code == 0, result.output
+    assert seen["settings"].script == GPT and seen["settings"].script_args == ["--n-layer", "2"]
     result = runner.invoke(app, ["tune", "--config", str(toml), "--memory-cap-gib", "a,b"])
     assert result.exit_code == 2 and "--memory-cap-gib='a,b' is not a number" in result.output

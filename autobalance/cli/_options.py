@@ -115,6 +115,9 @@ def settings_from_command_line(ctx: typer.Context, values: dict[str, Any]) -> di
         elif annotation == "list[str]":
             value = list(value)
         given[name] = value
-    if ctx.args:
-        given[EXTRA] = list(ctx.args)
+    extra = list(ctx.args)
+    if str(given.get(ARGUMENT, "")).startswith("-"):  # `tune --config s.toml -- --lr 1`: no SCRIPT, its arguments
+        extra.insert(0, given.pop(ARGUMENT))
+    if extra:
+        given[EXTRA] = extra
     return given
