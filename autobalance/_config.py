@@ -13,6 +13,7 @@ __all__ = [
     "COMPILE_MODES",
     "DTYPES",
     "BalanceConfig",
+    "describe_config",
     "micro_step_sizes",
     "samples_within",
     "split_at_least",
@@ -399,3 +400,20 @@ def samples_within(
         r = max((r for r in range(world) if samples[r] > accumulation), key=lambda r: (samples[r] * weights[r], -r))
         samples[r] -= 1
     return samples
+
+
+def describe_config(config: dict[str, Any] | BalanceConfig | None) -> str:
+    """One line for a configuration (``None``: the script's own): micro-batches, accumulation,
+    recomputation, dtype, bucket size."""
+    if config is None:
+        return "script defaults"
+    c = config.to_dict() if isinstance(config, BalanceConfig) else config
+    ckpt = [len(x) for x in c.get("checkpoint", [])]
+    mode = c.get("compile", "off")
+    if mode != "off":
+        budget = c.get("activation_budget")
+        recompute = f"compile={mode} budget={[round(b, 2) for b in budget] if budget else 'default'}"
+    else:
+        recompute = f"ckpt={ckpt}"
+    return (f"mb={c['micro_batches']} acc={c['accumulation']} {recompute} {c['dtype']} "
+            f"bucket={c['bucket_cap_mb']:.0f}MB{' view' if c.get('gradient_as_bucket_view') else ''}")

@@ -41,9 +41,10 @@ import optuna
 
 from autobalance import BalanceConfig
 from autobalance.launcher import TrialOutcome
+from autobalance.protocol import Status
 from autobalance.tuner import Tuner, TuneSettings
-from autobalance.tuner._advisor import observations_from_trials
-from autobalance.tuner._memory_model import MemoryModel
+from autobalance.tuner._launching import TrialLauncher
+from autobalance.tuner.search import MemoryModel, observations_from_trials
 
 GIB = 2**30
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -142,15 +143,15 @@ def true_optimum(machine: Machine) -> tuple[float, BalanceConfig]:
     return best
 
 
-class SimulatedTuner(Tuner):
-    """A real Tuner whose trials are answered by the simulated machine instead of torchrun."""
+class SimulatedLauncher(TrialLauncher):
+    """Trials answered by the simulated machine instead of torchrun."""
 
     def __init__(self, *, machine: Machine, rng: np.random.Generator, measured_steps: int, **kw: Any) -> None:
         super().__init__(**kw)
         self.machine, self.rng, self.measured_steps = machine, rng, measured_steps
 
-    def _launch(self, study: optuna.Study, *, number: int, config: BalanceConfig | None,
-                heartbeat_trial_id: int | None, trial: optuna.Trial | None = None) -> TrialOutcome:
+    def launch(self, study: optuna.Study, *, number: int, config: BalanceConfig | None,
+               trial: optuna.Trial | None = None) -> TrialOutcome:
         cfg = config or DEFAULTS
         peaks, times = self.machine.measure(cfg, 1 + self.measured_steps, self.rng)
         measured = times[1:]
@@ -167,8 +168,18 @@ class SimulatedTuner(Tuner):
                 "torch_version": "simulated",
             }
         self.trials_run += 1
-        return TrialOutcome(status="ok", reason="simulated", reports=reports, returncode=0,
+        return TrialOutcome(status=Status.OK, reason="simulated", reports=reports, returncode=0,
                             wall_s=0.3 + sum(times), trial_dir="")
+
+
+class SimulatedTuner(Tuner):
+    """A real Tuner whose launcher is the simulated machine."""
+
+    def __init__(self, *, machine: Machine, rng: np.random.Generator, measured_steps: int, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.launcher = SimulatedLauncher(machine=machine, rng=rng, measured_steps=measured_steps,
+                                          settings=self.settings, storage=self.storage, reporter=self.reporter,
+                                          stop=self.stop)
 
 
 def run_study(machine: Machine, optimum_s: float, *, strategy: str, seed: int, trials: int, measured_steps: int,

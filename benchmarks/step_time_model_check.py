@@ -21,7 +21,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import optuna
 
 from autobalance import BalanceConfig
-from autobalance.tuner._advisor import StepTimeModel
+
+try:
+    from autobalance.tuner.search import StepTimeModel
+except ImportError:  # a commit before the tuner's split (the script runs unchanged on older commits)
+    from autobalance.tuner._advisor import StepTimeModel  # type: ignore[no-redef]
 
 GRID = os.path.join(os.path.dirname(os.path.abspath(__file__)), "2026-11-30-h200x2", "smart_search_grid.json")
 

@@ -18,9 +18,9 @@ import optuna
 
 from autobalance._config import BalanceConfig
 from autobalance.launcher import TrialOutcome
+from autobalance.protocol import Status, StudyAttr
 from autobalance.tuner import SearchSpace, Tuner, TuneSettings
-from autobalance.tuner._study import ATTR_BASELINE, ATTR_CAPACITY, ATTR_DEVICE, ATTR_SPACE
-from autobalance.tuner._verify import ATTR_VERIFY_PREFIX
+from autobalance.tuner._study import open_study
 
 GIB = 2**30
 REPO = Path(__file__).resolve().parents[1]
@@ -122,14 +122,14 @@ def build_study(db: Path, *, world_size: int = 2, name: str = NAME, specs: list[
 def _build(db: Path, url: str, settings: TuneSettings, specs: list[Spec], world_size: int, name: str,
            verified: int | None) -> optuna.Study:
     tuner = Tuner(settings=settings)
-    study = tuner._open_study()
+    study = open_study(settings, tuner.storage)
     layers = 8
     space = SearchSpace.build(world_size=world_size, global_batch=sum(specs[0].micro) * specs[0].acc,
                               num_layers=layers, dtypes=["fp32", "bf16", "fp16"], max_accumulation=4,
                               compile_modes=["off", "default"])
-    study.set_user_attr(ATTR_SPACE, space.to_dict())
-    study.set_user_attr(ATTR_CAPACITY, [CAP_GIB * GIB] * world_size)
-    study.set_user_attr(ATTR_DEVICE, {"type": "cuda", "name": "synthetic GPU", "capacity_bytes": 141 * GIB})
+    study.set_user_attr(StudyAttr.SPACE, space.to_dict())
+    study.set_user_attr(StudyAttr.CAPACITY, [CAP_GIB * GIB] * world_size)
+    study.set_user_attr(StudyAttr.DEVICE, {"type": "cuda", "name": "synthetic GPU", "capacity_bytes": 141 * GIB})
     for number, spec in enumerate(specs):
         config = _config(spec, layers)
         params = space.params_from_config(config)
@@ -149,7 +149,7 @@ def _build(db: Path, url: str, settings: TuneSettings, specs: list[Spec], world_
                      "config": config.to_dict(),
                      "reason": f"not launched: trial {spec.dominated_by} exceeded rank 0's usable memory with less "
                                "recomputation"}
-            tuner._tell(study, trial, figures, attrs, "predicted_oom")
+            tuner.recorder.tell(study, trial, figures, attrs, Status.PREDICTED_OOM)
             continue
         reports = {r: _report(spec, r, config) for r in range(world_size)}
         reason = ("" if spec.status == "ok" else
@@ -157,11 +157,11 @@ def _build(db: Path, url: str, settings: TuneSettings, specs: list[Spec], world_
         outcome = TrialOutcome(status=spec.status, reason=reason or "all ranks finished", reports=reports,
                                returncode=0 if spec.status == "ok" else 1, wall_s=12.0 + (spec.compile_s or 0.0),
                                failing_rank=spec.failing_rank, trial_dir=str(db.parent / "runs" / f"trial{number}"))
-        tuner.record(study, trial, config, outcome, baseline=number == 0)
+        tuner.recorder.record(study, trial, config, outcome, baseline=number == 0)
         if number == 0:
-            study.set_user_attr(ATTR_BASELINE, trial.number)
+            study.set_user_attr(StudyAttr.BASELINE, trial.number)
     if verified is not None:
-        study.set_user_attr(f"{ATTR_VERIFY_PREFIX}{verified}", {
+        study.set_user_attr(f"{StudyAttr.VERIFY_PREFIX}{verified}", {
             "passed": True, "reason": "losses match the baseline's within 1e-3 after 3 steps", "skipped": False,
             "wall_s": 41.0, "checks": [], "runs": {}})
     tuner.close()

@@ -126,7 +126,7 @@ def test_checkpointed_batchnorm_updates_its_running_statistics_once_per_step():
 
 def test_a_study_keeps_a_batch_dependent_models_split_and_says_why():
     from autobalance.tuner._script_facts import keep_split, script_facts
-    from autobalance.tuner._space import SearchSpace
+    from autobalance.tuner.search import SearchSpace
 
     report = {"model": {"num_blocks": 6, "blocks_path": "body.layers",
                         "batch_dependent": ["body.layers.0.norm (BatchNorm1d)"]}}

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from autobalance import BalanceConfig, ConfigError
+from autobalance._config import describe_config
 from autobalance.tuner import SearchSpace, TuneSettings
-from autobalance.tuner._compile import compile_figures, compile_notes, space_problem
-from autobalance.tuner._reporter import describe_config
 from autobalance.tuner._verify import (
     Check,
     _relative,
@@ -20,6 +19,7 @@ from autobalance.tuner._verify import (
     recomputes,
     without_recompute,
 )
+from autobalance.tuner.search import compile_figures, compile_notes, space_problem
 
 
 def make(**kw):

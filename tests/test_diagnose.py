@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from autobalance.report import analyse
+from autobalance.diagnose import analyse
 from tests.tune_helpers import GPT, cli
 
 MIB = 2**20

@@ -8,7 +8,7 @@ from optuna.trial import TrialState
 
 from autobalance import BalanceConfig
 from autobalance.tuner import SearchSpace, TuneSettings
-from autobalance.tuner._advisor import ModelAdvisor, dominating_over_cap
+from autobalance.tuner.search import ModelAdvisor, dominating_over_cap
 
 USABLE = [1.0, 1.0]
 

@@ -14,6 +14,9 @@ FORBIDDEN = {
     "runtime": ("autobalance.tuner", "autobalance.launcher", "autobalance.cli", "autobalance.report"),
     "launcher": ("autobalance.tuner", "autobalance.cli", "autobalance.report"),
     "store": ("autobalance.tuner", "autobalance.launcher", "autobalance.cli", "autobalance.runtime"),
+    "report": ("autobalance.tuner", "autobalance.launcher", "autobalance.runtime", "autobalance.cli",
+               "autobalance.diagnose"),
+    "diagnose": ("autobalance.tuner", "autobalance.cli", "autobalance.report"),
     "protocol": ("autobalance.tuner", "autobalance.launcher", "autobalance.cli", "autobalance.runtime",
                  "autobalance.report", "autobalance.store", "autobalance._"),
 }

@@ -10,7 +10,7 @@ import optuna
 import pytest
 
 from autobalance.launcher import TrialLaunch, WarmPool, run_trial, trial_processes
-from autobalance.tuner._study import per_trial_overhead_s
+from autobalance.tuner._summary import per_trial_overhead_s
 from tests.tune_helpers import GPT
 
 pytestmark = pytest.mark.slow

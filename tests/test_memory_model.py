@@ -7,7 +7,7 @@ import random
 import pytest
 
 from autobalance._errors import UsageError
-from autobalance.tuner._memory_model import (
+from autobalance.tuner.search import (
     DEFAULT_SAFETY_MARGIN,
     MemoryModel,
     MemoryObservation,

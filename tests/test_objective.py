@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from autobalance.launcher import TrialOutcome
-from autobalance.tuner._objective import INFEASIBLE_TIME, TrialFigures, figures_from_outcome
+from autobalance.tuner.search import INFEASIBLE_TIME, TrialFigures, figures_from_outcome
 
 GIB = 2**30
 

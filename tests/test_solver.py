@@ -11,8 +11,9 @@ import pytest
 
 from autobalance._config import BalanceConfig
 from autobalance._errors import UsageError
-from autobalance.tuner._memory_model import MemoryModel, MemoryObservation
-from autobalance.tuner._solver import (
+from autobalance.tuner.search import (
+    MemoryModel,
+    MemoryObservation,
     SplitPlan,
     balanced_split,
     balanced_split_for,

@@ -9,7 +9,7 @@ import optuna
 import pytest
 
 from autobalance import BalanceConfig
-from autobalance.tuner._advisor import StepTimeModel
+from autobalance.tuner.search import StepTimeModel
 
 LAYERS = 8
 

@@ -11,8 +11,7 @@ import pytest
 from autobalance import BalanceConfig
 from autobalance.launcher import TrialLaunch, WarmPool, run_trial, trial_processes
 from autobalance.tuner import SearchSpace
-from autobalance.tuner._advisor import observations_from_trials
-from autobalance.tuner._memory_model import MemoryModel
+from autobalance.tuner.search import MemoryModel, observations_from_trials
 from tests.tune_helpers import GPT, cli, load
 
 pytestmark = pytest.mark.slow

@@ -74,8 +74,8 @@ def promote(
     def go() -> None:
         from rich.markup import escape
 
-        from autobalance.store import check_storage
-        from autobalance.tuner import load_study, promote_trial
+        from autobalance.store import check_storage, load_study
+        from autobalance.tuner import promote_trial
 
         err = console(stderr=True)
         url = check_storage(existing_storage(storage))

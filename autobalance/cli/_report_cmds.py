@@ -22,14 +22,12 @@ def report(
 
     def go() -> None:
         from autobalance.report import build_report
-        from autobalance.store import check_storage
-        from autobalance.tuner import load_study
-        from autobalance.tuner._storage import mask
+        from autobalance.store import check_storage, load_study, mask_url
 
         quiet_optuna()
         url = check_storage(storage)
         study = load_study(study_name=study_name, storage_url=url)
-        files = build_report(study, output_html=output, png_dir=png, storage_url=mask(url))
+        files = build_report(study, output_html=output, png_dir=png, storage_url=mask_url(url))
         typer.echo(f"Wrote {files.html}")
         for path in files.pngs:
             typer.echo(f"Wrote {path}")
@@ -76,7 +74,7 @@ def diagnose(
         import json
 
         from autobalance._errors import UsageError
-        from autobalance.report import print_diagnosis, run_diagnose
+        from autobalance.diagnose import print_diagnosis, run_diagnose
         from autobalance.tuner import default_device
 
         dev = device or default_device()

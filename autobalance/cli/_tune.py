@@ -13,8 +13,9 @@ from autobalance.cli._common import console, quiet_optuna, sigterm_as_interrupt
 
 def interrupted_message(settings: Any) -> str:
     """After Ctrl-C: what happened, the best trial so far and how to keep it (one line)."""
+    from autobalance._config import describe_config
     from autobalance.store import mask_url
-    from autobalance.tuner import best_so_far, describe_config
+    from autobalance.tuner import best_so_far
 
     text = "interrupted; the running trial was killed and marked failed."
     best = best_so_far(study_name=settings.study_name, storage_url=settings.storage)
@@ -112,8 +113,8 @@ def run_tune(*, flags: dict[str, Any], config_path: str | None) -> None:
     """Settings (flags > study TOML > defaults; the TOML is read once), checks before anything runs,
     the study, then verify-and-save (:func:`autobalance.tuner.save_best`) and the summary."""
     from autobalance._errors import StorageError
-    from autobalance.store import check_storage
-    from autobalance.tuner import RichReporter, Tuner, TuneSettings, open_storage, save_best
+    from autobalance.store import check_storage, open_storage
+    from autobalance.tuner import RichReporter, Tuner, TuneSettings, save_best
 
     settings = TuneSettings.merge(flags=flags, toml_path=config_path)
     quiet_optuna()

@@ -41,7 +41,8 @@ def verify(
         from rich.markup import escape
         from rich.table import Table
 
-        from autobalance.tuner import describe_config, run_verify_command
+        from autobalance._config import describe_config
+        from autobalance.tuner import run_verify_command
 
         err = console(stderr=True)
         url = existing_storage(storage) if study_name is not None and config is None else storage

@@ -9,24 +9,23 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from autobalance._config import describe_config
 from autobalance.cli._common import console
 from autobalance.protocol import TrialAttr
-from autobalance.tuner import describe_config
 
 
 def print_studies(storage_url: str) -> None:
     import optuna
 
-    from autobalance.store import mask_url as mask
-    from autobalance.tuner import list_studies, open_storage
+    from autobalance.store import list_studies, mask_url, open_storage
 
     storage = open_storage(storage_url, heartbeat=False)
     names = list_studies(storage)
     out = console()
     if not names:
-        out.print(f"No studies in {mask(storage_url)}. Start one with `autobalance tune SCRIPT`.")
+        out.print(f"No studies in {mask_url(storage_url)}. Start one with `autobalance tune SCRIPT`.")
         return
-    table = Table(title=f"Studies in {mask(storage_url)}")
+    table = Table(title=f"Studies in {mask_url(storage_url)}")
     for col in ("study", "trials", "complete", "feasible", "best step (ms)", "best spread (GiB)"):
         table.add_column(col)
     from autobalance.protocol import best_trial, is_feasible
@@ -59,7 +58,7 @@ def trial_rows(study: Any) -> list[dict[str, Any]]:
 
 
 def print_trials(*, study_name: str, storage: str, as_json: bool) -> None:
-    from autobalance.tuner import load_study
+    from autobalance.store import load_study
 
     study = load_study(study_name=study_name, storage_url=storage)
     rows = trial_rows(study)

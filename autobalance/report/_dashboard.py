@@ -115,7 +115,7 @@ def dashboard_app(storage_url: str, *, warn: Callable[[str], None] | None = None
 
         raise UsageError("the dashboard needs optuna-dashboard; install it with pip install 'autobalance[report]'.") from None
 
-    from autobalance.tuner import open_storage
+    from autobalance.store import open_storage
 
     storage = open_storage(storage_url, heartbeat=False)
     art_dir = artifact_dir_for(storage_url)
@@ -135,7 +135,7 @@ def serve_dashboard(storage_url: str, *, host: str = "127.0.0.1", port: int = 80
     from wsgiref.simple_server import WSGIRequestHandler, make_server
 
     from autobalance._errors import UsageError
-    from autobalance.tuner._storage import mask
+    from autobalance.store import mask_url
 
     app = dashboard_app(storage_url, warn=warn or (lambda text: print(text, file=sys.stderr)))
 
@@ -148,7 +148,7 @@ def serve_dashboard(storage_url: str, *, host: str = "127.0.0.1", port: int = 80
     except OSError as exc:
         raise UsageError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); pick another --port.") from None
     shown = f"[{host}]" if ":" in host else host
-    echo(f"optuna-dashboard for {mask(storage_url)} at http://{shown}:{server.server_port}/dashboard "
+    echo(f"optuna-dashboard for {mask_url(storage_url)} at http://{shown}:{server.server_port}/dashboard "
          f"(artifacts in {artifact_dir_for(storage_url)}). Ctrl-C to stop.")
     try:
         server.serve_forever()

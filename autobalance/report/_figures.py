@@ -20,7 +20,7 @@ def rank_colors(n: int) -> list[str]:
 
 
 def _describe(row: TrialRow) -> str:
-    from autobalance.tuner import describe_config
+    from autobalance._config import describe_config
 
     return describe_config(row.config) if row.config else "-"
 

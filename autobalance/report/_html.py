@@ -82,7 +82,7 @@ def _comparison(summary: StudySummary) -> str:
     def cell(row: TrialRow | None, fn: Any) -> str:
         return "<td>-</td>" if row is None else f"<td>{_e(fn(row))}</td>"
 
-    from autobalance.tuner import describe_config
+    from autobalance._config import describe_config
 
     lines = [
         "<table class='cmp'><thead><tr><th></th>"
@@ -137,7 +137,7 @@ def _best_config(summary: StudySummary) -> str:
 
 
 def _trials_table(summary: StudySummary) -> str:
-    from autobalance.tuner import describe_config
+    from autobalance._config import describe_config
 
     spread_head = "<th>spread GiB</th>" if summary.multi_rank else ""
     peak_head = "peak GiB per rank" if summary.multi_rank else "peak GiB"

@@ -26,6 +26,14 @@ from autobalance.store._production import (
 )
 from autobalance.store._saved import EXPORT_FORMAT, EXPORT_FORMAT_VERSION, SavedConfig
 from autobalance.store._store import ConfigStore, make_saved_by
+from autobalance.store._studies import (
+    HEARTBEAT_ENV,
+    HEARTBEAT_INTERVAL_S,
+    heartbeat_interval_s,
+    list_studies,
+    load_study,
+    open_storage,
+)
 from autobalance.store._url import (
     DEFAULT_STORAGE,
     check_storage,
@@ -41,6 +49,8 @@ __all__ = [
     "DEVICE_TYPES",
     "EXPORT_FORMAT",
     "EXPORT_FORMAT_VERSION",
+    "HEARTBEAT_ENV",
+    "HEARTBEAT_INTERVAL_S",
     "MISMATCH_POLICIES",
     "SCHEMA_VERSION",
     "TABLE_PREFIX",
@@ -54,12 +64,16 @@ __all__ = [
     "differences",
     "engine_kwargs",
     "export_file",
+    "heartbeat_interval_s",
+    "list_studies",
     "load_saved_config",
+    "load_study",
     "make_engine",
     "make_saved_by",
     "mask_url",
     "minor_differences",
     "normalize_storage_url",
+    "open_storage",
     "read_export_file",
     "script_sha256",
 ]

@@ -1,11 +1,17 @@
-"""The Optuna study: search space, objective, constraints, and the tuning loop."""
+"""The tuner: an Optuna study whose trials are real torchrun jobs.
+
+Running the study: ``_tuner`` (the :class:`Tuner`), ``_loop`` (the trial loop), ``_launching``
+(slots, warm pools, heartbeats), ``_recording`` (what is told to the study), ``_baseline``,
+``_study`` (opening and counting), ``_summary``, ``_workers`` (several workers on one study).
+The search: ``_space``, ``_objective``, ``_memory_model``, ``_solver``, ``_advisor``, ``_compile``.
+"""
 
 from __future__ import annotations
 
+from autobalance.protocol import best_trial, is_feasible
 from autobalance.tuner._finish import Saving, best_so_far, nothing_feasible, save_best
-from autobalance.tuner._objective import TrialFigures, figures_from_outcome
 from autobalance.tuner._promote import promote_trial
-from autobalance.tuner._reporter import RichReporter, describe_config
+from autobalance.tuner._reporter import RichReporter
 from autobalance.tuner._settings import (
     SAMPLERS,
     STRATEGIES,
@@ -16,26 +22,13 @@ from autobalance.tuner._settings import (
     load_toml,
     setting_docs,
 )
-from autobalance.tuner._space import SearchSpace
-from autobalance.tuner._storage import list_studies, load_study, open_storage
-from autobalance.tuner._study import (
-    ATTR_BASELINE,
-    ATTR_OBJECTIVE,
-    ATTR_REFERENCE,
-    ATTR_SPACE,
-    Tuner,
-    TuneResult,
-    best_trial,
-    is_feasible,
-    make_sampler,
-)
+from autobalance.tuner._study import make_sampler
+from autobalance.tuner._summary import TuneResult
+from autobalance.tuner._tuner import Tuner
 from autobalance.tuner._verify import run_verify_command
+from autobalance.tuner.search import SearchSpace, TrialFigures, figures_from_outcome
 
 __all__ = [
-    "ATTR_BASELINE",
-    "ATTR_OBJECTIVE",
-    "ATTR_REFERENCE",
-    "ATTR_SPACE",
     "SAMPLERS",
     "STRATEGIES",
     "RichReporter",
@@ -50,15 +43,11 @@ __all__ = [
     "best_trial",
     "default_device",
     "default_study_name",
-    "describe_config",
     "figures_from_outcome",
     "is_feasible",
-    "list_studies",
-    "load_study",
     "load_toml",
     "make_sampler",
     "nothing_feasible",
-    "open_storage",
     "promote_trial",
     "run_verify_command",
     "save_best",

@@ -9,7 +9,7 @@ from typing import Any
 
 from autobalance.protocol import Status, StudyAttr, TrialAttr, best_trial
 from autobalance.tuner._settings import TuneSettings
-from autobalance.tuner._study import TuneResult
+from autobalance.tuner._summary import TuneResult
 
 __all__ = ["Saving", "best_so_far", "nothing_feasible", "save_best"]
 
@@ -36,8 +36,8 @@ def save_best(*, settings: TuneSettings, result: TuneResult,
     """Verify ``result.best`` (unless ``settings.verify`` is off) and save it to the store; when it
     fails, the next best that passes is saved instead. Updates ``result`` (``best``, ``saved``,
     ``notes``) for the summary and returns what was saved and what was rejected."""
+    from autobalance.store import load_study
     from autobalance.tuner._promote import save_trial
-    from autobalance.tuner._storage import load_study
     from autobalance.tuner._verify import verify_for_saving
 
     study = load_study(study_name=settings.study_name, storage_url=settings.storage)
@@ -117,7 +117,7 @@ def nothing_feasible(study: Any) -> str:
 
 def best_so_far(*, study_name: str, storage_url: str) -> Any:
     """The study's best feasible trial now (None: none yet, or the study cannot be read)."""
-    from autobalance.tuner._storage import load_study
+    from autobalance.store import load_study
 
     try:
         return best_trial(load_study(study_name=study_name, storage_url=storage_url))

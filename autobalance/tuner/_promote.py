@@ -13,7 +13,7 @@ from optuna.trial import FrozenTrial
 from autobalance._config import BalanceConfig
 from autobalance._errors import UsageError, VerificationError
 from autobalance.protocol import Status, StudyAttr, TrialAttr
-from autobalance.tuner._study import script_sha256
+from autobalance.tuner._baseline import script_sha256
 
 __all__ = ["figures_of_trial", "fingerprint_of_study", "promote_trial", "save_trial"]
 

@@ -11,29 +11,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from autobalance._config import BalanceConfig
+from autobalance._config import BalanceConfig, describe_config
 from autobalance.protocol import Status, TrialAttr
 from autobalance.tuner._settings import TuneSettings
 
-__all__ = ["RichReporter", "describe_config", "short_figures"]
+__all__ = ["RichReporter", "short_figures"]
 
 _STYLE = {Status.OK: "green", Status.OOM: "red", Status.TIMEOUT: "red", Status.ERROR: "bold red",
           Status.CRASH: "yellow", Status.PREDICTED_OOM: "magenta", Status.INTERRUPTED: "yellow"}
-
-
-def describe_config(config: dict[str, Any] | BalanceConfig | None) -> str:
-    if config is None:
-        return "script defaults"
-    c = config.to_dict() if isinstance(config, BalanceConfig) else config
-    ckpt = [len(x) for x in c.get("checkpoint", [])]
-    mode = c.get("compile", "off")
-    if mode != "off":
-        budget = c.get("activation_budget")
-        recompute = f"compile={mode} budget={[round(b, 2) for b in budget] if budget else 'default'}"
-    else:
-        recompute = f"ckpt={ckpt}"
-    return (f"mb={c['micro_batches']} acc={c['accumulation']} {recompute} {c['dtype']} "
-            f"bucket={c['bucket_cap_mb']:.0f}MB{' view' if c.get('gradient_as_bucket_view') else ''}")
 
 
 def short_figures(trial: FrozenTrial) -> str:

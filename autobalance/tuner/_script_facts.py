@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from autobalance.protocol import StudyAttr
-from autobalance.tuner._space import SearchSpace
+from autobalance.tuner.search import SearchSpace
 
 __all__ = ["ATTR_SCRIPT_FACTS", "batch_dependent_layers", "keep_split", "script_facts"]
 

@@ -474,7 +474,7 @@ def _finite(value: float) -> float | None:
 
 
 def _short(config: BalanceConfig) -> str:
-    from autobalance.tuner._reporter import describe_config
+    from autobalance._config import describe_config
 
     return describe_config(config)
 
@@ -491,7 +491,7 @@ MAX_CANDIDATES = 3
 
 def target_for(settings: Any, *, label: str) -> VerifyTarget:
     """The verification runs of a tune run's study (its script, ranks, device, Inductor cache)."""
-    from autobalance.tuner._compile import compile_env
+    from autobalance.tuner.search import compile_env
 
     work = os.path.abspath(os.path.join(settings.runs_dir, settings.study_name, f"verify-{label}-{int(time.time())}"))
     return VerifyTarget(script=settings.script, script_args=list(settings.script_args),
@@ -594,8 +594,8 @@ def run_verify_command(*, script: str, script_args: list[str], study_name: str |
         what = f"the configuration in {config_file}"
         label = "file"
     else:
-        from autobalance.tuner._compile import cache_dir
-        from autobalance.tuner._storage import load_study
+        from autobalance.store import load_study
+        from autobalance.tuner.search import cache_dir
         study = load_study(study_name=str(study_name), storage_url=storage)
         trials = study.get_trials(deepcopy=False)
         if trial is not None:

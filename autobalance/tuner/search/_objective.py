@@ -158,7 +158,7 @@ def figures_from_outcome(
     gb = ((first.config if first is not None else None) or {}).get("global_batch")
     if first is not None and first.samples_per_step:
         gb = first.samples_per_step  # partial steps count the samples they really used
-    from autobalance.tuner._compile import compile_figures
+    from autobalance.tuner.search._compile import compile_figures
 
     return TrialFigures(
         status=outcome.status, peak_device=peak_device, peak_allocated=alloc, peak_reserved=reserved,

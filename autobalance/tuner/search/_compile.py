@@ -8,13 +8,12 @@ from typing import Any
 
 from optuna.trial import FrozenTrial
 
-from autobalance.protocol import StudyAttr, TrialAttr
+from autobalance.protocol import TrialAttr
 from autobalance.tuner._settings import TuneSettings
-from autobalance.tuner._space import SearchSpace
+from autobalance.tuner.search._space import SearchSpace
 
-__all__ = ["ATTR_COMPILE_TOTAL", "cache_dir", "compile_env", "compile_figures", "compile_notes", "space_problem"]
+__all__ = ["cache_dir", "compile_env", "compile_figures", "compile_notes", "space_problem"]
 
-ATTR_COMPILE_TOTAL = StudyAttr.COMPILE_TOTAL
 CACHE_SUBDIR = "inductor-cache"
 
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from autobalance._config import BalanceConfig
 from autobalance._errors import UsageError
-from autobalance.tuner._memory_model import MemoryModel
+from autobalance.tuner.search._memory_model import MemoryModel
 
 __all__ = [
     "DEFAULT_RECOMPUTE_FRACTION",

@@ -8,32 +8,31 @@ ordinary enqueued trial, so the study stays a plain Optuna study (dashboard, sam
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from autobalance._config import BalanceConfig
 from autobalance.protocol import Status, StudyAttr, TrialAttr, best_trial
-from autobalance.tuner._memory_model import MemoryModel, MemoryObservation
-from autobalance.tuner._objective import TrialFigures
 from autobalance.tuner._settings import TuneSettings
-from autobalance.tuner._solver import balanced_split_for, plans_from_model, predict_config_feasible
-from autobalance.tuner._space import SearchSpace
+from autobalance.tuner.search._dominance import activation_budget, dominating_over_cap
+from autobalance.tuner.search._memory_model import MemoryModel, MemoryObservation
+from autobalance.tuner.search._objective import TrialFigures
+from autobalance.tuner.search._solver import (
+    balanced_split_for,
+    plans_from_model,
+    predict_config_feasible,
+)
+from autobalance.tuner.search._space import SearchSpace
+from autobalance.tuner.search._step_time import StepTimeModel
 
-__all__ = ["ModelAdvisor", "dominating_over_cap", "observations_from_trials"]
+__all__ = ["ModelAdvisor", "observations_from_trials"]
 
 GIB = 2**30
 _MAX_PREDICTED_IN_A_ROW = 25
 SAMPLER_EVERY = 3
 _WORTH = 1.5
-# Step-time priors per dtype before any measurement (relative to fp32); replaced by measurements.
-RECOMPUTE_PRIOR = 1.0
-"""While checkpointing has not varied: recomputing all blocks once costs one typical micro-step
-(``b + k * m``; the H200 grid of the GPT scenario measured 0.85 of it)."""
-_DTYPE_SPEED_PRIOR = {"cuda": {"bf16": 0.55, "fp16": 0.55, "fp32": 1.0}, "cpu": {"bf16": 1.2, "fp16": 1.5, "fp32": 1.0}}
 
 
 def observations_from_trials(trials: list[FrozenTrial], *, num_layers: int) -> list[MemoryObservation]:
@@ -55,171 +54,6 @@ def observations_from_trials(trials: list[FrozenTrial], *, num_layers: int) -> l
                 num_layers=max(1, num_layers), dtype=cfg["dtype"], peak_bytes=float(peak) * GIB, ok=status == Status.OK,
             ))
     return obs
-
-
-def _budget(cfg: dict[str, Any], rank: int) -> float:
-    budgets = cfg.get("activation_budget")
-    return 1.0 if not budgets else float(budgets[rank])
-
-
-def _ranks_over_cap(t: FrozenTrial) -> list[int] | None:
-    """Ranks whose memory did not fit in trial ``t``; [] when it fit; None when it ran out of memory
-    but the rank is unknown (then only a configuration that dominates it on every rank is implied)."""
-    peaks = t.user_attrs.get(TrialAttr.PEAK_DEVICE_GIB) or []
-    usable = t.user_attrs.get(TrialAttr.USABLE_GIB) or []
-    over = {r for r, (p, u) in enumerate(zip(peaks, usable, strict=False)) if p is not None and u and p > u}
-    if t.user_attrs.get(TrialAttr.STATUS) == Status.OOM:
-        if t.user_attrs.get(TrialAttr.FAILING_RANK) is not None:
-            over.add(int(t.user_attrs[TrialAttr.FAILING_RANK]))
-        if not over:
-            return None
-    return sorted(over)
-
-
-def _needs_at_least(cfg: dict[str, Any], other: dict[str, Any], rank: int) -> bool:
-    """Rank ``rank`` of ``cfg`` holds at least the memory it held under ``other``: same dtype and
-    compile mode, a micro-batch no smaller, no more recomputation (checkpointing the first N blocks,
-    or a compile budget: a larger budget keeps more activations), buckets no smaller and not views
-    where ``other`` used views. Accumulation does not change a rank's peak."""
-    if cfg["dtype"] != other["dtype"] or cfg.get("compile", "off") != other.get("compile", "off"):
-        return False
-    return (cfg["micro_batches"][rank] >= other["micro_batches"][rank]
-            and len(cfg["checkpoint"][rank]) <= len(other["checkpoint"][rank])
-            and _budget(cfg, rank) >= _budget(other, rank)
-            and float(cfg["bucket_cap_mb"]) >= float(other["bucket_cap_mb"])
-            and (not cfg["gradient_as_bucket_view"] or bool(other["gradient_as_bucket_view"])))
-
-
-def dominating_over_cap(trials: list[FrozenTrial], config: BalanceConfig) -> tuple[FrozenTrial, int] | None:
-    """A launched trial that did not fit on some rank where ``config`` needs at least as much memory
-    (so ``config`` will not fit either), with that rank; None when there is none. Model-free: it
-    needs only monotonicity, so it covers compiled configurations, which the memory model does not."""
-    cfg = config.to_dict()
-    for t in trials:
-        other = t.user_attrs.get(TrialAttr.CONFIG)
-        if (t.state != TrialState.COMPLETE or t.user_attrs.get(TrialAttr.STATUS) not in (Status.OK, Status.OOM) or not other
-                or t.user_attrs.get(TrialAttr.REUSED_FROM) is not None or len(other["micro_batches"]) != config.world_size):
-            continue
-        over = _ranks_over_cap(t)
-        if over is None:
-            if all(_needs_at_least(cfg, other, r) for r in range(config.world_size)):
-                return t, int(t.user_attrs.get(TrialAttr.FAILING_RANK) or 0)
-            continue
-        for r in over:
-            if _needs_at_least(cfg, other, r):
-                return t, r
-    return None
-
-
-@dataclass(kw_only=True)
-class StepTimeModel:
-    """``t = a + acc * s * max_r(b + k[dtype] * m_r + g * c_r / L)`` milliseconds per optimizer step.
-
-    ``a``: once per optimizer step (the optimizer, the last all-reduce); ``b``: once per micro-step
-    whatever its size (kernel launches: a GPU is far from saturated at small micro-batches); ``k``:
-    per sample, per dtype; ``g``: recomputing all ``L`` blocks once per micro-step; ``s`` is 1 for a
-    measured dtype and the prior speed ratio for one not measured yet. On the H200 grid of the GPT
-    scenario the fixed terms dominate (b ~ 30 ms, k ~ 1.3 ms per sample), which a model
-    proportional to the micro-batch (the earlier form) cannot express: 33 % median error there
-    against 7.5 % for this one (``benchmarks/RESULTS.md``).
-
-    Fitted to the study's measured eager trials by bounded least squares on relative errors. With
-    fewer distinct configurations than parameters it falls back to the proportional form
-    (``a = b = 0``); while checkpointing has not varied, ``g`` is ``RECOMPUTE_PRIOR`` micro-steps.
-    """
-
-    a: float
-    """Milliseconds per optimizer step."""
-    b: float
-    """Milliseconds per micro-step."""
-    g: float
-    """Milliseconds to recompute all blocks once in a micro-step."""
-    k: dict[str, float]
-    """Milliseconds per sample, per measured dtype."""
-    num_layers: int
-    """Blocks of the model."""
-    prior: dict[str, float]
-    """Relative speed priors per dtype, for dtypes without a measurement."""
-    typical_micro_batch: float = 1.0
-    """Mean micro-batch of the fitted trials (converts ``g`` into the solver's recompute fraction)."""
-
-    @property
-    def rho(self) -> float:
-        """The solver's proxy: recomputing all blocks costs ``rho`` times a typical micro-step's
-        per-sample compute."""
-        k = min(self.k.values()) if self.k else 1.0
-        return self.g / max(k * self.typical_micro_batch, 1e-9)
-
-    def _scale(self, dtype: str) -> tuple[float, str] | None:
-        if dtype in self.k:
-            return 1.0, dtype
-        if not self.k:
-            return None
-        known = min(self.k, key=lambda d: self.k[d] / self.prior.get(d, 1.0))
-        return self.prior.get(dtype, 1.0) / self.prior.get(known, 1.0), known
-
-    def predict(self, cfg: BalanceConfig | dict[str, Any]) -> float | None:
-        c = cfg.to_dict() if isinstance(cfg, BalanceConfig) else cfg
-        scaled = self._scale(c["dtype"])
-        if scaled is None:
-            return None
-        ratio, dtype = scaled
-        layers = max(1, self.num_layers)
-        micro = max(self.b + self.k[dtype] * m + self.g * len(ck) / layers
-                    for m, ck in zip(c["micro_batches"], c["checkpoint"], strict=True))
-        return self.a + int(c["accumulation"]) * ratio * micro
-
-    @classmethod
-    def fit(cls, trials: list[FrozenTrial], *, num_layers: int, device: str) -> StepTimeModel:
-        prior = _DTYPE_SPEED_PRIOR.get(device, _DTYPE_SPEED_PRIOR["cpu"])
-        rows = [(t.user_attrs[TrialAttr.CONFIG], float(t.user_attrs[TrialAttr.STEP_TIME_MS])) for t in trials
-                if t.user_attrs.get(TrialAttr.STATUS) == Status.OK and t.user_attrs.get(TrialAttr.STEP_TIME_MS)
-                and t.user_attrs.get(TrialAttr.REUSED_FROM) is None and t.user_attrs.get(TrialAttr.CONFIG)
-                and t.user_attrs[TrialAttr.CONFIG].get("compile", "off") == "off"]
-        dtypes = sorted({cfg["dtype"] for cfg, _ in rows})
-        typical = (sum(sum(cfg["micro_batches"]) / len(cfg["micro_batches"]) for cfg, _ in rows) / len(rows)
-                   if rows else 1.0)
-        model = cls(a=0.0, b=0.0, g=0.0, k={}, num_layers=num_layers, prior=prior, typical_micro_batch=typical)
-        if not rows:
-            return model
-        any_ckpt = any(any(ck for ck in cfg["checkpoint"]) for cfg, _ in rows)
-        distinct = len({json.dumps(cfg, sort_keys=True) for cfg, _ in rows})
-        full = distinct >= 3 + len(dtypes) + 1  # a, b, g and one k per dtype, with one to spare
-        layers = max(1, num_layers)
-
-        def unpack(x: Any) -> tuple[float, float, float, dict[str, float]]:
-            a, b, g = (float(x[0]), float(x[1]), float(x[2])) if full else (0.0, 0.0, float(x[0]))
-            ks = x[3:] if full else x[1:]
-            return a, b, g, {d: float(v) for d, v in zip(dtypes, ks, strict=True)}
-
-        def predict(x: Any, cfg: dict[str, Any]) -> float:
-            a, b, g, k = unpack(x)
-            micro = max(b + k[cfg["dtype"]] * m + g * len(ck) / layers
-                        for m, ck in zip(cfg["micro_batches"], cfg["checkpoint"], strict=True))
-            return a + int(cfg["accumulation"]) * micro
-
-        # start: the proportional fit (k from the mean time per sample-step), g a prior share of it
-        k0 = {d: float(np.mean([t / (int(c["accumulation"]) * max(c["micro_batches"])) for c, t in rows
-                                if c["dtype"] == d])) for d in dtypes}
-        x0 = ([0.0, 0.0, RECOMPUTE_PRIOR * min(k0.values()) * typical] if full
-              else [RECOMPUTE_PRIOR * min(k0.values()) * typical]) + [k0[d] for d in dtypes]
-        lower, upper = [0.0] * len(x0), [np.inf] * len(x0)
-        g_at = 2 if full else 0
-        if not any_ckpt:  # the data cannot see g (every c_r is 0): fitted as 0, set from the prior below
-            x0[g_at], upper[g_at] = 0.0, 1e-12
-        from scipy.optimize import least_squares
-
-        def residuals(x: Any) -> list[float]:
-            return [predict(x, cfg) / t - 1.0 for cfg, t in rows]
-
-        try:
-            x = least_squares(residuals, np.clip(x0, lower, upper), bounds=(lower, upper)).x
-        except Exception:
-            x = np.asarray(x0)
-        model.a, model.b, model.g, model.k = unpack(x)
-        if not any_ckpt:
-            model.g = RECOMPUTE_PRIOR * (model.b + min(model.k.values()) * typical)
-        return model
 
 
 class ModelAdvisor:
@@ -451,7 +285,7 @@ class ModelAdvisor:
                                peak_reserved=[None] * len(peaks), outside_pytorch=[None] * len(peaks),
                                capacity=capacity, step_time_s=None, samples_per_s=None, startup_s=None)
         other = trial.user_attrs[TrialAttr.CONFIG]
-        what = (f"budget {_budget(other, rank):g}" if other.get("compile", "off") != "off"
+        what = (f"budget {activation_budget(other, rank):g}" if other.get("compile", "off") != "off"
                 else f"{len(other['checkpoint'][rank])} checkpointed blocks")
         attrs = {
             **figures.user_attrs(self.settings.headroom),

@@ -1,17 +1,20 @@
-"""Opening the Optuna storage: busy timeouts for SQLite, heartbeats, clear errors."""
+"""The Optuna storage of the studies: opening it (busy timeouts for SQLite, heartbeats, clear
+errors), listing and loading studies. Optuna is imported when a storage is opened."""
 
 from __future__ import annotations
 
 import os
 import time
 import warnings
-from typing import Any
-
-import optuna
+from typing import TYPE_CHECKING, Any
 
 from autobalance._errors import StorageError, StudyNotFoundError, UsageError
+from autobalance.store._url import mask_url, scrub
 
-__all__ = ["HEARTBEAT_ENV", "HEARTBEAT_INTERVAL_S", "heartbeat_interval_s", "list_studies", "load_study", "mask",
+if TYPE_CHECKING:
+    import optuna
+
+__all__ = ["HEARTBEAT_ENV", "HEARTBEAT_INTERVAL_S", "heartbeat_interval_s", "list_studies", "load_study",
            "open_storage"]
 
 HEARTBEAT_INTERVAL_S = 10
@@ -34,14 +37,10 @@ def heartbeat_interval_s() -> int:
     return value
 
 
-def mask(url: str) -> str:
-    from autobalance.store import mask_url
-
-    return mask_url(url)
-
-
 def open_storage(url: str, *, heartbeat: bool = True) -> optuna.storages.RDBStorage:
     """An RDB storage for ``url``; raises StorageError (password masked) when it cannot be used."""
+    import optuna
+
     if "://" not in url:
         raise StorageError(
             f"--storage={url!r} is not a database URL; use e.g. sqlite:///autobalance.db or "
@@ -74,16 +73,14 @@ def open_storage(url: str, *, heartbeat: bool = True) -> optuna.storages.RDBStor
         raise AssertionError("unreachable")
     except ModuleNotFoundError as exc:
         raise StorageError(
-            f"--storage={mask(url)} needs the Python driver {exc.name!r}; install it "
+            f"--storage={mask_url(url)} needs the Python driver {exc.name!r}; install it "
             "(PostgreSQL: pip install 'autobalance[postgres]')."
         ) from None
     except Exception as exc:
-        from autobalance.store._url import scrub
-
         detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         detail = scrub(detail, url)
         raise StorageError(
-            f"--storage={mask(url)} cannot be used ({type(exc).__name__}: {detail[:200]}); "
+            f"--storage={mask_url(url)} cannot be used ({type(exc).__name__}: {detail[:200]}); "
             "check the URL, that the server is up and that it is writable."
         ) from None
 
@@ -93,6 +90,8 @@ def list_studies(storage: optuna.storages.BaseStorage) -> list[str]:
 
 
 def load_study(*, study_name: str, storage_url: str) -> optuna.Study:
+    import optuna
+
     storage = open_storage(storage_url, heartbeat=False)
     try:
         return optuna.load_study(study_name=study_name, storage=storage)
@@ -100,6 +99,6 @@ def load_study(*, study_name: str, storage_url: str) -> optuna.Study:
         names = list_studies(storage)
         listing = ", ".join(names) if names else "none"
         raise StudyNotFoundError(
-            f"Study {study_name!r} not found in {mask(storage_url)} (available: {listing}). "
+            f"Study {study_name!r} not found in {mask_url(storage_url)} (available: {listing}). "
             "List studies with `autobalance studies`."
         ) from None

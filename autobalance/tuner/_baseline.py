@@ -1,0 +1,119 @@
+"""The baseline trial: the script's own configuration, run once per study (other workers wait for
+it); its report defines the search space and the devices' capacity."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Any
+
+import optuna
+
+from autobalance._config import BalanceConfig
+from autobalance._errors import LaunchError, TrialScriptError, UsageError
+from autobalance.launcher import TrialOutcome
+from autobalance.protocol import Status, StudyAttr, TrialAttr, best_trial
+from autobalance.store import heartbeat_interval_s
+from autobalance.tuner._launching import TrialLauncher
+from autobalance.tuner._recording import Recorder
+from autobalance.tuner._settings import TuneSettings
+from autobalance.tuner._workers import BaselineClaim, worker_id
+from autobalance.tuner.search import SearchSpace
+
+__all__ = ["baseline_once", "script_sha256"]
+
+
+def script_sha256(path: str) -> str:
+    import hashlib
+
+    with open(path, "rb") as fh:
+        return hashlib.sha256(fh.read()).hexdigest()
+
+
+def baseline_once(study: optuna.Study, *, settings: TuneSettings, storage: optuna.storages.RDBStorage,
+                  launcher: TrialLauncher, recorder: Recorder, reporter: Any) -> SearchSpace:
+    """Run the baseline, or wait while another worker on this study runs it (see ``_workers``)."""
+    claim = BaselineClaim(storage, study._study_id, owner=worker_id(), stale_after_s=3 * heartbeat_interval_s())
+    waiting = False
+    while True:
+        attrs = study.user_attrs
+        if StudyAttr.BASELINE in attrs and StudyAttr.SPACE in attrs:
+            return SearchSpace.from_dict(attrs[StudyAttr.SPACE])
+        if claim.try_acquire():
+            break
+        if not waiting:
+            holder = claim.holder() or {}
+            reporter.note(f"Waiting for the baseline trial that {holder.get('owner', 'another worker')} runs.")
+            waiting = True
+        time.sleep(1.0)
+    stop = threading.Event()
+
+    def refresh() -> None:
+        while not stop.wait(min(3.0, heartbeat_interval_s() / 2)):
+            with contextlib.suppress(Exception):
+                claim.refresh()
+
+    beat = threading.Thread(target=refresh, daemon=True)
+    beat.start()
+    try:
+        attrs = study.user_attrs  # recorded by another worker while this one took the claim?
+        if StudyAttr.BASELINE in attrs and StudyAttr.SPACE in attrs:
+            return SearchSpace.from_dict(attrs[StudyAttr.SPACE])
+        number = len(study.get_trials(deepcopy=False))
+        reporter.start(number, None, baseline=True)
+        outcome = launcher.launch(study, number=number, config=None)
+        space, defaults = _space_from_baseline(study, outcome, settings)
+        study.enqueue_trial(space.params_from_config(defaults), user_attrs={TrialAttr.BASELINE: True})
+        frozen = recorder.record(study, study.ask(), defaults, outcome, baseline=True)
+        study.set_user_attr(StudyAttr.BASELINE, frozen.number)
+        reporter.finish(frozen, best_trial(study))
+        return space
+    finally:
+        stop.set()
+        beat.join(timeout=5)
+        claim.release()
+
+
+def _space_from_baseline(study: optuna.Study, outcome: TrialOutcome,
+                         s: TuneSettings) -> tuple[SearchSpace, BalanceConfig]:
+    """The search space around the script's own configuration; the study attributes the baseline sets."""
+    rep = next((r for _, r in sorted(outcome.reports.items()) if r.get("defaults") and r.get("model")), None)
+    if outcome.status == Status.ERROR:
+        raise TrialScriptError(
+            f"the baseline trial (the script's own configuration) failed: {outcome.reason}. "
+            f"Fix the script; logs in {outcome.trial_dir}.", traceback_text=outcome.traceback,
+            rank=outcome.failing_rank,
+        )
+    if rep is None:
+        raise LaunchError(
+            f"the baseline trial ended with '{outcome.status}' ({outcome.reason}) before any rank reported "
+            f"its model; logs in {outcome.trial_dir}. "
+            + ("Raise --trial-timeout." if outcome.status == Status.TIMEOUT else "Check that the script calls plan.wrap().")
+        )
+    defaults = BalanceConfig.from_dict(rep["defaults"])
+    dtypes = s.dtypes or (["fp32", "bf16", "fp16"] if rep["device"]["type"] == "cuda" else ["fp32", "bf16"])
+    if defaults.dtype not in dtypes:
+        dtypes = [defaults.dtype, *dtypes]
+    space = SearchSpace.build(world_size=s.world_size, global_batch=defaults.global_batch,
+                              num_layers=int(rep["model"].get("num_blocks", 0)), dtypes=dtypes,
+                              max_accumulation=max(s.max_accumulation, defaults.accumulation),
+                              compile_modes=s.compile_modes())
+    if defaults.accumulation not in space.accumulations:
+        space.accumulations = sorted({*space.accumulations, defaults.accumulation})
+    capacity = [float((outcome.reports.get(r) or rep)["device"]["capacity_bytes"]) for r in range(s.world_size)]
+    if s.device == "cuda" and s.caps_bytes():
+        too_big = [(r, c) for r, c in enumerate(s.caps_bytes() or []) if c > capacity[r]]
+        if too_big:
+            r, c = too_big[0]
+            raise UsageError(
+                f"--memory-cap-gib={c / 2**30:g} for rank {r} is larger than its card ({capacity[r] / 2**30:.1f} GiB); "
+                "use a smaller cap."
+            )
+    study.set_user_attr(StudyAttr.SPACE, space.to_dict())
+    study.set_user_attr(StudyAttr.CAPACITY, capacity)
+    study.set_user_attr(StudyAttr.DEVICE, rep["device"])
+    study.set_user_attr(StudyAttr.SCRIPT_SHA, script_sha256(s.script))
+    study.set_user_attr(StudyAttr.TORCH_VERSION, rep.get("torch_version"))
+    study.set_user_attr(StudyAttr.CUDA_VERSION, rep.get("cuda_version"))
+    return space, defaults

@@ -1,0 +1,240 @@
+"""Launching a trial: the slot it runs in, its warm pool (or a cold torchrun, or the multi-node
+hand-off), its heartbeat in the storage and early stopping (pruning)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from typing import Any
+
+import optuna
+
+from autobalance._config import BalanceConfig
+from autobalance.launcher import TrialLaunch, TrialOutcome, WarmPool, cold_reason, run_trial
+from autobalance.protocol import TrialAttr, is_feasible
+from autobalance.store import heartbeat_interval_s
+from autobalance.tuner._parallel import Slot, plan_slots
+from autobalance.tuner._settings import TuneSettings
+from autobalance.tuner._summary import per_trial_overhead_s
+from autobalance.tuner.search import compile_env
+
+__all__ = ["AUTO_MEASURE_FACTOR", "AUTO_MEASURE_MAX_S", "Stopped", "TrialLauncher"]
+
+AUTO_MEASURE_FACTOR = 7 / 3
+"""``--measure-s auto``: measure 7/3 of the overhead, so the overhead is <= 30 % of a trial."""
+AUTO_MEASURE_MAX_S = 2.0
+"""``--measure-s auto`` never measures longer than this (cold trials' overhead is seconds)."""
+_WARM_PRUNE_MIN_STEPS = 20
+
+
+class Stopped(KeyboardInterrupt):
+    """Raised in a slot's trial when another slot stopped the study (or the tuner was interrupted):
+    the trial is killed and marked interrupted like on Ctrl-C."""
+
+
+class TrialLauncher:
+    """Starts the study's trials: one slot per concurrent trial, a warm pool per slot (created on
+    first use), the multi-node coordinator when ``--nnodes`` > 1."""
+
+    def __init__(self, *, settings: TuneSettings, storage: optuna.storages.RDBStorage, reporter: Any,
+                 stop: threading.Event, pool: WarmPool | None = None) -> None:
+        """``pool``: a warm pool shared with other tuners of the same script (the caller closes it)."""
+        self.settings = settings
+        self.storage = storage
+        self.reporter = reporter
+        self.stop = stop
+        self.pool: WarmPool | None = pool
+        self.owns_pool = pool is None
+        self.cold_note: str | None = None
+        self.trials_run = 0
+        """Trials launched (baseline included)."""
+        self.coordinator: Any = None
+        self._slots: list[Slot] | None = None
+        self._slot_pools: dict[int, WarmPool] = {}
+        self._local = threading.local()
+        self._lock = threading.RLock()
+
+    # ------------------------------------------------------------------ slots
+    def slots(self) -> list[Slot]:
+        """Where concurrent trials run (bad --gpus-per-trial/--cpus-per-trial: an error here)."""
+        if self._slots is None:
+            s = self.settings
+            self._slots = plan_slots(device=s.device, nproc_per_node=s.nproc_per_node, nnodes=s.nnodes,
+                                     gpus_per_trial=s.gpus_per_trial, cpus_per_trial=s.cpus_per_trial)
+        return self._slots
+
+    def enter_slot(self, slot: Slot) -> None:
+        """Run the calling thread's trials in ``slot``."""
+        self._local.slot = slot
+
+    def slot(self) -> Slot:
+        """The slot of the calling thread (the first one on the main thread)."""
+        slot = getattr(self._local, "slot", None)
+        return slot if slot is not None else self.slots()[0]
+
+    # ------------------------------------------------------------------ launching
+    def launch(self, study: optuna.Study, *, number: int, config: BalanceConfig | None,
+               trial: optuna.Trial | None = None) -> TrialOutcome:
+        """Run one trial (``config`` None: the script's own configuration) and classify its end.
+        A trial given as ``trial`` beats its heartbeat and may be pruned."""
+        s = self.settings
+        trial_dir = os.path.abspath(os.path.join(s.runs_dir, s.study_name, f"trial-{number:04d}-{int(time.time())}"))
+        slot = self.slot()
+        launch = TrialLaunch(
+            script=s.script, script_args=list(s.script_args), nproc_per_node=s.nproc_per_node, nnodes=s.nnodes,
+            node_rank=s.node_rank, rdzv_endpoint=s.rdzv_endpoint, torchrun_args=list(s.torchrun_args),
+            device=s.device, config_json=None if config is None else config.to_json(),
+            global_batch=s.global_batch if config is None else None, steps=s.steps, warmup=s.warmup,
+            measure_s=self.measure_s(study), max_steps=s.max_steps,
+            memory_cap_bytes=s.caps_bytes() if s.cap_mode == "enforce" else None, trial_dir=trial_dir,
+            timeout_s=s.trial_timeout, pg_timeout_s=int(max(30, min(300, s.trial_timeout / 2))),
+            env={**compile_env(s), **slot.env}, cpus=list(slot.cpus or []) or None,
+        )
+        stop_beat = threading.Event()
+        beat = None
+        if trial is not None:
+            beat = threading.Thread(target=self._heartbeat, args=(trial._trial_id, stop_beat), daemon=True)
+            beat.start()
+        # Pruning a warm trial kills the pool (restart: seconds); worth it only for long trials.
+        prune = trial is not None and s.prune_factor > 0 and (s.cold or s.nnodes > 1 or s.steps >= _WARM_PRUNE_MIN_STEPS)
+        pruner = _Pruner(trial=trial, trial_dir=trial_dir, best_step_s=_best_step_s(study),
+                         factor=s.prune_factor) if prune and trial is not None else None
+
+        def on_poll(elapsed: float) -> bool:
+            if self.stop.is_set():  # another slot failed or the tuner was interrupted
+                raise Stopped
+            self.reporter.tick(number, elapsed)
+            return pruner.should_stop() if pruner is not None else False
+
+        try:
+            if s.nnodes > 1:
+                return self._coordinator().run(launch, on_poll=on_poll)
+            pool = self._pool(launch)
+            if pool is not None:
+                return pool.run(launch, on_poll=on_poll)
+            return run_trial(launch, on_poll=on_poll)
+        finally:
+            stop_beat.set()
+            if beat is not None:
+                beat.join(timeout=5)
+            with self._lock:
+                self.trials_run += 1
+
+    def measure_s(self, study: optuna.Study) -> float:
+        """How long the next trial measures: ``--measure-s``, or with ``auto`` on CUDA 7/3 of the
+        per-trial overhead seen so far (so the steps take >= 70 % of a trial), at most 2 s."""
+        s = self.settings
+        if not isinstance(s.measure_s, str):
+            return float(s.measure_s)
+        if s.device != "cuda":
+            return 0.0
+        overhead = per_trial_overhead_s(study.get_trials(deepcopy=False))
+        return 0.0 if overhead is None else min(AUTO_MEASURE_MAX_S, AUTO_MEASURE_FACTOR * overhead)
+
+    def beat_now(self, trial: optuna.Trial) -> None:
+        """One heartbeat at once: a tuner killed before its trial starts leaves it stale, not running."""
+        with contextlib.suppress(Exception):
+            self.storage.record_heartbeat(trial._trial_id)
+
+    def _heartbeat(self, trial_id: int, stop: threading.Event) -> None:
+        while not stop.is_set():
+            with contextlib.suppress(Exception):
+                self.storage.record_heartbeat(trial_id)
+            stop.wait(min(3.0, heartbeat_interval_s() / 2))
+
+    # ------------------------------------------------------------------ pools and the coordinator
+    def _coordinator(self) -> Any:
+        """The multi-node hand-off (started on first use; see ``launcher._multinode``)."""
+        if self.coordinator is None:
+            from autobalance.launcher import Coordinator
+
+            s = self.settings
+            assert s.rdzv_endpoint, "checked in Tuner.run()"
+            self.coordinator = Coordinator(runs_dir=s.runs_dir, rdzv_endpoint=s.rdzv_endpoint, nnodes=s.nnodes,
+                                           nproc_per_node=s.nproc_per_node, script=s.script,
+                                           script_args=list(s.script_args), note=self.reporter.note)
+            self.coordinator.start()
+        return self.coordinator
+
+    def _pool(self, launch: TrialLaunch) -> WarmPool | None:
+        """The slot's warm pool, created on first use; None when trials must run cold."""
+        s = self.settings
+        if s.cold or s.nnodes > 1:
+            return None
+        slot = self.slot().index
+        with self._lock:
+            pool = self.pool if slot == 0 else self._slot_pools.get(slot)
+            if pool is None:
+                reason = cold_reason(s.script)
+                if reason is not None:
+                    self.cold_note = f"Cold trials (one torchrun per trial): {reason}."
+                    self.reporter.note(self.cold_note)
+                    s.cold = True
+                    return None
+                # one pool per slot: its workers hold the slot's devices for the whole study
+                pool_dir = os.path.abspath(os.path.join(s.runs_dir, s.study_name))
+                pool = WarmPool(template=launch, pool_dir=pool_dir)
+                if slot == 0:
+                    self.pool = pool
+                else:
+                    self._slot_pools[slot] = pool
+        return pool
+
+    def close_slot(self, slot: Slot) -> None:
+        """Close the slot's pool: called by the thread that (re)started it (its parent-death signal
+        follows that thread)."""
+        with self._lock:
+            pool = self._slot_pools.pop(slot.index, None)
+            if slot.index == 0 and self.owns_pool:
+                pool, self.pool = self.pool, None
+        if pool is not None:
+            pool.close()
+
+    def close(self) -> None:
+        if self.pool is not None and self.owns_pool:
+            self.pool.close()
+            self.pool = None
+        for pool in self._slot_pools.values():
+            pool.close()
+        self._slot_pools.clear()
+        if self.coordinator is not None:
+            self.coordinator.close()
+            self.coordinator = None
+
+
+def _best_step_s(study: optuna.Study) -> float | None:
+    times = [t.user_attrs[TrialAttr.STEP_TIME_MS] / 1000 for t in study.get_trials(deepcopy=False)
+             if is_feasible(t) and t.user_attrs.get(TrialAttr.STEP_TIME_MS)]
+    return min(times) if times else None
+
+
+class _Pruner:
+    """Reports each measured step time as an intermediate value; asks to stop a hopeless trial."""
+
+    def __init__(self, *, trial: optuna.Trial, trial_dir: str, best_step_s: float | None, factor: float) -> None:
+        self.trial = trial
+        self.path = os.path.join(trial_dir, "progress.json")
+        self.best = best_step_s
+        self.factor = factor
+        self.reported = 0
+        self.stop = False
+
+    def should_stop(self) -> bool:
+        if self.stop or not os.path.exists(self.path):
+            return self.stop
+        try:
+            with open(self.path) as fh:
+                progress = json.load(fh)
+        except (OSError, ValueError):
+            return False
+        measured = progress.get("step_times_s", [])[int(progress.get("warmup_steps", 0)):]
+        while self.reported < len(measured):
+            with contextlib.suppress(Exception):
+                self.trial.report(measured[self.reported], self.reported)
+            self.reported += 1
+        if self.best and self.factor and measured:
+            self.stop = sorted(measured)[len(measured) // 2] > self.factor * self.best
+        return self.stop

@@ -1,0 +1,173 @@
+"""Recording a trial in the study: its attributes, its memory chart (an Optuna artifact), its
+constraint values and the tell - for a measured trial, a reused result, a prediction, and the
+trials that end without a measurement (surplus, interrupted, tuner failure)."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from autobalance._config import BalanceConfig
+from autobalance.launcher import TrialOutcome
+from autobalance.protocol import (
+    CONSTRAINTS_KEY,
+    MEASURED_STATUSES,
+    TOLD_STATUSES,
+    Status,
+    StudyAttr,
+    TrialAttr,
+)
+from autobalance.store import mask_url
+from autobalance.tuner._settings import TuneSettings
+from autobalance.tuner._study import counts, measured_configs
+from autobalance.tuner.search import TrialFigures, compile_env, figures_from_outcome
+
+__all__ = ["INTERRUPTED_REASON", "Recorder"]
+
+INTERRUPTED_REASON = "the tuner was interrupted (Ctrl-C or SIGTERM); the trial's processes were killed"
+
+
+class Recorder:
+    """Tells the study what became of each trial; keeps the measured configurations for reuse."""
+
+    def __init__(self, *, settings: TuneSettings, storage: optuna.storages.RDBStorage) -> None:
+        self.settings = settings
+        self.storage = storage
+        self.measured: dict[str, FrozenTrial] = {}
+        """Trials that ran their configuration to a verdict, by configuration (JSON)."""
+
+    def load(self, study: optuna.Study) -> None:
+        self.measured = measured_configs(study)
+
+    def seen(self, config: BalanceConfig) -> FrozenTrial | None:
+        """The trial that already measured ``config``, if any."""
+        return self.measured.get(config.to_json())
+
+    # ------------------------------------------------------------------ a launched trial
+    def record(self, study: optuna.Study, trial: optuna.Trial, config: BalanceConfig, outcome: TrialOutcome,
+               *, baseline: bool = False) -> FrozenTrial:
+        s = self.settings
+        cap = study.user_attrs.get(StudyAttr.CAPACITY)
+        figures = figures_from_outcome(outcome, world_size=s.world_size, caps=s.caps_bytes(),
+                                       fallback_capacity=[float(c) for c in cap] if cap else None)
+        attrs: dict[str, Any] = {
+            **figures.user_attrs(s.headroom),
+            TrialAttr.STATUS: outcome.status,
+            TrialAttr.REASON: outcome.reason,
+            TrialAttr.CONFIG: config.to_dict(),
+            TrialAttr.BASELINE: baseline,
+            TrialAttr.WALL_S: round(outcome.wall_s, 3),
+            TrialAttr.TRIAL_DIR: outcome.trial_dir,
+        }
+        if outcome.traceback:
+            attrs[TrialAttr.ERROR_TAIL] = outcome.traceback[-1500:]
+        if outcome.failing_rank is not None:
+            attrs[TrialAttr.FAILING_RANK] = outcome.failing_rank
+        if outcome.pool_start_s > 0.05:
+            attrs[TrialAttr.POOL_START_S] = round(outcome.pool_start_s, 3)
+        try:  # per-rank memory chart as a trial artifact; Optuna accepts artifacts only before tell
+            from autobalance.report import artifact_dir_for, upload_trial_chart
+
+            upload_trial_chart(study, trial, artifact_dir_for(s.storage), attrs=attrs)
+        except Exception as exc:
+            warnings.warn(f"autobalance: trial {trial.number}'s memory chart was not stored ({exc})", stacklevel=2)
+        return self.tell(study, trial, figures, attrs, outcome.status)
+
+    def tell(self, study: optuna.Study, trial: optuna.Trial, figures: TrialFigures, attrs: dict[str, Any],
+             status: Status) -> FrozenTrial:
+        """Set the attributes, then tell: objective values and constraints (measured or infeasible),
+        pruned, or failed."""
+        s = self.settings
+        for key, value in attrs.items():
+            trial.set_user_attr(key, value)
+        if status == Status.PRUNED:
+            return study.tell(trial, state=TrialState.PRUNED)
+        if status in TOLD_STATUSES:
+            reference = study.user_attrs.get(StudyAttr.REFERENCE)
+            if figures.measured and reference is None:
+                reference = float(figures.step_time_s)  # type: ignore[arg-type]
+                study.set_user_attr(StudyAttr.REFERENCE, reference)
+            constraints = [figures.memory_constraint(s.headroom)]
+            if s.max_spread_gib is not None:
+                spread = figures.spread_bytes() if figures.measured else None
+                # same keys on every trial (GPSampler requires it): unmeasured trials violate it too
+                constraints.append(1.0 if spread is None else spread / 2**30 - s.max_spread_gib)
+            trial.set_user_attr(TrialAttr.FEASIBLE, all(c <= 0 for c in constraints) and status == Status.OK)
+            self.storage.set_trial_system_attr(trial._trial_id, CONSTRAINTS_KEY, constraints)
+            values = figures.values(reference_step_s=reference, weight_spread=s.weight_spread,
+                                    weight_time=s.weight_time, multi_objective=s.multi_objective)
+            frozen = study.tell(trial, values)
+        else:
+            frozen = study.tell(trial, state=TrialState.FAIL)
+        if TrialAttr.CONFIG in attrs and status in MEASURED_STATUSES:
+            self.measured[json.dumps(attrs[TrialAttr.CONFIG], sort_keys=True)] = frozen
+        return frozen
+
+    # ------------------------------------------------------------------ trials that launch nothing
+    def reuse(self, study: optuna.Study, trial: optuna.Trial, seen: FrozenTrial) -> FrozenTrial:
+        """A configuration measured before: copy its result."""
+        for key, value in seen.user_attrs.items():
+            if key != TrialAttr.BASELINE:
+                trial.set_user_attr(key, value)
+        trial.set_user_attr(TrialAttr.BASELINE, False)
+        trial.set_user_attr(TrialAttr.REUSED_FROM, seen.number)
+        self.storage.set_trial_system_attr(trial._trial_id, CONSTRAINTS_KEY,
+                                           list(seen.system_attrs.get(CONSTRAINTS_KEY, [1.0])))
+        return study.tell(trial, list(seen.values))
+
+    def predicted(self, study: optuna.Study, trial: optuna.Trial, config: BalanceConfig,
+                  prediction: tuple[TrialFigures, dict[str, Any]]) -> FrozenTrial:
+        """A configuration the models say cannot fit: recorded as infeasible without launching."""
+        figures, attrs = prediction
+        return self.tell(study, trial, figures, {**attrs, TrialAttr.CONFIG: config.to_dict()}, Status.PREDICTED_OOM)
+
+    def surplus(self, study: optuna.Study, trial: optuna.Trial) -> bool:
+        """Another worker asked for the last trial at the same moment: fail this one (not counted)."""
+        total = self.settings.trials
+        counted = sum(1 for t in study.get_trials(deepcopy=False) if t.number < trial.number and counts(t))
+        if counted < total:
+            return False
+        trial.set_user_attr(TrialAttr.STATUS, Status.SURPLUS)
+        trial.set_user_attr(TrialAttr.REASON, f"{total} trials were already counted when it was asked (another "
+                                              "worker took the last one); nothing was launched")
+        study.tell(trial, state=TrialState.FAIL)
+        return True
+
+    def interrupted(self, study: optuna.Study, trial: optuna.Trial, config: BalanceConfig, exc: BaseException) -> None:
+        """Ctrl-C (or another slot's failure) killed the trial: failed, run again on the next start."""
+        partial: TrialOutcome | None = getattr(exc, "outcome", None)
+        trial.set_user_attr(TrialAttr.STATUS, Status.INTERRUPTED)
+        trial.set_user_attr(TrialAttr.REASON, INTERRUPTED_REASON)
+        trial.set_user_attr(TrialAttr.CONFIG, config.to_dict())
+        if partial is not None:
+            trial.set_user_attr(TrialAttr.TRIAL_DIR, partial.trial_dir)
+        study.tell(trial, state=TrialState.FAIL)
+
+    def unfinished(self, study: optuna.Study, trial: optuna.Trial, exc: BaseException) -> None:
+        """Whatever stopped the tuner during a trial (Ctrl-C, a storage or launcher error), the trial
+        must not stay RUNNING: record why (an interrupted one is run again on the next start)."""
+        if study._storage.get_trial(trial._trial_id).state != TrialState.RUNNING:
+            return
+        if isinstance(exc, KeyboardInterrupt):
+            trial.set_user_attr(TrialAttr.STATUS, Status.INTERRUPTED)
+            trial.set_user_attr(TrialAttr.REASON, INTERRUPTED_REASON)
+        else:
+            trial.set_user_attr(TrialAttr.STATUS, Status.CRASH)
+            trial.set_user_attr(TrialAttr.REASON,
+                                f"the tuner failed: {type(exc).__name__}: {mask_url(str(exc))[:250]}")
+        study.tell(trial, state=TrialState.FAIL)
+
+    def launch_settings(self, study: optuna.Study) -> None:
+        """How this run starts the script (once it is accepted): what ``promote`` verifies with."""
+        s = self.settings
+        if s.nnodes == 1:
+            study.set_user_attr(StudyAttr.LAUNCH, {
+                "script": os.path.abspath(s.script), "script_args": list(s.script_args),
+                "nproc_per_node": s.nproc_per_node, "device": s.device, "torchrun_args": list(s.torchrun_args),
+                "runs_dir": os.path.abspath(s.runs_dir), "trial_timeout": s.trial_timeout, "cold": s.cold,
+                "compile_env": compile_env(s)})

@@ -1,0 +1,92 @@
+"""What a finished ``tune`` says: the result, and the notes under the table (predicted and pruned
+trials, the steps' share of the wall time, compilation, the memory model's error)."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from autobalance.protocol import Status, StudyAttr, TrialAttr
+from autobalance.tuner.search import compile_notes
+
+__all__ = ["TuneResult", "per_trial_overhead_s", "summarise"]
+
+
+@dataclass(kw_only=True)
+class TuneResult:
+    """What a finished ``tune`` produced."""
+
+    study_name: str
+    storage: str
+    """Masked storage URL."""
+    trials_run: int
+    """Trials launched by this invocation (reused or predicted trials not counted)."""
+    baseline: FrozenTrial | None
+    best: FrozenTrial | None
+    wall_s: float
+    saved: bool = False
+    """Whether the best configuration was saved to the store."""
+    notes: list[str] = field(default_factory=list)
+
+
+def per_trial_overhead_s(trials: list[FrozenTrial], *, last: int = 5) -> float | None:
+    """Median, over the last ``last`` launched ok trials, of the trial's wall time outside its
+    warm-up and measured steps, its compilation and the start of a warm pool (what remains: a cold
+    trial's start-up, the script's set-up, the hand-over); None before any."""
+    overheads = []
+    for t in trials:
+        a = t.user_attrs
+        if (t.state != TrialState.COMPLETE or a.get(TrialAttr.STATUS) != Status.OK
+                or a.get(TrialAttr.REUSED_FROM) is not None
+                or a.get(TrialAttr.WALL_S) is None or a.get(TrialAttr.STEPS_S) is None):
+            continue
+        overheads.append(max(0.0, float(a[TrialAttr.WALL_S]) - float(a[TrialAttr.STEPS_S])
+                             - float(a.get(TrialAttr.COMPILE_S) or 0.0) - float(a.get(TrialAttr.POOL_START_S) or 0.0)))
+    recent = overheads[-last:]
+    return statistics.median(recent) if recent else None
+
+
+def summarise(study: optuna.Study, result: TuneResult, *, cold_note: str | None, advisor: Any) -> None:
+    """Append the study's notes to ``result`` (and record the compile total and the memory model's error)."""
+    trials = study.get_trials(deepcopy=False)
+    predicted = [t for t in trials if t.user_attrs.get(TrialAttr.STATUS) == Status.PREDICTED_OOM]
+    pruned = sum(t.state == TrialState.PRUNED for t in trials)
+    if predicted:
+        result.notes.append(f"{len(predicted)} configuration(s) predicted to run out of memory were recorded without "
+                            "launching.")
+    launched = [t for t in trials if t.user_attrs.get(TrialAttr.STATUS) == Status.OK
+                and t.user_attrs.get(TrialAttr.STEPS_S) is not None
+                and t.user_attrs.get(TrialAttr.WALL_S) and t.user_attrs.get(TrialAttr.REUSED_FROM) is None]
+    if len(launched) >= 2:
+        # a warm pool's own start is paid once per (re)start, not per trial: reported apart
+        starts = sum(float(t.user_attrs.get(TrialAttr.POOL_START_S) or 0.0) for t in launched)
+        walls = sum(float(t.user_attrs[TrialAttr.WALL_S]) for t in launched) - starts
+        in_steps = sum(float(t.user_attrs[TrialAttr.STEPS_S]) for t in launched)
+        result.notes.append(
+            f"Steps took {100 * in_steps / max(walls, 1e-9):.0f}% of the measured trials' wall time (median "
+            f"overhead {per_trial_overhead_s(launched, last=len(launched)) or 0:.2f} s per trial: the script's "
+            "set-up, hand-over" + (f"; plus {starts:.1f} s starting warm workers)." if starts else ")."))
+    compiled_skipped = sum((t.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile", "off") != "off" for t in predicted)
+    compile_times = sorted(float(t.user_attrs[TrialAttr.COMPILE_S]) for t in trials
+                           if t.user_attrs.get(TrialAttr.COMPILE_S))
+    if compiled_skipped and compile_times:
+        median = compile_times[len(compile_times) // 2]
+        result.notes.append(f"{compiled_skipped} of them compiled: about {compiled_skipped * median:.0f} s of "
+                            f"compilation saved (the study's median compile, {median:.1f} s, each).")
+    if pruned:
+        result.notes.append(f"{pruned} trial(s) were stopped early (pruned) as clearly slower than the best.")
+    if cold_note:
+        result.notes.append(cold_note)
+    compile_lines, compile_total = compile_notes(trials)
+    if compile_lines:
+        study.set_user_attr(StudyAttr.COMPILE_TOTAL, round(compile_total, 3))
+        result.notes.extend(compile_lines)
+    if advisor is not None:
+        error = advisor.holdout_error(study)
+        if error is not None:
+            study.set_user_attr(StudyAttr.MEMORY_MODEL_ERROR, error)
+            result.notes.append(f"Memory model: {100 * error:.1f}% mean error predicting held-out trials' per-rank peaks.")

@@ -1,0 +1,177 @@
+"""The tuner: an Optuna study whose trials are real torchrun jobs. :meth:`Tuner.run` opens the
+study, runs the baseline once, then the trial loop (:mod:`autobalance.tuner._loop`)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from autobalance._config import BalanceConfig
+from autobalance._errors import LaunchError, TrialScriptError, UsageError
+from autobalance.launcher import TrialOutcome, WarmPool
+from autobalance.protocol import Status, StudyAttr, TrialAttr, best_trial
+from autobalance.store import heartbeat_interval_s, mask_url, open_storage
+from autobalance.tuner._baseline import baseline_once
+from autobalance.tuner._launching import Stopped, TrialLauncher
+from autobalance.tuner._loop import run_trials
+from autobalance.tuner._recording import Recorder
+from autobalance.tuner._settings import TuneSettings
+from autobalance.tuner._study import check_space, counted_trials, open_study
+from autobalance.tuner._summary import TuneResult, summarise
+from autobalance.tuner._workers import fail_stale_trials
+from autobalance.tuner.search import SearchSpace
+
+__all__ = ["MAX_CRASHES_IN_A_ROW", "Tuner"]
+
+MAX_CRASHES_IN_A_ROW = 3
+
+
+class Tuner:
+    """Runs ``settings.trials`` trials of one study (continuing an existing one).
+
+    Its parts: the :class:`TrialLauncher` (slots, warm pools, heartbeats), the :class:`Recorder`
+    (what is told to the study), the advisor (``--strategy model``: proposals and predictions).
+    Several slots run :func:`~autobalance.tuner._loop.one_trial` at once; ``lock`` serialises what
+    they share."""
+
+    counted_trials = staticmethod(counted_trials)
+
+    def __init__(self, *, settings: TuneSettings, reporter: Any = None, pool: WarmPool | None = None) -> None:
+        """``pool``: a warm pool shared with other tuners of the same script (the caller closes it)."""
+        self.settings = settings
+        self.reporter = reporter or _NullReporter()
+        self.storage = open_storage(settings.storage)
+        self.lock = threading.RLock()
+        self.stop = threading.Event()
+        """Set when a slot failed or the tuner was interrupted: every slot stops."""
+        self.launcher = TrialLauncher(settings=settings, storage=self.storage, reporter=self.reporter,
+                                      stop=self.stop, pool=pool)
+        self.recorder = Recorder(settings=settings, storage=self.storage)
+        self.advisor: Any = None
+        self.running_here: set[int] = set()
+        """Trial ids this tuner runs now (other workers' running trials are waited for at the end)."""
+        self._in_flight: dict[str, threading.Event] = {}
+        self._crashes_in_a_row = 0
+
+    @property
+    def trials_run(self) -> int:
+        return self.launcher.trials_run
+
+    def run(self) -> TuneResult:
+        s = self.settings
+        start = time.monotonic()
+        self.launcher.slots()  # bad --gpus-per-trial/--cpus-per-trial: an error before anything runs
+        if s.nnodes > 1 and not s.rdzv_endpoint:
+            raise UsageError(f"--nnodes={s.nnodes} needs --rdzv-endpoint HOST:PORT (a port on this node that the other "
+                             "nodes reach); start `autobalance worker` with the same endpoint on each of them.")
+        study = open_study(s, self.storage)
+        self.recorder.load(study)
+        space_dict = study.user_attrs.get(StudyAttr.SPACE)
+        space = SearchSpace.from_dict(space_dict) if space_dict else None
+        if space is not None:
+            check_space(s, space)
+        self.reporter.begin(s, already=counted_trials(study))
+        try:
+            if space is None or StudyAttr.BASELINE not in study.user_attrs:
+                space = baseline_once(study, settings=s, storage=self.storage, launcher=self.launcher,
+                                      recorder=self.recorder, reporter=self.reporter)
+            self.recorder.launch_settings(study)
+            if self.advisor is None and s.strategy == "model":
+                self.advisor = _make_advisor(space=space, settings=s)
+            run_trials(self, study, space)
+        finally:
+            self.close()
+        base_no = study.user_attrs.get(StudyAttr.BASELINE)
+        result = TuneResult(study_name=s.study_name, storage=mask_url(s.storage), trials_run=self.trials_run,
+                            baseline=study.trials[base_no] if base_no is not None else None,
+                            best=best_trial(study), wall_s=time.monotonic() - start)
+        summarise(study, result, cold_note=self.launcher.cold_note, advisor=self.advisor)
+        return result
+
+    def more_trials(self, study: optuna.Study) -> bool:
+        """Whether to ask for another trial; waits for other workers' running trials at the end
+        (one may go stale and need a replacement)."""
+        noted = False
+        while True:
+            if self.stop.is_set():
+                return False
+            fail_stale_trials(study, self.storage)
+            if counted_trials(study) < self.settings.trials:
+                return True
+            with self.lock:  # this tuner's own running trials (other slots) are not waited for
+                running = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                           if t._trial_id not in self.running_here]
+            if not running:
+                return False
+            if not noted:
+                self.reporter.note(f"Waiting for {len(running)} trial(s) that other workers on this study are running.")
+                noted = True
+            time.sleep(min(3.0, heartbeat_interval_s() / 2))
+
+    @contextlib.contextmanager
+    def measuring(self, config: BalanceConfig) -> Iterator[None]:
+        """Hold ``config`` while this slot measures it; another slot holding it is waited for first
+        (then its result is reused)."""
+        key = config.to_json()
+        while True:
+            with self.lock:
+                running = self._in_flight.get(key)
+                if running is None:
+                    done = self._in_flight[key] = threading.Event()
+                    break
+            while not running.wait(0.5):
+                if self.stop.is_set():
+                    raise Stopped
+        try:
+            yield
+        finally:
+            with self.lock:
+                self._in_flight.pop(key, None)
+            done.set()
+
+    def check_stop(self, study: optuna.Study, outcome: TrialOutcome) -> None:
+        """Stop the study after too many crashes in a row, or a script error (``--on-error stop``,
+        or before any trial was measured)."""
+        if outcome.status == Status.CRASH:
+            self._crashes_in_a_row += 1
+            if self._crashes_in_a_row >= MAX_CRASHES_IN_A_ROW:
+                raise LaunchError(
+                    f"{self._crashes_in_a_row} trials in a row crashed (last: {outcome.reason}); "
+                    f"stopping. Logs in {outcome.trial_dir}."
+                )
+            return
+        self._crashes_in_a_row = 0
+        if outcome.status == Status.ERROR:
+            any_ok = any(t.user_attrs.get(TrialAttr.STATUS) == Status.OK for t in study.get_trials(deepcopy=False))
+            if self.settings.on_error == "stop" or not any_ok:
+                raise TrialScriptError(
+                    f"trial {study.trials[-1].number} failed in the training script: {outcome.reason}. "
+                    f"Logs in {outcome.trial_dir}. (Use --on-error continue to skip such trials.)",
+                    traceback_text=outcome.traceback, rank=outcome.failing_rank,
+                )
+
+    def close(self) -> None:
+        self.launcher.close()
+
+
+def _make_advisor(*, space: SearchSpace, settings: TuneSettings) -> Any:
+    try:
+        from autobalance.tuner.search import ModelAdvisor
+    except ImportError:
+        return None
+    return ModelAdvisor(space=space, settings=settings)
+
+
+class _NullReporter:
+    def begin(self, settings: TuneSettings, *, already: int) -> None: ...
+    def start(self, number: int, config: BalanceConfig | None, *, baseline: bool = False) -> None: ...
+    def tick(self, number: int, elapsed: float) -> None: ...
+    def note(self, text: str) -> None: ...
+    def finish(self, trial: FrozenTrial, best: FrozenTrial | None, *, reused: bool = False,
+               predicted: bool = False) -> None: ...

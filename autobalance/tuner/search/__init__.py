@@ -1,0 +1,97 @@
+"""The search: what the study looks for and how it looks.
+
+- ``_space``: the search space (micro-batch shares, accumulation, checkpointing, dtype, buckets, compile);
+- ``_objective``: from a trial's rank reports to its figures, objective values and memory constraint;
+- ``_memory_model``: per-rank peak memory, fitted from the study's trials;
+- ``_step_time``: step time, fitted from the study's trials;
+- ``_solver``: balanced splits and per-rank checkpointing from the memory model;
+- ``_dominance``: model-free "cannot fit" from launched trials that did not fit;
+- ``_compile``: compile in the study (cache, space check, compile figures);
+- ``_advisor``: the ``model`` strategy: proposals and predicted OOMs, built on all of the above.
+
+Nothing here launches a trial; the study's running side (``autobalance.tuner``) uses these.
+"""
+
+from __future__ import annotations
+
+from autobalance.tuner.search._advisor import (
+    ModelAdvisor,
+    observations_from_trials,
+)
+from autobalance.tuner.search._compile import (
+    cache_dir,
+    compile_env,
+    compile_figures,
+    compile_notes,
+    space_problem,
+)
+from autobalance.tuner.search._dominance import (
+    activation_budget,
+    dominating_over_cap,
+)
+from autobalance.tuner.search._memory_model import (
+    ACTIVATION_BYTES_SCALE,
+    DEFAULT_SAFETY_MARGIN,
+    PRIOR_CHECKPOINT_SAVING,
+    DtypeFit,
+    MemoryModel,
+    MemoryObservation,
+)
+from autobalance.tuner.search._objective import (
+    INFEASIBLE_TIME,
+    TrialFigures,
+    figures_from_outcome,
+)
+from autobalance.tuner.search._solver import (
+    DEFAULT_RECOMPUTE_FRACTION,
+    SplitPlan,
+    balanced_split,
+    balanced_split_for,
+    choose_checkpointing,
+    plans_from_model,
+    predict_config_feasible,
+    predict_feasible,
+)
+from autobalance.tuner.search._space import (
+    BUDGET_RANGE,
+    SHARE_RANGE,
+    SearchSpace,
+)
+from autobalance.tuner.search._step_time import (
+    RECOMPUTE_PRIOR,
+    StepTimeModel,
+)
+
+__all__ = [
+    "ACTIVATION_BYTES_SCALE",
+    "BUDGET_RANGE",
+    "DEFAULT_RECOMPUTE_FRACTION",
+    "DEFAULT_SAFETY_MARGIN",
+    "INFEASIBLE_TIME",
+    "PRIOR_CHECKPOINT_SAVING",
+    "RECOMPUTE_PRIOR",
+    "SHARE_RANGE",
+    "DtypeFit",
+    "MemoryModel",
+    "MemoryObservation",
+    "ModelAdvisor",
+    "SearchSpace",
+    "SplitPlan",
+    "StepTimeModel",
+    "TrialFigures",
+    "activation_budget",
+    "balanced_split",
+    "balanced_split_for",
+    "cache_dir",
+    "choose_checkpointing",
+    "compile_env",
+    "compile_figures",
+    "compile_notes",
+    "dominating_over_cap",
+    "figures_from_outcome",
+    "observations_from_trials",
+    "plans_from_model",
+    "predict_config_feasible",
+    "predict_feasible",
+    "space_problem",
+]

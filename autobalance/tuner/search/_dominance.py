@@ -1,0 +1,68 @@
+"""Dominance: a configuration that needs at least as much memory, on some rank, as a launched
+trial that did not fit there will not fit either. Model-free (monotonicity only)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from optuna.trial import FrozenTrial, TrialState
+
+from autobalance._config import BalanceConfig
+from autobalance.protocol import MEASURED_STATUSES, Status, TrialAttr
+
+__all__ = ["activation_budget", "dominating_over_cap"]
+
+
+def activation_budget(cfg: dict[str, Any], rank: int) -> float:
+    """Rank ``rank``'s compile activation budget in ``cfg`` (1.0: none set, everything kept)."""
+    budgets = cfg.get("activation_budget")
+    return 1.0 if not budgets else float(budgets[rank])
+
+
+def _ranks_over_cap(t: FrozenTrial) -> list[int] | None:
+    """Ranks whose memory did not fit in trial ``t``; [] when it fit; None when it ran out of memory
+    but the rank is unknown (then only a configuration that dominates it on every rank is implied)."""
+    peaks = t.user_attrs.get(TrialAttr.PEAK_DEVICE_GIB) or []
+    usable = t.user_attrs.get(TrialAttr.USABLE_GIB) or []
+    over = {r for r, (p, u) in enumerate(zip(peaks, usable, strict=False)) if p is not None and u and p > u}
+    if t.user_attrs.get(TrialAttr.STATUS) == Status.OOM:
+        if t.user_attrs.get(TrialAttr.FAILING_RANK) is not None:
+            over.add(int(t.user_attrs[TrialAttr.FAILING_RANK]))
+        if not over:
+            return None
+    return sorted(over)
+
+
+def _needs_at_least(cfg: dict[str, Any], other: dict[str, Any], rank: int) -> bool:
+    """Rank ``rank`` of ``cfg`` holds at least the memory it held under ``other``: same dtype and
+    compile mode, a micro-batch no smaller, no more recomputation (checkpointing the first N blocks,
+    or a compile budget: a larger budget keeps more activations), buckets no smaller and not views
+    where ``other`` used views. Accumulation does not change a rank's peak."""
+    if cfg["dtype"] != other["dtype"] or cfg.get("compile", "off") != other.get("compile", "off"):
+        return False
+    return (cfg["micro_batches"][rank] >= other["micro_batches"][rank]
+            and len(cfg["checkpoint"][rank]) <= len(other["checkpoint"][rank])
+            and activation_budget(cfg, rank) >= activation_budget(other, rank)
+            and float(cfg["bucket_cap_mb"]) >= float(other["bucket_cap_mb"])
+            and (not cfg["gradient_as_bucket_view"] or bool(other["gradient_as_bucket_view"])))
+
+
+def dominating_over_cap(trials: list[FrozenTrial], config: BalanceConfig) -> tuple[FrozenTrial, int] | None:
+    """A launched trial that did not fit on some rank where ``config`` needs at least as much memory
+    (so ``config`` will not fit either), with that rank; None when there is none. Model-free: it
+    needs only monotonicity, so it covers compiled configurations, which the memory model does not."""
+    cfg = config.to_dict()
+    for t in trials:
+        other = t.user_attrs.get(TrialAttr.CONFIG)
+        if (t.state != TrialState.COMPLETE or t.user_attrs.get(TrialAttr.STATUS) not in MEASURED_STATUSES or not other
+                or t.user_attrs.get(TrialAttr.REUSED_FROM) is not None or len(other["micro_batches"]) != config.world_size):
+            continue
+        over = _ranks_over_cap(t)
+        if over is None:
+            if all(_needs_at_least(cfg, other, r) for r in range(config.world_size)):
+                return t, int(t.user_attrs.get(TrialAttr.FAILING_RANK) or 0)
+            continue
+        for r in over:
+            if _needs_at_least(cfg, other, r):
+                return t, r
+    return None
