@@ -60,6 +60,8 @@ class TrialOutcome:
     """Where reports and logs of this trial live."""
     pool_start_s: float = 0.0
     """Of ``wall_s``: waiting for a warm pool that was (re)started for this trial to come up."""
+    recycled: str | None = None
+    """A warm trial after which its pool was restarted: why (what the workers held over a fresh one)."""
 
     @property
     def feasible_measurement(self) -> bool:

@@ -5,6 +5,11 @@ context and the imported modules. A trial is handed over as ``request-<N>.json``
 directory; the result is the same per-rank reports a cold trial writes. A trial that fails (OOM,
 error, hang) poisons the group: the whole pool is killed (tree kill, as for cold trials) and the
 next trial starts a fresh one.
+
+A trial that succeeded can still end its pool: when a worker reports under ``warm.recycle`` that it
+holds more than a fresh worker would (kernels of a compiled trial, tensors a script kept; see
+:mod:`autobalance.runtime._carryover`), the pool is stopped after the trial and the next trial
+starts a fresh one, so that no trial is charged for what earlier trials left behind.
 """
 
 from __future__ import annotations
@@ -60,10 +65,16 @@ def cold_reason(script: str) -> str | None:
 class WarmPool:
     """One long-lived torchrun job whose workers run trials on request."""
 
-    def __init__(self, *, template: TrialLaunch, pool_dir: str, start_timeout_s: float = 300.0) -> None:
+    def __init__(self, *, template: TrialLaunch, pool_dir: str, start_timeout_s: float = 300.0,
+                 worker: tuple[str, ...] = ("-m", "autobalance.runtime._worker")) -> None:
+        """``worker``: how torchrun starts each rank's worker (the CPU tests start one that installs a
+        fake NVML first)."""
         self.template = template
         self.pool_dir = pool_dir
         self.start_timeout_s = start_timeout_s
+        self.worker = tuple(worker)
+        self.recycled: list[str] = []
+        """Why the pool was restarted after a successful trial, one entry per restart."""
         self.proc: subprocess.Popen[bytes] | None = None
         self.pool_id = ""
         self.seq = 0
@@ -84,7 +95,7 @@ class WarmPool:
         self.seq = 0
         t = self.template
         launch = TrialLaunch(
-            script="-m", script_args=["autobalance.runtime._worker", t.script, *t.script_args],
+            script=self.worker[0], script_args=[*self.worker[1:], t.script, *t.script_args],
             nproc_per_node=t.nproc_per_node, nnodes=t.nnodes, node_rank=t.node_rank,
             rdzv_endpoint=t.rdzv_endpoint, torchrun_args=t.torchrun_args, device=t.device, steps=t.steps,
             warmup=t.warmup, max_steps=t.max_steps, memory_cap_bytes=t.memory_cap_bytes, trial_dir=self._dir,
@@ -97,7 +108,7 @@ class WarmPool:
         env.update({_env.WARM: "1", _env.POOL_DIR: self._dir, "PYTHONUNBUFFERED": "1"})
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(t.nproc_per_node),
                "--max-restarts", "0", "--log-dir", os.path.join(self._dir, "logs"), "--redirects", "3",
-               "--standalone", *t.torchrun_args, "-m", "autobalance.runtime._worker", t.script, *t.script_args]
+               "--standalone", *t.torchrun_args, *self.worker, t.script, *t.script_args]
         with open(os.path.join(self._dir, "torchrun.log"), "wb") as log:
             try:
                 self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -196,6 +207,14 @@ class WarmPool:
                            interrupted=interrupted, wall_s=time.monotonic() - start, timeout_s=launch.timeout_s,
                            pruned=pruned)
         outcome.pool_start_s = max(0.0, (ready_at if ready_at is not None else time.monotonic()) - start)
+        if done:
+            reasons = sorted({str((rep.get("warm") or {}).get("recycle")) for rep in outcome.reports.values()
+                              if (rep.get("warm") or {}).get("recycle")})
+            if reasons:  # the next trial must not inherit what this one left: a fresh pool
+                outcome.recycled = "; ".join(reasons)
+                self.recycled.append(outcome.recycled)
+                with interrupts_deferred():
+                    self.close(graceful=True)
         return outcome
 
     def _ready(self) -> bool:

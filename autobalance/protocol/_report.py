@@ -108,6 +108,11 @@ class RankMemory(_Section):
     """Peak reserved + outside PyTorch: what the rank needs of its device."""
     before_training: float | None = None
     """Live bytes before the first step (model, optimizer state)."""
+    compile_step: dict[str, Any] | None = None
+    """A compiled trial: the peaks (same keys as above) up to the end of its compiling step."""
+    steady: dict[str, Any] | None = None
+    """A compiled trial: the peaks of the steps after its compiling step (the peaks above are the
+    larger of the two)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -157,6 +162,8 @@ class RankReport:
     """Measured steps' times (warm-up excluded)."""
     step_time_s: float | None = None
     """Median of ``step_times_s``."""
+    step_time_iqr_s: float | None = None
+    """Interquartile range of ``step_times_s`` (their spread); None below 2 measured steps."""
     measured_steps: int | None = None
     step_samples: list[int] | None = None
     """Samples of each measured step (all ranks): the global batch, or fewer in a partial step."""
@@ -177,6 +184,9 @@ class RankReport:
     verify: dict[str, Any] | None = None
     breakdown: dict[str, Any] | None = None
     """``autobalance diagnose``: MemTracker's per-module breakdown."""
+    warm: dict[str, Any] | None = None
+    """A warm trial: what it inherited from its worker and whether the worker was recycled after it
+    (see :mod:`autobalance.runtime._carryover`)."""
     torch_version: str | None = None
     cuda_version: str | None = None
     written_at: str | None = None
@@ -216,7 +226,7 @@ def report_problem(data: Any) -> str | None:
     for key in ("error", "traceback", "torch_version", "cuda_version"):
         if data.get(key) is not None and not isinstance(data[key], str):
             return f"{key} is not a string"
-    for key in ("memory", "device", "timing", "config", "defaults", "model", "breakdown", "data"):
+    for key in ("memory", "device", "timing", "config", "defaults", "model", "breakdown", "data", "warm"):
         if data.get(key) is not None and not isinstance(data[key], dict):
             return f"{key} is not an object"
     if data["status"] == Status.OK:
@@ -237,7 +247,7 @@ def report_problem(data: Any) -> str | None:
         for key in keys:
             if values.get(key) is not None and not is_number(values[key]):
                 return f"{section}.{key} is not a non-negative number"
-    for key in ("step_time_s", "samples_per_s", "measured_steps", "partial_steps", "samples_per_step"):
+    for key in ("step_time_s", "step_time_iqr_s", "samples_per_s", "measured_steps", "partial_steps", "samples_per_step"):
         if data.get(key) is not None and not is_number(data[key]):
             return f"{key} is not a non-negative number"
     times = data.get("step_times_s")

@@ -4,12 +4,16 @@ A trial (the launcher sets ``AUTOBALANCE_TRIAL_DIR``) runs ``AUTOBALANCE_WARMUP`
 ``AUTOBALANCE_STEPS`` measured ones; with ``AUTOBALANCE_MEASURE_S`` it measures for about that many
 seconds instead (at least the minimum, at most ``AUTOBALANCE_MAX_STEPS``), every rank agreeing on the
 count from the slowest rank's first measured step. Steps spent compiling come first and are timed as
-``compile_s`` by the compile part, not here. After each step rank 0 rewrites ``progress.json`` (step
+``compile_s`` by the compile part, not here. Once the warm-up is over the garbage collector runs
+and everything alive is frozen out of later collections (``gc.freeze``): the measured steps are not
+timed with a full collection of the process's heap in one of them (the warm worker unfreezes
+after the trial). After each step rank 0 rewrites ``progress.json`` (step
 times so far) for the tuner's pruner. Outside a trial the clock only records step times.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -76,12 +80,25 @@ class StepClock:
             if self.one_step:  # a verification run has this one step only
                 self.step_times.append(seconds)
                 self.step_samples.append(samples)
+            elif not self.step_times and self.warmup_steps == 0:
+                self._before_measured_steps()
             return
         self.step_times.append(seconds)
         self.step_samples.append(samples)
+        if len(self.step_times) == self.warmup_steps and not self.one_step:
+            self._before_measured_steps()
         if len(self.step_times) == self.warmup_steps + 1 and self.measure_s > 0 and not self.one_step:
             self._set_target_steps(seconds)
             self._step_start = time.perf_counter()  # the agreement is not part of the next step
+
+    def _before_measured_steps(self) -> None:
+        """Collect garbage now, and keep what is alive out of the collections during the measured
+        steps; not part of the next step's time."""
+        if not self.in_trial:
+            return
+        gc.collect()
+        gc.freeze()
+        self._step_start = time.perf_counter()
 
     def done(self, steps_done: int) -> bool:
         """Whether a trial has run its compile, warm-up and measured steps."""

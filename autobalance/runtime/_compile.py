@@ -106,6 +106,7 @@ class CompileState(Part):
         if self.compile_s is not None:
             return False
         self.first_step_done(seconds)
+        plan.meter.close_compile_step()  # the compiling step's peaks, apart from the steady state's
         return True
 
     def first_step_done(self, seconds: float) -> None:

@@ -76,6 +76,8 @@ class TrialEnd:
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
         self.written = False
+        self.deferred: dict[str, Any] | None = None
+        """A warm worker's ``ok`` report, written by the worker once it has cleaned up after the trial."""
 
     def install(self) -> None:
         """Report uncaught exceptions and an early end of the script (a cold trial's process)."""
@@ -89,10 +91,18 @@ class TrialEnd:
         if plan.trial_dir is None or self.written:
             return
         self.written = True
+        if status == "ok" and warm():  # the worker adds what the trial inherited and writes it
+            self.deferred = build_report(plan, status=status, error=error, tb=tb)
+            return
         try:
             write_report(plan.trial_dir, plan.rank, build_report(plan, status=status, error=error, tb=tb))
         except Exception as exc:
             report_not_written(plan.rank, plan.trial_dir, status, exc)
+
+    def take_deferred(self) -> dict[str, Any] | None:
+        """The ``ok`` report a warm worker has still to write (see :meth:`write`), once."""
+        report, self.deferred = self.deferred, None
+        return report
 
     def finish(self) -> None:
         """The trial's steps are done: report ``ok`` and leave the script's loop."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,7 +12,17 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["CpuMemoryTracker", "MemorySnapshot", "NvmlDevice", "cpu_capacity_bytes"]
+__all__ = [
+    "CpuMemoryTracker",
+    "DeviceProbe",
+    "DeviceReading",
+    "MemorySnapshot",
+    "NvmlDevice",
+    "NvmlProbe",
+    "cpu_capacity_bytes",
+    "device_probe",
+    "install_probe_factory",
+]
 
 
 def cpu_capacity_bytes() -> int:
@@ -139,3 +150,64 @@ class MemorySnapshot:
     def peak_device(self) -> int:
         """The figure that causes OOM: reserved by the allocator plus memory outside it."""
         return self.peak_reserved + self.outside_pytorch
+
+
+@dataclass(kw_only=True)
+class DeviceReading:
+    """What one process holds on its device at one moment, in bytes."""
+
+    used: int
+    """NVML's figure: this process's use (``scope`` ``process``), else the whole device's."""
+    reserved: int
+    """Held by PyTorch's caching allocator at the same moment."""
+    allocated: int
+    """Live tensors in the caching allocator at the same moment."""
+    scope: str
+    """``process``, ``device`` (NVML cannot attribute memory to processes) or ``fake`` (tests)."""
+
+    @property
+    def outside(self) -> int:
+        """Memory outside the caching allocator: CUDA context, NCCL buffers, loaded kernels."""
+        return max(0, self.used - self.reserved)
+
+
+class DeviceProbe:
+    """Reads this process's device memory (see :class:`DeviceReading`); the caller synchronises."""
+
+    def read(self) -> DeviceReading | None:
+        raise NotImplementedError
+
+
+class NvmlProbe(DeviceProbe):
+    """NVML's use of one CUDA device next to the caching allocator's figures."""
+
+    def __init__(self, device: torch.device, nvml: NvmlDevice | None = None) -> None:
+        self.device = device
+        self.nvml = nvml if nvml is not None else NvmlDevice(device.index or 0)
+
+    def read(self) -> DeviceReading | None:
+        own = self.nvml.process_used_bytes()
+        used = own if own is not None else self.nvml.used_bytes()
+        return DeviceReading(used=used, reserved=int(torch.cuda.memory_reserved(self.device)),
+                             allocated=int(torch.cuda.memory_allocated(self.device)),
+                             scope="process" if own is not None else "device")
+
+
+_PROBE_FACTORY: Callable[[torch.device], DeviceProbe | None] | None = None
+
+
+def install_probe_factory(factory: Callable[[torch.device], DeviceProbe | None] | None) -> None:
+    """Make every later :func:`device_probe` call ``factory`` (None: back to NVML). The CPU tests
+    install a fake NVML this way, in the warm worker's process, before any trial runs."""
+    global _PROBE_FACTORY
+    _PROBE_FACTORY = factory
+
+
+def device_probe(device: torch.device) -> DeviceProbe | None:
+    """The probe for ``device``: the installed factory's, else NVML on CUDA; None where there is
+    nothing to read (CPU) or NVML is unavailable (the caller says so)."""
+    if _PROBE_FACTORY is not None:
+        return _PROBE_FACTORY(device)
+    if device.type != "cuda":
+        return None
+    return NvmlProbe(device)

@@ -30,9 +30,10 @@ from autobalance.protocol import (
 )
 
 if TYPE_CHECKING:
+    from autobalance.runtime._memory import MemorySnapshot
     from autobalance.runtime._plan import Plan
 
-__all__ = ["build_report", "report_path", "setup_failure_report", "write_report"]
+__all__ = ["build_report", "report_path", "setup_failure_report", "step_time_iqr", "write_report"]
 
 
 def write_report(trial_dir: str, rank: int, report: dict[str, Any]) -> str:
@@ -54,6 +55,21 @@ def write_report(trial_dir: str, rank: int, report: dict[str, Any]) -> str:
     return path
 
 
+def step_time_iqr(times: list[float]) -> float | None:
+    """Interquartile range of the measured step times (how much they spread); None below 2 steps."""
+    if len(times) < 2:
+        return None
+    q = statistics.quantiles(times, n=4, method="inclusive")
+    return q[2] - q[0]
+
+
+def _peaks(snap: MemorySnapshot | None) -> dict[str, Any] | None:
+    if snap is None:
+        return None
+    return {"peak_allocated": snap.peak_allocated, "peak_reserved": snap.peak_reserved,
+            "outside_pytorch": snap.outside_pytorch, "peak_device": snap.peak_device}
+
+
 def build_report(plan: Plan, *, status: Status = Status.OK, error: str | None = None,
                  tb: str | None = None) -> dict[str, Any]:
     """This rank's figures as a JSON-ready dict (what a trial writes to ``rank<R>.json``)."""
@@ -63,6 +79,7 @@ def build_report(plan: Plan, *, status: Status = Status.OK, error: str | None = 
     measured = clock.measured()
     step_time, samples_per_step, partial = clock.step_figures(plan.config.global_batch)
     mem = plan.memory()
+    compile_step, steady = meter.compile_step, meter.steady()
     compiled, verify, breakdown = plan.compile_state, plan.verify, plan.breakdown
     return RankReport(
         status=status,
@@ -84,6 +101,7 @@ def build_report(plan: Plan, *, status: Status = Status.OK, error: str | None = 
         step_times_s=measured,
         step_time_s=step_time,
         measured_steps=len(measured),
+        step_time_iqr_s=step_time_iqr(measured),
         step_samples=clock.measured_samples(plan.config.global_batch),
         partial_steps=partial,
         samples_per_step=samples_per_step,
@@ -97,6 +115,10 @@ def build_report(plan: Plan, *, status: Status = Status.OK, error: str | None = 
             nvml_scope=meter.nvml_scope,
             peak_device=mem.peak_device,
             before_training=meter.before_training,
+            # compiled trials: the compiling step's peaks and the steady state's (the peaks above are
+            # the larger of the two)
+            compile_step=_peaks(compile_step),
+            steady=_peaks(steady),
         ),
         timing=RankTiming(
             startup_s=(clock.first_step_at - clock.started_at) if clock.first_step_at else None,

@@ -2,18 +2,20 @@
 
     torchrun ... -m autobalance.runtime._worker SCRIPT [ARGS...]
 
-It keeps the process group, the CUDA context and the imported modules between trials, and resets
-what a trial leaves behind: peak-memory statistics, the caching allocator, RNG seeds and the
-plan's CPU tracker. Requests come from the launcher as ``request-<N>.json`` files in
-``AUTOBALANCE_POOL_DIR`` (``stop`` ends the worker). A trial that fails poisons the process group:
-the worker writes its report and exits, and the launcher restarts the pool.
+It keeps the process group, the CUDA context and the imported modules between trials. Requests
+come from the launcher as ``request-<N>.json`` files in ``AUTOBALANCE_POOL_DIR`` (``stop`` ends the
+worker). After each trial it cleans away what the trial left and reads what remains
+(:mod:`autobalance.runtime._carryover`: why a warm trial's figures are a cold one's); only then is
+the trial's ``ok`` report written, with a ``warm`` section: what the trial inherited from the
+worker and, under ``recycle``, why the worker must not run another trial (the launcher then
+restarts the pool). A trial that fails poisons the process group: the worker writes its report and
+exits, and the launcher restarts the pool.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import gc
 import json
 import os
 import runpy
@@ -24,6 +26,7 @@ from typing import Any
 
 from autobalance import _env
 from autobalance.protocol import Status
+from autobalance.runtime._carryover import CarryoverLedger, clean_between_trials
 
 _POLL_S = 0.01
 
@@ -58,21 +61,39 @@ def _init(device: str) -> None:
         dist.init_process_group("gloo", timeout=timeout)
 
 
-def _reset_between_trials(device: str, budget: float | None) -> None:
+def _prepare_trial(device: str, budget: float | None) -> None:
+    """What every trial starts from: the default activation budget, the seed, fresh peak statistics
+    (the previous trial's leftovers were cleaned when it ended)."""
     import torch
 
-    if "torch._dynamo" in sys.modules:  # compiled trials: drop the previous trial's graphs and guards
-        torch._dynamo.reset()
     if budget is not None:
         import torch._functorch.config as functorch_config
 
         functorch_config.activation_memory_budget = budget
-    gc.collect()
     torch.manual_seed(0)
     if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+
+
+def _ledger(device: str) -> CarryoverLedger:
+    import torch
+
+    from autobalance.runtime._memory import device_probe
+
+    try:
+        probe = device_probe(torch.device(device, torch.cuda.current_device()) if device == "cuda"
+                             else torch.device(device))
+    except Exception:  # no NVML: the allocator's figures are still cleaned and reported
+        probe = None
+    return CarryoverLedger(probe=probe)
+
+
+def _write_ok(report: dict[str, Any] | None, trial_dir: str | None, rank: int, warm: dict[str, Any]) -> None:
+    from autobalance.runtime._report import write_report
+
+    if report is not None and trial_dir is not None:
+        report["warm"] = warm
+        write_report(trial_dir, rank, report)
 
 
 def _wait_for_request(pool_dir: str, seq: int) -> dict[str, Any] | None:
@@ -134,6 +155,8 @@ def main(argv: list[str]) -> None:
 
     set_parent_death_signal()
     _init(device)
+    ledger = _ledger(device)
+    ledger.pool_started()  # a fresh worker: the reference for what later trials inherit
     with open(os.path.join(pool_dir, f"ready-{os.environ.get('LOCAL_RANK', '0')}"), "w"):
         pass  # the launcher starts the first trial's clock once every worker is here
     _patch_process_group_lifecycle()
@@ -148,10 +171,11 @@ def main(argv: list[str]) -> None:
         if request is None:
             break
         _apply_environment(request, base_env)
-        _reset_between_trials(device, budget)
+        _prepare_trial(device, budget)
         from autobalance.runtime import _plan
 
         _plan.CURRENT_PLAN = None
+        warm = ledger.trial_starting()
         outcome, exc, text = _run_script(script, args)
         plan = _plan.CURRENT_PLAN
         if outcome == "raised" and exc is not None:
@@ -169,9 +193,19 @@ def main(argv: list[str]) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(_env.NO_PLAN_EXIT_CODE if plan is None and normal else _env.ERROR_EXIT_CODE)
+        report: dict[str, Any] | None = None
+        trial_dir, rank, compiled = None, 0, False
         if plan is not None:
             plan.meter.close()
-        del plan
+            report = plan.ending.take_deferred()
+            trial_dir, rank, compiled = plan.trial_dir, plan.rank, plan.compile_state is not None
+        # nothing may keep the trial's model alive while the worker cleans: its segments would stay
+        # reserved and shape the next trial's allocator
+        _plan.CURRENT_PLAN = None
+        del plan, exc  # (a SystemExit's traceback holds the script's frames)
+        clean_between_trials(device)
+        warm.update(ledger.trial_finished(compiled=compiled))
+        _write_ok(report, trial_dir, rank, warm)
         seq += 1
     import torch.distributed as dist
 
