@@ -62,6 +62,8 @@ class TrialOutcome:
     """Of ``wall_s``: waiting for a warm pool that was (re)started for this trial to come up."""
     recycled: str | None = None
     """A warm trial after which its pool was restarted: why (what the workers held over a fresh one)."""
+    remeasured: dict[str, Any] | None = None
+    """A trial measured twice and merged (the tuner's re-measurement): why, and each run's step time."""
 
     @property
     def feasible_measurement(self) -> bool:

@@ -1,0 +1,113 @@
+"""A second measurement of a trial whose step time is not to be trusted from one run.
+
+A rank's step time is the median of its measured steps; a trial's is the slowest rank's. On one
+H200 one configuration measured 177-239 ms across a warm study: more than most differences the
+search ranks. Each rank reports its steps' spread (``step_time_iqr_s``: interquartile range); the
+tuner runs a measured trial once more when
+
+- its spread is high: the IQR of a rank's measured steps exceeds :data:`DISPERSION_LIMIT` of its
+  median (something disturbed the steps: another process, a clock change, garbage collection), or
+- it is about to become the best: feasible and faster than every feasible trial so far (a lucky
+  measurement would otherwise steer the rest of the search and be what is saved).
+
+The two runs are merged (:func:`merge_outcomes`): each rank's measured steps pooled, its step time
+their median; memory figures the larger of the two (a configuration that needed more once can need
+it again). A second run that fails (an OOM the first run escaped) is the trial's outcome.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+from typing import Any
+
+from autobalance.launcher import TrialOutcome
+
+__all__ = ["DISPERSION_LIMIT", "dispersion", "merge_outcomes", "remeasure_reason"]
+
+DISPERSION_LIMIT = 0.05
+"""Re-measure when a rank's measured steps' IQR exceeds this fraction of their median."""
+
+
+def _iqr(times: list[float]) -> float | None:
+    if len(times) < 2:
+        return None
+    q = statistics.quantiles(times, n=4, method="inclusive")
+    return q[2] - q[0]
+
+
+def dispersion(outcome: TrialOutcome) -> float | None:
+    """Largest IQR / median over the ranks' measured steps; None without measured steps."""
+    worst: float | None = None
+    for rep in outcome.reports.values():
+        times = [float(t) for t in rep.get("step_times_s") or []]
+        iqr = _iqr(times)
+        if iqr is None:
+            continue
+        median = statistics.median(times)
+        if median > 0:
+            worst = max(worst or 0.0, iqr / median)
+    return worst
+
+
+def remeasure_reason(outcome: TrialOutcome, *, step_time_s: float | None, feasible: bool,
+                     best_step_s: float | None, limit: float = DISPERSION_LIMIT) -> str | None:
+    """Why ``outcome`` (already measured once) must be measured again, or None."""
+    if outcome.status != "ok" or step_time_s is None:
+        return None
+    spread = dispersion(outcome)
+    if spread is not None and spread > limit:
+        return f"its measured steps' IQR is {100 * spread:.1f} % of their median (> {100 * limit:.0f} %)"
+    if feasible and best_step_s is not None and step_time_s < best_step_s:
+        return (f"it would become the best ({1000 * step_time_s:.1f} ms < {1000 * best_step_s:.1f} ms): "
+                "confirmed by a second run")
+    return None
+
+
+def _max_numbers(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    out = dict(a)
+    for key, vb in b.items():
+        va = a.get(key)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out[key] = _max_numbers(va, vb)
+        elif isinstance(va, (int, float)) and isinstance(vb, (int, float)) and not isinstance(va, bool):
+            out[key] = max(va, vb)
+        elif va is None:
+            out[key] = vb
+    return out
+
+
+def merge_outcomes(first: TrialOutcome, second: TrialOutcome, *, reason: str) -> TrialOutcome:
+    """One outcome from a trial measured twice (see the module docstring)."""
+    runs = [_slowest(first), _slowest(second)]
+    if second.status != "ok":
+        merged = copy.copy(second)
+        merged.reason = f"re-measured ({reason}); the second run: {second.reason}"
+        return merged
+    reports: dict[int, dict[str, Any]] = {}
+    for rank, rep in first.reports.items():
+        other = second.reports.get(rank) or {}
+        times = [*(rep.get("step_times_s") or []), *(other.get("step_times_s") or [])]
+        merged_rep = dict(rep)
+        merged_rep["memory"] = _max_numbers(rep.get("memory") or {}, other.get("memory") or {})
+        merged_rep["step_times_s"] = times
+        merged_rep["measured_steps"] = len(times)
+        merged_rep["step_time_s"] = statistics.median(times) if times else rep.get("step_time_s")
+        iqr = _iqr(times)
+        merged_rep["step_time_iqr_s"] = iqr
+        gb = (rep.get("config") or {}).get("global_batch")
+        merged_rep["samples_per_s"] = (gb / merged_rep["step_time_s"]) if gb and merged_rep["step_time_s"] else None
+        merged_rep["remeasured"] = {"reason": reason, "step_time_s": [rep.get("step_time_s"), other.get("step_time_s")]}
+        reports[rank] = merged_rep
+    merged = copy.copy(first)
+    merged.reports = reports
+    merged.wall_s = first.wall_s + second.wall_s
+    merged.pool_start_s = first.pool_start_s + second.pool_start_s
+    merged.recycled = second.recycled or first.recycled
+    merged.remeasured = {"reason": reason, "step_time_s": runs}
+    return merged
+
+
+def _slowest(outcome: TrialOutcome) -> float | None:
+    times = [rep.get("step_time_s") for rep in outcome.reports.values()]
+    return max(float(t) for t in times if t is not None) if times and all(t is not None for t in times) else None

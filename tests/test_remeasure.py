@@ -1,0 +1,58 @@
+"""Re-measuring a trial whose step times spread or that would become the best (pure, no torchrun)."""
+
+from __future__ import annotations
+
+from autobalance.launcher import TrialOutcome
+from autobalance.tuner._remeasure import DISPERSION_LIMIT, dispersion, merge_outcomes, remeasure_reason
+
+
+def _outcome(times_by_rank, *, status="ok", peak=10.0, compile_peak=None):
+    reports = {}
+    for r, times in enumerate(times_by_rank):
+        mem = {"peak_device": peak + r, "peak_reserved": peak - 1, "outside_pytorch": 1.0}
+        if compile_peak is not None:
+            mem["compile_step"] = {"peak_device": compile_peak}
+        reports[r] = {"status": status, "step_times_s": list(times), "config": {"global_batch": 32},
+                      "step_time_s": sorted(times)[len(times) // 2] if times else None, "memory": mem}
+    return TrialOutcome(status=status, reason="x", reports=reports, wall_s=5.0)
+
+
+def test_dispersion_is_the_worst_rank_iqr_over_median():
+    steady = [0.100, 0.101, 0.099, 0.100, 0.100]
+    noisy = [0.100, 0.140, 0.090, 0.120, 0.100]
+    assert dispersion(_outcome([steady])) < 0.02
+    assert dispersion(_outcome([steady, noisy])) > DISPERSION_LIMIT
+    assert dispersion(_outcome([[0.1]])) is None
+
+
+def test_reasons_high_spread_and_would_be_best_only_for_measured_trials():
+    steady = _outcome([[0.100, 0.101, 0.099, 0.100]])
+    noisy = _outcome([[0.100, 0.160, 0.090, 0.130]])
+    assert "IQR" in remeasure_reason(noisy, step_time_s=0.1, feasible=True, best_step_s=None)
+    assert remeasure_reason(steady, step_time_s=0.1, feasible=True, best_step_s=None) is None
+    assert remeasure_reason(steady, step_time_s=0.1, feasible=True, best_step_s=0.2) is not None
+    assert remeasure_reason(steady, step_time_s=0.1, feasible=False, best_step_s=0.2) is None  # not a candidate
+    assert remeasure_reason(steady, step_time_s=0.3, feasible=True, best_step_s=0.2) is None
+    oom = _outcome([[0.1, 0.3]], status="oom")
+    assert remeasure_reason(oom, step_time_s=None, feasible=False, best_step_s=0.2) is None
+
+
+def test_merge_pools_steps_and_keeps_the_larger_memory():
+    a = _outcome([[0.10, 0.20, 0.30]], peak=10.0, compile_peak=11.0)
+    b = _outcome([[0.11, 0.12, 0.13]], peak=12.0, compile_peak=9.0)
+    m = merge_outcomes(a, b, reason="r")
+    rep = m.reports[0]
+    assert rep["measured_steps"] == 6 and rep["step_times_s"] == [0.10, 0.20, 0.30, 0.11, 0.12, 0.13]
+    assert abs(rep["step_time_s"] - 0.125) < 1e-12
+    assert rep["memory"]["peak_device"] == 12.0 and rep["memory"]["compile_step"]["peak_device"] == 11.0
+    assert m.remeasured == {"reason": "r", "step_time_s": [0.2, 0.12]}
+    assert m.wall_s == 10.0 and abs(rep["samples_per_s"] - 32 / 0.125) < 1e-9
+    assert a.reports[0]["step_times_s"] == [0.10, 0.20, 0.30]  # the inputs are left alone
+
+
+def test_a_second_run_that_fails_is_the_outcome():
+    a = _outcome([[0.10, 0.11]])
+    b = _outcome([[]], status="oom")
+    b.reason = "rank 0 ran out of memory"
+    m = merge_outcomes(a, b, reason="r")
+    assert m.status == "oom" and "re-measured (r)" in m.reason and "ran out of memory" in m.reason
