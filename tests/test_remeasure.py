@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 from autobalance.launcher import TrialOutcome
-from autobalance.tuner._remeasure import DISPERSION_LIMIT, dispersion, merge_outcomes, remeasure_reason
+from autobalance.tuner._remeasure import (
+    DISPERSION_LIMIT,
+    dispersion,
+    merge_outcomes,
+    remeasure_reason,
+)
 
 
 def _outcome(times_by_rank, *, status="ok", peak=10.0, compile_peak=None):
@@ -56,3 +61,26 @@ def test_a_second_run_that_fails_is_the_outcome():
     b.reason = "rank 0 ran out of memory"
     m = merge_outcomes(a, b, reason="r")
     assert m.status == "oom" and "re-measured (r)" in m.reason and "ran out of memory" in m.reason
+
+
+def test_measurement_attrs_and_summary_say_what_a_warm_trial_took_and_how_it_was_measured():
+    from autobalance.tuner._measurement import measurement_attrs, measurement_summary
+
+    gib = 2**30
+    a = _outcome([[0.10, 0.11, 0.12, 0.10], [0.10, 0.10, 0.10, 0.10]], peak=10 * gib, compile_peak=12 * gib)
+    for r, rep in a.reports.items():
+        rep["memory"]["steady"] = {"peak_device": 10 * gib + r}
+        rep["step_time_iqr_s"] = 0.0125 if r == 0 else 0.0
+        rep["warm"] = {"pool_trial": 2, "fresh_outside": 1.25 * gib, "inherited_outside": 32 * 2**20}
+    a.recycled = "a compiled trial left 300 MiB outside PyTorch"
+    attrs = measurement_attrs(a, world_size=2)
+    assert attrs["compile_peak_gib"] == [12.0, 12.0] and attrs["steady_peak_gib"][0] == 10.0
+    assert attrs["step_time_iqr_pct"] == round(100 * 0.0125 / 0.105, 2)
+    assert attrs["warm_pool_trial"] == 2 and attrs["warm_fresh_outside_gib"] == [1.25, 1.25]
+    assert attrs["warm_inherited_outside_gib"] == [0.0312, 0.0312] and "300 MiB" in attrs["warm_recycled"]
+    cold = measurement_attrs(_outcome([[0.1, 0.1]]), world_size=1)
+    assert "compile_peak_gib" not in cold and "warm_pool_trial" not in cold
+    lines = measurement_summary([attrs, cold])
+    assert any("nothing discounted" in line and "recycled after 1 trial" in line and "32 MiB" in line for line in lines)
+    assert any("compiling step was the higher in 1" in line for line in lines)
+    assert measurement_summary([]) == []
