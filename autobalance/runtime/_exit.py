@@ -91,7 +91,7 @@ class TrialEnd:
         if plan.trial_dir is None or self.written:
             return
         self.written = True
-        if status == "ok" and warm():  # the worker adds what the trial inherited and writes it
+        if status == Status.OK and warm():  # the worker adds what the trial inherited and writes it
             self.deferred = build_report(plan, status=status, error=error, tb=tb)
             return
         try:
