@@ -29,13 +29,15 @@ FULL = {
     "hostname": "h", "pid": 12, "trial_id": "t", "device": {"type": "cpu", "name": "cpu", "capacity_bytes": 8e9,
                                                              "cap_bytes": None, "uuid": None},
     "config": {"global_batch": 8}, "source": "trial", "defaults": {"global_batch": 8}, "model": {"num_blocks": 2},
-    "steps_done": 5, "warmup_steps": 2, "step_times_s": [0.1, 0.2, 0.3], "step_time_s": 0.2, "measured_steps": 3,
+    "steps_done": 5, "warmup_steps": 2, "step_times_s": [0.1, 0.2, 0.3], "step_time_s": 0.2, "step_time_iqr_s": 0.1,
+    "measured_steps": 3,
     "step_samples": [8, 8, 8], "partial_steps": 0, "samples_per_step": 8.0, "samples_per_s": 40.0,
     "data": {"samples": 64, "global_batch": 8, "steps_per_epoch": 8, "dropped": 0},
     "memory": {"peak_allocated": 1.0, "peak_reserved": 2.0, "outside_pytorch": 0, "nvml_used_peak": None,
-               "nvml_scope": "none", "peak_device": 2.0, "before_training": 0.5},
+               "nvml_scope": "none", "peak_device": 2.0, "before_training": 0.5, "compile_step": None,
+               "steady": None},
     "timing": {"startup_s": 1.0, "compile_s": None, "steps_s": 0.9, "measure_s": 0.0, "wall_s": 2.0},
-    "compile": {"mode": "off"}, "activation_budget": None, "verify": None, "breakdown": None,
+    "compile": {"mode": "off"}, "activation_budget": None, "verify": None, "breakdown": None, "warm": None,
     "torch_version": "2.6", "cuda_version": None, "written_at": "now",
 }
 
