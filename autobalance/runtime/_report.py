@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 import socket
+import statistics
 import tempfile
 import time
 import traceback

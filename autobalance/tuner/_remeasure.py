@@ -95,8 +95,8 @@ def merge_outcomes(first: TrialOutcome, second: TrialOutcome, *, reason: str) ->
         merged_rep["step_time_s"] = statistics.median(times) if times else rep.get("step_time_s")
         iqr = _iqr(times)
         merged_rep["step_time_iqr_s"] = iqr
-        gb = (rep.get("config") or {}).get("global_batch")
-        merged_rep["samples_per_s"] = (gb / merged_rep["step_time_s"]) if gb and merged_rep["step_time_s"] else None
+        per_step = rep.get("samples_per_step") or (rep.get("config") or {}).get("global_batch")
+        merged_rep["samples_per_s"] = (per_step / merged_rep["step_time_s"]) if per_step and merged_rep["step_time_s"] else None
         merged_rep["remeasured"] = {"reason": reason, "step_time_s": [rep.get("step_time_s"), other.get("step_time_s")]}
         reports[rank] = merged_rep
     merged = copy.copy(first)
