@@ -108,7 +108,7 @@ def gpu_processes() -> str:
 def checks(cold: dict[str, dict[str, Any]], warm: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     memory = []
     for i, (name, w) in enumerate(warm):
-        c = cold[name]
+        c = cold.get(name) or {"peak_device_gib": None, "step_time_ms": None}
         ok = None
         diff = None
         if w["peak_device_gib"] is not None and c["peak_device_gib"] is not None:
@@ -123,17 +123,18 @@ def checks(cold: dict[str, dict[str, Any]], warm: list[tuple[str, dict[str, Any]
         if runs:
             mid = statistics.median(runs)
             worst = max(abs(r / mid - 1) for r in runs)
-            times[name] = {"runs_ms": runs, "cold_ms": cold[name]["step_time_ms"], "median_ms": round(mid, 3),
+            times[name] = {"runs_ms": runs, "cold_ms": (cold.get(name) or {}).get("step_time_ms"), "median_ms": round(mid, 3),
                            "worst_dev_pct": round(100 * worst, 2), "within_3pct": worst <= 0.03}
-    return {"memory": memory, "memory_all_within": all(m["within"] for m in memory),
-            "step_times": times, "step_times_all_within": all(t["within_3pct"] for t in times.values())}
+    return {"memory": memory, "memory_all_within": bool(memory) and all(m["within"] for m in memory),
+            "step_times": times, "step_times_all_within": bool(times) and all(t["within_3pct"] for t in times.values())}
 
 
 def markdown(result: dict[str, Any]) -> str:
     def f(v: Any, nd: int = 3) -> str:
         return "-" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
 
-    lines = [f"### Warm trials against cold runs, one GPU ({result['date']}, {result['device_name']})", "",
+    partial = "" if result.get("complete") else " - PARTIAL (cut short)"
+    lines = [f"### Warm trials against cold runs, one GPU ({result['date']}, {result['device_name']}){partial}", "",
              f"`{result['command']}`; script args `{' '.join(result['script_args'])}`; cap "
              f"{result['memory_cap_gib']} GiB; {result['steps']} measured steps after {result['warmup']} warm-up.", "",
              "| # | run | config | status | peak device GiB | reserved | outside PyTorch | compile-step peak | "
@@ -150,7 +151,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["", "| warm trial | config | warm GiB | cold GiB | diff MiB | within 2 % / 64 MiB |", "|---|---|---|---|---|---|"]
     for m in ch["memory"]:
         lines.append(f"| {m['trial']} | {m['config']} | {f(m['warm_gib'])} | {f(m['cold_gib'])} | {f(m['diff_mib'], 1)} | "
-                     f"{'yes' if m['within'] else 'NO'} |")
+                     f"{'-' if m['within'] is None else ('yes' if m['within'] else 'NO')} |")
     lines += ["", "| config | warm step times ms | cold ms | worst deviation from median | within +-3 % |",
               "|---|---|---|---|---|"]
     for name, t in ch["step_times"].items():
@@ -200,16 +201,44 @@ def main() -> None:
         return TrialLaunch(**{**fields, "trial_dir": os.path.join(root, tag), "trial_id": f"{tag}-{os.getpid()}"})
 
     cold: dict[str, dict[str, Any]] = {}
+    warm: list[tuple[str, dict[str, Any]]] = []
     procs: list[dict[str, str]] = []
+    walls = {"cold": 0.0, "warm": 0.0}
+    pool = WarmPool(template=template, pool_dir=os.path.join(root, "pool"))
+    device_name = "cpu"
+    if not cpu:
+        import torch
+
+        device_name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cuda"
+
+    def save(final: bool) -> None:
+        """Written after every run: a run cut short by a time limit still leaves its figures."""
+        result: dict[str, Any] = {
+            "command": "python benchmarks/warm_cold_sequence.py " + " ".join(sys.argv[1:]), "complete": final,
+            "device": device, "device_name": device_name, "script_args": script_args,
+            "configs": {n: c.to_dict() for n, c in cfgs.items()}, "sequence": SEQUENCE,
+            "memory_cap_gib": None if cap is None else args.memory_cap_gib, "steps": args.steps,
+            "warmup": args.warmup, "cold": cold, "warm": warm, "checks": checks(cold, warm),
+            "pool_starts": pool.starts, "recycled": pool.recycled, "cold_wall_s": walls["cold"],
+            "warm_wall_s": walls["warm"], "gpu_processes": procs,
+            "leftover_processes": trial_processes(pool.pool_id) if final and pool.pool_id else [],
+            "inductor_cache": cache, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        }
+        path = write_result("warm_cold_sequence", result)
+        md = markdown(result)
+        with open(os.path.splitext(path)[0] + ".md", "w") as fh:
+            fh.write(md)
+        if final:
+            print(md, flush=True)
+
     t0 = time.monotonic()
     for name in cfgs:  # cold first: a live warm pool would hold the GPU's memory
         outcome = run_trial(launch(name, f"cold-{name}"))
         cold[name] = figures(outcome)
         procs.append({"after": f"cold {name}", "gpu": gpu_processes()})
         print(f"cold {name}: {json.dumps(cold[name])}", flush=True)
-    cold_wall = time.monotonic() - t0
-    warm: list[tuple[str, dict[str, Any]]] = []
-    pool = WarmPool(template=template, pool_dir=os.path.join(root, "pool"))
+        walls["cold"] = time.monotonic() - t0
+        save(False)
     t0 = time.monotonic()
     try:
         for i, name in enumerate(SEQUENCE):
@@ -217,29 +246,11 @@ def main() -> None:
             warm.append((name, figures(outcome)))
             procs.append({"after": f"warm {i + 1} {name}", "gpu": gpu_processes()})
             print(f"warm {i + 1} {name}: {json.dumps(warm[-1][1])}", flush=True)
+            walls["warm"] = time.monotonic() - t0
+            save(False)
     finally:
         pool.close()
-    warm_wall = time.monotonic() - t0
-    device_name = "cpu"
-    if not cpu:
-        import torch
-
-        device_name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cuda"
-    result: dict[str, Any] = {
-        "command": "python benchmarks/warm_cold_sequence.py " + " ".join(sys.argv[1:]),
-        "device": device, "device_name": device_name, "script_args": script_args,
-        "configs": {n: c.to_dict() for n, c in cfgs.items()}, "sequence": SEQUENCE,
-        "memory_cap_gib": None if cap is None else args.memory_cap_gib, "steps": args.steps, "warmup": args.warmup,
-        "cold": cold, "warm": warm, "checks": checks(cold, warm), "pool_starts": pool.starts,
-        "recycled": pool.recycled, "cold_wall_s": cold_wall, "warm_wall_s": warm_wall, "gpu_processes": procs,
-        "leftover_processes": trial_processes(pool.pool_id), "inductor_cache": cache,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-    }
-    path = write_result("warm_cold_sequence", result)
-    md = markdown(result)
-    with open(os.path.splitext(path)[0] + ".md", "w") as fh:
-        fh.write(md)
-    print(md, flush=True)
+    save(True)
     if args.cache_tar:
         with tarfile.open(args.cache_tar, "w:gz") as tar:
             tar.add(cache, arcname=".")
