@@ -415,5 +415,9 @@ def describe_config(config: dict[str, Any] | BalanceConfig | None) -> str:
         recompute = f"compile={mode} budget={[round(b, 2) for b in budget] if budget else 'default'}"
     else:
         recompute = f"ckpt={ckpt}"
-    return (f"mb={c['micro_batches']} acc={c['accumulation']} {recompute} {c['dtype']} "
+    if c.get("rank_samples"):  # any split: each rank's micro-steps, e.g. rank 0: 6,6,5,5,5,5
+        shape = BalanceConfig.from_dict(c).split_text()
+    else:
+        shape = f"mb={c['micro_batches']} acc={c['accumulation']}"
+    return (f"{shape} {recompute} {c['dtype']} "
             f"bucket={c['bucket_cap_mb']:.0f}MB{' view' if c.get('gradient_as_bucket_view') else ''}")

@@ -98,7 +98,7 @@ def _space_from_baseline(study: optuna.Study, outcome: TrialOutcome,
     space = SearchSpace.build(world_size=s.world_size, global_batch=defaults.global_batch,
                               num_layers=int(rep["model"].get("num_blocks", 0)), dtypes=dtypes,
                               max_accumulation=max(s.max_accumulation, defaults.accumulation),
-                              compile_modes=s.compile_modes())
+                              compile_modes=s.compile_modes(), any_split=s.split == "any")
     if defaults.accumulation not in space.accumulations:
         space.accumulations = sorted({*space.accumulations, defaults.accumulation})
     capacity = [float((outcome.reports.get(r) or rep)["device"]["capacity_bytes"]) for r in range(s.world_size)]

@@ -18,6 +18,7 @@ from autobalance._errors import UsageError
 __all__ = [
     "COMPILE_CHOICES",
     "SAMPLERS",
+    "SPLITS",
     "STRATEGIES",
     "SettingDoc",
     "TuneSettings",
@@ -31,6 +32,7 @@ __all__ = [
 SAMPLERS = ("tpe", "gp", "random", "nsga2")
 STRATEGIES = ("model", "optuna")
 COMPILE_CHOICES = ("off", "on", "search")
+SPLITS = ("any", "equal")
 
 
 @dataclass(kw_only=True)
@@ -102,6 +104,10 @@ class TuneSettings:
     """AMP dtypes to search (default: all the device supports)."""
     max_accumulation: int = 8
     """Largest gradient-accumulation count searched."""
+    split: str = "any"
+    """How a rank's samples of a step may be split over its micro-steps: ``any`` (any global batch
+    and accumulation; micro-batches differ by at most one, e.g. 32 = 6,6,5,5,5,5) or ``equal``
+    (equal micro-batches only: the accumulation divides the global batch)."""
     on_error: str = "stop"
     """After successful trials, a script error: ``stop`` the study or ``continue`` (mark it failed)."""
     cold: bool = False
@@ -186,6 +192,8 @@ class TuneSettings:
             if bad or not self.dtypes:
                 raise UsageError(f"--dtypes={','.join(self.dtypes)!r} is invalid; choose from {', '.join(DTYPES)}.")
         _positive("--max-accumulation", self.max_accumulation)
+        if self.split not in SPLITS:
+            raise UsageError(f"--split={self.split!r} is unknown; use one of {', '.join(SPLITS)}.")
         if self.compile is not None and self.compile not in COMPILE_CHOICES:
             raise UsageError(f"--compile={self.compile!r} is unknown; use one of {', '.join(COMPILE_CHOICES)}.")
         if self.compile_mode not in COMPILE_MODES or self.compile_mode == "off":

@@ -365,8 +365,9 @@ class Verifier:
             if fallback is None or Status.OOM not in str(exc):
                 raise
             base = self._run("baseline-small", fallback, dropout="off", global_batch=gb)
-            note = (f" (the script's own configuration ran out of memory; the reference is the even split "
-                    f"{fallback.micro_batches} x accumulation {fallback.accumulation})")
+            shape = (f"{fallback.micro_batches} x accumulation {fallback.accumulation}" if fallback.equal_micro_batches
+                     else f"{fallback.split_text()}")
+            note = f" (the script's own configuration ran out of memory; the reference is the even split {shape})"
         base_cfg = BalanceConfig.from_dict(base.config)
         if base_cfg.global_batch != gb:
             raise UsageError(
@@ -439,14 +440,13 @@ class Verifier:
 
     @staticmethod
     def _fallback_reference(tuned: BalanceConfig) -> BalanceConfig | None:
-        """An even split with the largest accumulation: the least memory a reference can take."""
+        """An even split with micro-batches of one or two samples (a micro-step per sample on the
+        rank with the most): the least memory a reference can take."""
         world, gb = tuned.world_size, tuned.global_batch
-        accs = [a for a in range(1, gb + 1) if gb % a == 0 and gb // a >= world]
-        if not accs:
+        if gb < world:
             return None
-        acc = max(accs)
-        return BalanceConfig(micro_batches=split_evenly(gb // acc, [1.0] * world), accumulation=acc, global_batch=gb,
-                             dtype=tuned.dtype)
+        return BalanceConfig.any_split(rank_samples=split_evenly(gb, [1.0] * world), accumulation=gb // world,
+                                       dtype=tuned.dtype)
 
 
 def _relative(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, str]:

@@ -125,9 +125,11 @@ class ModelAdvisor:
         out: list[tuple[float, BalanceConfig]] = []
 
         def consider(micro: list[int], counts: list[int], dtype: str, acc: int) -> None:
-            cfg = BalanceConfig(micro_batches=micro, accumulation=acc, global_batch=self.space.global_batch,
-                                checkpoint=[list(range(c)) for c in counts], dtype=dtype,
-                                bucket_cap_mb=bucket, gradient_as_bucket_view=view)
+            # any split: the largest micro-batch per rank that fits; the ranks whose steps cost more
+            # per sample (more recomputation) give up the samples beyond the global batch first
+            cost = [1.0 + timing.rho * c / layers for c in counts]
+            cfg = self.space.config_for(micro, acc, cost, checkpoint=[list(range(c)) for c in counts], dtype=dtype,
+                                        bucket_cap_mb=bucket, gradient_as_bucket_view=view)
             key = cfg.to_json()
             if key in seen or not self.space.contains(cfg):  # e.g. a split the space keeps fixed
                 return
@@ -145,11 +147,12 @@ class ModelAdvisor:
             if not model.can_predict(dtype):
                 continue
             for acc in self.space.accumulations:
-                total = self.space.global_batch // acc
+                total = self.space.micro_total(acc)
                 try:
                     plans = plans_from_model(model, total=total, num_layers=layers, dtype=dtype, limits=usable,
                                              max_plans=5, recompute_fraction=timing.rho,
-                                             max_spread_bytes=max_spread)
+                                             max_spread_bytes=max_spread,
+                                             checkpoint_counts=None if self.space.num_layers > 0 else [0])
                 except Exception:
                     plans = []
                 for plan in plans:

@@ -1,6 +1,12 @@
 """The search space: per-rank shares of a fixed global batch, accumulation, per-rank
 checkpointing, AMP dtype and DDP bucket settings - parameterised so samplers can learn.
 
+With ``any_split`` (new studies), the shares split the global batch itself and every accumulation
+up to the limit is possible (each micro-step gives every rank a sample): a rank's share is split
+over the micro-steps in sizes that differ by at most one, so a prime global batch still has many
+forms. Without it (studies from before), the shares split ``global_batch / accumulation`` and the
+accumulation must divide the global batch.
+
 With compile searched, ``compile`` is sampled first and the recomputation dimensions are
 conditional on it: eager trials sample per-rank layer checkpointing (``ckpt_r{r}``), compiled
 trials a per-rank activation-memory budget (``budget_r{r}``, on a 0.05 grid so repeated budgets
@@ -14,7 +20,7 @@ from typing import Any
 
 import optuna
 
-from autobalance._config import BalanceConfig, split_evenly
+from autobalance._config import BalanceConfig, samples_within, split_at_least, split_evenly
 
 __all__ = ["BUDGET_RANGE", "SHARE_RANGE", "SearchSpace"]
 
@@ -37,7 +43,8 @@ class SearchSpace:
     dtypes: list[str]
     """AMP dtypes searched."""
     accumulations: list[int]
-    """Accumulation counts that divide the global batch with at least one sample per rank."""
+    """Accumulation counts with at least one sample per rank in every micro-step (that also divide
+    the global batch without ``any_split``)."""
     compile_modes: list[str] = field(default_factory=lambda: ["off"])
     """``torch.compile`` modes searched; ``["off"]`` (also for studies from before compile was
     searchable): no ``compile`` parameter at all."""
@@ -45,15 +52,19 @@ class SearchSpace:
     """The split stays the script's own even split (no ``share_r`` parameters): the model has
     batch-dependent layers whose train-mode step another split would change (``accumulations`` is
     then the script's own count only)."""
+    any_split: bool = False
+    """Any split of the global batch: per rank, any number of samples per step, in micro-steps
+    that differ by at most one (False, as in studies from before: equal micro-batches only)."""
 
     @classmethod
     def build(
         cls, *, world_size: int, global_batch: int, num_layers: int, dtypes: list[str], max_accumulation: int,
-        compile_modes: list[str] | None = None,
+        compile_modes: list[str] | None = None, any_split: bool = False,
     ) -> SearchSpace:
-        accs = [a for a in range(1, max_accumulation + 1) if global_batch % a == 0 and global_batch // a >= world_size]
+        accs = [a for a in range(1, max_accumulation + 1)
+                if global_batch >= a * world_size and (any_split or global_batch % a == 0)]
         return cls(world_size=world_size, global_batch=global_batch, num_layers=num_layers, dtypes=list(dtypes),
-                   accumulations=accs or [1], compile_modes=list(compile_modes or ["off"]))
+                   accumulations=accs or [1], compile_modes=list(compile_modes or ["off"]), any_split=any_split)
 
     @property
     def compile_searched(self) -> bool:
@@ -98,7 +109,6 @@ class SearchSpace:
     def config_from_params(self, params: dict[str, Any]) -> BalanceConfig:
         acc = int(params["accumulation"])
         shares = [float(params.get(f"share_r{r}", 1.0)) for r in range(self.world_size)]
-        micro = split_evenly(self.global_batch // acc, shares)
         mode = str(params.get("compile", "off"))
         budget: list[float] | None = None
         if mode == "off":
@@ -106,19 +116,44 @@ class SearchSpace:
         else:
             ckpt = [[] for _ in range(self.world_size)]
             budget = [round(float(params.get(f"budget_r{r}", 1.0)), 3) for r in range(self.world_size)]
-        return BalanceConfig(
-            micro_batches=micro, accumulation=acc, global_batch=self.global_batch, checkpoint=ckpt,
-            dtype=str(params["dtype"]), bucket_cap_mb=round(float(params["bucket_cap_mb"]), 3),
+        rest: dict[str, Any] = dict(
+            checkpoint=ckpt, dtype=str(params["dtype"]), bucket_cap_mb=round(float(params["bucket_cap_mb"]), 3),
             gradient_as_bucket_view=bool(params["grad_as_bucket_view"]), compile=mode, activation_budget=budget,
         )
+        if self.any_split and not self.fixed_split:  # a fixed split is the script's own, in the equal form
+            return BalanceConfig.any_split(
+                rank_samples=split_at_least(self.global_batch, shares, acc), accumulation=acc, **rest)
+        micro = split_evenly(self.global_batch // acc, shares)
+        return BalanceConfig(micro_batches=micro, accumulation=acc, global_batch=self.global_batch, **rest)
+
+    def config_for(
+        self, micro_batches: list[int], accumulation: int, cost: list[float] | None = None, **rest: Any
+    ) -> BalanceConfig:
+        """The configuration whose largest micro-batch per rank is ``micro_batches`` (a solver's
+        answer for ``accumulation`` micro-steps): with ``any_split`` the ranks give up the samples
+        beyond the global batch (the one with the highest ``samples * cost`` first); without it
+        ``sum(micro_batches) * accumulation`` must be the global batch."""
+        if not self.any_split or self.fixed_split:
+            return BalanceConfig(micro_batches=list(micro_batches), accumulation=accumulation,
+                                 global_batch=self.global_batch, **rest)
+        samples = samples_within(list(micro_batches), accumulation, self.global_batch, cost)
+        return BalanceConfig.any_split(rank_samples=samples, accumulation=accumulation, **rest)
+
+    def micro_total(self, accumulation: int) -> int:
+        """The sum of the ranks' largest micro-batches that holds the global batch in
+        ``accumulation`` micro-steps (what a solver splits over the ranks)."""
+        if self.any_split and not self.fixed_split:
+            return -(-self.global_batch // accumulation)
+        return self.global_batch // accumulation
 
     def params_from_config(self, config: BalanceConfig) -> dict[str, Any]:
         """Parameters that describe ``config`` (used to enqueue the baseline and solver proposals)."""
-        top = max(config.micro_batches)
+        samples = config.samples_per_rank
+        top = max(samples)
         params: dict[str, Any] = {"accumulation": config.accumulation}
         if self.world_size > 1 and not self.fixed_split:
-            for r, b in enumerate(config.micro_batches):
-                params[f"share_r{r}"] = min(SHARE_RANGE[1], max(SHARE_RANGE[0], b / top))
+            for r, n in enumerate(samples):
+                params[f"share_r{r}"] = min(SHARE_RANGE[1], max(SHARE_RANGE[0], n / top))
         if self.compile_searched:
             params["compile"] = config.compile
         if config.compile == "off":
@@ -143,7 +178,7 @@ class SearchSpace:
             return False
         return (config.global_batch == self.global_batch and config.world_size == self.world_size
                 and config.accumulation in self.accumulations and config.dtype in self.dtypes
-                and config.compile in self.compile_modes)
+                and config.compile in self.compile_modes and (self.any_split or config.equal_micro_batches))
 
 
 def _suggest(trial: optuna.Trial, name: str, dist: optuna.distributions.BaseDistribution) -> Any:

@@ -24,7 +24,10 @@ _DTYPE_SPEED_PRIOR = {"cuda": {"bf16": 0.55, "fp16": 0.55, "fp32": 1.0}, "cpu": 
 
 @dataclass(kw_only=True)
 class StepTimeModel:
-    """``t = a + acc * s * max_r(b + k[dtype] * m_r + g * c_r / L)`` milliseconds per optimizer step.
+    """``t = a + s * max_r(acc * (b + g * c_r / L) + k[dtype] * n_r)`` milliseconds per optimizer
+    step, ``n_r`` the samples rank ``r`` takes per step (``acc * m_r`` with equal micro-batches, so
+    ``a + acc * s * max_r(b + k * m_r + g * c_r / L)``; with any split, micro-steps of different
+    sizes cost their own samples).
 
     ``a``: once per optimizer step (the optimizer, the last all-reduce); ``b``: once per micro-step
     whatever its size (kernel launches: a GPU is far from saturated at small micro-batches); ``k``:
@@ -75,10 +78,7 @@ class StepTimeModel:
         if scaled is None:
             return None
         ratio, dtype = scaled
-        layers = max(1, self.num_layers)
-        micro = max(self.b + self.k[dtype] * m + self.g * len(ck) / layers
-                    for m, ck in zip(c["micro_batches"], c["checkpoint"], strict=True))
-        return self.a + int(c["accumulation"]) * ratio * micro
+        return self.a + ratio * _slowest_rank_ms(c, b=self.b, k=self.k[dtype], g=self.g, layers=self.num_layers)
 
     @classmethod
     def fit(cls, trials: list[FrozenTrial], *, num_layers: int, device: str) -> StepTimeModel:
@@ -105,12 +105,10 @@ class StepTimeModel:
 
         def predict(x: Any, cfg: dict[str, Any]) -> float:
             a, b, g, k = unpack(x)
-            micro = max(b + k[cfg["dtype"]] * m + g * len(ck) / layers
-                        for m, ck in zip(cfg["micro_batches"], cfg["checkpoint"], strict=True))
-            return a + int(cfg["accumulation"]) * micro
+            return a + _slowest_rank_ms(cfg, b=b, k=k[cfg["dtype"]], g=g, layers=layers)
 
         # start: the proportional fit (k from the mean time per sample-step), g a prior share of it
-        k0 = {d: float(np.mean([t / (int(c["accumulation"]) * max(c["micro_batches"])) for c, t in rows
+        k0 = {d: float(np.mean([t / max(_samples_per_rank(c)) for c, t in rows
                                 if c["dtype"] == d])) for d in dtypes}
         x0 = ([0.0, 0.0, RECOMPUTE_PRIOR * min(k0.values()) * typical] if full
               else [RECOMPUTE_PRIOR * min(k0.values()) * typical]) + [k0[d] for d in dtypes]
@@ -131,3 +129,18 @@ class StepTimeModel:
         if not any_ckpt:
             model.g = RECOMPUTE_PRIOR * (model.b + min(model.k.values()) * typical)
         return model
+
+
+def _samples_per_rank(cfg: dict[str, Any]) -> list[int]:
+    """Samples each rank takes per optimizer step (stored configurations of either form)."""
+    if cfg.get("rank_samples"):
+        return [int(n) for n in cfg["rank_samples"]]
+    return [int(m) * int(cfg["accumulation"]) for m in cfg["micro_batches"]]
+
+
+def _slowest_rank_ms(cfg: dict[str, Any], *, b: float, k: float, g: float, layers: int) -> float:
+    """The slowest rank's micro-steps of one optimizer step: ``max_r acc * (b + g * c_r / L) + k * n_r``
+    (no rank waits for another before the step's last all-reduce)."""
+    acc = int(cfg["accumulation"])
+    return max(acc * (b + g * len(ck) / max(1, layers)) + k * n
+               for n, ck in zip(_samples_per_rank(cfg), cfg["checkpoint"], strict=True))
