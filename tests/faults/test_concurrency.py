@@ -31,22 +31,28 @@ TRIALS = 6
 
 
 def _run_workers(url: str, tmp_path: Path, n: int, *, study: str) -> list[subprocess.CompletedProcess[str]]:
+    """``n`` tuners at once. The baseline trial (whichever worker runs it) waits until the other
+    n - 1 tuners have said they wait for it (their stderr files), so "only one runs the baseline, the
+    others wait" is observed every time, not only when the start-up timing happens to allow it."""
+    env = env_for(tmp_path, AB_HOLD_FIRST_LAUNCH=f"{tmp_path}/worker*/stderr.log|Waiting for the baseline trial|{n - 1}")
     procs = []
     for i in range(n):
         cwd = tmp_path / f"worker{i}"
         cwd.mkdir()
-        procs.append((cwd, subprocess.Popen(tune_cmd(url, trials=TRIALS, study=study, timeout=180), cwd=cwd,
-                                            env=env_for(tmp_path), text=True, stdout=subprocess.PIPE,
-                                            stderr=subprocess.PIPE)))
+        err = open(cwd / "stderr.log", "w")
+        procs.append((cwd, err, subprocess.Popen(tune_cmd(url, trials=TRIALS, study=study, timeout=180), cwd=cwd,
+                                                 env=env, text=True, stdout=subprocess.PIPE, stderr=err)))
     done = []
-    for _cwd, proc in procs:
+    for cwd, err, proc in procs:
         try:
-            out, err = proc.communicate(timeout=CLI_TIMEOUT)
+            out, _ = proc.communicate(timeout=CLI_TIMEOUT)
         except subprocess.TimeoutExpired:
-            for _, p in procs:
+            for _, _, p in procs:
                 p.kill()
             raise
-        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+        finally:
+            err.close()
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, (cwd / "stderr.log").read_text()))
     return done
 
 
@@ -69,7 +75,7 @@ def _check_study(url: str, study: str, results: list[subprocess.CompletedProcess
     assert len(baselines) == 1
     assert s.user_attrs["autobalance:baseline_trial"] == baselines[0].number
     waited = sum("Waiting for the baseline trial" in r.stderr for r in results)
-    assert waited >= 1
+    assert waited == len(results) - 1
 
 
 def _launched(tmp_path: Path) -> int:

@@ -2,7 +2,8 @@
 
 AB_FAULT selects the fault (default none); AB_FAULT_ON_LAUNCH=N injects it from the N-th launch
 on (counted in AB_FAULT_COUNTER, a file; 1-based), so earlier trials succeed; AB_FAULT_ONCE=1
-injects it on the N-th launch only.
+injects it on the N-th launch only. AB_HOLD_FIRST_LAUNCH holds the first launch (see
+hold_first_launch).
 
 Faults: import_error, raise, oom_backward_rank1, sigkill_rank1, hang_rank1, exit0_rank1,
 garbage_report_rank1 (writes non-JSON in place of its report, exits 0 at step 1), hang_all,
@@ -87,7 +88,34 @@ def _break_report_writing(kind: str) -> None:
     _ = original
 
 
+def hold_first_launch() -> None:
+    """AB_HOLD_FIRST_LAUNCH="GLOB|TEXT|N": rank 0 of the first launch (the baseline, which runs
+    alone) waits, up to 45 s (under the process group's 60 s start-up timeout), until N files
+    matching GLOB contain TEXT: e.g. until the other tuners say they wait for this baseline."""
+    spec = os.environ.get("AB_HOLD_FIRST_LAUNCH")
+    if not spec or os.environ.get("RANK", "0") != "0" or launch_number() != 1:
+        return
+    import glob
+
+    pattern, text, count = spec.split("|")
+
+    def seen() -> int:
+        n = 0
+        for path in glob.glob(pattern):
+            try:
+                with open(path, errors="replace") as fh:
+                    n += text in fh.read()
+            except OSError:
+                pass
+        return n
+
+    deadline = time.monotonic() + 45
+    while seen() < int(count) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def main() -> None:
+    hold_first_launch()
     plan = ab.plan(micro_batch=4)
     active = fault_active()
     rank = plan.rank
