@@ -92,3 +92,19 @@ def test_the_first_oom_report_in_time_names_the_trial(tmp_path):
     outcome = crash(d)
     assert outcome.status == "oom" and outcome.failing_rank == 1, outcome.reason
     assert "rank 1 ran out of memory" in outcome.reason
+
+
+def test_a_rank_that_died_before_the_timeout_is_the_reason_not_the_timeout(tmp_path):
+    """The job was killed at --trial-timeout, but torchrun had already seen rank 1 die by SIGKILL
+    (its summary): the death came first. Fails if the timeout hides it. Without such a death (no
+    summary) the trial is a timeout."""
+    log = summary([entry(1, 0, -15, 101)], entry(0, 1, -9, 102), closing=[101])
+    d = trial_dir(tmp_path, log)
+    late = classify(trial_dir=d, world_size=2, returncode=None, timed_out=True, interrupted=False,
+                    wall_s=61.0, timeout_s=60.0)
+    assert late.status == "crash" and late.failing_rank == 1, late.reason
+    assert late.reason.startswith("rank 1 was killed by SIGKILL"), late.reason
+    (tmp_path / "trial" / "torchrun.log").write_text("no summary: torchrun was killed")
+    hung = classify(trial_dir=d, world_size=2, returncode=None, timed_out=True, interrupted=False,
+                    wall_s=61.0, timeout_s=60.0)
+    assert hung.status == "timeout" and "--trial-timeout 60s" in hung.reason

@@ -178,7 +178,11 @@ def classify(
         rep = reports[rank]
         return outcome(Status.ERROR, f"rank {rank} raised {rep.get('error') or 'an error'}"[:300], rank,
                        rep.get("traceback") or "")
-    if timed_out:
+    failures = _torchrun_failures(trial_dir)
+    # torchrun saw a rank die on its own (not one it stopped) before the job was killed at the timeout:
+    # that death came first, the timeout is its consequence
+    died_first = failures is not None and any(not f.torn_down for f in failures.values())
+    if timed_out and not died_first:
         waiting = sorted(set(range(world_size)) - set(reports))
         return outcome(Status.TIMEOUT, f"no result within --trial-timeout {timeout_s:g}s (ranks {waiting} did not report); "
                        "killed the whole job")
@@ -189,7 +193,6 @@ def classify(
         # every rank measured and reported; a failure while tearing down does not spoil that
         return outcome(Status.OK, "measured" if returncode == 0 else f"measured (torchrun exit code {returncode} afterwards)")
     logs = _rank_logs(trial_dir)
-    failures = _torchrun_failures(trial_dir)
     codes = None if failures is None else {r: f.exitcode for r, f in failures.items()}
     # first failure first: a rank torchrun had to stop (its teardown) is never the cause of the others
     silent = failure_order([r for r in range(world_size) if r not in reports], failures)
