@@ -1,6 +1,6 @@
 """The study's objective from known per-rank peaks and step times, with numbers derived by hand.
 
-Each test names in its docstring the mutation of ``tuner/_objective.py`` it catches.
+Each test names in its docstring the mutation of ``tuner/search/_objective.py`` it catches.
 """
 
 from __future__ import annotations
