@@ -20,6 +20,7 @@ from autobalance._config import BalanceConfig
 from autobalance.launcher import TrialOutcome
 from autobalance.protocol import Status, StudyAttr
 from autobalance.tuner import SearchSpace, Tuner, TuneSettings
+from autobalance.tuner._notes import write_notes
 from autobalance.tuner._study import open_study
 
 GIB = 2**30
@@ -107,13 +108,14 @@ def _report(spec: Spec, rank: int, config: BalanceConfig) -> dict[str, Any]:
 
 
 def build_study(db: Path, *, world_size: int = 2, name: str = NAME, specs: list[Spec] | None = None,
-                verified: int | None = None) -> optuna.Study:
+                verified: int | None = None, multi_objective: bool = False) -> optuna.Study:
     """Write the synthetic study into ``sqlite:///db`` (its chart artifacts beside it) and return it."""
     specs = specs if specs is not None else (SPECS_2 if world_size == 2 else SPECS_1)
     url = f"sqlite:///{db}"
     settings = TuneSettings(script=SCRIPT, storage=url, study_name=name, nproc_per_node=world_size, device="cuda",
                             memory_cap_gib=[CAP_GIB] * world_size, headroom=HEADROOM, compile="search",
-                            runs_dir=str(db.parent / "runs"), dtypes=["fp32", "bf16", "fp16"])
+                            runs_dir=str(db.parent / "runs"), dtypes=["fp32", "bf16", "fp16"],
+                            multi_objective=multi_objective)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # heartbeat outside optimize(), experimental APIs
         return _build(db, url, settings, specs, world_size, name, verified)
@@ -164,6 +166,7 @@ def _build(db: Path, url: str, settings: TuneSettings, specs: list[Spec], world_
         study.set_user_attr(f"{StudyAttr.VERIFY_PREFIX}{verified}", {
             "passed": True, "reason": "losses match the baseline's within 1e-3 after 3 steps", "skipped": False,
             "wall_s": 41.0, "checks": [], "runs": {}})
+        write_notes(study)  # as the tuner does after verifying
     tuner.close()
     return optuna.load_study(study_name=name, storage=url)
 

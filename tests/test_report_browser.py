@@ -9,6 +9,8 @@ AUTOBALANCE_UPDATE_SCREENSHOTS=1 to refresh docs/report.png and docs/dashboard.p
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import urllib.request
 from collections.abc import Iterator
@@ -19,6 +21,7 @@ import optuna
 import pytest
 
 from autobalance.report import artifact_dir_for, build_report, dashboard_app
+from autobalance.tuner import best_trial
 from tests.report_helpers import WsgiServer, screenshot_path, start_chrome, wait_for
 from tests.synthetic_study import BEST_2, NAME, OVER_CAP_FASTER_2, build_study
 
@@ -66,7 +69,7 @@ def test_report_shows_time_vs_memory_settings_and_compile_charts(chrome, synthet
     # one marker per rank of each measured trial, the OOM / predicted trials above, the chosen star
     assert tm["markers"] >= 2 * len(measured) + 3
     texts = " ".join(tm["texts"])
-    for label in ("rank 0", "rank 1: over the limit", "capacity 16 GiB", "usable 15.2 GiB",
+    for label in ("rank 0", "rank 1 (trial over the limit)", "capacity 16 GiB", "usable 15.2 GiB",
                   "predicted OOM (not run; predicted peak)", f"chosen #{BEST_2}"):
         assert label in texts, label
     factors = " ".join(charts["factors-chart"]["texts"])
@@ -78,6 +81,47 @@ def test_report_shows_time_vs_memory_settings_and_compile_charts(chrome, synthet
     assert "bf16 autocast" in chrome.find_element("id", "best-config").text
     chrome.save_screenshot(str(screenshot_path(repo, "report.png", tmp_path)))
     chrome.set_window_size(1400, 1600)
+
+
+def _best_badge(driver: Any) -> int:
+    text = wait_for(driver, lambda d: re.search(r"Best Trial \(number=(\d+)\)", d.find_element("tag name", "body").text))
+    return int(text.group(1))
+
+
+def test_dashboard_best_trial_is_the_saved_best_and_carries_why(chrome, synthetic, tmp_path, repo) -> None:
+    study, db = synthetic
+    from autobalance.store import ConfigStore
+
+    with ConfigStore(url=f"sqlite:///{db}") as store:
+        saved = store.load(NAME).trial_number
+    assert saved == BEST_2 == best_trial(study).number  # type: ignore[union-attr]
+    over = study.trials[OVER_CAP_FASTER_2]
+    assert over.user_attrs["step_time_ms"] < study.trials[BEST_2].user_attrs["step_time_ms"]
+
+    with WsgiServer(dashboard_app(f"sqlite:///{db}")) as server:
+        with urllib.request.urlopen(f"{server.url}/api/studies/{study._study_id}", timeout=30) as resp:
+            detail = json.load(resp)
+        assert [t["number"] for t in detail["best_trials"]] == [saved]
+
+        chrome.get(f"{server.url}/dashboard/studies/{study._study_id}")
+        assert _best_badge(chrome) == saved
+
+        chrome.get(f"{server.url}/dashboard/studies/{study._study_id}/trials?numbers={saved}")
+        wait_for(chrome, lambda d: "Best trial: why it won" in d.find_element("tag name", "body").text)
+        body = chrome.find_element("tag name", "body").text
+        assert f"#{OVER_CAP_FASTER_2} (128.0 ms)" in body  # the note names the faster, excluded trial
+        for attr in ("outcome", "step_time_ms", "peak_max_gib", "peak_rank0_gib", "peak_rank1_gib", "compile_s"):
+            assert attr in body, attr
+        wait_for(chrome, lambda d: next(
+            (i for i in d.find_elements("tag name", "img") if "/artifacts/" in (i.get_attribute("src") or "")
+             and d.execute_script("return arguments[0].complete && arguments[0].naturalWidth > 0", i)), None))
+        chrome.save_screenshot(str(screenshot_path(repo, "dashboard.png", tmp_path)))
+
+        # every trial is told apart at a glance, and the over-cap one says so
+        outcomes = {t["number"]: next(a["value"] for a in t["user_attrs"] if a["key"] == "outcome")
+                    for t in detail["trials"]}
+        assert outcomes[OVER_CAP_FASTER_2].startswith("over limit") and outcomes[5].startswith("predicted OOM")
+        assert outcomes[0] == "OOM (rank 0)" and outcomes[saved] == "ok"
 
 
 def test_a_copied_database_opens_its_charts(chrome, synthetic, tmp_path) -> None:

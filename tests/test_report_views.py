@@ -83,9 +83,9 @@ def test_time_memory_figure_draws_ranks_limits_and_predictions_apart(two) -> Non
     fig = time_memory_figure(summary)
     by_name = {t.name: t for t in fig.data if t.name}
     # rank markers are measurements only: the predicted trial (#5) and the OOMs are not among them
-    measured_points = sum(len(by_name[n].x) for n in ("rank 0", "rank 1", "rank 0: over the limit", "rank 1: over the limit"))
+    measured_points = sum(len(by_name[n].x) for n in ("rank 0", "rank 1", "rank 0 (trial over the limit)", "rank 1 (trial over the limit)"))
     assert measured_points == 2 * sum(r.step_ms is not None for r in summary.rows)
-    assert list(by_name["rank 0: over the limit"].text) == [f"#{OVER_CAP_FASTER_2}"]
+    assert list(by_name["rank 0 (trial over the limit)"].text) == [f"#{OVER_CAP_FASTER_2}"]
     predicted = by_name["predicted OOM (not run; predicted peak)"]
     assert list(predicted.text) == ["#5"] and predicted.marker.symbol == "triangle-up-open"
     assert sorted(by_name["OOM / no step time (peak is a lower bound)"].text) == ["#0", "#6"]

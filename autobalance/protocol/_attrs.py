@@ -60,6 +60,9 @@ class TrialAttr:
     BASELINE = "baseline"
     """True on the baseline trial."""
     FEASIBLE = "feasible"
+    OUTCOME = "outcome"
+    """What became of the trial in a few words (``ok``, ``over limit (rank 0)``, ``OOM (rank 1)``,
+    ``predicted OOM (not run)``): told apart at a glance in optuna-dashboard."""
     REUSED_FROM = "reused_from"
     """Number of the trial whose measurement was reused (a repeated configuration)."""
     PREDICTED_BY = "predicted_by"

@@ -181,7 +181,7 @@ def time_memory_figure(summary: StudySummary) -> Any:
             subset = [r for r in measured if r.feasible == feasible and rank < r.ranks and r.peaks_gib[rank] is not None]
             if not subset:
                 continue
-            name = (f"rank {rank}" if n > 1 else "peak") + ("" if feasible else ": over the limit")
+            name = (f"rank {rank}" if n > 1 else "peak") + ("" if feasible else " (trial over the limit)")
             fig.add_trace(go.Scatter(
                 x=[r.peaks_gib[rank] for r in subset], y=[r.step_ms for r in subset], mode="markers", name=name,
                 marker={"size": 10, "color": colors[rank], "symbol": "circle" if feasible else "x",
@@ -197,7 +197,7 @@ def time_memory_figure(summary: StudySummary) -> Any:
         name = "predicted OOM (not run; predicted peak)" if predicted else "OOM / no step time (peak is a lower bound)"
         fig.add_trace(go.Scatter(
             x=[r.peak_gib for r in subset], y=[band] * len(subset), mode="markers+text", name=name,
-            marker={"size": 11, "color": "rgba(0,0,0,0)" if predicted else BAD,
+            marker={"size": 11, "color": BAD,
                     "symbol": "triangle-up-open" if predicted else "triangle-up",
                     "line": {"color": BAD, "width": 1.5}},
             text=[r.label.split()[0] for r in subset], textposition="top center", textfont={"size": 9},

@@ -106,7 +106,7 @@ def _time_memory_png(summary: StudySummary, png_dir: str, Figure: Any) -> str:
             if subset:
                 ax.scatter([r.peaks_gib[rank] for r in subset], [_f(r.step_ms) for r in subset], color=colors[rank],
                            marker="o" if feasible else "X", edgecolors=colors[rank] if feasible else BAD, s=45,
-                           label=(f"rank {rank}" if n > 1 else "peak") + ("" if feasible else ": over the limit"),
+                           label=(f"rank {rank}" if n > 1 else "peak") + ("" if feasible else " (trial over the limit)"),
                            zorder=3)
     for predicted in (False, True):
         subset = [r for r in unmeasured if r.predicted == predicted]

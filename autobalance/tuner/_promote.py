@@ -14,6 +14,7 @@ from autobalance._config import BalanceConfig
 from autobalance._errors import UsageError, VerificationError
 from autobalance.protocol import Status, StudyAttr, TrialAttr
 from autobalance.tuner._baseline import script_sha256
+from autobalance.tuner._notes import write_notes
 
 __all__ = ["figures_of_trial", "fingerprint_of_study", "promote_trial", "save_trial"]
 
@@ -96,6 +97,7 @@ def promote_trial(*, storage_url: str, study: optuna.Study, trial_number: int, v
     else:
         verdict = _verify_trial(study, trial, script=script, script_args=script_args, note=note)
         study.set_user_attr(f"{StudyAttr.VERIFY_PREFIX}{trial_number}", verdict.to_dict())
+        write_notes(study)
         if not verdict.passed:
             raise VerificationError(f"trial {trial_number} of {study.study_name!r} failed verification: {verdict.reason}; "
                                     "it is not saved. Promote another trial.")

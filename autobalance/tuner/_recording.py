@@ -23,9 +23,10 @@ from autobalance.protocol import (
     TrialAttr,
 )
 from autobalance.store import mask_url
+from autobalance.tuner._notes import trial_outcome, write_notes
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._study import counts, measured_configs
-from autobalance.tuner.search import TrialFigures, compile_env, figures_from_outcome
+from autobalance.tuner.search import TrialFigures, compile_env, figures_from_outcome, penalised
 
 __all__ = ["INTERRUPTED_REASON", "Recorder"]
 
@@ -98,13 +99,20 @@ class Recorder:
                 spread = figures.spread_bytes() if figures.measured else None
                 # same keys on every trial (GPSampler requires it): unmeasured trials violate it too
                 constraints.append(1.0 if spread is None else spread / 2**30 - s.max_spread_gib)
-            trial.set_user_attr(TrialAttr.FEASIBLE, all(c <= 0 for c in constraints) and status == Status.OK)
+            feasible = all(c <= 0 for c in constraints) and status == Status.OK
+            trial.set_user_attr(TrialAttr.FEASIBLE, feasible)
+            trial.set_user_attr(TrialAttr.OUTCOME, trial_outcome({**attrs, TrialAttr.FEASIBLE: feasible}))
             self.storage.set_trial_system_attr(trial._trial_id, CONSTRAINTS_KEY, constraints)
-            values = figures.values(reference_step_s=reference, weight_spread=s.weight_spread,
-                                    weight_time=s.weight_time, multi_objective=s.multi_objective)
+            values = penalised(figures.values(reference_step_s=reference, weight_spread=s.weight_spread,
+                                              weight_time=s.weight_time, multi_objective=s.multi_objective),
+                               constraints, feasible=feasible, weight_spread=s.weight_spread,
+                               weight_time=s.weight_time, multi_objective=s.multi_objective)
             frozen = study.tell(trial, values)
         else:
+            trial.set_user_attr(TrialAttr.OUTCOME,
+                                trial_outcome({**attrs, TrialAttr.STATUS: status, TrialAttr.FEASIBLE: False}))
             frozen = study.tell(trial, state=TrialState.FAIL)
+        write_notes(study)
         if TrialAttr.CONFIG in attrs and status in MEASURED_STATUSES:
             self.measured[json.dumps(attrs[TrialAttr.CONFIG], sort_keys=True)] = frozen
         return frozen
@@ -117,6 +125,7 @@ class Recorder:
                 trial.set_user_attr(key, value)
         trial.set_user_attr(TrialAttr.BASELINE, False)
         trial.set_user_attr(TrialAttr.REUSED_FROM, seen.number)
+        trial.set_user_attr(TrialAttr.OUTCOME, trial_outcome({**seen.user_attrs, TrialAttr.REUSED_FROM: seen.number}))
         self.storage.set_trial_system_attr(trial._trial_id, CONSTRAINTS_KEY,
                                            list(seen.system_attrs.get(CONSTRAINTS_KEY, [1.0])))
         return study.tell(trial, list(seen.values))

@@ -71,6 +71,7 @@ from autobalance.protocol import (
     is_feasible,
     weighted_objective,
 )
+from autobalance.tuner._notes import write_notes
 
 __all__ = [
     "FP32_CAUSES",
@@ -548,6 +549,7 @@ def verify_for_saving(*, settings: Any, study: Any, best: Any, baseline: Any,
                            allow_batch_dependent=allows_batch_dependent(study)).verify(
             config, baseline=baseline_cfg)
         study.set_user_attr(f"{ATTR_VERIFY_PREFIX}{trial.number}", verdict.to_dict())
+        write_notes(study)  # the best trial's dashboard note gives the verdict
         if verdict.passed:
             if not verdict.skipped:
                 notes.append(f"Verified trial {trial.number}: {verdict.reason} ({verdict.wall_s:.0f} s).")
@@ -634,4 +636,5 @@ def run_verify_command(*, script: str, script_args: list[str], study_name: str |
     verdict = Verifier(target, note=note, allow_batch_dependent=allow).verify(config)  # always run, even the script's own
     if study is not None:
         study.set_user_attr(f"{ATTR_VERIFY_PREFIX}{label[len('trial'):]}", verdict.to_dict())
+        write_notes(study)
     return verdict, config, what

@@ -41,6 +41,7 @@ from autobalance.tuner.search._objective import (
     INFEASIBLE_TIME,
     TrialFigures,
     figures_from_outcome,
+    penalised,
 )
 from autobalance.tuner.search._solver import (
     DEFAULT_RECOMPUTE_FRACTION,
@@ -90,6 +91,7 @@ __all__ = [
     "dominating_over_cap",
     "figures_from_outcome",
     "observations_from_trials",
+    "penalised",
     "plans_from_model",
     "predict_config_feasible",
     "predict_feasible",

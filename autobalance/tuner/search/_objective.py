@@ -9,7 +9,7 @@ from typing import Any
 from autobalance.launcher import TrialOutcome
 from autobalance.protocol import RankDevice, RankMemory, RankReport, RankTiming, Status
 
-__all__ = ["INFEASIBLE_TIME", "TrialFigures", "figures_from_outcome"]
+__all__ = ["INFEASIBLE_TIME", "TrialFigures", "figures_from_outcome", "penalised"]
 
 GIB = 2**30
 INFEASIBLE_TIME = 10.0
@@ -84,6 +84,10 @@ class TrialFigures:
         return [weight_spread * spread + weight_time * time_norm]
 
     def user_attrs(self, headroom: float) -> dict[str, Any]:
+        """The trial's user attributes. Scalars a user may plot in the dashboard (``step_time_ms``,
+        ``peak_max_gib``, ``peak_rank<r>_gib``, ``compile_s``, ...) are numbers or absent, never
+        None (a None makes optuna-dashboard treat the attribute as text): a trial without a
+        measurement leaves them out; its per-rank lists keep None where a rank reported nothing."""
         def gib(values: list[float | None]) -> list[float | None]:
             return [None if v is None else round(v / GIB, 4) for v in values]
 
@@ -93,7 +97,13 @@ class TrialFigures:
         for r, (p, c) in enumerate(zip(self.peak_device, self.capacity, strict=True)):
             per_rank[f"rank{r}"] = (f"peak {p / GIB:.3f} GiB of {c / GIB:.2f} GiB ({100 * p / c:.1f}%)"
                                     if p is not None else f"no measurement (cap {c / GIB:.2f} GiB)")
-        return {
+        plottable: dict[str, Any] = {}
+        if self.measured:  # an OOM rank's peak is a lower bound, a predicted one a prediction: not plotted
+            peaks = [float(p) for p in self.peak_device if p is not None]
+            plottable["peak_max_gib"] = round(max(peaks) / GIB, 4)
+            plottable.update({f"peak_rank{r}_gib": round(float(p) / GIB, 4)
+                              for r, p in enumerate(self.peak_device) if p is not None})
+        attrs = {
             "status": self.status,
             "peak_device_gib": gib(self.peak_device),
             "peak_allocated_gib": gib(self.peak_allocated),
@@ -111,7 +121,26 @@ class TrialFigures:
             "memory_constraint": round(self.memory_constraint(headroom), 5),
             **self.compile,
             **per_rank,
+            **plottable,
         }
+        return {k: v for k, v in attrs.items() if v is not None}
+
+
+def penalised(values: list[float], constraints: list[float], *, feasible: bool, weight_spread: float,
+              weight_time: float, multi_objective: bool) -> list[float]:
+    """The objective values Optuna stores. An infeasible trial's values carry its violation: at least
+    those of a trial with no measurement (spread 1, step time ``INFEASIBLE_TIME`` x the reference)
+    plus how far over its constraints it went. So no infeasible trial is ever better than a
+    feasible one in any view that ranks by value alone (optuna-dashboard's best trial, its Pareto
+    front, ``study.best_value`` of a study without constraints), and among infeasible ones, the
+    less over is the better (what a sampler that ignores constraints learns from)."""
+    if feasible:
+        return list(values)
+    violation = sum(max(0.0, float(c)) for c in constraints)
+    if multi_objective:
+        return [max(float(values[0]), 1.0) + violation, max(float(values[1]), INFEASIBLE_TIME) + violation]
+    floor = weight_spread * 1.0 + weight_time * INFEASIBLE_TIME
+    return [max(float(values[0]), floor) + violation]
 
 
 def _float(value: float | None) -> float | None:

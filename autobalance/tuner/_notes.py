@@ -1,0 +1,91 @@
+"""A trial's ``outcome`` in words, and optuna-dashboard notes on the study and its trials: the study's note and the best trial's say
+why it won (faster trials excluded and why, headroom, verification); a trial that ran out of
+memory, went over the limit or was predicted to says so in one line at the top of its page.
+
+Notes are Markdown kept in the study's system attributes (optuna-dashboard's format). A note a
+person wrote in the dashboard is never overwritten: autobalance only rewrites notes that carry
+its own last line (:data:`SIGNATURE`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+__all__ = ["SIGNATURE", "note_for", "trial_outcome", "write_notes"]
+
+SIGNATURE = "_(note written by autobalance)_"
+
+
+def trial_outcome(attrs: dict[str, Any]) -> str:
+    """The ``outcome`` user attribute: what became of the trial in a few words (``ok``, ``over limit
+    (rank 0)``, ``OOM (rank 1)``, ``predicted OOM (not run)``, ...), from its other attributes."""
+    from autobalance.report import outcome_label
+
+    peaks = attrs.get("peak_device_gib") or []
+    usable = attrs.get("usable_gib") or []
+    ratios = [(float(p) / float(u), r) for r, (p, u) in enumerate(zip(peaks, usable, strict=False)) if p is not None and u]
+    many = len(peaks) > 1
+    return outcome_label(status=str(attrs.get("status")), feasible=bool(attrs.get("feasible")),
+                         failing_rank=attrs.get("failing_rank") if many else None,
+                         worst_rank=max(ratios)[1] if ratios and many else None,
+                         predicted=bool(attrs.get("predicted")), reused_from=attrs.get("reused_from"))
+
+
+def note_for(row: Any, summary: Any, why: list[str]) -> str:
+    """The Markdown note of one trial ("" for a plain trial that fits and did not win)."""
+    if summary.best is not None and row.number == summary.best.number:
+        lines = ["**Best trial: why it won**", "", *[f"- {s}" for s in why]]
+    elif row.predicted:
+        lines = [f"**{row.outcome}**: {row.reason or 'judged out of memory without launching'}.",
+                 "", "Its peaks are predictions (or a lower bound from another trial), not measurements."]
+    elif row.status == "ok" and row.feasible:
+        return ""
+    elif row.status == "ok":
+        from autobalance.report import excluded_reason
+
+        lines = [f"**{row.outcome}**: {excluded_reason(row, summary)}."]
+    else:
+        lines = [f"**{row.outcome}**: {row.reason or row.status}."]
+        if row.status == "oom":
+            lines += ["", "Its peaks are lower bounds (the rank stopped when it ran out)."]
+    return "\n".join([*lines, "", SIGNATURE])
+
+
+def write_notes(study: Any) -> int:
+    """(Re)write the autobalance notes of ``study`` that changed; returns how many were written.
+    Without optuna-dashboard installed this does nothing; a failure only warns."""
+    try:
+        from optuna_dashboard._note import (
+            get_note_from_system_attrs,
+            note_ver_key,
+            save_note_with_version,
+        )
+    except ImportError:
+        return 0
+    try:
+        from autobalance.report import summarize, why_this_one
+
+        summary = summarize(study)
+        why = why_this_one(summary, script=summary.script or "SCRIPT")
+        storage = study._storage
+        system = storage.get_study_system_attrs(study._study_id)
+        trials = {t.number: t for t in study.get_trials(deepcopy=False)}
+        wanted: list[tuple[int | None, str]] = [(trials[row.number]._trial_id, note_for(row, summary, why))
+                                                for row in summary.rows]
+        best = summary.best
+        head = (f"**autobalance: trial {best.number} is the best**" if best is not None
+                else "**autobalance: no configuration fits yet**")
+        wanted.append((None, "\n".join([head, "", *[f"- {s}" for s in why], "", SIGNATURE])))  # the study's note
+        written = 0
+        for trial_id, body in wanted:
+            current = get_note_from_system_attrs(system, trial_id)
+            if current["body"] == body or (current["body"] and not current["body"].endswith(SIGNATURE)):
+                continue  # unchanged, or a person's own note
+            save_note_with_version(storage, study._study_id, trial_id, int(system.get(note_ver_key(trial_id), 0)) + 1,
+                                   body)
+            written += 1
+        return written
+    except Exception as exc:  # notes are a courtesy: never fail a study over them
+        warnings.warn(f"autobalance: the dashboard notes of {study.study_name!r} were not written ({exc})", stacklevel=2)
+        return 0

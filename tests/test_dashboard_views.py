@@ -1,0 +1,96 @@
+"""What optuna-dashboard (and plain Optuna) read from a study the tuner recorded: the best trial is
+autobalance's best, infeasible trials never win, numbers are plottable, notes say what happened
+(synthetic study written through the tuner's recording; no browser, no torchrun)."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+from autobalance.tuner._objective import INFEASIBLE_TIME, penalised
+from optuna_dashboard._note import get_note_from_system_attrs, note_ver_key, save_note_with_version
+from optuna_dashboard._pareto_front import get_pareto_front_trials
+
+from autobalance.report import dashboard_app
+from autobalance.tuner import best_trial, is_feasible
+from autobalance.tuner._notes import SIGNATURE, write_notes
+from tests.report_helpers import WsgiServer
+from tests.synthetic_study import BEST_2, OVER_CAP_FASTER_2, build_study
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("dash1")
+    return build_study(root / "s.db", verified=BEST_2), root / "s.db"
+
+
+def _note(study, number: int) -> str:
+    system = study._storage.get_study_system_attrs(study._study_id)
+    return get_note_from_system_attrs(system, study.trials[number]._trial_id)["body"]
+
+
+def test_no_infeasible_trial_ranks_above_a_feasible_one(single) -> None:
+    study, _ = single
+    best = best_trial(study)
+    assert best is not None and best.number == BEST_2
+    assert study._storage.get_best_trial(study._study_id).number == BEST_2  # what optuna-dashboard shows
+    assert study.best_trial.number == BEST_2
+    worst_feasible = max(t.values[0] for t in study.trials if is_feasible(t))
+    for t in study.trials:
+        if not is_feasible(t):
+            assert t.values[0] > worst_feasible, t.number
+    # the over-cap trial measured a faster step: its value still carries the violation
+    over = study.trials[OVER_CAP_FASTER_2]
+    assert over.values[0] > 1.0 + INFEASIBLE_TIME and over.system_attrs["constraints"][0] > 0
+
+
+def test_pareto_front_of_a_two_objective_study_has_no_infeasible_trial(tmp_path) -> None:
+    study = build_study(tmp_path / "m.db", multi_objective=True)
+    front = get_pareto_front_trials(trials=study.get_trials(), directions=study.directions)  # optuna-dashboard's
+    assert front and all(is_feasible(t) for t in front)
+    assert BEST_2 in {t.number for t in front} and OVER_CAP_FASTER_2 not in {t.number for t in front}
+    assert {t.number for t in study.best_trials} == {t.number for t in front}
+
+
+def test_penalised_values() -> None:
+    kw = {"weight_spread": 1.0, "weight_time": 1.0, "multi_objective": False}
+    assert penalised([0.7], [-0.1], feasible=True, **kw) == [0.7]
+    assert penalised([0.7], [0.25], feasible=False, **kw) == [1.0 + INFEASIBLE_TIME + 0.25]
+    assert penalised([11.0], [1.5], feasible=False, **kw) == [12.5]  # an OOM: more over is worse
+    assert penalised([0.1, 0.9], [0.2, -1.0], feasible=False, weight_spread=1.0, weight_time=1.0,
+                     multi_objective=True) == [1.2, INFEASIBLE_TIME + 0.2]
+
+
+def test_dashboard_reads_plottable_numbers_and_outcomes(single) -> None:
+    study, db = single
+    with WsgiServer(dashboard_app(f"sqlite:///{db}")) as server, \
+            urllib.request.urlopen(f"{server.url}/api/studies/{study._study_id}", timeout=30) as resp:
+        detail = json.load(resp)
+    sortable = {a["key"]: a["sortable"] for a in detail["union_user_attrs"]}
+    for key in ("step_time_ms", "peak_max_gib", "peak_rank0_gib", "peak_rank1_gib", "compile_s", "spread_gib"):
+        assert sortable.get(key) is True, key  # numbers only: optuna-dashboard can plot and sort them
+    attrs = {t["number"]: {a["key"]: a["value"] for a in t["user_attrs"]} for t in detail["trials"]}
+    assert "step_time_ms" not in attrs[0] and "peak_max_gib" not in attrs[0]  # OOM: absent, not null
+    assert "peak_max_gib" not in attrs[5]  # a prediction is not plotted as a measurement
+    assert float(attrs[OVER_CAP_FASTER_2]["peak_max_gib"]) == 16.65
+    assert [attrs[n]["outcome"] for n in range(8)] == [
+        "OOM (rank 0)", "ok", "ok", "over limit (rank 0)", "ok", "predicted OOM (not run)", "OOM (rank 1)", "ok"]
+
+
+def test_notes_say_why_and_keep_a_persons_own(tmp_path) -> None:
+    study = build_study(tmp_path / "n.db", verified=BEST_2)
+    best = _note(study, BEST_2)
+    assert best.startswith("**Best trial: why it won**") and "Verified: losses match" in best
+    assert f"#{OVER_CAP_FASTER_2} (128.0 ms) peaked at 16.65 GiB on rank 0" in best
+    assert _note(study, OVER_CAP_FASTER_2).startswith("**over limit (rank 0)**: peaked at 16.65 GiB")
+    assert _note(study, 5).startswith("**predicted OOM (not run)**") and "predictions" in _note(study, 5)
+    assert _note(study, 1) == ""  # fits, did not win: nothing to say
+    assert write_notes(study) == 0  # nothing changed, nothing rewritten
+    storage, trial_id = study._storage, study.trials[6]._trial_id
+    system = storage.get_study_system_attrs(study._study_id)
+    save_note_with_version(storage, study._study_id, trial_id, system.get(note_ver_key(trial_id), 0) + 1, "mine")
+    study.set_user_attr("autobalance:verify:2", {"passed": False, "reason": "loss diverged"})
+    assert write_notes(study) == 1  # the best's verdict changed; the person's note stays
+    assert _note(study, 6) == "mine"
+    assert "Verification FAILED: loss diverged" in _note(study, BEST_2) and _note(study, BEST_2).endswith(SIGNATURE)
