@@ -91,8 +91,8 @@ class TrialFigures:
         def gib(values: list[float | None]) -> list[float | None]:
             return [None if v is None else round(v / GIB, 4) for v in values]
 
-        spread_b = self.spread_bytes()
-        spread_f = self.spread_fraction()
+        spread_b = self.spread_bytes() if self.measured else None  # lower bounds or predictions: no spread
+        spread_f = self.spread_fraction() if self.measured else None
         per_rank = {}
         for r, (p, c) in enumerate(zip(self.peak_device, self.capacity, strict=True)):
             per_rank[f"rank{r}"] = (f"peak {p / GIB:.3f} GiB of {c / GIB:.2f} GiB ({100 * p / c:.1f}%)"
