@@ -91,6 +91,8 @@ def test_notes_say_why_and_keep_a_persons_own(tmp_path) -> None:
     system = storage.get_study_system_attrs(study._study_id)
     save_note_with_version(storage, study._study_id, trial_id, system.get(note_ver_key(trial_id), 0) + 1, "mine")
     study.set_user_attr("autobalance:verify:2", {"passed": False, "reason": "loss diverged"})
-    assert write_notes(study) == 1  # the best's verdict changed; the person's note stays
+    assert write_notes(study) == 2  # the best's verdict changed (its note and the study's); the person's note stays
     assert _note(study, 6) == "mine"
+    system = storage.get_study_system_attrs(study._study_id)
+    assert get_note_from_system_attrs(system, None)["body"].startswith(f"**autobalance: trial {BEST_2} is the best**")
     assert "Verification FAILED: loss diverged" in _note(study, BEST_2) and _note(study, BEST_2).endswith(SIGNATURE)
