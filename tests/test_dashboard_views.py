@@ -8,13 +8,13 @@ import json
 import urllib.request
 
 import pytest
-from autobalance.tuner._objective import INFEASIBLE_TIME, penalised
 from optuna_dashboard._note import get_note_from_system_attrs, note_ver_key, save_note_with_version
 from optuna_dashboard._pareto_front import get_pareto_front_trials
 
 from autobalance.report import dashboard_app
 from autobalance.tuner import best_trial, is_feasible
 from autobalance.tuner._notes import SIGNATURE, write_notes
+from autobalance.tuner.search import INFEASIBLE_TIME, penalised
 from tests.report_helpers import WsgiServer
 from tests.synthetic_study import BEST_2, OVER_CAP_FASTER_2, build_study
 
