@@ -1,0 +1,69 @@
+"""``autobalance tune`` on training scripts written the way users write them
+(tests/scripts/user_train.py; real torchrun trials, 2 CPU ranks, gloo, a tiny model): what is saved,
+what is said, and the exit code."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.tune_helpers import REPO, cli, load
+
+pytestmark = pytest.mark.slow
+
+USER = str(REPO / "tests" / "scripts" / "user_train.py")
+
+
+def _tune(tmp_path, *extra: str, script_args: tuple[str, ...], trials: int):
+    db = tmp_path / "a.db"
+    args = ["tune", USER, "--trials", str(trials), "--nproc-per-node", "2", "--device", "cpu",
+            "--storage", f"sqlite:///{db}", "--study-name", "s", "--seed", "0", "--trial-timeout", "120",
+            "--runs-dir", str(tmp_path / "runs"), *extra, "--", *script_args]
+    return cli(args, cwd=tmp_path, timeout=900), db
+
+
+def test_a_sum_reduced_bf16_loss_is_never_saved_and_tune_exits_1(tmp_path):
+    # rank 0 holds an extra tensor, so balanced (uneven) splits have the smaller spread: the best
+    # candidates are uneven, and with a sum-reduced loss each of them weights samples by micro-batch
+    proc, db = _tune(tmp_path, "--dtypes", "bf16", "--max-accumulation", "1", "--memory-cap-gib", "0.002",
+                     "--weight-time", "0", trials=5,
+                     script_args=("--loss", "sum", "--dtype", "bf16", "--micro-batch", "128", "--samples", "1024",
+                                  "--rank0-extra-mb", "0.2"))
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    study = load(db)
+    verdicts = {k: v for k, v in study.user_attrs.items() if k.startswith("autobalance:verify:")}
+    assert len(verdicts) == 3 and not any(v["passed"] for v in verdicts.values()), verdicts
+    for verdict in verdicts.values():
+        math = verdict["checks"][0]
+        assert math["name"] == "equivalence" and math["runs"] == ["tuned-fp32", "baseline-fp32"]
+        assert math["grad_rel"] > 1e-3 and math["tolerance"][0] == 1e-6
+    assert "both run in fp32" in proc.stdout and "reduction='sum'" in proc.stdout
+    assert "No configuration was saved" in proc.stdout
+    assert "nothing was saved: every configuration tried failed verification" in proc.stderr
+    best = cli(["best", "--study-name", "s", "--storage", f"sqlite:///{db}"], cwd=tmp_path)
+    assert best.returncode != 0  # nothing in the store
+
+
+def test_a_batchnorm_model_keeps_its_split_says_why_and_is_verified_in_train_mode(tmp_path):
+    proc, db = _tune(tmp_path, "--strategy", "optuna", "--sampler", "random", "--dtypes", "fp32",
+                     "--max-accumulation", "2", "--weight-time", "0", "--memory-cap-gib", "0.002", trials=4,
+                     script_args=("--norm", "batch", "--micro-batch", "8", "--rank0-extra-mb", "0.1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    said = " ".join((proc.stderr + proc.stdout).split())
+    assert "Blocks: 6 at 'body.layers'" in said  # found inside an nn.Sequential
+    assert "Batch-dependent layers (body.layers.0.norm (BatchNorm1d)" in said
+    assert "stay the script's own" in said and "--allow-batch-dependent" in said
+    study = load(db)
+    assert study.user_attrs["autobalance:space"]["fixed_split"] is True
+    configs = [t.user_attrs["config"] for t in study.trials if t.user_attrs.get("config")]
+    assert len(configs) == 4
+    assert all(c["micro_batches"] == [8, 8] and c["accumulation"] == 1 for c in configs), configs
+    assert any(any(c["checkpoint"]) for c in configs)  # the blocks are searched
+    saved = json.loads(cli(["best", "--study-name", "s", "--storage", f"sqlite:///{db}", "--format", "json"],
+                           cwd=tmp_path).stdout)
+    assert saved["config"]["micro_batches"] == [8, 8]
+    for key, verdict in study.user_attrs.items():
+        if key.startswith("autobalance:verify:") and not verdict["skipped"]:
+            assert verdict["passed"], verdict
+            assert any("train mode" in note for note in verdict["notes"])
