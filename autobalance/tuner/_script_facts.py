@@ -11,7 +11,7 @@ from typing import Any
 from autobalance.protocol import StudyAttr
 from autobalance.tuner.search import SearchSpace
 
-__all__ = ["ATTR_SCRIPT_FACTS", "batch_dependent_layers", "keep_split", "script_facts"]
+__all__ = ["ATTR_SCRIPT_FACTS", "batch_dependent_layers", "keep_split", "script_facts", "summary_facts"]
 
 ATTR_SCRIPT_FACTS = StudyAttr.SCRIPT_FACTS
 """Study attribute: the lines of :func:`script_facts` for the baseline (shown again in the summary)."""
@@ -65,3 +65,10 @@ def script_facts(report: dict[str, Any], *, kept_split: bool, allow: bool, split
                      f"is a partial step of at most {samples} samples, and samples/s counts the samples really "
                      "used. Give the script more data (or a smaller --global-batch) to tune full steps.")
     return lines
+
+
+def summary_facts(study_attrs: dict[str, Any]) -> list[str]:
+    """The facts the study's summary repeats: what limits the search (no blocks, a kept split, a
+    dataset smaller than one global batch); the line naming the blocks found is said once, at the start."""
+    facts = study_attrs.get(ATTR_SCRIPT_FACTS) or []
+    return [str(line) for line in facts if not str(line).startswith("Blocks: ")]
