@@ -17,6 +17,7 @@ from autobalance.protocol import Status, StudyAttr, TrialAttr, best_trial
 from autobalance.store import heartbeat_interval_s
 from autobalance.tuner._launching import TrialLauncher
 from autobalance.tuner._recording import Recorder
+from autobalance.tuner._script_facts import keep_split, script_facts
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._workers import BaselineClaim, worker_id
 from autobalance.tuner.search import SearchSpace
@@ -64,6 +65,8 @@ def baseline_once(study: optuna.Study, *, settings: TuneSettings, storage: optun
         reporter.start(number, None, baseline=True)
         outcome = launcher.launch(study, number=number, config=None)
         space, defaults = _space_from_baseline(study, outcome, settings)
+        for line in study.user_attrs.get(StudyAttr.SCRIPT_FACTS) or []:
+            reporter.note(line)  # the study's first lines: what shapes the search
         study.enqueue_trial(space.params_from_config(defaults), user_attrs={TrialAttr.BASELINE: True})
         frozen = recorder.record(study, study.ask(), defaults, outcome, baseline=True)
         study.set_user_attr(StudyAttr.BASELINE, frozen.number)
@@ -101,6 +104,8 @@ def _space_from_baseline(study: optuna.Study, outcome: TrialOutcome,
                               compile_modes=s.compile_modes(), any_split=s.split == "any")
     if defaults.accumulation not in space.accumulations:
         space.accumulations = sorted({*space.accumulations, defaults.accumulation})
+    kept = keep_split(space, report=rep, accumulation=defaults.accumulation, allow=s.allow_batch_dependent)
+    facts = script_facts(rep, kept_split=kept, allow=s.allow_batch_dependent, split=defaults.split_text())
     capacity = [float((outcome.reports.get(r) or rep)["device"]["capacity_bytes"]) for r in range(s.world_size)]
     if s.device == "cuda" and s.caps_bytes():
         too_big = [(r, c) for r, c in enumerate(s.caps_bytes() or []) if c > capacity[r]]
@@ -111,6 +116,8 @@ def _space_from_baseline(study: optuna.Study, outcome: TrialOutcome,
                 "use a smaller cap."
             )
     study.set_user_attr(StudyAttr.SPACE, space.to_dict())
+    study.set_user_attr(StudyAttr.SCRIPT_FACTS, facts)
+    study.set_user_attr(StudyAttr.ALLOW_BATCH_DEPENDENT, s.allow_batch_dependent)
     study.set_user_attr(StudyAttr.CAPACITY, capacity)
     study.set_user_attr(StudyAttr.DEVICE, rep["device"])
     study.set_user_attr(StudyAttr.SCRIPT_SHA, script_sha256(s.script))

@@ -11,6 +11,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from autobalance.protocol import Status, StudyAttr, TrialAttr
+from autobalance.tuner._script_facts import summary_facts
 from autobalance.tuner.search import compile_notes
 
 __all__ = ["TuneResult", "per_trial_overhead_s", "summarise"]
@@ -52,6 +53,7 @@ def per_trial_overhead_s(trials: list[FrozenTrial], *, last: int = 5) -> float |
 
 def summarise(study: optuna.Study, result: TuneResult, *, cold_note: str | None, advisor: Any) -> None:
     """Append the study's notes to ``result`` (and record the compile total and the memory model's error)."""
+    result.notes.extend(summary_facts(study.user_attrs))
     trials = study.get_trials(deepcopy=False)
     predicted = [t for t in trials if t.user_attrs.get(TrialAttr.STATUS) == Status.PREDICTED_OOM]
     pruned = sum(t.state == TrialState.PRUNED for t in trials)
