@@ -122,3 +122,12 @@ def test_a_flag_wins_over_the_toml_only_when_given(tmp_path: Path, monkeypatch: 
     assert seen["settings"].script == GPT and seen["settings"].script_args == ["--n-layer", "2"]
     result = runner.invoke(app, ["tune", "--config", str(toml), "--memory-cap-gib", "a,b"])
     assert result.exit_code == 2 and "--memory-cap-gib='a,b' is not a number" in result.output
+
+
+def test_the_command_line_is_built_without_heavy_imports() -> None:
+    """`autobalance --help` stays instant: deriving tune's flags imports the settings, not the tuner."""
+    code = ("import sys, typer; from autobalance.cli import app; typer.main.get_command(app); "
+            "print(sorted(m for m in ('optuna', 'torch', 'sqlalchemy', 'numpy') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"

@@ -8,25 +8,67 @@ The search: ``_space``, ``_objective``, ``_memory_model``, ``_solver``, ``_advis
 
 from __future__ import annotations
 
-from autobalance.protocol import best_trial, is_feasible
-from autobalance.tuner._finish import Saving, best_so_far, nothing_feasible, save_best
-from autobalance.tuner._promote import promote_trial
-from autobalance.tuner._reporter import RichReporter
-from autobalance.tuner._settings import (
-    SAMPLERS,
-    STRATEGIES,
-    SettingDoc,
-    TuneSettings,
-    default_device,
-    default_study_name,
-    load_toml,
-    setting_docs,
-)
-from autobalance.tuner._study import make_sampler
-from autobalance.tuner._summary import TuneResult
-from autobalance.tuner._tuner import Tuner
-from autobalance.tuner._verify import run_verify_command
-from autobalance.tuner.search import SearchSpace, TrialFigures, figures_from_outcome
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from autobalance.protocol import best_trial, is_feasible
+    from autobalance.tuner._finish import Saving, best_so_far, nothing_feasible, save_best
+    from autobalance.tuner._promote import promote_trial
+    from autobalance.tuner._reporter import RichReporter
+    from autobalance.tuner._settings import (
+        SAMPLERS,
+        STRATEGIES,
+        SettingDoc,
+        TuneSettings,
+        default_device,
+        default_study_name,
+        load_toml,
+        setting_docs,
+    )
+    from autobalance.tuner._study import make_sampler
+    from autobalance.tuner._summary import TuneResult
+    from autobalance.tuner._tuner import Tuner
+    from autobalance.tuner._verify import run_verify_command
+    from autobalance.tuner.search import SearchSpace, TrialFigures, figures_from_outcome
+
+_EXPORTS: dict[str, str] = {
+    "best_so_far": "autobalance.tuner._finish",
+    "best_trial": "autobalance.protocol",
+    "default_device": "autobalance.tuner._settings",
+    "default_study_name": "autobalance.tuner._settings",
+    "figures_from_outcome": "autobalance.tuner.search",
+    "is_feasible": "autobalance.protocol",
+    "load_toml": "autobalance.tuner._settings",
+    "make_sampler": "autobalance.tuner._study",
+    "nothing_feasible": "autobalance.tuner._finish",
+    "promote_trial": "autobalance.tuner._promote",
+    "RichReporter": "autobalance.tuner._reporter",
+    "run_verify_command": "autobalance.tuner._verify",
+    "SAMPLERS": "autobalance.tuner._settings",
+    "save_best": "autobalance.tuner._finish",
+    "Saving": "autobalance.tuner._finish",
+    "SearchSpace": "autobalance.tuner.search",
+    "setting_docs": "autobalance.tuner._settings",
+    "SettingDoc": "autobalance.tuner._settings",
+    "STRATEGIES": "autobalance.tuner._settings",
+    "TrialFigures": "autobalance.tuner.search",
+    "Tuner": "autobalance.tuner._tuner",
+    "TuneResult": "autobalance.tuner._summary",
+    "TuneSettings": "autobalance.tuner._settings",
+}
+"""Where each name lives: imported on first use, so ``import autobalance.tuner._settings`` (the CLI's
+flags, ``autobalance --help``) does not import optuna, sqlalchemy or torch."""
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'autobalance.tuner' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "SAMPLERS",

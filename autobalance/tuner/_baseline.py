@@ -89,10 +89,12 @@ def _space_from_baseline(study: optuna.Study, outcome: TrialOutcome,
             rank=outcome.failing_rank,
         )
     if rep is None:
+        advice = ("Raise --trial-timeout." if outcome.status == Status.TIMEOUT else
+                  "A trial measures a script that calls autobalance.plan() and trains through plan.wrap() and "
+                  "plan.steps() (README, 'Adopt it').")
         raise LaunchError(
-            f"the baseline trial ended with '{outcome.status}' ({outcome.reason}) before any rank reported "
-            f"its model; logs in {outcome.trial_dir}. "
-            + ("Raise --trial-timeout." if outcome.status == Status.TIMEOUT else "Check that the script calls plan.wrap().")
+            f"the baseline trial (the script's own configuration) measured nothing: {outcome.reason}; logs in "
+            f"{outcome.trial_dir}. {advice}"
         )
     defaults = BalanceConfig.from_dict(rep["defaults"])
     dtypes = s.dtypes or (["fp32", "bf16", "fp16"] if rep["device"]["type"] == "cuda" else ["fp32", "bf16"])
