@@ -8,6 +8,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from autobalance._errors import ConfigError
+from autobalance._files import is_int, is_number
 
 __all__ = [
     "COMPILE_MODES",
@@ -174,16 +175,16 @@ class BalanceConfig:
         def bad(name: str, value: Any, expected: str) -> ConfigError:
             return ConfigError(f"{name}={value!r} is not {expected}; fix the configuration's {name}.")
 
-        if not isinstance(self.micro_batches, list) or not all(_is_int(b) for b in self.micro_batches):
+        if not isinstance(self.micro_batches, list) or not all(is_int(b) for b in self.micro_batches):
             raise bad("micro_batches", self.micro_batches, "a list of integers")
         for name in ("accumulation", "global_batch"):
-            if not _is_int(getattr(self, name)):
+            if not is_int(getattr(self, name)):
                 raise bad(name, getattr(self, name), "an integer")
         shares = self.rank_samples
-        if shares is not None and (not isinstance(shares, list) or not all(_is_int(s) for s in shares)):
+        if shares is not None and (not isinstance(shares, list) or not all(is_int(s) for s in shares)):
             raise bad("rank_samples", shares, "null or a list of integers (samples per optimizer step, per rank)")
         if not isinstance(self.checkpoint, list) or not all(
-            isinstance(c, list) and all(_is_int(i) for i in c) for c in self.checkpoint
+            isinstance(c, list) and all(is_int(i) for i in c) for c in self.checkpoint
         ):
             raise bad("checkpoint", self.checkpoint, "a list (one per rank) of lists of block indices")
         if not isinstance(self.dtype, str):
@@ -197,7 +198,7 @@ class BalanceConfig:
             raise bad("compile", self.compile, "a string")
         budget = self.activation_budget
         if budget is not None:
-            if not isinstance(budget, list) or not all(_is_number(b) and math.isfinite(b) for b in budget):
+            if not isinstance(budget, list) or not all(is_number(b) and math.isfinite(b) for b in budget):
                 raise bad("activation_budget", budget, "null or a list of fractions (one per rank)")
             self.activation_budget = [float(b) for b in budget]
 
@@ -324,14 +325,6 @@ _MAX_JSON_CHARS = 1_000_000
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a valid value")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def split_evenly(total: int, weights: list[float]) -> list[int]:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import re
@@ -45,6 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 from autobalance._errors import LaunchError
+from autobalance._files import script_sha256, write_json_atomic
 from autobalance.launcher._outcome import TrialOutcome, classify, read_reports
 from autobalance.launcher._torchrun import TrialLaunch, run_trial, unwritable_trial_dir
 from autobalance.protocol import Status
@@ -75,16 +75,8 @@ def hub_dir(runs_dir: str, rdzv_endpoint: str) -> str:
     return os.path.join(os.path.abspath(runs_dir), "multinode", key)
 
 
-def script_sha256(path: str) -> str:
-    with open(path, "rb") as fh:
-        return hashlib.sha256(fh.read()).hexdigest()
-
-
 def _write_json(path: str, data: dict[str, Any]) -> None:
-    tmp = f"{path}.{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}.tmp"
-    with open(tmp, "w") as fh:
-        json.dump(data, fh)
-    os.replace(tmp, path)
+    write_json_atomic(path, data, fsync=False)
 
 
 def _read_json(path: str) -> dict[str, Any] | None:
@@ -253,11 +245,7 @@ class Coordinator:
             "session": self.session, "seq": self.seq, "rdzv_id": launch.rdzv_id or launch.trial_id,
             "trial_id": launch.trial_id, "trial_dir": launch.trial_dir if rel.startswith("..") else rel,
             "nodes": [w["wid"] for w in nodes], "nnodes": launch.nnodes, "nproc_per_node": launch.nproc_per_node,
-            "device": launch.device, "config_json": launch.config_json, "global_batch": launch.global_batch,
-            "steps": launch.steps, "warmup": launch.warmup, "measure_s": launch.measure_s,
-            "max_steps": launch.max_steps, "memory_cap_bytes": launch.memory_cap_bytes,
-            "timeout_s": launch.timeout_s, "pg_timeout_s": launch.pg_timeout_s,
-            "script_sha256": self.script_sha, "script_args": self.script_args,
+            **launch.shared(), "script_sha256": self.script_sha, "script_args": self.script_args,
         }
         _write_json(os.path.join(self.hub, "current.json"), request)
         aborted: list[tuple[str, str]] = []
@@ -428,18 +416,12 @@ def _serve(request: dict[str, Any], *, hub: str, wid: str, host: str, info: dict
         say(f"autobalance worker {wid}: refused trial {request.get('seq')}: {'; '.join(problems)}")
         return
     session = str(request.get("session"))
-    caps = request.get("memory_cap_bytes")
-    launch = TrialLaunch(
-        script=script, script_args=list(script_args), nproc_per_node=int(info["nproc_per_node"]),
+    launch = TrialLaunch.joining(
+        request, script=script, script_args=list(script_args), nproc_per_node=int(info["nproc_per_node"]),
         nnodes=int(info["nnodes"]), node_rank=node_rank, rdzv_endpoint=endpoint, rdzv_id=str(request["rdzv_id"]),
-        torchrun_args=torchrun_args, device=str(request.get("device", "cpu")), config_json=request.get("config_json"),
-        global_batch=request.get("global_batch"), steps=int(request.get("steps", 3)),
-        warmup=int(request.get("warmup", 1)), measure_s=float(request.get("measure_s", 0.0)),
-        max_steps=int(request.get("max_steps", 50)), memory_cap_bytes=[int(c) for c in caps] if caps else None,
-        trial_dir=trial_dir, log_dir=os.path.join(trial_dir, f"node-{wid}"),
+        torchrun_args=torchrun_args, trial_dir=trial_dir, log_dir=os.path.join(trial_dir, f"node-{wid}"),
         # the coordinator's cancel ends the trial; this limit only backs it up
-        timeout_s=float(request.get("timeout_s", 300)) + 60, pg_timeout_s=int(request.get("pg_timeout_s", 60)),
-        trial_id=f"{request.get('trial_id')}-{wid}",
+        timeout_s=float(request.get("timeout_s", 300)) + 60, trial_id=f"{request.get('trial_id')}-{wid}",
     )
     with contextlib.suppress(OSError):
         _write_json(state_path, {"status": "started", "host": host, "pid": os.getpid()})

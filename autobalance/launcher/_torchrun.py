@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from autobalance import _env
 from autobalance._errors import LaunchError
@@ -89,6 +91,29 @@ class TrialLaunch:
     def logs_at(self) -> str:
         return self.log_dir or self.trial_dir
 
+    def shared(self) -> dict[str, Any]:
+        """What every node of a multi-node trial runs alike (sent to the other nodes as JSON)."""
+        return {name: getattr(self, name) for name in SHARED_FIELDS}
+
+    @classmethod
+    def joining(cls, shared: dict[str, Any], **node: Any) -> TrialLaunch:
+        """This node's part of a trial another node coordinates: the fields of :meth:`shared` as
+        received (missing ones at their defaults), and this node's own (script, rendezvous,
+        directories; a value given here wins)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.name in SHARED_FIELDS}
+        values = {name: shared.get(name, defaults[name]) for name in SHARED_FIELDS}
+        caps = values["memory_cap_bytes"]
+        values.update(device=str(values["device"]), steps=int(values["steps"]), warmup=int(values["warmup"]),
+                      measure_s=float(values["measure_s"]), max_steps=int(values["max_steps"]),
+                      memory_cap_bytes=[int(c) for c in caps] if caps else None,
+                      timeout_s=float(values["timeout_s"]), pg_timeout_s=int(values["pg_timeout_s"]))
+        return cls(**{**values, **node})
+
+
+SHARED_FIELDS = ("device", "config_json", "global_batch", "steps", "warmup", "measure_s", "max_steps",
+                 "memory_cap_bytes", "timeout_s", "pg_timeout_s")
+"""The fields of :class:`TrialLaunch` every node of a trial shares."""
+
 
 def child_setup(launch: TrialLaunch) -> Callable[[], None]:
     """``preexec_fn`` of a trial's torchrun: die with the tuner; pinned to ``launch.cpus``."""
@@ -103,6 +128,8 @@ def child_setup(launch: TrialLaunch) -> Callable[[], None]:
 
 
 def build_command(launch: TrialLaunch) -> list[str]:
+    """``python -m torch.distributed.run ... script args``: standalone on one node, else joining the
+    c10d rendezvous at ``rdzv_endpoint``."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(launch.nproc_per_node),
            "--max-restarts", "0", "--log-dir", os.path.join(launch.logs_at, "logs"), "--redirects", "3"]
     if launch.nnodes == 1 and launch.rdzv_endpoint is None:

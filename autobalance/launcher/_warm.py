@@ -14,11 +14,10 @@ starts a fresh one, so that no trial is charged for what earlier trials left beh
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 import re
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from typing import Any
 
 from autobalance import _env
 from autobalance._errors import LaunchError
+from autobalance._files import write_json_atomic
 from autobalance.launcher._outcome import TrialOutcome, classify, read_reports
 from autobalance.launcher._procs import (
     become_subreaper,
@@ -34,6 +34,7 @@ from autobalance.launcher._procs import (
 )
 from autobalance.launcher._torchrun import (
     TrialLaunch,
+    build_command,
     child_setup,
     trial_environment,
     unwritable_trial_dir,
@@ -94,21 +95,17 @@ class WarmPool:
         self.starts += 1
         self.seq = 0
         t = self.template
-        launch = TrialLaunch(
-            script=self.worker[0], script_args=[*self.worker[1:], t.script, *t.script_args],
-            nproc_per_node=t.nproc_per_node, nnodes=t.nnodes, node_rank=t.node_rank,
-            rdzv_endpoint=t.rdzv_endpoint, torchrun_args=t.torchrun_args, device=t.device, steps=t.steps,
-            warmup=t.warmup, max_steps=t.max_steps, memory_cap_bytes=t.memory_cap_bytes, trial_dir=self._dir,
-            timeout_s=t.timeout_s,
-            pg_timeout_s=t.pg_timeout_s, env=dict(t.env), trial_id=self.pool_id, cpus=t.cpus,
+        # the pool's torchrun: the template's, one node, running the warm worker around the script
+        launch = dataclasses.replace(
+            self.template, script=self.worker[0], script_args=[*self.worker[1:], t.script, *t.script_args],
+            nnodes=1, node_rank=None, rdzv_endpoint=None, rdzv_id=None, config_json=None, global_batch=None,
+            measure_s=0.0, trial_dir=self._dir, log_dir=None, env=dict(t.env), trial_id=self.pool_id,
         )
         env = trial_environment(launch)
         for key in _PER_TRIAL_KEYS:
             env.pop(key, None)
         env.update({_env.WARM: "1", _env.POOL_DIR: self._dir, "PYTHONUNBUFFERED": "1"})
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(t.nproc_per_node),
-               "--max-restarts", "0", "--log-dir", os.path.join(self._dir, "logs"), "--redirects", "3",
-               "--standalone", *t.torchrun_args, *self.worker, t.script, *t.script_args]
+        cmd = build_command(launch)
         with open(os.path.join(self._dir, "torchrun.log"), "wb") as log:
             try:
                 self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -152,9 +149,7 @@ class WarmPool:
         if launch.config_json is None:
             request["env"].pop(_env.CONFIG, None)
         path = os.path.join(self._dir, f"request-{self.seq}.json")
-        with open(path + ".tmp", "w") as fh:
-            json.dump(request, fh)
-        os.replace(path + ".tmp", path)
+        write_json_atomic(path, request, fsync=False)
         self.seq += 1
         start = time.monotonic()
         # the trial's clock starts once every worker is up (a new pool gets start_timeout_s for that)

@@ -17,7 +17,6 @@ from autobalance.protocol._report import (
     RankReport,
     RankTiming,
     cpu_model_name,
-    is_number,
     report_path,
     report_problem,
 )
@@ -34,7 +33,12 @@ from autobalance.protocol._status import (
     looks_like_oom,
     looks_like_peer_failure,
 )
-from autobalance.protocol._trials import best_trial, is_feasible, weighted_objective
+from autobalance.protocol._trials import (
+    best_trial,
+    is_feasible,
+    objective_value,
+    weighted_objective,
+)
 
 __all__ = [
     "CONSTRAINTS_KEY",
@@ -59,9 +63,9 @@ __all__ = [
     "best_trial",
     "cpu_model_name",
     "is_feasible",
-    "is_number",
     "looks_like_oom",
     "looks_like_peer_failure",
+    "objective_value",
     "report_path",
     "report_problem",
     "weighted_objective",

@@ -19,7 +19,6 @@ __all__ = [
     "RankMemory",
     "RankReport",
     "RankTiming",
-    "is_number",
     "report_path",
     "report_problem",
 ]
@@ -36,8 +35,8 @@ class InvalidReport(ValueError):
     """A report that :func:`report_problem` rejects (its message says why)."""
 
 
-def is_number(value: Any) -> bool:
-    """A finite, non-negative JSON number (not a bool)."""
+def _measure(value: Any) -> bool:
+    """A finite, non-negative JSON number (not a bool): a size, a time, a count."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
@@ -233,7 +232,7 @@ def report_problem(data: Any) -> str | None:
         for key in ("memory", "device"):
             if not isinstance(data.get(key), dict):
                 return f"an ok report without {key}"
-        if not is_number(data.get("step_time_s")):
+        if not _measure(data.get("step_time_s")):
             return "an ok report without a step time"
     checks = (
         ("memory", ("peak_device", "peak_allocated", "peak_reserved", "outside_pytorch", "nvml_used_peak")),
@@ -245,12 +244,12 @@ def report_problem(data: Any) -> str | None:
     for section, keys in checks:
         values = data.get(section) or {}
         for key in keys:
-            if values.get(key) is not None and not is_number(values[key]):
+            if values.get(key) is not None and not _measure(values[key]):
                 return f"{section}.{key} is not a non-negative number"
     for key in ("step_time_s", "step_time_iqr_s", "samples_per_s", "measured_steps", "partial_steps", "samples_per_step"):
-        if data.get(key) is not None and not is_number(data[key]):
+        if data.get(key) is not None and not _measure(data[key]):
             return f"{key} is not a non-negative number"
     times = data.get("step_times_s")
-    if times is not None and not (isinstance(times, list) and all(is_number(t) for t in times)):
+    if times is not None and not (isinstance(times, list) and all(_measure(t) for t in times)):
         return "step_times_s is not a list of non-negative numbers"
     return None

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     import optuna
     from optuna.trial import FrozenTrial
 
-__all__ = ["best_trial", "is_feasible", "weighted_objective"]
+__all__ = ["best_trial", "is_feasible", "objective_value", "weighted_objective"]
 
 
 def is_feasible(trial: FrozenTrial) -> bool:
@@ -24,13 +24,19 @@ def is_feasible(trial: FrozenTrial) -> bool:
                 and trial.user_attrs.get(TrialAttr.STATUS) == Status.OK)
 
 
+def objective_value(spread: float, time_norm: float, *, weight_spread: float, weight_time: float) -> float:
+    """The single objective: ``weight_spread`` x the memory spread (fraction of capacity) +
+    ``weight_time`` x the step time normalised by the study's reference step time."""
+    return float(weight_spread * spread + weight_time * time_norm)
+
+
 def weighted_objective(values: list[float] | tuple[float, ...], objective: dict[str, Any]) -> float:
     """One number for a trial's objective values: the value itself, or on a Pareto front (spread,
-    time) the weighted sum with the study's weights."""
+    time) :func:`objective_value` with the study's weights."""
     if len(values) == 1:
         return float(values[0])
-    ws, wt = objective.get("weight_spread", 1.0), objective.get("weight_time", 1.0)
-    return float(ws * values[0] + wt * values[1])
+    return objective_value(values[0], values[1], weight_spread=objective.get("weight_spread", 1.0),
+                           weight_time=objective.get("weight_time", 1.0))
 
 
 def best_trial(study: optuna.Study) -> FrozenTrial | None:

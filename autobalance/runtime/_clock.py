@@ -14,7 +14,6 @@ times so far) for the tuner's pruner. Outside a trial the clock only records ste
 from __future__ import annotations
 
 import gc
-import json
 import math
 import os
 import statistics
@@ -24,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from autobalance import _env
+from autobalance._files import write_json_atomic
 from autobalance.runtime._setup import float_env, int_env
 
 __all__ = ["PROGRESS_FILE", "StepClock"]
@@ -136,12 +136,9 @@ class StepClock:
         """Step times so far, for the tuner's pruner (rank 0 only; the ranks step in lockstep)."""
         if self.trial_dir is None or self.rank != 0:
             return
-        path = os.path.join(self.trial_dir, PROGRESS_FILE)
-        tmp = path + ".tmp"
-        with open(tmp, "w") as fh:
-            json.dump({"steps_done": steps_done, "warmup_steps": self.warmup_steps,
-                       "step_times_s": self.step_times}, fh)
-        os.replace(tmp, path)
+        write_json_atomic(os.path.join(self.trial_dir, PROGRESS_FILE), {
+            "steps_done": steps_done, "warmup_steps": self.warmup_steps, "step_times_s": self.step_times,
+        }, fsync=False)
 
     def _set_target_steps(self, first_measured_s: float) -> None:
         """Measure for about ``measure_s``: every rank takes the slowest rank's first measured step

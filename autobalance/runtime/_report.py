@@ -11,15 +11,14 @@ before a plan existed.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import socket
 import statistics
-import tempfile
 import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
+from autobalance._files import write_json_atomic
 from autobalance.protocol import (
     RankDevice,
     RankMemory,
@@ -39,21 +38,7 @@ __all__ = ["build_report", "report_path", "setup_failure_report", "step_time_iqr
 
 def write_report(trial_dir: str, rank: int, report: dict[str, Any]) -> str:
     """Write to a temporary file in the same directory, fsync, then rename into place."""
-    path = report_path(trial_dir, rank)
-    fd, tmp = tempfile.mkstemp(prefix=f".rank{rank}.", suffix=".tmp", dir=trial_dir)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(report, fh, indent=1, default=str)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return path
+    return write_json_atomic(report_path(trial_dir, rank), report, indent=1)
 
 
 def step_time_iqr(times: list[float]) -> float | None:

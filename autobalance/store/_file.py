@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
-import tempfile
 
 from autobalance._errors import ConfigError, SchemaVersionError
+from autobalance._files import write_atomic
 from autobalance.store._saved import SavedConfig
 
 __all__ = ["export_file", "read_export_file"]
@@ -23,21 +23,7 @@ def export_file(saved: SavedConfig, path: str | os.PathLike[str]) -> str:
             f"Export path {target!r}: directory {directory} does not exist; create it first."
         )
     text = saved.to_json(indent=2) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=".autobalance-", suffix=".json.tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return target
+    return write_atomic(target, text, mode=0o644)
 
 
 def read_export_file(path: str | os.PathLike[str]) -> SavedConfig:

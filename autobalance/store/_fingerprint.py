@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from autobalance._errors import ConfigError
+from autobalance._files import is_int
 from autobalance.protocol import GENERIC_CPU_NAME, cpu_model_name
 
 __all__ = [
@@ -57,12 +58,12 @@ class HardwareFingerprint:
             raise bad("device_type", self.device_type, f"one of {', '.join(DEVICE_TYPES)}")
         if not isinstance(self.device_name, str):
             raise bad("device_name", self.device_name, "a string")
-        if not _is_int(self.world_size) or self.world_size < 1:
+        if not is_int(self.world_size) or self.world_size < 1:
             raise bad("world_size", self.world_size, "a positive integer")
-        if not _is_int(self.nnodes) or self.nnodes < 1:
+        if not is_int(self.nnodes) or self.nnodes < 1:
             raise bad("nnodes", self.nnodes, "a positive integer")
         if not isinstance(self.capacity_bytes, list) or not all(
-            _is_int(c) and c >= 0 for c in self.capacity_bytes
+            is_int(c) and c >= 0 for c in self.capacity_bytes
         ):
             raise bad("capacity_bytes", self.capacity_bytes, "a list of byte counts")
         if len(self.capacity_bytes) != self.world_size:
@@ -70,7 +71,7 @@ class HardwareFingerprint:
                 "capacity_bytes", self.capacity_bytes, f"one entry per rank ({self.world_size})"
             )
         if not isinstance(self.cap_bytes, list) or not all(
-            c is None or (_is_int(c) and c > 0) for c in self.cap_bytes
+            c is None or (is_int(c) and c > 0) for c in self.cap_bytes
         ):
             raise bad("cap_bytes", self.cap_bytes, "a list of byte counts or nulls")
         if not self.cap_bytes:
@@ -115,10 +116,6 @@ class HardwareFingerprint:
                 f"fingerprint lacks field(s) {missing}; give every field of HardwareFingerprint."
             )
         return cls(**{k: _copy(v) for k, v in data.items()})
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _copy(value: Any) -> Any:

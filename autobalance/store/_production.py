@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import warnings
 
 from autobalance._errors import HardwareMismatchError, UsageError
+from autobalance._files import script_sha256
 from autobalance.store._file import read_export_file
 from autobalance.store._fingerprint import HardwareFingerprint, differences, minor_differences
 from autobalance.store._saved import SavedConfig
@@ -26,15 +26,6 @@ MISMATCH_POLICIES = ("error", "warn")
 
 class HardwareMismatchWarning(UserWarning):
     """A saved configuration is used on hardware or software that differs from the tuning job's."""
-
-
-def script_sha256(path: str | os.PathLike[str]) -> str:
-    """SHA-256 (hex) of the file at ``path``: identifies the training script a study tuned."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def load_saved_config(

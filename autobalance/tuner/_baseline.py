@@ -12,6 +12,7 @@ import optuna
 
 from autobalance._config import BalanceConfig
 from autobalance._errors import LaunchError, TrialScriptError, UsageError
+from autobalance._files import script_sha256
 from autobalance.launcher import TrialOutcome
 from autobalance.protocol import Status, StudyAttr, TrialAttr, best_trial
 from autobalance.store import heartbeat_interval_s
@@ -22,14 +23,7 @@ from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._workers import BaselineClaim, worker_id
 from autobalance.tuner.search import SearchSpace
 
-__all__ = ["baseline_once", "script_sha256"]
-
-
-def script_sha256(path: str) -> str:
-    import hashlib
-
-    with open(path, "rb") as fh:
-        return hashlib.sha256(fh.read()).hexdigest()
+__all__ = ["baseline_once"]
 
 
 def baseline_once(study: optuna.Study, *, settings: TuneSettings, storage: optuna.storages.RDBStorage,

@@ -12,8 +12,8 @@ from optuna.trial import FrozenTrial
 
 from autobalance._config import BalanceConfig
 from autobalance._errors import UsageError, VerificationError
+from autobalance._files import script_sha256
 from autobalance.protocol import Status, StudyAttr, TrialAttr
-from autobalance.tuner._baseline import script_sha256
 from autobalance.tuner._notes import write_notes
 
 __all__ = ["figures_of_trial", "fingerprint_of_study", "promote_trial", "save_trial"]

@@ -14,6 +14,7 @@ from typing import Any
 
 from autobalance._config import COMPILE_MODES, DTYPES
 from autobalance._errors import UsageError
+from autobalance._files import is_int, is_number
 
 __all__ = [
     "COMPILE_CHOICES",
@@ -330,21 +331,17 @@ def _positive(name: str, value: int) -> None:
         raise UsageError(f"{name}={value} must be at least 1.")
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _toml_type_problem(annotation: str, value: Any) -> str | None:
     """What ``value`` should have been for a field annotated ``annotation`` (None: it fits)."""
     kind = annotation.replace(" | None", "")
     checks: dict[str, tuple[str, Any]] = {
-        "int": ("a whole number", lambda v: isinstance(v, int) and not isinstance(v, bool)),
-        "float": ("a number", _is_number),
-        "float | str": ('a number or "auto"', lambda v: _is_number(v) or v == "auto"),
+        "int": ("a whole number", is_int),
+        "float": ("a number", is_number),
+        "float | str": ('a number or "auto"', lambda v: is_number(v) or v == "auto"),
         "str": ("a string", lambda v: isinstance(v, str)),
         "bool": ("true or false", lambda v: isinstance(v, bool)),
         "list[str]": ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
-        "list[float]": ("a number or a list of numbers", lambda v: isinstance(v, list) and all(_is_number(x) for x in v)),
+        "list[float]": ("a number or a list of numbers", lambda v: isinstance(v, list) and all(is_number(x) for x in v)),
     }
     if kind not in checks:
         return None
@@ -383,7 +380,7 @@ def load_toml(path: str) -> dict[str, Any]:
         expected = _toml_type_problem(annotations[name], value)
         if expected is not None:
             raise UsageError(f"--config={path!r} has {name} = {value!r}, which is not {expected}; fix that key.")
-        if annotations[name].startswith("float") and _is_number(value):
+        if annotations[name].startswith("float") and is_number(value):
             values[name] = float(value)
         elif annotations[name].startswith("list[float]"):
             values[name] = [float(v) for v in value]

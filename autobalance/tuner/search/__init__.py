@@ -42,6 +42,7 @@ from autobalance.tuner.search._objective import (
     TrialFigures,
     figures_from_outcome,
     penalised,
+    spread_fraction,
 )
 from autobalance.tuner.search._solver import (
     DEFAULT_RECOMPUTE_FRACTION,
@@ -96,4 +97,5 @@ __all__ = [
     "predict_config_feasible",
     "predict_feasible",
     "space_problem",
+    "spread_fraction",
 ]

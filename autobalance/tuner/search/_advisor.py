@@ -14,11 +14,11 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from autobalance._config import BalanceConfig
-from autobalance.protocol import Status, StudyAttr, TrialAttr, best_trial
+from autobalance.protocol import Status, StudyAttr, TrialAttr, best_trial, objective_value
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner.search._dominance import activation_budget, dominating_over_cap
 from autobalance.tuner.search._memory_model import MemoryModel, MemoryObservation
-from autobalance.tuner.search._objective import TrialFigures
+from autobalance.tuner.search._objective import TrialFigures, spread_fraction
 from autobalance.tuner.search._solver import (
     balanced_split_for,
     plans_from_model,
@@ -171,13 +171,11 @@ class ModelAdvisor:
     def predicted_objective(self, cfg: BalanceConfig, peaks: list[float], usable: list[float],
                             timing: StepTimeModel, reference_ms: float | None) -> float | None:
         capacity = [u / (1.0 - self.settings.headroom) for u in usable]
-        fracs = [p / c for p, c in zip(peaks, capacity, strict=True)]
-        spread = max(fracs) - min(fracs)
         t = timing.predict(cfg)
         if t is None:
             return None
-        ref = reference_ms or t
-        return self.settings.weight_spread * spread + self.settings.weight_time * t / ref
+        return objective_value(spread_fraction(peaks, capacity), t / (reference_ms or t),
+                               weight_spread=self.settings.weight_spread, weight_time=self.settings.weight_time)
 
     def _bucket_choice(self, study: optuna.Study) -> tuple[float, bool]:
         best = best_trial(study)

@@ -7,9 +7,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autobalance.launcher import TrialOutcome
-from autobalance.protocol import RankDevice, RankMemory, RankReport, RankTiming, Status
+from autobalance.protocol import (
+    RankDevice,
+    RankMemory,
+    RankReport,
+    RankTiming,
+    Status,
+    objective_value,
+)
 
-__all__ = ["INFEASIBLE_TIME", "TrialFigures", "figures_from_outcome", "penalised"]
+__all__ = ["INFEASIBLE_TIME", "TrialFigures", "figures_from_outcome", "penalised", "spread_fraction"]
 
 GIB = 2**30
 INFEASIBLE_TIME = 10.0
@@ -60,8 +67,7 @@ class TrialFigures:
         """max - min over ranks of peak / capacity (heterogeneous caps compare fairly)."""
         if any(p is None for p in self.peak_device):
             return None
-        fracs = [float(p) / c for p, c in zip(self.peak_device, self.capacity, strict=True) if p is not None]
-        return max(fracs) - min(fracs)
+        return spread_fraction([float(p) for p in self.peak_device if p is not None], self.capacity)
 
     def memory_constraint(self, headroom: float) -> float:
         """<= 0 when every rank's peak fits in capacity x (1 - headroom); > 0 otherwise (OOM: >= 1)."""
@@ -81,7 +87,7 @@ class TrialFigures:
             time_norm = INFEASIBLE_TIME
         if multi_objective:
             return [spread, time_norm]
-        return [weight_spread * spread + weight_time * time_norm]
+        return [objective_value(spread, time_norm, weight_spread=weight_spread, weight_time=weight_time)]
 
     def user_attrs(self, headroom: float) -> dict[str, Any]:
         """The trial's user attributes. Scalars a user may plot in the dashboard (``step_time_ms``,
@@ -139,8 +145,14 @@ def penalised(values: list[float], constraints: list[float], *, feasible: bool, 
     violation = sum(max(0.0, float(c)) for c in constraints)
     if multi_objective:
         return [max(float(values[0]), 1.0) + violation, max(float(values[1]), INFEASIBLE_TIME) + violation]
-    floor = weight_spread * 1.0 + weight_time * INFEASIBLE_TIME
+    floor = objective_value(1.0, INFEASIBLE_TIME, weight_spread=weight_spread, weight_time=weight_time)
     return [max(float(values[0]), floor) + violation]
+
+
+def spread_fraction(peaks: list[float], capacity: list[float]) -> float:
+    """max - min over ranks of peak / capacity: the memory spread the objective minimises."""
+    fracs = [p / c for p, c in zip(peaks, capacity, strict=True)]
+    return max(fracs) - min(fracs)
 
 
 def _float(value: float | None) -> float | None:
