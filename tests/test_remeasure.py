@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from autobalance.launcher import TrialOutcome
 from autobalance.tuner._remeasure import (
     DISPERSION_LIMIT,
@@ -84,3 +86,33 @@ def test_measurement_attrs_and_summary_say_what_a_warm_trial_took_and_how_it_was
     assert any("nothing discounted" in line and "recycled after 1 trial" in line and "32 MiB" in line for line in lines)
     assert any("compiling step was the higher in 1" in line for line in lines)
     assert measurement_summary([]) == []
+
+
+@pytest.mark.slow
+def test_tune_remeasures_exactly_the_trials_the_rule_names(tmp_path):
+    """A real CPU study: a trial measured twice has both runs' steps and says why; one measured once
+    had a small spread and was not about to become the best; the summary reports the spread."""
+    from autobalance.protocol import is_feasible
+    from tests.tune_helpers import GPT, cli, load, tune_args
+
+    db = tmp_path / "s.db"
+    proc = cli(tune_args(GPT, db, "--steps", "4", "--warmup", "1", "--measure-s", "0", "--no-verify",
+                         "--prune-factor", "0", trials=3), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Step times: spread (IQR)" in proc.stdout
+    trials = sorted(load(db).get_trials(), key=lambda t: t.number)
+    best_ms = None
+    for t in trials:
+        a = t.user_attrs
+        if a.get("status") != "ok" or a.get("reused_from") is not None:
+            continue
+        if a.get("remeasured"):
+            assert a["measured_steps"] == 8 and len(a["remeasured"]["step_time_ms"]) == 2
+            assert "IQR" in a["remeasured"]["reason"] or "would become the best" in a["remeasured"]["reason"]
+        else:
+            assert a["measured_steps"] == 4
+            if not a.get("baseline"):  # the baseline is measured once (it sets the reference)
+                assert a["step_time_iqr_pct"] <= 100 * DISPERSION_LIMIT
+                assert not (is_feasible(t) and best_ms is not None and a["step_time_ms"] < best_ms)
+        if is_feasible(t):
+            best_ms = a["step_time_ms"] if best_ms is None else min(best_ms, a["step_time_ms"])

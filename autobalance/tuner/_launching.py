@@ -14,12 +14,13 @@ import optuna
 
 from autobalance._config import BalanceConfig
 from autobalance.launcher import TrialLaunch, TrialOutcome, WarmPool, cold_reason, run_trial
-from autobalance.protocol import TrialAttr, is_feasible
+from autobalance.protocol import Status, StudyAttr, TrialAttr, is_feasible
 from autobalance.store import heartbeat_interval_s
 from autobalance.tuner._parallel import Slot, plan_slots
+from autobalance.tuner._remeasure import merge_outcomes, remeasure_reason
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._summary import per_trial_overhead_s
-from autobalance.tuner.search import compile_env
+from autobalance.tuner.search import compile_env, figures_from_outcome
 
 __all__ = ["AUTO_MEASURE_FACTOR", "AUTO_MEASURE_MAX_S", "Stopped", "TrialLauncher"]
 
@@ -77,11 +78,13 @@ class TrialLauncher:
 
     # ------------------------------------------------------------------ launching
     def launch(self, study: optuna.Study, *, number: int, config: BalanceConfig | None,
-               trial: optuna.Trial | None = None) -> TrialOutcome:
+               trial: optuna.Trial | None = None, again: bool = False) -> TrialOutcome:
         """Run one trial (``config`` None: the script's own configuration) and classify its end.
-        A trial given as ``trial`` beats its heartbeat and may be pruned."""
+        A trial given as ``trial`` beats its heartbeat and may be pruned; ``again``: its second run
+        (see :meth:`remeasured`)."""
         s = self.settings
-        trial_dir = os.path.abspath(os.path.join(s.runs_dir, s.study_name, f"trial-{number:04d}-{int(time.time())}"))
+        name = f"trial-{number:04d}-{int(time.time())}" + ("-again" if again else "")
+        trial_dir = os.path.abspath(os.path.join(s.runs_dir, s.study_name, name))
         slot = self.slot()
         launch = TrialLaunch(
             script=s.script, script_args=list(s.script_args), nproc_per_node=s.nproc_per_node, nnodes=s.nnodes,
@@ -203,6 +206,25 @@ class TrialLauncher:
         if self.coordinator is not None:
             self.coordinator.close()
             self.coordinator = None
+
+
+    def remeasured(self, study: optuna.Study, *, number: int, config: BalanceConfig, trial: optuna.Trial,
+                   outcome: TrialOutcome) -> TrialOutcome:
+        """``outcome``, or the trial measured twice and merged when its steps spread too much or it
+        would become the best (see :mod:`autobalance.tuner._remeasure`)."""
+        s = self.settings
+        if outcome.status != Status.OK:
+            return outcome
+        cap = study.user_attrs.get(StudyAttr.CAPACITY)
+        figures = figures_from_outcome(outcome, world_size=s.world_size, caps=s.caps_bytes(),
+                                       fallback_capacity=[float(c) for c in cap] if cap else None)
+        feasible = figures.measured and figures.memory_constraint(s.headroom) <= 0
+        reason = remeasure_reason(outcome, step_time_s=figures.step_time_s, feasible=feasible,
+                                  best_step_s=_best_step_s(study))
+        if reason is None:
+            return outcome
+        second = self.launch(study, number=number, config=config, trial=trial, again=True)
+        return merge_outcomes(outcome, second, reason=reason)
 
 
 def _best_step_s(study: optuna.Study) -> float | None:

@@ -52,6 +52,9 @@ def one_trial(tuner: Tuner, study: optuna.Study, space: SearchSpace) -> None:
             tuner.reporter.start(trial.number, config)
             try:
                 outcome = tuner.launcher.launch(study, number=trial.number, config=config, trial=trial)
+                # measured again when its steps spread or it would become the best (tuner/_remeasure.py)
+                outcome = tuner.launcher.remeasured(study, number=trial.number, config=config, trial=trial,
+                                                    outcome=outcome)
             except KeyboardInterrupt as exc:
                 tuner.recorder.interrupted(study, trial, config, exc)
                 raise

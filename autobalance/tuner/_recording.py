@@ -23,6 +23,7 @@ from autobalance.protocol import (
     TrialAttr,
 )
 from autobalance.store import mask_url
+from autobalance.tuner._measurement import measurement_attrs
 from autobalance.tuner._notes import trial_outcome, write_notes
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._study import counts, measured_configs
@@ -72,6 +73,8 @@ class Recorder:
             attrs[TrialAttr.FAILING_RANK] = outcome.failing_rank
         if outcome.pool_start_s > 0.05:
             attrs[TrialAttr.POOL_START_S] = round(outcome.pool_start_s, 3)
+        # compile-step and steady peaks, the steps' spread, a warm trial's carry-over (tuner/_measurement.py)
+        attrs.update(measurement_attrs(outcome, world_size=s.world_size))
         try:  # per-rank memory chart as a trial artifact; Optuna accepts artifacts only before tell
             from autobalance.report import artifact_dir_for, upload_trial_chart
 

@@ -11,6 +11,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from autobalance.protocol import Status, StudyAttr, TrialAttr
+from autobalance.tuner._measurement import measurement_summary
 from autobalance.tuner._script_facts import summary_facts
 from autobalance.tuner.search import compile_notes
 
@@ -81,6 +82,9 @@ def summarise(study: optuna.Study, result: TuneResult, *, cold_note: str | None,
                             f"compilation saved (the study's median compile, {median:.1f} s, each).")
     if pruned:
         result.notes.append(f"{pruned} trial(s) were stopped early (pruned) as clearly slower than the best.")
+    # what warm trials took from a fresh worker, the compiling step apart, the steps' spread (tuner/_measurement.py)
+    result.notes.extend(measurement_summary([dict(t.user_attrs) for t in trials
+                                             if t.user_attrs.get(TrialAttr.REUSED_FROM) is None]))
     if cold_note:
         result.notes.append(cold_note)
     compile_lines, compile_total = compile_notes(trials)
