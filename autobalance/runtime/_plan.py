@@ -17,7 +17,6 @@ some runs do are parts (:mod:`~autobalance.runtime._parts`) called at fixed poin
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -52,7 +51,7 @@ from autobalance.runtime._report import build_report
 from autobalance.runtime._sampler import StepLayout, UnevenBatchSampler
 from autobalance.runtime._setup import cap_for_rank, init_distributed, int_env, resolve_device
 from autobalance.runtime._verify import VerifyRun
-from autobalance.runtime._weighting import micro_batch_weight
+from autobalance.runtime._weighting import StepWeights
 from autobalance.runtime._with_loss import ModelWithLoss
 
 __all__ = ["Plan", "TrialComplete", "classify_exception", "plan"]
@@ -112,10 +111,7 @@ class Plan:
         self._layout: StepLayout | None = None
         self._micro_index = 0
         self._step_samples = 0
-        self._step_counts: list[float] | None = None
-        """With ``plan.steps(loader, count=...)``: this rank's count per micro-batch of the step."""
-        self._step_count_total = 0.0
-        """... and the step's total count over every rank and micro-batch (one scalar all-reduce)."""
+        self._weights = StepWeights(world_size=world_size, device=device)
         self._steps_done = 0
         # the optional parts: each is None when off, and only those that are on are called
         budgets = config.activation_budget
@@ -283,39 +279,12 @@ class Plan:
                 self._layout = layout
                 self._step_samples = layout.total
                 self._micro_index = 0
-                if count is not None:
-                    self._count_step(items, count)
-                else:
-                    self._step_counts = None
+                self._weights.start_step(layout, self.rank, items, count, step=self._steps_done)
                 for part in self._parts:
                     part.on_step_start(self)
                 yield items
             if any([part.trial_done(self) for part in self._parts]) or self.clock.done(self._steps_done):
                 self.ending.finish()
-
-    def _count_step(self, items: list[Any], count: Callable[[Any], Any]) -> None:
-        """Each micro-batch's count (``count=`` of ``plan.steps``) and the step's total over all
-        ranks: one scalar all-reduce, before the step's first backward."""
-        counts: list[float] = []
-        for i, item in enumerate(items):
-            value = count(item)
-            value = float(value.item() if isinstance(value, torch.Tensor) else value)
-            if not math.isfinite(value) or value < 0:
-                raise UsageError(
-                    f"count= returned {value!r} for micro-batch {i} of step {self._steps_done}; it must be "
-                    "a finite number >= 0 (how many units, e.g. real tokens, the micro-batch's loss averages over)."
-                )
-            counts.append(value)
-        total = torch.tensor([sum(counts)], dtype=torch.float64, device=self.device)
-        if self.world_size > 1 and dist.is_initialized():
-            dist.all_reduce(total)
-        self._step_counts = counts
-        self._step_count_total = float(total.item())
-        if self._step_count_total <= 0:
-            raise UsageError(
-                f"count= returned 0 for every micro-batch of step {self._steps_done} on every rank: the step's "
-                "loss averages over nothing. Check the count function (e.g. (labels != -100).sum())."
-            )
 
     @contextlib.contextmanager
     def micro_step(self, batch: Any = None) -> Iterator[None]:
@@ -343,11 +312,7 @@ class Plan:
         """What this micro-batch's mean loss is multiplied by (see :mod:`~autobalance.runtime._weighting`):
         its share of the step's samples, or of the step's ``count=`` over all ranks. A private seam: the
         tests replace it from their own code to build a known-wrong runtime (``tests/bugs``)."""
-        if self._step_counts is not None:
-            count, total = self._step_counts[self._micro_index], self._step_count_total
-        else:
-            count, total = len(self.layout.micro_batches[self.rank][self._micro_index]), self._step_samples
-        return micro_batch_weight(count=count, step_total=total, world_size=self.world_size)
+        return self._weights.weight(self._micro_index)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of this micro-batch's mean loss, weighted so that DDP's average over ranks
