@@ -189,7 +189,7 @@ def main() -> None:
     if cpu:
         env["AUTOBALANCE_COMPILE_BACKEND"] = "aot_eager_decomp_partition"
         env["OMP_NUM_THREADS"] = "1"
-    cap = None if cpu else int(args.memory_cap_gib * GIB)
+    cap = None if cpu else [int(args.memory_cap_gib * GIB)]
     script_args = CPU_ARGS if cpu else GPU_ARGS
     template = TrialLaunch(script=GPT, script_args=script_args, nproc_per_node=1, device=device, trial_dir=root,
                            steps=args.steps, warmup=args.warmup, timeout_s=args.timeout_s, memory_cap_bytes=cap,
