@@ -94,11 +94,16 @@ def _ledger(device: str) -> CarryoverLedger:
 
 
 def _write_ok(report: dict[str, Any] | None, trial_dir: str | None, rank: int, warm: dict[str, Any]) -> None:
+    from autobalance.protocol import Status
+    from autobalance.runtime._exit import report_not_written
     from autobalance.runtime._report import write_report
 
     if report is not None and trial_dir is not None:
         report["warm"] = warm
-        write_report(trial_dir, rank, report)
+        try:
+            write_report(trial_dir, rank, report)
+        except Exception as exc:  # disk full, directory gone: said as a cold rank says it, then exit
+            report_not_written(rank, trial_dir, Status.OK, exc)
 
 
 def _wait_for_request(pool_dir: str, seq: int) -> dict[str, Any] | None:

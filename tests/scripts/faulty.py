@@ -85,6 +85,8 @@ def _break_report_writing(kind: str) -> None:
         return path
 
     plan_module.write_report = broken  # type: ignore[assignment]
+    # a warm worker writes the trial's 'ok' report itself once it has cleaned up after the trial
+    report_module.write_report = broken  # type: ignore[assignment]
     _ = original
 
 
