@@ -97,7 +97,7 @@ def test_tune_remeasures_exactly_the_trials_the_rule_names(tmp_path):
 
     db = tmp_path / "s.db"
     proc = cli(tune_args(GPT, db, "--steps", "4", "--warmup", "1", "--measure-s", "0", "--no-verify",
-                         "--prune-factor", "0", trials=3), cwd=tmp_path)
+                         "--prune-factor", "0", "--remeasure", "on", trials=3), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Step times: spread (IQR)" in proc.stdout
     trials = sorted(load(db).get_trials(), key=lambda t: t.number)

@@ -213,7 +213,7 @@ class TrialLauncher:
         """``outcome``, or the trial measured twice and merged when its steps spread too much or it
         would become the best (see :mod:`autobalance.tuner._remeasure`)."""
         s = self.settings
-        if outcome.status != Status.OK:
+        if outcome.status != Status.OK or not _remeasure_on(s.remeasure, s.device):
             return outcome
         cap = study.user_attrs.get(StudyAttr.CAPACITY)
         figures = figures_from_outcome(outcome, world_size=s.world_size, caps=s.caps_bytes(),
@@ -225,6 +225,10 @@ class TrialLauncher:
             return outcome
         second = self.launch(study, number=number, config=config, trial=trial, again=True)
         return merge_outcomes(outcome, second, reason=reason)
+
+
+def _remeasure_on(remeasure: str, device: str) -> bool:
+    return remeasure == "on" or (remeasure == "auto" and device == "cuda")
 
 
 def _best_step_s(study: optuna.Study) -> float | None:

@@ -72,6 +72,10 @@ class TuneSettings:
     most 2 s; on CPU, 0."""
     max_steps: int = 50
     """Upper bound on measured steps per trial when ``measure_s`` lengthens the measurement."""
+    remeasure: str = "auto"
+    """Run a trial a second time (steps pooled) when its steps spread (IQR > 5 % of the median) or it
+    would become the best: ``on``, ``off``, or ``auto`` (on CUDA on; on CPU off, where step times of a
+    shared machine are noise and a second run only doubles the study)."""
     storage: str = "sqlite:///autobalance.db"
     """SQLAlchemy URL of the Optuna study and the saved configurations."""
     study_name: str = ""
@@ -156,6 +160,8 @@ class TuneSettings:
             raise UsageError(f"--measure-s={self.measure_s!r} must be between 0 and 3600 seconds; use e.g. 1.5, 0 "
                              "(off) or auto.")
         _positive("--max-steps", self.max_steps)
+        if self.remeasure not in ("auto", "on", "off"):
+            raise UsageError(f"--remeasure={self.remeasure!r} is unknown; use auto, on or off.")
         if self.max_steps < self.steps:
             raise UsageError(f"--max-steps={self.max_steps} is below --steps={self.steps}; raise it to at least "
                              f"{self.steps}.")
