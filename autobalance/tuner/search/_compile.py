@@ -30,6 +30,9 @@ def compile_env(settings: TuneSettings) -> dict[str, str]:
     env = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
     if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
         env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir(settings.runs_dir, settings.study_name)
+        # made here, not by the first compile: a backend that writes nothing (aot_eager) still gets it,
+        # and ranks of several trials never race to create it
+        os.makedirs(env["TORCHINDUCTOR_CACHE_DIR"], exist_ok=True)
     return env
 
 
