@@ -79,7 +79,9 @@ def test_rank_killed_hanging_or_leaving_early(tmp_path: Path, seeded: str, fault
             trial.user_attrs["reason"]
     if status == "timeout":  # a hang is infeasible (recorded, so the sampler avoids it)
         assert trial.state == TrialState.COMPLETE and trial.system_attrs["constraints"][0] > 0
-        assert trial.user_attrs["wall_s"] < 20 + 20
+        # killed at its 20 s timeout, not left to hang; the tree kill and clean-up took up to 26 s more
+        # on a loaded 2-core machine
+        assert trial.user_attrs["wall_s"] < 20 + 40
     else:  # a crash is a failed trial (it counts towards --trials; the study continues)
         assert trial.state == TrialState.FAIL
         assert trial.user_attrs["failing_rank"] == 1
