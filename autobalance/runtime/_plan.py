@@ -10,6 +10,9 @@ some runs do are parts (:mod:`~autobalance.runtime._parts`) called at fixed poin
 - :mod:`~autobalance.runtime._clock`: step times, warm-up and measured steps, progress;
 - :mod:`~autobalance.runtime._exit`: how a trial ends and its report is written once;
 - :mod:`~autobalance.runtime._report`: the per-rank report's format;
+- :mod:`~autobalance.runtime._wrapping`: ``wrap()``'s pipeline (checkpointing, device, DDP);
+- :mod:`~autobalance.runtime._loader`: ``dataloader()`` and the start of each epoch of ``steps()``;
+- :mod:`~autobalance.runtime._precision`: autocast, the fp16 GradScaler, the optimizer step;
 - parts: :mod:`~autobalance.runtime._compile`, :mod:`~autobalance.runtime._breakdown`,
   :mod:`~autobalance.runtime._verify`.
 """
@@ -18,21 +21,18 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from autobalance import _env
 from autobalance._config import BalanceConfig
-from autobalance._errors import ConfigError, UsageError
+from autobalance._errors import UsageError
 from autobalance.protocol import Status
-from autobalance.runtime._batch_dependent import BatchDependence, batch_dependent_modules
+from autobalance.runtime._batch_dependent import BatchDependence
 from autobalance.runtime._breakdown import Breakdown
-from autobalance.runtime._checkpoint import apply_checkpointing, find_blocks
 from autobalance.runtime._choice import choose_config, default_config
 from autobalance.runtime._clock import StepClock
 from autobalance.runtime._compile import CompileState
@@ -44,19 +44,26 @@ from autobalance.runtime._exit import (
     setup_failure_reported,
     warm,
 )
+from autobalance.runtime._loader import make_loader, start_epoch
 from autobalance.runtime._memory import MemorySnapshot
 from autobalance.runtime._meter import MemoryMeter
 from autobalance.runtime._parts import Part
+from autobalance.runtime._precision import (
+    TORCH_DTYPES,
+    autocast,
+    check_dtype_supported,
+    make_scaler,
+    scaled_backward,
+    step_optimizer,
+)
 from autobalance.runtime._report import build_report
 from autobalance.runtime._sampler import StepLayout, UnevenBatchSampler
 from autobalance.runtime._setup import cap_for_rank, init_distributed, int_env, resolve_device
 from autobalance.runtime._verify import VerifyRun
 from autobalance.runtime._weighting import StepWeights
-from autobalance.runtime._with_loss import ModelWithLoss
+from autobalance.runtime._wrapping import wrap_model
 
 __all__ = ["Plan", "TrialComplete", "classify_exception", "plan"]
-
-_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 CURRENT_PLAN: Plan | None = None
 """The plan most recently built in this process (the warm worker reports through it)."""
@@ -85,10 +92,7 @@ class Plan:
         cap_bytes: int | None,
     ) -> None:
         config.validate_for(world_size=world_size)
-        if config.dtype == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            raise ConfigError(
-                f"dtype='bf16' but {torch.cuda.get_device_name(device)} has no bf16 support; use 'fp16' or 'fp32'."
-            )
+        check_dtype_supported(config.dtype, device)
         self.config = config
         self.defaults = defaults
         self.source = source
@@ -102,7 +106,7 @@ class Plan:
         self.trial_dir = os.environ.get(_env.TRIAL_DIR) or None
         self.trial_id = os.environ.get(_env.TRIAL_ID, "")
         self.measuring = self.trial_dir is not None
-        self.scaler: Any = torch.amp.GradScaler(device.type) if config.dtype == "fp16" else None
+        self.scaler: Any = make_scaler(config.dtype, device)
         self.model: nn.Module | None = None
         self.ddp: nn.parallel.DistributedDataParallel | None = None
         self.model_info: dict[str, Any] = {}
@@ -144,7 +148,7 @@ class Plan:
 
     @property
     def autocast_dtype(self) -> torch.dtype:
-        return _TORCH_DTYPES[self.config.dtype]
+        return TORCH_DTYPES[self.config.dtype]
 
     @property
     def in_trial(self) -> bool:
@@ -178,67 +182,17 @@ class Plan:
         configuration compiles the model and its loss as one graph (the logits are then not kept at
         full size for the backward). Checkpoints keep the model's own ``state_dict`` keys.
         """
-        path, block_list = find_blocks(model, blocks or self.blocks_path)
-        self.config.validate_for(world_size=self.world_size, num_layers=len(block_list))
-        for part in self._parts:
-            part.on_wrap(self, model)
-        apply_checkpointing(block_list, self.config.checkpoint[self.rank])
-        model = model.to(self.device)
-        for part in self._parts:
-            part.on_model_moved(self, model)
-        params = list(model.parameters())
-        self.model_info = {
-            "blocks_path": path,
-            "num_blocks": len(block_list),
-            "num_parameters": sum(p.numel() for p in params),
-            "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
-            "find_unused_parameters": find_unused_parameters,
-            "compile": self.config.compile,
-            "batch_dependent": batch_dependent_modules(model),
-            "loss_in_model": loss is not None,
-        }
-        self.meter.on_model_moved(model)
-        if loss is not None:
-            model = ModelWithLoss(model, loss)
-        self.model = model
-        wrapped: nn.Module = model
-        if self.world_size > 1 and dist.is_initialized():
-            self.ddp = nn.parallel.DistributedDataParallel(
-                model,
-                device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                bucket_cap_mb=self.config.bucket_cap_mb,
-                gradient_as_bucket_view=self.config.gradient_as_bucket_view,
-                find_unused_parameters=find_unused_parameters,
-            )
-            wrapped = self.ddp
-        for part in self._parts:
-            part.on_wrapped(self, wrapped)
-        return wrapped
+        return wrap_model(self, model, parts=self._parts, blocks=blocks,
+                          find_unused_parameters=find_unused_parameters, loss=loss)
 
     def dataloader(
         self, dataset: Any, *, shuffle: bool = True, seed: int | None = None, **loader_kwargs: Any
     ) -> torch.utils.data.DataLoader[Any]:
         """A loader that yields this rank's micro-batches; uneven shards, every sample once per epoch."""
-        for forbidden in ("batch_size", "sampler", "batch_sampler", "shuffle", "drop_last"):
-            if forbidden in loader_kwargs:
-                raise UsageError(f"dataloader({forbidden}=...) is set by the plan; drop that argument.")
-        self._sampler = UnevenBatchSampler(
-            num_samples=len(dataset),
-            config=self.config,
-            rank=self.rank,
-            seed=self.seed if seed is None else seed,
-            shuffle=shuffle,
-        )
-        schedule = self._sampler.schedule
-        self.data_info = {"samples": len(dataset), "global_batch": self.config.global_batch,
-                          "steps_per_epoch": len(schedule.steps), "dropped": schedule.dropped}
-        if 0 < len(dataset) < self.config.global_batch and not self.in_trial and self.rank == 0:
-            warnings.warn(
-                f"autobalance: the dataset has {len(dataset)} samples, fewer than one global batch "
-                f"({self.config.global_batch}): every optimizer step is a partial step of {len(dataset)} samples.",
-                stacklevel=2,
-            )
-        return torch.utils.data.DataLoader(dataset, batch_sampler=self._sampler, **loader_kwargs)
+        self._sampler, self.data_info, loader = make_loader(
+            dataset, config=self.config, rank=self.rank, seed=self.seed if seed is None else seed, shuffle=shuffle,
+            warn_small=not self.in_trial and self.rank == 0, loader_kwargs=loader_kwargs)
+        return loader
 
     def steps(
         self, loader: Iterable[Any], *, count: Callable[[Any], Any] | None = None
@@ -255,23 +209,12 @@ class Plan:
 
         In a trial, stops the run (exit code 0) once warm-up and measured steps are done.
         """
-        sampler = self._sampler
-        if sampler is None or getattr(loader, "batch_sampler", None) is not sampler:
-            raise UsageError(
-                "plan.steps(loader) needs the loader made by plan.dataloader(dataset); build it there."
-            )
-        assert sampler is not None
-        sampler.set_epoch(self._epoch)
+        schedule = start_epoch(self._sampler, loader, epoch=self._epoch, world_size=self.world_size,
+                               global_batch=self.config.global_batch)
         self._epoch += 1
-        if not sampler.schedule.steps:
-            raise UsageError(
-                f"the dataset has {sampler.num_samples} sample(s), fewer than the {self.world_size} ranks: an epoch "
-                f"has no optimizer step (nothing would train). Give plan.dataloader() at least {self.world_size} "
-                f"samples (one global batch is {self.config.global_batch})."
-            )
         batches = iter(loader)
         self.clock.start()
-        for layout in sampler.schedule.steps:
+        for layout in schedule.steps:
             items = [next(batches) for _ in layout.micro_batches[self.rank]]
             self._repeat_step = True
             while self._repeat_step:  # once, unless a part asks for the step again (see optimizer_step)
@@ -300,8 +243,7 @@ class Plan:
         with contextlib.ExitStack() as stack:
             if not last and self.ddp is not None:
                 stack.enter_context(self.ddp.no_sync())
-            if self.config.dtype != "fp32":
-                stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast_dtype))
+            stack.enter_context(autocast(self.config.dtype, self.device))
             for context in contexts:
                 if context is not None:
                     stack.enter_context(context)
@@ -320,12 +262,7 @@ class Plan:
         weight = self._loss_weight()
         for part in self._parts:
             part.before_backward(self)
-        scaled = loss * weight
-        with torch.autocast(self.device.type, enabled=False):
-            if self.scaler is not None:
-                self.scaler.scale(scaled).backward()
-            else:
-                scaled.backward()
+        scaled_backward(loss * weight, scaler=self.scaler, device=self.device)
         for part in self._parts:
             part.after_backward(self)
 
@@ -335,16 +272,7 @@ class Plan:
         """Step the optimizer (through the GradScaler for fp16), zero the gradients, measure."""
         for part in self._parts:
             part.before_optimizer_step(self, optimizer)
-        if clip_grad_norm is not None:
-            if self.scaler is not None:
-                self.scaler.unscale_(optimizer)
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
-        if self.scaler is not None:
-            self.scaler.step(optimizer)
-            self.scaler.update()
-        else:
-            optimizer.step()
+        step_optimizer(optimizer, scaler=self.scaler, clip_grad_norm=clip_grad_norm)
         for part in self._parts:
             part.after_optimizer_step(self, optimizer)
         optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,60 @@
+"""The plan's data side: the loader of this rank's micro-batches, and the start of each epoch."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from autobalance._config import BalanceConfig
+from autobalance._errors import UsageError
+from autobalance.runtime._sampler import EpochSchedule, UnevenBatchSampler
+
+__all__ = ["make_loader", "start_epoch"]
+
+_SET_BY_PLAN = ("batch_size", "sampler", "batch_sampler", "shuffle", "drop_last")
+
+
+def make_loader(
+    dataset: Any, *, config: BalanceConfig, rank: int, seed: int, shuffle: bool, warn_small: bool,
+    loader_kwargs: dict[str, Any],
+) -> tuple[UnevenBatchSampler, dict[str, Any], torch.utils.data.DataLoader[Any]]:
+    """The sampler of uneven shards, what it saw of the dataset (the report's ``data``), and the loader.
+
+    ``warn_small``: warn when the dataset is smaller than one global batch (outside trials, on rank 0).
+    """
+    for forbidden in _SET_BY_PLAN:
+        if forbidden in loader_kwargs:
+            raise UsageError(f"dataloader({forbidden}=...) is set by the plan; drop that argument.")
+    sampler = UnevenBatchSampler(num_samples=len(dataset), config=config, rank=rank, seed=seed, shuffle=shuffle)
+    schedule = sampler.schedule
+    data_info = {"samples": len(dataset), "global_batch": config.global_batch,
+                 "steps_per_epoch": len(schedule.steps), "dropped": schedule.dropped}
+    if warn_small and 0 < len(dataset) < config.global_batch:
+        warnings.warn(
+            f"autobalance: the dataset has {len(dataset)} samples, fewer than one global batch "
+            f"({config.global_batch}): every optimizer step is a partial step of {len(dataset)} samples.",
+            stacklevel=3,  # the script's call of plan.dataloader()
+        )
+    return sampler, data_info, torch.utils.data.DataLoader(dataset, batch_sampler=sampler, **loader_kwargs)
+
+
+def start_epoch(
+    sampler: UnevenBatchSampler | None, loader: Any, *, epoch: int, world_size: int, global_batch: int
+) -> EpochSchedule:
+    """The schedule of epoch ``epoch`` of the plan's own loader; a loader not made by the plan, or
+    an epoch without a single optimizer step, is the script's mistake."""
+    if sampler is None or getattr(loader, "batch_sampler", None) is not sampler:
+        raise UsageError(
+            "plan.steps(loader) needs the loader made by plan.dataloader(dataset); build it there."
+        )
+    assert sampler is not None
+    sampler.set_epoch(epoch)
+    if not sampler.schedule.steps:
+        raise UsageError(
+            f"the dataset has {sampler.num_samples} sample(s), fewer than the {world_size} ranks: an epoch "
+            f"has no optimizer step (nothing would train). Give plan.dataloader() at least {world_size} "
+            f"samples (one global batch is {global_batch})."
+        )
+    return sampler.schedule

@@ -1,0 +1,83 @@
+"""``plan.wrap()``'s pipeline: validate, checkpoint the chosen blocks, move, record, wrap in DDP.
+
+The parts' ``on_wrap`` / ``on_model_moved`` / ``on_wrapped`` hooks are called at their fixed points
+(:mod:`~autobalance.runtime._parts`); ``plan.model``, ``plan.ddp`` and ``plan.model_info`` are set
+here, ``plan.model`` before ``on_wrapped`` (the compile part reads it there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autobalance.runtime._batch_dependent import batch_dependent_modules
+from autobalance.runtime._checkpoint import apply_checkpointing, find_blocks
+from autobalance.runtime._with_loss import ModelWithLoss
+
+if TYPE_CHECKING:
+    from autobalance.runtime._parts import Part
+    from autobalance.runtime._plan import Plan
+
+__all__ = ["model_facts", "wrap_model"]
+
+
+def wrap_model(
+    plan: Plan,
+    model: nn.Module,
+    *,
+    parts: Sequence[Part],
+    blocks: str | None,
+    find_unused_parameters: bool,
+    loss: Callable[..., torch.Tensor] | None,
+) -> nn.Module:
+    """What :meth:`Plan.wrap` does (see its docstring); returns what the script trains."""
+    config = plan.config
+    path, block_list = find_blocks(model, blocks or plan.blocks_path)
+    config.validate_for(world_size=plan.world_size, num_layers=len(block_list))
+    for part in parts:
+        part.on_wrap(plan, model)
+    apply_checkpointing(block_list, config.checkpoint[plan.rank])
+    model = model.to(plan.device)
+    for part in parts:
+        part.on_model_moved(plan, model)
+    plan.model_info = model_facts(model, blocks_path=path, num_blocks=len(block_list), compile=config.compile,
+                                  find_unused_parameters=find_unused_parameters, loss_in_model=loss is not None)
+    plan.meter.on_model_moved(model)
+    if loss is not None:
+        model = ModelWithLoss(model, loss)
+    plan.model = model
+    wrapped: nn.Module = model
+    if plan.world_size > 1 and dist.is_initialized():
+        plan.ddp = nn.parallel.DistributedDataParallel(
+            model,
+            device_ids=[plan.device.index] if plan.device.type == "cuda" else None,
+            bucket_cap_mb=config.bucket_cap_mb,
+            gradient_as_bucket_view=config.gradient_as_bucket_view,
+            find_unused_parameters=find_unused_parameters,
+        )
+        wrapped = plan.ddp
+    for part in parts:
+        part.on_wrapped(plan, wrapped)
+    return wrapped
+
+
+def model_facts(
+    model: nn.Module, *, blocks_path: str, num_blocks: int, compile: str, find_unused_parameters: bool,
+    loss_in_model: bool,
+) -> dict[str, Any]:
+    """The report's ``model``: the blocks found, the parameters, and how the model was wrapped."""
+    params = list(model.parameters())
+    return {
+        "blocks_path": blocks_path,
+        "num_blocks": num_blocks,
+        "num_parameters": sum(p.numel() for p in params),
+        "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
+        "find_unused_parameters": find_unused_parameters,
+        "compile": compile,
+        "batch_dependent": batch_dependent_modules(model),
+        "loss_in_model": loss_in_model,
+    }
