@@ -169,6 +169,8 @@ def upload_trial_chart(study: Any, trial: Any, artifact_dir: str, *, attrs: dict
     """
     from optuna.artifacts import FileSystemArtifactStore, upload_artifact
 
+    from autobalance.store import storage_of
+
     data = dict(trial.user_attrs)
     data.update(attrs or {})
     os.makedirs(artifact_dir, exist_ok=True)
@@ -178,4 +180,4 @@ def upload_trial_chart(study: Any, trial: Any, artifact_dir: str, *, attrs: dict
         if path is None:
             return None
         return upload_artifact(artifact_store=FileSystemArtifactStore(artifact_dir), file_path=path,
-                               study_or_trial=trial, storage=study._storage)
+                               study_or_trial=trial, storage=storage_of(study))

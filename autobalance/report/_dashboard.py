@@ -88,9 +88,11 @@ class ChartStore:
 
 def missing_charts(storage: Any, base_dir: str) -> dict[str, _Missing]:
     """Artifact id -> the trial whose chart file is not in ``base_dir``, over every study."""
+    from autobalance.store import study_id
+
     missing: dict[str, _Missing] = {}
     for study in storage.get_all_studies():
-        for trial in storage.get_all_trials(study._study_id, deepcopy=False):
+        for trial in storage.get_all_trials(study_id(study, storage), deepcopy=False):
             for key, value in trial.system_attrs.items():
                 if not key.startswith(_ARTIFACT_KEY):
                     continue

@@ -17,6 +17,15 @@ from autobalance.store._fingerprint import (
     minor_differences,
 )
 from autobalance.store._models import SCHEMA_VERSION, TABLE_PREFIX
+from autobalance.store._optuna_access import (
+    dashboard_notes,
+    heartbeat_table,
+    stale_trial_ids,
+    storage_of,
+    study_id,
+    study_system_attr_table,
+    trial_id,
+)
 from autobalance.store._production import (
     MISMATCH_POLICIES,
     HardwareMismatchWarning,
@@ -61,10 +70,12 @@ __all__ = [
     "check_compatibility",
     "check_storage",
     "current_fingerprint",
+    "dashboard_notes",
     "differences",
     "engine_kwargs",
     "export_file",
     "heartbeat_interval_s",
+    "heartbeat_table",
     "list_studies",
     "load_saved_config",
     "load_study",
@@ -76,4 +87,9 @@ __all__ = [
     "open_storage",
     "read_export_file",
     "script_sha256",
+    "stale_trial_ids",
+    "storage_of",
+    "study_id",
+    "study_system_attr_table",
+    "trial_id",
 ]

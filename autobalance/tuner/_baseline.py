@@ -15,7 +15,7 @@ from autobalance._errors import LaunchError, TrialScriptError, UsageError
 from autobalance._files import script_sha256
 from autobalance.launcher import TrialOutcome
 from autobalance.protocol import Status, StudyAttr, TrialAttr, best_trial
-from autobalance.store import heartbeat_interval_s
+from autobalance.store import heartbeat_interval_s, study_id
 from autobalance.tuner._launching import TrialLauncher
 from autobalance.tuner._recording import Recorder
 from autobalance.tuner._script_facts import keep_split, script_facts
@@ -29,7 +29,7 @@ __all__ = ["baseline_once"]
 def baseline_once(study: optuna.Study, *, settings: TuneSettings, storage: optuna.storages.RDBStorage,
                   launcher: TrialLauncher, recorder: Recorder, reporter: Any) -> SearchSpace:
     """Run the baseline, or wait while another worker on this study runs it (see ``_workers``)."""
-    claim = BaselineClaim(storage, study._study_id, owner=worker_id(), stale_after_s=3 * heartbeat_interval_s())
+    claim = BaselineClaim(storage, study_id(study, storage), owner=worker_id(), stale_after_s=3 * heartbeat_interval_s())
     waiting = False
     while True:
         attrs = study.user_attrs

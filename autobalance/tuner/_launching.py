@@ -15,7 +15,7 @@ import optuna
 from autobalance._config import BalanceConfig
 from autobalance.launcher import TrialLaunch, TrialOutcome, WarmPool, cold_reason, run_trial
 from autobalance.protocol import Status, StudyAttr, TrialAttr, is_feasible
-from autobalance.store import heartbeat_interval_s
+from autobalance.store import heartbeat_interval_s, trial_id
 from autobalance.tuner._parallel import Slot, plan_slots
 from autobalance.tuner._remeasure import merge_outcomes, remeasure_reason
 from autobalance.tuner._settings import TuneSettings
@@ -99,7 +99,7 @@ class TrialLauncher:
         stop_beat = threading.Event()
         beat = None
         if trial is not None:
-            beat = threading.Thread(target=self._heartbeat, args=(trial._trial_id, stop_beat), daemon=True)
+            beat = threading.Thread(target=self._heartbeat, args=(trial_id(trial), stop_beat), daemon=True)
             beat.start()
         # Pruning a warm trial kills the pool (restart: seconds); worth it only for long trials.
         prune = trial is not None and s.prune_factor > 0 and (s.cold or s.nnodes > 1 or s.steps >= _WARM_PRUNE_MIN_STEPS)
@@ -140,12 +140,12 @@ class TrialLauncher:
     def beat_now(self, trial: optuna.Trial) -> None:
         """One heartbeat at once: a tuner killed before its trial starts leaves it stale, not running."""
         with contextlib.suppress(Exception):
-            self.storage.record_heartbeat(trial._trial_id)
+            self.storage.record_heartbeat(trial_id(trial))
 
-    def _heartbeat(self, trial_id: int, stop: threading.Event) -> None:
+    def _heartbeat(self, beat_id: int, stop: threading.Event) -> None:
         while not stop.is_set():
             with contextlib.suppress(Exception):
-                self.storage.record_heartbeat(trial_id)
+                self.storage.record_heartbeat(beat_id)
             stop.wait(min(3.0, heartbeat_interval_s() / 2))
 
     # ------------------------------------------------------------------ pools and the coordinator

@@ -12,6 +12,7 @@ import optuna
 
 from autobalance.launcher import interrupts_deferred
 from autobalance.protocol import best_trial
+from autobalance.store import trial_id
 from autobalance.tuner._launching import Stopped
 from autobalance.tuner._parallel import Slot
 from autobalance.tuner.search import SearchSpace
@@ -32,7 +33,7 @@ def one_trial(tuner: Tuner, study: optuna.Study, space: SearchSpace) -> None:
         tuner.launcher.beat_now(trial)
         if tuner.recorder.surplus(study, trial):  # another worker took the study's last trial
             return
-        tuner.running_here.add(trial._trial_id)
+        tuner.running_here.add(trial_id(trial))
     try:
         config = space.suggest(trial)
         with tuner.measuring(config):  # another slot measuring the same configuration: wait for it
@@ -71,7 +72,7 @@ def one_trial(tuner: Tuner, study: optuna.Study, space: SearchSpace) -> None:
         raise
     finally:
         with tuner.lock:
-            tuner.running_here.discard(trial._trial_id)
+            tuner.running_here.discard(trial_id(trial))
 
 
 def run_trials(tuner: Tuner, study: optuna.Study, space: SearchSpace) -> None:

@@ -56,33 +56,33 @@ def write_notes(study: Any) -> int:
     """(Re)write the autobalance notes of ``study`` that changed; returns how many were written.
     Without optuna-dashboard installed this does nothing; a failure only warns."""
     try:
-        from optuna_dashboard._note import (
-            get_note_from_system_attrs,
-            note_ver_key,
-            save_note_with_version,
-        )
+        from autobalance.store import dashboard_notes
+
+        get_note_from_system_attrs, note_ver_key, save_note_with_version = dashboard_notes()
     except ImportError:
         return 0
     try:
         from autobalance.report import summarize, why_this_one
+        from autobalance.store import storage_of, study_id, trial_id
 
         summary = summarize(study)
         why = why_this_one(summary, script=summary.script or "SCRIPT")
-        storage = study._storage
-        system = storage.get_study_system_attrs(study._study_id)
+        storage = storage_of(study)
+        sid = study_id(study)
+        system = storage.get_study_system_attrs(sid)
         trials = {t.number: t for t in study.get_trials(deepcopy=False)}
-        wanted: list[tuple[int | None, str]] = [(trials[row.number]._trial_id, note_for(row, summary, why))
+        wanted: list[tuple[int | None, str]] = [(trial_id(trials[row.number]), note_for(row, summary, why))
                                                 for row in summary.rows]
         best = summary.best
         head = (f"**autobalance: trial {best.number} is the best**" if best is not None
                 else "**autobalance: no configuration fits yet**")
         wanted.append((None, "\n".join([head, "", *[f"- {s}" for s in why], "", SIGNATURE])))  # the study's note
         written = 0
-        for trial_id, body in wanted:
-            current = get_note_from_system_attrs(system, trial_id)
+        for note_trial, body in wanted:
+            current = get_note_from_system_attrs(system, note_trial)
             if current["body"] == body or (current["body"] and not current["body"].endswith(SIGNATURE)):
                 continue  # unchanged, or a person's own note
-            save_note_with_version(storage, study._study_id, trial_id, int(system.get(note_ver_key(trial_id), 0)) + 1,
+            save_note_with_version(storage, sid, note_trial, int(system.get(note_ver_key(note_trial), 0)) + 1,
                                    body)
             written += 1
         return written

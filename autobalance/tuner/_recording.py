@@ -22,7 +22,7 @@ from autobalance.protocol import (
     StudyAttr,
     TrialAttr,
 )
-from autobalance.store import mask_url
+from autobalance.store import mask_url, storage_of, trial_id
 from autobalance.tuner._measurement import measurement_attrs
 from autobalance.tuner._notes import trial_outcome, write_notes
 from autobalance.tuner._settings import TuneSettings
@@ -105,7 +105,7 @@ class Recorder:
             feasible = all(c <= 0 for c in constraints) and status == Status.OK
             trial.set_user_attr(TrialAttr.FEASIBLE, feasible)
             trial.set_user_attr(TrialAttr.OUTCOME, trial_outcome({**attrs, TrialAttr.FEASIBLE: feasible}))
-            self.storage.set_trial_system_attr(trial._trial_id, CONSTRAINTS_KEY, constraints)
+            self.storage.set_trial_system_attr(trial_id(trial), CONSTRAINTS_KEY, constraints)
             values = penalised(figures.values(reference_step_s=reference, weight_spread=s.weight_spread,
                                               weight_time=s.weight_time, multi_objective=s.multi_objective),
                                constraints, feasible=feasible, weight_spread=s.weight_spread,
@@ -129,7 +129,7 @@ class Recorder:
         trial.set_user_attr(TrialAttr.BASELINE, False)
         trial.set_user_attr(TrialAttr.REUSED_FROM, seen.number)
         trial.set_user_attr(TrialAttr.OUTCOME, trial_outcome({**seen.user_attrs, TrialAttr.REUSED_FROM: seen.number}))
-        self.storage.set_trial_system_attr(trial._trial_id, CONSTRAINTS_KEY,
+        self.storage.set_trial_system_attr(trial_id(trial), CONSTRAINTS_KEY,
                                            list(seen.system_attrs.get(CONSTRAINTS_KEY, [1.0])))
         return study.tell(trial, list(seen.values))
 
@@ -165,7 +165,7 @@ class Recorder:
     def unfinished(self, study: optuna.Study, trial: optuna.Trial, exc: BaseException) -> None:
         """Whatever stopped the tuner during a trial (Ctrl-C, a storage or launcher error), the trial
         must not stay RUNNING: record why (an interrupted one is run again on the next start)."""
-        if study._storage.get_trial(trial._trial_id).state != TrialState.RUNNING:
+        if storage_of(study).get_trial(trial_id(trial)).state != TrialState.RUNNING:
             return
         if isinstance(exc, KeyboardInterrupt):
             trial.set_user_attr(TrialAttr.STATUS, Status.INTERRUPTED)

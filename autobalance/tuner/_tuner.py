@@ -16,7 +16,7 @@ from autobalance._config import BalanceConfig
 from autobalance._errors import LaunchError, TrialScriptError, UsageError
 from autobalance.launcher import TrialOutcome, WarmPool
 from autobalance.protocol import Status, StudyAttr, TrialAttr, best_trial
-from autobalance.store import heartbeat_interval_s, mask_url, open_storage
+from autobalance.store import heartbeat_interval_s, mask_url, open_storage, trial_id
 from autobalance.tuner._baseline import baseline_once
 from autobalance.tuner._launching import Stopped, TrialLauncher
 from autobalance.tuner._loop import run_trials
@@ -106,7 +106,7 @@ class Tuner:
                 return True
             with self.lock:  # this tuner's own running trials (other slots) are not waited for
                 running = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-                           if t._trial_id not in self.running_here]
+                           if trial_id(t) not in self.running_here]
             if not running:
                 return False
             if not noted:

@@ -29,6 +29,13 @@ import optuna
 from optuna.trial import TrialState
 
 from autobalance.protocol import Status, StudyAttr, TrialAttr
+from autobalance.store import (
+    heartbeat_table,
+    stale_trial_ids,
+    study_id,
+    study_system_attr_table,
+    trial_id,
+)
 
 __all__ = ["CLAIM_KEY", "NOT_COUNTED", "BaselineClaim", "fail_stale_trials", "worker_id"]
 
@@ -39,12 +46,6 @@ NOT_COUNTED = (None, Status.INTERRUPTED, Status.STALE, Status.SURPLUS)
 
 def worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-
-
-def _table() -> Any:
-    from optuna.storages._rdb import models
-
-    return models.StudySystemAttributeModel.__table__
 
 
 class BaselineClaim:
@@ -61,7 +62,7 @@ class BaselineClaim:
     def _row(self) -> str | None:
         from sqlalchemy import select
 
-        table = _table()
+        table = study_system_attr_table()
         with self.storage.engine.connect() as conn:
             row = conn.execute(
                 select(table.c.value_json).where(table.c.study_id == self.study_id, table.c.key == CLAIM_KEY)
@@ -92,7 +93,7 @@ class BaselineClaim:
         from sqlalchemy import delete, insert
         from sqlalchemy.exc import IntegrityError
 
-        table = _table()
+        table = study_system_attr_table()
         raw = self._row()
         if raw is not None:
             current = self.holder() or {}
@@ -118,7 +119,7 @@ class BaselineClaim:
 
         if self._value is None:
             return
-        table = _table()
+        table = study_system_attr_table()
         value = json.dumps({"owner": self.owner, "at": time.time()})
         with self.storage.engine.begin() as conn:
             done = conn.execute(update(table).where(
@@ -132,7 +133,7 @@ class BaselineClaim:
 
         if self._value is None:
             return
-        table = _table()
+        table = study_system_attr_table()
         with contextlib.suppress(Exception), self.storage.engine.begin() as conn:
             conn.execute(delete(table).where(table.c.study_id == self.study_id, table.c.key == CLAIM_KEY,
                                              table.c.value_json == self._value))
@@ -142,7 +143,6 @@ class BaselineClaim:
 def _silent_trial_ids(study: optuna.Study, storage: optuna.storages.RDBStorage, grace_s: float) -> list[int]:
     """RUNNING trials that never sent a heartbeat and started more than ``grace_s`` ago (their tuner
     died between asking for the trial and starting it); Optuna's own check skips them forever."""
-    from optuna.storages._rdb import models
     from sqlalchemy import select
 
     old = datetime.datetime.now() - datetime.timedelta(seconds=grace_s)
@@ -150,8 +150,8 @@ def _silent_trial_ids(study: optuna.Study, storage: optuna.storages.RDBStorage, 
                if t.datetime_start is not None and t.datetime_start < old]
     if not running:
         return []
-    ids = [t._trial_id for t in running]
-    table = models.TrialHeartbeatModel.__table__
+    ids = [trial_id(t) for t in running]
+    table = heartbeat_table()
     with storage.engine.connect() as conn:
         beating = {row[0] for row in conn.execute(select(table.c.trial_id).where(table.c.trial_id.in_(ids)))}
     return [i for i in ids if i not in beating]
@@ -164,16 +164,16 @@ def fail_stale_trials(study: optuna.Study, storage: optuna.storages.RDBStorage) 
     failed: list[int] = []
     with contextlib.suppress(Exception):
         grace = storage.grace_period or 2 * storage.heartbeat_interval
-        stale_ids = storage._get_stale_trial_ids(study._study_id) + _silent_trial_ids(study, storage, grace)
-        for trial_id in stale_ids:
+        stale_ids = stale_trial_ids(storage, study_id(study, storage)) + _silent_trial_ids(study, storage, grace)
+        for stale in stale_ids:
             try:
-                storage.set_trial_user_attr(trial_id, TrialAttr.STATUS, Status.STALE)
+                storage.set_trial_user_attr(stale, TrialAttr.STATUS, Status.STALE)
                 storage.set_trial_user_attr(
-                    trial_id, "reason",
+                    stale, "reason",
                     "its tuner stopped without finishing it (killed?): the heartbeat stopped; run again in its place",
                 )
-                if storage.set_trial_state_values(trial_id, state=TrialState.FAIL):
-                    failed.append(storage.get_trial_number_from_id(trial_id))
+                if storage.set_trial_state_values(stale, state=TrialState.FAIL):
+                    failed.append(storage.get_trial_number_from_id(stale))
             except optuna.exceptions.UpdateFinishedTrialError:
                 continue  # another worker failed it first
     return failed
