@@ -3,7 +3,7 @@
 inside functions and under ``TYPE_CHECKING``, and ``importlib.import_module("...")``.
 
 - a room imports only the rooms it may (``ALLOWED``): no circle between rooms is possible;
-- no module imports another package's private module (``autobalance.launcher._warm`` from outside
+- no module imports another package's private module or name (``autobalance.launcher._warm`` from outside
   ``autobalance.launcher``): rooms talk through their ``__init__``;
 - the checker itself is tested on a planted tree, so it cannot pass by seeing nothing.
 """
@@ -53,7 +53,8 @@ def is_package(path: Path) -> bool:
 
 def resolve_imports(path: Path, root: Path, known: set[str]) -> list[tuple[int, str]]:
     """``(line, absolute module)`` for every import in ``path``; ``from X import y`` gives ``X.y``
-    when that is a module of the tree, else ``X``."""
+    when that is a module of the tree or a private name (``from X import _helper`` reaches past
+    ``X``'s ``__all__`` as much as importing a private module does), else ``X``."""
     name = module_name(path, root)
     package = name if is_package(path) else name.rpartition(".")[0]
     out: list[tuple[int, str]] = []
@@ -69,7 +70,8 @@ def resolve_imports(path: Path, root: Path, known: set[str]) -> list[tuple[int, 
                 base = node.module or ""
             for alias in node.names:
                 full = f"{base}.{alias.name}"
-                out.append((node.lineno, full if full in known else base))
+                private = alias.name.startswith("_") and not alias.name.startswith("__")
+                out.append((node.lineno, full if full in known or private else base))
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
               and node.func.attr == "import_module" and node.args
               and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
@@ -109,7 +111,7 @@ def violations(root: Path, allowed: dict[str, set[str]] = ALLOWED) -> list[str]:
                 continue
             owner = private_step(target)
             if owner is not None and owner != PKG and not (importer == owner or importer.startswith(owner + ".")):
-                found.append(f"{where}:{line} imports {target}, a private module of {owner}")
+                found.append(f"{where}:{line} imports {target}, a private module or name of {owner}")
             if src_room is None or dst_room == src_room:
                 continue
             edges.setdefault(src_room, set()).add(dst_room)
@@ -170,13 +172,15 @@ def test_checker_finds_planted_violations(tmp_path):
         "tuner/_study.py": "", "tuner/_loop.py": "",
         "store/_e.py": "from autobalance.runtime import x\n",                      # store -> runtime ...
         "runtime/_f.py": "from autobalance.store import y\n",                      # ... and back: a circle
+        "report/_g.py": "from autobalance.store import _secret\n",                   # a private name, not a module
         "tuner/_ok.py": "from . import _study\nfrom autobalance.tuner._loop import z\n",  # own privates: fine
     })
     found = "\n".join(violations(root))
     assert "runtime/_a.py:2 imports autobalance.tuner: runtime may not import tuner" in found
-    assert "runtime/_b.py:1 imports autobalance.tuner._study, a private module of autobalance.tuner" in found
-    assert "launcher/_c.py:1 imports autobalance.tuner._loop, a private module" in found
+    assert "runtime/_b.py:1 imports autobalance.tuner._study, a private module or name of autobalance.tuner" in found
+    assert "launcher/_c.py:1 imports autobalance.tuner._loop, a private module or name" in found
     assert "report/_d.py:2 imports autobalance.tuner: report may not import tuner" in found
+    assert "report/_g.py:1 imports autobalance.store._secret, a private module or name of autobalance.store" in found
     assert "store may not import runtime" in found
     assert "import circle between rooms: runtime -> store -> runtime" in found or \
         "import circle between rooms: store -> runtime -> store" in found

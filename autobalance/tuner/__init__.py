@@ -2,7 +2,8 @@
 
 Running the study: ``_tuner`` (the :class:`Tuner`), ``_loop`` (the trial loop), ``_launching``
 (slots, warm pools, heartbeats), ``_recording`` (what is told to the study), ``_baseline``,
-``_study`` (opening and counting), ``_summary``, ``_workers`` (several workers on one study).
+``_study`` (opening and counting), ``_summary``, ``_workers`` (several workers on one study),
+``_preflight`` (the checks before anything runs).
 The search: ``_space``, ``_objective``, ``_memory_model``, ``_solver``, ``_advisor``, ``_compile``.
 """
 
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from autobalance.protocol import best_trial, is_feasible
     from autobalance.tuner._finish import Saving, best_so_far, nothing_feasible, save_best
+    from autobalance.tuner._preflight import check_caps, check_gpus, preflight
     from autobalance.tuner._promote import promote_trial
     from autobalance.tuner._reporter import RichReporter
     from autobalance.tuner._settings import (
@@ -35,6 +37,8 @@ if TYPE_CHECKING:
 _EXPORTS: dict[str, str] = {
     "best_so_far": "autobalance.tuner._finish",
     "best_trial": "autobalance.protocol",
+    "check_caps": "autobalance.tuner._preflight",
+    "check_gpus": "autobalance.tuner._preflight",
     "default_device": "autobalance.tuner._settings",
     "default_study_name": "autobalance.tuner._settings",
     "figures_from_outcome": "autobalance.tuner.search",
@@ -42,6 +46,7 @@ _EXPORTS: dict[str, str] = {
     "load_toml": "autobalance.tuner._settings",
     "make_sampler": "autobalance.tuner._study",
     "nothing_feasible": "autobalance.tuner._finish",
+    "preflight": "autobalance.tuner._preflight",
     "promote_trial": "autobalance.tuner._promote",
     "RichReporter": "autobalance.tuner._reporter",
     "run_verify_command": "autobalance.tuner._verify",
@@ -83,6 +88,8 @@ __all__ = [
     "Tuner",
     "best_so_far",
     "best_trial",
+    "check_caps",
+    "check_gpus",
     "default_device",
     "default_study_name",
     "figures_from_outcome",
@@ -90,6 +97,7 @@ __all__ = [
     "load_toml",
     "make_sampler",
     "nothing_feasible",
+    "preflight",
     "promote_trial",
     "run_verify_command",
     "save_best",

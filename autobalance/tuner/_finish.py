@@ -30,6 +30,22 @@ class Saving:
         """Nothing was saved because every candidate failed verification."""
         return self.trial is None and bool(self.rejected)
 
+    def check(self) -> None:
+        """Raise :class:`~autobalance._errors.VerificationError` when every candidate failed verification
+        (nothing saved: ``tune`` is then not a success)."""
+        if not self.rejected_all:
+            return
+        from autobalance._errors import VerificationError
+
+        trials = ", ".join(str(n) for n in self.rejected)
+        raise VerificationError(
+            f"nothing was saved: every configuration tried failed verification (trial(s) {trials}; the reasons are "
+            "above). Fix what they name in the script (most often a loss that is not a per-sample mean), then "
+            "tune a new study (--study-name), or re-verify one of these trials with `autobalance verify SCRIPT "
+            "--study-name NAME --trial N` and save it with `autobalance promote`; until then keep the script's "
+            "own configuration."
+        )
+
 
 def save_best(*, settings: TuneSettings, result: TuneResult,
               note: Callable[[str], None] | None = None) -> Saving:

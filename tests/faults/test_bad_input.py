@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from autobalance._errors import UsageError
-from autobalance.cli._tune import check_caps, check_gpus
+from autobalance.tuner import check_caps, check_gpus
 from tests.faults.conftest import (
     STUDY,
     assert_no_processes,
