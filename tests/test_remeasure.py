@@ -52,7 +52,7 @@ def test_merge_pools_steps_and_keeps_the_larger_memory():
     assert rep["measured_steps"] == 6 and rep["step_times_s"] == [0.10, 0.20, 0.30, 0.11, 0.12, 0.13]
     assert abs(rep["step_time_s"] - 0.125) < 1e-12
     assert rep["memory"]["peak_device"] == 12.0 and rep["memory"]["compile_step"]["peak_device"] == 11.0
-    assert m.remeasured == {"reason": "r", "step_time_s": [0.2, 0.12]}
+    assert m.remeasured == {"reason": "r", "step_time_s": [0.2, 0.12], "wall_s": b.wall_s}
     assert m.wall_s == 10.0 and abs(rep["samples_per_s"] - 32 / 0.125) < 1e-9
     assert a.reports[0]["step_times_s"] == [0.10, 0.20, 0.30]  # the inputs are left alone
 

@@ -28,11 +28,11 @@ DECLS: dict[str, tuple[str, ...]] = {
     "multi_objective": ("--multi-objective/--single-objective",),
 }
 """Fields whose flags are not the plain ``--field-name`` (or ``--field-name/--no-field-name``)."""
-METAVARS = {"list[float] | None": "X[,Y,...]", "list[str] | None": "A[,B,...]", "list[str]": "OPTION"}
+METAVARS = {"float | str | None": "DURATION", "list[float] | None": "X[,Y,...]", "list[str] | None": "A[,B,...]", "list[str]": "OPTION"}
 
 _CLI_TYPES: dict[str, Any] = {
     "int": int, "int | None": int, "float": float, "float | None": float, "str": str, "str | None": str,
-    "float | str": str, "bool": bool, "list[float] | None": str, "list[str] | None": str, "list[str]": list[str],
+    "float | str": str, "float | str | None": str, "bool": bool, "list[float] | None": str, "list[str] | None": str, "list[str]": list[str],
 }
 """The command-line type of each field annotation (lists of numbers or words are comma lists)."""
 

@@ -64,6 +64,9 @@ class TrialOutcome:
     """A warm trial after which its pool was restarted: why (what the workers held over a fresh one)."""
     remeasured: dict[str, Any] | None = None
     """A trial measured twice and merged (the tuner's re-measurement): why, and each run's step time."""
+    started_at: float | None = None
+    """Epoch seconds when the job was started (set by the tuner; with the ranks' reports it gives the
+    time from launch to the first step)."""
 
     @property
     def feasible_measurement(self) -> bool:

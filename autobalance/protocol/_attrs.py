@@ -37,6 +37,12 @@ class StudyAttr:
     COMPILE_TOTAL = "autobalance:compile_total_s"
     """Seconds spent compiling over the study."""
     MEMORY_MODEL_ERROR = "autobalance:memory_model_holdout_error"
+    TIME_SPENT = "autobalance:time_spent"
+    """How the latest ``tune`` run spent its wall time, in seconds: ``wall`` (the run, verification
+    included), the launched trials' ``compile``, ``startup``, ``steps``, ``remeasure`` and ``handover``,
+    ``verify`` (``verified``: whether verification ran), ``other`` (``wall`` less compile, start-up,
+    steps, re-measuring and verification); its ``slots``; its time budget (``budget_s``,
+    ``stopped_by_budget``, ``trials`` counted of ``of``)."""
     BASELINE_CLAIM = "autobalance:baseline_claim"
     """Which worker runs the baseline (concurrent workers on one study)."""
     ALLOW_BATCH_DEPENDENT = "autobalance:allow_batch_dependent"
@@ -75,6 +81,10 @@ class TrialAttr:
     COMPILE_S = "compile_s"
     COMPILE_CACHE = "compile_cache"
     POOL_START_S = "pool_start_s"
+    TIME_SPLIT = "time_split_s"
+    """A launched trial's wall time by part, in seconds: ``startup`` (launch to the first step, a warm
+    pool's start included), ``compile``, ``steps`` (warm-up and measured), ``remeasure`` (a second
+    run) and ``other`` (after the last step: the report, the hand-over)."""
     PEAK_DEVICE_GIB = "peak_device_gib"
     USABLE_GIB = "usable_gib"
     FAILING_RANK = "failing_rank"

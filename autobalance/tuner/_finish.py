@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -9,7 +10,7 @@ from typing import Any
 
 from autobalance.protocol import Status, StudyAttr, TrialAttr, best_trial
 from autobalance.tuner._settings import TuneSettings
-from autobalance.tuner._summary import TuneResult
+from autobalance.tuner._summary import TuneResult, record_time_spent
 
 __all__ = ["Saving", "best_so_far", "nothing_feasible", "save_best"]
 
@@ -61,8 +62,12 @@ def save_best(*, settings: TuneSettings, result: TuneResult,
         return Saving(nothing_feasible=nothing_feasible(study))
     chosen = result.best
     if settings.verify:  # a configuration that fails verification is never saved
-        chosen = verify_for_saving(settings=settings, study=study, best=result.best, baseline=result.baseline,
-                                   notes=result.notes, note=note)
+        started = time.monotonic()
+        try:
+            chosen = verify_for_saving(settings=settings, study=study, best=result.best, baseline=result.baseline,
+                                       notes=result.notes, note=note)
+        finally:
+            record_time_spent(study, result, verify_s=time.monotonic() - started)
     verdicts = study.user_attrs
     prefix = StudyAttr.VERIFY_PREFIX
     rejected = sorted(int(key[len(prefix):]) for key, verdict in verdicts.items()

@@ -112,13 +112,16 @@ class TrialLauncher:
             self.reporter.tick(number, elapsed)
             return pruner.should_stop() if pruner is not None else False
 
+        started_at = time.time()
         try:
             if s.nnodes > 1:
-                return self._coordinator().run(launch, on_poll=on_poll)
-            pool = self._pool(launch)
-            if pool is not None:
-                return pool.run(launch, on_poll=on_poll)
-            return run_trial(launch, on_poll=on_poll)
+                outcome = self._coordinator().run(launch, on_poll=on_poll)
+            elif (pool := self._pool(launch)) is not None:
+                outcome = pool.run(launch, on_poll=on_poll)
+            else:
+                outcome = run_trial(launch, on_poll=on_poll)
+            outcome.started_at = started_at
+            return outcome
         finally:
             stop_beat.set()
             if beat is not None:

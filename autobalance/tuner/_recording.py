@@ -27,6 +27,7 @@ from autobalance.tuner._measurement import measurement_attrs
 from autobalance.tuner._notes import trial_outcome, write_notes
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._study import counts, measured_configs
+from autobalance.tuner._time_spent import trial_time_split
 from autobalance.tuner.search import TrialFigures, compile_env, figures_from_outcome, penalised
 
 __all__ = ["INTERRUPTED_REASON", "Recorder"]
@@ -42,6 +43,8 @@ class Recorder:
         self.storage = storage
         self.measured: dict[str, FrozenTrial] = {}
         """Trials that ran their configuration to a verdict, by configuration (JSON)."""
+        self.launched_here: list[int] = []
+        """Numbers of the trials this tuner launched and recorded (the baseline included)."""
 
     def load(self, study: optuna.Study) -> None:
         self.measured = measured_configs(study)
@@ -66,6 +69,7 @@ class Recorder:
             TrialAttr.BASELINE: baseline,
             TrialAttr.WALL_S: round(outcome.wall_s, 3),
             TrialAttr.TRIAL_DIR: outcome.trial_dir,
+            TrialAttr.TIME_SPLIT: trial_time_split(outcome),  # launch to first step, compiling, steps, ...
         }
         if outcome.traceback:
             attrs[TrialAttr.ERROR_TAIL] = outcome.traceback[-1500:]
@@ -81,6 +85,7 @@ class Recorder:
             upload_trial_chart(study, trial, artifact_dir_for(s.storage), attrs=attrs)
         except Exception as exc:
             warnings.warn(f"autobalance: trial {trial.number}'s memory chart was not stored ({exc})", stacklevel=2)
+        self.launched_here.append(trial.number)
         return self.tell(study, trial, figures, attrs, outcome.status)
 
     def tell(self, study: optuna.Study, trial: optuna.Trial, figures: TrialFigures, attrs: dict[str, Any],
@@ -124,7 +129,7 @@ class Recorder:
     def reuse(self, study: optuna.Study, trial: optuna.Trial, seen: FrozenTrial) -> FrozenTrial:
         """A configuration measured before: copy its result."""
         for key, value in seen.user_attrs.items():
-            if key != TrialAttr.BASELINE:
+            if key not in (TrialAttr.BASELINE, TrialAttr.TIME_SPLIT):  # its time was spent by the trial it reuses
                 trial.set_user_attr(key, value)
         trial.set_user_attr(TrialAttr.BASELINE, False)
         trial.set_user_attr(TrialAttr.REUSED_FROM, seen.number)

@@ -104,7 +104,7 @@ def merge_outcomes(first: TrialOutcome, second: TrialOutcome, *, reason: str) ->
     merged.wall_s = first.wall_s + second.wall_s
     merged.pool_start_s = first.pool_start_s + second.pool_start_s
     merged.recycled = second.recycled or first.recycled
-    merged.remeasured = {"reason": reason, "step_time_s": runs}
+    merged.remeasured = {"reason": reason, "step_time_s": runs, "wall_s": second.wall_s}
     return merged
 
 

@@ -9,13 +9,22 @@ from typing import Any
 from optuna.trial import FrozenTrial
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.text import Text
 
 from autobalance._config import BalanceConfig, describe_config
 from autobalance.protocol import Status, TrialAttr
 from autobalance.tuner._settings import TuneSettings
+from autobalance.tuner._time_spent import describe_budget
 
-__all__ = ["RichReporter", "short_figures"]
+__all__ = ["RichReporter", "TimeLeftColumn", "short_figures", "time_left_text"]
 
 _STYLE = {Status.OK: "green", Status.OOM: "red", Status.TIMEOUT: "red", Status.ERROR: "bold red",
           Status.CRASH: "yellow", Status.PREDICTED_OOM: "magenta", Status.INTERRUPTED: "yellow"}
@@ -35,6 +44,27 @@ def short_figures(trial: FrozenTrial) -> str:
     return "  ".join(parts)
 
 
+class TimeLeftColumn(ProgressColumn):
+    """What is left of the time budget, live (``12:30 left``; once spent: no new trials)."""
+
+    def __init__(self, deadline: float) -> None:
+        super().__init__()
+        self.deadline = deadline
+
+    def render(self, task: Any) -> Text:
+        return Text(time_left_text(self.deadline - time.monotonic()), style="cyan")
+
+
+def time_left_text(seconds: float) -> str:
+    """``12:30 left``, ``1:02:03 left``; ``budget spent, finishing`` at or below zero."""
+    if seconds <= 0:
+        return "budget spent, finishing"
+    whole = int(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return (f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}") + " left"
+
+
 class RichReporter:
     """Thread-safe: with parallel trials every slot reports through the same instance."""
 
@@ -48,17 +78,19 @@ class RichReporter:
         self._lock = threading.RLock()
         self._running: dict[int, float] = {}
 
-    def begin(self, settings: TuneSettings, *, already: int) -> None:
+    def begin(self, settings: TuneSettings, *, already: int, deadline: float | None = None) -> None:
+        """``deadline``: when the time budget ends (``time.monotonic()``; None: no budget)."""
         self._total = settings.trials
+        budget = "" if settings.time_budget_s is None else f"  time budget {describe_budget(settings.time_budget_s)}"
         self.console.print(
             f"[bold]autobalance tune[/] {settings.script}  study [cyan]{settings.study_name}[/]  "
             f"{settings.world_size} ranks on {settings.device}  {settings.trials} trials"
-            + (f" ({already} done before)" if already else "")
+            + (f" ({already} done before)" if already else "") + budget
         )
-        self._progress = Progress(
-            TextColumn("[bold]trials"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TextColumn("{task.description}"), console=self.console, transient=True,
-        )
+        columns: list[Any] = [TextColumn("[bold]trials"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+        if deadline is not None:
+            columns.append(TimeLeftColumn(deadline))
+        self._progress = Progress(*columns, TextColumn("{task.description}"), console=self.console, transient=True)
         self._progress.start()
         self._task = self._progress.add_task(self._best_text, total=settings.trials, completed=already)
 

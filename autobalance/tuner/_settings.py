@@ -6,6 +6,7 @@ import ast
 import functools
 import inspect
 import itertools
+import math
 import os
 import re
 import tomllib
@@ -27,6 +28,7 @@ __all__ = [
     "default_device",
     "default_study_name",
     "load_toml",
+    "parse_duration",
     "setting_docs",
 ]
 
@@ -82,6 +84,10 @@ class TuneSettings:
     """Study name (default: derived from the script's path)."""
     trial_timeout: float = 300.0
     """Hard wall-clock limit per trial in seconds (start-up included)."""
+    time_budget: float | str | None = None
+    """Wall-clock budget of this run of the study (Optuna's ``timeout``): ``90s``, ``10m``, ``1.5h`` or
+    seconds. Once it is spent no new trial starts; running trials finish (``trial_timeout`` still
+    applies), then the best is verified and saved as usual (default: none, no limit)."""
     memory_cap_gib: list[float] | None = None
     """Emulated capacity per rank in GiB: one value for every rank or one per rank (default: the
     card's capacity; on CPU the host's memory)."""
@@ -178,6 +184,7 @@ class TuneSettings:
             )
         if self.trial_timeout <= 0:
             raise UsageError(f"--trial-timeout={self.trial_timeout:g} must be positive; e.g. 300.")
+        self.time_budget = parse_duration("--time-budget", self.time_budget)
         if not 0 <= self.headroom < 1:
             raise UsageError(f"--headroom={self.headroom:g} is out of range; use a fraction in [0, 1), e.g. 0.05.")
         if self.weight_spread < 0 or self.weight_time < 0 or self.weight_spread + self.weight_time == 0:
@@ -227,6 +234,11 @@ class TuneSettings:
             raise UsageError(
                 f"--study-name={self.study_name!r} has unsupported characters; use letters, digits and _ . - : @ +."
             )
+
+    @property
+    def time_budget_s(self) -> float | None:
+        """``time_budget`` in seconds (None: no limit)."""
+        return None if self.time_budget is None else float(self.time_budget)
 
     @property
     def world_size(self) -> int:
@@ -332,6 +344,27 @@ def compile_modes(choice: str | None, mode: str, device: str) -> list[str]:
     return {"off": ["off"], "on": [mode], "search": ["off", mode]}[resolved]
 
 
+_DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(s|sec|m|min|h)?\s*", re.IGNORECASE)
+_UNIT_S = {None: 1.0, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+
+
+def parse_duration(name: str, value: float | str | None) -> float | None:
+    """Seconds of a duration given as ``90s``, ``10m``, ``1.5h``, plain seconds (a number or its
+    text), or ``off`` / ``none`` (None: no limit); a bad value is a :class:`UsageError` naming ``name``."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("off", "none")):
+        return None
+    seconds: float | None = None
+    if is_number(value):
+        seconds = float(value)  # type: ignore[arg-type]
+    elif isinstance(value, str) and (match := _DURATION.fullmatch(value)):
+        unit = match[2].lower() if match[2] else None
+        seconds = float(match[1]) * _UNIT_S[unit]
+    if seconds is None or not math.isfinite(seconds) or seconds <= 0:
+        raise UsageError(f"{name}={value!r} is not a positive duration; use e.g. 90s, 10m, 1.5h or plain seconds "
+                         "(off: no limit).")
+    return seconds
+
+
 def _positive(name: str, value: int) -> None:
     if value < 1:
         raise UsageError(f"{name}={value} must be at least 1.")
@@ -339,6 +372,8 @@ def _positive(name: str, value: int) -> None:
 
 def _toml_type_problem(annotation: str, value: Any) -> str | None:
     """What ``value`` should have been for a field annotated ``annotation`` (None: it fits)."""
+    if annotation == "float | str | None":  # a duration: its text is checked by TuneSettings
+        return None if is_number(value) or isinstance(value, str) else 'a number of seconds or a duration such as "10m"'
     kind = annotation.replace(" | None", "")
     checks: dict[str, tuple[str, Any]] = {
         "int": ("a whole number", is_int),

@@ -3,6 +3,7 @@ trials, the steps' share of the wall time, compilation, the memory model's error
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +14,7 @@ from optuna.trial import FrozenTrial, TrialState
 from autobalance.protocol import Status, StudyAttr, TrialAttr
 from autobalance.tuner._measurement import measurement_summary
 from autobalance.tuner._script_facts import summary_facts
+from autobalance.tuner._time_spent import TIME_PARTS, time_lines, time_spent
 from autobalance.tuner.search import compile_notes
 
 __all__ = ["TuneResult", "per_trial_overhead_s", "summarise"]
@@ -33,6 +35,12 @@ class TuneResult:
     saved: bool = False
     """Whether the best configuration was saved to the store."""
     notes: list[str] = field(default_factory=list)
+    time_spent: dict[str, Any] = field(default_factory=dict)
+    """How this run spent its wall time and its time budget (see :data:`StudyAttr.TIME_SPENT`)."""
+
+    def time_lines(self) -> list[str]:
+        """Where the run's time went, and whether its time budget stopped it."""
+        return time_lines(self.time_spent)
 
 
 def per_trial_overhead_s(trials: list[FrozenTrial], *, last: int = 5) -> float | None:
@@ -52,8 +60,11 @@ def per_trial_overhead_s(trials: list[FrozenTrial], *, last: int = 5) -> float |
     return statistics.median(recent) if recent else None
 
 
-def summarise(study: optuna.Study, result: TuneResult, *, cold_note: str | None, advisor: Any) -> None:
-    """Append the study's notes to ``result`` (and record the compile total and the memory model's error)."""
+def summarise(study: optuna.Study, result: TuneResult, *, cold_note: str | None, advisor: Any,
+              launched_here: set[int] | None = None) -> None:
+    """Append the study's notes to ``result`` (and record the compile total, the memory model's error
+    and where the time of this run went: the trials ``launched_here``)."""
+    record_time_spent(study, result, launched_here=launched_here)
     result.notes.extend(summary_facts(study.user_attrs))
     trials = study.get_trials(deepcopy=False)
     predicted = [t for t in trials if t.user_attrs.get(TrialAttr.STATUS) == Status.PREDICTED_OOM]
@@ -96,3 +107,20 @@ def summarise(study: optuna.Study, result: TuneResult, *, cold_note: str | None,
         if error is not None:
             study.set_user_attr(StudyAttr.MEMORY_MODEL_ERROR, error)
             result.notes.append(f"Memory model: {100 * error:.1f}% mean error predicting held-out trials' per-rank peaks.")
+
+
+def record_time_spent(study: optuna.Study, result: TuneResult, *, launched_here: set[int] | None = None,
+                      verify_s: float | None = None) -> None:
+    """Fill ``result.time_spent`` (the parts of the trials ``launched_here``, then verification's
+    ``verify_s``) and record it as :data:`StudyAttr.TIME_SPENT`."""
+    spent = result.time_spent
+    if launched_here is not None:
+        spent.update(time_spent(study.get_trials(deepcopy=False), launched_here))
+        spent.setdefault("verify", 0.0)
+        spent.setdefault("verified", False)
+    if verify_s is not None:
+        spent["verify"], spent["verified"] = round(verify_s, 3), True
+    spent["wall"] = round(result.wall_s + float(spent.get("verify") or 0.0), 3)
+    spent["other"] = round(max(0.0, spent["wall"] - sum(float(spent.get(k) or 0.0) for k in TIME_PARTS)), 3)
+    with contextlib.suppress(Exception):  # a summary must not fail on a storage hiccup
+        study.set_user_attr(StudyAttr.TIME_SPENT, dict(spent))

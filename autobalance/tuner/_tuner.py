@@ -24,6 +24,7 @@ from autobalance.tuner._recording import Recorder
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._study import check_space, counted_trials, open_study
 from autobalance.tuner._summary import TuneResult, summarise
+from autobalance.tuner._time_spent import TimeBudget, describe_budget
 from autobalance.tuner._workers import fail_stale_trials
 from autobalance.tuner.search import SearchSpace
 
@@ -58,6 +59,8 @@ class Tuner:
         """Trial ids this tuner runs now (other workers' running trials are waited for at the end)."""
         self._in_flight: dict[str, threading.Event] = {}
         self._crashes_in_a_row = 0
+        self.budget = TimeBudget(budget_s=settings.time_budget_s, started=time.monotonic())
+        """``--time-budget``: started again by :meth:`run`."""
 
     @property
     def trials_run(self) -> int:
@@ -66,6 +69,7 @@ class Tuner:
     def run(self) -> TuneResult:
         s = self.settings
         start = time.monotonic()
+        self.budget = TimeBudget(budget_s=s.time_budget_s, started=start)
         self.launcher.slots()  # bad --gpus-per-trial/--cpus-per-trial: an error before anything runs
         if s.nnodes > 1 and not s.rdzv_endpoint:
             raise UsageError(f"--nnodes={s.nnodes} needs --rdzv-endpoint HOST:PORT (a port on this node that the other "
@@ -76,7 +80,7 @@ class Tuner:
         space = SearchSpace.from_dict(space_dict) if space_dict else None
         if space is not None:
             check_space(s, space)
-        self.reporter.begin(s, already=counted_trials(study))
+        self.reporter.begin(s, already=counted_trials(study), deadline=self.budget.deadline)
         try:
             if space is None or StudyAttr.BASELINE not in study.user_attrs:
                 space = baseline_once(study, settings=s, storage=self.storage, launcher=self.launcher,
@@ -91,7 +95,10 @@ class Tuner:
         result = TuneResult(study_name=s.study_name, storage=mask_url(s.storage), trials_run=self.trials_run,
                             baseline=study.trials[base_no] if base_no is not None else None,
                             best=best_trial(study), wall_s=time.monotonic() - start)
-        summarise(study, result, cold_note=self.launcher.cold_note, advisor=self.advisor)
+        result.time_spent = {"slots": len(self.launcher.slots()), "budget_s": s.time_budget_s,
+                             "stopped_by_budget": self.budget.stopped, "trials": counted_trials(study), "of": s.trials}
+        summarise(study, result, cold_note=self.launcher.cold_note, advisor=self.advisor,
+                  launched_here=set(self.recorder.launched_here))
         return result
 
     def more_trials(self, study: optuna.Study) -> bool:
@@ -102,8 +109,13 @@ class Tuner:
             if self.stop.is_set():
                 return False
             fail_stale_trials(study, self.storage)
+            spent = self.budget.spent(time.monotonic())
             if counted_trials(study) < self.settings.trials:
-                return True
+                if spent:  # Optuna's `timeout`: no trial starts after the budget
+                    self._budget_spent(study)
+                return not spent
+            if spent:  # other workers' running trials are not waited for
+                return False
             with self.lock:  # this tuner's own running trials (other slots) are not waited for
                 running = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
                            if trial_id(t) not in self.running_here]
@@ -113,6 +125,16 @@ class Tuner:
                 self.reporter.note(f"Waiting for {len(running)} trial(s) that other workers on this study are running.")
                 noted = True
             time.sleep(min(3.0, heartbeat_interval_s() / 2))
+
+    def _budget_spent(self, study: optuna.Study) -> None:
+        """The first slot to see the budget spent says so; every slot then stops asking."""
+        with self.lock:
+            if self.budget.stopped:
+                return
+            self.budget.stopped = True
+        budget = describe_budget(self.budget.budget_s or 0.0)
+        self.reporter.note(f"Time budget ({budget}) spent after {counted_trials(study)} of {self.settings.trials} "
+                           "trials: no new trial starts; running ones finish, then the best is verified and saved.")
 
     @contextlib.contextmanager
     def measuring(self, config: BalanceConfig) -> Iterator[None]:
@@ -169,7 +191,7 @@ def _make_advisor(*, space: SearchSpace, settings: TuneSettings) -> Any:
 
 
 class _NullReporter:
-    def begin(self, settings: TuneSettings, *, already: int) -> None: ...
+    def begin(self, settings: TuneSettings, *, already: int, deadline: float | None = None) -> None: ...
     def start(self, number: int, config: BalanceConfig | None, *, baseline: bool = False) -> None: ...
     def tick(self, number: int, elapsed: float) -> None: ...
     def note(self, text: str) -> None: ...

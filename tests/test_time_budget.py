@@ -1,0 +1,180 @@
+"""`--time-budget`: parsing, where a trial's and a run's time went, the budget stopping the trial
+loop, and one short CPU study that the budget ends early."""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+import optuna
+import pytest
+
+from autobalance import UsageError
+from autobalance.launcher import TrialOutcome
+from autobalance.protocol import Status, StudyAttr, TrialAttr
+from autobalance.tuner import TuneSettings, load_toml
+from autobalance.tuner._reporter import time_left_text
+from autobalance.tuner._settings import parse_duration
+from autobalance.tuner._time_spent import describe_budget, time_lines, time_spent, trial_time_split
+from tests.tune_helpers import GPT, cli, load, tune_args
+
+
+@pytest.mark.parametrize(("text", "seconds"), [
+    ("90s", 90.0), ("10m", 600.0), ("1.5h", 5400.0), ("45", 45.0), (" 2 min ", 120.0), ("0.5s", 0.5), (30, 30.0),
+    (12.5, 12.5), ("10M", 600.0), (".5h", 1800.0),
+])
+def test_durations_in_seconds_minutes_hours_or_plain_seconds(text, seconds):
+    assert parse_duration("--time-budget", text) == seconds
+
+
+@pytest.mark.parametrize("text", [None, "off", "none", "OFF"])
+def test_no_budget(text):
+    assert parse_duration("--time-budget", text) is None
+
+
+@pytest.mark.parametrize("text", ["10x", "m", "", "-5m", "0", "0s", "1h30m", "ten minutes", True, float("inf"), [3]])
+def test_a_bad_duration_is_one_line_that_names_the_flag_and_the_fix(text):
+    with pytest.raises(UsageError) as info:
+        TuneSettings(script=GPT, time_budget=text)
+    message = str(info.value)
+    assert message.startswith(f"--time-budget={text!r} is not a positive duration") and "\n" not in message
+    assert "10m" in message and "1.5h" in message
+
+
+def test_the_budget_comes_from_flags_or_the_study_file(tmp_path: Path):
+    assert TuneSettings(script=GPT).time_budget is None  # default: no limit
+    assert TuneSettings(script=GPT, time_budget="10m").time_budget_s == 600.0
+    toml = tmp_path / "s.toml"
+    toml.write_text(f'[tune]\nscript = "{GPT}"\ntime-budget = "5m"\n')
+    assert TuneSettings.merge(flags={}, toml_path=str(toml)).time_budget_s == 300.0
+    assert TuneSettings.merge(flags={"time_budget": "off"}, toml_path=str(toml)).time_budget is None
+    toml.write_text(f'[tune]\nscript = "{GPT}"\ntime_budget = 90\n')
+    assert TuneSettings.merge(flags={}, toml_path=str(toml)).time_budget_s == 90.0
+    toml.write_text(f'[tune]\nscript = "{GPT}"\ntime_budget = true\n')
+    with pytest.raises(UsageError, match="time_budget = True, which is not a number of seconds"):
+        load_toml(str(toml))
+
+
+def test_the_flag_reaches_the_settings_and_a_bad_value_exits_2(tmp_path: Path):
+    proc = cli(["tune", GPT, "--device", "cpu", "--time-budget", "soon", "--storage", f"sqlite:///{tmp_path}/x.db"],
+               cwd=tmp_path, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "autobalance: error: --time-budget='soon' is not a positive duration" in proc.stderr
+    assert not (tmp_path / "x.db").exists()
+
+
+def test_budget_words():
+    assert [describe_budget(s) for s in (90, 600, 5400, 45.5, 3600)] == ["90s", "10m", "1.5h", "45.5s", "1h"]
+    assert time_left_text(754.2) == "12:34 left"
+    assert time_left_text(3723) == "1:02:03 left"
+    assert time_left_text(0) == "budget spent, finishing"
+
+
+def _report(*, written: float, wall: float, startup: float | None, compile_s: float | None, steps: float | None):
+    at = datetime.datetime.fromtimestamp(written, datetime.UTC).isoformat()
+    return {"written_at": at, "timing": {"wall_s": wall, "startup_s": startup, "compile_s": compile_s, "steps_s": steps}}
+
+
+def test_a_trials_time_split_runs_from_launch_to_first_step_then_compile_steps_and_the_rest():
+    t0 = 1_000_000.0
+    # launched at t0; rank plans began at t0+3 / t0+4, their first steps at t0+5 / t0+6 (the slower
+    # rank gates the first collective step), 4 s compiling, 2 s of steps, reports at t0+12.5
+    reports = {0: _report(written=t0 + 12.5, wall=9.5, startup=2.0, compile_s=4.0, steps=2.0),
+               1: _report(written=t0 + 12.5, wall=8.5, startup=2.0, compile_s=3.5, steps=1.8)}
+    outcome = TrialOutcome(status=Status.OK, reason="", reports=reports, wall_s=13.0, started_at=t0)
+    split = trial_time_split(outcome)
+    assert split == {"startup": 6.0, "compile": 4.0, "steps": 2.0, "remeasure": 0.0, "other": 1.0}
+    assert sum(split.values()) == pytest.approx(outcome.wall_s)
+    # measured twice: the second run is apart, the parts still sum to the wall time
+    outcome.wall_s, outcome.remeasured = 20.0, {"reason": "r", "wall_s": 7.0}
+    split = trial_time_split(outcome)
+    assert split["remeasure"] == 7.0 and split["startup"] == 6.0 and sum(split.values()) == pytest.approx(20.0)
+    # no rank reached a step (an OOM while building the model): all start-up
+    failed = TrialOutcome(status=Status.OOM, reason="", wall_s=8.0, started_at=t0,
+                          reports={0: _report(written=t0 + 7, wall=4.0, startup=None, compile_s=None, steps=None)})
+    assert trial_time_split(failed) == {"startup": 8.0, "compile": 0.0, "steps": 0.0, "remeasure": 0.0, "other": 0.0}
+    # a clock that disagrees (another host) never makes a part negative or the sum larger than the wall
+    skewed = TrialOutcome(status=Status.OK, reason="", wall_s=5.0, started_at=t0 + 100,
+                          reports={0: _report(written=t0, wall=3.0, startup=1.0, compile_s=None, steps=1.0)})
+    split = trial_time_split(skewed)
+    assert min(split.values()) >= 0 and sum(split.values()) == pytest.approx(5.0)
+
+
+def _trial(number: int, split: dict[str, float] | None, **attrs) -> optuna.trial.FrozenTrial:
+    user = dict(attrs)
+    if split is not None:
+        user[TrialAttr.TIME_SPLIT] = split
+    trial = optuna.trial.create_trial(value=1.0, user_attrs=user)
+    trial.number = number
+    return trial
+
+
+def test_a_runs_time_sums_its_own_launched_trials_and_says_where_it_went():
+    split = {"startup": 2.0, "compile": 10.0, "steps": 3.0, "remeasure": 0.0, "other": 0.5}
+    trials = [_trial(0, split), _trial(1, split), _trial(2, split, **{TrialAttr.REUSED_FROM: 1}), _trial(3, None)]
+    total = time_spent(trials, {1, 2, 3})  # trial 0 ran in an earlier run; 2 reused 1's result
+    assert total == {"compile": 10.0, "startup": 2.0, "steps": 3.0, "remeasure": 0.0, "handover": 0.5}
+    record = {**total, "wall": 40.0, "verify": 5.0, "verified": True, "slots": 1, "budget_s": 30.0,
+              "stopped_by_budget": True, "trials": 4, "of": 50}
+    lines = time_lines(record)
+    assert lines[0].startswith("Time: 40.0 s in all: compiling 10.0 s (25%), start-up (launch to first step) 2.0 s (5%), "
+                               "steps 3.0 s (8%), verification 5.0 s (12%), other 20.0 s (50%")
+    assert lines[1].startswith("Stopped by the time budget (30s) after 4 of 50 trials")
+    assert "verification ran after the budget (5.0 s)" in lines[1]
+    record.update(verified=False, verify=0.0)
+    assert "nothing was verified" in time_lines(record)[1]
+    record.update(stopped_by_budget=False, trials=50)
+    assert time_lines(record)[1] == "Time budget 30s: not reached (50 of 50 trials ran within it)."
+    record.update(slots=2, budget_s=None)
+    (line,) = time_lines(record)
+    assert "2 trials at a time; summed over the slots: compiling 10.0 s" in line and "other" not in line
+
+
+def test_no_trial_is_asked_once_the_budget_is_spent(tmp_path: Path):
+    from autobalance.tuner import Tuner
+
+    notes: list[str] = []
+
+    class Notes:
+        def note(self, text: str) -> None:
+            notes.append(text)
+
+    settings = TuneSettings(script=GPT, device="cpu", trials=5, time_budget="1h",
+                            storage=f"sqlite:///{tmp_path}/b.db", runs_dir=str(tmp_path / "runs"))
+    tuner = Tuner(settings=settings, reporter=Notes())
+    study = optuna.create_study(study_name=settings.study_name, storage=tuner.storage)
+    try:
+        assert tuner.more_trials(study) and not tuner.budget.stopped  # an hour left
+        tuner.budget.started -= 3600  # the hour is over
+        assert not tuner.more_trials(study) and not tuner.more_trials(study)
+        assert tuner.budget.stopped
+        assert notes == ["Time budget (1h) spent after 0 of 5 trials: no new trial starts; running ones finish, "
+                         "then the best is verified and saved."]
+    finally:
+        tuner.close()
+
+
+@pytest.mark.slow
+def test_a_tiny_budget_stops_the_study_early_and_still_verifies_and_saves(tmp_path: Path):
+    """The baseline alone outlasts a 1 s budget: no trial starts after it, the best is still verified
+    and saved (or the summary says why not), and the summary says where the time went."""
+    db = tmp_path / "t.db"
+    proc = cli(tune_args(GPT, db, "--memory-cap-gib", "0.5", "--time-budget", "1s", trials=50), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    study = load(db)
+    assert 1 <= len(study.trials) < 50
+    assert "time budget 1s" in proc.stderr and "Time budget (1s) spent after" in proc.stderr
+    out = " ".join(proc.stdout.split())
+    assert "Time: " in out and "compiling " in out and "start-up (launch to first step) " in out and "steps " in out
+    assert f"Stopped by the time budget (1s) after {len(study.trials)} of 50 trials" in out
+    spent = study.user_attrs[StudyAttr.TIME_SPENT]
+    assert spent["stopped_by_budget"] is True and spent["budget_s"] == 1.0 and spent["of"] == 50
+    if "Saved trial" in out:
+        assert spent["verified"] is True and "verification ran after the budget" in out
+    else:
+        assert "No feasible configuration yet" in out or "nothing was verified" in out
+    base = study.trials[0]
+    split = base.user_attrs[TrialAttr.TIME_SPLIT]
+    assert split["startup"] > 0 and split["steps"] > 0
+    assert sum(split.values()) == pytest.approx(base.user_attrs[TrialAttr.WALL_S], abs=0.01)
+    assert spent["startup"] >= split["startup"] - 1e-6 and spent["steps"] >= split["steps"] - 1e-6
