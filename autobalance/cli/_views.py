@@ -110,7 +110,7 @@ def print_result(result: Any, *, settings: Any, console: Console, nothing_feasib
     console.print(comparison_table(result.baseline, result.best))
     console.print(f"{result.trials_run} trial(s) launched in {result.wall_s:.1f} s. Study '{result.study_name}' "
                   f"lives in {result.storage}.")
-    for line in result.time_lines():  # where the time went; the time budget
+    for line in getattr(result, "time_lines", list)():  # where the time went; the time budget (a TuneResult)
         console.print(line)
     if result.best is None:
         console.print(f"[red]No feasible configuration yet[/]: {escape(nothing_feasible or 'no trial was feasible.')}")
