@@ -5,6 +5,8 @@
 - ``_memory_model``: per-rank peak memory, fitted from the study's trials;
 - ``_step_time``: step time, fitted from the study's trials;
 - ``_solver``: balanced splits and per-rank checkpointing from the memory model;
+- ``_compiled_model``: compiled configurations' peaks (per-rank budgets) and step times;
+- ``_compiled_search``: compiled proposals from it, ordered to reuse the Inductor cache;
 - ``_dominance``: model-free "cannot fit" from launched trials that did not fit;
 - ``_compile``: compile in the study (cache, space check, compile figures);
 - ``_advisor``: the ``model`` strategy: proposals and predicted OOMs, built on all of the above.
@@ -24,6 +26,25 @@ from autobalance.tuner.search._compile import (
     compile_figures,
     compile_notes,
     space_problem,
+)
+from autobalance.tuner.search._compiled_model import (
+    COMPILE_SPEED_PRIOR,
+    RECOMPUTE_PRIOR_COMPILED,
+    UNMEASURED_MARGIN,
+    BudgetCurve,
+    CompiledMemoryModel,
+    CompiledObservation,
+    CompiledTimeModel,
+    budget_grid,
+    compiled_observations,
+)
+from autobalance.tuner.search._compiled_search import (
+    CACHE_TIE,
+    Candidate,
+    cache_order,
+    compiled_candidates,
+    compiled_graphs,
+    graph_keys,
 )
 from autobalance.tuner.search._dominance import (
     activation_budget,
@@ -67,12 +88,21 @@ from autobalance.tuner.search._step_time import (
 __all__ = [
     "ACTIVATION_BYTES_SCALE",
     "BUDGET_RANGE",
+    "CACHE_TIE",
+    "COMPILE_SPEED_PRIOR",
     "DEFAULT_RECOMPUTE_FRACTION",
     "DEFAULT_SAFETY_MARGIN",
     "INFEASIBLE_TIME",
     "PRIOR_CHECKPOINT_SAVING",
     "RECOMPUTE_PRIOR",
+    "RECOMPUTE_PRIOR_COMPILED",
     "SHARE_RANGE",
+    "UNMEASURED_MARGIN",
+    "BudgetCurve",
+    "Candidate",
+    "CompiledMemoryModel",
+    "CompiledObservation",
+    "CompiledTimeModel",
     "DtypeFit",
     "MemoryModel",
     "MemoryObservation",
@@ -84,13 +114,19 @@ __all__ = [
     "activation_budget",
     "balanced_split",
     "balanced_split_for",
+    "budget_grid",
     "cache_dir",
+    "cache_order",
     "choose_checkpointing",
     "compile_env",
     "compile_figures",
     "compile_notes",
+    "compiled_candidates",
+    "compiled_graphs",
+    "compiled_observations",
     "dominating_over_cap",
     "figures_from_outcome",
+    "graph_keys",
     "observations_from_trials",
     "penalised",
     "plans_from_model",

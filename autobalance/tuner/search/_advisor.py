@@ -1,5 +1,8 @@
 """The default strategy: a per-rank memory model fitted from the study's own trials proposes
 balanced splits (water-filling, per-rank checkpointing) and predicts OOMs before they are launched.
+With compile searched, the compiled model (``_compiled_model``) proposes compiled configurations
+(``_compiled_search``): ranked with the eager ones by predicted objective, after a few cheap eager
+trials have taught the memory model what compiled peaks are built on.
 
 The wrapped Optuna sampler still proposes everything the model does not; every proposal is an
 ordinary enqueued trial, so the study stays a plain Optuna study (dashboard, samplers, resume).
@@ -16,6 +19,12 @@ from optuna.trial import FrozenTrial, TrialState
 from autobalance._config import BalanceConfig
 from autobalance.protocol import Status, StudyAttr, TrialAttr, best_trial, objective_value
 from autobalance.tuner._settings import TuneSettings
+from autobalance.tuner.search._compiled_model import (
+    CompiledMemoryModel,
+    CompiledTimeModel,
+    compiled_observations,
+)
+from autobalance.tuner.search._compiled_search import Candidate, cache_order, compiled_candidates
 from autobalance.tuner.search._dominance import activation_budget, dominating_over_cap
 from autobalance.tuner.search._memory_model import MemoryModel, MemoryObservation
 from autobalance.tuner.search._objective import TrialFigures, spread_fraction
@@ -33,6 +42,10 @@ GIB = 2**30
 _MAX_PREDICTED_IN_A_ROW = 25
 SAMPLER_EVERY = 3
 _WORTH = 1.5
+EAGER_FIRST = 3
+"""With compile searched, a dtype's compiled proposals wait until this many eager trials of it were
+measured (or its eager memory model is fully determined): eager trials take seconds and give the
+compiled model its fixed part and activation unit; a compile takes tens of seconds."""
 
 
 def observations_from_trials(trials: list[FrozenTrial], *, num_layers: int) -> list[MemoryObservation]:
@@ -66,7 +79,10 @@ class ModelAdvisor:
         self._proposed: set[str] = set()
         self._predicted_in_a_row = 0
         self._margin = 0.05
+        self._compiled_margin: float | None = None
+        self.compiled: CompiledMemoryModel | None = None
         self._asks = 0
+        self._predictions: dict[str, Candidate] = {}
 
     # ------------------------------------------------------------------ model
     def _usable(self, study: optuna.Study) -> list[float] | None:
@@ -108,21 +124,47 @@ class ModelAdvisor:
         return out
 
     def candidates(self, study: optuna.Study) -> list[tuple[float, BalanceConfig]]:
-        """Configurations the memory model predicts to fit, scored by the predicted objective
-        (spread from the memory model, step time from a time model fitted to the study's trials)."""
+        """Configurations the models predict to fit, scored by the predicted objective (spread from
+        the memory models, step time from time models fitted to the study's trials), best first:
+        eager ones from the memory model, compiled ones from the compiled model."""
+        return [(c.score, c.config) for c in self.scored_candidates(study)]
+
+    def scored_candidates(self, study: optuna.Study) -> list[Candidate]:
+        """:meth:`candidates` with their predictions, in the order they are proposed (ties go to
+        the candidate that compiles fewer new graphs)."""
         model = self.refit(study)
         usable = self._usable(study)
         if model is None or usable is None:
             return []
-        timing = StepTimeModel.fit(study.get_trials(deepcopy=False), num_layers=self.space.num_layers,
-                                   device=self.settings.device)
+        trials = study.get_trials(deepcopy=False)
+        timing = StepTimeModel.fit(trials, num_layers=self.space.num_layers, device=self.settings.device)
         reference = self._reference_ms(study)
         bucket, view = self._bucket_choice(study)
+        max_spread = self.settings.max_spread_gib * GIB if self.settings.max_spread_gib is not None else None
+        out = self._eager_candidates(model, timing, usable, reference, bucket, view, max_spread)
+        compiled = self._compiled_for(study, model)
+        if compiled is not None:
+            compiled_timing = CompiledTimeModel.fit(trials, eager=timing, device=self.settings.device)
+
+            def score(cfg: BalanceConfig, peaks: list[float], ms: float) -> float | None:
+                return self._objective(peaks, usable, ms, reference)
+
+            out += compiled_candidates(space=self.space, trials=trials, memory=compiled, timing=compiled_timing,
+                                       eager_timing=timing, usable=usable, bucket=bucket, view=view,
+                                       max_spread=max_spread, score=score)
+        ordered = cache_order(out)
+        self._predictions = {c.config.to_json(): c for c in ordered}
+        return ordered
+
+    def _eager_candidates(self, model: MemoryModel, timing: StepTimeModel, usable: list[float],
+                          reference: float | None, bucket: float, view: bool,
+                          max_spread: float | None) -> list[Candidate]:
+        if "off" not in self.space.compile_modes:
+            return []
         layers = max(1, self.space.num_layers)
         world = self.space.world_size
-        max_spread = self.settings.max_spread_gib * GIB if self.settings.max_spread_gib is not None else None
         seen: set[str] = set()
-        out: list[tuple[float, BalanceConfig]] = []
+        out: list[Candidate] = []
 
         def consider(micro: list[int], counts: list[int], dtype: str, acc: int) -> None:
             # any split: the largest micro-batch per rank that fits; the ranks whose steps cost more
@@ -139,9 +181,10 @@ class ModelAdvisor:
                 return
             if max_spread is not None and max(peaks) - min(peaks) > max_spread:
                 return
-            score = self.predicted_objective(cfg, peaks, usable, timing, reference)
+            ms = timing.predict(cfg)
+            score = None if ms is None else self._objective(peaks, usable, ms, reference)
             if score is not None:
-                out.append((score, cfg))
+                out.append(Candidate(score=score, config=cfg, peaks=peaks, step_ms=ms))
 
         for dtype in self.space.dtypes:
             if not model.can_predict(dtype):
@@ -165,17 +208,37 @@ class ModelAdvisor:
                 if even is not None:
                     for micro in (even, *self._neighbours(even)):
                         consider(micro, [0] * world, dtype, acc)
-        out.sort(key=lambda item: item[0])
         return out
 
-    def predicted_objective(self, cfg: BalanceConfig, peaks: list[float], usable: list[float],
-                            timing: StepTimeModel, reference_ms: float | None) -> float | None:
+    def _objective(self, peaks: list[float], usable: list[float], ms: float, reference_ms: float | None) -> float:
         capacity = [u / (1.0 - self.settings.headroom) for u in usable]
-        t = timing.predict(cfg)
-        if t is None:
-            return None
-        return objective_value(spread_fraction(peaks, capacity), t / (reference_ms or t),
+        return objective_value(spread_fraction(peaks, capacity), ms / (reference_ms or ms),
                                weight_spread=self.settings.weight_spread, weight_time=self.settings.weight_time)
+
+    def predicted_objective(self, cfg: BalanceConfig, peaks: list[float], usable: list[float],
+                            timing: StepTimeModel | CompiledTimeModel, reference_ms: float | None) -> float | None:
+        t = timing.predict(cfg)
+        return None if t is None else self._objective(peaks, usable, t, reference_ms)
+
+    def _compiled_for(self, study: optuna.Study, model: MemoryModel | None) -> CompiledMemoryModel | None:
+        """The compiled model refitted on the study's compiled trials (None: compile not searched,
+        or no eager model yet to build it on)."""
+        if model is None or not self.space.compile_searched:
+            return None
+        margin = max(model.safety_margin, self._compiled_margin or 0.0)
+        self.compiled = CompiledMemoryModel.fit(compiled_observations(study.get_trials(deepcopy=False)),
+                                                eager=model, num_layers=self.space.num_layers, safety_margin=margin)
+        return self.compiled
+
+    def _eager_first(self, study: optuna.Study, dtype: str) -> bool:
+        """Whether ``dtype``'s compiled proposals wait for more eager trials (:data:`EAGER_FIRST`)."""
+        if "off" not in self.space.compile_modes or self.model is None or self.model.is_fitted_for(dtype):
+            return False
+        eager = sum(1 for t in study.get_trials(deepcopy=False)
+                    if t.user_attrs.get(TrialAttr.STATUS) == Status.OK and t.user_attrs.get(TrialAttr.REUSED_FROM) is None
+                    and (t.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile", "off") == "off"
+                    and (t.user_attrs.get(TrialAttr.CONFIG) or {}).get("dtype") == dtype)
+        return eager < EAGER_FIRST
 
     def _bucket_choice(self, study: optuna.Study) -> tuple[float, bool]:
         best = best_trial(study)
@@ -191,27 +254,34 @@ class ModelAdvisor:
         does not: bucket sizes, dtypes the model cannot predict yet); so are proposals scored more
         than ``_WORTH`` times the best candidate's score.
         """
-        if study.get_trials(deepcopy=False, states=(TrialState.WAITING,)) or "off" not in self.space.compile_modes:
-            return  # (its proposals are eager configurations)
+        if study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+            return
         self._asks += 1
         if self._asks % SAMPLER_EVERY == 0:
             return
-        candidates = self.candidates(study)
+        candidates = self.scored_candidates(study)
         if not candidates:
             return
-        best_score = candidates[0][0]
-        for score, cfg in candidates:
-            if score > _WORTH * best_score:
-                return
-            key = cfg.to_json()
-            measured = {json.dumps(t.user_attrs.get(TrialAttr.CONFIG), sort_keys=True)
-                        for t in study.get_trials(deepcopy=False) if t.user_attrs.get(TrialAttr.CONFIG)}
-            if key in self._proposed or key in measured:
-                continue
-            self._proposed.add(key)
-            study.enqueue_trial(self.space.params_from_config(cfg),
-                                user_attrs={"proposed_by": "memory-model", "proposed_config": cfg.to_dict()})
+        measured = {json.dumps(t.user_attrs.get(TrialAttr.CONFIG), sort_keys=True)
+                    for t in study.get_trials(deepcopy=False) if t.user_attrs.get(TrialAttr.CONFIG)}
+        fresh = [c for c in candidates if c.config.to_json() not in self._proposed and c.config.to_json() not in measured]
+        if not fresh or fresh[0].score > _WORTH * candidates[0].score:
             return
+        pick, note = fresh[0], None
+        if pick.source == "compiled-model" and self._eager_first(study, pick.config.dtype):
+            eager = [c for c in fresh if c.source == "memory-model" and c.config.dtype == pick.config.dtype]
+            if eager:  # a few seconds that teach the compiled model its fixed part before a compile
+                pick, note = eager[0], "eager first: teaches the memory model before compiling"
+        self._proposed.add(pick.config.to_json())
+        attrs: dict[str, Any] = {"proposed_by": pick.source, "proposed_config": pick.config.to_dict(),
+                                 "proposal_peak_gib": [round(p / GIB, 4) for p in pick.peaks]}
+        if pick.step_ms is not None:
+            attrs["proposal_step_ms"] = round(pick.step_ms, 3)
+        if pick.source == "compiled-model":
+            attrs["proposal_new_graphs"] = pick.new_graphs
+        if note:
+            attrs["proposal_note"] = note
+        study.enqueue_trial(self.space.params_from_config(pick.config), user_attrs=attrs)
 
     def holdout_error(self, study: optuna.Study) -> float | None:
         """Leave-one-trial-out mean relative error of the peak prediction over measured trials."""
@@ -245,8 +315,10 @@ class ModelAdvisor:
             self._predicted_in_a_row += 1
             return self._dominance_figures(config, usable, *dominated)
         model = self.model if self.model is not None else self.refit(study)
-        if model is None or config.compile != "off":  # compiled memory follows the budget, not this model
+        if model is None:
             return None
+        if config.compile != "off":  # compiled memory follows the budget: the compiled model's measured bounds
+            return self._compiled_veto(study, model, config, usable)
         counts = [len(c) for c in config.checkpoint]
         if not model.can_predict(config.dtype) or not all(
             model.is_confident(rank=r, micro_batch=m, checkpointed=c, num_layers=max(1, self.space.num_layers),
@@ -276,6 +348,70 @@ class ModelAdvisor:
         }
         return figures, attrs
 
+    def _compiled_veto(self, study: optuna.Study, model: MemoryModel, config: BalanceConfig,
+                       usable: list[float]) -> tuple[TrialFigures, dict[str, Any]] | None:
+        """Figures for a compiled configuration that the pair's measured budgets prove cannot fit on
+        some rank (whose eager fixed part the memory model is sure of); None to launch it."""
+        compiled = self.compiled if self.compiled is not None else self._compiled_for(study, model)
+        if compiled is None or not model.can_predict(config.dtype):
+            return None
+        budgets = config.activation_budget or [1.0] * config.world_size
+        layers = max(1, self.space.num_layers)
+        for rank, (m, b) in enumerate(zip(config.micro_batches, budgets, strict=True)):
+            if not model.is_confident(rank=rank, micro_batch=m, checkpointed=0, num_layers=layers, dtype=config.dtype):
+                continue
+            low = compiled.surely_over(rank=rank, micro_batch=m, budget=b, dtype=config.dtype, mode=config.compile,
+                                       limit=usable[rank])
+            if low is None:
+                continue
+            self._predicted_in_a_row += 1
+            capacity = [u / (1.0 - self.settings.headroom) for u in usable]
+            peaks: list[float | None] = [None] * config.world_size
+            peaks[rank] = low
+            figures = TrialFigures(status=Status.PREDICTED_OOM, peak_device=peaks, peak_allocated=[None] * len(peaks),
+                                   peak_reserved=[None] * len(peaks), outside_pytorch=[None] * len(peaks),
+                                   capacity=capacity, step_time_s=None, samples_per_s=None, startup_s=None)
+            attrs = {
+                **figures.user_attrs(self.settings.headroom),
+                "status": Status.PREDICTED_OOM,
+                "predicted": True,
+                "predicted_by": "compiled-model",
+                "reason": (f"not launched (not compiled): the compiled model's measured budgets put rank {rank} at "
+                           f"least at {low / GIB:.3f} GiB with micro-batch {m}, budget {b:g} "
+                           f"(+{100 * compiled.safety_margin:.0f}% margin) > usable {usable[rank] / GIB:.3f} GiB"),
+                "baseline": False,
+            }
+            return figures, attrs
+        self._predicted_in_a_row = 0
+        return None
+
+    def compiled_holdout_error(self, study: optuna.Study) -> tuple[float, int] | None:
+        """Leave-one-trial-out mean relative error of the compiled model's per-rank peaks over the
+        measured compiled trials (each predicted from the others), and how many were predicted."""
+        if not self.space.compile_searched:
+            return None
+        trials = study.get_trials(deepcopy=False)
+        obs = observations_from_trials(trials, num_layers=self.space.num_layers)
+        if not any(o.ok for o in obs):
+            return None
+        try:
+            eager = MemoryModel.fit(obs, world_size=self.space.world_size)
+        except Exception:
+            return None
+        compiled = compiled_observations(trials)
+        held_numbers = sorted({o.trial for o in compiled if o.ok})
+        errors: list[float] = []
+        for number in held_numbers:
+            train = [o for o in compiled if o.trial != number]
+            test = [o for o in compiled if o.trial == number and o.ok]
+            if not train or not test:
+                continue
+            model = CompiledMemoryModel.fit(train, eager=eager, num_layers=self.space.num_layers)
+            if not all(model.can_predict(o.dtype) for o in test):
+                continue
+            errors.append(model.holdout_error(test))
+        return (sum(errors) / len(errors), len(errors)) if errors else None
+
     def _dominance_figures(self, config: BalanceConfig, usable: list[float], trial: FrozenTrial,
                            rank: int) -> tuple[TrialFigures, dict[str, Any]]:
         capacity = [u / (1.0 - self.settings.headroom) for u in usable]
@@ -303,7 +439,13 @@ class ModelAdvisor:
         return figures, attrs
 
     def after_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
-        """A launched trial that OOMed although the model said it fits widens the safety margin."""
+        """A launched trial that OOMed although the model said it fits widens the safety margin; a
+        compiled trial whose peak the compiled model under-predicted beyond its margin widens that one."""
+        if self.compiled is not None and (trial.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile", "off") != "off":
+            for cobs in compiled_observations([trial]):
+                self.compiled.correct(cobs)
+            self._compiled_margin = self.compiled.safety_margin
+            return
         if self.model is None or trial.user_attrs.get(TrialAttr.STATUS) != Status.OOM:
             return
         usable = self._usable(study)

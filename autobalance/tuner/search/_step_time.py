@@ -73,12 +73,18 @@ class StepTimeModel:
         return self.prior.get(dtype, 1.0) / self.prior.get(known, 1.0), known
 
     def predict(self, cfg: BalanceConfig | dict[str, Any]) -> float | None:
+        parts = self.rank_ms(cfg)
+        return None if parts is None else parts[0] + max(parts[1])
+
+    def rank_ms(self, cfg: BalanceConfig | dict[str, Any]) -> tuple[float, list[float]] | None:
+        """``a`` and each rank's micro-steps ``s * (acc * (b + g * c_r / L) + k * n_r)`` (the slowest
+        one is the step: :meth:`predict`); None before any measurement."""
         c = cfg.to_dict() if isinstance(cfg, BalanceConfig) else cfg
         scaled = self._scale(c["dtype"])
         if scaled is None:
             return None
         ratio, dtype = scaled
-        return self.a + ratio * _slowest_rank_ms(c, b=self.b, k=self.k[dtype], g=self.g, layers=self.num_layers)
+        return self.a, [ratio * ms for ms in _rank_ms(c, b=self.b, k=self.k[dtype], g=self.g, layers=self.num_layers)]
 
     @classmethod
     def fit(cls, trials: list[FrozenTrial], *, num_layers: int, device: str) -> StepTimeModel:
@@ -138,9 +144,14 @@ def _samples_per_rank(cfg: dict[str, Any]) -> list[int]:
     return [int(m) * int(cfg["accumulation"]) for m in cfg["micro_batches"]]
 
 
-def _slowest_rank_ms(cfg: dict[str, Any], *, b: float, k: float, g: float, layers: int) -> float:
-    """The slowest rank's micro-steps of one optimizer step: ``max_r acc * (b + g * c_r / L) + k * n_r``
-    (no rank waits for another before the step's last all-reduce)."""
+def _rank_ms(cfg: dict[str, Any], *, b: float, k: float, g: float, layers: int) -> list[float]:
+    """Each rank's micro-steps of one optimizer step: ``acc * (b + g * c_r / L) + k * n_r``."""
     acc = int(cfg["accumulation"])
-    return max(acc * (b + g * len(ck) / max(1, layers)) + k * n
-               for n, ck in zip(_samples_per_rank(cfg), cfg["checkpoint"], strict=True))
+    return [acc * (b + g * len(ck) / max(1, layers)) + k * n
+            for n, ck in zip(_samples_per_rank(cfg), cfg["checkpoint"], strict=True)]
+
+
+def _slowest_rank_ms(cfg: dict[str, Any], *, b: float, k: float, g: float, layers: int) -> float:
+    """The slowest rank's micro-steps of one optimizer step (no rank waits for another before the
+    step's last all-reduce)."""
+    return max(_rank_ms(cfg, b=b, k=k, g=g, layers=layers))

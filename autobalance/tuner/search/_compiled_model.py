@@ -1,0 +1,420 @@
+"""A model of compiled configurations: per-rank peak memory and step time as functions of the
+micro-batch and the per-rank activation budget, per (dtype, compile mode), fitted from few trials.
+
+**Memory.** Rank ``r`` with micro-batch ``m`` and budget ``b`` peaks at::
+
+    peak_r(m, b) = fixed_r + m * act_r * f(b)
+
+``fixed_r`` (parameters, gradients, optimizer state, buckets, rank-0 extras) and ``act_r`` (the
+activations of one sample without checkpointing) come from the eager :class:`MemoryModel`: a
+compiled graph holds the same weights, only its activations follow the budget. ``f(b)``, the
+fraction of the eager activations the partitioner keeps, is fitted per (dtype, compile mode) from
+the study's compiled trials: each rank of a measured trial gives a point
+``y = (peak - fixed_r) / (m * act_r)`` (clipped at 0), and a rank that ran out of memory a lower
+bound ``y >= (capacity - fixed_r) / (m * act_r)``. The min-cut knapsack makes ``f`` monotone
+non-decreasing but stepwise (plateaus), so the fit is the *least monotone upper envelope* of the
+points: at each measured budget ``F_j = max`` of the points at budgets ``<= b_j``. Between
+measured budgets ``f`` is interpolated linearly; below the first one and above the last one it
+follows the partitioner's own rule (it keeps about ``b`` times what it keeps by default:
+``f(b) = F_1 * b / b_1`` below, ``max(F_n, min(max(F_n, 1), F_n * b / b_n))`` above, never more
+than the eager activations unless measured so). Without compiled trials of its own a pair borrows
+the points of every other compiled pair (the fractions are relative to each dtype's own
+activations), and without any, ``f(b) = b``.
+
+Where ``b`` was not measured the activation part gets an extra relative margin,
+``UNMEASURED_MARGIN / sqrt(1 + knots)`` (:data:`UNMEASURED_MARGIN` without own knots), and the
+whole peak the model's self-correcting safety margin (as the eager model's): a configuration is
+predicted to fit when ``(fixed_r + m * act_r * f(b) * (1 + extra)) * (1 + margin) <= limit_r``.
+It is predicted *not* to fit only from measured data: ``fixed_r + m * act_r * F(b_j) > limit_r *
+(1 + margin)`` for the largest measured ``b_j <= b`` (monotonicity makes ``F(b_j)`` a lower bound).
+
+**Step time.** From the eager :class:`StepTimeModel` (``a`` per step, rank ``r``'s micro-steps
+``e_r = acc * b + k[dtype] * n_r`` without checkpointing)::
+
+    t = a + s * max_r e_r * (1 + rho * (1 - b_r))
+
+``s`` is the compiled-versus-eager speed of the pair and ``rho * (1 - b)`` the recomputation cost,
+monotone non-increasing in the budget (0 at the default budget 1.0). ``rho`` is chosen on a grid
+with ``s`` in closed form (least squares on relative errors); while the pair's trials have not
+varied their budgets ``rho`` stays at its prior (:data:`RECOMPUTE_PRIOR_COMPILED`). Without
+trials of its own a pair borrows another's ``s`` and ``rho`` (same dtype first), and without any,
+the device's prior (:data:`COMPILE_SPEED_PRIOR`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from optuna.trial import FrozenTrial, TrialState
+
+from autobalance._config import BalanceConfig
+from autobalance._errors import UsageError
+from autobalance.protocol import Status, TrialAttr
+from autobalance.tuner.search._memory_model import MemoryModel
+from autobalance.tuner.search._space import BUDGET_RANGE, BUDGET_STEP
+from autobalance.tuner.search._step_time import StepTimeModel
+
+__all__ = [
+    "COMPILE_SPEED_PRIOR",
+    "RECOMPUTE_PRIOR_COMPILED",
+    "UNMEASURED_MARGIN",
+    "BudgetCurve",
+    "CompiledMemoryModel",
+    "CompiledObservation",
+    "CompiledTimeModel",
+    "budget_grid",
+    "compiled_observations",
+]
+
+GIB = 2**30
+UNMEASURED_MARGIN = 0.25
+"""Extra relative margin on the activation part at a budget the pair has not measured (divided by
+``sqrt(1 + measured budgets)``): the partitioner's plateaus make interpolation uncertain."""
+RECOMPUTE_PRIOR_COMPILED = 1.0 / 3.0
+"""Prior ``rho``: at budget 0 the partitioner recomputes about one forward (a third of a step)."""
+COMPILE_SPEED_PRIOR: dict[str, float] = {"cuda": 0.85, "cpu": 1.0}
+"""Prior ``s`` (compiled / eager time) before any compiled trial: Inductor fuses on GPUs; on CPU
+no gain is assumed."""
+_RHO_GRID = [i / 20 for i in range(41)]  # 0 .. 2 in steps of 0.05
+_TINY = 1.0
+
+
+def budget_grid() -> list[float]:
+    """The search space's budgets, largest first (1.0, 0.95, ..., 0.05)."""
+    low, high = BUDGET_RANGE
+    n = round((high - low) / BUDGET_STEP)
+    return [round(high - i * BUDGET_STEP, 3) for i in range(n + 1)]
+
+
+Pair = tuple[str, str]
+"""(dtype, compile mode)."""
+
+
+@dataclass(kw_only=True)
+class CompiledObservation:
+    """One rank's measured peak in one compiled trial."""
+
+    rank: int
+    """Global rank the peak was measured on."""
+    micro_batch: int
+    """That rank's (largest) micro-batch."""
+    budget: float
+    """That rank's activation budget."""
+    dtype: str
+    """Autocast dtype of the trial."""
+    mode: str
+    """Compile mode of the trial."""
+    peak_bytes: float
+    """Measured peak; for a rank that ran out of memory, a lower bound (at least its capacity)."""
+    ok: bool = True
+    """False when the rank ran out of memory (``peak_bytes`` is then a lower bound)."""
+    trial: int = -1
+    """Number of the trial (held-out errors leave whole trials out)."""
+
+
+@dataclass(kw_only=True)
+class BudgetCurve:
+    """``f(b)`` of one (dtype, mode): the least monotone upper envelope of its points (module doc)."""
+
+    budgets: list[float]
+    """Measured budgets, ascending."""
+    fractions: list[float]
+    """``F_j``: the envelope at each measured budget (non-decreasing)."""
+    exact: list[bool]
+    """Whether a rank that fitted was measured at that budget (else only lower bounds)."""
+    borrowed: bool = False
+    """The points are another pair's (this pair has no compiled trial of its own)."""
+
+    @classmethod
+    def from_points(cls, points: Sequence[tuple[float, float, bool]], *, borrowed: bool = False) -> BudgetCurve:
+        """``points``: ``(budget, fraction, exact)``; an inexact point is a lower bound."""
+        by_budget: dict[float, tuple[float, bool]] = {}
+        for b, y, exact in points:
+            key = round(float(b), 6)
+            old = by_budget.get(key, (0.0, False))
+            by_budget[key] = (max(old[0], max(0.0, float(y))), old[1] or exact)
+        budgets = sorted(by_budget)
+        fractions, exact_list, top = [], [], 0.0
+        for b in budgets:
+            top = max(top, by_budget[b][0])
+            fractions.append(top)
+            exact_list.append(by_budget[b][1])
+        return cls(budgets=budgets, fractions=fractions, exact=exact_list, borrowed=borrowed)
+
+    @property
+    def knots(self) -> int:
+        return len(self.budgets)
+
+    def estimate(self, budget: float) -> float:
+        """``f(budget)``: interpolated between measured budgets, the partitioner's rule outside."""
+        if not self.budgets:
+            return max(0.0, budget)
+        b = float(budget)
+        first_b, first_f = self.budgets[0], self.fractions[0]
+        last_b, last_f = self.budgets[-1], self.fractions[-1]
+        if b <= first_b:
+            return first_f * b / first_b if first_b > 0 else first_f
+        if b >= last_b:
+            return max(last_f, min(max(last_f, 1.0), last_f * b / last_b))
+        for (b0, f0), (b1, f1) in zip(zip(self.budgets, self.fractions, strict=True),
+                                      zip(self.budgets[1:], self.fractions[1:], strict=True), strict=True):
+            if b0 <= b <= b1:
+                return f0 + (f1 - f0) * (b - b0) / (b1 - b0)
+        return last_f  # not reached
+
+    def lower(self, budget: float) -> float:
+        """A lower bound of ``f(budget)`` from monotonicity: the envelope at the largest measured
+        budget at or below it (0 below the first)."""
+        below = [f for b, f in zip(self.budgets, self.fractions, strict=True) if b <= budget + 1e-9]
+        return below[-1] if below else 0.0
+
+    def measured(self, budget: float) -> bool:
+        """Whether a rank that fitted was measured at exactly this budget."""
+        return any(abs(b - budget) < 1e-6 and e for b, e in zip(self.budgets, self.exact, strict=True))
+
+    def extra_margin(self, budget: float) -> float:
+        """The activation part's extra margin at ``budget`` (module doc)."""
+        if self.borrowed or not self.budgets:
+            return UNMEASURED_MARGIN
+        return 0.0 if self.measured(budget) else UNMEASURED_MARGIN / math.sqrt(1 + self.knots)
+
+
+@dataclass(kw_only=True)
+class CompiledMemoryModel:
+    """Per-rank compiled peaks from the eager model's fixed part and per-pair budget curves."""
+
+    eager: MemoryModel
+    """The eager model the fixed parts and activation units come from."""
+    num_layers: int
+    """Blocks of the model (for the eager model's queries)."""
+    curves: dict[Pair, BudgetCurve] = field(default_factory=dict)
+    """Fitted curves of the pairs with compiled trials."""
+    pooled: BudgetCurve | None = None
+    """Every pair's points together: what a pair without trials borrows."""
+    safety_margin: float = 0.05
+    """Relative margin on the whole peak (widened by :meth:`correct`)."""
+    max_margin: float = 0.5
+    """The margin never widens beyond this."""
+    corrections: int = 0
+    """How many times the margin was widened."""
+
+    @classmethod
+    def fit(cls, observations: Sequence[CompiledObservation], *, eager: MemoryModel, num_layers: int,
+            safety_margin: float | None = None) -> CompiledMemoryModel:
+        model = cls(eager=eager, num_layers=max(1, num_layers),
+                    safety_margin=eager.safety_margin if safety_margin is None else safety_margin)
+        points: dict[Pair, list[tuple[float, float, bool]]] = {}
+        for o in observations:
+            if not 0 <= o.rank < eager.world_size or o.micro_batch < 1 or not eager.can_predict(o.dtype):
+                continue
+            points.setdefault((o.dtype, o.mode), []).append((o.budget, model.fraction(o), o.ok))
+        model.curves = {pair: BudgetCurve.from_points(p) for pair, p in points.items()}
+        every = [p for group in points.values() for p in group]
+        model.pooled = BudgetCurve.from_points(every, borrowed=True) if every else None
+        return model
+
+    # ------------------------------------------------------------------------------- parts
+    def unit(self, rank: int, dtype: str) -> float:
+        """``act_r``: eager activation bytes of one sample without checkpointing (at least 1 byte)."""
+        return max(_TINY, self.eager.per_sample_bytes(rank, dtype, 0, self.num_layers))
+
+    def fraction(self, o: CompiledObservation) -> float:
+        """The observation's point ``(peak - fixed_r) / (m * act_r)``, clipped at 0."""
+        fixed = self.eager.fixed_bytes(o.rank, o.dtype)
+        return max(0.0, (o.peak_bytes - fixed) / (o.micro_batch * self.unit(o.rank, o.dtype)))
+
+    def curve(self, dtype: str, mode: str) -> BudgetCurve:
+        """The pair's own curve, else the pooled (borrowed) one, else the prior ``f(b) = b``."""
+        own = self.curves.get((dtype, mode))
+        if own is not None:
+            return own
+        return self.pooled if self.pooled is not None else BudgetCurve(budgets=[], fractions=[], exact=[],
+                                                                        borrowed=True)
+
+    def can_predict(self, dtype: str) -> bool:
+        return self.eager.can_predict(dtype)
+
+    # ---------------------------------------------------------------------------- predictions
+    def predict(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str) -> float:
+        """Estimated peak bytes (no margin)."""
+        f = self.curve(dtype, mode).estimate(budget)
+        return self.eager.fixed_bytes(rank, dtype) + micro_batch * self.unit(rank, dtype) * f
+
+    def bound(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str) -> float:
+        """The peak judged against the limit: the activation part with its extra margin, times
+        ``1 + safety_margin``."""
+        curve = self.curve(dtype, mode)
+        act = micro_batch * self.unit(rank, dtype) * curve.estimate(budget) * (1.0 + curve.extra_margin(budget))
+        return (self.eager.fixed_bytes(rank, dtype) + act) * (1.0 + self.safety_margin)
+
+    def fits(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str, limit: float) -> bool:
+        return self.bound(rank=rank, micro_batch=micro_batch, budget=budget, dtype=dtype, mode=mode) <= limit
+
+    def largest_budget(self, *, rank: int, micro_batch: int, dtype: str, mode: str, limit: float) -> float | None:
+        """The largest budget of the space's grid predicted to fit (None: not even the smallest)."""
+        for budget in budget_grid():
+            if self.fits(rank=rank, micro_batch=micro_batch, budget=budget, dtype=dtype, mode=mode, limit=limit):
+                return budget
+        return None
+
+    def surely_over(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str,
+                    limit: float) -> float | None:
+        """The measured lower bound of the peak when even it exceeds ``limit * (1 + margin)``
+        (the pair's own measured budgets only); None otherwise."""
+        own = self.curves.get((dtype, mode))
+        if own is None:
+            return None
+        low = own.lower(budget)
+        if low <= 0:
+            return None
+        peak = self.eager.fixed_bytes(rank, dtype) + micro_batch * self.unit(rank, dtype) * low
+        return peak if peak > limit * (1.0 + self.safety_margin) else None
+
+    def config_peaks(self, config: BalanceConfig) -> list[float]:
+        """Estimated peak of each rank of a compiled configuration."""
+        budgets = config.activation_budget or [1.0] * config.world_size
+        return [self.predict(rank=r, micro_batch=m, budget=b, dtype=config.dtype, mode=config.compile)
+                for r, (m, b) in enumerate(zip(config.micro_batches, budgets, strict=True))]
+
+    def holdout_error(self, observations: Sequence[CompiledObservation]) -> float:
+        """Mean ``|predicted - measured| / measured`` over the successful observations given."""
+        ok = [o for o in observations if o.ok and o.peak_bytes > 0]
+        if not ok:
+            raise UsageError("holdout_error got no successful compiled observation; pass measured compiled trials.")
+        errors = [abs(self.predict(rank=o.rank, micro_batch=o.micro_batch, budget=o.budget, dtype=o.dtype,
+                                   mode=o.mode) - o.peak_bytes) / o.peak_bytes for o in ok]
+        return sum(errors) / len(errors)
+
+    def correct(self, observation: CompiledObservation, *, widen_factor: float = 1.5) -> bool:
+        """Widen the safety margin when this (new) observation was under-predicted beyond it (the
+        eager model's rule: ``margin = min(max_margin, widen_factor * (measured / predicted - 1))``)."""
+        if not self.can_predict(observation.dtype):
+            return False
+        predicted = self.predict(rank=observation.rank, micro_batch=observation.micro_batch,
+                                 budget=observation.budget, dtype=observation.dtype, mode=observation.mode)
+        if predicted <= 0:
+            return False
+        error = observation.peak_bytes / predicted - 1.0
+        if error <= self.safety_margin or self.safety_margin >= self.max_margin:
+            return False
+        self.safety_margin = min(self.max_margin, widen_factor * error)
+        self.corrections += 1
+        return True
+
+
+def compiled_observations(trials: Sequence[FrozenTrial]) -> list[CompiledObservation]:
+    """Every rank of each measured compiled trial, and the failing rank of each that ran out of
+    memory (a lower bound: at least its capacity). Reused trials are no new evidence."""
+    out: list[CompiledObservation] = []
+    for t in trials:
+        a = t.user_attrs
+        cfg = a.get(TrialAttr.CONFIG)
+        status = a.get(TrialAttr.STATUS)
+        if (t.state != TrialState.COMPLETE or status not in (Status.OK, Status.OOM) or not cfg
+                or cfg.get("compile", "off") == "off" or a.get(TrialAttr.REUSED_FROM) is not None):
+            continue
+        peaks = a.get(TrialAttr.PEAK_DEVICE_GIB) or []
+        budgets = cfg.get("activation_budget") or [1.0] * len(cfg["micro_batches"])
+        if len(peaks) != len(cfg["micro_batches"]):
+            continue
+        if status == Status.OK:
+            ranks = [(r, float(p) * GIB) for r, p in enumerate(peaks) if p is not None and p > 0]
+        else:
+            failing = a.get(TrialAttr.FAILING_RANK)
+            if failing is None:
+                continue
+            r = int(failing)
+            caps = a.get("capacity_gib") or a.get(TrialAttr.USABLE_GIB) or []
+            floor = float(caps[r]) if r < len(caps) and caps[r] else 0.0
+            ranks = [(r, max(float(peaks[r] or 0.0), floor) * GIB)]
+        for r, peak in ranks:
+            out.append(CompiledObservation(rank=r, micro_batch=int(cfg["micro_batches"][r]), budget=float(budgets[r]),
+                                           dtype=cfg["dtype"], mode=cfg["compile"], peak_bytes=peak,
+                                           ok=status == Status.OK, trial=t.number))
+    return out
+
+
+@dataclass(kw_only=True)
+class CompiledTimeModel:
+    """``t = a + s * max_r e_r * (1 + rho * (1 - b_r))`` per (dtype, mode) (module doc)."""
+
+    eager: StepTimeModel
+    """The eager step-time model (``a`` and each rank's ``e_r``)."""
+    speed: dict[Pair, float] = field(default_factory=dict)
+    """``s`` of the pairs with measured compiled trials."""
+    recompute: dict[Pair, float] = field(default_factory=dict)
+    """``rho`` of those pairs."""
+    prior_speed: float = 1.0
+    """``s`` before any compiled trial (the device's :data:`COMPILE_SPEED_PRIOR`)."""
+
+    def params(self, dtype: str, mode: str) -> tuple[float, float, bool]:
+        """``(s, rho, own)``: the pair's own fit, else a borrowed one (same dtype first), else the prior."""
+        pair = (dtype, mode)
+        if pair in self.speed:
+            return self.speed[pair], self.recompute[pair], True
+        for other in sorted(self.speed, key=lambda p: (p[0] != dtype, p)):
+            return self.speed[other], self.recompute[other], False
+        return self.prior_speed, RECOMPUTE_PRIOR_COMPILED, False
+
+    def rank_ms(self, config: BalanceConfig | dict[str, Any]) -> tuple[float, list[float]] | None:
+        """``a`` and each rank's compiled micro-steps; None before any eager measurement."""
+        c = config.to_dict() if isinstance(config, BalanceConfig) else dict(config)
+        eager_cfg = {**c, "checkpoint": [[] for _ in c["micro_batches"]]}
+        parts = self.eager.rank_ms(eager_cfg)
+        if parts is None:
+            return None
+        a, ranks = parts
+        s, rho, _ = self.params(c["dtype"], c.get("compile", "off"))
+        budgets = c.get("activation_budget") or [1.0] * len(ranks)
+        return a, [s * e * (1.0 + rho * (1.0 - float(b))) for e, b in zip(ranks, budgets, strict=True)]
+
+    def predict(self, config: BalanceConfig | dict[str, Any]) -> float | None:
+        """Predicted milliseconds per optimizer step."""
+        parts = self.rank_ms(config)
+        return None if parts is None else parts[0] + max(parts[1])
+
+    @classmethod
+    def fit(cls, trials: Sequence[FrozenTrial], *, eager: StepTimeModel, device: str) -> CompiledTimeModel:
+        model = cls(eager=eager, prior_speed=COMPILE_SPEED_PRIOR.get(device, 1.0))
+        rows: dict[Pair, list[tuple[dict[str, Any], float]]] = {}
+        for t in trials:
+            a = t.user_attrs
+            cfg = a.get(TrialAttr.CONFIG)
+            if (a.get(TrialAttr.STATUS) != Status.OK or not a.get(TrialAttr.STEP_TIME_MS) or not cfg
+                    or cfg.get("compile", "off") == "off" or a.get(TrialAttr.REUSED_FROM) is not None):
+                continue
+            rows.setdefault((cfg["dtype"], cfg["compile"]), []).append((cfg, float(a[TrialAttr.STEP_TIME_MS])))
+        for pair, group in rows.items():
+            fitted = _fit_pair(eager, group)
+            if fitted is not None:
+                model.speed[pair], model.recompute[pair] = fitted
+        return model
+
+
+def _fit_pair(eager: StepTimeModel, rows: list[tuple[dict[str, Any], float]]) -> tuple[float, float] | None:
+    """``(s, rho)`` minimising the squared relative errors: ``rho`` on a grid, ``s`` in closed form."""
+    parts = []
+    for cfg, ms in rows:
+        eager_parts = eager.rank_ms({**cfg, "checkpoint": [[] for _ in cfg["micro_batches"]]})
+        if eager_parts is None or ms <= 0:
+            return None
+        budgets = cfg.get("activation_budget") or [1.0] * len(eager_parts[1])
+        parts.append((eager_parts[0], eager_parts[1], [float(b) for b in budgets], ms))
+    varied = len({tuple(b) for _, _, b, _ in parts}) > 1
+    q = [1.0 - a / ms for a, _, _, ms in parts]
+    best: tuple[float, float, float, float] | None = None  # (error, distance from the prior, s, rho)
+    for rho in (_RHO_GRID if varied else [RECOMPUTE_PRIOR_COMPILED]):
+        p = [max(e * (1.0 + rho * (1.0 - b)) for e, b in zip(ranks, budgets, strict=True)) / ms
+             for _, ranks, budgets, ms in parts]
+        denominator = sum(x * x for x in p)
+        if denominator <= 0:
+            continue
+        s = max(1e-3, sum(x * y for x, y in zip(p, q, strict=True)) / denominator)
+        error = round(sum((s * x - y) ** 2 for x, y in zip(p, q, strict=True)), 12)
+        candidate = (error, abs(rho - RECOMPUTE_PRIOR_COMPILED), s, rho)
+        if best is None or candidate[:2] < best[:2]:
+            best = candidate
+    return None if best is None else (best[2], best[3])

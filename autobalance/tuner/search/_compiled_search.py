@@ -1,0 +1,210 @@
+"""Compiled proposals from the compiled model: per split, each rank's largest budget predicted to
+fit, scored by the predicted objective; ordered so that few new graphs are compiled.
+
+For each (dtype, compile mode, accumulation) the splits tried are the even split, the splits that
+balance the compiled peaks at budgets 1.0, 0.5 and the smallest one (the ranks' fixed parts differ:
+rank 0 holds extras), and, with up to :data:`NEIGHBOUR_RANKS` ranks, their one-sample neighbours.
+Each rank then takes the largest budget of the 0.05 grid predicted to fit - or a smaller one
+already compiled for the same (dtype, mode, buckets, micro-batch) when its predicted recomputation
+costs at most :data:`CACHE_TIE` more (the per-study Inductor cache then serves the graph). A
+configuration that a launched trial dominates (it needs at least the memory of one that did not
+fit) is never proposed, so never compiled. Dtypes the eager time model already knows to be
+:data:`SLOW_DTYPE` times slower per sample than the fastest are not compiled at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from optuna.trial import FrozenTrial, TrialState
+
+from autobalance._config import BalanceConfig, split_evenly
+from autobalance.protocol import MEASURED_STATUSES, TrialAttr
+from autobalance.tuner.search._compiled_model import CompiledMemoryModel, CompiledTimeModel
+from autobalance.tuner.search._dominance import dominating_over_cap
+from autobalance.tuner.search._solver import balanced_split
+from autobalance.tuner.search._space import SearchSpace
+from autobalance.tuner.search._step_time import StepTimeModel
+
+__all__ = ["CACHE_TIE", "SLOW_DTYPE", "Candidate", "cache_order", "compiled_candidates", "compiled_graphs",
+           "graph_keys", "much_slower"]
+
+CACHE_TIE = 0.02
+"""Relative difference of predicted objective (or of a rank's predicted time) treated as a tie,
+which the configuration needing fewer new compiled graphs wins."""
+SLOW_DTYPE = 1.5
+"""A dtype whose measured eager cost per sample is this many times the fastest one's is not compiled."""
+NEIGHBOUR_RANKS = 4
+"""Up to this many ranks, one-sample neighbours of each split are tried too."""
+
+Graph = tuple[str, str, float, int, float]
+"""(dtype, mode, bucket MB, micro-batch size, budget): what a rank compiles (the cache's key, roughly)."""
+
+
+@dataclass(kw_only=True)
+class Candidate:
+    """One proposal with what the models predict for it."""
+
+    score: float
+    """Predicted objective (lower is better)."""
+    config: BalanceConfig
+    """The configuration."""
+    peaks: list[float]
+    """Predicted peak bytes per rank."""
+    step_ms: float | None
+    """Predicted milliseconds per optimizer step."""
+    new_graphs: int = 0
+    """Graphs no launched trial of the study has compiled yet (0 for eager configurations)."""
+    source: str = "memory-model"
+    """``memory-model`` (eager) or ``compiled-model``."""
+
+
+def graph_keys(cfg: dict[str, Any]) -> set[Graph]:
+    """The graphs a compiled configuration compiles, one per rank and micro-step size."""
+    if cfg.get("compile", "off") == "off":
+        return set()
+    config = BalanceConfig.from_dict(cfg)
+    budgets = config.activation_budget or [1.0] * config.world_size
+    return {(config.dtype, config.compile, float(config.bucket_cap_mb), size, round(float(budgets[r]), 3))
+            for r in range(config.world_size) for size in set(config.micro_step_sizes(r))}
+
+
+def compiled_graphs(trials: Sequence[FrozenTrial]) -> set[Graph]:
+    """Graphs the study's launched trials compiled (what the per-study Inductor cache holds)."""
+    out: set[Graph] = set()
+    for t in trials:
+        cfg = t.user_attrs.get(TrialAttr.CONFIG)
+        if (t.state == TrialState.COMPLETE and cfg and t.user_attrs.get(TrialAttr.STATUS) in MEASURED_STATUSES
+                and t.user_attrs.get(TrialAttr.REUSED_FROM) is None):
+            out |= graph_keys(cfg)
+    return out
+
+
+def much_slower(dtype: str, timing: StepTimeModel) -> bool:
+    """Whether eager trials already measured ``dtype`` :data:`SLOW_DTYPE` times slower per sample."""
+    if dtype not in timing.k or len(timing.k) < 2:
+        return False
+    return timing.k[dtype] > SLOW_DTYPE * min(timing.k.values())
+
+
+def cache_order(candidates: list[Candidate]) -> list[Candidate]:
+    """Best predicted objective first; among candidates within :data:`CACHE_TIE` of the best left,
+    the one needing the fewest new graphs first."""
+    left = sorted(candidates, key=lambda c: c.score)
+    out: list[Candidate] = []
+    while left:
+        head = left[0].score
+        tied = [c for c in left if c.score - head <= CACHE_TIE * max(abs(head), 1e-12)]
+        pick = min(tied, key=lambda c: (c.new_graphs, c.score))
+        out.append(pick)
+        left.remove(pick)
+    return out
+
+
+def compiled_candidates(
+    *, space: SearchSpace, trials: Sequence[FrozenTrial], memory: CompiledMemoryModel, timing: CompiledTimeModel,
+    eager_timing: StepTimeModel, usable: list[float], bucket: float, view: bool, max_spread: float | None,
+    score: Callable[[BalanceConfig, list[float], float], float | None],
+) -> list[Candidate]:
+    """Compiled configurations predicted to fit (module doc), unordered."""
+    modes = [m for m in space.compile_modes if m != "off"]
+    if not modes:
+        return []
+    world = space.world_size
+    done = compiled_graphs(trials)
+    trial_list = list(trials)
+    seen: set[str] = set()
+    out: list[Candidate] = []
+    budget_cache: dict[tuple[str, str, int, int], float | None] = {}
+
+    def budget_for(rank: int, m: int, dtype: str, mode: str) -> float | None:
+        key = (dtype, mode, rank, m)
+        if key not in budget_cache:
+            top = memory.largest_budget(rank=rank, micro_batch=m, dtype=dtype, mode=mode, limit=usable[rank])
+            budget_cache[key] = None if top is None else cached_budget(top, m, dtype, mode)
+        return budget_cache[key]
+
+    def cached_budget(top: float, m: int, dtype: str, mode: str) -> float:
+        _, rho, _ = timing.params(dtype, mode)
+        ready = [g[4] for g in done if g[:4] == (dtype, mode, float(bucket), m) and g[4] <= top]
+        for b in sorted(ready, reverse=True):
+            if (1.0 + rho * (1.0 - b)) <= (1.0 + rho * (1.0 - top)) * (1.0 + CACHE_TIE):
+                return b
+        return top
+
+    for dtype in space.dtypes:
+        if not memory.can_predict(dtype) or much_slower(dtype, eager_timing):
+            continue
+        for mode in modes:
+            for acc in space.accumulations:
+                total = space.micro_total(acc)
+                if total < world:
+                    continue
+                for micro in _splits(memory, total=total, dtype=dtype, mode=mode, usable=usable, world=world):
+                    budgets = [budget_for(r, m, dtype, mode) for r, m in enumerate(micro)]
+                    if any(b is None for b in budgets):
+                        continue
+                    chosen = [float(b) for b in budgets if b is not None]
+                    _, rho, _ = timing.params(dtype, mode)
+                    cost = [1.0 + rho * (1.0 - b) for b in chosen]
+                    try:
+                        cfg = space.config_for(micro, acc, cost, checkpoint=[[] for _ in range(world)], dtype=dtype,
+                                               bucket_cap_mb=bucket, gradient_as_bucket_view=view, compile=mode,
+                                               activation_budget=chosen)
+                    except Exception:  # a split the space cannot hold (a fixed split, too few samples)
+                        continue
+                    key = cfg.to_json()
+                    if key in seen or not space.contains(cfg):
+                        continue
+                    seen.add(key)
+                    if dominating_over_cap(trial_list, cfg) is not None:
+                        continue  # never compile what a launched trial proves cannot fit
+                    peaks = memory.config_peaks(cfg)
+                    if max_spread is not None and max(peaks) - min(peaks) > max_spread:
+                        continue
+                    ms = timing.predict(cfg)
+                    value = None if ms is None else score(cfg, peaks, ms)
+                    if value is None:
+                        continue
+                    out.append(Candidate(score=value, config=cfg, peaks=peaks, step_ms=ms,
+                                         new_graphs=len(graph_keys(cfg.to_dict()) - done), source="compiled-model"))
+    return out
+
+
+def _splits(memory: CompiledMemoryModel, *, total: int, dtype: str, mode: str, usable: list[float],
+            world: int) -> list[list[int]]:
+    """The even split, the splits balancing compiled peaks at a few common budgets, and (few ranks)
+    their one-sample neighbours."""
+    bases = [split_evenly(total, [1.0] * world)]
+    curve = memory.curve(dtype, mode)
+    for budget in (1.0, 0.5, 0.05):
+        per_sample = [memory.unit(r, dtype) * curve.estimate(budget) * (1.0 + curve.extra_margin(budget))
+                      for r in range(world)]
+        try:
+            split = balanced_split(total=total, fixed=[memory.eager.fixed_bytes(r, dtype) for r in range(world)],
+                                   per_sample=per_sample, limits=[u / (1.0 + memory.safety_margin) for u in usable])
+        except Exception:
+            split = None
+        if split is not None:
+            bases.append(split)
+    out: list[list[int]] = []
+    for base in bases:
+        for micro in (base, *(_neighbours(base) if world <= NEIGHBOUR_RANKS else [])):
+            if micro not in out:
+                out.append(micro)
+    return out
+
+
+def _neighbours(micro: list[int]) -> list[list[int]]:
+    """Splits one sample away from ``micro``."""
+    out = []
+    for a in range(len(micro)):
+        for b in range(len(micro)):
+            if a != b and micro[a] > 1:
+                moved = list(micro)
+                moved[a] -= 1
+                moved[b] += 1
+                out.append(moved)
+    return out
