@@ -23,6 +23,7 @@ from autobalance.tuner.search import (
     StepTimeModel,
     budget_grid,
     cache_order,
+    compiled_graphs,
     compiled_observations,
     graph_keys,
     observations_from_trials,
@@ -211,9 +212,9 @@ def test_the_compiled_time_model_recovers_speed_and_a_recompute_cost_falling_wit
     unseen = compiled([10, 22], [0.45, 0.05])
     assert model.predict(unseen) == pytest.approx(compiled_ms(unseen), rel=1e-3)
     # budgets that never varied cannot show rho: the prior, and s from the trials
-    fixed = CompiledTimeModel.fit(eager_trials + [trial(compiled([16, 16], [0.5, 0.5]))], eager=timing,
+    fixed = CompiledTimeModel.fit([*eager_trials, trial(compiled([16, 16], [0.5, 0.5]))], eager=timing,
                                   device="cuda")
-    s_fixed, rho_fixed, _ = fixed.params("fp32", "default")
+    _, rho_fixed, _ = fixed.params("fp32", "default")
     assert rho_fixed == pytest.approx(1 / 3)
     assert fixed.predict(compiled([16, 16], [0.5, 0.5])) == pytest.approx(compiled_ms(compiled([16, 16], [0.5, 0.5])),
                                                                         rel=1e-6)
@@ -256,7 +257,7 @@ def test_the_model_proposes_compiled_configs_at_each_ranks_largest_fitting_budge
         for r, (m, b) in enumerate(zip(c.config.micro_batches, c.config.activation_budget, strict=True)):
             top = model.largest_budget(rank=r, micro_batch=m, dtype="fp32", mode="default", limit=USABLE * GIB)
             assert top is not None and b <= top  # never above what is predicted to fit
-            if (("fp32", "default", 25.0, m, b) not in advisor_graphs(study)):
+            if ("fp32", "default", 25.0, m, b) not in compiled_graphs(study.get_trials()):
                 assert b == top  # a smaller budget only when its graph is already compiled
     # the case: micro-batch 16 on both ranks, rank 0 (its extras) at a budget below 0.75
     at16 = [c for c in compiled_ones if c.config.micro_batches == [16, 16]]
@@ -271,12 +272,6 @@ def test_the_model_proposes_compiled_configs_at_each_ranks_largest_fitting_budge
     waiting = study.get_trials(states=(TrialState.WAITING,))
     assert len(waiting) == 1 and waiting[0].user_attrs["proposed_by"] == "compiled-model"
     assert waiting[0].user_attrs["proposal_step_ms"] > 0 and len(waiting[0].user_attrs["proposal_peak_gib"]) == 2
-
-
-def advisor_graphs(study: optuna.Study) -> set:
-    from autobalance.tuner.search import compiled_graphs
-
-    return compiled_graphs(study.get_trials())
 
 
 def test_dominated_and_surely_over_configs_are_never_proposed_and_sampled_ones_are_vetoed(tmp_path):

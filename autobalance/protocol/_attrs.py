@@ -43,6 +43,8 @@ class StudyAttr:
     ``verify`` (``verified``: whether verification ran), ``other`` (``wall`` less compile, start-up,
     steps, re-measuring and verification); its ``slots``; its time budget (``budget_s``,
     ``stopped_by_budget``, ``trials`` counted of ``of``)."""
+    COMPILED_MODEL_ERROR = "autobalance:compiled_model_holdout_error"
+    """Leave-one-trial-out mean relative error of the compiled model's per-rank peaks."""
     BASELINE_CLAIM = "autobalance:baseline_claim"
     """Which worker runs the baseline (concurrent workers on one study)."""
     ALLOW_BATCH_DEPENDENT = "autobalance:allow_batch_dependent"

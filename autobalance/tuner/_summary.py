@@ -107,6 +107,11 @@ def summarise(study: optuna.Study, result: TuneResult, *, cold_note: str | None,
         if error is not None:
             study.set_user_attr(StudyAttr.MEMORY_MODEL_ERROR, error)
             result.notes.append(f"Memory model: {100 * error:.1f}% mean error predicting held-out trials' per-rank peaks.")
+        compiled = advisor.compiled_holdout_error(study)
+        if compiled is not None:
+            study.set_user_attr(StudyAttr.COMPILED_MODEL_ERROR, compiled[0])
+            result.notes.append(f"Compiled model: {100 * compiled[0]:.1f}% mean error predicting held-out compiled "
+                                f"trials' per-rank peaks ({compiled[1]} trial(s)).")
 
 
 def record_time_spent(study: optuna.Study, result: TuneResult, *, launched_here: set[int] | None = None,

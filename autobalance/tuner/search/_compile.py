@@ -78,6 +78,9 @@ def compile_notes(trials: list[FrozenTrial]) -> tuple[list[str], float]:
     lines = [f"Compile: {len(launched)} compiled trial(s) spent {total:.1f} s compiling in total "
              f"(median {statistics.median(times):.1f} s); the objective uses step time only, production runs "
              "compile once."]
+    proposed = sum(t.user_attrs.get("proposed_by") == "compiled-model" for t in launched)
+    if proposed:
+        lines.append(f"The compiled model proposed {proposed} of them (each rank's largest budget predicted to fit).")
     warm = [float(t.user_attrs[TrialAttr.COMPILE_S]) for t in launched
             if (t.user_attrs.get(TrialAttr.COMPILE_CACHE) or {}).get("fx_graph_hits", 0) > 0
             and (t.user_attrs.get(TrialAttr.COMPILE_CACHE) or {}).get("fx_graph_misses", 0) == 0]
