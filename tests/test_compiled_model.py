@@ -329,3 +329,19 @@ def test_the_compiled_holdout_error_is_reported_per_trial(tmp_path):
                                                 trial(compiled([12, 20], [0.6, 0.3]))])
     error, count = advisor.compiled_holdout_error(study)
     assert count == 3 and 0.0 <= error < 0.2
+
+
+def test_a_rank_reuses_a_compiled_budget_when_its_recomputation_costs_about_the_same(tmp_path):
+    advisor = _advisor(tmp_path, modes=["off", "default"])
+    measured = [compiled([16, 16], [0.6, 0.6]), compiled([16, 16], [0.3, 0.3]), compiled([8, 8], [1.0, 1.0], acc=2)]
+    trials = [trial(c) for c in measured]
+    for t, cfg in zip(trials, measured, strict=True):
+        t.user_attrs["step_time_ms"] = compiled_ms(cfg, rho=0.1)  # recomputation nearly free
+    study = _study([trial(c) for c in EAGER] + trials)
+    at16 = [c for c in advisor.scored_candidates(study) if c.source == "compiled-model"
+            and c.config.micro_batches == [16, 16] and c.config.accumulation == 1]
+    assert len(at16) == 1
+    tops = [advisor.compiled.largest_budget(rank=r, micro_batch=16, dtype="fp32", mode="default", limit=USABLE * GIB)
+            for r in (0, 1)]
+    assert tops[1] > 0.6  # a larger budget is predicted to fit on rank 1 ...
+    assert at16[0].config.activation_budget == [0.6, 0.6] and at16[0].new_graphs == 0  # ... the cache serves 0.6
