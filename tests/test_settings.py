@@ -12,11 +12,19 @@ from autobalance.tuner import TuneSettings, load_toml
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("name", ["gpt.toml", "gpt-cpu.toml", "mlp.toml"])
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "studies").glob("*.toml")))
 def test_shipped_study_files_load(name):
     settings = TuneSettings.merge(flags={}, toml_path=str(REPO / "studies" / name))
     assert Path(settings.script).is_file()
     assert settings.trials >= 1
+
+
+def test_the_one_gpu_compiled_search_study():
+    """benchmarks/compiled_search.py's scenario: world size 1, global batch 32, compile search, 5 minutes."""
+    s = TuneSettings.merge(flags={}, toml_path=str(REPO / "studies" / "gpt-1gpu.toml"))
+    assert (s.world_size, s.global_batch, s.compile, s.time_budget_s, s.memory_cap_gib) == (1, 32, "search", 300.0, [16.0])
+    args = s.script_args
+    assert int(args[args.index("--micro-batch") + 1]) * int(args[args.index("--accumulation") + 1]) == 32
 
 
 def test_flags_override_the_file():
