@@ -4,6 +4,7 @@ loop, and one short CPU study that the budget ends early."""
 from __future__ import annotations
 
 import datetime
+import re
 from pathlib import Path
 
 import optuna
@@ -164,6 +165,9 @@ def test_a_tiny_budget_stops_the_study_early_and_still_verifies_and_saves(tmp_pa
     study = load(db)
     assert 1 <= len(study.trials) < 50
     assert "time budget 1s" in proc.stderr and "Time budget (1s) spent after" in proc.stderr
+    # the time left when a trial starts (a loaded machine may have spent the second already)
+    assert re.search(r"trial 0 baseline \(the script's own configuration\) \.\.\.  \((0:0\d left|budget spent, "
+                     r"finishing)\)", proc.stderr), proc.stderr[-2000:]
     out = " ".join(proc.stdout.split())
     assert "Time: " in out and "compiling " in out and "start-up (launch to first step) " in out and "steps " in out
     assert f"Stopped by the time budget (1s) after {len(study.trials)} of 50 trials" in out

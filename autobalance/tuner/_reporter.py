@@ -77,10 +77,12 @@ class RichReporter:
         self._best_text = "best: -"
         self._lock = threading.RLock()
         self._running: dict[int, float] = {}
+        self._deadline: float | None = None
 
     def begin(self, settings: TuneSettings, *, already: int, deadline: float | None = None) -> None:
         """``deadline``: when the time budget ends (``time.monotonic()``; None: no budget)."""
         self._total = settings.trials
+        self._deadline = deadline
         budget = "" if settings.time_budget_s is None else f"  time budget {describe_budget(settings.time_budget_s)}"
         self.console.print(
             f"[bold]autobalance tune[/] {settings.script}  study [cyan]{settings.study_name}[/]  "
@@ -96,8 +98,9 @@ class RichReporter:
 
     def start(self, number: int, config: BalanceConfig | None, *, baseline: bool = False) -> None:
         label = "baseline (the script's own configuration)" if baseline else describe_config(config)
+        left = "" if self._deadline is None else f"  [dim]({time_left_text(self._deadline - time.monotonic())})[/]"
         with self._lock:
-            self.console.print(f"[dim]trial {number}[/] {escape(label)} ...")
+            self.console.print(f"[dim]trial {number}[/] {escape(label)} ...{left}")
 
     def tick(self, number: int, elapsed: float) -> None:
         with self._lock:
