@@ -9,6 +9,21 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Inductor writes its default cache directory into os.environ the first time anything compiles in
+# this process; every later subprocess (a tune under test) would inherit it and skip the study's own
+# cache. The environment is put back after each test.
+_INDUCTOR_CACHE_AT_START = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+
+
+@pytest.fixture(autouse=True)
+def _no_inductor_cache_dir_leak():
+    yield
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") != _INDUCTOR_CACHE_AT_START:
+        if _INDUCTOR_CACHE_AT_START is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE_AT_START
+
 
 def torchrun(args: list[str], *, nproc: int = 2, timeout: float = 240, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run a script under torchrun on CPU (gloo) and return the completed process."""
