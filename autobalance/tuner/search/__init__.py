@@ -5,6 +5,8 @@
 - ``_memory_model``: per-rank peak memory, fitted from the study's trials;
 - ``_step_time``: step time, fitted from the study's trials;
 - ``_solver``: balanced splits and per-rank checkpointing from the memory model;
+- ``_eager_search``: the memory model's eager proposals;
+- ``_holdout``: what the memory models are fitted from, and their leave-one-trial-out errors;
 - ``_compiled_model``: compiled configurations' peaks (per-rank budgets) and step times;
 - ``_compiled_search``: compiled proposals from it, ordered to reuse the Inductor cache;
 - ``_dominance``: model-free "cannot fit" from launched trials that did not fit;

@@ -26,11 +26,15 @@ from autobalance.tuner.search._compiled_model import (
 )
 from autobalance.tuner.search._compiled_search import Candidate, cache_order, compiled_candidates
 from autobalance.tuner.search._dominance import activation_budget, dominating_over_cap
-from autobalance.tuner.search._memory_model import MemoryModel, MemoryObservation
+from autobalance.tuner.search._eager_search import eager_candidates
+from autobalance.tuner.search._holdout import (
+    compiled_holdout_error,
+    eager_holdout_error,
+    observations_from_trials,
+)
+from autobalance.tuner.search._memory_model import MemoryModel
 from autobalance.tuner.search._objective import TrialFigures, spread_fraction
 from autobalance.tuner.search._solver import (
-    balanced_split_for,
-    plans_from_model,
     predict_config_feasible,
 )
 from autobalance.tuner.search._space import SearchSpace
@@ -48,25 +52,18 @@ measured (or its eager memory model is fully determined): eager trials take seco
 compiled model its fixed part and activation unit; a compile takes tens of seconds."""
 
 
-def observations_from_trials(trials: list[FrozenTrial], *, num_layers: int) -> list[MemoryObservation]:
-    """One observation per rank of every measured (ok) or OOMed trial (OOM peaks are lower bounds)."""
-    obs: list[MemoryObservation] = []
-    for t in trials:
-        status = t.user_attrs.get(TrialAttr.STATUS)
-        if t.state != TrialState.COMPLETE or status not in (Status.OK, Status.OOM) or t.user_attrs.get(TrialAttr.REUSED_FROM) is not None:
-            continue
-        cfg = t.user_attrs.get(TrialAttr.CONFIG)
-        peaks = t.user_attrs.get(TrialAttr.PEAK_DEVICE_GIB) or []
-        if not cfg or len(peaks) != len(cfg["micro_batches"]) or cfg.get("compile", "off") != "off":
-            continue  # the model is of eager memory; compiled trials follow their budget instead
-        for rank, peak in enumerate(peaks):
-            if peak is None or peak <= 0:
-                continue
-            obs.append(MemoryObservation(
-                rank=rank, micro_batch=int(cfg["micro_batches"][rank]), checkpointed=len(cfg["checkpoint"][rank]),
-                num_layers=max(1, num_layers), dtype=cfg["dtype"], peak_bytes=float(peak) * GIB, ok=status == Status.OK,
-            ))
-    return obs
+def predicted_oom(*, headroom: float, usable: list[float], rank: int, peak: float | None,
+                  attrs: dict[str, Any]) -> tuple[TrialFigures, dict[str, Any]]:
+    """The figures and attributes of a trial recorded as ``predicted_oom`` without launching: rank
+    ``rank`` is known to need at least ``peak`` bytes; ``attrs`` say who predicted it and why."""
+    peaks: list[float | None] = [None] * len(usable)
+    peaks[rank] = peak
+    figures = TrialFigures(status=Status.PREDICTED_OOM, peak_device=peaks, peak_allocated=[None] * len(peaks),
+                           peak_reserved=[None] * len(peaks), outside_pytorch=[None] * len(peaks),
+                           capacity=[u / (1.0 - headroom) for u in usable], step_time_s=None, samples_per_s=None,
+                           startup_s=None)
+    return figures, {**figures.user_attrs(headroom), "status": Status.PREDICTED_OOM, "predicted": True, **attrs,
+                     "baseline": False}
 
 
 class ModelAdvisor:
@@ -111,18 +108,6 @@ class ModelAdvisor:
         ref = study.user_attrs.get(StudyAttr.REFERENCE)
         return 1000 * float(ref) if ref else None
 
-    def _neighbours(self, micro: list[int]) -> list[list[int]]:
-        """Splits one sample away from ``micro`` (memory-balanced is not always fastest)."""
-        out = []
-        for a in range(len(micro)):
-            for b in range(len(micro)):
-                if a != b and micro[a] > 1:
-                    moved = list(micro)
-                    moved[a] -= 1
-                    moved[b] += 1
-                    out.append(moved)
-        return out
-
     def candidates(self, study: optuna.Study) -> list[tuple[float, BalanceConfig]]:
         """Configurations the models predict to fit, scored by the predicted objective (spread from
         the memory models, step time from time models fitted to the study's trials), best first:
@@ -141,74 +126,22 @@ class ModelAdvisor:
         reference = self._reference_ms(study)
         bucket, view = self._bucket_choice(study)
         max_spread = self.settings.max_spread_gib * GIB if self.settings.max_spread_gib is not None else None
-        out = self._eager_candidates(model, timing, usable, reference, bucket, view, max_spread)
+
+        def score(cfg: BalanceConfig, peaks: list[float], ms: float) -> float | None:
+            return self._objective(peaks, usable, ms, reference)
+
+        out = [] if "off" not in self.space.compile_modes else eager_candidates(
+            space=self.space, model=model, timing=timing, usable=usable, bucket=bucket, view=view,
+            max_spread=max_spread, score=score)
         compiled = self._compiled_for(study, model)
         if compiled is not None:
             compiled_timing = CompiledTimeModel.fit(trials, eager=timing, device=self.settings.device)
-
-            def score(cfg: BalanceConfig, peaks: list[float], ms: float) -> float | None:
-                return self._objective(peaks, usable, ms, reference)
-
             out += compiled_candidates(space=self.space, trials=trials, memory=compiled, timing=compiled_timing,
                                        eager_timing=timing, usable=usable, bucket=bucket, view=view,
                                        max_spread=max_spread, score=score)
         ordered = cache_order(out)
         self._predictions = {c.config.to_json(): c for c in ordered}
         return ordered
-
-    def _eager_candidates(self, model: MemoryModel, timing: StepTimeModel, usable: list[float],
-                          reference: float | None, bucket: float, view: bool,
-                          max_spread: float | None) -> list[Candidate]:
-        if "off" not in self.space.compile_modes:
-            return []
-        layers = max(1, self.space.num_layers)
-        world = self.space.world_size
-        seen: set[str] = set()
-        out: list[Candidate] = []
-
-        def consider(micro: list[int], counts: list[int], dtype: str, acc: int) -> None:
-            # any split: the largest micro-batch per rank that fits; the ranks whose steps cost more
-            # per sample (more recomputation) give up the samples beyond the global batch first
-            cost = [1.0 + timing.rho * c / layers for c in counts]
-            cfg = self.space.config_for(micro, acc, cost, checkpoint=[list(range(c)) for c in counts], dtype=dtype,
-                                        bucket_cap_mb=bucket, gradient_as_bucket_view=view)
-            key = cfg.to_json()
-            if key in seen or not self.space.contains(cfg):  # e.g. a split the space keeps fixed
-                return
-            seen.add(key)
-            fits, peaks = predict_config_feasible(model, cfg, num_layers=layers, limits=usable)
-            if not fits:
-                return
-            if max_spread is not None and max(peaks) - min(peaks) > max_spread:
-                return
-            ms = timing.predict(cfg)
-            score = None if ms is None else self._objective(peaks, usable, ms, reference)
-            if score is not None:
-                out.append(Candidate(score=score, config=cfg, peaks=peaks, step_ms=ms))
-
-        for dtype in self.space.dtypes:
-            if not model.can_predict(dtype):
-                continue
-            for acc in self.space.accumulations:
-                total = self.space.micro_total(acc)
-                try:
-                    plans = plans_from_model(model, total=total, num_layers=layers, dtype=dtype, limits=usable,
-                                             max_plans=5, recompute_fraction=timing.rho,
-                                             max_spread_bytes=max_spread,
-                                             checkpoint_counts=None if self.space.num_layers > 0 else [0])
-                except Exception:
-                    plans = []
-                for plan in plans:
-                    consider(list(plan.micro_batches), list(plan.checkpointed), dtype, acc)
-                try:
-                    even = balanced_split_for(model, total=total, checkpointed=[0] * world, num_layers=layers,
-                                              dtype=dtype, limits=usable)
-                except Exception:
-                    even = None
-                if even is not None:
-                    for micro in (even, *self._neighbours(even)):
-                        consider(micro, [0] * world, dtype, acc)
-        return out
 
     def _objective(self, peaks: list[float], usable: list[float], ms: float, reference_ms: float | None) -> float:
         capacity = [u / (1.0 - self.settings.headroom) for u in usable]
@@ -284,24 +217,10 @@ class ModelAdvisor:
         study.enqueue_trial(self.space.params_from_config(pick.config), user_attrs=attrs)
 
     def holdout_error(self, study: optuna.Study) -> float | None:
-        """Leave-one-trial-out mean relative error of the peak prediction over measured trials."""
-        trials = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get(TrialAttr.STATUS) == Status.OK
-                  and t.user_attrs.get(TrialAttr.REUSED_FROM) is None]
-        errors: list[float] = []
-        for i, held in enumerate(trials):
-            train = observations_from_trials(trials[:i] + trials[i + 1:], num_layers=self.space.num_layers)
-            test = observations_from_trials([held], num_layers=self.space.num_layers)
-            if not train or not test:
-                continue
-            try:
-                model = MemoryModel.fit(train, world_size=self.space.world_size)
-            except Exception:
-                continue
-            if not all(model.is_confident(rank=o.rank, micro_batch=o.micro_batch, checkpointed=o.checkpointed,
-                                          num_layers=o.num_layers, dtype=o.dtype) for o in test):
-                continue
-            errors.append(model.holdout_error(test))
-        return sum(errors) / len(errors) if errors else None
+        return eager_holdout_error(study, space=self.space)
+
+    def compiled_holdout_error(self, study: optuna.Study) -> tuple[float, int] | None:
+        return compiled_holdout_error(study, space=self.space)
 
     # ------------------------------------------------------------------ vetoes
     def predict_infeasible(self, study: optuna.Study, config: BalanceConfig) -> tuple[TrialFigures, dict[str, Any]] | None:
@@ -365,78 +284,31 @@ class ModelAdvisor:
             if low is None:
                 continue
             self._predicted_in_a_row += 1
-            capacity = [u / (1.0 - self.settings.headroom) for u in usable]
-            peaks: list[float | None] = [None] * config.world_size
-            peaks[rank] = low
-            figures = TrialFigures(status=Status.PREDICTED_OOM, peak_device=peaks, peak_allocated=[None] * len(peaks),
-                                   peak_reserved=[None] * len(peaks), outside_pytorch=[None] * len(peaks),
-                                   capacity=capacity, step_time_s=None, samples_per_s=None, startup_s=None)
-            attrs = {
-                **figures.user_attrs(self.settings.headroom),
-                "status": Status.PREDICTED_OOM,
-                "predicted": True,
+            return predicted_oom(headroom=self.settings.headroom, usable=usable, rank=rank, peak=low, attrs={
                 "predicted_by": "compiled-model",
                 "reason": (f"not launched (not compiled): the compiled model's measured budgets put rank {rank} at "
                            f"least at {low / GIB:.3f} GiB with micro-batch {m}, budget {b:g} "
                            f"(+{100 * compiled.safety_margin:.0f}% margin) > usable {usable[rank] / GIB:.3f} GiB"),
-                "baseline": False,
-            }
-            return figures, attrs
+            })
         self._predicted_in_a_row = 0
         return None
 
-    def compiled_holdout_error(self, study: optuna.Study) -> tuple[float, int] | None:
-        """Leave-one-trial-out mean relative error of the compiled model's per-rank peaks over the
-        measured compiled trials (each predicted from the others), and how many were predicted."""
-        if not self.space.compile_searched:
-            return None
-        trials = study.get_trials(deepcopy=False)
-        obs = observations_from_trials(trials, num_layers=self.space.num_layers)
-        if not any(o.ok for o in obs):
-            return None
-        try:
-            eager = MemoryModel.fit(obs, world_size=self.space.world_size)
-        except Exception:
-            return None
-        compiled = compiled_observations(trials)
-        held_numbers = sorted({o.trial for o in compiled if o.ok})
-        errors: list[float] = []
-        for number in held_numbers:
-            train = [o for o in compiled if o.trial != number]
-            test = [o for o in compiled if o.trial == number and o.ok]
-            if not train or not test:
-                continue
-            model = CompiledMemoryModel.fit(train, eager=eager, num_layers=self.space.num_layers)
-            if not all(model.can_predict(o.dtype) for o in test):
-                continue
-            errors.append(model.holdout_error(test))
-        return (sum(errors) / len(errors), len(errors)) if errors else None
-
     def _dominance_figures(self, config: BalanceConfig, usable: list[float], trial: FrozenTrial,
                            rank: int) -> tuple[TrialFigures, dict[str, Any]]:
-        capacity = [u / (1.0 - self.settings.headroom) for u in usable]
         seen = (trial.user_attrs.get(TrialAttr.PEAK_DEVICE_GIB) or [None] * config.world_size)[rank]
-        peaks: list[float | None] = [None] * config.world_size
-        peaks[rank] = None if seen is None else float(seen) * GIB  # a lower bound: this one needs at least that
-        figures = TrialFigures(status=Status.PREDICTED_OOM, peak_device=peaks, peak_allocated=[None] * len(peaks),
-                               peak_reserved=[None] * len(peaks), outside_pytorch=[None] * len(peaks),
-                               capacity=capacity, step_time_s=None, samples_per_s=None, startup_s=None)
         other = trial.user_attrs[TrialAttr.CONFIG]
         what = (f"budget {activation_budget(other, rank):g}" if other.get("compile", "off") != "off"
                 else f"{len(other['checkpoint'][rank])} checkpointed blocks")
-        attrs = {
-            **figures.user_attrs(self.settings.headroom),
-            "status": Status.PREDICTED_OOM,
-            "predicted": True,
-            "predicted_by": "dominance",
-            "dominated_by": trial.number,
-            "reason": (f"not launched: trial {trial.number} exceeded rank {rank}'s usable memory "
-                       f"({usable[rank] / GIB:.3f} GiB) with micro-batch {other['micro_batches'][rank]}, {what}; this "
-                       "configuration needs at least as much there (same dtype and compile mode, no smaller "
-                       "micro-batch, no more recomputation, no smaller bucket)"),
-            "baseline": False,
-        }
-        return figures, attrs
+        return predicted_oom(  # the peak is a lower bound: this one needs at least what that trial saw
+            headroom=self.settings.headroom, usable=usable, rank=rank, peak=None if seen is None else float(seen) * GIB,
+            attrs={
+                "predicted_by": "dominance",
+                "dominated_by": trial.number,
+                "reason": (f"not launched: trial {trial.number} exceeded rank {rank}'s usable memory "
+                           f"({usable[rank] / GIB:.3f} GiB) with micro-batch {other['micro_batches'][rank]}, {what}; this "
+                           "configuration needs at least as much there (same dtype and compile mode, no smaller "
+                           "micro-batch, no more recomputation, no smaller bucket)"),
+            })
 
     def after_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
         """A launched trial that OOMed although the model said it fits widens the safety margin; a

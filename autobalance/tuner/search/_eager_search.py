@@ -1,0 +1,90 @@
+"""The memory model's eager proposals: for each dtype and accumulation, the balanced plans of the
+solver (water-filling with per-rank checkpointing), the even split and its one-sample neighbours;
+each kept when predicted to fit (and within the spread limit), scored by the predicted objective."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from autobalance._config import BalanceConfig
+from autobalance.tuner.search._compiled_search import Candidate
+from autobalance.tuner.search._memory_model import MemoryModel
+from autobalance.tuner.search._solver import (
+    balanced_split_for,
+    plans_from_model,
+    predict_config_feasible,
+)
+from autobalance.tuner.search._space import SearchSpace
+from autobalance.tuner.search._step_time import StepTimeModel
+
+__all__ = ["Score", "eager_candidates", "neighbours"]
+
+Score = Callable[[BalanceConfig, list[float], float], "float | None"]
+"""(configuration, predicted per-rank peaks, predicted step ms) -> predicted objective."""
+
+
+def neighbours(micro: list[int]) -> list[list[int]]:
+    """Splits one sample away from ``micro`` (memory-balanced is not always fastest)."""
+    out = []
+    for a in range(len(micro)):
+        for b in range(len(micro)):
+            if a != b and micro[a] > 1:
+                moved = list(micro)
+                moved[a] -= 1
+                moved[b] += 1
+                out.append(moved)
+    return out
+
+
+def eager_candidates(*, space: SearchSpace, model: MemoryModel, timing: StepTimeModel, usable: list[float],
+                     bucket: float, view: bool, max_spread: float | None, score: Score) -> list[Candidate]:
+    """Eager configurations the memory model predicts to fit (its balanced plans per dtype and
+    accumulation, the even split and its one-sample neighbours), scored by ``score``."""
+    layers = max(1, space.num_layers)
+    world = space.world_size
+    seen: set[str] = set()
+    out: list[Candidate] = []
+
+    def consider(micro: list[int], counts: list[int], dtype: str, acc: int) -> None:
+        # any split: the largest micro-batch per rank that fits; the ranks whose steps cost more
+        # per sample (more recomputation) give up the samples beyond the global batch first
+        cost = [1.0 + timing.rho * c / layers for c in counts]
+        cfg = space.config_for(micro, acc, cost, checkpoint=[list(range(c)) for c in counts], dtype=dtype,
+                                    bucket_cap_mb=bucket, gradient_as_bucket_view=view)
+        key = cfg.to_json()
+        if key in seen or not space.contains(cfg):  # e.g. a split the space keeps fixed
+            return
+        seen.add(key)
+        fits, peaks = predict_config_feasible(model, cfg, num_layers=layers, limits=usable)
+        if not fits:
+            return
+        if max_spread is not None and max(peaks) - min(peaks) > max_spread:
+            return
+        ms = timing.predict(cfg)
+        value = None if ms is None else score(cfg, peaks, ms)
+        if value is not None:
+            out.append(Candidate(score=value, config=cfg, peaks=peaks, step_ms=ms))
+
+    for dtype in space.dtypes:
+        if not model.can_predict(dtype):
+            continue
+        for acc in space.accumulations:
+            total = space.micro_total(acc)
+            try:
+                plans = plans_from_model(model, total=total, num_layers=layers, dtype=dtype, limits=usable,
+                                         max_plans=5, recompute_fraction=timing.rho,
+                                         max_spread_bytes=max_spread,
+                                         checkpoint_counts=None if space.num_layers > 0 else [0])
+            except Exception:
+                plans = []
+            for plan in plans:
+                consider(list(plan.micro_batches), list(plan.checkpointed), dtype, acc)
+            try:
+                even = balanced_split_for(model, total=total, checkpointed=[0] * world, num_layers=layers,
+                                          dtype=dtype, limits=usable)
+            except Exception:
+                even = None
+            if even is not None:
+                for micro in (even, *neighbours(even)):
+                    consider(micro, [0] * world, dtype, acc)
+    return out

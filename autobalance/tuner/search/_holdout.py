@@ -1,0 +1,86 @@
+"""What the memory models are fitted from, and how well they predict: each measured trial predicted
+from all the others (leave-one-trial-out), as the summary and the study's attributes report it."""
+
+from __future__ import annotations
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from autobalance.protocol import Status, TrialAttr
+from autobalance.tuner.search._compiled_model import CompiledMemoryModel, compiled_observations
+from autobalance.tuner.search._memory_model import MemoryModel, MemoryObservation
+from autobalance.tuner.search._space import SearchSpace
+
+__all__ = ["compiled_holdout_error", "eager_holdout_error", "observations_from_trials"]
+
+GIB = 2**30
+
+
+def observations_from_trials(trials: list[FrozenTrial], *, num_layers: int) -> list[MemoryObservation]:
+    """One observation per rank of every measured (ok) or OOMed trial (OOM peaks are lower bounds)."""
+    obs: list[MemoryObservation] = []
+    for t in trials:
+        status = t.user_attrs.get(TrialAttr.STATUS)
+        if t.state != TrialState.COMPLETE or status not in (Status.OK, Status.OOM) or t.user_attrs.get(TrialAttr.REUSED_FROM) is not None:
+            continue
+        cfg = t.user_attrs.get(TrialAttr.CONFIG)
+        peaks = t.user_attrs.get(TrialAttr.PEAK_DEVICE_GIB) or []
+        if not cfg or len(peaks) != len(cfg["micro_batches"]) or cfg.get("compile", "off") != "off":
+            continue  # the model is of eager memory; compiled trials follow their budget instead
+        for rank, peak in enumerate(peaks):
+            if peak is None or peak <= 0:
+                continue
+            obs.append(MemoryObservation(
+                rank=rank, micro_batch=int(cfg["micro_batches"][rank]), checkpointed=len(cfg["checkpoint"][rank]),
+                num_layers=max(1, num_layers), dtype=cfg["dtype"], peak_bytes=float(peak) * GIB, ok=status == Status.OK,
+            ))
+    return obs
+
+
+def eager_holdout_error(study: optuna.Study, *, space: SearchSpace) -> float | None:
+    """Leave-one-trial-out mean relative error of the peak prediction over measured trials."""
+    trials = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get(TrialAttr.STATUS) == Status.OK
+              and t.user_attrs.get(TrialAttr.REUSED_FROM) is None]
+    errors: list[float] = []
+    for i, held in enumerate(trials):
+        train = observations_from_trials(trials[:i] + trials[i + 1:], num_layers=space.num_layers)
+        test = observations_from_trials([held], num_layers=space.num_layers)
+        if not train or not test:
+            continue
+        try:
+            model = MemoryModel.fit(train, world_size=space.world_size)
+        except Exception:
+            continue
+        if not all(model.is_confident(rank=o.rank, micro_batch=o.micro_batch, checkpointed=o.checkpointed,
+                                      num_layers=o.num_layers, dtype=o.dtype) for o in test):
+            continue
+        errors.append(model.holdout_error(test))
+    return sum(errors) / len(errors) if errors else None
+
+
+def compiled_holdout_error(study: optuna.Study, *, space: SearchSpace) -> tuple[float, int] | None:
+    """Leave-one-trial-out mean relative error of the compiled model's per-rank peaks over the
+    measured compiled trials (each predicted from the others), and how many were predicted."""
+    if not space.compile_searched:
+        return None
+    trials = study.get_trials(deepcopy=False)
+    obs = observations_from_trials(trials, num_layers=space.num_layers)
+    if not any(o.ok for o in obs):
+        return None
+    try:
+        eager = MemoryModel.fit(obs, world_size=space.world_size)
+    except Exception:
+        return None
+    compiled = compiled_observations(trials)
+    held_numbers = sorted({o.trial for o in compiled if o.ok})
+    errors: list[float] = []
+    for number in held_numbers:
+        train = [o for o in compiled if o.trial != number]
+        test = [o for o in compiled if o.trial == number and o.ok]
+        if not train or not test:
+            continue
+        model = CompiledMemoryModel.fit(train, eager=eager, num_layers=space.num_layers)
+        if not all(model.can_predict(o.dtype) for o in test):
+            continue
+        errors.append(model.holdout_error(test))
+    return (sum(errors) / len(errors), len(errors)) if errors else None
