@@ -21,7 +21,7 @@ from optuna.trial import TrialState
 
 from autobalance._errors import UsageError
 from autobalance.tuner._parallel import Slot, plan_slots
-from tests.tune_helpers import FAULTY, REPO, load, processes_with
+from tests.tune_helpers import FAULTY, REPO, ctrl_c_reaches_it, load, processes_with
 
 PINNED = str(REPO / "tests" / "scripts" / "pinned.py")
 COMMON = ["--device", "cpu", "--strategy", "optuna", "--seed", "0", "--prune-factor", "0", "--steps", "2",
@@ -252,7 +252,7 @@ def test_interrupting_parallel_trials_kills_and_marks_every_running_one(tmp_path
     env = {**_env(tmp_path), "AB_FAULT": "hang_all", "AB_FAULT_ON_LAUNCH": "2"}
     cmd = [sys.executable, "-m", "autobalance", "tune", PINNED, "--trials", "5", "--nproc-per-node", "1",
            "--cpus-per-trial", "1", "--trial-timeout", "300", "--storage", f"sqlite:///{db}", *COMMON]
-    proc = subprocess.Popen(["taskset", "-c", ",".join(map(str, cores)), *cmd], cwd=tmp_path, env=env,
+    proc = subprocess.Popen(["taskset", "-c", ",".join(map(str, cores)), *cmd], cwd=tmp_path, env=env, preexec_fn=ctrl_c_reaches_it,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300

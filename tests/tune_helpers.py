@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,12 @@ import optuna
 REPO = Path(__file__).resolve().parents[1]
 FAULTY = str(REPO / "tests" / "scripts" / "faulty.py")
 GPT = str(REPO / "examples" / "gpt" / "train.py")
+
+
+def ctrl_c_reaches_it() -> None:
+    """``preexec_fn`` for a child the test interrupts with SIGINT: a shell's background job (CI started
+    with ``&``) ignores SIGINT, children inherit that, and Python then installs no Ctrl-C handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def cli(args: list[str], *, cwd: Path, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess[str]:

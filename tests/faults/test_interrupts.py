@@ -30,6 +30,7 @@ from tests.faults.conftest import (
     tune_cmd,
     wait_for,
 )
+from tests.tune_helpers import ctrl_c_reaches_it
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +41,7 @@ def _start_and_wait_for_trial_1(url: str, tmp_path: Path, *extra: str, trials: i
                                 env: dict[str, str]) -> subprocess.Popen[str]:
     """Start ``tune`` on the seeded study; return once trial 1 is RUNNING and its ranks are stepping
     (they then sleep in the injected hang, so the timing of the signal does not matter)."""
-    proc = subprocess.Popen(tune_cmd(url, *extra, trials=trials), cwd=tmp_path, env=env, text=True,
+    proc = subprocess.Popen(tune_cmd(url, *extra, trials=trials), cwd=tmp_path, env=env, text=True, preexec_fn=ctrl_c_reaches_it,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         wait_for(lambda: list((tmp_path / "autobalance_runs" / "s").glob("trial-0001-*/progress.json")),
@@ -129,7 +130,7 @@ def test_sigkilled_during_the_baseline_the_next_start_takes_over(tmp_path: Path)
     the baseline itself at once instead of waiting for the claim to expire."""
     url = sqlite_url(tmp_path / "study.db")
     env = env_for(tmp_path, AB_FAULT="hang_all", AB_FAULT_ONCE="1")
-    proc = subprocess.Popen(tune_cmd(url, trials=2), cwd=tmp_path, env=env, text=True,
+    proc = subprocess.Popen(tune_cmd(url, trials=2), cwd=tmp_path, env=env, text=True, preexec_fn=ctrl_c_reaches_it,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     wait_for(lambda: list((tmp_path / "autobalance_runs" / "s").glob("trial-0000-*/progress.json")),
              timeout=120, what="the baseline to be running")
