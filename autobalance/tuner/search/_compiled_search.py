@@ -24,7 +24,7 @@ from autobalance._config import BalanceConfig, split_evenly
 from autobalance.protocol import MEASURED_STATUSES, TrialAttr
 from autobalance.tuner.search._compiled_model import CompiledMemoryModel, CompiledTimeModel
 from autobalance.tuner.search._dominance import dominating_over_cap
-from autobalance.tuner.search._solver import balanced_split
+from autobalance.tuner.search._solver import balanced_split, neighbours
 from autobalance.tuner.search._space import SearchSpace
 from autobalance.tuner.search._step_time import StepTimeModel
 
@@ -191,20 +191,7 @@ def _splits(memory: CompiledMemoryModel, *, total: int, dtype: str, mode: str, u
             bases.append(split)
     out: list[list[int]] = []
     for base in bases:
-        for micro in (base, *(_neighbours(base) if world <= NEIGHBOUR_RANKS else [])):
+        for micro in (base, *(neighbours(base) if world <= NEIGHBOUR_RANKS else [])):
             if micro not in out:
                 out.append(micro)
-    return out
-
-
-def _neighbours(micro: list[int]) -> list[list[int]]:
-    """Splits one sample away from ``micro``."""
-    out = []
-    for a in range(len(micro)):
-        for b in range(len(micro)):
-            if a != b and micro[a] > 1:
-                moved = list(micro)
-                moved[a] -= 1
-                moved[b] += 1
-                out.append(moved)
     return out

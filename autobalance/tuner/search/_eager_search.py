@@ -11,29 +11,19 @@ from autobalance.tuner.search._compiled_search import Candidate
 from autobalance.tuner.search._memory_model import MemoryModel
 from autobalance.tuner.search._solver import (
     balanced_split_for,
+    neighbours,
     plans_from_model,
     predict_config_feasible,
 )
 from autobalance.tuner.search._space import SearchSpace
 from autobalance.tuner.search._step_time import StepTimeModel
 
-__all__ = ["Score", "eager_candidates", "neighbours"]
+__all__ = ["Score", "eager_candidates"]
 
 Score = Callable[[BalanceConfig, list[float], float], "float | None"]
 """(configuration, predicted per-rank peaks, predicted step ms) -> predicted objective."""
 
 
-def neighbours(micro: list[int]) -> list[list[int]]:
-    """Splits one sample away from ``micro`` (memory-balanced is not always fastest)."""
-    out = []
-    for a in range(len(micro)):
-        for b in range(len(micro)):
-            if a != b and micro[a] > 1:
-                moved = list(micro)
-                moved[a] -= 1
-                moved[b] += 1
-                out.append(moved)
-    return out
 
 
 def eager_candidates(*, space: SearchSpace, model: MemoryModel, timing: StepTimeModel, usable: list[float],

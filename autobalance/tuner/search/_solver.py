@@ -29,6 +29,7 @@ __all__ = [
     "balanced_split",
     "balanced_split_for",
     "choose_checkpointing",
+    "neighbours",
     "plans_from_model",
     "predict_config_feasible",
     "predict_feasible",
@@ -592,3 +593,16 @@ def _check_counts(counts: Sequence[int] | None, num_layers: int) -> np.ndarray:
             f"checkpoint_counts={list(counts)} is empty or outside 0..{num_layers}; list allowed counts."
         )
     return np.asarray(chosen, dtype=float)
+
+
+def neighbours(micro: list[int]) -> list[list[int]]:
+    """Splits one sample away from ``micro`` (memory-balanced is not always fastest)."""
+    out = []
+    for a in range(len(micro)):
+        for b in range(len(micro)):
+            if a != b and micro[a] > 1:
+                moved = list(micro)
+                moved[a] -= 1
+                moved[b] += 1
+                out.append(moved)
+    return out
