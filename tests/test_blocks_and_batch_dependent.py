@@ -149,3 +149,35 @@ def test_a_study_without_blocks_says_so_first_and_how_to_name_them():
 
     lines = script_facts({"model": {"num_blocks": 0, "blocks_path": ""}}, kept_split=False, allow=False, split="8,8")
     assert lines[0].startswith("No repeated blocks found") and "blocks=" in lines[0]
+
+
+def test_checkpointing_restores_the_buffers_a_custom_layer_writes_in_its_forward():
+    """Fails if the buffers of a checkpointed block are left as its recomputation wrote them (any
+    layer, not only BatchNorm: the moving average below is updated twice without the protection)."""
+
+    class EmaBlock(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.register_buffer("avg", torch.zeros(4))
+            self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.fc(x)
+            with torch.no_grad():
+                self.avg.mul_(0.5).add_(0.5 * y.mean(0))
+                self.calls.add_(1)
+            return torch.tanh(y)
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[EmaBlock() for _ in range(3)])
+    ckpt = nn.Sequential(*[EmaBlock() for _ in range(3)])
+    ckpt.load_state_dict(plain.state_dict())
+    _, blocks = find_blocks(ckpt)
+    apply_checkpointing(blocks, [0, 1, 2])
+    x = torch.randn(5, 4)
+    for model in (plain, ckpt):
+        model(x).square().mean().backward()
+    for name, value in plain.state_dict().items():
+        assert torch.equal(ckpt.state_dict()[name], value), name
+    assert all(int(b) == 1 for n, b in ckpt.named_buffers() if n.endswith("calls"))

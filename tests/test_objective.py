@@ -110,3 +110,20 @@ def test_figures_take_the_slowest_rank_and_every_ranks_peak():
     assert f.samples_per_s == pytest.approx(80.0)
     assert f.values(reference_step_s=0.2, weight_spread=1.0, weight_time=1.0,
                     multi_objective=False) == [pytest.approx(1.75)]
+
+
+def test_partial_steps_count_the_samples_they_really_used():
+    """Fails if samples/s is the configuration's global batch over the step time when every measured
+    step was partial (a dataset smaller than one global batch: the issue's 6307.9 samples/s for
+    20-sample steps of a 64-sample global batch).
+
+    Both ranks: 0.01 s per step of 20 samples (global batch 64): 20 / 0.01 = 2000 samples/s, not 6400.
+    """
+    def report(rank: int) -> dict:
+        return {"status": "ok", "rank": rank, "step_time_s": 0.01, "config": {"global_batch": 64},
+                "samples_per_step": 20.0, "partial_steps": 3,
+                "memory": {"peak_device": GIB, "peak_allocated": GIB, "peak_reserved": GIB, "outside_pytorch": 0},
+                "device": {"capacity_bytes": 16 * GIB}}
+
+    outcome = TrialOutcome(status="ok", reason="", reports={0: report(0), 1: report(1)})
+    assert figures_from_outcome(outcome, world_size=2, caps=None).samples_per_s == pytest.approx(2000.0)

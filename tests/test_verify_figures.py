@@ -1,0 +1,34 @@
+"""How a verification check is put in words (in process, no runs): a parameter name is named only
+when there is one, and a step whose gradients are not finite says so instead of a number."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from autobalance.tuner._verify import Check, _relative
+
+
+def _check(grad_rel: float, worst: str) -> Check:
+    return Check(name="equivalence", runs=("tuned-fp32", "baseline-fp32"), grad_rel=grad_rel, param_rel=4.13e-2,
+                 update_rel=0.1, buffer_rel=0.0, tolerance=(1e-6, 1e-6, 1e-6), worst=worst)
+
+
+def test_an_empty_parameter_name_is_never_printed():
+    """Fails if ``figures`` prints ``worst parameter`` without a name (the issue's
+    ``... worst parameter )``) or for gradients that are not finite."""
+    assert "worst parameter" not in _check(2e-2, "").figures()
+    assert _check(2e-2, "fc.weight").figures().endswith("(tolerance 1.0e-06; worst parameter fc.weight)")
+    nan = _check(math.nan, "").figures()
+    assert nan.startswith("gradients not finite (inf or nan) in the tuned-fp32 run") and "worst parameter" not in nan
+    assert "worst parameter" not in _check(math.inf, "fc.weight").figures()
+
+
+def test_a_non_finite_gradient_names_its_parameter():
+    """Fails if a nan gradient leaves the worst parameter unnamed (nan compares false with every
+    error, so a plain ``rel > worst`` never picks it)."""
+    a = {"a.weight": torch.tensor([1.0]), "b.weight": torch.tensor([math.nan])}
+    b = {"a.weight": torch.tensor([1.1]), "b.weight": torch.tensor([1.0])}
+    rel, worst = _relative(a, b)
+    assert math.isnan(rel) and worst == "b.weight"
