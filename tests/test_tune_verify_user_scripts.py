@@ -5,6 +5,7 @@ what is said, and the exit code."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -23,12 +24,14 @@ def _tune(tmp_path, *extra: str, script_args: tuple[str, ...], trials: int):
     return cli(args, cwd=tmp_path, timeout=900), db
 
 
-def test_a_sum_reduced_bf16_loss_is_never_saved_and_tune_exits_1(tmp_path):
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_a_sum_reduced_loss_in_bf16_or_fp16_is_never_saved_and_tune_exits_1(tmp_path, dtype):
     # rank 0 holds an extra tensor, so balanced (uneven) splits have the smaller spread: the best
     # candidates are uneven, and with a sum-reduced loss each of them weights samples by micro-batch
-    proc, db = _tune(tmp_path, "--dtypes", "bf16", "--max-accumulation", "1", "--memory-cap-gib", "0.002",
+    # (a systematic reweighting of a few per cent that the bf16/fp16 rounding tolerance used to hide)
+    proc, db = _tune(tmp_path, "--dtypes", dtype, "--max-accumulation", "1", "--memory-cap-gib", "0.002",
                      "--weight-time", "0", trials=5,
-                     script_args=("--loss", "sum", "--dtype", "bf16", "--micro-batch", "128", "--samples", "1024",
+                     script_args=("--loss", "sum", "--dtype", dtype, "--micro-batch", "128", "--samples", "1024",
                                   "--rank0-extra-mb", "0.2"))
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     study = load(db)
@@ -70,3 +73,51 @@ def test_a_batchnorm_model_keeps_its_split_says_why_and_is_verified_in_train_mod
         assert verdict["passed"], verdict
         assert any("train mode" in note for note in verdict["notes"])
         assert verdict["checks"][0]["buffer_rel"] <= 1e-6  # running statistics as the script's own step
+
+
+def test_splits_are_searched_with_allow_batch_dependent_and_verified_in_eval_mode(tmp_path):
+    # the user accepts that a split changes BatchNorm's batch statistics: uneven splits are tried,
+    # and the saved one was verified in eval mode (where BatchNorm uses its running statistics)
+    proc, db = _tune(tmp_path, "--dtypes", "fp32", "--max-accumulation", "1", "--memory-cap-gib", "0.002",
+                     "--weight-time", "0", "--allow-batch-dependent", trials=4,
+                     script_args=("--norm", "batch", "--micro-batch", "128", "--samples", "1024",
+                                  "--rank0-extra-mb", "0.2"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    said = " ".join((proc.stderr + proc.stdout).split())
+    assert "splits are searched (--allow-batch-dependent) and verified in eval mode" in said
+    study = load(db)
+    assert study.user_attrs["autobalance:space"]["fixed_split"] is False
+    assert study.user_attrs["autobalance:allow_batch_dependent"] is True
+    configs = [t.user_attrs["config"] for t in study.trials if t.user_attrs.get("config")]
+    assert any(c["micro_batches"] != [128, 128] for c in configs), configs
+    saved = json.loads(cli(["best", "--study-name", "s", "--storage", f"sqlite:///{db}", "--format", "json"],
+                           cwd=tmp_path).stdout)
+    verdicts = [v for k, v in study.user_attrs.items() if k.startswith("autobalance:verify:") and not v["skipped"]]
+    assert saved["config"]["micro_batches"] != [128, 128] and verdicts, (saved, verdicts)
+    for verdict in verdicts:
+        assert verdict["passed"], verdict
+        assert any("verified in eval mode (allowed to change" in note for note in verdict["notes"]), verdict
+        info = json.loads((Path(verdict["runs"]["tuned"]) / "verify-step.json").read_text())
+        assert info["train_mode"] is False and info["allow_batch_dependent"] is True
+
+
+def test_no_blocks_and_a_dataset_smaller_than_one_global_batch_are_said_first_and_measured_truly(tmp_path):
+    # one MLP without repeated blocks, 20 samples for a global batch of 64: every step is a
+    # 20-sample partial step; both facts are the study's first lines, and samples/s counts 20 per step
+    proc, db = _tune(tmp_path, "--dtypes", "fp32", "--max-accumulation", "1", trials=3,
+                     script_args=("--body", "flat", "--samples", "20", "--micro-batch", "32", "--epochs", "20"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    head = " ".join(proc.stderr.split("  trial 0 ok")[0].split())  # before the baseline's own result
+    assert head.startswith("autobalance tune "), proc.stderr[:2000]
+    facts = head.split("trial 0 baseline (the script's own configuration) ... ", 1)[1]
+    assert facts.startswith("No repeated blocks found in the model") and 'blocks="path.to.blocks"' in facts, facts
+    assert "The dataset has 20 samples, fewer than one global batch (64)" in facts, facts
+    study = load(db)
+    configs = [t.user_attrs["config"] for t in study.trials if t.user_attrs.get("config")]
+    assert len(configs) == 3 and not any(any(c["checkpoint"]) for c in configs), configs
+    for t in study.trials:
+        assert t.user_attrs["samples_per_s"] == pytest.approx(20 / (t.user_attrs["step_time_ms"] / 1e3), rel=0.01)
+    saved = json.loads(cli(["best", "--study-name", "s", "--storage", f"sqlite:///{db}", "--format", "json"],
+                           cwd=tmp_path).stdout)
+    figures = saved["figures"]
+    assert figures["samples_per_s"] == pytest.approx(20 / (figures["step_time_ms"] / 1e3), rel=0.01), figures
