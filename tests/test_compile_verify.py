@@ -63,6 +63,11 @@ def _verify(tmp_path, cfg: BalanceConfig, *, env=None, name="c.json"):
 
 
 def test_verify_passes_a_correct_uneven_config_and_fails_deliberately_wrong_runtimes(tmp_path):
+    """The verify gate against the two known-wrong runtimes of tests/bugs: fails if verify passes a
+    runtime whose loss weighting is disabled (each rank's mean loss counts the same, whatever its
+    share), or one that checkpoints without preserving the RNG state (other dropout masks in the
+    recomputation); also fails if the injection stops reaching the ranks (both verdicts would then
+    pass) or if the correct runtime is rejected."""
     cfg = BalanceConfig(micro_batches=[3, 13], global_batch=16, checkpoint=[[0], []])
     ok = _verify(tmp_path, cfg)
     assert ok.returncode == 0, ok.stderr[-3000:] + ok.stdout[-3000:]
@@ -87,6 +92,8 @@ def test_verify_passes_a_correct_uneven_config_and_fails_deliberately_wrong_runt
 
 
 def test_verify_bf16_uses_the_baselines_own_error(tmp_path):
+    """Fails if the dtype check's tolerance is not 4x (a literal here, not the implementation's
+    NOISE_FACTOR) the baseline's own bf16 error, or if the split's math is not first checked in fp32."""
     proc = _verify(tmp_path, BalanceConfig(micro_batches=[5, 11], global_batch=16, dtype="bf16"))
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     verdict = json.loads(proc.stdout)

@@ -145,6 +145,8 @@ def circles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_rooms_import_only_downward_and_no_private_modules_of_other_packages():
+    """Fails if any module of the package imports against the arrows, in any form: e.g. a lazy
+    ``from autobalance import tuner`` or a relative ``from ..tuner import _study`` inside runtime."""
     assert violations(ROOT) == []
 
 

@@ -185,6 +185,8 @@ def test_bf16_fitted_on_its_own_when_it_has_enough_points() -> None:
 
 
 def test_oom_widens_margin() -> None:
+    """Fails if the widen factor is not 1.5 (the expected margin 0.3 is a literal, not the
+    implementation's default), if an OOM does not widen the margin, or if it can exceed max_margin."""
     model = MemoryModel.fit(trials(4, "fp32", seed=14), world_size=WORLD)
     predicted = model.predict(
         rank=0, micro_batch=6, checkpointed=0, num_layers=LAYERS, dtype="fp32"
