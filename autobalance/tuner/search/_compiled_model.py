@@ -53,7 +53,12 @@ from optuna.trial import FrozenTrial, TrialState
 from autobalance._config import BalanceConfig
 from autobalance._errors import UsageError
 from autobalance.protocol import Status, TrialAttr
-from autobalance.tuner.search._memory_model import MemoryModel
+from autobalance.tuner.search._memory_model import (
+    DEFAULT_SAFETY_MARGIN,
+    MAX_MARGIN,
+    WIDEN_FACTOR,
+    MemoryModel,
+)
 from autobalance.tuner.search._space import BUDGET_RANGE, BUDGET_STEP
 from autobalance.tuner.search._step_time import StepTimeModel
 
@@ -194,9 +199,9 @@ class CompiledMemoryModel:
     """Fitted curves of the pairs with compiled trials."""
     pooled: BudgetCurve | None = None
     """Every pair's points together: what a pair without trials borrows."""
-    safety_margin: float = 0.05
+    safety_margin: float = DEFAULT_SAFETY_MARGIN
     """Relative margin on the whole peak (widened by :meth:`correct`)."""
-    max_margin: float = 0.5
+    max_margin: float = MAX_MARGIN
     """The margin never widens beyond this."""
     corrections: int = 0
     """How many times the margin was widened."""
@@ -288,7 +293,7 @@ class CompiledMemoryModel:
                                    mode=o.mode) - o.peak_bytes) / o.peak_bytes for o in ok]
         return sum(errors) / len(errors)
 
-    def correct(self, observation: CompiledObservation, *, widen_factor: float = 1.5) -> bool:
+    def correct(self, observation: CompiledObservation, *, widen_factor: float = WIDEN_FACTOR) -> bool:
         """Widen the safety margin when this (new) observation was under-predicted beyond it (the
         eager model's rule: ``margin = min(max_margin, widen_factor * (measured / predicted - 1))``)."""
         if not self.can_predict(observation.dtype):

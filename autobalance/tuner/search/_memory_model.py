@@ -35,7 +35,9 @@ from autobalance._errors import UsageError
 __all__ = [
     "ACTIVATION_BYTES_SCALE",
     "DEFAULT_SAFETY_MARGIN",
+    "MAX_MARGIN",
     "PRIOR_CHECKPOINT_SAVING",
+    "WIDEN_FACTOR",
     "DtypeFit",
     "MemoryModel",
     "MemoryObservation",
@@ -56,6 +58,13 @@ inputs are not freed by checkpointing, hence below 1)."""
 
 DEFAULT_SAFETY_MARGIN = 0.05
 """Initial relative margin: a prediction is trusted as feasible if ``peak * (1 + margin) <= limit``."""
+
+MAX_MARGIN = 0.5
+"""The margin never widens beyond this."""
+
+WIDEN_FACTOR = 1.5
+"""On an under-prediction by ``e`` (relative) beyond the margin, the margin becomes ``WIDEN_FACTOR * e``
+(the eager and the compiled memory models; one constant, so no default can drift from another)."""
 
 _RANK_TOL = 1e-10
 """Relative singular-value tolerance deciding which parameter directions the data determines."""
@@ -174,9 +183,9 @@ class MemoryModel:
     """Number of ranks of the job."""
     safety_margin: float = DEFAULT_SAFETY_MARGIN
     """Relative margin: a prediction counts as feasible if ``peak * (1 + safety_margin) <= limit``."""
-    max_margin: float = 0.5
+    max_margin: float = MAX_MARGIN
     """The margin never widens beyond this."""
-    widen_factor: float = 1.5
+    widen_factor: float = WIDEN_FACTOR
     """On an under-prediction by ``e`` (relative) beyond the margin, the margin becomes ``widen_factor * e``."""
     corrections: int = 0
     """How many times the margin was widened."""
@@ -209,8 +218,8 @@ class MemoryModel:
         *,
         world_size: int,
         safety_margin: float = DEFAULT_SAFETY_MARGIN,
-        max_margin: float = 0.5,
-        widen_factor: float = 1.5,
+        max_margin: float = MAX_MARGIN,
+        widen_factor: float = WIDEN_FACTOR,
     ) -> MemoryModel:
         """Least-squares fit per dtype on the successful observations (prior-completed, see module doc).
 
