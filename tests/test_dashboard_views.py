@@ -12,6 +12,7 @@ from optuna_dashboard._note import get_note_from_system_attrs, note_ver_key, sav
 from optuna_dashboard._pareto_front import get_pareto_front_trials
 
 from autobalance.report import dashboard_app
+from autobalance.report._artifacts import BAD, GOOD, PREDICTED, chart_verdict
 from autobalance.tuner import best_trial, is_feasible
 from autobalance.tuner._notes import SIGNATURE, write_notes
 from autobalance.tuner.search import penalised
@@ -43,6 +44,33 @@ def test_no_infeasible_trial_ranks_above_a_feasible_one(single) -> None:
     # the over-cap trial measured a faster step: its value still carries the violation
     over = study.trials[OVER_CAP_FASTER_2]
     assert over.values[0] > 1.0 + 10.0 and over.system_attrs["constraints"][0] > 0
+
+
+def test_optunas_history_best_line_is_the_feasible_best(single) -> None:
+    """Optuna's own history plot: the best-value line never dips to an infeasible trial's value and the
+    infeasible trials (OOM, over the limit, predicted) are drawn apart. Fails if an infeasible trial's
+    value is its measured (faster) time: the line would drop to #3 as the dashboard's badge did."""
+    import optuna
+
+    study, _ = single
+    fig = optuna.visualization.plot_optimization_history(study)
+    traces = {t.name: t for t in fig.data}
+    assert traces["Best Value"].y[-1] == min(traces["Best Value"].y) == study.trials[BEST_2].values[0]
+    assert set(traces["Infeasible Trial"].x) == {0, OVER_CAP_FASTER_2, 5, 6}
+    assert OVER_CAP_FASTER_2 not in set(traces["Objective Value"].x)
+
+
+def test_per_trial_chart_colour_and_title_follow_feasibility(single) -> None:
+    """The per-trial memory chart is coloured by whether the trial fit, not by its status: the
+    over-cap trial ran fine ('ok' status) yet its chart says 'over limit' with rank 0 red. Fails if
+    colour or title follow the status (the blue 'ok' chart of issue 17)."""
+    study, _ = single
+    verdict = {t.number: chart_verdict(t.user_attrs) for t in study.trials}
+    assert study.trials[OVER_CAP_FASTER_2].user_attrs["status"] == "ok"
+    assert verdict[OVER_CAP_FASTER_2] == ("over limit (rank 0)", [BAD, "#9ecae1"])  # rank 1 fit
+    assert verdict[BEST_2] == ("ok", [GOOD, GOOD])
+    assert verdict[0] == ("OOM (rank 0)", [BAD, "#9ecae1"]) and verdict[6] == ("OOM (rank 1)", ["#9ecae1", BAD])
+    assert verdict[5] == ("predicted OOM (not run)", [PREDICTED, PREDICTED])
 
 
 def test_pareto_front_of_a_two_objective_study_has_no_infeasible_trial(tmp_path) -> None:

@@ -21,6 +21,7 @@ import optuna
 import pytest
 
 from autobalance.report import artifact_dir_for, build_report, dashboard_app
+from autobalance.report._artifacts import BAD, GOOD
 from autobalance.tuner import best_trial
 from tests.report_helpers import WsgiServer, screenshot_path, start_chrome, wait_for
 from tests.synthetic_study import BEST_2, NAME, OVER_CAP_FASTER_2, build_study
@@ -83,6 +84,13 @@ def test_report_shows_time_vs_memory_settings_and_compile_charts(chrome, synthet
     chrome.set_window_size(1400, 1600)
 
 
+_HISTORY_TRACES = """
+const traces = [...document.querySelectorAll('.js-plotly-plot')].flatMap(el => (el.data || []).map(
+  t => ({name: t.name || '', x: [...(t.x || [])], y: [...(t.y || [])]})));
+return traces.some(t => t.name.startsWith('Best Value')) ? traces : null;
+"""
+
+
 def _best_badge(driver: Any) -> int:
     text = wait_for(driver, lambda d: re.search(r"Best Trial \(number=(\d+)\)", d.find_element("tag name", "body").text))
     return int(text.group(1))
@@ -105,6 +113,13 @@ def test_dashboard_best_trial_is_the_saved_best_and_carries_why(chrome, syntheti
 
         chrome.get(f"{server.url}/dashboard/studies/{study._study_id}")
         assert _best_badge(chrome) == saved
+        # the history plot: its best-value line ends at the saved best and the over-cap trial, faster
+        # but infeasible, is drawn among the infeasible trials (grey), not as a measured value
+        traces = wait_for(chrome, lambda d: d.execute_script(_HISTORY_TRACES))
+        best_line = next(t for t in traces if t["name"].startswith("Best Value"))
+        assert best_line["y"][-1] == min(best_line["y"]) == pytest.approx(study.trials[saved].values[0])
+        infeasible = next(t for t in traces if t["name"].startswith("Infeasible Trial"))
+        assert {0, OVER_CAP_FASTER_2, 5, 6} == set(infeasible["x"])
 
         chrome.get(f"{server.url}/dashboard/studies/{study._study_id}/trials?numbers={saved}")
         wait_for(chrome, lambda d: "Best trial: why it won" in d.find_element("tag name", "body").text)
@@ -124,7 +139,22 @@ def test_dashboard_best_trial_is_the_saved_best_and_carries_why(chrome, syntheti
         assert outcomes[0] == "OOM (rank 0)" and outcomes[saved] == "ok"
 
 
+def _pixels_of(png: bytes, color: str) -> int:
+    """How many pixels of the PNG have ``color`` (``#rrggbb``)."""
+    import io
+
+    import numpy as np
+    from matplotlib.image import imread
+
+    rgb = (imread(io.BytesIO(png), format="png")[..., :3] * 255).round()
+    want = np.array([int(color[i:i + 2], 16) for i in (1, 3, 5)])
+    return int((np.abs(rgb - want).max(axis=-1) <= 2).sum())
+
+
 def test_a_copied_database_opens_its_charts(chrome, synthetic, tmp_path) -> None:
+    """The study database copied elsewhere without its chart folder: the dashboard warns once, serves
+    every chart re-rendered from the trial's figures (coloured by feasibility) and writes nothing
+    beside the copy. Fails on the ArtifactNotFound 500 of issue 17, or a blue over-cap chart."""
     _, db = synthetic
     copy = tmp_path / "elsewhere" / "copy.db"
     copy.parent.mkdir()
@@ -137,11 +167,16 @@ def test_a_copied_database_opens_its_charts(chrome, synthetic, tmp_path) -> None
     assert not Path(artifact_dir_for(url)).exists()  # opening a study writes nothing beside it
     with WsgiServer(app) as server:
         copied = optuna.load_study(study_name=NAME, storage=url)
+        charts: dict[int, bytes] = {}
         for t in copied.get_trials():
             for meta in optuna.artifacts.get_all_artifact_meta(t, storage=copied._storage):
                 link = f"{server.url}/artifacts/{copied._study_id}/{t._trial_id}/{meta.artifact_id}"
                 with urllib.request.urlopen(link, timeout=30) as resp:
-                    assert resp.read(8) == b"\x89PNG\r\n\x1a\n", t.number
+                    charts[t.number] = resp.read()
+                assert charts[t.number][:8] == b"\x89PNG\r\n\x1a\n", t.number
+        # re-rendered coloured by feasibility: the over-cap trial (status 'ok') has a red bar, the best none
+        assert _pixels_of(charts[OVER_CAP_FASTER_2], BAD) > 500
+        assert _pixels_of(charts[BEST_2], BAD) == 0 and _pixels_of(charts[BEST_2], GOOD) > 500
         chrome.get(f"{server.url}/dashboard/studies/{copied._study_id}/trials?numbers={OVER_CAP_FASTER_2}")
         img = wait_for(chrome, lambda d: next(
             (i for i in d.find_elements("tag name", "img") if "/artifacts/" in (i.get_attribute("src") or "")
