@@ -67,6 +67,8 @@ def test_study_in_environment_loads_the_same_row_on_every_rank(saved, tmp_path):
 
 
 def test_export_file_loads_without_a_database(saved, tmp_path):
+    """Fails if every rank reads the export file instead of rank 0 reading and broadcasting it, or if
+    a rank applies anything but the exported configuration."""
     _url, row = saved
     path = export_file(row, str(tmp_path / "best.json"))
     proc, found = show(tmp_path, {"AUTOBALANCE_CONFIG_FILE": path, "SHOW_PLAN_WATCH": path})

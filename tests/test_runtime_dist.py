@@ -44,7 +44,8 @@ def test_every_step_of_an_epoch_equals_the_single_process_update(tmp_path_factor
     """Equal micro-batches per rank (sizes random per rank), accumulation 1-4. Fails if any step's
     loss weight uses the nominal global batch instead of that step's samples (the short last step
     then gets a wrong gradient), if the weighting is dropped (uneven ranks), if the schedule loses
-    or repeats a sample, or if DDP all-reduces more than once per step."""
+    or repeats a sample, if DDP all-reduces more than once per step, or if the check itself stops
+    before the epoch's last (short) step (e.g. a ``break`` after step 0 in grad_check.py)."""
     results = grad_check(world, tmp_path_factory)["equal"]
     assert len(results) == 6
     assert {r["config"]["accumulation"] for r in results} == {1, 2, 3, 4}
