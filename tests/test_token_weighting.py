@@ -12,33 +12,53 @@ from tests.conftest import torchrun
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize(("nproc", "cases"), [(2, 8), (3, 4)])
-def test_token_mean_update_is_exact_over_a_whole_epoch(tmp_path, repo, nproc, cases):
-    """Fails if the count weighting is dropped, uses sample counts, or uses a per-rank total."""
+def _token_check(tmp_path, repo, *args: str, nproc: int) -> dict[str, list[dict]]:
     out = tmp_path / "tokens.json"
-    proc = torchrun([str(repo / "tests/dist_scripts/token_grad_check.py"), str(out), str(cases)], nproc=nproc)
+    proc = torchrun([str(repo / "tests/dist_scripts/token_grad_check.py"), str(out), *args], nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(out.read_text())
-    assert {r["config"]["accumulation"] for r in results} == {1, 2, 3, 4}
-    assert any(len(set(r["config"]["micro_batches"])) > 1 for r in results)
-    assert any(any(r["config"]["checkpoint"]) for r in results)
-    for r in results:
+    return json.loads(out.read_text())
+
+
+def _assert_one_scalar_then_one_gradient_all_reduce(result: dict, *, scalar: bool) -> None:
+    """Every step of every rank, in order: the count's scalar all-reduce (``S``) before the first
+    backward (``B``), no other collective, and exactly one gradient all-reduce (``G``) in the last
+    backward. Fails if the count is reduced per micro-batch, after a backward, or by another
+    collective, or if a micro-step all-reduces gradients (``no_sync`` lost)."""
+    for rank, (steps, micro_steps) in enumerate(zip(result["events"], result["micro_steps"], strict=True)):
+        assert len(steps) == result["steps"], (rank, result)
+        for events, n in zip(steps, micro_steps, strict=True):
+            assert events == ("S" if scalar else "") + "B" * n + "G", (rank, events, result["config"])
+
+
+@pytest.mark.parametrize(("nproc", "equal", "any_"), [(2, 8, 6), (3, 4, 4)])
+def test_token_mean_update_is_exact_over_a_whole_epoch(tmp_path, repo, nproc, equal, any_):
+    """Equal micro-steps per rank (random uneven ranks, accumulation 1-4) and any split (micro-steps
+    of unequal sizes within a rank), checkpointed blocks, whole epochs with a short last step: the
+    gradient each optimizer step applies is one process's gradient of the global token mean within
+    1e-6 (fp32). Fails if the count weighting is dropped, uses sample counts, a per-rank or
+    per-micro-step total, or the any-split micro-step sizes are mixed up."""
+    results = _token_check(tmp_path, repo, str(equal), str(any_), nproc=nproc)
+    equal_r, any_r = results["equal"], results["any"]
+    assert {r["config"]["accumulation"] for r in equal_r} == {1, 2, 3, 4}
+    assert any(len(set(r["config"]["micro_batches"])) > 1 for r in equal_r)
+    assert any(r["unequal_micro_steps"] for r in any_r)  # the any-split form really has unequal micro-steps
+    assert any(r["config"].get("rank_samples") for r in any_r)  # stored in the any-split form
+    assert any(any(r["config"]["checkpoint"]) for r in equal_r + any_r)
+    assert any(r["last_step_samples"] < r["config"]["global_batch"] for r in equal_r + any_r)  # a short last step
+    for r in equal_r + any_r:
         assert r["steps"] == r["schedule_steps"] >= 2, r
         assert r["rel_error"] <= 1e-6, r
-        # one gradient all-reduce (one bucket) and one scalar all-reduce (the step's count) per step
-        assert r["grad_allreduces_per_step"] == 1, r
-        assert r["other_allreduces_per_step"] == 1, r
+        _assert_one_scalar_then_one_gradient_all_reduce(r, scalar=True)
 
 
 def test_without_count_the_same_token_mean_script_is_not_exact(tmp_path, repo):
     """The control: per-sample weighting of a token-mean loss is not the global token mean, so the
-    exactness check above can fail (and does, without ``count=``)."""
-    out = tmp_path / "tokens.json"
-    proc = torchrun([str(repo / "tests/dist_scripts/token_grad_check.py"), str(out), "2", "--no-count"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(out.read_text())
-    assert all(r["rel_error"] > 1e-3 for r in results), results
-    assert all(r["other_allreduces_per_step"] == 0 for r in results), results
+    exactness check above can fail (and does, without ``count=``); and without ``count=`` no
+    scalar all-reduce is added (one gradient all-reduce per step only)."""
+    results = _token_check(tmp_path, repo, "2", "2", "--no-count", nproc=2)
+    for r in results["equal"] + results["any"]:
+        assert r["rel_error"] > 1e-3, r
+        _assert_one_scalar_then_one_gradient_all_reduce(r, scalar=False)
 
 
 def test_tune_saves_a_verified_uneven_split_for_a_token_mean_script(tmp_path):

@@ -1,14 +1,16 @@
 """Run by tests under torchrun (gloo): a small language model on variable-length sequences whose
 loss is the mean over real tokens (``cross_entropy(..., ignore_index=-100)``). With
 ``plan.steps(loader, count=...)`` every optimizer step of a whole epoch (the short last step
-included) must equal one process's step on the global token mean of that step's samples, for
-uneven splits, accumulation 1-4 and checkpointed blocks; with exactly one gradient all-reduce and
-one scalar all-reduce per optimizer step.
+included) must update the weights as one process's step on the global token mean of that step's
+samples, for uneven splits (equal micro-steps per rank, and any split: micro-steps of unequal
+sizes within a rank), accumulation 1-4 (1-6 for any split) and checkpointed blocks. Every
+collective of every step is recorded in order, on every rank: one scalar all-reduce (the step's
+count) before the step's first backward, and exactly one gradient all-reduce, in its last.
 
-    torchrun --nproc-per-node 2 tests/dist_scripts/token_grad_check.py OUT.json [CASES] [--no-count]
+    torchrun --nproc-per-node 2 tests/dist_scripts/token_grad_check.py OUT.json [EQUAL [ANY]] [--no-count]
 
 ``--no-count`` runs the same script without ``count=`` (the per-sample weighting): the control
-that must *not* be exact. Writes a JSON list of results to OUT.json (rank 0 only).
+that must *not* be exact. Rank 0 writes ``{"equal": [...], "any": [...]}`` to OUT.json.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autobalance as ab
+from autobalance._config import split_at_least
 from autobalance.runtime import epoch_schedule
 
 VOCAB, SEQ, WIDTH, DEPTH = 11, 12, 16, 3
@@ -73,81 +76,142 @@ def make_data(n: int) -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(x, y)
 
 
-def one_case(cfg: ab.BalanceConfig, data: torch.utils.data.TensorDataset, *, use_count: bool) -> dict:
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_object",
+               "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
+               "all_to_all_single", "scatter", "gather", "barrier")
+"""Every Python-level collective of ``torch.distributed``: each call during a step is recorded."""
+
+
+class Recorder:
+    """The order of one rank's events in each optimizer step: ``S`` a one-element all-reduce (the
+    step's count), ``X`` any other collective outside DDP's gradient hook, ``B`` a backward starts,
+    ``G`` a gradient bucket all-reduce (DDP's comm hook). ``step()`` closes the current step."""
+
+    def __init__(self) -> None:
+        self.current: list[str] = []
+        self.steps: list[str] = []
+        self.originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def install(self) -> None:
+        for name, original in self.originals.items():
+            setattr(dist, name, self._counting(name, original))
+
+    def uninstall(self) -> None:
+        for name, original in self.originals.items():
+            setattr(dist, name, original)
+
+    def _counting(self, name, original):
+        def call(*args, **kwargs):
+            tensor = args[0] if args else kwargs.get("tensor")
+            scalar = name == "all_reduce" and isinstance(tensor, torch.Tensor) and tensor.numel() == 1
+            self.current.append("S" if scalar else "X")
+            return original(*args, **kwargs)
+        return call
+
+    def grad_hook(self, state, bucket):
+        self.current.append("G")
+        fut = self.originals["all_reduce"](bucket.buffer(), async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0] / dist.get_world_size())
+
+    def step(self) -> None:
+        self.steps.append("".join(self.current))
+        self.current = []
+
+
+def one_case(cfg: ab.BalanceConfig, data: torch.utils.data.TensorDataset, *, use_count: bool,
+             lr: float = 0.05) -> dict:
+    """A whole epoch: before every optimizer step the reference takes the model's current weights;
+    the gradient the optimizer steps with (SGD: the update over ``-lr``) must equal the reference's
+    gradient of the token-mean loss over exactly the samples the schedule gives that step (all
+    ranks, all micro-steps)."""
     plan = ab.plan(config=cfg, device="cpu")
     torch.manual_seed(0)
     reference = TinyLM()
     torch.manual_seed(0)
     model = plan.wrap(TinyLM())
-    grad_reductions = {"n": 0}
-    original_all_reduce = dist.all_reduce
+    recorder = Recorder()
     if plan.ddp is not None:
-        def hook(state, bucket):  # counts every gradient bucket all-reduce
-            grad_reductions["n"] += 1
-            fut = original_all_reduce(bucket.buffer(), async_op=True).get_future()
-            return fut.then(lambda f: f.value()[0] / dist.get_world_size())
-        plan.ddp.register_comm_hook(None, hook)
-    other_reductions = {"n": 0}
-
-    def counting_all_reduce(tensor, *args, **kwargs):  # every all-reduce outside the DDP hook
-        other_reductions["n"] += 1
-        return original_all_reduce(tensor, *args, **kwargs)
-
+        plan.ddp.register_comm_hook(None, recorder.grad_hook)
     loader = plan.dataloader(data, seed=7)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    stepped: list[torch.Tensor] = []  # the gradient the optimizer applies, read just before it steps
+    params = list(model.parameters())
+    opt.register_step_pre_hook(lambda *_: stepped.append(torch.cat([p.grad.flatten() for p in params])))
     schedule = epoch_schedule(num_samples=len(data), config=cfg, epoch=0, seed=7)
-    worst = 0.0
-    steps = 0
-    dist.all_reduce = counting_all_reduce
+    errors: list[float] = []
+    micro_steps: list[int] = []
+    recorder.install()
     try:
-        for micro_batches in plan.steps(loader, count=real_tokens) if use_count else plan.steps(loader):
+        for i, micro_batches in enumerate(plan.steps(loader, count=real_tokens) if use_count else plan.steps(loader)):
+            before = [p.detach().clone() for p in model.parameters()]
+            micro_steps.append(len(micro_batches))
             for x, y in micro_batches:
                 with plan.micro_step():
+                    recorder.current.append("B")
                     plan.backward(token_mean_loss(model(x), y))
             plan.optimizer_step(opt)
-            layout = schedule.steps[steps]
-            idx = [i for rank in layout.micro_batches for mb in rank for i in mb]
-            x_all, y_all = data.tensors[0][idx], data.tensors[1][idx]
-            ref_opt.zero_grad()
-            token_mean_loss(reference(x_all), y_all).backward()
-            ref_opt.step()
-            ref = torch.cat([p.detach().flatten() for p in reference.parameters()])
-            got = torch.cat([p.detach().flatten() for p in model.parameters()])
-            worst = max(worst, float((got - ref).norm() / ref.norm()))
-            steps += 1
+            recorder.step()
+            layout = schedule.steps[i]
+            idx = [j for rank in layout.micro_batches for mb in rank for j in mb]
+            with torch.no_grad():
+                for r, b in zip(reference.parameters(), before, strict=True):
+                    r.copy_(b)
+            reference.zero_grad(set_to_none=True)
+            token_mean_loss(reference(data.tensors[0][idx]), data.tensors[1][idx]).backward()
+            ref_grad = torch.cat([p.grad.flatten() for p in reference.parameters()])
+            got = stepped[-1]
+            applied = torch.cat([(b - p.detach()).flatten() for b, p in zip(before, model.parameters(), strict=True)])
+            assert torch.allclose(applied, lr * got, rtol=0, atol=1e-6), "the optimizer did not step with that gradient"
+            errors.append(float((got - ref_grad).norm() / ref_grad.norm()))
     finally:
-        dist.all_reduce = original_all_reduce
-    last = schedule.steps[-1]
+        recorder.uninstall()
+    events: list = [None] * dist.get_world_size()
+    dist.all_gather_object(events, {"events": recorder.steps, "micro_steps": micro_steps})
     result = {
-        "config": cfg.to_dict(), "rel_error": worst, "steps": steps, "schedule_steps": len(schedule.steps),
-        "last_step_samples": last.total,
-        "grad_allreduces_per_step": grad_reductions["n"] / max(steps, 1),
-        "other_allreduces_per_step": other_reductions["n"] / max(steps, 1),
+        "config": cfg.to_dict(), "rel_errors": errors, "rel_error": max(errors), "steps": len(errors),
+        "schedule_steps": len(schedule.steps), "last_step_samples": schedule.steps[-1].total,
+        "unequal_micro_steps": any(len({len(mb) for mb in rank}) > 1 for step in schedule.steps
+                                   for rank in step.micro_batches),
+        "events": [e["events"] for e in events], "micro_steps": [e["micro_steps"] for e in events],
     }
     del model, plan, opt, loader
     gc.collect()
     return result
 
 
+def equal_split(case: int, rng: random.Random, world: int) -> ab.BalanceConfig:
+    acc = 1 + case % 4
+    mbs = [rng.randint(1, 7) for _ in range(world)]
+    ckpt = [sorted(rng.sample(range(DEPTH), rng.randint(0, DEPTH))) for _ in range(world)]
+    return ab.BalanceConfig(micro_batches=mbs, accumulation=acc, global_batch=sum(mbs) * acc, checkpoint=ckpt,
+                            bucket_cap_mb=1000.0)
+
+
+def any_split(case: int, rng: random.Random, world: int) -> ab.BalanceConfig:
+    """Random global batch split any way over the ranks, in 1-6 micro-steps whose sizes differ by one."""
+    acc = 1 + case % 6
+    global_batch = rng.randint(world * acc + 1, world * acc + 30)
+    shares = [rng.uniform(0.05, 1.0) for _ in range(world)]
+    ckpt = [sorted(rng.sample(range(DEPTH), rng.randint(0, DEPTH))) for _ in range(world)]
+    return ab.BalanceConfig.any_split(rank_samples=split_at_least(global_batch, shares, acc), accumulation=acc,
+                                      checkpoint=ckpt, bucket_cap_mb=1000.0)
+
+
 def main() -> None:
     out = sys.argv[1]
-    cases = int(sys.argv[2]) if len(sys.argv) > 2 and not sys.argv[2].startswith("--") else 8
+    numbers = [int(a) for a in sys.argv[2:] if not a.startswith("--")]
+    equal_cases, any_cases = [*numbers, 8, 6][:2]
     use_count = "--no-count" not in sys.argv
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    rng = random.Random(11)
     data = make_data(101)  # a prime: the last step of most configurations is short
-    results = []
-    for case in range(cases):
-        acc = 1 + case % 4
-        mbs = [rng.randint(1, 7) for _ in range(world)]
-        ckpt = [sorted(rng.sample(range(DEPTH), rng.randint(0, DEPTH))) for _ in range(world)]
-        cfg = ab.BalanceConfig(
-            micro_batches=mbs, accumulation=acc, global_batch=sum(mbs) * acc, checkpoint=ckpt,
-            bucket_cap_mb=1000.0,
-        )
-        results.append(one_case(cfg, data, use_count=use_count))
+    results: dict[str, list[dict]] = {"equal": [], "any": []}
+    rng = random.Random(11)
+    for case in range(equal_cases):
+        results["equal"].append(one_case(equal_split(case, rng, world), data, use_count=use_count))
+    rng = random.Random(13)
+    for case in range(any_cases):
+        results["any"].append(one_case(any_split(case, rng, world), data, use_count=use_count))
     if dist.get_rank() == 0:
         with open(out, "w") as fh:
             json.dump(results, fh)
