@@ -65,7 +65,7 @@ def test_tune_saves_a_verified_uneven_split_for_a_token_mean_script(tmp_path):
     """A script whose loss is a token mean (``--variable-length``, ``count=``) under a cap where its
     own 8 + 8 runs out of memory on rank 0: tune finds an uneven split and verify accepts it
     (it would not without ``count=``: the test above shows the update then differs)."""
-    from tests.tune_helpers import GPT, cli, tune_args
+    from tests.tune_helpers import GPT, cli, load, tune_args
 
     db = tmp_path / "a.db"
     args = tune_args(GPT, db, "--memory-cap-gib", "0.0145", "--strategy", "model",
@@ -80,6 +80,14 @@ def test_tune_saves_a_verified_uneven_split_for_a_token_mean_script(tmp_path):
     assert sum(config["micro_batches"]) * config["accumulation"] == 16, saved
     assert config["micro_batches"][0] < config["micro_batches"][1], saved  # rank 0 holds the extras
     assert "verif" in text, saved
+    # the saved trial was really verified (not skipped as the script's own): fp32 against the baseline
+    study = load(db)
+    verdicts = {int(k.rsplit(":", 1)[1]): v for k, v in study.user_attrs.items() if k.startswith("autobalance:verify:")}
+    verdict = verdicts[saved["trial_number"]]
+    assert verdict["passed"] and not verdict["skipped"], verdict
+    check = verdict["checks"][0]
+    assert check["name"] == "equivalence" and [r.split("-")[0] for r in check["runs"]] == ["tuned", "baseline"], check
+    assert check["grad_rel"] <= 1e-6, check
 
 
 def test_verify_accepts_a_token_mean_split_with_count_and_explains_without(tmp_path):
@@ -96,4 +104,9 @@ def test_verify_accepts_a_token_mean_split_with_count_and_explains_without(tmp_p
     assert with_count.returncode == 0, with_count.stdout[-3000:] + with_count.stderr[-3000:]
     without = cli(["verify", script, *common], cwd=tmp_path)
     assert without.returncode == 1, without.stdout[-3000:] + without.stderr[-3000:]
-    assert "count=" in " ".join((without.stdout + without.stderr).split())
+    said = " ".join((without.stdout + without.stderr).split())
+    # the likely causes in words, and what to change for each
+    for words in ("not a per-sample mean", "mean over tokens (padding, ignore_index)",
+                  "plan.steps(loader, count=", "reduction='sum'", "README: Losses",
+                  "layers whose step depends on the batch", "non-deterministic ops"):
+        assert words in said, (words, said[-3000:])
