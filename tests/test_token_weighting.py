@@ -110,3 +110,21 @@ def test_verify_accepts_a_token_mean_split_with_count_and_explains_without(tmp_p
                   "plan.steps(loader, count=", "reduction='sum'", "README: Losses",
                   "layers whose step depends on the batch", "non-deterministic ops"):
         assert words in said, (words, said[-3000:])
+
+
+def test_tune_with_every_candidate_rejected_is_an_error_that_says_what_to_do():
+    """``tune`` exits non-zero (VerificationError, exit 1 through the CLI: see
+    test_tune_verify_user_scripts.py::test_a_sum_reduced_bf16_loss_is_never_saved_and_tune_exits_1)
+    when verification rejected every candidate, naming the token-mean fix. Fails if nothing saved
+    passes silently or the message drops ``count=``."""
+    from autobalance._errors import VerificationError
+    from autobalance.tuner._finish import Saving
+
+    Saving(trial=3, rejected=[1, 2]).check()  # something was saved: no error
+    Saving().check()  # nothing feasible (said elsewhere), nothing rejected: not this error
+    with pytest.raises(VerificationError) as caught:
+        Saving(rejected=[1, 2]).check()
+    said = str(caught.value)
+    for words in ("nothing was saved", "trial(s) 1, 2", "count=", "a sum must become a mean", "--study-name",
+                  "autobalance promote"):
+        assert words in said, (words, said)
