@@ -49,9 +49,12 @@ class Net(nn.Module):
 
 
 def one_case(cfg: ab.BalanceConfig, data: torch.utils.data.TensorDataset, lr: float = 0.05) -> dict:
-    """A whole epoch: before every optimizer step the reference takes the model's current weights;
-    the step's update must equal ``lr`` x the reference's gradient of the mean loss over exactly the
-    samples the schedule gives that step (the short last step included)."""
+    """A whole epoch: before every optimizer step the reference takes the model's current weights.
+    The gradient the optimizer is given (all-reduced, read just before ``plan.optimizer_step``) must
+    equal the reference's gradient of the mean loss over exactly the samples the schedule gives that
+    step (the short last step included): ``grad_errors``, fp32, the verify rule's 1e-6. The update
+    that step applies must be ``lr`` x that gradient: ``rel_errors`` (read back from the weights, so
+    fp32 rounding of ``weights - lr x grad`` leaves a few 1e-6)."""
     plan = ab.plan(config=cfg, device="cpu")
     torch.manual_seed(0)
     reference = Net()
@@ -68,6 +71,7 @@ def one_case(cfg: ab.BalanceConfig, data: torch.utils.data.TensorDataset, lr: fl
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     schedule = epoch_schedule(num_samples=len(data), config=cfg, epoch=0, seed=7)
     errors: list[float] = []
+    grad_errors: list[float] = []
     totals: list[int] = []
     allreduces: list[int] = []
     seen: list[int] = []
@@ -77,6 +81,7 @@ def one_case(cfg: ab.BalanceConfig, data: torch.utils.data.TensorDataset, lr: fl
         for x, y in micro_batches:
             with plan.micro_step():
                 plan.backward(F.cross_entropy(model(x), y))
+        grad = torch.cat([p.grad.detach().flatten().clone() for p in model.parameters()])
         plan.optimizer_step(opt)
         allreduces.append(calls["n"] - calls_before)
         step = schedule.steps[i]
@@ -91,8 +96,9 @@ def one_case(cfg: ab.BalanceConfig, data: torch.utils.data.TensorDataset, lr: fl
         ref_grad = torch.cat([p.grad.flatten() for p in reference.parameters()])
         got = torch.cat([((b - p.detach()) / lr).flatten() for b, p in zip(before, model.parameters(), strict=True)])
         errors.append(float((got - ref_grad).norm() / ref_grad.norm()))
+        grad_errors.append(float((grad - ref_grad).norm() / ref_grad.norm()))
         totals.append(step.total)
-    result = {"config": cfg.to_dict(), "num_samples": len(data), "rel_errors": errors,
+    result = {"config": cfg.to_dict(), "num_samples": len(data), "rel_errors": errors, "grad_errors": grad_errors,
               "rel_error": max(errors), "step_totals": totals, "schedule_steps": len(schedule.steps),
               "dropped": schedule.dropped, "allreduce_calls": allreduces, "samples_seen": len(seen),
               "distinct_samples": len(set(seen))}
