@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ import optuna
 
 from autobalance._config import BalanceConfig
 from autobalance.launcher import TrialOutcome
-from autobalance.protocol import Status, StudyAttr
+from autobalance.protocol import StudyAttr
 from autobalance.tuner import SearchSpace, Tuner, TuneSettings
 from autobalance.tuner._notes import write_notes
 from autobalance.tuner._study import open_study
@@ -36,7 +36,10 @@ class Spec:
     """One synthetic trial: the configuration and what each rank reported."""
 
     status: str  # ok, oom, predicted_oom
-    micro: list[int]
+    micro: list[int] = field(default_factory=list)
+    """Equal micro-batches per rank (left empty when ``samples`` is given)."""
+    samples: list[int] | None = None
+    """Any split: per-rank samples per optimizer step in ``acc`` micro-steps that differ by one."""
     acc: int
     dtype: str = "bf16"
     compile: str = "off"
@@ -76,10 +79,14 @@ BEST_1 = 1
 
 
 def _config(spec: Spec, layers: int) -> BalanceConfig:
-    ckpt = [list(range(spec.ckpt)) for _ in spec.micro]
+    world = len(spec.samples or spec.micro)
+    rest: dict[str, Any] = dict(checkpoint=[list(range(spec.ckpt)) for _ in range(world)], dtype=spec.dtype,
+                                compile=spec.compile,
+                                activation_budget=None if spec.budget is None else [spec.budget] * world)
+    if spec.samples is not None:
+        return BalanceConfig.any_split(rank_samples=list(spec.samples), accumulation=spec.acc, **rest)
     return BalanceConfig(micro_batches=list(spec.micro), accumulation=spec.acc, global_batch=sum(spec.micro) * spec.acc,
-                         checkpoint=ckpt, dtype=spec.dtype, compile=spec.compile,
-                         activation_budget=None if spec.budget is None else [spec.budget] * len(spec.micro))
+                         **rest)
 
 
 def _report(spec: Spec, rank: int, config: BalanceConfig) -> dict[str, Any]:
@@ -87,7 +94,7 @@ def _report(spec: Spec, rank: int, config: BalanceConfig) -> dict[str, Any]:
     failed = spec.status == "oom" and rank == spec.failing_rank
     rep: dict[str, Any] = {
         "status": "oom" if failed else ("ok" if spec.status == "ok" else "peer_failed"), "rank": rank,
-        "world_size": len(spec.micro),
+        "world_size": config.world_size,
         "memory": {} if peak is None else {"peak_device": peak * GIB, "peak_allocated": 0.9 * peak * GIB,
                                            "peak_reserved": 0.95 * peak * GIB, "outside_pytorch": 0.05 * peak * GIB},
         "device": {"type": "cuda", "name": "synthetic GPU", "capacity_bytes": 141 * GIB, "cap_bytes": CAP_GIB * GIB},
@@ -126,9 +133,10 @@ def _build(db: Path, url: str, settings: TuneSettings, specs: list[Spec], world_
     tuner = Tuner(settings=settings)
     study = open_study(settings, tuner.storage)
     layers = 8
-    space = SearchSpace.build(world_size=world_size, global_batch=sum(specs[0].micro) * specs[0].acc,
-                              num_layers=layers, dtypes=["fp32", "bf16", "fp16"], max_accumulation=4,
-                              compile_modes=["off", "default"])
+    any_split = any(s.samples for s in specs)
+    space = SearchSpace.build(world_size=world_size, global_batch=_config(specs[0], layers).global_batch,
+                              num_layers=layers, dtypes=["fp32", "bf16", "fp16"], max_accumulation=8 if any_split else 4,
+                              compile_modes=["off", "default"], any_split=any_split)
     study.set_user_attr(StudyAttr.SPACE, space.to_dict())
     study.set_user_attr(StudyAttr.CAPACITY, [CAP_GIB * GIB] * world_size)
     study.set_user_attr(StudyAttr.DEVICE, {"type": "cuda", "name": "synthetic GPU", "capacity_bytes": 141 * GIB})
@@ -151,7 +159,7 @@ def _build(db: Path, url: str, settings: TuneSettings, specs: list[Spec], world_
                      "config": config.to_dict(),
                      "reason": f"not launched: trial {spec.dominated_by} exceeded rank 0's usable memory with less "
                                "recomputation"}
-            tuner.recorder.tell(study, trial, figures, attrs, Status.PREDICTED_OOM)
+            tuner.recorder.predicted(study, trial, config, (figures, attrs))  # as the tuner records a prediction
             continue
         reports = {r: _report(spec, r, config) for r in range(world_size)}
         reason = ("" if spec.status == "ok" else

@@ -33,7 +33,7 @@ def test_prime_global_batch_study_runs_splits_that_are_not_a_divisors(tmp_path):
         cfg = BalanceConfig.from_dict(t.user_attrs["config"])
         sizes = cfg.micro_step_sizes(0)
         assert cfg.global_batch == 13 and 1 < cfg.accumulation < 13 and max(sizes) - min(sizes) == 1
-        assert t.user_attrs["split"] == [f"rank 0: {','.join(map(str, sizes))}"]  # what the dashboard shows
+        assert t.user_attrs["split"] == f"rank 0: {','.join(map(str, sizes))}"  # what the dashboard shows
     best = cli(["best", "--study-name", "s", "--storage", f"sqlite:///{db}", "--format", "json"], cwd=tmp_path)
     assert best.returncode == 0, best.stderr
     chosen = BalanceConfig.from_dict(json.loads(best.stdout)["config"])

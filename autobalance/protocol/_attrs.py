@@ -63,8 +63,9 @@ class TrialAttr:
     CONFIG = "config"
     """The trial's ``BalanceConfig.to_dict()``."""
     SPLIT = "split"
-    """The trial's micro-batches per rank as people read them (``BalanceConfig.split_lines()``:
-    ``rank 0: 6,6,5,5,5,5``), for the dashboard; display only."""
+    """The trial's micro-batches per rank as people read them, one string (``BalanceConfig.split_text()``:
+    ``rank 0: 6,6,5,5,5,5; rank 1: 4,4,4,3,3,3``; optuna-dashboard shows a string as it is, a list
+    as JSON), for the dashboard; display only (studies from before hold ``split_lines()``, a list)."""
     BASELINE = "baseline"
     """True on the baseline trial."""
     FEASIBLE = "feasible"

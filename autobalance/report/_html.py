@@ -44,7 +44,12 @@ def config_rows(config: dict[str, Any]) -> list[tuple[str, str]]:
     c = dict(config)
     rows: list[tuple[str, str]] = []
     micro = c.pop("micro_batches", None)
-    if micro is not None:
+    if c.pop("rank_samples", None):  # any split: each rank's micro-steps as they run, e.g. "rank 0: 6,6,5,5,5,5"
+        from autobalance._config import BalanceConfig
+
+        rows.append(("micro-batches per optimizer step (sizes differ by at most one)",
+                     BalanceConfig.from_dict(config).split_text()))
+    elif micro is not None:
         rows.append(("micro-batch (samples per micro-step)", _per_rank(list(micro))))
     if "accumulation" in c:
         rows.append(("gradient accumulation (micro-steps per optimizer step)", str(c.pop("accumulation"))))

@@ -65,7 +65,7 @@ class Recorder:
             TrialAttr.STATUS: outcome.status,
             TrialAttr.REASON: outcome.reason,
             TrialAttr.CONFIG: config.to_dict(),
-            TrialAttr.SPLIT: config.split_lines(),  # shown as is by the dashboard: rank 0: 6,6,5,5,5,5
+            TrialAttr.SPLIT: config.split_text(),  # shown as is by the dashboard: rank 0: 6,6,5,5,5,5
             TrialAttr.BASELINE: baseline,
             TrialAttr.WALL_S: round(outcome.wall_s, 3),
             TrialAttr.TRIAL_DIR: outcome.trial_dir,
@@ -143,7 +143,7 @@ class Recorder:
         """A configuration the models say cannot fit: recorded as infeasible without launching."""
         figures, attrs = prediction
         return self.tell(study, trial, figures, {**attrs, TrialAttr.CONFIG: config.to_dict(),
-                                                        TrialAttr.SPLIT: config.split_lines()}, Status.PREDICTED_OOM)
+                                                        TrialAttr.SPLIT: config.split_text()}, Status.PREDICTED_OOM)
 
     def surplus(self, study: optuna.Study, trial: optuna.Trial) -> bool:
         """Another worker asked for the last trial at the same moment: fail this one (not counted)."""
