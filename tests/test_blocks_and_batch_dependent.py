@@ -77,9 +77,18 @@ def test_no_blocks_error_points_to_blocks_argument():
 
 
 def test_batch_dependent_layers_are_detected_statically_and_by_their_buffer_writes():
+    """Fails if BatchNorm is known only by its running buffers (one without them is missed), if
+    InstanceNorm without running statistics counts, or if a custom layer writing a buffer in its
+    forward is not caught (or one holding a constant buffer is)."""
     assert batch_dependent_modules(SequentialBody(norm=True)) == [
         f"body.layers.{i}.norm (BatchNorm1d)" for i in range(6)]
     assert batch_dependent_modules(SequentialBody()) == []
+    # BatchNorm without running statistics has no buffer, yet normalises with the batch's statistics
+    # in train mode (and always: train mode is its only mode); LayerNorm/GroupNorm are per sample
+    stateless = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, track_running_stats=False), nn.GroupNorm(2, 4))
+    assert batch_dependent_modules(stateless) == ["1 (BatchNorm1d)"]
+    assert batch_dependent_modules(nn.Sequential(nn.InstanceNorm1d(4, track_running_stats=True),
+                                                 nn.InstanceNorm1d(4))) == ["0 (InstanceNorm1d)"]
 
     class Ema(nn.Module):  # a custom layer that updates a buffer in its forward
         def __init__(self) -> None:
