@@ -74,6 +74,7 @@ from autobalance.protocol import (
 from autobalance.tuner._notes import write_notes
 
 __all__ = [
+    "BUFFER_CAUSES",
     "FP32_CAUSES",
     "FP32_TOLERANCE",
     "NOISE_FACTOR",
@@ -160,6 +161,15 @@ class Check:
     """(gradients, updated parameters, buffers); None: informational."""
     worst: str
     """The parameter with the largest relative gradient error (``""``: none stands out)."""
+    worst_buffer: str = ""
+    """The buffer with the largest relative error (``""``: none differs)."""
+
+    @property
+    def buffers_only(self) -> bool:
+        """Gradients and updated parameters within tolerance, buffers not: a layer that updates its
+        buffers in its forward ran another number of times, or on other samples."""
+        return (self.tolerance is not None and not self.passed and self.grad_rel <= self.tolerance[0]
+                and self.param_rel <= self.tolerance[1])
 
     @property
     def passed(self) -> bool:
@@ -187,13 +197,16 @@ class Check:
             extra.append(f"tolerance {self.tolerance[0]:.1e}")
         if self.worst and math.isfinite(self.grad_rel):
             extra.append(f"worst parameter {self.worst}")
+        if self.worst_buffer and self.tolerance is not None and self.buffer_rel > self.tolerance[2]:
+            extra.append(f"worst buffer {self.worst_buffer}")
         return text + (f" ({'; '.join(extra)})" if extra else "")
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "runs": list(self.runs), "grad_rel": _finite(self.grad_rel),
                 "param_rel": _finite(self.param_rel), "update_rel": _finite(self.update_rel),
                 "buffer_rel": _finite(self.buffer_rel), "tolerance": list(self.tolerance) if self.tolerance else None,
-                "worst_parameter": self.worst or None, "passed": self.passed}
+                "worst_parameter": self.worst or None, "worst_buffer": self.worst_buffer or None,
+                "passed": self.passed}
 
 
 FP32_CAUSES = (
@@ -204,6 +217,13 @@ FP32_CAUSES = (
     "(`autobalance verify --config` with the script's own configuration fails too)"
 )
 """What to say when the fp32 math differs."""
+
+BUFFER_CAUSES = (
+    "only the buffers differ: a layer that updates its buffers in its forward (running statistics) ran another "
+    "number of times or on other micro-batches (a recomputation that updates them again, or a split that changes "
+    "what they average)"
+)
+"""What to say when gradients and parameters agree and the buffers do not."""
 
 
 @dataclass(kw_only=True)
@@ -313,9 +333,9 @@ class Verifier:
         update_rel, _ = _relative(upd_a, upd_b)
         param_rel, _ = _relative(a.params, b.params)
         shared = sorted(set(a.buffers) & set(b.buffers))
-        buffer_rel, _ = _relative({k: a.buffers[k] for k in shared}, {k: b.buffers[k] for k in shared})
+        buffer_rel, worst_buffer = _relative({k: a.buffers[k] for k in shared}, {k: b.buffers[k] for k in shared})
         return Check(name=name, runs=(a.name, b.name), grad_rel=grad_rel, param_rel=param_rel, update_rel=update_rel,
-                     buffer_rel=buffer_rel, tolerance=tolerance, worst=worst)
+                     buffer_rel=buffer_rel, tolerance=tolerance, worst=worst, worst_buffer=worst_buffer)
 
     def verify(self, tuned: BalanceConfig, *, baseline: BalanceConfig | None = None) -> Verification:
         """Run and judge; ``baseline``: the study's baseline configuration when known (a tuned
@@ -386,7 +406,8 @@ class Verifier:
         checks.append(equivalence)
         if not equivalence.passed:
             where = "" if tuned.dtype == "fp32" else " (both run in fp32)"
-            causes = FP32_CAUSES if equivalence.finite else "check the loss for inf/nan"
+            causes = (BUFFER_CAUSES if equivalence.buffers_only else FP32_CAUSES) if equivalence.finite \
+                else "check the loss for inf/nan"
             return Verification(passed=False, reason=(
                 f"its step differs from the baseline's{where}: {equivalence.figures()}{note}; {causes}"))
         tolerance = exact
@@ -419,8 +440,7 @@ class Verifier:
             checks.append(check)
             if not check.passed:
                 why = ("its recomputation updates buffers again (e.g. BatchNorm running statistics)"
-                       if check.grad_rel <= tolerance[0] and check.param_rel <= tolerance[1]
-                       else "dropout masks are not replayed")
+                       if check.buffers_only else "dropout masks are not replayed")
                 return Verification(passed=False, reason=(
                     f"with dropout, its recomputation changes the step relative to the same configuration without "
                     f"recomputation: {check.figures()}: {why}"))
@@ -452,9 +472,9 @@ class Verifier:
 
 def _relative(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, str]:
     """|a - b| / |b| over all tensors (float64 sums), and the name with the largest per-tensor error
-    (inf/nan counts as the largest; ``""`` when there is no tensor)."""
+    (inf/nan counts as the largest; ``""`` when no tensor differs)."""
     num = den = 0.0
-    worst, worst_rel = "", -1.0
+    worst, worst_rel = "", 0.0
     for key in sorted(b):
         diff = float((a[key].double() - b[key].double()).pow(2).sum())
         ref = float(b[key].double().pow(2).sum())
