@@ -127,3 +127,50 @@ def test_a_model_without_blocks_gets_no_checkpointing_proposals(tmp_path):
     candidates = ModelAdvisor(space=space, settings=settings).candidates(study)
     assert candidates and all(cfg.checkpoint == [[]] for _, cfg in candidates)
     assert max(max(cfg.micro_batches) for _, cfg in candidates) == 6  # 2.8 GiB / 1.05 margin: at most 6 fit
+
+
+def _two_rank_study() -> optuna.Study:
+    """Two ranks of different memory: rank 0 peaks at 1 GiB + 0.25 GiB per sample of its LARGEST
+    micro-batch (usable 2.8 GiB), rank 1 at 1.2 GiB + 0.25 GiB per sample (usable 2.0 GiB); a
+    launch-bound step (20 ms per micro-step + 1 ms per sample of the busier rank). Measured any-split
+    trials of a prime global batch, 31."""
+    study = optuna.create_study()
+    study.set_user_attr("autobalance:reference_step_s", 0.2)
+    for samples, acc in (([23, 8], 8), ([16, 15], 8), ([25, 6], 6), ([21, 10], 7), ([26, 5], 5), ([10, 21], 7)):
+        cfg = BalanceConfig.any_split(rank_samples=samples, accumulation=acc, bucket_cap_mb=25.0,
+                                      gradient_as_bucket_view=True)
+        peaks = [1.0 + 0.25 * cfg.micro_batches[0], 1.2 + 0.25 * cfg.micro_batches[1]]
+        study.add_trial(optuna.trial.create_trial(state=optuna.trial.TrialState.COMPLETE, value=1.0, user_attrs={
+            "status": "ok", "config": cfg.to_dict(), "peak_device_gib": peaks, "usable_gib": [2.8, 2.0],
+            "step_time_ms": 20.0 * acc + max(samples) + 5.0}))
+    return study
+
+
+@pytest.mark.parametrize("split", ["any", "equal"])
+def test_the_model_proposes_per_rank_the_largest_micro_batch_that_fits(tmp_path, split):
+    """Per rank, not only on one: with 2.8 / 1.05 GiB rank 0 holds micro-batches of up to 6, rank 1
+    (2.0 / 1.05 GiB) up to 2, so 31 samples need at least 4 micro-steps, as 6,6,6,5 and 2,2,2,2.
+    Fails if the memory model learns from a trial's mean micro-batch instead of its largest (the
+    peaks then look costlier per sample and 6 no longer fits), if the solver does not fill each
+    rank up to what fits, or if the equal form (31 is prime: 1 micro-step only) proposes anything."""
+    script = tmp_path / "train.py"
+    script.write_text("")
+    settings = TuneSettings(script=str(script), device="cpu", nproc_per_node=2, memory_cap_gib=[2.8, 2.0],
+                            headroom=0.0, split=split)
+    space = SearchSpace.build(world_size=2, global_batch=31, num_layers=0, dtypes=["fp32"], max_accumulation=8,
+                              any_split=split == "any")
+    candidates = ModelAdvisor(space=space, settings=settings).candidates(_two_rank_study())
+    if split == "equal":
+        assert candidates == []  # 31 on 2 ranks in 1 micro-step: 16 + 15 at once fit on neither rank
+        return
+    assert candidates
+    for _, cfg in candidates:  # every proposal fits on each rank by its largest micro-batch
+        assert cfg.global_batch == 31 and cfg.micro_batches[0] <= 6 and cfg.micro_batches[1] <= 2, cfg
+        for r in range(2):
+            sizes = cfg.micro_step_sizes(r)
+            assert max(sizes) - min(sizes) <= 1 and max(sizes) == cfg.micro_batches[r]
+    fewest = min(cfg.accumulation for _, cfg in candidates)
+    first = next(cfg for _, cfg in candidates if cfg.accumulation == fewest)
+    assert fewest == 4 and first.micro_batches == [6, 2]
+    assert first.split_text() == "rank 0: 6,6,6,5; rank 1: 2,2,2,2"
+    assert candidates[0][1].accumulation == 4  # the fewest micro-steps is also the fastest here
