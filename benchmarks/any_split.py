@@ -11,7 +11,9 @@ against the cap, so no trial really runs out of memory):
 1. ``direct``: a fixed list of eager configurations of both forms, measured one after the other
    (an A/B that does not depend on any search).
 2. ``studies``: two studies with the same settings (trials, seed, model strategy, eager, dtypes),
-   one with ``split="equal"``, one with ``split="any"``; their best feasible step time.
+   one with ``split="equal"``, one with ``split="any"``; their best feasible step time. With
+   ``--study-compile search`` both studies also search ``torch.compile`` and its activation budget
+   (``--time-budget`` bounds each study; results in ``any_split_studies_compiled.json``).
 3. ``compiled`` (optional, a separate run: about 12-30 s of compilation per configuration): the
    largest micro-batches 8 (equal: 8,8,8,8), 7 and 6 (any: 7,7,6,6,6 and 6,6,5,5,5,5) compiled
    (``torch.compile`` default mode), at the default activation budget and at 0.5. The any split's
@@ -19,6 +21,8 @@ against the cap, so no trial really runs out of memory):
 
     python benchmarks/any_split.py --cap-gib 16 --phase direct,studies   # one H200, about 3-5 minutes
     python benchmarks/any_split.py --cap-gib 16 --phase compiled         # one H200, about 2-4 minutes
+    python benchmarks/any_split.py --cap-gib 16 --phase studies --study-compile search --time-budget 3m
+                                                                         # one H200, at most ~8 minutes
     python benchmarks/any_split.py --small --cap-gib 0.0148 --trials 6    # CPU smoke run: the tiny GPT
 """
 
@@ -110,17 +114,19 @@ def run_studies(pool: WarmPool, root: str, args: argparse.Namespace) -> dict[str
     for split in ("equal", "any"):
         settings = TuneSettings(
             script=GPT, script_args=script_args(args.small), trials=args.trials, nproc_per_node=1, device=args.device,
-            storage=f"sqlite:///{root}/studies.db", study_name=f"split-{split}", memory_cap_gib=[args.cap_gib],
-            headroom=args.headroom, cap_mode="judge", compile="off", strategy="model", sampler="tpe", seed=args.seed,
-            dtypes=[args.dtype], max_accumulation=args.max_accumulation, split=split, verify=False,
-            trial_timeout=180, runs_dir=f"{root}/runs",
+            storage=f"sqlite:///{root}/studies.db", study_name=f"split-{split}-compile-{args.study_compile}",
+            memory_cap_gib=[args.cap_gib], headroom=args.headroom, cap_mode="judge", compile=args.study_compile,
+            strategy="model", sampler="tpe", seed=args.seed, dtypes=[args.dtype],
+            max_accumulation=args.max_accumulation, split=split, verify=False, trial_timeout=180,
+            runs_dir=f"{root}/runs", time_budget=args.time_budget,
         )
         t0 = time.monotonic()
         result = Tuner(settings=settings, pool=pool).run()
         study = optuna.load_study(study_name=settings.study_name, storage=settings.storage)
         launched = [t for t in study.get_trials() if t.user_attrs.get("status") not in (None, "predicted_oom")]
         best = result.best
-        row = {"split": split, "wall_s": round(time.monotonic() - t0, 1), "trials_launched": len(launched),
+        row = {"split": split, "compile": args.study_compile, "time_budget": args.time_budget,
+               "wall_s": round(time.monotonic() - t0, 1), "trials_launched": len(launched),
                "best": None if best is None else {
                    "number": best.number, "config": best.user_attrs["config"],
                    "split": BalanceConfig.from_dict(best.user_attrs["config"]).split_lines(),
@@ -128,6 +134,7 @@ def run_studies(pool: WarmPool, root: str, args: argparse.Namespace) -> dict[str
                "trials": [{"number": t.number, "status": t.user_attrs.get("status"),
                            "split": BalanceConfig.from_dict(t.user_attrs["config"]).split_text()
                            if t.user_attrs.get("config") else None,
+                           "compile": (t.user_attrs.get("config") or {}).get("compile"),
                            "step_ms": t.user_attrs.get("step_time_ms"), "feasible": t.user_attrs.get("feasible")}
                           for t in study.get_trials()]}
         print(json.dumps({k: row[k] for k in ("split", "wall_s", "trials_launched", "best")}), flush=True)
@@ -148,6 +155,9 @@ def main() -> None:
     p.add_argument("--max-accumulation", type=int, default=8)
     p.add_argument("--phase", default="direct,studies", help="comma list of direct, studies, compiled")
     p.add_argument("--small", action="store_true", help="CPU smoke run with the tiny default GPT")
+    p.add_argument("--study-compile", choices=["off", "search"], default="off",
+                   help="studies phase: eager only (off) or torch.compile searched too (search), same for both forms")
+    p.add_argument("--time-budget", default=None, help="studies phase: stop starting trials after this (e.g. 3m), per study")
     args = p.parse_args()
     args.device = "cpu" if args.small else "cuda"
     if args.small and args.dtype == "bf16":
@@ -159,8 +169,11 @@ def main() -> None:
     pool = WarmPool(template=TrialLaunch(**launch_args, trial_dir=root), pool_dir=f"{root}/pool")
     out: dict[str, Any] = {"cap_gib": args.cap_gib, "headroom": args.headroom, "usable_gib": usable,
                            "global_batch": args.global_batch, "dtype": args.dtype, "script_args": script_args(args.small),
-                           "trials": args.trials, "seed": args.seed, "phase": args.phase}
+                           "trials": args.trials, "seed": args.seed, "phase": args.phase,
+                           "study_compile": args.study_compile, "time_budget": args.time_budget}
     name = "any_split_small" if args.small else "any_split"
+    if args.study_compile == "search":
+        name += "_studies_compiled"
     t0 = time.monotonic()
     try:
         if "direct" in args.phase:
