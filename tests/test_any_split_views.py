@@ -72,3 +72,28 @@ def test_config_rows_of_both_forms() -> None:
     assert "micro-batch (samples per micro-step)" not in rows and "rank samples" not in rows
     old = dict(config_rows({"micro_batches": [4], "accumulation": 8, "global_batch": 32}))
     assert old["micro-batch (samples per micro-step)"] == "4"
+
+
+def test_best_and_export_print_each_ranks_micro_steps(tmp_path) -> None:
+    """``autobalance best`` (table) and ``autobalance export`` print the split as it runs; fails if
+    either shows only the largest micro-batch per rank."""
+    from typer.testing import CliRunner
+
+    from autobalance import BalanceConfig
+    from autobalance.cli import app
+    from autobalance.store import ConfigStore, current_fingerprint
+
+    url = f"sqlite:///{tmp_path / 'b.db'}"
+    config = BalanceConfig.any_split(rank_samples=[32, 21], accumulation=6, checkpoint=[[0], []], dtype="bf16")
+    with ConfigStore(url=url) as store:
+        store.save(study_name="s", trial_number=3, config=config, figures={"step_time_ms": 180.0},
+                   fingerprint=current_fingerprint(device_type="cpu", world_size=2, nnodes=1), saved_by="test")
+    runner = CliRunner()
+    best = runner.invoke(app, ["best", "--study-name", "s", "--storage", url], env={"COLUMNS": "200"})
+    assert best.exit_code == 0, best.output
+    assert "rank 0: 6,6,5,5,5,5" in best.output and "rank 1: 4,4,4,3,3,3" in best.output
+    out = tmp_path / "best.json"
+    export = runner.invoke(app, ["export", "--study-name", "s", "--storage", url, "-o", str(out)])
+    assert export.exit_code == 0, export.output
+    assert f"micro-batches per optimizer step: {SPLIT}" in export.output
+    assert json.loads(out.read_text())["split"] == SPLIT.split("; ")
