@@ -9,14 +9,17 @@ imports this ``sitecustomize`` at start-up in every process of the job, and in t
 - ``loss-weighting``: ``plan.backward`` no longer weights a micro-batch's mean loss by its share of
   the global batch (each rank's mean counts the same, whatever its share: wrong for uneven splits);
 - ``no-rng-preserve``: blocks are checkpointed without preserving the RNG state (the recomputation
-  draws other dropout masks: wrong gradients whenever dropout is on).
+  draws other dropout masks: wrong gradients whenever dropout is on);
+- ``micro-step-weights``: each micro-batch of a rank weighs as the mean of that rank's micro-batches
+  in the step, not by its own size (the rank's share stays right: exact for equal micro-batches,
+  wrong for an any split such as 6,6,5,5,5,5).
 """
 
 from __future__ import annotations
 
 import os
 
-BUGS = ("loss-weighting", "no-rng-preserve")
+BUGS = ("loss-weighting", "no-rng-preserve", "micro-step-weights")
 
 
 def _inject(bug: str) -> None:
@@ -28,6 +31,14 @@ def _inject(bug: str) -> None:
         import autobalance.runtime._checkpoint as checkpoint
 
         checkpoint._PRESERVE_RNG_STATE = False
+    elif bug == "micro-step-weights":
+        from autobalance.runtime._weighting import StepWeights
+
+        def mean_weight(self, micro_index: int) -> float:
+            mean = sum(self._counts) / len(self._counts)
+            return self.world_size * mean / self._total
+
+        StepWeights.weight = mean_weight  # type: ignore[method-assign]
     else:
         raise SystemExit(f"TESTS_INJECT_BUG={bug!r} is unknown; use one of {', '.join(BUGS)}.")
 
