@@ -90,6 +90,29 @@ def test_tune_saves_a_verified_uneven_split_for_a_token_mean_script(tmp_path):
     assert check["grad_rel"] <= 1e-6, check
 
 
+def test_tune_of_the_same_script_without_count_saves_nothing_exits_1_and_says_why(tmp_path):
+    """The issue's first observation, from the user's side: the same token-mean script without
+    ``count=`` under the same cap (every fitting split is uneven): every candidate fails fp32
+    verification, nothing is saved, ``tune`` exits 1, and the output names ``count=`` and what to do
+    next. Fails if the refusal becomes a silent exit 0 or the explanation loses the token-mean fix."""
+    from tests.tune_helpers import GPT, cli, load, tune_args
+
+    db = tmp_path / "a.db"
+    args = tune_args(GPT, db, "--memory-cap-gib", "0.0145", "--strategy", "model",
+                     "--max-accumulation", "1", trials=4)
+    proc = cli([*args, "--", "--variable-length", "--no-count"], cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    said = " ".join((proc.stdout + proc.stderr).split())
+    assert "No configuration was saved" in said and "nothing was saved: every configuration tried failed" in said
+    assert "a mean over tokens (padding, ignore_index) needs `plan.steps(loader, count=" in said
+    assert "a token mean needs plan.steps(loader, count=...)" in said  # what to do, in the final error
+    verdicts = [v for k, v in load(db).user_attrs.items() if k.startswith("autobalance:verify:")]
+    assert verdicts and not any(v["passed"] for v in verdicts), verdicts
+    assert all(v["checks"][0]["grad_rel"] > 1e-3 for v in verdicts), verdicts
+    best = cli(["best", "--study-name", "s", "--storage", f"sqlite:///{db}"], cwd=tmp_path)
+    assert best.returncode != 0  # nothing in the store
+
+
 def test_verify_accepts_a_token_mean_split_with_count_and_explains_without(tmp_path):
     """The same uneven split of a token-mean script: verified with ``count=``; without it verify
     fails in fp32 and names the fix (``count=``) in words."""

@@ -101,6 +101,9 @@ def parse_args() -> argparse.Namespace:
                    help="compute the loss outside the wrapped model (as most scripts do; for comparison)")
     p.add_argument("--variable-length", action="store_true",
                    help="sequences of random length, padded; the loss is the mean over real tokens")
+    p.add_argument("--no-count", action="store_true",
+                   help="with --variable-length: do not pass count= (for comparison: uneven splits then "
+                        "change the update, and verify refuses them)")
     return p.parse_args()
 
 
@@ -140,7 +143,7 @@ def main() -> None:
     loader = plan.dataloader(dataset)  # ab: this rank's micro-batches, uneven shards
     # ab: a loss averaged over real tokens is weighted by each micro-batch's share of the step's
     # real tokens (over all ranks), so every split computes the global token-mean update
-    count = (lambda batch: (batch[1] != IGNORE).sum()) if args.variable_length else None
+    count = (lambda batch: (batch[1] != IGNORE).sum()) if args.variable_length and not args.no_count else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=plan.device.type == "cuda")
 
     step = 0
