@@ -68,7 +68,7 @@ def test_measure_s_lengthens_cold_and_warm_trials_up_to_the_bounds(tmp_path):
 
 def test_auto_measure_targets_the_overhead_of_recent_trials():
     def trial(wall: float, steps: float, compile_s: float | None = None, status: str = "ok"):
-        attrs = {"status": status, "wall_s": wall, "steps_s": steps}
+        attrs = {"status": status, "wall_s": wall, "time_in_steps_s": steps}
         if compile_s is not None:
             attrs["compile_s"] = compile_s
         return optuna.trial.create_trial(state=optuna.trial.TrialState.COMPLETE, value=1.0, user_attrs=attrs)
@@ -80,6 +80,10 @@ def test_auto_measure_targets_the_overhead_of_recent_trials():
     # only the recent trials: a cold start long ago does not inflate it
     trials = [trial(15.0, 0.5)] + [trial(0.7, 0.5)] * 5
     assert per_trial_overhead_s(trials) == pytest.approx(0.2)
+    # a study stored before the rename holds "steps_s": read the same
+    old = trial(1.0, 0.7)
+    old.user_attrs["steps_s"] = old.user_attrs.pop("time_in_steps_s")
+    assert per_trial_overhead_s([old]) == pytest.approx(0.3)
     # a warm pool (re)started for a trial: its start is not per-trial overhead
     restarted = trial(14.7, 0.5)
     restarted.user_attrs["pool_start_s"] = 14.0

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from autobalance._config import describe_config
 from autobalance.cli._common import console
-from autobalance.protocol import TrialAttr
+from autobalance.protocol import TrialAttr, time_in_steps_s
 
 
 def print_studies(storage_url: str) -> None:
@@ -51,7 +51,7 @@ def trial_rows(study: Any) -> list[dict[str, Any]]:
             "number": t.number, "state": t.state.name, "status": a.get(TrialAttr.STATUS), "baseline": a.get(TrialAttr.BASELINE, False),
             "feasible": a.get(TrialAttr.FEASIBLE), "config": a.get(TrialAttr.CONFIG), "peak_device_gib": a.get(TrialAttr.PEAK_DEVICE_GIB),
             "spread_gib": a.get(TrialAttr.SPREAD_GIB), "step_time_ms": a.get(TrialAttr.STEP_TIME_MS),
-            "measured_steps": a.get(TrialAttr.MEASURED_STEPS), "time_in_steps_s": a.get(TrialAttr.STEPS_S), "wall_s": a.get(TrialAttr.WALL_S),
+            "measured_steps": a.get(TrialAttr.MEASURED_STEPS), "time_in_steps_s": time_in_steps_s(a), "wall_s": a.get(TrialAttr.WALL_S),
             "values": t.values, "reason": a.get(TrialAttr.REASON),
         })
     return rows

@@ -37,6 +37,7 @@ from autobalance.protocol._trials import (
     best_trial,
     is_feasible,
     objective_value,
+    time_in_steps_s,
     weighted_objective,
 )
 
@@ -68,5 +69,6 @@ __all__ = [
     "objective_value",
     "report_path",
     "report_problem",
+    "time_in_steps_s",
     "weighted_objective",
 ]

@@ -77,7 +77,11 @@ class TrialAttr:
     PREDICTED_BY = "predicted_by"
     TRIAL_DIR = "trial_dir"
     WALL_S = "wall_s"
-    STEPS_S = "steps_s"
+    TIME_IN_STEPS_S = "time_in_steps_s"
+    """Seconds the slowest rank spent in warm-up and measured steps (compilation excluded); read it
+    with :func:`~autobalance.protocol.time_in_steps_s` (studies from before hold ``STEPS_S_BEFORE``)."""
+    STEPS_S_BEFORE = "steps_s"
+    """The name ``TIME_IN_STEPS_S`` had before (it read like steps per second): read, never written."""
     STEP_TIME_MS = "step_time_ms"
     MEASURED_STEPS = "measured_steps"
     SPREAD_GIB = "spread_gib"

@@ -3,6 +3,7 @@ report, the CLI views and production loading (optuna is imported by the caller).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from autobalance.protocol._attrs import CONSTRAINTS_KEY, StudyAttr, TrialAttr
@@ -12,7 +13,7 @@ if TYPE_CHECKING:
     import optuna
     from optuna.trial import FrozenTrial
 
-__all__ = ["best_trial", "is_feasible", "objective_value", "weighted_objective"]
+__all__ = ["best_trial", "is_feasible", "objective_value", "time_in_steps_s", "weighted_objective"]
 
 
 def is_feasible(trial: FrozenTrial) -> bool:
@@ -47,3 +48,13 @@ def best_trial(study: optuna.Study) -> FrozenTrial | None:
     if not feasible:
         return None
     return min(feasible, key=lambda t: (weighted_objective(t.values, objective), t.number))
+
+
+def time_in_steps_s(user_attrs: Mapping[str, Any]) -> float | None:
+    """A trial's seconds in warm-up and measured steps (``TrialAttr.TIME_IN_STEPS_S``, or in a study
+    stored before the rename ``TrialAttr.STEPS_S_BEFORE``); None when it has neither."""
+    for name in (TrialAttr.TIME_IN_STEPS_S, TrialAttr.STEPS_S_BEFORE):
+        value = user_attrs.get(name)
+        if value is not None:
+            return float(value)
+    return None

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from autobalance.protocol import time_in_steps_s
+
 __all__ = ["StudySummary", "TrialRow", "outcome_label", "pareto_front", "summarize"]
 
 
@@ -30,7 +32,8 @@ class TrialRow:
     compile_s: float | None = None
     """Slowest rank's first (compiling) step, seconds; None for eager trials."""
     time_in_steps_s: float | None = None
-    """Seconds the slowest rank spent in warm-up and measured steps (the user attribute ``steps_s``)."""
+    """Seconds the slowest rank spent in warm-up and measured steps (the trial attribute ``time_in_steps_s``;
+    ``steps_s`` in studies stored before)."""
     compile_cache_hit: bool | None = None
     """Inductor FX graph cache: True when every graph came from the cache, False on a miss."""
     predicted: bool = False
@@ -140,7 +143,7 @@ def _row(trial: Any) -> TrialRow:
         values=list(trial.values) if trial.values is not None else None, reason=a.get("reason"),
         reused_from=a.get("reused_from"), failing_rank=a.get("failing_rank"),
         compile_s=None if a.get("compile_s") is None else float(a["compile_s"]),
-        time_in_steps_s=None if a.get("steps_s") is None else float(a["steps_s"]),
+        time_in_steps_s=time_in_steps_s(a),
         compile_cache_hit=_cache_hit(a.get("compile_cache")),
         predicted=bool(a.get("predicted")) or a.get("status") == "predicted_oom",
     )

@@ -11,7 +11,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from autobalance.protocol import Status, StudyAttr, TrialAttr
+from autobalance.protocol import Status, StudyAttr, TrialAttr, time_in_steps_s
 from autobalance.tuner._measurement import measurement_summary
 from autobalance.tuner._script_facts import summary_facts
 from autobalance.tuner._time_spent import TIME_PARTS, time_lines, time_spent
@@ -52,9 +52,9 @@ def per_trial_overhead_s(trials: list[FrozenTrial], *, last: int = 5) -> float |
         a = t.user_attrs
         if (t.state != TrialState.COMPLETE or a.get(TrialAttr.STATUS) != Status.OK
                 or a.get(TrialAttr.REUSED_FROM) is not None
-                or a.get(TrialAttr.WALL_S) is None or a.get(TrialAttr.STEPS_S) is None):
+                or a.get(TrialAttr.WALL_S) is None or (in_steps := time_in_steps_s(a)) is None):
             continue
-        overheads.append(max(0.0, float(a[TrialAttr.WALL_S]) - float(a[TrialAttr.STEPS_S])
+        overheads.append(max(0.0, float(a[TrialAttr.WALL_S]) - in_steps
                              - float(a.get(TrialAttr.COMPILE_S) or 0.0) - float(a.get(TrialAttr.POOL_START_S) or 0.0)))
     recent = overheads[-last:]
     return statistics.median(recent) if recent else None
@@ -73,13 +73,13 @@ def summarise(study: optuna.Study, result: TuneResult, *, cold_note: str | None,
         result.notes.append(f"{len(predicted)} configuration(s) predicted to run out of memory were recorded without "
                             "launching.")
     launched = [t for t in trials if t.user_attrs.get(TrialAttr.STATUS) == Status.OK
-                and t.user_attrs.get(TrialAttr.STEPS_S) is not None
+                and time_in_steps_s(t.user_attrs) is not None
                 and t.user_attrs.get(TrialAttr.WALL_S) and t.user_attrs.get(TrialAttr.REUSED_FROM) is None]
     if len(launched) >= 2:
         # a warm pool's own start is paid once per (re)start, not per trial: reported apart
         starts = sum(float(t.user_attrs.get(TrialAttr.POOL_START_S) or 0.0) for t in launched)
         walls = sum(float(t.user_attrs[TrialAttr.WALL_S]) for t in launched) - starts
-        in_steps = sum(float(t.user_attrs[TrialAttr.STEPS_S]) for t in launched)
+        in_steps = sum(time_in_steps_s(t.user_attrs) or 0.0 for t in launched)
         result.notes.append(
             f"Steps took {100 * in_steps / max(walls, 1e-9):.0f}% of the measured trials' wall time (median "
             f"overhead {per_trial_overhead_s(launched, last=len(launched)) or 0:.2f} s per trial: the script's "

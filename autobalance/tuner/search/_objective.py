@@ -13,6 +13,7 @@ from autobalance.protocol import (
     RankReport,
     RankTiming,
     Status,
+    TrialAttr,
     objective_value,
 )
 
@@ -41,7 +42,7 @@ class TrialFigures:
     samples_per_s: float | None
     startup_s: float | None
     """Start of the rank to its first step (torchrun + import + init + model build)."""
-    steps_s: float | None = None
+    time_in_steps_s: float | None = None
     """Slowest rank's time in warm-up and measured steps (compilation excluded)."""
     measured_steps: int | None = None
     """Measured steps (more than ``--steps`` when ``--measure-s`` lengthened the measurement)."""
@@ -122,7 +123,7 @@ class TrialFigures:
             "step_time_ms": None if self.step_time_s is None else round(1000 * self.step_time_s, 3),
             "samples_per_s": None if self.samples_per_s is None else round(self.samples_per_s, 2),
             "startup_s": None if self.startup_s is None else round(self.startup_s, 2),
-            **({} if self.steps_s is None else {"steps_s": round(self.steps_s, 4)}),
+            **({} if self.time_in_steps_s is None else {TrialAttr.TIME_IN_STEPS_S: round(self.time_in_steps_s, 4)}),
             **({} if self.measured_steps is None else {"measured_steps": self.measured_steps}),
             "memory_constraint": round(self.memory_constraint(headroom), 5),
             **self.compile,
@@ -169,7 +170,7 @@ def figures_from_outcome(
     capacity: list[float] = []
     steps: list[float] = []
     startup: list[float] = []
-    steps_s: list[float] = []
+    in_steps: list[float] = []
     counts: list[int] = []
     reports = {r: RankReport.from_dict(rep) for r, rep in outcome.reports.items()}
     for r in range(world_size):
@@ -191,7 +192,7 @@ def figures_from_outcome(
         if timing.startup_s is not None:
             startup.append(float(timing.startup_s))
         if ok and timing.steps_s is not None:
-            steps_s.append(float(timing.steps_s))
+            in_steps.append(float(timing.steps_s))
         if ok and rep is not None and rep.measured_steps is not None:
             counts.append(int(rep.measured_steps))
     step = max(steps) if len(steps) == world_size else None
@@ -205,7 +206,7 @@ def figures_from_outcome(
         status=outcome.status, peak_device=peak_device, peak_allocated=alloc, peak_reserved=reserved,
         outside_pytorch=outside, capacity=capacity, step_time_s=step,
         samples_per_s=(gb / step) if (gb and step) else None, startup_s=max(startup) if startup else None,
-        steps_s=max(steps_s) if len(steps_s) == world_size else None,
+        time_in_steps_s=max(in_steps) if len(in_steps) == world_size else None,
         measured_steps=min(counts) if len(counts) == world_size else None,
         compile=compile_figures(outcome.reports),
     )
