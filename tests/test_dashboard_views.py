@@ -126,3 +126,48 @@ def test_notes_say_why_and_keep_a_persons_own(tmp_path) -> None:
     system = storage.get_study_system_attrs(study._study_id)
     assert get_note_from_system_attrs(system, None)["body"].startswith(f"**autobalance: trial {BEST_2} is the best**")
     assert "Verification FAILED: loss diverged" in _note(study, BEST_2) and _note(study, BEST_2).endswith(SIGNATURE)
+
+
+def test_the_study_note_lists_every_trials_outcome(single) -> None:
+    """optuna-dashboard badges every trial "Complete" (the samplers need COMPLETE): the study's own
+    note tells OOM, over the limit and predicted apart, grouped, with the failing rank."""
+    study, _ = single
+    system = study._storage.get_study_system_attrs(study._study_id)
+    note = get_note_from_system_attrs(system, None)["body"]
+    assert note.startswith(f"**autobalance: trial {BEST_2} is the best**") and note.endswith(SIGNATURE)
+    listed = note.split("**Trials by outcome** (8;", 1)[1]
+    assert [line for line in listed.splitlines() if line.startswith("- ")] == [
+        "- ok: #1, #2, #4, #7",
+        f"- over limit (rank 0): #{OVER_CAP_FASTER_2}",
+        "- OOM (rank 0): #0",
+        "- OOM (rank 1): #6",
+        "- predicted OOM (not run): #5",
+    ]
+
+
+def test_outcome_lines_stay_short_for_many_trials() -> None:
+    from types import SimpleNamespace
+
+    from autobalance.tuner._notes import outcome_lines
+
+    def row(number: int, outcome: str, reused_from: int | None = None) -> SimpleNamespace:
+        return SimpleNamespace(number=number, outcome=outcome if reused_from is None else f"{outcome}, as #{reused_from}",
+                               reused_from=reused_from)
+
+    rows = [row(n, "ok") for n in range(60)]
+    for n in (0, 4, 5, 6, 7):
+        rows[n] = row(n, "OOM (rank 1)")
+    rows[9] = row(9, "predicted OOM (not run)")
+    rows[10] = row(10, "predicted OOM (not run)")
+    rows[20] = row(20, "over limit (rank 0)")
+    rows[30] = row(30, "timeout (rank 0)")
+    rows[40] = row(40, "ok", reused_from=2)
+    lines = outcome_lines(rows)
+    assert lines == [
+        "ok: #1–#3, #8, #11–#19, #21–#29, #31–#39, #41–#59, #40 (as #2)",
+        "over limit (rank 0): #20",
+        "OOM (rank 1): #0, #4–#7",
+        "predicted OOM (not run): #9, #10",
+        "timeout (rank 0): #30",
+    ]
+    assert sum(len(line) for line in lines) < 200  # 60 trials in a few short lines

@@ -12,7 +12,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-__all__ = ["SIGNATURE", "note_for", "trial_outcome", "write_notes"]
+__all__ = ["SIGNATURE", "note_for", "outcome_lines", "trial_outcome", "write_notes"]
 
 SIGNATURE = "_(note written by autobalance)_"
 
@@ -30,6 +30,50 @@ def trial_outcome(attrs: dict[str, Any]) -> str:
                          failing_rank=attrs.get("failing_rank") if many else None,
                          worst_rank=max(ratios)[1] if ratios and many else None,
                          predicted=bool(attrs.get("predicted")), reused_from=attrs.get("reused_from"))
+
+
+_KIND_ORDER = ("ok", "over limit", "OOM", "predicted OOM")
+
+
+def _numbers(numbers: list[int]) -> str:
+    """``#1, #3–#7, #9``: runs of three or more consecutive trials as a range."""
+    numbers = sorted(set(numbers))
+    parts: list[str] = []
+    i = 0
+    while i < len(numbers):
+        j = i
+        while j + 1 < len(numbers) and numbers[j + 1] == numbers[j] + 1:
+            j += 1
+        if j - i >= 2:
+            parts.append(f"#{numbers[i]}–#{numbers[j]}")
+        else:
+            parts.extend(f"#{n}" for n in numbers[i:j + 1])
+        i = j + 1
+    return ", ".join(parts)
+
+
+def outcome_lines(rows: list[Any]) -> list[str]:
+    """Every trial's outcome, grouped (optuna-dashboard badges every trial "Complete"): one line per
+    outcome, ``ok`` first, then over the limit, OOM and predicted, each with the failing rank, then
+    anything else (timeout, error, pruned, ...). ``OOM (rank 1): #4, #6``; a reused measurement counts
+    as its outcome (``ok: #1, #9 (as #1)``). Short for 50+ trials: consecutive numbers make a range."""
+    groups: dict[str, list[int]] = {}
+    reused: dict[str, list[str]] = {}
+    for row in rows:
+        label = row.outcome
+        if row.reused_from is not None:
+            label = label.removesuffix(f", as #{row.reused_from}")
+            reused.setdefault(label, []).append(f"#{row.number} (as #{row.reused_from})")
+            groups.setdefault(label, [])
+        else:
+            groups.setdefault(label, []).append(row.number)
+
+    def order(label: str) -> tuple[int, str]:
+        kind = next((i for i, k in enumerate(_KIND_ORDER) if label == k or label.startswith(k + " ")), len(_KIND_ORDER))
+        return kind, label
+
+    return [f"{label}: " + ", ".join(p for p in (_numbers(groups[label]), *reused.get(label, [])) if p)
+            for label in sorted(groups, key=order)]
 
 
 def note_for(row: Any, summary: Any, why: list[str]) -> str:
@@ -76,7 +120,9 @@ def write_notes(study: Any) -> int:
         best = summary.best
         head = (f"**autobalance: trial {best.number} is the best**" if best is not None
                 else "**autobalance: no configuration fits yet**")
-        wanted.append((None, "\n".join([head, "", *[f"- {s}" for s in why], "", SIGNATURE])))  # the study's note
+        outcomes = [f"**Trials by outcome** ({len(summary.rows)}; optuna-dashboard marks them all Complete)", "",
+                    *[f"- {line}" for line in outcome_lines(summary.rows)]]
+        wanted.append((None, "\n".join([head, "", *[f"- {s}" for s in why], "", *outcomes, "", SIGNATURE])))  # the study's note
         written = 0
         for note_trial, body in wanted:
             current = get_note_from_system_attrs(system, note_trial)
