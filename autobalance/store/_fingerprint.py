@@ -122,12 +122,23 @@ def _copy(value: Any) -> Any:
     return list(value) if isinstance(value, list) else value
 
 
-def _gib(n: int | None) -> str:
-    """Bytes as GiB with enough digits to tell small caps apart (0.0145 GiB, not 0.0 GiB)."""
+def _gib(n: int | None, extra: int = 0) -> str:
+    """Bytes as GiB: one decimal from 1 GiB up, three significant digits below (0.0145 GiB, not
+    0.0 GiB); ``extra`` more digits on request."""
     if n is None:
         return "no cap"
     gib = n / _GIB
-    return f"{gib:.1f} GiB" if gib >= 1 else f"{gib:.3g} GiB"
+    return f"{gib:.{1 + extra}f} GiB" if gib >= 1 else f"{gib:.{3 + extra}g} GiB"
+
+
+def _gib_pair(a: int | None, b: int | None) -> tuple[str, str]:
+    """``a`` and ``b`` as GiB with as many digits as it takes for two different sizes never to read
+    the same (1.50 vs 1.54 GiB, not 1.5 GiB vs 1.5 GiB); bytes when GiB digits cannot tell them apart."""
+    for extra in range(10):
+        pair = _gib(a, extra), _gib(b, extra)
+        if pair[0] != pair[1] or a == b:
+            return pair
+    return f"{a} bytes", f"{b} bytes"
 
 
 def differences(stored: HardwareFingerprint, current: HardwareFingerprint) -> list[str]:
@@ -153,7 +164,8 @@ def differences(stored: HardwareFingerprint, current: HardwareFingerprint) -> li
             continue
         if tuned is None or now is None or abs(tuned - now) > CAPACITY_TOLERANCE * max(tuned, now):
             what = "memory cap" if stored.device_type == "cpu" else "memory"
-            out.append(f"rank {rank} {what} {_gib(tuned)} (tuned) vs {_gib(now)} (this job)")
+            tuned_text, now_text = _gib_pair(tuned, now)
+            out.append(f"rank {rank} {what} {tuned_text} (tuned) vs {now_text} (this job)")
     return out
 
 

@@ -169,3 +169,26 @@ def test_an_unknown_cpu_model_is_not_a_difference() -> None:
     here = make_fingerprint(device_type="cpu", device_name=cpu_model_name(), cap_bytes=[])
     assert minor_differences(old, here) == []
     assert cpu_model_name()  # e.g. 'Intel(R) Xeon(R) Processor': what this machine's fingerprint names
+
+
+@pytest.mark.parametrize(("tuned_gib", "now_gib", "expected"), [
+    (1.50, 1.54, "1.50 GiB (tuned) vs 1.54 GiB (this job)"),  # 2.6% apart: beyond the tolerance
+    (40.0, 41.0, "40.0 GiB (tuned) vs 41.0 GiB (this job)"),  # one decimal is enough
+    (1.00, 1.03, "1.00 GiB (tuned) vs 1.03 GiB (this job)"),
+    (0.0145, 0.0150, "0.0145 GiB (tuned) vs 0.015 GiB (this job)"),  # below 1 GiB: three significant digits
+    (0.95, 1.0, "0.95 GiB (tuned) vs 1.0 GiB (this job)"),
+])
+def test_caps_that_differ_never_print_the_same(tuned_gib: float, now_gib: float, expected: str) -> None:
+    def cpu(gib: float):
+        return make_fingerprint(device_type="cpu", device_name="A", cap_bytes=[int(gib * GIB)] * 3)
+
+    assert differences(cpu(tuned_gib), cpu(now_gib))[0] == f"rank 0 memory cap {expected}"
+
+
+def test_sizes_that_differ_are_never_printed_the_same() -> None:
+    from autobalance.store._fingerprint import _gib_pair
+
+    for a, b in [(GIB, GIB + 1), (int(1.5 * GIB), int(1.54 * GIB)), (10**6, 10**6 + 1), (None, GIB), (0, 1)]:
+        left, right = _gib_pair(a, b)
+        assert left != right, (a, b, left)
+    assert _gib_pair(GIB, GIB) == ("1.0 GiB", "1.0 GiB")
