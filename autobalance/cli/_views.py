@@ -11,7 +11,7 @@ from rich.table import Table
 
 from autobalance._config import describe_config
 from autobalance.cli._common import console
-from autobalance.protocol import TrialAttr, time_in_steps_s
+from autobalance.protocol import TrialAttr, study_ranks, time_in_steps_s, trial_ranks
 
 
 def print_studies(storage_url: str) -> None:
@@ -25,21 +25,27 @@ def print_studies(storage_url: str) -> None:
     if not names:
         out.print(f"No studies in {mask_url(storage_url)}. Start one with `autobalance tune SCRIPT`.")
         return
-    table = Table(title=f"Studies in {mask_url(storage_url)}")
-    for col in ("study", "trials", "complete", "feasible", "best step (ms)", "best spread (GiB)"):
-        table.add_column(col)
     from autobalance.protocol import best_trial, is_feasible
 
+    rows, any_spread = [], False
     for name in names:
         study = optuna.load_study(study_name=name, storage=storage)
         ts = study.get_trials(deepcopy=False)
         best = best_trial(study)
-        table.add_row(
+        spread = study_ranks(study) > 1  # one rank: no spread to show
+        any_spread = any_spread or spread
+        rows.append([
             name, str(len(ts)), str(sum(t.state.name == "COMPLETE" for t in ts)),
             str(sum(is_feasible(t) for t in ts)),
             f"{best.user_attrs.get('step_time_ms', 0):.1f}" if best else "-",
-            f"{best.user_attrs.get('spread_gib', 0):.3g}" if best else "-",
-        )
+            f"{best.user_attrs.get('spread_gib', 0):.3g}" if best and spread else "-",
+        ])
+    table = Table(title=f"Studies in {mask_url(storage_url)}")
+    columns = ["study", "trials", "complete", "feasible", "best step (ms)", "best spread (GiB)"]
+    for col in columns[:None if any_spread else -1]:
+        table.add_column(col)
+    for row in rows:
+        table.add_row(*row[:None if any_spread else -1])
     out.print(table)
 
 
@@ -65,16 +71,19 @@ def print_trials(*, study_name: str, storage: str, as_json: bool) -> None:
     if as_json:
         print(json.dumps(rows, indent=1))
         return
+    many = study_ranks(study) > 1  # one rank: a peak, no spread
     table = Table(title=f"Trials of {study_name}")
-    for col in ("#", "state", "status", "configuration", "peak GiB per rank", "spread GiB", "step ms", "objective"):
+    for col in ("#", "state", "status", "configuration", "peak GiB per rank" if many else "peak GiB",
+                *(["spread GiB"] if many else []), "step ms", "objective"):
         table.add_column(col)
     for r in rows:
         peaks = r["peak_device_gib"] or []
+        spread = ["-" if r["spread_gib"] is None else f"{r['spread_gib']:.3g}"] if many else []
         table.add_row(
             f"{r['number']}{' (baseline)' if r['baseline'] else ''}", r["state"], r["status"] or "-",
             describe_config(r["config"]) if r["config"] else "-",
             " ".join("-" if p is None else f"{p:.3g}" for p in peaks) or "-",
-            "-" if r["spread_gib"] is None else f"{r['spread_gib']:.3g}",
+            *spread,
             "-" if r["step_time_ms"] is None else f"{r['step_time_ms']:.1f}",
             "-" if not r["values"] else " ".join(f"{v:.4g}" for v in r["values"]),
         )
@@ -82,6 +91,8 @@ def print_trials(*, study_name: str, storage: str, as_json: bool) -> None:
 
 
 def comparison_table(baseline: Any, best: Any) -> Table:
+    """The baseline and the best side by side: each rank's peak, the spread (two ranks or more), the
+    step time and the speed-up."""
     table = Table(title="Baseline (the script's own configuration) vs best")
     table.add_column("")
     table.add_column(f"baseline #{baseline.number}" if baseline else "baseline")
@@ -91,11 +102,14 @@ def comparison_table(baseline: Any, best: Any) -> Table:
     table.add_row("configuration", describe_config(b.get("config")) if b else "-", describe_config(t.get("config")) if t else "-")
     table.add_row("status", str(b.get("status", "-")), str(t.get("status", "-")))
     peaks_b, peaks_t = b.get("peak_device_gib") or [], t.get("peak_device_gib") or []
+    many = max(trial_ranks(b), trial_ranks(t)) > 1  # one rank: its peak, no spread
     for r in range(max(len(peaks_b), len(peaks_t))):
         fb = peaks_b[r] if r < len(peaks_b) else None
         ft = peaks_t[r] if r < len(peaks_t) else None
-        table.add_row(f"rank {r} peak (GiB)", "-" if fb is None else f"{fb:.3f}", "-" if ft is None else f"{ft:.3f}")
-    table.add_row("spread (GiB)", _fmt(b.get("spread_gib"), ".3f"), _fmt(t.get("spread_gib"), ".3f"))
+        table.add_row(f"rank {r} peak (GiB)" if many else "peak (GiB)", "-" if fb is None else f"{fb:.3f}",
+                      "-" if ft is None else f"{ft:.3f}")
+    if many:
+        table.add_row("spread (GiB)", _fmt(b.get("spread_gib"), ".3f"), _fmt(t.get("spread_gib"), ".3f"))
     table.add_row("step time (ms)", _fmt(b.get("step_time_ms"), ".1f"), _fmt(t.get("step_time_ms"), ".1f"))
     if b.get("step_time_ms") and t.get("step_time_ms"):
         table.add_row("speed-up", "1.00x", f"{b['step_time_ms'] / t['step_time_ms']:.2f}x")
@@ -147,10 +161,10 @@ def print_saved(saved: Any, *, fmt: str) -> None:
         table.add_row(key, str(value))
     table.add_row("micro-batches", "\n".join(saved.config.split_lines()))  # e.g. rank 0: 6,6,5,5,5,5
     fig = saved.figures
-    for key in ("peak_device_gib", "spread_gib", "step_time_ms", "speedup_vs_baseline"):
-        if fig.get(key) is not None:
-            table.add_row(key, str(fig[key]))
     fp = saved.fingerprint
+    for key in ("peak_device_gib", "spread_gib", "step_time_ms", "speedup_vs_baseline"):
+        if fig.get(key) is not None and not (key == "spread_gib" and fp.world_size < 2):  # one rank: no spread
+            table.add_row(key, str(fig[key]))
     table.add_row("hardware", f"{fp.world_size} x {fp.device_name} ({fp.device_type})")
     table.add_row("saved", f"{saved.created_at} by {saved.saved_by}")
     console().print(table)

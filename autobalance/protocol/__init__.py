@@ -37,7 +37,9 @@ from autobalance.protocol._trials import (
     best_trial,
     is_feasible,
     objective_value,
+    study_ranks,
     time_in_steps_s,
+    trial_ranks,
     weighted_objective,
 )
 
@@ -69,6 +71,8 @@ __all__ = [
     "objective_value",
     "report_path",
     "report_problem",
+    "study_ranks",
     "time_in_steps_s",
+    "trial_ranks",
     "weighted_objective",
 ]

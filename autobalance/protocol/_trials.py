@@ -13,7 +13,8 @@ if TYPE_CHECKING:
     import optuna
     from optuna.trial import FrozenTrial
 
-__all__ = ["best_trial", "is_feasible", "objective_value", "time_in_steps_s", "weighted_objective"]
+__all__ = ["best_trial", "is_feasible", "objective_value", "study_ranks", "time_in_steps_s", "trial_ranks",
+           "weighted_objective"]
 
 
 def is_feasible(trial: FrozenTrial) -> bool:
@@ -58,3 +59,18 @@ def time_in_steps_s(user_attrs: Mapping[str, Any]) -> float | None:
         if value is not None:
             return float(value)
     return None
+
+
+def trial_ranks(user_attrs: Mapping[str, Any]) -> int:
+    """How many ranks a trial ran (or would have) on, from its per-rank lists; 0 when it has none."""
+    lists = (user_attrs.get(TrialAttr.PEAK_DEVICE_GIB), user_attrs.get(TrialAttr.USABLE_GIB))
+    return max((len(v) for v in lists if isinstance(v, list)), default=0)
+
+
+def study_ranks(study: optuna.Study) -> int:
+    """The study's world size (its objective settings), else the most ranks of any trial (at least 1).
+    Spread (max - min over ranks) means something only when this is 2 or more."""
+    world = (study.user_attrs.get(StudyAttr.OBJECTIVE) or {}).get("world_size")
+    if world:
+        return int(world)
+    return max((trial_ranks(t.user_attrs) for t in study.get_trials(deepcopy=False)), default=1) or 1

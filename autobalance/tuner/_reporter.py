@@ -20,7 +20,7 @@ from rich.progress import (
 from rich.text import Text
 
 from autobalance._config import BalanceConfig, describe_config
-from autobalance.protocol import Status, TrialAttr
+from autobalance.protocol import Status, TrialAttr, trial_ranks
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._time_spent import describe_budget
 
@@ -31,11 +31,12 @@ _STYLE = {Status.OK: "green", Status.OOM: "red", Status.TIMEOUT: "red", Status.E
 
 
 def short_figures(trial: FrozenTrial) -> str:
+    """``peaks GiB [r0=12.1 r1=11]  spread 1.1 GiB  step 205.0 ms``; one rank: no spread."""
     a = trial.user_attrs
     peaks = a.get(TrialAttr.PEAK_DEVICE_GIB) or []
     peak_txt = " ".join(f"r{r}={p:.3g}" if p is not None else f"r{r}=-" for r, p in enumerate(peaks))
     parts = [f"peaks GiB [{peak_txt}]"] if peaks else []
-    if a.get(TrialAttr.SPREAD_GIB) is not None:
+    if a.get(TrialAttr.SPREAD_GIB) is not None and trial_ranks(a) > 1:
         parts.append(f"spread {a['spread_gib']:.3g} GiB")
     if a.get(TrialAttr.STEP_TIME_MS) is not None:
         parts.append(f"step {a['step_time_ms']:.1f} ms")
@@ -126,8 +127,8 @@ class RichReporter:
         reason = "" if status == Status.OK else f"  [dim]{escape(str(trial.user_attrs.get('reason', ''))[:160])}[/]"
         self.console.print(f"  trial {trial.number} [{style}]{status}[/]{escape(extra)}  {escape(short_figures(trial))}{reason}")
         if best is not None:
-            self._best_text = (f"best #{best.number}: {best.user_attrs.get('step_time_ms', 0):.1f} ms, "
-                               f"spread {best.user_attrs.get('spread_gib', 0):.3g} GiB")
+            self._best_text = f"best #{best.number}: {best.user_attrs.get('step_time_ms', 0):.1f} ms" + (
+                f", spread {best.user_attrs.get('spread_gib', 0):.3g} GiB" if trial_ranks(best.user_attrs) > 1 else "")
         if self._progress is not None and not predicted:
             self._progress.update(self._task, advance=0 if reused else 1, description=self._best_text)
 
