@@ -158,3 +158,31 @@ def test_a_script_without_plan_is_told_so_not_called_a_crash(tmp_path: Path) -> 
     assert line.startswith("autobalance: error: the baseline trial (the script's own configuration) measured nothing")
     assert re.search(r"rank [01] finished normally without calling autobalance\.plan\(\): nothing was measured", line)
     assert "'crash'" not in line
+
+
+def test_every_commands_short_help_in_top_level_help_is_a_whole_phrase(tmp_path: Path) -> None:
+    """`autobalance --help | cat`: click cuts a docstring's first sentence at its first full stop
+    ("Save a chosen trial (e.g.") or at 45 characters ("...a short real torchrun..."); each command
+    gives its own short help, a whole phrase on one line."""
+    import typer
+
+    from autobalance.cli import app
+
+    proc = run(["--help"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    listed = proc.stdout.split("Commands:", 1)[1].splitlines()
+    entries: dict[str, str] = {}
+    for line in listed:
+        if re.match(r"^  \S", line):
+            name, _, text = line.strip().partition(" ")
+            entries[name] = text.strip()
+        elif line.strip():
+            raise AssertionError(f"a short help wrapped onto a second line: {line!r}")
+    names = set(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
+    assert set(entries) == names
+    for name, text in entries.items():
+        assert text and text[0].isupper() and text.endswith("."), (name, text)
+        assert not text.endswith(("...", "e.g.", "i.e.", "etc.", "vs.")), (name, text)
+        assert text.count("(") == text.count(")"), (name, text)
+        command = typer.main.get_command(app).commands[name]  # type: ignore[attr-defined]
+        assert command.short_help == text, name  # its own, not cut from the docstring

@@ -14,7 +14,7 @@ commands = typer.Typer()
 _CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
-@commands.command(context_settings=_CONTEXT)
+@commands.command(short_help="Tune a training script over short real torchrun trials.", context_settings=_CONTEXT)
 @with_settings_options
 def tune(ctx: typer.Context, config: str | None = None, **values: Any) -> None:
     """Tune a training script: each trial is a short real torchrun run of one configuration.
@@ -29,7 +29,7 @@ def tune(ctx: typer.Context, config: str | None = None, **values: Any) -> None:
     run_command(go)
 
 
-@commands.command()
+@commands.command(short_help="List the studies in a storage.")
 def studies(storage: str = typer.Option("sqlite:///autobalance.db", help="Study database URL.")) -> None:
     """List the studies in a storage."""
 
@@ -41,7 +41,7 @@ def studies(storage: str = typer.Option("sqlite:///autobalance.db", help="Study 
     run_command(go)
 
 
-@commands.command()
+@commands.command(short_help="Show a study's trials: configuration, peaks, step time.")
 def trials(
     study_name: str = typer.Option(..., "--study-name"),
     storage: str = typer.Option("sqlite:///autobalance.db"),
@@ -57,7 +57,7 @@ def trials(
     run_command(go)
 
 
-@commands.command(context_settings=_CONTEXT)
+@commands.command(short_help="Verify a chosen trial, then save it as the best.", context_settings=_CONTEXT)
 def promote(
     ctx: typer.Context,
     study_name: str = typer.Option(..., "--study-name"),
@@ -88,7 +88,7 @@ def promote(
     run_command(go)
 
 
-@commands.command()
+@commands.command(short_help="Print the saved best configuration of a study.")
 def best(
     study_name: str = typer.Option(..., "--study-name"),
     storage: str = typer.Option("sqlite:///autobalance.db"),
@@ -109,7 +109,7 @@ def best(
     run_command(go)
 
 
-@commands.command()
+@commands.command(short_help="Write the saved best configuration to a JSON file.")
 def export(
     study_name: str = typer.Option(..., "--study-name"),
     output: str = typer.Option(..., "-o", "--output", help="File to write (JSON) for AUTOBALANCE_CONFIG_FILE."),

@@ -10,7 +10,7 @@ commands = typer.Typer()
 _CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
-@commands.command()
+@commands.command(short_help="Write an offline HTML report of a study.")
 def report(
     study_name: str = typer.Option(..., "--study-name", help="Study to report on."),
     storage: str = typer.Option("sqlite:///autobalance.db", help="Study database URL."),
@@ -35,7 +35,7 @@ def report(
     run_command(go)
 
 
-@commands.command()
+@commands.command(short_help="Start optuna-dashboard on the studies.")
 def dashboard(
     storage: str = typer.Option("sqlite:///autobalance.db", help="Study database URL."),
     host: str = typer.Option("127.0.0.1", help="Address to bind (127.0.0.1: this machine only)."),
@@ -55,7 +55,7 @@ def dashboard(
     run_command(go)
 
 
-@commands.command(context_settings=_CONTEXT)
+@commands.command(short_help="One run with a per-rank memory breakdown and causes.", context_settings=_CONTEXT)
 def diagnose(
     ctx: typer.Context,
     script: str = typer.Argument(..., help="Training script that uses autobalance.plan(); its own arguments follow."),

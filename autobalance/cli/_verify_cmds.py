@@ -13,7 +13,7 @@ commands = typer.Typer()
 _CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
-@commands.command(context_settings=_CONTEXT)
+@commands.command(short_help="Check a configuration computes the baseline's update.", context_settings=_CONTEXT)
 def verify(
     ctx: typer.Context,
     script: str = typer.Argument(..., help="The training script the study tuned; its own arguments follow (after --)."),

@@ -21,7 +21,7 @@ def check_endpoint(endpoint: str) -> str:
     return endpoint
 
 
-@commands.command(context_settings=_CONTEXT)
+@commands.command(short_help="Serve multi-node trials from this node.", context_settings=_CONTEXT)
 def worker(
     ctx: typer.Context,
     script: str = typer.Argument(..., help="The same training script as the tune command's; its arguments follow (after --)."),
