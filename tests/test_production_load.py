@@ -102,7 +102,10 @@ def test_no_environment_means_the_script_defaults(tmp_path):
     for data in found.values():
         assert data["source"] == "defaults"
         assert data["config"]["micro_batches"] == [4, 4]
-    assert _using(proc.stderr) == []  # the script's own defaults: nothing to announce
+    # one line (rank 0) says no stored configuration was found and what the job applies instead
+    assert _using(proc.stderr) == ["autobalance: using the script's own configuration (no stored configuration: set "
+                                   "AUTOBALANCE_STUDY and AUTOBALANCE_STORAGE, or AUTOBALANCE_CONFIG_FILE, or pass "
+                                   "study= to plan()): micro-batches per optimizer step rank 0: 4; rank 1: 4"]
 
 
 def test_hardware_mismatch_is_named_and_fails_under_policy_error(tmp_path):

@@ -143,7 +143,9 @@ def choose_config(
     world_size: int,
     cap_bytes: int | None,
 ) -> tuple[BalanceConfig, str]:
-    """The configuration this rank applies and its source (``trial``, ``argument``, ``store:...``, ``defaults``)."""
+    """The configuration this rank applies and its source (``trial``, ``argument``, ``store:...``, ``defaults``).
+    Outside a trial, rank 0 prints one line naming a stored source or, when there is none, the script's
+    own configuration."""
     if in_trial:
         raw = os.environ.get(_env.CONFIG)
         return (BalanceConfig.from_json(raw), "trial") if raw else (defaults, "defaults")
@@ -165,4 +167,8 @@ def choose_config(
             world_size=world_size,
             cap_bytes=cap_bytes,
         )
+    if not dist.is_initialized() or dist.get_rank() == 0:  # one plain line on rank 0, as for a stored one
+        print("autobalance: using the script's own configuration (no stored configuration: set AUTOBALANCE_STUDY "
+              "and AUTOBALANCE_STORAGE, or AUTOBALANCE_CONFIG_FILE, or pass study= to plan()): micro-batches per "
+              f"optimizer step {defaults.split_text()}", file=sys.stderr, flush=True)
     return defaults, "defaults"
