@@ -1,19 +1,67 @@
-"""A dataset smaller than one global batch: partial steps measured with their true sample count, said
-in words; a dataset with no step at all is an error (real torchrun trials, 2 CPU ranks)."""
+"""Partial steps (the end of an epoch, or a dataset smaller than one global batch): measured with
+their true sample count and said in words; a dataset with no step at all is an error. The unit tests
+run in process; the others are real torchrun trials (2 CPU ranks)."""
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import pytest
+import torch
 
-from autobalance.launcher import TrialLaunch, run_trial
+from autobalance.launcher import TrialLaunch, TrialOutcome, run_trial
+from autobalance.runtime._clock import StepClock
+from autobalance.tuner._remeasure import dispersion, merge_outcomes
 from autobalance.tuner._script_facts import script_facts
 from tests.tune_helpers import REPO
 
-pytestmark = pytest.mark.slow
-
 USER = str(REPO / "tests" / "scripts" / "user_train.py")
+
+
+def _clock(monkeypatch, steps: list[tuple[float, int]]) -> StepClock:
+    for name in ("AUTOBALANCE_WARMUP", "AUTOBALANCE_STEPS", "AUTOBALANCE_MEASURE_S", "AUTOBALANCE_MAX_STEPS"):
+        monkeypatch.delenv(name, raising=False)
+    clock = StepClock(trial_dir=None, rank=0, device=torch.device("cpu"), compile_steps=0, one_step=False)
+    for seconds, samples in steps:
+        clock.record(seconds, claimed=False, samples=samples)
+    return clock
+
+
+def test_full_and_partial_steps_mixed_time_the_full_steps_with_the_global_batch(monkeypatch):
+    """Samples [64, 64, 20]: the 20-sample step did less work. Fails if it is timed with the full
+    steps (the median of all three, 0.10 s, would make 64 samples look faster) or if the samples
+    per step are a mean over the mixed steps (49.3: samples/s too low for the full steps' time)."""
+    clock = _clock(monkeypatch, [(0.10, 64), (0.12, 64), (0.03, 20)])
+    step_time, per_step, partial = clock.step_figures(64)
+    assert step_time == pytest.approx(0.11) and per_step == 64.0 and partial == 1
+    assert per_step / step_time == pytest.approx(64 / 0.11)  # the report's samples_per_s
+    assert clock.timed(64) == ([0.10, 0.12], 64.0)  # the steps its spread (IQR) is taken over
+    assert clock.measured_samples(64) == [64, 64, 20]
+    # every step partial (20 samples for a global batch of 64): their time, their true samples
+    only_partial = _clock(monkeypatch, [(0.03, 20), (0.05, 20)])
+    assert only_partial.step_figures(64) == (pytest.approx(0.04), 20.0, 2)
+    # a step recorded without its count (the compile step) counts as a full one
+    assert _clock(monkeypatch, [(0.2, None), (0.1, 20)]).step_figures(64) == (0.2, 64.0, 1)
+
+
+def _measured(times: list[float], samples: list[int]) -> TrialOutcome:
+    step = statistics.median([t for t, n in zip(times, samples, strict=True) if n == 64])
+    rep = {"status": "ok", "config": {"global_batch": 64}, "step_times_s": times, "step_samples": samples,
+           "step_time_s": step, "samples_per_step": 64.0, "memory": {"peak_device": 1.0}}
+    return TrialOutcome(status="ok", reason="x", reports={0: rep}, wall_s=1.0)
+
+
+def test_a_remeasured_trial_pools_the_full_steps_only_and_a_partial_step_is_not_spread():
+    """Fails if the merge of two runs takes the median over their partial steps too (0.05 s here:
+    samples/s of 64 per step twice too high), or if a short partial step counts as dispersion."""
+    first = _measured([0.10, 0.10, 0.03], [64, 64, 20])
+    second = _measured([0.10, 0.10, 0.03, 0.03, 0.03], [64, 64, 20, 20, 20])
+    assert dispersion(first) == 0.0  # the full steps agree
+    merged = merge_outcomes(first, second, reason="r").reports[0]
+    assert merged["step_time_s"] == pytest.approx(0.10) and merged["samples_per_s"] == pytest.approx(640.0)
+    assert merged["step_samples"] == [64, 64, 20, 64, 64, 20, 20, 20] and merged["partial_steps"] == 4
+    assert merged["measured_steps"] == 8 and merged["step_time_iqr_s"] == 0.0
 
 
 def _trial(tmp_path, *script_args: str, name: str):
@@ -23,6 +71,7 @@ def _trial(tmp_path, *script_args: str, name: str):
     return run_trial(launch)
 
 
+@pytest.mark.slow
 def test_partial_steps_report_the_samples_really_used(tmp_path):
     # 20 samples, global batch 64 (2 ranks x 32): every step of every epoch is one partial step of 20
     outcome = _trial(tmp_path, "--samples", "20", "--micro-batch", "32", "--epochs", "6", name="small")
@@ -35,6 +84,7 @@ def test_partial_steps_report_the_samples_really_used(tmp_path):
     assert any("fewer than one global batch (64)" in line and "partial step" in line for line in lines), lines
 
 
+@pytest.mark.slow
 def test_a_dataset_with_no_step_is_an_error_that_says_so(tmp_path):
     outcome = _trial(tmp_path, "--samples", "1", "--micro-batch", "4", name="one")
     assert outcome.status == "error"

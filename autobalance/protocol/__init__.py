@@ -19,6 +19,7 @@ from autobalance.protocol._report import (
     cpu_model_name,
     report_path,
     report_problem,
+    timed_steps,
 )
 from autobalance.protocol._status import (
     FAILED_STATUSES,
@@ -73,6 +74,7 @@ __all__ = [
     "report_problem",
     "study_ranks",
     "time_in_steps_s",
+    "timed_steps",
     "trial_ranks",
     "weighted_objective",
 ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ __all__ = [
     "RankTiming",
     "report_path",
     "report_problem",
+    "timed_steps",
 ]
 
 REPORT_SCHEMA = 1
@@ -29,6 +31,27 @@ REPORT_SCHEMA = 1
 def report_path(trial_dir: str, rank: int) -> str:
     """Where rank ``rank`` of the trial in ``trial_dir`` writes its report."""
     return os.path.join(trial_dir, f"rank{rank}.json")
+
+
+def timed_steps(times: Sequence[float], samples: Sequence[int | None] | None,
+                global_batch: int | None) -> tuple[list[float], float | None]:
+    """The measured steps a step time stands for, and their samples per step: the full steps when
+    any was measured (a partial step at the end of an epoch does less work), else every step (a
+    dataset smaller than one global batch) with their mean sample count. A step whose count is
+    unknown (``samples`` missing or shorter, ``None``) counts as a full one."""
+    if global_batch is None:
+        return list(times), None
+    known = list(samples or [])
+    counts: list[int] = []
+    for i in range(len(times)):
+        n = known[i] if i < len(known) else None
+        counts.append(global_batch if n is None else int(n))
+    full = [t for t, n in zip(times, counts, strict=True) if n >= global_batch]
+    if full:
+        return full, float(global_batch)
+    if times:
+        return list(times), sum(counts) / len(counts)
+    return [], None
 
 
 class InvalidReport(ValueError):
@@ -160,9 +183,9 @@ class RankReport:
     step_times_s: list[float] | None = None
     """Measured steps' times (warm-up excluded)."""
     step_time_s: float | None = None
-    """Median of ``step_times_s``."""
+    """Median of the steps it stands for (:func:`timed_steps`: the full ones when any was measured)."""
     step_time_iqr_s: float | None = None
-    """Interquartile range of ``step_times_s`` (their spread); None below 2 measured steps."""
+    """Interquartile range of the same steps (their spread); None below 2 of them."""
     measured_steps: int | None = None
     step_samples: list[int] | None = None
     """Samples of each measured step (all ranks): the global batch, or fewer in a partial step."""

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from autobalance import _env
 from autobalance._files import write_json_atomic
+from autobalance.protocol import timed_steps
 from autobalance.runtime._setup import float_env, int_env
 
 __all__ = ["PROGRESS_FILE", "StepClock"]
@@ -118,19 +119,21 @@ class StepClock:
         samples = self.step_samples[self.warmup_steps:] if self.in_trial else self.step_samples
         return [global_batch if n is None else n for n in samples]
 
+    def timed(self, global_batch: int) -> tuple[list[float], float | None]:
+        """The measured steps the step time stands for and their samples per step
+        (:func:`~autobalance.protocol.timed_steps`): partial steps (the end of an epoch) do less work
+        and are left out when a full step was measured; when every measured step is partial (a
+        dataset smaller than one global batch), they are all kept and the samples are their mean."""
+        return timed_steps(self.measured(), self.measured_samples(global_batch), global_batch)
+
     def step_figures(self, global_batch: int) -> tuple[float | None, float | None, int]:
-        """(step time, the samples that time stands for, measured partial steps). Partial steps (the
-        end of an epoch) do less work: they are left out when a full step was measured; when every
-        measured step is partial (a dataset smaller than one global batch), the time is theirs and
-        the samples their mean."""
-        times, samples = self.measured(), self.measured_samples(global_batch)
-        partial = sum(1 for n in samples if n < global_batch)
-        full = [t for t, n in zip(times, samples, strict=True) if n >= global_batch]
-        if full:
-            return statistics.median(full), float(global_batch), partial
-        if times:
-            return statistics.median(times), sum(samples) / len(samples), partial
-        return None, None, partial
+        """(step time: the median of :meth:`timed`, the samples that time stands for, measured
+        partial steps)."""
+        partial = sum(1 for n in self.measured_samples(global_batch) if n < global_batch)
+        times, per_step = self.timed(global_batch)
+        if not times:
+            return None, None, partial
+        return statistics.median(times), per_step, partial
 
     def write_progress(self, steps_done: int) -> None:
         """Step times so far, for the tuner's pruner (rank 0 only; the ranks step in lockstep)."""

@@ -11,7 +11,8 @@ tuner runs a measured trial once more when
   measurement would otherwise steer the rest of the search and be what is saved).
 
 The two runs are merged (:func:`merge_outcomes`): each rank's measured steps pooled, its step time
-their median; memory figures the larger of the two (a configuration that needed more once can need
+the median of those it stands for (the full steps when any was measured: a partial step at the
+end of an epoch does less work); memory figures the larger of the two (a configuration that needed more once can need
 it again). A second run that fails (an OOM the first run escaped) is the trial's outcome.
 """
 
@@ -22,6 +23,7 @@ import statistics
 from typing import Any
 
 from autobalance.launcher import TrialOutcome
+from autobalance.protocol import timed_steps
 
 __all__ = ["DISPERSION_LIMIT", "dispersion", "merge_outcomes", "remeasure_reason"]
 
@@ -36,11 +38,19 @@ def _iqr(times: list[float]) -> float | None:
     return q[2] - q[0]
 
 
+def _timed(times: list[float], samples: list[Any] | None, rep: dict[str, Any]) -> tuple[list[float], float | None]:
+    """The steps a rank's step time stands for (its full steps when any was measured: a partial
+    step does less work) and their samples per step; see :func:`~autobalance.protocol.timed_steps`."""
+    global_batch = (rep.get("config") or {}).get("global_batch")
+    return timed_steps(times, samples, global_batch if isinstance(global_batch, int) else None)
+
+
 def dispersion(outcome: TrialOutcome) -> float | None:
-    """Largest IQR / median over the ranks' measured steps; None without measured steps."""
+    """Largest IQR / median over the ranks' measured steps (those the step time stands for: a
+    partial step is not spread); None without measured steps."""
     worst: float | None = None
     for rep in outcome.reports.values():
-        times = [float(t) for t in rep.get("step_times_s") or []]
+        times, _ = _timed([float(t) for t in rep.get("step_times_s") or []], rep.get("step_samples"), rep)
         iqr = _iqr(times)
         if iqr is None:
             continue
@@ -62,6 +72,12 @@ def remeasure_reason(outcome: TrialOutcome, *, step_time_s: float | None, feasib
         return (f"it would become the best ({1000 * step_time_s:.1f} ms < {1000 * best_step_s:.1f} ms): "
                 "confirmed by a second run")
     return None
+
+
+def _padded(samples: Any, count: int) -> list[Any]:
+    """A report's ``step_samples`` for its ``count`` measured steps (``None``: unknown, a full step)."""
+    known = list(samples) if isinstance(samples, list) else []
+    return [*known[:count], *([None] * (count - len(known)))]
 
 
 def _max_numbers(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
@@ -87,15 +103,24 @@ def merge_outcomes(first: TrialOutcome, second: TrialOutcome, *, reason: str) ->
     reports: dict[int, dict[str, Any]] = {}
     for rank, rep in first.reports.items():
         other = second.reports.get(rank) or {}
-        times = [*(rep.get("step_times_s") or []), *(other.get("step_times_s") or [])]
+        own, theirs = list(rep.get("step_times_s") or []), list(other.get("step_times_s") or [])
+        times = [*own, *theirs]
+        samples = [*_padded(rep.get("step_samples"), len(own)), *_padded(other.get("step_samples"), len(theirs))]
+        timed, per_step = _timed(times, samples, rep)
         merged_rep = dict(rep)
         merged_rep["memory"] = _max_numbers(rep.get("memory") or {}, other.get("memory") or {})
         merged_rep["step_times_s"] = times
         merged_rep["measured_steps"] = len(times)
-        merged_rep["step_time_s"] = statistics.median(times) if times else rep.get("step_time_s")
-        iqr = _iqr(times)
-        merged_rep["step_time_iqr_s"] = iqr
-        per_step = rep.get("samples_per_step") or (rep.get("config") or {}).get("global_batch")
+        if rep.get("step_samples") is not None or other.get("step_samples") is not None:
+            global_batch = (rep.get("config") or {}).get("global_batch")
+            merged_rep["step_samples"] = [global_batch if n is None else n for n in samples]
+            merged_rep["partial_steps"] = sum(1 for n in samples if n is not None and isinstance(global_batch, int)
+                                              and n < global_batch)
+        # the median of the steps both runs' step times stand for (their full steps when any was measured)
+        merged_rep["step_time_s"] = statistics.median(timed) if timed else rep.get("step_time_s")
+        merged_rep["step_time_iqr_s"] = _iqr(timed)
+        per_step = per_step or rep.get("samples_per_step") or (rep.get("config") or {}).get("global_batch")
+        merged_rep["samples_per_step"] = per_step
         merged_rep["samples_per_s"] = (per_step / merged_rep["step_time_s"]) if per_step and merged_rep["step_time_s"] else None
         merged_rep["remeasured"] = {"reason": reason, "step_time_s": [rep.get("step_time_s"), other.get("step_time_s")]}
         reports[rank] = merged_rep
