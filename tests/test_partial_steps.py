@@ -1,6 +1,6 @@
 """Partial steps (the end of an epoch, or a dataset smaller than one global batch): measured with
 their true sample count and said in words; a dataset with no step at all is an error. The unit tests
-run in process; the others are real torchrun trials (2 CPU ranks)."""
+run in process; the others are real torchrun jobs (2 CPU ranks), trials and production runs."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from autobalance.launcher import TrialLaunch, TrialOutcome, run_trial
 from autobalance.runtime._clock import StepClock
 from autobalance.tuner._remeasure import dispersion, merge_outcomes
 from autobalance.tuner._script_facts import script_facts
+from tests.conftest import torchrun
 from tests.tune_helpers import REPO
 
 USER = str(REPO / "tests" / "scripts" / "user_train.py")
@@ -89,3 +90,32 @@ def test_a_dataset_with_no_step_is_an_error_that_says_so(tmp_path):
     outcome = _trial(tmp_path, "--samples", "1", "--micro-batch", "4", name="one")
     assert outcome.status == "error"
     assert "1 sample" in outcome.reason and "no optimizer step" in outcome.reason, outcome.reason
+
+
+def _production(*script_args: str):
+    return torchrun([USER, *script_args], env={"AUTOBALANCE_DEVICE": "cpu"})
+
+
+@pytest.mark.slow
+def test_a_production_run_on_a_dataset_smaller_than_one_global_batch_warns_once_and_trains():
+    """A production job (the script's own configuration, no trial) with 20 samples for a global
+    batch of 64: one line (rank 0) names the dataset's size, the global batch and what to do; the
+    job trains its partial steps."""
+    proc = _production("--samples", "20", "--micro-batch", "32", "--epochs", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [line for line in proc.stderr.splitlines() if "fewer than one global batch" in line]
+    assert len(said) == 1, proc.stderr[-3000:]
+    assert "the dataset has 20 samples, fewer than one global batch (64)" in said[0]
+    assert "one partial step of 20 samples" in said[0]
+    assert "give plan.dataloader() at least 64 samples, or use a smaller global batch" in said[0]
+
+
+@pytest.mark.slow
+def test_a_production_run_on_one_sample_trains_no_step_and_says_so():
+    """One sample for two ranks: no optimizer step at all. Fails if the job trains nothing and
+    exits 0, or says only that the dataset is small (as if it trained partial steps)."""
+    proc = _production("--samples", "1", "--micro-batch", "4")
+    assert proc.returncode != 0
+    assert ("the dataset has 1 sample(s), fewer than the 2 ranks: an epoch has no optimizer step (nothing "
+            "would train)") in proc.stderr, proc.stderr[-3000:]
+    assert "fewer than one global batch" not in proc.stderr

@@ -22,7 +22,8 @@ def make_loader(
 ) -> tuple[UnevenBatchSampler, dict[str, Any], torch.utils.data.DataLoader[Any]]:
     """The sampler of uneven shards, what it saw of the dataset (the report's ``data``), and the loader.
 
-    ``warn_small``: warn when the dataset is smaller than one global batch (outside trials, on rank 0).
+    ``warn_small``: warn when the dataset is smaller than one global batch but still gives a step
+    (outside trials, on rank 0): one line with the dataset's size, the global batch and what to do.
     """
     for forbidden in _SET_BY_PLAN:
         if forbidden in loader_kwargs:
@@ -31,10 +32,13 @@ def make_loader(
     schedule = sampler.schedule
     data_info = {"samples": len(dataset), "global_batch": config.global_batch,
                  "steps_per_epoch": len(schedule.steps), "dropped": schedule.dropped}
-    if warn_small and 0 < len(dataset) < config.global_batch:
+    if warn_small and 0 < len(dataset) < config.global_batch and schedule.steps:
+        # (a dataset with no step at all is an error at the start of the epoch: see start_epoch)
         warnings.warn(
             f"autobalance: the dataset has {len(dataset)} samples, fewer than one global batch "
-            f"({config.global_batch}): every optimizer step is a partial step of {len(dataset)} samples.",
+            f"({config.global_batch}): every optimizer step is one partial step of {schedule.steps[0].total} "
+            f"samples; give plan.dataloader() at least {config.global_batch} samples, or use a smaller global "
+            "batch (micro-batch x accumulation x ranks).",
             stacklevel=3,  # the script's call of plan.dataloader()
         )
     return sampler, data_info, torch.utils.data.DataLoader(dataset, batch_sampler=sampler, **loader_kwargs)
