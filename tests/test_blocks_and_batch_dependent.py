@@ -190,3 +190,40 @@ def test_checkpointing_restores_the_buffers_a_custom_layer_writes_in_its_forward
     for name, value in plain.state_dict().items():
         assert torch.equal(ckpt.state_dict()[name], value), name
     assert all(int(b) == 1 for n, b in ckpt.named_buffers() if n.endswith("calls"))
+
+
+def test_the_final_summary_repeats_why_the_split_was_kept_and_that_the_dataset_is_small():
+    """The study's first lines are long gone when it ends: fails if the summary under the result
+    (``summarise``'s notes, as ``tune`` prints them) drops the batch-dependent line or the
+    small-dataset line, or repeats the line naming the blocks."""
+    from types import SimpleNamespace
+
+    import optuna
+    from rich.console import Console
+
+    from autobalance.cli._views import print_result
+    from autobalance.protocol import StudyAttr
+    from autobalance.tuner._script_facts import script_facts, summary_facts
+    from autobalance.tuner._summary import TuneResult, summarise
+
+    report = {"model": {"num_blocks": 6, "blocks_path": "body.layers",
+                        "batch_dependent": ["body.layers.0.norm (BatchNorm1d)"]},
+              "data": {"samples": 20, "global_batch": 64, "steps_per_epoch": 1, "dropped": 0}}
+    facts = script_facts(report, kept_split=True, allow=False, split="32,32")
+    assert [line.split(" ", 1)[0] for line in facts] == ["Blocks:", "Batch-dependent", "The"]
+    study = optuna.create_study(directions=["minimize"])
+    study.set_user_attr(StudyAttr.SCRIPT_FACTS, facts)
+    assert summary_facts(study.user_attrs) == facts[1:]
+    result = TuneResult(study_name="s", storage="sqlite:///x.db", trials_run=1, baseline=None, best=None, wall_s=1.0)
+    summarise(study, result, cold_note=None, advisor=None, launched_here=set())
+    assert result.notes[:2] == facts[1:]
+    config = {"micro_batches": [32, 32], "accumulation": 1, "global_batch": 64, "checkpoint": [[0], []],
+              "dtype": "fp32", "bucket_cap_mb": 25.0}
+    result.best = result.baseline = SimpleNamespace(number=0, user_attrs={"config": config, "status": "ok"})
+    console = Console(record=True, width=400)
+    print_result(result, settings=SimpleNamespace(script="train.py"), console=console)
+    said = " ".join(console.export_text().split())
+    assert ("Batch-dependent layers (body.layers.0.norm (BatchNorm1d)): their train-mode step depends on which "
+            "samples share a micro-batch, so the split and accumulation stay the script's own (32,32)") in said
+    assert "The dataset has 20 samples, fewer than one global batch (64): every step is a partial step" in said
+    assert "Blocks: 6" not in said
