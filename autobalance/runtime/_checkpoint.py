@@ -132,6 +132,9 @@ class _KeepBuffers:
 
 
 def _context_fn(block: nn.Module) -> Any:
+    """The checkpoint's ``context_fn`` for ``block``: its recomputation runs inside :class:`_KeepBuffers`
+    (``None`` for a block without buffers). A private seam, not a setting: the tests replace it from
+    their own code to build a known-wrong runtime (``tests/bugs``, ``no-keep-buffers``)."""
     if next(block.buffers(), None) is None:
         return None
 

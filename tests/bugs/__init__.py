@@ -11,6 +11,6 @@ HERE = Path(__file__).resolve().parent
 
 def inject(bug: str) -> dict[str, str]:
     """Environment for a CLI or trial whose ranks run with ``bug`` (``loss-weighting``, ``no-rng-preserve``,
-    ``micro-step-weights``)."""
+    ``micro-step-weights``, ``no-keep-buffers``)."""
     path = [str(HERE), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
     return {"PYTHONPATH": os.pathsep.join(path), "TESTS_INJECT_BUG": bug}

@@ -12,14 +12,17 @@ imports this ``sitecustomize`` at start-up in every process of the job, and in t
   draws other dropout masks: wrong gradients whenever dropout is on);
 - ``micro-step-weights``: each micro-batch of a rank weighs as the mean of that rank's micro-batches
   in the step, not by its own size (the rank's share stays right: exact for equal micro-batches,
-  wrong for an any split such as 6,6,5,5,5,5).
+  wrong for an any split such as 6,6,5,5,5,5);
+- ``no-keep-buffers``: checkpointed blocks get no buffer protection (``_context_fn`` gives no
+  context): the recomputation in the backward runs BatchNorm's forward again and updates its
+  running statistics and ``num_batches_tracked`` twice per step (gradients unchanged).
 """
 
 from __future__ import annotations
 
 import os
 
-BUGS = ("loss-weighting", "no-rng-preserve", "micro-step-weights")
+BUGS = ("loss-weighting", "no-rng-preserve", "micro-step-weights", "no-keep-buffers")
 
 
 def _inject(bug: str) -> None:
@@ -39,6 +42,10 @@ def _inject(bug: str) -> None:
             return self.world_size * mean / self._total
 
         StepWeights.weight = mean_weight  # type: ignore[method-assign]
+    elif bug == "no-keep-buffers":
+        import autobalance.runtime._checkpoint as checkpoint
+
+        checkpoint._context_fn = lambda block: None
     else:
         raise SystemExit(f"TESTS_INJECT_BUG={bug!r} is unknown; use one of {', '.join(BUGS)}.")
 
