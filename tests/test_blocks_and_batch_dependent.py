@@ -140,7 +140,8 @@ def test_a_study_keeps_a_batch_dependent_models_split_and_says_why():
     report = {"model": {"num_blocks": 6, "blocks_path": "body.layers",
                         "batch_dependent": ["body.layers.0.norm (BatchNorm1d)"]}}
     space = SearchSpace.build(world_size=2, global_batch=32, num_layers=6, dtypes=["fp32"], max_accumulation=4)
-    assert keep_split(space, report=report, accumulation=1, allow=False)
+    own = BalanceConfig(micro_batches=[16, 16], global_batch=32)
+    assert keep_split(space, report=report, own=own, allow=False)
     assert space.accumulations == [1] and not any(n.startswith("share_r") for n in space.distributions())
     assert space.contains(BalanceConfig(micro_batches=[16, 16], global_batch=32, checkpoint=[[0], []]))
     assert not space.contains(BalanceConfig(micro_batches=[10, 22], global_batch=32))
@@ -149,8 +150,51 @@ def test_a_study_keeps_a_batch_dependent_models_split_and_says_why():
     assert any("BatchNorm1d" in line and "stay the script's own" in line and "--allow-batch-dependent" in line
                for line in lines), lines
     free = SearchSpace.build(world_size=2, global_batch=32, num_layers=6, dtypes=["fp32"], max_accumulation=4)
-    assert not keep_split(free, report=report, accumulation=1, allow=True)
+    assert not keep_split(free, report=report, own=own, allow=True)
     assert "share_r0" in free.distributions()
+
+
+def test_the_kept_split_is_the_scripts_own_even_when_it_is_uneven():
+    """Fails if a batch-dependent model's study keeps the even split of the global batch instead of
+    the script's own micro-batch per rank and accumulation (here 5 + 11, and an any split 3,2,2 /
+    4,3,3): every trial would then change the script's train-mode step."""
+    import optuna
+
+    from autobalance.tuner._script_facts import keep_split
+    from autobalance.tuner.search import SearchSpace
+
+    report = {"model": {"num_blocks": 6, "batch_dependent": ["body.layers.0.norm (BatchNorm1d)"]}}
+    own = BalanceConfig(micro_batches=[5, 11], global_batch=16)
+    space = SearchSpace.build(world_size=2, global_batch=16, num_layers=6, dtypes=["fp32", "bf16"], max_accumulation=4)
+    assert keep_split(space, report=report, own=own, allow=False)
+    assert space.accumulations == [1] and space.micro_total(1) == 16
+    assert space.contains(BalanceConfig(micro_batches=[5, 11], global_batch=16, checkpoint=[[0], [0, 1]]))
+    assert not space.contains(BalanceConfig(micro_batches=[8, 8], global_batch=16))  # the even split
+    assert space.config_for([5, 11], 1, checkpoint=[[0], []]).micro_batches == [5, 11]
+    assert not space.contains(space.config_for([8, 8], 1))
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    for _ in range(5):
+        cfg = space.suggest(study.ask())
+        assert cfg.micro_batches == [5, 11] and cfg.accumulation == 1 and space.contains(cfg)
+    again = SearchSpace.from_dict(space.to_dict())  # as the study keeps it
+    assert again.kept_micro_batches == [5, 11] and again.contains(own)
+
+    # an any split of the script's own (micro-batches that differ within a rank), accumulation 3
+    own_any = BalanceConfig.any_split(rank_samples=[7, 10], accumulation=3)
+    space = SearchSpace.build(world_size=2, global_batch=17, num_layers=6, dtypes=["fp32"], max_accumulation=4,
+                              any_split=True)
+    assert keep_split(space, report=report, own=own_any, allow=False)
+    assert space.accumulations == [3]
+    cfg = space.suggest(optuna.create_study().ask())
+    assert cfg.rank_samples == [7, 10] and cfg.split_text() == "rank 0: 3,2,2; rank 1: 4,3,3" and space.contains(cfg)
+    assert not space.contains(BalanceConfig.any_split(rank_samples=[8, 9], accumulation=3))
+
+    # a study saved before the kept split was recorded: the even split, as then
+    old = {k: v for k, v in SearchSpace.build(world_size=2, global_batch=16, num_layers=6, dtypes=["fp32"],
+                                              max_accumulation=1).to_dict().items()
+           if not k.startswith("kept_")}
+    old["fixed_split"] = True
+    assert SearchSpace.from_dict(old).contains(BalanceConfig(micro_batches=[8, 8], global_batch=16))
 
 
 def test_a_study_without_blocks_says_so_first_and_how_to_name_them():

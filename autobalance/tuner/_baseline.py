@@ -100,7 +100,7 @@ def _space_from_baseline(study: optuna.Study, outcome: TrialOutcome,
                               compile_modes=s.compile_modes(), any_split=s.split == "any")
     if defaults.accumulation not in space.accumulations:
         space.accumulations = sorted({*space.accumulations, defaults.accumulation})
-    kept = keep_split(space, report=rep, accumulation=defaults.accumulation, allow=s.allow_batch_dependent)
+    kept = keep_split(space, report=rep, own=defaults, allow=s.allow_batch_dependent)
     facts = script_facts(rep, kept_split=kept, allow=s.allow_batch_dependent, split=defaults.split_text())
     capacity = [float((outcome.reports.get(r) or rep)["device"]["capacity_bytes"]) for r in range(s.world_size)]
     if s.device == "cuda" and s.caps_bytes():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from autobalance._config import BalanceConfig
 from autobalance.protocol import StudyAttr
 from autobalance.tuner.search import SearchSpace
 
@@ -28,13 +29,13 @@ def _shown(layers: list[str]) -> str:
     return ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
 
 
-def keep_split(space: SearchSpace, *, report: dict[str, Any], accumulation: int, allow: bool) -> bool:
-    """Restrict ``space`` to the script's split and accumulation when the model has batch-dependent
-    layers and changing their step is not allowed; returns whether it did."""
+def keep_split(space: SearchSpace, *, report: dict[str, Any], own: BalanceConfig, allow: bool) -> bool:
+    """Restrict ``space`` to the split and accumulation of ``own`` (the script's own configuration:
+    its micro-batch per rank, even or not) when the model has batch-dependent layers and changing
+    their step is not allowed; returns whether it did."""
     if allow or not batch_dependent_layers(report):
         return False
-    space.fixed_split = True
-    space.accumulations = [accumulation]
+    space.keep_split(own)
     return True
 
 

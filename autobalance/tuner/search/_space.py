@@ -49,9 +49,15 @@ class SearchSpace:
     """``torch.compile`` modes searched; ``["off"]`` (also for studies from before compile was
     searchable): no ``compile`` parameter at all."""
     fixed_split: bool = False
-    """The split stays the script's own even split (no ``share_r`` parameters): the model has
-    batch-dependent layers whose train-mode step another split would change (``accumulations`` is
-    then the script's own count only)."""
+    """The split stays the script's own (no ``share_r`` parameters): the model has batch-dependent
+    layers whose train-mode step another split would change (``accumulations`` is then the script's
+    own count only; the split is :attr:`kept_micro_batches`)."""
+    kept_micro_batches: list[int] | None = None
+    """With ``fixed_split``: the script's own micro-batch per rank, even or not (``None``, in studies
+    from before it was kept: the even split of the global batch)."""
+    kept_rank_samples: list[int] | None = None
+    """With ``fixed_split``: the script's own samples per rank per step when its split is an any split
+    (micro-batches that differ within a rank); ``None``: equal micro-batches."""
     any_split: bool = False
     """Any split of the global batch: per rank, any number of samples per step, in micro-steps
     that differ by at most one (False, as in studies from before: equal micro-batches only)."""
@@ -76,6 +82,21 @@ class SearchSpace:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SearchSpace:
         return cls(**data)
+
+    def keep_split(self, own: BalanceConfig) -> None:
+        """Keep ``own``'s split and accumulation (the script's own configuration): every trial of
+        this space has exactly its micro-batches per rank (see :attr:`fixed_split`)."""
+        self.fixed_split = True
+        self.accumulations = [own.accumulation]
+        self.kept_micro_batches = list(own.micro_batches)
+        self.kept_rank_samples = None if own.rank_samples is None else list(own.rank_samples)
+
+    def kept_split(self, accumulation: int) -> tuple[list[int], list[int] | None]:
+        """With :attr:`fixed_split`: the kept micro-batches per rank and samples per rank (``None``:
+        equal micro-batches) for ``accumulation`` micro-steps."""
+        if self.kept_micro_batches is None:  # a study from before the split was recorded: the even one
+            return split_evenly(self.global_batch // accumulation, [1.0] * self.world_size), None
+        return list(self.kept_micro_batches), (None if self.kept_rank_samples is None else list(self.kept_rank_samples))
 
     def distributions(self) -> dict[str, optuna.distributions.BaseDistribution]:
         d: dict[str, optuna.distributions.BaseDistribution] = {
@@ -120,7 +141,11 @@ class SearchSpace:
             checkpoint=ckpt, dtype=str(params["dtype"]), bucket_cap_mb=round(float(params["bucket_cap_mb"]), 3),
             gradient_as_bucket_view=bool(params["grad_as_bucket_view"]), compile=mode, activation_budget=budget,
         )
-        if self.any_split and not self.fixed_split:  # a fixed split is the script's own, in the equal form
+        if self.fixed_split:  # the script's own split, as it is
+            micro, samples = self.kept_split(acc)
+            return BalanceConfig(micro_batches=micro, accumulation=acc, global_batch=self.global_batch,
+                                 rank_samples=samples, **rest)
+        if self.any_split:
             return BalanceConfig.any_split(
                 rank_samples=split_at_least(self.global_batch, shares, acc), accumulation=acc, **rest)
         micro = split_evenly(self.global_batch // acc, shares)
@@ -132,8 +157,14 @@ class SearchSpace:
         """The configuration whose largest micro-batch per rank is ``micro_batches`` (a solver's
         answer for ``accumulation`` micro-steps): with ``any_split`` the ranks give up the samples
         beyond the global batch (the one with the highest ``samples * cost`` first); without it
-        ``sum(micro_batches) * accumulation`` must be the global batch."""
-        if not self.any_split or self.fixed_split:
+        ``sum(micro_batches) * accumulation`` must be the global batch. With a fixed split, the kept
+        micro-batches give the kept configuration (any others: one :meth:`contains` rejects)."""
+        if self.fixed_split:
+            micro, samples = self.kept_split(accumulation)
+            if list(micro_batches) == micro:
+                return BalanceConfig(micro_batches=micro, accumulation=accumulation, global_batch=self.global_batch,
+                                     rank_samples=samples, **rest)
+        if not self.any_split and (not self.fixed_split or sum(micro_batches) * accumulation == self.global_batch):
             return BalanceConfig(micro_batches=list(micro_batches), accumulation=accumulation,
                                  global_batch=self.global_batch, **rest)
         samples = samples_within(list(micro_batches), accumulation, self.global_batch, cost)
@@ -141,8 +172,11 @@ class SearchSpace:
 
     def micro_total(self, accumulation: int) -> int:
         """The sum of the ranks' largest micro-batches that holds the global batch in
-        ``accumulation`` micro-steps (what a solver splits over the ranks)."""
-        if self.any_split and not self.fixed_split:
+        ``accumulation`` micro-steps (what a solver splits over the ranks); with a fixed split, the
+        kept micro-batches' sum."""
+        if self.fixed_split and accumulation in self.accumulations:
+            return sum(self.kept_split(accumulation)[0])
+        if self.any_split:
             return -(-self.global_batch // accumulation)
         return self.global_batch // accumulation
 
@@ -171,14 +205,14 @@ class SearchSpace:
         return params
 
     def contains(self, config: BalanceConfig) -> bool:
-        if self.fixed_split and config.rank_samples is not None:
-            return False
-        if self.fixed_split and config.micro_batches != split_evenly(self.global_batch // config.accumulation,
-                                                                     [1.0] * self.world_size):
-            return False
+        if self.fixed_split:
+            micro, samples = self.kept_split(config.accumulation)
+            if config.micro_batches != micro or config.rank_samples != samples:
+                return False
         return (config.global_batch == self.global_batch and config.world_size == self.world_size
                 and config.accumulation in self.accumulations and config.dtype in self.dtypes
-                and config.compile in self.compile_modes and (self.any_split or config.equal_micro_batches))
+                and config.compile in self.compile_modes
+                and (self.any_split or self.fixed_split or config.equal_micro_batches))
 
 
 def _suggest(trial: optuna.Trial, name: str, dist: optuna.distributions.BaseDistribution) -> Any:
