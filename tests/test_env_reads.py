@@ -1,15 +1,24 @@
 """Every environment variable the package reads, and why none of them can change a production
 job's training math (issue 22: no switch in autobalance/ may silently corrupt training).
 
-The inventory is found from the source (every ``os.environ.get`` / ``os.environ[...]`` /
-``os.getenv`` / ``int_env`` / ``float_env``, names resolved through ``autobalance._env`` and the
-module's own constants), so a new read fails here until someone says what it does.
+The inventory is found from the source by AST, on every form of reading a variable by name:
+``os.environ.get`` / ``.pop`` / ``.setdefault`` / ``[...]``, ``"X" in os.environ`` / ``not in``,
+``os.getenv``, the runtime's ``int_env`` / ``float_env``, each also through an alias
+(``env = os.environ``, ``from os import environ``, ``import os as o``) or on a copy
+(``env = dict(os.environ)``); names are resolved through ``autobalance._env``, the module's own
+constants and loops over literal tuples. So a new read fails here until someone says what it does.
+
+Reading the whole environment (``dict(os.environ)``, ``os.environ.copy()``, ``.items()``,
+``.keys()``, ``{**os.environ}``, passing ``os.environ`` on) names no variable: each such site is
+listed in ``WHOLE_READS`` with its reason, or fails. The checker itself is proved on planted
+sources (``test_checker_finds_planted_reads``), so it cannot pass by seeing nothing.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -46,55 +55,322 @@ READS: dict[str, str] = {
 }
 """Every variable the package reads -> why it cannot change a production job's training math."""
 
+WHOLE_READS: dict[str, str] = {
+    "launcher/_torchrun.py::trial_environment":
+        "the launcher building a trial's environment: the parent's (NCCL/NVLink settings) minus the "
+        "configuration and store variables, plus the trial's; read in the tuner, never in a training job",
+    "runtime/_worker.py::main":
+        "the warm worker keeps the environment it started with and restores it before each trial, so one "
+        "trial's variables never leak into the next; no variable is looked up in it",
+}
+"""``path::function`` of each read of the whole environment -> why it is not a hidden switch."""
 
-def _is_environ(node: ast.AST) -> bool:
-    return (isinstance(node, ast.Attribute) and node.attr == "environ") or (
-        isinstance(node, ast.Name) and node.id == "environ")
+NAME_METHODS = ("get", "pop", "setdefault", "__getitem__", "__contains__")
+"""``environ.<m>(NAME, ...)``: a read of one variable."""
+WRITE_METHODS = ("update", "clear", "__setitem__", "__delitem__")
+"""``environ.<m>(...)``: a write, not a read."""
+COPIES = ("dict", "copy", "deepcopy")
+"""``dict(environ)`` / ``environ.copy()`` / ``copy.copy(environ)``: a copy, whose look-ups are reads too."""
 
 
-def _reads_env(f: ast.AST) -> bool:
-    """``os.environ.get`` / ``.pop``, ``os.getenv``, or the runtime's ``int_env`` / ``float_env``."""
-    if isinstance(f, ast.Attribute):
-        return (f.attr in ("get", "pop") and _is_environ(f.value)) or f.attr == "getenv"
-    return isinstance(f, ast.Name) and f.id in ("getenv", "int_env", "float_env")
+class _Scope:
+    def __init__(self, parent: _Scope | None, qualname: str, params: set[str]) -> None:
+        self.parent, self.qualname, self.params = parent, qualname, params
+        self.aliases: set[str] = set()       # names bound to os.environ itself
+        self.copies: set[str] = set()        # names bound to a copy of it
+        self.loops: dict[str, list[ast.expr]] = {}  # `for NAME in (A, B)`: NAME -> [A, B]
+
+    def find(self, attr: str, name: str) -> bool:
+        scope: _Scope | None = self
+        while scope is not None:
+            if name in getattr(scope, attr):
+                return True
+            scope = scope.parent
+        return False
+
+    def loop(self, name: str) -> list[ast.expr] | None:
+        scope: _Scope | None = self
+        while scope is not None:
+            if name in scope.loops:
+                return scope.loops[name]
+            scope = scope.parent
+        return None
 
 
-def _resolve(node: ast.AST, module: str) -> str | None:
-    """The variable's name: a literal, ``_env.X``, or a constant of the module (None: a parameter)."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return node.value
-    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "_env":
-        return str(getattr(_env, node.attr))
-    if isinstance(node, ast.Name):
-        value = getattr(importlib.import_module(module), node.id, None)
-        return value if isinstance(value, str) else None
-    raise AssertionError(f"{module}: an environment read this test cannot resolve: {ast.unparse(node)}")
+def _scope_nodes(body: list[ast.stmt]) -> Iterator[ast.AST]:
+    """The nodes of one function, class body or module, without those of the functions and classes in it."""
+    todo: list[ast.AST] = list(body)
+    while todo:
+        node = todo.pop()
+        yield node  # a function or class itself (entered as its own scope), not what is inside it
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            todo.extend(ast.iter_child_nodes(node))
+
+
+class EnvReads:
+    """The environment reads of one source file: ``names`` (variable -> lines) and ``whole``
+    (``path::function`` -> lines of each read of the whole environment)."""
+
+    def __init__(self, source: str, rel: str, constant: Callable[[str], object]) -> None:
+        self.rel, self.constant = rel, constant
+        self.names: dict[str, list[int]] = {}
+        self.whole: dict[str, list[int]] = {}
+        tree = ast.parse(source)
+        self.os_names, self.environ_names, self.getenv_names = {"os"}, set(), {"int_env", "float_env"}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                self.os_names |= {a.asname or a.name for a in node.names if a.name == "os"}
+            elif isinstance(node, ast.ImportFrom) and node.module == "os":
+                for a in node.names:
+                    if a.name in ("environ", "environb"):
+                        self.environ_names.add(a.asname or a.name)
+                    elif a.name == "getenv":
+                        self.getenv_names.add(a.asname or a.name)
+        self._consumed: set[int] = set()
+        self._walk(tree.body, _Scope(None, "<module>", set()))
+
+    # -- what an expression is -----------------------------------------------------------------
+    def _is_environ(self, node: ast.AST, scope: _Scope) -> bool:
+        """``os.environ`` or a name bound to it."""
+        if isinstance(node, ast.Attribute) and node.attr in ("environ", "environb"):
+            return isinstance(node.value, ast.Name) and node.value.id in self.os_names
+        return isinstance(node, ast.Name) and (node.id in self.environ_names or scope.find("aliases", node.id))
+
+    def _is_env(self, node: ast.AST, scope: _Scope) -> bool:
+        """``os.environ``, an alias or a copy of it: look-ups in it are reads."""
+        return self._is_environ(node, scope) or (isinstance(node, ast.Name) and scope.find("copies", node.id))
+
+    def _copy_of_environ(self, node: ast.AST, scope: _Scope) -> bool:
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            if name == "copy" and isinstance(f, ast.Attribute) and not node.args:
+                return self._is_env(f.value, scope)
+            return name in COPIES and len(node.args) == 1 and self._is_env(node.args[0], scope)
+        if isinstance(node, ast.Dict):
+            return any(k is None and self._is_env(v, scope) for k, v in zip(node.keys, node.values, strict=True))
+        return False
+
+    def _resolve(self, node: ast.AST, scope: _Scope) -> list[str]:
+        """The variable names an argument can be (empty: a parameter of the enclosing function)."""
+        if isinstance(node, ast.Constant) and isinstance(node.value, (str, bytes)):
+            return [node.value.decode() if isinstance(node.value, bytes) else node.value]
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "_env":
+            return [str(getattr(_env, node.attr))]
+        if isinstance(node, ast.Name):
+            if (items := scope.loop(node.id)) is not None:
+                return [n for item in items for n in self._resolve(item, scope)]
+            value = self.constant(node.id)
+            if isinstance(value, str):
+                return [value]
+            if scope.find("params", node.id):
+                return []  # int_env(name, ...): the callers' names are the reads
+        raise AssertionError(f"{self.rel}:{getattr(node, 'lineno', '?')}: an environment read this test "
+                             f"cannot resolve: {ast.unparse(node)}")
+
+    # -- walking ---------------------------------------------------------------------------------
+    def _walk(self, body: list[ast.stmt], scope: _Scope) -> None:
+        nodes = list(_scope_nodes(body))
+        for node in nodes:  # bindings first: a name bound anywhere in a function is bound in all of it
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names = [t.id for t in targets if isinstance(t, ast.Name)]
+                if self._is_environ(node.value, scope):
+                    scope.aliases.update(names)
+                    self._consumed.add(id(node.value))
+                elif self._copy_of_environ(node.value, scope):
+                    scope.copies.update(names)
+            elif (isinstance(node, ast.For) and isinstance(node.target, ast.Name)
+                  and isinstance(node.iter, (ast.Tuple, ast.List))):
+                scope.loops[node.target.id] = list(node.iter.elts)
+        for node in sorted(nodes, key=lambda n: (getattr(n, "lineno", 0), getattr(n, "col_offset", 0))):
+            self._visit(node, scope)
+        for node in nodes:
+            if self._is_environ(node, scope) and id(node) not in self._consumed \
+                    and not isinstance(getattr(node, "ctx", None), (ast.Store, ast.Del)):
+                self.whole.setdefault(f"{self.rel}::{scope.qualname}", []).append(node.lineno)  # type: ignore[attr-defined]
+        for node in nodes:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+                self._enter(node, scope)
+
+    def _enter(self, fn: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda | ast.ClassDef, scope: _Scope) -> None:
+        params: set[str] = set()
+        if not isinstance(fn, ast.ClassDef):
+            a = fn.args
+            params = {p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if p is not None}
+        name = fn.name if not isinstance(fn, ast.Lambda) else "<lambda>"
+        qual = name if scope.qualname == "<module>" else f"{scope.qualname}.{name}"
+        body = fn.body if not isinstance(fn, ast.Lambda) else [ast.Expr(fn.body)]
+        self._walk(body, _Scope(scope, qual, params))
+
+    def _read(self, arg: ast.AST, node: ast.AST, scope: _Scope) -> None:
+        for name in self._resolve(arg, scope):
+            self.names.setdefault(name, []).append(node.lineno)  # type: ignore[attr-defined]
+
+    def _visit(self, node: ast.AST, scope: _Scope) -> None:
+        if isinstance(node, ast.Call):
+            f = node.func
+            if isinstance(f, ast.Attribute) and self._is_env(f.value, scope):
+                self._consumed.add(id(f.value))
+                if f.attr in NAME_METHODS and node.args:
+                    self._read(node.args[0], node, scope)
+                elif f.attr not in WRITE_METHODS and self._is_environ(f.value, scope):
+                    self._consumed.discard(id(f.value))  # .items(), .keys(), .copy(): the whole environment
+            elif ((isinstance(f, ast.Attribute) and f.attr == "getenv"
+                   and isinstance(f.value, ast.Name) and f.value.id in self.os_names)
+                  or (isinstance(f, ast.Name) and f.id in self.getenv_names)) and node.args:
+                self._read(node.args[0], node, scope)
+        elif isinstance(node, ast.Subscript) and self._is_env(node.value, scope):
+            self._consumed.add(id(node.value))
+            if isinstance(node.ctx, ast.Load):
+                self._read(node.slice, node, scope)
+        elif isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            for i, op in enumerate(node.ops):
+                if isinstance(op, (ast.In, ast.NotIn)) and self._is_env(operands[i + 1], scope):
+                    self._consumed.add(id(operands[i + 1]))
+                    self._read(operands[i], node, scope)
+
+
+def _module_constants(source: str) -> dict[str, object]:
+    """``NAME = "literal"`` at a module's top level."""
+    out: dict[str, object] = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
+            out.update((t.id, node.value.value) for t in node.targets if isinstance(t, ast.Name))
+    return out
+
+
+def scan(root: Path, package: str) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """``(variable -> path:line of each read, path::function -> path:line of each whole read)``."""
+    names: dict[str, list[str]] = {}
+    whole: dict[str, list[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = str(path.relative_to(root))
+        source = path.read_text()
+        constants = _module_constants(source)
+        module = ".".join((package, *path.relative_to(root).with_suffix("").parts)).removesuffix(".__init__")
+
+        def constant(name: str, constants: dict[str, object] = constants, module: str = module) -> object:
+            if name in constants:
+                return constants[name]
+            try:  # a name imported from elsewhere (only the real package is importable)
+                return getattr(importlib.import_module(module), name, None)
+            except ImportError:
+                return None
+
+        found = EnvReads(source, rel, constant)
+        for name, lines in found.names.items():
+            names.setdefault(name, []).extend(f"{rel}:{n}" for n in lines)
+        for site, lines in found.whole.items():
+            whole.setdefault(site, []).extend(f"{rel}:{n}" for n in lines)
+    return names, whole
 
 
 def env_reads() -> dict[str, list[str]]:
     """Variable -> ``path:line`` of each read in the package."""
-    found: dict[str, list[str]] = {}
-    for path in sorted(ROOT.rglob("*.py")):
-        module = ".".join(("autobalance", *path.relative_to(ROOT).with_suffix("").parts)).removesuffix(".__init__")
-        for node in ast.walk(ast.parse(path.read_text())):
-            arg: ast.AST | None = None
-            if isinstance(node, ast.Call) and node.args and _reads_env(node.func):
-                arg = node.args[0]
-            elif isinstance(node, ast.Subscript) and _is_environ(node.value) and isinstance(node.ctx, ast.Load):
-                arg = node.slice
-            if arg is not None and (name := _resolve(arg, module)) is not None:
-                found.setdefault(name, []).append(f"{path.relative_to(ROOT)}:{node.lineno}")
-    return found
+    return scan(ROOT, "autobalance")[0]
 
 
 def test_every_environment_read_is_accounted_for():
-    """Fails if the package reads a variable not in READS (a new switch, e.g. a test-only
-    ``AUTOBALANCE_TEST_*`` that could change training math, is back), or if READS lists one it no
-    longer reads."""
-    found = env_reads()
+    """Fails if a new AUTOBALANCE_TEST_* switch is read with `in os.environ` (or ``not in``,
+    ``.get``, ``.pop``, ``.setdefault``, ``[...]``, ``os.getenv``, through an alias or a copy of the
+    environment): the package reads a variable not in READS; or if READS lists one it no longer
+    reads; or if a new read of the whole environment (``dict(os.environ)``, ``os.environ.copy()``,
+    ``.items()``, ``.keys()``) is not in WHOLE_READS with its reason."""
+    found, whole = scan(ROOT, "autobalance")
     assert sorted(set(found) - set(READS)) == [], {k: found[k] for k in set(found) - set(READS)}
     assert sorted(set(READS) - set(found)) == []
     assert not [name for name in found if "TEST" in name]
+    assert sorted(set(whole) - set(WHOLE_READS)) == [], {k: whole[k] for k in set(whole) - set(WHOLE_READS)}
+    assert sorted(set(WHOLE_READS) - set(whole)) == []
+
+
+PLANTED = '''\
+import os
+import os as _os
+from os import environ as E, getenv as ge
+
+FLAG = "AB_CONST"
+
+
+def reads(name):
+    if "AB_IN" in os.environ:
+        pass
+    if "AB_NOT_IN" not in os.environ:
+        pass
+    os.environ.setdefault("AB_SETDEFAULT", "1")
+    os.environ.pop("AB_POP", None)
+    os.environ["AB_SUBSCRIPT"]
+    os.getenv("AB_GETENV")
+    ge("AB_GETENV_IMPORTED")
+    _os.environ.get("AB_OS_ALIAS")
+    E.get("AB_FROM_OS")
+    os.environ.get(FLAG)
+    os.environ.get(name)           # a parameter: its callers' names are the reads
+    env = os.environ
+    env.get("AB_ALIAS_GET")
+    if "AB_ALIAS_IN" in env:
+        pass
+    copied = dict(os.environ)
+    copied.get("AB_COPY_GET")
+    for var in ("AB_LOOP_1", "AB_LOOP_2"):
+        os.environ.get(var)
+    os.environ["AB_WRITTEN"] = "1"  # writes are not reads
+    os.environ.update({"AB_UPDATED": "1"})
+
+
+def whole_items():
+    return list(os.environ.items())
+
+
+def whole_keys():
+    return [k for k in os.environ.keys() if k.startswith("AB_")]
+
+
+def whole_copy():
+    return os.environ.copy()
+
+
+def whole_dict():
+    return dict(os.environ)
+
+
+def whole_alias():
+    env = os.environ
+    return {**env}
+
+
+def not_environ():
+    environ = [b"AB_PROC=1"]      # another process's /proc/PID/environ, not this one's
+    return b"x" in environ
+'''
+
+
+def test_checker_finds_planted_reads(tmp_path: Path):
+    """Each form of reading the environment the checker claims to find, planted in a source, is
+    found: fails if the detector misses ``in`` / ``not in``, ``setdefault``, an alias, a copy, an
+    ``os`` imported under another name, or a whole-environment read (``.items()``, ``.keys()``,
+    ``.copy()``, ``dict(os.environ)``, ``{**env}``)."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "_planted.py").write_text(PLANTED)
+    found, whole = scan(tmp_path / "pkg", "planted_pkg")
+    assert sorted(found) == sorted([
+        "AB_IN", "AB_NOT_IN", "AB_SETDEFAULT", "AB_POP", "AB_SUBSCRIPT", "AB_GETENV", "AB_GETENV_IMPORTED",
+        "AB_OS_ALIAS", "AB_FROM_OS", "AB_CONST", "AB_ALIAS_GET", "AB_ALIAS_IN", "AB_COPY_GET",
+        "AB_LOOP_1", "AB_LOOP_2"])
+    assert found["AB_IN"] == ["_planted.py:9"] and found["AB_NOT_IN"] == ["_planted.py:11"]
+    assert sorted(whole) == sorted(f"_planted.py::{f}" for f in (
+        "reads", "whole_items", "whole_keys", "whole_copy", "whole_dict", "whole_alias"))
+    assert whole["_planted.py::reads"] == ["_planted.py:26"]  # dict(os.environ), not the alias nor the writes
+
+
+def test_checker_fails_on_a_name_it_cannot_resolve(tmp_path: Path):
+    """Fails if a read whose name the checker cannot work out (an f-string, a call) passes unseen."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "m.py").write_text('import os\nx = "AB_" + "TEST"\nif f"{x}" in os.environ:\n    pass\n')
+    with pytest.raises(AssertionError, match=r"m.py:3: an environment read this test cannot resolve"):
+        scan(tmp_path / "pkg", "planted_pkg")
 
 
 def test_trial_only_variables_are_ignored_by_a_production_job(monkeypatch: pytest.MonkeyPatch):
