@@ -56,6 +56,9 @@ return [...document.querySelectorAll('.js-plotly-plot')].map(el => ({
 
 
 def test_report_shows_time_vs_memory_settings_and_compile_charts(chrome, synthetic, tmp_path, repo) -> None:
+    """Counts what Chromium drew, exactly. Fails if the memory chart is off by one (a bar, even an
+    empty one, for a rank whose peak is None: issue 22's ``10 == 9``), or a chart drops or adds a
+    marker (a rank's point, an OOM, the prediction, the chosen star)."""
     study, db = synthetic
     files = build_report(study, output_html=str(tmp_path / "report.html"), storage_url=f"sqlite:///{db}")
     chrome.set_window_size(1400, 2300)
@@ -66,9 +69,14 @@ def test_report_shows_time_vs_memory_settings_and_compile_charts(chrome, synthet
     assert {"time-memory-chart", "factors-chart", "compile-chart", "memory-chart", "tradeoff-chart"} <= set(charts)
 
     tm = charts["time-memory-chart"]
-    measured = [t for t in study.get_trials() if t.user_attrs.get("step_time_ms") is not None]
-    # one marker per rank of each measured trial, the OOM / predicted trials above, the chosen star
-    assert tm["markers"] >= 2 * len(measured) + 3
+    trials = study.get_trials()
+    measured = [t for t in trials if t.user_attrs.get("step_time_ms") is not None]
+    # one marker per rank of each measured trial, the two OOMs (#0, #6), the predicted #5, the chosen star
+    assert tm["markers"] == 2 * len(measured) + 2 + 1 + 1 == 14
+    # one bar per reported peak: none for #5's rank 1 (None, never run); one mark each over #0, #3, #5, #6
+    memory = charts["memory-chart"]
+    assert memory["bars"] == sum(p is not None for t in trials for p in t.user_attrs["peak_device_gib"]) == 15
+    assert memory["markers"] == 4
     texts = " ".join(tm["texts"])
     for label in ("rank 0", "rank 1 (trial over the limit)", "capacity 16 GiB", "usable 15.2 GiB",
                   "predicted OOM (not run; predicted peak)", f"chosen #{BEST_2}"):

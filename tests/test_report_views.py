@@ -102,6 +102,22 @@ def test_memory_bars_of_a_predicted_trial_are_pale_and_hatched(two) -> None:
     assert "prediction" in bars.customdata[i][0]
 
 
+def test_memory_figure_draws_no_bar_for_a_rank_without_a_peak(two) -> None:
+    """Fails if the memory chart draws a bar (an empty slot, or a zero) for a rank whose peak is None
+    (the predicted trial #5's rank 1; in a real study, a rank killed before its report): its bars
+    are then one more than the peaks reported, the chart off by one of issue 22 (``10 == 9``)."""
+    study, _ = two
+    bars = {t.name: t for t in memory_figure(summarize(study)).data if t.type == "bar"}
+    assert sorted(bars) == ["rank 0", "rank 1"]
+    assert "#5" in bars["rank 0"].x and "#5" not in bars["rank 1"].x
+    assert all(y is not None and y > 0 for t in bars.values() for y in t.y)
+    reported = sum(p is not None for t in study.get_trials() for p in t.user_attrs["peak_device_gib"])
+    assert sum(len(t.x) for t in bars.values()) == reported == 15
+    for t in bars.values():  # each bar's hatch, opacity and hover belong to its own trial
+        assert len(t.y) == len(t.marker.opacity) == len(t.marker.pattern.shape) == len(t.customdata) == len(t.x)
+        assert [c[0] for c in t.customdata][list(t.x).index("#3")] == "over limit (rank 0)"
+
+
 def test_factors_and_compile_figures(two) -> None:
     summary = summarize(two[0])
     factors = factors_figure(summary)

@@ -39,7 +39,8 @@ def _mark(row: TrialRow) -> str:
 
 
 def memory_figure(summary: StudySummary) -> Any:
-    """Grouped bars: one group per trial, one bar per rank; capacity and usable lines; OOM marked."""
+    """Grouped bars: one group per trial, one bar per rank that has a peak (a rank without one, e.g.
+    killed before its report, has no bar, not an empty one); capacity and usable lines; OOM marked."""
     import plotly.graph_objects as go
 
     rows = [r for r in summary.rows if any(p is not None for p in r.peaks_gib) or r.failed_memory]
@@ -47,13 +48,13 @@ def memory_figure(summary: StudySummary) -> Any:
     labels = [r.label for r in rows]
     fig = go.Figure()
     for rank, color in zip(range(ranks), rank_colors(ranks), strict=True):
-        y = [r.peaks_gib[rank] if rank < len(r.peaks_gib) else None for r in rows]
+        have = [r for r in rows if rank < len(r.peaks_gib) and r.peaks_gib[rank] is not None]
         fig.add_trace(go.Bar(
-            x=labels, y=y, name=f"rank {rank}", marker_color=color,
-            marker_pattern_shape=["/" if r.predicted else ("x" if r.failed_memory else "") for r in rows],
-            marker_opacity=[0.35 if r.predicted else 1.0 for r in rows],
+            x=[r.label for r in have], y=[r.peaks_gib[rank] for r in have], name=f"rank {rank}", marker_color=color,
+            marker_pattern_shape=["/" if r.predicted else ("x" if r.failed_memory else "") for r in have],
+            marker_opacity=[0.35 if r.predicted else 1.0 for r in have],
             customdata=[[r.outcome + (" (a prediction, not a measurement)" if r.predicted else ""), _describe(r)]
-                        for r in rows],
+                        for r in have],
             hovertemplate=f"rank {rank}: %{{y:.4f}} GiB<br>%{{x}} %{{customdata[0]}}<br>%{{customdata[1]}}<extra></extra>",
         ))
     top = _max([_max(r.peaks_gib) for r in rows]) or 1.0
@@ -83,6 +84,7 @@ def memory_figure(summary: StudySummary) -> Any:
         title += f" (capacity {cap_top:.3g} GiB is off scale; toggle it in the legend)"
     fig.update_layout(
         title=title, barmode="group", xaxis_title="trial", yaxis_title="GiB", legend_title="",
+        xaxis={"categoryorder": "array", "categoryarray": labels},  # trial order, whichever rank has a bar
         template="plotly_white", height=460, margin={"t": 60, "l": 60, "r": 20, "b": 60},
     )
     if off_scale:
