@@ -21,7 +21,14 @@ from optuna.trial import TrialState
 
 from autobalance._errors import UsageError
 from autobalance.tuner._parallel import Slot, plan_slots
-from tests.tune_helpers import FAULTY, REPO, ctrl_c_reaches_it, load, processes_with
+from tests.tune_helpers import (
+    FAULTY,
+    REPO,
+    assert_no_hold_timed_out,
+    ctrl_c_reaches_it,
+    load,
+    processes_with,
+)
 
 PINNED = str(REPO / "tests" / "scripts" / "pinned.py")
 COMMON = ["--device", "cpu", "--strategy", "optuna", "--seed", "0", "--prune-factor", "0", "--steps", "2",
@@ -207,6 +214,7 @@ def test_two_trials_at_once_on_disjoint_cores(tmp_path: Path, mode: str) -> None
     # is certain, not a matter of timing
     proc = subprocess.run(["taskset", "-c", ",".join(map(str, cores)), *cmd], cwd=tmp_path,
                           env={**_env(tmp_path), "AB_PINNED_OVERLAP": "3"}, capture_output=True, text=True, timeout=900)
+    assert_no_hold_timed_out(tmp_path)  # the two trials after the baseline never ran at once
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "2 trials at a time" in proc.stderr
     trials = load(db).get_trials()

@@ -13,6 +13,16 @@ import optuna
 REPO = Path(__file__).resolve().parents[1]
 FAULTY = str(REPO / "tests" / "scripts" / "faulty.py")
 GPT = str(REPO / "examples" / "gpt" / "train.py")
+HOLD_TIMED_OUT = "hold-timed-out.txt"
+"""The marker a test script's hold writes in its trial's directory when it gives up (tests/scripts/_hold.py)."""
+
+
+def assert_no_hold_timed_out(root: Path) -> None:
+    """Fails, naming the cause, if a hold of a test script under ``root`` gave up waiting
+    (faulty.py AB_HOLD_FIRST_LAUNCH, pinned.py AB_PINNED_OVERLAP): the order the test relies on never
+    happened, so what it checks next would be luck. Call it before checking the study."""
+    timed_out = [f"{p.parent}: {p.read_text().strip()}" for p in sorted(root.rglob(HOLD_TIMED_OUT))]
+    assert not timed_out, "a test script's hold timed out, the test's precondition never held:\n" + "\n".join(timed_out)
 
 
 def ctrl_c_reaches_it() -> None:

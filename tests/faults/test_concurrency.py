@@ -24,6 +24,7 @@ from tests.faults.conftest import (
     sqlite_url,
     tune_cmd,
 )
+from tests.tune_helpers import assert_no_hold_timed_out
 
 pytestmark = pytest.mark.slow
 
@@ -53,6 +54,7 @@ def _run_workers(url: str, tmp_path: Path, n: int, *, study: str) -> list[subpro
         finally:
             err.close()
         done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, (cwd / "stderr.log").read_text()))
+    assert_no_hold_timed_out(tmp_path)  # the baseline's hold gave up: the others never said they wait
     return done
 
 

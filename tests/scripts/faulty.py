@@ -3,7 +3,7 @@
 AB_FAULT selects the fault (default none); AB_FAULT_ON_LAUNCH=N injects it from the N-th launch
 on (counted in AB_FAULT_COUNTER, a file; 1-based), so earlier trials succeed; AB_FAULT_ONCE=1
 injects it on the N-th launch only. AB_HOLD_FIRST_LAUNCH holds the first launch (see
-hold_first_launch).
+hold_first_launch); a hold that gives up fails the trial loudly (see hold_timed_out).
 
 Faults: import_error, raise, oom_backward_rank1, sigkill_rank1, hang_rank1, exit0_rank1,
 garbage_report_rank1 (writes non-JSON in place of its report, exits 0 at step 1), hang_all,
@@ -19,6 +19,8 @@ import os
 import signal
 import sys
 import time
+
+from _hold import hold_timed_out  # tests/scripts/_hold.py, beside this script
 
 FAULT = os.environ.get("AB_FAULT", "none")
 ON = int(os.environ.get("AB_FAULT_ON_LAUNCH", "1"))
@@ -92,8 +94,9 @@ def _break_report_writing(kind: str) -> None:
 
 def hold_first_launch() -> None:
     """AB_HOLD_FIRST_LAUNCH="GLOB|TEXT|N": rank 0 of the first launch (the baseline, which runs
-    alone) waits, up to 45 s (under the process group's 60 s start-up timeout), until N files
-    matching GLOB contain TEXT: e.g. until the other tuners say they wait for this baseline."""
+    alone) waits, up to 45 s (under the process group's 60 s start-up timeout; AB_HOLD_TIMEOUT_S
+    to change it), until N files matching GLOB contain TEXT: e.g. until the other tuners say they
+    wait for this baseline. Fails the trial (hold_timed_out) if they never do."""
     spec = os.environ.get("AB_HOLD_FIRST_LAUNCH")
     if not spec or os.environ.get("RANK", "0") != "0" or launch_number() != 1:
         return
@@ -111,8 +114,12 @@ def hold_first_launch() -> None:
                 pass
         return n
 
-    deadline = time.monotonic() + 45
-    while seen() < int(count) and time.monotonic() < deadline:
+    timeout = float(os.environ.get("AB_HOLD_TIMEOUT_S", "45"))
+    deadline = time.monotonic() + timeout
+    while (n := seen()) < int(count):
+        if time.monotonic() >= deadline:
+            hold_timed_out("faulty.py", f"AB_HOLD_FIRST_LAUNCH: after {timeout:g} s, {n} of the {count} files "
+                                        f"matching {pattern} contain {text!r}")
         time.sleep(0.1)
 
 
