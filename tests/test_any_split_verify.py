@@ -26,6 +26,9 @@ def _verify(tmp_path, cfg: BalanceConfig, *, env=None):
 
 
 def test_verify_passes_an_any_split_and_rejects_weights_that_ignore_micro_batch_sizes(tmp_path):
+    """Fails if verify passes a runtime that weights each micro-batch by its rank's mean micro-batch
+    instead of its own size (tests/bugs ``micro-step-weights``: exact for equal micro-batches, wrong
+    for the any split 3,2,2 / 4,3,3), or if it rejects the correct runtime on that split (fp32, 1e-6)."""
     cfg = BalanceConfig.any_split(rank_samples=[7, 10], accumulation=3, checkpoint=[[0], []])
     assert cfg.global_batch == 17 and cfg.split_text() == "rank 0: 3,2,2; rank 1: 4,3,3"
     ok = _verify(tmp_path, cfg)

@@ -166,6 +166,10 @@ def test_the_model_strategy_proposes_compiled_configurations_from_the_compiled_m
 
 @pytest.mark.parametrize("wrong", [False, True], ids=["correct", "loss-weighting-off"])
 def test_tune_verifies_the_best_before_saving_it(tmp_path, wrong):
+    """Fails if tune saves a configuration verify would reject: with the loss weighting off (the
+    tests/bugs ``loss-weighting`` runtime in every trial and verification) no uneven configuration
+    may be saved and the exit code must say so; and fails if the correct runtime's best is saved
+    without a verification that ran and passed (not skipped)."""
     db = tmp_path / "a.db"
     # rank 0's extras make the script's own (8, 8) run out of memory under this cap: the best is uneven;
     # with the loss weighting switched off no uneven configuration computes the right step

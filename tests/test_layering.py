@@ -165,7 +165,9 @@ def _plant(tmp_path: Path, files: dict[str, str]) -> Path:
 
 
 def test_checker_finds_planted_violations(tmp_path):
-    """Each import form the test claims to resolve, planted as a violation, is found."""
+    """Each import form the test claims to resolve, planted as a violation, is found: fails if the
+    checker misses a lazy or relative import, ``from autobalance import tuner``, an
+    ``importlib.import_module`` string, a private name or a circle between rooms."""
     root = _plant(tmp_path, {
         "runtime/_a.py": "def f():\n    from autobalance import tuner\n",          # lazy, from-package form
         "runtime/_b.py": "from ..tuner import _study\n",                           # relative, private

@@ -200,7 +200,9 @@ def _placements(trial_dir: str) -> list[dict[str, object]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["warm", "cold"])
 def test_two_trials_at_once_on_disjoint_cores(tmp_path: Path, mode: str) -> None:
-    """--cpus-per-trial 1 on a 2-core affinity mask: 2 slots of 1-rank trials, each pinned to its core."""
+    """--cpus-per-trial 1 on a 2-core affinity mask: 2 slots of 1-rank trials, each pinned to its core.
+    Fails if two trials running at once share a core, or if none ran at once: the overlap is held
+    for (pinned.py AB_PINNED_OVERLAP), and a hold that gave up fails first, naming itself."""
     cores = sorted(os.sched_getaffinity(0))[:2]
     if len(cores) < 2:
         pytest.skip("needs 2 cores")

@@ -16,7 +16,9 @@ pytestmark = pytest.mark.slow
 def test_tune_gpt_records_trials_with_per_rank_attributes(tmp_path):
     """Besides the attributes: fails if the study records a value without the spread term (the
     0.5 GiB cap makes rank 0's extra ~4 MiB a spread of about 1 % of capacity, far above the
-    rounding of the attributes the value is recomputed from)."""
+    rounding of the attributes the value is recomputed from), or if ``autobalance studies`` loses
+    or garbles the study's row (name, trial counts, best step time; it was checked with
+    ``"s" in stdout``, always true)."""
     db = tmp_path / "a.db"
     proc = cli(tune_args(GPT, db, "--memory-cap-gib", "0.5", trials=3), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
