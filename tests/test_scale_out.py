@@ -207,7 +207,7 @@ def test_two_trials_at_once_on_disjoint_cores(tmp_path: Path, mode: str) -> None
     if len(cores) < 2:
         pytest.skip("needs 2 cores")
     db = tmp_path / "a.db"
-    cmd = [sys.executable, "-m", "autobalance", "tune", PINNED, "--trials", "7", "--nproc-per-node", "1",
+    cmd = [sys.executable, "-m", "autobalance", "tune", PINNED, "--trials", "4", "--nproc-per-node", "1",
            "--cpus-per-trial", "1", "--trial-timeout", "180", "--storage", f"sqlite:///{db}", *COMMON]
     if mode == "cold":
         cmd.append("--cold")
@@ -220,7 +220,7 @@ def test_two_trials_at_once_on_disjoint_cores(tmp_path: Path, mode: str) -> None
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "2 trials at a time" in proc.stderr
     trials = load(db).get_trials()
-    assert len(trials) == 7
+    assert len(trials) == 4
     assert all(t.state == TrialState.COMPLETE and t.user_attrs["status"] == "ok" for t in trials)
     launched = [t for t in trials if t.user_attrs.get("reused_from") is None and not t.user_attrs["baseline"]]
     where = {}
@@ -233,7 +233,7 @@ def test_two_trials_at_once_on_disjoint_cores(tmp_path: Path, mode: str) -> None
                    and a.datetime_start < b.datetime_complete and b.datetime_start < a.datetime_complete]
     assert overlapping, "no two trials ran at the same time"
     assert all(where[a.number] != where[b.number] for a, b in overlapping)  # concurrent trials: disjoint cores
-    assert sorted(t.number for t in trials) == list(range(7))
+    assert sorted(t.number for t in trials) == list(range(4))
     assert _no_processes(tmp_path) == []
 
 
@@ -242,7 +242,7 @@ def test_a_hanging_multi_node_trial_is_killed_on_every_node(tmp_path: Path) -> N
     """Trial 1 hangs on all 4 ranks: the coordinator's timeout kills its node's part and cancels
     the trial; the worker sees the cancel and kills its own; the study goes on."""
     env = {**_env(tmp_path), "AB_FAULT": "hang_all", "AB_FAULT_ON_LAUNCH": "2", "AB_FAULT_ONCE": "1"}
-    tune, worker, err = _two_node_study(tmp_path, trials=2, trial_timeout=60, env=env)
+    tune, worker, err = _two_node_study(tmp_path, trials=2, trial_timeout=35, env=env)
     assert tune.returncode == 0, tune.stderr[-4000:]
     assert worker.returncode == 0, err[-4000:]
     trials = load(tmp_path / "a.db").get_trials()

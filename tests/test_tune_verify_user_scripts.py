@@ -37,6 +37,11 @@ def test_a_sum_reduced_loss_in_bf16_or_fp16_is_never_saved_and_tune_exits_1(tmp_
     study = load(db)
     verdicts = {k: v for k, v in study.user_attrs.items() if k.startswith("autobalance:verify:")}
     assert len(verdicts) == 3 and not any(v["passed"] for v in verdicts.values()), verdicts
+    # the candidates share the runs that do not depend on the configuration: each baseline ran once
+    for name in ("baseline", "baseline-fp32"):
+        assert len({v["runs"][name] for v in verdicts.values()}) == 1, [v["runs"] for v in verdicts.values()]
+    assert len({v["runs"]["tuned-fp32"] for v in verdicts.values()}) == 3
+    assert len(list((tmp_path / "runs" / "s").glob("verify-*/pool/pool-*"))) == 1  # one warm pool for all three
     for verdict in verdicts.values():
         math = verdict["checks"][0]
         assert math["name"] == "equivalence" and math["runs"] == ["tuned-fp32", "baseline-fp32"]

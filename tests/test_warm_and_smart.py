@@ -45,8 +45,10 @@ def test_warm_study_is_faster_than_cold_and_records_the_same_memory(tmp_path):
     walls = {}
     for mode in ("cold", "warm"):
         db = tmp_path / f"{mode}.db"
-        args = ["tune", GPT, "--trials", "5", "--nproc-per-node", "2", "--device", "cpu", "--storage", f"sqlite:///{db}",
-                "--study-name", "s", "--strategy", "optuna", "--sampler", "random", "--seed", "7", "--trial-timeout", "90", "--prune-factor", "0"]
+        # verification (the same runs, warm or cold, after the trials) is not what is compared here
+        args = ["tune", GPT, "--trials", "4", "--nproc-per-node", "2", "--device", "cpu", "--storage", f"sqlite:///{db}",
+                "--study-name", "s", "--strategy", "optuna", "--sampler", "random", "--seed", "7", "--trial-timeout", "90",
+                "--prune-factor", "0", "--no-verify"]
         if mode == "cold":
             args.append("--cold")
         start = time.monotonic()
@@ -54,7 +56,7 @@ def test_warm_study_is_faster_than_cold_and_records_the_same_memory(tmp_path):
         walls[mode] = time.monotonic() - start
         assert proc.returncode == 0, proc.stderr[-3000:]
     cold, warm = load(tmp_path / "cold.db").get_trials(), load(tmp_path / "warm.db").get_trials()
-    assert len(cold) == len(warm) == 5
+    assert len(cold) == len(warm) == 4
     for c, w in zip(cold, warm, strict=True):
         assert c.user_attrs["config"] == w.user_attrs["config"]  # same seed, same configurations
         assert c.user_attrs["status"] == w.user_attrs["status"] == "ok"
@@ -65,7 +67,8 @@ def test_warm_study_is_faster_than_cold_and_records_the_same_memory(tmp_path):
 def test_model_strategy_skips_a_predicted_oom_without_launching(tmp_path):
     db = tmp_path / "a.db"
     base = ["tune", GPT, "--nproc-per-node", "2", "--device", "cpu", "--storage", f"sqlite:///{db}", "--study-name", "s",
-            "--seed", "1", "--memory-cap-gib", "0.0145", "--dtypes", "fp32", "--trial-timeout", "90"]
+            "--seed", "1", "--memory-cap-gib", "0.0145", "--dtypes", "fp32", "--trial-timeout", "90",
+            "--no-verify"]  # what is saved is not the question here
     proc = cli([*base, "--trials", "6"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     study = load(db)

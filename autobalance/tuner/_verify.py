@@ -79,6 +79,7 @@ __all__ = [
     "FP32_TOLERANCE",
     "NOISE_FACTOR",
     "Check",
+    "SharedRuns",
     "Verification",
     "Verifier",
     "VerifyTarget",
@@ -253,35 +254,72 @@ class _RunFailed(Exception):
         self.name = name
 
 
+class SharedRuns:
+    """What the verifications of several configurations of one script share (``tune`` verifying its
+    next-best candidates): one warm pool, the starting weights, and the runs that do not depend on
+    the configuration (``baseline``, ``baseline-fp32``, ``baseline-<dtype>``, ``baseline-small``), each
+    run once. The owner closes it; a :class:`Verifier` given one leaves it open."""
+
+    def __init__(self) -> None:
+        self.pool: WarmPool | None = None
+        self.init_path: str | None = None
+        self.init: dict[str, Any] = {}
+        self.baselines: dict[str, StepResult] = {}
+        """Successful baseline runs by (name, configuration, dropout, global batch)."""
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+    def __enter__(self) -> SharedRuns:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class Verifier:
     """Launches the verification runs of one configuration and judges them (see the module doc)."""
 
     def __init__(self, target: VerifyTarget, *, note: Callable[[str], None] | None = None,
-                 allow_batch_dependent: bool = False) -> None:
+                 allow_batch_dependent: bool = False, shared: SharedRuns | None = None) -> None:
         self.target = target
         self.note = note or (lambda text: None)
         self.allow_batch_dependent = allow_batch_dependent
-        self._pool: WarmPool | None = None
+        self._owns_shared = shared is None
+        self._shared = shared if shared is not None else SharedRuns()
         self._runs: dict[str, str] = {}
-        self._init_path: str | None = None
-        self._init: dict[str, Any] = {}
         self._results: list[StepResult] = []
 
     # ------------------------------------------------------------------ running
     def _launch(self, launch: TrialLaunch) -> TrialOutcome:
         t = self.target
         if not t.cold and cold_reason(t.script) is None:
-            if self._pool is None:
-                self._pool = WarmPool(template=launch, pool_dir=os.path.join(t.work_dir, "pool"))
-            return self._pool.run(launch)
+            if self._shared.pool is None:
+                self._shared.pool = WarmPool(template=launch, pool_dir=os.path.join(t.work_dir, "pool"))
+            return self._shared.pool.run(launch)
         return run_trial(launch)
 
     def _run(self, name: str, config: BalanceConfig | None, *, dropout: str, global_batch: int) -> StepResult:
+        key = f"{name}|{None if config is None else config.to_json()}|{dropout}|{global_batch}"
+        done = self._shared.baselines.get(key)
+        if done is not None:  # a baseline run of an earlier candidate: the same step
+            self._runs[name] = done.trial_dir
+            self._results.append(done)
+            self.note(f"verify: {name} run (the earlier candidate's, in {done.trial_dir})")
+            return done
+        result = self._launch_run(name, config, dropout=dropout, global_batch=global_batch)
+        if name.startswith("baseline"):
+            self._shared.baselines[key] = result
+        return result
+
+    def _launch_run(self, name: str, config: BalanceConfig | None, *, dropout: str, global_batch: int) -> StepResult:
         t = self.target
         trial_dir = os.path.join(t.work_dir, name)
         os.makedirs(trial_dir, exist_ok=True)
         with open(os.path.join(trial_dir, _env.VERIFY_FILE), "w") as fh:
-            json.dump({"dropout": dropout, "init": self._init_path,
+            json.dump({"dropout": dropout, "init": self._shared.init_path,
                        "allow_batch_dependent": self.allow_batch_dependent}, fh)
         self._runs[name] = trial_dir
         self.note(f"verify: {name} run ({'script defaults' if config is None else _short(config)}, dropout {dropout})")
@@ -308,17 +346,16 @@ class Verifier:
         with open(os.path.join(trial_dir, _STEP_JSON)) as fh:
             info = json.load(fh)
         samples = sorted(int(i) for rank in info["micro_batches"] for mb in rank for i in mb)
-        if self._init_path is None:
-            self._init_path = os.path.join(trial_dir, _INIT_FILE)
-            self._init = torch.load(self._init_path, map_location="cpu", weights_only=True)
+        if self._shared.init_path is None:
+            self._shared.init_path = os.path.join(trial_dir, _INIT_FILE)
+            self._shared.init = torch.load(self._shared.init_path, map_location="cpu", weights_only=True)
         return StepResult(name=name, config=info["config"], trial_dir=trial_dir, grads=dict(saved["grads"]),
                           params=dict(saved["params"]), buffers=dict(saved.get("buffers") or {}), samples=samples,
                           info=info)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
+        if self._owns_shared:
+            self._shared.close()
 
     # ------------------------------------------------------------------ judging
     def _compare(self, name: str, a: StepResult, b: StepResult, tolerance: tuple[float, float, float] | None) -> Check:
@@ -328,8 +365,9 @@ class Verifier:
         if not b.grads:
             raise _RunFailed(b.name, "no parameter had a gradient")
         grad_rel, worst = _relative(a.grads, b.grads)
-        upd_a = {k: v - self._init[k].float() for k, v in a.params.items() if k in self._init}
-        upd_b = {k: v - self._init[k].float() for k, v in b.params.items() if k in self._init}
+        init = self._shared.init
+        upd_a = {k: v - init[k].float() for k, v in a.params.items() if k in init}
+        upd_b = {k: v - init[k].float() for k, v in b.params.items() if k in init}
         update_rel, _ = _relative(upd_a, upd_b)
         param_rel, _ = _relative(a.params, b.params)
         shared = sorted(set(a.buffers) & set(b.buffers))
@@ -554,6 +592,13 @@ def verify_for_saving(*, settings: Any, study: Any, best: Any, baseline: Any,
     if baseline is not None and baseline.user_attrs.get(TrialAttr.CONFIG):
         baseline_cfg = BalanceConfig.from_dict(baseline.user_attrs[TrialAttr.CONFIG])
     candidates = [best] + [t for t in ranked_candidates(study) if t.number != best.number]
+    with SharedRuns() as shared:
+        return _first_verified(settings=settings, study=study, candidates=candidates, baseline_cfg=baseline_cfg,
+                               notes=notes, note=note, shared=shared)
+
+
+def _first_verified(*, settings: Any, study: Any, candidates: list[Any], baseline_cfg: BalanceConfig | None,
+                    notes: list[str], note: Callable[[str], None] | None, shared: SharedRuns) -> Any:
     tried = 0
     for trial in candidates:
         if tried >= MAX_CANDIDATES:
@@ -566,7 +611,7 @@ def verify_for_saving(*, settings: Any, study: Any, best: Any, baseline: Any,
         tried += 1
         config = BalanceConfig.from_dict(trial.user_attrs[TrialAttr.CONFIG])
         verdict = Verifier(target_for(settings, label=f"trial{trial.number}"), note=note,
-                           allow_batch_dependent=allows_batch_dependent(study)).verify(
+                           allow_batch_dependent=allows_batch_dependent(study), shared=shared).verify(
             config, baseline=baseline_cfg)
         study.set_user_attr(f"{ATTR_VERIFY_PREFIX}{trial.number}", verdict.to_dict())
         write_notes(study)  # the best trial's dashboard note gives the verdict
