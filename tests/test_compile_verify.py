@@ -9,6 +9,7 @@ activation budget, no C++ compile) through ``AUTOBALANCE_COMPILE_BACKEND`` to st
 from __future__ import annotations
 
 import json
+import shutil
 import time
 
 import pytest
@@ -164,19 +165,30 @@ def test_the_model_strategy_proposes_compiled_configurations_from_the_compiled_m
     assert "The compiled model proposed" in proc.stdout and "Compiled model:" in proc.stdout
 
 
+def _capped_tune(root, *, env=None):
+    """Rank 0's extras make the script's own (8, 8) run out of memory under this cap: the best is
+    uneven; with the loss weighting switched off no uneven configuration computes the right step."""
+    db = root / "a.db"
+    args = ["tune", GPT, "--trials", "4", "--nproc-per-node", "2", "--device", "cpu", "--storage", f"sqlite:///{db}",
+            "--study-name", "s", "--strategy", "optuna", "--sampler", "random", "--seed", "3", "--trial-timeout", "120",
+            "--memory-cap-gib", "0.0145", "--dtypes", "fp32", "--max-accumulation", "1", "--runs-dir", str(root / "runs")]
+    return cli(args, cwd=root, env=env), db
+
+
+@pytest.fixture(scope="module")
+def broken_tune(tmp_path_factory):
+    """The capped study tuned with the tests/bugs ``loss-weighting`` runtime in every trial and
+    verification: made once, read by the two tests below (the promote test works on a copy)."""
+    return _capped_tune(tmp_path_factory.mktemp("broken-tune"), env=inject("loss-weighting"))
+
+
 @pytest.mark.parametrize("wrong", [False, True], ids=["correct", "loss-weighting-off"])
-def test_tune_verifies_the_best_before_saving_it(tmp_path, wrong):
+def test_tune_verifies_the_best_before_saving_it(tmp_path, request, wrong):
     """Fails if tune saves a configuration verify would reject: with the loss weighting off (the
     tests/bugs ``loss-weighting`` runtime in every trial and verification) no uneven configuration
     may be saved and the exit code must say so; and fails if the correct runtime's best is saved
     without a verification that ran and passed (not skipped)."""
-    db = tmp_path / "a.db"
-    # rank 0's extras make the script's own (8, 8) run out of memory under this cap: the best is uneven;
-    # with the loss weighting switched off no uneven configuration computes the right step
-    args = ["tune", GPT, "--trials", "4", "--nproc-per-node", "2", "--device", "cpu", "--storage", f"sqlite:///{db}",
-            "--study-name", "s", "--strategy", "optuna", "--sampler", "random", "--seed", "3", "--trial-timeout", "120",
-            "--memory-cap-gib", "0.0145", "--dtypes", "fp32", "--max-accumulation", "1", "--runs-dir", str(tmp_path / "runs")]
-    proc = cli(args, cwd=tmp_path, env=inject("loss-weighting") if wrong else None)
+    proc, db = request.getfixturevalue("broken_tune") if wrong else _capped_tune(tmp_path)
     assert proc.returncode == (1 if wrong else 0), proc.stderr[-3000:]
     study = load(db)
     verdicts = {k: v for k, v in study.user_attrs.items() if k.startswith("autobalance:verify:")}
@@ -203,13 +215,12 @@ def _promote(tmp_path, db, number: int, *extra: str, env=None):
                cwd=tmp_path, env=env, timeout=400)
 
 
-def test_promote_verifies_like_tune_and_never_saves_a_failed_trial(tmp_path):
-    db = tmp_path / "a.db"
+def test_promote_verifies_like_tune_and_never_saves_a_failed_trial(tmp_path, broken_tune):
     broken = inject("loss-weighting")
-    args = ["tune", GPT, "--trials", "4", "--nproc-per-node", "2", "--device", "cpu", "--storage", f"sqlite:///{db}",
-            "--study-name", "s", "--strategy", "optuna", "--sampler", "random", "--seed", "3", "--trial-timeout", "120",
-            "--memory-cap-gib", "0.0145", "--dtypes", "fp32", "--max-accumulation", "1", "--runs-dir", str(tmp_path / "runs")]
-    assert cli(args, cwd=tmp_path, env=broken).returncode == 1  # every candidate failed: nothing saved
+    tuned, tuned_db = broken_tune
+    assert tuned.returncode == 1  # every candidate failed: nothing saved
+    db = tmp_path / "a.db"
+    shutil.copy(tuned_db, db)  # promote and verify write verdicts: a copy of the shared study
     study = load(db)
     assert study.user_attrs["autobalance:launch"]["script"] == GPT
     failed = [int(k.rsplit(":", 1)[1]) for k, v in study.user_attrs.items()

@@ -48,7 +48,9 @@ def test_the_synthetic_studies_have_one_and_two_ranks(studies) -> None:
     assert one.trials[BEST_1].user_attrs["spread_gib"] == 0  # recorded, but means nothing with one rank
 
 
-def test_trials_table_of_one_rank_has_no_spread(studies, capsys: pytest.CaptureFixture[str]) -> None:
+def test_trials_table_of_one_rank_has_no_spread(studies, capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("COLUMNS", raising=False)  # output into a pipe (pytest-xdist's workers set COLUMNS=80)
     root = studies[2]
     print_trials(study_name="one", storage=f"sqlite:///{root / 'one.db'}", as_json=False)
     out = capsys.readouterr().out
