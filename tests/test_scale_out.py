@@ -219,7 +219,11 @@ def test_two_trials_at_once_on_disjoint_cores(tmp_path: Path, mode: str) -> None
     assert_no_hold_timed_out(tmp_path)  # the two trials after the baseline never ran at once
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "2 trials at a time" in proc.stderr
-    trials = load(db).get_trials()
+    everything = load(db).get_trials()
+    # a slot that asked for a trial beyond the total at the same moment as the other records a
+    # FAIL ``surplus`` trial without launching anything (see tests/faults/test_concurrency.py)
+    trials = [t for t in everything if t.user_attrs.get("status") != "surplus"]
+    assert all(t.state == TrialState.FAIL for t in everything if t not in trials)
     assert len(trials) == 4
     assert all(t.state == TrialState.COMPLETE and t.user_attrs["status"] == "ok" for t in trials)
     launched = [t for t in trials if t.user_attrs.get("reused_from") is None and not t.user_attrs["baseline"]]
@@ -233,7 +237,7 @@ def test_two_trials_at_once_on_disjoint_cores(tmp_path: Path, mode: str) -> None
                    and a.datetime_start < b.datetime_complete and b.datetime_start < a.datetime_complete]
     assert overlapping, "no two trials ran at the same time"
     assert all(where[a.number] != where[b.number] for a, b in overlapping)  # concurrent trials: disjoint cores
-    assert sorted(t.number for t in trials) == list(range(4))
+    assert sorted(t.number for t in everything) == list(range(len(everything)))
     assert _no_processes(tmp_path) == []
 
 
