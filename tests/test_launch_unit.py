@@ -28,7 +28,7 @@ def test_joining_node_gets_the_shared_fields_and_keeps_its_own(tmp_path):
 def test_torchrun_command_standalone_and_rendezvous(tmp_path):
     one = TrialLaunch(script="-m", script_args=["pkg.mod", "x.py"], nproc_per_node=2, trial_dir=str(tmp_path),
                       torchrun_args=["--master-port", "1"])
-    assert build_command(one) == [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    assert build_command(one) == [sys.executable, "-m", "autobalance.launcher._torchrun_main", "--nproc-per-node", "2",
                                   "--max-restarts", "0", "--log-dir", os.path.join(str(tmp_path), "logs"),
                                   "--redirects", "3", "--standalone", "--master-port", "1", "-m", "pkg.mod", "x.py"]
     two = TrialLaunch(script="x.py", nproc_per_node=1, nnodes=2, rdzv_endpoint="h:1", rdzv_id="r", node_rank=1,

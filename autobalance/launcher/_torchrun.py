@@ -29,6 +29,9 @@ __all__ = ["TrialLaunch", "build_command", "child_setup", "run_trial"]
 # peer is stuck in a collective and torchrun does not, the launcher kills the job itself.
 _FAILURE_GRACE_S = 15.0
 
+TORCHRUN = "autobalance.launcher._torchrun_main"
+"""The module the launcher runs torchrun as (``python -m``): torchrun itself, without the teardown."""
+
 
 @dataclass(kw_only=True)
 class TrialLaunch:
@@ -128,9 +131,10 @@ def child_setup(launch: TrialLaunch) -> Callable[[], None]:
 
 
 def build_command(launch: TrialLaunch) -> list[str]:
-    """``python -m torch.distributed.run ... script args``: standalone on one node, else joining the
-    c10d rendezvous at ``rdzv_endpoint``."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(launch.nproc_per_node),
+    """torchrun's command line (``python -m torch.distributed.run`` through
+    :mod:`autobalance.launcher._torchrun_main`, which skips the interpreter's teardown) ``... script
+    args``: standalone on one node, else joining the c10d rendezvous at ``rdzv_endpoint``."""
+    cmd = [sys.executable, "-m", TORCHRUN, "--nproc-per-node", str(launch.nproc_per_node),
            "--max-restarts", "0", "--log-dir", os.path.join(launch.logs_at, "logs"), "--redirects", "3"]
     if launch.nnodes == 1 and launch.rdzv_endpoint is None:
         cmd.append("--standalone")
