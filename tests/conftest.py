@@ -41,9 +41,9 @@ def repo() -> Path:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Files with ``slow`` tests (real torchrun jobs) first, each file's tests in their own order.
-    The README's command runs the suite on two pytest-xdist workers, one file at a time each
-    (``--dist loadfile``): the quick files then fill the end of the run, instead of one worker
-    finishing a long file alone while the other idles."""
+    The README's command runs the suite on two pytest-xdist workers, one file at a time each, in this
+    order (``--dist loadfile --no-loadscope-reorder``): the quick files then fill the end of the run,
+    instead of one worker finishing a long file alone while the other idles."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
     order = {id(item): i for i, item in enumerate(items)}
     items.sort(key=lambda item: (item.path not in slow_files, order[id(item)]))

@@ -4,9 +4,9 @@ The same arguments, output and exit code: an exception (torchrun's ``ChildFailed
 ``SignalException`` it raises on SIGTERM) is printed as Python prints an uncaught one and the exit
 code is 1 (130 for ``KeyboardInterrupt``). But once torchrun's own clean-up has run (its workers
 gone, its log files closed) and its logging is flushed, the process ends with ``os._exit``: the
-teardown of an interpreter that imported torch costs about 0.4 s of CPU and 0.5 s of wall time per
-job on the 2-core CI machine (``benchmarks/2026-12-02-cpu/``), which every trial paid after its ranks
-had finished.
+teardown of an interpreter that imported torch cost about 0.45 s of CPU and 0.6 s of wall time per
+job on a 2-core machine (``benchmarks/2026-12-02-cpu/torchrun_teardown.txt``), which every trial paid
+after its ranks had finished.
 """
 
 from __future__ import annotations

@@ -592,35 +592,29 @@ def verify_for_saving(*, settings: Any, study: Any, best: Any, baseline: Any,
     if baseline is not None and baseline.user_attrs.get(TrialAttr.CONFIG):
         baseline_cfg = BalanceConfig.from_dict(baseline.user_attrs[TrialAttr.CONFIG])
     candidates = [best] + [t for t in ranked_candidates(study) if t.number != best.number]
-    with SharedRuns() as shared:
-        return _first_verified(settings=settings, study=study, candidates=candidates, baseline_cfg=baseline_cfg,
-                               notes=notes, note=note, shared=shared)
-
-
-def _first_verified(*, settings: Any, study: Any, candidates: list[Any], baseline_cfg: BalanceConfig | None,
-                    notes: list[str], note: Callable[[str], None] | None, shared: SharedRuns) -> Any:
-    tried = 0
-    for trial in candidates:
-        if tried >= MAX_CANDIDATES:
-            break
-        previous = study.user_attrs.get(f"{ATTR_VERIFY_PREFIX}{trial.number}")
-        if previous is not None and not previous.get("passed"):
-            continue  # failed before: never saved
-        if previous is not None:
-            return trial
-        tried += 1
-        config = BalanceConfig.from_dict(trial.user_attrs[TrialAttr.CONFIG])
-        verdict = Verifier(target_for(settings, label=f"trial{trial.number}"), note=note,
-                           allow_batch_dependent=allows_batch_dependent(study), shared=shared).verify(
-            config, baseline=baseline_cfg)
-        study.set_user_attr(f"{ATTR_VERIFY_PREFIX}{trial.number}", verdict.to_dict())
-        write_notes(study)  # the best trial's dashboard note gives the verdict
-        if verdict.passed:
-            if not verdict.skipped:
-                notes.append(f"Verified trial {trial.number}: {verdict.reason} ({verdict.wall_s:.0f} s).")
-            return trial
-        notes.append(f"Not saved: trial {trial.number} failed verification: {verdict.reason}.")
-    return None
+    with SharedRuns() as shared:  # one pool and one run of each baseline for every candidate
+        tried = 0
+        for trial in candidates:
+            if tried >= MAX_CANDIDATES:
+                break
+            previous = study.user_attrs.get(f"{ATTR_VERIFY_PREFIX}{trial.number}")
+            if previous is not None and not previous.get("passed"):
+                continue  # failed before: never saved
+            if previous is not None:
+                return trial
+            tried += 1
+            config = BalanceConfig.from_dict(trial.user_attrs[TrialAttr.CONFIG])
+            verdict = Verifier(target_for(settings, label=f"trial{trial.number}"), note=note,
+                               allow_batch_dependent=allows_batch_dependent(study), shared=shared).verify(
+                config, baseline=baseline_cfg)
+            study.set_user_attr(f"{ATTR_VERIFY_PREFIX}{trial.number}", verdict.to_dict())
+            write_notes(study)  # the best trial's dashboard note gives the verdict
+            if verdict.passed:
+                if not verdict.skipped:
+                    notes.append(f"Verified trial {trial.number}: {verdict.reason} ({verdict.wall_s:.0f} s).")
+                return trial
+            notes.append(f"Not saved: trial {trial.number} failed verification: {verdict.reason}.")
+        return None
 
 
 # ---------------------------------------------------------------------- the command
