@@ -17,7 +17,7 @@ import pytest
 from autobalance import BalanceConfig
 from autobalance.launcher import TrialLaunch, run_trial
 from tests.bugs import inject
-from tests.tune_helpers import GPT, REPO, cli, load
+from tests.tune_helpers import GPT, REPO, assert_saved_split_is_uneven_and_fits, cli, load
 
 pytestmark = pytest.mark.slow
 
@@ -199,7 +199,7 @@ def test_tune_verifies_the_best_before_saving_it(tmp_path, request, wrong):
         assert "Verified trial" in proc.stdout and "Saved trial" in proc.stdout
         assert best.returncode == 0, best.stderr
         saved = json.loads(best.stdout)
-        assert saved["config"]["micro_batches"][0] < saved["config"]["micro_batches"][1]
+        assert_saved_split_is_uneven_and_fits(saved)
     else:
         assert all(not v["passed"] for v in verdicts.values()), verdicts
         assert "failed verification" in proc.stdout and "No configuration was saved" in proc.stdout

@@ -65,7 +65,7 @@ def test_tune_saves_a_verified_uneven_split_for_a_token_mean_script(tmp_path):
     """A script whose loss is a token mean (``--variable-length``, ``count=``) under a cap where its
     own 8 + 8 runs out of memory on rank 0: tune finds an uneven split and verify accepts it
     (it would not without ``count=``: the test above shows the update then differs)."""
-    from tests.tune_helpers import GPT, cli, load, tune_args
+    from tests.tune_helpers import GPT, assert_saved_split_is_uneven_and_fits, cli, load, tune_args
 
     db = tmp_path / "a.db"
     args = tune_args(GPT, db, "--memory-cap-gib", "0.0145", "--strategy", "model",
@@ -77,8 +77,8 @@ def test_tune_saves_a_verified_uneven_split_for_a_token_mean_script(tmp_path):
     saved = json.loads(best.stdout)
     text = json.dumps(saved)
     config = saved.get("config", saved)
-    assert sum(config["micro_batches"]) * config["accumulation"] == 16, saved
-    assert config["micro_batches"][0] < config["micro_batches"][1], saved  # rank 0 holds the extras
+    assert config["global_batch"] == 16, saved
+    assert_saved_split_is_uneven_and_fits(saved)
     assert "verif" in text, saved
     # the saved trial was really verified (not skipped as the script's own): fp32 against the baseline
     study = load(db)
