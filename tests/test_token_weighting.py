@@ -65,7 +65,14 @@ def test_tune_saves_a_verified_uneven_split_for_a_token_mean_script(tmp_path):
     """A script whose loss is a token mean (``--variable-length``, ``count=``) under a cap where its
     own 8 + 8 runs out of memory on rank 0: tune finds an uneven split and verify accepts it
     (it would not without ``count=``: the test above shows the update then differs)."""
-    from tests.tune_helpers import GPT, assert_saved_split_is_uneven_and_fits, cli, load, tune_args
+    from tests.tune_helpers import (
+        GPT,
+        assert_saved_split_is_uneven_and_fits,
+        assert_verified_in_the_study_pool,
+        cli,
+        load,
+        tune_args,
+    )
 
     db = tmp_path / "a.db"
     args = tune_args(GPT, db, "--memory-cap-gib", "0.0145", "--strategy", "model",
@@ -88,6 +95,7 @@ def test_tune_saves_a_verified_uneven_split_for_a_token_mean_script(tmp_path):
     check = verdict["checks"][0]
     assert check["name"] == "equivalence" and [r.split("-")[0] for r in check["runs"]] == ["tuned", "baseline"], check
     assert check["grad_rel"] <= 1e-6, check
+    assert_verified_in_the_study_pool(tmp_path / "autobalance_runs" / "s")  # the trials' workers, uncapped
 
 
 def test_tune_of_the_same_script_without_count_saves_nothing_exits_1_and_says_why(tmp_path):

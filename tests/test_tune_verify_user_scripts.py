@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tune_helpers import REPO, cli, load
+from tests.tune_helpers import REPO, assert_verified_in_the_study_pool, cli, load, processes_with
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,8 @@ def test_a_sum_reduced_loss_in_bf16_or_fp16_is_never_saved_and_tune_exits_1(tmp_
     for name in ("baseline", "baseline-fp32"):
         assert len({v["runs"][name] for v in verdicts.values()}) == 1, [v["runs"] for v in verdicts.values()]
     assert len({v["runs"]["tuned-fp32"] for v in verdicts.values()}) == 3
-    assert len(list((tmp_path / "runs" / "s").glob("verify-*/pool/pool-*"))) == 1  # one warm pool for all three
+    # and they ran in the workers of the study's own pool, without its cap: no second start-up
+    assert_verified_in_the_study_pool(tmp_path / "runs" / "s")
     for verdict in verdicts.values():
         math = verdict["checks"][0]
         assert math["name"] == "equivalence" and math["runs"] == ["tuned-fp32", "baseline-fp32"]
@@ -51,6 +52,7 @@ def test_a_sum_reduced_loss_in_bf16_or_fp16_is_never_saved_and_tune_exits_1(tmp_
     assert "nothing was saved: every configuration tried failed verification" in proc.stderr
     best = cli(["best", "--study-name", "s", "--storage", f"sqlite:///{db}"], cwd=tmp_path)
     assert best.returncode != 0  # nothing in the store
+    assert processes_with(str(tmp_path)) == []  # the study's workers did not outlive the failed verification
 
 
 def test_a_batchnorm_model_keeps_its_split_says_why_and_is_verified_in_train_mode(tmp_path):

@@ -76,3 +76,33 @@ def assert_saved_split_is_uneven_and_fits(saved: dict) -> None:
     assert figures["status"] == "ok", saved
     for peak, cap in zip(figures["peak_allocated_gib"], figures["capacity_gib"], strict=True):
         assert peak <= cap, saved
+
+
+def pool_requests(study_runs: Path) -> dict[str, tuple[str, dict[str, str]]]:
+    """Every run a warm pool of the study's runs directory (``RUNS/STUDY``) was asked for: its trial
+    directory -> (the pool's directory name, the environment the request set for that run alone)."""
+    import json
+
+    served = {}
+    for request in sorted(study_runs.glob("pool-*/request-*.json")):
+        env = json.loads(request.read_text())["env"]
+        served[env["AUTOBALANCE_TRIAL_DIR"]] = (request.parent.name, env)
+    return served
+
+
+def assert_verified_in_the_study_pool(study_runs: Path) -> None:
+    """Every verification run of a ``tune`` ran in the workers of the study's own pool (its last
+    start, in ``RUNS/STUDY/pool-NNN``: no pool of the verification's own), as a run of its own: one
+    step, no warm-up, and none of the study's memory cap, which every trial had."""
+    runs = sorted(str(d) for d in study_runs.glob("verify-*/*") if d.is_dir())
+    assert runs and not list(study_runs.glob("verify-*/pool")), runs
+    served = pool_requests(study_runs)
+    assert all(run in served for run in runs), (runs, sorted(served))
+    last = max(p.name for p in study_runs.glob("pool-*"))
+    assert {served[run][0] for run in runs} == {last}, {run: served[run][0] for run in runs}
+    for run in runs:
+        env = served[run][1]
+        assert env["AUTOBALANCE_STEPS"] == "1" and env["AUTOBALANCE_WARMUP"] == "0", env
+        assert "AUTOBALANCE_MEMORY_CAP_BYTES" not in env, env
+    trials = [env for env in (e for _, e in served.values()) if "/trial-" in env["AUTOBALANCE_TRIAL_DIR"]]
+    assert trials and all("AUTOBALANCE_MEMORY_CAP_BYTES" in env for env in trials), trials

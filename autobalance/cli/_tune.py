@@ -37,17 +37,22 @@ def run_tune(*, flags: dict[str, Any], config_path: str | None) -> None:
 
     settings = TuneSettings.merge(flags=flags, toml_path=config_path)
     quiet_optuna()
-    with preflight(settings):  # nothing runs unless the host, the runs directory and the storage are usable
-        sigterm_as_interrupt()
-        reporter = RichReporter(console=console(stderr=True))
-        tuner = Tuner(settings=settings, reporter=reporter)
-        try:
-            result = tuner.run()
-        except KeyboardInterrupt:
-            raise KeyboardInterrupt(interrupted_message(settings)) from None
-        finally:
-            reporter.end()
-    saving = save_best(settings=settings, result=result, note=reporter.note)
+    tuner: Tuner | None = None
+    try:
+        with preflight(settings):  # nothing runs unless the host, the runs directory and the storage are usable
+            sigterm_as_interrupt()
+            reporter = RichReporter(console=console(stderr=True))
+            tuner = Tuner(settings=settings, reporter=reporter, keep_pool=True)  # verification runs in its workers
+            try:
+                result = tuner.run()
+            except KeyboardInterrupt:
+                raise KeyboardInterrupt(interrupted_message(settings)) from None
+            finally:
+                reporter.end()
+        saving = save_best(settings=settings, result=result, note=reporter.note, pool=tuner.kept_pool)
+    finally:
+        if tuner is not None:  # no worker outlives the command, whatever ended it
+            tuner.close_kept_pool()
     from autobalance.cli._views import print_result
 
     print_result(result, settings=settings, console=console(), nothing_feasible=saving.nothing_feasible)

@@ -44,7 +44,13 @@ from autobalance.protocol import Status
 __all__ = ["WarmPool", "cold_reason"]
 
 _FAILURE_GRACE_S = 10.0
-_PER_TRIAL_KEYS = (_env.TRIAL_DIR, _env.CONFIG, _env.GLOBAL_BATCH, _env.MEASURE_S, "PYTHONUNBUFFERED")
+_PER_TRIAL_KEYS = (_env.TRIAL_DIR, _env.CONFIG, _env.GLOBAL_BATCH, _env.MEASURE_S, _env.STEPS, _env.WARMUP,
+                   _env.MAX_STEPS, _env.MEMORY_CAP_BYTES, "PYTHONUNBUFFERED")
+"""What a request sets for its trial alone (the pool's own environment has none of them): so one pool
+runs trials of different lengths and caps, e.g. a study's trials and then its verification runs."""
+_SAME_JOB_FIELDS = ("script", "script_args", "nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint",
+                    "torchrun_args", "device", "pg_timeout_s", "env", "cpus")
+"""The fields of :class:`TrialLaunch` a pool's workers were started with (see :meth:`WarmPool.serves`)."""
 _FORKING = re.compile(r"\b(mp\.spawn|multiprocessing\.spawn|os\.fork|torch\.multiprocessing\.spawn)\b")
 
 
@@ -131,6 +137,12 @@ class WarmPool:
             self.proc.kill()
         self.proc.wait(timeout=10)
         self.proc = None
+
+    def serves(self, launch: TrialLaunch) -> bool:
+        """Whether ``launch`` is the job this pool's workers run, apart from what a request sets per
+        trial (configuration, steps, cap, directory): then :meth:`run` gives the same result a pool of
+        its own would, without starting one."""
+        return all(getattr(launch, name) == getattr(self.template, name) for name in _SAME_JOB_FIELDS)
 
     # ------------------------------------------------------------------ trials
     def run(self, launch: TrialLaunch, *, poll_s: float = 0.02,

@@ -67,8 +67,10 @@ def _init(device: str) -> None:
 
 
 def _prepare_trial(device: str, budget: float | None) -> None:
-    """What every trial starts from: the default activation budget, the seed, fresh peak statistics
-    (the previous trial's leftovers were cleaned when it ended)."""
+    """What every trial starts from: the default activation budget, the seed, the whole device (a
+    fresh process's memory fraction: a capped trial's cap must not stay on for one without, such as a
+    verification run after the study's trials), fresh peak statistics (the previous trial's leftovers
+    were cleaned when it ended)."""
     import torch
 
     if budget is not None:
@@ -77,6 +79,7 @@ def _prepare_trial(device: str, budget: float | None) -> None:
         functorch_config.activation_memory_budget = budget
     torch.manual_seed(0)
     if device == "cuda":
+        torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.reset_peak_memory_stats()
 
 

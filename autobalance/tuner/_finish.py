@@ -6,11 +6,14 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autobalance.protocol import Status, StudyAttr, TrialAttr, best_trial
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._summary import TuneResult, record_time_spent
+
+if TYPE_CHECKING:
+    from autobalance.launcher import WarmPool
 
 __all__ = ["Saving", "best_so_far", "nothing_feasible", "save_best"]
 
@@ -49,11 +52,22 @@ class Saving:
         )
 
 
-def save_best(*, settings: TuneSettings, result: TuneResult,
-              note: Callable[[str], None] | None = None) -> Saving:
+def save_best(*, settings: TuneSettings, result: TuneResult, note: Callable[[str], None] | None = None,
+              pool: WarmPool | None = None) -> Saving:
     """Verify ``result.best`` (unless ``settings.verify`` is off) and save it to the store; when it
     fails, the next best that passes is saved instead. Updates ``result`` (``best``, ``saved``,
-    ``notes``) for the summary and returns what was saved and what was rejected."""
+    ``notes``) for the summary and returns what was saved and what was rejected. ``pool``: the
+    study's warm pool, kept by the tuner (:attr:`Tuner.kept_pool`): the verification runs in its
+    workers; closed here once verification is done, whatever happens."""
+    try:
+        return _verify_and_save(settings=settings, result=result, note=note, pool=pool)
+    finally:
+        if pool is not None:
+            pool.close()
+
+
+def _verify_and_save(*, settings: TuneSettings, result: TuneResult, note: Callable[[str], None] | None,
+                     pool: WarmPool | None) -> Saving:
     from autobalance.store import load_study
     from autobalance.tuner._promote import save_trial
     from autobalance.tuner._verify import verify_for_saving
@@ -66,7 +80,7 @@ def save_best(*, settings: TuneSettings, result: TuneResult,
         started = time.monotonic()
         try:
             chosen = verify_for_saving(settings=settings, study=study, best=result.best, baseline=result.baseline,
-                                       notes=result.notes, note=note)
+                                       notes=result.notes, note=note, pool=pool)
         finally:
             record_time_spent(study, result, verify_s=time.monotonic() - started)
     verdicts = study.user_attrs

@@ -199,6 +199,16 @@ class TrialLauncher:
         if pool is not None:
             pool.close()
 
+    def take_pool(self) -> WarmPool | None:
+        """The study's own warm pool, handed to the caller (who closes it), when one slot ran the
+        trials: its workers were started by this thread. A slot thread's pool is closed by that
+        thread (its parent-death signal follows the thread), so several slots hand over none."""
+        with self._lock:
+            if not self.owns_pool or self._slots is None or len(self._slots) != 1 or self.pool is None:
+                return None
+            pool, self.pool = self.pool, None
+        return pool
+
     def close(self) -> None:
         if self.pool is not None and self.owns_pool:
             self.pool.close()

@@ -43,9 +43,15 @@ class Tuner:
 
     counted_trials = staticmethod(counted_trials)
 
-    def __init__(self, *, settings: TuneSettings, reporter: Any = None, pool: WarmPool | None = None) -> None:
-        """``pool``: a warm pool shared with other tuners of the same script (the caller closes it)."""
+    def __init__(self, *, settings: TuneSettings, reporter: Any = None, pool: WarmPool | None = None,
+                 keep_pool: bool = False) -> None:
+        """``pool``: a warm pool shared with other tuners of the same script (the caller closes it).
+        ``keep_pool``: leave the study's own warm pool running when :meth:`run` ends, as
+        :attr:`kept_pool`, for the verification that follows (the caller closes it with
+        :meth:`close_kept_pool`)."""
         self.settings = settings
+        self.keep_pool = keep_pool
+        self.kept_pool: WarmPool | None = None
         self.reporter = reporter or _NullReporter()
         self.storage = open_storage(settings.storage)
         self.lock = threading.RLock()
@@ -179,7 +185,14 @@ class Tuner:
                 )
 
     def close(self) -> None:
+        if self.keep_pool:
+            self.kept_pool = self.launcher.take_pool()
         self.launcher.close()
+
+    def close_kept_pool(self) -> None:
+        if self.kept_pool is not None:
+            self.kept_pool.close()
+            self.kept_pool = None
 
 
 def _make_advisor(*, space: SearchSpace, settings: TuneSettings) -> Any:

@@ -258,19 +258,35 @@ class SharedRuns:
     """What the verifications of several configurations of one script share (``tune`` verifying its
     next-best candidates): one warm pool, the starting weights, and the runs that do not depend on
     the configuration (``baseline``, ``baseline-fp32``, ``baseline-<dtype>``, ``baseline-small``), each
-    run once. The owner closes it; a :class:`Verifier` given one leaves it open."""
+    run once. The owner closes it; a :class:`Verifier` given one leaves it open.
 
-    def __init__(self) -> None:
+    ``pool``: the study's warm pool, still running after its trials (``tune``): the runs use its
+    workers when it :meth:`~autobalance.launcher.WarmPool.serves` them (no second start-up: torch,
+    the process group, on a GPU the CUDA context), else a pool of their own. Closed with the rest."""
+
+    def __init__(self, *, pool: WarmPool | None = None) -> None:
+        self.offered = pool
         self.pool: WarmPool | None = None
         self.init_path: str | None = None
         self.init: dict[str, Any] = {}
         self.baselines: dict[str, StepResult] = {}
         """Successful baseline runs by (name, configuration, dropout, global batch)."""
 
+    def pool_for(self, launch: TrialLaunch, *, pool_dir: str, note: Callable[[str], None]) -> WarmPool:
+        """The pool the verification runs use (see the class doc), chosen at the first run."""
+        if self.pool is None:
+            if self.offered is not None and self.offered.serves(launch):
+                self.pool = self.offered
+                note("verify: the runs use the study's warm workers (no new start-up)")
+            else:
+                self.pool = WarmPool(template=launch, pool_dir=pool_dir)
+        return self.pool
+
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
-            self.pool = None
+        for pool in (self.pool, None if self.offered is self.pool else self.offered):
+            if pool is not None:
+                pool.close()
+        self.pool = self.offered = None
 
     def __enter__(self) -> SharedRuns:
         return self
@@ -296,9 +312,8 @@ class Verifier:
     def _launch(self, launch: TrialLaunch) -> TrialOutcome:
         t = self.target
         if not t.cold and cold_reason(t.script) is None:
-            if self._shared.pool is None:
-                self._shared.pool = WarmPool(template=launch, pool_dir=os.path.join(t.work_dir, "pool"))
-            return self._shared.pool.run(launch)
+            pool = self._shared.pool_for(launch, pool_dir=os.path.join(t.work_dir, "pool"), note=self.note)
+            return pool.run(launch)
         return run_trial(launch)
 
     def _run(self, name: str, config: BalanceConfig | None, *, dropout: str, global_batch: int) -> StepResult:
@@ -579,12 +594,15 @@ def ranked_candidates(study: Any) -> list[Any]:
     return out
 
 
-def verify_for_saving(*, settings: Any, study: Any, best: Any, baseline: Any,
-                      notes: list[str], note: Callable[[str], None] | None = None) -> Any:
+def verify_for_saving(*, settings: Any, study: Any, best: Any, baseline: Any, notes: list[str],
+                      note: Callable[[str], None] | None = None, pool: WarmPool | None = None) -> Any:
     """The trial to save: ``best`` if it passes verification, else the next best that does (up to
     :data:`MAX_CANDIDATES`); None when none does. Each verdict is kept as a study attribute, so a
-    continued study does not verify the same trial twice; ``notes`` get one line per verdict."""
+    continued study does not verify the same trial twice; ``notes`` get one line per verdict.
+    ``pool``: the study's warm pool (see :class:`SharedRuns`); closed before this returns."""
     if settings.nnodes > 1:
+        if pool is not None:
+            pool.close()
         notes.append("Verification skipped (multi-node study): run `autobalance verify` on one node before "
                      "training with the saved configuration.")
         return best
@@ -592,7 +610,7 @@ def verify_for_saving(*, settings: Any, study: Any, best: Any, baseline: Any,
     if baseline is not None and baseline.user_attrs.get(TrialAttr.CONFIG):
         baseline_cfg = BalanceConfig.from_dict(baseline.user_attrs[TrialAttr.CONFIG])
     candidates = [best] + [t for t in ranked_candidates(study) if t.number != best.number]
-    with SharedRuns() as shared:  # one pool and one run of each baseline for every candidate
+    with SharedRuns(pool=pool) as shared:  # one pool and one run of each baseline for every candidate
         tried = 0
         for trial in candidates:
             if tried >= MAX_CANDIDATES:
