@@ -178,3 +178,39 @@ def test_verify_passes_a_compiled_configuration(device: str, tmp_path: Path) -> 
     checks = {c["name"]: c for c in verdict["checks"]}
     assert checks["equivalence"]["grad_rel"] <= 1e-6 and checks["equivalence"]["param_rel"] <= 1e-6, checks
     assert "rng-replay" in checks, checks  # the budget recomputes: verify replayed it with dropout on
+
+
+def test_a_warm_pool_lifts_a_trials_cap_for_the_next_run_without_one(device: str, tmp_path: Path) -> None:
+    """What verification in the study's own workers relies on: the cap is per run. One warm pool
+    runs a small trial under a 1 GiB cap, then a large run without a cap (a verification run after a
+    capped study's trials) that needs more than that cap: the large run succeeds and is measured
+    above the cap, in the same workers (CUDA: the allocator's memory fraction is reset before each
+    run; without the reset it runs out of memory). Then the small trial capped again: still under."""
+    from autobalance import BalanceConfig
+    from autobalance.launcher import TrialLaunch, WarmPool, trial_processes
+
+    cap = GIB
+    template = TrialLaunch(script=GPT, script_args=["--block-size", "256", "--samples", "1024", "--no-ema",
+                                                    "--val-cache-mib", "512"],
+                           nproc_per_node=1, device=device, steps=1, warmup=0, trial_dir=str(tmp_path / "t"),
+                           timeout_s=240)
+    small = BalanceConfig(micro_batches=[8], global_batch=8).to_json()
+    large = BalanceConfig(micro_batches=[256], global_batch=256).to_json()
+    runs = [("small-capped", small, [cap]), ("large-uncapped", large, None), ("small-capped-again", small, [cap])]
+    pool = WarmPool(template=template, pool_dir=str(tmp_path / "pool"))
+    peaks = {}
+    try:
+        for name, config, caps in runs:
+            run = TrialLaunch(**{**template.__dict__, "config_json": config, "memory_cap_bytes": caps,
+                                 "trial_dir": str(tmp_path / name), "trial_id": f"{name}-{pool.seq}"})
+            assert pool.serves(run)
+            outcome = pool.run(run)
+            assert outcome.status == "ok", (name, outcome.reason)
+            peaks[name] = outcome.reports[0]["memory"]["peak_allocated"]
+        assert pool.starts == 1  # all three in the same workers
+        pool_id = pool.pool_id
+    finally:
+        pool.close()
+    assert trial_processes(pool_id) == []
+    assert peaks["small-capped"] < cap and peaks["small-capped-again"] < cap, peaks
+    assert peaks["large-uncapped"] > 1.2 * cap, peaks  # it needed more than the cap it was not given
