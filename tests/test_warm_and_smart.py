@@ -4,51 +4,40 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import optuna
 import pytest
 
 from autobalance import BalanceConfig
-from autobalance.launcher import TrialLaunch, WarmPool, run_trial, trial_processes
 from autobalance.tuner import SearchSpace
 from autobalance.tuner.search import MemoryModel, observations_from_trials
-from tests.tune_helpers import GPT, cli, load
+from tests.tune_helpers import GPT, cli, load, processes_with
 
 pytestmark = pytest.mark.slow
 
 
-def _peaks(outcome):
-    return {r: (rep["memory"]["peak_allocated"], rep["memory"]["peak_device"]) for r, rep in outcome.reports.items()}
+def _rank_peaks(trial) -> dict[str, tuple[int, int]]:
+    """The bytes each rank of a trial reported (its ``rank<N>.json``): (peak allocated, peak device)."""
+    reports = sorted(Path(trial.user_attrs["trial_dir"]).glob("rank*.json"))
+    assert len(reports) == 2, reports
+    return {r.name: (m["peak_allocated"], m["peak_device"]) for r in reports
+            for m in [json.loads(r.read_text())["memory"]]}
 
 
-def test_warm_trials_measure_what_cold_trials_measure(tmp_path):
-    configs = [None, BalanceConfig(micro_batches=[3, 13], global_batch=16),
-               BalanceConfig(micro_batches=[4, 4], accumulation=2, global_batch=16, checkpoint=[[0, 1], []])]
-    template = TrialLaunch(script=GPT, nproc_per_node=2, device="cpu", trial_dir=str(tmp_path), timeout_s=120)
-    pool = WarmPool(template=template, pool_dir=str(tmp_path / "pool"))
-    try:
-        for i, cfg in enumerate(configs):
-            fields = {**template.__dict__, "config_json": None if cfg is None else cfg.to_json()}
-            cold = run_trial(TrialLaunch(**{**fields, "trial_dir": str(tmp_path / f"c{i}"), "trial_id": f"c{i}{time.time()}"}))
-            warm = pool.run(TrialLaunch(**{**fields, "trial_dir": str(tmp_path / f"w{i}"), "trial_id": f"w{i}{time.time()}"}))
-            assert cold.status == warm.status == "ok", (cold.reason, warm.reason)
-            # live-tensor peaks on CPU are exact: warm must equal cold to the byte
-            assert _peaks(warm) == _peaks(cold)
-        assert pool.starts == 1
-        pool_id = pool.pool_id
-    finally:
-        pool.close()
-    assert trial_processes(pool_id) == []
-
-
-def test_warm_study_is_faster_than_cold_and_records_the_same_memory(tmp_path):
+def test_warm_study_is_faster_than_cold_and_measures_the_same_bytes(tmp_path):
+    """The same seeded study twice, in cold trials (a torchrun per trial) and in one warm pool: the
+    same configurations (the script's own among them), the same live-tensor peaks on CPU to the byte
+    on every rank (warm trials are charged nothing the pool held), all in one pool start, and in less
+    wall time. Fails if a warm trial inherits memory, the pool restarts between good trials, or the
+    pool is slower than starting torchrun per trial."""
     walls = {}
     for mode in ("cold", "warm"):
         db = tmp_path / f"{mode}.db"
         # verification (the same runs, warm or cold, after the trials) is not what is compared here
         args = ["tune", GPT, "--trials", "3", "--nproc-per-node", "2", "--device", "cpu", "--storage", f"sqlite:///{db}",
                 "--study-name", "s", "--strategy", "optuna", "--sampler", "random", "--seed", "7", "--trial-timeout", "90",
-                "--prune-factor", "0", "--no-verify"]
+                "--prune-factor", "0", "--no-verify", "--runs-dir", str(tmp_path / mode)]
         if mode == "cold":
             args.append("--cold")
         start = time.monotonic()
@@ -57,21 +46,39 @@ def test_warm_study_is_faster_than_cold_and_records_the_same_memory(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
     cold, warm = load(tmp_path / "cold.db").get_trials(), load(tmp_path / "warm.db").get_trials()
     assert len(cold) == len(warm) == 3
+    assert cold[0].user_attrs["baseline"] and len({json.dumps(t.user_attrs["config"]) for t in warm}) == 3
     for c, w in zip(cold, warm, strict=True):
         assert c.user_attrs["config"] == w.user_attrs["config"]  # same seed, same configurations
         assert c.user_attrs["status"] == w.user_attrs["status"] == "ok"
         assert c.user_attrs["peak_device_gib"] == w.user_attrs["peak_device_gib"]
+        assert _rank_peaks(c) == _rank_peaks(w)  # live-tensor peaks on CPU are exact: to the byte
+    assert len(list((tmp_path / "warm" / "s").glob("pool-*"))) == 1  # one pool start for the three
+    assert not list((tmp_path / "cold" / "s").glob("pool-*"))
+    assert processes_with(str(tmp_path)) == []
     assert walls["warm"] < walls["cold"], walls
 
 
-def test_model_strategy_skips_a_predicted_oom_without_launching(tmp_path):
+def test_an_oom_trial_is_infeasible_and_the_model_strategy_skips_a_predicted_oom_without_launching(tmp_path):
+    """Under a cap the script's own (8, 8) exceeds on rank 0, the baseline runs out of memory: it is
+    recorded as a complete, infeasible trial (the sampler sees it) and the study goes on. The memory
+    model fitted to the trials then rules out a hopeless configuration without launching it."""
     db = tmp_path / "a.db"
+    # the baseline (8, 8) needs ~16 MiB on rank 0 (EMA + cached batch); the cap is 14.8 MiB
     base = ["tune", GPT, "--nproc-per-node", "2", "--device", "cpu", "--storage", f"sqlite:///{db}", "--study-name", "s",
             "--seed", "1", "--memory-cap-gib", "0.0145", "--dtypes", "fp32", "--trial-timeout", "90",
             "--no-verify"]  # what is saved is not the question here
     proc = cli([*base, "--trials", "6"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     study = load(db)
+    trials = study.get_trials()
+    assert trials[0].user_attrs["baseline"] is True
+    oom = trials[0]
+    assert oom.user_attrs["status"] == "oom"
+    assert oom.state == optuna.trial.TrialState.COMPLETE  # visible to the sampler
+    assert oom.system_attrs["constraints"][0] > 0
+    assert oom.user_attrs["feasible"] is False
+    assert "out of memory" in oom.user_attrs["reason"]
+    assert any(t.user_attrs["status"] == "ok" for t in trials[1:])  # the study went on
     space = SearchSpace.from_dict(study.user_attrs["autobalance:space"])
     # the memory model fitted to these real CPU trials predicts them within a few per cent
     obs = observations_from_trials(study.get_trials(), num_layers=space.num_layers)
