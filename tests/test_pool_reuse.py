@@ -53,7 +53,7 @@ class _CountedPool(WarmPool):
         super().close(graceful=graceful)
 
 
-def test_verification_takes_the_offered_pool_when_it_serves_and_closes_it(tmp_path):
+def test_verification_takes_the_offered_pool_when_it_serves_and_leaves_it_to_its_owner(tmp_path):
     notes: list[str] = []
     offered = _CountedPool(template=_trial(tmp_path), pool_dir=str(tmp_path / "study"))
     _CountedPool.closed = 0
@@ -62,16 +62,17 @@ def test_verification_takes_the_offered_pool_when_it_serves_and_closes_it(tmp_pa
                      trial_dir=str(tmp_path / "verify" / "baseline"))
         assert shared.pool_for(run, pool_dir=str(tmp_path / "verify" / "pool"), note=notes.append) is offered
         assert shared.pool_for(run, pool_dir="unused", note=notes.append) is offered  # chosen once
-    assert _CountedPool.closed == 1 and shared.pool is None and shared.offered is None
+    assert _CountedPool.closed == 0 and shared.pool is None  # the tuner that kept it closes it
     assert notes == ["verify: the runs use the study's warm workers (no new start-up)"]
 
 
-def test_verification_starts_its_own_pool_for_another_job_and_still_closes_the_offered_one(tmp_path):
+def test_verification_starts_and_closes_its_own_pool_for_another_job(tmp_path, monkeypatch):
     notes: list[str] = []
-    offered = _CountedPool(template=_trial(tmp_path), pool_dir=str(tmp_path / "study"))
-    _CountedPool.closed = 0
+    offered = WarmPool(template=_trial(tmp_path), pool_dir=str(tmp_path / "study"))
+    closed: list[str] = []
+    monkeypatch.setattr(WarmPool, "close", lambda self, graceful=True: closed.append(self.pool_dir))
     with SharedRuns(pool=offered) as shared:
         other = _trial(tmp_path, script_args=["--x", "2"], trial_dir=str(tmp_path / "verify" / "baseline"))
         own = shared.pool_for(other, pool_dir=str(tmp_path / "verify" / "pool"), note=notes.append)
-        assert own is not offered and own.pool_dir == str(tmp_path / "verify" / "pool") and own.template is other
-    assert _CountedPool.closed == 1 and notes == []  # the offered pool closed once, with the rest
+        assert own is not offered and own.template is other
+    assert closed == [str(tmp_path / "verify" / "pool")] and notes == []  # its own pool only

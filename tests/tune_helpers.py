@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -81,8 +82,6 @@ def assert_saved_split_is_uneven_and_fits(saved: dict) -> None:
 def pool_requests(study_runs: Path) -> dict[str, tuple[str, dict[str, str]]]:
     """Every run a warm pool of the study's runs directory (``RUNS/STUDY``) was asked for: its trial
     directory -> (the pool's directory name, the environment the request set for that run alone)."""
-    import json
-
     served = {}
     for request in sorted(study_runs.glob("pool-*/request-*.json")):
         env = json.loads(request.read_text())["env"]

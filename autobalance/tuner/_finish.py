@@ -57,17 +57,8 @@ def save_best(*, settings: TuneSettings, result: TuneResult, note: Callable[[str
     """Verify ``result.best`` (unless ``settings.verify`` is off) and save it to the store; when it
     fails, the next best that passes is saved instead. Updates ``result`` (``best``, ``saved``,
     ``notes``) for the summary and returns what was saved and what was rejected. ``pool``: the
-    study's warm pool, kept by the tuner (:attr:`Tuner.kept_pool`): the verification runs in its
-    workers; closed here once verification is done, whatever happens."""
-    try:
-        return _verify_and_save(settings=settings, result=result, note=note, pool=pool)
-    finally:
-        if pool is not None:
-            pool.close()
-
-
-def _verify_and_save(*, settings: TuneSettings, result: TuneResult, note: Callable[[str], None] | None,
-                     pool: WarmPool | None) -> Saving:
+    study's warm pool, kept by the tuner (:attr:`Tuner.kept_pool`; the caller closes it): the
+    verification runs in its workers."""
     from autobalance.store import load_study
     from autobalance.tuner._promote import save_trial
     from autobalance.tuner._verify import verify_for_saving

@@ -262,7 +262,8 @@ class SharedRuns:
 
     ``pool``: the study's warm pool, still running after its trials (``tune``): the runs use its
     workers when it :meth:`~autobalance.launcher.WarmPool.serves` them (no second start-up: torch,
-    the process group, on a GPU the CUDA context), else a pool of their own. Closed with the rest."""
+    the process group, on a GPU the CUDA context), else a pool of their own. Whoever kept it closes
+    it; :meth:`close` closes only a pool started here."""
 
     def __init__(self, *, pool: WarmPool | None = None) -> None:
         self.offered = pool
@@ -283,10 +284,9 @@ class SharedRuns:
         return self.pool
 
     def close(self) -> None:
-        for pool in (self.pool, None if self.offered is self.pool else self.offered):
-            if pool is not None:
-                pool.close()
-        self.pool = self.offered = None
+        if self.pool is not None and self.pool is not self.offered:
+            self.pool.close()
+        self.pool = None
 
     def __enter__(self) -> SharedRuns:
         return self
@@ -599,10 +599,8 @@ def verify_for_saving(*, settings: Any, study: Any, best: Any, baseline: Any, no
     """The trial to save: ``best`` if it passes verification, else the next best that does (up to
     :data:`MAX_CANDIDATES`); None when none does. Each verdict is kept as a study attribute, so a
     continued study does not verify the same trial twice; ``notes`` get one line per verdict.
-    ``pool``: the study's warm pool (see :class:`SharedRuns`); closed before this returns."""
+    ``pool``: the study's warm pool (see :class:`SharedRuns`; the caller closes it)."""
     if settings.nnodes > 1:
-        if pool is not None:
-            pool.close()
         notes.append("Verification skipped (multi-node study): run `autobalance verify` on one node before "
                      "training with the saved configuration.")
         return best
