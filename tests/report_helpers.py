@@ -2,7 +2,9 @@
 
 The study is made once per test session by the real ``autobalance tune`` command: the GPT example
 on 2 CPU ranks under a 0.0145 GiB cap, so the baseline (rank 0 holds an EMA copy and a cached
-batch) runs out of memory and later trials fit.
+batch) runs out of memory and later trials fit. It is the capped study of
+tests/test_compile_verify.py (``capped_tune_args``) with the correct runtime: test_report.py also
+checks that tune verified its best before saving it.
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ from typing import Any
 import pytest
 
 from tests.services import service_missing
-from tests.tune_helpers import GPT, cli, load, tune_args
+from tests.tune_helpers import capped_tune_args, cli, load
 
 STUDY = "report-demo"
-TRIALS = 5
-CAP_GIB = "0.0145"
+TRIALS = 4
+"""The trials of ``capped_tune_args``."""
 
 
 @dataclass
@@ -49,7 +51,7 @@ def make_small_study(tmp_path_factory: pytest.TempPathFactory) -> SmallStudy:
         return _made[0]
     root = tmp_path_factory.mktemp("report-study")
     db = root / "study.db"
-    tune = cli(tune_args(GPT, db, "--memory-cap-gib", CAP_GIB, trials=TRIALS, study=STUDY), cwd=root)
+    tune = cli(capped_tune_args(db, study=STUDY), cwd=root)
     assert tune.returncode == 0, tune.stderr[-3000:]
     url = f"sqlite:///{db}"
     html = root / "out" / "report.html"

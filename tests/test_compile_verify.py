@@ -17,7 +17,7 @@ import pytest
 from autobalance import BalanceConfig
 from autobalance.launcher import TrialLaunch, run_trial
 from tests.bugs import inject
-from tests.tune_helpers import GPT, REPO, assert_saved_split_is_uneven_and_fits, cli, load
+from tests.tune_helpers import GPT, REPO, capped_tune_args, cli, load
 
 pytestmark = pytest.mark.slow
 
@@ -165,49 +165,32 @@ def test_the_model_strategy_proposes_compiled_configurations_from_the_compiled_m
     assert "The compiled model proposed" in proc.stdout and "Compiled model:" in proc.stdout
 
 
-def _capped_tune(root, *, env=None):
-    """Rank 0's extras make the script's own (8, 8) run out of memory under this cap: the best is
-    uneven; with the loss weighting switched off no uneven configuration computes the right step."""
-    db = root / "a.db"
-    args = ["tune", GPT, "--trials", "4", "--nproc-per-node", "2", "--device", "cpu", "--storage", f"sqlite:///{db}",
-            "--study-name", "s", "--strategy", "optuna", "--sampler", "random", "--seed", "3", "--trial-timeout", "120",
-            "--memory-cap-gib", "0.0145", "--dtypes", "fp32", "--max-accumulation", "1", "--runs-dir", str(root / "runs")]
-    return cli(args, cwd=root, env=env), db
-
-
 @pytest.fixture(scope="module")
 def broken_tune(tmp_path_factory):
     """The capped study tuned with the tests/bugs ``loss-weighting`` runtime in every trial and
     verification: made once, read by the two tests below (the promote test works on a copy)."""
-    return _capped_tune(tmp_path_factory.mktemp("broken-tune"), env=inject("loss-weighting"))
+    root = tmp_path_factory.mktemp("broken-tune")
+    db = root / "a.db"
+    return cli(capped_tune_args(db, runs_dir=root / "runs"), cwd=root, env=inject("loss-weighting")), db
 
 
-@pytest.mark.parametrize("wrong", [False, True], ids=["correct", "loss-weighting-off"])
-def test_tune_verifies_the_best_before_saving_it(tmp_path, request, wrong):
+def test_tune_never_saves_what_verify_rejects(tmp_path, broken_tune):
     """Fails if tune saves a configuration verify would reject: with the loss weighting off (the
     tests/bugs ``loss-weighting`` runtime in every trial and verification) no uneven configuration
-    may be saved and the exit code must say so; and fails if the correct runtime's best is saved
-    without a verification that ran and passed (not skipped)."""
-    proc, db = request.getfixturevalue("broken_tune") if wrong else _capped_tune(tmp_path)
-    assert proc.returncode == (1 if wrong else 0), proc.stderr[-3000:]
-    study = load(db)
-    verdicts = {k: v for k, v in study.user_attrs.items() if k.startswith("autobalance:verify:")}
-    assert verdicts
+    may be saved and the exit code must say so. The same study with the correct runtime saves a
+    verified uneven split: test_report.py::test_tune_verified_the_best_before_saving_it (that study
+    is made once for the report tests)."""
+    proc, db = broken_tune
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    verdicts = {k: v for k, v in load(db).user_attrs.items() if k.startswith("autobalance:verify:")}
+    assert verdicts and all(not v["passed"] for v in verdicts.values()), verdicts
+    assert "failed verification" in proc.stdout and "No configuration was saved" in proc.stdout
+    assert "Use it in production" not in proc.stdout
     best = cli(["best", "--study-name", "s", "--storage", f"sqlite:///{db}", "--format", "json"], cwd=tmp_path)
-    if not wrong:
-        assert all(v["passed"] and not v["skipped"] for v in verdicts.values()), verdicts
-        assert "Verified trial" in proc.stdout and "Saved trial" in proc.stdout
-        assert best.returncode == 0, best.stderr
-        saved = json.loads(best.stdout)
-        assert_saved_split_is_uneven_and_fits(saved)
-    else:
-        assert all(not v["passed"] for v in verdicts.values()), verdicts
-        assert "failed verification" in proc.stdout and "No configuration was saved" in proc.stdout
-        assert "Use it in production" not in proc.stdout
-        assert best.returncode != 0  # nothing in the store
-        # the exit code says it, and the one error line says what to do
-        assert "nothing was saved: every configuration tried failed verification" in proc.stderr
-        assert "per-sample mean" in proc.stderr
+    assert best.returncode != 0  # nothing in the store
+    # the exit code says it, and the one error line says what to do
+    assert "nothing was saved: every configuration tried failed verification" in proc.stderr
+    assert "per-sample mean" in proc.stderr
 
 
 def _promote(tmp_path, db, number: int, *extra: str, env=None):

@@ -41,29 +41,20 @@ def test_measure_s_lengthens_cold_and_warm_trials_up_to_the_bounds(tmp_path):
     # the script's data ends after 8 steps (1 warm-up + 7): past the minimum, the trial is ok
     ran_out = run_trial(_launch(tmp_path, "ran-out", measure_s=600.0, max_steps=50))
     assert _counts(ran_out) == [7, 7]
-    # a tiny target keeps the minimum
-    assert _counts(run_trial(_launch(tmp_path, "tiny", measure_s=1e-6))) == [2, 2]
 
-    # warm: the target travels with each trial, the bound with the pool
-    template = _launch(tmp_path, "pool-template", max_steps=4)
-    pool = WarmPool(template=template, pool_dir=str(tmp_path / "pool"))
+    # warm: the target and the bound travel with each trial (one pool serves them all)
+    pool = WarmPool(template=_launch(tmp_path, "pool-template"), pool_dir=str(tmp_path / "pool"))
     try:
         assert _counts(pool.run(_launch(tmp_path, "w-long", measure_s=600.0, max_steps=4))) == [4, 4]
+        # the data running out after the minimum: measured, and the pool goes on
+        assert _counts(pool.run(_launch(tmp_path, "w-ran-out", measure_s=600.0, max_steps=50))) == [7, 7]
+        assert _counts(pool.run(_launch(tmp_path, "w-tiny", measure_s=1e-6))) == [2, 2]  # a tiny target keeps the minimum
         assert _counts(pool.run(_launch(tmp_path, "w-off", max_steps=4))) == [2, 2]
-        assert pool.starts == 1
-        first_id = pool.pool_id
-    finally:
-        pool.close()
-    # warm, the data running out after the minimum: measured, and the pool goes on
-    pool = WarmPool(template=_launch(tmp_path, "pool2-template"), pool_dir=str(tmp_path / "pool2"))
-    try:
-        assert _counts(pool.run(_launch(tmp_path, "w-ran-out", measure_s=600.0))) == [7, 7]
-        assert _counts(pool.run(_launch(tmp_path, "w-after"))) == [2, 2]
         assert pool.starts == 1
         pool_id = pool.pool_id
     finally:
         pool.close()
-    assert trial_processes(first_id) == [] and trial_processes(pool_id) == []
+    assert trial_processes(pool_id) == []
 
 
 def test_auto_measure_targets_the_overhead_of_recent_trials():

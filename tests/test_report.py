@@ -17,7 +17,7 @@ import pytest
 from autobalance.report import artifact_dir_for, pareto_front
 from autobalance.report._rows import TrialRow
 from tests.report_helpers import STUDY, TRIALS, SmallStudy, make_small_study
-from tests.tune_helpers import cli
+from tests.tune_helpers import assert_saved_split_is_uneven_and_fits, cli
 
 pytestmark = pytest.mark.slow
 
@@ -39,6 +39,21 @@ def test_report_is_one_offline_html_file_with_the_charts_and_tables(small_study:
     assert '"name":"OOM ' in text  # the capped baseline ran out of memory
     assert '"name":"Pareto front"' in text
     assert ('id="importance-chart"' in text) or ("id='importance-note'" in text)
+
+
+def test_tune_verified_the_best_before_saving_it(small_study: SmallStudy) -> None:
+    """The correct-runtime half of test_compile_verify.py::test_tune_never_saves_what_verify_rejects
+    (the same capped study, made once here for the report): fails if the best is saved without a
+    verification that ran and passed (not skipped), or if what is saved is not an uneven split that
+    fits every rank's cap."""
+    verdicts = {k: v for k, v in small_study.study().user_attrs.items() if k.startswith("autobalance:verify:")}
+    assert verdicts and all(v["passed"] and not v["skipped"] for v in verdicts.values()), verdicts
+    assert "Verified trial" in small_study.tune_stdout and "Saved trial" in small_study.tune_stdout
+    best = cli(["best", "--study-name", STUDY, "--storage", small_study.url, "--format", "json"], cwd=small_study.dir)
+    assert best.returncode == 0, best.stderr
+    saved = json.loads(best.stdout)
+    assert_saved_split_is_uneven_and_fits(saved)
+    assert f"autobalance:verify:{saved['trial_number']}" in verdicts
 
 
 def test_report_pngs_are_written(small_study: SmallStudy) -> None:
