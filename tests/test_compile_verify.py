@@ -109,10 +109,14 @@ def test_verify_bf16_uses_the_baselines_own_error(tmp_path):
     assert eq["grad_rel"] <= eq["tolerance"][0]
 
 
-def test_tune_with_compile_records_compile_time_and_verify_checks_a_compiled_trial(tmp_path):
+def test_a_compiled_study_proposes_from_the_compiled_model_records_compile_time_and_verifies_a_compiled_trial(tmp_path):
+    """One compiled study (the model strategy, ``--compile on``): its trials after the eager
+    baseline are compiled, with each rank's budget on the 0.05 grid and their compile time recorded;
+    some are proposed by the compiled model (launched as proposed); a compiled trial then passes
+    ``autobalance verify`` against the script's own eager step."""
     db = tmp_path / "a.db"
     args = ["tune", MLP, "--trials", "3", "--nproc-per-node", "2", "--device", "cpu", "--storage", f"sqlite:///{db}",
-            "--study-name", "s", "--strategy", "optuna", "--seed", "0", "--trial-timeout", "120", "--compile", "on",
+            "--study-name", "s", "--strategy", "model", "--seed", "0", "--trial-timeout", "120", "--compile", "on",
             "--dtypes", "fp32", "--runs-dir", str(tmp_path / "runs")]
     proc = cli(args, cwd=tmp_path, env=FAST_COMPILE)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -132,6 +136,17 @@ def test_tune_with_compile_records_compile_time_and_verify_checks_a_compiled_tri
     assert "compiled trial(s) spent" in proc.stdout
     assert (tmp_path / "runs" / "s" / "inductor-cache").is_dir()  # the study's persistent cache
 
+    proposed = [t for t in trials if t.user_attrs.get("proposed_by") == "compiled-model"]
+    assert proposed, [(t.number, t.user_attrs.get("proposed_by"), t.user_attrs.get("config")) for t in trials]
+    for t in proposed:
+        cfg = t.user_attrs["config"]
+        assert t.user_attrs["status"] == "ok" and cfg == t.user_attrs["proposed_config"]  # launched as proposed
+        assert all(round(b / 0.05) * 0.05 == pytest.approx(b) for b in cfg["activation_budget"])  # the 0.05 grid
+        assert len(t.user_attrs["proposal_peak_gib"]) == 2 and t.user_attrs["proposal_step_ms"] > 0
+    error = study.user_attrs["autobalance:compiled_model_holdout_error"]  # each compiled trial from the others
+    assert 0 <= error < 10
+    assert "The compiled model proposed" in proc.stdout and "Compiled model:" in proc.stdout
+
     # verify a compiled trial of the study: compiled vs the script's own eager step
     number = tuned[0].number
     check = cli(["verify", MLP, "--study-name", "s", "--trial", str(number), "--storage", f"sqlite:///{db}",
@@ -141,28 +156,6 @@ def test_tune_with_compile_records_compile_time_and_verify_checks_a_compiled_tri
     assert verdict["passed"] is True and verdict["config"]["compile"] == "default"
     assert verdict["checks"][0]["grad_rel"] <= 1e-6
     assert load(db).user_attrs[f"autobalance:verify:{number}"]["passed"] is True
-
-
-def test_the_model_strategy_proposes_compiled_configurations_from_the_compiled_model(tmp_path):
-    db = tmp_path / "a.db"
-    args = ["tune", MLP, "--trials", "3", "--nproc-per-node", "2", "--device", "cpu", "--storage", f"sqlite:///{db}",
-            "--study-name", "s", "--strategy", "model", "--seed", "0", "--trial-timeout", "120", "--compile", "on",
-            "--dtypes", "fp32", "--runs-dir", str(tmp_path / "runs"), "--no-verify"]
-    proc = cli(args, cwd=tmp_path, env=FAST_COMPILE)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    study = load(db)
-    proposed = [t for t in study.get_trials() if t.user_attrs.get("proposed_by") == "compiled-model"]
-    assert proposed, [(t.number, t.user_attrs.get("proposed_by"), t.user_attrs.get("config")) for t in study.trials]
-    for t in proposed:
-        cfg = t.user_attrs["config"]
-        assert t.user_attrs["status"] == "ok" and cfg == t.user_attrs["proposed_config"]  # launched as proposed
-        assert cfg["compile"] == "default" and cfg["checkpoint"] == [[], []]
-        assert all(round(b / 0.05) * 0.05 == pytest.approx(b) for b in cfg["activation_budget"])  # the 0.05 grid
-        assert len(t.user_attrs["proposal_peak_gib"]) == 2 and t.user_attrs["proposal_step_ms"] > 0
-        assert t.user_attrs["compile_s"] > 0
-    error = study.user_attrs["autobalance:compiled_model_holdout_error"]  # each compiled trial from the others
-    assert 0 <= error < 10
-    assert "The compiled model proposed" in proc.stdout and "Compiled model:" in proc.stdout
 
 
 @pytest.fixture(scope="module")

@@ -145,7 +145,7 @@ def test_verify_accepts_a_token_mean_split_with_count_and_explains_without(tmp_p
 
 def test_tune_with_every_candidate_rejected_is_an_error_that_says_what_to_do():
     """``tune`` exits non-zero (VerificationError, exit 1 through the CLI: see
-    test_tune_verify_user_scripts.py::test_a_sum_reduced_bf16_loss_is_never_saved_and_tune_exits_1)
+    test_tune_verify_user_scripts.py::test_a_sum_reduced_fp16_loss_is_never_saved_and_tune_exits_1)
     when verification rejected every candidate, naming the token-mean fix. Fails if nothing saved
     passes silently or the message drops ``count=``."""
     from autobalance._errors import VerificationError

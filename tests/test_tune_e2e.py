@@ -8,7 +8,7 @@ import optuna
 import pytest
 
 from tests.conftest import torchrun
-from tests.tune_helpers import FAULTY, GPT, cli, load, processes_with, tune_args
+from tests.tune_helpers import GPT, cli, load, tune_args
 
 pytestmark = pytest.mark.slow
 
@@ -83,26 +83,9 @@ def test_tune_gpt_records_trials_with_per_rank_attributes(tmp_path):
     assert "(tuned) vs" not in prod.stderr, prod.stderr[-2000:]
 
 
-def test_script_error_on_first_trial_stops_with_traceback(tmp_path):
-    db = tmp_path / "a.db"
-    proc = cli(tune_args(FAULTY, db), cwd=tmp_path, env={"AB_FAULT": "raise"})
-    assert proc.returncode == 1
-    assert "injected failure in the training script" in proc.stderr
-    assert "Traceback" in proc.stderr
-    assert processes_with(str(tmp_path)) == []
-
-
-def test_hanging_script_is_killed_at_the_timeout(tmp_path):
-    db = tmp_path / "a.db"
-    args = tune_args(FAULTY, db, trials=2)
-    args[args.index("--trial-timeout") + 1] = "12"
-    counter = tmp_path / "counter"
-    proc = cli(args, cwd=tmp_path, env={"AB_FAULT": "hang_all", "AB_FAULT_ON_LAUNCH": "2", "AB_FAULT_COUNTER": str(counter)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    trials = load(db).get_trials()
-    assert [t.user_attrs["status"] for t in trials] == ["ok", "timeout"]
-    assert trials[1].system_attrs["constraints"][0] > 0
-    assert processes_with(str(tmp_path)) == []
+# A script error on the first trial, and a hanging trial killed at --trial-timeout, are in the fault
+# matrix: tests/faults/test_script_errors.py and tests/faults/test_trial_faults.py (one rank hanging
+# in a collective); tests/test_scale_out.py kills a trial hanging on every rank of two nodes.
 
 
 @pytest.mark.parametrize(
