@@ -9,7 +9,9 @@ every trial process carries in its environment), and that no COMPLETE trial was 
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -132,20 +134,26 @@ def copy_db(src: Path, dst: Path) -> None:
 
 
 # --------------------------------------------------------------------------- the seeded study
-_TEMPLATE: list[Path] = []
-
-
 @pytest.fixture(scope="session")
 def seeded_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A SQLite study whose baseline (trial 0, ok) is recorded: made once, copied by ``seeded``."""
-    if not _TEMPLATE:
-        root = tmp_path_factory.mktemp("seed")
-        db = root / "seed.db"
-        proc = tune(sqlite_url(db), cwd=root, trials=1)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert [t.user_attrs["status"] for t in load(sqlite_url(db)).trials] == ["ok"]
-        _TEMPLATE.append(db)
-    return _TEMPLATE[0]
+    """A SQLite study whose baseline (trial 0, ok) is recorded: made once per run, copied by ``seeded``.
+
+    Under pytest-xdist the workers share it: the first to need it makes it under a file lock in the
+    run's common temporary directory, and the other waits for it instead of tuning it again."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    root = shared / "seeded-study"
+    db, made = root / "seed.db", root / "made"
+    with open(shared / "seeded-study.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not made.exists():  # not made yet, or a worker's attempt failed: start over
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir()
+            proc = tune(sqlite_url(db), cwd=root, trials=1)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            assert [t.user_attrs["status"] for t in load(sqlite_url(db)).trials] == ["ok"]
+            made.touch()
+    return db
 
 
 @pytest.fixture
