@@ -132,8 +132,11 @@ def _device_info(plan: Plan) -> RankDevice:
     if plan.device.type == "cuda":
         props = torch.cuda.get_device_properties(plan.device)
         nvml = plan.meter.nvml
+        # fp32 matmuls in TF32 (the script set allow_tf32, or a float32 matmul precision below
+        # "highest"): the search then need not hold fp32 back (tuner/search/_first_trials.py)
         return RankDevice(type="cuda", name=props.name, capacity_bytes=int(props.total_memory),
-                          cap_bytes=plan.cap_bytes, uuid=nvml.uuid if nvml else None)
+                          cap_bytes=plan.cap_bytes, uuid=nvml.uuid if nvml else None,
+                          extra={"tf32": torch.get_float32_matmul_precision() != "highest"})
     return RankDevice(type="cpu", name=cpu_model_name(), capacity_bytes=cpu_capacity_bytes(), cap_bytes=plan.cap_bytes)
 
 

@@ -6,6 +6,8 @@ trials have taught the memory model what compiled peaks are built on.
 
 The wrapped Optuna sampler still proposes everything the model does not; every proposal is an
 ordinary enqueued trial, so the study stays a plain Optuna study (dashboard, samplers, resume).
+On a GPU the first trials are the models' (bf16 first, fp32 only when asked or learned:
+``_first_trials``), and the sampler explores once their proposals stop improving.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from autobalance._config import BalanceConfig
+from autobalance._config import BalanceConfig, split_evenly
 from autobalance.protocol import Status, StudyAttr, TrialAttr, best_trial, objective_value
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner.search._compiled_model import (
@@ -27,6 +29,7 @@ from autobalance.tuner.search._compiled_model import (
 from autobalance.tuner.search._compiled_search import Candidate, cache_order, compiled_candidates
 from autobalance.tuner.search._dominance import activation_budget, dominating_over_cap
 from autobalance.tuner.search._eager_search import eager_candidates
+from autobalance.tuner.search._first_trials import proposable_dtypes, proposals_stalled
 from autobalance.tuner.search._holdout import (
     compiled_holdout_error,
     eager_holdout_error,
@@ -37,7 +40,7 @@ from autobalance.tuner.search._objective import TrialFigures, spread_fraction
 from autobalance.tuner.search._solver import (
     predict_config_feasible,
 )
-from autobalance.tuner.search._space import SearchSpace
+from autobalance.tuner.search._space import BUDGET_RANGE, SearchSpace
 from autobalance.tuner.search._step_time import StepTimeModel
 
 __all__ = ["ModelAdvisor", "observations_from_trials"]
@@ -80,6 +83,8 @@ class ModelAdvisor:
         self.compiled: CompiledMemoryModel | None = None
         self._asks = 0
         self._predictions: dict[str, Candidate] = {}
+        self.dtype_note = ""
+        """Why the last proposals were held to some dtypes (``""``: none held back)."""
 
     # ------------------------------------------------------------------ model
     def _usable(self, study: optuna.Study) -> list[float] | None:
@@ -139,9 +144,18 @@ class ModelAdvisor:
             out += compiled_candidates(space=self.space, trials=trials, memory=compiled, timing=compiled_timing,
                                        eager_timing=timing, usable=usable, bucket=bucket, view=view,
                                        max_spread=max_spread, score=score)
-        ordered = cache_order(out)
+        allowed = self._allowed_dtypes(study, timing)
+        ordered = cache_order([c for c in out if c.config.dtype in allowed])
         self._predictions = {c.config.to_json(): c for c in ordered}
         return ordered
+
+    def _allowed_dtypes(self, study: optuna.Study, timing: StepTimeModel | None = None) -> list[str]:
+        """The dtypes the models may propose now (``_first_trials``); sets :attr:`dtype_note`."""
+        tf32 = bool((study.user_attrs.get(StudyAttr.DEVICE) or {}).get("tf32"))  # the baseline's report
+        allowed, self.dtype_note = proposable_dtypes(
+            space=self.space, device=self.settings.device, trials=study.get_trials(deepcopy=False), tf32=tf32,
+            per_sample_ms=None if timing is None else dict(timing.k))
+        return allowed
 
     def _objective(self, peaks: list[float], usable: list[float], ms: float, reference_ms: float | None) -> float:
         capacity = [u / (1.0 - self.settings.headroom) for u in usable]
@@ -183,22 +197,38 @@ class ModelAdvisor:
     def before_ask(self, study: optuna.Study) -> None:
         """Enqueue the best untried model proposal when nothing is waiting.
 
-        Every ``SAMPLER_EVERY``-th trial is left to the wrapped sampler (it explores what the model
-        does not: bucket sizes, dtypes the model cannot predict yet); so are proposals scored more
-        than ``_WORTH`` times the best candidate's score.
+        On CPU every ``SAMPLER_EVERY``-th trial is left to the wrapped sampler (it explores what the
+        model does not: bucket sizes, dtypes the model cannot predict yet); on a GPU only once the
+        models' proposals stopped improving (``_first_trials.proposals_stalled``): until then the
+        first trials come from the models and priors. Proposals scored more than ``_WORTH`` times
+        the best candidate's score are left to the sampler too; a trial the sampler gets while some
+        dtype is held back (fp32 on a GPU) has its dtype fixed to the first allowed one.
         """
         if study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
             return
         self._asks += 1
-        if self._asks % SAMPLER_EVERY == 0:
+        if self._asks % SAMPLER_EVERY == 0 and (
+                self.settings.device != "cuda"
+                or proposals_stalled(study.get_trials(deepcopy=False), study.user_attrs.get(StudyAttr.OBJECTIVE, {}))):
+            self._to_sampler(study)
             return
         candidates = self.scored_candidates(study)
         if not candidates:
+            probe = self._probe(study) if self.settings.device == "cuda" else None
+            if probe is None:
+                self._to_sampler(study)
+                return
+            self._proposed.add(probe.to_json())
+            study.enqueue_trial(self.space.params_from_config(probe), user_attrs={
+                "proposed_by": "prior", "proposed_config": probe.to_dict(), "proposal_note": (
+                    "nothing measured fits yet: the least memory the priors know, in "
+                    f"{probe.dtype} ({self.dtype_note or 'the dtype prior on a GPU'})")})
             return
         measured = {json.dumps(t.user_attrs.get(TrialAttr.CONFIG), sort_keys=True)
                     for t in study.get_trials(deepcopy=False) if t.user_attrs.get(TrialAttr.CONFIG)}
         fresh = [c for c in candidates if c.config.to_json() not in self._proposed and c.config.to_json() not in measured]
         if not fresh or fresh[0].score > _WORTH * candidates[0].score:
+            self._to_sampler(study)
             return
         pick, note = fresh[0], None
         if pick.source == "compiled-model" and self._eager_first(study, pick.config.dtype):
@@ -214,7 +244,62 @@ class ModelAdvisor:
             attrs["proposal_new_graphs"] = pick.new_graphs
         if note:
             attrs["proposal_note"] = note
+        elif self.dtype_note:
+            attrs["proposal_note"] = self.dtype_note
         study.enqueue_trial(self.space.params_from_config(pick.config), user_attrs=attrs)
+
+    def _probe(self, study: optuna.Study) -> BalanceConfig | None:
+        """With nothing measured that fits (the script's own configuration ran out of memory): the
+        least-memory configurations of the first allowed dtype, which the priors expect to fit - every
+        block checkpointed (compiled only: the smallest budget), at the baseline's accumulation, then
+        at the largest; None once both were tried."""
+        trials = study.get_trials(deepcopy=False)
+        if any(t.user_attrs.get(TrialAttr.STATUS) == Status.OK for t in trials):
+            return None
+        allowed = self._allowed_dtypes(study)
+        if not allowed:
+            return None
+        number = study.user_attrs.get(StudyAttr.BASELINE)
+        own = next((t.user_attrs.get(TrialAttr.CONFIG) or {} for t in trials if t.number == number), {})
+        tried = {json.dumps(t.user_attrs.get(TrialAttr.CONFIG), sort_keys=True)
+                 for t in trials if t.user_attrs.get(TrialAttr.CONFIG)} | self._proposed
+        world = self.space.world_size
+        mode = "off" if "off" in self.space.compile_modes else self.space.compile_modes[0]
+        layers = self.space.num_layers if mode == "off" else 0
+        for acc in dict.fromkeys([int(own.get("accumulation") or 1), max(self.space.accumulations)]):
+            if acc not in self.space.accumulations:
+                continue
+            micro = split_evenly(self.space.micro_total(acc), [1.0] * world)
+            cfg = self.space.config_for(
+                micro, acc, None, checkpoint=[list(range(layers)) for _ in range(world)], dtype=allowed[0],
+                bucket_cap_mb=float(own.get("bucket_cap_mb") or 25.0),
+                gradient_as_bucket_view=bool(own.get("gradient_as_bucket_view", True)), compile=mode,
+                activation_budget=None if mode == "off" else [BUDGET_RANGE[0]] * world)
+            if self.space.contains(cfg) and cfg.to_json() not in tried and json.dumps(cfg.to_dict(), sort_keys=True) \
+                    not in tried:
+                return cfg
+        return None
+
+    def _to_sampler(self, study: optuna.Study) -> None:
+        """Leave the next trial to the sampler; while some dtype is held back, with its dtype fixed
+        to the best trial's (when allowed) or the first allowed one (the sampler picks the rest)."""
+        if self.settings.device != "cuda":
+            return
+        allowed = self._allowed_dtypes(study, self._timing(study))
+        if len(allowed) == len(self.space.dtypes) or not allowed:
+            return
+        best = best_trial(study)
+        dtype = (best.user_attrs.get(TrialAttr.CONFIG) or {}).get("dtype") if best is not None else None
+        if dtype not in allowed:
+            dtype = allowed[0]
+        study.enqueue_trial({"dtype": dtype}, user_attrs={"proposed_by": "sampler", "proposal_note": (
+            f"the sampler's trial in {dtype}: {self.dtype_note}")})
+
+    def _timing(self, study: optuna.Study) -> StepTimeModel | None:
+        """The step-time model on the study's trials (None: nothing measured yet)."""
+        timing = StepTimeModel.fit(study.get_trials(deepcopy=False), num_layers=self.space.num_layers,
+                                   device=self.settings.device)
+        return timing if timing.k else None
 
     def holdout_error(self, study: optuna.Study) -> float | None:
         return eager_holdout_error(study, space=self.space)
@@ -281,12 +366,17 @@ class ModelAdvisor:
                 continue
             low = compiled.surely_over(rank=rank, micro_batch=m, budget=b, dtype=config.dtype, mode=config.compile,
                                        limit=usable[rank])
+            why = "the compiled model's measured budgets put"
+            if low is None:  # not even the least any budget keeps fits (a tiny budget does not save it)
+                low = compiled.over_at_any_budget(rank=rank, micro_batch=m, dtype=config.dtype, mode=config.compile,
+                                                  limit=usable[rank])
+                why = "at any budget the compiled model predicts"
             if low is None:
                 continue
             self._predicted_in_a_row += 1
             return predicted_oom(headroom=self.settings.headroom, usable=usable, rank=rank, peak=low, attrs={
                 "predicted_by": "compiled-model",
-                "reason": (f"not launched (not compiled): the compiled model's measured budgets put rank {rank} at "
+                "reason": (f"not launched (not compiled): {why} rank {rank} at "
                            f"least at {low / GIB:.3f} GiB with micro-batch {m}, budget {b:g} "
                            f"(+{100 * compiled.safety_margin:.0f}% margin) > usable {usable[rank] / GIB:.3f} GiB"),
             })

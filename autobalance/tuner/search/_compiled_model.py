@@ -19,14 +19,19 @@ follows the partitioner's own rule (it keeps about ``b`` times what it keeps by 
 ``f(b) = F_1 * b / b_1`` below, ``max(F_n, min(max(F_n, 1), F_n * b / b_n))`` above, never more
 than the eager activations unless measured so). Without compiled trials of its own a pair borrows
 the points of every other compiled pair (the fractions are relative to each dtype's own
-activations), and without any, ``f(b) = b``.
+activations), and without any, ``f(b) = max(b, FLOOR_PRIOR)``. Below the first measured budget
+``f`` never falls under ``LOW_BUDGET_FLOOR x F_1``: the partitioner cannot drop what it must keep
+(the graphs' inputs, a loss outside the model and its logits), so a tiny budget does not make a
+large micro-batch fit.
 
 Where ``b`` was not measured the activation part gets an extra relative margin,
 ``UNMEASURED_MARGIN / sqrt(1 + knots)`` (:data:`UNMEASURED_MARGIN` without own knots), and the
 whole peak the model's self-correcting safety margin (as the eager model's): a configuration is
 predicted to fit when ``(fixed_r + m * act_r * f(b) * (1 + extra)) * (1 + margin) <= limit_r``.
-It is predicted *not* to fit only from measured data: ``fixed_r + m * act_r * F(b_j) > limit_r *
-(1 + margin)`` for the largest measured ``b_j <= b`` (monotonicity makes ``F(b_j)`` a lower bound).
+It is predicted *not* to fit (so never compiled) from measured data, ``fixed_r + m * act_r * F(b_j) >
+limit_r * (1 + margin)`` for the largest measured ``b_j <= b`` (monotonicity makes ``F(b_j)`` a lower
+bound), or when even the least any budget keeps does not fit: ``fixed_r + m * act_r * f(0.05) >
+limit_r * (1 + margin)`` (:meth:`CompiledMemoryModel.over_at_any_budget`).
 
 **Step time.** From the eager :class:`StepTimeModel` (``a`` per step, rank ``r``'s micro-steps
 ``e_r = acc * b + k[dtype] * n_r`` without checkpointing)::
@@ -64,6 +69,8 @@ from autobalance.tuner.search._step_time import StepTimeModel
 
 __all__ = [
     "COMPILE_SPEED_PRIOR",
+    "FLOOR_PRIOR",
+    "LOW_BUDGET_FLOOR",
     "RECOMPUTE_PRIOR_COMPILED",
     "UNMEASURED_MARGIN",
     "BudgetCurve",
@@ -83,6 +90,13 @@ RECOMPUTE_PRIOR_COMPILED = 1.0 / 3.0
 COMPILE_SPEED_PRIOR: dict[str, float] = {"cuda": 0.85, "cpu": 1.0}
 """Prior ``s`` (compiled / eager time) before any compiled trial: Inductor fuses on GPUs; on CPU
 no gain is assumed."""
+FLOOR_PRIOR = 0.25
+"""Without any compiled trial, ``f(b) = max(b, FLOOR_PRIOR)``: at its smallest budget the partitioner
+still keeps part of the activations (on one H200 the GPT of ``studies/gpt-1gpu.toml`` kept 0.42 of
+its eager activations at budget 0.4 with the loss outside the model, about 0.38 with it inside)."""
+LOW_BUDGET_FLOOR = 0.5
+"""Below the smallest measured budget ``b_1``, ``f(b) = F_1 * max(b / b_1, LOW_BUDGET_FLOOR)``: not the
+partitioner's proportional rule all the way down (the same grid: ``f(0.4) / f(1.0) = 0.68``)."""
 _RHO_GRID = [i / 20 for i in range(41)]  # 0 .. 2 in steps of 0.05
 _TINY = 1.0
 
@@ -156,12 +170,12 @@ class BudgetCurve:
     def estimate(self, budget: float) -> float:
         """``f(budget)``: interpolated between measured budgets, the partitioner's rule outside."""
         if not self.budgets:
-            return max(0.0, budget)
+            return max(0.0, budget, FLOOR_PRIOR)
         b = float(budget)
         first_b, first_f = self.budgets[0], self.fractions[0]
         last_b, last_f = self.budgets[-1], self.fractions[-1]
         if b <= first_b:
-            return first_f * b / first_b if first_b > 0 else first_f
+            return first_f * max(b / first_b, LOW_BUDGET_FLOOR) if first_b > 0 else first_f
         if b >= last_b:
             return max(last_f, min(max(last_f, 1.0), last_f * b / last_b))
         for (b0, f0), (b1, f1) in zip(zip(self.budgets, self.fractions, strict=True),
@@ -276,6 +290,14 @@ class CompiledMemoryModel:
         if low <= 0:
             return None
         peak = self.eager.fixed_bytes(rank, dtype) + micro_batch * self.unit(rank, dtype) * low
+        return peak if peak > limit * (1.0 + self.safety_margin) else None
+
+    def over_at_any_budget(self, *, rank: int, micro_batch: int, dtype: str, mode: str, limit: float) -> float | None:
+        """The least peak the model predicts for ``micro_batch`` on ``rank`` at any budget (the curve
+        at the smallest one, no extra margin) when even that exceeds ``limit * (1 + margin)``: no
+        budget makes it fit. None otherwise."""
+        floor = self.curve(dtype, mode).estimate(BUDGET_RANGE[0])
+        peak = self.eager.fixed_bytes(rank, dtype) + micro_batch * self.unit(rank, dtype) * floor
         return peak if peak > limit * (1.0 + self.safety_margin) else None
 
     def config_peaks(self, config: BalanceConfig) -> list[float]:

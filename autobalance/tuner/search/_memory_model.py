@@ -224,7 +224,10 @@ class MemoryModel:
         """Least-squares fit per dtype on the successful observations (prior-completed, see module doc).
 
         Every observation, successful or not, that the fitted model under-predicts by more than the
-        margin then widens it (the rule of :meth:`correct`); exact data leaves it unchanged.
+        margin then widens it (the rule of :meth:`correct`); exact data leaves it unchanged. An
+        observation of a dtype with no successful observation of its own (an fp32 baseline that ran
+        out of memory, predicted from bf16 through :data:`ACTIVATION_BYTES_SCALE`) does not: the prior
+        missed, not the fitted model.
         """
         model = cls(
             world_size=world_size,
@@ -255,7 +258,8 @@ class MemoryModel:
                         dtype, [], world_size=world_size, reference=reference
                     )
         for obs in observations:
-            model.correct(obs)
+            if by_dtype[obs.dtype]:  # a dtype borrowed whole from another: its miss is the prior's, not the fit's
+                model.correct(obs)
         return model
 
     def refit(self, observations: Sequence[MemoryObservation]) -> MemoryModel:
