@@ -14,6 +14,7 @@ __all__ = [
     "COMPILE_MODES",
     "DTYPES",
     "BalanceConfig",
+    "block_ranges",
     "describe_config",
     "micro_step_sizes",
     "samples_within",
@@ -396,21 +397,39 @@ def samples_within(
 
 
 def describe_config(config: dict[str, Any] | BalanceConfig | None) -> str:
-    """One line for a configuration (``None``: the script's own): micro-batches, accumulation,
-    recomputation, dtype, bucket size."""
+    """One line for a configuration (``None``: the script's own), the one notation every output uses:
+    per rank its micro-batches of one optimizer step and its checkpointed blocks (indices, runs as
+    ranges) or compile budget, then what all ranks share (dtype, compile mode, DDP bucket):
+    ``rank 0: 6,6,5,5 ckpt 0-3; rank 1: 4,4,4,4 | bf16 bucket=25MB view``."""
     if config is None:
         return "script defaults"
-    c = config.to_dict() if isinstance(config, BalanceConfig) else config
-    ckpt = [len(x) for x in c.get("checkpoint", [])]
-    mode = c.get("compile", "off")
+    try:
+        c = BalanceConfig.from_dict(config) if isinstance(config, dict) else config
+    except ConfigError:  # not a configuration (a damaged attribute): shown as it is
+        return str(config)
+    mode = c.compile
+    per_rank = []
+    for r, line in enumerate(c.split_lines()):
+        if mode != "off":
+            if c.activation_budget:
+                line += f" budget {c.activation_budget[r]:.2g}"
+        elif c.checkpoint[r]:
+            line += f" ckpt {block_ranges(c.checkpoint[r])}"
+        per_rank.append(line)
+    shared = [c.dtype]
     if mode != "off":
-        budget = c.get("activation_budget")
-        recompute = f"compile={mode} budget={[round(b, 2) for b in budget] if budget else 'default'}"
-    else:
-        recompute = f"ckpt={ckpt}"
-    if c.get("rank_samples"):  # any split: each rank's micro-steps, e.g. rank 0: 6,6,5,5,5,5
-        shape = BalanceConfig.from_dict(c).split_text()
-    else:
-        shape = f"mb={c['micro_batches']} acc={c['accumulation']}"
-    return (f"{shape} {recompute} {c['dtype']} "
-            f"bucket={c['bucket_cap_mb']:.0f}MB{' view' if c.get('gradient_as_bucket_view') else ''}")
+        shared.append(f"compile={mode}" + ("" if c.activation_budget else " (default budget)"))
+    shared.append(f"bucket={c.bucket_cap_mb:.0f}MB" + (" view" if c.gradient_as_bucket_view else ""))
+    return "; ".join(per_rank) + " | " + " ".join(shared)
+
+
+def block_ranges(blocks: list[int]) -> str:
+    """Block indices as people read them: runs of consecutive indices as ranges
+    (``[0, 1, 2, 5, 7, 8]`` -> ``0-2,5,7-8``); ``none`` for no block."""
+    out: list[str] = []
+    for i in sorted(set(blocks)):
+        if out and out[-1].split("-")[-1] == str(i - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        else:
+            out.append(str(i))
+    return ",".join(out) or "none"

@@ -61,7 +61,7 @@ def test_report_shows_each_ranks_micro_steps(study_db, tmp_path) -> None:
     assert "samples per micro-step" not in cfg and "<td>6</td>" in cfg  # 6 micro-steps per optimizer step
     text = html.unescape(page)
     assert text.count(SPLIT) >= 3  # the table above, the baseline/best comparison, the trials table
-    assert "mb=[27, 26] acc=1" in text  # an equal-form trial keeps its old description
+    assert "rank 0: 27 ckpt 0-7; rank 1: 26 ckpt 0-7" in text  # an equal-form trial: the same notation
 
 
 def test_config_rows_of_both_forms() -> None:
@@ -91,9 +91,10 @@ def test_best_and_export_print_each_ranks_micro_steps(tmp_path) -> None:
     runner = CliRunner()
     best = runner.invoke(app, ["best", "--study-name", "s", "--storage", url], env={"COLUMNS": "200"})
     assert best.exit_code == 0, best.output
-    assert "rank 0: 6,6,5,5,5,5" in best.output and "rank 1: 4,4,4,3,3,3" in best.output
+    assert "rank 0: 6,6,5,5,5,5 ckpt 0" in best.output and "rank 1: 4,4,4,3,3,3" in best.output
+    assert "[[0], []]" not in best.output  # one notation: no raw lists of indices beside it
     out = tmp_path / "best.json"
     export = runner.invoke(app, ["export", "--study-name", "s", "--storage", url, "-o", str(out)])
     assert export.exit_code == 0, export.output
-    assert f"micro-batches per optimizer step: {SPLIT}" in export.output
+    assert "It applies: rank 0: 6,6,5,5,5,5 ckpt 0; rank 1: 4,4,4,3,3,3 | bf16 bucket=25MB" in export.output
     assert json.loads(out.read_text())["split"] == SPLIT.split("; ")

@@ -95,7 +95,8 @@ def test_trials_table_into_a_pipe_is_not_cut(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "…" not in proc.stdout
     row = next(line for line in proc.stdout.splitlines() if "(baseline)" in line)
-    assert f"mb={[13] * RANKS} acc=4 ckpt={[6] * RANKS} bf16 bucket=25MB view" in row  # whole, on one line
+    whole = "; ".join(f"rank {r}: 13,13,13,13 ckpt 0-5" for r in range(RANKS)) + " | bf16 bucket=25MB view"
+    assert whole in row  # whole, on one line
     assert " ".join(f"{10.123 + r:.3g}" for r in range(RANKS)) in row
     assert len(row) > 80
 

@@ -153,8 +153,9 @@ def test_compile_figures_and_notes():
 
 def test_describe_config_shows_compile_and_budget():
     text = describe_config(make(compile="default", activation_budget=[0.45, 0.8]))
-    assert "compile=default budget=[0.45, 0.8]" in text and "ckpt" not in text
-    assert "ckpt=[1, 0]" in describe_config(make(checkpoint=[[0], []]))
+    assert "budget 0.45;" in text and text.endswith("budget 0.8 | fp32 compile=default bucket=25MB")
+    assert "ckpt" not in text
+    assert "ckpt 0;" in describe_config(make(checkpoint=[[0], []]))
 
 
 def test_recomputes_and_its_removal():

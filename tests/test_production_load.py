@@ -59,8 +59,8 @@ def test_study_in_environment_loads_the_same_row_on_every_rank(saved, tmp_path):
         assert data["config"] == row.config.to_dict()
         assert data["source"] == "store:prod#7"
     # one line (rank 0) names the source of the configuration; the same machine is no mismatch
-    assert _using(proc.stderr) == [f"autobalance: using study prod, trial 7 ({url}): micro-batches per optimizer "
-                                   "step rank 0: 3,3; rank 1: 5,5"]
+    assert _using(proc.stderr) == [f"autobalance: using study prod, trial 7 ({url}): rank 0: 3,3 ckpt 0; "
+                                   "rank 1: 5,5 | bf16 bucket=12MB view"]
     assert "(tuned) vs" not in proc.stderr
     assert any(t.startswith("sqlite3.connect") for t in found[0]["touched"]), found[0]
     assert found[1]["touched"] == []
@@ -75,8 +75,8 @@ def test_export_file_loads_without_a_database(saved, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert set(found) == {0, 1}
     assert all(d["config"] == row.config.to_dict() for d in found.values())
-    assert _using(proc.stderr) == [f"autobalance: using {path} (study prod, trial 7): micro-batches per optimizer "
-                                   "step rank 0: 3,3; rank 1: 5,5"]
+    assert _using(proc.stderr) == [f"autobalance: using {path} (study prod, trial 7): rank 0: 3,3 ckpt 0; "
+                                   "rank 1: 5,5 | bf16 bucket=12MB view"]
     # read by rank 0 only (fails if every rank reads the file)
     assert found[0]["touched"] == [f"open {path}"] and found[1]["touched"] == []
 
@@ -91,8 +91,9 @@ def test_an_any_split_export_loads_on_every_rank_and_is_shown_once(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert set(found) == {0, 1}
     assert all(BalanceConfig.from_dict(d["config"]) == config for d in found.values())
-    shown = [line for line in proc.stderr.splitlines() if "micro-batches per optimizer step" in line]
-    assert len(shown) == 1 and shown[0].endswith("rank 0: 6,6,5,5,5,5; rank 1: 4,4,4,3,3,3"), proc.stderr[-2000:]
+    shown = _using(proc.stderr)
+    assert len(shown) == 1 and shown[0].endswith("rank 0: 6,6,5,5,5,5 ckpt 0; rank 1: 4,4,4,3,3,3 | bf16 bucket=25MB"), \
+        proc.stderr[-2000:]
 
 
 def test_no_environment_means_the_script_defaults(tmp_path):
@@ -105,7 +106,7 @@ def test_no_environment_means_the_script_defaults(tmp_path):
     # one line (rank 0) says no stored configuration was found and what the job applies instead
     assert _using(proc.stderr) == ["autobalance: using the script's own configuration (no stored configuration: set "
                                    "AUTOBALANCE_STUDY and AUTOBALANCE_STORAGE, or AUTOBALANCE_CONFIG_FILE, or pass "
-                                   "study= to plan()): micro-batches per optimizer step rank 0: 4; rank 1: 4"]
+                                   "study= to plan()): rank 0: 4; rank 1: 4 | fp32 bucket=25MB"]
 
 
 def test_hardware_mismatch_is_named_and_fails_under_policy_error(tmp_path):

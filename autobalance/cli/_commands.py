@@ -118,6 +118,7 @@ def export(
     """Write the saved best configuration to a JSON file that plan() loads without a database."""
 
     def go() -> None:
+        from autobalance._config import describe_config
         from autobalance.store import ConfigStore, check_storage, export_file
 
         url = check_storage(existing_storage(storage))
@@ -125,6 +126,6 @@ def export(
             saved = store.load(study_name)
             path = export_file(saved, output)
         typer.echo(f"Wrote {path}. Use it with AUTOBALANCE_CONFIG_FILE={path} torchrun ...")
-        typer.echo("micro-batches per optimizer step: " + "; ".join(saved.config.split_lines()))
+        typer.echo(f"It applies: {describe_config(saved.config)}")
 
     run_command(go)

@@ -157,9 +157,13 @@ def print_saved(saved: Any, *, fmt: str) -> None:
     table = Table(title=f"Best configuration of '{saved.study_name}' (trial {saved.trial_number})")
     table.add_column("field")
     table.add_column("value")
-    for key, value in saved.config.to_dict().items():
-        table.add_row(key, str(value))
-    table.add_row("micro-batches", "\n".join(saved.config.split_lines()))  # e.g. rank 0: 6,6,5,5,5,5
+    cfg = saved.config
+    # the one notation of every output, a rank per line: micro-batches of one optimizer step, then the
+    # checkpointed blocks' indices (or the compile budget); `--format json` gives the stored fields
+    ranks, shared = describe_config(cfg).split(" | ")
+    table.add_row("configuration", ranks.replace("; ", "\n") + "\n" + shared)
+    table.add_row("global batch", f"{cfg.global_batch} samples per optimizer step, "
+                                  f"{cfg.accumulation} micro-step(s) per rank")
     fig = saved.figures
     fp = saved.fingerprint
     for key in ("peak_device_gib", "spread_gib", "step_time_ms", "speedup_vs_baseline"):

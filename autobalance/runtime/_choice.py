@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from autobalance import _env
-from autobalance._config import DTYPES, BalanceConfig, split_evenly
+from autobalance._config import DTYPES, BalanceConfig, describe_config, split_evenly
 from autobalance._errors import ConfigError
 
 __all__ = ["choose_config", "default_config"]
@@ -82,6 +82,11 @@ def _broadcast_json(payload: str | None, *, device: torch.device) -> str:
     return bytes(buf.cpu().tolist()).decode()
 
 
+def _say(line: str) -> None:
+    """One plain line on stderr (rank 0 calls it): no warning machinery, so no echo of a source line."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def _load_stored(
     *,
     study: str | None,
@@ -91,14 +96,21 @@ def _load_stored(
     device: torch.device,
     world_size: int,
     cap_bytes: int | None,
+    defaults: BalanceConfig,
 ) -> tuple[BalanceConfig, str]:
-    """The saved best configuration, read on rank 0 and broadcast so all ranks apply the same row."""
+    """The saved best configuration, read on rank 0 and broadcast so all ranks apply the same row.
+
+    One saved for another number of ranks cannot apply: under the ``warn`` policy the job falls back to
+    the script's own configuration and says so in one line; under ``error`` it stops with one line."""
     from autobalance import store
 
     text: str | None = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
             saved = store.load_saved_config(study=study, storage=storage, config_file=config_file)
+            where = (f"{config_file} (study {saved.study_name}, trial {saved.trial_number})" if config_file else
+                     f"study {saved.study_name}, trial {saved.trial_number} "
+                     f"({store.mask_url(storage or store.DEFAULT_STORAGE)})")
             nnodes = max(1, world_size // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
             current = store.current_fingerprint(
                 device_type=device.type,
@@ -106,17 +118,14 @@ def _load_stored(
                 nnodes=nnodes,
                 cap_bytes=[cap_bytes] * world_size,
             )
-            script = sys.argv[0] if sys.argv and os.path.isfile(sys.argv[0]) else None
-            store.check_compatibility(saved, current=current, script_path=script, policy=on_mismatch)
-            source = f"store:{saved.study_name}#{saved.trial_number}"
-            text = json.dumps({"config": saved.config.to_dict(), "source": source})
-            # one plain line on rank 0: where this job's configuration comes from and what it applies
-            # (micro-batches per optimizer step; rank 0: 6,6,5,5,5,5; rank 1: ...)
-            where = (f"{config_file} (study {saved.study_name}, trial {saved.trial_number})" if config_file else
-                     f"study {saved.study_name}, trial {saved.trial_number} "
-                     f"({store.mask_url(storage or store.DEFAULT_STORAGE)})")
-            print(f"autobalance: using {where}: micro-batches per optimizer step {saved.config.split_text()}",
-                  file=sys.stderr, flush=True)
+            other_ranks = store.ranks_differ(saved, world_size=world_size)
+            if other_ranks and on_mismatch == "warn":
+                _say(f"autobalance: {other_ranks}: using the script's own configuration instead (run the job with "
+                     f"{saved.config.world_size} ranks to use the study's, or tune one with {world_size}): "
+                     f"{describe_config(defaults)}")
+                text = json.dumps({"config": defaults.to_dict(), "source": "defaults"})
+            else:
+                text = _checked(saved, store=store, current=current, on_mismatch=on_mismatch, where=where)
         except Exception as exc:
             text = json.dumps({"failure": str(exc), "kind": type(exc).__name__})
     shared = json.loads(_broadcast_json(text, device=device))
@@ -128,6 +137,25 @@ def _load_stored(
             kind = errors.StorageError
         raise kind(shared["failure"])
     return BalanceConfig.from_dict(shared["config"]), shared["source"]
+
+
+def _checked(saved: Any, *, store: Any, current: Any, on_mismatch: str, where: str) -> str:
+    """Check ``saved`` against this job (raises under ``error``), say in one line where the job's
+    configuration comes from and what it applies, and return it as JSON for the broadcast. The
+    mismatch warnings become one plain line each (a ``HardwareMismatchWarning`` to Python's filters,
+    without the echo of the line that raised it); an emulated cap this job runs without is no
+    mismatch: the line says it."""
+    import warnings
+
+    script = sys.argv[0] if sys.argv and os.path.isfile(sys.argv[0]) else None
+    with warnings.catch_warnings(record=True) as caught:
+        store.check_compatibility(saved, current=current, script_path=script, policy=on_mismatch)
+    lifted = store.cap_lifted_note(saved.fingerprint, current)
+    _say(f"autobalance: using {where}" + (f", {lifted}" if lifted else "") + f": {describe_config(saved.config)}")
+    for warning in caught:
+        _say(str(warning.message))
+    source = f"store:{saved.study_name}#{saved.trial_number}"
+    return json.dumps({"config": saved.config.to_dict(), "source": source})
 
 
 def choose_config(
@@ -166,9 +194,10 @@ def choose_config(
             device=device,
             world_size=world_size,
             cap_bytes=cap_bytes,
+            defaults=defaults,
         )
     if not dist.is_initialized() or dist.get_rank() == 0:  # one plain line on rank 0, as for a stored one
-        print("autobalance: using the script's own configuration (no stored configuration: set AUTOBALANCE_STUDY "
-              "and AUTOBALANCE_STORAGE, or AUTOBALANCE_CONFIG_FILE, or pass study= to plan()): micro-batches per "
-              f"optimizer step {defaults.split_text()}", file=sys.stderr, flush=True)
+        _say("autobalance: using the script's own configuration (no stored configuration: set AUTOBALANCE_STUDY "
+             "and AUTOBALANCE_STORAGE, or AUTOBALANCE_CONFIG_FILE, or pass study= to plan()): "
+             f"{describe_config(defaults)}")
     return defaults, "defaults"

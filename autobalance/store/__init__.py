@@ -12,6 +12,7 @@ from autobalance.store._fingerprint import (
     CAPACITY_TOLERANCE,
     DEVICE_TYPES,
     HardwareFingerprint,
+    cap_lifted_note,
     current_fingerprint,
     differences,
     minor_differences,
@@ -31,6 +32,7 @@ from autobalance.store._production import (
     HardwareMismatchWarning,
     check_compatibility,
     load_saved_config,
+    ranks_differ,
     script_sha256,
 )
 from autobalance.store._saved import EXPORT_FORMAT, EXPORT_FORMAT_VERSION, SavedConfig
@@ -67,6 +69,7 @@ __all__ = [
     "HardwareFingerprint",
     "HardwareMismatchWarning",
     "SavedConfig",
+    "cap_lifted_note",
     "check_compatibility",
     "check_storage",
     "current_fingerprint",
@@ -85,6 +88,7 @@ __all__ = [
     "minor_differences",
     "normalize_storage_url",
     "open_storage",
+    "ranks_differ",
     "read_export_file",
     "script_sha256",
     "stale_trial_ids",

@@ -14,6 +14,8 @@ __all__ = [
     "CAPACITY_TOLERANCE",
     "DEVICE_TYPES",
     "HardwareFingerprint",
+    "cap_lifted_note",
+    "cap_lifted_ranks",
     "current_fingerprint",
     "differences",
     "minor_differences",
@@ -158,15 +160,49 @@ def differences(stored: HardwareFingerprint, current: HardwareFingerprint) -> li
         return out
     if stored.device_type == "cuda" and stored.device_name != current.device_name:
         out.append(f"GPU {stored.device_name!r} (tuned) vs {current.device_name!r} (this job)")
+    lifted = set(cap_lifted_ranks(stored, current))
     for rank in range(stored.world_size):
         tuned, now = stored.usable_bytes(rank), current.usable_bytes(rank)
-        if tuned == now:
+        if tuned == now or rank in lifted:
             continue
         if tuned is None or now is None or abs(tuned - now) > CAPACITY_TOLERANCE * max(tuned, now):
             what = "memory cap" if stored.device_type == "cpu" else "memory"
             tuned_text, now_text = _gib_pair(tuned, now)
             out.append(f"rank {rank} {what} {tuned_text} (tuned) vs {now_text} (this job)")
     return out
+
+
+def cap_lifted_ranks(stored: HardwareFingerprint, current: HardwareFingerprint) -> list[int]:
+    """Ranks tuned under an emulated cap that this job runs without, with at least the memory the
+    cap allowed (no cap on CPU, or a device as large): the configuration fits with room to spare,
+    which is no hardware difference (:func:`cap_lifted_note` says it in one line)."""
+    if stored.device_type != current.device_type or stored.world_size != current.world_size:
+        return []
+    out = []
+    for rank in range(stored.world_size):
+        tuned, now = stored.usable_bytes(rank), current.usable_bytes(rank)
+        if stored.cap_bytes[rank] is None or current.cap_bytes[rank] is not None or tuned is None:
+            continue
+        emulated = stored.device_type == "cpu" or tuned < stored.capacity_bytes[rank]  # the cap limited it
+        if emulated and (now is None or now >= tuned * (1 - CAPACITY_TOLERANCE)):
+            out.append(rank)
+    return out
+
+
+def cap_lifted_note(stored: HardwareFingerprint, current: HardwareFingerprint) -> str | None:
+    """One line for :func:`cap_lifted_ranks` (None when there are none): ``tuned under an emulated
+    cap of 0.0145 GiB per rank; this job runs without it``."""
+    ranks = cap_lifted_ranks(stored, current)
+    if not ranks:
+        return None
+    caps = [stored.usable_bytes(r) for r in ranks]
+    if len(set(caps)) == 1:
+        where = "per rank" if len(ranks) == stored.world_size else f"on rank{'s' if len(ranks) > 1 else ''} " + \
+            ", ".join(map(str, ranks))
+        what = f"an emulated cap of {_gib(caps[0])} {where}"
+    else:
+        what = "emulated caps of " + ", ".join(f"{_gib(c)} (rank {r})" for r, c in zip(ranks, caps, strict=True))
+    return f"tuned under {what}; this job runs without it (the configuration fits with room to spare)"
 
 
 def minor_differences(stored: HardwareFingerprint, current: HardwareFingerprint) -> list[str]:

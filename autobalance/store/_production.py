@@ -17,6 +17,7 @@ __all__ = [
     "HardwareMismatchWarning",
     "check_compatibility",
     "load_saved_config",
+    "ranks_differ",
     "script_sha256",
 ]
 
@@ -49,6 +50,15 @@ def load_saved_config(
         return store.load(study)
 
 
+def ranks_differ(saved: SavedConfig, *, world_size: int) -> str | None:
+    """Why ``saved`` cannot run in a job of ``world_size`` ranks (its configuration gives each rank
+    its own micro-batches and blocks), in words; None when the rank counts agree."""
+    if saved.config.world_size == world_size:
+        return None
+    return (f"study {saved.study_name!r} (trial {saved.trial_number}) was tuned for {saved.config.world_size} "
+            f"rank(s), this job has {world_size}")
+
+
 def check_compatibility(
     saved: SavedConfig,
     *,
@@ -70,9 +80,12 @@ def check_compatibility(
     what = f"study {saved.study_name!r} (trial {saved.trial_number})"
     major = differences(saved.fingerprint, current)
     if major and policy == "error":
+        ranks = ranks_differ(saved, world_size=current.world_size)
+        fix = (f"run the job with {saved.config.world_size} ranks, or tune a study with this job's "
+               f"{current.world_size} (`autobalance tune ... --nproc-per-node`)" if ranks else
+               "tune again on this hardware (`autobalance tune`), or use the 'warn' mismatch policy to run it anyway")
         raise HardwareMismatchError(
-            f"The saved configuration of {what} was tuned on different hardware: {'; '.join(major)}; "
-            "tune again on this hardware (`autobalance tune`), or use the 'warn' mismatch policy to run it anyway."
+            f"The saved configuration of {what} was tuned on different hardware: {'; '.join(major)}; {fix}."
         )
     minor = minor_differences(saved.fingerprint, current)
     script: list[str] = []

@@ -12,10 +12,12 @@ from autobalance import ConfigError
 from autobalance.protocol import cpu_model_name
 from autobalance.store import (
     HardwareFingerprint,
+    cap_lifted_note,
     current_fingerprint,
     differences,
     minor_differences,
 )
+from autobalance.store._fingerprint import cap_lifted_ranks
 
 
 def test_round_trip() -> None:
@@ -83,13 +85,26 @@ def test_capacity_difference_beyond_tolerance() -> None:
 
 def test_emulated_cap_difference() -> None:
     stored = make_fingerprint()  # rank 1 capped at 40 GiB
+    # the job runs without the cap on the 140 GiB card: the configuration fits with room to spare,
+    # which is no mismatch (issue 31: a note, not a warning per load)
     uncapped = make_fingerprint(cap_bytes=[])
-    assert differences(stored, uncapped) == [
-        "rank 1 memory 40.0 GiB (tuned) vs 140.0 GiB (this job)"
-    ]
+    assert differences(stored, uncapped) == []
+    assert cap_lifted_ranks(stored, uncapped) == [1]
+    assert cap_lifted_note(stored, uncapped) == (
+        "tuned under an emulated cap of 40.0 GiB on rank 1; this job runs without it "
+        "(the configuration fits with room to spare)")
+    # ... but a smaller card without a cap, or a tighter cap, is less memory than tuned for
+    smaller = make_fingerprint(cap_bytes=[], capacity_bytes=[140 * GIB, 24 * GIB, 140 * GIB])
+    assert differences(stored, smaller) == ["rank 1 memory 40.0 GiB (tuned) vs 24.0 GiB (this job)"]
+    assert cap_lifted_note(stored, smaller) is None
+    tighter = make_fingerprint(cap_bytes=[None, 20 * GIB, None])
+    assert differences(stored, tighter) == ["rank 1 memory 40.0 GiB (tuned) vs 20.0 GiB (this job)"]
     # a cap above the physical capacity does not limit anything
     huge = make_fingerprint(cap_bytes=[1000 * GIB, 40 * GIB, None])
     assert differences(stored, huge) == []
+    assert cap_lifted_note(stored, huge) is None  # the cap is still there
+    # tuned uncapped, run under a cap: less memory, a difference
+    assert differences(uncapped, stored) == ["rank 1 memory 140.0 GiB (tuned) vs 40.0 GiB (this job)"]
 
 
 def test_cpu_compares_caps_only() -> None:
@@ -100,7 +115,18 @@ def test_cpu_compares_caps_only() -> None:
     assert differences(stored, other_ram) == []
     assert minor_differences(stored, other_ram) == ["CPU 'A' (tuned) vs 'B' (this job)"]
     no_cap = make_fingerprint(device_type="cpu", device_name="A", cap_bytes=[GIB, None, GIB])
-    assert differences(stored, no_cap) == ["rank 1 memory cap 1.0 GiB (tuned) vs no cap (this job)"]
+    assert differences(stored, no_cap) == []  # runs without the emulated cap: room to spare
+    assert cap_lifted_note(stored, no_cap) == (
+        "tuned under an emulated cap of 1.0 GiB on rank 1; this job runs without it (the configuration fits "
+        "with room to spare)")
+    demo = make_fingerprint(device_type="cpu", device_name="A", world_size=2, cap_bytes=[15569256] * 2)
+    plain = make_fingerprint(device_type="cpu", device_name="A", world_size=2, cap_bytes=[])
+    assert cap_lifted_note(demo, plain) == (
+        "tuned under an emulated cap of 0.0145 GiB per rank; this job runs without it (the configuration fits "
+        "with room to spare)")
+    smaller_cap = make_fingerprint(device_type="cpu", device_name="A", cap_bytes=[GIB, GIB // 2, GIB])
+    assert differences(stored, smaller_cap) == ["rank 1 memory cap 1.0 GiB (tuned) vs 0.5 GiB (this job)"]
+    assert differences(no_cap, stored) == ["rank 1 memory cap no cap (tuned) vs 1.0 GiB (this job)"]
 
 
 def test_versions_are_minor() -> None:
@@ -147,9 +173,9 @@ def test_current_fingerprint_cpu_reports_this_machine() -> None:
     assert fp.torch_version == torch.__version__
     assert fp.nnodes == 1
     assert differences(fp, fp) == []
-    # the rank-1 cap is absent on this job: named as the difference
-    assert differences(current_fingerprint(device_type="cpu", world_size=2, nnodes=1, cap_bytes=GIB), fp) == [
-        "rank 1 memory cap 1.0 GiB (tuned) vs no cap (this job)"]
+    # tuned without a cap on rank 1, this job caps it: named as the difference
+    assert differences(fp, current_fingerprint(device_type="cpu", world_size=2, nnodes=1, cap_bytes=GIB)) == [
+        "rank 1 memory cap no cap (tuned) vs 1.0 GiB (this job)"]
 
 
 def test_current_fingerprint_rejects_unknown_device() -> None:
@@ -160,7 +186,8 @@ def test_current_fingerprint_rejects_unknown_device() -> None:
 def test_small_caps_are_printed_with_their_digits() -> None:
     stored = make_fingerprint(device_type="cpu", device_name="A", cap_bytes=[int(0.0145 * GIB)] * 3)
     uncapped = make_fingerprint(device_type="cpu", device_name="A", cap_bytes=[])
-    assert differences(stored, uncapped)[0] == "rank 0 memory cap 0.0145 GiB (tuned) vs no cap (this job)"
+    assert differences(uncapped, stored)[0] == "rank 0 memory cap no cap (tuned) vs 0.0145 GiB (this job)"
+    assert "an emulated cap of 0.0145 GiB per rank" in (cap_lifted_note(stored, uncapped) or "")
 
 
 def test_an_unknown_cpu_model_is_not_a_difference() -> None:
