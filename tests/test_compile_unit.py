@@ -12,14 +12,10 @@ import torch
 from autobalance import BalanceConfig, ConfigError
 from autobalance._config import describe_config
 from autobalance.tuner import SearchSpace, TuneSettings
-from autobalance.tuner._verify import (
-    Check,
-    _relative,
-    load_config_file,
-    recomputes,
-    without_recompute,
-)
+from autobalance.tuner._verify import load_config_file
 from autobalance.tuner.search import compile_figures, compile_notes, space_problem
+from autobalance.verify import Check, recomputes, without_recompute
+from autobalance.verify import relative as _relative
 
 
 def make(**kw):

@@ -31,8 +31,9 @@ ALLOWED: dict[str, set[str]] = {
     "launcher": {FLOOR, "protocol"},
     "report": {FLOOR, "protocol", "store"},
     "diagnose": {FLOOR, "protocol", "launcher"},
-    "tuner": {FLOOR, "protocol", "store", "launcher", "report"},
-    "cli": {FLOOR, "protocol", "store", "runtime", "launcher", "report", "diagnose", "tuner"},
+    "verify": {FLOOR, "protocol", "launcher"},
+    "tuner": {FLOOR, "protocol", "store", "launcher", "report", "verify"},
+    "cli": {FLOOR, "protocol", "store", "runtime", "launcher", "report", "diagnose", "verify", "tuner"},
 }
 """What each room may import. ``autobalance/__init__.py`` (``autobalance.plan`` -> runtime) and
 ``__main__.py`` (-> cli) are the doors, not rooms."""

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from autobalance.launcher import TrialLaunch, WarmPool
-from autobalance.tuner._verify import SharedRuns
+from autobalance.verify import SharedRuns
 
 
 def _trial(tmp_path, **changes) -> TrialLaunch:

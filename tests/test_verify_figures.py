@@ -7,7 +7,8 @@ import math
 
 import torch
 
-from autobalance.tuner._verify import Check, _relative
+from autobalance.verify import Check
+from autobalance.verify import relative as _relative
 
 
 def _check(grad_rel: float, worst: str) -> Check:

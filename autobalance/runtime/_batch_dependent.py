@@ -20,7 +20,7 @@ from autobalance.runtime._parts import Part
 if TYPE_CHECKING:
     from autobalance.runtime._plan import Plan
 
-__all__ = ["BatchDependence", "BufferWatch", "batch_dependent_modules", "dropout_modules"]
+__all__ = ["BatchDependence", "BufferWatch", "batch_dependent_module_list", "batch_dependent_modules", "dropout_modules"]
 
 _RUNNING_PREFIX = "running_"
 _COUNTER = "num_batches_tracked"
@@ -30,22 +30,29 @@ def _describe(name: str, module: nn.Module) -> str:
     return f"{name or '(the model)'} ({type(module).__name__})"
 
 
+def _batch_dependent(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    from torch.nn.modules.batchnorm import _BatchNorm
+    from torch.nn.modules.instancenorm import _InstanceNorm
+
+    for name, module in model.named_modules():
+        if isinstance(module, _BatchNorm) or (isinstance(module, _InstanceNorm) and module.track_running_stats):
+            yield name, module
+            continue
+        own = [n for n, _ in module.named_buffers(recurse=False)]
+        if any(n.startswith(_RUNNING_PREFIX) or n == _COUNTER for n in own):
+            yield name, module
+
+
 def batch_dependent_modules(model: nn.Module) -> list[str]:
     """``"path (Type)"`` of each module known to depend on the batch in train mode: BatchNorm
     (``_BatchNorm``: 1d/2d/3d, lazy, SyncBatchNorm), InstanceNorm with running statistics, and any
     module with a ``running_*`` or ``num_batches_tracked`` buffer of its own."""
-    from torch.nn.modules.batchnorm import _BatchNorm
-    from torch.nn.modules.instancenorm import _InstanceNorm
+    return [_describe(name, module) for name, module in _batch_dependent(model)]
 
-    found = []
-    for name, module in model.named_modules():
-        if isinstance(module, _BatchNorm) or (isinstance(module, _InstanceNorm) and module.track_running_stats):
-            found.append(_describe(name, module))
-            continue
-        own = [n for n, _ in module.named_buffers(recurse=False)]
-        if any(n.startswith(_RUNNING_PREFIX) or n == _COUNTER for n in own):
-            found.append(_describe(name, module))
-    return found
+
+def batch_dependent_module_list(model: nn.Module) -> list[nn.Module]:
+    """The modules :func:`batch_dependent_modules` names."""
+    return [module for _, module in _batch_dependent(model)]
 
 
 def dropout_modules(model: nn.Module) -> Iterator[nn.Module]:

@@ -18,7 +18,7 @@ _SET_BY_PLAN = ("batch_size", "sampler", "batch_sampler", "shuffle", "drop_last"
 
 def make_loader(
     dataset: Any, *, config: BalanceConfig, rank: int, seed: int, shuffle: bool, warn_small: bool,
-    loader_kwargs: dict[str, Any],
+    loader_kwargs: dict[str, Any], reverse_within: bool = False,
 ) -> tuple[UnevenBatchSampler, dict[str, Any], torch.utils.data.DataLoader[Any]]:
     """The sampler of uneven shards, what it saw of the dataset (the report's ``data``), and the loader.
 
@@ -28,7 +28,8 @@ def make_loader(
     for forbidden in _SET_BY_PLAN:
         if forbidden in loader_kwargs:
             raise UsageError(f"dataloader({forbidden}=...) is set by the plan; drop that argument.")
-    sampler = UnevenBatchSampler(num_samples=len(dataset), config=config, rank=rank, seed=seed, shuffle=shuffle)
+    sampler = UnevenBatchSampler(num_samples=len(dataset), config=config, rank=rank, seed=seed, shuffle=shuffle,
+                                 reverse_within=reverse_within)
     schedule = sampler.schedule
     data_info = {"samples": len(dataset), "global_batch": config.global_batch,
                  "steps_per_epoch": len(schedule.steps), "dropped": schedule.dropped}

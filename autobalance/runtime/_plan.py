@@ -191,7 +191,8 @@ class Plan:
         """A loader that yields this rank's micro-batches; uneven shards, every sample once per epoch."""
         self._sampler, self.data_info, loader = make_loader(
             dataset, config=self.config, rank=self.rank, seed=self.seed if seed is None else seed, shuffle=shuffle,
-            warn_small=not self.in_trial and self.rank == 0, loader_kwargs=loader_kwargs)
+            warn_small=not self.in_trial and self.rank == 0, loader_kwargs=loader_kwargs,
+            reverse_within=self.verify is not None and self.verify.reverse)
         return loader
 
     def steps(

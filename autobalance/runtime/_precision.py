@@ -9,7 +9,7 @@ import torch
 
 from autobalance._errors import ConfigError
 
-__all__ = ["TORCH_DTYPES", "autocast", "check_dtype_supported", "make_scaler", "scaled_backward", "step_optimizer"]
+__all__ = ["TORCH_DTYPES", "already_unscaled", "autocast", "check_dtype_supported", "make_scaler", "scaled_backward", "step_optimizer"]
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -43,10 +43,24 @@ def scaled_backward(loss: torch.Tensor, *, scaler: Any, device: torch.device) ->
             loss.backward()
 
 
+def already_unscaled(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``scaler.unscale_(optimizer)`` was called since the last ``update()`` (a script that
+    follows PyTorch's AMP recipe unscales before clipping): its gradients are at scale 1 now. Read from
+    the scaler's per-optimizer stage (``torch.amp.grad_scaler.OptState``), the one place torch keeps it."""
+    from torch.amp.grad_scaler import OptState
+
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if not isinstance(states, dict):
+        return False
+    state = states.get(id(optimizer))
+    return isinstance(state, dict) and state.get("stage") is OptState.UNSCALED
+
+
 def step_optimizer(optimizer: torch.optim.Optimizer, *, scaler: Any, clip_grad_norm: float | None) -> None:
-    """Clip (on unscaled gradients) and step, through the scaler for fp16 (it skips overflowed steps)."""
+    """Clip (on unscaled gradients) and step, through the scaler for fp16 (it skips overflowed steps).
+    Gradients the script already unscaled (``plan.scaler.unscale_(optimizer)``) are not unscaled again."""
     if clip_grad_norm is not None:
-        if scaler is not None:
+        if scaler is not None and not already_unscaled(scaler, optimizer):
             scaler.unscale_(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)

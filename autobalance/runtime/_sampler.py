@@ -32,7 +32,8 @@ class EpochSchedule:
 
 
 def epoch_schedule(
-    *, num_samples: int, config: BalanceConfig, epoch: int, seed: int, shuffle: bool = True
+    *, num_samples: int, config: BalanceConfig, epoch: int, seed: int, shuffle: bool = True,
+    reverse_within: bool = False,
 ) -> EpochSchedule:
     """The whole epoch's assignment of samples to ranks, micro-batches and steps.
 
@@ -43,6 +44,8 @@ def epoch_schedule(
     within its largest micro-batch, sizes differing by at most one; so every sample is used exactly
     once; a tail smaller than the number of ranks is dropped.
     Every rank computes the same schedule from (seed, epoch), so no communication is needed.
+    ``reverse_within``: each micro-batch's samples in reverse order (the same samples in the same
+    micro-batches: a verification floor run).
     """
     if shuffle:
         g = torch.Generator()
@@ -74,6 +77,9 @@ def epoch_schedule(
                 pos += size
         steps.append(StepLayout(micro_batches=layout))
         remaining = 0
+    if reverse_within:
+        for step in steps:
+            step.micro_batches = [[mb[::-1] for mb in rank] for rank in step.micro_batches]
     return EpochSchedule(steps=steps, dropped=remaining)
 
 
@@ -81,13 +87,15 @@ class UnevenBatchSampler:
     """A batch sampler that yields this rank's micro-batches, step after step."""
 
     def __init__(
-        self, *, num_samples: int, config: BalanceConfig, rank: int, seed: int = 0, shuffle: bool = True
+        self, *, num_samples: int, config: BalanceConfig, rank: int, seed: int = 0, shuffle: bool = True,
+        reverse_within: bool = False,
     ) -> None:
         self.num_samples = num_samples
         self.config = config
         self.rank = rank
         self.seed = seed
         self.shuffle = shuffle
+        self.reverse_within = reverse_within
         self.epoch = 0
         self._schedule: EpochSchedule | None = None
 
@@ -104,6 +112,7 @@ class UnevenBatchSampler:
                 epoch=self.epoch,
                 seed=self.seed,
                 shuffle=self.shuffle,
+                reverse_within=self.reverse_within,
             )
         return self._schedule
 

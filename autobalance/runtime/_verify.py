@@ -7,11 +7,31 @@ the same permutation (the uneven sampler's first step is the first ``global_batc
 epoch's permutation whatever the split) and, after the first optimizer step, rank 0 saves the
 averaged gradients (unscaled), the updated parameters and the buffers. The tuner compares them.
 
-The model runs in eval mode when dropout is off (each sample's computation no longer depends on its
-micro-batch), unless it has batch-dependent layers (BatchNorm and its kind, see
-:mod:`autobalance.runtime._batch_dependent`): then it runs in train mode with only its dropout
-layers in eval mode, so the step verified is the step that trains (``allow_batch_dependent``: eval
-mode, as for any model: the user accepts that a split changes their batch statistics).
+With dropout off the model runs in **train mode with every dropout probability at 0**: each dropout
+module's ``p`` is set to 0 (libraries that read ``.p`` see it) and a torch-function mode
+(:class:`NoDropout`) turns the probability of functional dropout (``F.dropout`` and its kind, the
+``dropout_p`` of ``F.scaled_dot_product_attention``) to 0 during each micro-step, so a term the model
+computes only ``if self.training`` (a mixture-of-experts balancing loss) is part of the step verified,
+and each sample's computation does not depend on random masks. Batch-dependent layers (BatchNorm and
+its kind, see :mod:`autobalance.runtime._batch_dependent`) train as they do in training
+(``allow_batch_dependent``: those layers alone in eval mode, on their running statistics: the user
+accepts that a split changes their batch statistics). Whether any dropout was seen (a module with
+``p > 0`` or a functional call with a probability above 0) is saved with the step: without dropout,
+recomputation has no random masks to replay.
+
+Every verification run holds full fp32 precision: TF32 matmuls and convolutions and reduced-precision
+reductions are turned off when the model is wrapped and again at every step and micro-step (a script
+may turn TF32 on after ``plan()``; nanoGPT does so at its top). Measured on one H200 (a ~270M GPT,
+``benchmarks/2026-12-03-h200/verify_floor.json``): with TF32 on, two runs of the *same* configuration
+differ by 1.1e-4 in their gradients, two correct arrangements by 1.1-1.5e-4 and a 1e-3 reweighting of
+one micro-batch by 7.1e-4, too close to tell apart; with TF32 off: 4.6e-7, 1.1-3.1e-6 and 7.1e-4.
+
+A floor run (``reverse``) takes every micro-batch's samples in reverse order: the same samples in the
+same micro-batches, so the same loss weighting whatever the loss, only another summation order. Its
+distance from the same configuration in order is the rounding floor the verifier's bound comes from.
+
+A script that unscales the gradients itself (``plan.scaler.unscale_(optimizer)`` before clipping, as
+PyTorch's AMP recipe does) has them captured at scale 1 (they are not divided by the scale twice).
 
 An fp16 step that overflows (the GradScaler skips it) is not the step to verify: the run restores
 its buffers and runs the same micro-batches again at the scale the scaler has lowered to, until a
@@ -23,22 +43,26 @@ Only tensors are written (``torch.save`` of dicts of tensors) and they are read 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from autobalance import _env
 from autobalance._errors import ConfigError
 from autobalance.runtime._parts import Part
+from autobalance.runtime._precision import already_unscaled
 
 if TYPE_CHECKING:
     from autobalance.runtime._plan import Plan
 
-__all__ = ["INIT_FILE", "MAX_OVERFLOW_RETRIES", "SEED", "STEP_FILE", "STEP_JSON", "VerifyRun", "gradients",
-           "param_name"]
+__all__ = ["INIT_FILE", "MAX_OVERFLOW_RETRIES", "SEED", "STEP_FILE", "STEP_JSON", "NoDropout", "VerifyRun",
+           "gradients", "hold_full_precision", "param_name"]
 
 INIT_FILE = "verify-init.pt"
 STEP_FILE = "verify-step.pt"
@@ -57,14 +81,83 @@ def param_name(name: str) -> str:
     return name
 
 
+def _functional_dropouts() -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """Functional dropout whose probability is the second positional argument (``p``), and
+    ``F.scaled_dot_product_attention`` (``dropout_p``, the fifth)."""
+    import torch.nn.functional as F
+
+    return ((F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+             torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout),
+            (F.scaled_dot_product_attention,))
+
+
+class NoDropout(TorchFunctionMode):
+    """Functional dropout with its probability turned to 0 (the module's ``training`` flag left as it
+    is); counts the calls that asked for more than 0 in :attr:`seen` (eager calls only: inside
+    ``torch.compile``'s tracing the mode is traced like the functions it wraps, and a counter it
+    changed would become a guard that fails at once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = 0
+        self._dropouts, self._attention = _functional_dropouts()
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func in self._dropouts:
+            name, where = "p", 1
+        elif func in self._attention:
+            name, where = "dropout_p", 4
+        else:
+            return func(*args, **kwargs)
+        asked = kwargs.get(name, args[where] if len(args) > where else 0.0)
+        if name in kwargs:
+            kwargs[name] = 0.0
+        elif len(args) > where:
+            args = (*args[:where], 0.0, *args[where + 1:])
+        if asked and not torch.compiler.is_compiling():
+            self.seen += 1
+        return func(*args, **kwargs)
+
+
+def hold_full_precision() -> dict[str, bool]:
+    """Turn TF32 (matmuls, cuDNN) and reduced-precision fp16/bf16 reductions off; returns which of
+    them were on (the script's own settings, for the verdict's notes)."""
+    was: dict[str, bool] = {}
+    matmul = torch.backends.cuda.matmul
+    for obj, attr, label in ((matmul, "allow_tf32", "tf32_matmul"), (torch.backends.cudnn, "allow_tf32", "tf32_cudnn"),
+                             (matmul, "allow_fp16_reduced_precision_reduction", "fp16_reduced_reduction"),
+                             (matmul, "allow_bf16_reduced_precision_reduction", "bf16_reduced_reduction")):
+        try:
+            was[label] = bool(getattr(obj, attr))
+            if was[label] or label.startswith("tf32"):
+                setattr(obj, attr, False)
+        except (AttributeError, RuntimeError):  # a flag this torch lacks, or one set through its newer API
+            continue
+    try:
+        was["tf32_matmul"] = was.get("tf32_matmul", False) or torch.get_float32_matmul_precision() != "highest"
+        torch.set_float32_matmul_precision("highest")
+    except RuntimeError:
+        pass
+    return was
+
+
 class VerifyRun(Part):
     """What a verification run does beyond an ordinary trial (a part of its plan)."""
 
-    def __init__(self, *, trial_dir: str, dropout: str, init: str | None, allow_batch_dependent: bool = False) -> None:
+    def __init__(self, *, trial_dir: str, dropout: str, init: str | None, allow_batch_dependent: bool = False,
+                 reverse: bool = False) -> None:
         self.trial_dir = trial_dir
         self.dropout = dropout
         self.init = init
         self.allow_batch_dependent = allow_batch_dependent
+        self.reverse = reverse
+        """A floor run: each micro-batch's samples in reverse order (see the module doc)."""
+        self.no_dropout = NoDropout()
+        self.dropout_modules = 0
+        """Dropout modules with ``p > 0`` (their ``p`` is 0 in a dropout-off run)."""
+        self.script_precision: dict[str, bool] = {}
+        """Which reduced-precision settings the script had on (held off in this run)."""
         self.batch_dependent: list[str] = []
         """The model's batch-dependent layers (found by :meth:`on_wrap`)."""
         self.overflow_skips = 0
@@ -91,14 +184,16 @@ class VerifyRun(Part):
         dropout = spec.get("dropout") if isinstance(spec, dict) else None
         init = spec.get("init") if isinstance(spec, dict) else None
         allow = spec.get("allow_batch_dependent", False) if isinstance(spec, dict) else None
-        if dropout not in ("off", "on") or not (init is None or isinstance(init, str)) or not isinstance(allow, bool):
+        reverse = spec.get("reverse", False) if isinstance(spec, dict) else None
+        if (dropout not in ("off", "on") or not (init is None or isinstance(init, str)) or not isinstance(allow, bool)
+                or not isinstance(reverse, bool)):
             raise ConfigError(f"{path}={spec!r} is not a verification request; rerun autobalance verify.")
-        return cls(trial_dir=trial_dir, dropout=dropout, init=init, allow_batch_dependent=allow)
+        return cls(trial_dir=trial_dir, dropout=dropout, init=init, allow_batch_dependent=allow, reverse=reverse)
 
-    @property
-    def train_mode(self) -> bool:
-        """Whether the verified step runs in train mode (dropout on, or batch-dependent layers)."""
-        return self.dropout == "on" or (bool(self.batch_dependent) and not self.allow_batch_dependent)
+    def _hold_precision(self) -> None:
+        was = hold_full_precision()
+        for key, on in was.items():
+            self.script_precision[key] = self.script_precision.get(key, False) or on
 
     # ------------------------------------------------------------------ hooks called by Plan
     def on_wrap(self, plan: Plan, model: nn.Module) -> None:
@@ -106,6 +201,7 @@ class VerifyRun(Part):
         from autobalance.runtime._batch_dependent import batch_dependent_modules
 
         self.batch_dependent = batch_dependent_modules(model)
+        self._hold_precision()
         if plan.rank == 0:
             if self.init:
                 state = torch.load(self.init, map_location="cpu", weights_only=True)
@@ -115,23 +211,42 @@ class VerifyRun(Part):
                 torch.save(state, os.path.join(self.trial_dir, INIT_FILE))
         self.set_mode(model)
 
-    def on_micro_step(self, plan: Plan) -> None:
+    def on_micro_step(self, plan: Plan) -> Any:
+        """Full precision held, the mode set; with dropout off, functional dropout at probability 0
+        for the micro-step (its forward, backward and any recomputation in it)."""
+        self._hold_precision()
         self.set_mode(plan.model)
+        return self.no_dropout if self.dropout == "off" else contextlib.nullcontext()
 
     def set_mode(self, model: nn.Module | None) -> None:
-        """``dropout: off``: eval mode (no dropout, BatchNorm on running statistics): each sample's
-        computation no longer depends on which micro-batch it is in; with batch-dependent layers
-        (not allowed to change): train mode with the dropout layers alone in eval mode."""
+        """``dropout: off``: train mode with every dropout module's ``p`` at 0 (a term computed only
+        ``if self.training`` is verified); batch-dependent layers allowed to change in eval mode."""
         if model is None or self.dropout != "off":
             return
-        if not self.train_mode:
-            model.eval()
-            return
-        from autobalance.runtime._batch_dependent import dropout_modules
+        from autobalance.runtime._batch_dependent import (
+            batch_dependent_module_list,
+            dropout_modules,
+        )
 
         model.train()
         for module in dropout_modules(model):
-            module.eval()
+            p = getattr(module, "p", 0.0)
+            if isinstance(p, float) and p > 0:
+                self.dropout_modules += 1
+                module.p = 0.0
+        if self.allow_batch_dependent:
+            for module in batch_dependent_module_list(model):
+                module.eval()
+
+    @property
+    def train_mode(self) -> bool:
+        """Whether batch-dependent layers train as they do in training (their batch statistics)."""
+        return not self.allow_batch_dependent
+
+    @property
+    def dropout_seen(self) -> bool:
+        """Whether the model asked for dropout (a module with ``p > 0``, or a functional call)."""
+        return self.dropout_modules > 0 or self.no_dropout.seen > 0
 
     def on_first_step(self, *, rank: int, model: nn.Module | None = None) -> None:
         """Seed the RNG; keep the buffers as they are before the step (an overflowed fp16 step is
@@ -156,6 +271,7 @@ class VerifyRun(Part):
                         buf.copy_(saved)
 
     def on_step_start(self, plan: Plan) -> None:
+        self._hold_precision()
         if not self.saved:  # the first step, or the same step again after an overflow: same seeds
             self.on_first_step(rank=plan.rank, model=plan.model)
 
@@ -163,7 +279,9 @@ class VerifyRun(Part):
         """The first step's averaged gradients, before clipping and the update change them."""
         if plan.model is not None and not self.saved:
             self._scale = float(plan.scaler.get_scale()) if plan.scaler is not None else 1.0
-            self._grads = gradients(plan.model, scale=self._scale)
+            # a script that unscaled them itself (scaler.unscale_ before clipping): already at scale 1
+            unscaled = plan.scaler is None or already_unscaled(plan.scaler, optimizer)
+            self._grads = gradients(plan.model, scale=1.0 if unscaled else self._scale)
 
     def after_optimizer_step(self, plan: Plan, optimizer: torch.optim.Optimizer) -> None:
         grads, self._grads = self._grads, None
@@ -174,7 +292,9 @@ class VerifyRun(Part):
             return
         self.save_step(model=plan.model, rank=plan.rank, grads=grads, layout=plan.layout.micro_batches,
                        info={"config": plan.config.to_dict(), "loss_weighting": True,
-                             "training": plan.model.training, "scale": self._scale})
+                             "training": plan.model.training, "scale": self._scale,
+                             "dropout_seen": self.dropout_seen, "reverse": self.reverse,
+                             "script_precision": {k: v for k, v in self.script_precision.items() if v}})
         self.saved = True
 
     def repeat_step(self, plan: Plan) -> bool:

@@ -108,7 +108,8 @@ def promote_trial(*, storage_url: str, study: optuna.Study, trial_number: int, v
 
 def _verify_trial(study: optuna.Study, trial: FrozenTrial, *, script: str | None, script_args: list[str] | None,
                   note: Callable[[str], None] | None) -> Any:
-    from autobalance.tuner._verify import Verifier, VerifyTarget, allows_batch_dependent
+    from autobalance.tuner._verify import allows_batch_dependent
+    from autobalance.verify import Verifier, VerifyTarget
 
     launch = dict(study.user_attrs.get(StudyAttr.LAUNCH) or {})
     script = script or launch.get("script")
