@@ -182,3 +182,141 @@ def test_a_tiny_budget_stops_the_study_early_and_still_verifies_and_saves(tmp_pa
     assert split["startup"] > 0 and split["steps"] > 0
     assert sum(split.values()) == pytest.approx(base.user_attrs[TrialAttr.WALL_S], abs=0.01)
     assert spent["startup"] >= split["startup"] - 1e-6 and spent["steps"] >= split["steps"] - 1e-6
+
+
+# ------------------------------------------------------------------ the budget includes verification (issue 30)
+
+
+def test_the_reserved_runs_are_the_ones_verification_launches():
+    from autobalance import BalanceConfig
+    from autobalance.tuner._verify_time import verification_runs
+
+    own = BalanceConfig(micro_batches=[8], accumulation=4, global_batch=32, dtype="fp32", checkpoint=[[]])
+    assert verification_runs(own, own) == []  # the script's own configuration needs no proof
+    tuned = BalanceConfig.any_split(rank_samples=[32], accumulation=6, dtype="bf16", checkpoint=[[0, 1]])
+    runs = verification_runs(own, tuned)
+    assert [name for name, _, _ in runs] == ["baseline", "rounding-floor", "tuned-fp32", "baseline-bf16", "tuned",
+                                             "tuned-dropout", "tuned-dropout-no-recompute"]
+    assert [cfg.dtype for _, cfg, _ in runs] == ["fp32", "fp32", "fp32", "bf16", "bf16", "bf16", "bf16"]
+    assert [dropout for _, _, dropout in runs] == [False] * 5 + [True, True]
+    assert runs[-1][1].checkpoint == [[]]
+    plain = BalanceConfig(micro_batches=[16], accumulation=2, global_batch=32, dtype="fp32", checkpoint=[[]])
+    assert [name for name, _, _ in verification_runs(own, plain)] == ["baseline", "rounding-floor", "tuned"]
+    bf16_own = BalanceConfig(micro_batches=[8], accumulation=4, global_batch=32, dtype="bf16", checkpoint=[[]])
+    compiled = BalanceConfig(micro_batches=[16], accumulation=2, global_batch=32, dtype="bf16", checkpoint=[[]],
+                             compile="default", activation_budget=[1.0])
+    assert [name for name, _, _ in verification_runs(bf16_own, compiled)] == [
+        "baseline", "baseline-fp32", "rounding-floor", "tuned-fp32", "tuned"]
+
+
+def test_the_verification_forecast_comes_from_the_studys_own_trials():
+    from autobalance import BalanceConfig
+    from autobalance.tuner._verify_time import (
+        FIRST_STEP_FACTOR,
+        forecast_verification,
+        next_trial_s,
+    )
+
+    def ran(number: int, cfg: BalanceConfig, ms: float, split: dict[str, float], **attrs) -> optuna.trial.FrozenTrial:
+        t = _trial(number, split, status="ok", config=cfg.to_dict(), step_time_ms=ms, **attrs)
+        return t
+
+    own = BalanceConfig(micro_batches=[8], accumulation=4, global_batch=32, dtype="fp32", checkpoint=[[]])
+    eager = BalanceConfig(micro_batches=[16], accumulation=2, global_batch=32, dtype="bf16", checkpoint=[[]])
+    comp = BalanceConfig(micro_batches=[16], accumulation=2, global_batch=32, dtype="bf16", checkpoint=[[]],
+                         compile="default", activation_budget=[0.5])
+    split = {"startup": 1.0, "compile": 0.0, "steps": 2.0, "remeasure": 0.0, "other": 0.5}
+    trials = [ran(0, own, 1300.0, {**split, "startup": 12.0}, baseline=True), ran(1, eager, 150.0, split),
+              ran(2, comp, 120.0, {**split, "startup": 3.0, "compile": 40.0}, compile_s=40.0,
+                  compile_cache={"fx_graph_misses": 2})]
+    # start-up and hand-over per run: the mean of the trials after the baseline (its pool start is paid once)
+    per_run = ((1.0 + 0.5) + (3.0 + 0.5)) / 2
+    got = forecast_verification(trials, baseline=own, best=trials[1], num_layers=16, device="cuda")
+    assert got.runs == ["baseline", "rounding-floor", "tuned-fp32", "baseline-bf16", "tuned"]
+    assert got.trial == 1 and got.seconds > 5 * per_run + FIRST_STEP_FACTOR * (1.3 + 1.3 + 0.15)
+    # a compiled candidate: its bf16 run at the measured budget comes from the cache, its fp32 one compiles anew
+    compiled = forecast_verification(trials, baseline=own, best=trials[2], num_layers=16, device="cuda")
+    assert compiled.runs[-2:] == ["tuned-dropout", "tuned-dropout-no-recompute"]
+    # tuned-fp32 and the budget-1.0 run without recomputation miss the cache (40 s each); tuned and
+    # tuned-dropout (bf16, budget 0.5, compiled by trial 2) hit it (no hit measured yet: 10 % of 40 s)
+    assert 2 * 40.0 + 2 * 4.0 < compiled.seconds - got.seconds < 3 * 40.0
+    assert forecast_verification(trials, baseline=own, best=trials[0], num_layers=16, device="cuda").seconds == 0.0
+    assert forecast_verification(trials, baseline=own, best=None, num_layers=16, device="cuda").seconds == 0.0
+    assert next_trial_s(trials) == pytest.approx((3.5 + 45.5) / 2)  # the baseline apart
+
+
+def test_a_five_minute_budget_ends_within_it_verification_included(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A real Tuner on a simulated GPU and a simulated clock (no torchrun): the trial loop stops so
+    that the loop plus the best trial's verification end within the budget, and the summary says
+    what was reserved."""
+    import statistics
+    import types
+
+    from autobalance import BalanceConfig
+    from autobalance.tuner import Tuner
+    from autobalance.tuner._launching import TrialLauncher
+    from autobalance.tuner._verify_time import verification_runs
+    from tests.test_first_trials import ACT, FIXED, baseline, true_ms, true_peak
+
+    clock = types.SimpleNamespace(now=1000.0)
+    clock.monotonic = lambda: clock.now
+    clock.sleep = lambda s: setattr(clock, "now", clock.now + s)
+    monkeypatch.setattr("autobalance.tuner._tuner.time", clock)
+    startup, handover, miss_s, hit_s = 1.5, 0.5, 45.0, 2.0
+    compiled_graphs: set[tuple] = set()
+    usable = 16.0 * 0.95
+
+    def run_s(cfg: BalanceConfig, steps: float) -> tuple[float, float]:
+        """(wall, compile) of a run of ``steps`` steps."""
+        compile_s = 0.0
+        if cfg.compile != "off":
+            key = (cfg.dtype, tuple(cfg.micro_batches), tuple(cfg.activation_budget or []))
+            compile_s = hit_s if key in compiled_graphs else miss_s
+            compiled_graphs.add(key)
+        return startup + compile_s + steps * true_ms(cfg) / 1000 + handover, compile_s
+
+    class Launcher(TrialLauncher):
+        def launch(self, study, *, number, config, trial=None):
+            cfg = config or baseline()
+            wall, compile_s = run_s(cfg, 6)
+            clock.now += wall
+            peak = true_peak(cfg)
+            ok = peak <= usable
+            rep = {"status": "ok" if ok else "oom", "rank": 0, "config": cfg.to_dict(), "defaults": baseline().to_dict(),
+                   "model": {"num_blocks": 16}, "device": {"type": "cuda", "name": "simulated", "capacity_bytes": 141 * 2**30},
+                   "memory": {"peak_device": peak * 2**30, "peak_allocated": peak * 2**30, "peak_reserved": peak * 2**30,
+                              "outside_pytorch": 0},
+                   "timing": {"startup_s": startup, "steps_s": 6 * true_ms(cfg) / 1000, "compile_s": compile_s or None},
+                   "torch_version": "simulated"}
+            if ok:
+                rep.update(step_times_s=[true_ms(cfg) / 1000] * 5, step_time_s=true_ms(cfg) / 1000, measured_steps=5)
+            if cfg.compile != "off":
+                rep["compile"] = {"mode": cfg.compile, "cache": {"fx_graph_hits": int(compile_s == hit_s),
+                                                                 "fx_graph_misses": int(compile_s == miss_s)}}
+                rep["activation_budget"] = (cfg.activation_budget or [1.0])[0]
+            self.trials_run += 1
+            return TrialOutcome(status=Status.OK if ok else Status.OOM, reason="simulated", reports={0: rep},
+                                returncode=0, wall_s=wall, trial_dir="", failing_rank=None if ok else 0)
+
+    settings = TuneSettings(script=GPT, device="cuda", trials=200, nproc_per_node=1, memory_cap_gib=[16.0],
+                            headroom=0.05, compile="search", time_budget="5m", seed=0, remeasure="off", measure_s=0,
+                            prune_factor=0, storage=f"sqlite:///{tmp_path}/sim.db", study_name="sim",
+                            runs_dir=str(tmp_path / "runs"))
+    tuner = Tuner(settings=settings)
+    tuner.launcher = Launcher(settings=settings, storage=tuner.storage, reporter=tuner.reporter, stop=tuner.stop)
+    started = clock.now
+    result = tuner.run()
+    loop_end = clock.now - started
+    assert result.best is not None and tuner.budget.stopped
+    best = BalanceConfig.from_dict(result.best.user_attrs["config"])
+    verify = sum(run_s(cfg, 1.5)[0] for _, cfg, _ in verification_runs(baseline(), best))
+    spent = result.time_spent
+    assert spent["verify_reserved"] > 0 and spent["verify_reserved_runs"] == len(verification_runs(baseline(), best))
+    assert loop_end + verify <= 330.0, (loop_end, verify, spent)  # 5 min 30 s at most, verification included
+    walls = [sum(t.user_attrs["time_split_s"].values()) for t in optuna.load_study(
+        study_name="sim", storage=settings.storage).trials if "time_split_s" in t.user_attrs]
+    assert loop_end >= 300.0 - spent["verify_reserved"] - 2 * max(walls)  # and it did not stop needlessly early
+    assert len(walls) >= 5 and statistics.median(walls) < 60
+    assert FIXED > 0 and ACT  # the simulated machine is the one of tests/test_first_trials.py
+    lines = " ".join(result.time_lines())
+    assert "no longer held the next trial" in lines and "one-step runs" in lines

@@ -85,9 +85,11 @@ class TuneSettings:
     trial_timeout: float = 300.0
     """Hard wall-clock limit per trial in seconds (start-up included)."""
     time_budget: float | str | None = None
-    """Wall-clock budget of this run of the study (Optuna's ``timeout``): ``90s``, ``10m``, ``1.5h`` or
-    seconds. Once it is spent no new trial starts; running trials finish (``trial_timeout`` still
-    applies), then the best is verified and saved as usual (default: none, no limit)."""
+    """Wall-clock budget of this run of the study, verification included: ``90s``, ``10m``, ``1.5h`` or
+    seconds. A trial starts only while the time left holds the next trial (the median one so far) and
+    the best trial's verification as predicted from the study's own trials; running trials finish
+    (``trial_timeout`` still applies), then the best is verified and saved as usual (default: none,
+    no limit)."""
     memory_cap_gib: list[float] | None = None
     """Emulated capacity per rank in GiB: one value for every rank or one per rank (default: the
     card's capacity; on CPU the host's memory)."""

@@ -8,6 +8,7 @@ from each rank's report (written at ``written_at``, ``timing.wall_s`` after the 
 whose first step came ``timing.startup_s`` after that); a trial that never reached a step spent its
 whole run starting up. The run's time is then the sum over the trials it launched, plus
 verification, plus the rest (the tuner itself: sampling, recording, predictions without launching).
+The time budget keeps verification's predicted time free (:class:`TimeBudget`, ``_verify_time.py``).
 """
 
 from __future__ import annotations
@@ -86,19 +87,37 @@ def time_spent(trials: list[FrozenTrial], numbers: set[int]) -> dict[str, float]
 
 @dataclass(kw_only=True)
 class TimeBudget:
-    """``--time-budget`` of one run: no trial starts after ``deadline`` (``time.monotonic()``)."""
+    """``--time-budget`` of one run: the run, verification included, ends by ``deadline``
+    (``time.monotonic()``): no trial starts once the time left is below the next trial's expected
+    time plus verification's predicted time (``_verify_time.py``)."""
 
     budget_s: float | None
     started: float
     stopped: bool = False
     """Whether the budget, not ``--trials``, ended the trial loop."""
+    reserve_s: float = 0.0
+    """Verification's predicted time (kept free at the end of the budget)."""
+    reserve_runs: int = 0
+    """Verification's predicted one-step runs."""
+    next_trial_s: float = 0.0
+    """The next trial's expected time (the median launched trial)."""
+    left_at_stop: float | None = None
+    """The time left when the budget stopped the trial loop."""
 
     @property
     def deadline(self) -> float | None:
         return None if self.budget_s is None else self.started + self.budget_s
 
     def spent(self, now: float) -> bool:
-        return self.deadline is not None and now >= self.deadline
+        """Whether no further trial may start: the time left does not hold the next trial and
+        verification."""
+        return self.deadline is not None and now + self.next_trial_s + self.reserve_s >= self.deadline
+
+    def record(self) -> dict[str, Any]:
+        """What the run's time accounting keeps about the reservation."""
+        return {"verify_reserved": round(self.reserve_s, 1), "verify_reserved_runs": self.reserve_runs,
+                "next_trial_s": round(self.next_trial_s, 1),
+                "left_at_stop": None if self.left_at_stop is None else round(self.left_at_stop, 1)}
 
 
 def describe_budget(seconds: float) -> str:
@@ -130,13 +149,27 @@ def time_lines(spent: dict[str, Any]) -> list[str]:
         lines.append(f"Time: {wall:.1f} s in all, {slots} trials at a time; summed over the slots: "
                      + ", ".join(items) + ".")
     budget = _number(spent.get("budget_s"))
+    reserved = _number(spent.get("verify_reserved")) or 0.0
+    left = _number(spent.get("left_at_stop"))
     if budget is not None and spent.get("stopped_by_budget"):
         text = (f"Stopped by the time budget ({describe_budget(budget)}) after {spent.get('trials')} of "
-                f"{spent.get('of')} trials: no trial started after it, running ones finished")
-        text += (f"; verification ran after the budget ({parts['verify']:.1f} s)." if spent.get("verified")
-                 else "; nothing was verified after it (no feasible trial, or --no-verify).")
+                f"{spent.get('of')} trials: ")
+        if reserved > 0 and left is not None:
+            text += (f"no trial started once the time left ({max(0.0, left):.0f} s) no longer held the next trial "
+                     f"(about {_number(spent.get('next_trial_s')) or 0.0:.0f} s) and verification (predicted "
+                     f"{reserved:.0f} s, {spent.get('verify_reserved_runs')} one-step runs), running ones finished")
+        else:
+            text += "no trial started after it, running ones finished"
+        if spent.get("verified"):
+            text += (f"; verification took {parts['verify']:.1f} s of the {reserved:.0f} s reserved." if reserved > 0
+                     else f"; verification ran after the budget ({parts['verify']:.1f} s).")
+        else:
+            text += "; nothing was verified after it (no feasible trial, or --no-verify)."
         lines.append(text)
     elif budget is not None:
-        lines.append(f"Time budget {describe_budget(budget)}: not reached ({spent.get('trials')} of "
-                     f"{spent.get('of')} trials ran within it).")
+        text = f"Time budget {describe_budget(budget)}: not reached ({spent.get('trials')} of {spent.get('of')} trials ran within it"
+        if reserved > 0:
+            text += f"; verification was predicted at {reserved:.0f} s"
+            text += f", took {parts['verify']:.1f} s" if spent.get("verified") else ""
+        lines.append(text + ").")
     return lines

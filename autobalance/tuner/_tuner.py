@@ -25,6 +25,7 @@ from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._study import check_space, counted_trials, open_study
 from autobalance.tuner._summary import TuneResult, summarise
 from autobalance.tuner._time_spent import TimeBudget, describe_budget
+from autobalance.tuner._verify_time import forecast_verification, next_trial_s
 from autobalance.tuner._workers import fail_stale_trials
 from autobalance.tuner.search import SearchSpace
 
@@ -102,7 +103,8 @@ class Tuner:
                             baseline=study.trials[base_no] if base_no is not None else None,
                             best=best_trial(study), wall_s=time.monotonic() - start)
         result.time_spent = {"slots": len(self.launcher.slots()), "budget_s": s.time_budget_s,
-                             "stopped_by_budget": self.budget.stopped, "trials": counted_trials(study), "of": s.trials}
+                             "stopped_by_budget": self.budget.stopped, "trials": counted_trials(study), "of": s.trials,
+                             **(self.budget.record() if s.time_budget_s is not None else {})}
         summarise(study, result, cold_note=self.launcher.cold_note, advisor=self.advisor,
                   launched_here=set(self.recorder.launched_here))
         return result
@@ -115,6 +117,7 @@ class Tuner:
             if self.stop.is_set():
                 return False
             fail_stale_trials(study, self.storage)
+            self._reserve(study)
             spent = self.budget.spent(time.monotonic())
             if counted_trials(study) < self.settings.trials:
                 if spent:  # Optuna's `timeout`: no trial starts after the budget
@@ -132,13 +135,40 @@ class Tuner:
                 noted = True
             time.sleep(min(3.0, heartbeat_interval_s() / 2))
 
+    def _reserve(self, study: optuna.Study) -> None:
+        """Update what the time budget keeps free: the next trial and the best trial's verification
+        as predicted from this study's trials (``_verify_time.py``); nothing without a budget."""
+        s = self.settings
+        if self.budget.budget_s is None:
+            return
+        trials = study.get_trials(deepcopy=False)
+        self.budget.next_trial_s = next_trial_s(trials)
+        if not s.verify or s.nnodes > 1:  # nothing is verified after the study
+            return
+        space = study.user_attrs.get(StudyAttr.SPACE) or {}
+        base_no = study.user_attrs.get(StudyAttr.BASELINE)
+        own = next((t.user_attrs.get(TrialAttr.CONFIG) for t in trials if t.number == base_no), None)
+        forecast = forecast_verification(trials, baseline=BalanceConfig.from_dict(own) if own else None,
+                                         best=best_trial(study), num_layers=int(space.get("num_layers") or 0),
+                                         device=s.device)
+        self.budget.reserve_s, self.budget.reserve_runs = forecast.seconds, len(forecast.runs)
+
     def _budget_spent(self, study: optuna.Study) -> None:
         """The first slot to see the budget spent says so; every slot then stops asking."""
         with self.lock:
             if self.budget.stopped:
                 return
             self.budget.stopped = True
+            left = (self.budget.deadline or 0.0) - time.monotonic()
+            self.budget.left_at_stop = left
         budget = describe_budget(self.budget.budget_s or 0.0)
+        if self.budget.reserve_s > 0 and left > 0:
+            self.reporter.note(
+                f"Time budget ({budget}): {left:.0f} s left after {counted_trials(study)} of {self.settings.trials} "
+                f"trials, kept for the next trial's {self.budget.next_trial_s:.0f} s and verification's predicted "
+                f"{self.budget.reserve_s:.0f} s ({self.budget.reserve_runs} one-step runs): no new trial starts; "
+                "running ones finish, then the best is verified and saved.")
+            return
         self.reporter.note(f"Time budget ({budget}) spent after {counted_trials(study)} of {self.settings.trials} "
                            "trials: no new trial starts; running ones finish, then the best is verified and saved.")
 

@@ -1,0 +1,164 @@
+"""What ``--time-budget`` reserves: the predicted time of the verification that follows the study,
+and of the next trial, from what the study itself measured.
+
+After the study ``tune`` verifies its best trial (``_verify.py``): one-step runs of the script, some
+shared by every candidate (``baseline``; ``baseline-fp32`` when the script's own dtype is not fp32;
+the rounding-floor run, :data:`FLOOR_RUNS`), the others per candidate (``tuned-fp32``, and for a
+bf16/fp16 candidate ``baseline-<dtype>`` and ``tuned``; with recomputation the two dropout runs). Each
+run is predicted as
+
+- its start-up and hand-over: the mean of the study's launched trials' (``startup`` + ``other`` of
+  their time split; a warm worker's restart after a compiled trial included, as the runs pay it too);
+- its one step, twice (a run has no warm-up step: its first step pays the allocator's growth and
+  the kernels' first launches): the step time measured for that configuration, else the step-time
+  models' prediction (an fp32 run of a bf16 candidate from the study's fp32 trials or the dtype prior);
+- for a compiled run, its compile: the study's median compile from the Inductor cache when the study
+  compiled the same graphs (dtype, mode, buckets, micro-step sizes, budget; :data:`CACHE_HIT_PRIOR_S`
+  before any cache hit), else its median compile with cache misses.
+
+Only the best candidate's runs are reserved: a second candidate (the best failed verification) adds
+its own runs after the budget. The trial loop stops starting trials once the time left is below
+the next trial (the median launched trial) plus this forecast (:meth:`TimeBudget.spent`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from optuna.trial import FrozenTrial, TrialState
+
+from autobalance._config import BalanceConfig
+from autobalance.protocol import MEASURED_STATUSES, Status, TrialAttr
+from autobalance.tuner.search import CompiledTimeModel, StepTimeModel, compiled_graphs, graph_keys
+
+__all__ = ["CACHE_HIT_PRIOR_S", "FIRST_STEP_FACTOR", "FLOOR_RUNS", "VerifyForecast", "forecast_verification", "next_trial_s",
+           "verification_runs"]
+
+FLOOR_RUNS = 1
+"""Shared fp32 runs of the script's own configuration besides ``baseline`` and ``baseline-fp32``:
+the rounding-floor run (issue 29: the device's rounding between two correct arrangements)."""
+CACHE_HIT_PRIOR_S = 2.0
+"""A compile served by the Inductor cache, before the study measured one (one H200: 1.3-1.9 s; at
+least a tenth of the study's compile with misses)."""
+FIRST_STEP_FACTOR = 2.0
+"""A verification run's one step costs this many measured steps (no warm-up step before it)."""
+
+
+@dataclass(kw_only=True)
+class VerifyForecast:
+    """The predicted time of verifying one candidate."""
+
+    seconds: float
+    """Predicted wall seconds of all its runs."""
+    runs: list[str] = field(default_factory=list)
+    """The runs' names, in the order verification launches them."""
+    trial: int | None = None
+    """The candidate's trial number."""
+
+    def to_dict(self) -> dict[str, object]:
+        return {"seconds": round(self.seconds, 1), "runs": list(self.runs), "trial": self.trial}
+
+
+def _recomputes(config: BalanceConfig) -> bool:
+    return any(config.checkpoint) or (config.compile != "off"
+                                      and any(b < 1.0 for b in (config.activation_budget or [])))
+
+
+def verification_runs(baseline: BalanceConfig | None, tuned: BalanceConfig) -> list[tuple[str, BalanceConfig, bool]]:
+    """The runs verifying ``tuned`` against the script's own ``baseline`` (None: unknown, taken as
+    ``tuned`` in fp32): ``(name, configuration, dropout on)``; none when ``tuned`` is the baseline."""
+    if baseline is not None and baseline.to_dict() == tuned.to_dict():
+        return []
+    own = baseline if baseline is not None else dataclasses.replace(tuned, dtype="fp32")
+    fp32 = dataclasses.replace(own, dtype="fp32")
+    runs: list[tuple[str, BalanceConfig, bool]] = [("baseline", own, False)]
+    if own.dtype != "fp32":
+        runs.append(("baseline-fp32", fp32, False))
+    runs += [("rounding-floor", fp32, False)] * FLOOR_RUNS
+    runs.append(("tuned" if tuned.dtype == "fp32" else "tuned-fp32", dataclasses.replace(tuned, dtype="fp32"), False))
+    if tuned.dtype != "fp32":
+        if own.dtype != tuned.dtype:
+            runs.append((f"baseline-{tuned.dtype}", dataclasses.replace(own, dtype=tuned.dtype), False))
+        runs.append(("tuned", tuned, False))
+    if _recomputes(tuned):
+        plain = dataclasses.replace(tuned, checkpoint=[[] for _ in tuned.micro_batches], activation_budget=None)
+        runs += [("tuned-dropout", tuned, True), ("tuned-dropout-no-recompute", plain, True)]
+    return runs
+
+
+def _launched(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
+    """Trials that ran (a time split, not reused), the baseline last-resort: the others first."""
+    ran = [t for t in trials if isinstance(t.user_attrs.get(TrialAttr.TIME_SPLIT), dict)
+           and t.user_attrs.get(TrialAttr.REUSED_FROM) is None]
+    others = [t for t in ran if not t.user_attrs.get(TrialAttr.BASELINE)]
+    return others or ran
+
+
+def _part(t: FrozenTrial, *keys: str) -> float:
+    split = t.user_attrs[TrialAttr.TIME_SPLIT]
+    return sum(float(split.get(k) or 0.0) for k in keys)
+
+
+def next_trial_s(trials: Sequence[FrozenTrial]) -> float:
+    """The median wall time of the study's launched trials (0 before any)."""
+    ran = _launched(trials)
+    return statistics.median(_part(t, "startup", "compile", "steps", "remeasure", "other") for t in ran) if ran else 0.0
+
+
+def _compile_times(trials: Sequence[FrozenTrial]) -> tuple[float, float]:
+    """(median compile from the cache, median compile with cache misses) of the study's compiled trials."""
+    hit, miss, every = [], [], []
+    for t in trials:
+        seconds = t.user_attrs.get(TrialAttr.COMPILE_S)
+        if not isinstance(seconds, (int, float)) or t.user_attrs.get(TrialAttr.REUSED_FROM) is not None:
+            continue
+        cache = t.user_attrs.get(TrialAttr.COMPILE_CACHE) or {}
+        every.append(float(seconds))
+        if cache.get("fx_graph_misses", 0) > 0:
+            miss.append(float(seconds))
+        elif cache.get("fx_graph_hits", 0) > 0:
+            hit.append(float(seconds))
+    if not every:
+        return 0.0, 0.0
+    cold = statistics.median(miss) if miss else statistics.median(every)
+    warm = statistics.median(hit) if hit else min(min(every), max(CACHE_HIT_PRIOR_S, 0.1 * cold))
+    return warm, cold
+
+
+def forecast_verification(trials: Sequence[FrozenTrial], *, baseline: BalanceConfig | None, best: FrozenTrial | None,
+                          num_layers: int, device: str) -> VerifyForecast:
+    """The predicted time of verifying ``best`` (module doc); 0 s without a candidate or when it is
+    the script's own configuration."""
+    config = (best.user_attrs.get(TrialAttr.CONFIG) if best is not None else None)
+    if best is None or not config:
+        return VerifyForecast(seconds=0.0)
+    tuned = BalanceConfig.from_dict(config)
+    runs = verification_runs(baseline, tuned)
+    if not runs:
+        return VerifyForecast(seconds=0.0, trial=best.number)
+    ran = _launched(trials)
+    per_run = statistics.mean(_part(t, "startup", "other") for t in ran) if ran else 0.0
+    measured: dict[str, float] = {}
+    for t in trials:
+        cfg, ms = t.user_attrs.get(TrialAttr.CONFIG), t.user_attrs.get(TrialAttr.STEP_TIME_MS)
+        if (t.state == TrialState.COMPLETE and t.user_attrs.get(TrialAttr.STATUS) == Status.OK and cfg
+                and isinstance(ms, (int, float))):
+            measured[json.dumps(cfg, sort_keys=True)] = float(ms)
+    eager = StepTimeModel.fit(list(trials), num_layers=num_layers, device=device)
+    compiled = CompiledTimeModel.fit(list(trials), eager=eager, device=device)
+    slowest = max(measured.values(), default=0.0)
+    graphs = compiled_graphs([t for t in trials if t.user_attrs.get(TrialAttr.STATUS) in MEASURED_STATUSES])
+    warm, cold = _compile_times(trials)
+    total = 0.0
+    for _, cfg, _dropout in runs:
+        ms = measured.get(json.dumps(cfg.to_dict(), sort_keys=True))
+        if ms is None:
+            ms = (eager if cfg.compile == "off" else compiled).predict(cfg)
+        total += per_run + FIRST_STEP_FACTOR * (ms if ms is not None else slowest) / 1000.0
+        if cfg.compile != "off":
+            total += warm if graph_keys(cfg.to_dict()) <= graphs else cold
+    return VerifyForecast(seconds=total, runs=[name for name, _, _ in runs], trial=best.number)
