@@ -1,11 +1,12 @@
 """What ``--time-budget`` reserves: the predicted time of the verification that follows the study,
 and of the next trial, from what the study itself measured.
 
-After the study ``tune`` verifies its best trial (``_verify.py``): one-step runs of the script, some
-shared by every candidate (``baseline``; ``baseline-fp32`` when the script's own dtype is not fp32;
-the rounding-floor run, :data:`FLOOR_RUNS`), the others per candidate (``tuned-fp32``, and for a
-bf16/fp16 candidate ``baseline-<dtype>`` and ``tuned``; with recomputation the two dropout runs). Each
-run is predicted as
+After the study ``tune`` verifies its best trial (``autobalance.verify``): one-step runs of the
+script, some shared by every candidate (``baseline``; ``baseline-fp32`` when the script's own dtype is
+not fp32; the rounding ``floor``, :data:`FLOOR_RUNS`; ``baseline-<dtype>`` for a bf16/fp16 candidate),
+the others per candidate (``tuned-fp32``, eager for a compiled bf16/fp16 candidate; ``tuned`` for a
+bf16/fp16 one; with recomputation the two dropout runs, which verification skips for a model without
+dropout: then the forecast is two runs long). Each run is predicted as
 
 - its start-up and hand-over: the mean of the study's launched trials' (``startup`` + ``other`` of
   their time split; a warm worker's restart after a compiled trial included, as the runs pay it too);
@@ -40,7 +41,7 @@ __all__ = ["CACHE_HIT_PRIOR_S", "FIRST_STEP_FACTOR", "FLOOR_RUNS", "VerifyForeca
 
 FLOOR_RUNS = 1
 """Shared fp32 runs of the script's own configuration besides ``baseline`` and ``baseline-fp32``:
-the rounding-floor run (issue 29: the device's rounding between two correct arrangements)."""
+the rounding floor (the same step with each micro-batch's samples reversed)."""
 CACHE_HIT_PRIOR_S = 2.0
 """A compile served by the Inductor cache, before the study measured one (one H200: 1.3-1.9 s; at
 least a tenth of the study's compile with misses)."""
@@ -68,18 +69,25 @@ def _recomputes(config: BalanceConfig) -> bool:
                                       and any(b < 1.0 for b in (config.activation_budget or [])))
 
 
+def _fp32(config: BalanceConfig) -> BalanceConfig:
+    """``config`` in fp32 as verification runs it: a compiled bf16/fp16 one runs eager."""
+    if config.dtype != "fp32" and config.compile != "off":
+        return dataclasses.replace(config, dtype="fp32", compile="off", activation_budget=None)
+    return dataclasses.replace(config, dtype="fp32")
+
+
 def verification_runs(baseline: BalanceConfig | None, tuned: BalanceConfig) -> list[tuple[str, BalanceConfig, bool]]:
     """The runs verifying ``tuned`` against the script's own ``baseline`` (None: unknown, taken as
     ``tuned`` in fp32): ``(name, configuration, dropout on)``; none when ``tuned`` is the baseline."""
     if baseline is not None and baseline.to_dict() == tuned.to_dict():
         return []
-    own = baseline if baseline is not None else dataclasses.replace(tuned, dtype="fp32")
-    fp32 = dataclasses.replace(own, dtype="fp32")
+    own = baseline if baseline is not None else _fp32(tuned)
+    fp32 = _fp32(own)
     runs: list[tuple[str, BalanceConfig, bool]] = [("baseline", own, False)]
     if own.dtype != "fp32":
         runs.append(("baseline-fp32", fp32, False))
-    runs += [("rounding-floor", fp32, False)] * FLOOR_RUNS
-    runs.append(("tuned" if tuned.dtype == "fp32" else "tuned-fp32", dataclasses.replace(tuned, dtype="fp32"), False))
+    runs += [("floor", fp32, False)] * FLOOR_RUNS
+    runs.append(("tuned" if tuned.dtype == "fp32" else "tuned-fp32", _fp32(tuned), False))
     if tuned.dtype != "fp32":
         if own.dtype != tuned.dtype:
             runs.append((f"baseline-{tuned.dtype}", dataclasses.replace(own, dtype=tuned.dtype), False))
