@@ -11,7 +11,7 @@ from rich.table import Table
 
 from autobalance._config import describe_config
 from autobalance.cli._common import console
-from autobalance.protocol import TrialAttr, study_ranks, time_in_steps_s, trial_ranks
+from autobalance.protocol import TrialAttr, over_limit, study_ranks, time_in_steps_s, trial_ranks
 
 
 def print_studies(storage_url: str) -> None:
@@ -56,11 +56,23 @@ def trial_rows(study: Any) -> list[dict[str, Any]]:
         rows.append({
             "number": t.number, "state": t.state.name, "status": a.get(TrialAttr.STATUS), "baseline": a.get(TrialAttr.BASELINE, False),
             "feasible": a.get(TrialAttr.FEASIBLE), "config": a.get(TrialAttr.CONFIG), "peak_device_gib": a.get(TrialAttr.PEAK_DEVICE_GIB),
+            "usable_gib": a.get(TrialAttr.USABLE_GIB), "over_limit": over_limit(a),
             "spread_gib": a.get(TrialAttr.SPREAD_GIB), "step_time_ms": a.get(TrialAttr.STEP_TIME_MS),
             "measured_steps": a.get(TrialAttr.MEASURED_STEPS), "time_in_steps_s": time_in_steps_s(a), "wall_s": a.get(TrialAttr.WALL_S),
             "values": t.values, "reason": a.get(TrialAttr.REASON),
         })
     return rows
+
+
+def feasible_text(row: dict[str, Any]) -> str:
+    """The trials table's ``feasible`` column: ``yes``, ``no``, or for a trial that ran to the end
+    over a limit ``no: over the usable limit (rank 0: 0.014 GiB > 0.0138 GiB usable)``; ``-`` while
+    a trial has no verdict (running, failed)."""
+    if row["feasible"] is None:
+        return "-"
+    if row["feasible"]:
+        return "yes"
+    return "no" if row["over_limit"] is None else f"no: {row['over_limit']}"
 
 
 def print_trials(*, study_name: str, storage: str, as_json: bool) -> None:
@@ -73,7 +85,7 @@ def print_trials(*, study_name: str, storage: str, as_json: bool) -> None:
         return
     many = study_ranks(study) > 1  # one rank: a peak, no spread
     table = Table(title=f"Trials of {study_name}")
-    for col in ("#", "state", "status", "configuration", "peak GiB per rank" if many else "peak GiB",
+    for col in ("#", "state", "status", "feasible", "configuration", "peak GiB per rank" if many else "peak GiB",
                 *(["spread GiB"] if many else []), "step ms", "objective"):
         table.add_column(col)
     for r in rows:
@@ -81,6 +93,7 @@ def print_trials(*, study_name: str, storage: str, as_json: bool) -> None:
         spread = ["-" if r["spread_gib"] is None else f"{r['spread_gib']:.3g}"] if many else []
         table.add_row(
             f"{r['number']}{' (baseline)' if r['baseline'] else ''}", r["state"], r["status"] or "-",
+            feasible_text(r),
             describe_config(r["config"]) if r["config"] else "-",
             " ".join("-" if p is None else f"{p:.3g}" for p in peaks) or "-",
             *spread,
@@ -100,7 +113,7 @@ def comparison_table(baseline: Any, best: Any) -> Table:
     b = baseline.user_attrs if baseline else {}
     t = best.user_attrs if best else {}
     table.add_row("configuration", describe_config(b.get("config")) if b else "-", describe_config(t.get("config")) if t else "-")
-    table.add_row("status", str(b.get("status", "-")), str(t.get("status", "-")))
+    table.add_row("status", _status(b), _status(t))
     peaks_b, peaks_t = b.get("peak_device_gib") or [], t.get("peak_device_gib") or []
     many = max(trial_ranks(b), trial_ranks(t)) > 1  # one rank: its peak, no spread
     for r in range(max(len(peaks_b), len(peaks_t))):
@@ -113,7 +126,18 @@ def comparison_table(baseline: Any, best: Any) -> Table:
     table.add_row("step time (ms)", _fmt(b.get("step_time_ms"), ".1f"), _fmt(t.get("step_time_ms"), ".1f"))
     if b.get("step_time_ms") and t.get("step_time_ms"):
         table.add_row("speed-up", "1.00x", f"{b['step_time_ms'] / t['step_time_ms']:.2f}x")
+    if b and t and b.get("feasible") is False:  # what the table is about: the script's own does not fit
+        over = over_limit(b)
+        why = over or str(b.get("status"))
+        table.caption = (f"The script's own configuration does not fit ({why}); the best does, with the same "
+                         "global batch" + ("." if b.get("step_time_ms") else ": no baseline step time, no speed-up."))
     return table
+
+
+def _status(attrs: dict[str, Any]) -> str:
+    """A trial's status, and for one that ran to the end over a limit, which limit."""
+    over = over_limit(attrs)
+    return str(attrs.get("status", "-")) + ("" if over is None else f", {over}")
 
 
 def _fmt(value: Any, spec: str) -> str:

@@ -13,8 +13,8 @@ if TYPE_CHECKING:
     import optuna
     from optuna.trial import FrozenTrial
 
-__all__ = ["best_trial", "is_feasible", "objective_value", "study_ranks", "time_in_steps_s", "trial_ranks",
-           "weighted_objective"]
+__all__ = ["best_trial", "is_feasible", "objective_value", "over_limit", "study_ranks", "time_in_steps_s",
+           "trial_ranks", "weighted_objective"]
 
 
 def is_feasible(trial: FrozenTrial) -> bool:
@@ -24,6 +24,28 @@ def is_feasible(trial: FrozenTrial) -> bool:
     cons = trial.system_attrs.get(CONSTRAINTS_KEY)
     return bool(trial.state == TrialState.COMPLETE and cons is not None and all(c <= 0 for c in cons)
                 and trial.user_attrs.get(TrialAttr.STATUS) == Status.OK)
+
+
+def over_limit(user_attrs: Mapping[str, Any]) -> str | None:
+    """Why a trial that ran to the end (status ``ok``) is infeasible all the same, in words: ``over
+    the usable limit (rank 0: 0.0140 GiB > 0.0138 GiB usable)``, or a spread over ``--max-spread-gib``;
+    None for a feasible trial and for one whose status already says it (``oom``, ``predicted_oom``, ...)."""
+    if user_attrs.get(TrialAttr.STATUS) != Status.OK or user_attrs.get(TrialAttr.FEASIBLE) is not False:
+        return None
+    peaks = user_attrs.get(TrialAttr.PEAK_DEVICE_GIB) or []
+    usable = user_attrs.get(TrialAttr.USABLE_GIB) or []
+    pairs = [(r, float(p), float(u)) for r, (p, u) in enumerate(zip(peaks, usable, strict=False)) if p is not None and u]
+    over = [(r, p, u) for r, p, u in pairs if p > u]
+    if not over and pairs and float(user_attrs.get("memory_constraint") or 0.0) > 0:
+        over = [max(pairs, key=lambda x: x[1] / x[2])]  # over by less than the attributes' rounding
+    if not over:
+        return "over the --max-spread-gib limit (memory spread)"
+    many = len(peaks) > 1
+    parts = []
+    for r, p, u in over:
+        digits = next((d for d in range(3, 8) if f"{p:.{d}g}" != f"{u:.{d}g}"), 8)
+        parts.append(f"{f'rank {r}: ' if many else ''}{p:.{digits}g} GiB > {u:.{digits}g} GiB usable")
+    return f"over the usable limit ({'; '.join(parts)})"
 
 
 def objective_value(spread: float, time_norm: float, *, weight_spread: float, weight_time: float) -> float:

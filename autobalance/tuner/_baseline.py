@@ -14,7 +14,7 @@ from autobalance._config import BalanceConfig
 from autobalance._errors import LaunchError, TrialScriptError, UsageError
 from autobalance._files import script_sha256
 from autobalance.launcher import TrialOutcome
-from autobalance.protocol import Status, StudyAttr, TrialAttr, best_trial
+from autobalance.protocol import Status, StudyAttr, TrialAttr, best_trial, over_limit
 from autobalance.store import heartbeat_interval_s, study_id
 from autobalance.tuner._launching import TrialLauncher
 from autobalance.tuner._recording import Recorder
@@ -23,7 +23,7 @@ from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._workers import BaselineClaim, worker_id
 from autobalance.tuner.search import SearchSpace
 
-__all__ = ["baseline_once"]
+__all__ = ["baseline_fit_note", "baseline_once"]
 
 
 def baseline_once(study: optuna.Study, *, settings: TuneSettings, storage: optuna.storages.RDBStorage,
@@ -65,11 +65,35 @@ def baseline_once(study: optuna.Study, *, settings: TuneSettings, storage: optun
         frozen = recorder.record(study, study.ask(), defaults, outcome, baseline=True)
         study.set_user_attr(StudyAttr.BASELINE, frozen.number)
         reporter.finish(frozen, best_trial(study))
+        note = baseline_fit_note(frozen.user_attrs, global_batch=defaults.global_batch)
+        if note:
+            reporter.note(note)
         return space
     finally:
         stop.set()
         beat.join(timeout=5)
         claim.release()
+
+
+def baseline_fit_note(attrs: dict[str, Any], *, global_batch: int) -> str | None:
+    """One line after a baseline that does not fit (out of memory, over the usable limit, or timed
+    out): what that means for the study. None when it fits."""
+    status = attrs.get(TrialAttr.STATUS)
+    rank = attrs.get(TrialAttr.FAILING_RANK)
+    over = over_limit(attrs)
+    if status == Status.OOM:
+        why = f"rank {rank} ran out of memory" if rank is not None else "a rank ran out of memory"
+    elif over is not None:
+        why = over
+    elif status == Status.TIMEOUT:
+        why = "it timed out (--trial-timeout)"
+    else:
+        return None
+    usable = attrs.get(TrialAttr.USABLE_GIB) or []
+    within = f" in {min(usable):.3g} GiB usable per rank" if usable and None not in usable else ""
+    return (f"The script's own configuration does not fit{within} ({why}): the study looks for one that does, "
+            f"with the same global batch of {global_batch}"
+            + ("." if status == Status.OK else "; without a baseline step time there is no speed-up to report."))
 
 
 def _space_from_baseline(study: optuna.Study, outcome: TrialOutcome,

@@ -20,11 +20,11 @@ from rich.progress import (
 from rich.text import Text
 
 from autobalance._config import BalanceConfig, describe_config
-from autobalance.protocol import Status, TrialAttr, trial_ranks
+from autobalance.protocol import Status, TrialAttr, over_limit, trial_ranks
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._time_spent import describe_budget
 
-__all__ = ["RichReporter", "TimeLeftColumn", "short_figures", "time_left_text"]
+__all__ = ["RichReporter", "TimeLeftColumn", "cap_line", "short_figures", "time_left_text"]
 
 _STYLE = {Status.OK: "green", Status.OOM: "red", Status.TIMEOUT: "red", Status.ERROR: "bold red",
           Status.CRASH: "yellow", Status.PREDICTED_OOM: "magenta", Status.INTERRUPTED: "yellow"}
@@ -43,6 +43,24 @@ def short_figures(trial: FrozenTrial) -> str:
     if a.get(TrialAttr.COMPILE_S) is not None:
         parts.append(f"compile {a['compile_s']:.1f} s")
     return "  ".join(parts)
+
+
+def cap_line(settings: TuneSettings) -> str | None:
+    """The study's emulated memory cap in one line (None without one): what every trial must fit in."""
+    caps = settings.memory_cap_gib
+    if not caps:
+        return None
+    def gib(x: float) -> str:
+        return f"{x:.3g}"
+    usable = [c * (1 - settings.headroom) for c in caps]
+    if len(caps) == 1:
+        what = f"{gib(caps[0])} GiB per rank ({gib(usable[0])} GiB usable"
+    else:
+        what = ", ".join(f"rank {r} {gib(c)}" for r, c in enumerate(caps)) + \
+            f" GiB ({', '.join(gib(u) for u in usable)} GiB usable"
+    mode = "ranks run under it" if settings.cap_mode == "enforce" else "peaks judged against it"
+    return (f"Emulated memory cap: {what} with {settings.headroom:.0%} headroom; {mode}): "
+            "a trial over it is infeasible.")
 
 
 class TimeLeftColumn(ProgressColumn):
@@ -90,6 +108,11 @@ class RichReporter:
             f"{settings.world_size} ranks on {settings.device}  {settings.trials} trials"
             + (f" ({already} done before)" if already else "") + budget
         )
+        cap = cap_line(settings)
+        if cap:
+            self.console.print(escape(cap))
+        if settings.about:
+            self.console.print(f"[bold]{escape(settings.about)}[/]")
         columns: list[Any] = [TextColumn("[bold]trials"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
         if deadline is not None:
             columns.append(TimeLeftColumn(deadline))
@@ -125,7 +148,9 @@ class RichReporter:
                      if trial.user_attrs.get(TrialAttr.PREDICTED_BY) == "dominance" else
                      " (predicted by the memory model, not launched)")
         reason = "" if status == Status.OK else f"  [dim]{escape(str(trial.user_attrs.get('reason', ''))[:160])}[/]"
-        self.console.print(f"  trial {trial.number} [{style}]{status}[/]{escape(extra)}  {escape(short_figures(trial))}{reason}")
+        over = over_limit(trial.user_attrs)  # ran to the end, infeasible all the same: not a plain "ok"
+        shown = f"[{style}]{status}[/]" if over is None else f"[red]{status}, {escape(over)}[/]"
+        self.console.print(f"  trial {trial.number} {shown}{escape(extra)}  {escape(short_figures(trial))}{reason}")
         if best is not None:
             self._best_text = f"best #{best.number}: {best.user_attrs.get('step_time_ms', 0):.1f} ms" + (
                 f", spread {best.user_attrs.get('spread_gib', 0):.3g} GiB" if trial_ranks(best.user_attrs) > 1 else "")

@@ -90,6 +90,9 @@ class TuneSettings:
     the best trial's verification as predicted from the study's own trials; running trials finish
     (``trial_timeout`` still applies), then the best is verified and saved as usual (default: none,
     no limit)."""
+    about: str | None = None
+    """One line printed under the study's first lines: what the study is about to show, said by a
+    study TOML for whoever runs it (default: none)."""
     memory_cap_gib: list[float] | None = None
     """Emulated capacity per rank in GiB: one value for every rank or one per rank (default: the
     card's capacity; on CPU the host's memory)."""
@@ -154,6 +157,8 @@ class TuneSettings:
             raise UsageError(f"SCRIPT={self.script!r} is not a Python file; pass the training script, e.g. train.py.")
         if not os.path.isfile(self.script):
             raise UsageError(f"SCRIPT={self.script!r} does not exist; check the path.")
+        if self.about is not None and (not isinstance(self.about, str) or "\n" in self.about or len(self.about) > 300):
+            raise UsageError(f"--about={str(self.about)[:60]!r}... is not one line of at most 300 characters; shorten it.")
         _positive("--trials", self.trials)
         _positive("--nproc-per-node", self.nproc_per_node)
         _positive("--nnodes", self.nnodes)

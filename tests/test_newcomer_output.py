@@ -1,0 +1,139 @@
+"""What a newcomer reads (issue 31), from the user's side, without torchrun: the demo's first lines say
+what it is about to show, a trial that ran to the end over the usable limit never reads plain ``ok``
+(tune's log, ``autobalance trials``, the baseline-vs-best table), and the README's commands name the
+demo's study."""
+
+from __future__ import annotations
+
+import io
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from autobalance.cli import app
+from autobalance.cli._views import comparison_table
+from autobalance.protocol import over_limit
+from autobalance.tuner import TuneSettings
+from autobalance.tuner._baseline import baseline_fit_note
+from autobalance.tuner._reporter import RichReporter
+from tests.synthetic_study import OVER_CAP_FASTER_2, build_study
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "studies" / "gpt-cpu.toml"
+
+
+def _console() -> tuple[Console, io.StringIO]:
+    out = io.StringIO()
+    return Console(file=out, width=400, force_terminal=False, color_system=None), out
+
+
+def test_the_demos_first_three_lines_say_what_it_shows() -> None:
+    """The demo's baseline runs out of memory by design; its first three lines say so (the cap, and
+    the study TOML's ``about``), not only the TOML's comment."""
+    settings = TuneSettings.merge(flags={}, toml_path=str(DEMO))
+    console, out = _console()
+    reporter = RichReporter(console=console)
+    reporter.begin(settings, already=0)
+    reporter.end()
+    lines = out.getvalue().splitlines()
+    assert "study gpt-cpu" in lines[0] and "2 ranks on cpu" in lines[0]
+    assert lines[1] == ("Emulated memory cap: 0.0145 GiB per rank (0.0138 GiB usable with 5% headroom; ranks run "
+                        "under it): a trial over it is infeasible.")
+    assert lines[2].startswith("This demo: the script's own configuration") and "does not fit" in lines[2]
+
+
+def test_about_is_one_line() -> None:
+    from autobalance._errors import UsageError
+
+    with pytest.raises(UsageError, match=r"--about=.*one line of at most 300 characters"):
+        TuneSettings(script=str(REPO / "examples" / "gpt" / "train.py"), about="two\nlines")
+
+
+def test_a_baseline_that_does_not_fit_is_explained_once_it_ran() -> None:
+    oom = {"status": "oom", "failing_rank": 0, "peak_device_gib": [0.0146, 0.0103], "usable_gib": [0.0138, 0.0138],
+           "feasible": False}
+    assert baseline_fit_note(oom, global_batch=16) == (
+        "The script's own configuration does not fit in 0.0138 GiB usable per rank (rank 0 ran out of memory): the "
+        "study looks for one that does, with the same global batch of 16; without a baseline step time there is no "
+        "speed-up to report.")
+    over = {**oom, "status": "ok", "peak_device_gib": [0.0140, 0.0103], "step_time_ms": 120.0}
+    assert "(over the usable limit (rank 0: 0.014 GiB > 0.0138 GiB usable))" in (baseline_fit_note(over, global_batch=16)
+                                                                                 or "")
+    assert baseline_fit_note({**over, "feasible": True, "peak_device_gib": [0.01, 0.01]}, global_batch=16) is None
+
+
+def test_the_comparison_says_why_there_is_no_speed_up() -> None:
+    baseline = SimpleNamespace(number=0, user_attrs={"status": "oom", "feasible": False, "peak_device_gib": [0.0146, 0.0103],
+                                                     "usable_gib": [0.0138, 0.0138]})
+    best = SimpleNamespace(number=3, user_attrs={"status": "ok", "feasible": True, "peak_device_gib": [0.0105, 0.0092],
+                                                 "spread_gib": 0.0013, "step_time_ms": 136.2})
+    console, out = _console()
+    console.print(comparison_table(baseline, best))
+    text = " ".join(out.getvalue().split())
+    assert "The script's own configuration does not fit (oom); the best does, with the same global batch: no " \
+           "baseline step time, no speed-up." in text
+    console, out = _console()
+    console.print(comparison_table(best, best))  # a baseline that fits: no such line
+    assert "does not fit" not in out.getvalue()
+
+
+@pytest.mark.parametrize(("peaks", "usable", "expected"), [
+    ([0.014, 0.009], [0.0138, 0.0138], "over the usable limit (rank 0: 0.014 GiB > 0.0138 GiB usable)"),
+    ([15.7, 14.0], [15.2, 15.2], "over the usable limit (rank 0: 15.7 GiB > 15.2 GiB usable)"),
+    ([15.7], [15.2], "over the usable limit (15.7 GiB > 15.2 GiB usable)"),
+    ([10.0, 9.0], [15.2, 15.2], "over the --max-spread-gib limit (memory spread)"),
+])
+def test_over_limit_names_the_rank_and_the_limit(peaks, usable, expected) -> None:
+    attrs = {"status": "ok", "feasible": False, "peak_device_gib": peaks, "usable_gib": usable}
+    assert over_limit(attrs) == expected
+    assert over_limit({**attrs, "feasible": True}) is None
+    assert over_limit({**attrs, "status": "oom"}) is None  # the status says it already
+
+
+def test_tunes_trial_line_shows_an_infeasible_ok_trial_as_over_the_limit() -> None:
+    console, out = _console()
+    reporter = RichReporter(console=console)
+    over = SimpleNamespace(number=6, user_attrs={"status": "ok", "feasible": False, "peak_device_gib": [0.014, 0.0056],
+                                                 "usable_gib": [0.0138, 0.0138], "spread_gib": 0.0084,
+                                                 "step_time_ms": 301.7})
+    fits = SimpleNamespace(number=7, user_attrs={**over.user_attrs, "feasible": True, "peak_device_gib": [0.0104, 0.0056]})
+    reporter.finish(over, None)  # type: ignore[arg-type]
+    reporter.finish(fits, None)  # type: ignore[arg-type]
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("  trial 6 ok, over the usable limit (rank 0: 0.014 GiB > 0.0138 GiB usable)  peaks")
+    assert lines[1].startswith("  trial 7 ok  peaks")
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory: pytest.TempPathFactory) -> str:
+    db = tmp_path_factory.mktemp("newcomer") / "s.db"
+    build_study(db)
+    return f"sqlite:///{db}"
+
+
+def test_trials_has_a_feasible_column(synthetic: str) -> None:
+    """The synthetic GPU study's trial 3 peaked at 16.65 GiB over 15.2 usable and reads `ok`: its row
+    says `no: over the usable limit`; feasible ones say `yes`, an OOM one `no`."""
+    result = CliRunner().invoke(app, ["trials", "--study-name", "synthetic", "--storage", synthetic],
+                                env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    header = next(line for line in result.output.splitlines() if "status" in line and "feasible" in line)
+    assert header.index("status") < header.index("feasible") < header.index("configuration")
+    rows = {int(m[1]): line for line in result.output.splitlines() if (m := re.match(r"\W*(\d+)\b", line))}
+    assert "no: over the usable limit (rank 0: 16.6 GiB > 15.2 GiB usable)" in rows[OVER_CAP_FASTER_2]
+    assert re.search(r"\bok\b.*\byes\b", rows[1]) and re.search(r"\boom\b.*\bno\b", rows[0])
+    json_out = CliRunner().invoke(app, ["trials", "--study-name", "synthetic", "--storage", synthetic, "--json"])
+    assert '"over_limit": "over the usable limit (rank 0: 16.6 GiB > 15.2 GiB usable)"' in json_out.output
+
+
+def test_readme_commands_name_the_demos_study() -> None:
+    """Copied from the README after the demo, a command must find its study (`gpt-cpu`); `gpt` exits 2."""
+    readme = (REPO / "README.md").read_text()
+    word = r"([\w.:@+-]+)"
+    names = (re.findall(r"--study-name[ =]" + word, readme) + re.findall(r"AUTOBALANCE_STUDY=" + word, readme)
+             + re.findall(r'study="([^"]*)"', readme))
+    assert len(names) >= 8 and set(names) == {"gpt-cpu"}, sorted(set(names))
