@@ -18,8 +18,7 @@ from optuna.trial import TrialState
 from autobalance import BalanceConfig
 from autobalance.protocol import StudyAttr
 from autobalance.tuner import SearchSpace, TuneSettings
-from autobalance.tuner.search import ModelAdvisor
-from autobalance.tuner.search._first_trials import proposable_dtypes, proposals_stalled
+from autobalance.tuner.search import ModelAdvisor, proposable_dtypes, proposals_stalled
 
 GIB = 2**30
 LAYERS = 16

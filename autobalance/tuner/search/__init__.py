@@ -11,6 +11,7 @@
 - ``_compiled_search``: compiled proposals from it, ordered to reuse the Inductor cache;
 - ``_dominance``: model-free "cannot fit" from launched trials that did not fit;
 - ``_compile``: compile in the study (cache, space check, compile figures);
+- ``_first_trials``: on a GPU, which dtypes the models may propose (bf16 first) and when the sampler explores;
 - ``_advisor``: the ``model`` strategy: proposals and predicted OOMs, built on all of the above.
 
 Nothing here launches a trial; the study's running side (``autobalance.tuner``) uses these.
@@ -51,6 +52,10 @@ from autobalance.tuner.search._compiled_search import (
 from autobalance.tuner.search._dominance import (
     activation_budget,
     dominating_over_cap,
+)
+from autobalance.tuner.search._first_trials import (
+    proposable_dtypes,
+    proposals_stalled,
 )
 from autobalance.tuner.search._memory_model import (
     ACTIVATION_BYTES_SCALE,
@@ -134,6 +139,8 @@ __all__ = [
     "plans_from_model",
     "predict_config_feasible",
     "predict_feasible",
+    "proposable_dtypes",
+    "proposals_stalled",
     "space_problem",
     "spread_fraction",
 ]
