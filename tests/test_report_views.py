@@ -63,7 +63,7 @@ def test_why_this_one_names_the_excluded_faster_trial_headroom_and_verdict(two, 
     # "Use it" is filled in, the configuration is a readable table (no JSON)
     assert "AUTOBALANCE_STORAGE=sqlite:///x.db torchrun" in page
     cfg = re.search(r"<table class='cfg' id='best-config'>(.*?)</table>", page, flags=re.S).group(1)  # type: ignore[union-attr]
-    assert "16 on every rank" in cfg and "bf16 autocast" in cfg and "0.4 on every rank" in cfg
+    assert "rank 0: 16,16; rank 1: 16,16" in cfg and "bf16 autocast" in cfg and "0.4 on every rank" in cfg
     assert "[[" not in cfg and "&quot;" not in cfg and '"' not in html.unescape(cfg).replace("'", "")
     for div in ("time-memory-chart", "factors-chart", "compile-chart", "memory-chart", "tradeoff-chart"):
         assert f'id="{div}"' in page, div
@@ -159,8 +159,8 @@ def test_config_rows_are_readable() -> None:
     rows = dict(config_rows({"micro_batches": [12, 20], "accumulation": 2, "global_batch": 64,
                              "checkpoint": [[0, 1], []], "dtype": "fp16", "bucket_cap_mb": 25.0,
                              "gradient_as_bucket_view": True, "compile": "off", "activation_budget": None}))
-    assert rows["micro-batch (samples per micro-step)"] == "rank 0: 12, rank 1: 20"
-    assert rows["checkpointed blocks"] == "rank 0: 2 (0, 1), rank 1: none"
+    assert rows["micro-batches per optimizer step"] == "rank 0: 12,12; rank 1: 20,20"  # the notation of every output
+    assert rows["checkpointed blocks (indices)"] == "rank 0: 0-1, rank 1: none"
     assert rows["precision"] == "fp16 autocast with a GradScaler"
     assert rows["torch.compile"] == "off (eager)" and "activation memory budget" not in rows
     assert rows["DDP gradient_as_bucket_view"] == "yes"

@@ -43,12 +43,18 @@ def config_rows(config: dict[str, Any]) -> list[tuple[str, str]]:
     """A configuration as (setting, readable value) pairs: per-rank values spelled out, no JSON."""
     c = dict(config)
     rows: list[tuple[str, str]] = []
-    micro = c.pop("micro_batches", None)
-    if c.pop("rank_samples", None):  # any split: each rank's micro-steps as they run, e.g. "rank 0: 6,6,5,5,5,5"
-        from autobalance._config import BalanceConfig
+    from autobalance._config import BalanceConfig, block_ranges
+    from autobalance._errors import ConfigError
 
-        rows.append(("micro-batches per optimizer step (sizes differ by at most one)",
-                     BalanceConfig.from_dict(config).split_text()))
+    micro = c.pop("micro_batches", None)
+    uneven = bool(c.pop("rank_samples", None))
+    try:  # each rank's micro-steps as they run, the notation of every output: "rank 0: 6,6,5,5,5,5; rank 1: ..."
+        parsed = BalanceConfig.from_dict(config)
+        split: str | None = parsed.split_text().removeprefix("rank 0: " if parsed.world_size == 1 else "")
+    except ConfigError:  # a partial configuration: its fields as they are
+        split = None
+    if split is not None:
+        rows.append(("micro-batches per optimizer step" + (" (sizes differ by at most one)" if uneven else ""), split))
     elif micro is not None:
         rows.append(("micro-batch (samples per micro-step)", _per_rank(list(micro))))
     if "accumulation" in c:
@@ -65,8 +71,7 @@ def config_rows(config: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("activation memory budget", "Inductor's default" if not budget else _per_rank(list(budget), lambda b: f"{b:g}")))
     ckpt = c.pop("checkpoint", None)
     if ckpt is not None and (mode == "off" or any(ckpt)):
-        rows.append(("checkpointed blocks", _per_rank([list(b) for b in ckpt],
-                                                      lambda b: "none" if not b else f"{len(b)} ({', '.join(map(str, b))})")))
+        rows.append(("checkpointed blocks (indices)", _per_rank([list(b) for b in ckpt], block_ranges)))
     if "bucket_cap_mb" in c:
         rows.append(("DDP bucket size", f"{float(c.pop('bucket_cap_mb')):g} MB"))
     if "gradient_as_bucket_view" in c:
