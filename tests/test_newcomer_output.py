@@ -15,7 +15,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from autobalance.cli import app
-from autobalance.cli._views import comparison_table
+from autobalance.cli._views import print_result
 from autobalance.protocol import over_limit
 from autobalance.tuner import TuneSettings
 from autobalance.tuner._baseline import baseline_fit_note
@@ -71,14 +71,18 @@ def test_the_comparison_says_why_there_is_no_speed_up() -> None:
                                                      "usable_gib": [0.0138, 0.0138]})
     best = SimpleNamespace(number=3, user_attrs={"status": "ok", "feasible": True, "peak_device_gib": [0.0105, 0.0092],
                                                  "spread_gib": 0.0013, "step_time_ms": 136.2})
+    result = SimpleNamespace(baseline=baseline, best=best, trials_run=4, wall_s=30.0, study_name="gpt-cpu",
+                             storage="sqlite:///autobalance.db", notes=[], saved=True)
     console, out = _console()
-    console.print(comparison_table(baseline, best))
-    text = " ".join(out.getvalue().split())
-    assert "The script's own configuration does not fit (oom); the best does, with the same global batch: no " \
-           "baseline step time, no speed-up." in text
+    print_result(result, settings=SimpleNamespace(script="train.py"), console=console)
+    lines = out.getvalue().splitlines()
+    under = lines[next(i for i, line in enumerate(lines) if line.startswith("└")) + 1]
+    assert under == ("The script's own configuration does not fit (oom); the best does, with the same global batch: "
+                     "no baseline step time, no speed-up.")
+    result.baseline = best  # a baseline that fits: no such line
     console, out = _console()
-    console.print(comparison_table(best, best))  # a baseline that fits: no such line
-    assert "does not fit" not in out.getvalue()
+    print_result(result, settings=SimpleNamespace(script="train.py"), console=console)
+    assert "does not fit" not in out.getvalue() and "speed-up" in out.getvalue()
 
 
 @pytest.mark.parametrize(("peaks", "usable", "expected"), [
