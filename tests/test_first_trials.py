@@ -273,3 +273,26 @@ def test_a_simulated_gpu_study_never_compiles_what_cannot_fit(tmp_path):
              * f_compiled(0.05) for t in compiled_runs}
     assert all(v <= _usable(advisor) for v in floor.values()), floor
     assert all(t.user_attrs["config"]["dtype"] != "fp32" for t in runs)
+
+
+def test_near_the_end_of_a_time_budget_no_new_graph_is_compiled(tmp_path):
+    advisor = advisor_for(tmp_path, compile="search")
+    study = _measured_study(advisor, [*EAGER_BF16, compiled_cfg(8, 4, 0.4)])
+    best = advisor.scored_candidates(study)[0]
+    assert best.source == "compiled-model" and best.new_graphs > 0  # the models' best compiles something new
+    advisor.time_left_s = 200.0  # time for a compile (no compile_s measured here: the 45 s prior on a GPU)
+    advisor.before_ask(study)
+    first = study.get_trials(states=(TrialState.WAITING,))[0]
+    assert first.user_attrs["proposed_by"] == "compiled-model"
+    study.tell(study.ask(), 1.0)
+    advisor.time_left_s = 30.0  # less than a compile takes: the best proposal that compiles nothing new
+    advisor.before_ask(study)
+    second = study.get_trials(states=(TrialState.WAITING,))
+    assert second and (second[0].user_attrs.get("proposal_new_graphs") or 0) == 0
+    assert advisor.space.suggest(study.ask()).compile == "off"  # here: the best eager proposal
+    # a trial left to the sampler then runs eager too (and in bf16: fp32 is still held back)
+    study.tell(study.trials[-1].number, 1.0)
+    advisor._to_sampler(study)
+    waiting = study.get_trials(states=(TrialState.WAITING,))
+    assert waiting and waiting[0].system_attrs["fixed_params"] == {"compile": "off", "dtype": "bf16"}
+    assert "the time budget holds no compile" in waiting[0].user_attrs["proposal_note"]

@@ -152,6 +152,9 @@ class Tuner:
                                          best=best_trial(study), num_layers=int(space.get("num_layers") or 0),
                                          device=s.device)
         self.budget.reserve_s, self.budget.reserve_runs = forecast.seconds, len(forecast.runs)
+        if self.advisor is not None and self.budget.deadline is not None:  # no compile the budget cannot hold
+            self.advisor.time_left_s = (self.budget.deadline - time.monotonic() - self.budget.reserve_s
+                                        - self.budget.next_trial_s)
 
     def _budget_spent(self, study: optuna.Study) -> None:
         """The first slot to see the budget spent says so; every slot then stops asking."""

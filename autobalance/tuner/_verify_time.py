@@ -14,12 +14,14 @@ dropout: then the forecast is two runs long). Each run is predicted as
   the kernels' first launches): the step time measured for that configuration, else the step-time
   models' prediction (an fp32 run of a bf16 candidate from the study's fp32 trials or the dtype prior);
 - for a compiled run, its compile: the study's median compile from the Inductor cache when the study
-  compiled the same graphs (dtype, mode, buckets, micro-step sizes, budget; :data:`CACHE_HIT_PRIOR_S`
+  compiled the same graphs (dtype, mode, buckets, micro-step sizes, budget; ``search.CACHE_HIT_PRIOR_S``
   before any cache hit), else its median compile with cache misses.
 
 Only the best candidate's runs are reserved: a second candidate (the best failed verification) adds
 its own runs after the budget. The trial loop stops starting trials once the time left is below
-the next trial (the median launched trial) plus this forecast (:meth:`TimeBudget.spent`).
+the next trial (the median launched trial, its compiling apart) plus this forecast
+(:meth:`TimeBudget.spent`); a proposal that compiles new graphs needs the study's median compile on
+top (the advisor's ``time_left_s``), and a sampled trial then runs eager.
 """
 
 from __future__ import annotations
@@ -34,17 +36,20 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autobalance._config import BalanceConfig
 from autobalance.protocol import MEASURED_STATUSES, Status, TrialAttr
-from autobalance.tuner.search import CompiledTimeModel, StepTimeModel, compiled_graphs, graph_keys
+from autobalance.tuner.search import (
+    CompiledTimeModel,
+    StepTimeModel,
+    compile_times,
+    compiled_graphs,
+    graph_keys,
+)
 
-__all__ = ["CACHE_HIT_PRIOR_S", "FIRST_STEP_FACTOR", "FLOOR_RUNS", "VerifyForecast", "forecast_verification", "next_trial_s",
+__all__ = ["FIRST_STEP_FACTOR", "FLOOR_RUNS", "VerifyForecast", "forecast_verification", "next_trial_s",
            "verification_runs"]
 
 FLOOR_RUNS = 1
 """Shared fp32 runs of the script's own configuration besides ``baseline`` and ``baseline-fp32``:
 the rounding floor (the same step with each micro-batch's samples reversed)."""
-CACHE_HIT_PRIOR_S = 2.0
-"""A compile served by the Inductor cache, before the study measured one (one H200: 1.3-1.9 s; at
-least a tenth of the study's compile with misses)."""
 FIRST_STEP_FACTOR = 2.0
 """A verification run's one step costs this many measured steps (no warm-up step before it)."""
 
@@ -112,29 +117,11 @@ def _part(t: FrozenTrial, *keys: str) -> float:
 
 
 def next_trial_s(trials: Sequence[FrozenTrial]) -> float:
-    """The median wall time of the study's launched trials (0 before any)."""
+    """The median wall time of the study's launched trials without their compiling (0 before any):
+    near the end of a budget the advisor starts no compile that the time left cannot hold, so the
+    next trial is a trial's start-up, steps and hand-over."""
     ran = _launched(trials)
-    return statistics.median(_part(t, "startup", "compile", "steps", "remeasure", "other") for t in ran) if ran else 0.0
-
-
-def _compile_times(trials: Sequence[FrozenTrial]) -> tuple[float, float]:
-    """(median compile from the cache, median compile with cache misses) of the study's compiled trials."""
-    hit, miss, every = [], [], []
-    for t in trials:
-        seconds = t.user_attrs.get(TrialAttr.COMPILE_S)
-        if not isinstance(seconds, (int, float)) or t.user_attrs.get(TrialAttr.REUSED_FROM) is not None:
-            continue
-        cache = t.user_attrs.get(TrialAttr.COMPILE_CACHE) or {}
-        every.append(float(seconds))
-        if cache.get("fx_graph_misses", 0) > 0:
-            miss.append(float(seconds))
-        elif cache.get("fx_graph_hits", 0) > 0:
-            hit.append(float(seconds))
-    if not every:
-        return 0.0, 0.0
-    cold = statistics.median(miss) if miss else statistics.median(every)
-    warm = statistics.median(hit) if hit else min(min(every), max(CACHE_HIT_PRIOR_S, 0.1 * cold))
-    return warm, cold
+    return statistics.median(_part(t, "startup", "steps", "remeasure", "other") for t in ran) if ran else 0.0
 
 
 def forecast_verification(trials: Sequence[FrozenTrial], *, baseline: BalanceConfig | None, best: FrozenTrial | None,
@@ -160,7 +147,7 @@ def forecast_verification(trials: Sequence[FrozenTrial], *, baseline: BalanceCon
     compiled = CompiledTimeModel.fit(list(trials), eager=eager, device=device)
     slowest = max(measured.values(), default=0.0)
     graphs = compiled_graphs([t for t in trials if t.user_attrs.get(TrialAttr.STATUS) in MEASURED_STATUSES])
-    warm, cold = _compile_times(trials)
+    warm, cold = compile_times(trials, device=device)
     total = 0.0
     for _, cfg, _dropout in runs:
         ms = measured.get(json.dumps(cfg.to_dict(), sort_keys=True))

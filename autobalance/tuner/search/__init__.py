@@ -24,10 +24,13 @@ from autobalance.tuner.search._advisor import (
     observations_from_trials,
 )
 from autobalance.tuner.search._compile import (
+    CACHE_HIT_PRIOR_S,
+    COMPILE_PRIOR_S,
     cache_dir,
     compile_env,
     compile_figures,
     compile_notes,
+    compile_times,
     space_problem,
 )
 from autobalance.tuner.search._compiled_model import (
@@ -95,7 +98,9 @@ from autobalance.tuner.search._step_time import (
 __all__ = [
     "ACTIVATION_BYTES_SCALE",
     "BUDGET_RANGE",
+    "CACHE_HIT_PRIOR_S",
     "CACHE_TIE",
+    "COMPILE_PRIOR_S",
     "COMPILE_SPEED_PRIOR",
     "DEFAULT_RECOMPUTE_FRACTION",
     "DEFAULT_SAFETY_MARGIN",
@@ -128,6 +133,7 @@ __all__ = [
     "compile_env",
     "compile_figures",
     "compile_notes",
+    "compile_times",
     "compiled_candidates",
     "compiled_graphs",
     "compiled_observations",

@@ -21,6 +21,7 @@ from optuna.trial import FrozenTrial, TrialState
 from autobalance._config import BalanceConfig, split_evenly
 from autobalance.protocol import Status, StudyAttr, TrialAttr, best_trial, objective_value
 from autobalance.tuner._settings import TuneSettings
+from autobalance.tuner.search._compile import compile_times
 from autobalance.tuner.search._compiled_model import (
     CompiledMemoryModel,
     CompiledTimeModel,
@@ -85,6 +86,10 @@ class ModelAdvisor:
         self._predictions: dict[str, Candidate] = {}
         self.dtype_note = ""
         """Why the last proposals were held to some dtypes (``""``: none held back)."""
+        self.time_left_s: float | None = None
+        """Seconds ``--time-budget`` leaves for a compile once verification's predicted time and a
+        usual trial are kept (set by the tuner before each ask; None: no budget): a proposal that
+        compiles new graphs is made only when the study's median compile fits in it."""
 
     # ------------------------------------------------------------------ model
     def _usable(self, study: optuna.Study) -> list[float] | None:
@@ -226,6 +231,8 @@ class ModelAdvisor:
             return
         measured = {json.dumps(t.user_attrs.get(TrialAttr.CONFIG), sort_keys=True)
                     for t in study.get_trials(deepcopy=False) if t.user_attrs.get(TrialAttr.CONFIG)}
+        if self._no_time_to_compile(study):  # no new graph that the time budget cannot hold
+            candidates = [c for c in candidates if c.new_graphs == 0]
         fresh = [c for c in candidates if c.config.to_json() not in self._proposed and c.config.to_json() not in measured]
         if not fresh or fresh[0].score > _WORTH * candidates[0].score:
             self._to_sampler(study)
@@ -280,20 +287,32 @@ class ModelAdvisor:
                 return cfg
         return None
 
+    def _no_time_to_compile(self, study: optuna.Study) -> bool:
+        """Whether the time budget leaves less than the study's median compile (:attr:`time_left_s`)."""
+        if self.time_left_s is None or not self.space.compile_searched:
+            return False
+        _, compile_s = compile_times(study.get_trials(deepcopy=False), device=self.settings.device)
+        return compile_s > self.time_left_s
+
     def _to_sampler(self, study: optuna.Study) -> None:
-        """Leave the next trial to the sampler; while some dtype is held back, with its dtype fixed
-        to the best trial's (when allowed) or the first allowed one (the sampler picks the rest)."""
-        if self.settings.device != "cuda":
-            return
-        allowed = self._allowed_dtypes(study, self._timing(study))
-        if len(allowed) == len(self.space.dtypes) or not allowed:
-            return
-        best = best_trial(study)
-        dtype = (best.user_attrs.get(TrialAttr.CONFIG) or {}).get("dtype") if best is not None else None
-        if dtype not in allowed:
-            dtype = allowed[0]
-        study.enqueue_trial({"dtype": dtype}, user_attrs={"proposed_by": "sampler", "proposal_note": (
-            f"the sampler's trial in {dtype}: {self.dtype_note}")})
+        """Leave the next trial to the sampler. While some dtype is held back, its dtype is fixed to
+        the best trial's (when allowed) or the first allowed one; when the time budget holds no
+        compile, it runs eager (the sampler picks the rest)."""
+        fixed: dict[str, Any] = {}
+        notes = []
+        if self._no_time_to_compile(study) and "off" in self.space.compile_modes:
+            fixed["compile"] = "off"
+            notes.append("eager: the time budget holds no compile")
+        if self.settings.device == "cuda":
+            allowed = self._allowed_dtypes(study, self._timing(study))
+            if allowed and len(allowed) < len(self.space.dtypes):
+                best = best_trial(study)
+                dtype = (best.user_attrs.get(TrialAttr.CONFIG) or {}).get("dtype") if best is not None else None
+                fixed["dtype"] = dtype if dtype in allowed else allowed[0]
+                notes.append(f"in {fixed['dtype']}: {self.dtype_note}")
+        if fixed:
+            study.enqueue_trial(fixed, user_attrs={"proposed_by": "sampler",
+                                                   "proposal_note": "the sampler's trial " + "; ".join(notes)})
 
     def _timing(self, study: optuna.Study) -> StepTimeModel | None:
         """The step-time model on the study's trials (None: nothing measured yet)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import statistics
+from collections.abc import Sequence
 from typing import Any
 
 from optuna.trial import FrozenTrial
@@ -12,9 +13,16 @@ from autobalance.protocol import TrialAttr
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner.search._space import SearchSpace
 
-__all__ = ["cache_dir", "compile_env", "compile_figures", "compile_notes", "space_problem"]
+__all__ = ["CACHE_HIT_PRIOR_S", "COMPILE_PRIOR_S", "cache_dir", "compile_env", "compile_figures", "compile_notes",
+           "compile_times", "space_problem"]
 
 CACHE_SUBDIR = "inductor-cache"
+CACHE_HIT_PRIOR_S = 2.0
+"""A compile served by the Inductor cache, before the study measured one (one H200: 1.3-1.9 s; at
+least a tenth of the study's compile with misses)."""
+COMPILE_PRIOR_S: dict[str, float] = {"cuda": 45.0, "cpu": 20.0}
+"""A compile with cache misses, before the study measured one (one H200: 15-94 s per configuration;
+2 CPU cores: 18-25 s)."""
 
 
 def cache_dir(runs_dir: str, study_name: str) -> str:
@@ -96,3 +104,26 @@ def compile_notes(trials: list[FrozenTrial]) -> tuple[list[str], float]:
                      f"from the cache (about {saved * len(warm):.0f} s saved over {len(warm)} cached trial(s))")
         lines.append(text + ".")
     return lines, total
+
+
+def compile_times(trials: Sequence[FrozenTrial], *, device: str) -> tuple[float, float]:
+    """(median compile from the Inductor cache, median compile with cache misses) of the study's
+    launched compiled trials; priors (:data:`CACHE_HIT_PRIOR_S`, :data:`COMPILE_PRIOR_S`) where it
+    measured none."""
+    hit, miss, every = [], [], []
+    for t in trials:
+        seconds = t.user_attrs.get(TrialAttr.COMPILE_S)
+        if not isinstance(seconds, (int, float)) or t.user_attrs.get(TrialAttr.REUSED_FROM) is not None:
+            continue
+        cache = t.user_attrs.get(TrialAttr.COMPILE_CACHE) or {}
+        every.append(float(seconds))
+        if cache.get("fx_graph_misses", 0) > 0:
+            miss.append(float(seconds))
+        elif cache.get("fx_graph_hits", 0) > 0:
+            hit.append(float(seconds))
+    if not every:
+        cold = COMPILE_PRIOR_S.get(device, COMPILE_PRIOR_S["cpu"])
+        return max(CACHE_HIT_PRIOR_S, 0.1 * cold), cold
+    cold = statistics.median(miss) if miss else statistics.median(every)
+    warm = statistics.median(hit) if hit else min(min(every), max(CACHE_HIT_PRIOR_S, 0.1 * cold))
+    return warm, cold
