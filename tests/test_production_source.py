@@ -88,6 +88,10 @@ def test_a_tighter_cap_is_still_a_mismatch_said_in_plain_lines(demo_store, capsy
     assert len(lines) == 3 and lines[0].startswith("autobalance: using study gpt-cpu, trial 3"), lines
     assert all(line.startswith("autobalance: study 'gpt-cpu' (trial 3) was tuned on different hardware: rank ")
                and line.endswith("using it anyway (policy 'warn').") for line in lines[1:]), lines
+    with warnings.catch_warnings():  # a script that makes warnings errors gets the mismatch as one
+        warnings.simplefilter("error")
+        with pytest.raises(HardwareMismatchError, match="rank 0 memory cap"):
+            _choose(study="gpt-cpu", storage=demo_store, cap_bytes=DEMO_CAP // 2)
     with pytest.raises(HardwareMismatchError) as info:
         _choose(study="gpt-cpu", storage=demo_store, cap_bytes=DEMO_CAP // 2, on_mismatch="error")
     assert "\n" not in str(info.value) and "rank 0 memory cap 0.0145 GiB (tuned) vs 0.00725 GiB" in str(info.value)
@@ -103,7 +107,7 @@ def test_a_study_for_other_ranks_falls_back_to_the_scripts_defaults_in_one_line(
     lines = capsys.readouterr().err.splitlines()
     assert lines == ["autobalance: study 'gpt-cpu' (trial 3) was tuned for 2 rank(s), this job has 1: using the "
                      "script's own configuration instead (run the job with 2 ranks to use the study's, or tune one "
-                     "with 1): rank 0: 8 | fp32 bucket=25MB"]
+                     "with 1): 8 | fp32 bucket=25MB"]
 
 
 def test_a_study_for_other_ranks_is_refused_in_one_line_under_policy_error(demo_store, capsys) -> None:

@@ -133,6 +133,8 @@ def _load_stored(
         import autobalance._errors as errors
 
         kind = getattr(errors, shared["kind"], None)
+        if shared["kind"] == "HardwareMismatchWarning":  # made an error by the script's warning filters
+            kind = errors.HardwareMismatchError
         if not (isinstance(kind, type) and issubclass(kind, errors.AutobalanceError)):
             kind = errors.StorageError
         raise kind(shared["failure"])
