@@ -400,8 +400,8 @@ def describe_config(config: dict[str, Any] | BalanceConfig | None) -> str:
     """One line for a configuration (``None``: the script's own), the one notation every output uses:
     per rank its micro-batches of one optimizer step and its checkpointed blocks (indices, runs as
     ranges) or compile budget, then what all ranks share (dtype, compile mode, DDP bucket):
-    ``rank 0: 6,6,5,5 ckpt 0-3; rank 1: 4,4,4,4 | bf16 bucket=25MB view``; one rank: ``6,6,5,5 ckpt
-    0-3 | bf16 bucket=25MB``."""
+    ``rank 0: 6,6,5,5 ckpt 0-3; rank 1: 4,4,4,4 | bf16 bucket=25MB view`` (the micro-batches as
+    :meth:`BalanceConfig.split_text` writes them, one rank included)."""
     if config is None:
         return "script defaults"
     try:
@@ -410,9 +410,7 @@ def describe_config(config: dict[str, Any] | BalanceConfig | None) -> str:
         return str(config)
     mode = c.compile
     per_rank = []
-    one = c.world_size == 1  # one rank: its micro-batches, no "rank 0:"
     for r, line in enumerate(c.split_lines()):
-        line = line.removeprefix("rank 0: ") if one else line
         if mode != "off":
             if c.activation_budget:
                 line += f" budget {c.activation_budget[r]:.2g}"

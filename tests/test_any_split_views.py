@@ -68,10 +68,10 @@ def test_config_rows_of_both_forms() -> None:
     rows = dict(config_rows({"rank_samples": [31], "micro_batches": [6], "accumulation": 6, "global_batch": 31,
                              "checkpoint": [[]], "dtype": "bf16", "bucket_cap_mb": 25.0,
                              "gradient_as_bucket_view": False, "compile": "off", "activation_budget": None}))
-    assert rows["micro-batches per optimizer step (sizes differ by at most one)"] == "6,5,5,5,5,5"  # one rank
+    assert rows["micro-batches per optimizer step (sizes differ by at most one)"] == "rank 0: 6,5,5,5,5,5"
     assert "micro-batch (samples per micro-step)" not in rows and "rank samples" not in rows
     old = dict(config_rows({"micro_batches": [4], "accumulation": 8, "global_batch": 32}))
-    assert old["micro-batches per optimizer step"] == "4,4,4,4,4,4,4,4"  # one notation for both forms
+    assert old["micro-batches per optimizer step"] == "rank 0: 4,4,4,4,4,4,4,4"  # one notation for both forms
     two = dict(config_rows({"micro_batches": [8, 8], "accumulation": 1, "global_batch": 16,
                             "checkpoint": [[0, 1, 2, 3], []]}))
     assert two["micro-batches per optimizer step"] == "rank 0: 8; rank 1: 8"

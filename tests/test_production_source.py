@@ -107,7 +107,7 @@ def test_a_study_for_other_ranks_falls_back_to_the_scripts_defaults_in_one_line(
     lines = capsys.readouterr().err.splitlines()
     assert lines == ["autobalance: study 'gpt-cpu' (trial 3) was tuned for 2 rank(s), this job has 1: using the "
                      "script's own configuration instead (run the job with 2 ranks to use the study's, or tune one "
-                     "with 1): 8 | fp32 bucket=25MB"]
+                     "with 1): rank 0: 8 | fp32 bucket=25MB"]
 
 
 def test_a_study_for_other_ranks_is_refused_in_one_line_under_policy_error(demo_store, capsys) -> None:

@@ -140,7 +140,7 @@ def test_single_rank_study_has_no_spread(one, tmp_path) -> None:
     text = _text(page)
     assert 'id="tradeoff-chart"' not in page and 'id="time-memory-chart"' in page
     assert "spread" not in text.replace("spread_plus_time", "")
-    assert "rank 0" not in text  # one rank: "peak (GiB)", not "rank 0 peak"
+    assert "rank 0 peak" not in text and "peak (GiB)" in text  # one rank: "peak (GiB)", not "rank 0 peak"
     names = sorted(Path(p).name for p in files.pngs)
     assert "tradeoff.png" not in names and "time_memory.png" in names
     why = html.unescape(re.search(r"<p id='why'>(.*?)</p>", page, flags=re.S).group(1))  # type: ignore[union-attr]

@@ -49,8 +49,7 @@ def config_rows(config: dict[str, Any]) -> list[tuple[str, str]]:
     micro = c.pop("micro_batches", None)
     uneven = bool(c.pop("rank_samples", None))
     try:  # each rank's micro-steps as they run, the notation of every output: "rank 0: 6,6,5,5,5,5; rank 1: ..."
-        parsed = BalanceConfig.from_dict(config)
-        split: str | None = parsed.split_text().removeprefix("rank 0: " if parsed.world_size == 1 else "")
+        split: str | None = BalanceConfig.from_dict(config).split_text()
     except ConfigError:  # a partial configuration: its fields as they are
         split = None
     if split is not None:
