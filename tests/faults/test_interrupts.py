@@ -70,7 +70,7 @@ def test_interrupt_kills_the_trial_marks_it_and_a_rerun_continues(tmp_path: Path
     last = err.strip().splitlines()[-1]
     assert last.startswith("autobalance: error: interrupted;")
     # the best so far (the seeded baseline) and how to keep it, on the same line
-    assert "Best so far: trial 0 (mb=" in last
+    assert "Best so far: trial 0 (rank 0: " in last  # the configuration in the one notation
     assert f"`autobalance promote --study-name s --trial 0 --storage {seeded}`" in last
     assert last.endswith("or run the same command again to continue the study.")
     assert "Traceback" not in err
