@@ -141,3 +141,49 @@ def test_readme_commands_name_the_demos_study() -> None:
     names = (re.findall(r"--study-name[ =]" + word, readme) + re.findall(r"AUTOBALANCE_STUDY=" + word, readme)
              + re.findall(r'study="([^"]*)"', readme))
     assert len(names) >= 8 and set(names) == {"gpt-cpu"}, sorted(set(names))
+
+
+def test_one_configuration_reads_the_same_everywhere(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 31: tune's output said `mb=[...]` or `rank 0: 2,2,1; ...` and `ckpt=[3, 1]` (counts),
+    `best` said `[[0, 1, 2], [0]]` (indices). One notation now, with the block indices, in tune's
+    trial line, `trials`, `best`, `export` and a production job's line."""
+    import optuna
+    import torch
+
+    from autobalance import BalanceConfig
+    from autobalance.runtime._choice import choose_config
+    from autobalance.store import ConfigStore, current_fingerprint
+
+    config = BalanceConfig.any_split(rank_samples=[5, 11], accumulation=3, checkpoint=[[0, 1, 2], [0]], dtype="bf16",
+                                     bucket_cap_mb=4.0)
+    notation = "rank 0: 2,2,1 ckpt 0-2; rank 1: 4,4,3 ckpt 0 | bf16 bucket=4MB"
+    url = f"sqlite:///{tmp_path / 'n.db'}"
+    study = optuna.create_study(study_name="n", storage=url)
+    study.add_trial(optuna.trial.create_trial(
+        value=1.0, user_attrs={"status": "ok", "feasible": True, "config": config.to_dict(),
+                               "peak_device_gib": [1.0, 1.1], "usable_gib": [2.0, 2.0], "spread_gib": 0.1,
+                               "step_time_ms": 10.0},
+        system_attrs={"constraints": [-0.5]}))
+    with ConfigStore(url=url) as store:
+        store.save(study_name="n", trial_number=0, config=config, figures={},
+                   fingerprint=current_fingerprint(device_type="cpu", world_size=2, nnodes=1), saved_by="test")
+
+    console, out = _console()
+    RichReporter(console=console).start(1, config)
+    assert out.getvalue().strip() == f"trial 1 {notation} ..."
+    runner = CliRunner()
+    trials = runner.invoke(app, ["trials", "--study-name", "n", "--storage", url], env={"COLUMNS": "400"})
+    assert notation in trials.output, trials.output
+    best = runner.invoke(app, ["best", "--study-name", "n", "--storage", url], env={"COLUMNS": "400"})
+    assert "rank 0: 2,2,1 ckpt 0-2" in best.output and "rank 1: 4,4,3 ckpt 0" in best.output, best.output
+    assert "[[0, 1, 2], [0]]" not in best.output and "bf16 bucket=4MB" in best.output
+    export = runner.invoke(app, ["export", "--study-name", "n", "--storage", url, "-o", str(tmp_path / "b.json")])
+    assert f"It applies: {notation}" in export.output, export.output
+    for name in ("AUTOBALANCE_STUDY", "AUTOBALANCE_STORAGE", "AUTOBALANCE_CONFIG_FILE", "AUTOBALANCE_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    capsys.readouterr()
+    chosen, _ = choose_config(in_trial=False, defaults=config, config=None, config_file=None, study="n", storage=url,
+                              on_mismatch="warn", device=torch.device("cpu"), world_size=2, cap_bytes=None)
+    assert chosen == config
+    assert capsys.readouterr().err.strip() == f"autobalance: using study n, trial 0 ({url}): {notation}"
