@@ -71,7 +71,9 @@ def check_compatibility(
     Hardware differences (ranks, nodes, GPU model, per-rank memory) raise
     :class:`HardwareMismatchError` naming all of them under ``policy="error"`` and are warned
     about under ``policy="warn"``. torch/CUDA versions and a changed training script are only
-    ever warnings (:class:`HardwareMismatchWarning`, one per difference).
+    ever warnings (:class:`HardwareMismatchWarning`, one per difference). An emulated cap this job
+    runs without, on as much memory, is no difference (``cap_lifted_note`` says it in one line); a
+    different number of ranks is one, and under ``policy="error"`` its error names that fix.
     """
     if policy not in MISMATCH_POLICIES:
         raise UsageError(
