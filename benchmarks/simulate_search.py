@@ -190,7 +190,7 @@ def run_study(machine: Machine, optimum_s: float, *, strategy: str, seed: int, t
         storage=f"sqlite:///{root}/sim.db", study_name=name, memory_cap_gib=[CAP_GIB], headroom=HEADROOM,
         cap_mode="judge", compile="off", max_spread_gib=SPREAD_LIMIT_GIB,
         strategy="model" if strategy == "model" else "optuna", sampler="random" if strategy == "random" else "tpe",
-        seed=seed, steps=3, warmup=1, measure_s=0, prune_factor=0, runs_dir=f"{root}/runs",
+        seed=seed, steps=3, warmup=1, measure_s=0, prune_factor=0, remeasure="off", runs_dir=f"{root}/runs",
     )
     tuner = SimulatedTuner(machine=machine, rng=np.random.default_rng(seed), measured_steps=measured_steps,
                            settings=settings)
