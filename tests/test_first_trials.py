@@ -192,6 +192,9 @@ def test_fp32_is_proposed_only_when_asked_or_learned():
     # TF32 makes fp32 a candidate like fp16 (after the first dtype)
     assert proposable_dtypes(space=space, device="cuda", trials=measured, tf32=True)[0] == ["fp32", "bf16", "fp16"]
     assert proposable_dtypes(space=space, device="cuda", trials=[], tf32=True)[0] == ["bf16"]
+    # so does naming fp32 in --dtypes fp32,bf16,fp16 (asked), still after bf16
+    assert proposable_dtypes(space=space, device="cuda", trials=measured, asked=True)[0] == ["fp32", "bf16", "fp16"]
+    assert proposable_dtypes(space=space, device="cuda", trials=[], asked=True)[0] == ["bf16"]
     # learned: every half-precision dtype failed (errors, not memory) ...
     failed = [done("bf16", "error"), done("fp16", "crash")]
     assert "fp32" in proposable_dtypes(space=space, device="cuda", trials=failed)[0]

@@ -159,7 +159,7 @@ class ModelAdvisor:
         tf32 = bool((study.user_attrs.get(StudyAttr.DEVICE) or {}).get("tf32"))  # the baseline's report
         allowed, self.dtype_note = proposable_dtypes(
             space=self.space, device=self.settings.device, trials=study.get_trials(deepcopy=False), tf32=tf32,
-            per_sample_ms=None if timing is None else dict(timing.k))
+            asked="fp32" in (self.settings.dtypes or []), per_sample_ms=None if timing is None else dict(timing.k))
         return allowed
 
     def _objective(self, peaks: list[float], usable: list[float], ms: float, reference_ms: float | None) -> float:
@@ -282,8 +282,7 @@ class ModelAdvisor:
                 bucket_cap_mb=float(own.get("bucket_cap_mb") or 25.0),
                 gradient_as_bucket_view=bool(own.get("gradient_as_bucket_view", True)), compile=mode,
                 activation_budget=None if mode == "off" else [BUDGET_RANGE[0]] * world)
-            if self.space.contains(cfg) and cfg.to_json() not in tried and json.dumps(cfg.to_dict(), sort_keys=True) \
-                    not in tried:
+            if self.space.contains(cfg) and cfg.to_json() not in tried:
                 return cfg
         return None
 

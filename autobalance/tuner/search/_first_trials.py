@@ -8,9 +8,10 @@ tensor-core GPU (on one H200, 1331-1340 ms per step where bf16 ran 170-230 ms: f
   the first dtype when bf16 is not searched.
 - **fp16 next**, once the first half-precision dtype was measured or failed.
 - **fp32 only when asked or learned**: the search space holds no half-precision dtype (``--dtypes
-  fp32``), the script runs fp32 matmuls in TF32 (then like fp16, after the first dtype), every
-  half-precision dtype failed (trials that ran and ended in an error, a crash or a timeout, none
-  measured), or the study measured fp32 faster per sample than every half-precision dtype.
+  fp32``); ``--dtypes`` names fp32 or the script runs fp32 matmuls in TF32 (then like fp16, after the
+  first dtype); every half-precision dtype failed (trials that ran and ended in an error, a crash or
+  a timeout, none measured); or the study measured fp32 faster per sample than every half-precision
+  dtype.
 
 Trials left to the sampler before that get the first allowed dtype fixed (the sampler picks the
 rest), so the sampler's random start-up never spends a trial on fp32 with most blocks checkpointed.
@@ -68,9 +69,11 @@ def _dtype_states(trials: Sequence[FrozenTrial]) -> tuple[set[str], set[str]]:
 
 
 def proposable_dtypes(*, space: SearchSpace, device: str, trials: Sequence[FrozenTrial], tf32: bool = False,
-                      per_sample_ms: dict[str, float] | None = None) -> tuple[list[str], str]:
+                      asked: bool = False, per_sample_ms: dict[str, float] | None = None) -> tuple[list[str], str]:
     """The dtypes the models may propose now, in the space's order, and why in words (``""``: all of
-    them). ``per_sample_ms``: the step-time model's measured cost per sample by dtype."""
+    them). ``tf32``: the script runs fp32 matmuls in TF32; ``asked``: ``--dtypes`` names fp32 (then,
+    as with TF32, fp32 comes after the first half-precision dtype); ``per_sample_ms``: the step-time
+    model's measured cost per sample by dtype."""
     if device != "cuda":
         return list(space.dtypes), ""
     half = [d for d in HALF_DTYPES if d in space.dtypes]
@@ -87,7 +90,7 @@ def proposable_dtypes(*, space: SearchSpace, device: str, trials: Sequence[Froze
         k = per_sample_ms or {}
         faster = ("fp32" in k and any(d in k for d in half)
                   and all(k["fp32"] < k[d] for d in half if d in k))
-        if all(d in failed for d in half) or faster or (tf32 and len(allowed) > 1):
+        if all(d in failed for d in half) or faster or ((tf32 or asked) and len(allowed) > 1):
             allowed.add("fp32")
     out = [d for d in space.dtypes if d in allowed]
     return out, ("" if len(out) == len(space.dtypes) else why)
