@@ -154,7 +154,7 @@ def time_lines(spent: dict[str, Any]) -> list[str]:
     if budget is not None and spent.get("stopped_by_budget"):
         text = (f"Stopped by the time budget ({describe_budget(budget)}) after {spent.get('trials')} of "
                 f"{spent.get('of')} trials: ")
-        if reserved > 0 and left is not None:
+        if left is not None and left > 0:  # stopped before the budget's end: what the time left had to hold
             text += (f"no trial started once the time left ({max(0.0, left):.0f} s) no longer held the next trial "
                      f"(about {_number(spent.get('next_trial_s')) or 0.0:.0f} s) and verification (predicted "
                      f"{reserved:.0f} s, {spent.get('verify_reserved_runs')} one-step runs), running ones finished")

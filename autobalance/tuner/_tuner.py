@@ -165,7 +165,7 @@ class Tuner:
             left = (self.budget.deadline or 0.0) - time.monotonic()
             self.budget.left_at_stop = left
         budget = describe_budget(self.budget.budget_s or 0.0)
-        if self.budget.reserve_s > 0 and left > 0:
+        if left > 0:  # stopped early: the time left holds no further trial with verification after it
             self.reporter.note(
                 f"Time budget ({budget}): {left:.0f} s left after {counted_trials(study)} of {self.settings.trials} "
                 f"trials, kept for the next trial's {self.budget.next_trial_s:.0f} s and verification's predicted "
