@@ -299,3 +299,23 @@ def test_near_the_end_of_a_time_budget_no_new_graph_is_compiled(tmp_path):
     waiting = study.get_trials(states=(TrialState.WAITING,))
     assert waiting and waiting[0].system_attrs["fixed_params"] == {"compile": "off", "dtype": "bf16"}
     assert "the time budget holds no compile" in waiting[0].user_attrs["proposal_note"]
+
+
+def test_under_a_time_budget_a_new_graph_is_compiled_only_when_predicted_to_beat_the_best(tmp_path):
+    advisor = advisor_for(tmp_path, compile="search")
+    study = _measured_study(advisor, [*EAGER_BF16, compiled_cfg(8, 4, 0.4)])
+    assert any(c.new_graphs > 0 for c in advisor.scored_candidates(study))
+    # a measured best that no proposal is predicted to beat (feasible: its constraint is met)
+    cfg = BalanceConfig(micro_batches=[4], accumulation=8, global_batch=32, dtype="bf16", checkpoint=[[0, 1]])
+    study.add_trial(optuna.trial.create_trial(value=0.01, system_attrs={"constraints": [-1.0]},
+                                              user_attrs={"status": "ok", "config": cfg.to_dict()}))
+    advisor.time_left_s = 1000.0  # time enough for any compile, but none promises a gain
+    advisor.before_ask(study)
+    waiting = study.get_trials(states=(TrialState.WAITING,))
+    assert not waiting or (waiting[0].user_attrs.get("proposal_new_graphs") or 0) == 0
+    fresh = ModelAdvisor(space=advisor.space, settings=advisor.settings)  # without a budget: what it would compile
+    if waiting:
+        study.tell(study.ask(), 1.0)
+    fresh.before_ask(study)
+    again = study.get_trials(states=(TrialState.WAITING,))
+    assert again and again[0].user_attrs.get("proposal_new_graphs", 0) > 0

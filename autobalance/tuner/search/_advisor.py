@@ -19,7 +19,14 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from autobalance._config import BalanceConfig, split_evenly
-from autobalance.protocol import Status, StudyAttr, TrialAttr, best_trial, objective_value
+from autobalance.protocol import (
+    Status,
+    StudyAttr,
+    TrialAttr,
+    best_trial,
+    objective_value,
+    weighted_objective,
+)
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner.search._compile import compile_times
 from autobalance.tuner.search._compiled_model import (
@@ -89,7 +96,8 @@ class ModelAdvisor:
         self.time_left_s: float | None = None
         """Seconds ``--time-budget`` leaves for a compile once verification's predicted time and a
         usual trial are kept (set by the tuner before each ask; None: no budget): a proposal that
-        compiles new graphs is made only when the study's median compile fits in it."""
+        compiles new graphs is made only when the study's median compile fits in it, and only when
+        it is predicted to beat the best trial (a compile predicted to lose is not worth its time)."""
 
     # ------------------------------------------------------------------ model
     def _usable(self, study: optuna.Study) -> list[float] | None:
@@ -234,6 +242,9 @@ class ModelAdvisor:
         if self._no_time_to_compile(study):  # no new graph that the time budget cannot hold
             candidates = [c for c in candidates if c.new_graphs == 0]
         fresh = [c for c in candidates if c.config.to_json() not in self._proposed and c.config.to_json() not in measured]
+        best = self._best_value(study)
+        if self.time_left_s is not None and best is not None:  # under a time budget a compile must promise a gain
+            fresh = [c for c in fresh if c.new_graphs == 0 or c.score < best]
         if not fresh or fresh[0].score > _WORTH * candidates[0].score:
             self._to_sampler(study)
             return
@@ -285,6 +296,13 @@ class ModelAdvisor:
             if self.space.contains(cfg) and cfg.to_json() not in tried:
                 return cfg
         return None
+
+    def _best_value(self, study: optuna.Study) -> float | None:
+        """The best feasible trial's objective (weighted on a Pareto front); None before one."""
+        best = best_trial(study)
+        if best is None or not best.values:
+            return None
+        return weighted_objective(best.values, study.user_attrs.get(StudyAttr.OBJECTIVE, {}))
 
     def _no_time_to_compile(self, study: optuna.Study) -> bool:
         """Whether the time budget leaves less than the study's median compile (:attr:`time_left_s`)."""
