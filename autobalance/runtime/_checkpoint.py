@@ -131,15 +131,57 @@ class _KeepBuffers:
         self._saved = []
 
 
+class _ReplayModes:
+    """Around a recomputation: the torch-function modes that were active in the block's forward,
+    entered again (the backward's recomputation runs without them), so it computes what the forward
+    did - a verification run's :class:`~autobalance.runtime._verify.NoDropout` included."""
+
+    def __init__(self) -> None:
+        from torch.overrides import _get_current_function_mode_stack
+
+        self.modes = list(_get_current_function_mode_stack())
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> None:
+        from torch.overrides import _get_current_function_mode_stack
+
+        active = {id(m) for m in _get_current_function_mode_stack()}
+        for mode in self.modes:
+            if id(mode) not in active:
+                self._stack.enter_context(mode)
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._stack.close()
+
+
+def _keep_buffers(block: nn.Module) -> Any:
+    """A private seam, not a setting: the tests replace it from their own code to build a known-wrong
+    runtime (``tests/bugs``, ``no-keep-buffers``): what the recomputation of ``block`` runs inside to
+    keep its buffers (``None``: nothing)."""
+    return _KeepBuffers(block) if next(block.buffers(), None) is not None else None
+
+
 def _context_fn(block: nn.Module) -> Any:
-    """The checkpoint's ``context_fn`` for ``block``: its recomputation runs inside :class:`_KeepBuffers`
-    (``None`` for a block without buffers). A private seam, not a setting: the tests replace it from
-    their own code to build a known-wrong runtime (``tests/bugs``, ``no-keep-buffers``)."""
-    if next(block.buffers(), None) is None:
-        return None
+    """The checkpoint's ``context_fn`` for ``block``: its recomputation runs inside :class:`_ReplayModes`
+    and, for a block with buffers, :class:`_KeepBuffers` (``None``: PyTorch's default, no contexts)."""
 
     def contexts() -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
-        return contextlib.nullcontext(), _KeepBuffers(block)
+        replay = _ReplayModes()
+        keep = _keep_buffers(block)
+        if not replay.modes and keep is None:
+            return contextlib.nullcontext(), contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+
+        @contextlib.contextmanager
+        def recompute() -> Iterator[None]:
+            with stack:
+                stack.enter_context(replay)
+                if keep is not None:
+                    stack.enter_context(keep)
+                yield
+
+        return contextlib.nullcontext(), recompute()
 
     return contexts
 

@@ -46,7 +46,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -122,24 +121,26 @@ class NoDropout(TorchFunctionMode):
 
 def hold_full_precision() -> dict[str, bool]:
     """Turn TF32 (matmuls, cuDNN) and reduced-precision fp16/bf16 reductions off; returns which of
-    them were on (the script's own settings, for the verdict's notes)."""
-    was: dict[str, bool] = {}
+    them the script had turned on beyond torch's defaults (``tf32_matmul``: torch's default is off;
+    cuDNN's TF32 and the reduced-precision reductions are on by default and held off silently)."""
     matmul = torch.backends.cuda.matmul
-    for obj, attr, label in ((matmul, "allow_tf32", "tf32_matmul"), (torch.backends.cudnn, "allow_tf32", "tf32_cudnn"),
-                             (matmul, "allow_fp16_reduced_precision_reduction", "fp16_reduced_reduction"),
-                             (matmul, "allow_bf16_reduced_precision_reduction", "bf16_reduced_reduction")):
+    changed = False
+    for obj, attr in ((matmul, "allow_tf32"), (torch.backends.cudnn, "allow_tf32"),
+                      (matmul, "allow_fp16_reduced_precision_reduction"),
+                      (matmul, "allow_bf16_reduced_precision_reduction")):
         try:
-            was[label] = bool(getattr(obj, attr))
-            if was[label] or label.startswith("tf32"):
+            if getattr(obj, attr):
+                if attr == "allow_tf32" and obj is matmul:
+                    changed = True
                 setattr(obj, attr, False)
         except (AttributeError, RuntimeError):  # a flag this torch lacks, or one set through its newer API
             continue
     try:
-        was["tf32_matmul"] = was.get("tf32_matmul", False) or torch.get_float32_matmul_precision() != "highest"
+        changed = changed or torch.get_float32_matmul_precision() != "highest"
         torch.set_float32_matmul_precision("highest")
     except RuntimeError:
         pass
-    return was
+    return {"tf32_matmul": changed}
 
 
 class VerifyRun(Part):
@@ -233,7 +234,7 @@ class VerifyRun(Part):
             p = getattr(module, "p", 0.0)
             if isinstance(p, float) and p > 0:
                 self.dropout_modules += 1
-                module.p = 0.0
+                setattr(module, "p", 0.0)
         if self.allow_batch_dependent:
             for module in batch_dependent_module_list(model):
                 module.eval()

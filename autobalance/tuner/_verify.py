@@ -126,10 +126,11 @@ def verify_for_saving(*, settings: Any, study: Any, best: Any, baseline: Any, no
                          f"the script's own split ({baseline_cfg.split_text()}): tune again with the split fixed.")
             return None
         trial = kept[0]
-        notes.append(f"Every verified uneven split changed the fp32 step far above rounding: the loss or the model has "
-                     "a term computed over the whole micro-batch (a load-balancing loss, a batch statistic), which no "
-                     f"weighting makes split-independent; kept the script's own split ({baseline_cfg.split_text()}) "
-                     f"with the best other settings (trial {trial.number}), as for BatchNorm.")
+        notes.append(f"Every verified split other than the script's changed the fp32 step far above rounding (a loss "
+                     "that is not a per-sample mean, or a term computed over the whole micro-batch such as a "
+                     "load-balancing loss); kept the script's own split "
+                     f"({baseline_cfg.split_text()}) with the best other settings (trial {trial.number}), as for "
+                     "BatchNorm.")
         verdict = verify(trial)
         return trial if verdict.passed else None
 

@@ -70,9 +70,7 @@ from autobalance.verify._tolerance import (
 
 __all__ = ["Verifier", "recomputes", "without_recompute"]
 
-_PRECISION_NAMES = {"tf32_matmul": "TF32 matmuls", "tf32_cudnn": "TF32 convolutions",
-                    "fp16_reduced_reduction": "reduced-precision fp16 reductions",
-                    "bf16_reduced_reduction": "reduced-precision bf16 reductions"}
+_PRECISION_NAMES = {"tf32_matmul": "TF32 matmuls"}
 
 
 def recomputes(config: BalanceConfig) -> bool:

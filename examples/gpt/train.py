@@ -81,6 +81,12 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=IGNORE)
 
 
+def sum_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy (``--sum-loss``, for comparison: a sample's weight then depends on its micro-batch)."""
+    return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=IGNORE,
+                           reduction="sum")
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n-layer", type=int, default=4)
@@ -101,6 +107,12 @@ def parse_args() -> argparse.Namespace:
                    help="compute the loss outside the wrapped model (as most scripts do; for comparison)")
     p.add_argument("--variable-length", action="store_true",
                    help="sequences of random length, padded; the loss is the mean over real tokens")
+    p.add_argument("--tf32", action="store_true",
+                   help="TF32 matmuls and convolutions (nanoGPT turns them on; verify holds them off)")
+    p.add_argument("--clip-grad", type=float, default=0.0,
+                   help="clip the gradients' global norm (through plan.optimizer_step, after unscaling in fp16)")
+    p.add_argument("--sum-loss", action="store_true",
+                   help="a summed loss instead of the mean (for comparison: verify refuses uneven splits)")
     p.add_argument("--no-count", action="store_true",
                    help="with --variable-length: do not pass count= (for comparison: uneven splits then "
                         "change the update, and verify refuses them)")
@@ -110,6 +122,9 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     plan = ab.plan(micro_batch=args.micro_batch, accumulation=args.accumulation, dtype=args.dtype)  # ab
+    if args.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(0)
     with torch.device(plan.device):  # build the weights where they train (fast for big models)
         model = GPT(
@@ -118,7 +133,8 @@ def main() -> None:
         )
     # ab: checkpointing of the chosen blocks, then DDP; with loss= the wrapped model returns the loss,
     # so a compiled configuration compiles model and loss together (the logits are not stored at full size)
-    model = plan.wrap(model, loss=None if args.loss_outside else lm_loss)
+    loss_fn = sum_loss if args.sum_loss else lm_loss
+    model = plan.wrap(model, loss=None if args.loss_outside else loss_fn)
     raw = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
     # Rank-0-only extras: an EMA copy of the weights and a cached validation batch.
@@ -152,9 +168,9 @@ def main() -> None:
             for x, y in micro_batches:
                 x, y = x.to(plan.device, non_blocking=True), y.to(plan.device, non_blocking=True)
                 with plan.micro_step():  # ab: autocast + no_sync on all but the last
-                    loss = lm_loss(model(x), y) if args.loss_outside else model(x, y)
+                    loss = loss_fn(model(x), y) if args.loss_outside else model(x, y)
                     plan.backward(loss)  # ab: uneven-batch loss weighting, GradScaler for fp16
-            plan.optimizer_step(optimizer)  # ab
+            plan.optimizer_step(optimizer, clip_grad_norm=args.clip_grad or None)  # ab: clips unscaled gradients
             if ema is not None:
                 with torch.no_grad():
                     for pe, pm in zip(ema.parameters(), raw.parameters(), strict=True):

@@ -13,7 +13,7 @@ imports this ``sitecustomize`` at start-up in every process of the job, and in t
 - ``micro-step-weights``: each micro-batch of a rank weighs as the mean of that rank's micro-batches
   in the step, not by its own size (the rank's share stays right: exact for equal micro-batches,
   wrong for an any split such as 6,6,5,5,5,5);
-- ``no-keep-buffers``: checkpointed blocks get no buffer protection (``_context_fn`` gives no
+- ``no-keep-buffers``: checkpointed blocks get no buffer protection (``_keep_buffers`` gives no
   context): the recomputation in the backward runs BatchNorm's forward again and updates its
   running statistics and ``num_batches_tracked`` twice per step (gradients unchanged).
 """
@@ -45,7 +45,7 @@ def _inject(bug: str) -> None:
     elif bug == "no-keep-buffers":
         import autobalance.runtime._checkpoint as checkpoint
 
-        checkpoint._context_fn = lambda block: None
+        checkpoint._keep_buffers = lambda block: None
     else:
         raise SystemExit(f"TESTS_INJECT_BUG={bug!r} is unknown; use one of {', '.join(BUGS)}.")
 

@@ -98,6 +98,7 @@ def main() -> None:
     for _ in range(args.epochs):
         for micro_batches in plan.steps(loader):
             for x, y in micro_batches:
+                x, y = x.to(plan.device), y.to(plan.device)
                 with plan.micro_step():
                     logits, aux = model(x)
                     loss = (F.cross_entropy(logits, y, reduction=args.loss) + 0.1 * aux) * args.loss_factor
