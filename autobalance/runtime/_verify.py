@@ -234,7 +234,7 @@ class VerifyRun(Part):
             p = getattr(module, "p", 0.0)
             if isinstance(p, float) and p > 0:
                 self.dropout_modules += 1
-                setattr(module, "p", 0.0)
+                module.p = 0.0  # type: ignore[assignment]
         if self.allow_batch_dependent:
             for module in batch_dependent_module_list(model):
                 module.eval()
