@@ -176,7 +176,7 @@ def test_verify_passes_a_compiled_configuration(device: str, tmp_path: Path) -> 
     verdict = json.loads(proc.stdout)
     assert verdict["passed"] is True, verdict
     checks = {c["name"]: c for c in verdict["checks"]}
-    assert checks["equivalence"]["grad_rel"] <= 1e-6 and checks["equivalence"]["param_rel"] <= 1e-6, checks
+    assert checks["equivalence"]["passed"] and checks["equivalence"]["grad_rel"] <= verdict["bound"] <= 1e-4, checks
     assert "rng-replay" in checks, checks  # the budget recomputes: verify replayed it with dropout on
 
 
