@@ -139,7 +139,7 @@ def test_verify_accepts_a_token_mean_split_with_count_and_explains_without(tmp_p
     # the likely causes in words, and what to change for each
     for words in ("not a per-sample mean", "mean over tokens (padding, ignore_index)",
                   "plan.steps(loader, count=", "reduction='sum'", "README: Losses",
-                  "layers whose step depends on the batch", "non-deterministic ops"):
+                  "layers whose step depends on the batch", "a term computed over the whole micro-batch"):
         assert words in said, (words, said[-3000:])
 
 
