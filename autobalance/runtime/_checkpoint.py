@@ -131,15 +131,14 @@ class _KeepBuffers:
         self._saved = []
 
 
-class _ReplayModes:
+class _Recompute:
     """Around a recomputation: the torch-function modes that were active in the block's forward,
-    entered again (the backward's recomputation runs without them), so it computes what the forward
-    did - a verification run's :class:`~autobalance.runtime._verify.NoDropout` included."""
+    entered again (the backward's recomputation runs without them; a verification run's
+    :class:`~autobalance.runtime._verify.NoDropout` among them), then ``keep`` (:class:`_KeepBuffers`)."""
 
-    def __init__(self) -> None:
-        from torch.overrides import _get_current_function_mode_stack
-
-        self.modes = list(_get_current_function_mode_stack())
+    def __init__(self, modes: list[Any], keep: _KeepBuffers | None) -> None:
+        self.modes = modes
+        self.keep = keep
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> None:
@@ -149,13 +148,15 @@ class _ReplayModes:
         for mode in self.modes:
             if id(mode) not in active:
                 self._stack.enter_context(mode)
+        if self.keep is not None:
+            self._stack.enter_context(self.keep)
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self._stack.close()
 
 
-def _keep_buffers(block: nn.Module) -> Any:
+def _keep_buffers(block: nn.Module) -> _KeepBuffers | None:
     """A private seam, not a setting: the tests replace it from their own code to build a known-wrong
     runtime (``tests/bugs``, ``no-keep-buffers``): what the recomputation of ``block`` runs inside to
     keep its buffers (``None``: nothing)."""
@@ -163,25 +164,17 @@ def _keep_buffers(block: nn.Module) -> Any:
 
 
 def _context_fn(block: nn.Module) -> Any:
-    """The checkpoint's ``context_fn`` for ``block``: its recomputation runs inside :class:`_ReplayModes`
-    and, for a block with buffers, :class:`_KeepBuffers` (``None``: PyTorch's default, no contexts)."""
+    """The checkpoint's ``context_fn`` for ``block``: its recomputation runs inside :class:`_Recompute`
+    (``None``: PyTorch's default, no contexts)."""
 
     def contexts() -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
-        replay = _ReplayModes()
+        from torch.overrides import _get_current_function_mode_stack
+
+        modes = list(_get_current_function_mode_stack())
         keep = _keep_buffers(block)
-        if not replay.modes and keep is None:
+        if not modes and keep is None:  # an ordinary training step: nothing to replay
             return contextlib.nullcontext(), contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-
-        @contextlib.contextmanager
-        def recompute() -> Iterator[None]:
-            with stack:
-                stack.enter_context(replay)
-                if keep is not None:
-                    stack.enter_context(keep)
-                yield
-
-        return contextlib.nullcontext(), recompute()
+        return contextlib.nullcontext(), _Recompute(modes, keep)
 
     return contexts
 
