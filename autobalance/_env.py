@@ -12,6 +12,7 @@ __all__ = [
     "CONFIG_FILE",
     "DEVICE",
     "DIAGNOSE",
+    "EMULATE_MS_PER_SAMPLE",
     "GLOBAL_BATCH",
     "MAX_STEPS",
     "MEASURE_S",
@@ -87,6 +88,9 @@ and optionally ``init`` (a ``.pt`` of the starting weights to load). After the f
 rank 0 writes ``verify-step.pt`` (gradients and updated parameters, tensors only), ``verify-init.pt``
 (the starting weights) and ``verify-step.json`` (the step's sample indices), then the trial ends.
 It is a file, not a variable, so it reaches warm workers (which take only per-trial variables)."""
+EMULATE_MS_PER_SAMPLE = "AUTOBALANCE_EMULATE_MS_PER_SAMPLE"
+"""Emulated slow ranks (CPU tests, planning a mixed machine): milliseconds each micro-step sleeps per
+sample, one number or one per rank (``runtime/_emulate.py``). A sleep: the update is unchanged."""
 COMPILE_BACKEND = "AUTOBALANCE_COMPILE_BACKEND"
 """``torch.compile`` backend for compiled configurations (default ``inductor``); tests use
 ``aot_eager_decomp_partition`` (the same partitioner and activation budget, no C++ compile)."""

@@ -196,6 +196,12 @@ class RankReport:
     """Samples of the steps ``step_time_s`` stands for: the global batch, or the partial steps' mean."""
     samples_per_s: float | None = None
     """``samples_per_step / step_time_s``: the samples really used per second."""
+    busy_time_s: float | None = None
+    """This rank's own work per measured step (median): the step less its wait at the gradient
+    all-reduce (``runtime/_busy.py``); absent in reports from before it was measured."""
+    allreduce_wait_s: float | None = None
+    """This rank's wait at the step's gradient all-reduce (median): for the slowest rank about the
+    all-reduce's transfer, for a faster one its idle time too."""
     data: dict[str, Any] | None = None
     """The dataset as the plan's loader sees it: ``samples``, ``global_batch``, ``steps_per_epoch``,
     ``dropped`` (a tail smaller than the number of ranks)."""
@@ -269,7 +275,8 @@ def report_problem(data: Any) -> str | None:
         for key in keys:
             if values.get(key) is not None and not _measure(values[key]):
                 return f"{section}.{key} is not a non-negative number"
-    for key in ("step_time_s", "step_time_iqr_s", "samples_per_s", "measured_steps", "partial_steps", "samples_per_step"):
+    for key in ("step_time_s", "step_time_iqr_s", "samples_per_s", "measured_steps", "partial_steps", "samples_per_step",
+                "busy_time_s", "allreduce_wait_s"):
         if data.get(key) is not None and not _measure(data[key]):
             return f"{key} is not a non-negative number"
     times = data.get("step_times_s")

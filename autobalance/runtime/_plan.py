@@ -33,9 +33,11 @@ from autobalance._errors import UsageError
 from autobalance.protocol import Status
 from autobalance.runtime._batch_dependent import BatchDependence
 from autobalance.runtime._breakdown import Breakdown
+from autobalance.runtime._busy import BusyMeter
 from autobalance.runtime._choice import choose_config, default_config
 from autobalance.runtime._clock import StepClock
 from autobalance.runtime._compile import CompileState
+from autobalance.runtime._emulate import SlowRank
 from autobalance.runtime._exit import (
     TrialComplete,
     TrialEnd,
@@ -129,7 +131,10 @@ class Plan:
                                one_step=self.verify is not None)
         self.ending = TrialEnd(self)
         self.batch_watch = (BatchDependence() if self.measuring and self.compile_state is None else None)
-        self._parts: list[Part] = [p for p in (self.compile_state, self.breakdown, self.verify, self.batch_watch)
+        self.busy = BusyMeter(device=device) if self.measuring else None
+        self.slow_rank = SlowRank.from_env(rank)
+        self._parts: list[Part] = [p for p in (self.compile_state, self.breakdown, self.verify, self.batch_watch,
+                                               self.slow_rank, self.busy)
                                    if p is not None]
         self.data_info: dict[str, Any] | None = None
         """The dataset as :meth:`dataloader` saw it (samples, global batch, steps per epoch, dropped)."""

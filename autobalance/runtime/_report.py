@@ -67,6 +67,7 @@ def build_report(plan: Plan, *, status: Status = Status.OK, error: str | None = 
     mem = plan.memory()
     compile_step, steady = meter.compile_step, meter.steady()
     compiled, verify, breakdown = plan.compile_state, plan.verify, plan.breakdown
+    busy, wait = plan.busy.figures(len(measured)) if plan.busy is not None else (None, None)
     return RankReport(
         status=status,
         error=error,
@@ -92,6 +93,8 @@ def build_report(plan: Plan, *, status: Status = Status.OK, error: str | None = 
         partial_steps=partial,
         samples_per_step=samples_per_step,
         samples_per_s=(samples_per_step / step_time) if step_time and samples_per_step else None,
+        busy_time_s=busy,
+        allreduce_wait_s=wait,
         data=plan.data_info,
         memory=RankMemory(
             peak_allocated=mem.peak_allocated,

@@ -1,0 +1,124 @@
+"""One rank's busy time per optimizer step: its own work, without its wait for the other ranks.
+
+In DDP every rank waits for the slowest at the step's gradient all-reduce, so every rank records
+the same step time and the step time alone cannot say which rank is slow. A rank's *busy time* is
+its step (from the step's micro-batches being fetched to the end of ``optimizer.step()``) minus its
+*wait*: from the moment its last gradient of the step's last micro-step is accumulated (it has
+reached the all-reduce; a hook on every parameter's gradient accumulation records the moment) to the
+end of that backward (DDP's reducer has waited for the all-reduce and copied the averaged
+gradients back). The wait includes the all-reduce's own transfer time, which every rank pays.
+
+- CPU: wall time (``time.perf_counter``), so an emulated slow rank's sleeps count as work
+  (:mod:`~autobalance.runtime._emulate`); thread CPU time would miss them and the intra-op threads.
+- CUDA: events on the current stream (the CPU runs ahead of the GPU: host clocks measure launches,
+  not work); read once per step after the step's synchronisation.
+
+The report carries the median over the measured steps of each (``busy_time_s``,
+``allreduce_wait_s``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from autobalance.runtime._parts import Part
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from autobalance.runtime._plan import Plan
+
+__all__ = ["BusyMeter"]
+
+
+class _Marks:
+    """Timestamps of one step: wall seconds on CPU, CUDA events on a GPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.start: Any = None
+        self.ready: Any = None
+        self.backward_end: Any = None
+
+    def now(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, a: Any, b: Any) -> float:
+        if not self.cuda:
+            return float(b - a)
+        b.synchronize()
+        return float(a.elapsed_time(b)) / 1000.0
+
+
+class BusyMeter(Part):
+    """Measures this rank's busy time and all-reduce wait per step (see the module docstring)."""
+
+    def __init__(self, *, device: torch.device) -> None:
+        self.device = device
+        self.marks = _Marks(device)
+        self.busy_s: list[float] = []
+        """Busy seconds of every counted step (warm-up included)."""
+        self.wait_s: list[float] = []
+        """All-reduce wait seconds of the same steps."""
+        self._last_micro = False
+        self._handles: list[Any] = []
+
+    def on_wrapped(self, plan: Plan, wrapped: nn.Module) -> None:
+        model = plan.model if plan.model is not None else wrapped
+        for p in model.parameters():
+            if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
+                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+
+    def _grad_ready(self, _param: torch.Tensor) -> None:
+        if not self._last_micro:
+            return
+        if self.marks.cuda:  # one event re-recorded: the last gradient of the backward stays
+            if self.marks.ready is None:
+                self.marks.ready = torch.cuda.Event(enable_timing=True)
+            self.marks.ready.record()
+        else:
+            self.marks.ready = time.perf_counter()
+
+    def on_step_start(self, plan: Plan) -> None:
+        self.marks.start = self.marks.now()
+        self.marks.ready = None
+        self.marks.backward_end = None
+
+    def before_backward(self, plan: Plan) -> None:
+        mine = plan.layout.micro_batches[plan.rank]
+        self._last_micro = plan._micro_index == len(mine) - 1
+        if self._last_micro and not self.marks.cuda:
+            self.marks.ready = None
+
+    def after_backward(self, plan: Plan) -> None:
+        if self._last_micro:
+            self.marks.backward_end = self.marks.now()
+            self._last_micro = False
+
+    def after_step(self, plan: Plan) -> None:
+        marks = self.marks
+        if marks.start is None:
+            return
+        end = marks.now()
+        total = marks.seconds(marks.start, end)
+        wait = 0.0
+        if marks.ready is not None and marks.backward_end is not None:
+            wait = max(0.0, marks.seconds(marks.ready, marks.backward_end))
+        self.busy_s.append(max(0.0, total - wait))
+        self.wait_s.append(wait)
+        marks.start = None
+
+    def figures(self, measured_steps: int) -> tuple[float | None, float | None]:
+        """Median busy and wait seconds of the last ``measured_steps`` steps (None without any)."""
+        if measured_steps <= 0 or not self.busy_s:
+            return None, None
+        busy, wait = self.busy_s[-measured_steps:], self.wait_s[-measured_steps:]
+        return statistics.median(busy), statistics.median(wait)
