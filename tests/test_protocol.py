@@ -32,6 +32,7 @@ FULL = {
     "steps_done": 5, "warmup_steps": 2, "step_times_s": [0.1, 0.2, 0.3], "step_time_s": 0.2, "step_time_iqr_s": 0.1,
     "measured_steps": 3,
     "step_samples": [8, 8, 8], "partial_steps": 0, "samples_per_step": 8.0, "samples_per_s": 40.0,
+    "busy_time_s": 0.15, "allreduce_wait_s": 0.05,
     "data": {"samples": 64, "global_batch": 8, "steps_per_epoch": 8, "dropped": 0},
     "memory": {"peak_allocated": 1.0, "peak_reserved": 2.0, "outside_pytorch": 0, "nvml_used_peak": None,
                "nvml_scope": "none", "peak_device": 2.0, "before_training": 0.5, "compile_step": None,
