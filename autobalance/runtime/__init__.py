@@ -6,8 +6,16 @@ It imports nothing from the tuner or the launcher (checked by a test).
 from __future__ import annotations
 
 from autobalance.runtime._checkpoint import apply_checkpointing, find_blocks
+from autobalance.runtime._external import FrameworkLoop, FullStepSampler
 from autobalance.runtime._memory import CpuMemoryTracker, MemorySnapshot, NvmlDevice
 from autobalance.runtime._plan import Plan, TrialComplete, classify_exception, plan
+from autobalance.runtime._rank_weighting import (
+    RankWeight,
+    micro_step_factor,
+    rank_weight,
+    register_rank_weighting,
+    weighted_sum_hook,
+)
 from autobalance.runtime._report import report_path, write_report
 from autobalance.runtime._sampler import (
     EpochSchedule,
@@ -21,10 +29,13 @@ from autobalance.runtime._with_loss import ModelWithLoss
 __all__ = [
     "CpuMemoryTracker",
     "EpochSchedule",
+    "FrameworkLoop",
+    "FullStepSampler",
     "MemorySnapshot",
     "ModelWithLoss",
     "NvmlDevice",
     "Plan",
+    "RankWeight",
     "StepLayout",
     "TrialComplete",
     "UnevenBatchSampler",
@@ -33,7 +44,11 @@ __all__ = [
     "epoch_schedule",
     "find_blocks",
     "micro_batch_weight",
+    "micro_step_factor",
     "plan",
+    "rank_weight",
+    "register_rank_weighting",
     "report_path",
+    "weighted_sum_hook",
     "write_report",
 ]
