@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, Literal
 
 from autobalance._errors import ConfigError
 from autobalance._files import is_int, is_number
@@ -13,6 +13,7 @@ from autobalance._files import is_int, is_number
 __all__ = [
     "COMPILE_MODES",
     "DTYPES",
+    "OPTIMIZER_SHARDINGS",
     "BalanceConfig",
     "block_ranges",
     "describe_config",
@@ -26,6 +27,8 @@ DTYPES = ("fp32", "bf16", "fp16")
 COMPILE_MODES = ("off", "default", "max-autotune-no-cudagraphs")
 """``torch.compile`` modes a configuration may ask for (``off``: eager). CUDA-graph modes are left
 out: they keep their own memory pools and do not compose with DDP's buckets."""
+OPTIMIZER_SHARDINGS = ("off", "zero1")
+"""Where the optimizer state lives: on every rank (``off``) or split over the ranks (``zero1``)."""
 
 
 @dataclass(kw_only=True)
@@ -67,6 +70,14 @@ class BalanceConfig:
     """Per rank, ``torch._functorch.config.activation_memory_budget`` set before compiling: the
     fraction of activation memory the partitioner may keep (1.0: its default; lower: recompute
     more). Only with ``compile`` on, which excludes layer checkpointing (``checkpoint`` all empty)."""
+    optimizer_sharding: Literal["off", "zero1"] = "off"
+    """``off``: every rank keeps the whole optimizer state (plain DDP); ``zero1``: each rank keeps the
+    state of its share of the parameters only (``plan.optimizer(...)``; ZeRO stage 1, uneven)."""
+    optimizer_shares: list[float] | None = None
+    """With ``zero1``: per rank, the fraction of the parameter bytes whose optimizer state it keeps
+    (they sum to 1; None: even). The partition is whole parameters in the optimizer's order
+    (``runtime/_zero.partition``, a pure function of these shares and the parameter sizes), so a
+    production job with the same model applies the same partition."""
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -109,6 +120,34 @@ class BalanceConfig:
                 f"bucket_cap_mb={self.bucket_cap_mb} is out of range; use a size in (0, 10000] MiB (DDP's default is 25)."
             )
         self._check_compile(ranks)
+        self._check_sharding(ranks)
+
+    def _check_sharding(self, ranks: int) -> None:
+        if self.optimizer_sharding not in OPTIMIZER_SHARDINGS:
+            raise ConfigError(
+                f"optimizer_sharding={self.optimizer_sharding!r} is unknown; use one of {', '.join(OPTIMIZER_SHARDINGS)}."
+            )
+        shares = self.optimizer_shares
+        if shares is None:
+            return
+        if self.optimizer_sharding == "off":
+            raise ConfigError(
+                f"optimizer_shares={shares} needs optimizer_sharding='zero1'; set it or optimizer_shares=null."
+            )
+        if len(shares) != ranks:
+            raise ConfigError(
+                f"optimizer_shares has {len(shares)} entries for {ranks} ranks; give one fraction per rank (or null: even)."
+            )
+        if any(s < 0 for s in shares) or abs(sum(shares) - 1.0) > 1e-6:
+            raise ConfigError(
+                f"optimizer_shares={shares} are not fractions >= 0 summing to 1; pass per-rank fractions that add up to 1."
+            )
+
+    def sharding_shares(self) -> list[float] | None:
+        """Per rank, its fraction of the optimizer state (``zero1``; even when not given); None when off."""
+        if self.optimizer_sharding == "off":
+            return None
+        return list(self.optimizer_shares) if self.optimizer_shares is not None else [1.0 / self.world_size] * self.world_size
 
     def _check_rank_samples(self) -> None:
         """Check the any-split form; derive ``micro_batches``; store an equal split in the equal form."""
@@ -202,6 +241,13 @@ class BalanceConfig:
             if not isinstance(budget, list) or not all(is_number(b) and math.isfinite(b) for b in budget):
                 raise bad("activation_budget", budget, "null or a list of fractions (one per rank)")
             self.activation_budget = [float(b) for b in budget]
+        if not isinstance(self.optimizer_sharding, str):
+            raise bad("optimizer_sharding", self.optimizer_sharding, "a string")
+        fractions = self.optimizer_shares
+        if fractions is not None:
+            if not isinstance(fractions, list) or not all(is_number(v) and math.isfinite(v) for v in fractions):
+                raise bad("optimizer_shares", fractions, "null or a list of fractions (one per rank)")
+            self.optimizer_shares = [float(v) for v in fractions]
 
     @property
     def world_size(self) -> int:
@@ -254,6 +300,8 @@ class BalanceConfig:
         data = asdict(self)
         if data["rank_samples"] is None:
             del data["rank_samples"]  # the equal form is stored as it was before any split existed
+        if data["optimizer_sharding"] == "off":  # stored as before sharding existed
+            del data["optimizer_sharding"], data["optimizer_shares"]
         return data
 
     @classmethod
@@ -421,6 +469,9 @@ def describe_config(config: dict[str, Any] | BalanceConfig | None) -> str:
     if mode != "off":
         shared.append(f"compile={mode}" + ("" if c.activation_budget else " (default budget)"))
     shared.append(f"bucket={c.bucket_cap_mb:.0f}MB" + (" view" if c.gradient_as_bucket_view else ""))
+    zero = c.sharding_shares()
+    if zero is not None:
+        shared.append("zero1 " + "/".join(f"{100 * q:.0f}%" for q in zero))
     return "; ".join(per_rank) + " | " + " ".join(shared)
 
 

@@ -38,7 +38,10 @@ FULL = {
                "nvml_scope": "none", "peak_device": 2.0, "before_training": 0.5, "compile_step": None,
                "steady": None},
     "timing": {"startup_s": 1.0, "compile_s": None, "steps_s": 0.9, "measure_s": 0.0, "wall_s": 2.0},
-    "compile": {"mode": "off"}, "activation_budget": None, "verify": None, "breakdown": None, "warm": None,
+    "compile": {"mode": "off"}, "activation_budget": None, "verify": None, "breakdown": None,
+    "optimizer": {"sharding": "zero1", "wrapped": True, "state_bytes": 4096, "param_bytes": 2048,
+                  "total_param_bytes": 8192, "shares": [0.75, 0.25], "params_owned": [3, 1]},
+    "warm": None,
     "torch_version": "2.6", "cuda_version": None, "written_at": "now",
 }
 
@@ -71,6 +74,7 @@ def test_setup_failure_report_reads_with_defaults():
     ({**FULL, "step_time_s": -1}, "an ok report without a step time"),
     ({**FULL, "timing": {"steps_s": "soon"}}, "timing.steps_s is not a non-negative number"),
     ({**FULL, "measured_steps": True}, "measured_steps is not a non-negative number"),
+    ({**FULL, "optimizer": {"state_bytes": -1}}, "optimizer.state_bytes is not a non-negative number"),
     ({**FULL, "step_times_s": [0.1, float("nan")]}, "step_times_s is not a list"),
     ([1], "a JSON list, not an object"),
 ])

@@ -212,6 +212,11 @@ class RankReport:
     verify: dict[str, Any] | None = None
     breakdown: dict[str, Any] | None = None
     """``autobalance diagnose``: MemTracker's per-module breakdown."""
+    optimizer: dict[str, Any] | None = None
+    """The optimizer as the plan saw it: ``sharding`` (``off``/``zero1``), ``wrapped`` (the script calls
+    ``plan.optimizer``), ``state_bytes`` (this rank's optimizer state, measured), ``param_bytes`` (of
+    the parameters whose state it keeps), ``total_param_bytes``, ``shares``, ``params_owned``; absent
+    in reports from before it was measured."""
     warm: dict[str, Any] | None = None
     """A warm trial: what it inherited from its worker and whether the worker was recycled after it
     (see :mod:`autobalance.runtime._carryover`)."""
@@ -254,7 +259,7 @@ def report_problem(data: Any) -> str | None:
     for key in ("error", "traceback", "torch_version", "cuda_version"):
         if data.get(key) is not None and not isinstance(data[key], str):
             return f"{key} is not a string"
-    for key in ("memory", "device", "timing", "config", "defaults", "model", "breakdown", "data", "warm"):
+    for key in ("memory", "device", "timing", "config", "defaults", "model", "breakdown", "data", "warm", "optimizer"):
         if data.get(key) is not None and not isinstance(data[key], dict):
             return f"{key} is not an object"
     if data["status"] == Status.OK:
@@ -269,6 +274,7 @@ def report_problem(data: Any) -> str | None:
         ("timing", ("startup_s", "compile_s", "steps_s", "wall_s")),
         ("config", ("global_batch",)),
         ("model", ("num_blocks",)),
+        ("optimizer", ("state_bytes", "param_bytes", "total_param_bytes")),
     )
     for section, keys in checks:
         values = data.get(section) or {}

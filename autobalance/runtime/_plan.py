@@ -64,6 +64,7 @@ from autobalance.runtime._setup import cap_for_rank, init_distributed, int_env, 
 from autobalance.runtime._verify import VerifyRun
 from autobalance.runtime._weighting import StepWeights
 from autobalance.runtime._wrapping import wrap_model
+from autobalance.runtime._zero import OptimizerInfo, ShardedOptimizer
 
 __all__ = ["Plan", "TrialComplete", "classify_exception", "plan"]
 
@@ -140,6 +141,8 @@ class Plan:
         """The dataset as :meth:`dataloader` saw it (samples, global batch, steps per epoch, dropped)."""
         self._repeat_step = False
         """A part asked for the step to be run again (an overflowed fp16 verification step)."""
+        self.optimizer_info = OptimizerInfo(sharding=config.optimizer_sharding)
+        """The optimizer as the plan saw it (sharded or not, its state's bytes on this rank)."""
 
     # ----------------------------------------------------------------- public properties
     @property
@@ -272,6 +275,20 @@ class Plan:
         for part in self._parts:
             part.after_backward(self)
 
+    def optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer this configuration asks for: ``optimizer`` itself, or with
+        ``optimizer_sharding='zero1'`` a :class:`~autobalance.runtime._zero.ShardedOptimizer` keeping
+        this rank's share of the state only (the one changed line:
+        ``opt = plan.optimizer(torch.optim.AdamW(model.parameters(), lr=...))``). Call it before the
+        first step; the update is the unsharded one's (see :mod:`~autobalance.runtime._zero`)."""
+        self.optimizer_info.wrapped = True
+        shares = self.config.sharding_shares()
+        if shares is None:
+            return optimizer
+        sharded = ShardedOptimizer(optimizer, shares=shares)
+        self.optimizer_info.sharded = sharded
+        return sharded
+
     def optimizer_step(
         self, optimizer: torch.optim.Optimizer, *, clip_grad_norm: float | None = None
     ) -> None:
@@ -281,6 +298,7 @@ class Plan:
         step_optimizer(optimizer, scaler=self.scaler, clip_grad_norm=clip_grad_norm)
         for part in self._parts:
             part.after_optimizer_step(self, optimizer)
+        self.optimizer_info.after_step(optimizer, rank=self.rank)
         optimizer.zero_grad(set_to_none=True)
         if any([part.repeat_step(self) for part in self._parts]):
             self._repeat_step = True  # the same micro-batches again, as the same (uncounted) step

@@ -121,6 +121,7 @@ def build_report(plan: Plan, *, status: Status = Status.OK, error: str | None = 
         verify=({"dropout": verify.dropout, "loss_weighting": True, "train_mode": verify.train_mode,
                  "overflow_skips": verify.overflow_skips} if verify is not None else None),
         breakdown=breakdown.to_dict() if breakdown is not None else None,
+        optimizer=plan.optimizer_info.to_dict(),
         torch_version=torch.__version__,
         cuda_version=torch.version.cuda,
         written_at=datetime.datetime.now(datetime.UTC).isoformat(),
