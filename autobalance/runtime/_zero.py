@@ -171,7 +171,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for bucket in self._buckets([self.params[i] for i in run]):
                 flat = torch.cat([p.detach().reshape(-1) for p in bucket]) if owner == self.rank else torch.empty(
                     sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
-                if self.world_size > 1:
+                if self.world_size > 1 or dist.is_initialized():
                     dist.broadcast(flat, src=dist.get_global_rank(self.group, owner) if self.group else owner,
                                    group=self.group)
                 if owner != self.rank or self.always_exchange:

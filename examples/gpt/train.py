@@ -160,7 +160,8 @@ def main() -> None:
     # ab: a loss averaged over real tokens is weighted by each micro-batch's share of the step's
     # real tokens (over all ranks), so every split computes the global token-mean update
     count = (lambda batch: (batch[1] != IGNORE).sum()) if args.variable_length and not args.no_count else None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=plan.device.type == "cuda")
+    # ab: with optimizer_sharding='zero1' each rank keeps its share of AdamW's state only (same update)
+    optimizer = plan.optimizer(torch.optim.AdamW(model.parameters(), lr=3e-4, fused=plan.device.type == "cuda"))
 
     step = 0
     for _epoch in range(args.epochs):
