@@ -95,6 +95,30 @@ def test_full_precision_is_held_and_the_script_setting_reported():
         torch.set_float32_matmul_precision(before[1])
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_only_fp32_runs_hold_full_precision(dtype, tmp_path):
+    """An fp32 verification run holds TF32 off (and reports the script's setting); a bf16 run keeps
+    the script's settings, as the trial it verifies ran (its compile then hits the study's cache)."""
+    from types import SimpleNamespace
+
+    from autobalance.runtime._verify import VerifyRun
+
+    matmul = torch.backends.cuda.matmul
+    before = (matmul.allow_tf32, torch.get_float32_matmul_precision())
+    config = BalanceConfig(micro_batches=[4], accumulation=1, global_batch=4, dtype=dtype)
+    run = VerifyRun(trial_dir=str(tmp_path), dropout="off", init=None)
+    plan = SimpleNamespace(config=config, rank=0, model=None)
+    try:
+        matmul.allow_tf32 = True
+        run.on_wrap(plan, nn.Linear(2, 2))  # type: ignore[arg-type]
+        run.on_step_start(plan)  # type: ignore[arg-type]
+        assert matmul.allow_tf32 is (dtype != "fp32")
+        assert run.script_precision == ({"tf32_matmul": True} if dtype == "fp32" else {})
+    finally:
+        matmul.allow_tf32 = before[0]
+        torch.set_float32_matmul_precision(before[1])
+
+
 def test_gradients_the_script_unscaled_are_not_unscaled_again():
     """PyTorch's AMP recipe (scaler.unscale_, clip, then plan.optimizer_step(clip_grad_norm=...)):
     the second unscale would raise; the scaler's stage says the gradients are at scale 1."""

@@ -19,9 +19,13 @@ accepts that a split changes their batch statistics). Whether any dropout was se
 ``p > 0`` or a functional call with a probability above 0) is saved with the step: without dropout,
 recomputation has no random masks to replay.
 
-Every verification run holds full fp32 precision: TF32 matmuls and convolutions and reduced-precision
-reductions are turned off when the model is wrapped and again at every step and micro-step (a script
-may turn TF32 on after ``plan()``; nanoGPT does so at its top). Measured on one H200 (a ~270M GPT,
+Every fp32 verification run holds full fp32 precision: TF32 matmuls and convolutions and
+reduced-precision reductions are turned off when the model is wrapped and again at every step and
+micro-step (a script may turn TF32 on after ``plan()``; nanoGPT does so at its top). A bf16 or fp16
+run keeps the script's own settings, as production runs it: its check compares it with the
+baseline in the same dtype and settings (within a multiple of the baseline's own error, far above
+TF32's), and a compiled one then builds the same graphs as the study's trial of it, which the
+study's Inductor cache serves (the precision flags are part of the cache key). Measured on one H200 (a ~270M GPT,
 ``benchmarks/2026-12-03-h200/verify_floor.json``): with TF32 on, two runs of the *same* configuration
 differ by 1.1e-4 in their gradients, two correct arrangements by 1.1-1.5e-4 and a 1e-3 reweighting of
 one micro-batch by 7.1e-4, too close to tell apart; with TF32 off: 4.6e-7, 1.1-3.1e-6 and 7.1e-4.
@@ -46,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -159,6 +164,8 @@ class VerifyRun(Part):
         """Dropout modules with ``p > 0`` (their ``p`` is 0 in a dropout-off run)."""
         self.script_precision: dict[str, bool] = {}
         """Which reduced-precision settings the script had on (held off in this run)."""
+        self.holds_precision = True
+        """Whether this run holds full fp32 precision (an fp32 run; set when the model is wrapped)."""
         self.batch_dependent: list[str] = []
         """The model's batch-dependent layers (found by :meth:`on_wrap`)."""
         self.overflow_skips = 0
@@ -169,6 +176,8 @@ class VerifyRun(Part):
         self._overflowed = False
         self.saved = False
         """The step was saved: the run is done."""
+        self.init_s: float | None = None
+        """Seconds rank 0 took to load (or save) the starting weights."""
 
     @classmethod
     def from_trial_dir(cls, trial_dir: str | None) -> VerifyRun | None:
@@ -192,6 +201,8 @@ class VerifyRun(Part):
         return cls(trial_dir=trial_dir, dropout=dropout, init=init, allow_batch_dependent=allow, reverse=reverse)
 
     def _hold_precision(self) -> None:
+        if not self.holds_precision:
+            return
         was = hold_full_precision()
         for key, on in was.items():
             self.script_precision[key] = self.script_precision.get(key, False) or on
@@ -202,14 +213,17 @@ class VerifyRun(Part):
         from autobalance.runtime._batch_dependent import batch_dependent_modules
 
         self.batch_dependent = batch_dependent_modules(model)
+        self.holds_precision = plan.config.dtype == "fp32"
         self._hold_precision()
         if plan.rank == 0:
+            started = time.monotonic()
             if self.init:
                 state = torch.load(self.init, map_location="cpu", weights_only=True)
                 model.load_state_dict(state, strict=True)
             else:
                 state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
                 torch.save(state, os.path.join(self.trial_dir, INIT_FILE))
+            self.init_s = time.monotonic() - started
         self.set_mode(model)
 
     def on_micro_step(self, plan: Plan) -> Any:
@@ -315,6 +329,7 @@ class VerifyRun(Part):
         """Rank 0 writes the step's gradients, updated parameters, buffers and sample indices."""
         if rank != 0:
             return
+        started = time.monotonic()
         params = {param_name(n): p.detach().float().cpu().clone() for n, p in model.named_parameters()}
         buffers = {param_name(n): b.detach().float().cpu().clone() for n, b in model.named_buffers()
                    if not b.is_complex()}
@@ -322,8 +337,8 @@ class VerifyRun(Part):
         torch.save({"grads": grads, "params": params, "buffers": buffers}, tmp)
         os.replace(tmp, os.path.join(self.trial_dir, STEP_FILE))
         with open(os.path.join(self.trial_dir, STEP_JSON), "w") as fh:
-            json.dump({"micro_batches": layout, "dropout": self.dropout, "train_mode": self.train_mode,
-                       "batch_dependent": self.batch_dependent, "allow_batch_dependent": self.allow_batch_dependent,
+            json.dump({"init": self.init_s, "save": time.monotonic() - started, "micro_batches": layout,
+                       "dropout": self.dropout, "train_mode": self.train_mode, "batch_dependent": self.batch_dependent, "allow_batch_dependent": self.allow_batch_dependent,
                        "overflow_skips": self.overflow_skips, **info}, fh)
 
 

@@ -132,6 +132,9 @@ class Verification:
     runs: dict[str, str] = field(default_factory=dict)
     """Run name -> its directory (reports, logs, saved tensors)."""
     wall_s: float = 0.0
+    seconds: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Run name -> where its time went (``run``: launch to exit; ``read``: loading its saved step;
+    ``init`` / ``save``: the run's loading of the starting weights and writing of its step)."""
     skipped: bool = False
     """Nothing was run (e.g. the configuration is the script's own)."""
     notes: list[str] = field(default_factory=list)
@@ -146,7 +149,8 @@ class Verification:
         return {"passed": self.passed, "reason": self.reason, "skipped": self.skipped, "wall_s": round(self.wall_s, 2),
                 "failure": self.failure.value if self.failure is not None else None,
                 "floor": self.floor, "bound": self.bound,
-                "checks": [c.to_dict() for c in self.checks], "runs": dict(self.runs), "notes": list(self.notes)}
+                "checks": [c.to_dict() for c in self.checks], "runs": dict(self.runs), "seconds": dict(self.seconds),
+                "notes": list(self.notes)}
 
 
 def relative(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, str]:

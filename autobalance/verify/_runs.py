@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,6 +121,10 @@ class Runner:
         self.runs: dict[str, str] = {}
         """Run name -> its directory."""
         self.results: list[StepResult] = []
+        self.seconds: dict[str, dict[str, float]] = {}
+        """Run name -> where its wall time went: ``run`` (launch to exit), ``read`` (loading its saved
+        tensors here) and, from the run's own clock, ``init`` (loading the starting weights) and
+        ``save`` (writing the step)."""
 
     def run(self, name: str, config: BalanceConfig | None, *, dropout: str, global_batch: int,
             reverse: bool = False, shared: bool = False) -> StepResult:
@@ -163,12 +168,21 @@ class Runner:
             global_batch=global_batch if config is None else None, steps=1, warmup=0, trial_dir=trial_dir,
             timeout_s=t.timeout_s, pg_timeout_s=int(max(30, min(300, t.timeout_s / 2))), env=dict(t.env),
         )
+        started = time.monotonic()
         outcome = self._launch(launch)
+        ran = time.monotonic() - started
         step_file = os.path.join(trial_dir, STEP_FILE)
         if outcome.status != Status.OK or not os.path.isfile(step_file):
             text = f"{outcome.status}: {outcome.reason}" if outcome.status != Status.OK else "no step was saved"
             raise RunFailed(name, f"{text} (logs in {trial_dir})")
+        started = time.monotonic()
         result = self._load(name, trial_dir)
+        read = time.monotonic() - started
+        self.seconds[name] = {"run": round(ran, 2), "read": round(read, 2),
+                              **{k: round(float(result.info[k]), 2) for k in ("init", "save")
+                                 if isinstance(result.info.get(k), (int, float))}}
+        self.note(f"verify: {name} run took {ran:.1f} s (" + ", ".join(
+            f"{k} {v:.1f} s" for k, v in self.seconds[name].items() if k != "run") + ")")
         self.results.append(result)
         return result
 

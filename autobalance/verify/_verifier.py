@@ -143,6 +143,7 @@ class Verifier:
             self.close()
         result.checks = checks
         result.runs = dict(self._runner.runs)
+        result.seconds = dict(self._runner.seconds)
         result.wall_s = time.monotonic() - start
         if self._floor is not None and self._bound is not None:
             result.floor, result.bound = self._floor.grad_rel, self._bound[0]
@@ -169,7 +170,7 @@ class Verifier:
                 notes.append(f"batch-dependent layers ({shown}) verified in train mode, running statistics included")
         held = sorted({k for r in results for k, on in (r.info.get("script_precision") or {}).items() if on})
         if held:
-            notes.append(f"{', '.join(_PRECISION_NAMES.get(k, k) for k in held)} (set by the script) held off in the "
+            notes.append(f"{', '.join(_PRECISION_NAMES.get(k, k) for k in held)} (set by the script) held off in the fp32 "
                          "verification runs, so rounding stays far below a wrong weighting")
         return notes
 
