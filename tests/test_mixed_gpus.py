@@ -61,3 +61,77 @@ def test_slow_rank_update_exact_and_busy_time_names_it(tmp_path: Path) -> None:
         assert min(busy1[full]) >= 0.95 * least, (busy0, busy1)  # its sleeps alone
         assert sum(busy1) > sum(busy0), (busy0, busy1)
         assert sum(wait0) > sum(wait1), (wait0, wait1)
+
+
+# ------------------------------------------------------------------ the solver and the step-time model
+
+G = 2**30
+
+
+def _plans(speeds, *, total=63, limits=(10 * G, 10 * G), exhaustive_limit=2_000_000, layers=4):
+    from autobalance.tuner.search import choose_checkpointing
+
+    return choose_checkpointing(total=total, fixed=[0.1 * G, 0.1 * G], per_sample=[0.05 * G, 0.05 * G],
+                                saved_per_sample=[0.04 * G, 0.04 * G], num_layers=layers, limits=list(limits),
+                                speeds=speeds, exhaustive_limit=exhaustive_limit)
+
+
+@pytest.mark.parametrize("exhaustive_limit", [2_000_000, 0])  # exhaustive, and the level sweep
+def test_solver_gives_a_slow_rank_samples_in_proportion_to_its_speed(exhaustive_limit) -> None:
+    """Rank 1 half as fast: the ranks finish together at 42 + 21 (costs 42 and 2 x 21); the slow rank
+    first or second, exhaustive or sweep. Equal speeds give exactly the plans of no speeds."""
+    assert _plans([1.0, 2.0], exhaustive_limit=exhaustive_limit)[0].micro_batches == [42, 21]
+    assert _plans([2.0, 1.0], exhaustive_limit=exhaustive_limit)[0].micro_batches == [21, 42]
+    assert _plans([3.0, 3.0], exhaustive_limit=exhaustive_limit)[0].micro_batches in ([31, 32], [32, 31])
+    for limits in ((10 * G, 10 * G), (1.2 * G, 10 * G)):
+        plain = _plans(None, limits=limits, exhaustive_limit=exhaustive_limit)
+        equal = _plans([1.0, 1.0], limits=limits, exhaustive_limit=exhaustive_limit)
+        assert [(p.micro_batches, p.checkpointed, p.step_cost, p.predicted_peaks) for p in plain] == \
+            [(p.micro_batches, p.checkpointed, p.step_cost, p.predicted_peaks) for p in equal]
+
+
+def test_solver_respects_the_fast_ranks_memory_cap() -> None:
+    """The fast rank's cap binds (1.2 GiB: 22 samples without checkpointing): it checkpoints and takes
+    what fits, never past its limit, and still more than the even 31."""
+    best = _plans([1.0, 2.0], limits=(1.2 * G, 10 * G))[0]
+    assert best.predicted_peaks[0] <= 1.2 * G and best.micro_batches[0] > 32 and best.checkpointed[0] > 0
+    with pytest.raises(UsageError, match="speeds"):
+        _plans([1.0, 0.0])
+    with pytest.raises(UsageError, match="speeds has 1 entries"):
+        _plans([1.0])
+
+
+def _trial(cfg, ms: float, busy: list[float] | None):
+    import optuna
+
+    attrs = {"status": "ok", "config": cfg.to_dict(), "step_time_ms": ms}
+    if busy is not None:
+        attrs["busy_ms"] = busy
+    return optuna.trial.create_trial(state=optuna.trial.TrialState.COMPLETE, value=1.0, user_attrs=attrs)
+
+
+def test_step_time_model_fits_per_rank_speeds_from_busy_times() -> None:
+    """Truth: 2 ms per sample on rank 0, 4 on rank 1, 5 ms per micro-step. Busy times make the model
+    put rank 1 at 1.0 and rank 0 at 0.5, and predict the speed-balanced split faster than the even one;
+    equal busy times (within the band) or none leave the model without speeds."""
+    from autobalance import BalanceConfig
+    from autobalance.tuner.search import StepTimeModel
+
+    def own(cfg, speeds=(2.0, 4.0)) -> list[float]:
+        return [cfg.accumulation * 5 + k * m * cfg.accumulation for m, k in zip(cfg.micro_batches, speeds,
+                                                                                strict=True)]
+
+    cfgs = [BalanceConfig(micro_batches=[m, 32 - m], global_batch=32, checkpoint=[[], []]) for m in (16, 18, 20, 22)]
+    cfgs += [BalanceConfig(micro_batches=[m, 16 - m], accumulation=2, global_batch=32, checkpoint=[[], []])
+             for m in (8, 10)]
+    trials = [_trial(c, max(own(c)), own(c)) for c in cfgs]
+    model = StepTimeModel.fit(trials, num_layers=4, device="cpu")
+    assert model.speeds is not None and model.speeds[1] == 1.0 and model.speeds[0] == pytest.approx(0.5, abs=0.08)
+    even = BalanceConfig(micro_batches=[16, 16], global_batch=32, checkpoint=[[], []])
+    fast = BalanceConfig(micro_batches=[21, 11], global_batch=32, checkpoint=[[], []])
+    assert model.predict(fast) < 0.8 * model.predict(even)
+    assert model.predict(fast) == pytest.approx(max(own(fast)), rel=0.1)
+    equal = [own(c, (3.0, 3.0)) for c in cfgs]  # equally fast, busy times a few percent apart
+    same = [_trial(c, max(e), [e[0] * 0.95, e[1] * 1.03]) for c, e in zip(cfgs, equal, strict=True)]
+    assert StepTimeModel.fit(same, num_layers=4, device="cpu").speeds is None
+    assert StepTimeModel.fit([_trial(c, max(own(c)), None) for c in cfgs], num_layers=4, device="cpu").speeds is None

@@ -83,6 +83,11 @@ class TrialAttr:
     STEPS_S_BEFORE = "steps_s"
     """The name ``TIME_IN_STEPS_S`` had before (it read like steps per second): read, never written."""
     STEP_TIME_MS = "step_time_ms"
+    BUSY_MS = "busy_ms"
+    """Each rank's busy time per step in ms (its own work, without its wait at the all-reduce;
+    ``RankReport.busy_time_s``); None where a rank reported none."""
+    WAIT_MS = "allreduce_wait_ms"
+    """Each rank's wait at the step's gradient all-reduce in ms (``RankReport.allreduce_wait_s``)."""
     MEASURED_STEPS = "measured_steps"
     SPREAD_GIB = "spread_gib"
     COMPILE_S = "compile_s"

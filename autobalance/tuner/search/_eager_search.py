@@ -38,7 +38,8 @@ def eager_candidates(*, space: SearchSpace, model: MemoryModel, timing: StepTime
     def consider(micro: list[int], counts: list[int], dtype: str, acc: int) -> None:
         # any split: the largest micro-batch per rank that fits; the ranks whose steps cost more
         # per sample (more recomputation) give up the samples beyond the global batch first
-        cost = [1.0 + timing.rho * c / layers for c in counts]
+        speeds = timing.speeds or [1.0] * world
+        cost = [(1.0 + timing.rho * c / layers) * s for c, s in zip(counts, speeds, strict=True)]
         cfg = space.config_for(micro, acc, cost, checkpoint=[list(range(c)) for c in counts], dtype=dtype,
                                     bucket_cap_mb=bucket, gradient_as_bucket_view=view)
         key = cfg.to_json()
@@ -64,7 +65,8 @@ def eager_candidates(*, space: SearchSpace, model: MemoryModel, timing: StepTime
                 plans = plans_from_model(model, total=total, num_layers=layers, dtype=dtype, limits=usable,
                                          max_plans=5, recompute_fraction=timing.rho,
                                          max_spread_bytes=max_spread,
-                                         checkpoint_counts=None if space.num_layers > 0 else [0])
+                                         checkpoint_counts=None if space.num_layers > 0 else [0],
+                                         speeds=timing.speeds)
             except Exception:
                 plans = []
             for plan in plans:

@@ -46,6 +46,10 @@ class TrialFigures:
     """Slowest rank's time in warm-up and measured steps (compilation excluded)."""
     measured_steps: int | None = None
     """Measured steps (more than ``--steps`` when ``--measure-s`` lengthened the measurement)."""
+    busy_s: list[float | None] = field(default_factory=list)
+    """Per rank: its own work per step, without its wait at the all-reduce (``busy_time_s``)."""
+    wait_s: list[float | None] = field(default_factory=list)
+    """Per rank: its wait at the step's gradient all-reduce (``allreduce_wait_s``)."""
     compile: dict[str, Any] = field(default_factory=dict)
     """Compiled trials: ``compile_s`` (slowest rank's first step), ``activation_budget_used`` (per
     rank, as reported) and ``compile_cache`` (Inductor cache hits/misses over the ranks)."""
@@ -125,6 +129,10 @@ class TrialFigures:
             "startup_s": None if self.startup_s is None else round(self.startup_s, 2),
             **({} if self.time_in_steps_s is None else {TrialAttr.TIME_IN_STEPS_S: round(self.time_in_steps_s, 4)}),
             **({} if self.measured_steps is None else {"measured_steps": self.measured_steps}),
+            **({TrialAttr.BUSY_MS: [None if v is None else round(1000 * v, 3) for v in self.busy_s]}
+               if any(v is not None for v in self.busy_s) else {}),
+            **({TrialAttr.WAIT_MS: [None if v is None else round(1000 * v, 3) for v in self.wait_s]}
+               if any(v is not None for v in self.wait_s) else {}),
             "memory_constraint": round(self.memory_constraint(headroom), 5),
             **self.compile,
             **per_rank,
@@ -172,6 +180,8 @@ def figures_from_outcome(
     startup: list[float] = []
     in_steps: list[float] = []
     counts: list[int] = []
+    busy: list[float | None] = []
+    wait: list[float | None] = []
     reports = {r: RankReport.from_dict(rep) for r, rep in outcome.reports.items()}
     for r in range(world_size):
         rep = reports.get(r)
@@ -195,6 +205,8 @@ def figures_from_outcome(
             in_steps.append(float(timing.steps_s))
         if ok and rep is not None and rep.measured_steps is not None:
             counts.append(int(rep.measured_steps))
+        busy.append(_float(rep.busy_time_s) if ok and rep is not None else None)
+        wait.append(_float(rep.allreduce_wait_s) if ok and rep is not None else None)
     step = max(steps) if len(steps) == world_size else None
     first = next(iter(reports.values()), None)
     gb = ((first.config if first is not None else None) or {}).get("global_batch")
@@ -208,5 +220,6 @@ def figures_from_outcome(
         samples_per_s=(gb / step) if (gb and step) else None, startup_s=max(startup) if startup else None,
         time_in_steps_s=max(in_steps) if len(in_steps) == world_size else None,
         measured_steps=min(counts) if len(counts) == world_size else None,
+        busy_s=busy, wait_s=wait,
         compile=compile_figures(outcome.reports),
     )

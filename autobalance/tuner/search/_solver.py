@@ -9,6 +9,14 @@ headroom, divided by one plus the model's safety margin where a model is involve
   to the global micro-batch total, exactly (a greedy proven optimal; see its docstring).
 * :func:`choose_checkpointing` chooses checkpoint counts and the split together: minimum
   step-time proxy first, then the smallest spread of peaks.
+
+Ranks of different speeds (mixed GPUs, issue 33): rank ``r`` computes for
+``speed_r * m_r * (1 + rho * c_r / L)``, ``speed_r`` its relative cost per sample (measured from the
+ranks' busy times by the step-time model; 2.0 is a rank half as fast). Synchronous DDP steps at the
+slowest rank, so the minimum step cost makes the ranks finish together: without memory limits or
+checkpointing ``m_r`` is proportional to ``1 / speed_r`` (rounded by the same exact greedy), and a
+rank whose memory limit binds first takes what fits while the others share the rest by speed. With
+``speeds`` left out (or all equal) every cost is the one above with ``speed_r = 1``: the same plans.
 """
 
 from __future__ import annotations
@@ -151,12 +159,15 @@ def choose_checkpointing(
     max_plans: int = 5,
     max_levels: int = 256,
     exhaustive_limit: int = 2_000_000,
+    speeds: Sequence[float] | None = None,
 ) -> list[SplitPlan]:
     """Per-rank checkpoint counts and micro-batches chosen together; candidates best first.
 
     Rank ``r`` with ``m`` samples and ``c`` checkpointed blocks peaks at
     ``fixed_r + m * (per_sample_r - saved_per_sample_r * c / num_layers)`` and computes for
-    ``m * (1 + recompute_fraction * c / num_layers)``; synchronous DDP steps at the slowest rank.
+    ``speeds[r] * m * (1 + recompute_fraction * c / num_layers)`` (``speeds``: each rank's relative
+    cost per sample, default 1 on every rank; see the module docstring); synchronous DDP steps at
+    the slowest rank.
 
     Order: feasible (every peak ``<= limits_r``); spread ``<= max_spread_bytes`` when given; then
     the lowest step cost; then the smallest spread; then the fewest checkpointed blocks. Only
@@ -191,6 +202,7 @@ def choose_checkpointing(
             f"max_plans={max_plans}, max_levels={max_levels} must be >= 1; use e.g. 5 and 256."
         )
     counts = _check_counts(checkpoint_counts, num_layers)
+    speed = _check_speeds(speeds, world)
     space = _Space(
         total=total,
         fixed=np.asarray(fixed, dtype=float),
@@ -200,6 +212,7 @@ def choose_checkpointing(
         counts=counts,
         num_layers=num_layers,
         rho=recompute_fraction,
+        speed=speed,
     )
     if _combinations(total, world, len(counts)) <= exhaustive_limit:
         plans = _exhaustive_plans(space, world)
@@ -230,6 +243,8 @@ class _Space:
     """Number of blocks."""
     rho: float
     """Recompute fraction."""
+    speed: np.ndarray
+    """Per-rank relative cost per sample (ones: equally fast ranks)."""
 
     def __post_init__(self) -> None:
         self.m = np.arange(1, self.total - len(self.fixed) + 2, dtype=float)
@@ -239,18 +254,19 @@ class _Space:
         per = self.per_sample[rank] - self.saved[rank] * counts / self.num_layers
         return self.fixed[rank] + m * per
 
-    def level_values(self, level: float) -> tuple[list[np.ndarray], np.ndarray]:
+    def level_values(self, level: float) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Per rank, the relative peak at each ``m`` with the most checkpointing cost ``<= level``
         allows (inf when nothing fits), and that checkpoint-count index per ``m`` (-1: none)."""
-        within = np.outer(self.m, self.k) <= level
-        index = within.sum(axis=1) - 1  # k is non-decreasing: the largest count within the level
-        chosen = self.counts[np.maximum(index, 0)]
-        values = []
+        values, indices = [], []
         for rank in range(len(self.fixed)):
+            within = np.outer(self.m, self.k) * self.speed[rank] <= level
+            index = within.sum(axis=1) - 1  # k is non-decreasing: the largest count within the level
+            chosen = self.counts[np.maximum(index, 0)]
+            indices.append(index)
             peaks = self.peaks(rank, self.m, chosen)
             ok = (index >= 0) & (peaks <= self.limits[rank])
             values.append(np.where(ok, peaks / self.limits[rank], np.inf))
-        return values, index
+        return values, indices
 
 
 def _first_feasible_level(space: _Space, levels: np.ndarray) -> int | None:
@@ -279,7 +295,7 @@ def _plan_at_level(space: _Space, level: float, world: int) -> SplitPlan | None:
     checkpointed, peaks = [], []
     for rank, m in enumerate(split):
         c_peaks = space.peaks(rank, np.float64(m), space.counts)
-        ok = (m * space.k <= level) & (c_peaks <= space.limits[rank])
+        ok = (m * space.k * space.speed[rank] <= level) & (c_peaks <= space.limits[rank])
         ok &= c_peaks / space.limits[rank] <= top
         j = int(np.argmax(ok))  # fewest checkpointed blocks that keep the peak <= the top
         checkpointed.append(int(space.counts[j]))
@@ -312,7 +328,7 @@ def _exhaustive_plans(space: _Space, world: int) -> list[SplitPlan]:
             valid = np.flatnonzero(peaks <= space.limits[rank])
             if valid.size == 0:
                 break
-            options.append((valid, peaks[valid], m * space.k[valid]))
+            options.append((valid, peaks[valid], m * space.k[valid] * space.speed[rank]))
         else:
             plans.extend(_split_front(space, split, options))
     return plans
@@ -347,7 +363,7 @@ def _split_front(
 def _sweep_plans(
     space: _Space, world: int, *, max_spread_bytes: float | None, max_levels: int
 ) -> list[SplitPlan]:
-    levels = np.unique(np.outer(space.m, space.k))
+    levels = np.unique(np.concatenate([np.outer(space.m, space.k).ravel() * s for s in space.speed]))
     first = _first_feasible_level(space, levels)
     if first is None:
         return []
@@ -367,8 +383,8 @@ def _make_plan(
     space: _Space, split: list[int], checkpointed: list[int], peaks: list[float], world: int
 ) -> SplitPlan:
     costs = [
-        m * (1.0 + space.rho * c / space.num_layers)
-        for m, c in zip(split, checkpointed, strict=True)
+        m * (1.0 + space.rho * c / space.num_layers) * float(s)
+        for m, c, s in zip(split, checkpointed, space.speed, strict=True)
     ]
     return SplitPlan(
         micro_batches=split,
@@ -509,6 +525,7 @@ def plans_from_model(
     max_spread_bytes: float | None = None,
     checkpoint_counts: Sequence[int] | None = None,
     max_plans: int = 5,
+    speeds: Sequence[float] | None = None,
 ) -> list[SplitPlan]:
     """:func:`choose_checkpointing` with the model's terms for ``dtype`` under
     ``limits / (1 + margin)`` (``max_relative_peak`` is relative to those reduced limits)."""
@@ -526,6 +543,7 @@ def plans_from_model(
         max_spread_bytes=max_spread_bytes,
         checkpoint_counts=checkpoint_counts,
         max_plans=max_plans,
+        speeds=speeds,
     )
 
 
@@ -582,6 +600,17 @@ def _check_saved(saved: Sequence[float], per_sample: Sequence[float]) -> None:
             f"saved_per_sample={saved} is not within [0, per_sample] per rank; checkpointing saves at "
             "most the per-sample bytes."
         )
+
+
+def _check_speeds(speeds: Sequence[float] | None, world: int) -> np.ndarray:
+    if speeds is None:
+        return np.ones(world)
+    if len(speeds) != world:
+        raise UsageError(f"speeds has {len(speeds)} entries for {world} ranks; give one per rank.")
+    if not all(math.isfinite(float(s)) and float(s) > 0 for s in speeds):
+        raise UsageError(f"speeds={list(speeds)} has an entry <= 0 or not finite; pass relative costs per "
+                         "sample, e.g. [1.0, 2.0].")
+    return np.asarray(speeds, dtype=float)
 
 
 def _check_counts(counts: Sequence[int] | None, num_layers: int) -> np.ndarray:

@@ -13,12 +13,16 @@ from optuna.trial import FrozenTrial
 from autobalance._config import BalanceConfig
 from autobalance.protocol import Status, TrialAttr
 
-__all__ = ["RECOMPUTE_PRIOR", "StepTimeModel"]
+__all__ = ["EQUAL_SPEED_BAND", "RECOMPUTE_PRIOR", "StepTimeModel"]
 
 # Step-time priors per dtype before any measurement (relative to fp32); replaced by measurements.
 RECOMPUTE_PRIOR = 1.0
 """While checkpointing has not varied: recomputing all blocks once costs one typical micro-step
 (``b + k * m``; the H200 grid of the GPT scenario measured 0.85 of it)."""
+EQUAL_SPEED_BAND = 1.15
+"""Ranks whose measured per-sample costs differ by less than this factor count as equally fast (the
+model then has no per-rank speeds, so equal devices keep the plans of a model without them: busy
+times of equal ranks differ by a few percent of noise)."""
 _DTYPE_SPEED_PRIOR = {"cuda": {"bf16": 0.55, "fp16": 0.55, "fp32": 1.0}, "cpu": {"bf16": 1.2, "fp16": 1.5, "fp32": 1.0}}
 
 
@@ -28,6 +32,10 @@ class StepTimeModel:
     step, ``n_r`` the samples rank ``r`` takes per step (``acc * m_r`` with equal micro-batches, so
     ``a + acc * s * max_r(b + k * m_r + g * c_r / L)``; with any split, micro-steps of different
     sizes cost their own samples).
+
+    Mixed devices: ``speeds[r]`` multiplies rank ``r``'s per-sample and recompute terms
+    (``acc * (b + speeds_r * g * c_r / L) + speeds_r * k * n_r``), fitted from the ranks' busy times
+    (:func:`rank_speeds`; the slowest rank is 1.0); ``None`` when the ranks are equally fast.
 
     ``a``: once per optimizer step (the optimizer, the last all-reduce); ``b``: once per micro-step
     whatever its size (kernel launches: a GPU is far from saturated at small micro-batches); ``k``:
@@ -56,6 +64,9 @@ class StepTimeModel:
     """Relative speed priors per dtype, for dtypes without a measurement."""
     typical_micro_batch: float = 1.0
     """Mean micro-batch of the fitted trials (converts ``g`` into the solver's recompute fraction)."""
+    speeds: list[float] | None = None
+    """Each rank's relative cost per sample (1.0: the slowest rank), from the ranks' busy times;
+    None: equally fast ranks (within :data:`EQUAL_SPEED_BAND`) or no busy times measured."""
 
     @property
     def rho(self) -> float:
@@ -84,7 +95,8 @@ class StepTimeModel:
         if scaled is None:
             return None
         ratio, dtype = scaled
-        return self.a, [ratio * ms for ms in _rank_ms(c, b=self.b, k=self.k[dtype], g=self.g, layers=self.num_layers)]
+        return self.a, [ratio * ms for ms in _rank_ms(c, b=self.b, k=self.k[dtype], g=self.g, layers=self.num_layers,
+                                                         speeds=self.speeds)]
 
     @classmethod
     def fit(cls, trials: list[FrozenTrial], *, num_layers: int, device: str) -> StepTimeModel:
@@ -132,6 +144,12 @@ class StepTimeModel:
         except Exception:
             x = np.asarray(x0)
         model.a, model.b, model.g, model.k = unpack(x)
+        busy = _busy_rows(trials)
+        if busy:  # mixed devices: the same terms with a speed per rank, fitted to the busy times too
+            fitted = _fit_with_speeds(rows, busy, dtypes=dtypes, full=full, layers=layers, any_ckpt=any_ckpt,
+                                      start=[float(v) for v in x0])
+            if fitted is not None:
+                (model.a, model.b, model.g, model.k), model.speeds = unpack(fitted[0]), fitted[1]
         if not any_ckpt:
             model.g = RECOMPUTE_PRIOR * (model.b + min(model.k.values()) * typical)
         return model
@@ -144,14 +162,82 @@ def _samples_per_rank(cfg: dict[str, Any]) -> list[int]:
     return [int(m) * int(cfg["accumulation"]) for m in cfg["micro_batches"]]
 
 
-def _rank_ms(cfg: dict[str, Any], *, b: float, k: float, g: float, layers: int) -> list[float]:
-    """Each rank's micro-steps of one optimizer step: ``acc * (b + g * c_r / L) + k * n_r``."""
+def _rank_ms(cfg: dict[str, Any], *, b: float, k: float, g: float, layers: int,
+             speeds: list[float] | None = None) -> list[float]:
+    """Each rank's micro-steps of one optimizer step: ``acc * (b + g * c_r / L) + k * n_r``, the
+    per-sample and recompute terms times ``speeds[r]`` when given."""
     acc = int(cfg["accumulation"])
-    return [acc * (b + g * len(ck) / max(1, layers)) + k * n
-            for n, ck in zip(_samples_per_rank(cfg), cfg["checkpoint"], strict=True)]
+    samples = _samples_per_rank(cfg)
+    if speeds is None or len(speeds) != len(samples):
+        return [acc * (b + g * len(ck) / max(1, layers)) + k * n
+                for n, ck in zip(samples, cfg["checkpoint"], strict=True)]
+    return [acc * (b + s * g * len(ck) / max(1, layers)) + s * k * n
+            for n, ck, s in zip(samples, cfg["checkpoint"], speeds, strict=True)]
 
 
-def _slowest_rank_ms(cfg: dict[str, Any], *, b: float, k: float, g: float, layers: int) -> float:
+def _slowest_rank_ms(cfg: dict[str, Any], *, b: float, k: float, g: float, layers: int,
+                     speeds: list[float] | None = None) -> float:
     """The slowest rank's micro-steps of one optimizer step (no rank waits for another before the
     step's last all-reduce)."""
-    return max(_rank_ms(cfg, b=b, k=k, g=g, layers=layers))
+    return max(_rank_ms(cfg, b=b, k=k, g=g, layers=layers, speeds=speeds))
+
+
+def _busy_rows(trials: list[FrozenTrial]) -> list[tuple[dict[str, Any], list[float]]]:
+    """(configuration, each rank's busy ms) of the measured eager trials whose every rank reported one."""
+    rows = []
+    for t in trials:
+        cfg, busy = t.user_attrs.get(TrialAttr.CONFIG), t.user_attrs.get(TrialAttr.BUSY_MS)
+        if (t.user_attrs.get(TrialAttr.STATUS) != Status.OK or not cfg or not isinstance(busy, list)
+                or cfg.get("compile", "off") != "off" or t.user_attrs.get(TrialAttr.REUSED_FROM) is not None):
+            continue
+        if len(busy) == len(cfg["micro_batches"]) and all(isinstance(v, (int, float)) and v > 0 for v in busy):
+            rows.append((cfg, [float(v) for v in busy]))
+    return rows
+
+
+def _fit_with_speeds(rows: list[tuple[dict[str, Any], float]], busy: list[tuple[dict[str, Any], list[float]]], *,
+                     dtypes: list[str], full: bool, layers: int, any_ckpt: bool,
+                     start: list[float]) -> tuple[list[float], list[float]] | None:
+    """The model's terms (packed as in :meth:`StepTimeModel.fit`) with one speed per rank, fitted by
+    bounded least squares on the step times and on every rank's busy time (``a`` plus its own
+    micro-steps), and the speeds scaled so the slowest rank is 1.0 (``k`` and ``g`` scaled the other
+    way: the same predictions); None when the ranks lie within :data:`EQUAL_SPEED_BAND`."""
+    from scipy.optimize import least_squares
+
+    world = len(busy[0][1])
+    n = len(start)
+    g_at = 2 if full else 0
+
+    def split(x: Any) -> tuple[float, float, float, dict[str, float], list[float]]:
+        a, b, g = (float(x[0]), float(x[1]), float(x[2])) if full else (0.0, 0.0, float(x[0]))
+        ks = x[3:n] if full else x[1:n]
+        return a, b, g, {d: float(v) for d, v in zip(dtypes, ks, strict=True)}, [float(v) for v in x[n:]]
+
+    def residuals(x: Any) -> list[float]:
+        a, b, g, k, w = split(x)
+        out = [(a + _slowest_rank_ms(c, b=b, k=k[c["dtype"]], g=g, layers=layers, speeds=w)) / t - 1.0
+               for c, t in rows]
+        for c, times in busy:
+            if c["dtype"] in k:
+                own = _rank_ms(c, b=b, k=k[c["dtype"]], g=g, layers=layers, speeds=w)
+                out += [(a + o) / t - 1.0 for o, t in zip(own, times, strict=True)]
+        return out
+
+    x0 = list(start) + [1.0] * world
+    lower, upper = [0.0] * n + [1e-3] * world, [np.inf] * n + [np.inf] * world
+    lower[n], upper[n] = 1.0, 1.0 + 1e-12  # rank 0's speed fixes the scale (k * speed is what is seen)
+    if not any_ckpt:
+        x0[g_at], upper[g_at] = 0.0, 1e-12
+    try:
+        x = least_squares(residuals, np.clip(x0, lower, upper), bounds=(lower, upper)).x
+    except Exception:
+        return None
+    w = split(x)[4]
+    top = max(w)
+    if top <= 0 or top / max(min(w), 1e-12) < EQUAL_SPEED_BAND:
+        return None
+    packed = [float(v) for v in x[:n]]
+    for i in range(g_at, n):  # g and every k carry the slowest rank's cost
+        packed[i] *= top
+    return packed, [max(v / top, 1e-3) for v in w]
+
