@@ -100,7 +100,73 @@ def run_lightning(config: BalanceConfig, data: Any, world: int) -> tuple[list[to
     return list(module.net.parameters()), strategy.ab_loop.weighting.calls
 
 
-RUNNERS = {"lightning": run_lightning}
+class _DictData(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    def __init__(self, data: torch.utils.data.TensorDataset) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        x, y = self.data[i]
+        return {"x": x, "labels": y}
+
+
+class _LossNet(nn.Module):
+    """The blocks model as a Trainer wants it: ``forward(x, labels)`` returns the mean loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = blocks_model()
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.net(x)
+        return {"loss": F.cross_entropy(logits, labels), "logits": logits}
+
+
+def run_hf(config: BalanceConfig, data: Any, world: int) -> tuple[list[torch.Tensor], int]:
+    import tempfile
+
+    from transformers import TrainingArguments
+
+    from autobalance.integrations.hf import BalanceTrainer
+
+    model = _LossNet()
+    with tempfile.TemporaryDirectory() as tmp:
+        args = TrainingArguments(output_dir=tmp, per_device_train_batch_size=4, max_steps=STEPS, learning_rate=LR,
+                                 lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, report_to="none",
+                                 save_strategy="no", logging_strategy="no", use_cpu=True, seed=0, disable_tqdm=True)
+        trainer = BalanceTrainer(model=model, args=args, train_dataset=_DictData(data),
+                                 optimizers=(torch.optim.SGD(model.parameters(), lr=LR), None),
+                                 plan=ab.plan(config=config))
+        trainer.train()
+    assert trainer.ab_loop.weighting is not None
+    return list(model.net.parameters()), trainer.ab_loop.weighting.calls
+
+
+def run_accelerate(config: BalanceConfig, data: Any, world: int) -> tuple[list[torch.Tensor], int]:
+    from accelerate import Accelerator
+
+    from autobalance.integrations.accelerate import AccelerateBalance
+
+    balance = AccelerateBalance(ab.plan(config=config))
+    accelerator = Accelerator(**balance.accelerator_kwargs())
+    net = blocks_model()
+    model, optimizer, loader = balance.prepare(accelerator, net, torch.optim.SGD(net.parameters(), lr=LR), data)
+    steps = 0
+    for x, y in loader:
+        with accelerator.accumulate(model), balance.micro_step():
+            balance.backward(F.cross_entropy(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+        steps += accelerator.sync_gradients
+        if steps == STEPS:
+            break
+    assert balance.loop.weighting is not None
+    return list(net.parameters()), balance.loop.weighting.calls
+
+
+RUNNERS = {"lightning": run_lightning, "hf": run_hf, "accelerate": run_accelerate}
 
 
 def main() -> None:

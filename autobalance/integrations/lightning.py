@@ -1,9 +1,10 @@
 """PyTorch Lightning: a DDP strategy that applies a balance configuration (``pip install 'autobalance[lightning]'``).
 
-One added line (``strategy=``) in a Lightning script::
+One added line (the strategy) and ``strategy=`` in a Lightning script::
 
     from autobalance.integrations.lightning import BalanceStrategy
-    trainer = L.Trainer(max_epochs=1, strategy=BalanceStrategy(micro_batch=8))   # ab
+    strategy = BalanceStrategy(micro_batch=8)                                       # ab
+    trainer = L.Trainer(max_epochs=1, strategy=strategy, devices=strategy.devices)  # ab: strategy=
     trainer.fit(module, train_dataloaders=loader)
 
 :class:`BalanceStrategy` builds the plan (``autobalance.plan(**plan_kwargs)``, or takes ``plan=``) and,
@@ -26,6 +27,7 @@ Automatic optimization only (one optimizer, ``training_step`` returns the micro-
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import lightning.pytorch as pl
@@ -79,6 +81,12 @@ class BalanceStrategy(DDPStrategy):
         config = self.ab_plan.config
         super().__init__(bucket_cap_mb=config.bucket_cap_mb,
                          gradient_as_bucket_view=config.gradient_as_bucket_view, **(ddp_kwargs or {}))
+
+    @property
+    def devices(self) -> int:
+        """This node's ranks (``LOCAL_WORLD_SIZE`` under torchrun, else 1): ``Trainer(devices=...)``,
+        which Lightning checks against the world size."""
+        return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
     def _precision_for_dtype(self) -> Precision:
         dtype, device = self.ab_plan.config.dtype, self.ab_plan.device.type

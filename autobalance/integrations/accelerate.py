@@ -1,0 +1,122 @@
+"""Accelerate: ``prepare`` and ``backward`` beside an ``Accelerator``'s (``pip install 'autobalance[accelerate]'``).
+
+A custom loop with ``Accelerator`` (lines marked ``# ab``)::
+
+    from autobalance.integrations.accelerate import AccelerateBalance
+    balance = AccelerateBalance(micro_batch=8)                                  # ab: the plan
+    accelerator = Accelerator(**balance.accelerator_kwargs())                   # ab: accumulation, dtype, DDP
+    model, optimizer, loader = balance.prepare(accelerator, model, optimizer, dataset)  # ab: was accelerator.prepare
+    for x, y in loader:
+        with accelerator.accumulate(model), balance.micro_step():               # ab: balance.micro_step()
+            balance.backward(loss_fn(model(x), y))                              # ab: was accelerator.backward
+            optimizer.step()
+            optimizer.zero_grad()
+
+:meth:`AccelerateBalance.accelerator_kwargs` gives the ``Accelerator`` the configuration's
+``gradient_accumulation_steps``, ``mixed_precision`` and DDP buckets (a ``DistributedDataParallelKwargs``);
+:meth:`~AccelerateBalance.prepare` checkpoints this rank's chosen blocks, has the accelerator prepare the
+model and optimizer, registers the rank weighting hook on its DDP module and returns a loader of this
+rank's micro-batches (moved to the accelerator's device; not re-sharded by Accelerate);
+:meth:`~AccelerateBalance.backward` weights the micro-batch's mean loss and calls ``accelerator.backward``
+(which divides it by the accumulation); :meth:`~AccelerateBalance.micro_step` counts the micro-steps, and
+after the last one of a step measures it (a trial ends there once its steps are done).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedDataParallelKwargs, send_to_device
+
+from autobalance._errors import UsageError
+from autobalance.runtime import FrameworkLoop, Plan
+from autobalance.runtime import plan as make_plan
+
+__all__ = ["AccelerateBalance"]
+
+_MIXED = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
+
+
+class _DeviceLoader:
+    """The plan's loader with each batch sent to the accelerator's device."""
+
+    def __init__(self, loader: torch.utils.data.DataLoader[Any], device: torch.device) -> None:
+        self.loader = loader
+        self.device = device
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.loader:
+            yield send_to_device(batch, self.device)
+
+
+class AccelerateBalance:
+    """A plan applied beside an ``Accelerator`` (see the module docstring).
+
+    ``plan``: a plan built by the script; else ``autobalance.plan(**plan_kwargs)`` (``micro_batch=``,
+    ``accumulation=``, ``dtype=``, ``study=`` ...).
+    """
+
+    def __init__(self, plan: Plan | None = None, **plan_kwargs: Any) -> None:
+        self.plan = plan if plan is not None else make_plan(**plan_kwargs)
+        self.loop = FrameworkLoop(self.plan, framework="accelerate")
+        self.accelerator: Accelerator | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+
+    def accelerator_kwargs(self) -> dict[str, Any]:
+        """``Accelerator(**...)`` keywords: accumulation, mixed precision and DDP buckets of the configuration."""
+        config = self.plan.config
+        return {
+            "gradient_accumulation_steps": config.accumulation,
+            "mixed_precision": _MIXED[config.dtype],
+            "cpu": self.plan.device.type == "cpu",
+            "kwargs_handlers": [DistributedDataParallelKwargs(
+                bucket_cap_mb=config.bucket_cap_mb,  # type: ignore[arg-type]
+                gradient_as_bucket_view=config.gradient_as_bucket_view)],
+        }
+
+    def prepare(self, accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                dataset: Any, *, blocks: str | None = None, shuffle: bool = True,
+                **loader_kwargs: Any) -> tuple[Any, Any, Any]:
+        """Checkpoint the chosen blocks, ``accelerator.prepare(model, optimizer)``, the rank weighting
+        hook, and this rank's loader over ``dataset`` (``loader_kwargs``: ``collate_fn``, workers ...)."""
+        if accelerator.gradient_accumulation_steps != self.loop.accumulation:
+            raise UsageError(
+                f"Accelerator(gradient_accumulation_steps={accelerator.gradient_accumulation_steps}) but the "
+                f"configuration has {self.loop.accumulation}; build it with Accelerator(**balance.accelerator_kwargs())."
+            )
+        self.accelerator = accelerator
+        self.loop.prepare_model(model, blocks=blocks)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        self.loop.attach(model)
+        self.plan.scaler = getattr(accelerator, "scaler", None)
+        inner = getattr(optimizer, "optimizer", optimizer)
+        self._optimizer = inner
+        inner.register_step_pre_hook(lambda opt, args, kwargs: self.loop.before_optimizer_step(opt))
+        inner.register_step_post_hook(lambda opt, args, kwargs: self.loop.after_optimizer_step(opt))
+        loader = self.loop.dataloader(dataset, shuffle=shuffle, **loader_kwargs)
+        return model, optimizer, _DeviceLoader(loader, accelerator.device)
+
+    @contextlib.contextmanager
+    def micro_step(self) -> Iterator[None]:
+        """One micro-batch (its forward, :meth:`backward` and, on the last, the optimizer step); after
+        the step's last micro-batch the step is counted and measured."""
+        self.loop.micro_batch_start()
+        yield
+        if self.loop.micro_index == self.loop.accumulation:
+            self.loop.step_end()
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``accelerator.backward`` of the micro-batch's mean loss, weighted for uneven splits."""
+        if self.accelerator is None:
+            raise UsageError("balance.backward() before balance.prepare(accelerator, ...); prepare first.")
+        self.loop.before_backward()
+        self.accelerator.backward(loss * self.loop.loss_factor(), **kwargs)
+        self.loop.after_backward()
+        self.loop.micro_batch_end()

@@ -1,0 +1,149 @@
+"""Hugging Face ``Trainer``: a Trainer that applies a balance configuration (``pip install 'autobalance[hf]'``).
+
+Two changed lines in a ``Trainer`` script::
+
+    from autobalance.integrations.hf import BalanceTrainer
+    trainer = BalanceTrainer(model=model, args=args, train_dataset=ds, data_collator=collate)  # was Trainer(...)
+
+:class:`BalanceTrainer` builds the plan from the ``TrainingArguments`` (``per_device_train_batch_size``,
+``gradient_accumulation_steps``, ``bf16``/``fp16``, ``ddp_bucket_cap_mb``, ``seed`` are the script's
+defaults; a trial's configuration or a stored best overrides them, as ``autobalance.plan`` decides; or
+pass ``plan=``) and applies it:
+
+- the training loader: this rank's micro-batches over the training set (the ``data_collator`` kept),
+  every rank the same number of micro-steps;
+- ``gradient_accumulation_steps``, ``bf16``/``fp16``, ``ddp_bucket_cap_mb`` and Accelerate's
+  ``gradient_as_bucket_view``: set from the configuration before the Trainer is built;
+- checkpointing: this rank's chosen blocks (found as ``plan.wrap`` finds them, or ``blocks=``);
+- the loss: each micro-batch's mean loss (``compute_loss``), divided by the accumulation, times
+  :meth:`~autobalance.runtime.FrameworkLoop.loss_factor`; the ranks weighted in DDP's all-reduce.
+  Transformers' own token-count normalisation (``num_items_in_batch``) is turned off: the loss must be
+  a mean over the micro-batch's samples (or over tokens, with every sample of one length);
+- compile: the model's ``__call__`` with this rank's activation budget (leave ``torch_compile`` off);
+- a trial's reports, then it leaves ``train()``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback
+
+from autobalance.runtime import FrameworkLoop, Plan
+from autobalance.runtime import plan as make_plan
+
+__all__ = ["BalanceTrainer", "plan_from_args"]
+
+
+def plan_from_args(args: Any, **plan_kwargs: Any) -> Plan:
+    """``autobalance.plan`` with the ``TrainingArguments`` as the script's defaults."""
+    dtype = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
+    defaults: dict[str, Any] = {
+        "micro_batch": int(args.per_device_train_batch_size),
+        "accumulation": int(args.gradient_accumulation_steps),
+        "dtype": dtype,
+        "seed": int(args.seed),
+    }
+    if getattr(args, "ddp_bucket_cap_mb", None):
+        defaults["bucket_cap_mb"] = float(args.ddp_bucket_cap_mb)
+    defaults.update(plan_kwargs)
+    return make_plan(**defaults)
+
+
+class _LoopCallback(TrainerCallback):
+    """The optimizer step's points, where the Trainer calls its callbacks."""
+
+    def __init__(self, trainer: BalanceTrainer) -> None:
+        self.trainer = trainer
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        optimizer = self.trainer.optimizer
+        return getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper: the torch optimizer inside
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer.ab_loop.before_optimizer_step(self._optimizer())
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer.ab_loop.after_optimizer_step(self._optimizer())
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer.ab_loop.step_end()
+
+
+class BalanceTrainer(Trainer):
+    """``transformers.Trainer`` with a balance configuration applied (see the module docstring).
+
+    ``plan``: a plan built by the script; else one from the ``TrainingArguments`` (:func:`plan_from_args`,
+    with ``plan_kwargs`` such as ``study=`` or ``config_file=``). ``blocks``: the dotted path of the
+    module list to checkpoint (found automatically otherwise).
+    """
+
+    def __init__(self, *args: Any, plan: Plan | None = None, blocks: str | None = None,
+                 plan_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        training_args = kwargs.get("args") if "args" in kwargs else (args[1] if len(args) > 1 else None)
+        model = kwargs.get("model") if "model" in kwargs else (args[0] if args else None)
+        if training_args is None or model is None:
+            raise TypeError("BalanceTrainer needs model= and args= (a TrainingArguments); pass both.")
+        self.ab_plan = plan if plan is not None else plan_from_args(training_args, **(plan_kwargs or {}))
+        self.ab_loop = FrameworkLoop(self.ab_plan, framework="hf")
+        config = self.ab_plan.config
+        training_args.gradient_accumulation_steps = config.accumulation
+        training_args.per_device_train_batch_size = max(config.micro_batches)
+        training_args.bf16 = config.dtype == "bf16"
+        training_args.fp16 = config.dtype == "fp16"
+        training_args.ddp_bucket_cap_mb = config.bucket_cap_mb
+        if training_args.ddp_find_unused_parameters is None:  # checkpointing here is non-reentrant: no need
+            training_args.ddp_find_unused_parameters = False
+        self.ab_loop.prepare_model(model, blocks=blocks)
+        super().__init__(*args, **kwargs)
+        handler = getattr(self.accelerator, "ddp_handler", None)
+        if handler is not None:
+            handler.gradient_as_bucket_view = config.gradient_as_bucket_view
+        elif config.gradient_as_bucket_view:
+            from accelerate.utils import DistributedDataParallelKwargs
+
+            self.accelerator.ddp_handler = DistributedDataParallelKwargs(
+                bucket_cap_mb=config.bucket_cap_mb, gradient_as_bucket_view=True)  # type: ignore[arg-type]
+        # the loss is the micro-batch's mean, divided by the accumulation here and weighted by the plan
+        self.model_accepts_loss_kwargs = False
+        self.loss_is_scaled_for_ga = False
+        self.ab_plan.scaler = getattr(self.accelerator, "scaler", None)
+        self.add_callback(_LoopCallback(self))
+        self._ab_attached = False
+        self._ab_training_step = False
+
+    def get_train_dataloader(self) -> torch.utils.data.DataLoader[Any]:
+        """This rank's micro-batches over the training set (not re-sharded by Accelerate)."""
+        dataset = self.train_dataset
+        if dataset is None:
+            raise ValueError("BalanceTrainer: train_dataset=None; pass the training set to the Trainer.")
+        return torch.utils.data.DataLoader(
+            dataset, batch_sampler=self.ab_loop.batch_sampler(dataset), collate_fn=self.data_collator,
+            num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
+
+    def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        if not self._ab_attached:
+            self.ab_loop.attach(model)  # the Trainer's DDP module: the rank weighting hook on it
+            self._ab_attached = True
+        self.ab_loop.micro_batch_start()
+        self._ab_training_step = True
+        try:
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            self._ab_training_step = False
+        self.ab_loop.after_backward()
+        self.ab_loop.micro_batch_end()
+        return loss
+
+    def compute_loss(self, model: torch.nn.Module, inputs: Any, return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=None)
+        if not self._ab_training_step:  # evaluation: the loss as the model computes it
+            return out
+        factor = self.ab_loop.loss_factor()
+        self.ab_loop.before_backward()
+        if return_outputs:
+            loss, outputs = out
+            return loss * factor, outputs
+        return out * factor

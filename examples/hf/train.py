@@ -1,0 +1,63 @@
+"""A Hugging Face ``Trainer`` script that adopts autobalance with two lines (``BalanceTrainer``).
+
+    torchrun --nproc-per-node 2 examples/hf/train.py
+    autobalance tune examples/hf/train.py --trials 10 --nproc-per-node 2 --device cpu
+
+A small GPT-2 built from its config (no download) on random token sequences of one length (the
+loss is a mean over tokens, every sample has as many: a per-sample mean). ``BalanceTrainer`` takes its
+defaults from the ``TrainingArguments`` and applies the configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+from autobalance.integrations.hf import BalanceTrainer  # ab
+
+
+class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    def __init__(self, n: int, length: int, vocab: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, vocab, (n, length), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--length", type=int, default=32)
+    parser.add_argument("--samples", type=int, default=1024)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--rank0-extra-mib", type=float, default=0.0,
+                        help="memory only rank 0 holds (a cached validation batch): what makes an uneven split pay")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=256, n_positions=args.length, n_embd=args.width, n_layer=args.layers,
+                        n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2LMHeadModel(config)
+    with tempfile.TemporaryDirectory() as out:
+        training = TrainingArguments(output_dir=out, per_device_train_batch_size=args.micro_batch, num_train_epochs=1,
+                                     learning_rate=1e-3, report_to="none", save_strategy="no", logging_strategy="no",
+                                     use_cpu=not torch.cuda.is_available(), disable_tqdm=True, seed=0)
+        trainer = BalanceTrainer(model=model, args=training,  # ab: was Trainer(...)
+                                 train_dataset=Tokens(args.samples, args.length, config.vocab_size))
+        rank0 = trainer.ab_plan.rank == 0
+        cache = torch.randn(int(args.rank0_extra_mib * 2**20) // 4) if rank0 else None
+        trainer.train()
+        del cache
+    if trainer.is_world_process_zero():
+        print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
