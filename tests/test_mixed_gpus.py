@@ -182,3 +182,18 @@ def test_tune_gives_the_slow_rank_fewer_samples(tmp_path: Path) -> None:
     print(f"even {of_ideal(even):.3f} of the ideal, tuned {best_micro} {of_ideal(best):.3f}")
     assert of_ideal(best) > of_ideal(even) + 0.08, (of_ideal(best), of_ideal(even))
     assert best["step_time_ms"] < 0.9 * even["step_time_ms"]
+
+
+@pytest.mark.slow
+def test_green_context_benchmark_smoke_runs_on_cpu(tmp_path: Path) -> None:
+    """``benchmarks/green_context.py --smoke``: the tiny GPT on CPU, full mode only, JSON written."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "gc.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks/green_context.py"), "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["smoke"] is True and [r["mode"] for r in data["results"]] == ["full"]
+    assert data["results"][0]["step_ms"] > 0 and data["results"][0]["slowdown_vs_full"] == 1.0
