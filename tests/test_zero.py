@@ -114,3 +114,82 @@ def test_state_dict_round_trips_and_state_bytes_follow_the_shares(tmp_path_facto
         for share, rank in zip(r["shares"], r["ranks"], strict=True):
             assert rank["reported"] == rank["state_bytes"], r
             assert abs(rank["state_bytes"] - share * r["total_state"]) <= r["largest_param_state"], r
+
+
+# ------------------------------------------------------------------------------------ the search
+
+
+def test_optimizer_shares_water_fill_gives_the_rank_with_extras_less() -> None:
+    from autobalance.tuner.search._solver import optimizer_shares
+
+    # rank 0 holds 3 units of extras: the level T with sum_r (T * L - b_r) = S is (8 + 3 + 1 + 1) / 3
+    shares = optimizer_shares(base=[4.0, 1.0, 1.0], state=8.0, limits=[10.0, 10.0, 10.0])
+    level = (8.0 + 4.0 + 1.0 + 1.0) / 30.0
+    assert shares == pytest.approx([(level * 10 - 4) / 8, (level * 10 - 1) / 8, (level * 10 - 1) / 8])
+    assert sum(shares) == pytest.approx(1.0) and shares[0] < shares[1] == shares[2]
+    peaks = [b + 8.0 * q for b, q in zip([4.0, 1.0, 1.0], shares, strict=True)]
+    assert max(peaks) - min(peaks) == pytest.approx(0.0, abs=1e-9)  # every rank at one level
+    # extras larger than the others' share of the state: rank 0 keeps none
+    assert optimizer_shares(base=[9.0, 1.0], state=2.0, limits=[10.0, 10.0]) == [0.0, 1.0]
+    assert optimizer_shares(base=[1.0, 1.0], state=0.0, limits=[10.0, 10.0]) == [0.5, 0.5]
+    # relative to the limits: the smaller card keeps less
+    small, big = optimizer_shares(base=[0.0, 0.0], state=4.0, limits=[1.0, 3.0])
+    assert small == pytest.approx(0.25) and big == pytest.approx(0.75)
+
+
+def test_memory_model_learns_the_state_and_predicts_a_share() -> None:
+    from autobalance.tuner.search._memory_model import MemoryModel, MemoryObservation
+
+    state, extras = 800.0, [300.0, 0.0]
+    obs = []
+    for mb in (2, 4, 6):
+        for sharding, shares in (("off", [1.0, 1.0]), ("zero1", [0.25, 0.75])):
+            for r in range(2):
+                own = state * shares[r]
+                obs.append(MemoryObservation(rank=r, micro_batch=mb, checkpointed=0, num_layers=2, dtype="fp32",
+                                             peak_bytes=1000.0 + extras[r] + own + 50.0 * mb, optimizer_bytes=own,
+                                             optimizer_total=state))
+    model = MemoryModel.fit(obs, world_size=2)
+    assert model.can_shard and model.optimizer_total == pytest.approx(state)
+    assert model.predict(rank=0, micro_batch=3, checkpointed=0, num_layers=2, dtype="fp32", optimizer_share=0.1) == \
+        pytest.approx(1000.0 + 300.0 + 80.0 + 150.0)
+    assert model.predict(rank=1, micro_batch=3, checkpointed=0, num_layers=2, dtype="fp32") == \
+        pytest.approx(1000.0 + 800.0 + 150.0)  # unsharded: the whole state
+    old = [MemoryObservation(rank=o.rank, micro_batch=o.micro_batch, checkpointed=0, num_layers=2, dtype="fp32",
+                             peak_bytes=o.peak_bytes) for o in obs]
+    assert not MemoryModel.fit(old, world_size=2).can_shard  # reports from before: the state stays in fixed
+
+
+def test_observations_take_the_whole_state_from_sharded_and_unsharded_trials() -> None:
+    import optuna
+
+    from autobalance.protocol import Status, TrialAttr
+    from autobalance.tuner.search._holdout import observations_from_trials
+
+    def trial(sharding: str, state: list[int]) -> optuna.trial.FrozenTrial:
+        cfg = BalanceConfig(micro_batches=[2, 2], global_batch=4, optimizer_sharding=sharding)
+        return optuna.trial.create_trial(value=1.0, user_attrs={
+            TrialAttr.STATUS: Status.OK, TrialAttr.CONFIG: cfg.to_dict(), TrialAttr.PEAK_DEVICE_GIB: [0.5, 0.4],
+            TrialAttr.OPTIMIZER_STATE_BYTES: state})
+
+    obs = observations_from_trials([trial("off", [800, 800]), trial("zero1", [300, 500])], num_layers=2)
+    assert [o.optimizer_total for o in obs] == [800.0] * 4
+    assert [o.optimizer_bytes for o in obs] == [800.0, 800.0, 300.0, 500.0]
+
+
+def test_space_searches_zero1_with_shares_and_round_trips_a_config() -> None:
+    from autobalance.tuner.search._space import SearchSpace
+
+    space = SearchSpace.build(world_size=2, global_batch=8, num_layers=2, dtypes=["fp32"], max_accumulation=1,
+                              any_split=True)
+    assert "optimizer_sharding" not in space.distributions()
+    assert SearchSpace.from_dict({k: v for k, v in space.to_dict().items() if k != "shardings"}).shardings == ["off"]
+    space.shardings = ["off", "zero1"]
+    assert {"optimizer_sharding", "oshare_r0", "oshare_r1"} <= set(space.distributions())
+    cfg = BalanceConfig.any_split(rank_samples=[3, 5], optimizer_sharding="zero1", optimizer_shares=[0.2, 0.8])
+    params = space.params_from_config(cfg)
+    assert params["optimizer_sharding"] == "zero1" and params["oshare_r0"] == pytest.approx(0.25)
+    again = space.config_from_params(params)
+    assert again.optimizer_shares == pytest.approx([0.2, 0.8]) and space.contains(again)
+    off = space.config_from_params({**params, "optimizer_sharding": "off"})
+    assert off.optimizer_sharding == "off" and off.optimizer_shares is None

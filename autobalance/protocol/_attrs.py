@@ -98,6 +98,10 @@ class TrialAttr:
     pool's start included), ``compile``, ``steps`` (warm-up and measured), ``remeasure`` (a second
     run) and ``other`` (after the last step: the report, the hand-over)."""
     PEAK_DEVICE_GIB = "peak_device_gib"
+    OPTIMIZER_STATE_BYTES = "optimizer_state_bytes"
+    """Each rank's measured optimizer-state bytes (``RankReport.optimizer.state_bytes``; zero1: its share)."""
+    OPTIMIZER_WRAPPED = "optimizer_wrapped"
+    """The script passes its optimizer through ``plan.optimizer`` (so ``zero1`` can be searched)."""
     USABLE_GIB = "usable_gib"
     FAILING_RANK = "failing_rank"
     ERROR_TAIL = "error_tail"

@@ -124,6 +124,9 @@ def _space_from_baseline(study: optuna.Study, outcome: TrialOutcome,
                               compile_modes=s.compile_modes(), any_split=s.split == "any")
     if defaults.accumulation not in space.accumulations:
         space.accumulations = sorted({*space.accumulations, defaults.accumulation})
+    if s.world_size > 1 and all(((outcome.reports.get(r) or {}).get("optimizer") or {}).get("wrapped")
+                                for r in range(s.world_size)):
+        space.shardings = ["off", "zero1"]  # the script shards through plan.optimizer: search where the state lives
     kept = keep_split(space, report=rep, own=defaults, allow=s.allow_batch_dependent)
     facts = script_facts(rep, kept_split=kept, allow=s.allow_batch_dependent, split=defaults.split_text())
     capacity = [float((outcome.reports.get(r) or rep)["device"]["capacity_bytes"]) for r in range(s.world_size)]

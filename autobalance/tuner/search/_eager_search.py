@@ -4,6 +4,7 @@ each kept when predicted to fit (and within the spread limit), scored by the pre
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from autobalance._config import BalanceConfig
@@ -12,10 +13,11 @@ from autobalance.tuner.search._memory_model import MemoryModel
 from autobalance.tuner.search._solver import (
     balanced_split_for,
     neighbours,
+    optimizer_shares,
     plans_from_model,
     predict_config_feasible,
 )
-from autobalance.tuner.search._space import SearchSpace
+from autobalance.tuner.search._space import SearchSpace, normalised_shares
 from autobalance.tuner.search._step_time import StepTimeModel
 
 __all__ = ["Score", "eager_candidates"]
@@ -35,13 +37,20 @@ def eager_candidates(*, space: SearchSpace, model: MemoryModel, timing: StepTime
     seen: set[str] = set()
     out: list[Candidate] = []
 
-    def consider(micro: list[int], counts: list[int], dtype: str, acc: int) -> None:
+    shard = "zero1" in space.shardings and model.can_shard
+
+    def consider(micro: list[int], counts: list[int], dtype: str, acc: int, zero: bool = False) -> None:
         # any split: the largest micro-batch per rank that fits; the ranks whose steps cost more
         # per sample (more recomputation) give up the samples beyond the global batch first
         speeds = timing.speeds or [1.0] * world
         cost = [(1.0 + timing.rho * c / layers) * s for c, s in zip(counts, speeds, strict=True)]
         cfg = space.config_for(micro, acc, cost, checkpoint=[list(range(c)) for c in counts], dtype=dtype,
                                     bucket_cap_mb=bucket, gradient_as_bucket_view=view)
+        if zero:  # zero1: the state water-filled over the ranks' peaks without it (solver.optimizer_shares)
+            base = [model.predict(rank=r, micro_batch=cfg.micro_batches[r], checkpointed=counts[r],
+                                  num_layers=layers, dtype=dtype, optimizer_share=0.0) for r in range(world)]
+            shares = normalised_shares(optimizer_shares(base=base, state=model.optimizer_bytes(None), limits=usable))
+            cfg = dataclasses.replace(cfg, optimizer_sharding="zero1", optimizer_shares=shares)
         key = cfg.to_json()
         if key in seen or not space.contains(cfg):  # e.g. a split the space keeps fixed
             return
@@ -71,6 +80,19 @@ def eager_candidates(*, space: SearchSpace, model: MemoryModel, timing: StepTime
                 plans = []
             for plan in plans:
                 consider(list(plan.micro_batches), list(plan.checkpointed), dtype, acc)
+            if shard:  # the same plans with the state placed where memory is left (less on the rank with extras)
+                fixed0 = [model.fixed_bytes(r, dtype, 0.0) for r in range(world)]
+                first = optimizer_shares(base=fixed0, state=model.optimizer_bytes(None), limits=usable)
+                try:
+                    zero_plans = plans_from_model(model, total=total, num_layers=layers, dtype=dtype, limits=usable,
+                                                  max_plans=5, recompute_fraction=timing.rho,
+                                                  max_spread_bytes=max_spread,
+                                                  checkpoint_counts=None if space.num_layers > 0 else [0],
+                                                  speeds=timing.speeds, optimizer_shares=first)
+                except Exception:
+                    zero_plans = []
+                for plan in zero_plans:
+                    consider(list(plan.micro_batches), list(plan.checkpointed), dtype, acc, zero=True)
             try:
                 even = balanced_split_for(model, total=total, checkpointed=[0] * world, num_layers=layers,
                                           dtype=dtype, limits=usable)
@@ -79,4 +101,6 @@ def eager_candidates(*, space: SearchSpace, model: MemoryModel, timing: StepTime
             if even is not None:
                 for micro in (even, *neighbours(even)):
                     consider(micro, [0] * world, dtype, acc)
+                    if shard:
+                        consider(micro, [0] * world, dtype, acc, zero=True)
     return out

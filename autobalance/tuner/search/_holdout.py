@@ -27,12 +27,18 @@ def observations_from_trials(trials: list[FrozenTrial], *, num_layers: int) -> l
         peaks = t.user_attrs.get(TrialAttr.PEAK_DEVICE_GIB) or []
         if not cfg or len(peaks) != len(cfg["micro_batches"]) or cfg.get("compile", "off") != "off":
             continue  # the model is of eager memory; compiled trials follow their budget instead
+        state = t.user_attrs.get(TrialAttr.OPTIMIZER_STATE_BYTES) or []
+        measured = len(state) == len(peaks) and all(isinstance(v, (int, float)) for v in state)
+        # the whole state: summed over the ranks when sharded, on every rank when not
+        whole = (sum(state) if cfg.get("optimizer_sharding", "off") == "zero1" else max(state)) if measured else None
         for rank, peak in enumerate(peaks):
             if peak is None or peak <= 0:
                 continue
             obs.append(MemoryObservation(
                 rank=rank, micro_batch=int(cfg["micro_batches"][rank]), checkpointed=len(cfg["checkpoint"][rank]),
                 num_layers=max(1, num_layers), dtype=cfg["dtype"], peak_bytes=float(peak) * GIB, ok=status == Status.OK,
+                optimizer_bytes=float(state[rank]) if measured else None,
+                optimizer_total=None if whole is None else float(whole),
             ))
     return obs
 

@@ -19,13 +19,28 @@ predictions that depend on those directions are reported as low-confidence
 
 Trials that ran out of memory (``ok=False``) are never fitted as equalities: their peak is only a
 lower bound. They feed the safety margin instead (:meth:`MemoryModel.correct`).
+
+Optimizer state (uneven ZeRO-1, issue 34). When every successful observation carries the rank's
+measured optimizer-state bytes ``o_r`` (``RankReport.optimizer.state_bytes``) and the whole state
+of its trial ``S_t`` (the sum over its ranks), the state is taken out of the fit and put back as a
+known term::
+
+    peak_r = fixed_r + o_r + micro_batch * (act_full - act_saved * checkpointed / num_layers)
+    o_r    = S * q_r   with ``zero1`` shares q_r (sum 1),   o_r = S   unsharded
+    S      = median over the observations of S_t
+
+so ``fixed_r`` is then what stays on rank ``r`` whatever the sharding (parameters, gradients, DDP
+buckets, rank-0 extras) and :meth:`MemoryModel.predict` takes ``optimizer_share`` (None: unsharded).
+``q_r`` is the share asked for; the partition by whole parameters lands within one parameter of it.
+Without those figures (reports from before, or a script that never steps through the plan)
+``optimizer_total`` is None, the state stays inside ``fixed_r`` and a share cannot be predicted.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -90,6 +105,10 @@ class MemoryObservation:
     """Measured peak in bytes; for an out-of-memory trial, a lower bound of the true peak."""
     ok: bool = True
     """False when the trial ran out of memory (then ``peak_bytes`` is only a lower bound)."""
+    optimizer_bytes: float | None = None
+    """This rank's measured optimizer-state bytes in the trial (None: not measured)."""
+    optimizer_total: float | None = None
+    """The trial's whole optimizer state, all ranks together (None: not measured)."""
 
     def __post_init__(self) -> None:
         for name in ("rank", "micro_batch", "checkpointed", "num_layers"):
@@ -191,6 +210,9 @@ class MemoryModel:
     """How many times the margin was widened."""
     fits: dict[str, DtypeFit] = field(default_factory=dict)
     """Fitted parameters per dtype (dtypes without any usable data or prior are absent)."""
+    optimizer_total: float | None = None
+    """``S``, the whole optimizer state in bytes, learned from the trials (see the module docstring);
+    None: not measured, the state is part of each rank's fixed bytes."""
 
     def __post_init__(self) -> None:
         if (
@@ -237,6 +259,11 @@ class MemoryModel:
         )
         for obs in observations:
             model._check_rank(obs.rank)
+        measured = list(observations)  # the margin is checked against the peaks as measured
+        ok = [o for o in observations if o.ok]
+        if ok and all(o.optimizer_bytes is not None and o.optimizer_total is not None for o in ok):
+            model.optimizer_total = float(np.median([float(o.optimizer_total or 0.0) for o in ok]))
+            observations = [_without_state(o) for o in observations]
         by_dtype = {d: [o for o in observations if o.ok and o.dtype == d] for d in DTYPES}
         order = sorted(
             (d for d in DTYPES if by_dtype[d]),
@@ -257,7 +284,7 @@ class MemoryModel:
                     model.fits[dtype] = _fit_dtype(
                         dtype, [], world_size=world_size, reference=reference
                     )
-        for obs in observations:
+        for obs in measured:
             if by_dtype[obs.dtype]:  # a dtype borrowed whole from another: its miss is the prior's, not the fit's
                 model.correct(obs)
         return model
@@ -274,6 +301,17 @@ class MemoryModel:
         model.corrections += self.corrections
         return model
 
+    @property
+    def can_shard(self) -> bool:
+        """Whether a ``zero1`` share can be predicted (the optimizer state was measured)."""
+        return self.optimizer_total is not None
+
+    def optimizer_bytes(self, share: float | None) -> float:
+        """``S * share`` (``S`` unsharded, ``share`` None); 0 when ``S`` is unknown (it is in the fixed part)."""
+        if self.optimizer_total is None:
+            return 0.0
+        return self.optimizer_total * (1.0 if share is None else share)
+
     # -------------------------------------------------------------------------------- prediction
 
     def is_fitted_for(self, dtype: str) -> bool:
@@ -288,12 +326,14 @@ class MemoryModel:
         return dtype in self.fits
 
     def predict(
-        self, *, rank: int, micro_batch: int, checkpointed: int, num_layers: int, dtype: str
+        self, *, rank: int, micro_batch: int, checkpointed: int, num_layers: int, dtype: str,
+        optimizer_share: float | None = None,
     ) -> float:
-        """Predicted peak bytes of ``rank`` for that micro-batch, checkpoint count and dtype."""
+        """Predicted peak bytes of ``rank`` for that micro-batch, checkpoint count and dtype, keeping
+        ``optimizer_share`` of the optimizer state (None: all of it, unsharded)."""
         fit = self._fit(dtype)
         x = self._query(rank, micro_batch, checkpointed, num_layers)
-        return float(x @ fit.theta)
+        return float(x @ fit.theta) + self.optimizer_bytes(optimizer_share)
 
     def is_confident(
         self, *, rank: int, micro_batch: int, checkpointed: int, num_layers: int, dtype: str
@@ -306,10 +346,11 @@ class MemoryModel:
         leak = float(np.linalg.norm(xs @ fit.unseen))
         return leak <= _CONFIDENT_TOL * max(float(np.linalg.norm(xs)), 1e-300)
 
-    def fixed_bytes(self, rank: int, dtype: str) -> float:
-        """The part of ``rank``'s peak that does not scale with its micro-batch."""
+    def fixed_bytes(self, rank: int, dtype: str, optimizer_share: float | None = None) -> float:
+        """The part of ``rank``'s peak that does not scale with its micro-batch, keeping
+        ``optimizer_share`` of the optimizer state (None: all of it, unsharded)."""
         self._check_rank(rank)
-        return self._fit(dtype).fixed[rank]
+        return self._fit(dtype).fixed[rank] + self.optimizer_bytes(optimizer_share)
 
     def per_sample_bytes(self, rank: int, dtype: str, checkpointed: int, num_layers: int) -> float:
         """Bytes one more sample adds to ``rank``'s peak with ``checkpointed`` of ``num_layers`` blocks
@@ -384,13 +425,17 @@ class MemoryModel:
         )
 
     def _predict_obs(self, obs: MemoryObservation) -> float:
-        return self.predict(
+        base = self.predict(
             rank=obs.rank,
             micro_batch=obs.micro_batch,
             checkpointed=obs.checkpointed,
             num_layers=obs.num_layers,
             dtype=obs.dtype,
-        )
+        ) - self.optimizer_bytes(None)
+        if self.optimizer_total is None:
+            return base
+        # the state this rank measured (an OOM before the first step measured none: the model's S)
+        return base + (obs.optimizer_bytes if obs.optimizer_bytes is not None else self.optimizer_total)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
@@ -401,6 +446,13 @@ class MemoryModel:
 
 
 # ------------------------------------------------------------------------------------ internals
+
+
+def _without_state(obs: MemoryObservation) -> MemoryObservation:
+    """``obs`` with its measured optimizer state taken out of the peak (fitted without it)."""
+    if obs.optimizer_bytes is None:
+        return obs
+    return replace(obs, peak_bytes=max(1.0, obs.peak_bytes - obs.optimizer_bytes))
 
 
 def _check_dtype(dtype: str) -> None:

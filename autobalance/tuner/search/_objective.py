@@ -50,6 +50,10 @@ class TrialFigures:
     """Per rank: its own work per step, without its wait at the all-reduce (``busy_time_s``)."""
     wait_s: list[float | None] = field(default_factory=list)
     """Per rank: its wait at the step's gradient all-reduce (``allreduce_wait_s``)."""
+    optimizer_state: list[float | None] = field(default_factory=list)
+    """Per rank: its measured optimizer-state bytes (``RankReport.optimizer``; None: not measured)."""
+    optimizer_wrapped: bool = False
+    """Every rank's script passed its optimizer through ``plan.optimizer``."""
     compile: dict[str, Any] = field(default_factory=dict)
     """Compiled trials: ``compile_s`` (slowest rank's first step), ``activation_budget_used`` (per
     rank, as reported) and ``compile_cache`` (Inductor cache hits/misses over the ranks)."""
@@ -133,6 +137,9 @@ class TrialFigures:
                if any(v is not None for v in self.busy_s) else {}),
             **({TrialAttr.WAIT_MS: [None if v is None else round(1000 * v, 3) for v in self.wait_s]}
                if any(v is not None for v in self.wait_s) else {}),
+            **({TrialAttr.OPTIMIZER_STATE_BYTES: [None if v is None else int(v) for v in self.optimizer_state]}
+               if any(v is not None for v in self.optimizer_state) else {}),
+            **({TrialAttr.OPTIMIZER_WRAPPED: True} if self.optimizer_wrapped else {}),
             "memory_constraint": round(self.memory_constraint(headroom), 5),
             **self.compile,
             **per_rank,
@@ -182,6 +189,8 @@ def figures_from_outcome(
     counts: list[int] = []
     busy: list[float | None] = []
     wait: list[float | None] = []
+    optimizer_state: list[float | None] = []
+    wrapped: list[bool] = []
     reports = {r: RankReport.from_dict(rep) for r, rep in outcome.reports.items()}
     for r in range(world_size):
         rep = reports.get(r)
@@ -205,6 +214,9 @@ def figures_from_outcome(
             in_steps.append(float(timing.steps_s))
         if ok and rep is not None and rep.measured_steps is not None:
             counts.append(int(rep.measured_steps))
+        opt = (rep.optimizer if rep is not None else None) or {}
+        optimizer_state.append(_float(opt.get("state_bytes")) if ok else None)
+        wrapped.append(bool(opt.get("wrapped")))
         busy.append(_float(rep.busy_time_s) if ok and rep is not None else None)
         wait.append(_float(rep.allreduce_wait_s) if ok and rep is not None else None)
     step = max(steps) if len(steps) == world_size else None
@@ -220,6 +232,6 @@ def figures_from_outcome(
         samples_per_s=(gb / step) if (gb and step) else None, startup_s=max(startup) if startup else None,
         time_in_steps_s=max(in_steps) if len(in_steps) == world_size else None,
         measured_steps=min(counts) if len(counts) == world_size else None,
-        busy_s=busy, wait_s=wait,
+        busy_s=busy, wait_s=wait, optimizer_state=optimizer_state, optimizer_wrapped=bool(wrapped) and all(wrapped),
         compile=compile_figures(outcome.reports),
     )

@@ -38,6 +38,7 @@ __all__ = [
     "balanced_split_for",
     "choose_checkpointing",
     "neighbours",
+    "optimizer_shares",
     "plans_from_model",
     "predict_config_feasible",
     "predict_feasible",
@@ -440,9 +441,10 @@ def predict_feasible(
     dtype: str,
     limits: Sequence[float],
     margin: float | None = None,
+    optimizer_shares: Sequence[float] | None = None,
 ) -> tuple[bool, list[float]]:
     """Predicted peak of each rank, and whether every ``peak * (1 + margin) <= limit``
-    (``margin`` defaults to ``model.safety_margin``)."""
+    (``margin`` defaults to ``model.safety_margin``; ``optimizer_shares``: ``zero1``'s, None: unsharded)."""
     world = model.world_size
     for name, values in (
         ("micro_batches", micro_batches),
@@ -457,7 +459,8 @@ def predict_feasible(
     if margin < 0:
         raise UsageError(f"margin={margin} is negative; use 0 or a small relative margin.")
     peaks = [
-        model.predict(rank=r, micro_batch=m, checkpointed=c, num_layers=num_layers, dtype=dtype)
+        model.predict(rank=r, micro_batch=m, checkpointed=c, num_layers=num_layers, dtype=dtype,
+                      optimizer_share=None if optimizer_shares is None else optimizer_shares[r])
         for r, (m, c) in enumerate(zip(micro_batches, checkpointed, strict=True))
     ]
     feasible = all(p * (1.0 + margin) <= lim for p, lim in zip(peaks, limits, strict=True))
@@ -481,6 +484,7 @@ def predict_config_feasible(
         dtype=config.dtype,
         limits=limits,
         margin=margin,
+        optimizer_shares=config.sharding_shares(),
     )
 
 
@@ -526,15 +530,18 @@ def plans_from_model(
     checkpoint_counts: Sequence[int] | None = None,
     max_plans: int = 5,
     speeds: Sequence[float] | None = None,
+    optimizer_shares: Sequence[float] | None = None,
 ) -> list[SplitPlan]:
     """:func:`choose_checkpointing` with the model's terms for ``dtype`` under
-    ``limits / (1 + margin)`` (``max_relative_peak`` is relative to those reduced limits)."""
+    ``limits / (1 + margin)`` (``max_relative_peak`` is relative to those reduced limits);
+    ``optimizer_shares``: each rank keeps that share of the optimizer state (``zero1``; None: all)."""
     world = model.world_size
+    shares = [None] * world if optimizer_shares is None else list(optimizer_shares)
     full = [max(0.0, model.per_sample_bytes(r, dtype, 0, num_layers)) for r in range(world)]
     least = [model.per_sample_bytes(r, dtype, num_layers, num_layers) for r in range(world)]
     return choose_checkpointing(
         total=total,
-        fixed=[model.fixed_bytes(r, dtype) for r in range(world)],
+        fixed=[model.fixed_bytes(r, dtype, shares[r]) for r in range(world)],
         per_sample=full,
         saved_per_sample=[min(f, max(0.0, f - lo)) for f, lo in zip(full, least, strict=True)],
         num_layers=num_layers,
@@ -545,6 +552,37 @@ def plans_from_model(
         max_plans=max_plans,
         speeds=speeds,
     )
+
+
+def optimizer_shares(*, base: Sequence[float], state: float, limits: Sequence[float]) -> list[float]:
+    """``zero1`` shares ``q_r >= 0`` (sum 1) of an optimizer state of ``state`` bytes that minimise
+    ``max_r (base_r + state * q_r) / limits_r``, where ``base_r`` is rank ``r``'s predicted peak
+    without optimizer state (its extras included).
+
+    Water-filling: the optimum fills every rank to one relative level ``T``::
+
+        q_r = max(0, T * limits_r - base_r) / state,   sum_r q_r = 1
+
+    ``T`` is found exactly by sorting the ranks by ``base_r / limits_r`` (the level at which each
+    starts taking state) and solving the linear equation on the first segment where the sum reaches 1.
+    A rank already above the others' level (the one holding extras) gets less, or none. ``state <= 0``:
+    even shares (nothing to place)."""
+    world = len(base)
+    if world == 0 or len(limits) != world or any(lim <= 0 for lim in limits):
+        raise UsageError(f"base={list(base)} and limits={list(limits)} need one entry per rank and positive limits.")
+    if state <= 0:
+        return [1.0 / world] * world
+    order = sorted(range(world), key=lambda r: base[r] / limits[r])
+    level = 0.0
+    for k in range(1, world + 1):
+        active = order[:k]
+        # sum over active (T * L_r - b_r) = state  ->  T = (state + sum b) / sum L
+        level = (state + sum(base[r] for r in active)) / sum(limits[r] for r in active)
+        if k == world or level <= base[order[k]] / limits[order[k]]:
+            break
+    raw = [max(0.0, level * limits[r] - base[r]) for r in range(world)]
+    total = sum(raw)
+    return [q / total for q in raw]
 
 
 # --------------------------------------------------------------------------------- validation

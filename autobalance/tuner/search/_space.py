@@ -22,12 +22,26 @@ import optuna
 
 from autobalance._config import BalanceConfig, samples_within, split_at_least, split_evenly
 
-__all__ = ["BUDGET_RANGE", "SHARE_RANGE", "SearchSpace"]
+__all__ = ["BUDGET_RANGE", "OPTIMIZER_SHARE_RANGE", "SHARE_RANGE", "SearchSpace", "normalised_shares"]
 
 SHARE_RANGE = (0.05, 1.0)
 BUCKET_RANGE_MB = (1.0, 200.0)
 BUDGET_RANGE = (0.05, 1.0)
 BUDGET_STEP = 0.05
+OPTIMIZER_SHARE_RANGE = (0.0, 1.0)
+"""A rank's ``oshare_r`` weight; the shares are the weights over their sum (all 0: even)."""
+
+
+def normalised_shares(weights: list[float]) -> list[float]:
+    """``zero1`` shares from per-rank weights: each over their sum, to 4 decimals, summing to 1 (the
+    largest takes the rounding); all weights 0: even."""
+    total = sum(weights)
+    if total <= 0:
+        weights, total = [1.0] * len(weights), float(len(weights))
+    shares = [round(w / total, 4) for w in weights]
+    top = shares.index(max(shares))
+    shares[top] = round(1.0 - sum(q for r, q in enumerate(shares) if r != top), 4)
+    return shares
 
 
 @dataclass(kw_only=True)
@@ -61,6 +75,10 @@ class SearchSpace:
     any_split: bool = False
     """Any split of the global batch: per rank, any number of samples per step, in micro-steps
     that differ by at most one (False, as in studies from before: equal micro-batches only)."""
+    shardings: list[str] = field(default_factory=lambda: ["off"])
+    """``optimizer_sharding`` values searched: ``["off", "zero1"]`` when the script passes its optimizer
+    through ``plan.optimizer`` and there is more than one rank (then ``optimizer_sharding`` and, for
+    ``zero1``, per-rank ``oshare_r{r}`` weights normalised to the shares); ``["off"]``: no parameter."""
 
     @classmethod
     def build(
@@ -113,6 +131,10 @@ class SearchSpace:
         if any(m != "off" for m in self.compile_modes):
             for r in range(self.world_size):
                 d[f"budget_r{r}"] = optuna.distributions.FloatDistribution(*BUDGET_RANGE, step=BUDGET_STEP)
+        if "zero1" in self.shardings:
+            d["optimizer_sharding"] = optuna.distributions.CategoricalDistribution(self.shardings)
+            for r in range(self.world_size):
+                d[f"oshare_r{r}"] = optuna.distributions.FloatDistribution(*OPTIMIZER_SHARE_RANGE)
         d["dtype"] = optuna.distributions.CategoricalDistribution(self.dtypes)
         d["bucket_cap_mb"] = optuna.distributions.FloatDistribution(*BUCKET_RANGE_MB, log=True)
         d["grad_as_bucket_view"] = optuna.distributions.CategoricalDistribution([False, True])
@@ -124,6 +146,8 @@ class SearchSpace:
             compiled = params.get("compile", "off") != "off"
             if (name.startswith("ckpt_r") and compiled) or (name.startswith("budget_r") and not compiled):
                 continue  # conditional on compile: checkpointing for eager trials, budgets for compiled ones
+            if name.startswith("oshare_r") and params.get("optimizer_sharding", "off") != "zero1":
+                continue  # conditional on sharding: shares only for zero1 trials
             params[name] = _suggest(trial, name, dist)
         return self.config_from_params(params)
 
@@ -141,6 +165,10 @@ class SearchSpace:
             checkpoint=ckpt, dtype=str(params["dtype"]), bucket_cap_mb=round(float(params["bucket_cap_mb"]), 3),
             gradient_as_bucket_view=bool(params["grad_as_bucket_view"]), compile=mode, activation_budget=budget,
         )
+        if params.get("optimizer_sharding", "off") == "zero1":
+            rest["optimizer_sharding"] = "zero1"
+            rest["optimizer_shares"] = normalised_shares(
+                [float(params.get(f"oshare_r{r}", 1.0)) for r in range(self.world_size)])
         if self.fixed_split:  # the script's own split, as it is
             micro, samples = self.kept_split(acc)
             return BalanceConfig(micro_batches=micro, accumulation=acc, global_batch=self.global_batch,
@@ -199,6 +227,13 @@ class SearchSpace:
                 budget = config.activation_budget[r] if config.activation_budget else 1.0
                 budget = round(round(budget / BUDGET_STEP) * BUDGET_STEP, 3)
                 params[f"budget_r{r}"] = min(BUDGET_RANGE[1], max(BUDGET_RANGE[0], budget))
+        if "zero1" in self.shardings:
+            params["optimizer_sharding"] = config.optimizer_sharding
+            zero = config.sharding_shares()
+            if zero is not None:
+                heaviest = max(zero) or 1.0
+                for r, q in enumerate(zero):
+                    params[f"oshare_r{r}"] = min(OPTIMIZER_SHARE_RANGE[1], max(OPTIMIZER_SHARE_RANGE[0], q / heaviest))
         params["dtype"] = config.dtype
         params["bucket_cap_mb"] = min(BUCKET_RANGE_MB[1], max(BUCKET_RANGE_MB[0], config.bucket_cap_mb))
         params["grad_as_bucket_view"] = config.gradient_as_bucket_view
@@ -211,7 +246,7 @@ class SearchSpace:
                 return False
         return (config.global_batch == self.global_batch and config.world_size == self.world_size
                 and config.accumulation in self.accumulations and config.dtype in self.dtypes
-                and config.compile in self.compile_modes
+                and config.compile in self.compile_modes and config.optimizer_sharding in self.shardings
                 and (self.any_split or self.fixed_split or config.equal_micro_batches))
 
 
