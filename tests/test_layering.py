@@ -28,6 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     FLOOR: {"protocol"},
     "store": {FLOOR, "protocol"},
     "runtime": {FLOOR, "protocol", "store"},
+    "integrations": {FLOOR, "protocol", "store", "runtime"},
     "launcher": {FLOOR, "protocol"},
     "report": {FLOOR, "protocol", "store"},
     "diagnose": {FLOOR, "protocol", "launcher"},
