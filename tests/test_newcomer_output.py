@@ -41,7 +41,7 @@ def test_the_demos_first_three_lines_say_what_it_shows() -> None:
     reporter.end()
     lines = out.getvalue().splitlines()
     assert "study gpt-cpu" in lines[0] and "2 ranks on cpu" in lines[0]
-    assert lines[1] == ("Emulated memory cap: 0.0145 GiB per rank (0.0138 GiB usable with 5% headroom; ranks run "
+    assert lines[1] == ("Emulated memory cap: 14.8 MiB per rank (14.1 MiB usable with 5% headroom; ranks run "
                         "under it): a trial over it is infeasible.")
     assert lines[2].startswith("This demo: the script's own configuration") and "does not fit" in lines[2]
 
@@ -57,11 +57,11 @@ def test_a_baseline_that_does_not_fit_is_explained_once_it_ran() -> None:
     oom = {"status": "oom", "failing_rank": 0, "peak_device_gib": [0.0146, 0.0103], "usable_gib": [0.0138, 0.0138],
            "feasible": False}
     assert baseline_fit_note(oom, global_batch=16) == (
-        "The script's own configuration does not fit in 0.0138 GiB usable per rank (rank 0 ran out of memory): the "
+        "The script's own configuration does not fit in 14.1 MiB usable per rank (rank 0 ran out of memory): the "
         "study looks for one that does, with the same global batch of 16; without a baseline step time there is no "
         "speed-up to report.")
     over = {**oom, "status": "ok", "peak_device_gib": [0.0140, 0.0103], "step_time_ms": 120.0}
-    assert "(over the usable limit (rank 0: 0.014 GiB > 0.0138 GiB usable))" in (baseline_fit_note(over, global_batch=16)
+    assert "(over the usable limit (rank 0: 14.3 MiB > 14.1 MiB usable))" in (baseline_fit_note(over, global_batch=16)
                                                                                  or "")
     assert baseline_fit_note({**over, "feasible": True, "peak_device_gib": [0.01, 0.01]}, global_batch=16) is None
 
@@ -86,7 +86,8 @@ def test_the_comparison_says_why_there_is_no_speed_up() -> None:
 
 
 @pytest.mark.parametrize(("peaks", "usable", "expected"), [
-    ([0.014, 0.009], [0.0138, 0.0138], "over the usable limit (rank 0: 0.014 GiB > 0.0138 GiB usable)"),
+    ([0.014, 0.009], [0.0138, 0.0138], "over the usable limit (rank 0: 14.3 MiB > 14.1 MiB usable)"),
+    ([0.01381, 0.009], [0.0138, 0.0138], "over the usable limit (rank 0: 14.14 MiB > 14.13 MiB usable)"),
     ([15.7, 14.0], [15.2, 15.2], "over the usable limit (rank 0: 15.7 GiB > 15.2 GiB usable)"),
     ([15.7], [15.2], "over the usable limit (15.7 GiB > 15.2 GiB usable)"),
     ([10.0, 9.0], [15.2, 15.2], "over the --max-spread-gib limit (memory spread)"),
@@ -108,7 +109,7 @@ def test_tunes_trial_line_shows_an_infeasible_ok_trial_as_over_the_limit() -> No
     reporter.finish(over, None)  # type: ignore[arg-type]
     reporter.finish(fits, None)  # type: ignore[arg-type]
     lines = out.getvalue().splitlines()
-    assert lines[0].startswith("  trial 6 ok, over the usable limit (rank 0: 0.014 GiB > 0.0138 GiB usable)  peaks")
+    assert lines[0].startswith("  trial 6 ok, over the usable limit (rank 0: 14.3 MiB > 14.1 MiB usable)  peaks")
     assert lines[1].startswith("  trial 7 ok  peaks")
 
 

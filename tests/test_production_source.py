@@ -75,7 +75,7 @@ def test_a_tuned_emulated_cap_loads_in_one_line_without_a_warning(demo_store, ca
     assert (chosen, source) == (TUNED, "store:gpt-cpu#3")
     lines = capsys.readouterr().err.splitlines()
     assert lines == [f"autobalance: using study gpt-cpu, trial 3 ({demo_store}), tuned under an emulated cap of "
-                     "0.0145 GiB per rank; this job runs without it (the configuration fits with room to spare): "
+                     "14.8 MiB per rank; this job runs without it (the configuration fits with room to spare): "
                      "rank 0: 8 ckpt 0-3; rank 1: 8 | bf16 bucket=1MB view"]
 
 
@@ -94,7 +94,7 @@ def test_a_tighter_cap_is_still_a_mismatch_said_in_plain_lines(demo_store, capsy
             _choose(study="gpt-cpu", storage=demo_store, cap_bytes=DEMO_CAP // 2)
     with pytest.raises(HardwareMismatchError) as info:
         _choose(study="gpt-cpu", storage=demo_store, cap_bytes=DEMO_CAP // 2, on_mismatch="error")
-    assert "\n" not in str(info.value) and "rank 0 memory cap 0.0145 GiB (tuned) vs 0.00725 GiB" in str(info.value)
+    assert "\n" not in str(info.value) and "rank 0 memory cap 14.8 MiB (tuned) vs 7.42 MiB" in str(info.value)
 
 
 def test_a_study_for_other_ranks_falls_back_to_the_scripts_defaults_in_one_line(demo_store, capsys) -> None:

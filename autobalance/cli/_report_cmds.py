@@ -10,6 +10,18 @@ commands = typer.Typer()
 _CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
+def saved_trial(url: str, study_name: str) -> int | None:
+    """The trial the store holds as ``study_name``'s best configuration (None: nothing saved)."""
+    from autobalance._errors import StudyNotFoundError
+    from autobalance.store import ConfigStore
+
+    with ConfigStore(url=url) as store:
+        try:
+            return store.load(study_name).trial_number
+        except StudyNotFoundError:
+            return None
+
+
 @commands.command(short_help="Write an offline HTML report of a study.")
 def report(
     study_name: str = typer.Option(..., "--study-name", help="Study to report on."),
@@ -27,8 +39,12 @@ def report(
         quiet_optuna()
         url = check_storage(storage)
         study = load_study(study_name=study_name, storage_url=url)
-        files = build_report(study, output_html=output, png_dir=png, storage_url=mask_url(url))
+        files = build_report(study, output_html=output, png_dir=png, storage_url=mask_url(url),
+                             saved_trial=saved_trial(url, study_name))
         typer.echo(f"Wrote {files.html}")
+        if files.not_saved:
+            typer.echo(f"Best measured: trial {files.best_trial} (not saved: {files.not_saved}); the report gives no "
+                       "\"Use it\" line for it.")
         for path in files.pngs:
             typer.echo(f"Wrote {path}")
 

@@ -10,7 +10,7 @@ from autobalance.cli._common import console, quiet_optuna, sigterm_as_interrupt
 def interrupted_message(settings: Any) -> str:
     """After Ctrl-C: what happened, the best trial so far and how to keep it (one line)."""
     from autobalance._config import describe_config
-    from autobalance.protocol import trial_ranks
+    from autobalance.protocol import memory_text, trial_ranks
     from autobalance.store import mask_url
     from autobalance.tuner import best_so_far
 
@@ -22,7 +22,7 @@ def interrupted_message(settings: Any) -> str:
         a = best.user_attrs
         figures = ", ".join(f for f in (
             f"step {a['step_time_ms']:.1f} ms" if a.get("step_time_ms") is not None else "",
-            f"spread {a['spread_gib']:.4g} GiB" if a.get("spread_gib") is not None and trial_ranks(a) > 1 else "")
+            f"spread {memory_text(a['spread_gib'])}" if a.get("spread_gib") is not None and trial_ranks(a) > 1 else "")
             if f)
         text += (f" Best so far: trial {best.number} ({describe_config(a.get('config'))}; {figures}); keep it with "
                  f"`autobalance promote --study-name {settings.study_name} --trial {best.number} --storage "
@@ -55,5 +55,6 @@ def run_tune(*, flags: dict[str, Any], config_path: str | None) -> None:
             tuner.close_kept_pool()
     from autobalance.cli._views import print_result
 
-    print_result(result, settings=settings, console=console(), nothing_feasible=saving.nothing_feasible)
+    print_result(result, settings=settings, console=console(), nothing_feasible=saving.nothing_feasible,
+                 rejected=saving.rejected)
     saving.check()

@@ -11,7 +11,15 @@ from rich.table import Table
 
 from autobalance._config import describe_config
 from autobalance.cli._common import console
-from autobalance.protocol import TrialAttr, over_limit, study_ranks, time_in_steps_s, trial_ranks
+from autobalance.protocol import (
+    TrialAttr,
+    memory_text,
+    over_limit,
+    speed_up,
+    study_ranks,
+    time_in_steps_s,
+    trial_ranks,
+)
 
 
 def print_studies(storage_url: str) -> None:
@@ -38,10 +46,10 @@ def print_studies(storage_url: str) -> None:
             name, str(len(ts)), str(sum(t.state.name == "COMPLETE" for t in ts)),
             str(sum(is_feasible(t) for t in ts)),
             f"{best.user_attrs.get('step_time_ms', 0):.1f}" if best else "-",
-            f"{best.user_attrs.get('spread_gib', 0):.3g}" if best and spread else "-",
+            memory_text(best.user_attrs.get('spread_gib', 0)) if best and spread else "-",
         ])
     table = Table(title=f"Studies in {mask_url(storage_url)}")
-    columns = ["study", "trials", "complete", "feasible", "best step (ms)", "best spread (GiB)"]
+    columns = ["study", "trials", "complete", "feasible", "best step (ms)", "best spread"]
     for col in columns[:None if any_spread else -1]:
         table.add_column(col)
     for row in rows:
@@ -85,17 +93,17 @@ def print_trials(*, study_name: str, storage: str, as_json: bool) -> None:
         return
     many = study_ranks(study) > 1  # one rank: a peak, no spread
     table = Table(title=f"Trials of {study_name}")
-    for col in ("#", "state", "status", "feasible", "configuration", "peak GiB per rank" if many else "peak GiB",
-                *(["spread GiB"] if many else []), "step ms", "objective"):
+    for col in ("#", "state", "status", "feasible", "configuration", "peak per rank" if many else "peak",
+                *(["spread"] if many else []), "step ms", "objective"):
         table.add_column(col)
     for r in rows:
         peaks = r["peak_device_gib"] or []
-        spread = ["-" if r["spread_gib"] is None else f"{r['spread_gib']:.3g}"] if many else []
+        spread = [memory_text(r["spread_gib"])] if many else []
         table.add_row(
             f"{r['number']}{' (baseline)' if r['baseline'] else ''}", r["state"], r["status"] or "-",
             feasible_text(r),
             describe_config(r["config"]) if r["config"] else "-",
-            " ".join("-" if p is None else f"{p:.3g}" for p in peaks) or "-",
+            " ".join(memory_text(p) for p in peaks) or "-",
             *spread,
             "-" if r["step_time_ms"] is None else f"{r['step_time_ms']:.1f}",
             "-" if not r["values"] else " ".join(f"{v:.4g}" for v in r["values"]),
@@ -103,13 +111,15 @@ def print_trials(*, study_name: str, storage: str, as_json: bool) -> None:
     console().print(table)
 
 
-def comparison_table(baseline: Any, best: Any) -> Table:
+def comparison_table(baseline: Any, best: Any, *, not_saved: str = "") -> Table:
     """The baseline and the best side by side: each rank's peak, the spread (two ranks or more), the
-    step time and the speed-up."""
+    step time and the speed-up (claimed only beyond the steps' noise: :func:`~autobalance.protocol.speed_up`).
+    ``not_saved``: why the best was not saved (its column then reads ``best measured (not saved: ...)``)."""
     table = Table(title="Baseline (the script's own configuration) vs best")
     table.add_column("")
     table.add_column(f"baseline #{baseline.number}" if baseline else "baseline")
-    table.add_column(f"best #{best.number}" if best else "best")
+    label = f"best measured (not saved: {not_saved})" if not_saved else "best"
+    table.add_column(f"{label} #{best.number}" if best else label)
     b = baseline.user_attrs if baseline else {}
     t = best.user_attrs if best else {}
     table.add_row("configuration", describe_config(b.get("config")) if b else "-", describe_config(t.get("config")) if t else "-")
@@ -119,13 +129,14 @@ def comparison_table(baseline: Any, best: Any) -> Table:
     for r in range(max(len(peaks_b), len(peaks_t))):
         fb = peaks_b[r] if r < len(peaks_b) else None
         ft = peaks_t[r] if r < len(peaks_t) else None
-        table.add_row(f"rank {r} peak (GiB)" if many else "peak (GiB)", "-" if fb is None else f"{fb:.3f}",
-                      "-" if ft is None else f"{ft:.3f}")
+        table.add_row(f"rank {r} peak" if many else "peak", memory_text(fb), memory_text(ft))
     if many:
-        table.add_row("spread (GiB)", _fmt(b.get("spread_gib"), ".3f"), _fmt(t.get("spread_gib"), ".3f"))
+        table.add_row("spread", memory_text(b.get("spread_gib")), memory_text(t.get("spread_gib")))
     table.add_row("step time (ms)", _fmt(b.get("step_time_ms"), ".1f"), _fmt(t.get("step_time_ms"), ".1f"))
     if b.get("step_time_ms") and t.get("step_time_ms"):
-        table.add_row("speed-up", "1.00x", f"{b['step_time_ms'] / t['step_time_ms']:.2f}x")
+        gain = speed_up(baseline_ms=b["step_time_ms"], baseline_iqr_pct=b.get("step_time_iqr_pct"),
+                        best_ms=t["step_time_ms"], best_iqr_pct=t.get("step_time_iqr_pct"))
+        table.add_row("speed-up", "1.00x", gain.text())
     return table
 
 
@@ -150,8 +161,20 @@ def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def print_result(result: Any, *, settings: Any, console: Console, nothing_feasible: str = "") -> None:
-    console.print(comparison_table(result.baseline, result.best))
+def not_saved_reason(result: Any, *, rejected: list[int] | tuple[int, ...] = ()) -> str:
+    """Why ``tune`` saved nothing although it has a best trial (``failed verification`` when that
+    trial is among ``rejected``); empty when it saved one or has none."""
+    if result.best is None or result.saved:
+        return ""
+    return "failed verification" if result.best.number in rejected else "see above"
+
+
+def print_result(result: Any, *, settings: Any, console: Console, nothing_feasible: str = "",
+                 rejected: list[int] | tuple[int, ...] = ()) -> None:
+    """Tune's summary: the comparison, where the time went, the notes, and how to see and use the
+    result (no "Use it" line when nothing was saved: the best column then says why)."""
+    not_saved = not_saved_reason(result, rejected=rejected)
+    console.print(comparison_table(result.baseline, result.best, not_saved=not_saved))
     misfit = baseline_misfit(result.baseline, result.best)
     if misfit:
         console.print(misfit)
@@ -165,7 +188,8 @@ def print_result(result: Any, *, settings: Any, console: Console, nothing_feasib
     for note in result.notes:
         console.print(note)
     if not result.saved:
-        console.print("[red]No configuration was saved[/] (see above); the study keeps every trial.")
+        console.print(f"[red]Best measured (not saved: {not_saved})[/]: trial {result.best.number}; nothing to use in "
+                      "production (it would run the script's own configuration); the study keeps every trial.")
     console.print(f"See it: autobalance dashboard --storage {result.storage}   (per-rank charts per trial), or "
                   f"autobalance report --study-name {result.study_name} --storage {result.storage} -o report.html")
     if not result.saved:

@@ -17,7 +17,7 @@ from typing import Any
 
 from autobalance import _env
 from autobalance._errors import LaunchError, TrialScriptError, UsageError
-from autobalance.protocol import Status
+from autobalance.protocol import Status, memory_text
 
 __all__ = ["Diagnosis", "Finding", "RankBreakdown", "analyse", "print_diagnosis", "run_diagnose"]
 
@@ -145,11 +145,8 @@ def _rank_row(rank: int, rep: dict[str, Any] | None) -> RankBreakdown:
 
 
 def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    if abs(n) >= GIB:
-        return f"{n / GIB:.2f} GiB"
-    return f"{n / MIB:.1f} MiB"
+    """Bytes in the unit their size calls for (:func:`~autobalance.protocol.memory_text`)."""
+    return memory_text(None if n is None else n / GIB)
 
 
 def _spread(values: list[int | None]) -> tuple[int, int, int] | None:

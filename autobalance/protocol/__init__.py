@@ -21,6 +21,7 @@ from autobalance.protocol._report import (
     report_problem,
     timed_steps,
 )
+from autobalance.protocol._speedup import SpeedUp, speed_up
 from autobalance.protocol._status import (
     FAILED_STATUSES,
     INFEASIBLE_STATUSES,
@@ -44,6 +45,7 @@ from autobalance.protocol._trials import (
     trial_ranks,
     weighted_objective,
 )
+from autobalance.protocol._units import memory_pair, memory_text
 
 __all__ = [
     "CONSTRAINTS_KEY",
@@ -62,6 +64,7 @@ __all__ = [
     "RankMemory",
     "RankReport",
     "RankTiming",
+    "SpeedUp",
     "Status",
     "StudyAttr",
     "TrialAttr",
@@ -70,10 +73,13 @@ __all__ = [
     "is_feasible",
     "looks_like_oom",
     "looks_like_peer_failure",
+    "memory_pair",
+    "memory_text",
     "objective_value",
     "over_limit",
     "report_path",
     "report_problem",
+    "speed_up",
     "study_ranks",
     "time_in_steps_s",
     "timed_steps",

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from autobalance.protocol._attrs import CONSTRAINTS_KEY, StudyAttr, TrialAttr
 from autobalance.protocol._status import Status
+from autobalance.protocol._units import memory_pair
 
 if TYPE_CHECKING:
     import optuna
@@ -28,7 +29,7 @@ def is_feasible(trial: FrozenTrial) -> bool:
 
 def over_limit(user_attrs: Mapping[str, Any]) -> str | None:
     """Why a trial that ran to the end (status ``ok``) is infeasible all the same, in words: ``over
-    the usable limit (rank 0: 0.0140 GiB > 0.0138 GiB usable)``, or a spread over ``--max-spread-gib``;
+    the usable limit (rank 0: 14.3 MiB > 14.1 MiB usable)``, or a spread over ``--max-spread-gib``;
     None for a feasible trial and for one whose status already says it (``oom``, ``predicted_oom``, ...)."""
     if user_attrs.get(TrialAttr.STATUS) != Status.OK or user_attrs.get(TrialAttr.FEASIBLE) is not False:
         return None
@@ -42,9 +43,9 @@ def over_limit(user_attrs: Mapping[str, Any]) -> str | None:
         return "over the --max-spread-gib limit (memory spread)"
     many = len(peaks) > 1
     parts = []
-    for r, p, u in over:
-        digits = next((d for d in range(3, 8) if f"{p:.{d}g}" != f"{u:.{d}g}"), 8)
-        parts.append(f"{f'rank {r}: ' if many else ''}{p:.{digits}g} GiB > {u:.{digits}g} GiB usable")
+    for r, p, u in over:  # in one unit, with as many digits as tell the two apart
+        peak, limit = memory_pair(p, u)
+        parts.append(f"{f'rank {r}: ' if many else ''}{peak} > {limit} usable")
     return f"over the usable limit ({'; '.join(parts)})"
 
 

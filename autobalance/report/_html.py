@@ -6,8 +6,9 @@ import datetime
 import html
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
+from autobalance.protocol import memory_text, speed_up
 from autobalance.report._rows import StudySummary, TrialRow, summarize
 
 __all__ = ["ReportFiles", "build_report", "config_rows"]
@@ -18,6 +19,10 @@ class ReportFiles:
     html: str
     pngs: list[str] = field(default_factory=list)
     importance_note: str = ""
+    best_trial: int | None = None
+    """The best measured trial the report names (None: no trial fits)."""
+    not_saved: str = ""
+    """Why that trial is not the saved one (``failed verification``; empty: it is, or the store was not read)."""
 
 
 def _e(value: Any) -> str:
@@ -103,53 +108,83 @@ def _comparison(summary: StudySummary) -> str:
     ]
     ranks = max(len(base.peaks_gib) if base else 0, len(best.peaks_gib) if best else 0)
     for r in range(ranks):
-        name = f"rank {r} peak (GiB)" if summary.multi_rank else "peak (GiB)"
+        name = f"rank {r} peak" if summary.multi_rank else "peak"
         lines.append(f"<tr><th>{name}</th>"
-                     + cell(base, lambda x, r=r: _num(x.peaks_gib[r] if r < len(x.peaks_gib) else None, ".3f"))
-                     + cell(best, lambda x, r=r: _num(x.peaks_gib[r] if r < len(x.peaks_gib) else None, ".3f"))
+                     + cell(base, lambda x, r=r: memory_text(x.peaks_gib[r] if r < len(x.peaks_gib) else None))
+                     + cell(best, lambda x, r=r: memory_text(x.peaks_gib[r] if r < len(x.peaks_gib) else None))
                      + "</tr>")
     if summary.multi_rank:
-        lines.append("<tr><th>spread (GiB)</th>" + cell(base, lambda r: _num(_spread(r), ".3f"))
-                     + cell(best, lambda r: _num(_spread(r), ".3f")) + "</tr>")
+        lines.append("<tr><th>spread</th>" + cell(base, lambda r: memory_text(_spread(r)))
+                     + cell(best, lambda r: memory_text(_spread(r))) + "</tr>")
         lines.append("<tr><th>spread (% of capacity)</th>"
                      + cell(base, lambda r: _num(r.spread_pct if r.status == "ok" else None, ".2f"))
                      + cell(best, lambda r: _num(r.spread_pct if r.status == "ok" else None, ".2f")) + "</tr>")
     lines.append("<tr><th>step time (ms)</th>" + cell(base, lambda r: _num(r.step_ms, ".1f"))
                  + cell(best, lambda r: _num(r.step_ms, ".1f")) + "</tr>")
     if base and best and base.step_ms and best.step_ms:
-        lines.append(f"<tr><th>speed-up</th><td>1.00x</td><td>{base.step_ms / best.step_ms:.2f}x</td></tr>")
+        gain = speed_up(baseline_ms=base.step_ms, baseline_iqr_pct=base.step_iqr_pct, best_ms=best.step_ms,
+                        best_iqr_pct=best.step_iqr_pct)
+        lines.append(f"<tr><th>speed-up</th><td>1.00x</td><td>{_e(gain.text())}</td></tr>")
     if summary.multi_rank and base and best and _spread(base) is not None and _spread(best) is not None:
         lines.append("<tr><th>spread reduction</th><td>-</td>"
-                     f"<td>{_num(_spread(base) - _spread(best), '.3f')} GiB</td></tr>")  # type: ignore[operator]
+                     f"<td>{memory_text(_spread(base) - _spread(best))}</td></tr>")  # type: ignore[operator]
     lines.append("</tbody></table>")
     return "\n".join(lines)
 
 
-def _best_config(summary: StudySummary) -> str:
+SavedTrial = int | None | Literal["unknown"]
+"""The trial the store holds as the study's best (None: nothing saved; ``"unknown"``: not looked up)."""
+
+
+def not_saved_reason(summary: StudySummary, saved_trial: SavedTrial) -> str:
+    """Why the best measured trial is not the saved one, in words (``failed verification``, ``not
+    verified yet``, ``trial 4 is saved instead``); empty when it is saved or the store was not read."""
+    best = summary.best
+    if best is None or saved_trial == "unknown" or saved_trial == best.number:
+        return ""
+    verdict = summary.verify.get(best.number)
+    if verdict is not None and not verdict.get("passed"):
+        return "failed verification"
+    if saved_trial is not None:
+        return f"trial {saved_trial} is saved instead"
+    return "not verified yet" if verdict is None else "not saved by tune or promote"
+
+
+def _best_config(summary: StudySummary, saved_trial: SavedTrial = "unknown") -> str:
     from autobalance.report._why import why_this_one
 
     why = " ".join(why_this_one(summary, script=summary.script or "SCRIPT"))
     best = summary.best
     if best is None:
-        return f"<p class='warn' id='why'>{_e(why)}</p>"
+        return f"<h2>Chosen configuration</h2>\n<p class='warn' id='why'>{_e(why)}</p>"
+    not_saved = not_saved_reason(summary, saved_trial)
+    heading = f"Best measured (not saved: {not_saved})" if not_saved else "Chosen configuration"
     rows = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in config_rows(best.config or {}))
     storage = summary.storage_url or "..."
     use = (f"AUTOBALANCE_STUDY={summary.name} AUTOBALANCE_STORAGE={storage} torchrun ...  "
            f"# or: autobalance export --study-name {summary.name} --storage {storage} -o best.json")
-    figures = [f"step {_num(best.step_ms, '.1f')} ms", f"highest peak {_num(best.peak_gib, '.3f')} GiB"]
+    figures = [f"step {_num(best.step_ms, '.1f')} ms", f"highest peak {memory_text(best.peak_gib)}"]
     if summary.multi_rank:
-        figures.append(f"spread {_num(best.spread_gib, '.3f')} GiB")
-    return (f"<p>Trial {_e(best.label)}: {_e(', '.join(figures))}.</p>"
+        figures.append(f"spread {memory_text(best.spread_gib)}")
+    if not not_saved:
+        use_text = f"<p>Use it: <code>{_e(use)}</code></p>"
+    elif isinstance(saved_trial, int):  # another trial is the saved one: what production loads
+        use_text = f"<p class='warn' id='not-saved'>Production loads trial {saved_trial}, the saved one: <code>{_e(use)}</code></p>"
+    else:
+        use_text = ("<p class='warn' id='not-saved'>Nothing is saved for this study: a production job asking for it "
+                    "runs the script's own configuration.</p>")
+    return (f"<h2 id='best-heading'>{_e(heading)}</h2>\n"
+            f"<p>Trial {_e(best.label)}: {_e(', '.join(figures))}.</p>"
             f"<h3>Why this one</h3><p id='why'>{_e(why)}</p>"
             f"<table class='cfg' id='best-config'>{rows}</table>"
-            f"<p>Use it: <code>{_e(use)}</code></p>")
+            f"{use_text}")
 
 
 def _trials_table(summary: StudySummary) -> str:
     from autobalance._config import describe_config
 
-    spread_head = "<th>spread GiB</th>" if summary.multi_rank else ""
-    peak_head = "peak GiB per rank" if summary.multi_rank else "peak GiB"
+    spread_head = "<th>spread</th>" if summary.multi_rank else ""
+    peak_head = "peak per rank" if summary.multi_rank else "peak"
     head = ("<table class='trials' id='trials'><thead><tr><th>#</th><th>outcome</th><th>configuration</th>"
             f"<th>{peak_head}</th>{spread_head}<th>step ms</th><th>compile s</th>"
             "<th title='seconds the slowest rank spent in warm-up and measured steps'>time in steps s</th>"
@@ -164,12 +199,12 @@ def _trials_table(summary: StudySummary) -> str:
         if r.predicted:
             classes.append("predicted")
         cls = f" class='{' '.join(classes)}'" if classes else ""
-        peaks = " ".join("-" if p is None else f"{p:.3f}" for p in r.peaks_gib) or "-"
+        peaks = " ".join(memory_text(p) for p in r.peaks_gib) or "-"
         if r.predicted and peaks != "-":
             peaks = f"{peaks} (predicted)"
         elif r.status == "oom" and peaks != "-":
             peaks = f"{peaks} (at least)"
-        spread = f"<td>{_num(_spread(r), '.3f')}</td>" if summary.multi_rank else ""
+        spread = f"<td>{memory_text(_spread(r))}</td>" if summary.multi_rank else ""
         outcome = r.outcome + (" (chosen)" if "chosen" in classes else "")
         body.append(f"<tr{cls}><td>{_e(r.label)}</td><td title='{_e(r.reason or '')}'>{_e(outcome)}</td>"
                     f"<td>{_e(describe_config(r.config) if r.config else '-')}</td>"
@@ -203,9 +238,11 @@ table.cfg th { font-weight: normal; color: #555; }
 
 
 def build_report(study: Any, *, output_html: str, png_dir: str | None = None,
-                 storage_url: str | None = None) -> ReportFiles:
+                 storage_url: str | None = None, saved_trial: SavedTrial = "unknown") -> ReportFiles:
     """Write the study's report to ``output_html`` (and PNGs to ``png_dir``); returns the paths.
-    ``storage_url`` (masked) fills the commands the report suggests."""
+    ``storage_url`` (masked) fills the commands the report suggests. ``saved_trial``: the trial the
+    store holds for the study (None: nothing saved): a best that is not it reads ``Best measured (not
+    saved: failed verification)``, with no "Use it" line."""
     import plotly.io as pio
 
     from autobalance.report._figures import (
@@ -253,8 +290,7 @@ def build_report(study: Any, *, output_html: str, png_dir: str | None = None,
 <style>{_STYLE}</style></head><body>
 <h1>autobalance report: study <code>{_e(summary.name)}</code></h1>
 <p class="meta">{_e(meta)}</p>
-<h2>Chosen configuration</h2>
-{_best_config(summary)}
+{_best_config(summary, saved_trial)}
 <h2>Baseline versus best</h2>
 {_comparison(summary)}
 <h2>Step time versus peak memory</h2>
@@ -285,4 +321,6 @@ pale hatched bars: predicted, never run.</p>
         from autobalance.report._static import write_pngs
 
         pngs = write_pngs(summary, png_dir, importances=importances)
-    return ReportFiles(html=os.path.abspath(output_html), pngs=pngs, importance_note=note)
+    return ReportFiles(html=os.path.abspath(output_html), pngs=pngs, importance_note=note,
+                       best_trial=None if summary.best is None else summary.best.number,
+                       not_saved=not_saved_reason(summary, saved_trial))

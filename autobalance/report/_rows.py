@@ -38,6 +38,8 @@ class TrialRow:
     """Inductor FX graph cache: True when every graph came from the cache, False on a miss."""
     predicted: bool = False
     """Never launched: judged out of memory from the memory model or a dominating trial."""
+    step_iqr_pct: float | None = None
+    """How much the measured steps spread: the worst rank's IQR, % of its median (``step_time_iqr_pct``)."""
 
     @property
     def label(self) -> str:
@@ -146,6 +148,7 @@ def _row(trial: Any) -> TrialRow:
         time_in_steps_s=time_in_steps_s(a),
         compile_cache_hit=_cache_hit(a.get("compile_cache")),
         predicted=bool(a.get("predicted")) or a.get("status") == "predicted_oom",
+        step_iqr_pct=a.get("step_time_iqr_pct"),
     )
 
 

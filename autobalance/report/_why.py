@@ -3,15 +3,12 @@ trial's dashboard note are made of (trials that were faster but excluded, headro
 
 from __future__ import annotations
 
+from autobalance.protocol import memory_pair, memory_text
 from autobalance.report._rows import StudySummary, TrialRow
 
 __all__ = ["excluded_reason", "why_this_one"]
 
 _LISTED = 5
-
-
-def _gib(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4g} GiB"
 
 
 def excluded_reason(row: TrialRow, summary: StudySummary) -> str:
@@ -22,17 +19,18 @@ def excluded_reason(row: TrialRow, summary: StudySummary) -> str:
         _, rank, peak, usable = max(over)
         cap = row.capacity_gib[rank] if rank < len(row.capacity_gib) else None
         where = f" on rank {rank}" if summary.multi_rank else ""
-        text = f"peaked at {peak:.4g} GiB{where}, over the usable {usable:.4g} GiB"
+        peak_text, usable_text = memory_pair(peak, usable)
+        text = f"peaked at {peak_text}{where}, over the usable {usable_text}"
         if cap is not None and peak > cap:
-            text += f" (over the {cap:.4g} GiB cap itself)"
+            text += f" (over the {memory_text(cap)} cap itself)"
         return text
     limit = summary.objective.get("max_spread_gib")
     if not row.feasible and limit is not None and row.spread_gib is not None and row.spread_gib > float(limit):
-        return f"spread {row.spread_gib:.4g} GiB is over --max-spread-gib {float(limit):g}"
+        return f"spread {memory_text(row.spread_gib)} is over --max-spread-gib {float(limit):g}"
     if not row.feasible:
         return row.reason or "infeasible"
     if summary.multi_rank and row.spread_gib is not None:
-        return (f"fits, but its spread ({row.spread_gib:.4g} GiB) costs more in the objective than its step time "
+        return (f"fits, but its spread ({memory_text(row.spread_gib)}) costs more in the objective than its step time "
                 "gains")
     return "fits, but scores worse on the objective"
 
@@ -75,9 +73,9 @@ def why_this_one(summary: StudySummary, *, script: str = "SCRIPT") -> list[str]:
         cap = best.capacity_gib[rank] if rank < len(best.capacity_gib) else None
         where = f" on rank {rank}" if summary.multi_rank else ""
         headroom = obj.get("headroom")
-        limit_text = f"usable {usable:.4g} GiB" + (
-            f" = the {cap:.4g} GiB cap minus {100 * float(headroom):.0f}% headroom" if cap is not None and headroom else "")
-        parts.append(f"Headroom: its highest peak is {peak:.4g} GiB{where}, {left:.4g} GiB ({100 * left / usable:.1f}%) "
+        limit_text = f"usable {memory_text(usable)}" + (
+            f" = the {memory_text(cap)} cap minus {100 * float(headroom):.0f}% headroom" if cap is not None and headroom else "")
+        parts.append(f"Headroom: its highest peak is {memory_text(peak)}{where}, {memory_text(left)} ({100 * left / usable:.1f}%) "
                      f"under the {limit_text}.")
     faster = sorted((r for r in rows if r.step_ms is not None and best.step_ms is not None and r.step_ms < best.step_ms
                      and r.number != best.number), key=lambda r: float(r.step_ms))  # type: ignore[arg-type]

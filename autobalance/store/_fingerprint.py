@@ -8,7 +8,7 @@ from typing import Any
 
 from autobalance._errors import ConfigError
 from autobalance._files import is_int
-from autobalance.protocol import GENERIC_CPU_NAME, cpu_model_name
+from autobalance.protocol import GENERIC_CPU_NAME, cpu_model_name, memory_text
 
 __all__ = [
     "CAPACITY_TOLERANCE",
@@ -125,12 +125,11 @@ def _copy(value: Any) -> Any:
 
 
 def _gib(n: int | None, extra: int = 0) -> str:
-    """Bytes as GiB: one decimal from 1 GiB up, three significant digits below (0.0145 GiB, not
-    0.0 GiB); ``extra`` more digits on request."""
+    """Bytes in the unit their size calls for, three significant digits (14.8 MiB, 40.0 GiB:
+    :func:`~autobalance.protocol.memory_text`); ``extra`` more digits on request."""
     if n is None:
         return "no cap"
-    gib = n / _GIB
-    return f"{gib:.{1 + extra}f} GiB" if gib >= 1 else f"{gib:.{3 + extra}g} GiB"
+    return memory_text(n / _GIB, digits=3 + extra)
 
 
 def _gib_pair(a: int | None, b: int | None) -> tuple[str, str]:

@@ -14,7 +14,7 @@ from autobalance._config import BalanceConfig
 from autobalance._errors import LaunchError, TrialScriptError, UsageError
 from autobalance._files import script_sha256
 from autobalance.launcher import TrialOutcome
-from autobalance.protocol import Status, StudyAttr, TrialAttr, best_trial, over_limit
+from autobalance.protocol import Status, StudyAttr, TrialAttr, best_trial, memory_text, over_limit
 from autobalance.store import heartbeat_interval_s, study_id
 from autobalance.tuner._launching import TrialLauncher
 from autobalance.tuner._recording import Recorder
@@ -90,7 +90,7 @@ def baseline_fit_note(attrs: dict[str, Any], *, global_batch: int) -> str | None
     else:
         return None
     usable = attrs.get(TrialAttr.USABLE_GIB) or []
-    within = f" in {min(usable):.3g} GiB usable per rank" if usable and None not in usable else ""
+    within = f" in {memory_text(min(usable))} usable per rank" if usable and None not in usable else ""
     return (f"The script's own configuration does not fit{within} ({why}): the study looks for one that does, "
             f"with the same global batch of {global_batch}"
             + ("." if status == Status.OK else "; without a baseline step time there is no speed-up to report."))

@@ -18,6 +18,7 @@ import statistics
 from typing import Any
 
 from autobalance.launcher import TrialOutcome
+from autobalance.protocol import memory_text
 
 __all__ = ["measurement_attrs", "measurement_summary"]
 
@@ -70,9 +71,9 @@ def measurement_summary(attrs: list[dict[str, Any]]) -> list[str]:
         text = (f"Warm trials ({len(warm)}): each trial's memory was measured in its own worker, nothing discounted; "
                 "the allocator was emptied between trials")
         if fresh:
-            text += f"; a fresh worker held {min(fresh):.2f}-{max(fresh):.2f} GiB outside PyTorch"
+            text += f"; a fresh worker held {memory_text(min(fresh))}-{memory_text(max(fresh))} outside PyTorch"
         if inherited:
-            text += f"; a trial inherited at most {1024 * max(inherited):.0f} MiB over it (charged to it)"
+            text += f"; a trial inherited at most {memory_text(max(inherited))} over it (charged to it)"
         text += (f"; workers recycled after {len(recycled)} trial(s) (first: {recycled[0]})." if recycled
                  else "; no worker needed recycling.")
         lines.append(text)

@@ -20,7 +20,7 @@ from rich.progress import (
 from rich.text import Text
 
 from autobalance._config import BalanceConfig, describe_config
-from autobalance.protocol import Status, TrialAttr, over_limit, trial_ranks
+from autobalance.protocol import Status, TrialAttr, memory_text, over_limit, trial_ranks
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._time_spent import describe_budget
 
@@ -31,13 +31,14 @@ _STYLE = {Status.OK: "green", Status.OOM: "red", Status.TIMEOUT: "red", Status.E
 
 
 def short_figures(trial: FrozenTrial) -> str:
-    """``peaks GiB [r0=12.1 r1=11]  spread 1.1 GiB  step 205.0 ms``; one rank: no spread."""
+    """``peaks [r0=12.1 GiB r1=11.0 GiB]  spread 1.10 GiB  step 205.0 ms`` (each size in the unit its size
+    calls for: ``r0=10.6 MiB``); one rank: no spread."""
     a = trial.user_attrs
     peaks = a.get(TrialAttr.PEAK_DEVICE_GIB) or []
-    peak_txt = " ".join(f"r{r}={p:.3g}" if p is not None else f"r{r}=-" for r, p in enumerate(peaks))
-    parts = [f"peaks GiB [{peak_txt}]"] if peaks else []
+    peak_txt = " ".join(f"r{r}={memory_text(p)}" for r, p in enumerate(peaks))
+    parts = [f"peaks [{peak_txt}]"] if peaks else []
     if a.get(TrialAttr.SPREAD_GIB) is not None and trial_ranks(a) > 1:
-        parts.append(f"spread {a['spread_gib']:.3g} GiB")
+        parts.append(f"spread {memory_text(a['spread_gib'])}")
     if a.get(TrialAttr.STEP_TIME_MS) is not None:
         parts.append(f"step {a['step_time_ms']:.1f} ms")
     if a.get(TrialAttr.COMPILE_S) is not None:
@@ -50,14 +51,12 @@ def cap_line(settings: TuneSettings) -> str | None:
     caps = settings.memory_cap_gib
     if not caps:
         return None
-    def gib(x: float) -> str:
-        return f"{x:.3g}"
     usable = [c * (1 - settings.headroom) for c in caps]
     if len(caps) == 1:
-        what = f"{gib(caps[0])} GiB per rank ({gib(usable[0])} GiB usable"
+        what = f"{memory_text(caps[0])} per rank ({memory_text(usable[0])} usable"
     else:
-        what = ", ".join(f"rank {r} {gib(c)}" for r, c in enumerate(caps)) + \
-            f" GiB ({', '.join(gib(u) for u in usable)} GiB usable"
+        what = ", ".join(f"rank {r} {memory_text(c)}" for r, c in enumerate(caps)) + \
+            f" ({', '.join(memory_text(u) for u in usable)} usable"
     mode = "ranks run under it" if settings.cap_mode == "enforce" else "peaks judged against it"
     return (f"Emulated memory cap: {what} with {settings.headroom:.0%} headroom; {mode}): "
             "a trial over it is infeasible.")
@@ -153,7 +152,7 @@ class RichReporter:
         self.console.print(f"  trial {trial.number} {shown}{escape(extra)}  {escape(short_figures(trial))}{reason}")
         if best is not None:
             self._best_text = f"best #{best.number}: {best.user_attrs.get('step_time_ms', 0):.1f} ms" + (
-                f", spread {best.user_attrs.get('spread_gib', 0):.3g} GiB" if trial_ranks(best.user_attrs) > 1 else "")
+                f", spread {memory_text(best.user_attrs.get('spread_gib', 0))}" if trial_ranks(best.user_attrs) > 1 else "")
         if self._progress is not None and not predicted:
             self._progress.update(self._task, advance=0 if reused else 1, description=self._best_text)
 

@@ -80,7 +80,7 @@ def test_capacity_difference_beyond_tolerance() -> None:
     close = make_fingerprint(cap_bytes=[], capacity_bytes=[int(140 * GIB * 0.99)] * 3)
     assert differences(stored, close) == []
     far = make_fingerprint(cap_bytes=[], capacity_bytes=[140 * GIB, 80 * GIB, 140 * GIB])
-    assert differences(stored, far) == ["rank 1 memory 140.0 GiB (tuned) vs 80.0 GiB (this job)"]
+    assert differences(stored, far) == ["rank 1 memory 140 GiB (tuned) vs 80.0 GiB (this job)"]
 
 
 def test_emulated_cap_difference() -> None:
@@ -104,7 +104,7 @@ def test_emulated_cap_difference() -> None:
     assert differences(stored, huge) == []
     assert cap_lifted_note(stored, huge) is None  # the cap is still there
     # tuned uncapped, run under a cap: less memory, a difference
-    assert differences(uncapped, stored) == ["rank 1 memory 140.0 GiB (tuned) vs 40.0 GiB (this job)"]
+    assert differences(uncapped, stored) == ["rank 1 memory 140 GiB (tuned) vs 40.0 GiB (this job)"]
 
 
 def test_cpu_compares_caps_only() -> None:
@@ -117,16 +117,16 @@ def test_cpu_compares_caps_only() -> None:
     no_cap = make_fingerprint(device_type="cpu", device_name="A", cap_bytes=[GIB, None, GIB])
     assert differences(stored, no_cap) == []  # runs without the emulated cap: room to spare
     assert cap_lifted_note(stored, no_cap) == (
-        "tuned under an emulated cap of 1.0 GiB on rank 1; this job runs without it (the configuration fits "
+        "tuned under an emulated cap of 1.00 GiB on rank 1; this job runs without it (the configuration fits "
         "with room to spare)")
     demo = make_fingerprint(device_type="cpu", device_name="A", world_size=2, cap_bytes=[15569256] * 2)
     plain = make_fingerprint(device_type="cpu", device_name="A", world_size=2, cap_bytes=[])
     assert cap_lifted_note(demo, plain) == (
-        "tuned under an emulated cap of 0.0145 GiB per rank; this job runs without it (the configuration fits "
+        "tuned under an emulated cap of 14.8 MiB per rank; this job runs without it (the configuration fits "
         "with room to spare)")
     smaller_cap = make_fingerprint(device_type="cpu", device_name="A", cap_bytes=[GIB, GIB // 2, GIB])
-    assert differences(stored, smaller_cap) == ["rank 1 memory cap 1.0 GiB (tuned) vs 0.5 GiB (this job)"]
-    assert differences(no_cap, stored) == ["rank 1 memory cap no cap (tuned) vs 1.0 GiB (this job)"]
+    assert differences(stored, smaller_cap) == ["rank 1 memory cap 1.00 GiB (tuned) vs 512 MiB (this job)"]
+    assert differences(no_cap, stored) == ["rank 1 memory cap no cap (tuned) vs 1.00 GiB (this job)"]
 
 
 def test_versions_are_minor() -> None:
@@ -175,7 +175,7 @@ def test_current_fingerprint_cpu_reports_this_machine() -> None:
     assert differences(fp, fp) == []
     # tuned without a cap on rank 1, this job caps it: named as the difference
     assert differences(fp, current_fingerprint(device_type="cpu", world_size=2, nnodes=1, cap_bytes=GIB)) == [
-        "rank 1 memory cap no cap (tuned) vs 1.0 GiB (this job)"]
+        "rank 1 memory cap no cap (tuned) vs 1.00 GiB (this job)"]
 
 
 def test_current_fingerprint_rejects_unknown_device() -> None:
@@ -186,8 +186,8 @@ def test_current_fingerprint_rejects_unknown_device() -> None:
 def test_small_caps_are_printed_with_their_digits() -> None:
     stored = make_fingerprint(device_type="cpu", device_name="A", cap_bytes=[int(0.0145 * GIB)] * 3)
     uncapped = make_fingerprint(device_type="cpu", device_name="A", cap_bytes=[])
-    assert differences(uncapped, stored)[0] == "rank 0 memory cap no cap (tuned) vs 0.0145 GiB (this job)"
-    assert "an emulated cap of 0.0145 GiB per rank" in (cap_lifted_note(stored, uncapped) or "")
+    assert differences(uncapped, stored)[0] == "rank 0 memory cap no cap (tuned) vs 14.8 MiB (this job)"
+    assert "an emulated cap of 14.8 MiB per rank" in (cap_lifted_note(stored, uncapped) or "")
 
 
 def test_an_unknown_cpu_model_is_not_a_difference() -> None:
@@ -202,8 +202,8 @@ def test_an_unknown_cpu_model_is_not_a_difference() -> None:
     (1.50, 1.54, "1.50 GiB (tuned) vs 1.54 GiB (this job)"),  # 2.6% apart: beyond the tolerance
     (40.0, 41.0, "40.0 GiB (tuned) vs 41.0 GiB (this job)"),  # one decimal is enough
     (1.00, 1.03, "1.00 GiB (tuned) vs 1.03 GiB (this job)"),
-    (0.0145, 0.0150, "0.0145 GiB (tuned) vs 0.015 GiB (this job)"),  # below 1 GiB: three significant digits
-    (0.95, 1.0, "0.95 GiB (tuned) vs 1.0 GiB (this job)"),
+    (0.0145, 0.0150, "14.8 MiB (tuned) vs 15.4 MiB (this job)"),  # below 1 GiB: MiB, three significant digits
+    (0.95, 1.0, "973 MiB (tuned) vs 1.00 GiB (this job)"),
 ])
 def test_caps_that_differ_never_print_the_same(tuned_gib: float, now_gib: float, expected: str) -> None:
     def cpu(gib: float):
@@ -218,4 +218,4 @@ def test_sizes_that_differ_are_never_printed_the_same() -> None:
     for a, b in [(GIB, GIB + 1), (int(1.5 * GIB), int(1.54 * GIB)), (10**6, 10**6 + 1), (None, GIB), (0, 1)]:
         left, right = _gib_pair(a, b)
         assert left != right, (a, b, left)
-    assert _gib_pair(GIB, GIB) == ("1.0 GiB", "1.0 GiB")
+    assert _gib_pair(GIB, GIB) == ("1.00 GiB", "1.00 GiB")

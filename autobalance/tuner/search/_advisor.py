@@ -24,6 +24,7 @@ from autobalance.protocol import (
     StudyAttr,
     TrialAttr,
     best_trial,
+    memory_text,
     objective_value,
     weighted_objective,
 )
@@ -382,8 +383,8 @@ class ModelAdvisor:
             "status": Status.PREDICTED_OOM,
             "predicted": True,
             "predicted_by": "memory-model",
-            "reason": (f"not launched: the memory model predicts rank {worst} at {peaks[worst] / GIB:.3f} GiB "
-                       f"(+{100 * model.safety_margin:.0f}% margin) > usable {usable[worst] / GIB:.3f} GiB"),
+            "reason": (f"not launched: the memory model predicts rank {worst} at {memory_text(peaks[worst] / GIB)} "
+                       f"(+{100 * model.safety_margin:.0f}% margin) > usable {memory_text(usable[worst] / GIB)}"),
             "baseline": False,
         }
         return figures, attrs
@@ -413,8 +414,8 @@ class ModelAdvisor:
             return predicted_oom(headroom=self.settings.headroom, usable=usable, rank=rank, peak=low, attrs={
                 "predicted_by": "compiled-model",
                 "reason": (f"not launched (not compiled): {why} rank {rank} at "
-                           f"least at {low / GIB:.3f} GiB with micro-batch {m}, budget {b:g} "
-                           f"(+{100 * compiled.safety_margin:.0f}% margin) > usable {usable[rank] / GIB:.3f} GiB"),
+                           f"least at {memory_text(low / GIB)} with micro-batch {m}, budget {b:g} "
+                           f"(+{100 * compiled.safety_margin:.0f}% margin) > usable {memory_text(usable[rank] / GIB)}"),
             })
         self._predicted_in_a_row = 0
         return None
@@ -431,7 +432,7 @@ class ModelAdvisor:
                 "predicted_by": "dominance",
                 "dominated_by": trial.number,
                 "reason": (f"not launched: trial {trial.number} exceeded rank {rank}'s usable memory "
-                           f"({usable[rank] / GIB:.3f} GiB) with micro-batch {other['micro_batches'][rank]}, {what}; this "
+                           f"({memory_text(usable[rank] / GIB)}) with micro-batch {other['micro_batches'][rank]}, {what}; this "
                            "configuration needs at least as much there (same dtype and compile mode, no smaller "
                            "micro-batch, no more recomputation, no smaller bucket)"),
             })

@@ -14,6 +14,7 @@ from autobalance.protocol import (
     RankTiming,
     Status,
     TrialAttr,
+    memory_text,
     objective_value,
 )
 
@@ -110,8 +111,8 @@ class TrialFigures:
         spread_f = self.spread_fraction() if self.measured else None
         per_rank = {}
         for r, (p, c) in enumerate(zip(self.peak_device, self.capacity, strict=True)):
-            per_rank[f"rank{r}"] = (f"peak {p / GIB:.3f} GiB of {c / GIB:.2f} GiB ({100 * p / c:.1f}%)"
-                                    if p is not None else f"no measurement (cap {c / GIB:.2f} GiB)")
+            per_rank[f"rank{r}"] = (f"peak {memory_text(p / GIB)} of {memory_text(c / GIB)} ({100 * p / c:.1f}%)"
+                                    if p is not None else f"no measurement (cap {memory_text(c / GIB)})")
         plottable: dict[str, Any] = {}
         if self.measured:  # an OOM rank's peak is a lower bound, a predicted one a prediction: not plotted
             peaks = [float(p) for p in self.peak_device if p is not None]
