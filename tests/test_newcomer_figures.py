@@ -164,3 +164,21 @@ def test_the_report_of_a_saved_best_keeps_its_use_it_line(tmp_path: Path) -> Non
     assert result.exit_code == 0 and "not saved" not in result.output, result.output
     page = out.read_text()
     assert "Chosen configuration" in page and "Use it:" in page and "not saved" not in page
+
+
+def test_best_shows_the_saved_speed_up_and_peaks_as_the_summary_does(tmp_path: Path) -> None:
+    """``autobalance best`` printed the stored ratio (4.3333) and peaks as GiB floats."""
+    from autobalance import BalanceConfig
+    from autobalance.store import ConfigStore, current_fingerprint
+    from autobalance.tuner._promote import figures_of_trial
+
+    url = _study(tmp_path, verdict={"passed": True, "reason": "within the bound"})
+    study = optuna.load_study(study_name="s", storage=url)
+    with ConfigStore(url=url) as store:
+        store.save(study_name="s", trial_number=1, config=BalanceConfig.from_dict(SWAPPED),
+                   figures=figures_of_trial(study, study.trials[1]),
+                   fingerprint=current_fingerprint(device_type="cpu", world_size=2, nnodes=1), saved_by="test")
+    best = CliRunner().invoke(app, ["best", "--study-name", "s", "--storage", url], env={"COLUMNS": "400"})
+    assert best.exit_code == 0, best.output
+    assert "within noise (4.33x measured" in best.output and "4.3333" not in best.output
+    assert "310 KiB 280 KiB" in best.output and "30.0 KiB" in best.output

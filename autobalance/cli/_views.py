@@ -201,6 +201,21 @@ def print_result(result: Any, *, settings: Any, console: Console, nothing_feasib
     )
 
 
+def _figure_text(key: str, fig: dict[str, Any]) -> str:
+    """A saved figure as the other outputs write it: memory by :func:`memory_text`, the speed-up by
+    :func:`~autobalance.protocol.speed_up` (claimed only beyond the steps' variation)."""
+    value = fig[key]
+    if key == "peak_device_gib" and isinstance(value, list):
+        return " ".join(memory_text(v) for v in value)
+    if key == "spread_gib":
+        return memory_text(value)
+    base = fig.get("baseline") or {}
+    if key == "speedup_vs_baseline" and base.get("step_time_ms") and fig.get("step_time_ms"):
+        return speed_up(baseline_ms=base["step_time_ms"], baseline_iqr_pct=base.get("step_time_iqr_pct"),
+                        best_ms=fig["step_time_ms"], best_iqr_pct=fig.get("step_time_iqr_pct")).text()
+    return str(value)
+
+
 def print_saved(saved: Any, *, fmt: str) -> None:
     data = saved.to_dict()
     if fmt == "json":
@@ -225,7 +240,7 @@ def print_saved(saved: Any, *, fmt: str) -> None:
     fp = saved.fingerprint
     for key in ("peak_device_gib", "spread_gib", "step_time_ms", "speedup_vs_baseline"):
         if fig.get(key) is not None and not (key == "spread_gib" and fp.world_size < 2):  # one rank: no spread
-            table.add_row(key, str(fig[key]))
+            table.add_row(key, _figure_text(key, fig))
     table.add_row("hardware", f"{fp.world_size} x {fp.device_name} ({fp.device_type})")
     table.add_row("saved", f"{saved.created_at} by {saved.saved_by}")
     console().print(table)

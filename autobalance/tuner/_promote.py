@@ -19,7 +19,8 @@ from autobalance.tuner._notes import write_notes
 __all__ = ["figures_of_trial", "fingerprint_of_study", "promote_trial", "save_trial"]
 
 _FIGURE_KEYS = ("peak_device_gib", "peak_reserved_gib", "peak_allocated_gib", "outside_pytorch_gib",
-                "capacity_gib", "spread_gib", "spread_pct_of_capacity", "step_time_ms", "samples_per_s", "status")
+                "capacity_gib", "spread_gib", "spread_pct_of_capacity", "step_time_ms", "step_time_iqr_pct",
+                "samples_per_s", "status")
 
 
 def figures_of_trial(study: optuna.Study, trial: FrozenTrial) -> dict[str, Any]:
