@@ -74,6 +74,11 @@ def rel_error(params: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
     return float(diff.norm() / torch.cat([b.flatten() for b in ref]).norm())
 
 
+def hook_calls(loop: Any) -> int:
+    """Buckets the rank weighting hook all-reduced (0: no hook registered)."""
+    return loop.weighting.calls if loop.weighting is not None else 0
+
+
 def run_lightning(config: BalanceConfig, data: Any, world: int) -> tuple[list[torch.Tensor], int]:
     import lightning.pytorch as pl
 
@@ -96,8 +101,7 @@ def run_lightning(config: BalanceConfig, data: Any, world: int) -> tuple[list[to
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=4))
-    assert strategy.ab_loop.weighting is not None
-    return list(module.net.parameters()), strategy.ab_loop.weighting.calls
+    return list(module.net.parameters()), hook_calls(strategy.ab_loop)
 
 
 class _DictData(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
@@ -140,8 +144,7 @@ def run_hf(config: BalanceConfig, data: Any, world: int) -> tuple[list[torch.Ten
                                  optimizers=(torch.optim.SGD(model.parameters(), lr=LR), None),
                                  plan=ab.plan(config=config))
         trainer.train()
-    assert trainer.ab_loop.weighting is not None
-    return list(model.net.parameters()), trainer.ab_loop.weighting.calls
+    return list(model.net.parameters()), hook_calls(trainer.ab_loop)
 
 
 def run_accelerate(config: BalanceConfig, data: Any, world: int) -> tuple[list[torch.Tensor], int]:
@@ -162,8 +165,7 @@ def run_accelerate(config: BalanceConfig, data: Any, world: int) -> tuple[list[t
         steps += accelerator.sync_gradients
         if steps == STEPS:
             break
-    assert balance.loop.weighting is not None
-    return list(net.parameters()), balance.loop.weighting.calls
+    return list(net.parameters()), hook_calls(balance.loop)
 
 
 RUNNERS = {"lightning": run_lightning, "hf": run_hf, "accelerate": run_accelerate}
