@@ -195,3 +195,46 @@ def test_config_file_accepts_plain_and_exported(tmp_path):
     with pytest.raises(UsageError, match="not JSON"):
         (tmp_path / "bad.json").write_text("{nope")
         load_config_file(str(tmp_path / "bad.json"))
+
+
+@pytest.mark.parametrize("sizes, graphs", [([6, 6, 5, 5, 5, 5], 1), ([8, 8, 8, 8], 1)])
+def test_a_rank_with_two_micro_step_sizes_compiles_one_graph(sizes, graphs):
+    """An any split's two sizes share one graph with a dynamic batch dimension (issue 30): Dynamo
+    traces once; a rank with one size keeps its static graph. (Dynamo's eager backend: the graph
+    count is Dynamo's, whatever the backend.)"""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from autobalance.runtime._compile import CompileState
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    state = CompileState(mode="default", budget=None, sizes=sizes)
+    state.backend = "eager"
+    state.apply(model)
+    assert state.dynamic_batch is (len(set(sizes)) > 1)
+    for n in sizes * 2:
+        x = torch.randn(n, 4)
+        assert torch.allclose(model(x), model._call_impl(x))
+    assert int(counters["stats"]["unique_graphs"]) == graphs
+    torch._dynamo.reset()
+
+
+def test_without_the_mark_two_sizes_compile_two_graphs():
+    """What the mark saves: the same model and sizes, compiled as before, trace twice."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from autobalance.runtime._compile import CompileState
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    state = CompileState(mode="default", budget=None, sizes=[6])
+    state.backend = "eager"
+    state.apply(model)
+    for n in (6, 6, 5, 5):
+        model(torch.randn(n, 4))
+    assert int(counters["stats"]["unique_graphs"]) == 2
+    torch._dynamo.reset()

@@ -12,6 +12,7 @@ from optuna.trial import TrialState
 from autobalance import BalanceConfig
 from autobalance.tuner import SearchSpace, TuneSettings
 from autobalance.tuner.search import (
+    DYNAMIC,
     UNMEASURED_MARGIN,
     BudgetCurve,
     Candidate,
@@ -322,6 +323,18 @@ def test_near_ties_go_to_the_candidate_that_compiles_fewer_new_graphs():
     assert [x.score for x in cache_order([c, a, b])] == [1.010, 1.000, 1.500]
     assert graph_keys(compiled([16, 16], [0.6, 0.6]).to_dict()) == {("fp32", "default", 25.0, 16, 0.6)}
     assert graph_keys(eager([8, 8], acc=2).to_dict()) == set()
+
+
+def test_a_rank_with_two_micro_step_sizes_is_one_dynamic_graph():
+    """An any split (rank 0: 6,6,5,5,5,5) compiles one graph with a dynamic batch dimension, not
+    one per size (issue 30); a rank with one size keeps its static graph."""
+    cfg = BalanceConfig(micro_batches=[6, 3], accumulation=6, global_batch=48, dtype="bf16",
+                        rank_samples=[32, 16], compile="default", activation_budget=[1.0, 0.5])
+    assert cfg.micro_step_sizes(0) == [6, 6, 5, 5, 5, 5] and set(cfg.micro_step_sizes(1)) == {3, 2}
+    assert graph_keys(cfg.to_dict()) == {("bf16", "default", 25.0, DYNAMIC, 1.0), ("bf16", "default", 25.0, DYNAMIC, 0.5)}
+    even = BalanceConfig(micro_batches=[4, 4], accumulation=6, global_batch=48, dtype="bf16", compile="default",
+                         activation_budget=[1.0, 1.0])
+    assert graph_keys(even.to_dict()) == {("bf16", "default", 25.0, 4, 1.0)}
 
 
 def test_the_compiled_holdout_error_is_reported_per_trial(tmp_path):

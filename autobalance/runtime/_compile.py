@@ -12,6 +12,14 @@ partitioner when the joint graph is partitioned, which happens lazily during the
 and backward; it is set per process before that (ranks may differ). Compilation happens in the
 first optimizer step, which is timed as ``compile_s`` and not counted as a measured step.
 
+A rank whose micro-steps have more than one size (an any split: ``6,6,5,5,5,5``) compiles **one
+graph with a dynamic batch dimension** instead of one per size: before each call the tensors whose
+first dimension is one of the rank's micro-step sizes are marked dynamic in that dimension
+(``torch._dynamo.maybe_mark_dynamic``), so Dynamo traces once. Left to itself it would compile a
+static graph for the first size and a dynamic one at the second size's recompile: two compiles for
+what one serves (``benchmarks/compile_probe.py``; ``docs/compile.md`` has the measurement). A rank
+with one size compiles a static graph, as before.
+
 The persistent caches are Inductor's: ``TORCHINDUCTOR_CACHE_DIR`` (the tuner sets one per study)
 with the FX graph and AOTAutograd caches; hits and misses are read from Dynamo's counters.
 """
@@ -57,9 +65,13 @@ def _counters() -> dict[str, int]:
 class CompileState(Part):
     """How this rank compiles, and what compiling cost (a part of a compiled configuration's plan)."""
 
-    def __init__(self, *, mode: str, budget: float | None) -> None:
+    def __init__(self, *, mode: str, budget: float | None, sizes: list[int] | None = None) -> None:
         self.mode = mode
         self.budget_requested = budget
+        self.sizes = frozenset(sizes or ())
+        """This rank's micro-step sizes."""
+        self.dynamic_batch = len(self.sizes) > 1
+        """Whether the batch dimension is compiled dynamic (the rank's micro-steps differ in size)."""
         self.backend = os.environ.get(_env.COMPILE_BACKEND) or DEFAULT_BACKEND
         self.budget_used: float | None = None
         self.compile_s: float | None = None
@@ -85,7 +97,20 @@ class CompileState(Part):
 
         # nn.Module.compile() would compile _call_impl itself, a frame Dynamo skips: a model made only
         # of torch.nn modules (nn.Sequential of nn.Linear, ...) would then silently run eagerly
-        module._compiled_call_impl = torch.compile(call, **kwargs)
+        compiled = torch.compile(call, **kwargs)
+        if not self.dynamic_batch:
+            module._compiled_call_impl = compiled
+            return
+        sizes = self.sizes
+        mark = getattr(torch._dynamo, "maybe_mark_dynamic", None) or torch._dynamo.mark_dynamic
+
+        def marked(*args: Any, **kw: Any) -> Any:  # eager: marks before Dynamo sees the call
+            for value in (*args, *kw.values()):
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.size(0) in sizes:
+                    mark(value, 0)
+            return compiled(*args, **kw)
+
+        module._compiled_call_impl = marked
 
     # ------------------------------------------------------------------ hooks called by Plan
     def on_wrapped(self, plan: Plan, wrapped: nn.Module) -> None:
@@ -130,6 +155,7 @@ class CompileState(Part):
             "activation_budget": self.budget_used,
             "activation_budget_requested": self.budget_requested,
             "compile_s": self.compile_s,
+            "dynamic_batch": self.dynamic_batch,
             "cache": {
                 "fx_graph_hits": delta.get("inductor.fxgraph_cache_hit", 0),
                 "fx_graph_misses": delta.get("inductor.fxgraph_cache_miss", 0),

@@ -122,7 +122,8 @@ class Plan:
         self._steps_done = 0
         # the optional parts: each is None when off, and only those that are on are called
         budgets = config.activation_budget
-        self.compile_state = (CompileState(mode=config.compile, budget=budgets[rank] if budgets else None)
+        self.compile_state = (CompileState(mode=config.compile, budget=budgets[rank] if budgets else None,
+                                           sizes=config.micro_step_sizes(rank))
                               if config.compile != "off" else None)
         self.verify = VerifyRun.from_trial_dir(self.trial_dir)
         self.meter = MemoryMeter(device=device, cap_bytes=cap_bytes, measuring=self.measuring)

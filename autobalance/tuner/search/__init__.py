@@ -46,6 +46,7 @@ from autobalance.tuner.search._compiled_model import (
 )
 from autobalance.tuner.search._compiled_search import (
     CACHE_TIE,
+    DYNAMIC,
     Candidate,
     cache_order,
     compiled_candidates,
@@ -104,6 +105,7 @@ __all__ = [
     "COMPILE_SPEED_PRIOR",
     "DEFAULT_RECOMPUTE_FRACTION",
     "DEFAULT_SAFETY_MARGIN",
+    "DYNAMIC",
     "INFEASIBLE_TIME",
     "PRIOR_CHECKPOINT_SAVING",
     "RECOMPUTE_PRIOR",

@@ -28,7 +28,7 @@ from autobalance.tuner.search._solver import balanced_split, neighbours
 from autobalance.tuner.search._space import SearchSpace
 from autobalance.tuner.search._step_time import StepTimeModel
 
-__all__ = ["CACHE_TIE", "SLOW_DTYPE", "Candidate", "cache_order", "compiled_candidates", "compiled_graphs",
+__all__ = ["CACHE_TIE", "DYNAMIC", "SLOW_DTYPE", "Candidate", "cache_order", "compiled_candidates", "compiled_graphs",
            "graph_keys", "much_slower"]
 
 CACHE_TIE = 0.02
@@ -40,7 +40,10 @@ NEIGHBOUR_RANKS = 4
 """Up to this many ranks, one-sample neighbours of each split are tried too."""
 
 Graph = tuple[str, str, float, int, float]
-"""(dtype, mode, bucket MB, micro-batch size, budget): what a rank compiles (the cache's key, roughly)."""
+"""(dtype, mode, bucket MB, micro-batch size, budget): what a rank compiles (the cache's key, roughly);
+size :data:`DYNAMIC` for a rank whose micro-steps differ in size (one graph, batch dimension dynamic)."""
+DYNAMIC = 0
+"""The micro-batch size of a graph compiled with a dynamic batch dimension."""
 
 
 @dataclass(kw_only=True)
@@ -62,13 +65,18 @@ class Candidate:
 
 
 def graph_keys(cfg: dict[str, Any]) -> set[Graph]:
-    """The graphs a compiled configuration compiles, one per rank and micro-step size."""
+    """The graphs a compiled configuration compiles: one per rank, static at its micro-step size, or
+    dynamic (:data:`DYNAMIC`) when its micro-steps differ in size (``runtime._compile``)."""
     if cfg.get("compile", "off") == "off":
         return set()
     config = BalanceConfig.from_dict(cfg)
     budgets = config.activation_budget or [1.0] * config.world_size
-    return {(config.dtype, config.compile, float(config.bucket_cap_mb), size, round(float(budgets[r]), 3))
-            for r in range(config.world_size) for size in set(config.micro_step_sizes(r))}
+    out: set[Graph] = set()
+    for r in range(config.world_size):
+        sizes = set(config.micro_step_sizes(r))
+        size = next(iter(sizes)) if len(sizes) == 1 else DYNAMIC
+        out.add((config.dtype, config.compile, float(config.bucket_cap_mb), size, round(float(budgets[r]), 3)))
+    return out
 
 
 def compiled_graphs(trials: Sequence[FrozenTrial]) -> set[Graph]:
