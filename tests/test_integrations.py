@@ -26,7 +26,12 @@ import torch.distributed as dist
 from torch import nn
 
 from autobalance._config import BalanceConfig
-from autobalance.runtime import FullStepSampler, micro_step_factor, rank_weight, register_rank_weighting
+from autobalance.runtime import (
+    FullStepSampler,
+    micro_step_factor,
+    rank_weight,
+    register_rank_weighting,
+)
 from tests.tune_helpers import REPO, cli
 
 FRAMEWORKS = ("lightning", "transformers", "accelerate")

@@ -58,8 +58,9 @@ class _LoopCallback(TrainerCallback):
         self.trainer = trainer
 
     def _optimizer(self) -> torch.optim.Optimizer:
-        optimizer = self.trainer.optimizer
-        return getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper: the torch optimizer inside
+        optimizer: Any = self.trainer.optimizer
+        inner: torch.optim.Optimizer = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper's inside
+        return inner
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer.ab_loop.before_optimizer_step(self._optimizer())
@@ -138,7 +139,7 @@ class BalanceTrainer(Trainer):
 
     def compute_loss(self, model: torch.nn.Module, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
-        out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=None)
+        out: Any = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=None)
         if not self._ab_training_step:  # evaluation: the loss as the model computes it
             return out
         factor = self.ab_loop.loss_factor()

@@ -100,8 +100,9 @@ class BalanceStrategy(DDPStrategy):
         trainer.accumulate_grad_batches = self.ab_loop.accumulation
         self.precision_plugin = self._precision_for_dtype()
         self.ab_plan.scaler = getattr(self.precision_plugin, "scaler", None)
-        if not any(isinstance(cb, BalanceCallback) for cb in trainer.callbacks):
-            trainer.callbacks.append(BalanceCallback(self.ab_loop))
+        callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
+        if not any(isinstance(cb, BalanceCallback) for cb in callbacks):
+            callbacks.append(BalanceCallback(self.ab_loop))
         assert self.model is not None
         self.ab_loop.prepare_model(self.model, blocks=self.ab_blocks)
         super().setup(trainer)
