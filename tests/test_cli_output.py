@@ -26,7 +26,7 @@ from autobalance import (
     VerificationError,
 )
 from autobalance._errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, exit_code
-from autobalance.protocol import StudyAttr
+from autobalance.protocol import StudyAttr, memory_text
 
 REPO = Path(__file__).resolve().parents[1]
 GPT = str(REPO / "examples" / "gpt" / "train.py")
@@ -97,7 +97,7 @@ def test_trials_table_into_a_pipe_is_not_cut(tmp_path: Path) -> None:
     row = next(line for line in proc.stdout.splitlines() if "(baseline)" in line)
     whole = "; ".join(f"rank {r}: 13,13,13,13 ckpt 0-5" for r in range(RANKS)) + " | bf16 bucket=25MB view"
     assert whole in row  # whole, on one line
-    assert " ".join(f"{10.123 + r:.3g}" for r in range(RANKS)) in row
+    assert " ".join(memory_text(10.123 + r) for r in range(RANKS)) in row
     assert len(row) > 80
 
 

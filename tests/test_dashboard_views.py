@@ -112,8 +112,8 @@ def test_notes_say_why_and_keep_a_persons_own(tmp_path) -> None:
     study = build_study(tmp_path / "n.db", verified=BEST_2)
     best = _note(study, BEST_2)
     assert best.startswith("**Best trial: why it won**") and "Verified: losses match" in best
-    assert f"#{OVER_CAP_FASTER_2} (128.0 ms) peaked at 16.65 GiB on rank 0" in best
-    assert _note(study, OVER_CAP_FASTER_2).startswith("**over limit (rank 0)**: peaked at 16.65 GiB")
+    assert f"#{OVER_CAP_FASTER_2} (128.0 ms) peaked at 16.6 GiB on rank 0" in best
+    assert _note(study, OVER_CAP_FASTER_2).startswith("**over limit (rank 0)**: peaked at 16.6 GiB")
     assert _note(study, 5).startswith("**predicted OOM (not run)**") and "predictions" in _note(study, 5)
     assert _note(study, 1) == ""  # fits, did not win: nothing to say
     assert write_notes(study) == 0  # nothing changed, nothing rewritten

@@ -83,7 +83,7 @@ def test_measurement_attrs_and_summary_say_what_a_warm_trial_took_and_how_it_was
     cold = measurement_attrs(_outcome([[0.1, 0.1]]), world_size=1)
     assert "compile_peak_gib" not in cold and "warm_pool_trial" not in cold
     lines = measurement_summary([attrs, cold])
-    assert any("nothing discounted" in line and "recycled after 1 trial" in line and "32 MiB" in line for line in lines)
+    assert any("nothing discounted" in line and "recycled after 1 trial" in line and "31.9 MiB" in line for line in lines)
     assert any("compiling step was the higher in 1" in line for line in lines)
     assert measurement_summary([]) == []
 

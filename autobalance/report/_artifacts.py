@@ -7,6 +7,8 @@ import os
 import tempfile
 from typing import Any
 
+from autobalance.protocol import memory_text
+
 __all__ = ["ARTIFACT_PREFIX", "artifact_dir_for", "chart_verdict", "render_trial_chart", "upload_trial_chart"]
 
 ARTIFACT_PREFIX = "memory-per-rank"
@@ -94,7 +96,7 @@ def render_trial_chart(attrs: dict[str, Any], *, number: int, path_stem: str) ->
     spread = attrs.get("spread_gib")
     title = f"trial {number}: {words}"
     if isinstance(spread, (int, float)) and len(peaks) > 1 and attrs.get("status") == "ok":
-        title += f", spread {spread:.3g} GiB"
+        title += f", spread {memory_text(spread)}"
     if _have_matplotlib():
         return _render_png(peaks, caps, usable, title=title, colors=colors, path=path_stem + ".png")
     return _render_svg_html(peaks, caps, usable, title=title, colors=colors, path=path_stem + ".html")
@@ -144,7 +146,7 @@ def _render_svg_html(peaks: list[float | None], caps: list[float | None], usable
         h = (height - 2 * pad) * v / top
         x = pad + r * bar_w + bar_w * 0.2
         parts.append(f'<rect x="{x:.1f}" y="{height - pad - h:.1f}" width="{bar_w * 0.6:.1f}" height="{h:.1f}" '
-                     f'fill="{color}"><title>rank {r}: {v:.4g} GiB</title></rect>')
+                     f'fill="{color}"><title>rank {r}: {memory_text(v)}</title></rect>')
         parts.append(f'<text x="{x + bar_w * 0.3:.1f}" y="{height - pad + 14}" font-size="10" '
                      f'text-anchor="middle">rank {r}</text>')
     for series, dash in ((caps, ""), (usable, ' stroke-dasharray="4 3"')):

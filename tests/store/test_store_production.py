@@ -170,7 +170,7 @@ def test_mismatch_policy_error_names_all_differences(saved: SavedConfig) -> None
     message = str(info.value)
     assert "\n" not in message
     assert "GPU 'NVIDIA H200' (tuned) vs 'NVIDIA A100' (this job)" in message
-    assert "rank 0 memory 140.0 GiB (tuned) vs 80.0 GiB (this job)" in message
+    assert "rank 0 memory 140 GiB (tuned) vs 80.0 GiB (this job)" in message
     assert "rank 2 memory" in message
     assert "'warn'" in message and "autobalance tune" in message
 
