@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from autobalance._errors import UsageError
+from autobalance._errors import ConfigError, UsageError
 from autobalance.runtime._checkpoint import apply_checkpointing, find_blocks
 from autobalance.runtime._rank_weighting import (
     RankWeight,
@@ -80,6 +80,12 @@ class FrameworkLoop:
     """One rank's plan as a framework's loop drives it (see the module docstring)."""
 
     def __init__(self, plan: Plan, *, framework: str) -> None:
+        sharding = getattr(plan.config, "optimizer_sharding", "off")
+        if sharding != "off":
+            raise ConfigError(
+                f"optimizer_sharding={sharding!r} with the {framework} integration: the framework owns the "
+                "optimizer step; use a configuration with optimizer_sharding='off' (tune with sharding off)."
+            )
         self.plan = plan
         self.framework = framework
         self.weighting: RankWeight | None = None
