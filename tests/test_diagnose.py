@@ -11,6 +11,7 @@ import glob
 import json
 import os
 import re
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -178,3 +179,67 @@ def test_a_loss_outside_the_wrapped_model_is_named_with_the_logits_size() -> Non
     for rep in inside:
         rep["breakdown"]["flags"].update(loss_in_model=True, output_bytes=30 * MIB)
     assert "loss_outside_model" not in {f.cause for f in _analyse(*inside).findings}
+
+
+# ---------------------------------------------------------------------- a slow rank, a model called twice, zero1
+USER_TRAIN = str(Path(__file__).resolve().parent / "scripts" / "user_train.py")
+
+
+@pytest.mark.slow
+def test_diagnose_names_a_slow_rank_and_survives_a_model_called_twice_per_step(tmp_path: Path) -> None:
+    """The script calls its model twice per micro-step (a no-grad pass first, as for a teacher's target):
+    PyTorch's MemTracker used to raise inside that forward and diagnose said "the script failed at its own
+    configuration". Rank 1 sleeps 50 ms per sample (16 samples: at least 800 ms of busy time per step,
+    against rank 0's own work on a tiny model), so it is named slow with its figures whatever the load."""
+    proc = cli(["diagnose", USER_TRAIN, "--nproc-per-node", "2", "--device", "cpu", "--runs-dir", str(tmp_path / "runs"),
+                "--", "--no-grad-forward"], cwd=tmp_path, env={"AUTOBALANCE_EMULATE_MS_PER_SAMPLE": "0,50"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = " ".join(proc.stdout.split())
+    assert "failed at its own configuration" not in out + proc.stderr
+    for text in ("busy per step (own work)", "all-reduce wait per step", "samples per step", "optimizer state",
+                 "Module breakdown: the script calls its DistributedDataParallel more than once before the first "
+                 "optimizer step", "(rank(s) 0, 1)", "1. rank 1 is slow:", "x the busy time per sample of rank 0",
+                 "ms per sample): per optimizer step rank 1 is busy", "gives rank 1 fewer samples per step"):
+        assert text in out, (text, out)
+    # the slow rank's busy time holds at least its sleeps
+    busy = re.search(r"busy per step \(own work\) +│ +([0-9.]+) ms │ +([0-9.]+) ms", proc.stdout)
+    assert busy, proc.stdout
+    assert float(busy.group(2)) >= 0.95 * 16 * 50
+
+
+def _timed(rep: dict[str, Any], busy_s: float, wait_s: float, samples: int = 8) -> dict[str, Any]:
+    rep.update(busy_time_s=busy_s, allreduce_wait_s=wait_s)
+    rep["config"] = {"micro_batches": [samples, samples], "accumulation": 1, "global_batch": 2 * samples,
+                     "dtype": "fp32"}
+    return rep
+
+
+def test_a_rank_slower_per_sample_is_named_with_its_figures() -> None:
+    diag = _analyse(_timed(_report(0), 0.080, 0.090), _timed(_report(1), 0.170, 0.004))
+    (finding,) = diag.findings
+    assert finding.cause == "slow_rank" and finding.ranks == [1] and finding.size_bytes is None
+    assert finding.title == "rank 1 is slow: 2.12x the busy time per sample of rank 0"
+    assert ("rank 1 is 2.12x slower per sample than rank 0 (busy 21.2 vs 10 ms per sample): per optimizer step "
+            "rank 1 is busy 170.0 ms for 8 samples, rank 0 80.0 ms for 8; rank 0 waits 90.0 ms") in finding.detail
+    assert [r.samples_per_step for r in diag.ranks] == [8, 8]
+    even = _analyse(_timed(_report(0), 0.080, 0.010), _timed(_report(1), 0.090, 0.004))
+    assert even.findings == []  # within 1.2x: not named
+    before = _analyse(_report(0), _report(1))  # reports from before busy times: nothing about time
+    assert before.findings == [] and before.ranks[0].busy_time_s is None
+
+
+def test_optimizer_state_is_its_own_row_and_zero1_shares_are_read_from_the_optimizer_section() -> None:
+    from rich.console import Console
+
+    r0, r1 = _report(0, opt=20 * MIB), _report(1, opt=20 * MIB)
+    for rep, state in ((r0, 4 * MIB), (r1, 36 * MIB)):
+        rep["optimizer"] = {"sharding": "zero1", "wrapped": True, "state_bytes": state}
+    diag = _analyse(_timed(r0, 0.1, 0.01), _timed(r1, 0.1, 0.01))
+    assert [r.optimizer_state for r in diag.ranks] == [4 * MIB, 36 * MIB]
+    console = Console(record=True, width=160)
+    from autobalance.diagnose import print_diagnosis
+
+    print_diagnosis(diag, console=console)
+    out = console.export_text()
+    assert re.search(r"optimizer state \(zero1: its share\) +│ +4\.00 MiB │ +36\.0 MiB", out), out
+    assert re.search(r"busy per step \(own work\) +│ +100\.0 ms │ +100\.0 ms", out), out

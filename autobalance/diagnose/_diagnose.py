@@ -3,8 +3,10 @@ breakdown and the likely causes of imbalance, each with what autobalance can do 
 
 The causes come from the usual list (memory a rank holds before training, uneven inputs, AMP on
 some ranks only, ``nn.DataParallel``, ``find_unused_parameters=True``, no checkpointing on a deep
-model, optimizer state dominating). The figures come from the runtime's per-rank report
-(``breakdown``: see :mod:`autobalance.runtime._breakdown`).
+model, optimizer state dominating) and a slow rank (its busy time per sample, the step less its wait
+at the gradient all-reduce, :func:`~autobalance.protocol.slow_rank`). The figures come from the
+runtime's per-rank report (``breakdown``: see :mod:`autobalance.runtime._breakdown`; ``optimizer``:
+the optimizer state each rank keeps, its share under zero1; ``busy_time_s``, ``allreduce_wait_s``).
 """
 
 from __future__ import annotations
@@ -16,14 +18,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from autobalance import _env
-from autobalance._errors import LaunchError, TrialScriptError, UsageError
-from autobalance.protocol import Status, memory_text
+from autobalance._config import BalanceConfig
+from autobalance._errors import ConfigError, LaunchError, TrialScriptError, UsageError
+from autobalance.protocol import Status, memory_text, slow_rank
 
 __all__ = ["Diagnosis", "Finding", "RankBreakdown", "analyse", "print_diagnosis", "run_diagnose"]
 
 MIB = 2**20
 GIB = 2**30
-IMBALANCE_CAUSES = frozenset({"rank_extras", "uneven_inputs", "amp_some_ranks", "data_parallel"})
+IMBALANCE_CAUSES = frozenset({"rank_extras", "uneven_inputs", "amp_some_ranks", "data_parallel", "slow_rank"})
 """Causes that make one rank need more than another; the others (no checkpointing, optimizer state,
 allocator cache, find_unused_parameters) weigh on every rank alike and are listed after them."""
 
@@ -33,8 +36,8 @@ class Finding:
     """One likely cause of imbalance, with its size and the command that addresses it."""
 
     cause: str
-    """Stable id: rank_extras, uneven_inputs, amp_some_ranks, data_parallel, find_unused_parameters,
-    no_checkpointing, optimizer_state, allocator_cache, oom."""
+    """Stable id: rank_extras, uneven_inputs, amp_some_ranks, data_parallel, slow_rank,
+    find_unused_parameters, no_checkpointing, optimizer_state, allocator_cache, oom."""
     title: str
     size_bytes: int | None
     ranks: list[int]
@@ -66,6 +69,13 @@ class RankBreakdown:
     outside_pytorch: int | None
     input_shape: list[int] | None = None
     flags: dict[str, Any] = field(default_factory=dict)
+    optimizer_sharding: str | None = None
+    """``off`` or ``zero1`` (``optimizer_state`` is then this rank's share); None: not reported."""
+    samples_per_step: int | None = None
+    """This rank's samples per optimizer step (its configuration)."""
+    busy_time_s: float | None = None
+    """Its own work per step, without its wait at the gradient all-reduce (median of the measured steps)."""
+    allreduce_wait_s: float | None = None
 
 
 @dataclass(kw_only=True)
@@ -83,6 +93,8 @@ class Diagnosis:
     findings: list[Finding]
     tune_command: str
     memtracker: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    """How the figures were taken where not as usual (the module rows of a model called twice per step)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -105,6 +117,17 @@ def _get(d: dict[str, Any] | None, key: str) -> int | None:
     return int(d[key])
 
 
+def _float(d: dict[str, Any], key: str) -> float | None:
+    return None if d.get(key) is None else float(d[key])
+
+
+def _samples_per_step(rank: int, config: dict[str, Any]) -> int | None:
+    try:
+        return BalanceConfig.from_dict(config).samples_per_rank[rank]
+    except (ConfigError, IndexError, KeyError, TypeError, ValueError):
+        return None
+
+
 def _rank_row(rank: int, rep: dict[str, Any] | None) -> RankBreakdown:
     if rep is None:
         return RankBreakdown(rank=rank, status="no report", micro_batch=None, dtype=None, autocast=None, blocks=None,
@@ -123,7 +146,10 @@ def _rank_row(rank: int, rep: dict[str, Any] | None) -> RankBreakdown:
     blocks = None
     if flags.get("num_blocks") is not None:
         blocks = f"{flags.get('checkpointed_blocks', 0)}/{flags['num_blocks']} checkpointed"
-    opt = _get(b, "optimizer_state_tensors") or _get(b, "optimizer_state")
+    optimizer = rep.get("optimizer") or {}
+    opt = _get(optimizer, "state_bytes")  # measured by the plan's optimizer: under zero1, this rank's share
+    if opt is None:
+        opt = _get(b, "optimizer_state_tensors") or _get(b, "optimizer_state")
     cache = None
     if cuda and mem.get("peak_reserved") is not None and mem.get("peak_allocated") is not None:
         cache = int(mem["peak_reserved"]) - int(mem["peak_allocated"])
@@ -137,11 +163,17 @@ def _rank_row(rank: int, rep: dict[str, Any] | None) -> RankBreakdown:
         held_outside_training=_get(b, "held_outside_training"), allocator_cache=cache,
         outside_pytorch=_get(mem, "outside_pytorch") if cuda else None,
         input_shape=flags.get("input_shape"),
+        optimizer_sharding=optimizer.get("sharding"), samples_per_step=_samples_per_step(rank, cfg),
+        busy_time_s=_float(rep, "busy_time_s"), allreduce_wait_s=_float(rep, "allreduce_wait_s"),
         flags={k: flags.get(k) for k in ("data_parallel", "find_unused_parameters", "num_blocks",
                                          "checkpointed_blocks", "input_numel", "output_dtype",
                                          "output_bytes", "loss_in_model")}
         | {"held_before_wrap_excluding_model": b.get("held_before_wrap_excluding_model")},
     )
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1000 * seconds:.1f} ms"
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -220,6 +252,26 @@ def _findings(rows: list[RankBreakdown], *, command: str, status: str, reason: s
             action="drop per-rank autocast and let the plan apply one dtype on every rank (plan.micro_step()); "
                    "autobalance searches the dtype with --dtypes", command=command + " --dtypes fp32,bf16"
             if " -- " not in command else command.replace(" -- ", " --dtypes fp32,bf16 -- ", 1)))
+
+    slow = slow_rank([None if r.busy_time_s is None else 1000 * r.busy_time_s for r in rows],
+                     [r.samples_per_step for r in rows])
+    if slow is not None:
+        fast = rows[slow.fastest]
+        waits = [r for r in rows if r.allreduce_wait_s is not None and r.rank != slow.rank]
+        waiting = max(waits, key=lambda r: r.allreduce_wait_s or 0.0) if waits else None
+        detail = (f"{slow.text()}: per optimizer step rank {slow.rank} is busy {_ms(rows[slow.rank].busy_time_s)} for "
+                  f"{rows[slow.rank].samples_per_step} samples, rank {fast.rank} {_ms(fast.busy_time_s)} for "
+                  f"{fast.samples_per_step}")
+        if waiting is not None:
+            detail += (f"; rank {waiting.rank} waits {_ms(waiting.allreduce_wait_s)} at the gradient all-reduce each "
+                       "step, rank " f"{slow.rank} {_ms(rows[slow.rank].allreduce_wait_s)}")
+        detail += ". Every rank runs at the slowest one's pace (a slower GPU of a mixed machine, or a busier one)."
+        out.append(Finding(
+            cause="slow_rank", title=f"rank {slow.rank} is slow: {slow.ratio:.2f}x the busy time per sample of "
+                                     f"rank {slow.fastest}",
+            size_bytes=None, ranks=[slow.rank], detail=detail,
+            action=f"autobalance tune measures each rank's speed and gives rank {slow.rank} fewer samples per step "
+                   "(the global batch and the update unchanged), so the ranks finish together", command=command))
 
     dp = [r.rank for r in rows if r.flags.get("data_parallel")]
     if dp:
@@ -312,18 +364,23 @@ def analyse(outcome: Any, *, script: str, script_args: list[str], world_size: in
         fracs = [float(r.peak_device or 0) / float(r.capacity or 1) for r in rows]
         pct = round(100 * (max(fracs) - min(fracs)), 3)
     mt = {}
+    noted: list[tuple[int, str]] = []
     for r in range(world_size):
         bd = (outcome.reports.get(r) or {}).get("breakdown") or {}
-        if bd.get("memtracker_peak") or bd.get("error"):
+        if bd.get("memtracker_peak") or bd.get("error") or bd.get("note"):
             mt[str(r)] = {"peak_by_category": bd.get("memtracker_peak"), "error": bd.get("error"),
+                          "note": bd.get("note"),
                           "modules": [{**m, "module": m["module"].replace("DistributedDataParallel.module.", "")}
                                       for m in bd.get("modules") or []]}
+        if bd.get("note"):
+            noted.append((r, str(bd["note"])))
+    notes = [f"Module breakdown: {noted[0][1]} (rank(s) {', '.join(str(r) for r, _n in noted)})."] if noted else []
     return Diagnosis(
         script=script, script_args=list(script_args), world_size=world_size, device=device, status=outcome.status,
         reason=outcome.reason, trial_dir=outcome.trial_dir, ranks=rows,
         spread_bytes=spread[0] if spread else None, spread_pct_of_capacity=pct,
         findings=_findings(rows, command=command, status=outcome.status, reason=outcome.reason),
-        tune_command=command, memtracker=mt,
+        tune_command=command, memtracker=mt, notes=notes,
     )
 
 
@@ -386,11 +443,19 @@ def print_diagnosis(diag: Diagnosis, *, console: Any = None) -> None:
     table.add_column("")
     for r in diag.ranks:
         table.add_column(f"rank {r.rank}", justify="right")
+    zero1 = any(r.optimizer_sharding == "zero1" for r in diag.ranks)
     for label, key in _ROWS:
         values = [getattr(r, key) for r in diag.ranks]
         if all(v is None for v in values):
             continue
+        if key == "optimizer_state" and zero1:
+            label = "optimizer state (zero1: its share)"
         table.add_row(label, *[fmt_bytes(v) for v in values])
+    if any(r.busy_time_s is not None for r in diag.ranks):
+        table.add_row("busy per step (own work)", *[_ms(r.busy_time_s) for r in diag.ranks])
+        table.add_row("all-reduce wait per step", *[_ms(r.allreduce_wait_s) for r in diag.ranks])
+        table.add_row("samples per step", *["-" if r.samples_per_step is None else str(r.samples_per_step)
+                                            for r in diag.ranks])
     table.add_row("micro-batch", *[str(r.micro_batch) if r.micro_batch is not None else "-" for r in diag.ranks])
     table.add_row("dtype / autocast", *[f"{r.dtype or '-'} / {r.autocast or '-'}" for r in diag.ranks])
     table.add_row("blocks", *[r.blocks or "-" for r in diag.ranks])
@@ -399,12 +464,14 @@ def print_diagnosis(diag: Diagnosis, *, console: Any = None) -> None:
     if diag.spread_bytes is not None:
         pct = f" ({diag.spread_pct_of_capacity:.2f}% of capacity)" if diag.spread_pct_of_capacity is not None else ""
         console.print(f"Spread of peaks across ranks: [bold]{fmt_bytes(diag.spread_bytes)}[/]{pct}.")
+    from rich.markup import escape
+
+    for note in diag.notes:
+        console.print(f"[dim]{escape(note)}[/]")
     if not diag.findings:
         console.print("No likely cause of imbalance found. To make steps faster at the same memory: "
                       f"[bold]{diag.tune_command}[/]")
         return
-    from rich.markup import escape
-
     for rank, mt in sorted(diag.memtracker.items()):
         cats = mt.get("peak_by_category") or {}
         if cats:

@@ -8,6 +8,7 @@ import time), so the runtime, the launcher, the tuner, the report and the CLI ca
 from __future__ import annotations
 
 from autobalance.protocol._attrs import CONSTRAINTS_KEY, StudyAttr, TrialAttr
+from autobalance.protocol._rank_time import SLOW_RATIO, SlowRank, busy_wait_text, slow_rank
 from autobalance.protocol._report import (
     GENERIC_CPU_NAME,
     REPORT_SCHEMA,
@@ -58,17 +59,20 @@ __all__ = [
     "PEER_FAILURE_MARKERS",
     "REPORT_SCHEMA",
     "REPORT_STATUSES",
+    "SLOW_RATIO",
     "TOLD_STATUSES",
     "InvalidReport",
     "RankDevice",
     "RankMemory",
     "RankReport",
     "RankTiming",
+    "SlowRank",
     "SpeedUp",
     "Status",
     "StudyAttr",
     "TrialAttr",
     "best_trial",
+    "busy_wait_text",
     "cpu_model_name",
     "is_feasible",
     "looks_like_oom",
@@ -79,6 +83,7 @@ __all__ = [
     "over_limit",
     "report_path",
     "report_problem",
+    "slow_rank",
     "speed_up",
     "study_ranks",
     "time_in_steps_s",

@@ -23,6 +23,16 @@ tensors on the rank's device (the CPU tracker on CPU, the CUDA caching allocator
 the first step when ``AUTOBALANCE_DIAGNOSE=1`` (it works with DDP, checkpoint wrappers and
 autocast on this torch version). It only sees tensors created while it is active plus the model
 and optimizer, so the extras held before training come from the live-byte figures above.
+
+MemTracker supports one top-level call of a module per iteration: a script that calls its model
+again before the first optimizer step (a no-grad pass for a teacher's target or an EMA's
+evaluation, a second forward, accumulation over several micro-steps) makes its forward pre-hook raise
+``NotImplementedError`` ("does not support memory tracking for multiple iterative calls") inside the
+script's own forward, which ended the run. Its hooks are guarded: on that error the tracker stops
+(its category peak then covers the step up to the second call) and the per-module rows fall back to
+forward hooks measuring each module's live-memory growth across its forward, the largest over its
+calls, merged with what MemTracker saw of the first call; ``note`` says so. Any other error of the
+tracker's hooks drops the module breakdown (``error``) instead of the script's run.
 """
 
 from __future__ import annotations
@@ -111,6 +121,10 @@ class Breakdown(Part):
         self._wrapped: nn.Module | None = None
         self._memtracker: Any = None
         self._want_memtracker = os.environ.get(_env.DIAGNOSE) == "1"
+        self.note: str | None = None
+        """Why the module rows are not MemTracker's alone (the model called more than once per step)."""
+        self._module_hooks: list[Any] = []
+        self._module_growth: dict[str, int] = {}
 
     # ------------------------------------------------------------------ measuring primitives
     @property
@@ -227,6 +241,7 @@ class Breakdown(Part):
                 (t for state in optimizer.state.values() for t in state.values()), self.device)
             self.figures["first_step_peak"] = max(0, self._window_peak() - self._live_before_fwd)
             self._exit_memtracker()
+            self._remove_module_hooks()
 
     def after_step(self, plan: Plan) -> None:
         if self.active:
@@ -240,10 +255,76 @@ class Breakdown(Part):
             tracker = MemTracker()
             assert self._wrapped is not None
             tracker.track_external(self._wrapped)
+            self._guard_hooks(tracker)
             tracker.__enter__()
             self._memtracker = tracker
         except Exception as exc:
             self._drop_memtracker(exc)
+
+    def _guard_hooks(self, tracker: Any) -> None:
+        """Wrap the module hooks MemTracker registers on entry (its bound methods, looked up then) so
+        that an error in them ends the tracking, not the script's forward or backward."""
+        for name in ("_pre_fw_hook", "_post_fw_hook", "_pre_bw_hook", "_post_bw_hook"):
+            hook = getattr(tracker, name, None)
+            if callable(hook):
+                setattr(tracker, name, self._guarded(tracker, hook))
+
+    def _guarded(self, tracker: Any, hook: Any) -> Any:
+        def guarded(module: nn.Module, *args: Any) -> None:
+            if self._memtracker is not tracker:
+                return  # stopped: a hook the engine or a module call already holds
+            try:
+                hook(module, *args)
+            except NotImplementedError as exc:
+                if "multiple iterative calls" not in str(exc):
+                    self._drop_memtracker(exc)
+                    return
+                self._called_again(module)
+            except Exception as exc:
+                self._drop_memtracker(exc)
+
+        return guarded
+
+    def _called_again(self, module: nn.Module) -> None:
+        """The script calls ``module`` a second time before the first optimizer step: stop
+        MemTracker (keeping what it saw of the first call) and measure the module rows with forward hooks."""
+        self.note = (f"the script calls its {type(module).__name__} more than once before the first optimizer step "
+                     "(a second forward, a no-grad pass, several micro-steps); PyTorch's MemTracker tracks one call "
+                     "per step, so it stopped at the second call (its category peak covers the step up to there) and "
+                     "the per-module rows are each module's live-memory growth across its forward, the largest "
+                     "over its calls")
+        self._exit_memtracker()
+        if self._wrapped is None or not self.active:
+            return
+        root = type(self._wrapped).__name__
+        for name, sub in self._wrapped.named_modules():
+            fqn = f"{root}.{name}" if name else root
+            if fqn.count(".") > 3:
+                continue
+            start: list[int] = []
+
+            def pre(_m: nn.Module, _args: Any, start: list[int] = start) -> None:
+                start.append(self.live())
+
+            def post(_m: nn.Module, _args: Any, _out: Any, start: list[int] = start, fqn: str = fqn) -> None:
+                if start:
+                    grown = max(0, self.live() - start.pop())
+                    self._module_growth[fqn] = max(self._module_growth.get(fqn, 0), grown)
+
+            self._module_hooks.append(sub.register_forward_pre_hook(pre))
+            self._module_hooks.append(sub.register_forward_hook(post, always_call=True))
+
+    def _remove_module_hooks(self) -> None:
+        hooks, self._module_hooks = self._module_hooks, []
+        for handle in hooks:
+            handle.remove()
+        if not self._module_growth:
+            return
+        rows = {str(r["module"]): dict(r) for r in self.modules}
+        for fqn, grown in self._module_growth.items():
+            row = rows.setdefault(fqn, {"module": fqn, "forward_activations": 0, "local_peak": 0})
+            row["forward_activations"] = max(int(row["forward_activations"]), grown)
+        self.modules = sorted(rows.values(), key=lambda r: -int(r["forward_activations"]))[:8]
 
     def _exit_memtracker(self) -> None:
         tracker = self._memtracker
@@ -299,4 +380,4 @@ class Breakdown(Part):
         if held is not None:
             fig["held_before_wrap_excluding_model"] = max(0, held - int(fig.get("model_on_device_at_wrap") or 0))
         return {"bytes": fig, "flags": dict(self.flags), "memtracker_peak": self.categories,
-                "modules": self.modules, "error": self.error}
+                "modules": self.modules, "error": self.error, "note": self.note}

@@ -16,6 +16,8 @@
 --aux none|train|always  a mixture-of-experts style load-balancing term over the micro-batch's routing
                       fractions added to the loss (``train``: computed only ``if self.training``)
 --tf32                turn TF32 on after plan() (as nanoGPT does at its top)
+--no-grad-forward     call the model a second time per micro-step, under no_grad, before the training
+                      forward (a teacher's target or an EMA's evaluation from the same model)
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ def main() -> None:
     parser.add_argument("--clip", choices=["none", "scaled", "recipe", "plan"], default="none")
     parser.add_argument("--aux", choices=["none", "train", "always"], default="none")
     parser.add_argument("--tf32", action="store_true")
+    parser.add_argument("--no-grad-forward", action="store_true")
     args = parser.parse_args()
 
     plan = ab.plan(micro_batch=args.micro_batch, dtype=args.dtype)
@@ -100,6 +103,9 @@ def main() -> None:
             for x, y in micro_batches:
                 x, y = x.to(plan.device), y.to(plan.device)
                 with plan.micro_step():
+                    if args.no_grad_forward:
+                        with torch.no_grad():
+                            model(x)  # the script's second call of its model this micro-step
                     logits, aux = model(x)
                     loss = (F.cross_entropy(logits, y, reduction=args.loss) + 0.1 * aux) * args.loss_factor
                     plan.backward(loss)
