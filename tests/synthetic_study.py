@@ -50,6 +50,13 @@ class Spec:
     compile_s: float | None = None
     failing_rank: int | None = None
     dominated_by: int | None = None
+    busy_ms: list[float] | None = None
+    """Each rank's busy time per step (its report's ``busy_time_s``); None: a study from before it was measured."""
+    wait_ms: list[float] | None = None
+    optimizer_mib: list[float] | None = None
+    """Each rank's optimizer state (its report's ``optimizer.state_bytes``); None: not reported."""
+    optimizer_shares: list[float] | None = None
+    """Set: the configuration shards the optimizer state (zero1) with these shares."""
 
 
 # trial 0 is the script's own configuration (the baseline); #3 is over the cap and faster than #2, the best
@@ -83,6 +90,8 @@ def _config(spec: Spec, layers: int) -> BalanceConfig:
     rest: dict[str, Any] = dict(checkpoint=[list(range(spec.ckpt)) for _ in range(world)], dtype=spec.dtype,
                                 compile=spec.compile,
                                 activation_budget=None if spec.budget is None else [spec.budget] * world)
+    if spec.optimizer_shares is not None:
+        rest.update(optimizer_sharding="zero1", optimizer_shares=list(spec.optimizer_shares))
     if spec.samples is not None:
         return BalanceConfig.any_split(rank_samples=list(spec.samples), accumulation=spec.acc, **rest)
     return BalanceConfig(micro_batches=list(spec.micro), accumulation=spec.acc, global_batch=sum(spec.micro) * spec.acc,
@@ -105,6 +114,12 @@ def _report(spec: Spec, rank: int, config: BalanceConfig) -> dict[str, Any]:
         rep["step_time_s"] = spec.step_ms / 1000.0  # type: ignore[operator]
         rep["timing"]["steps_s"] = 8 * spec.step_ms / 1000.0  # type: ignore[operator]
         rep["measured_steps"] = 5
+    if spec.busy_ms is not None and spec.status == "ok":
+        rep["busy_time_s"] = spec.busy_ms[rank] / 1000.0
+        rep["allreduce_wait_s"] = (spec.wait_ms or [0.0] * len(spec.busy_ms))[rank] / 1000.0
+    if spec.optimizer_mib is not None:
+        rep["optimizer"] = {"sharding": config.optimizer_sharding, "wrapped": True,
+                            "state_bytes": int(spec.optimizer_mib[rank] * 2**20)}
     if spec.compile != "off":
         rep["compile"] = {"mode": spec.compile, "cache": {"fx_graph_hits": 1 if (spec.compile_s or 0) < 5 else 0,
                                                           "fx_graph_misses": 0 if (spec.compile_s or 0) < 5 else 1}}

@@ -13,6 +13,7 @@ from autobalance._config import describe_config
 from autobalance.cli._common import console
 from autobalance.protocol import (
     TrialAttr,
+    busy_wait_text,
     memory_text,
     over_limit,
     speed_up,
@@ -68,6 +69,8 @@ def trial_rows(study: Any) -> list[dict[str, Any]]:
             "spread_gib": a.get(TrialAttr.SPREAD_GIB), "step_time_ms": a.get(TrialAttr.STEP_TIME_MS),
             "measured_steps": a.get(TrialAttr.MEASURED_STEPS), "time_in_steps_s": time_in_steps_s(a), "wall_s": a.get(TrialAttr.WALL_S),
             "values": t.values, "reason": a.get(TrialAttr.REASON),
+            "busy_ms": a.get(TrialAttr.BUSY_MS), "allreduce_wait_ms": a.get(TrialAttr.WAIT_MS),
+            "optimizer_state_bytes": a.get(TrialAttr.OPTIMIZER_STATE_BYTES),
         })
     return rows
 
@@ -92,13 +95,19 @@ def print_trials(*, study_name: str, storage: str, as_json: bool) -> None:
         print(json.dumps(rows, indent=1))
         return
     many = study_ranks(study) > 1  # one rank: a peak, no spread
+    with_optimizer = any(r["optimizer_state_bytes"] for r in rows)  # studies from before: as they were
+    with_time = many and any(r["busy_ms"] for r in rows)
     table = Table(title=f"Trials of {study_name}")
     for col in ("#", "state", "status", "feasible", "configuration", "peak per rank" if many else "peak",
-                *(["spread"] if many else []), "step ms", "objective"):
+                *(["spread"] if many else []), *(["optimizer state" + (" per rank" if many else "")] if with_optimizer else []),
+                "step ms", *(["busy/wait ms per rank"] if with_time else []), "objective"):
         table.add_column(col)
     for r in rows:
         peaks = r["peak_device_gib"] or []
         spread = [memory_text(r["spread_gib"])] if many else []
+        if with_optimizer:
+            spread.append(optimizer_state_text(r["optimizer_state_bytes"], r["config"]))
+        time = [busy_wait_text(r["busy_ms"] or [], r["allreduce_wait_ms"] or [])] if with_time else []
         table.add_row(
             f"{r['number']}{' (baseline)' if r['baseline'] else ''}", r["state"], r["status"] or "-",
             feasible_text(r),
@@ -106,9 +115,22 @@ def print_trials(*, study_name: str, storage: str, as_json: bool) -> None:
             " ".join(memory_text(p) for p in peaks) or "-",
             *spread,
             "-" if r["step_time_ms"] is None else f"{r['step_time_ms']:.1f}",
+            *time,
             "-" if not r["values"] else " ".join(f"{v:.4g}" for v in r["values"]),
         )
     console().print(table)
+    if with_time:
+        console().print("busy/wait: each rank's own work per step and its wait at the gradient all-reduce (ms); "
+                        "the rank that waits least is the slowest.")
+
+
+def optimizer_state_text(state_bytes: list[Any] | None, config: dict[str, Any] | None) -> str:
+    """Each rank's optimizer state (``12.0 MiB 12.0 MiB``; ``zero1: 4.00 MiB 20.0 MiB``: each rank keeps
+    its share); ``-`` when not measured."""
+    if not state_bytes:
+        return "-"
+    text = " ".join(memory_text(None if b is None else b / 2**30) for b in state_bytes)
+    return ("zero1: " if (config or {}).get("optimizer_sharding") == "zero1" else "") + text
 
 
 def comparison_table(baseline: Any, best: Any, *, not_saved: str = "") -> Table:

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from autobalance.protocol import memory_text, speed_up
+from autobalance.protocol import busy_wait_text, memory_text, slow_rank, speed_up
 from autobalance.report._rows import StudySummary, TrialRow, summarize
 
 __all__ = ["ReportFiles", "build_report", "config_rows"]
@@ -113,6 +113,17 @@ def _comparison(summary: StudySummary) -> str:
                      + cell(base, lambda x, r=r: memory_text(x.peaks_gib[r] if r < len(x.peaks_gib) else None))
                      + cell(best, lambda x, r=r: memory_text(x.peaks_gib[r] if r < len(x.peaks_gib) else None))
                      + "</tr>")
+    rows = [x for x in (base, best) if x is not None]
+    if any(x.optimizer_state_gib for x in rows):  # optimizer state as its own part of each rank's memory
+        for r in range(ranks):
+            name = f"rank {r} optimizer state" if summary.multi_rank else "optimizer state"
+            lines.append(f"<tr><th>{name}</th>" + cell(base, lambda x, r=r: _optimizer_cell(x, r))
+                         + cell(best, lambda x, r=r: _optimizer_cell(x, r)) + "</tr>")
+    if summary.multi_rank and any(x.busy_ms for x in rows):  # the imbalance of time next to that of memory
+        for r in range(ranks):
+            lines.append(f"<tr><th title='its own work per step / its wait at the gradient all-reduce'>rank {r} busy / "
+                         "all-reduce wait (ms)</th>" + cell(base, lambda x, r=r: _time_cell(x, r))
+                         + cell(best, lambda x, r=r: _time_cell(x, r)) + "</tr>")
     if summary.multi_rank:
         lines.append("<tr><th>spread</th>" + cell(base, lambda r: memory_text(_spread(r)))
                      + cell(best, lambda r: memory_text(_spread(r))) + "</tr>")
@@ -130,6 +141,31 @@ def _comparison(summary: StudySummary) -> str:
                      f"<td>{memory_text(_spread(base) - _spread(best))}</td></tr>")  # type: ignore[operator]
     lines.append("</tbody></table>")
     return "\n".join(lines)
+
+
+def _optimizer_cell(row: TrialRow, rank: int) -> str:
+    state = row.optimizer_state_gib[rank] if rank < len(row.optimizer_state_gib) else None
+    if state is None:
+        return "-"
+    return memory_text(state) + (" (zero1: its share)" if row.optimizer_sharding == "zero1" else "")
+
+
+def _time_cell(row: TrialRow, rank: int) -> str:
+    pick = [row.busy_ms[rank] if rank < len(row.busy_ms) else None, row.wait_ms[rank] if rank < len(row.wait_ms) else None]
+    return "-" if pick == [None, None] else busy_wait_text([pick[0]], [pick[1]]).replace("/", " / ")
+
+
+def rank_time_text(row: TrialRow) -> str:
+    """A trial's time per rank in words: each rank's busy time and all-reduce wait, and the slow rank
+    (busy time per sample :data:`~autobalance.protocol.SLOW_RATIO` times the fastest's or more); empty
+    without busy times (a study from before they were measured)."""
+    if not row.busy_ms or row.ranks < 2:
+        return ""
+    each = ", ".join(f"rank {r}: {_time_cell(row, r)}" for r in range(len(row.busy_ms)))
+    slow = slow_rank(row.busy_ms, row.samples_per_rank)
+    verdict = (f"{slow.text()}." if slow is not None else
+               "No rank is clearly slower per sample than another.")
+    return f"Time per rank (busy / all-reduce wait, ms per step): {each}. {verdict}"
 
 
 SavedTrial = int | None | Literal["unknown"]
@@ -173,8 +209,10 @@ def _best_config(summary: StudySummary, saved_trial: SavedTrial = "unknown") -> 
     else:
         use_text = ("<p class='warn' id='not-saved'>Nothing is saved for this study: a production job asking for it "
                     "runs the script's own configuration.</p>")
+    time_text = rank_time_text(best)
+    time_html = f"<p id='rank-time'>{_e(time_text)}</p>" if time_text else ""
     return (f"<h2 id='best-heading'>{_e(heading)}</h2>\n"
-            f"<p>Trial {_e(best.label)}: {_e(', '.join(figures))}.</p>"
+            f"<p>Trial {_e(best.label)}: {_e(', '.join(figures))}.</p>{time_html}"
             f"<h3>Why this one</h3><p id='why'>{_e(why)}</p>"
             f"<table class='cfg' id='best-config'>{rows}</table>"
             f"{use_text}")
@@ -185,10 +223,16 @@ def _trials_table(summary: StudySummary) -> str:
 
     spread_head = "<th>spread</th>" if summary.multi_rank else ""
     peak_head = "peak per rank" if summary.multi_rank else "peak"
+    with_optimizer = any(r.optimizer_state_gib for r in summary.rows)  # studies from before: no column
+    with_time = summary.multi_rank and any(r.busy_ms for r in summary.rows)
+    spread_head += ("<th title='optimizer state each rank keeps (zero1: its share)'>optimizer state per rank</th>"
+                    if with_optimizer else "")
+    extra_head = ("<th title='each rank: its own work per step / its wait at the gradient all-reduce'>busy/wait ms "
+                  "per rank</th>" if with_time else "")
     head = ("<table class='trials' id='trials'><thead><tr><th>#</th><th>outcome</th><th>configuration</th>"
             f"<th>{peak_head}</th>{spread_head}<th>step ms</th><th>compile s</th>"
             "<th title='seconds the slowest rank spent in warm-up and measured steps'>time in steps s</th>"
-            "</tr></thead><tbody>")
+            f"{extra_head}</tr></thead><tbody>")
     body = []
     for r in summary.rows:
         classes = []
@@ -205,11 +249,15 @@ def _trials_table(summary: StudySummary) -> str:
         elif r.status == "oom" and peaks != "-":
             peaks = f"{peaks} (at least)"
         spread = f"<td>{memory_text(_spread(r))}</td>" if summary.multi_rank else ""
+        if with_optimizer:
+            state = " ".join(memory_text(v) for v in r.optimizer_state_gib) or "-"
+            spread += f"<td>{_e(('zero1: ' if r.optimizer_sharding == 'zero1' and r.optimizer_state_gib else '') + state)}</td>"
+        extra = f"<td>{_e(busy_wait_text(r.busy_ms, r.wait_ms))}</td>" if with_time else ""
         outcome = r.outcome + (" (chosen)" if "chosen" in classes else "")
         body.append(f"<tr{cls}><td>{_e(r.label)}</td><td title='{_e(r.reason or '')}'>{_e(outcome)}</td>"
                     f"<td>{_e(describe_config(r.config) if r.config else '-')}</td>"
                     f"<td>{_e(peaks)}</td>{spread}<td>{_num(r.step_ms, '.1f')}</td><td>{_num(r.compile_s, '.1f')}</td>"
-                    f"<td>{_num(r.time_in_steps_s, '.2f')}</td></tr>")
+                    f"<td>{_num(r.time_in_steps_s, '.2f')}</td>{extra}</tr>")
     return head + "".join(body) + "</tbody></table>"
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from autobalance.protocol import time_in_steps_s
+from autobalance.protocol import TrialAttr, time_in_steps_s
 
 __all__ = ["StudySummary", "TrialRow", "outcome_label", "pareto_front", "summarize"]
 
@@ -40,6 +40,12 @@ class TrialRow:
     """Never launched: judged out of memory from the memory model or a dominating trial."""
     step_iqr_pct: float | None = None
     """How much the measured steps spread: the worst rank's IQR, % of its median (``step_time_iqr_pct``)."""
+    busy_ms: list[float | None] = field(default_factory=list)
+    """Each rank's busy ms per step (its own work, ``TrialAttr.BUSY_MS``); empty in studies from before."""
+    wait_ms: list[float | None] = field(default_factory=list)
+    """Each rank's wait at the gradient all-reduce, ms per step (``TrialAttr.WAIT_MS``)."""
+    optimizer_state_gib: list[float | None] = field(default_factory=list)
+    """Each rank's optimizer state (``TrialAttr.OPTIMIZER_STATE_BYTES``; zero1: its share); empty in studies from before."""
 
     @property
     def label(self) -> str:
@@ -61,6 +67,21 @@ class TrialRow:
         ratios = [(p / u, r) for r, (p, u) in enumerate(zip(self.peaks_gib, self.usable_gib, strict=False))
                   if p is not None and u]
         return max(ratios)[1] if ratios else None
+
+    @property
+    def optimizer_sharding(self) -> str:
+        return str(self.config_value("optimizer_sharding") or "off")
+
+    @property
+    def samples_per_rank(self) -> list[int | None]:
+        """Each rank's samples per optimizer step (empty without a readable configuration)."""
+        from autobalance._config import BalanceConfig
+        from autobalance._errors import ConfigError
+
+        try:
+            return list(BalanceConfig.from_dict(self.config).samples_per_rank) if self.config else []
+        except (ConfigError, KeyError, TypeError, ValueError):
+            return []
 
     @property
     def outcome(self) -> str:
@@ -149,6 +170,8 @@ def _row(trial: Any) -> TrialRow:
         compile_cache_hit=_cache_hit(a.get("compile_cache")),
         predicted=bool(a.get("predicted")) or a.get("status") == "predicted_oom",
         step_iqr_pct=a.get("step_time_iqr_pct"),
+        busy_ms=_floats(a.get(TrialAttr.BUSY_MS)), wait_ms=_floats(a.get(TrialAttr.WAIT_MS)),
+        optimizer_state_gib=[None if v is None else v / 2**30 for v in _floats(a.get(TrialAttr.OPTIMIZER_STATE_BYTES))],
     )
 
 
