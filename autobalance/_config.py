@@ -365,6 +365,26 @@ class BalanceConfig:
         return cls(rank_samples=list(rank_samples), accumulation=accumulation,
                    global_batch=sum(rank_samples), **fields_)
 
+    def permuted(self, order: list[int]) -> BalanceConfig:
+        """This configuration with its ranks reordered: rank ``r`` of the result runs what rank
+        ``order[r]`` ran here (micro-batches or samples, checkpointed blocks, activation budget,
+        optimizer share: every per-rank field). The global batch, the accumulation and everything
+        shared stay, and each sample's loss weight is ``1 / global_batch`` whichever rank holds it, so
+        the update is the same. Used when production finds the tuned GPUs in another rank order."""
+        if sorted(order) != list(range(self.world_size)):
+            raise ConfigError(
+                f"order={order} is not a permutation of the {self.world_size} ranks; give each rank 0..{self.world_size - 1} once."
+            )
+        data = self.to_dict()
+
+        def pick(values: list[Any] | None) -> list[Any] | None:
+            return None if values is None else [values[i] for i in order]
+
+        for name in ("micro_batches", "rank_samples", "checkpoint", "activation_budget", "optimizer_shares"):
+            if name in data:
+                data[name] = pick(data[name])
+        return BalanceConfig.from_dict(data)
+
 
 _MAX_BATCH = 2**31 - 1
 """Sanity bound on the global batch (and so on every micro-batch and the accumulation)."""

@@ -27,7 +27,7 @@ from autobalance.protocol import (
 FULL = {
     "schema": 1, "status": "ok", "error": None, "traceback": None, "rank": 1, "local_rank": 1, "world_size": 2,
     "hostname": "h", "pid": 12, "trial_id": "t", "device": {"type": "cpu", "name": "cpu", "capacity_bytes": 8e9,
-                                                             "cap_bytes": None, "uuid": None},
+                                                             "cap_bytes": None, "uuid": None, "identity": "cpu"},
     "config": {"global_batch": 8}, "source": "trial", "defaults": {"global_batch": 8}, "model": {"num_blocks": 2},
     "steps_done": 5, "warmup_steps": 2, "step_times_s": [0.1, 0.2, 0.3], "step_time_s": 0.2, "step_time_iqr_s": 0.1,
     "measured_steps": 3,

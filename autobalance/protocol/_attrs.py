@@ -26,6 +26,9 @@ class StudyAttr:
     """Per-rank device capacity seen by the baseline."""
     DEVICE = "autobalance:device"
     """The baseline's rank-0 device section."""
+    DEVICE_NAMES = "autobalance:device_names"
+    """Each rank's device identity in the baseline (``RankDevice.identity``; None where a rank reported
+    none): the saved fingerprint's ``device_names``, which production maps the configuration by."""
     SCRIPT_SHA = "autobalance:script_sha256"
     LAUNCH = "autobalance:launch"
     """How the latest ``tune`` ran the script (path, arguments, ranks, runs dir): what ``promote`` needs

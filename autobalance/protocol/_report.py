@@ -112,6 +112,9 @@ class RankDevice(_Section):
     cap_bytes: float | None = None
     """The emulated per-rank cap, when the trial enforced one."""
     uuid: str | None = None
+    identity: str | None = None
+    """What a saved configuration follows in production (``runtime._emulate.device_identity``): the
+    name, with an emulated slowdown appended; absent in reports from before it was recorded."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -4,7 +4,9 @@ First match wins: a trial's ``AUTOBALANCE_CONFIG`` (or the script's defaults for
 trial); a ``config=``, ``config_file=`` or ``study=`` argument; ``AUTOBALANCE_CONFIG_FILE`` or
 ``AUTOBALANCE_STUDY`` (+ ``AUTOBALANCE_STORAGE``); the script's defaults. A stored configuration is
 read and checked against this machine on rank 0 only and broadcast as JSON, so every rank applies
-the same row and a failure is raised on every rank.
+the same row and a failure is raised on every rank. Every rank's device identity is gathered first
+(``device_identity``), so when the tuned devices come up in another rank order the configuration is
+permuted to follow them (``store.rank_order``: a function of the names alone) and the job says so.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.distributed as dist
 from autobalance import _env
 from autobalance._config import DTYPES, BalanceConfig, describe_config, split_evenly
 from autobalance._errors import ConfigError
+from autobalance.runtime._emulate import device_identity
 
 __all__ = ["choose_config", "default_config"]
 
@@ -82,6 +85,25 @@ def _broadcast_json(payload: str | None, *, device: torch.device) -> str:
     return bytes(buf.cpu().tolist()).decode()
 
 
+def _gather_text(text: str, *, device: torch.device) -> list[str]:
+    """Every rank's ``text``, index = rank (bytes in padded tensors: nothing is pickled); called by
+    every rank. Without a process group (or with one rank): ``[text]``."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [text]
+    dev = device if device.type == "cuda" else torch.device("cpu")
+    data = text.encode()
+    size = torch.tensor([len(data)], dtype=torch.long, device=dev)
+    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, size)
+    longest = max(int(s.item()) for s in sizes)
+    buf = torch.zeros(longest, dtype=torch.uint8, device=dev)
+    if data:
+        buf[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    bufs = [torch.zeros_like(buf) for _ in sizes]
+    dist.all_gather(bufs, buf)
+    return [bytes(b.cpu().tolist()[: int(n.item())]).decode() for b, n in zip(bufs, sizes, strict=True)]
+
+
 def _say(line: str) -> None:
     """One plain line on stderr (rank 0 calls it): no warning machinery, so no echo of a source line."""
     print(line, file=sys.stderr, flush=True)
@@ -104,8 +126,11 @@ def _load_stored(
     the script's own configuration and says so in one line; under ``error`` it stops with one line."""
     from autobalance import store
 
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    # every rank's device, gathered before rank 0 reads the store: the configuration follows the devices
+    names = _gather_text(device_identity(device, rank), device=device)
     text: str | None = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if rank == 0:
         try:
             saved = store.load_saved_config(study=study, storage=storage, config_file=config_file)
             where = (f"{config_file} (study {saved.study_name}, trial {saved.trial_number})" if config_file else
@@ -117,6 +142,7 @@ def _load_stored(
                 world_size=world_size,
                 nnodes=nnodes,
                 cap_bytes=[cap_bytes] * world_size,
+                device_names=names if len(names) == world_size else None,
             )
             other_ranks = store.ranks_differ(saved, world_size=world_size)
             if other_ranks and on_mismatch == "warn":
@@ -147,13 +173,20 @@ def _checked(saved: Any, *, store: Any, current: Any, on_mismatch: str, where: s
     mismatch warnings become one plain line each (a ``HardwareMismatchWarning`` to Python's filters,
     without the echo of the line that raised it); an emulated cap this job runs without is no
     mismatch: the line says it."""
+    import dataclasses
     import warnings
 
     script = sys.argv[0] if sys.argv and os.path.isfile(sys.argv[0]) else None
+    order = store.rank_order(saved.fingerprint, current)
+    if order is not None:  # the same devices in another rank order: each rank takes its device's configuration
+        saved = dataclasses.replace(saved, config=saved.config.permuted(order),
+                                    fingerprint=saved.fingerprint.permuted(order))
     with warnings.catch_warnings(record=True) as caught:
         store.check_compatibility(saved, current=current, script_path=script, policy=on_mismatch)
     lifted = store.cap_lifted_note(saved.fingerprint, current)
     _say(f"autobalance: using {where}" + (f", {lifted}" if lifted else "") + f": {describe_config(saved.config)}")
+    if order is not None:
+        _say(f"autobalance: {store.rank_order_line(order, current)}")
     for warning in caught:
         _say(str(warning.message))
     source = f"store:{saved.study_name}#{saved.trial_number}"

@@ -25,7 +25,7 @@ from autobalance.runtime._parts import Part
 if TYPE_CHECKING:
     from autobalance.runtime._plan import Plan
 
-__all__ = ["SlowRank", "emulated_ms_per_sample"]
+__all__ = ["SlowRank", "device_identity", "emulated_ms_per_sample"]
 
 
 def emulated_ms_per_sample(raw: str | None, rank: int) -> float:
@@ -47,6 +47,25 @@ def emulated_ms_per_sample(raw: str | None, rank: int) -> float:
         raise UsageError(f"{_env.EMULATE_MS_PER_SAMPLE}={raw!r} has no entry for rank {rank}; "
                          "give one per rank or a single value.")
     return values[rank]
+
+
+def device_identity(device: Any, rank: int) -> str:
+    """What rank ``rank``'s device is called for a saved configuration to follow it (the hardware
+    fingerprint's ``device_names``, compared by ``store.rank_order`` in production): the GPU model,
+    or on CPU the processor model; with an emulated slowdown ``" (emulated +N ms/sample)"`` appended.
+
+    So on CPU the emulation is the device's identity: a job run with ``AUTOBALANCE_EMULATE_MS_PER_SAMPLE``
+    ``0,10`` after a study tuned with ``10,0`` is the same machine with its GPUs in another rank order
+    (the tests' stand-in for a mixed machine whose cards come up in another order). Two devices of one
+    model have one name: they are interchangeable, and their configurations never swap."""
+    import torch
+
+    from autobalance.protocol import cpu_model_name
+
+    device = torch.device(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model_name()
+    ms = emulated_ms_per_sample(os.environ.get(_env.EMULATE_MS_PER_SAMPLE), rank)
+    return f"{name} (emulated +{ms:g} ms/sample)" if ms > 0 else name
 
 
 class SlowRank(Part):

@@ -28,6 +28,7 @@ from autobalance.protocol import (
     cpu_model_name,
     report_path,
 )
+from autobalance.runtime._emulate import device_identity
 
 if TYPE_CHECKING:
     from autobalance.runtime._memory import MemorySnapshot
@@ -140,8 +141,10 @@ def _device_info(plan: Plan) -> RankDevice:
         # "highest"): the search then need not hold fp32 back (tuner/search/_first_trials.py)
         return RankDevice(type="cuda", name=props.name, capacity_bytes=int(props.total_memory),
                           cap_bytes=plan.cap_bytes, uuid=nvml.uuid if nvml else None,
+                          identity=device_identity(plan.device, plan.rank),
                           extra={"tf32": torch.get_float32_matmul_precision() != "highest"})
-    return RankDevice(type="cpu", name=cpu_model_name(), capacity_bytes=cpu_capacity_bytes(), cap_bytes=plan.cap_bytes)
+    return RankDevice(type="cpu", name=cpu_model_name(), capacity_bytes=cpu_capacity_bytes(), cap_bytes=plan.cap_bytes,
+                      identity=device_identity(plan.device, plan.rank))
 
 
 def setup_failure_report(exc: BaseException) -> dict[str, Any]:

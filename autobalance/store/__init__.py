@@ -16,6 +16,8 @@ from autobalance.store._fingerprint import (
     current_fingerprint,
     differences,
     minor_differences,
+    rank_order,
+    rank_order_line,
 )
 from autobalance.store._models import SCHEMA_VERSION, TABLE_PREFIX
 from autobalance.store._optuna_access import (
@@ -88,6 +90,8 @@ __all__ = [
     "minor_differences",
     "normalize_storage_url",
     "open_storage",
+    "rank_order",
+    "rank_order_line",
     "ranks_differ",
     "read_export_file",
     "script_sha256",

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from autobalance._errors import ConfigError
-from autobalance._files import is_int
+from autobalance._files import is_int, is_number
 from autobalance.protocol import GENERIC_CPU_NAME, cpu_model_name, memory_text
 
 __all__ = [
@@ -19,6 +19,8 @@ __all__ = [
     "current_fingerprint",
     "differences",
     "minor_differences",
+    "rank_order",
+    "rank_order_line",
 ]
 
 DEVICE_TYPES = ("cuda", "cpu")
@@ -49,6 +51,15 @@ class HardwareFingerprint:
     """``torch.__version__`` of the job."""
     cuda_version: str | None = None
     """``torch.version.cuda`` (None on CPU-only builds)."""
+    device_names: list[str] = field(default_factory=list)
+    """Each rank's device identity, index = global rank (the GPU model; on CPU the processor model,
+    with an emulated slowdown appended: ``runtime.device_identity``); [] when not recorded
+    (fingerprints saved before it was). What a production job maps the configuration by
+    (:func:`rank_order`)."""
+    ms_per_sample: list[float | None] = field(default_factory=list)
+    """Each rank's measured speed in the saved trial: its busy milliseconds per sample (its own work
+    per step, without the wait at the all-reduce, over its samples per step); [] or None entries
+    where not measured. Recorded for people and for telling devices apart; never compared."""
 
     def __post_init__(self) -> None:
         def bad(name: str, value: Any, expected: str) -> ConfigError:
@@ -84,6 +95,23 @@ class HardwareFingerprint:
             raise bad("torch_version", self.torch_version, "a string")
         if self.cuda_version is not None and not isinstance(self.cuda_version, str):
             raise bad("cuda_version", self.cuda_version, "a string or null")
+        if not isinstance(self.device_names, list) or not all(isinstance(n, str) for n in self.device_names) or \
+                len(self.device_names) not in (0, self.world_size):
+            raise bad("device_names", self.device_names, f"[] or one name per rank ({self.world_size})")
+        if not isinstance(self.ms_per_sample, list) or len(self.ms_per_sample) not in (0, self.world_size) or \
+                not all(v is None or (is_number(v) and v >= 0) for v in self.ms_per_sample):
+            raise bad("ms_per_sample", self.ms_per_sample, f"[] or one number or null per rank ({self.world_size})")
+
+    def permuted(self, order: list[int]) -> HardwareFingerprint:
+        """The fingerprint with its ranks reordered as :meth:`BalanceConfig.permuted` reorders a
+        configuration: rank ``r`` of the result is rank ``order[r]`` here (capacity, cap, device, speed)."""
+        def pick(values: list[Any]) -> list[Any]:
+            return [values[i] for i in order] if values else []
+
+        data = self.to_dict()
+        for name in ("capacity_bytes", "cap_bytes", "device_names", "ms_per_sample"):
+            data[name] = pick(data[name])
+        return HardwareFingerprint.from_dict(data)
 
     def usable_bytes(self, rank: int) -> int | None:
         """Memory rank ``rank`` may use: the smaller of capacity and cap (CPU: the cap, or None)."""
@@ -157,7 +185,10 @@ def differences(stored: HardwareFingerprint, current: HardwareFingerprint) -> li
         out.append(f"nodes {stored.nnodes} (tuned) vs {current.nnodes} (this job)")
     if out:
         return out
-    if stored.device_type == "cuda" and stored.device_name != current.device_name:
+    if stored.device_type == "cuda" and stored.device_names and current.device_names:
+        out.extend(f"rank {r} GPU {a!r} (tuned) vs {b!r} (this job)"
+                   for r, (a, b) in enumerate(zip(stored.device_names, current.device_names, strict=True)) if a != b)
+    elif stored.device_type == "cuda" and stored.device_name != current.device_name:
         out.append(f"GPU {stored.device_name!r} (tuned) vs {current.device_name!r} (this job)")
     lifted = set(cap_lifted_ranks(stored, current))
     for rank in range(stored.world_size):
@@ -221,7 +252,39 @@ def minor_differences(stored: HardwareFingerprint, current: HardwareFingerprint)
         and GENERIC_CPU_NAME not in (stored.device_name, current.device_name)  # model unknown: nothing to compare
     ):
         out.append(f"CPU {stored.device_name!r} (tuned) vs {current.device_name!r} (this job)")
+    elif (stored.device_type == current.device_type == "cpu" and stored.device_names and current.device_names
+          and len(stored.device_names) == len(current.device_names)):  # same CPU: an emulated slowdown differs
+        out.extend(f"rank {r} device {a!r} (tuned) vs {b!r} (this job)"
+                   for r, (a, b) in enumerate(zip(stored.device_names, current.device_names, strict=True)) if a != b)
     return out
+
+
+def rank_order(stored: HardwareFingerprint, current: HardwareFingerprint) -> list[int] | None:
+    """How this job's ranks take the tuned configuration when the same devices came up in another
+    rank order: ``order[r]`` is the tuning job's rank whose configuration this job's rank ``r`` runs
+    (``BalanceConfig.permuted(order)``, ``HardwareFingerprint.permuted(order)``).
+
+    None when nothing moves: the same order, a fingerprint without per-rank names (saved before they
+    were recorded), or a different set of devices (:func:`differences` and
+    :func:`minor_differences` say how, as for any other hardware). A pure function of the two lists
+    of names, so every rank that computes it gets the same answer; ranks with the same device keep
+    their relative order, so identical devices never swap configurations.
+    """
+    tuned, now = stored.device_names, current.device_names
+    if not tuned or not now or tuned == now or sorted(tuned) != sorted(now):
+        return None
+    free: dict[str, list[int]] = {}
+    for rank, name in enumerate(tuned):
+        free.setdefault(name, []).append(rank)
+    return [free[name].pop(0) for name in now]
+
+
+def rank_order_line(order: list[int], current: HardwareFingerprint) -> str:
+    """One line for a :func:`rank_order` that moves ranks: which tuned rank each moved rank follows."""
+    moved = ", ".join(f"rank {r} ({current.device_names[r]}) runs tuned rank {t}'s"
+                      for r, t in enumerate(order) if r != t)
+    return (f"the tuned devices are in another rank order here; the configuration follows the devices: {moved} "
+            "(same global batch, same update)")
 
 
 def current_fingerprint(
@@ -232,13 +295,16 @@ def current_fingerprint(
     cap_bytes: list[int | None] | int | None = None,
     capacity_bytes: list[int] | None = None,
     local_world_size: int | None = None,
+    device_names: list[str] | None = None,
 ) -> HardwareFingerprint:
     """The fingerprint of a job about to run on this machine (imports torch lazily).
 
     Rank ``r`` is assumed to use local device ``r % local_world_size`` (default
     ``world_size // nnodes``) on identical nodes. GPU names and capacities come from NVML, which
     does not create a CUDA context (torch is the fallback); pass ``capacity_bytes`` to override.
-    ``cap_bytes`` is one cap for every rank or one per rank.
+    ``cap_bytes`` is one cap for every rank or one per rank. ``device_names``: each rank's device
+    identity as the ranks themselves report it (gathered over the process group by the runtime);
+    without it the per-rank names are left unrecorded.
     """
     if device_type not in DEVICE_TYPES:
         raise ConfigError(
@@ -266,9 +332,13 @@ def current_fingerprint(
     else:
         names = _device_names("cpu", local)
         capacities = [_physical_memory()] * world_size
+    if device_names is not None and len(device_names) != world_size:
+        raise ConfigError(f"device_names={device_names} has {len(device_names)} entries for {world_size} ranks; "
+                          "give one per rank.")
     return HardwareFingerprint(
         device_type=device_type,
         device_name=" + ".join(dict.fromkeys(names)),
+        device_names=list(device_names or []),
         capacity_bytes=capacities,
         cap_bytes=caps,
         world_size=world_size,

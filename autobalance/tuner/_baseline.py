@@ -143,6 +143,8 @@ def _space_from_baseline(study: optuna.Study, outcome: TrialOutcome,
     study.set_user_attr(StudyAttr.ALLOW_BATCH_DEPENDENT, s.allow_batch_dependent)
     study.set_user_attr(StudyAttr.CAPACITY, capacity)
     study.set_user_attr(StudyAttr.DEVICE, rep["device"])
+    study.set_user_attr(StudyAttr.DEVICE_NAMES, [((outcome.reports.get(r) or {}).get("device") or {}).get("identity")
+                                                 for r in range(s.world_size)])
     study.set_user_attr(StudyAttr.SCRIPT_SHA, script_sha256(s.script))
     study.set_user_attr(StudyAttr.TORCH_VERSION, rep.get("torch_version"))
     study.set_user_attr(StudyAttr.CUDA_VERSION, rep.get("cuda_version"))

@@ -39,7 +39,9 @@ def figures_of_trial(study: optuna.Study, trial: FrozenTrial) -> dict[str, Any]:
     return figures
 
 
-def fingerprint_of_study(study: optuna.Study) -> Any:
+def fingerprint_of_study(study: optuna.Study, trial: FrozenTrial | None = None) -> Any:
+    """The tuning job's hardware: devices (each rank's identity, which production maps the
+    configuration by), memory, versions; with ``trial``, each rank's busy ms per sample in it."""
     from autobalance.store import HardwareFingerprint
 
     objective = study.user_attrs.get(StudyAttr.OBJECTIVE, {})
@@ -47,7 +49,15 @@ def fingerprint_of_study(study: optuna.Study) -> Any:
     world = int(objective.get("world_size", 1))
     caps = objective.get("caps_bytes") or [None] * world
     capacity = [int(c) for c in study.user_attrs.get(StudyAttr.CAPACITY, [])] or [0] * world
+    names = study.user_attrs.get(StudyAttr.DEVICE_NAMES) or []
+    speeds: list[float | None] = []
+    busy = trial.user_attrs.get(TrialAttr.BUSY_MS) if trial is not None else None
+    if trial is not None and isinstance(busy, list) and len(busy) == world and TrialAttr.CONFIG in trial.user_attrs:
+        samples = BalanceConfig.from_dict(trial.user_attrs[TrialAttr.CONFIG]).samples_per_rank
+        speeds = [None if b is None else round(b / n, 4) for b, n in zip(busy, samples, strict=True)]
     return HardwareFingerprint(
+        device_names=[str(n) for n in names] if len(names) == world and all(names) else [],
+        ms_per_sample=speeds,
         device_type=device.get("type", objective.get("device", "cpu")),
         device_name=device.get("name", "unknown"),
         capacity_bytes=capacity,
@@ -70,7 +80,7 @@ def save_trial(*, storage_url: str, study: optuna.Study, trial_number: int, acti
             trial_number=trial_number,
             config=BalanceConfig.from_dict(trial.user_attrs[TrialAttr.CONFIG]),
             figures=figures_of_trial(study, trial),
-            fingerprint=fingerprint_of_study(study),
+            fingerprint=fingerprint_of_study(study, trial),
             script_sha256=str(study.user_attrs.get(StudyAttr.SCRIPT_SHA, "")),
             saved_by=make_saved_by(action),
         )
