@@ -193,3 +193,83 @@ def test_space_searches_zero1_with_shares_and_round_trips_a_config() -> None:
     assert again.optimizer_shares == pytest.approx([0.2, 0.8]) and space.contains(again)
     off = space.config_from_params({**params, "optimizer_sharding": "off"})
     assert off.optimizer_sharding == "off" and off.optimizer_shares is None
+
+
+# ------------------------------------------------------------------------------------ a study chooses it
+
+_GPT_STATE_HEAVY = ["--n-embd", "192", "--n-layer", "2", "--block-size", "8", "--val-cache-mib", "0.5"]
+"""The GPT example with AdamW state large against the activations (8 tokens a sample): rank 0's
+extras (an EMA copy of the weights and a cached validation batch, about 4.3 MiB) are more than
+moving samples or checkpointing blocks can even out, and the even split (24.4 MiB on rank 0 on the
+development machine) is over the cap's usable 23.9 MiB."""
+
+
+def _study(tmp_path: Path, name: str, *script_args: str) -> Any:
+    """Start ``autobalance tune`` (as ``tests.tune_helpers.cli`` runs it) without waiting for it."""
+    import os
+    import subprocess
+    import sys
+
+    db = tmp_path / f"{name}.db"
+    args = [sys.executable, "-m", "autobalance", "tune", str(REPO / "examples/gpt/train.py"), "--trials", "4",
+            "--nproc-per-node", "2", "--device", "cpu", "--storage", f"sqlite:///{db}", "--study-name", "s",
+            "--strategy", "model", "--seed", "0", "--trial-timeout", "120", "--dtypes", "fp32",
+            "--max-accumulation", "1", "--memory-cap-gib", "0.0245", "--weight-time", "0",
+            "--runs-dir", str(tmp_path / f"runs-{name}"), "--", *_GPT_STATE_HEAVY, *script_args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+    return db, subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_study_with_rank0_extras_under_a_cap_chooses_zero1_with_less_state_on_rank_0(tmp_path: Path) -> None:
+    """2 gloo ranks, the GPT example's rank-0 extras, a cap the even split cannot meet without
+    checkpointing (spread only: ``--weight-time 0``). The study of the script that shards through
+    ``plan.optimizer`` searches zero1 (the baseline turns the dimension on), proposes it (the eager
+    proposals), verifies and saves a zero1 configuration with the smaller share on rank 0, whose
+    spread is smaller than every feasible configuration of the same study run on the script without
+    ``plan.optimizer`` (``--no-shard``: the model strategy's balanced splits and checkpointing, the
+    only levers left). The saved configuration then runs in production with the same shares. Only
+    memory is compared, never time."""
+    from tests.tune_helpers import load
+
+    runs = {name: _study(tmp_path, name, *extra) for name, extra in (("zero", ()), ("plain", ("--no-shard",)))}
+    out = {}
+    for name, (_db, proc) in runs.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=400)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 0, f"{name}: {stdout[-3000:]}{stderr[-3000:]}"
+        out[name] = stdout
+    zero, plain = load(runs["zero"][0]), load(runs["plain"][0])
+    assert zero.user_attrs["autobalance:space"]["shardings"] == ["off", "zero1"]
+    assert plain.user_attrs["autobalance:space"]["shardings"] == ["off"]
+    baseline = zero.trials[0].user_attrs
+    assert baseline["config"]["micro_batches"] == [8, 8] and "optimizer_sharding" not in baseline["config"]
+    assert baseline["feasible"] is False, baseline  # the even split, uncheckpointed, is over the cap
+
+    def feasible(study: Any) -> list[dict]:
+        return [t.user_attrs for t in study.trials if t.user_attrs.get("feasible") is True]
+
+    best = zero.best_trial.user_attrs
+    config = BalanceConfig.from_dict(best["config"])
+    assert config.optimizer_sharding == "zero1", describe_config(config)
+    shares = config.sharding_shares()
+    assert shares is not None and shares[0] < shares[1], shares
+    state = best["optimizer_state_bytes"]
+    assert state[0] < state[1], state  # measured: rank 0 keeps less of the state
+    unsharded = [t["spread_gib"] for t in feasible(plain)]
+    assert unsharded, "the comparison study found no feasible configuration"
+    assert best["spread_gib"] < min(unsharded), (best["spread_gib"], unsharded)
+    assert f"Saved trial {zero.best_trial.number}" in out["zero"], out["zero"][-2000:]
+
+    # production: the saved configuration loads on every rank and the script runs with it
+    import torch  # noqa: F401  (the example imports it; fail here, not in torchrun, if it cannot)
+
+    proc = torchrun([str(REPO / "examples/gpt/train.py"), *_GPT_STATE_HEAVY, "--max-steps", "2"], timeout=120,
+                    env={"AUTOBALANCE_STUDY": "s", "AUTOBALANCE_STORAGE": f"sqlite:///{runs['zero'][0]}",
+                         "AUTOBALANCE_DEVICE": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    using = [line for line in proc.stderr.splitlines() if line.startswith("autobalance: using")]
+    assert len(using) == 1 and describe_config(config) in using[0], proc.stderr[-3000:]

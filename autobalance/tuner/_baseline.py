@@ -124,9 +124,10 @@ def _space_from_baseline(study: optuna.Study, outcome: TrialOutcome,
                               compile_modes=s.compile_modes(), any_split=s.split == "any")
     if defaults.accumulation not in space.accumulations:
         space.accumulations = sorted({*space.accumulations, defaults.accumulation})
-    if s.world_size > 1 and all(((outcome.reports.get(r) or {}).get("optimizer") or {}).get("wrapped")
-                                for r in range(s.world_size)):
-        space.shardings = ["off", "zero1"]  # the script shards through plan.optimizer: search where the state lives
+    if s.world_size > 1 and any((r.get("optimizer") or {}).get("wrapped") for r in outcome.reports.values()):
+        # the script shards through plan.optimizer: search where the state lives (any rank's report says
+        # so: a baseline that ran out of memory may have lost the other ranks' reports)
+        space.shardings = ["off", "zero1"]
     kept = keep_split(space, report=rep, own=defaults, allow=s.allow_batch_dependent)
     facts = script_facts(rep, kept_split=kept, allow=s.allow_batch_dependent, split=defaults.split_text())
     capacity = [float((outcome.reports.get(r) or rep)["device"]["capacity_bytes"]) for r in range(s.world_size)]

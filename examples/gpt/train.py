@@ -111,6 +111,9 @@ def parse_args() -> argparse.Namespace:
                    help="TF32 matmuls and convolutions (nanoGPT turns them on; verify holds them off)")
     p.add_argument("--clip-grad", type=float, default=0.0,
                    help="clip the gradients' global norm (through plan.optimizer_step, after unscaling in fp16)")
+    p.add_argument("--no-shard", action="store_true",
+                   help="build AdamW without plan.optimizer (the state on every rank; for comparison: the "
+                        "study then never shards it)")
     p.add_argument("--sum-loss", action="store_true",
                    help="a summed loss instead of the mean (for comparison: verify refuses uneven splits)")
     p.add_argument("--no-count", action="store_true",
@@ -161,7 +164,9 @@ def main() -> None:
     # real tokens (over all ranks), so every split computes the global token-mean update
     count = (lambda batch: (batch[1] != IGNORE).sum()) if args.variable_length and not args.no_count else None
     # ab: with optimizer_sharding='zero1' each rank keeps its share of AdamW's state only (same update)
-    optimizer = plan.optimizer(torch.optim.AdamW(model.parameters(), lr=3e-4, fused=plan.device.type == "cuda"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=plan.device.type == "cuda")
+    if not args.no_shard:
+        optimizer = plan.optimizer(optimizer)
 
     step = 0
     for _epoch in range(args.epochs):

@@ -37,6 +37,8 @@ def full_config() -> BalanceConfig:
         dtype="fp16",
         bucket_cap_mb=12.5,
         gradient_as_bucket_view=True,
+        optimizer_sharding="zero1",
+        optimizer_shares=[0.25, 0.5, 0.25],
     )
 
 
