@@ -281,9 +281,9 @@ def rank_order(stored: HardwareFingerprint, current: HardwareFingerprint) -> lis
 
 def rank_order_line(order: list[int], current: HardwareFingerprint) -> str:
     """One line for a :func:`rank_order` that moves ranks: which tuned rank each moved rank follows."""
-    moved = ", ".join(f"rank {r} ({current.device_names[r]}) runs tuned rank {t}'s"
+    moved = ", ".join(f"rank {r} ({current.device_names[r]}) takes tuned rank {t}'s configuration"
                       for r, t in enumerate(order) if r != t)
-    return (f"the tuned devices are in another rank order here; the configuration follows the devices: {moved} "
+    return (f"the tuned devices came up in another rank order; the configuration follows them: {moved} "
             "(same global batch, same update)")
 
 
