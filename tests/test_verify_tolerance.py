@@ -139,3 +139,22 @@ def test_a_floor_run_takes_the_same_samples_in_reverse_order():
     rev = epoch_schedule(num_samples=64, config=config, epoch=0, seed=3, reverse_within=True)
     for a, b in zip(plain.steps, rev.steps, strict=True):
         assert [[mb[::-1] for mb in rank] for rank in a.micro_batches] == b.micro_batches
+
+
+def test_a_warm_worker_puts_the_precision_flags_back_between_runs():
+    """A verification run's full fp32 precision must not carry over to the next run in the same warm
+    worker (a bf16 compiled run would then miss the study's Inductor cache: the flags are in its key)."""
+    from autobalance.runtime._worker import precision_flags, restore_precision_flags
+
+    matmul = torch.backends.cuda.matmul
+    before = precision_flags()
+    try:
+        matmul.allow_bf16_reduced_precision_reduction = True
+        snapshot = precision_flags()
+        hold_full_precision()
+        assert matmul.allow_bf16_reduced_precision_reduction is False
+        assert precision_flags() != snapshot
+        restore_precision_flags(snapshot)
+        assert precision_flags() == snapshot
+    finally:
+        restore_precision_flags(before)
