@@ -63,6 +63,11 @@ def test_batchnorm_model_is_verified_in_train_mode(tmp_path):
     assert verdict["passed"] is False and checks["equivalence"]["grad_rel"] > 1e-3
     assert any("batch-dependent layers (body.layers.0.norm (BatchNorm1d)" in n and "train mode" in n
                for n in verdict["notes"]), verdict["notes"]
+    # the refusal names the model's own layers first, with the fix, before the loss causes
+    assert verdict["failure"] == "math"
+    reason = verdict["reason"]
+    assert "first suspect: the batch-dependent layers (body.layers.0.norm (BatchNorm1d)" in reason, reason
+    assert "--allow-batch-dependent" in reason and reason.index("first suspect") < reason.index("per-sample mean")
 
 
 def test_checkpointed_batchnorm_updates_running_stats_once_and_verify_catches_a_second_update(tmp_path):

@@ -242,6 +242,14 @@ class Verifier:
                           "(torch.use_deterministic_algorithms(True))")
             else:
                 failure, causes = Failure.MATH, FP32_CAUSES
+                dependent = next((r.info.get("batch_dependent") for r in self._runner.results
+                                  if r.info.get("batch_dependent")), None)
+                if dependent and not self.allow_batch_dependent:  # the model's own layers: the first suspect
+                    shown = ", ".join(dependent[:3]) + (f" and {len(dependent) - 3} more" if len(dependent) > 3 else "")
+                    causes = (f"first suspect: the batch-dependent layers ({shown}) compute statistics over each "
+                              "micro-batch in train mode, so another split changes the step: keep the script's split, "
+                              "or accept the change with --allow-batch-dependent (verified in eval mode); other "
+                              + FP32_CAUSES)
             return Verification(passed=False, failure=failure, reason=(
                 f"its step differs from the baseline's{where}: {equivalence.figures()}, {limits}{note}; {causes}"))
         tolerance = bound
