@@ -12,6 +12,7 @@ from autobalance._files import is_int, is_number
 
 __all__ = [
     "COMPILE_MODES",
+    "CUDA_GRAPH_MODES",
     "DTYPES",
     "OPTIMIZER_SHARDINGS",
     "BalanceConfig",
@@ -24,9 +25,12 @@ __all__ = [
 ]
 
 DTYPES = ("fp32", "bf16", "fp16")
-COMPILE_MODES = ("off", "default", "max-autotune-no-cudagraphs")
-"""``torch.compile`` modes a configuration may ask for (``off``: eager). CUDA-graph modes are left
-out: they keep their own memory pools and do not compose with DDP's buckets."""
+COMPILE_MODES = ("off", "default", "max-autotune-no-cudagraphs", "reduce-overhead")
+"""``torch.compile`` modes a configuration may ask for (``off``: eager). ``reduce-overhead`` (CUDA
+graphs) runs at world size 1 only: in DDP the captured regions would have to exclude the gradient
+all-reduce (``docs/compile.md``); it is asked for, never searched by default."""
+CUDA_GRAPH_MODES = ("reduce-overhead",)
+"""Compile modes that capture CUDA graphs (the runtime keeps the gradients allocated for them)."""
 OPTIMIZER_SHARDINGS = ("off", "zero1")
 """Where the optimizer state lives: on every rank (``off``) or split over the ranks (``zero1``)."""
 
@@ -192,6 +196,11 @@ class BalanceConfig:
                     "compile activation budget would both recompute; use checkpoint=[] on every rank (lower "
                     "activation_budget instead) or compile='off'."
                 )
+        if self.compile in CUDA_GRAPH_MODES and ranks > 1:
+            raise ConfigError(
+                f"compile={self.compile!r} with {ranks} ranks: CUDA graphs run at world size 1 only (in DDP the "
+                "captured regions would hold the gradient all-reduce); use compile='default' or one rank."
+            )
         if self.bucket_cap_mb < 1.0:
             raise ConfigError(
                 f"bucket_cap_mb={self.bucket_cap_mb} with compile={self.compile!r} is below 1 MiB, the first "

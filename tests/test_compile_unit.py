@@ -238,3 +238,34 @@ def test_without_the_mark_two_sizes_compile_two_graphs():
         model(torch.randn(n, 4))
     assert int(counters["stats"]["unique_graphs"]) == 2
     torch._dynamo.reset()
+
+
+def test_cuda_graph_mode_keeps_the_gradients_and_runs_at_world_size_one_only():
+    """reduce-overhead (CUDA graphs): every micro-step begins a new graph step with every gradient
+    allocated (the backward adds into them, not into a graph output the next replay overwrites);
+    a DDP configuration asking for it is refused in one line."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from autobalance._errors import ConfigError
+    from autobalance.runtime._compile import CompileState
+
+    cfg = BalanceConfig(micro_batches=[4], accumulation=2, global_batch=8, dtype="bf16", compile="reduce-overhead",
+                        activation_budget=[1.0])
+    assert BalanceConfig.from_json(cfg.to_json()).compile == "reduce-overhead"
+    with pytest.raises(ConfigError, match=r"compile='reduce-overhead' with 2 ranks: CUDA graphs run at world size 1"):
+        BalanceConfig(micro_batches=[4, 4], global_batch=8, compile="reduce-overhead")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model[0].bias.requires_grad_(False)
+    state = CompileState(mode="reduce-overhead", budget=1.0, sizes=[4, 4])
+    plan = SimpleNamespace(model=model, meter=SimpleNamespace(paused=lambda: "paused"))
+    assert state.cuda_graphs and state.on_micro_step(plan) == "paused"  # type: ignore[arg-type]
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters() if p.requires_grad)
+    assert model[0].bias.grad is None
+    model(torch.ones(2, 4)).sum().backward()
+    first = model[1].weight.grad
+    state.on_micro_step(plan)  # type: ignore[arg-type]
+    assert model[1].weight.grad is first  # kept: accumulation adds into it
+    assert CompileState.keep_gradients(model) == 0
+    assert not CompileState(mode="default", budget=1.0).cuda_graphs

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from autobalance import _env
+from autobalance._config import CUDA_GRAPH_MODES
 from autobalance.runtime._parts import Part
 
 if TYPE_CHECKING:
@@ -118,8 +119,37 @@ class CompileState(Part):
             self.apply(plan.model)  # in place, inside DDP (which stays as it is)
 
     def on_micro_step(self, plan: Plan) -> Any:
-        """Dynamo does not compile under a dispatch mode: the CPU tracker steps aside."""
+        """Dynamo does not compile under a dispatch mode: the CPU tracker steps aside. CUDA graphs
+        (``reduce-overhead``): a new step of the graphs begins, and every gradient exists before the
+        backward (see :meth:`keep_gradients`)."""
+        if self.cuda_graphs and plan.model is not None:
+            torch.compiler.cudagraph_mark_step_begin()
+            self.keep_gradients(plan.model)
         return plan.meter.paused()
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether this mode captures CUDA graphs."""
+        return self.mode in CUDA_GRAPH_MODES
+
+    @staticmethod
+    def keep_gradients(model: nn.Module) -> int:
+        """Give every trainable parameter without a gradient a zero one; returns how many.
+
+        With CUDA graphs the backward's outputs live in the graphs' memory pool and the next replay
+        overwrites them. A parameter whose ``.grad`` is None would take that output as its gradient
+        (autograd's AccumulateGrad keeps the tensor it is given), and the next micro-step's replay
+        would overwrite the gradient being accumulated; a gradient that already exists is added
+        into, in place, so it survives. Measured on one H200 (``benchmarks/compile_probe.py``,
+        gradients kept this way): the accumulated step's gradients match eager bf16's as closely as
+        the default mode's (4.0e-3 relative, bf16 rounding), 4 x 8 at 152 ms instead of 269 ms."""
+        made = 0
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                    made += 1
+        return made
 
     def after_backward(self, plan: Plan) -> None:
         """The gradients were made while the tracker was paused: count them now."""
