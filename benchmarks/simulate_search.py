@@ -178,8 +178,7 @@ class SimulatedTuner(Tuner):
     def __init__(self, *, machine: Machine, rng: np.random.Generator, measured_steps: int, **kw: Any) -> None:
         super().__init__(**kw)
         self.launcher = SimulatedLauncher(machine=machine, rng=rng, measured_steps=measured_steps,
-                                          settings=self.settings, storage=self.storage, reporter=self.reporter,
-                                          stop=self.stop)
+                                          settings=self.settings, storage=self.storage, reporter=self.reporter)
 
 
 def run_study(machine: Machine, optimum_s: float, *, strategy: str, seed: int, trials: int, measured_steps: int,

@@ -144,10 +144,11 @@ def test_no_trial_is_asked_once_the_budget_is_spent(tmp_path: Path):
                             storage=f"sqlite:///{tmp_path}/b.db", runs_dir=str(tmp_path / "runs"))
     tuner = Tuner(settings=settings, reporter=Notes())
     study = optuna.create_study(study_name=settings.study_name, storage=tuner.storage)
+    loop = tuner.trial_loop()
     try:
-        assert tuner.more_trials(study) and not tuner.budget.stopped  # an hour left
+        assert loop.more_trials(study) and not tuner.budget.stopped  # an hour left
         tuner.budget.started -= 3600  # the hour is over
-        assert not tuner.more_trials(study) and not tuner.more_trials(study)
+        assert not loop.more_trials(study) and not loop.more_trials(study)
         assert tuner.budget.stopped
         assert notes == ["Time budget (1h) spent after 0 of 5 trials: no new trial starts; running ones finish, "
                          "then the best is verified and saved."]
@@ -263,6 +264,7 @@ def test_a_five_minute_budget_ends_within_it_verification_included(tmp_path: Pat
     clock.monotonic = lambda: clock.now
     clock.sleep = lambda s: setattr(clock, "now", clock.now + s)
     monkeypatch.setattr("autobalance.tuner._tuner.time", clock)
+    monkeypatch.setattr("autobalance.tuner._loop.time", clock)
     startup, handover, miss_s, hit_s = 1.5, 0.5, 45.0, 2.0
     compiled_graphs: set[tuple] = set()
     usable = 16.0 * 0.95
@@ -304,7 +306,7 @@ def test_a_five_minute_budget_ends_within_it_verification_included(tmp_path: Pat
                             prune_factor=0, storage=f"sqlite:///{tmp_path}/sim.db", study_name="sim",
                             runs_dir=str(tmp_path / "runs"))
     tuner = Tuner(settings=settings)
-    tuner.launcher = Launcher(settings=settings, storage=tuner.storage, reporter=tuner.reporter, stop=tuner.stop)
+    tuner.launcher = Launcher(settings=settings, storage=tuner.storage, reporter=tuner.reporter)
     started = clock.now
     result = tuner.run()
     loop_end = clock.now - started

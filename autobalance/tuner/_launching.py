@@ -14,15 +14,14 @@ import optuna
 
 from autobalance._config import BalanceConfig
 from autobalance.launcher import TrialLaunch, TrialOutcome, WarmPool, cold_reason, run_trial
-from autobalance.protocol import Status, StudyAttr, TrialAttr, is_feasible
+from autobalance.protocol import TrialAttr, is_feasible
 from autobalance.store import heartbeat_interval_s, trial_id
 from autobalance.tuner._parallel import Slot, plan_slots
-from autobalance.tuner._remeasure import merge_outcomes, remeasure_reason
 from autobalance.tuner._settings import TuneSettings
-from autobalance.tuner._summary import per_trial_overhead_s
-from autobalance.tuner.search import compile_env, figures_from_outcome
+from autobalance.tuner._time_spent import per_trial_overhead_s
+from autobalance.tuner.search import compile_env
 
-__all__ = ["AUTO_MEASURE_FACTOR", "AUTO_MEASURE_MAX_S", "Stopped", "TrialLauncher"]
+__all__ = ["AUTO_MEASURE_FACTOR", "AUTO_MEASURE_MAX_S", "Stopped", "TrialLauncher", "best_step_s"]
 
 AUTO_MEASURE_FACTOR = 7 / 3
 """``--measure-s auto``: measure 7/3 of the overhead, so the overhead is <= 30 % of a trial."""
@@ -41,14 +40,19 @@ class TrialLauncher:
     first use), the multi-node coordinator when ``--nnodes`` > 1."""
 
     def __init__(self, *, settings: TuneSettings, storage: optuna.storages.RDBStorage, reporter: Any,
-                 stop: threading.Event, pool: WarmPool | None = None) -> None:
-        """``pool``: a warm pool shared with other tuners of the same script (the caller closes it)."""
+                 stop: threading.Event | None = None, pool: WarmPool | None = None) -> None:
+        """``pool``: a warm pool shared with other tuners of the same script (the caller closes it).
+        ``stop``: set when a slot failed or the tuner was interrupted (a new event when not given):
+        every running trial is killed (:class:`Stopped`)."""
         self.settings = settings
         self.storage = storage
         self.reporter = reporter
-        self.stop = stop
+        self.stop = stop if stop is not None else threading.Event()
         self.pool: WarmPool | None = pool
         self.owns_pool = pool is None
+        self.cold = settings.cold
+        """Whether trials run cold (one torchrun each): ``--cold``, or a script that cannot run warm
+        (found when the first pool would start; :attr:`cold_note` says why)."""
         self.cold_note: str | None = None
         self.trials_run = 0
         """Trials launched (baseline included)."""
@@ -81,7 +85,7 @@ class TrialLauncher:
                trial: optuna.Trial | None = None, again: bool = False) -> TrialOutcome:
         """Run one trial (``config`` None: the script's own configuration) and classify its end.
         A trial given as ``trial`` beats its heartbeat and may be pruned; ``again``: its second run
-        (see :meth:`remeasured`)."""
+        (see :mod:`autobalance.tuner._remeasure`)."""
         s = self.settings
         name = f"trial-{number:04d}-{int(time.time())}" + ("-again" if again else "")
         trial_dir = os.path.abspath(os.path.join(s.runs_dir, s.study_name, name))
@@ -102,8 +106,8 @@ class TrialLauncher:
             beat = threading.Thread(target=self._heartbeat, args=(trial_id(trial), stop_beat), daemon=True)
             beat.start()
         # Pruning a warm trial kills the pool (restart: seconds); worth it only for long trials.
-        prune = trial is not None and s.prune_factor > 0 and (s.cold or s.nnodes > 1 or s.steps >= _WARM_PRUNE_MIN_STEPS)
-        pruner = _Pruner(trial=trial, trial_dir=trial_dir, best_step_s=_best_step_s(study),
+        prune = trial is not None and s.prune_factor > 0 and (self.cold or s.nnodes > 1 or s.steps >= _WARM_PRUNE_MIN_STEPS)
+        pruner = _Pruner(trial=trial, trial_dir=trial_dir, best_step_s=best_step_s(study),
                          factor=s.prune_factor) if prune and trial is not None else None
 
         def on_poll(elapsed: float) -> bool:
@@ -168,7 +172,7 @@ class TrialLauncher:
     def _pool(self, launch: TrialLaunch) -> WarmPool | None:
         """The slot's warm pool, created on first use; None when trials must run cold."""
         s = self.settings
-        if s.cold or s.nnodes > 1:
+        if self.cold or s.nnodes > 1:
             return None
         slot = self.slot().index
         with self._lock:
@@ -178,7 +182,7 @@ class TrialLauncher:
                 if reason is not None:
                     self.cold_note = f"Cold trials (one torchrun per trial): {reason}."
                     self.reporter.note(self.cold_note)
-                    s.cold = True
+                    self.cold = True
                     return None
                 # one pool per slot: its workers hold the slot's devices for the whole study
                 pool_dir = os.path.abspath(os.path.join(s.runs_dir, s.study_name))
@@ -221,30 +225,8 @@ class TrialLauncher:
             self.coordinator = None
 
 
-    def remeasured(self, study: optuna.Study, *, number: int, config: BalanceConfig, trial: optuna.Trial,
-                   outcome: TrialOutcome) -> TrialOutcome:
-        """``outcome``, or the trial measured twice and merged when its steps spread too much or it
-        would become the best (see :mod:`autobalance.tuner._remeasure`)."""
-        s = self.settings
-        if outcome.status != Status.OK or not _remeasure_on(s.remeasure, s.device):
-            return outcome
-        cap = study.user_attrs.get(StudyAttr.CAPACITY)
-        figures = figures_from_outcome(outcome, world_size=s.world_size, caps=s.caps_bytes(),
-                                       fallback_capacity=[float(c) for c in cap] if cap else None)
-        feasible = figures.measured and figures.memory_constraint(s.headroom) <= 0
-        reason = remeasure_reason(outcome, step_time_s=figures.step_time_s, feasible=feasible,
-                                  best_step_s=_best_step_s(study))
-        if reason is None:
-            return outcome
-        second = self.launch(study, number=number, config=config, trial=trial, again=True)
-        return merge_outcomes(outcome, second, reason=reason)
-
-
-def _remeasure_on(remeasure: str, device: str) -> bool:
-    return remeasure == "on" or (remeasure == "auto" and device == "cuda")
-
-
-def _best_step_s(study: optuna.Study) -> float | None:
+def best_step_s(study: optuna.Study) -> float | None:
+    """The fastest feasible trial's step time so far (None before any)."""
     times = [t.user_attrs[TrialAttr.STEP_TIME_MS] / 1000 for t in study.get_trials(deepcopy=False)
              if is_feasible(t) and t.user_attrs.get(TrialAttr.STEP_TIME_MS)]
     return min(times) if times else None

@@ -1,128 +1,290 @@
-"""The trial loop. Read :func:`one_trial` top to bottom: it is what every trial of a study goes
-through - ask Optuna, settle it without launching when its result is known or predicted, launch
-it, record it. :func:`run_trials` repeats it (on one thread, or one thread per slot)."""
+"""The trial loop. Read :meth:`TrialLoop.one_trial` top to bottom: it is what every trial of a study
+goes through - ask Optuna, settle it without launching when its result is known or predicted,
+launch it (and measure it again when one run is not to be trusted), record it.
+:meth:`TrialLoop.run` repeats it (on one thread, or one thread per slot).
+
+The loop owns its state: the lock that serialises what the slots share, the stop signal, the
+trials it runs now, the configurations being measured, the crashes in a row. Its parts (launcher,
+recorder, reporter, advisor, time budget) are the :class:`~autobalance.tuner._tuner.Tuner`'s,
+handed over when the tuner builds it."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from typing import TYPE_CHECKING
+import time
+from collections.abc import Iterator
+from typing import Any
 
 import optuna
+from optuna.trial import TrialState
 
-from autobalance.launcher import interrupts_deferred
-from autobalance.protocol import best_trial
-from autobalance.store import trial_id
-from autobalance.tuner._launching import Stopped
+from autobalance._config import BalanceConfig
+from autobalance._errors import LaunchError, TrialScriptError
+from autobalance.launcher import TrialOutcome, interrupts_deferred
+from autobalance.protocol import Status, StudyAttr, TrialAttr, best_trial
+from autobalance.store import heartbeat_interval_s, trial_id
+from autobalance.tuner._launching import Stopped, TrialLauncher, best_step_s
 from autobalance.tuner._parallel import Slot
-from autobalance.tuner.search import SearchSpace
+from autobalance.tuner._recording import Recorder
+from autobalance.tuner._remeasure import merge_outcomes, remeasure_reason
+from autobalance.tuner._settings import TuneSettings
+from autobalance.tuner._study import counted_trials
+from autobalance.tuner._time_spent import TimeBudget, describe_budget
+from autobalance.tuner._verify_time import forecast_verification, next_trial_s
+from autobalance.tuner._workers import fail_stale_trials
+from autobalance.tuner.search import SearchSpace, TrialFigures
 
-if TYPE_CHECKING:
-    from autobalance.tuner._tuner import Tuner
+__all__ = ["MAX_CRASHES_IN_A_ROW", "TrialLoop"]
 
-__all__ = ["one_trial", "run_trials"]
-
-
-def one_trial(tuner: Tuner, study: optuna.Study, space: SearchSpace) -> None:
-    """Ask for one trial, run it (or reuse / predict its result) and record it."""
-    # 1. Ask Optuna (the advisor may have queued its proposal); one ask at a time.
-    with tuner.lock:
-        if tuner.advisor is not None:
-            tuner.advisor.before_ask(study)
-        trial = study.ask()
-        tuner.launcher.beat_now(trial)
-        if tuner.recorder.surplus(study, trial):  # another worker took the study's last trial
-            return
-        tuner.running_here.add(trial_id(trial))
-    try:
-        config = space.suggest(trial)
-        with tuner.measuring(config):  # another slot measuring the same configuration: wait for it
-            # 2. A result known (measured before) or predicted (cannot fit): recorded without launching.
-            with tuner.lock:
-                seen = tuner.recorder.seen(config)
-                if seen is not None:
-                    frozen = tuner.recorder.reuse(study, trial, seen)
-                    tuner.reporter.finish(frozen, best_trial(study), reused=True)
-                    return
-                prediction = tuner.advisor.predict_infeasible(study, config) if tuner.advisor is not None else None
-                if prediction is not None:
-                    frozen = tuner.recorder.predicted(study, trial, config, prediction)
-                    tuner.reporter.finish(frozen, best_trial(study), predicted=True)
-                    return
-            # 3. Launch it: a torchrun job (warm pool, cold, or across nodes) that each rank reports on.
-            tuner.reporter.start(trial.number, config)
-            try:
-                outcome = tuner.launcher.launch(study, number=trial.number, config=config, trial=trial)
-                # measured again when its steps spread or it would become the best (tuner/_remeasure.py)
-                outcome = tuner.launcher.remeasured(study, number=trial.number, config=config, trial=trial,
-                                                    outcome=outcome)
-            except KeyboardInterrupt as exc:
-                tuner.recorder.interrupted(study, trial, config, exc)
-                raise
-            # 4. Record it: attributes, chart, constraints, tell; then the models learn from it.
-            with tuner.lock:  # matplotlib (the trial's chart) and the advisor are not thread-safe
-                frozen = tuner.recorder.record(study, trial, config, outcome)
-                if tuner.advisor is not None:
-                    tuner.advisor.after_trial(study, frozen)
-                tuner.reporter.finish(frozen, best_trial(study))
-                tuner.check_stop(study, outcome)  # too many crashes, or a script error: stop the study
-    except BaseException as exc:
-        with contextlib.suppress(Exception):
-            tuner.recorder.unfinished(study, trial, exc)  # never leave it RUNNING
-        raise
-    finally:
-        with tuner.lock:
-            tuner.running_here.discard(trial_id(trial))
+MAX_CRASHES_IN_A_ROW = 3
 
 
-def run_trials(tuner: Tuner, study: optuna.Study, space: SearchSpace) -> None:
-    """Trials until the study has ``--trials`` counted ones."""
-    slots = tuner.launcher.slots()
-    if len(slots) == 1:
-        while tuner.more_trials(study):
-            one_trial(tuner, study, space)
-    else:
-        _run_parallel(tuner, study, space, slots)
+class TrialLoop:
+    """Runs trials until the study has ``settings.trials`` counted ones. Several slots run
+    :meth:`one_trial` at once; ``lock`` serialises what they share."""
 
+    def __init__(self, *, settings: TuneSettings, storage: optuna.storages.RDBStorage, launcher: TrialLauncher,
+                 recorder: Recorder, reporter: Any, advisor: Any, budget: TimeBudget) -> None:
+        self.settings = settings
+        self.storage = storage
+        self.launcher = launcher
+        self.recorder = recorder
+        self.reporter = reporter
+        self.advisor = advisor
+        self.budget = budget
+        """``--time-budget``: the tuner's (started when its run started); the loop stops asking once it is spent."""
+        self.lock = threading.RLock()
+        self.stop = launcher.stop
+        """Set when a slot failed or the tuner was interrupted: every slot stops (its running trial is killed)."""
+        self.running_here: set[int] = set()
+        """Trial ids this loop runs now (other workers' running trials are waited for at the end)."""
+        self._in_flight: dict[str, threading.Event] = {}
+        self._crashes_in_a_row = 0
 
-def _run_parallel(tuner: Tuner, study: optuna.Study, space: SearchSpace, slots: list[Slot]) -> None:
-    """One thread per slot, each running :func:`one_trial` until the study is done. A slot that
-    fails (a script error that stops the study, too many crashes) or a Ctrl-C stops every slot:
-    their running trials are killed and marked interrupted (run again on the next start)."""
-    errors: list[BaseException] = []
-    tuner.reporter.note(f"{len(slots)} trials at a time: " + "; ".join(slot.describe() for slot in slots) + ".")
-    finished = [threading.Event() for _ in slots]
-
-    def work(slot: Slot, done: threading.Event) -> None:
-        tuner.launcher.enter_slot(slot)
+    # ------------------------------------------------------------------ one trial
+    def one_trial(self, study: optuna.Study, space: SearchSpace) -> None:
+        """Ask for one trial, run it (or reuse / predict its result) and record it."""
+        # 1. Ask Optuna (the advisor may have queued its proposal); one ask at a time.
+        with self.lock:
+            if self.advisor is not None:
+                self.advisor.before_ask(study)
+            trial = study.ask()
+            self.launcher.beat_now(trial)
+            if self.recorder.surplus(study, trial):  # another worker took the study's last trial
+                return
+            self.running_here.add(trial_id(trial))
         try:
-            while not tuner.stop.is_set() and tuner.more_trials(study):
-                one_trial(tuner, study, space)
+            config = space.suggest(trial)
+            with self.measuring(config):  # another slot measuring the same configuration: wait for it
+                # 2. A result known (measured before) or predicted (cannot fit): recorded without launching.
+                with self.lock:
+                    seen = self.recorder.seen(config)
+                    if seen is not None:
+                        frozen = self.recorder.reuse(study, trial, seen)
+                        self.reporter.finish(frozen, best_trial(study), reused=True)
+                        return
+                    prediction = self.advisor.predict_infeasible(study, config) if self.advisor is not None else None
+                    if prediction is not None:
+                        frozen = self.recorder.predicted(study, trial, config, prediction)
+                        self.reporter.finish(frozen, best_trial(study), predicted=True)
+                        return
+                # 3. Launch it: a torchrun job (warm pool, cold, or across nodes) that each rank reports on.
+                self.reporter.start(trial.number, config)
+                try:
+                    outcome = self.launcher.launch(study, number=trial.number, config=config, trial=trial)
+                    figures = self.recorder.figures(study, outcome)
+                    # 4. Measured again when its steps spread or it would become the best (tuner/_remeasure.py).
+                    reason = self.remeasure_reason(study, outcome, figures)
+                    if reason is not None:
+                        second = self.launcher.launch(study, number=trial.number, config=config, trial=trial,
+                                                      again=True)
+                        outcome = merge_outcomes(outcome, second, reason=reason)
+                        figures = self.recorder.figures(study, outcome)
+                except KeyboardInterrupt as exc:
+                    self.recorder.interrupted(study, trial, config, exc)
+                    raise
+                # 5. Record it: attributes, chart, constraints, tell; then the models learn from it.
+                with self.lock:  # matplotlib (the trial's chart) and the advisor are not thread-safe
+                    frozen = self.recorder.record(study, trial, config, outcome, figures=figures)
+                    if self.advisor is not None:
+                        self.advisor.after_trial(study, frozen)
+                    self.reporter.finish(frozen, best_trial(study))
+                    self.check_stop(study, outcome)  # too many crashes, or a script error: stop the study
         except BaseException as exc:
-            errors.append(exc)
-            tuner.stop.set()
+            with contextlib.suppress(Exception):
+                self.recorder.unfinished(study, trial, exc)  # never leave it RUNNING
+            raise
         finally:
-            tuner.launcher.close_slot(slot)
+            with self.lock:
+                self.running_here.discard(trial_id(trial))
+
+    def remeasure_reason(self, study: optuna.Study, outcome: TrialOutcome, figures: TrialFigures) -> str | None:
+        """Why a measured trial runs once more (its steps spread, or it would become the best; see
+        :mod:`autobalance.tuner._remeasure`), or None (``--remeasure``: ``auto`` is on for CUDA)."""
+        s = self.settings
+        if outcome.status != Status.OK or not (s.remeasure == "on" or (s.remeasure == "auto" and s.device == "cuda")):
+            return None
+        feasible = figures.measured and figures.memory_constraint(s.headroom) <= 0
+        return remeasure_reason(outcome, step_time_s=figures.step_time_s, feasible=feasible,
+                                best_step_s=best_step_s(study))
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, study: optuna.Study, space: SearchSpace) -> None:
+        """Trials until the study has ``--trials`` counted ones."""
+        slots = self.launcher.slots()
+        if len(slots) == 1:
+            while self.more_trials(study):
+                self.one_trial(study, space)
+        else:
+            self._run_parallel(study, space, slots)
+
+    def _run_parallel(self, study: optuna.Study, space: SearchSpace, slots: list[Slot]) -> None:
+        """One thread per slot, each running :meth:`one_trial` until the study is done. A slot that
+        fails (a script error that stops the study, too many crashes) or a Ctrl-C stops every slot:
+        their running trials are killed and marked interrupted (run again on the next start)."""
+        errors: list[BaseException] = []
+        self.reporter.note(f"{len(slots)} trials at a time: " + "; ".join(slot.describe() for slot in slots) + ".")
+        finished = [threading.Event() for _ in slots]
+
+        def work(slot: Slot, done: threading.Event) -> None:
+            self.launcher.enter_slot(slot)
+            try:
+                while not self.stop.is_set() and self.more_trials(study):
+                    self.one_trial(study, space)
+            except BaseException as exc:
+                errors.append(exc)
+                self.stop.set()
+            finally:
+                self.launcher.close_slot(slot)
+                done.set()
+
+        threads = [threading.Thread(target=work, args=(slot, done), name=f"autobalance-slot-{slot.index}", daemon=True)
+                   for slot, done in zip(slots, finished, strict=True)]
+        for thread in threads:
+            thread.start()
+        # Events, not Thread.join: a join interrupted by Ctrl-C can mark a running thread as stopped
+        # (CPython < 3.13), and the tuner would then exit while a slot still records its trial.
+        try:
+            while not all(done.is_set() for done in finished):
+                for done in finished:
+                    done.wait(timeout=0.2)
+        except KeyboardInterrupt:
+            self.stop.set()
+            with interrupts_deferred():  # the slots kill and mark their trials; a second Ctrl-C waits
+                for done in finished:
+                    done.wait(timeout=120)
+            raise
+        real = [e for e in errors if not isinstance(e, Stopped)]
+        if real:
+            raise real[0]
+        if errors:
+            raise KeyboardInterrupt
+
+    def more_trials(self, study: optuna.Study) -> bool:
+        """Whether to ask for another trial; waits for other workers' running trials at the end
+        (one may go stale and need a replacement)."""
+        noted = False
+        while True:
+            if self.stop.is_set():
+                return False
+            fail_stale_trials(study, self.storage)
+            self._reserve(study)
+            spent = self.budget.spent(time.monotonic())
+            if counted_trials(study) < self.settings.trials:
+                if spent:  # Optuna's `timeout`: no trial starts after the budget
+                    self._budget_spent(study)
+                return not spent
+            if spent:  # other workers' running trials are not waited for
+                return False
+            with self.lock:  # this loop's own running trials (other slots) are not waited for
+                running = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                           if trial_id(t) not in self.running_here]
+            if not running:
+                return False
+            if not noted:
+                self.reporter.note(f"Waiting for {len(running)} trial(s) that other workers on this study are running.")
+                noted = True
+            time.sleep(min(3.0, heartbeat_interval_s() / 2))
+
+    def _reserve(self, study: optuna.Study) -> None:
+        """Update what the time budget keeps free: the next trial and the best trial's verification
+        as predicted from this study's trials (``_verify_time.py``); nothing without a budget."""
+        s = self.settings
+        if self.budget.budget_s is None:
+            return
+        trials = study.get_trials(deepcopy=False)
+        self.budget.next_trial_s = next_trial_s(trials)
+        if not s.verify or s.nnodes > 1:  # nothing is verified after the study
+            return
+        space = study.user_attrs.get(StudyAttr.SPACE) or {}
+        base_no = study.user_attrs.get(StudyAttr.BASELINE)
+        own = next((t.user_attrs.get(TrialAttr.CONFIG) for t in trials if t.number == base_no), None)
+        forecast = forecast_verification(trials, baseline=BalanceConfig.from_dict(own) if own else None,
+                                         best=best_trial(study), num_layers=int(space.get("num_layers") or 0),
+                                         device=s.device)
+        self.budget.reserve_s, self.budget.reserve_runs = forecast.seconds, len(forecast.runs)
+        if self.advisor is not None and self.budget.deadline is not None:  # no compile the budget cannot hold
+            self.advisor.time_left_s = (self.budget.deadline - time.monotonic() - self.budget.reserve_s
+                                        - self.budget.next_trial_s)
+
+    def _budget_spent(self, study: optuna.Study) -> None:
+        """The first slot to see the budget spent says so; every slot then stops asking."""
+        with self.lock:
+            if self.budget.stopped:
+                return
+            self.budget.stopped = True
+            left = (self.budget.deadline or 0.0) - time.monotonic()
+            self.budget.left_at_stop = left
+        budget = describe_budget(self.budget.budget_s or 0.0)
+        if left > 0:  # stopped early: the time left holds no further trial with verification after it
+            self.reporter.note(
+                f"Time budget ({budget}): {left:.0f} s left after {counted_trials(study)} of {self.settings.trials} "
+                f"trials, kept for the next trial's {self.budget.next_trial_s:.0f} s and verification's predicted "
+                f"{self.budget.reserve_s:.0f} s ({self.budget.reserve_runs} one-step runs): no new trial starts; "
+                "running ones finish, then the best is verified and saved.")
+            return
+        self.reporter.note(f"Time budget ({budget}) spent after {counted_trials(study)} of {self.settings.trials} "
+                           "trials: no new trial starts; running ones finish, then the best is verified and saved.")
+
+    @contextlib.contextmanager
+    def measuring(self, config: BalanceConfig) -> Iterator[None]:
+        """Hold ``config`` while this slot measures it; another slot holding it is waited for first
+        (then its result is reused)."""
+        key = config.to_json()
+        while True:
+            with self.lock:
+                running = self._in_flight.get(key)
+                if running is None:
+                    done = self._in_flight[key] = threading.Event()
+                    break
+            while not running.wait(0.5):
+                if self.stop.is_set():
+                    raise Stopped
+        try:
+            yield
+        finally:
+            with self.lock:
+                self._in_flight.pop(key, None)
             done.set()
 
-    threads = [threading.Thread(target=work, args=(slot, done), name=f"autobalance-slot-{slot.index}", daemon=True)
-               for slot, done in zip(slots, finished, strict=True)]
-    for thread in threads:
-        thread.start()
-    # Events, not Thread.join: a join interrupted by Ctrl-C can mark a running thread as stopped
-    # (CPython < 3.13), and the tuner would then exit while a slot still records its trial.
-    try:
-        while not all(done.is_set() for done in finished):
-            for done in finished:
-                done.wait(timeout=0.2)
-    except KeyboardInterrupt:
-        tuner.stop.set()
-        with interrupts_deferred():  # the slots kill and mark their trials; a second Ctrl-C waits
-            for done in finished:
-                done.wait(timeout=120)
-        raise
-    real = [e for e in errors if not isinstance(e, Stopped)]
-    if real:
-        raise real[0]
-    if errors:
-        raise KeyboardInterrupt
+    def check_stop(self, study: optuna.Study, outcome: TrialOutcome) -> None:
+        """Stop the study after too many crashes in a row, or a script error (``--on-error stop``,
+        or before any trial was measured)."""
+        if outcome.status == Status.CRASH:
+            self._crashes_in_a_row += 1
+            if self._crashes_in_a_row >= MAX_CRASHES_IN_A_ROW:
+                raise LaunchError(
+                    f"{self._crashes_in_a_row} trials in a row crashed (last: {outcome.reason}); "
+                    f"stopping. Logs in {outcome.trial_dir}."
+                )
+            return
+        self._crashes_in_a_row = 0
+        if outcome.status == Status.ERROR:
+            any_ok = any(t.user_attrs.get(TrialAttr.STATUS) == Status.OK for t in study.get_trials(deepcopy=False))
+            if self.settings.on_error == "stop" or not any_ok:
+                raise TrialScriptError(
+                    f"trial {study.trials[-1].number} failed in the training script: {outcome.reason}. "
+                    f"Logs in {outcome.trial_dir}. (Use --on-error continue to skip such trials.)",
+                    traceback_text=outcome.traceback, rank=outcome.failing_rank,
+                )

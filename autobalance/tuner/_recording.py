@@ -54,12 +54,20 @@ class Recorder:
         return self.measured.get(config.to_json())
 
     # ------------------------------------------------------------------ a launched trial
-    def record(self, study: optuna.Study, trial: optuna.Trial, config: BalanceConfig, outcome: TrialOutcome,
-               *, baseline: bool = False) -> FrozenTrial:
+    def figures(self, study: optuna.Study, outcome: TrialOutcome) -> TrialFigures:
+        """The trial's figures from its ranks' reports (per-rank peaks, capacity, the slowest rank's
+        step time): built once per outcome, here, and handed to :meth:`record`."""
         s = self.settings
         cap = study.user_attrs.get(StudyAttr.CAPACITY)
-        figures = figures_from_outcome(outcome, world_size=s.world_size, caps=s.caps_bytes(),
-                                       fallback_capacity=[float(c) for c in cap] if cap else None)
+        return figures_from_outcome(outcome, world_size=s.world_size, caps=s.caps_bytes(),
+                                    fallback_capacity=[float(c) for c in cap] if cap else None)
+
+    def record(self, study: optuna.Study, trial: optuna.Trial, config: BalanceConfig, outcome: TrialOutcome,
+               *, baseline: bool = False, figures: TrialFigures | None = None) -> FrozenTrial:
+        """``figures``: :meth:`figures` of ``outcome`` when the caller built them already."""
+        s = self.settings
+        if figures is None:
+            figures = self.figures(study, outcome)
         attrs: dict[str, Any] = {
             **figures.user_attrs(s.headroom),
             TrialAttr.STATUS: outcome.status,
@@ -181,12 +189,13 @@ class Recorder:
                                 f"the tuner failed: {type(exc).__name__}: {mask_url(str(exc))[:250]}")
         study.tell(trial, state=TrialState.FAIL)
 
-    def launch_settings(self, study: optuna.Study) -> None:
-        """How this run starts the script (once it is accepted): what ``promote`` verifies with."""
+    def launch_settings(self, study: optuna.Study, *, cold: bool) -> None:
+        """How this run starts the script (once it is accepted): what ``promote`` verifies with.
+        ``cold``: whether its trials run cold (``--cold``, or a script that cannot run warm)."""
         s = self.settings
         if s.nnodes == 1:
             study.set_user_attr(StudyAttr.LAUNCH, {
                 "script": os.path.abspath(s.script), "script_args": list(s.script_args),
                 "nproc_per_node": s.nproc_per_node, "device": s.device, "torchrun_args": list(s.torchrun_args),
-                "runs_dir": os.path.abspath(s.runs_dir), "trial_timeout": s.trial_timeout, "cold": s.cold,
+                "runs_dir": os.path.abspath(s.runs_dir), "trial_timeout": s.trial_timeout, "cold": cold,
                 "compile_env": compile_env(s)})

@@ -4,7 +4,6 @@ trials, the steps' share of the wall time, compilation, the memory model's error
 from __future__ import annotations
 
 import contextlib
-import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +13,7 @@ from optuna.trial import FrozenTrial, TrialState
 from autobalance.protocol import Status, StudyAttr, TrialAttr, time_in_steps_s
 from autobalance.tuner._measurement import measurement_summary
 from autobalance.tuner._script_facts import summary_facts
-from autobalance.tuner._time_spent import TIME_PARTS, time_lines, time_spent
+from autobalance.tuner._time_spent import TIME_PARTS, per_trial_overhead_s, time_lines, time_spent
 from autobalance.tuner.search import compile_notes
 
 __all__ = ["TuneResult", "per_trial_overhead_s", "summarise"]
@@ -41,23 +40,6 @@ class TuneResult:
     def time_lines(self) -> list[str]:
         """Where the run's time went, and whether its time budget stopped it."""
         return time_lines(self.time_spent)
-
-
-def per_trial_overhead_s(trials: list[FrozenTrial], *, last: int = 5) -> float | None:
-    """Median, over the last ``last`` launched ok trials, of the trial's wall time outside its
-    warm-up and measured steps, its compilation and the start of a warm pool (what remains: a cold
-    trial's start-up, the script's set-up, the hand-over); None before any."""
-    overheads = []
-    for t in trials:
-        a = t.user_attrs
-        if (t.state != TrialState.COMPLETE or a.get(TrialAttr.STATUS) != Status.OK
-                or a.get(TrialAttr.REUSED_FROM) is not None
-                or a.get(TrialAttr.WALL_S) is None or (in_steps := time_in_steps_s(a)) is None):
-            continue
-        overheads.append(max(0.0, float(a[TrialAttr.WALL_S]) - in_steps
-                             - float(a.get(TrialAttr.COMPILE_S) or 0.0) - float(a.get(TrialAttr.POOL_START_S) or 0.0)))
-    recent = overheads[-last:]
-    return statistics.median(recent) if recent else None
 
 
 def summarise(study: optuna.Study, result: TuneResult, *, cold_note: str | None, advisor: Any,

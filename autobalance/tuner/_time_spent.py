@@ -14,15 +14,17 @@ The time budget keeps verification's predicted time free (:class:`TimeBudget`, `
 from __future__ import annotations
 
 import datetime
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from optuna.trial import FrozenTrial
+from optuna.trial import FrozenTrial, TrialState
 
 from autobalance.launcher import TrialOutcome
-from autobalance.protocol import TrialAttr
+from autobalance.protocol import Status, TrialAttr, time_in_steps_s
 
-__all__ = ["TIME_PARTS", "TimeBudget", "describe_budget", "time_lines", "time_spent", "trial_time_split"]
+__all__ = ["TIME_PARTS", "TimeBudget", "describe_budget", "per_trial_overhead_s", "time_lines", "time_spent",
+           "trial_time_split"]
 
 TIME_PARTS = ("compile", "startup", "steps", "remeasure", "verify")
 """The parts of a run's wall time besides ``other``, in the order the summary names them."""
@@ -173,3 +175,20 @@ def time_lines(spent: dict[str, Any]) -> list[str]:
             text += f", took {parts['verify']:.1f} s" if spent.get("verified") else ""
         lines.append(text + ").")
     return lines
+
+
+def per_trial_overhead_s(trials: list[FrozenTrial], *, last: int = 5) -> float | None:
+    """Median, over the last ``last`` launched ok trials, of the trial's wall time outside its
+    warm-up and measured steps, its compilation and the start of a warm pool (what remains: a cold
+    trial's start-up, the script's set-up, the hand-over); None before any."""
+    overheads = []
+    for t in trials:
+        a = t.user_attrs
+        if (t.state != TrialState.COMPLETE or a.get(TrialAttr.STATUS) != Status.OK
+                or a.get(TrialAttr.REUSED_FROM) is not None
+                or a.get(TrialAttr.WALL_S) is None or (in_steps := time_in_steps_s(a)) is None):
+            continue
+        overheads.append(max(0.0, float(a[TrialAttr.WALL_S]) - in_steps
+                             - float(a.get(TrialAttr.COMPILE_S) or 0.0) - float(a.get(TrialAttr.POOL_START_S) or 0.0)))
+    recent = overheads[-last:]
+    return statistics.median(recent) if recent else None
