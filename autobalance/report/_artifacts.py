@@ -7,7 +7,7 @@ import os
 import tempfile
 from typing import Any
 
-from autobalance.protocol import memory_text
+from autobalance.protocol import Status, TrialAttr, memory_text
 
 __all__ = ["ARTIFACT_PREFIX", "artifact_dir_for", "chart_verdict", "render_trial_chart", "upload_trial_chart"]
 
@@ -54,26 +54,26 @@ def chart_verdict(attrs: dict[str, Any]) -> tuple[str, list[str]]:
     over its usable limit, or the rank that ran out of memory, is red; a predicted trial is pale."""
     from autobalance.report._rows import outcome_label
 
-    peaks = _per_rank(attrs, "peak_device_gib")
-    usable = _per_rank(attrs, "usable_gib")
-    status = str(attrs.get("status") or "?")
+    peaks = _per_rank(attrs, TrialAttr.PEAK_DEVICE_GIB)
+    usable = _per_rank(attrs, TrialAttr.USABLE_GIB)
+    status = str(attrs.get(TrialAttr.STATUS) or "?")
     over = [p is not None and u is not None and float(p) > float(u)
             for p, u in zip(peaks, [*usable, *[None] * len(peaks)], strict=False)]
-    predicted = bool(attrs.get("predicted")) or status == "predicted_oom"
-    feasible = status == "ok" and not any(over) and attrs.get("feasible", True) is not False
+    predicted = bool(attrs.get(TrialAttr.PREDICTED)) or status == Status.PREDICTED_OOM
+    feasible = status == Status.OK and not any(over) and attrs.get(TrialAttr.FEASIBLE, True) is not False
     ratios = [(float(p) / float(u), r) for r, (p, u) in enumerate(zip(peaks, usable, strict=False)) if p is not None and u]
     worst = max(ratios)[1] if ratios else None
     many = len(peaks) > 1
-    words = outcome_label(status=status, feasible=feasible, failing_rank=attrs.get("failing_rank") if many else None,
+    words = outcome_label(status=status, feasible=feasible, failing_rank=attrs.get(TrialAttr.FAILING_RANK) if many else None,
                           worst_rank=worst if many else None, predicted=predicted)
-    failing = attrs.get("failing_rank")
+    failing = attrs.get(TrialAttr.FAILING_RANK)
     colors = []
     for r in range(len(peaks)):
         if predicted:
             colors.append(PREDICTED)
         elif feasible:
             colors.append(GOOD)
-        elif over[r] or r == failing or (status == "ok" and not any(over)):
+        elif over[r] or r == failing or (status == Status.OK and not any(over)):
             colors.append(BAD)
         else:
             colors.append("#9ecae1")  # a rank that fit in a trial that did not
@@ -87,15 +87,15 @@ def render_trial_chart(attrs: dict[str, Any], *, number: int, path_stem: str) ->
     Writes ``path_stem + '.png'`` (matplotlib) or, without matplotlib, ``path_stem + '.html'``
     (an inline SVG, no scripts). Returns the path, or None when the trial measured nothing.
     """
-    peaks = _per_rank(attrs, "peak_device_gib")
+    peaks = _per_rank(attrs, TrialAttr.PEAK_DEVICE_GIB)
     if not peaks or all(p is None for p in peaks):
         return None
-    caps = _per_rank(attrs, "capacity_gib")
-    usable = _per_rank(attrs, "usable_gib")
+    caps = _per_rank(attrs, TrialAttr.CAPACITY_GIB)
+    usable = _per_rank(attrs, TrialAttr.USABLE_GIB)
     words, colors = chart_verdict(attrs)
-    spread = attrs.get("spread_gib")
+    spread = attrs.get(TrialAttr.SPREAD_GIB)
     title = f"trial {number}: {words}"
-    if isinstance(spread, (int, float)) and len(peaks) > 1 and attrs.get("status") == "ok":
+    if isinstance(spread, (int, float)) and len(peaks) > 1 and attrs.get(TrialAttr.STATUS) == Status.OK:
         title += f", spread {memory_text(spread)}"
     if _have_matplotlib():
         return _render_png(peaks, caps, usable, title=title, colors=colors, path=path_stem + ".png")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from autobalance.protocol import FAILED_STATUSES, Status
 from autobalance.report._rows import StudySummary, TrialRow, pareto_front
 
 __all__ = ["compile_figure", "factor_values", "factors_figure", "importance_figure", "memory_figure", "rank_colors",
@@ -33,7 +34,7 @@ def _max(values: list[float | None]) -> float | None:
 def _mark(row: TrialRow) -> str:
     if row.predicted:
         return "predicted OOM"
-    if row.status == "ok":
+    if row.status == Status.OK:
         return "over limit"
     return row.status.upper()
 
@@ -68,7 +69,7 @@ def memory_figure(summary: StudySummary) -> Any:
                 x=labels, y=series, name=name, mode="lines", line={"color": "#333333", "dash": dash, "shape": "hvh"},
                 hovertemplate=f"{name}: %{{y:.4f}} GiB<extra></extra>", visible="legendonly" if off_scale else True,
             ))
-    bad = [r for r in rows if r.failed_memory or r.status in ("timeout", "error", "crash")]
+    bad = [r for r in rows if r.failed_memory or r.status in FAILED_STATUSES]
     if bad:
         fig.add_trace(go.Scatter(
             x=[r.label for r in bad], y=[(_max(r.peaks_gib) or 0.0) + 0.06 * top for r in bad],

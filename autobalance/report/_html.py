@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from autobalance.protocol import busy_wait_text, memory_text, slow_rank, speed_up
+from autobalance.protocol import Status, busy_wait_text, memory_text, slow_rank, speed_up
 from autobalance.report._rows import StudySummary, TrialRow, summarize
 
 __all__ = ["ReportFiles", "build_report", "config_rows"]
@@ -87,7 +87,7 @@ def config_rows(config: dict[str, Any]) -> list[tuple[str, str]]:
 
 def _spread(row: TrialRow) -> float | None:
     """A measured spread only: an OOM trial's peaks are lower bounds, a predicted one's are predictions."""
-    return row.spread_gib if row.status == "ok" else None
+    return row.spread_gib if row.status == Status.OK else None
 
 
 def _comparison(summary: StudySummary) -> str:
@@ -128,8 +128,8 @@ def _comparison(summary: StudySummary) -> str:
         lines.append("<tr><th>spread</th>" + cell(base, lambda r: memory_text(_spread(r)))
                      + cell(best, lambda r: memory_text(_spread(r))) + "</tr>")
         lines.append("<tr><th>spread (% of capacity)</th>"
-                     + cell(base, lambda r: _num(r.spread_pct if r.status == "ok" else None, ".2f"))
-                     + cell(best, lambda r: _num(r.spread_pct if r.status == "ok" else None, ".2f")) + "</tr>")
+                     + cell(base, lambda r: _num(r.spread_pct if r.status == Status.OK else None, ".2f"))
+                     + cell(best, lambda r: _num(r.spread_pct if r.status == Status.OK else None, ".2f")) + "</tr>")
     lines.append("<tr><th>step time (ms)</th>" + cell(base, lambda r: _num(r.step_ms, ".1f"))
                  + cell(best, lambda r: _num(r.step_ms, ".1f")) + "</tr>")
     if base and best and base.step_ms and best.step_ms:
@@ -238,7 +238,7 @@ def _trials_table(summary: StudySummary) -> str:
         classes = []
         if summary.best is not None and r.number == summary.best.number:
             classes.append("chosen")
-        elif r.failed_memory or r.status != "ok":
+        elif r.failed_memory or r.status != Status.OK:
             classes.append("bad")
         if r.predicted:
             classes.append("predicted")
@@ -246,7 +246,7 @@ def _trials_table(summary: StudySummary) -> str:
         peaks = " ".join(memory_text(p) for p in r.peaks_gib) or "-"
         if r.predicted and peaks != "-":
             peaks = f"{peaks} (predicted)"
-        elif r.status == "oom" and peaks != "-":
+        elif r.status == Status.OOM and peaks != "-":
             peaks = f"{peaks} (at least)"
         spread = f"<td>{memory_text(_spread(r))}</td>" if summary.multi_rank else ""
         if with_optimizer:

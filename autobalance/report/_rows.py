@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from autobalance.protocol import TrialAttr, time_in_steps_s
+from autobalance.protocol import Status, TrialAttr, time_in_steps_s
 
 __all__ = ["StudySummary", "TrialRow", "outcome_label", "pareto_front", "summarize"]
 
@@ -96,12 +96,12 @@ class TrialRow:
 
     @property
     def measured(self) -> bool:
-        return self.status == "ok" and self.spread_gib is not None and self.step_ms is not None
+        return self.status == Status.OK and self.spread_gib is not None and self.step_ms is not None
 
     @property
     def failed_memory(self) -> bool:
         """OOM, predicted OOM, or over the usable limit (infeasible by the memory constraint)."""
-        return self.status in ("oom", "predicted_oom") or (self.status == "ok" and not self.feasible)
+        return self.status in (Status.OOM, Status.PREDICTED_OOM) or (self.status == Status.OK and not self.feasible)
 
 
 @dataclass(kw_only=True)
@@ -137,12 +137,12 @@ def outcome_label(*, status: str, feasible: bool, failing_rank: int | None = Non
                   predicted: bool = False, reused_from: int | None = None) -> str:
     """``ok``, ``over limit (rank 0)``, ``OOM (rank 1)``, ``predicted OOM``, ``timeout``, ...: what
     happened to a trial in a few words (the dashboard's ``outcome`` attribute and the report's tables)."""
-    if predicted or status == "predicted_oom":
+    if predicted or status == Status.PREDICTED_OOM:
         return "predicted OOM (not run)"
     where = f" (rank {failing_rank})" if failing_rank is not None else ""
-    if status == "ok":
+    if status == Status.OK:
         text = "ok" if feasible else "over limit" + (f" (rank {worst_rank})" if worst_rank is not None else "")
-    elif status == "oom":
+    elif status == Status.OOM:
         text = "OOM" + where
     else:
         text = status + where
@@ -158,18 +158,19 @@ def _floats(value: Any) -> list[float | None]:
 def _row(trial: Any) -> TrialRow:
     a = trial.user_attrs
     return TrialRow(
-        number=trial.number, state=trial.state.name, status=str(a.get("status") or trial.state.name.lower()),
-        baseline=bool(a.get("baseline", False)), feasible=bool(a.get("feasible", False)), config=a.get("config"),
-        params=dict(trial.params), peaks_gib=_floats(a.get("peak_device_gib")),
-        capacity_gib=_floats(a.get("capacity_gib")), usable_gib=_floats(a.get("usable_gib")),
-        spread_gib=a.get("spread_gib"), spread_pct=a.get("spread_pct_of_capacity"), step_ms=a.get("step_time_ms"),
-        values=list(trial.values) if trial.values is not None else None, reason=a.get("reason"),
-        reused_from=a.get("reused_from"), failing_rank=a.get("failing_rank"),
-        compile_s=None if a.get("compile_s") is None else float(a["compile_s"]),
+        number=trial.number, state=trial.state.name, status=str(a.get(TrialAttr.STATUS) or trial.state.name.lower()),
+        baseline=bool(a.get(TrialAttr.BASELINE, False)), feasible=bool(a.get(TrialAttr.FEASIBLE, False)),
+        config=a.get(TrialAttr.CONFIG), params=dict(trial.params), peaks_gib=_floats(a.get(TrialAttr.PEAK_DEVICE_GIB)),
+        capacity_gib=_floats(a.get(TrialAttr.CAPACITY_GIB)), usable_gib=_floats(a.get(TrialAttr.USABLE_GIB)),
+        spread_gib=a.get(TrialAttr.SPREAD_GIB), spread_pct=a.get(TrialAttr.SPREAD_PCT),
+        step_ms=a.get(TrialAttr.STEP_TIME_MS),
+        values=list(trial.values) if trial.values is not None else None, reason=a.get(TrialAttr.REASON),
+        reused_from=a.get(TrialAttr.REUSED_FROM), failing_rank=a.get(TrialAttr.FAILING_RANK),
+        compile_s=None if a.get(TrialAttr.COMPILE_S) is None else float(a[TrialAttr.COMPILE_S]),
         time_in_steps_s=time_in_steps_s(a),
-        compile_cache_hit=_cache_hit(a.get("compile_cache")),
-        predicted=bool(a.get("predicted")) or a.get("status") == "predicted_oom",
-        step_iqr_pct=a.get("step_time_iqr_pct"),
+        compile_cache_hit=_cache_hit(a.get(TrialAttr.COMPILE_CACHE)),
+        predicted=bool(a.get(TrialAttr.PREDICTED)) or a.get(TrialAttr.STATUS) == Status.PREDICTED_OOM,
+        step_iqr_pct=a.get(TrialAttr.STEP_IQR_PCT),
         busy_ms=_floats(a.get(TrialAttr.BUSY_MS)), wait_ms=_floats(a.get(TrialAttr.WAIT_MS)),
         optimizer_state_gib=[None if v is None else v / 2**30 for v in _floats(a.get(TrialAttr.OPTIMIZER_STATE_BYTES))],
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from autobalance.protocol import FAILED_STATUSES, Status
 from autobalance.report._figures import BAD, _limits, _natural, _varying, factor_values, rank_colors
 from autobalance.report._rows import StudySummary, pareto_front
 
@@ -54,8 +55,8 @@ def write_pngs(summary: StudySummary, png_dir: str, *, importances: dict[str, fl
             ax.step(range(len(rows)), [v if v is not None else float("nan") for v in series], where="mid",
                     color="#333333", linestyle=style, linewidth=1, label=name)
     for i, r in enumerate(rows):
-        if r.failed_memory or r.status in ("timeout", "error", "crash"):
-            text = "predicted OOM" if r.predicted else ("over limit" if r.status == "ok" else r.status.upper())
+        if r.failed_memory or r.status in FAILED_STATUSES:
+            text = "predicted OOM" if r.predicted else ("over limit" if r.status == Status.OK else r.status.upper())
             ax.annotate(text, (i, (_max(r.peaks_gib) or 0) + 0.04 * top), ha="center", color=BAD, fontsize=8,
                         weight="bold")
     ax.set_xticks(range(len(rows)), [r.label for r in rows], rotation=30, ha="right", fontsize=8)

@@ -3,7 +3,7 @@ trial's dashboard note are made of (trials that were faster but excluded, headro
 
 from __future__ import annotations
 
-from autobalance.protocol import memory_pair, memory_text
+from autobalance.protocol import Status, memory_pair, memory_text
 from autobalance.report._rows import StudySummary, TrialRow
 
 __all__ = ["excluded_reason", "why_this_one"]
@@ -40,10 +40,10 @@ def why_this_one(summary: StudySummary, *, script: str = "SCRIPT") -> list[str]:
     the trials that could not be compared, and the verification verdict."""
     best = summary.best
     rows = [r for r in summary.rows if r.reused_from is None]
-    oom = [r for r in rows if r.status == "oom"]
+    oom = [r for r in rows if r.status == Status.OOM]
     predicted = [r for r in rows if r.predicted]
-    other_fail = [r for r in rows if r.status not in ("ok", "oom", "predicted_oom") and not r.predicted]
-    over = [r for r in rows if r.status == "ok" and not r.feasible]
+    other_fail = [r for r in rows if r.status not in (Status.OK, Status.OOM, Status.PREDICTED_OOM) and not r.predicted]
+    over = [r for r in rows if r.status == Status.OK and not r.feasible]
     if best is None:
         parts = [f"No configuration fits yet: of {len(rows)} trial(s), {len(over)} ran but went over the usable "
                  f"limit, {len(oom)} ran out of memory, {len(predicted)} were predicted to run out and {len(other_fail)} "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import enum
 import json
 import os
 import runpy
@@ -164,20 +165,30 @@ def _apply_environment(request: dict[str, Any], base_env: dict[str, str]) -> Non
     os.environ.update(request["env"])
 
 
-def _run_script(script: str, args: list[str]) -> tuple[str, BaseException | None, str]:
-    """``ok`` | ``exit`` (the script ended without finishing the trial) | ``raised``."""
+class ScriptEnd(enum.Enum):
+    """How one run of the script in a warm worker ended (not a :class:`Status`: nothing records it)."""
+
+    FINISHED = "finished"
+    """The trial's steps ran to the end (``TrialComplete``)."""
+    EXITED = "exited"
+    """The script ended (returned or ``sys.exit``) without finishing the trial."""
+    RAISED = "raised"
+    """The script raised."""
+
+
+def _run_script(script: str, args: list[str]) -> tuple[ScriptEnd, BaseException | None, str]:
     from autobalance.runtime._exit import TrialComplete
 
     sys.argv = [script, *args]
     try:
         runpy.run_path(script, run_name="__main__")
     except TrialComplete:
-        return Status.OK, None, ""
+        return ScriptEnd.FINISHED, None, ""
     except SystemExit as exc:
-        return "exit", exc, ""
+        return ScriptEnd.EXITED, exc, ""
     except BaseException as exc:
-        return "raised", exc, traceback.format_exc()
-    return "exit", None, ""
+        return ScriptEnd.RAISED, exc, traceback.format_exc()
+    return ScriptEnd.EXITED, None, ""
 
 
 def _report_failure(exc: BaseException, text: str) -> int:
@@ -229,14 +240,14 @@ def main(argv: list[str]) -> None:
         warm = ledger.trial_starting()
         outcome, exc, text = _run_script(script, args)
         plan = _plan.CURRENT_PLAN
-        if outcome == "raised" and exc is not None:
+        if outcome is ScriptEnd.RAISED and exc is not None:
             code = _report_failure(exc, text)
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
         # the script ended without finishing the trial's steps: report it; unless that still made a
         # measurement (its data ran out during a longer --measure-s one), leave the pool
-        if outcome == "exit" and (plan is None or plan.ending.on_exit() != Status.OK):
+        if outcome is ScriptEnd.EXITED and (plan is None or plan.ending.on_exit() != Status.OK):
             normal = exc is None or getattr(exc, "code", 1) in (None, 0)
             if plan is None and normal:  # it never asked for its configuration: nothing was measured
                 sys.stderr.write("autobalance: the script finished without calling autobalance.plan(); a trial "

@@ -12,6 +12,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from autobalance.protocol import Status, TrialAttr
+
 __all__ = ["SIGNATURE", "note_for", "outcome_lines", "trial_outcome", "write_notes"]
 
 SIGNATURE = "_(note written by autobalance)_"
@@ -22,14 +24,14 @@ def trial_outcome(attrs: dict[str, Any]) -> str:
     (rank 0)``, ``OOM (rank 1)``, ``predicted OOM (not run)``, ...), from its other attributes."""
     from autobalance.report import outcome_label
 
-    peaks = attrs.get("peak_device_gib") or []
-    usable = attrs.get("usable_gib") or []
+    peaks = attrs.get(TrialAttr.PEAK_DEVICE_GIB) or []
+    usable = attrs.get(TrialAttr.USABLE_GIB) or []
     ratios = [(float(p) / float(u), r) for r, (p, u) in enumerate(zip(peaks, usable, strict=False)) if p is not None and u]
     many = len(peaks) > 1
-    return outcome_label(status=str(attrs.get("status")), feasible=bool(attrs.get("feasible")),
-                         failing_rank=attrs.get("failing_rank") if many else None,
+    return outcome_label(status=str(attrs.get(TrialAttr.STATUS)), feasible=bool(attrs.get(TrialAttr.FEASIBLE)),
+                         failing_rank=attrs.get(TrialAttr.FAILING_RANK) if many else None,
                          worst_rank=max(ratios)[1] if ratios and many else None,
-                         predicted=bool(attrs.get("predicted")), reused_from=attrs.get("reused_from"))
+                         predicted=bool(attrs.get(TrialAttr.PREDICTED)), reused_from=attrs.get(TrialAttr.REUSED_FROM))
 
 
 _KIND_ORDER = ("ok", "over limit", "OOM", "predicted OOM")
@@ -83,15 +85,15 @@ def note_for(row: Any, summary: Any, why: list[str]) -> str:
     elif row.predicted:
         lines = [f"**{row.outcome}**: {row.reason or 'judged out of memory without launching'}.",
                  "", "Its peaks are predictions (or a lower bound from another trial), not measurements."]
-    elif row.status == "ok" and row.feasible:
+    elif row.status == Status.OK and row.feasible:
         return ""
-    elif row.status == "ok":
+    elif row.status == Status.OK:
         from autobalance.report import excluded_reason
 
         lines = [f"**{row.outcome}**: {excluded_reason(row, summary)}."]
     else:
         lines = [f"**{row.outcome}**: {row.reason or row.status}."]
-        if row.status == "oom":
+        if row.status == Status.OOM:
             lines += ["", "Its peaks are lower bounds (the rank stopped when it ran out)."]
     return "\n".join([*lines, "", SIGNATURE])
 

@@ -23,7 +23,7 @@ import statistics
 from typing import Any
 
 from autobalance.launcher import TrialOutcome
-from autobalance.protocol import timed_steps
+from autobalance.protocol import Status, timed_steps
 
 __all__ = ["DISPERSION_LIMIT", "dispersion", "merge_outcomes", "remeasure_reason"]
 
@@ -63,7 +63,7 @@ def dispersion(outcome: TrialOutcome) -> float | None:
 def remeasure_reason(outcome: TrialOutcome, *, step_time_s: float | None, feasible: bool,
                      best_step_s: float | None, limit: float = DISPERSION_LIMIT) -> str | None:
     """Why ``outcome`` (already measured once) must be measured again, or None."""
-    if outcome.status != "ok" or step_time_s is None:
+    if outcome.status != Status.OK or step_time_s is None:
         return None
     spread = dispersion(outcome)
     if spread is not None and spread > limit:
@@ -96,7 +96,7 @@ def _max_numbers(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 def merge_outcomes(first: TrialOutcome, second: TrialOutcome, *, reason: str) -> TrialOutcome:
     """One outcome from a trial measured twice (see the module docstring)."""
     runs = [_slowest(first), _slowest(second)]
-    if second.status != "ok":
+    if second.status != Status.OK:
         merged = copy.copy(second)
         merged.reason = f"re-measured ({reason}); the second run: {second.reason}"
         return merged
