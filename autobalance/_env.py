@@ -13,6 +13,7 @@ __all__ = [
     "DEVICE",
     "DIAGNOSE",
     "EMULATE_MS_PER_SAMPLE",
+    "EMULATE_SMS",
     "GLOBAL_BATCH",
     "MAX_STEPS",
     "MEASURE_S",
@@ -91,6 +92,10 @@ It is a file, not a variable, so it reaches warm workers (which take only per-tr
 EMULATE_MS_PER_SAMPLE = "AUTOBALANCE_EMULATE_MS_PER_SAMPLE"
 """Emulated slow ranks (CPU tests, planning a mixed machine): milliseconds each micro-step sleeps per
 sample, one number or one per rank (``runtime/_emulate.py``). A sleep: the update is unchanged."""
+EMULATE_SMS = "AUTOBALANCE_EMULATE_SMS"
+"""Emulated smaller GPUs (planning a mixed machine on one kind of GPU): the streaming multiprocessors
+each rank may use, one number or one per rank, 0 for all (``runtime/_emulate.py``: a CUDA green
+context). Where the kernels run, not what they compute: the update is unchanged."""
 COMPILE_BACKEND = "AUTOBALANCE_COMPILE_BACKEND"
 """``torch.compile`` backend for compiled configurations (default ``inductor``); tests use
 ``aot_eager_decomp_partition`` (the same partitioner and activation budget, no C++ compile)."""

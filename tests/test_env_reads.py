@@ -49,6 +49,7 @@ READS: dict[str, str] = {
     "AUTOBALANCE_MEMORY_CAP_BYTES": NO_MATH + ": a memory cap (an OOM, never another result)",
     "AUTOBALANCE_PG_TIMEOUT_S": NO_MATH, "AUTOBALANCE_DEVICE": NO_MATH,
     "AUTOBALANCE_EMULATE_MS_PER_SAMPLE": NO_MATH + ": an emulated slow rank sleeps per sample, no tensor touched",
+    "AUTOBALANCE_EMULATE_SMS": NO_MATH + ": an emulated smaller GPU runs the same kernels on fewer SMs",
     "AUTOBALANCE_COMPILE_BACKEND": "documented user setting (docs/compile.md): the torch.compile backend of a "
                                    "compiled configuration; every backend runs the same graph and partitioner",
     "AUTOBALANCE_NODES_WAIT_S": NO_MATH, "AUTOBALANCE_HEARTBEAT_S": NO_MATH,

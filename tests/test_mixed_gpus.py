@@ -40,6 +40,24 @@ def test_emulated_ms_per_sample_parses_one_value_or_one_per_rank() -> None:
         emulated_ms_per_sample("1,2", 2)
 
 
+def test_emulated_sms_parse_refuse_cpu_and_name_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AUTOBALANCE_EMULATE_SMS: one value or one per rank (0: all SMs); on CPU a one-line refusal that
+    names the CPU emulation; on a GPU the emulated SM count is part of the device's identity."""
+    from autobalance.runtime._emulate import FewerSMs, device_identity, emulated_sms
+
+    assert emulated_sms(None, 1) == 0 and emulated_sms("64", 1) == 64 and emulated_sms("0, 64", 1) == 64
+    for bad in ("half", "-8", "64,x"):
+        with pytest.raises(UsageError, match="AUTOBALANCE_EMULATE_SMS=.*set the SMs each rank may use"):
+            emulated_sms(bad, 0)
+    with pytest.raises(UsageError, match="has no entry for rank 2"):
+        emulated_sms("0,64", 2)
+    monkeypatch.setenv("AUTOBALANCE_EMULATE_SMS", "0,64")
+    assert FewerSMs.from_env(0, "cpu") is None  # rank 0: all SMs, nothing to emulate
+    with pytest.raises(UsageError, match="needs a CUDA device .*AUTOBALANCE_EMULATE_MS_PER_SAMPLE"):
+        FewerSMs.from_env(1, "cpu")
+    assert "SMs" not in device_identity("cpu", 1)  # a CPU has no SMs to name
+
+
 @pytest.mark.slow
 def test_slow_rank_update_exact_and_busy_time_names_it(tmp_path: Path) -> None:
     """2 gloo ranks, rank 1 sleeping 10 ms per sample (deterministic, no CPU taken): with the busy

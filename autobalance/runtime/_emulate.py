@@ -7,8 +7,16 @@ mixed machine, seen from the step's timing), deterministically, so a test of the
 not depend on a busy machine's timing noise. A sleep takes no CPU: the ranks' real work is
 unchanged and no tensor is touched, so the update is the same as without it (the equivalence tests
 run with it). What it does not emulate: a slower device's fixed per-step costs (kernel launches,
-optimizer), its memory bandwidth, or contention for cores. On a GPU use a green context instead
-(``benchmarks/green_context.py``: a rank restricted to part of its SMs).
+optimizer), its memory bandwidth, or contention for cores.
+
+On a GPU, ``AUTOBALANCE_EMULATE_SMS`` (one number, or one per rank; 0: all) runs rank ``r``'s work on
+a CUDA green context of that many streaming multiprocessors (rounded down to a multiple of 8, what
+the hardware partitions by): :class:`FewerSMs`, entered when the plan is made, its stream made the
+thread's current one. What it emulates: a smaller part of the same GPU generation (fewer SMs; the
+same memory capacity, bandwidth, clocks and interconnect; use ``--memory-cap-gib`` for a smaller
+memory). Measured on one H200 (``benchmarks/2026-12-03-h200b``): the ~270M GPT's bf16 step on 64 of
+132 SMs took 2.01x as long, with a much wider spread. What it does not emulate: another
+architecture's kernels, a slower memory system, or NCCL's kernels (they run on their own streams).
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from autobalance.runtime._parts import Part
 if TYPE_CHECKING:
     from autobalance.runtime._plan import Plan
 
-__all__ = ["SlowRank", "device_identity", "emulated_ms_per_sample"]
+__all__ = ["FewerSMs", "SlowRank", "device_identity", "emulated_ms_per_sample", "emulated_sms"]
 
 
 def emulated_ms_per_sample(raw: str | None, rank: int) -> float:
@@ -49,6 +57,58 @@ def emulated_ms_per_sample(raw: str | None, rank: int) -> float:
     return values[rank]
 
 
+def emulated_sms(raw: str | None, rank: int) -> int:
+    """This rank's emulated SM count from the variable's value (0: all the device's SMs)."""
+    if not raw:
+        return 0
+    parts = [p.strip() for p in raw.split(",") if p.strip()]
+    if not parts or not all(p.isdigit() for p in parts):
+        raise UsageError(f"{_env.EMULATE_SMS}={raw!r} is not a whole number or a comma-separated list of them; "
+                         "set the SMs each rank may use (0: all), e.g. 0,64.")
+    values = [int(p) for p in parts]
+    if len(values) == 1:
+        return values[0]
+    if rank >= len(values):
+        raise UsageError(f"{_env.EMULATE_SMS}={raw!r} has no entry for rank {rank}; give one per rank or a single "
+                         "value.")
+    return values[rank]
+
+
+class FewerSMs:
+    """Rank's work on a green context of ``sms`` SMs (see the module docstring); entered at once."""
+
+    def __init__(self, *, sms: int, device: Any) -> None:
+        import torch
+        from torch.cuda import green_contexts as gc
+
+        device = torch.device(device)
+        total = torch.cuda.get_device_properties(device).multi_processor_count
+        self.sms = max(8, min(sms, total) // 8 * 8)
+        self.total = total
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        # torch 2.11 to 2.13: create(num_sms=, device_id=), set_context(), Stream() (what the H200 ran)
+        ctx: Any = gc.GreenContext.create(num_sms=self.sms, device_id=index)
+        ctx.set_context()
+        torch.cuda.set_stream(ctx.Stream())
+        self.ctx = ctx
+
+    @classmethod
+    def from_env(cls, rank: int, device: Any) -> FewerSMs | None:
+        import torch
+
+        sms = emulated_sms(os.environ.get(_env.EMULATE_SMS), rank)
+        if sms <= 0:
+            return None
+        if torch.device(device).type != "cuda":
+            raise UsageError(f"{_env.EMULATE_SMS}={os.environ.get(_env.EMULATE_SMS)!r} needs a CUDA device (this "
+                             f"rank runs on {torch.device(device).type}); on CPU emulate a slow rank with "
+                             f"{_env.EMULATE_MS_PER_SAMPLE}.")
+        if not hasattr(torch.cuda, "green_contexts"):
+            raise UsageError(f"{_env.EMULATE_SMS} needs torch.cuda.green_contexts (torch {torch.__version__} has "
+                             "none); use a newer torch, or unset it.")
+        return cls(sms=sms, device=device)
+
+
 def device_identity(device: Any, rank: int) -> str:
     """What rank ``rank``'s device is called for a saved configuration to follow it (the hardware
     fingerprint's ``device_names``, compared by ``store.rank_order`` in production): the GPU model,
@@ -65,6 +125,9 @@ def device_identity(device: Any, rank: int) -> str:
     device = torch.device(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model_name()
     ms = emulated_ms_per_sample(os.environ.get(_env.EMULATE_MS_PER_SAMPLE), rank)
+    sms = emulated_sms(os.environ.get(_env.EMULATE_SMS), rank) if device.type == "cuda" else 0
+    if sms > 0:
+        name = f"{name} (emulated {max(8, sms // 8 * 8)} SMs)"
     return f"{name} (emulated +{ms:g} ms/sample)" if ms > 0 else name
 
 

@@ -37,7 +37,7 @@ from autobalance.runtime._busy import BusyMeter
 from autobalance.runtime._choice import choose_config, default_config
 from autobalance.runtime._clock import StepClock
 from autobalance.runtime._compile import CompileState
-from autobalance.runtime._emulate import SlowRank
+from autobalance.runtime._emulate import FewerSMs, SlowRank
 from autobalance.runtime._exit import (
     TrialComplete,
     TrialEnd,
@@ -135,6 +135,8 @@ class Plan:
         self.batch_watch = (BatchDependence() if self.measuring and self.compile_state is None else None)
         self.busy = BusyMeter(device=device) if self.measuring else None
         self.slow_rank = SlowRank.from_env(rank)
+        self.fewer_sms = FewerSMs.from_env(rank, device)
+        """An emulated smaller GPU (``AUTOBALANCE_EMULATE_SMS``), entered here for the whole run."""
         self._parts: list[Part] = [p for p in (self.compile_state, self.breakdown, self.verify, self.batch_watch,
                                                self.slow_rank, self.busy)
                                    if p is not None]
