@@ -16,9 +16,10 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from autobalance._errors import UsageError
 from autobalance.cli import app
 from autobalance.cli._options import ARGUMENT, EXTRA, flag_of
-from autobalance.tuner import TuneSettings, load_toml, setting_docs
+from autobalance.tuner import CHOICES, TuneSettings, load_toml, setting_docs, setting_types
 
 REPO = Path(__file__).resolve().parents[1]
 GPT = str(REPO / "examples" / "gpt" / "train.py")
@@ -77,7 +78,7 @@ def test_help_through_a_pipe_shows_every_default() -> None:
 
 @pytest.mark.parametrize("name", [f.name for f in fields(TuneSettings)])
 def test_every_field_is_a_toml_key(tmp_path: Path, name: str) -> None:
-    annotation = str(next(f.type for f in fields(TuneSettings) if f.name == name)).replace(" | None", "")
+    annotation = setting_types()[name].replace(" | None", "")  # a choice setting's Literal read as str
     value = setting_docs()[name].value
     value = SAMPLE[annotation] if value is MISSING or value in (None, "", []) else value
     if name == "script":
@@ -131,3 +132,20 @@ def test_the_command_line_is_built_without_heavy_imports() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def test_choice_settings_are_literals_and_the_command_line_shows_their_choices() -> None:
+    """One source for both: a choice setting's ``Literal`` is what TuneSettings accepts and the flag's metavar."""
+    assert set(CHOICES) == {"device", "remeasure", "cap_mode", "strategy", "sampler", "split", "on_error", "compile"}
+    params = _tune_params()
+    for name, choices in CHOICES.items():
+        assert params[name].metavar == "|".join(choices), name
+        assert setting_types()[name] in ("str", "str | None"), name
+    settings = TuneSettings(script=GPT, device="cpu", sampler="random")
+    assert settings.sampler == "random"
+    with pytest.raises(UsageError, match=r"--sampler='bogus' is unknown; use one of tpe, gp, random, nsga2\."):
+        TuneSettings(script=GPT, device="cpu", sampler="bogus")  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match=r"--on-error='x' is unknown; use stop or continue\."):
+        TuneSettings(script=GPT, device="cpu", on_error="x")  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match=r"--compile='x' is unknown; use one of off, on, search\."):
+        TuneSettings(script=GPT, device="cpu", compile="x")  # type: ignore[arg-type]

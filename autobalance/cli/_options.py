@@ -51,11 +51,10 @@ def _flags_named(text: str) -> str:
 
 
 def _settings_fields() -> list[tuple[str, str]]:
-    from dataclasses import fields
+    """Each settings field and its annotation as the command line reads it (a choice setting: ``str``)."""
+    from autobalance.tuner import setting_types
 
-    from autobalance.tuner import TuneSettings
-
-    return [(f.name, str(f.type)) for f in fields(TuneSettings)]
+    return list(setting_types().items())
 
 
 def _parameter(name: str, annotation: str) -> inspect.Parameter:
@@ -73,9 +72,12 @@ def _parameter(name: str, annotation: str) -> inspect.Parameter:
         return inspect.Parameter(name, kind, default=info, annotation=str | None)
     flag = "--" + name.replace("_", "-")
     decls = DECLS.get(name) or ((f"{flag}/--no-{name.replace('_', '-')}",) if cli_type is bool else (flag,))
+    from autobalance.tuner import CHOICES
+
+    metavar = "|".join(CHOICES[name]) if name in CHOICES else METAVARS.get(annotation)
     info = typer.Option(
         None if described else doc.value, *decls, help=help_text(_flags_named(doc.text)),
-        show_default=doc.default if described else True, metavar=METAVARS.get(annotation),
+        show_default=doc.default if described else True, metavar=metavar,
     )
     return inspect.Parameter(name, kind, default=info, annotation=cli_type | None if described else cli_type)
 

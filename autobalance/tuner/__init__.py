@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from autobalance.tuner._promote import promote_trial
     from autobalance.tuner._reporter import RichReporter
     from autobalance.tuner._settings import (
+        CHOICES,
         SAMPLERS,
         STRATEGIES,
         SettingDoc,
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
         default_study_name,
         load_toml,
         setting_docs,
+        setting_types,
     )
     from autobalance.tuner._study import make_sampler
     from autobalance.tuner._summary import TuneResult
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
 _EXPORTS: dict[str, str] = {
     "best_so_far": "autobalance.tuner._finish",
     "best_trial": "autobalance.protocol",
+    "CHOICES": "autobalance.tuner._settings",
     "check_caps": "autobalance.tuner._preflight",
     "check_gpus": "autobalance.tuner._preflight",
     "default_device": "autobalance.tuner._settings",
@@ -55,6 +58,7 @@ _EXPORTS: dict[str, str] = {
     "Saving": "autobalance.tuner._finish",
     "SearchSpace": "autobalance.tuner.search",
     "setting_docs": "autobalance.tuner._settings",
+    "setting_types": "autobalance.tuner._settings",
     "SettingDoc": "autobalance.tuner._settings",
     "STRATEGIES": "autobalance.tuner._settings",
     "TrialFigures": "autobalance.tuner.search",
@@ -76,6 +80,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CHOICES",
     "SAMPLERS",
     "STRATEGIES",
     "RichReporter",
@@ -102,4 +107,5 @@ __all__ = [
     "run_verify_command",
     "save_best",
     "setting_docs",
+    "setting_types",
 ]

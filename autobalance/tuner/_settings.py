@@ -11,13 +11,14 @@ import os
 import re
 import tomllib
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from autobalance._config import COMPILE_MODES, DTYPES
 from autobalance._errors import UsageError
 from autobalance._files import is_int, is_number
 
 __all__ = [
+    "CHOICES",
     "COMPILE_CHOICES",
     "SAMPLERS",
     "SPLITS",
@@ -30,12 +31,22 @@ __all__ = [
     "load_toml",
     "parse_duration",
     "setting_docs",
+    "setting_types",
 ]
 
-SAMPLERS = ("tpe", "gp", "random", "nsga2")
-STRATEGIES = ("model", "optuna")
-COMPILE_CHOICES = ("off", "on", "search")
-SPLITS = ("any", "equal")
+Device = Literal["cpu", "cuda", "auto"]
+Remeasure = Literal["auto", "on", "off"]
+CapMode = Literal["enforce", "judge"]
+Strategy = Literal["model", "optuna"]
+Sampler = Literal["tpe", "gp", "random", "nsga2"]
+Split = Literal["any", "equal"]
+OnError = Literal["stop", "continue"]
+CompileChoice = Literal["off", "on", "search"]
+
+SAMPLERS: tuple[str, ...] = get_args(Sampler)
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
+COMPILE_CHOICES: tuple[str, ...] = get_args(CompileChoice)
+SPLITS: tuple[str, ...] = get_args(Split)
 
 
 @dataclass(kw_only=True)
@@ -59,7 +70,7 @@ class TuneSettings:
     """``HOST:PORT`` of the rendezvous for multi-node trials (default: none)."""
     torchrun_args: list[str] = field(default_factory=list)
     """Extra torchrun options, passed through (default: none)."""
-    device: str = "auto"
+    device: Device = "auto"
     """``cpu``, ``cuda`` or ``auto`` (cuda when a GPU is visible, else cpu)."""
     global_batch: int | None = None
     """Samples per optimizer step (default: the script's own)."""
@@ -74,7 +85,7 @@ class TuneSettings:
     most 2 s; on CPU, 0."""
     max_steps: int = 50
     """Upper bound on measured steps per trial when ``measure_s`` lengthens the measurement."""
-    remeasure: str = "auto"
+    remeasure: Remeasure = "auto"
     """Run a trial a second time (steps pooled) when its steps spread (IQR > 5 % of the median) or it
     would become the best: ``on``, ``off``, or ``auto`` (on CUDA on; on CPU off, where step times of a
     shared machine are noise and a second run only doubles the study)."""
@@ -96,7 +107,7 @@ class TuneSettings:
     memory_cap_gib: list[float] | None = None
     """Emulated capacity per rank in GiB: one value for every rank or one per rank (default: the
     card's capacity; on CPU the host's memory)."""
-    cap_mode: str = "enforce"
+    cap_mode: CapMode = "enforce"
     """``enforce``: ranks run under the cap (allocator fraction / CPU budget) and really OOM;
     ``judge``: ranks run uncapped and a peak above the cap is judged infeasible (no OOM, no restarts)."""
     headroom: float = 0.05
@@ -110,9 +121,9 @@ class TuneSettings:
     counts in the objective)."""
     multi_objective: bool = False
     """Spread and step time as two objectives (a Pareto front) instead of a weighted sum."""
-    strategy: str = "model"
+    strategy: Strategy = "model"
     """``model``: memory-model-guided search (balanced splits, predicted OOMs skipped); ``optuna``: the sampler alone."""
-    sampler: str = "tpe"
+    sampler: Sampler = "tpe"
     """Optuna sampler: tpe, gp, random or nsga2."""
     seed: int | None = None
     """Sampler seed, for reproducible studies (default: none, a fresh seed each run)."""
@@ -120,11 +131,11 @@ class TuneSettings:
     """AMP dtypes to search (default: all the device supports)."""
     max_accumulation: int = 8
     """Largest gradient-accumulation count searched."""
-    split: str = "any"
+    split: Split = "any"
     """How a rank's samples of a step may be split over its micro-steps: ``any`` (any global batch
     and accumulation; micro-batches differ by at most one, e.g. 32 = 6,6,5,5,5,5) or ``equal``
     (equal micro-batches only: the accumulation divides the global batch)."""
-    on_error: str = "stop"
+    on_error: OnError = "stop"
     """After successful trials, a script error: ``stop`` the study or ``continue`` (mark it failed)."""
     cold: bool = False
     """One torchrun job per trial instead of the warm worker pool (always cold for multi-node trials)."""
@@ -132,7 +143,7 @@ class TuneSettings:
     """Stop a trial once its median measured step is this many times the best feasible step time (0: never)."""
     runs_dir: str = "autobalance_runs"
     """Where trial directories (reports, logs) are kept."""
-    compile: str | None = None
+    compile: CompileChoice | None = None
     """``torch.compile`` in the search: ``off`` (eager only), ``on`` (every trial compiled, with a
     per-rank activation budget), ``search`` (both) (default: ``search`` on CUDA, ``off`` on CPU). On
     CPU a compile costs tens of seconds per configuration and rarely pays off."""
@@ -173,17 +184,15 @@ class TuneSettings:
             raise UsageError(f"--measure-s={self.measure_s!r} must be between 0 and 3600 seconds; use e.g. 1.5, 0 "
                              "(off) or auto.")
         _positive("--max-steps", self.max_steps)
-        if self.remeasure not in ("auto", "on", "off"):
-            raise UsageError(f"--remeasure={self.remeasure!r} is unknown; use auto, on or off.")
+        self._check_choice("remeasure")
         if self.max_steps < self.steps:
             raise UsageError(f"--max-steps={self.max_steps} is below --steps={self.steps}; raise it to at least "
                              f"{self.steps}.")
         if self.warmup < 0:
             raise UsageError(f"--warmup={self.warmup} is negative; use 0 or more.")
         if self.device == "auto":
-            self.device = default_device()
-        if self.device not in ("cpu", "cuda"):
-            raise UsageError(f"--device={self.device!r} is unknown; use cpu, cuda or auto.")
+            self.device = default_device()  # type: ignore[assignment]
+        self._check_choice("device")
         if self.global_batch is not None and self.global_batch < self.world_size:
             raise UsageError(
                 f"--global-batch={self.global_batch} is smaller than the {self.world_size} ranks; "
@@ -198,25 +207,19 @@ class TuneSettings:
             raise UsageError(
                 f"--weight-spread={self.weight_spread:g} / --weight-time={self.weight_time:g} must be >= 0 and not both 0."
             )
-        if self.cap_mode not in ("enforce", "judge"):
-            raise UsageError(f"--cap-mode={self.cap_mode!r} is unknown; use enforce or judge.")
+        self._check_choice("cap_mode")
         if self.max_spread_gib is not None and self.max_spread_gib < 0:
             raise UsageError(f"--max-spread-gib={self.max_spread_gib:g} is negative; use GiB >= 0.")
-        if self.sampler not in SAMPLERS:
-            raise UsageError(f"--sampler={self.sampler!r} is unknown; use one of {', '.join(SAMPLERS)}.")
-        if self.strategy not in STRATEGIES:
-            raise UsageError(f"--strategy={self.strategy!r} is unknown; use one of {', '.join(STRATEGIES)}.")
-        if self.on_error not in ("stop", "continue"):
-            raise UsageError(f"--on-error={self.on_error!r} is unknown; use stop or continue.")
+        for name in ("sampler", "strategy", "on_error"):
+            self._check_choice(name)
         if self.dtypes is not None:
             bad = [d for d in self.dtypes if d not in DTYPES]
             if bad or not self.dtypes:
                 raise UsageError(f"--dtypes={','.join(self.dtypes)!r} is invalid; choose from {', '.join(DTYPES)}.")
         _positive("--max-accumulation", self.max_accumulation)
-        if self.split not in SPLITS:
-            raise UsageError(f"--split={self.split!r} is unknown; use one of {', '.join(SPLITS)}.")
-        if self.compile is not None and self.compile not in COMPILE_CHOICES:
-            raise UsageError(f"--compile={self.compile!r} is unknown; use one of {', '.join(COMPILE_CHOICES)}.")
+        self._check_choice("split")
+        if self.compile is not None:
+            self._check_choice("compile")
         if self.compile_mode not in COMPILE_MODES or self.compile_mode == "off":
             raise UsageError(
                 f"--compile-mode={self.compile_mode!r} is unknown; use one of {', '.join(COMPILE_MODES[1:])} "
@@ -241,6 +244,14 @@ class TuneSettings:
             raise UsageError(
                 f"--study-name={self.study_name!r} has unsupported characters; use letters, digits and _ . - : @ +."
             )
+
+    def _check_choice(self, name: str) -> None:
+        """A choice setting outside its ``Literal`` is a :class:`UsageError` naming the flag and the choices."""
+        value = getattr(self, name)
+        choices = CHOICES[name]
+        if value not in choices:
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"{flag}={value!r} is unknown; use {_CHOICE_WORDS[name](choices)}.")
 
     @property
     def time_budget_s(self) -> float | None:
@@ -272,6 +283,41 @@ class TuneSettings:
                 "TOML that names it (--config studies/NAME.toml with script = \"...\")."
             )
         return cls(**values)
+
+
+def _literal_choices(hint: Any) -> tuple[str, ...]:
+    """The values of a ``Literal`` type, alone or in a union with None (``()``: not a choice)."""
+    if get_origin(hint) is Literal:
+        return get_args(hint)
+    return next((get_args(a) for a in get_args(hint) if get_origin(a) is Literal), ())
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    name: choices for name, hint in get_type_hints(TuneSettings).items() if (choices := _literal_choices(hint))
+}
+"""The choices of each choice setting, from its ``Literal`` type: what ``TuneSettings`` accepts and the
+command line shows (``None``, where a field's type allows it, is not a choice on the command line)."""
+
+
+def setting_types() -> dict[str, str]:
+    """Each field's annotation as text (``int``, ``float | None``, ``list[str]``, ...), a choice setting's
+    ``Literal`` written as ``str`` (its values are :data:`CHOICES`): the form the study TOML and the
+    command line read a value in."""
+    return {f.name: str(f.type) if f.name not in CHOICES else ("str | None" if "| None" in str(f.type) else "str")
+            for f in fields(TuneSettings)}
+
+
+def _either(choices: tuple[str, ...]) -> str:
+    return ", ".join(choices[:-1]) + " or " + choices[-1]
+
+
+def _one_of(choices: tuple[str, ...]) -> str:
+    return "one of " + ", ".join(choices)
+
+
+_CHOICE_WORDS = {"device": _either, "remeasure": _either, "cap_mode": _either, "on_error": _either,
+                 "sampler": _one_of, "strategy": _one_of, "split": _one_of, "compile": _one_of}
+"""How each choice setting's error message lists its choices."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -423,7 +469,7 @@ def load_toml(path: str) -> dict[str, Any]:
         values[name] = value
     if "memory_cap_gib" in values and not isinstance(values["memory_cap_gib"], list):
         values["memory_cap_gib"] = [values["memory_cap_gib"]]
-    annotations = {f.name: str(f.type) for f in fields(TuneSettings)}
+    annotations = setting_types()
     for name, value in values.items():
         expected = _toml_type_problem(annotations[name], value)
         if expected is not None:
