@@ -245,6 +245,13 @@ def test_the_verification_forecast_comes_from_the_studys_own_trials():
     assert forecast_verification(trials, baseline=own, best=trials[0], num_layers=16, device="cuda").seconds == 0.0
     assert forecast_verification(trials, baseline=own, best=None, num_layers=16, device="cuda").seconds == 0.0
     assert next_trial_s(trials) == pytest.approx((3.5 + 5.5) / 2)  # the baseline apart, compiling apart
+    # the runs' tensor input and output: IO_S_PER_GB per GB of the model's parameters, in every run
+    from autobalance.tuner._verify_time import IO_S_PER_GB
+
+    big = [ran(0, own, 1300.0, {**split, "startup": 12.0}, baseline=True, parameter_bytes=2_000_000_000),
+           *trials[1:]]
+    heavier = forecast_verification(big, baseline=own, best=big[1], num_layers=16, device="cuda")
+    assert heavier.seconds - got.seconds == pytest.approx(5 * IO_S_PER_GB * 2.0)
 
 
 def test_a_five_minute_budget_ends_within_it_verification_included(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

@@ -97,6 +97,8 @@ class TrialAttr:
     SPREAD_GIB = "spread_gib"
     COMPILE_S = "compile_s"
     COMPILE_CACHE = "compile_cache"
+    PARAMETER_BYTES = "parameter_bytes"
+    """The model's parameter bytes as the runtime saw them (what a verification run saves and loads)."""
     POOL_START_S = "pool_start_s"
     TIME_SPLIT = "time_split_s"
     """A launched trial's wall time by part, in seconds: ``startup`` (launch to the first step, a warm

@@ -13,6 +13,9 @@ dropout: then the forecast is two runs long). Each run is predicted as
 - its one step, twice (a run has no warm-up step: its first step pays the allocator's growth and
   the kernels' first launches): the step time measured for that configuration, else the step-time
   models' prediction (an fp32 run of a bf16 candidate from the study's fp32 trials or the dtype prior);
+- its tensors' input and output: loading the starting weights, saving the step's gradients,
+  parameters and buffers, and reading them back here, :data:`IO_S_PER_GB` seconds per GB of the
+  model's parameters (the trials' ``parameter_bytes``; 0 before any reported them);
 - for a compiled run, its compile: the study's median compile from the Inductor cache when the study
   compiled the same graphs (dtype, mode, buckets, micro-step sizes, budget; ``search.CACHE_HIT_PRIOR_S``
   before any cache hit), else its median compile with cache misses.
@@ -44,12 +47,16 @@ from autobalance.tuner.search import (
     graph_keys,
 )
 
-__all__ = ["FIRST_STEP_FACTOR", "FLOOR_RUNS", "VerifyForecast", "forecast_verification", "next_trial_s",
+__all__ = ["FIRST_STEP_FACTOR", "FLOOR_RUNS", "IO_S_PER_GB", "VerifyForecast", "forecast_verification", "next_trial_s",
            "verification_runs"]
 
 FLOOR_RUNS = 1
 """Shared fp32 runs of the script's own configuration besides ``baseline`` and ``baseline-fp32``:
 the rounding floor (the same step with each micro-batch's samples reversed)."""
+IO_S_PER_GB = 5.0
+"""A verification run's tensor input and output per GB of parameters: one H200 machine, the ~270M GPT
+(1.08 GB in fp32): starting weights 0.9-1.4 s, saving the step 2.1-3.4 s, reading it 1.6-2.6 s, 4.6-6.0 s
+a run (``benchmarks/2026-12-03-h200b/tune_gpt-1gpu.log``)."""
 FIRST_STEP_FACTOR = 2.0
 """A verification run's one step costs this many measured steps (no warm-up step before it)."""
 
@@ -148,6 +155,9 @@ def forecast_verification(trials: Sequence[FrozenTrial], *, baseline: BalanceCon
     slowest = max(measured.values(), default=0.0)
     graphs = compiled_graphs([t for t in trials if t.user_attrs.get(TrialAttr.STATUS) in MEASURED_STATUSES])
     warm, cold = compile_times(trials, device=device)
+    gb = max((float(b) for t in trials if isinstance(b := t.user_attrs.get(TrialAttr.PARAMETER_BYTES), (int, float))),
+             default=0.0) / 1e9
+    per_run += IO_S_PER_GB * gb
     total = 0.0
     for _, cfg, _dropout in runs:
         ms = measured.get(json.dumps(cfg.to_dict(), sort_keys=True))

@@ -55,6 +55,8 @@ class TrialFigures:
     """Per rank: its measured optimizer-state bytes (``RankReport.optimizer``; None: not measured)."""
     optimizer_wrapped: bool = False
     """Every rank's script passed its optimizer through ``plan.optimizer``."""
+    parameter_bytes: int | None = None
+    """The model's parameter bytes (``RankReport.model``; None: not reported)."""
     compile: dict[str, Any] = field(default_factory=dict)
     """Compiled trials: ``compile_s`` (slowest rank's first step), ``activation_budget_used`` (per
     rank, as reported) and ``compile_cache`` (Inductor cache hits/misses over the ranks)."""
@@ -141,6 +143,7 @@ class TrialFigures:
             **({TrialAttr.OPTIMIZER_STATE_BYTES: [None if v is None else int(v) for v in self.optimizer_state]}
                if any(v is not None for v in self.optimizer_state) else {}),
             **({TrialAttr.OPTIMIZER_WRAPPED: True} if self.optimizer_wrapped else {}),
+            **({TrialAttr.PARAMETER_BYTES: self.parameter_bytes} if self.parameter_bytes else {}),
             "memory_constraint": round(self.memory_constraint(headroom), 5),
             **self.compile,
             **per_rank,
@@ -227,6 +230,10 @@ def figures_from_outcome(
         gb = first.samples_per_step  # partial steps count the samples they really used
     from autobalance.tuner.search._compile import compile_figures
 
+    param_bytes = max((int(b) for r in reports.values() if r is not None
+                       for b in [(r.model or {}).get("parameter_bytes")]
+                       if isinstance(b, int) and not isinstance(b, bool)), default=None)
+
     return TrialFigures(
         status=outcome.status, peak_device=peak_device, peak_allocated=alloc, peak_reserved=reserved,
         outside_pytorch=outside, capacity=capacity, step_time_s=step,
@@ -234,5 +241,5 @@ def figures_from_outcome(
         time_in_steps_s=max(in_steps) if len(in_steps) == world_size else None,
         measured_steps=min(counts) if len(counts) == world_size else None,
         busy_s=busy, wait_s=wait, optimizer_state=optimizer_state, optimizer_wrapped=bool(wrapped) and all(wrapped),
-        compile=compile_figures(outcome.reports),
+        parameter_bytes=param_bytes, compile=compile_figures(outcome.reports),
     )
