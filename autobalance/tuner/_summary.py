@@ -14,7 +14,7 @@ from autobalance.protocol import Status, StudyAttr, TrialAttr, time_in_steps_s
 from autobalance.tuner._measurement import measurement_summary
 from autobalance.tuner._script_facts import summary_facts
 from autobalance.tuner._time_spent import TIME_PARTS, per_trial_overhead_s, time_lines, time_spent
-from autobalance.tuner.search import compile_notes
+from autobalance.tuner.search import compile_notes, model_errors_line
 
 __all__ = ["TuneResult", "per_trial_overhead_s", "summarise"]
 
@@ -94,6 +94,9 @@ def summarise(study: optuna.Study, result: TuneResult, *, cold_note: str | None,
             study.set_user_attr(StudyAttr.COMPILED_MODEL_ERROR, compiled[0])
             result.notes.append(f"Compiled model: {100 * compiled[0]:.1f}% mean error predicting held-out compiled "
                                 f"trials' per-rank peaks ({compiled[1]} trial(s)).")
+    failed_fits = model_errors_line(study.user_attrs.get(StudyAttr.MODEL_ERRORS))
+    if failed_fits is not None:  # fits the search fell back from (tuner/search/_model_errors.py)
+        result.notes.append(failed_fits)
 
 
 def record_time_spent(study: optuna.Study, result: TuneResult, *, launched_here: set[int] | None = None,

@@ -12,6 +12,7 @@
 - ``_dominance``: model-free "cannot fit" from launched trials that did not fit;
 - ``_compile``: compile in the study (cache, space check, compile figures);
 - ``_first_trials``: on a GPU, which dtypes the models may propose (bf16 first) and when the sampler explores;
+- ``_model_errors``: the errors a fit can raise, and the ones the search fell back from (kept in the study);
 - ``_advisor``: the ``model`` strategy: proposals and predicted OOMs, built on all of the above.
 
 Nothing here launches a trial; the study's running side (``autobalance.tuner``) uses these.
@@ -69,6 +70,11 @@ from autobalance.tuner.search._memory_model import (
     MemoryModel,
     MemoryObservation,
 )
+from autobalance.tuner.search._model_errors import (
+    FIT_ERRORS,
+    ModelErrors,
+    model_errors_line,
+)
 from autobalance.tuner.search._objective import (
     INFEASIBLE_TIME,
     TrialFigures,
@@ -106,6 +112,7 @@ __all__ = [
     "DEFAULT_RECOMPUTE_FRACTION",
     "DEFAULT_SAFETY_MARGIN",
     "DYNAMIC",
+    "FIT_ERRORS",
     "INFEASIBLE_TIME",
     "PRIOR_CHECKPOINT_SAVING",
     "RECOMPUTE_PRIOR",
@@ -121,6 +128,7 @@ __all__ = [
     "MemoryModel",
     "MemoryObservation",
     "ModelAdvisor",
+    "ModelErrors",
     "SearchSpace",
     "SplitPlan",
     "StepTimeModel",
@@ -142,6 +150,7 @@ __all__ = [
     "dominating_over_cap",
     "figures_from_outcome",
     "graph_keys",
+    "model_errors_line",
     "observations_from_trials",
     "penalised",
     "plans_from_model",

@@ -12,8 +12,10 @@ On a GPU the first trials are the models' (bf16 first, fp32 only when asked or l
 
 from __future__ import annotations
 
+import functools
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -45,6 +47,7 @@ from autobalance.tuner.search._holdout import (
     observations_from_trials,
 )
 from autobalance.tuner.search._memory_model import MemoryModel
+from autobalance.tuner.search._model_errors import FIT_ERRORS, ModelErrors
 from autobalance.tuner.search._objective import TrialFigures, spread_fraction
 from autobalance.tuner.search._solver import (
     predict_config_feasible,
@@ -78,6 +81,20 @@ def predicted_oom(*, headroom: float, usable: list[float], rank: int, peak: floa
                      "baseline": False}
 
 
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _saves_errors(method: _Method) -> _Method:
+    """After the advisor's ``method(study, ...)``: the fit errors it caught saved in the study."""
+    @functools.wraps(method)
+    def saving(self: ModelAdvisor, study: optuna.Study, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, study, *args, **kwargs)
+        finally:
+            self.errors.save(study)
+    return cast(_Method, saving)
+
+
 class ModelAdvisor:
     """Enqueues model-balanced configurations and vetoes predicted OOMs."""
 
@@ -92,6 +109,8 @@ class ModelAdvisor:
         self.compiled: CompiledMemoryModel | None = None
         self._asks = 0
         self._predictions: dict[str, Candidate] = {}
+        self.errors = ModelErrors()
+        """The fits the search fell back from; saved in the study after each call that fits (:func:`_saves_errors`)."""
         self.dtype_note = ""
         """Why the last proposals were held to some dtypes (``""``: none held back)."""
         self.time_left_s: float | None = None
@@ -116,7 +135,8 @@ class ModelAdvisor:
             return None
         try:
             model = MemoryModel.fit(obs, world_size=self.space.world_size, safety_margin=self._margin)
-        except Exception:
+        except FIT_ERRORS as exc:
+            self.errors.caught("memory model", exc)
             return None
         self._margin = model.safety_margin
         self.model = model
@@ -133,6 +153,7 @@ class ModelAdvisor:
         eager ones from the memory model, compiled ones from the compiled model."""
         return [(c.score, c.config) for c in self.scored_candidates(study)]
 
+    @_saves_errors
     def scored_candidates(self, study: optuna.Study) -> list[Candidate]:
         """:meth:`candidates` with their predictions, in the order they are proposed (ties go to
         the candidate that compiles fewer new graphs)."""
@@ -141,7 +162,8 @@ class ModelAdvisor:
         if model is None or usable is None:
             return []
         trials = study.get_trials(deepcopy=False)
-        timing = StepTimeModel.fit(trials, num_layers=self.space.num_layers, device=self.settings.device)
+        timing = StepTimeModel.fit(trials, num_layers=self.space.num_layers, device=self.settings.device,
+                                   errors=self.errors)
         reference = self._reference_ms(study)
         bucket, view = self._bucket_choice(study)
         max_spread = self.settings.max_spread_gib * GIB if self.settings.max_spread_gib is not None else None
@@ -151,13 +173,13 @@ class ModelAdvisor:
 
         out = [] if "off" not in self.space.compile_modes else eager_candidates(
             space=self.space, model=model, timing=timing, usable=usable, bucket=bucket, view=view,
-            max_spread=max_spread, score=score)
+            max_spread=max_spread, score=score, errors=self.errors)
         compiled = self._compiled_for(study, model)
         if compiled is not None:
             compiled_timing = CompiledTimeModel.fit(trials, eager=timing, device=self.settings.device)
             out += compiled_candidates(space=self.space, trials=trials, memory=compiled, timing=compiled_timing,
                                        eager_timing=timing, usable=usable, bucket=bucket, view=view,
-                                       max_spread=max_spread, score=score)
+                                       max_spread=max_spread, score=score, errors=self.errors)
         allowed = self._allowed_dtypes(study, timing)
         ordered = cache_order([c for c in out if c.config.dtype in allowed])
         self._predictions = {c.config.to_json(): c for c in ordered}
@@ -208,6 +230,7 @@ class ModelAdvisor:
             return float(cfg["bucket_cap_mb"]), bool(cfg["gradient_as_bucket_view"])
         return 25.0, True
 
+    @_saves_errors
     def before_ask(self, study: optuna.Study) -> None:
         """Enqueue the best untried model proposal when nothing is waiting.
 
@@ -335,16 +358,19 @@ class ModelAdvisor:
     def _timing(self, study: optuna.Study) -> StepTimeModel | None:
         """The step-time model on the study's trials (None: nothing measured yet)."""
         timing = StepTimeModel.fit(study.get_trials(deepcopy=False), num_layers=self.space.num_layers,
-                                   device=self.settings.device)
+                                   device=self.settings.device, errors=self.errors)
         return timing if timing.k else None
 
+    @_saves_errors
     def holdout_error(self, study: optuna.Study) -> float | None:
-        return eager_holdout_error(study, space=self.space)
+        return eager_holdout_error(study, space=self.space, errors=self.errors)
 
+    @_saves_errors
     def compiled_holdout_error(self, study: optuna.Study) -> tuple[float, int] | None:
-        return compiled_holdout_error(study, space=self.space)
+        return compiled_holdout_error(study, space=self.space, errors=self.errors)
 
     # ------------------------------------------------------------------ vetoes
+    @_saves_errors
     def predict_infeasible(self, study: optuna.Study, config: BalanceConfig) -> tuple[TrialFigures, dict[str, Any]] | None:
         """Figures for a config that will not fit (a measured trial it dominates did not, or the
         model is confident); None to launch it."""

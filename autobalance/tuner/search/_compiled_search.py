@@ -21,9 +21,11 @@ from typing import Any
 from optuna.trial import FrozenTrial, TrialState
 
 from autobalance._config import BalanceConfig, split_evenly
+from autobalance._errors import UsageError
 from autobalance.protocol import MEASURED_STATUSES, TrialAttr
 from autobalance.tuner.search._compiled_model import CompiledMemoryModel, CompiledTimeModel
 from autobalance.tuner.search._dominance import dominating_over_cap
+from autobalance.tuner.search._model_errors import FIT_ERRORS, ModelErrors, caught
 from autobalance.tuner.search._solver import balanced_split, neighbours
 from autobalance.tuner.search._space import SearchSpace
 from autobalance.tuner.search._step_time import StepTimeModel
@@ -114,9 +116,10 @@ def cache_order(candidates: list[Candidate]) -> list[Candidate]:
 def compiled_candidates(
     *, space: SearchSpace, trials: Sequence[FrozenTrial], memory: CompiledMemoryModel, timing: CompiledTimeModel,
     eager_timing: StepTimeModel, usable: list[float], bucket: float, view: bool, max_spread: float | None,
-    score: Callable[[BalanceConfig, list[float], float], float | None],
+    score: Callable[[BalanceConfig, list[float], float], float | None], errors: ModelErrors | None = None,
 ) -> list[Candidate]:
-    """Compiled configurations predicted to fit (module doc), unordered."""
+    """Compiled configurations predicted to fit (module doc), unordered; a balanced split the
+    solver fails on is left out, noted in ``errors``."""
     modes = [m for m in space.compile_modes if m != "off"]
     if not modes:
         return []
@@ -150,7 +153,8 @@ def compiled_candidates(
                 total = space.micro_total(acc)
                 if total < world:
                     continue
-                for micro in _splits(memory, total=total, dtype=dtype, mode=mode, usable=usable, world=world):
+                for micro in _splits(memory, total=total, dtype=dtype, mode=mode, usable=usable, world=world,
+                                     errors=errors):
                     budgets = [budget_for(r, m, dtype, mode) for r, m in enumerate(micro)]
                     if any(b is None for b in budgets):
                         continue
@@ -161,8 +165,8 @@ def compiled_candidates(
                         cfg = space.config_for(micro, acc, cost, checkpoint=[[] for _ in range(world)], dtype=dtype,
                                                bucket_cap_mb=bucket, gradient_as_bucket_view=view, compile=mode,
                                                activation_budget=chosen)
-                    except Exception:  # a split the space cannot hold (a fixed split, too few samples)
-                        continue
+                    except (UsageError, ValueError):  # a split the space cannot hold (a fixed split, too few
+                        continue                      # samples): a configuration refused, not a failed fit
                     key = cfg.to_json()
                     if key in seen or not space.contains(cfg):
                         continue
@@ -182,7 +186,7 @@ def compiled_candidates(
 
 
 def _splits(memory: CompiledMemoryModel, *, total: int, dtype: str, mode: str, usable: list[float],
-            world: int) -> list[list[int]]:
+            world: int, errors: ModelErrors | None = None) -> list[list[int]]:
     """The even split, the splits balancing compiled peaks at a few common budgets, and (few ranks)
     their one-sample neighbours."""
     bases = [split_evenly(total, [1.0] * world)]
@@ -193,7 +197,8 @@ def _splits(memory: CompiledMemoryModel, *, total: int, dtype: str, mode: str, u
         try:
             split = balanced_split(total=total, fixed=[memory.eager.fixed_bytes(r, dtype) for r in range(world)],
                                    per_sample=per_sample, limits=[u / (1.0 + memory.safety_margin) for u in usable])
-        except Exception:
+        except FIT_ERRORS as exc:
+            caught(errors, "compiled search", exc)
             split = None
         if split is not None:
             bases.append(split)

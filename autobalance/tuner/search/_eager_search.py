@@ -10,6 +10,7 @@ from collections.abc import Callable
 from autobalance._config import BalanceConfig
 from autobalance.tuner.search._compiled_search import Candidate
 from autobalance.tuner.search._memory_model import MemoryModel
+from autobalance.tuner.search._model_errors import FIT_ERRORS, ModelErrors, caught
 from autobalance.tuner.search._solver import (
     balanced_split_for,
     neighbours,
@@ -29,9 +30,11 @@ Score = Callable[[BalanceConfig, list[float], float], "float | None"]
 
 
 def eager_candidates(*, space: SearchSpace, model: MemoryModel, timing: StepTimeModel, usable: list[float],
-                     bucket: float, view: bool, max_spread: float | None, score: Score) -> list[Candidate]:
+                     bucket: float, view: bool, max_spread: float | None, score: Score,
+                     errors: ModelErrors | None = None) -> list[Candidate]:
     """Eager configurations the memory model predicts to fit (its balanced plans per dtype and
-    accumulation, the even split and its one-sample neighbours), scored by ``score``."""
+    accumulation, the even split and its one-sample neighbours), scored by ``score``; a solver that
+    fails on the model's figures gives no plan, noted in ``errors``."""
     layers = max(1, space.num_layers)
     world = space.world_size
     seen: set[str] = set()
@@ -76,7 +79,8 @@ def eager_candidates(*, space: SearchSpace, model: MemoryModel, timing: StepTime
                                          max_spread_bytes=max_spread,
                                          checkpoint_counts=None if space.num_layers > 0 else [0],
                                          speeds=timing.speeds)
-            except Exception:
+            except FIT_ERRORS as exc:
+                caught(errors, "eager search", exc)
                 plans = []
             for plan in plans:
                 consider(list(plan.micro_batches), list(plan.checkpointed), dtype, acc)
@@ -89,14 +93,16 @@ def eager_candidates(*, space: SearchSpace, model: MemoryModel, timing: StepTime
                                                   max_spread_bytes=max_spread,
                                                   checkpoint_counts=None if space.num_layers > 0 else [0],
                                                   speeds=timing.speeds, optimizer_shares=first)
-                except Exception:
+                except FIT_ERRORS as exc:
+                    caught(errors, "eager search", exc)
                     zero_plans = []
                 for plan in zero_plans:
                     consider(list(plan.micro_batches), list(plan.checkpointed), dtype, acc, zero=True)
             try:
                 even = balanced_split_for(model, total=total, checkpointed=[0] * world, num_layers=layers,
                                           dtype=dtype, limits=usable)
-            except Exception:
+            except FIT_ERRORS as exc:
+                caught(errors, "eager search", exc)
                 even = None
             if even is not None:
                 for micro in (even, *neighbours(even)):

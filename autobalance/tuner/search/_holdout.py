@@ -9,6 +9,7 @@ from optuna.trial import FrozenTrial, TrialState
 from autobalance.protocol import Status, TrialAttr
 from autobalance.tuner.search._compiled_model import CompiledMemoryModel, compiled_observations
 from autobalance.tuner.search._memory_model import MemoryModel, MemoryObservation
+from autobalance.tuner.search._model_errors import FIT_ERRORS, ModelErrors, caught
 from autobalance.tuner.search._space import SearchSpace
 
 __all__ = ["compiled_holdout_error", "eager_holdout_error", "observations_from_trials"]
@@ -43,11 +44,12 @@ def observations_from_trials(trials: list[FrozenTrial], *, num_layers: int) -> l
     return obs
 
 
-def eager_holdout_error(study: optuna.Study, *, space: SearchSpace) -> float | None:
-    """Leave-one-trial-out mean relative error of the peak prediction over measured trials."""
+def eager_holdout_error(study: optuna.Study, *, space: SearchSpace, errors: ModelErrors | None = None) -> float | None:
+    """Leave-one-trial-out mean relative error of the peak prediction over measured trials (a fit
+    that fails leaves its trial out, noted in ``errors``)."""
     trials = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get(TrialAttr.STATUS) == Status.OK
               and t.user_attrs.get(TrialAttr.REUSED_FROM) is None]
-    errors: list[float] = []
+    held_out: list[float] = []
     for i, held in enumerate(trials):
         train = observations_from_trials(trials[:i] + trials[i + 1:], num_layers=space.num_layers)
         test = observations_from_trials([held], num_layers=space.num_layers)
@@ -55,16 +57,18 @@ def eager_holdout_error(study: optuna.Study, *, space: SearchSpace) -> float | N
             continue
         try:
             model = MemoryModel.fit(train, world_size=space.world_size)
-        except Exception:
+        except FIT_ERRORS as exc:
+            caught(errors, "holdout", exc)
             continue
         if not all(model.is_confident(rank=o.rank, micro_batch=o.micro_batch, checkpointed=o.checkpointed,
                                       num_layers=o.num_layers, dtype=o.dtype) for o in test):
             continue
-        errors.append(model.holdout_error(test))
-    return sum(errors) / len(errors) if errors else None
+        held_out.append(model.holdout_error(test))
+    return sum(held_out) / len(held_out) if held_out else None
 
 
-def compiled_holdout_error(study: optuna.Study, *, space: SearchSpace) -> tuple[float, int] | None:
+def compiled_holdout_error(study: optuna.Study, *, space: SearchSpace,
+                           errors: ModelErrors | None = None) -> tuple[float, int] | None:
     """Leave-one-trial-out mean relative error of the compiled model's per-rank peaks over the
     measured compiled trials (each predicted from the others), and how many were predicted."""
     if not space.compile_searched:
@@ -75,11 +79,12 @@ def compiled_holdout_error(study: optuna.Study, *, space: SearchSpace) -> tuple[
         return None
     try:
         eager = MemoryModel.fit(obs, world_size=space.world_size)
-    except Exception:
+    except FIT_ERRORS as exc:
+        caught(errors, "compiled holdout", exc)
         return None
     compiled = compiled_observations(trials)
     held_numbers = sorted({o.trial for o in compiled if o.ok})
-    errors: list[float] = []
+    held_out: list[float] = []
     for number in held_numbers:
         train = [o for o in compiled if o.trial != number]
         test = [o for o in compiled if o.trial == number and o.ok]
@@ -88,5 +93,5 @@ def compiled_holdout_error(study: optuna.Study, *, space: SearchSpace) -> tuple[
         model = CompiledMemoryModel.fit(train, eager=eager, num_layers=space.num_layers)
         if not all(model.can_predict(o.dtype) for o in test):
             continue
-        errors.append(model.holdout_error(test))
-    return (sum(errors) / len(errors), len(errors)) if errors else None
+        held_out.append(model.holdout_error(test))
+    return (sum(held_out) / len(held_out), len(held_out)) if held_out else None

@@ -12,6 +12,7 @@ from optuna.trial import FrozenTrial
 
 from autobalance._config import BalanceConfig
 from autobalance.protocol import Status, TrialAttr
+from autobalance.tuner.search._model_errors import FIT_ERRORS, ModelErrors, caught
 
 __all__ = ["EQUAL_SPEED_BAND", "RECOMPUTE_PRIOR", "StepTimeModel"]
 
@@ -99,7 +100,10 @@ class StepTimeModel:
                                                          speeds=self.speeds)]
 
     @classmethod
-    def fit(cls, trials: list[FrozenTrial], *, num_layers: int, device: str) -> StepTimeModel:
+    def fit(cls, trials: list[FrozenTrial], *, num_layers: int, device: str,
+            errors: ModelErrors | None = None) -> StepTimeModel:
+        """Fitted on the measured eager trials; a least-squares fit that fails keeps its start (the
+        proportional fit) or no per-rank speeds, noted in ``errors``."""
         prior = _DTYPE_SPEED_PRIOR.get(device, _DTYPE_SPEED_PRIOR["cpu"])
         rows = [(t.user_attrs[TrialAttr.CONFIG], float(t.user_attrs[TrialAttr.STEP_TIME_MS])) for t in trials
                 if t.user_attrs.get(TrialAttr.STATUS) == Status.OK and t.user_attrs.get(TrialAttr.STEP_TIME_MS)
@@ -141,13 +145,14 @@ class StepTimeModel:
 
         try:
             x = least_squares(residuals, np.clip(x0, lower, upper), bounds=(lower, upper)).x
-        except Exception:
+        except FIT_ERRORS as exc:
+            caught(errors, "step time", exc)
             x = np.asarray(x0)
         model.a, model.b, model.g, model.k = unpack(x)
         busy = _busy_rows(trials)
         if busy:  # mixed devices: the same terms with a speed per rank, fitted to the busy times too
             fitted = _fit_with_speeds(rows, busy, dtypes=dtypes, full=full, layers=layers, any_ckpt=any_ckpt,
-                                      start=[float(v) for v in x0])
+                                      start=[float(v) for v in x0], errors=errors)
             if fitted is not None:
                 (model.a, model.b, model.g, model.k), model.speeds = unpack(fitted[0]), fitted[1]
         if not any_ckpt:
@@ -197,7 +202,7 @@ def _busy_rows(trials: list[FrozenTrial]) -> list[tuple[dict[str, Any], list[flo
 
 def _fit_with_speeds(rows: list[tuple[dict[str, Any], float]], busy: list[tuple[dict[str, Any], list[float]]], *,
                      dtypes: list[str], full: bool, layers: int, any_ckpt: bool,
-                     start: list[float]) -> tuple[list[float], list[float]] | None:
+                     start: list[float], errors: ModelErrors | None = None) -> tuple[list[float], list[float]] | None:
     """The model's terms (packed as in :meth:`StepTimeModel.fit`) with one speed per rank, fitted by
     bounded least squares on the step times and on every rank's busy time (``a`` plus its own
     micro-steps), and the speeds scaled so the slowest rank is 1.0 (``k`` and ``g`` scaled the other
@@ -230,7 +235,8 @@ def _fit_with_speeds(rows: list[tuple[dict[str, Any], float]], busy: list[tuple[
         x0[g_at], upper[g_at] = 0.0, 1e-12
     try:
         x = least_squares(residuals, np.clip(x0, lower, upper), bounds=(lower, upper)).x
-    except Exception:
+    except FIT_ERRORS as exc:
+        caught(errors, "step time (per-rank speeds)", exc)
         return None
     w = split(x)[4]
     top = max(w)

@@ -1,0 +1,73 @@
+"""The errors a model's fit (or a solver on its figures) can raise, and where the ones the search
+survives are kept.
+
+A fit that fails leaves the search with a fallback (no memory model yet, the proportional step-time
+start, no proposal from that split): the search goes on, worse. What is caught is only what a fit
+can raise on data it cannot use (:data:`FIT_ERRORS`); a programming error (``TypeError``,
+``AttributeError``, ``KeyError``, ...) is not caught. Each caught error is noted in a
+:class:`ModelErrors` and saved in the study (:data:`StudyAttr.MODEL_ERRORS`: the last
+:data:`MAX_KEPT` as ``{where, error}``), and the tune summary says it in one line
+(:func:`model_errors_line`)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from autobalance._errors import UsageError
+from autobalance.protocol import StudyAttr
+
+__all__ = ["FIT_ERRORS", "MAX_KEPT", "ModelErrors", "caught", "model_errors_line"]
+
+FIT_ERRORS: tuple[type[Exception], ...] = (np.linalg.LinAlgError, ValueError, ArithmeticError, UsageError)
+"""What a fit or a solver raises on data it cannot use: numpy's ``LinAlgError`` (an SVD or least
+squares that does not converge), ``ValueError`` (scipy's ``least_squares`` on a start or residuals
+that are not finite, an empty or ill-shaped array), ``ArithmeticError`` (a division by a zero
+measurement, an overflow), and autobalance's own refusals of an observation, a limit or a
+configuration (``UsageError``, ``ConfigError``)."""
+MAX_KEPT = 20
+"""The study keeps the last this many caught errors."""
+_MAX_TEXT = 200
+
+
+class ModelErrors:
+    """The fit errors the search caught since the last :meth:`save`; one per advisor."""
+
+    def __init__(self) -> None:
+        self.pending: list[dict[str, str]] = []
+
+    def caught(self, where: str, exc: BaseException) -> None:
+        """Note that ``where`` (``holdout``, ``step time``, ...) fell back after ``exc``."""
+        self.pending.append({"where": where, "error": f"{type(exc).__name__}: {exc}"[:_MAX_TEXT]})
+
+    def save(self, study: Any) -> None:
+        """Add the pending errors to the study's (the last :data:`MAX_KEPT` kept); nothing when none."""
+        if not self.pending:
+            return
+        kept = list(study.user_attrs.get(StudyAttr.MODEL_ERRORS) or [])
+        study.set_user_attr(StudyAttr.MODEL_ERRORS, [*kept, *self.pending][-MAX_KEPT:])
+        self.pending = []
+
+
+def caught(errors: ModelErrors | None, where: str, exc: BaseException) -> None:
+    """:meth:`ModelErrors.caught` when there is a collector (a fit run outside a study has none)."""
+    if errors is not None:
+        errors.caught(where, exc)
+
+
+def model_errors_line(entries: list[dict[str, Any]] | None) -> str | None:
+    """One line for the summary: ``models: 2 fits failed (holdout: LinAlgError: SVD did not converge; ...)``
+    (each place once, its latest error); None when no fit failed."""
+    if not entries:
+        return None
+    latest: dict[str, str] = {}
+    for entry in entries:
+        latest[str(entry.get("where"))] = str(entry.get("error"))
+    counts = Counter(str(entry.get("where")) for entry in entries)
+    count = len(entries)
+    more = f" (the last {MAX_KEPT} kept)" if count >= MAX_KEPT else ""
+    places = "; ".join(f"{where}: {error}" + (f" ({counts[where]}x)" if counts[where] > 1 else "")
+                       for where, error in latest.items())
+    return f"models: {count} fit{'s' if count != 1 else ''} failed{more} ({places})."
