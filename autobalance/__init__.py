@@ -49,11 +49,35 @@ __all__ = [
 ]
 
 
-def plan(**kwargs: Any) -> Plan:
-    """The configuration for this run; see :func:`autobalance.runtime.plan`."""
+def plan(
+    *,
+    micro_batch: int = 1,
+    accumulation: int = 1,
+    dtype: str = "fp32",
+    checkpoint: int | list[int] | None = None,
+    bucket_cap_mb: float = 25.0,
+    gradient_as_bucket_view: bool = False,
+    global_batch: int | None = None,
+    config: BalanceConfig | dict[str, Any] | str | None = None,
+    config_file: str | None = None,
+    study: str | None = None,
+    storage: str | None = None,
+    on_mismatch: str = "warn",
+    device: str | None = None,
+    memory_cap_gib: float | None = None,
+    blocks: str | None = None,
+    seed: int = 0,
+) -> Plan:
+    """The configuration for this run; see :func:`autobalance.runtime.plan` (the same parameters:
+    tests/test_public_api.py keeps the two signatures equal; this one imports torch only when called)."""
     from autobalance.runtime import plan as _plan
 
-    return _plan(**kwargs)
+    return _plan(
+        micro_batch=micro_batch, accumulation=accumulation, dtype=dtype, checkpoint=checkpoint,
+        bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view, global_batch=global_batch,
+        config=config, config_file=config_file, study=study, storage=storage, on_mismatch=on_mismatch,
+        device=device, memory_cap_gib=memory_cap_gib, blocks=blocks, seed=seed,
+    )
 
 
 def __getattr__(name: str) -> Any:
