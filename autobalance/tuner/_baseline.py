@@ -18,6 +18,7 @@ from autobalance.protocol import Status, StudyAttr, TrialAttr, best_trial, memor
 from autobalance.store import heartbeat_interval_s, study_id
 from autobalance.tuner._launching import TrialLauncher
 from autobalance.tuner._recording import Recorder
+from autobalance.tuner._roles import Reporter
 from autobalance.tuner._script_facts import keep_split, script_facts
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._workers import BaselineClaim, worker_id
@@ -27,7 +28,7 @@ __all__ = ["baseline_fit_note", "baseline_once"]
 
 
 def baseline_once(study: optuna.Study, *, settings: TuneSettings, storage: optuna.storages.RDBStorage,
-                  launcher: TrialLauncher, recorder: Recorder, reporter: Any) -> SearchSpace:
+                  launcher: TrialLauncher, recorder: Recorder, reporter: Reporter) -> SearchSpace:
     """Run the baseline, or wait while another worker on this study runs it (see ``_workers``)."""
     claim = BaselineClaim(storage, study_id(study, storage), owner=worker_id(), stale_after_s=3 * heartbeat_interval_s())
     waiting = False

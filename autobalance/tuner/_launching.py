@@ -8,7 +8,6 @@ import json
 import os
 import threading
 import time
-from typing import Any
 
 import optuna
 
@@ -17,6 +16,7 @@ from autobalance.launcher import TrialLaunch, TrialOutcome, WarmPool, cold_reaso
 from autobalance.protocol import TrialAttr, is_feasible
 from autobalance.store import heartbeat_interval_s, trial_id
 from autobalance.tuner._parallel import Slot, plan_slots
+from autobalance.tuner._roles import Reporter, TrialCoordinator
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._time_spent import per_trial_overhead_s
 from autobalance.tuner.search import compile_env
@@ -39,7 +39,7 @@ class TrialLauncher:
     """Starts the study's trials: one slot per concurrent trial, a warm pool per slot (created on
     first use), the multi-node coordinator when ``--nnodes`` > 1."""
 
-    def __init__(self, *, settings: TuneSettings, storage: optuna.storages.RDBStorage, reporter: Any,
+    def __init__(self, *, settings: TuneSettings, storage: optuna.storages.RDBStorage, reporter: Reporter,
                  stop: threading.Event | None = None, pool: WarmPool | None = None) -> None:
         """``pool``: a warm pool shared with other tuners of the same script (the caller closes it).
         ``stop``: set when a slot failed or the tuner was interrupted (a new event when not given):
@@ -56,7 +56,7 @@ class TrialLauncher:
         self.cold_note: str | None = None
         self.trials_run = 0
         """Trials launched (baseline included)."""
-        self.coordinator: Any = None
+        self.coordinator: TrialCoordinator | None = None
         self._slots: list[Slot] | None = None
         self._slot_pools: dict[int, WarmPool] = {}
         self._local = threading.local()
@@ -156,7 +156,7 @@ class TrialLauncher:
             stop.wait(min(3.0, heartbeat_interval_s() / 2))
 
     # ------------------------------------------------------------------ pools and the coordinator
-    def _coordinator(self) -> Any:
+    def _coordinator(self) -> TrialCoordinator:
         """The multi-node hand-off (started on first use; see ``launcher._multinode``)."""
         if self.coordinator is None:
             from autobalance.launcher import Coordinator

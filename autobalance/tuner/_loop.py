@@ -14,7 +14,6 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import optuna
 from optuna.trial import TrialState
@@ -28,6 +27,7 @@ from autobalance.tuner._launching import Stopped, TrialLauncher, best_step_s
 from autobalance.tuner._parallel import Slot
 from autobalance.tuner._recording import Recorder
 from autobalance.tuner._remeasure import merge_outcomes, remeasure_reason
+from autobalance.tuner._roles import Advisor, Reporter
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._study import counted_trials
 from autobalance.tuner._time_spent import TimeBudget, describe_budget
@@ -45,7 +45,7 @@ class TrialLoop:
     :meth:`one_trial` at once; ``lock`` serialises what they share."""
 
     def __init__(self, *, settings: TuneSettings, storage: optuna.storages.RDBStorage, launcher: TrialLauncher,
-                 recorder: Recorder, reporter: Any, advisor: Any, budget: TimeBudget) -> None:
+                 recorder: Recorder, reporter: Reporter, advisor: Advisor | None, budget: TimeBudget) -> None:
         self.settings = settings
         self.storage = storage
         self.launcher = launcher

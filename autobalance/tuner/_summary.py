@@ -12,6 +12,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autobalance.protocol import Status, StudyAttr, TrialAttr, time_in_steps_s
 from autobalance.tuner._measurement import measurement_summary
+from autobalance.tuner._roles import Advisor
 from autobalance.tuner._script_facts import summary_facts
 from autobalance.tuner._time_spent import TIME_PARTS, per_trial_overhead_s, time_lines, time_spent
 from autobalance.tuner.search import compile_notes, model_errors_line
@@ -42,7 +43,7 @@ class TuneResult:
         return time_lines(self.time_spent)
 
 
-def summarise(study: optuna.Study, result: TuneResult, *, cold_note: str | None, advisor: Any,
+def summarise(study: optuna.Study, result: TuneResult, *, cold_note: str | None, advisor: Advisor | None,
               launched_here: set[int] | None = None) -> None:
     """Append the study's notes to ``result`` (and record the compile total, the memory model's error
     and where the time of this run went: the trials ``launched_here``)."""

@@ -4,11 +4,7 @@ study, runs the baseline once, then builds and runs the trial loop (:class:`~aut
 from __future__ import annotations
 
 import time
-from typing import Any
 
-from optuna.trial import FrozenTrial
-
-from autobalance._config import BalanceConfig
 from autobalance._errors import UsageError
 from autobalance.launcher import WarmPool
 from autobalance.protocol import StudyAttr, best_trial
@@ -17,6 +13,7 @@ from autobalance.tuner._baseline import baseline_once
 from autobalance.tuner._launching import TrialLauncher
 from autobalance.tuner._loop import MAX_CRASHES_IN_A_ROW, TrialLoop
 from autobalance.tuner._recording import Recorder
+from autobalance.tuner._roles import Advisor, NullReporter, Reporter
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._study import check_space, counted_trials, open_study
 from autobalance.tuner._summary import TuneResult, summarise
@@ -37,7 +34,7 @@ class Tuner:
 
     counted_trials = staticmethod(counted_trials)
 
-    def __init__(self, *, settings: TuneSettings, reporter: Any = None, pool: WarmPool | None = None,
+    def __init__(self, *, settings: TuneSettings, reporter: Reporter | None = None, pool: WarmPool | None = None,
                  keep_pool: bool = False) -> None:
         """``pool``: a warm pool shared with other tuners of the same script (the caller closes it).
         ``keep_pool``: leave the study's own warm pool running when :meth:`run` ends, as
@@ -46,11 +43,11 @@ class Tuner:
         self.settings = settings
         self.keep_pool = keep_pool
         self.kept_pool: WarmPool | None = None
-        self.reporter = reporter or _NullReporter()
+        self.reporter: Reporter = reporter or NullReporter()
         self.storage = open_storage(settings.storage)
         self.launcher = TrialLauncher(settings=settings, storage=self.storage, reporter=self.reporter, pool=pool)
         self.recorder = Recorder(settings=settings, storage=self.storage)
-        self.advisor: Any = None
+        self.advisor: Advisor | None = None
         self.budget = TimeBudget(budget_s=settings.time_budget_s, started=time.monotonic())
         """``--time-budget``: started again by :meth:`run`."""
 
@@ -110,18 +107,10 @@ class Tuner:
             self.kept_pool = None
 
 
-def _make_advisor(*, space: SearchSpace, settings: TuneSettings) -> Any:
+def _make_advisor(*, space: SearchSpace, settings: TuneSettings) -> Advisor | None:
     try:
         from autobalance.tuner.search import ModelAdvisor
     except ImportError:
         return None
     return ModelAdvisor(space=space, settings=settings)
 
-
-class _NullReporter:
-    def begin(self, settings: TuneSettings, *, already: int, deadline: float | None = None) -> None: ...
-    def start(self, number: int, config: BalanceConfig | None, *, baseline: bool = False) -> None: ...
-    def tick(self, number: int, elapsed: float) -> None: ...
-    def note(self, text: str) -> None: ...
-    def finish(self, trial: FrozenTrial, best: FrozenTrial | None, *, reused: bool = False,
-               predicted: bool = False) -> None: ...
