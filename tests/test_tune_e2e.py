@@ -7,6 +7,7 @@ import json
 import optuna
 import pytest
 
+from autobalance import BalanceConfig
 from tests.conftest import torchrun
 from tests.tune_helpers import GPT, cli, load, tune_args
 
@@ -35,8 +36,8 @@ def test_tune_gpt_records_trials_with_per_rank_attributes(tmp_path):
         assert all(p > 0 for p in t.user_attrs["peak_device_gib"])
         assert t.user_attrs["step_time_ms"] > 0
         assert t.system_attrs["constraints"][0] <= 0
-        cfg = t.user_attrs["config"]
-        assert sum(cfg["micro_batches"]) * cfg["accumulation"] == 16
+        cfg = BalanceConfig.from_dict(t.user_attrs["config"])  # equal micro-batches or an any split
+        assert sum(cfg.samples_per_rank) == cfg.global_batch == 16
     # rank 0 holds the EMA copy and the cached batch: the baseline is measurably uneven
     peaks = base.user_attrs["peak_device_gib"]
     assert peaks[0] > peaks[1]
