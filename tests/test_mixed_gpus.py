@@ -47,13 +47,13 @@ def test_emulated_sms_parse_refuse_cpu_and_name_the_device(monkeypatch: pytest.M
 
     assert emulated_sms(None, 1) == 0 and emulated_sms("64", 1) == 64 and emulated_sms("0, 64", 1) == 64
     for bad in ("half", "-8", "64,x"):
-        with pytest.raises(UsageError, match="AUTOBALANCE_EMULATE_SMS=.*set the SMs each rank may use"):
+        with pytest.raises(UsageError, match=r"AUTOBALANCE_EMULATE_SMS=.*set the SMs each rank may use"):
             emulated_sms(bad, 0)
     with pytest.raises(UsageError, match="has no entry for rank 2"):
         emulated_sms("0,64", 2)
     monkeypatch.setenv("AUTOBALANCE_EMULATE_SMS", "0,64")
     assert FewerSMs.from_env(0, "cpu") is None  # rank 0: all SMs, nothing to emulate
-    with pytest.raises(UsageError, match="needs a CUDA device .*AUTOBALANCE_EMULATE_MS_PER_SAMPLE"):
+    with pytest.raises(UsageError, match=r"needs a CUDA device .*AUTOBALANCE_EMULATE_MS_PER_SAMPLE"):
         FewerSMs.from_env(1, "cpu")
     assert "SMs" not in device_identity("cpu", 1)  # a CPU has no SMs to name
 
