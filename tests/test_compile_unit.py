@@ -122,6 +122,11 @@ def test_settings_compile_defaults_and_continued_study(tmp_path):
         TuneSettings(script=str(script), compile="yes")
     with pytest.raises(UsageError, match="--compile-mode='off'"):
         TuneSettings(script=str(script), compile_mode="off")
+    one = TuneSettings(script=str(script), device="cuda", nproc_per_node=1, compile="search",
+                       compile_mode="reduce-overhead")
+    assert one.compile_modes() == ["off", "reduce-overhead"]
+    with pytest.raises(UsageError, match="--compile-mode=reduce-overhead with 2 ranks: CUDA graphs run at world size 1"):
+        TuneSettings(script=str(script), device="cuda", nproc_per_node=2, compile_mode="reduce-overhead")
 
 
 def test_compile_figures_and_notes():

@@ -13,7 +13,7 @@ import tomllib
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
-from autobalance._config import COMPILE_MODES, DTYPES
+from autobalance._config import COMPILE_MODES, CUDA_GRAPH_MODES, DTYPES
 from autobalance._errors import UsageError
 from autobalance._files import is_int, is_number
 
@@ -224,6 +224,11 @@ class TuneSettings:
             raise UsageError(
                 f"--compile-mode={self.compile_mode!r} is unknown; use one of {', '.join(COMPILE_MODES[1:])} "
                 "(turn compile off with --compile off)."
+            )
+        if self.compile_mode in CUDA_GRAPH_MODES and self.world_size > 1 and self.compile != "off":
+            raise UsageError(
+                f"--compile-mode={self.compile_mode} with {self.world_size} ranks: CUDA graphs run at world size 1 "
+                "only (docs/compile.md); use --compile-mode default, or --nproc-per-node 1."
             )
         for name, value in (("--gpus-per-trial", self.gpus_per_trial), ("--cpus-per-trial", self.cpus_per_trial)):
             if value is not None:
