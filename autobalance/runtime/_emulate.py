@@ -36,6 +36,15 @@ if TYPE_CHECKING:
 __all__ = ["FewerSMs", "SlowRank", "device_identity", "emulated_ms_per_sample", "emulated_sms"]
 
 
+def _this_rank(name: str, raw: str, values: list[float], rank: int) -> float:
+    """One value for every rank, or rank ``rank``'s of one per rank."""
+    if len(values) == 1:
+        return values[0]
+    if rank >= len(values):
+        raise UsageError(f"{name}={raw!r} has no entry for rank {rank}; give one per rank or a single value.")
+    return values[rank]
+
+
 def emulated_ms_per_sample(raw: str | None, rank: int) -> float:
     """This rank's emulated extra milliseconds per sample from the variable's value (0: none)."""
     if not raw:
@@ -49,12 +58,7 @@ def emulated_ms_per_sample(raw: str | None, rank: int) -> float:
     if not values or any(not math.isfinite(v) or v < 0 for v in values):
         raise UsageError(f"{_env.EMULATE_MS_PER_SAMPLE}={raw!r} has a negative or non-finite entry; "
                          "set milliseconds per sample >= 0, e.g. 0,2.")
-    if len(values) == 1:
-        return values[0]
-    if rank >= len(values):
-        raise UsageError(f"{_env.EMULATE_MS_PER_SAMPLE}={raw!r} has no entry for rank {rank}; "
-                         "give one per rank or a single value.")
-    return values[rank]
+    return _this_rank(_env.EMULATE_MS_PER_SAMPLE, raw, values, rank)
 
 
 def emulated_sms(raw: str | None, rank: int) -> int:
@@ -65,13 +69,7 @@ def emulated_sms(raw: str | None, rank: int) -> int:
     if not parts or not all(p.isdigit() for p in parts):
         raise UsageError(f"{_env.EMULATE_SMS}={raw!r} is not a whole number or a comma-separated list of them; "
                          "set the SMs each rank may use (0: all), e.g. 0,64.")
-    values = [int(p) for p in parts]
-    if len(values) == 1:
-        return values[0]
-    if rank >= len(values):
-        raise UsageError(f"{_env.EMULATE_SMS}={raw!r} has no entry for rank {rank}; give one per rank or a single "
-                         "value.")
-    return values[rank]
+    return int(_this_rank(_env.EMULATE_SMS, raw, [float(p) for p in parts], rank))
 
 
 class FewerSMs:
