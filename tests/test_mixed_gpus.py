@@ -81,6 +81,31 @@ def test_slow_rank_update_exact_and_busy_time_names_it(tmp_path: Path) -> None:
         assert sum(wait0) > sum(wait1), (wait0, wait1)
 
 
+@pytest.mark.slow
+def test_busy_time_leaves_out_waits_outside_the_gradient_all_reduce(tmp_path: Path) -> None:
+    """2 gloo ranks, rank 1 sleeping 50 ms per sample (400 ms per step of 8 samples), rank 0 with no
+    emulated work: rank 0 waits for rank 1 not only at the gradient all-reduce but in DDP's pre-forward
+    (the bucket rebuild of the second step, the broadcast of BatchNorm's buffers at every step),
+    which used to count as busy (the second step's ratio was about 1, and at every step with
+    BatchNorm). Every step: rank 0's busy time under half of rank 1's (its own work on a tiny model
+    is a few ms; the margin holds on a loaded machine), rank 1's at least its sleeps, and rank 0's
+    wait most of rank 1's sleep."""
+    out = tmp_path / "busy.json"
+    steps = 4
+    proc = torchrun([str(REPO / "tests/dist_scripts/busy_waits_check.py"), str(out), str(steps)],
+                    env={"AUTOBALANCE_EMULATE_MS_PER_SAMPLE": "0,50"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert set(r) == {"second_forward", "batchnorm", "batchnorm_zero1"}
+    sleep = 8 * 0.050
+    for name, case in r.items():
+        (busy0, busy1), (wait0, _wait1) = case["busy"], case["wait"]
+        assert len(busy0) == len(busy1) == steps, (name, case)
+        for step in range(steps):
+            assert busy1[step] >= 0.95 * sleep, (name, step, case)
+            assert busy0[step] < 0.5 * busy1[step], (name, step, case)
+            assert wait0[step] > 0.5 * sleep, (name, step, case)
+
 # ------------------------------------------------------------------ the solver and the step-time model
 
 G = 2**30

@@ -289,6 +289,8 @@ class Plan:
         if shares is None:
             return optimizer
         sharded = ShardedOptimizer(optimizer, shares=shares)
+        if self.busy is not None:
+            sharded.waiting = self.busy.waiting  # its broadcasts wait for each owner's update
         self.optimizer_info.sharded = sharded
         return sharded
 

@@ -28,6 +28,7 @@ and keeps its own run's part (no communication).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -131,6 +132,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.bucket_bytes = bucket_bytes
         self.always_exchange = always_exchange
         """Flatten, broadcast and copy back even with one rank (to measure that path's cost)."""
+        self.waiting: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
+        """What each broadcast of the exchange runs inside (the busy meter's wait timer in a trial)."""
         full_groups = [dict(g) for g in optimizer.param_groups]
         super().__init__(full_groups, optimizer.defaults)
         self.params = [p for g in self.param_groups for p in g["params"]]
@@ -172,8 +175,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 flat = torch.cat([p.detach().reshape(-1) for p in bucket]) if owner == self.rank else torch.empty(
                     sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
                 if self.world_size > 1 or dist.is_initialized():
-                    dist.broadcast(flat, src=dist.get_global_rank(self.group, owner) if self.group else owner,
-                                   group=self.group)
+                    with self.waiting() if self.waiting is not None else contextlib.nullcontext():
+                        dist.broadcast(flat, src=dist.get_global_rank(self.group, owner) if self.group else owner,
+                                       group=self.group)
                 if owner != self.rank or self.always_exchange:
                     offset = 0
                     for p in bucket:
