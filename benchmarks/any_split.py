@@ -78,8 +78,8 @@ def measure(pool: WarmPool, launch_args: dict[str, Any], root: str, name: str, c
     launch = TrialLaunch(**launch_args, trial_dir=f"{root}/{name}", config_json=cfg.to_json())
     o = pool.run(launch)
     ok = o.status == "ok"
-    peaks = [o.reports[r]["memory"]["peak_device"] / GIB for r in sorted(o.reports)] if ok else []
-    step = max(o.reports[r]["step_time_s"] for r in o.reports) * 1000 if ok else None
+    peaks = [o.reports[r].memory.peak_device / GIB for r in sorted(o.reports)] if ok else []
+    step = max(o.reports[r].step_time_s for r in o.reports) * 1000 if ok else None
     row = {"config": cfg.to_dict(), "split": cfg.split_lines(), "equal_form": cfg.equal_micro_batches,
            "status": o.status, "peaks_gib": peaks, "step_ms": step,
            "fits": bool(peaks) and max(peaks) <= usable_gib, "wall_s": round(o.wall_s, 2)}

@@ -53,7 +53,8 @@ def write_result(name: str, data: dict[str, Any]) -> str:
 def per_rank(outcome: Any) -> dict[str, Any]:
     """Per-rank figures of a launcher outcome, in GiB and ms."""
     ranks = {}
-    for r, rep in sorted(outcome.reports.items()):
+    for r, report in sorted(outcome.reports.items()):
+        rep = report.to_dict()  # the rank's report as its JSON object
         mem = rep["memory"]
         ranks[r] = {
             "peak_device_gib": mem["peak_device"] / 2**30,

@@ -65,12 +65,12 @@ def measure(pool: WarmPool, root: str, name: str, cfg: BalanceConfig, usable: fl
     o = pool.run(launch)
     row: dict[str, Any] = {"name": name, "config": cfg.to_dict(), "status": o.status, "reason": o.reason, "wall_s": o.wall_s}
     if o.status == "ok":
-        peaks = [o.reports[r]["memory"]["peak_device"] / GIB for r in sorted(o.reports)]
+        peaks = [o.reports[r].memory.peak_device / GIB for r in sorted(o.reports)]
         row.update(peaks_gib=peaks, spread_gib=max(peaks) - min(peaks), feasible=max(peaks) <= usable,
-                   step_ms=max(o.reports[r]["step_time_s"] for r in o.reports) * 1000,
-                   compile_s=max((o.reports[r]["timing"].get("compile_s") or 0) for r in o.reports),
-                   budgets_used=[o.reports[r].get("activation_budget") for r in sorted(o.reports)],
-                   cache=[(o.reports[r].get("compile") or {}).get("cache") for r in sorted(o.reports)])
+                   step_ms=max(o.reports[r].step_time_s for r in o.reports) * 1000,
+                   compile_s=max((o.reports[r].timing.compile_s or 0) for r in o.reports),
+                   budgets_used=[o.reports[r].activation_budget for r in sorted(o.reports)],
+                   cache=[(o.reports[r].compile or {}).get("cache") for r in sorted(o.reports)])
     print(json.dumps(row, default=str), flush=True)
     return row
 

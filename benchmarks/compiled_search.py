@@ -117,7 +117,7 @@ def _gib(v: Any) -> float | None:
 
 
 def grid_row(name: str, cfg: BalanceConfig, outcome: TrialOutcome, usable_gib: float) -> dict[str, Any]:
-    rep = outcome.reports.get(0) or {}
+    rep = outcome.reports[0].to_dict() if 0 in outcome.reports else {}
     mem = rep.get("memory") or {}
     timing = rep.get("timing") or {}
     comp = rep.get("compile") or {}

@@ -96,7 +96,7 @@ def run_list(cfgs: list[BalanceConfig], *, nslots: int, warm: bool, args: argpar
                 else:
                     outcome = run_trial(launch)
                     leftovers.extend(trial_processes(launch.trial_id))
-                rep = outcome.reports.get(0) or {}
+                rep = outcome.reports[0].to_dict() if 0 in outcome.reports else {}
                 rows[i] = {"config": cfg.to_dict(), "slot": slot_index, "status": outcome.status,
                            "reason": outcome.reason if outcome.status != "ok" else "",
                            "wall_s": round(time.monotonic() - started, 3),

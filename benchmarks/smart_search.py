@@ -55,8 +55,8 @@ def run_grid(args: argparse.Namespace, pool: WarmPool, root: str, usable: float)
         launch = TrialLaunch(script=GPT, script_args=SCRIPT_ARGS, nproc_per_node=2, device=DEVICE,
                              trial_dir=f"{root}/grid{i}", config_json=cfg.to_json(), steps=3, warmup=1, timeout_s=120)
         o = pool.run(launch)
-        peaks = [o.reports[r]["memory"]["peak_device"] / GIB for r in sorted(o.reports)] if o.status == "ok" else []
-        step = max(o.reports[r]["step_time_s"] for r in o.reports) * 1000 if o.status == "ok" else None
+        peaks = [o.reports[r].memory.peak_device / GIB for r in sorted(o.reports)] if o.status == "ok" else []
+        step = max(o.reports[r].step_time_s for r in o.reports) * 1000 if o.status == "ok" else None
         rows.append({"config": cfg.to_dict(), "status": o.status, "peaks_gib": peaks, "step_ms": step,
                      "feasible": bool(peaks) and judge(peaks, usable),
                      "spread_gib": (max(peaks) - min(peaks)) if peaks else None, "wall_s": o.wall_s})

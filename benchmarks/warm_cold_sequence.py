@@ -63,7 +63,7 @@ def configs(cpu: bool) -> dict[str, BalanceConfig]:
 
 
 def figures(outcome: TrialOutcome) -> dict[str, Any]:
-    rep = outcome.reports.get(0) or {}
+    rep = outcome.reports[0].to_dict() if 0 in outcome.reports else {}
     mem = rep.get("memory") or {}
     times = rep.get("step_times_s") or []
     q = statistics.quantiles(times, n=4) if len(times) >= 2 else None

@@ -3,12 +3,15 @@ updated once per forward (in process, tiny models: fast)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
 
 from autobalance import BalanceConfig
 from autobalance._errors import ConfigError
+from autobalance.protocol import RankReport, Status
 from autobalance.runtime._batch_dependent import BufferWatch, batch_dependent_modules
 from autobalance.runtime._checkpoint import apply_checkpointing, find_blocks
 
@@ -133,12 +136,17 @@ def test_checkpointed_batchnorm_updates_its_running_statistics_once_per_step():
     assert torch.allclose(grads[0], grads[1], rtol=0, atol=1e-6)
 
 
+def _report(**sections: Any) -> RankReport:
+    """The baseline's report, with the sections the script's facts are read from."""
+    return RankReport(status=Status.OK, rank=0, world_size=2, **sections)
+
+
 def test_a_study_keeps_a_batch_dependent_models_split_and_says_why():
     from autobalance.tuner._script_facts import keep_split, script_facts
     from autobalance.tuner.search import SearchSpace
 
-    report = {"model": {"num_blocks": 6, "blocks_path": "body.layers",
-                        "batch_dependent": ["body.layers.0.norm (BatchNorm1d)"]}}
+    report = _report(model={"num_blocks": 6, "blocks_path": "body.layers",
+                            "batch_dependent": ["body.layers.0.norm (BatchNorm1d)"]})
     space = SearchSpace.build(world_size=2, global_batch=32, num_layers=6, dtypes=["fp32"], max_accumulation=4)
     own = BalanceConfig(micro_batches=[16, 16], global_batch=32)
     assert keep_split(space, report=report, own=own, allow=False)
@@ -163,7 +171,7 @@ def test_the_kept_split_is_the_scripts_own_even_when_it_is_uneven():
     from autobalance.tuner._script_facts import keep_split
     from autobalance.tuner.search import SearchSpace
 
-    report = {"model": {"num_blocks": 6, "batch_dependent": ["body.layers.0.norm (BatchNorm1d)"]}}
+    report = _report(model={"num_blocks": 6, "batch_dependent": ["body.layers.0.norm (BatchNorm1d)"]})
     own = BalanceConfig(micro_batches=[5, 11], global_batch=16)
     space = SearchSpace.build(world_size=2, global_batch=16, num_layers=6, dtypes=["fp32", "bf16"], max_accumulation=4)
     assert keep_split(space, report=report, own=own, allow=False)
@@ -200,7 +208,7 @@ def test_the_kept_split_is_the_scripts_own_even_when_it_is_uneven():
 def test_a_study_without_blocks_says_so_first_and_how_to_name_them():
     from autobalance.tuner._script_facts import script_facts
 
-    lines = script_facts({"model": {"num_blocks": 0, "blocks_path": ""}}, kept_split=False, allow=False, split="8,8")
+    lines = script_facts(_report(model={"num_blocks": 0, "blocks_path": ""}), kept_split=False, allow=False, split="8,8")
     assert lines[0].startswith("No repeated blocks found") and "blocks=" in lines[0]
 
 
@@ -250,9 +258,9 @@ def test_the_final_summary_repeats_why_the_split_was_kept_and_that_the_dataset_i
     from autobalance.tuner._script_facts import script_facts, summary_facts
     from autobalance.tuner._summary import TuneResult, summarise
 
-    report = {"model": {"num_blocks": 6, "blocks_path": "body.layers",
-                        "batch_dependent": ["body.layers.0.norm (BatchNorm1d)"]},
-              "data": {"samples": 20, "global_batch": 64, "steps_per_epoch": 1, "dropped": 0}}
+    report = _report(model={"num_blocks": 6, "blocks_path": "body.layers",
+                            "batch_dependent": ["body.layers.0.norm (BatchNorm1d)"]},
+                     data={"samples": 20, "global_batch": 64, "steps_per_epoch": 1, "dropped": 0})
     facts = script_facts(report, kept_split=True, allow=False, split="32,32")
     assert [line.split(" ", 1)[0] for line in facts] == ["Blocks:", "Batch-dependent", "The"]
     study = optuna.create_study(directions=["minimize"])

@@ -168,26 +168,26 @@ def test_warm_pool_charges_each_trial_what_a_cold_run_holds(tmp_path, margin_rec
     assert trial_processes(pool_id) == []
     for outcome in outcomes:
         assert set(outcome.reports) == {0, 1}
-    outside = [[rep["memory"]["outside_pytorch"] for rep in o.reports.values()] for o in outcomes]
-    warm = [o.reports[0]["warm"] for o in outcomes]
+    outside = [[rep.memory.outside_pytorch for rep in o.reports.values()] for o in outcomes]
+    warm = [o.reports[0].warm for o in outcomes]
     assert [w["pool_trial"] for w in warm] == ([1, 2, 1] if margin_recycles else [1, 2, 3])
     assert outside[0] == [fake.cold_outside(compiled=False)] * 2
     assert outside[1] == [fake.cold_outside(compiled=True)] * 2
     assert warm[1]["compiled"] is True and warm[0]["compiled"] is False
     for o in outcomes:  # every trial records its measured steps and their spread
         for rep in o.reports.values():
-            assert rep["measured_steps"] == 2 and len(rep["step_times_s"]) == 2
-            assert rep["step_time_iqr_s"] is not None and rep["step_time_iqr_s"] >= 0
+            assert rep.measured_steps == 2 and len(rep.step_times_s) == 2
+            assert rep.step_time_iqr_s is not None and rep.step_time_iqr_s >= 0
     # the compiled trial's compiling step is reported apart from its steady state; the trial's peak
     # (what the constraint judges) is the larger of the two
     for rep in outcomes[1].reports.values():
-        mem = rep["memory"]
-        first, steady = mem["compile_step"], mem["steady"]
+        mem = rep.memory
+        first, steady = mem.compile_step, mem.steady
         assert first is not None and steady is not None
-        assert mem["peak_device"] == max(first["peak_reserved"], steady["peak_reserved"]) + max(
+        assert mem.peak_device == max(first["peak_reserved"], steady["peak_reserved"]) + max(
             first["outside_pytorch"], steady["outside_pytorch"])
         assert first["outside_pytorch"] == steady["outside_pytorch"] == fake.cold_outside(compiled=True)
-    assert all(rep["memory"]["compile_step"] is None for o in (outcomes[0], outcomes[2]) for rep in o.reports.values())
+    assert all(rep.memory.compile_step is None for o in (outcomes[0], outcomes[2]) for rep in o.reports.values())
     if margin_recycles:
         assert pool.starts == 2 and outcomes[1].recycled is not None
         assert "compiled trial left 300 MiB" in outcomes[1].recycled

@@ -11,6 +11,7 @@ import torch
 
 from autobalance import BalanceConfig, ConfigError
 from autobalance._config import describe_config
+from autobalance.protocol import RankReport, RankTiming, Status
 from autobalance.tuner import SearchSpace, TuneSettings
 from autobalance.tuner._verify import load_config_file
 from autobalance.tuner.search import compile_figures, compile_notes, space_problem
@@ -131,13 +132,15 @@ def test_settings_compile_defaults_and_continued_study(tmp_path):
 
 def test_compile_figures_and_notes():
     def report(rank, budget, secs, hits, misses):
-        return {"rank": rank, "activation_budget": budget, "timing": {"compile_s": secs},
-                "compile": {"mode": "default", "cache": {"fx_graph_hits": hits, "fx_graph_misses": misses, "dir": "/x"}}}
+        return RankReport(status=Status.ERROR, rank=rank, world_size=2, activation_budget=budget,
+                          timing=RankTiming(compile_s=secs),
+                          compile={"mode": "default", "cache": {"fx_graph_hits": hits, "fx_graph_misses": misses,
+                                                                "dir": "/x"}})
 
     figures = compile_figures({0: report(0, 0.45, 30.0, 0, 4), 1: report(1, 0.8, 31.5, 0, 4)})
     assert figures == {"compile_s": 31.5, "activation_budget_used": [0.45, 0.8],
                        "compile_cache": {"fx_graph_hits": 0, "fx_graph_misses": 8}}
-    assert compile_figures({0: {"compile": {"mode": "off"}}}) == {}
+    assert compile_figures({0: RankReport(status=Status.ERROR, rank=0, world_size=1, compile={"mode": "off"})}) == {}
 
     class T:
         def __init__(self, attrs):

@@ -40,18 +40,18 @@ def test_compiled_trial_applies_each_ranks_budget_with_inductor_and_its_cache(tm
     for reports in runs:
         for rank, budget in ((0, 0.3), (1, 0.8)):
             rep = reports[rank]
-            assert rep["activation_budget"] == budget  # what the partitioner read on this rank
-            comp = rep["compile"]
+            assert rep.activation_budget == budget  # what the partitioner read on this rank
+            comp = rep.compile
             assert comp["mode"] == "default" and comp["backend"] == "inductor" and comp["activation_budget"] == budget
             assert comp["graphs"] >= 1 and comp["recompiles_after_first_step"] == 0
-            assert rep["timing"]["compile_s"] > 0
-            assert rep["step_time_s"] > 0 and len(rep["step_times_s"]) == 2  # the compile step is not measured
-    cold = [runs[0][r]["compile"]["cache"] for r in (0, 1)]
-    warm = [runs[1][r]["compile"]["cache"] for r in (0, 1)]
+            assert rep.timing.compile_s > 0
+            assert rep.step_time_s > 0 and len(rep.step_times_s) == 2  # the compile step is not measured
+    cold = [runs[0][r].compile["cache"] for r in (0, 1)]
+    warm = [runs[1][r].compile["cache"] for r in (0, 1)]
     assert all(c["fx_graph_misses"] > 0 for c in cold)
     assert all(c["fx_graph_hits"] > 0 and c["fx_graph_misses"] == 0 for c in warm)
-    cold_s = max(runs[0][r]["timing"]["compile_s"] for r in (0, 1))
-    warm_s = max(runs[1][r]["timing"]["compile_s"] for r in (0, 1))
+    cold_s = max(runs[0][r].timing.compile_s for r in (0, 1))
+    warm_s = max(runs[1][r].timing.compile_s for r in (0, 1))
     print(f"\ncompile on CPU (Inductor C++, MLP, 2 ranks): cold cache {cold_s:.1f} s, warm cache {warm_s:.1f} s")
     assert warm_s < cold_s
 

@@ -12,12 +12,13 @@ import json
 import os
 import re
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from autobalance.diagnose import analyse
+from autobalance.launcher import TrialOutcome
+from autobalance.protocol import Status
 from tests.tune_helpers import GPT, cli
 
 MIB = 2**20
@@ -99,7 +100,7 @@ def _report(rank: int, *, peak: int = 100 * MIB, extras: int = 1 * MIB, acts: in
             dp: bool = False, fup: bool = False, blocks: int = 4, ckpt: int = 0, micro_batch: int = 8,
             status: str = "ok") -> dict[str, Any]:
     return {
-        "status": status, "config": {"dtype": "fp32"},
+        "status": status, "config": {"dtype": "fp32"}, "step_time_s": 0.1,
         "device": {"type": "cpu", "capacity_bytes": 64 * 2**30, "cap_bytes": None},
         "memory": {"peak_device": peak, "peak_allocated": peak, "peak_reserved": peak, "outside_pytorch": 0},
         "breakdown": {
@@ -116,7 +117,8 @@ def _report(rank: int, *, peak: int = 100 * MIB, extras: int = 1 * MIB, acts: in
 
 
 def _analyse(*reports: dict[str, Any], status: str = "ok") -> Any:
-    outcome = SimpleNamespace(reports=dict(enumerate(reports)), status=status, reason="measured", trial_dir="/tmp/x")
+    outcome = TrialOutcome(reports=dict(enumerate(reports)), status=Status(status), reason="measured",
+                           trial_dir="/tmp/x")
     return analyse(outcome, script="train.py", script_args=["--big"], world_size=len(reports), device="cuda",
                    nproc_per_node=len(reports))
 

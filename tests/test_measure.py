@@ -28,16 +28,16 @@ def _launch(tmp_path: Path, name: str, **kw: object) -> TrialLaunch:
 
 def _counts(outcome) -> list[int]:
     assert outcome.status == "ok", outcome.reason
-    return [outcome.reports[r]["measured_steps"] for r in range(2)]
+    return [outcome.reports[r].measured_steps for r in range(2)]
 
 
 def test_measure_s_lengthens_cold_and_warm_trials_up_to_the_bounds(tmp_path):
     # asks for far more than the steps take: capped by max_steps, the same on both ranks
     capped = run_trial(_launch(tmp_path, "capped", measure_s=600.0, max_steps=5))
     assert _counts(capped) == [5, 5]
-    assert all(len(capped.reports[r]["step_times_s"]) == 5 for r in range(2))
-    timing = capped.reports[0]["timing"]
-    assert timing["measure_s"] == 600.0 and timing["steps_s"] > 0
+    assert all(len(capped.reports[r].step_times_s) == 5 for r in range(2))
+    timing = capped.reports[0].timing
+    assert timing.measure_s == 600.0 and timing.steps_s > 0
     # the script's data ends after 8 steps (1 warm-up + 7): past the minimum, the trial is ok
     ran_out = run_trial(_launch(tmp_path, "ran-out", measure_s=600.0, max_steps=50))
     assert _counts(ran_out) == [7, 7]

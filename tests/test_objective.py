@@ -5,6 +5,8 @@ Each test names in its docstring the mutation of ``tuner/search/_objective.py`` 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from autobalance.launcher import TrialOutcome
@@ -111,7 +113,8 @@ def test_figures_take_the_slowest_rank_and_every_ranks_peak():
     assert f.values(reference_step_s=0.2, weight_spread=1.0, weight_time=1.0,
                     multi_objective=False) == [pytest.approx(1.75)]
     assert f.parameter_bytes is None and "parameter_bytes" not in f.user_attrs(0.05)  # not reported
-    with_model = {r: {**rep, "model": {"num_blocks": 2, "parameter_bytes": 4096}} for r, rep in outcome.reports.items()}
+    with_model = {r: dataclasses.replace(rep, model={"num_blocks": 2, "parameter_bytes": 4096})
+                  for r, rep in outcome.reports.items()}
     g = figures_from_outcome(TrialOutcome(status="ok", reason="", reports=with_model), world_size=2, caps=None)
     assert g.user_attrs(0.05)["parameter_bytes"] == 4096  # what verification's forecast reads
 

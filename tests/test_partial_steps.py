@@ -49,7 +49,7 @@ def test_full_and_partial_steps_mixed_time_the_full_steps_with_the_global_batch(
 def _measured(times: list[float], samples: list[int]) -> TrialOutcome:
     step = statistics.median([t for t, n in zip(times, samples, strict=True) if n == 64])
     rep = {"status": "ok", "config": {"global_batch": 64}, "step_times_s": times, "step_samples": samples,
-           "step_time_s": step, "samples_per_step": 64.0, "memory": {"peak_device": 1.0}}
+           "step_time_s": step, "samples_per_step": 64.0, "memory": {"peak_device": 1.0}, "device": {"type": "cpu"}}
     return TrialOutcome(status="ok", reason="x", reports={0: rep}, wall_s=1.0)
 
 
@@ -60,9 +60,9 @@ def test_a_remeasured_trial_pools_the_full_steps_only_and_a_partial_step_is_not_
     second = _measured([0.10, 0.10, 0.03, 0.03, 0.03], [64, 64, 20, 20, 20])
     assert dispersion(first) == 0.0  # the full steps agree
     merged = merge_outcomes(first, second, reason="r").reports[0]
-    assert merged["step_time_s"] == pytest.approx(0.10) and merged["samples_per_s"] == pytest.approx(640.0)
-    assert merged["step_samples"] == [64, 64, 20, 64, 64, 20, 20, 20] and merged["partial_steps"] == 4
-    assert merged["measured_steps"] == 8 and merged["step_time_iqr_s"] == 0.0
+    assert merged.step_time_s == pytest.approx(0.10) and merged.samples_per_s == pytest.approx(640.0)
+    assert merged.step_samples == [64, 64, 20, 64, 64, 20, 20, 20] and merged.partial_steps == 4
+    assert merged.measured_steps == 8 and merged.step_time_iqr_s == 0.0
 
 
 def _trial(tmp_path, *script_args: str, name: str):
@@ -78,9 +78,9 @@ def test_partial_steps_report_the_samples_really_used(tmp_path):
     outcome = _trial(tmp_path, "--samples", "20", "--micro-batch", "32", "--epochs", "6", name="small")
     assert outcome.status == "ok", (outcome.reason, outcome.traceback[-2000:])
     for rep in outcome.reports.values():
-        assert rep["data"] == {"samples": 20, "global_batch": 64, "steps_per_epoch": 1, "dropped": 0}
-        assert rep["step_samples"] == [20, 20] and rep["partial_steps"] == 2
-        assert rep["samples_per_s"] == pytest.approx(20 / rep["step_time_s"], rel=0.05)
+        assert rep.data == {"samples": 20, "global_batch": 64, "steps_per_epoch": 1, "dropped": 0}
+        assert rep.step_samples == [20, 20] and rep.partial_steps == 2
+        assert rep.samples_per_s == pytest.approx(20 / rep.step_time_s, rel=0.05)
     lines = script_facts(outcome.reports[0], kept_split=False, allow=False, split="32,32")
     assert any("fewer than one global batch (64)" in line and "partial step" in line for line in lines), lines
 

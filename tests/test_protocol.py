@@ -13,6 +13,7 @@ from autobalance.protocol import (
     OUTCOME_STATUSES,
     REPORT_STATUSES,
     InvalidReport,
+    RankDevice,
     RankReport,
     Status,
     StudyAttr,
@@ -66,6 +67,32 @@ def test_full_report_round_trips_unchanged():
 def test_setup_failure_report_reads_with_defaults():
     report = RankReport.from_dict({"status": "error", "error": "ConfigError: bad", "rank": 0, "world_size": 2})
     assert report.memory is None and report.step_time_s is None and report.error == "ConfigError: bad"
+
+
+def test_a_section_is_given_back_as_it_was_read():
+    """The baseline stores its device section as the rank wrote it (StudyAttr.DEVICE): no key added."""
+    read = RankReport.from_dict({**FULL, "device": {"type": "cuda", "tf32": False, "capacity_bytes": 8e9}})
+    assert read.device is not None and read.device.as_read() == {"type": "cuda", "tf32": False, "capacity_bytes": 8e9}
+    assert list(read.device.as_read()) == ["type", "tf32", "capacity_bytes"]
+    assert "uuid" in read.device.to_dict()  # the whole section, as the runtime writes it
+    built = RankDevice(type="cpu", name="x")
+    assert built.as_read() == built.to_dict()
+
+
+def test_reports_are_parsed_where_they_are_read(tmp_path):
+    """read_reports gives typed reports (the one place a rank's JSON is parsed); an outcome handed a
+    report as its JSON object parses it, and refuses one that is not a valid report."""
+    from autobalance.launcher import TrialOutcome, read_reports
+
+    (tmp_path / "rank0.json").write_text(json.dumps({**FULL, "rank": 0}))
+    (tmp_path / "rank1.json").write_text(json.dumps({**FULL, "step_time_s": "slow"}))
+    reports, problems = read_reports(str(tmp_path), 2)
+    assert isinstance(reports[0], RankReport) and reports[0].to_dict() == {**FULL, "rank": 0}
+    assert set(problems) == {1} and "step time" in problems[1]
+    outcome = TrialOutcome(status=Status.OK, reason="", reports={1: FULL})
+    assert isinstance(outcome.reports[1], RankReport) and outcome.reports[1].step_time_s == 0.2
+    with pytest.raises(InvalidReport, match="without device"):
+        TrialOutcome(status=Status.OK, reason="", reports={0: {"status": "ok", "step_time_s": 0.1, "memory": {}}})
 
 
 @pytest.mark.parametrize(("data", "words"), [

@@ -20,6 +20,7 @@ def _outcome(times_by_rank, *, status="ok", peak=10.0, compile_peak=None):
         if compile_peak is not None:
             mem["compile_step"] = {"peak_device": compile_peak}
         reports[r] = {"status": status, "step_times_s": list(times), "config": {"global_batch": 32},
+                      "device": {"type": "cpu"},
                       "step_time_s": sorted(times)[len(times) // 2] if times else None, "memory": mem}
     return TrialOutcome(status=status, reason="x", reports=reports, wall_s=5.0)
 
@@ -49,12 +50,12 @@ def test_merge_pools_steps_and_keeps_the_larger_memory():
     b = _outcome([[0.11, 0.12, 0.13]], peak=12.0, compile_peak=9.0)
     m = merge_outcomes(a, b, reason="r")
     rep = m.reports[0]
-    assert rep["measured_steps"] == 6 and rep["step_times_s"] == [0.10, 0.20, 0.30, 0.11, 0.12, 0.13]
-    assert abs(rep["step_time_s"] - 0.125) < 1e-12
-    assert rep["memory"]["peak_device"] == 12.0 and rep["memory"]["compile_step"]["peak_device"] == 11.0
+    assert rep.measured_steps == 6 and rep.step_times_s == [0.10, 0.20, 0.30, 0.11, 0.12, 0.13]
+    assert abs(rep.step_time_s - 0.125) < 1e-12
+    assert rep.memory.peak_device == 12.0 and rep.memory.compile_step["peak_device"] == 11.0
     assert m.remeasured == {"reason": "r", "step_time_s": [0.2, 0.12], "wall_s": b.wall_s}
-    assert m.wall_s == 10.0 and abs(rep["samples_per_s"] - 32 / 0.125) < 1e-9
-    assert a.reports[0]["step_times_s"] == [0.10, 0.20, 0.30]  # the inputs are left alone
+    assert m.wall_s == 10.0 and abs(rep.samples_per_s - 32 / 0.125) < 1e-9
+    assert a.reports[0].step_times_s == [0.10, 0.20, 0.30]  # the inputs are left alone
 
 
 def test_a_second_run_that_fails_is_the_outcome():
@@ -71,9 +72,9 @@ def test_measurement_attrs_and_summary_say_what_a_warm_trial_took_and_how_it_was
     gib = 2**30
     a = _outcome([[0.10, 0.11, 0.12, 0.10], [0.10, 0.10, 0.10, 0.10]], peak=10 * gib, compile_peak=12 * gib)
     for r, rep in a.reports.items():
-        rep["memory"]["steady"] = {"peak_device": 10 * gib + r}
-        rep["step_time_iqr_s"] = 0.0125 if r == 0 else 0.0
-        rep["warm"] = {"pool_trial": 2, "fresh_outside": 1.25 * gib, "inherited_outside": 32 * 2**20}
+        rep.memory.steady = {"peak_device": 10 * gib + r}
+        rep.step_time_iqr_s = 0.0125 if r == 0 else 0.0
+        rep.warm = {"pool_trial": 2, "fresh_outside": 1.25 * gib, "inherited_outside": 32 * 2**20}
     a.recycled = "a compiled trial left 300 MiB outside PyTorch"
     attrs = measurement_attrs(a, world_size=2)
     assert attrs["compile_peak_gib"] == [12.0, 12.0] and attrs["steady_peak_gib"][0] == 10.0

@@ -73,7 +73,7 @@ def test_budget_words():
 
 def _report(*, written: float, wall: float, startup: float | None, compile_s: float | None, steps: float | None):
     at = datetime.datetime.fromtimestamp(written, datetime.UTC).isoformat()
-    return {"written_at": at, "timing": {"wall_s": wall, "startup_s": startup, "compile_s": compile_s, "steps_s": steps}}
+    return {"status": "error", "written_at": at, "timing": {"wall_s": wall, "startup_s": startup, "compile_s": compile_s, "steps_s": steps}}
 
 
 def test_a_trials_time_split_runs_from_launch_to_first_step_then_compile_steps_and_the_rest():

@@ -15,12 +15,15 @@ import os
 import shlex
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autobalance import _env
 from autobalance._config import BalanceConfig
 from autobalance._errors import ConfigError, LaunchError, TrialScriptError, UsageError
-from autobalance.protocol import Status, memory_text, slow_rank
+from autobalance.protocol import RankDevice, RankMemory, RankReport, Status, memory_text, slow_rank
+
+if TYPE_CHECKING:
+    from autobalance.launcher import TrialOutcome
 
 __all__ = ["Diagnosis", "Finding", "RankBreakdown", "analyse", "print_diagnosis", "run_diagnose"]
 
@@ -117,8 +120,12 @@ def _get(d: dict[str, Any] | None, key: str) -> int | None:
     return int(d[key])
 
 
-def _float(d: dict[str, Any], key: str) -> float | None:
-    return None if d.get(key) is None else float(d[key])
+def _int(value: float | None) -> int | None:
+    return None if value is None else int(value)
+
+
+def _float(value: float | None) -> float | None:
+    return None if value is None else float(value)
 
 
 def _samples_per_step(rank: int, config: dict[str, Any]) -> int | None:
@@ -128,43 +135,43 @@ def _samples_per_step(rank: int, config: dict[str, Any]) -> int | None:
         return None
 
 
-def _rank_row(rank: int, rep: dict[str, Any] | None) -> RankBreakdown:
+def _rank_row(rank: int, rep: RankReport | None) -> RankBreakdown:
     if rep is None:
         return RankBreakdown(rank=rank, status="no report", micro_batch=None, dtype=None, autocast=None, blocks=None,
                              peak_device=None, capacity=None, held_at_wrap=None, parameters=None, gradients=None,
                              optimizer_state=None, activations_peak=None, ddp_buckets=None,
                              held_outside_training=None, allocator_cache=None, outside_pytorch=None)
-    mem = rep.get("memory") or {}
-    bd = rep.get("breakdown") or {}
+    mem = rep.memory or RankMemory()
+    bd = rep.breakdown or {}
     b = bd.get("bytes") or {}
     flags = bd.get("flags") or {}
-    dev = rep.get("device") or {}
-    cuda = dev.get("type") == "cuda"
-    cfg = rep.get("config") or {}
+    dev = rep.device or RankDevice()
+    cuda = dev.type == "cuda"
+    cfg = rep.config or {}
     ac = flags.get("autocast") or {}
     autocast = None if ac.get("enabled") is None else (ac.get("dtype") if ac.get("enabled") else "off")
     blocks = None
     if flags.get("num_blocks") is not None:
         blocks = f"{flags.get('checkpointed_blocks', 0)}/{flags['num_blocks']} checkpointed"
-    optimizer = rep.get("optimizer") or {}
+    optimizer = rep.optimizer or {}
     opt = _get(optimizer, "state_bytes")  # measured by the plan's optimizer: under zero1, this rank's share
     if opt is None:
         opt = _get(b, "optimizer_state_tensors") or _get(b, "optimizer_state")
     cache = None
-    if cuda and mem.get("peak_reserved") is not None and mem.get("peak_allocated") is not None:
-        cache = int(mem["peak_reserved"]) - int(mem["peak_allocated"])
+    if cuda and mem.peak_reserved is not None and mem.peak_allocated is not None:
+        cache = int(mem.peak_reserved) - int(mem.peak_allocated)
     return RankBreakdown(
-        rank=rank, status=str(rep.get("status")), micro_batch=flags.get("micro_batch"),
+        rank=rank, status=str(rep.status), micro_batch=flags.get("micro_batch"),
         dtype=cfg.get("dtype"), autocast=autocast, blocks=blocks,
-        peak_device=_get(mem, "peak_device"),
-        capacity=_get(dev, "cap_bytes") or _get(dev, "capacity_bytes"),
+        peak_device=_int(mem.peak_device),
+        capacity=_int(dev.cap_bytes) or _int(dev.capacity_bytes),
         held_at_wrap=_get(b, "held_at_wrap"), parameters=_get(b, "parameters"), gradients=_get(b, "gradients"),
         optimizer_state=opt, activations_peak=_get(b, "activations_peak"), ddp_buckets=_get(b, "ddp_buckets"),
         held_outside_training=_get(b, "held_outside_training"), allocator_cache=cache,
-        outside_pytorch=_get(mem, "outside_pytorch") if cuda else None,
+        outside_pytorch=_int(mem.outside_pytorch) if cuda else None,
         input_shape=flags.get("input_shape"),
         optimizer_sharding=optimizer.get("sharding"), samples_per_step=_samples_per_step(rank, cfg),
-        busy_time_s=_float(rep, "busy_time_s"), allreduce_wait_s=_float(rep, "allreduce_wait_s"),
+        busy_time_s=_float(rep.busy_time_s), allreduce_wait_s=_float(rep.allreduce_wait_s),
         flags={k: flags.get(k) for k in ("data_parallel", "find_unused_parameters", "num_blocks",
                                          "checkpointed_blocks", "input_numel", "output_dtype",
                                          "output_bytes", "loss_in_model")}
@@ -351,7 +358,7 @@ def _findings(rows: list[RankBreakdown], *, command: str, status: str, reason: s
     return out
 
 
-def analyse(outcome: Any, *, script: str, script_args: list[str], world_size: int, device: str,
+def analyse(outcome: TrialOutcome, *, script: str, script_args: list[str], world_size: int, device: str,
             nproc_per_node: int, memory_cap_gib: str | None = None) -> Diagnosis:
     """From a finished diagnose run (a :class:`~autobalance.launcher.TrialOutcome`) to the diagnosis."""
     rows = [_rank_row(r, outcome.reports.get(r)) for r in range(world_size)]
@@ -366,7 +373,8 @@ def analyse(outcome: Any, *, script: str, script_args: list[str], world_size: in
     mt = {}
     noted: list[tuple[int, str]] = []
     for r in range(world_size):
-        bd = (outcome.reports.get(r) or {}).get("breakdown") or {}
+        rep = outcome.reports.get(r)
+        bd = (rep.breakdown if rep is not None else None) or {}
         if bd.get("memtracker_peak") or bd.get("error") or bd.get("note"):
             mt[str(r)] = {"peak_by_category": bd.get("memtracker_peak"), "error": bd.get("error"),
                           "note": bd.get("note"),
@@ -407,7 +415,7 @@ def run_diagnose(*, script: str, script_args: list[str], nproc_per_node: int, de
     if outcome.status == Status.ERROR:
         raise TrialScriptError(f"the script failed at its own configuration: {outcome.reason}. Logs in {trial_dir}.",
                                traceback_text=outcome.traceback, rank=outcome.failing_rank)
-    if not any((rep or {}).get("breakdown") for rep in outcome.reports.values()):
+    if not any(rep.breakdown for rep in outcome.reports.values()):
         raise LaunchError(
             f"the run ended with '{outcome.status}' ({outcome.reason}) before any rank measured its memory; logs in "
             f"{trial_dir}. " + ("Raise --trial-timeout." if outcome.status == Status.TIMEOUT else

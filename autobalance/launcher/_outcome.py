@@ -21,11 +21,12 @@ from autobalance.launcher._failure_order import (
 )
 from autobalance.protocol import (
     OUTCOME_STATUSES,
+    InvalidReport,
+    RankReport,
     Status,
     looks_like_oom,
     looks_like_peer_failure,
     report_path,
-    report_problem,
 )
 
 __all__ = ["STATUSES", "TrialOutcome", "classify", "read_reports"]
@@ -44,8 +45,10 @@ class TrialOutcome:
     """One of :data:`STATUSES`."""
     reason: str
     """One line saying why (the failing rank and what happened)."""
-    reports: dict[int, dict[str, Any]] = field(default_factory=dict)
-    """Valid per-rank reports by global rank."""
+    reports: dict[int, RankReport] = field(default_factory=dict)
+    """Valid per-rank reports by global rank, parsed once where they were read (:func:`read_reports`);
+    a report given as its JSON object is parsed here (:class:`~autobalance.protocol.InvalidReport`
+    when it is not a valid one)."""
     returncode: int | None = None
     """torchrun's exit code (None when it was killed by the timeout)."""
     wall_s: float = 0.0
@@ -68,14 +71,19 @@ class TrialOutcome:
     """Epoch seconds when the job was started (set by the tuner; with the ranks' reports it gives the
     time from launch to the first step)."""
 
+    def __post_init__(self) -> None:
+        self.reports = {r: rep if isinstance(rep, RankReport) else RankReport.from_dict(rep)
+                        for r, rep in self.reports.items()}
+
     @property
     def feasible_measurement(self) -> bool:
         return self.status == Status.OK
 
 
-def read_reports(trial_dir: str, world_size: int) -> tuple[dict[int, dict[str, Any]], dict[int, str]]:
-    """Valid reports by rank, and a problem description for each rank whose report is unusable."""
-    reports: dict[int, dict[str, Any]] = {}
+def read_reports(trial_dir: str, world_size: int) -> tuple[dict[int, RankReport], dict[int, str]]:
+    """Valid reports by rank (parsed: the one place a rank's JSON becomes a :class:`RankReport`), and
+    a problem description for each rank whose report is unusable."""
+    reports: dict[int, RankReport] = {}
     problems: dict[int, str] = {}
     for rank in range(world_size):
         path = report_path(trial_dir, rank)
@@ -87,11 +95,10 @@ def read_reports(trial_dir: str, world_size: int) -> tuple[dict[int, dict[str, A
         except (OSError, ValueError) as exc:
             problems[rank] = f"report of rank {rank} is unreadable ({type(exc).__name__}: {str(exc)[:120]})"
             continue
-        problem = report_problem(data)
-        if problem is not None:
-            problems[rank] = f"report of rank {rank} is not a valid autobalance report ({problem})"[:300]
-            continue
-        reports[rank] = data
+        try:  # through protocol.report_problem: nothing in a report is trusted
+            reports[rank] = RankReport.from_dict(data)
+        except InvalidReport as exc:
+            problems[rank] = f"report of rank {rank} is not a valid autobalance report ({exc})"[:300]
     return reports, problems
 
 
@@ -173,14 +180,14 @@ def classify(
     if pruned:
         return outcome(Status.PRUNED, "stopped early: its step time was clearly worse than the best feasible trial's")
     # the first failure in time names the trial (a later one may be a consequence of it)
-    for rank in by_report_time(trial_dir, [r for r, rep in reports.items() if rep["status"] == Status.OOM]):
+    for rank in by_report_time(trial_dir, [r for r, rep in reports.items() if rep.status == Status.OOM]):
         rep = reports[rank]
-        return outcome(Status.OOM, f"rank {rank} ran out of memory: {rep.get('error') or ''}"[:300], rank,
-                       rep.get("traceback") or "")
-    for rank in by_report_time(trial_dir, [r for r, rep in reports.items() if rep["status"] == Status.ERROR]):
+        return outcome(Status.OOM, f"rank {rank} ran out of memory: {rep.error or ''}"[:300], rank,
+                       rep.traceback or "")
+    for rank in by_report_time(trial_dir, [r for r, rep in reports.items() if rep.status == Status.ERROR]):
         rep = reports[rank]
-        return outcome(Status.ERROR, f"rank {rank} raised {rep.get('error') or 'an error'}"[:300], rank,
-                       rep.get("traceback") or "")
+        return outcome(Status.ERROR, f"rank {rank} raised {rep.error or 'an error'}"[:300], rank,
+                       rep.traceback or "")
     failures = _torchrun_failures(trial_dir)
     # torchrun saw a rank die on its own (not one it stopped) before the job was killed at the timeout:
     # that death came first, the timeout is its consequence
@@ -192,7 +199,7 @@ def classify(
     if problems:
         rank = min(problems)
         return outcome(Status.CRASH, problems[rank], rank)
-    if len(reports) == world_size and all(r["status"] == Status.OK for r in reports.values()):
+    if len(reports) == world_size and all(r.status == Status.OK for r in reports.values()):
         # every rank measured and reported; a failure while tearing down does not spoil that
         return outcome(Status.OK, "measured" if returncode == 0 else f"measured (torchrun exit code {returncode} afterwards)")
     logs = _rank_logs(trial_dir)
@@ -217,7 +224,7 @@ def classify(
     culprits = [r for r in silent if not _is_peer_failure(_traceback_in(logs.get(r, "")))] or silent
     if culprits:
         rank = culprits[0]
-        victims = sorted(r for r, rep in reports.items() if rep["status"] == Status.PEER_FAILED)
+        victims = sorted(r for r, rep in reports.items() if rep.status == Status.PEER_FAILED)
         tail = f"; ranks {victims} lost their connection to it" if victims else ""
         stopped = sorted(r for r in silent if r != rank and failures and r in failures and failures[r].torn_down)
         if stopped:  # still running when it died: torchrun's teardown ended them before they noticed
@@ -229,4 +236,4 @@ def classify(
     if returncode is not None and returncode < 0:
         return outcome(Status.CRASH, f"torchrun was killed by signal {-returncode}")
     return outcome(Status.CRASH, f"every rank reported but the job failed (reports: "
-                   f"{ {r: rep['status'] for r, rep in sorted(reports.items())} }; torchrun exit code {returncode})")
+                   f"{ {r: str(rep.status) for r, rep in sorted(reports.items())} }; torchrun exit code {returncode})")

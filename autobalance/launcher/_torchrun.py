@@ -227,7 +227,7 @@ def run_trial(
                 break
             if failure_seen_at is None:
                 reports, _ = read_reports(launch.trial_dir, launch.world_size)
-                if any(r["status"] in (Status.OOM, Status.ERROR) for r in reports.values()):
+                if any(r.status in (Status.OOM, Status.ERROR) for r in reports.values()):
                     failure_seen_at = time.monotonic()
             elif time.monotonic() - failure_seen_at > _FAILURE_GRACE_S:
                 break

@@ -172,10 +172,10 @@ class WarmPool:
         try:
             while True:
                 reports, problems = read_reports(launch.trial_dir, launch.world_size)
-                if len(reports) == launch.world_size and all(r["status"] == Status.OK for r in reports.values()):
+                if len(reports) == launch.world_size and all(r.status == Status.OK for r in reports.values()):
                     done = True
                     break
-                if problems or any(r["status"] in (Status.OOM, Status.ERROR) for r in reports.values()):
+                if problems or any(r.status in (Status.OOM, Status.ERROR) for r in reports.values()):
                     failed_at = failed_at or time.monotonic()
                     if len(reports) + len(problems) == launch.world_size:
                         break  # every rank has answered: nothing more to wait for
@@ -215,8 +215,8 @@ class WarmPool:
                            pruned=pruned)
         outcome.pool_start_s = max(0.0, (ready_at if ready_at is not None else time.monotonic()) - start)
         if done:
-            reasons = sorted({str((rep.get("warm") or {}).get("recycle")) for rep in outcome.reports.values()
-                              if (rep.get("warm") or {}).get("recycle")})
+            reasons = sorted({str((rep.warm or {}).get("recycle")) for rep in outcome.reports.values()
+                              if (rep.warm or {}).get("recycle")})
             if reasons:  # the next trial must not inherit what this one left: a fresh pool
                 outcome.recycled = "; ".join(reasons)
                 self.recycled.append(outcome.recycled)

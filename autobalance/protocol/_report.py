@@ -67,17 +67,27 @@ class _Section:
     """A JSON object of known keys; unknown keys are kept (``extra``) so a report round-trips."""
 
     extra: dict[str, Any]
+    _read: tuple[str, ...] | None = None
+    """The keys of the JSON object it was read from (``from_dict``), in their order; None: built here."""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Any:
         names = {f.name for f in dataclasses.fields(cls) if f.name != "extra"}  # type: ignore[arg-type]
         make: Any = cls
-        return make(**{k: v for k, v in data.items() if k in names},
-                    extra={k: v for k, v in data.items() if k not in names})
+        section = make(**{k: v for k, v in data.items() if k in names},
+                       extra={k: v for k, v in data.items() if k not in names})
+        section._read = tuple(data)
+        return section
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}  # type: ignore[arg-type]
         return {**out, **self.extra}
+
+    def as_read(self) -> dict[str, Any]:
+        """The JSON object it was read from, key for key (``to_dict`` would add the keys it lacked, as
+        None); ``to_dict`` for a section built here."""
+        out = self.to_dict()
+        return out if self._read is None else {k: out[k] for k in self._read}
 
 
 GENERIC_CPU_NAME = "cpu"

@@ -14,7 +14,16 @@ from autobalance._config import BalanceConfig
 from autobalance._errors import LaunchError, TrialScriptError, UsageError
 from autobalance._files import script_sha256
 from autobalance.launcher import TrialOutcome
-from autobalance.protocol import Status, StudyAttr, TrialAttr, best_trial, memory_text, over_limit
+from autobalance.protocol import (
+    RankDevice,
+    RankReport,
+    Status,
+    StudyAttr,
+    TrialAttr,
+    best_trial,
+    memory_text,
+    over_limit,
+)
 from autobalance.store import heartbeat_interval_s, study_id
 from autobalance.tuner._launching import TrialLauncher
 from autobalance.tuner._recording import Recorder
@@ -97,10 +106,30 @@ def baseline_fit_note(attrs: dict[str, Any], *, global_batch: int) -> str | None
             + ("." if status == Status.OK else "; without a baseline step time there is no speed-up to report."))
 
 
+def _device(rep: RankReport) -> RankDevice:
+    """A rank's device; a report without one fails here, as it did when reports were read as JSON."""
+    if rep.device is None:
+        raise KeyError("device")
+    return rep.device
+
+
+def _capacity(rep: RankReport) -> float:
+    """A rank's device memory, bytes."""
+    capacity = _device(rep).capacity_bytes
+    if capacity is None:
+        raise TypeError("a rank's report without its device's capacity")
+    return float(capacity)
+
+
+def _identity(rep: RankReport | None) -> str | None:
+    """What a rank's device is known by in production (None: no report, or none recorded)."""
+    return rep.device.identity if rep is not None and rep.device is not None else None
+
+
 def _space_from_baseline(study: optuna.Study, outcome: TrialOutcome,
                          s: TuneSettings) -> tuple[SearchSpace, BalanceConfig]:
     """The search space around the script's own configuration; the study attributes the baseline sets."""
-    rep = next((r for _, r in sorted(outcome.reports.items()) if r.get("defaults") and r.get("model")), None)
+    rep = next((r for _, r in sorted(outcome.reports.items()) if r.defaults and r.model), None)
     if outcome.status == Status.ERROR:
         raise TrialScriptError(
             f"the baseline trial (the script's own configuration) failed: {outcome.reason}. "
@@ -115,23 +144,24 @@ def _space_from_baseline(study: optuna.Study, outcome: TrialOutcome,
             f"the baseline trial (the script's own configuration) measured nothing: {outcome.reason}; logs in "
             f"{outcome.trial_dir}. {advice}"
         )
-    defaults = BalanceConfig.from_dict(rep["defaults"])
-    dtypes = s.dtypes or (["fp32", "bf16", "fp16"] if rep["device"]["type"] == "cuda" else ["fp32", "bf16"])
+    defaults = BalanceConfig.from_dict(rep.defaults)
+    device = _device(rep)
+    dtypes = s.dtypes or (["fp32", "bf16", "fp16"] if device.type == "cuda" else ["fp32", "bf16"])
     if defaults.dtype not in dtypes:
         dtypes = [defaults.dtype, *dtypes]
     space = SearchSpace.build(world_size=s.world_size, global_batch=defaults.global_batch,
-                              num_layers=int(rep["model"].get("num_blocks", 0)), dtypes=dtypes,
+                              num_layers=int((rep.model or {}).get("num_blocks", 0)), dtypes=dtypes,
                               max_accumulation=max(s.max_accumulation, defaults.accumulation),
                               compile_modes=s.compile_modes(), any_split=s.split == "any")
     if defaults.accumulation not in space.accumulations:
         space.accumulations = sorted({*space.accumulations, defaults.accumulation})
-    if s.world_size > 1 and any((r.get("optimizer") or {}).get("wrapped") for r in outcome.reports.values()):
+    if s.world_size > 1 and any((r.optimizer or {}).get("wrapped") for r in outcome.reports.values()):
         # the script shards through plan.optimizer: search where the state lives (any rank's report says
         # so: a baseline that ran out of memory may have lost the other ranks' reports)
         space.shardings = ["off", "zero1"]
     kept = keep_split(space, report=rep, own=defaults, allow=s.allow_batch_dependent)
     facts = script_facts(rep, kept_split=kept, allow=s.allow_batch_dependent, split=defaults.split_text())
-    capacity = [float((outcome.reports.get(r) or rep)["device"]["capacity_bytes"]) for r in range(s.world_size)]
+    capacity = [_capacity(outcome.reports.get(r) or rep) for r in range(s.world_size)]
     if s.device == "cuda" and s.caps_bytes():
         too_big = [(r, c) for r, c in enumerate(s.caps_bytes() or []) if c > capacity[r]]
         if too_big:
@@ -144,10 +174,9 @@ def _space_from_baseline(study: optuna.Study, outcome: TrialOutcome,
     study.set_user_attr(StudyAttr.SCRIPT_FACTS, facts)
     study.set_user_attr(StudyAttr.ALLOW_BATCH_DEPENDENT, s.allow_batch_dependent)
     study.set_user_attr(StudyAttr.CAPACITY, capacity)
-    study.set_user_attr(StudyAttr.DEVICE, rep["device"])
-    study.set_user_attr(StudyAttr.DEVICE_NAMES, [((outcome.reports.get(r) or {}).get("device") or {}).get("identity")
-                                                 for r in range(s.world_size)])
+    study.set_user_attr(StudyAttr.DEVICE, device.as_read())  # the baseline's device as it reported it
+    study.set_user_attr(StudyAttr.DEVICE_NAMES, [_identity(outcome.reports.get(r)) for r in range(s.world_size)])
     study.set_user_attr(StudyAttr.SCRIPT_SHA, script_sha256(s.script))
-    study.set_user_attr(StudyAttr.TORCH_VERSION, rep.get("torch_version"))
-    study.set_user_attr(StudyAttr.CUDA_VERSION, rep.get("cuda_version"))
+    study.set_user_attr(StudyAttr.TORCH_VERSION, rep.torch_version)
+    study.set_user_attr(StudyAttr.CUDA_VERSION, rep.cuda_version)
     return space, defaults

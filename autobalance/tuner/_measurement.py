@@ -18,7 +18,7 @@ import statistics
 from typing import Any
 
 from autobalance.launcher import TrialOutcome
-from autobalance.protocol import memory_text
+from autobalance.protocol import RankMemory, memory_text
 
 __all__ = ["measurement_attrs", "measurement_summary"]
 
@@ -30,16 +30,19 @@ def _gib(value: Any) -> float | None:
 
 
 def measurement_attrs(outcome: TrialOutcome, *, world_size: int) -> dict[str, Any]:
-    reports = [outcome.reports.get(r) or {} for r in range(world_size)]
+    reports = [outcome.reports.get(r) for r in range(world_size)]
+    memory = [rep.memory if rep is not None and rep.memory is not None else RankMemory() for rep in reports]
     attrs: dict[str, Any] = {}
-    first = [((rep.get("memory") or {}).get("compile_step") or {}).get("peak_device") for rep in reports]
-    steady = [((rep.get("memory") or {}).get("steady") or {}).get("peak_device") for rep in reports]
+    first = [(mem.compile_step or {}).get("peak_device") for mem in memory]
+    steady = [(mem.steady or {}).get("peak_device") for mem in memory]
     if any(v is not None for v in first):
         attrs["compile_peak_gib"] = [_gib(v) for v in first]
         attrs["steady_peak_gib"] = [_gib(v) for v in steady]
     spreads = []
     for rep in reports:
-        iqr, times = rep.get("step_time_iqr_s"), rep.get("step_times_s") or []
+        if rep is None:
+            continue
+        iqr, times = rep.step_time_iqr_s, rep.step_times_s or []
         if iqr is not None and times:
             median = statistics.median(float(t) for t in times)
             if median > 0:
@@ -50,7 +53,7 @@ def measurement_attrs(outcome: TrialOutcome, *, world_size: int) -> dict[str, An
         attrs["remeasured"] = {"reason": outcome.remeasured.get("reason"),
                                "step_time_ms": [None if t is None else round(1000 * t, 3)
                                                 for t in outcome.remeasured.get("step_time_s") or []]}
-    warm = [rep.get("warm") for rep in reports]
+    warm = [rep.warm if rep is not None else None for rep in reports]
     if any(warm):
         attrs["warm_pool_trial"] = max(int(w.get("pool_trial") or 0) for w in warm if w)
         attrs["warm_fresh_outside_gib"] = [_gib((w or {}).get("fresh_outside")) for w in warm]

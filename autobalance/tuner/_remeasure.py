@@ -19,11 +19,12 @@ it again). A second run that fails (an OOM the first run escaped) is the trial's
 from __future__ import annotations
 
 import copy
+import dataclasses
 import statistics
 from typing import Any
 
 from autobalance.launcher import TrialOutcome
-from autobalance.protocol import Status, timed_steps
+from autobalance.protocol import RankMemory, RankReport, Status, timed_steps
 
 __all__ = ["DISPERSION_LIMIT", "dispersion", "merge_outcomes", "remeasure_reason"]
 
@@ -38,11 +39,16 @@ def _iqr(times: list[float]) -> float | None:
     return q[2] - q[0]
 
 
-def _timed(times: list[float], samples: list[Any] | None, rep: dict[str, Any]) -> tuple[list[float], float | None]:
+def _timed(times: list[float], samples: list[Any] | None, rep: RankReport) -> tuple[list[float], float | None]:
     """The steps a rank's step time stands for (its full steps when any was measured: a partial
     step does less work) and their samples per step; see :func:`~autobalance.protocol.timed_steps`."""
-    global_batch = (rep.get("config") or {}).get("global_batch")
+    global_batch = _global_batch(rep)
     return timed_steps(times, samples, global_batch if isinstance(global_batch, int) else None)
+
+
+def _global_batch(rep: RankReport) -> Any:
+    """The global batch of the configuration the rank applied (as it reported it; None: not reported)."""
+    return (rep.config or {}).get("global_batch")
 
 
 def dispersion(outcome: TrialOutcome) -> float | None:
@@ -50,7 +56,7 @@ def dispersion(outcome: TrialOutcome) -> float | None:
     partial step is not spread); None without measured steps."""
     worst: float | None = None
     for rep in outcome.reports.values():
-        times, _ = _timed([float(t) for t in rep.get("step_times_s") or []], rep.get("step_samples"), rep)
+        times, _ = _timed([float(t) for t in rep.step_times_s or []], rep.step_samples, rep)
         iqr = _iqr(times)
         if iqr is None:
             continue
@@ -93,6 +99,11 @@ def _max_numbers(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _memory(rep: RankReport | None) -> dict[str, Any]:
+    """A rank's memory figures as its report's JSON object (empty without a report or figures)."""
+    return rep.memory.to_dict() if rep is not None and rep.memory is not None else {}
+
+
 def merge_outcomes(first: TrialOutcome, second: TrialOutcome, *, reason: str) -> TrialOutcome:
     """One outcome from a trial measured twice (see the module docstring)."""
     runs = [_slowest(first), _slowest(second)]
@@ -100,30 +111,30 @@ def merge_outcomes(first: TrialOutcome, second: TrialOutcome, *, reason: str) ->
         merged = copy.copy(second)
         merged.reason = f"re-measured ({reason}); the second run: {second.reason}"
         return merged
-    reports: dict[int, dict[str, Any]] = {}
+    reports: dict[int, RankReport] = {}
     for rank, rep in first.reports.items():
-        other = second.reports.get(rank) or {}
-        own, theirs = list(rep.get("step_times_s") or []), list(other.get("step_times_s") or [])
+        other = second.reports.get(rank)
+        own, theirs = list(rep.step_times_s or []), list((other.step_times_s if other else None) or [])
         times = [*own, *theirs]
-        samples = [*_padded(rep.get("step_samples"), len(own)), *_padded(other.get("step_samples"), len(theirs))]
+        other_samples = other.step_samples if other else None
+        samples = [*_padded(rep.step_samples, len(own)), *_padded(other_samples, len(theirs))]
         timed, per_step = _timed(times, samples, rep)
-        merged_rep = dict(rep)
-        merged_rep["memory"] = _max_numbers(rep.get("memory") or {}, other.get("memory") or {})
-        merged_rep["step_times_s"] = times
-        merged_rep["measured_steps"] = len(times)
-        if rep.get("step_samples") is not None or other.get("step_samples") is not None:
-            global_batch = (rep.get("config") or {}).get("global_batch")
-            merged_rep["step_samples"] = [global_batch if n is None else n for n in samples]
-            merged_rep["partial_steps"] = sum(1 for n in samples if n is not None and isinstance(global_batch, int)
-                                              and n < global_batch)
+        memory = _max_numbers(_memory(rep), _memory(other))
+        step_samples, partial_steps = rep.step_samples, rep.partial_steps
+        if rep.step_samples is not None or other_samples is not None:
+            global_batch = _global_batch(rep)
+            step_samples = [global_batch if n is None else n for n in samples]
+            partial_steps = sum(1 for n in samples if n is not None and isinstance(global_batch, int)
+                                and n < global_batch)
         # the median of the steps both runs' step times stand for (their full steps when any was measured)
-        merged_rep["step_time_s"] = statistics.median(timed) if timed else rep.get("step_time_s")
-        merged_rep["step_time_iqr_s"] = _iqr(timed)
-        per_step = per_step or rep.get("samples_per_step") or (rep.get("config") or {}).get("global_batch")
-        merged_rep["samples_per_step"] = per_step
-        merged_rep["samples_per_s"] = (per_step / merged_rep["step_time_s"]) if per_step and merged_rep["step_time_s"] else None
-        merged_rep["remeasured"] = {"reason": reason, "step_time_s": [rep.get("step_time_s"), other.get("step_time_s")]}
-        reports[rank] = merged_rep
+        step_time = statistics.median(timed) if timed else rep.step_time_s
+        per_step = per_step or rep.samples_per_step or _global_batch(rep)
+        reports[rank] = dataclasses.replace(
+            rep, memory=RankMemory.from_dict(memory), step_times_s=times, measured_steps=len(times),
+            step_samples=step_samples, partial_steps=partial_steps, step_time_s=step_time,
+            step_time_iqr_s=_iqr(timed), samples_per_step=per_step,
+            samples_per_s=(per_step / step_time) if per_step and step_time else None,
+        )
     merged = copy.copy(first)
     merged.reports = reports
     merged.wall_s = first.wall_s + second.wall_s
@@ -134,5 +145,5 @@ def merge_outcomes(first: TrialOutcome, second: TrialOutcome, *, reason: str) ->
 
 
 def _slowest(outcome: TrialOutcome) -> float | None:
-    times = [rep.get("step_time_s") for rep in outcome.reports.values()]
+    times = [rep.step_time_s for rep in outcome.reports.values()]
     return max(float(t) for t in times if t is not None) if times and all(t is not None for t in times) else None

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from autobalance._config import BalanceConfig
-from autobalance.protocol import StudyAttr
+from autobalance.protocol import RankReport, StudyAttr
 from autobalance.tuner.search import SearchSpace
 
 __all__ = ["ATTR_SCRIPT_FACTS", "batch_dependent_layers", "keep_split", "script_facts", "summary_facts"]
@@ -18,10 +18,10 @@ ATTR_SCRIPT_FACTS = StudyAttr.SCRIPT_FACTS
 """Study attribute: the lines of :func:`script_facts` for the baseline (shown again in the summary)."""
 
 
-def batch_dependent_layers(report: dict[str, Any]) -> list[str]:
+def batch_dependent_layers(report: RankReport) -> list[str]:
     """``"path (Type)"`` of the batch-dependent layers the baseline found (BatchNorm and its kind,
     modules whose forward wrote their buffers)."""
-    layers = (report.get("model") or {}).get("batch_dependent") or []
+    layers = (report.model or {}).get("batch_dependent") or []
     return [str(x) for x in layers]
 
 
@@ -29,7 +29,7 @@ def _shown(layers: list[str]) -> str:
     return ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
 
 
-def keep_split(space: SearchSpace, *, report: dict[str, Any], own: BalanceConfig, allow: bool) -> bool:
+def keep_split(space: SearchSpace, *, report: RankReport, own: BalanceConfig, allow: bool) -> bool:
     """Restrict ``space`` to the split and accumulation of ``own`` (the script's own configuration:
     its micro-batch per rank, even or not) when the model has batch-dependent layers and changing
     their step is not allowed; returns whether it did."""
@@ -39,10 +39,10 @@ def keep_split(space: SearchSpace, *, report: dict[str, Any], own: BalanceConfig
     return True
 
 
-def script_facts(report: dict[str, Any], *, kept_split: bool, allow: bool, split: str) -> list[str]:
+def script_facts(report: RankReport, *, kept_split: bool, allow: bool, split: str) -> list[str]:
     """One line per fact (see the module doc); ``split``: the script's split in words."""
     lines = []
-    model = report.get("model") or {}
+    model = report.model or {}
     if int(model.get("num_blocks") or 0) == 0:
         lines.append("No repeated blocks found in the model (no ModuleList or nn.Sequential of same-type blocks): "
                      "activation checkpointing is not searched. Name the blocks with "
@@ -59,7 +59,7 @@ def script_facts(report: dict[str, Any], *, kept_split: bool, allow: bool, split
     elif layers and allow:
         lines.append(f"Batch-dependent layers ({_shown(layers)}): splits are searched (--allow-batch-dependent) and "
                      "verified in eval mode; their batch statistics change with the split.")
-    data = report.get("data") or {}
+    data = report.data or {}
     samples, global_batch = data.get("samples"), data.get("global_batch")
     if isinstance(samples, int) and isinstance(global_batch, int) and samples < global_batch:
         lines.append(f"The dataset has {samples} samples, fewer than one global batch ({global_batch}): every step "

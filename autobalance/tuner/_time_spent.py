@@ -21,7 +21,7 @@ from typing import Any
 from optuna.trial import FrozenTrial, TrialState
 
 from autobalance.launcher import TrialOutcome
-from autobalance.protocol import Status, TrialAttr, time_in_steps_s
+from autobalance.protocol import RankTiming, Status, TrialAttr, time_in_steps_s
 
 __all__ = ["TIME_PARTS", "TimeBudget", "describe_budget", "per_trial_overhead_s", "time_lines", "time_spent",
            "trial_time_split"]
@@ -51,11 +51,10 @@ def trial_time_split(outcome: TrialOutcome) -> dict[str, float]:
     compiles, steps, first_steps = [], [], []
     reached = False
     for rep in outcome.reports.values():
-        timing = rep.get("timing") or {}
-        compiles.append(_number(timing.get("compile_s")) or 0.0)
-        steps.append(_number(timing.get("steps_s")) or 0.0)
-        startup, rank_wall, written = _number(timing.get("startup_s")), _number(timing.get("wall_s")), \
-            _epoch(rep.get("written_at"))
+        timing = rep.timing or RankTiming()
+        compiles.append(_number(timing.compile_s) or 0.0)
+        steps.append(_number(timing.steps_s) or 0.0)
+        startup, rank_wall, written = _number(timing.startup_s), _number(timing.wall_s), _epoch(rep.written_at)
         if startup is not None:
             reached = True
             if rank_wall is not None and written is not None:

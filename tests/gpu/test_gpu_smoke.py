@@ -206,7 +206,7 @@ def test_a_warm_pool_lifts_a_trials_cap_for_the_next_run_without_one(device: str
             assert pool.serves(run)
             outcome = pool.run(run)
             assert outcome.status == "ok", (name, outcome.reason)
-            peaks[name] = outcome.reports[0]["memory"]["peak_allocated"]
+            peaks[name] = outcome.reports[0].memory.peak_allocated
         assert pool.starts == 1  # all three in the same workers
         pool_id = pool.pool_id
     finally:

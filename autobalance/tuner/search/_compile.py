@@ -9,7 +9,7 @@ from typing import Any
 
 from optuna.trial import FrozenTrial
 
-from autobalance.protocol import TrialAttr
+from autobalance.protocol import RankReport, TrialAttr
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner.search._space import SearchSpace
 
@@ -55,22 +55,22 @@ def space_problem(settings: TuneSettings, space: SearchSpace) -> str | None:
             f"{','.join(space.compile_modes)})")
 
 
-def compile_figures(reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
+def compile_figures(reports: dict[int, RankReport]) -> dict[str, Any]:
     """Trial attributes from the ranks' reports: the slowest rank's compile time, each rank's
     budget as it reported it, and the Inductor cache hits and misses summed over ranks."""
-    compiled = [r for r in reports.values() if (r.get("compile") or {}).get("mode", "off") != "off"]
+    compiled = [r for r in reports.values() if (r.compile or {}).get("mode", "off") != "off"]
     if not compiled:
         return {}
-    times = [float(r["timing"]["compile_s"]) for r in compiled if (r.get("timing") or {}).get("compile_s") is not None]
+    times = [float(r.timing.compile_s) for r in compiled if r.timing is not None and r.timing.compile_s is not None]
     cache: dict[str, int] = {}
     for r in compiled:
-        for key, value in ((r.get("compile") or {}).get("cache") or {}).items():
+        for key, value in ((r.compile or {}).get("cache") or {}).items():
             if isinstance(value, int) and not isinstance(value, bool):
                 cache[key] = cache.get(key, 0) + value
     ranks = sorted(reports)
     return {
         "compile_s": round(max(times), 3) if times else None,
-        "activation_budget_used": [reports[r].get("activation_budget") for r in ranks],
+        "activation_budget_used": [reports[r].activation_budget for r in ranks],
         "compile_cache": cache,
     }
 

@@ -10,7 +10,6 @@ from autobalance.launcher import TrialOutcome
 from autobalance.protocol import (
     RankDevice,
     RankMemory,
-    RankReport,
     RankTiming,
     Status,
     TrialAttr,
@@ -195,7 +194,7 @@ def figures_from_outcome(
     wait: list[float | None] = []
     optimizer_state: list[float | None] = []
     wrapped: list[bool] = []
-    reports = {r: RankReport.from_dict(rep) for r, rep in outcome.reports.items()}
+    reports = outcome.reports
     for r in range(world_size):
         rep = reports.get(r)
         mem = rep.memory if rep is not None and rep.memory is not None else RankMemory()
@@ -230,7 +229,7 @@ def figures_from_outcome(
         gb = first.samples_per_step  # partial steps count the samples they really used
     from autobalance.tuner.search._compile import compile_figures
 
-    param_bytes = max((int(b) for r in reports.values() if r is not None
+    param_bytes = max((int(b) for r in reports.values()
                        for b in [(r.model or {}).get("parameter_bytes")]
                        if isinstance(b, int) and not isinstance(b, bool)), default=None)
 
