@@ -6,6 +6,9 @@ Both sides import only this module, so the runtime never imports the tuner or th
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar
 
 __all__ = [
     "CONFIG",
@@ -25,6 +28,7 @@ __all__ = [
     "TRIAL_DIR",
     "TRIAL_ID",
     "WARMUP",
+    "TrialEnv",
     "in_trial",
 ]
 
@@ -70,6 +74,55 @@ REPORT_FAILED_MARKER = "autobalance: report not written:"
 
 def in_trial() -> bool:
     return bool(os.environ.get(TRIAL_DIR))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrialEnv:
+    """The variables a trial sets for itself alone: what the launcher adds to a cold trial's
+    environment, and all a warm pool's request carries (the pool's own environment has none of them,
+    so one pool runs trials of different lengths and caps). :meth:`to_env` and :meth:`from_env` are
+    each other's inverse, as ``BalanceConfig.to_json`` and ``from_json``."""
+
+    NAMES: ClassVar[tuple[str, ...]] = (TRIAL_DIR, CONFIG, GLOBAL_BATCH, MEASURE_S, STEPS, WARMUP, MAX_STEPS,
+                                         MEMORY_CAP_BYTES)
+    """Every variable :meth:`to_env` may set (those it leaves out are unset for the trial)."""
+
+    trial_dir: str
+    config_json: str | None = None
+    """The configuration as JSON (None: the script's own defaults, i.e. the baseline)."""
+    global_batch: int | None = None
+    """The global batch the baseline must use (None: the script's)."""
+    steps: int = 3
+    warmup: int = 1
+    measure_s: float = 0.0
+    """Measure for about this long; 0: exactly ``steps`` (the variable is then unset)."""
+    max_steps: int = 50
+    memory_cap_bytes: tuple[int, ...] | None = None
+    """Per-rank memory caps (one entry: every rank); None or empty: no cap."""
+
+    def to_env(self) -> dict[str, str]:
+        """The variables, as the trial's processes see them."""
+        env = {TRIAL_DIR: self.trial_dir, STEPS: str(self.steps), WARMUP: str(self.warmup),
+               MAX_STEPS: str(self.max_steps)}
+        if self.measure_s > 0:
+            env[MEASURE_S] = f"{self.measure_s:.6g}"
+        if self.config_json is not None:
+            env[CONFIG] = self.config_json
+        if self.global_batch is not None:
+            env[GLOBAL_BATCH] = str(self.global_batch)
+        if self.memory_cap_bytes:
+            env[MEMORY_CAP_BYTES] = ",".join(str(b) for b in self.memory_cap_bytes)
+        return env
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> TrialEnv:
+        """What :meth:`to_env` wrote (``ValueError`` or ``KeyError`` on anything else)."""
+        caps = env.get(MEMORY_CAP_BYTES)
+        batch = env.get(GLOBAL_BATCH)
+        return cls(trial_dir=env[TRIAL_DIR], config_json=env.get(CONFIG),
+                   global_batch=None if batch is None else int(batch), steps=int(env[STEPS]),
+                   warmup=int(env[WARMUP]), measure_s=float(env.get(MEASURE_S, "0")), max_steps=int(env[MAX_STEPS]),
+                   memory_cap_bytes=tuple(int(c) for c in caps.split(",")) if caps else None)
 
 DEVICE = "AUTOBALANCE_DEVICE"
 """``cpu`` or ``cuda``: the device the trial runs on (default: cuda when available)."""

@@ -49,3 +49,26 @@ def test_script_digest(tmp_path):
     script = tmp_path / "train.py"
     script.write_bytes(b"print(1)\n" * 200_000)  # more than one read chunk
     assert script_sha256(script) == hashlib.sha256(script.read_bytes()).hexdigest()
+
+
+def test_the_trial_environment_is_typed_and_round_trips(tmp_path, monkeypatch):
+    """A trial's own variables are one TrialEnv: from_env reads back what to_env wrote; the cold
+    environment carries them (the parent's stale ones removed) and a warm request carries only them."""
+    from autobalance import _env
+    from autobalance.launcher import trial_environment
+
+    full = _env.TrialEnv(trial_dir=str(tmp_path), config_json='{"global_batch": 8}', global_batch=8, steps=4,
+                         warmup=2, measure_s=1.5, max_steps=20, memory_cap_bytes=(1024, 2048))
+    bare = _env.TrialEnv(trial_dir=str(tmp_path))
+    for trial in (full, bare):
+        assert _env.TrialEnv.from_env(trial.to_env()) == trial
+        assert set(trial.to_env()) <= set(_env.TrialEnv.NAMES)
+    assert set(bare.to_env()) == {_env.TRIAL_DIR, _env.STEPS, _env.WARMUP, _env.MAX_STEPS}
+    monkeypatch.setenv(_env.MEASURE_S, "9")  # a parent's value never leaks into a trial that sets none
+    monkeypatch.setenv(_env.STORAGE, "sqlite:///secret.db")
+    launch = TrialLaunch(script="train.py", nproc_per_node=2, trial_dir=str(tmp_path), steps=4, warmup=2,
+                         config_json='{"global_batch": 8}', memory_cap_bytes=[1024, 2048])
+    env = trial_environment(launch)
+    assert _env.MEASURE_S not in env and _env.STORAGE not in env
+    assert {k: env[k] for k in _env.TrialEnv.NAMES if k in env} == launch.trial_env().to_env()
+    assert env[_env.MEMORY_CAP_BYTES] == "1024,2048" and env[_env.TRIAL_ID] == launch.trial_id

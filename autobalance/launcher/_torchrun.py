@@ -94,6 +94,12 @@ class TrialLaunch:
     def logs_at(self) -> str:
         return self.log_dir or self.trial_dir
 
+    def trial_env(self) -> _env.TrialEnv:
+        """The variables this trial sets for itself alone (see :class:`autobalance._env.TrialEnv`)."""
+        return _env.TrialEnv(trial_dir=self.trial_dir, config_json=self.config_json, global_batch=self.global_batch,
+                             steps=self.steps, warmup=self.warmup, measure_s=self.measure_s, max_steps=self.max_steps,
+                             memory_cap_bytes=tuple(self.memory_cap_bytes) if self.memory_cap_bytes else None)
+
     def shared(self) -> dict[str, Any]:
         """What every node of a multi-node trial runs alike (sent to the other nodes as JSON)."""
         return {name: getattr(self, name) for name in SHARED_FIELDS}
@@ -151,28 +157,17 @@ def trial_environment(launch: TrialLaunch) -> dict[str, str]:
     """The parent's environment (NCCL/NVLink settings included) plus the trial's variables."""
     env = dict(os.environ)
     env.update(launch.env)
-    # a trial never reads the store: the storage URL (and any password in it) stays out of the job
-    for name in (_env.CONFIG, _env.GLOBAL_BATCH, _env.MEMORY_CAP_BYTES, _env.STUDY, _env.CONFIG_FILE, _env.STORAGE):
-        env.pop(name, None)
+    # a trial never reads the store: the storage URL (and any password in it) stays out of the job;
+    # the trial's own variables are only those it sets (an unset one is unset, not the parent's)
+    dropped = {*_env.TrialEnv.NAMES, _env.STUDY, _env.CONFIG_FILE, _env.STORAGE}
+    env = {name: value for name, value in env.items() if name not in dropped}
     env.update({
-        _env.TRIAL_DIR: launch.trial_dir,
         _env.TRIAL_ID: launch.trial_id,
-        _env.STEPS: str(launch.steps),
-        _env.WARMUP: str(launch.warmup),
-        _env.MAX_STEPS: str(launch.max_steps),
         _env.DEVICE: launch.device,
         _env.PG_TIMEOUT_S: str(launch.pg_timeout_s),
         "PYTHONUNBUFFERED": "1",
     })
-    env.pop(_env.MEASURE_S, None)
-    if launch.measure_s > 0:
-        env[_env.MEASURE_S] = f"{launch.measure_s:.6g}"
-    if launch.config_json is not None:
-        env[_env.CONFIG] = launch.config_json
-    if launch.global_batch is not None:
-        env[_env.GLOBAL_BATCH] = str(launch.global_batch)
-    if launch.memory_cap_bytes:
-        env[_env.MEMORY_CAP_BYTES] = ",".join(str(b) for b in launch.memory_cap_bytes)
+    env.update(launch.trial_env().to_env())
     return env
 
 

@@ -44,10 +44,10 @@ from autobalance.protocol import Status
 __all__ = ["WarmPool", "cold_reason"]
 
 _FAILURE_GRACE_S = 10.0
-_PER_TRIAL_KEYS = (_env.TRIAL_DIR, _env.CONFIG, _env.GLOBAL_BATCH, _env.MEASURE_S, _env.STEPS, _env.WARMUP,
-                   _env.MAX_STEPS, _env.MEMORY_CAP_BYTES, "PYTHONUNBUFFERED")
-"""What a request sets for its trial alone (the pool's own environment has none of them): so one pool
-runs trials of different lengths and caps, e.g. a study's trials and then its verification runs."""
+_PER_TRIAL_KEYS = (*_env.TrialEnv.NAMES, "PYTHONUNBUFFERED")
+"""What a request sets for its trial alone (:class:`autobalance._env.TrialEnv`, and unbuffered output;
+the pool's own environment has none of them): so one pool runs trials of different lengths and caps,
+e.g. a study's trials and then its verification runs."""
 _SAME_JOB_FIELDS = ("script", "script_args", "nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint",
                     "torchrun_args", "device", "pg_timeout_s", "env", "cpus")
 """The fields of :class:`TrialLaunch` a pool's workers were started with (see :meth:`WarmPool.serves`)."""
@@ -155,11 +155,8 @@ class WarmPool:
             if self.proc is not None:
                 self.close(graceful=False)
             self._start()
-        env = trial_environment(launch)
-        request: dict[str, Any] = {"env": {k: env[k] for k in _PER_TRIAL_KEYS if k in env},
+        request: dict[str, Any] = {"env": {**launch.trial_env().to_env(), "PYTHONUNBUFFERED": "1"},
                                    "trial_id": launch.trial_id}
-        if launch.config_json is None:
-            request["env"].pop(_env.CONFIG, None)
         path = os.path.join(self._dir, f"request-{self.seq}.json")
         write_json_atomic(path, request, fsync=False)
         self.seq += 1
