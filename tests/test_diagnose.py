@@ -198,7 +198,7 @@ def test_diagnose_names_a_slow_rank_and_survives_a_model_called_twice_per_step(t
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = " ".join(proc.stdout.split())
     assert "failed at its own configuration" not in out + proc.stderr
-    for text in ("busy per step (own work)", "all-reduce wait per step", "samples per step", "optimizer state",
+    for text in ("busy per step (own work)", "wait for the other ranks per step", "samples per step", "optimizer state",
                  "Module breakdown: the script calls its DistributedDataParallel more than once before the first "
                  "optimizer step", "(rank(s) 0, 1)", "1. rank 1 is slow:", "x the busy time per sample of rank 0",
                  "ms per sample): per optimizer step rank 1 is busy", "gives rank 1 fewer samples per step"):

@@ -1,4 +1,4 @@
-"""Issues 33 and 34, what the user sees: each rank's busy time and all-reduce wait (the imbalance of
+"""Issues 33 and 34, what the user sees: each rank's busy time and its wait for the other ranks (the imbalance of
 time next to that of memory) and each rank's optimizer state (what moved where with zero1) in the
 report and ``autobalance trials``; studies from before these were measured render as before.
 
@@ -59,13 +59,13 @@ def test_report_shows_time_and_optimizer_state_per_rank(mixed, tmp_path: Path) -
     page = Path(build_report(study, output_html=str(tmp_path / "r.html")).html).read_text()
     text = _text(page)
     # the best trial's time per rank, the slow rank named with its figures
-    assert ("Time per rank (busy / all-reduce wait, ms per step): rank 0: 215 / 9, rank 1: 208 / 12. "
+    assert ("Time per rank (busy / wait for the other ranks, ms per step): rank 0: 215 / 9, rank 1: 208 / 12. "
             "rank 1 is 2.13x slower per sample than rank 0 (busy 20.8 vs 9.77 ms per sample).") in text
     # baseline versus best: optimizer state as its own part of each rank's memory; what zero1 moved where
     assert "rank 0 optimizer state 24.0 MiB 4.80 MiB (zero1: its share)" in text
     assert "rank 1 optimizer state 24.0 MiB 19.2 MiB (zero1: its share)" in text
-    assert "rank 0 busy / all-reduce wait (ms) 150 / 175 215 / 9" in text
-    assert "rank 1 busy / all-reduce wait (ms) 320 / 5 208 / 12" in text
+    assert "rank 0 busy / wait for the other ranks (ms) 150 / 175 215 / 9" in text
+    assert "rank 1 busy / wait for the other ranks (ms) 320 / 5 208 / 12" in text
     # all trials: the two columns
     assert "optimizer state per rank" in text and "busy/wait ms per rank" in text
     assert "24.0 MiB 24.0 MiB" in text and "zero1: 4.80 MiB 19.2 MiB" in text
@@ -75,7 +75,7 @@ def test_report_shows_time_and_optimizer_state_per_rank(mixed, tmp_path: Path) -
 def test_report_of_a_study_from_before_has_no_time_or_optimizer_rows(tmp_path: Path) -> None:
     study = build_study(tmp_path / "old.db")  # the synthetic GPU study: no busy times, no optimizer section
     text = _text(Path(build_report(study, output_html=str(tmp_path / "r.html")).html).read_text())
-    for absent in ("optimizer state", "busy", "all-reduce wait", "Time per rank"):
+    for absent in ("optimizer state", "busy", "wait for the other ranks", "Time per rank"):
         assert absent not in text, absent
     assert "peak per rank" in text and "rank 0 peak" in text
 

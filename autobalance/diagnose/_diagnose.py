@@ -461,7 +461,7 @@ def print_diagnosis(diag: Diagnosis, *, console: Any = None) -> None:
         table.add_row(label, *[fmt_bytes(v) for v in values])
     if any(r.busy_time_s is not None for r in diag.ranks):
         table.add_row("busy per step (own work)", *[_ms(r.busy_time_s) for r in diag.ranks])
-        table.add_row("all-reduce wait per step", *[_ms(r.allreduce_wait_s) for r in diag.ranks])
+        table.add_row("wait for the other ranks per step", *[_ms(r.allreduce_wait_s) for r in diag.ranks])
         table.add_row("samples per step", *["-" if r.samples_per_step is None else str(r.samples_per_step)
                                             for r in diag.ranks])
     table.add_row("micro-batch", *[str(r.micro_batch) if r.micro_batch is not None else "-" for r in diag.ranks])

@@ -121,8 +121,8 @@ def _comparison(summary: StudySummary) -> str:
                          + cell(best, lambda x, r=r: _optimizer_cell(x, r)) + "</tr>")
     if summary.multi_rank and any(x.busy_ms for x in rows):  # the imbalance of time next to that of memory
         for r in range(ranks):
-            lines.append(f"<tr><th title='its own work per step / its wait at the gradient all-reduce'>rank {r} busy / "
-                         "all-reduce wait (ms)</th>" + cell(base, lambda x, r=r: _time_cell(x, r))
+            lines.append(f"<tr><th title='its own work per step / its wait for the other ranks (the gradient all-reduce, DDP's forward syncs, ZeRO-1's broadcasts)'>rank {r} busy / "
+                         "wait for the other ranks (ms)</th>" + cell(base, lambda x, r=r: _time_cell(x, r))
                          + cell(best, lambda x, r=r: _time_cell(x, r)) + "</tr>")
     if summary.multi_rank:
         lines.append("<tr><th>spread</th>" + cell(base, lambda r: memory_text(_spread(r)))
@@ -156,7 +156,7 @@ def _time_cell(row: TrialRow, rank: int) -> str:
 
 
 def rank_time_text(row: TrialRow) -> str:
-    """A trial's time per rank in words: each rank's busy time and all-reduce wait, and the slow rank
+    """A trial's time per rank in words: each rank's busy time and its wait for the other ranks, and the slow rank
     (busy time per sample :data:`~autobalance.protocol.SLOW_RATIO` times the fastest's or more); empty
     without busy times (a study from before they were measured)."""
     if not row.busy_ms or row.ranks < 2:
@@ -165,7 +165,7 @@ def rank_time_text(row: TrialRow) -> str:
     slow = slow_rank(row.busy_ms, row.samples_per_rank)
     verdict = (f"{slow.text()}." if slow is not None else
                "No rank is clearly slower per sample than another.")
-    return f"Time per rank (busy / all-reduce wait, ms per step): {each}. {verdict}"
+    return f"Time per rank (busy / wait for the other ranks, ms per step): {each}. {verdict}"
 
 
 SavedTrial = int | None | Literal["unknown"]
