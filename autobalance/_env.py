@@ -5,10 +5,13 @@ Both sides import only this module, so the runtime never imports the tuner or th
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
+
+from autobalance._errors import UsageError
 
 __all__ = [
     "CONFIG",
@@ -81,7 +84,8 @@ class TrialEnv:
     """The variables a trial sets for itself alone: what the launcher adds to a cold trial's
     environment, and all a warm pool's request carries (the pool's own environment has none of them,
     so one pool runs trials of different lengths and caps). :meth:`to_env` and :meth:`from_env` are
-    each other's inverse, as ``BalanceConfig.to_json`` and ``from_json``."""
+    each other's inverse, as ``BalanceConfig.to_json`` and ``from_json``; the runtime reads them with
+    the lenient :meth:`read`."""
 
     NAMES: ClassVar[tuple[str, ...]] = (TRIAL_DIR, CONFIG, GLOBAL_BATCH, MEASURE_S, STEPS, WARMUP, MAX_STEPS,
                                          MEMORY_CAP_BYTES)
@@ -123,6 +127,69 @@ class TrialEnv:
                    global_batch=None if batch is None else int(batch), steps=int(env[STEPS]),
                    warmup=int(env[WARMUP]), measure_s=float(env.get(MEASURE_S, "0")), max_steps=int(env[MAX_STEPS]),
                    memory_cap_bytes=tuple(int(c) for c in caps.split(",")) if caps else None)
+
+    @classmethod
+    def read(cls, environ: Mapping[str, str], *, rank: int) -> TrialEnv:
+        """The runtime's one read of these variables, once per :func:`autobalance.plan` call (a warm
+        worker's environment changes per trial). Lenient where :meth:`from_env` is strict: an absent
+        or empty variable takes its default, and outside a trial (no ``TRIAL_DIR``: a production job)
+        ``trial_dir`` is ``""`` and the configuration and global batch are not read, while the steps
+        and the memory cap are. A malformed value is a ``UsageError`` naming it (a global batch that
+        is not an integer: ``ValueError``); ``rank`` is this process's, whose cap must exist."""
+        trial_dir = environ.get(TRIAL_DIR) or ""
+        caps = _caps(environ.get(MEMORY_CAP_BYTES), rank)
+        batch = environ.get(GLOBAL_BATCH) if trial_dir else None
+        return cls(trial_dir=trial_dir, config_json=(environ.get(CONFIG) or None) if trial_dir else None,
+                   global_batch=int(batch) if batch else None,
+                   warmup=_int(environ, WARMUP, 1), steps=_int(environ, STEPS, 3),
+                   measure_s=_seconds(environ, MEASURE_S, 0.0), max_steps=_int(environ, MAX_STEPS, 50),
+                   memory_cap_bytes=caps)
+
+    def cap_for(self, rank: int) -> int | None:
+        """This rank's memory cap in bytes (one entry: every rank's), or None."""
+        if not self.memory_cap_bytes:
+            return None
+        return self.memory_cap_bytes[0] if len(self.memory_cap_bytes) == 1 else self.memory_cap_bytes[rank]
+
+
+def _int(environ: Mapping[str, str], name: str, default: int) -> int:
+    """An integer variable (absent or empty: ``default``)."""
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise UsageError(f"{name}={raw!r} is not an integer; set it to a whole number.") from None
+
+
+def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
+    """A finite number of seconds >= 0 (absent or empty: ``default``)."""
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise UsageError(f"{name}={raw!r} is not a number; set it to seconds, e.g. 1.5.") from None
+    if not math.isfinite(value) or value < 0:
+        raise UsageError(f"{name}={raw!r} must be a finite number >= 0; set it to seconds, e.g. 1.5.")
+    return value
+
+
+def _caps(raw: str | None, rank: int) -> tuple[int, ...] | None:
+    """``MEMORY_CAP_BYTES``: one byte count, or one per rank (then this rank's must be there)."""
+    if not raw:
+        return None
+    parts = [p.strip() for p in raw.split(",") if p.strip()]
+    try:
+        values = tuple(int(float(p)) for p in parts)
+    except ValueError:
+        raise UsageError(f"{MEMORY_CAP_BYTES}={raw!r} is not a byte count or a comma-separated list of them.") from None
+    if len(values) != 1 and rank >= len(values):
+        raise UsageError(f"{MEMORY_CAP_BYTES}={raw!r} has {len(values)} entries but this is rank {rank}; "
+                         "give one cap per rank.")
+    return values
 
 DEVICE = "AUTOBALANCE_DEVICE"
 """``cpu`` or ``cuda``: the device the trial runs on (default: cuda when available)."""

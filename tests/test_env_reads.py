@@ -3,7 +3,8 @@ job's training math (issue 22: no switch in autobalance/ may silently corrupt tr
 
 The inventory is found from the source by AST, on every form of reading a variable by name:
 ``os.environ.get`` / ``.pop`` / ``.setdefault`` / ``[...]``, ``"X" in os.environ`` / ``not in``,
-``os.getenv``, the runtime's ``int_env`` / ``float_env``, each also through an alias
+``os.getenv``, the runtime's ``int_env``, ``TrialEnv.read(os.environ, ...)`` (a read of every
+name in ``TrialEnv.NAMES``: ``test_trial_env_read_reads_only_its_names`` proves it), each also through an alias
 (``env = os.environ``, ``from os import environ``, ``import os as o``) or on a copy
 (``env = dict(os.environ)``); names are resolved through ``autobalance._env``, the module's own
 constants and loops over literal tuples. So a new read fails here until someone says what it does.
@@ -25,6 +26,7 @@ import pytest
 
 import autobalance
 from autobalance import _env
+from autobalance._errors import UsageError
 
 ROOT = Path(autobalance.__file__).parent
 
@@ -118,7 +120,7 @@ class EnvReads:
         self.names: dict[str, list[int]] = {}
         self.whole: dict[str, list[int]] = {}
         tree = ast.parse(source)
-        self.os_names, self.environ_names, self.getenv_names = {"os"}, set(), {"int_env", "float_env"}
+        self.os_names, self.environ_names, self.getenv_names = {"os"}, set(), {"int_env"}
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 self.os_names |= {a.asname or a.name for a in node.names if a.name == "os"}
@@ -212,7 +214,12 @@ class EnvReads:
     def _visit(self, node: ast.AST, scope: _Scope) -> None:
         if isinstance(node, ast.Call):
             f = node.func
-            if isinstance(f, ast.Attribute) and self._is_env(f.value, scope):
+            if (isinstance(f, ast.Attribute) and f.attr == "read" and node.args and self._is_env(node.args[0], scope)
+                    and ast.unparse(f.value) in ("TrialEnv", "_env.TrialEnv")):
+                self._consumed.add(id(node.args[0]))  # TrialEnv.read(os.environ, ...): its NAMES, not the whole
+                for name in _env.TrialEnv.NAMES:
+                    self.names.setdefault(name, []).append(node.lineno)
+            elif isinstance(f, ast.Attribute) and self._is_env(f.value, scope):
                 self._consumed.add(id(f.value))
                 if f.attr in NAME_METHODS and node.args:
                     self._read(node.args[0], node, scope)
@@ -386,3 +393,75 @@ def test_trial_only_variables_are_ignored_by_a_production_job(monkeypatch: pytes
     plan = autobalance.plan(micro_batch=4, device="cpu")
     assert plan.source == "defaults"
     assert plan.config.micro_batches == [4] and plan.config.global_batch == 4
+
+
+def test_checker_counts_trial_env_read_as_its_names(tmp_path: Path):
+    """Fails if ``TrialEnv.read(os.environ, ...)`` is taken for a read of the whole environment, or
+    for no read at all: it reads the names of ``TrialEnv.NAMES``."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "m.py").write_text("import os\nfrom autobalance import _env\n\n\ndef f():\n"
+                                           "    return _env.TrialEnv.read(os.environ, rank=0)\n")
+    found, whole = scan(tmp_path / "pkg", "planted_pkg")
+    assert sorted(found) == sorted(_env.TrialEnv.NAMES) and whole == {}
+    assert found[_env.STEPS] == ["m.py:6"]
+
+
+class _Recording(dict):
+    """An environment that notes each variable looked up in it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.asked: set[str] = set()
+
+    def get(self, key, default=None):
+        self.asked.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self.asked.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self.asked.add(key)
+        return super().__contains__(key)
+
+
+def test_trial_env_read_reads_only_its_names():
+    """Fails if ``TrialEnv.read`` looks up a variable outside ``TrialEnv.NAMES`` (the checker above
+    counts it as reading exactly those)."""
+    env = _Recording(_env.TrialEnv(trial_dir="/t", config_json="{}", global_batch=8, measure_s=2.0,
+                                   memory_cap_bytes=(1, 2)).to_env(), AUTOBALANCE_STUDY="s")
+    _env.TrialEnv.read(env, rank=1)
+    assert env.asked <= set(_env.TrialEnv.NAMES)
+
+
+def test_trial_env_read_inverts_to_env_and_applies_the_defaults():
+    """Fails if ``TrialEnv.read`` does not give back what ``to_env`` wrote (as ``from_env`` does), if an
+    absent or empty variable does not take today's default, if a production job (no trial directory)
+    takes a configuration or a global batch from the environment, or if a malformed variable's error
+    is not today's (``UsageError`` naming it; a global batch: ``ValueError``)."""
+    trial = _env.TrialEnv(trial_dir="/t", config_json='{"a": 1}', global_batch=96, steps=5, warmup=2,
+                          measure_s=1.5, max_steps=40, memory_cap_bytes=(100, 200))
+    assert _env.TrialEnv.read(trial.to_env(), rank=1) == trial == _env.TrialEnv.from_env(trial.to_env())
+    assert trial.cap_for(1) == 200 and _env.TrialEnv(trial_dir="/t", memory_cap_bytes=(7,)).cap_for(3) == 7
+    assert _env.TrialEnv.read({}, rank=0) == _env.TrialEnv(trial_dir="")
+    empty = dict.fromkeys(_env.TrialEnv.NAMES, "")
+    assert _env.TrialEnv.read(empty, rank=0) == _env.TrialEnv(trial_dir="")
+    production = {**trial.to_env(), _env.TRIAL_DIR: "", _env.MEMORY_CAP_BYTES: " 1e9 "}
+    read = _env.TrialEnv.read(production, rank=3)
+    assert (read.trial_dir, read.config_json, read.global_batch) == ("", None, None)
+    assert read.cap_for(3) == 10**9 and read.steps == 5
+    with pytest.raises(UsageError, match=r"^AUTOBALANCE_STEPS='x' is not an integer; set it to a whole number\.$"):
+        _env.TrialEnv.read({_env.STEPS: "x"}, rank=0)
+    with pytest.raises(UsageError, match=r"^AUTOBALANCE_MEASURE_S='-1' must be a finite number >= 0"):
+        _env.TrialEnv.read({_env.MEASURE_S: "-1"}, rank=0)
+    with pytest.raises(UsageError, match=r"^AUTOBALANCE_MEASURE_S='s' is not a number; set it to seconds"):
+        _env.TrialEnv.read({_env.MEASURE_S: "s"}, rank=0)
+    with pytest.raises(UsageError, match=r"^AUTOBALANCE_MEMORY_CAP_BYTES='a' is not a byte count or a "
+                                         r"comma-separated list of them\.$"):
+        _env.TrialEnv.read({_env.MEMORY_CAP_BYTES: "a"}, rank=0)
+    with pytest.raises(UsageError, match=r"^AUTOBALANCE_MEMORY_CAP_BYTES='1,2' has 2 entries but this is rank 2; "
+                                         r"give one cap per rank\.$"):
+        _env.TrialEnv.read({_env.MEMORY_CAP_BYTES: "1,2"}, rank=2)
+    with pytest.raises(ValueError, match="invalid literal for int"):
+        _env.TrialEnv.read({_env.TRIAL_DIR: "/t", _env.GLOBAL_BATCH: "many"}, rank=0)

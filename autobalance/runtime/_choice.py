@@ -205,13 +205,13 @@ def choose_config(
     device: torch.device,
     world_size: int,
     cap_bytes: int | None,
+    trial_config: str | None = None,
 ) -> tuple[BalanceConfig, str]:
     """The configuration this rank applies and its source (``trial``, ``argument``, ``store:...``, ``defaults``).
     Outside a trial, rank 0 prints one line naming a stored source or, when there is none, the script's
-    own configuration."""
+    own configuration. ``trial_config``: a trial's ``AUTOBALANCE_CONFIG`` (``TrialEnv.config_json``)."""
     if in_trial:
-        raw = os.environ.get(_env.CONFIG)
-        return (BalanceConfig.from_json(raw), "trial") if raw else (defaults, "defaults")
+        return (BalanceConfig.from_json(trial_config), "trial") if trial_config else (defaults, "defaults")
     if config is not None:
         if isinstance(config, BalanceConfig):
             return config, "argument"

@@ -25,7 +25,6 @@ import torch.distributed as dist
 from autobalance import _env
 from autobalance._files import write_json_atomic
 from autobalance.protocol import timed_steps
-from autobalance.runtime._setup import float_env, int_env
 
 __all__ = ["PROGRESS_FILE", "StepClock"]
 
@@ -36,14 +35,16 @@ class StepClock:
     """One rank's step timing and the trial's step count."""
 
     def __init__(self, *, trial_dir: str | None, rank: int, device: torch.device, compile_steps: int,
-                 one_step: bool) -> None:
+                 one_step: bool, trial: _env.TrialEnv | None = None) -> None:
+        """``trial``: the trial's variables as ``plan()`` read them (None: their defaults)."""
+        trial = trial or _env.TrialEnv(trial_dir="")
         self.trial_dir = trial_dir
         self.rank = rank
         self.device = device
-        self.warmup_steps = int_env(_env.WARMUP, 1)
-        self.measured_steps = int_env(_env.STEPS, 3)
-        self.measure_s = float_env(_env.MEASURE_S, 0.0)
-        self.max_steps = max(self.measured_steps, int_env(_env.MAX_STEPS, 50))
+        self.warmup_steps = trial.warmup
+        self.measured_steps = trial.steps
+        self.measure_s = trial.measure_s
+        self.max_steps = max(self.measured_steps, trial.max_steps)
         self.target_steps = self.measured_steps
         """Measured steps of this trial: ``measured_steps``, or more once ``measure_s`` sets it."""
         self.compile_steps = compile_steps

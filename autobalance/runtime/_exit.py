@@ -159,13 +159,13 @@ def report_not_written(rank: int, trial_dir: str, status: Status, exc: BaseExcep
 
 
 @contextlib.contextmanager
-def setup_failure_reported(in_trial: bool) -> Iterator[None]:
-    """In a trial, a configuration that is rejected still leaves an ``error`` report (then raises)."""
+def setup_failure_reported(trial_dir: str) -> Iterator[None]:
+    """In a trial (``trial_dir`` not empty), a configuration that is rejected still leaves an ``error``
+    report (then raises)."""
     try:
         yield
     except AutobalanceError as exc:
-        if in_trial:
-            trial_dir = os.environ.get(_env.TRIAL_DIR) or ""
+        if trial_dir:
             report = setup_failure_report(exc)
             try:
                 write_report(trial_dir, report["rank"], report)

@@ -60,7 +60,7 @@ from autobalance.runtime._precision import (
 )
 from autobalance.runtime._report import build_report
 from autobalance.runtime._sampler import StepLayout, UnevenBatchSampler
-from autobalance.runtime._setup import cap_for_rank, init_distributed, int_env, resolve_device
+from autobalance.runtime._setup import init_distributed, int_env, resolve_device
 from autobalance.runtime._verify import VerifyRun
 from autobalance.runtime._weighting import StepWeights
 from autobalance.runtime._wrapping import wrap_model
@@ -93,6 +93,7 @@ class Plan:
         seed: int,
         blocks: str | None,
         cap_bytes: int | None,
+        trial: _env.TrialEnv,
     ) -> None:
         config.validate_for(world_size=world_size)
         check_dtype_supported(config.dtype, device)
@@ -106,7 +107,7 @@ class Plan:
         self.seed = seed
         self.blocks_path = blocks
         self.cap_bytes = cap_bytes
-        self.trial_dir = os.environ.get(_env.TRIAL_DIR) or None
+        self.trial_dir = trial.trial_dir or None
         self.trial_id = os.environ.get(_env.TRIAL_ID, "")
         self.measuring = self.trial_dir is not None
         self.scaler: Any = make_scaler(config.dtype, device)
@@ -130,7 +131,7 @@ class Plan:
         self.breakdown = Breakdown(device=device, meter=self.meter) if self.measuring else None
         self.clock = StepClock(trial_dir=self.trial_dir, rank=rank, device=device,
                                compile_steps=1 if self.compile_state is not None else 0,
-                               one_step=self.verify is not None)
+                               one_step=self.verify is not None, trial=trial)
         self.ending = TrialEnd(self)
         self.batch_watch = (BatchDependence() if self.measuring and self.compile_state is None else None)
         self.busy = BusyMeter(device=device) if self.measuring else None
@@ -378,10 +379,10 @@ def plan(
         dev = torch.device("cuda", torch.cuda.current_device())
     timeout = int_env(_env.PG_TIMEOUT_S, 60 if in_trial else 1800)
     rank, world_size, local_rank = init_distributed(dev.type, timeout)
-    cap_bytes = cap_for_rank(os.environ.get(_env.MEMORY_CAP_BYTES), rank)
+    trial = _env.TrialEnv.read(os.environ, rank=rank)  # once per plan(): a warm worker's changes per trial
+    cap_bytes = trial.cap_for(rank)
     if cap_bytes is None and memory_cap_gib is not None:
         cap_bytes = int(memory_cap_gib * 2**30)
-    env_global = os.environ.get(_env.GLOBAL_BATCH) if in_trial else None
     defaults = default_config(
         world_size=world_size,
         micro_batch=micro_batch,
@@ -390,9 +391,9 @@ def plan(
         checkpoint=checkpoint,
         bucket_cap_mb=bucket_cap_mb,
         gradient_as_bucket_view=gradient_as_bucket_view,
-        global_batch=int(env_global) if env_global else global_batch,
+        global_batch=trial.global_batch if trial.global_batch is not None else global_batch,
     )
-    with setup_failure_reported(in_trial):  # e.g. a configuration from the environment that does not validate
+    with setup_failure_reported(trial.trial_dir):  # e.g. a configuration from the environment that does not validate
         chosen, source = choose_config(
             in_trial=in_trial,
             defaults=defaults,
@@ -404,6 +405,7 @@ def plan(
             device=dev,
             world_size=world_size,
             cap_bytes=cap_bytes,
+            trial_config=trial.config_json,
         )
         result = Plan(
             config=chosen,
@@ -416,6 +418,7 @@ def plan(
             seed=seed,
             blocks=blocks,
             cap_bytes=cap_bytes,
+            trial=trial,
         )
     global CURRENT_PLAN
     CURRENT_PLAN = result

@@ -1,7 +1,8 @@
 """A rank's process set-up: its settings from the environment, its device, its process group.
 
-The launcher passes a trial's settings as ``AUTOBALANCE_*`` variables (see :mod:`autobalance._env`);
-a malformed one is a :class:`~autobalance._errors.UsageError` naming the variable. The process
+The launcher passes a trial's settings as ``AUTOBALANCE_*`` variables, which ``plan()`` reads once
+with :meth:`autobalance._env.TrialEnv.read`; a malformed one (here: the process-group timeout) is a
+:class:`~autobalance._errors.UsageError` naming the variable. The process
 group is created here when torchrun started the rank and nobody created it yet, with a short
 timeout in a trial so that a lost peer cannot hang a rank, and torn down at exit.
 """
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import math
 import os
 from typing import Any
 
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from autobalance import _env
 from autobalance._errors import UsageError
 
-__all__ = ["cap_for_rank", "float_env", "init_distributed", "int_env", "resolve_device"]
+__all__ = ["init_distributed", "int_env", "resolve_device"]
 
 
 def int_env(name: str, default: int) -> int:
@@ -31,39 +31,6 @@ def int_env(name: str, default: int) -> int:
         return int(raw)
     except ValueError:
         raise UsageError(f"{name}={raw!r} is not an integer; set it to a whole number.") from None
-
-
-def float_env(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise UsageError(f"{name}={raw!r} is not a number; set it to seconds, e.g. 1.5.") from None
-    if not math.isfinite(value) or value < 0:
-        raise UsageError(f"{name}={raw!r} must be a finite number >= 0; set it to seconds, e.g. 1.5.")
-    return value
-
-
-def cap_for_rank(raw: str | None, rank: int) -> int | None:
-    if not raw:
-        return None
-    parts = [p.strip() for p in raw.split(",") if p.strip()]
-    try:
-        values = [int(float(p)) for p in parts]
-    except ValueError:
-        raise UsageError(
-            f"{_env.MEMORY_CAP_BYTES}={raw!r} is not a byte count or a comma-separated list of them."
-        ) from None
-    if len(values) == 1:
-        return values[0]
-    if rank >= len(values):
-        raise UsageError(
-            f"{_env.MEMORY_CAP_BYTES}={raw!r} has {len(values)} entries but this is rank {rank}; "
-            "give one cap per rank."
-        )
-    return values[rank]
 
 
 def init_distributed(device_type: str, timeout_s: int) -> tuple[int, int, int]:
