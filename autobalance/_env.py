@@ -33,6 +33,7 @@ __all__ = [
     "WARMUP",
     "TrialEnv",
     "in_trial",
+    "parse_int",
 ]
 
 TRIAL_DIR = "AUTOBALANCE_TRIAL_DIR"
@@ -154,7 +155,11 @@ class TrialEnv:
 
 def _int(environ: Mapping[str, str], name: str, default: int) -> int:
     """An integer variable (absent or empty: ``default``)."""
-    raw = environ.get(name)
+    return parse_int(environ.get(name), name, default)
+
+
+def parse_int(raw: str | None, name: str, default: int) -> int:
+    """Variable ``name``'s value ``raw`` as an integer (absent or empty: ``default``)."""
     if raw is None or raw == "":
         return default
     try:

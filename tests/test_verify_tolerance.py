@@ -144,7 +144,7 @@ def test_a_floor_run_takes_the_same_samples_in_reverse_order():
 def test_a_warm_worker_puts_the_precision_flags_back_between_runs():
     """A verification run's full fp32 precision must not carry over to the next run in the same warm
     worker (a bf16 compiled run would then miss the study's Inductor cache: the flags are in its key)."""
-    from autobalance.runtime._worker import precision_flags, restore_precision_flags
+    from autobalance.runtime._verify import precision_flags, restore_precision_flags
 
     matmul = torch.backends.cuda.matmul
     before = precision_flags()

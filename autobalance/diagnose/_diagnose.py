@@ -270,7 +270,7 @@ def _findings(rows: list[RankBreakdown], *, command: str, status: str, reason: s
                   f"{rows[slow.rank].samples_per_step} samples, rank {fast.rank} {_ms(fast.busy_time_s)} for "
                   f"{fast.samples_per_step}")
         if waiting is not None:
-            detail += (f"; rank {waiting.rank} waits {_ms(waiting.allreduce_wait_s)} at the gradient all-reduce each "
+            detail += (f"; rank {waiting.rank} waits {_ms(waiting.allreduce_wait_s)} for the other ranks each "
                        "step, rank " f"{slow.rank} {_ms(rows[slow.rank].allreduce_wait_s)}")
         detail += ". Every rank runs at the slowest one's pace (a slower GPU of a mixed machine, or a busier one)."
         out.append(Finding(

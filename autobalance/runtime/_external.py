@@ -253,11 +253,6 @@ class FrameworkLoop:
         self._micro = 0
         self._step_in_epoch += 1
         self._step_open = False
-        plan._steps_done += 1
-        for part in plan._parts:
-            part.after_step(plan)
-        plan._layout = None
-        if plan.measuring:
-            plan._measure_step()
+        plan.step_done()
         if any([part.trial_done(plan) for part in plan._parts]) or plan.clock.done(plan.steps_done):
             plan.ending.finish()

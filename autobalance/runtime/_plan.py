@@ -309,6 +309,11 @@ class Plan:
         if any([part.repeat_step(self) for part in self._parts]):
             self._repeat_step = True  # the same micro-batches again, as the same (uncounted) step
             return
+        self.step_done()
+
+    def step_done(self) -> None:
+        """An optimizer step is done: count it, let the parts see it, measure it (also called by a
+        framework's loop, :class:`~autobalance.runtime._external.FrameworkLoop`)."""
         self._steps_done += 1
         for part in self._parts:
             part.after_step(self)

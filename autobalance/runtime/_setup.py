@@ -24,13 +24,7 @@ __all__ = ["init_distributed", "int_env", "resolve_device"]
 
 
 def int_env(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise UsageError(f"{name}={raw!r} is not an integer; set it to a whole number.") from None
+    return _env.parse_int(os.environ.get(name), name, default)
 
 
 def init_distributed(device_type: str, timeout_s: int) -> tuple[int, int, int]:

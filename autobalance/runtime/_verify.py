@@ -66,7 +66,7 @@ if TYPE_CHECKING:
     from autobalance.runtime._plan import Plan
 
 __all__ = ["INIT_FILE", "MAX_OVERFLOW_RETRIES", "SEED", "STEP_FILE", "STEP_JSON", "NoDropout", "VerifyRun",
-           "gradients", "hold_full_precision", "param_name"]
+           "gradients", "hold_full_precision", "param_name", "precision_flags", "restore_precision_flags"]
 
 INIT_FILE = "verify-init.pt"
 STEP_FILE = "verify-step.pt"
@@ -124,20 +124,26 @@ class NoDropout(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+_PRECISION_FLAGS = (("matmul", "allow_tf32"), ("cudnn", "allow_tf32"),
+                    ("matmul", "allow_fp16_reduced_precision_reduction"),
+                    ("matmul", "allow_bf16_reduced_precision_reduction"))
+"""The process-wide reduced-precision switches: TF32 (matmuls, cuDNN) and fp16/bf16 reductions."""
+
+
+def _owner(where: str) -> Any:
+    return torch.backends.cuda.matmul if where == "matmul" else torch.backends.cudnn
+
+
 def hold_full_precision() -> dict[str, bool]:
     """Turn TF32 (matmuls, cuDNN) and reduced-precision fp16/bf16 reductions off; returns which of
     them the script had turned on beyond torch's defaults (``tf32_matmul``: torch's default is off;
     cuDNN's TF32 and the reduced-precision reductions are on by default and held off silently)."""
-    matmul = torch.backends.cuda.matmul
     changed = False
-    for obj, attr in ((matmul, "allow_tf32"), (torch.backends.cudnn, "allow_tf32"),
-                      (matmul, "allow_fp16_reduced_precision_reduction"),
-                      (matmul, "allow_bf16_reduced_precision_reduction")):
+    for where, attr in _PRECISION_FLAGS:
         try:
-            if getattr(obj, attr):
-                if attr == "allow_tf32" and obj is matmul:
-                    changed = True
-                setattr(obj, attr, False)
+            if getattr(_owner(where), attr):
+                changed = changed or (where, attr) == ("matmul", "allow_tf32")
+                setattr(_owner(where), attr, False)
         except (AttributeError, RuntimeError):  # a flag this torch lacks, or one set through its newer API
             continue
     try:
@@ -146,6 +152,32 @@ def hold_full_precision() -> dict[str, bool]:
     except RuntimeError:
         pass
     return {"tf32_matmul": changed}
+
+
+def precision_flags() -> dict[str, Any]:
+    """The process-wide precision settings a run may change (those :func:`hold_full_precision`
+    turns off, and the float32 matmul precision): a warm worker snapshots them when it starts and
+    puts them back before each run (:func:`restore_precision_flags`)."""
+    flags: dict[str, Any] = {}
+    for where, attr in _PRECISION_FLAGS:
+        with contextlib.suppress(AttributeError, RuntimeError):
+            flags[f"{where}.{attr}"] = getattr(_owner(where), attr)
+    flags["float32_matmul_precision"] = torch.get_float32_matmul_precision()
+    return flags
+
+
+def restore_precision_flags(flags: dict[str, Any]) -> None:
+    """Put back what :func:`precision_flags` saw: a verification run's full fp32 precision (or a
+    script's TF32) must not carry over to the next run in the same warm worker (the flags are part
+    of Inductor's cache key, and of the numerics)."""
+    for where, attr in _PRECISION_FLAGS:
+        key = f"{where}.{attr}"
+        if key in flags:
+            with contextlib.suppress(AttributeError, RuntimeError):
+                if getattr(_owner(where), attr) != flags[key]:
+                    setattr(_owner(where), attr, flags[key])
+    with contextlib.suppress(RuntimeError):
+        torch.set_float32_matmul_precision(flags["float32_matmul_precision"])
 
 
 class VerifyRun(Part):

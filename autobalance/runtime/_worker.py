@@ -67,42 +67,6 @@ def _init(device: str) -> None:
         dist.init_process_group("gloo", timeout=timeout)
 
 
-_PRECISION_FLAGS = (("cuda.matmul", "allow_tf32"), ("cudnn", "allow_tf32"),
-                    ("cuda.matmul", "allow_fp16_reduced_precision_reduction"),
-                    ("cuda.matmul", "allow_bf16_reduced_precision_reduction"))
-
-
-def precision_flags() -> dict[str, Any]:
-    """The process-wide precision settings a run may change (TF32, reduced-precision reductions,
-    the float32 matmul precision): snapshotted when the worker starts, put back before each trial."""
-    import torch
-
-    flags: dict[str, Any] = {}
-    for where, attr in _PRECISION_FLAGS:
-        obj = torch.backends.cuda.matmul if where == "cuda.matmul" else torch.backends.cudnn
-        with contextlib.suppress(AttributeError, RuntimeError):
-            flags[f"{where}.{attr}"] = getattr(obj, attr)
-    flags["float32_matmul_precision"] = torch.get_float32_matmul_precision()
-    return flags
-
-
-def restore_precision_flags(flags: dict[str, Any]) -> None:
-    """Put back what :func:`precision_flags` saw: a verification run's full fp32 precision (or a
-    script's TF32) must not carry over to the next run in this worker (the flags are part of
-    Inductor's cache key, and of the numerics)."""
-    import torch
-
-    for where, attr in _PRECISION_FLAGS:
-        key = f"{where}.{attr}"
-        if key in flags:
-            obj = torch.backends.cuda.matmul if where == "cuda.matmul" else torch.backends.cudnn
-            with contextlib.suppress(AttributeError, RuntimeError):
-                if getattr(obj, attr) != flags[key]:
-                    setattr(obj, attr, flags[key])
-    with contextlib.suppress(RuntimeError):
-        torch.set_float32_matmul_precision(flags["float32_matmul_precision"])
-
-
 def _prepare_trial(device: str, budget: float | None) -> None:
     """What every trial starts from: the default activation budget, the seed, the whole device (a
     fresh process's memory fraction: a capped trial's cap must not stay on for one without, such as a
@@ -223,6 +187,8 @@ def main(argv: list[str]) -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     base_env = dict(os.environ)
     import torch._functorch.config as functorch_config
+
+    from autobalance.runtime._verify import precision_flags, restore_precision_flags
 
     budget = float(functorch_config.activation_memory_budget)  # restored before each trial
     flags = precision_flags()  # so are these

@@ -18,7 +18,6 @@ Rank 0 writes ``{case: {"busy": [[s per step] per rank], "wait": [...]}}``.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 
+from _finish import write_and_exit
 from user_train import Net
 
 import autobalance as ab
@@ -77,14 +77,7 @@ def main() -> None:
     out, steps = sys.argv[1], int(sys.argv[2])
     dist.init_process_group("gloo")
     result = {name: run(case, steps) for name, case in CASES.items()}
-    if dist.get_rank() == 0:
-        with open(out, "w") as fh:
-            json.dump(result, fh)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    write_and_exit(out, result)
 
 
 if __name__ == "__main__":

@@ -11,14 +11,13 @@ whose sizes differ by one; with a one-epoch coverage check of its own).
 from __future__ import annotations
 
 import gc
-import json
-import os
 import random
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _finish import write_and_exit
 from torch import nn
 
 import autobalance as ab
@@ -181,16 +180,7 @@ def main() -> None:
         cfg = any_split(case, rng, world)
         results["any"].append({**one_case(cfg, epoch_data(full, cfg, rng)),
                                "epoch": epoch_check(cfg, num_samples=97 + case)})
-    if dist.get_rank() == 0:
-        with open(out, "w") as fh:
-            json.dump(results, fh)
-    dist.barrier()
-    dist.destroy_process_group()
-    # the checks are done and written: skip interpreter teardown, where a loaded machine has seen
-    # torch's gloo threads abort ("terminate called without an active exception", exit -6)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    write_and_exit(out, results)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ busy meter's gradient hooks are on) with the emulation set by the test.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
@@ -20,6 +19,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _finish import write_and_exit
 from grad_check import one_case
 
 import autobalance as ab
@@ -51,14 +51,7 @@ def main() -> None:
                                               "wait": list(meter.wait_s) if meter else None})
             busy.append([g["busy"] for g in gathered])
             wait.append([g["wait"] for g in gathered])
-    if dist.get_rank() == 0:
-        with open(out, "w") as fh:
-            json.dump({"cases": cases, "busy": busy, "wait": wait}, fh)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    write_and_exit(out, {"cases": cases, "busy": busy, "wait": wait})
 
 
 if __name__ == "__main__":

@@ -16,14 +16,13 @@ that must *not* be exact. Rank 0 writes ``{"equal": [...], "any": [...]}`` to OU
 from __future__ import annotations
 
 import gc
-import json
-import os
 import random
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _finish import write_and_exit
 from torch import nn
 
 import autobalance as ab
@@ -212,16 +211,7 @@ def main() -> None:
     rng = random.Random(13)
     for case in range(any_cases):
         results["any"].append(one_case(any_split(case, rng, world), data, use_count=use_count))
-    if dist.get_rank() == 0:
-        with open(out, "w") as fh:
-            json.dump(results, fh)
-    dist.barrier()
-    dist.destroy_process_group()
-    # the checks are done and written: skip interpreter teardown, where a loaded machine has seen
-    # torch's gloo threads abort ("terminate called without an active exception", exit -6)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    write_and_exit(out, results)
 
 
 if __name__ == "__main__":

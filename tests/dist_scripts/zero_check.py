@@ -13,28 +13,18 @@ argv: output path.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _finish import write_and_exit
+from grad_check import Block
 from torch import nn
 
 import autobalance as ab
 from autobalance.runtime._zero import ShardedOptimizer, state_bytes
-
-
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(width, 2 * width)
-        self.fc2 = nn.Linear(2 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.tanh(self.fc1(x)))
 
 
 class Net(nn.Module):
@@ -190,14 +180,7 @@ def main() -> None:
             case(world, kind="adamw", shares=[0.0, 1.0], clip=None),
             case(world, kind="adamw", shares=uneven, clip=0.05, dtype="fp16", poison_step=1),
         ]
-    if dist.get_rank() == 0:
-        with open(out, "w") as fh:
-            json.dump(results, fh)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    write_and_exit(out, results)
 
 
 if __name__ == "__main__":
