@@ -3,15 +3,19 @@ micro-batch and the per-rank activation budget, per (dtype, compile mode), fitte
 
 **Memory.** Rank ``r`` with micro-batch ``m`` and budget ``b`` peaks at::
 
-    peak_r(m, b) = fixed_r + m * act_r * f(b)
+    peak_r(m, b, q) = fixed_r(q) + m * act_r * f(b)
+    fixed_r(q)      = fixed_r + S * q        (q = 1 unsharded; q = q_r, rank r's zero1 share)
 
-``fixed_r`` (parameters, gradients, optimizer state, buckets, rank-0 extras) and ``act_r`` (the
-activations of one sample without checkpointing) come from the eager :class:`MemoryModel`: a
-compiled graph holds the same weights, only its activations follow the budget. ``f(b)``, the
-fraction of the eager activations the partitioner keeps, is fitted per (dtype, compile mode) from
-the study's compiled trials: each rank of a measured trial gives a point
-``y = (peak - fixed_r) / (m * act_r)`` (clipped at 0), and a rank that ran out of memory a lower
-bound ``y >= (capacity - fixed_r) / (m * act_r)``. The min-cut knapsack makes ``f`` monotone
+``fixed_r`` (parameters, gradients, buckets, rank-0 extras), ``S`` (the whole optimizer state) and
+``act_r`` (the activations of one sample without checkpointing) come from the eager
+:class:`MemoryModel` (``fixed_bytes(rank, dtype, q)``; when it has not measured ``S`` the state
+stays inside ``fixed_r`` and ``S = 0``): a compiled graph holds the same weights and optimizer
+state, only its activations follow the budget. Every method takes ``optimizer_share`` (None:
+unsharded, ``q = 1``). ``f(b)``, the fraction of the eager activations the partitioner keeps, is
+fitted per (dtype, compile mode) from the study's compiled trials: each rank of a measured trial
+gives a point ``y = (peak - fixed_r(q_r)) / (m * act_r)`` (clipped at 0; ``q_r`` the trial's own
+share of that rank, so a ``zero1`` trial gives the same point as its unsharded twin), and a rank
+that ran out of memory a lower bound ``y >= (capacity - fixed_r(q_r)) / (m * act_r)``. The min-cut knapsack makes ``f`` monotone
 non-decreasing but stepwise (plateaus), so the fit is the *least monotone upper envelope* of the
 points: at each measured budget ``F_j = max`` of the points at budgets ``<= b_j``. Between
 measured budgets ``f`` is interpolated linearly; below the first one and above the last one it
@@ -27,10 +31,10 @@ large micro-batch fit.
 Where ``b`` was not measured the activation part gets an extra relative margin,
 ``UNMEASURED_MARGIN / sqrt(1 + knots)`` (:data:`UNMEASURED_MARGIN` without own knots), and the
 whole peak the model's self-correcting safety margin (as the eager model's): a configuration is
-predicted to fit when ``(fixed_r + m * act_r * f(b) * (1 + extra)) * (1 + margin) <= limit_r``.
-It is predicted *not* to fit (so never compiled) from measured data, ``fixed_r + m * act_r * F(b_j) >
+predicted to fit when ``(fixed_r(q) + m * act_r * f(b) * (1 + extra)) * (1 + margin) <= limit_r``.
+It is predicted *not* to fit (so never compiled) from measured data, ``fixed_r(q) + m * act_r * F(b_j) >
 limit_r * (1 + margin)`` for the largest measured ``b_j <= b`` (monotonicity makes ``F(b_j)`` a lower
-bound), or when even the least any budget keeps does not fit: ``fixed_r + m * act_r * f(0.05) >
+bound), or when even the least any budget keeps does not fit: ``fixed_r(q) + m * act_r * f(0.05) >
 limit_r * (1 + margin)`` (:meth:`CompiledMemoryModel.over_at_any_budget`).
 
 **Step time.** From the eager :class:`StepTimeModel` (``a`` per step, rank ``r``'s micro-steps
@@ -132,6 +136,8 @@ class CompiledObservation:
     """False when the rank ran out of memory (``peak_bytes`` is then a lower bound)."""
     trial: int = -1
     """Number of the trial (held-out errors leave whole trials out)."""
+    optimizer_share: float | None = None
+    """That rank's ``zero1`` share of the optimizer state in the trial (None: unsharded, all of it)."""
 
 
 @dataclass(kw_only=True)
@@ -241,8 +247,9 @@ class CompiledMemoryModel:
         return max(_TINY, self.eager.per_sample_bytes(rank, dtype, 0, self.num_layers))
 
     def fraction(self, o: CompiledObservation) -> float:
-        """The observation's point ``(peak - fixed_r) / (m * act_r)``, clipped at 0."""
-        fixed = self.eager.fixed_bytes(o.rank, o.dtype)
+        """The observation's point ``(peak - fixed_r(q_r)) / (m * act_r)``, clipped at 0 (``q_r`` its
+        own share of the optimizer state)."""
+        fixed = self.eager.fixed_bytes(o.rank, o.dtype, o.optimizer_share)
         return max(0.0, (o.peak_bytes - fixed) / (o.micro_batch * self.unit(o.rank, o.dtype)))
 
     def curve(self, dtype: str, mode: str) -> BudgetCurve:
@@ -257,30 +264,36 @@ class CompiledMemoryModel:
         return self.eager.can_predict(dtype)
 
     # ---------------------------------------------------------------------------- predictions
-    def predict(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str) -> float:
-        """Estimated peak bytes (no margin)."""
+    def predict(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str,
+                optimizer_share: float | None = None) -> float:
+        """Estimated peak bytes (no margin) keeping ``optimizer_share`` of the optimizer state (None: all)."""
         f = self.curve(dtype, mode).estimate(budget)
-        return self.eager.fixed_bytes(rank, dtype) + micro_batch * self.unit(rank, dtype) * f
+        return self.eager.fixed_bytes(rank, dtype, optimizer_share) + micro_batch * self.unit(rank, dtype) * f
 
-    def bound(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str) -> float:
+    def bound(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str,
+              optimizer_share: float | None = None) -> float:
         """The peak judged against the limit: the activation part with its extra margin, times
         ``1 + safety_margin``."""
         curve = self.curve(dtype, mode)
         act = micro_batch * self.unit(rank, dtype) * curve.estimate(budget) * (1.0 + curve.extra_margin(budget))
-        return (self.eager.fixed_bytes(rank, dtype) + act) * (1.0 + self.safety_margin)
+        return (self.eager.fixed_bytes(rank, dtype, optimizer_share) + act) * (1.0 + self.safety_margin)
 
-    def fits(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str, limit: float) -> bool:
-        return self.bound(rank=rank, micro_batch=micro_batch, budget=budget, dtype=dtype, mode=mode) <= limit
+    def fits(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str, limit: float,
+             optimizer_share: float | None = None) -> bool:
+        return self.bound(rank=rank, micro_batch=micro_batch, budget=budget, dtype=dtype, mode=mode,
+                          optimizer_share=optimizer_share) <= limit
 
-    def largest_budget(self, *, rank: int, micro_batch: int, dtype: str, mode: str, limit: float) -> float | None:
+    def largest_budget(self, *, rank: int, micro_batch: int, dtype: str, mode: str, limit: float,
+                       optimizer_share: float | None = None) -> float | None:
         """The largest budget of the space's grid predicted to fit (None: not even the smallest)."""
         for budget in budget_grid():
-            if self.fits(rank=rank, micro_batch=micro_batch, budget=budget, dtype=dtype, mode=mode, limit=limit):
+            if self.fits(rank=rank, micro_batch=micro_batch, budget=budget, dtype=dtype, mode=mode, limit=limit,
+                         optimizer_share=optimizer_share):
                 return budget
         return None
 
     def surely_over(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str,
-                    limit: float) -> float | None:
+                    limit: float, optimizer_share: float | None = None) -> float | None:
         """The measured lower bound of the peak when even it exceeds ``limit * (1 + margin)``
         (the pair's own measured budgets only); None otherwise."""
         own = self.curves.get((dtype, mode))
@@ -289,22 +302,25 @@ class CompiledMemoryModel:
         low = own.lower(budget)
         if low <= 0:
             return None
-        peak = self.eager.fixed_bytes(rank, dtype) + micro_batch * self.unit(rank, dtype) * low
+        peak = self.eager.fixed_bytes(rank, dtype, optimizer_share) + micro_batch * self.unit(rank, dtype) * low
         return peak if peak > limit * (1.0 + self.safety_margin) else None
 
-    def over_at_any_budget(self, *, rank: int, micro_batch: int, dtype: str, mode: str, limit: float) -> float | None:
+    def over_at_any_budget(self, *, rank: int, micro_batch: int, dtype: str, mode: str, limit: float,
+                           optimizer_share: float | None = None) -> float | None:
         """The least peak the model predicts for ``micro_batch`` on ``rank`` at any budget (the curve
         at the smallest one, no extra margin) when even that exceeds ``limit * (1 + margin)``: no
         budget makes it fit. None otherwise."""
         floor = self.curve(dtype, mode).estimate(BUDGET_RANGE[0])
-        peak = self.eager.fixed_bytes(rank, dtype) + micro_batch * self.unit(rank, dtype) * floor
+        peak = self.eager.fixed_bytes(rank, dtype, optimizer_share) + micro_batch * self.unit(rank, dtype) * floor
         return peak if peak > limit * (1.0 + self.safety_margin) else None
 
     def config_peaks(self, config: BalanceConfig) -> list[float]:
-        """Estimated peak of each rank of a compiled configuration."""
+        """Estimated peak of each rank of a compiled configuration (its ``zero1`` shares, if any)."""
         budgets = config.activation_budget or [1.0] * config.world_size
-        return [self.predict(rank=r, micro_batch=m, budget=b, dtype=config.dtype, mode=config.compile)
-                for r, (m, b) in enumerate(zip(config.micro_batches, budgets, strict=True))]
+        shares: list[float | None] = list(config.sharding_shares() or [None] * config.world_size)
+        return [self.predict(rank=r, micro_batch=m, budget=b, dtype=config.dtype, mode=config.compile,
+                             optimizer_share=q)
+                for r, (m, b, q) in enumerate(zip(config.micro_batches, budgets, shares, strict=True))]
 
     def holdout_error(self, observations: Sequence[CompiledObservation]) -> float:
         """Mean ``|predicted - measured| / measured`` over the successful observations given."""
@@ -312,7 +328,8 @@ class CompiledMemoryModel:
         if not ok:
             raise UsageError("holdout_error got no successful compiled observation; pass measured compiled trials.")
         errors = [abs(self.predict(rank=o.rank, micro_batch=o.micro_batch, budget=o.budget, dtype=o.dtype,
-                                   mode=o.mode) - o.peak_bytes) / o.peak_bytes for o in ok]
+                                   mode=o.mode, optimizer_share=o.optimizer_share) - o.peak_bytes) / o.peak_bytes
+                  for o in ok]
         return sum(errors) / len(errors)
 
     def correct(self, observation: CompiledObservation, *, widen_factor: float = WIDEN_FACTOR) -> bool:
@@ -321,7 +338,8 @@ class CompiledMemoryModel:
         if not self.can_predict(observation.dtype):
             return False
         predicted = self.predict(rank=observation.rank, micro_batch=observation.micro_batch,
-                                 budget=observation.budget, dtype=observation.dtype, mode=observation.mode)
+                                 budget=observation.budget, dtype=observation.dtype, mode=observation.mode,
+                                 optimizer_share=observation.optimizer_share)
         if predicted <= 0:
             return False
         error = observation.peak_bytes / predicted - 1.0
@@ -347,6 +365,7 @@ def compiled_observations(trials: Sequence[FrozenTrial]) -> list[CompiledObserva
         budgets = cfg.get("activation_budget") or [1.0] * len(cfg["micro_batches"])
         if len(peaks) != len(cfg["micro_batches"]):
             continue
+        shares = _sharding_shares(cfg)
         if status == Status.OK:
             ranks = [(r, float(p) * GIB) for r, p in enumerate(peaks) if p is not None and p > 0]
         else:
@@ -360,8 +379,19 @@ def compiled_observations(trials: Sequence[FrozenTrial]) -> list[CompiledObserva
         for r, peak in ranks:
             out.append(CompiledObservation(rank=r, micro_batch=int(cfg["micro_batches"][r]), budget=float(budgets[r]),
                                            dtype=cfg["dtype"], mode=cfg["compile"], peak_bytes=peak,
-                                           ok=status == Status.OK, trial=t.number))
+                                           ok=status == Status.OK, trial=t.number,
+                                           optimizer_share=None if shares is None else shares[r]))
     return out
+
+
+def _sharding_shares(cfg: dict[str, Any]) -> list[float] | None:
+    """A stored configuration's per-rank ``zero1`` shares (even when not given); None unsharded
+    (:meth:`BalanceConfig.sharding_shares` on the stored dictionary)."""
+    if cfg.get("optimizer_sharding", "off") == "off":
+        return None
+    world = len(cfg["micro_batches"])
+    shares = cfg.get("optimizer_shares")
+    return [float(q) for q in shares] if shares and len(shares) == world else [1.0 / world] * world
 
 
 @dataclass(kw_only=True)
