@@ -12,6 +12,9 @@ from autobalance.protocol import MEASURED_STATUSES, Status, TrialAttr
 
 __all__ = ["activation_budget", "dominating_over_cap"]
 
+_SHARE_TOL = 1e-9
+"""Cumulative shares this close are the same boundary (sums of 4-decimal shares in floating point)."""
+
 
 def activation_budget(cfg: dict[str, Any], rank: int) -> float:
     """Rank ``rank``'s compile activation budget in ``cfg`` (1.0: none set, everything kept)."""
@@ -36,15 +39,39 @@ def _ranks_over_cap(t: FrozenTrial) -> list[int] | None:
 def _needs_at_least(cfg: dict[str, Any], other: dict[str, Any], rank: int) -> bool:
     """Rank ``rank`` of ``cfg`` holds at least the memory it held under ``other``: same dtype and
     compile mode, a micro-batch no smaller, no more recomputation (checkpointing the first N blocks,
-    or a compile budget: a larger budget keeps more activations), buckets no smaller and not views
-    where ``other`` used views. Accumulation does not change a rank's peak."""
+    or a compile budget: a larger budget keeps more activations), buckets no smaller, not views
+    where ``other`` used views, and at least ``other``'s optimizer state (``zero1``: its run of the
+    parameters contains ``other``'s; unsharded: all of it). Accumulation does not change a rank's peak."""
     if cfg["dtype"] != other["dtype"] or cfg.get("compile", "off") != other.get("compile", "off"):
         return False
     return (cfg["micro_batches"][rank] >= other["micro_batches"][rank]
             and len(cfg["checkpoint"][rank]) <= len(other["checkpoint"][rank])
             and activation_budget(cfg, rank) >= activation_budget(other, rank)
             and float(cfg["bucket_cap_mb"]) >= float(other["bucket_cap_mb"])
-            and (not cfg["gradient_as_bucket_view"] or bool(other["gradient_as_bucket_view"])))
+            and (not cfg["gradient_as_bucket_view"] or bool(other["gradient_as_bucket_view"]))
+            and _holds_state_of(cfg, other, rank))
+
+
+def _state_run(cfg: dict[str, Any], rank: int) -> tuple[float, float]:
+    """Rank ``rank``'s run of the optimizer state in ``cfg``, as cumulative fractions of the parameter
+    bytes: ``(sum(q[:r]), sum(q[:r+1]))`` of its ``zero1`` shares (even when not given); ``(0, 1)``
+    unsharded (the whole state)."""
+    if cfg.get("optimizer_sharding", "off") == "off":
+        return 0.0, 1.0
+    world = len(cfg["micro_batches"])
+    shares = cfg.get("optimizer_shares") or [1.0 / world] * world
+    return float(sum(shares[:rank])), float(sum(shares[:rank + 1]))
+
+
+def _holds_state_of(cfg: dict[str, Any], other: dict[str, Any], rank: int) -> bool:
+    """Rank ``rank`` keeps at least the optimizer state it kept under ``other``: its run of the
+    parameters contains ``other``'s. The partition (``runtime._zero.partition``) puts each boundary at
+    the whole parameter closest to its cumulative share, monotone in it, so a run whose cumulative
+    bounds enclose another's owns every parameter that one owns (a larger share alone does not: with
+    three ranks or more the run may lie elsewhere in the parameter order)."""
+    low, high = _state_run(cfg, rank)
+    other_low, other_high = _state_run(other, rank)
+    return low <= other_low + _SHARE_TOL and high >= other_high - _SHARE_TOL
 
 
 def dominating_over_cap(trials: list[FrozenTrial], config: BalanceConfig) -> tuple[FrozenTrial, int] | None:
