@@ -112,6 +112,25 @@ def test_verify_bf16_uses_the_baselines_own_error(tmp_path):
     assert eq["grad_rel"] <= eq["tolerance"][0]
 
 
+def test_a_run_that_takes_the_baseline_step_is_reused_not_launched_again(tmp_path):
+    """The script's own split, compiled in bf16 (what the H200 study saved): part 1 (the split, eager
+    in fp32) is the baseline's own step, so verification reuses the baseline run and the arrangement
+    matches exactly; the compiled bf16 run is launched. Fails if the fp32 run is launched again, or
+    if the reuse crosses into another configuration (the compiled run)."""
+    cfg = BalanceConfig(micro_batches=[8, 8], global_batch=16, dtype="bf16", compile="default",
+                        activation_budget=[1.0, 1.0])
+    proc = _verify(tmp_path, cfg, env=FAST_COMPILE)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    verdict = json.loads(proc.stdout)
+    checks = {c["name"]: c for c in verdict["checks"]}
+    runs = verdict["runs"]
+    assert runs["tuned-fp32"] == runs["baseline"], runs
+    assert "tuned-fp32" not in verdict["seconds"] and "tuned" in verdict["seconds"]  # timed only when launched
+    assert checks["equivalence"]["grad_rel"] == 0.0 and checks["equivalence"]["param_rel"] == 0.0
+    assert "tuned-fp32 run: the same step as the baseline run, reused" in proc.stderr
+    assert len(set(runs.values())) == len(runs) - 1 == 4  # baseline, floor, baseline-bf16, tuned: launched once each
+
+
 def test_a_compiled_study_proposes_from_the_compiled_model_records_compile_time_and_verifies_a_compiled_trial(tmp_path):
     """One compiled study (the model strategy, ``--compile on``): its trials after the eager
     baseline are compiled, with each rank's budget on the 0.05 grid and their compile time recorded;

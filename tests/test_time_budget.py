@@ -209,6 +209,13 @@ def test_the_reserved_runs_are_the_ones_verification_launches():
     runs = verification_runs(bf16_own, compiled)
     assert [name for name, _, _ in runs] == ["baseline", "baseline-fp32", "floor", "tuned-fp32", "tuned"]
     assert runs[3][1].compile == "off" and runs[4][1].compile == "default"  # part 1 runs a compiled bf16 one eager
+    # a candidate whose fp32 arrangement is the script's own: its part-1 run is the baseline's, reused
+    same_split = BalanceConfig(micro_batches=[8], accumulation=4, global_batch=32, dtype="bf16", checkpoint=[[]],
+                               compile="default", activation_budget=[1.0])
+    assert [name for name, _, _ in verification_runs(own, same_split)] == ["baseline", "floor", "baseline-bf16", "tuned"]
+    # ... and with a bf16 script, its baseline-fp32 run
+    assert [name for name, _, _ in verification_runs(bf16_own, same_split)] == ["baseline", "baseline-fp32", "floor",
+                                                                                "tuned"]
 
 
 def test_the_verification_forecast_comes_from_the_studys_own_trials():

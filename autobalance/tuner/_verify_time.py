@@ -6,7 +6,9 @@ script, some shared by every candidate (``baseline``; ``baseline-fp32`` when the
 not fp32; the rounding ``floor``, :data:`FLOOR_RUNS`; ``baseline-<dtype>`` for a bf16/fp16 candidate),
 the others per candidate (``tuned-fp32``, eager for a compiled bf16/fp16 candidate; ``tuned`` for a
 bf16/fp16 one; with recomputation the two dropout runs, which verification skips for a model without
-dropout: then the forecast is two runs long). Each run is predicted as
+dropout: then the forecast is two runs long). A run that takes the same step as an earlier one (the
+same configuration, dropout and sample order: a candidate whose fp32 arrangement is the script's own)
+is reused, not forecast. Each run is predicted as
 
 - its start-up and hand-over: the mean of the study's launched trials' (``startup`` + ``other`` of
   their time split; a warm worker's restart after a compiled trial included, as the runs pay it too);
@@ -107,7 +109,15 @@ def verification_runs(baseline: BalanceConfig | None, tuned: BalanceConfig) -> l
     if _recomputes(tuned):
         plain = dataclasses.replace(tuned, checkpoint=[[] for _ in tuned.micro_batches], activation_budget=None)
         runs += [("tuned-dropout", tuned, True), ("tuned-dropout-no-recompute", plain, True)]
-    return runs
+    # a run that takes the same step as an earlier one is reused, not launched (verify.SharedRuns)
+    seen: set[tuple[str, bool, bool]] = set()
+    out: list[tuple[str, BalanceConfig, bool]] = []
+    for name, config, dropout in runs:
+        key = (config.to_json(), dropout, name == "floor")
+        if name == "floor" or key not in seen:
+            out.append((name, config, dropout))
+        seen.add(key)
+    return out
 
 
 def _launched(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:

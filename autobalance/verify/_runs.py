@@ -72,7 +72,11 @@ class SharedRuns:
     """What the verifications of several configurations of one script share (``tune`` verifying its
     next-best candidates): one warm pool, the starting weights, and the runs that do not depend on
     the configuration (``baseline``, ``baseline-fp32``, ``floor``, ``baseline-<dtype>``,
-    ``baseline-small``), each run once. The owner closes it; a verifier given one leaves it open.
+    ``baseline-small``), each run once. Every successful run is kept by what it computes (its
+    configuration, dropout, global batch and sample order, not its name), so a run another candidate
+    or the baseline already made is not launched again: two compiled candidates of one split share
+    their eager fp32 run, and a candidate whose fp32 arrangement is the script's own reuses the
+    baseline's. The owner closes it; a verifier given one leaves it open.
 
     ``pool``: the study's warm pool, still running after its trials (``tune``): the runs use its
     workers when it :meth:`~autobalance.launcher.WarmPool.serves` them (no second start-up: torch,
@@ -85,7 +89,8 @@ class SharedRuns:
         self.init_path: str | None = None
         self.init: dict[str, Any] = {}
         self.baselines: dict[str, StepResult] = {}
-        """Successful shared runs by (name, configuration, dropout, global batch, order)."""
+        """Successful runs by what they compute (:func:`run_key`); a script-defaults run also under
+        its resolved configuration."""
 
     def pool_for(self, launch: TrialLaunch, *, pool_dir: str, note: Callable[[str], None]) -> WarmPool:
         """The pool the verification runs use (see the class doc), chosen at the first run."""
@@ -109,6 +114,12 @@ class SharedRuns:
         self.close()
 
 
+def run_key(config: BalanceConfig | None, *, dropout: str, global_batch: int, reverse: bool) -> str:
+    """What a verification run computes: the configuration (None: the script's defaults), dropout,
+    global batch and sample order. Two runs with one key take the same step."""
+    return f"{None if config is None else config.to_json()}|{dropout}|{global_batch}|{reverse}"
+
+
 class Runner:
     """Runs (or reuses) the one-step runs of one verification."""
 
@@ -127,20 +138,23 @@ class Runner:
         ``save`` (writing the step)."""
 
     def run(self, name: str, config: BalanceConfig | None, *, dropout: str, global_batch: int,
-            reverse: bool = False, shared: bool = False) -> StepResult:
-        """One run; ``shared``: a run that does not depend on the configuration verified (kept in
-        :class:`SharedRuns` for the next candidate); ``reverse``: each micro-batch's samples in
-        reverse order (the floor)."""
-        key = f"{name}|{None if config is None else config.to_json()}|{dropout}|{global_batch}|{reverse}"
+            reverse: bool = False) -> StepResult:
+        """One run, or the earlier one that took the same step (:func:`run_key`: kept in
+        :class:`SharedRuns` for this verification and the next candidate's); ``reverse``: each
+        micro-batch's samples in reverse order (the floor)."""
+        key = run_key(config, dropout=dropout, global_batch=global_batch, reverse=reverse)
         done = self.shared.baselines.get(key)
-        if done is not None:  # the run of an earlier candidate: the same step
+        if done is not None:  # the same step, already run (by this verification or an earlier candidate's)
             self.runs[name] = done.trial_dir
             self.results.append(done)
-            self.note(f"verify: {name} run (the earlier candidate's, in {done.trial_dir})")
+            self.note(f"verify: {name} run: the same step as the {done.name} run, reused ({done.trial_dir})")
             return done
         result = self._launch_run(name, config, dropout=dropout, global_batch=global_batch, reverse=reverse)
-        if shared:
-            self.shared.baselines[key] = result
+        self.shared.baselines[key] = result
+        if config is None and result.config:  # the script's own configuration, by its resolved name too
+            resolved = run_key(BalanceConfig.from_dict(result.config), dropout=dropout, global_batch=global_batch,
+                               reverse=reverse)
+            self.shared.baselines.setdefault(resolved, result)
         return result
 
     def _launch(self, launch: TrialLaunch) -> TrialOutcome:

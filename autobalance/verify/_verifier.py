@@ -175,9 +175,8 @@ class Verifier:
         return notes
 
     def _run(self, name: str, config: BalanceConfig | None, *, dropout: str, global_batch: int,
-             reverse: bool = False, shared: bool = False) -> StepResult:
-        return self._runner.run(name, config, dropout=dropout, global_batch=global_batch, reverse=reverse,
-                                shared=shared)
+             reverse: bool = False) -> StepResult:
+        return self._runner.run(name, config, dropout=dropout, global_batch=global_batch, reverse=reverse)
 
     def _same_samples(self, run: StepResult, base: StepResult) -> None:
         if run.samples != base.samples:
@@ -187,13 +186,13 @@ class Verifier:
     def _verify(self, tuned: BalanceConfig, checks: list[Check]) -> Verification:
         gb = tuned.global_batch
         try:
-            base = self._run("baseline", None, dropout="off", global_batch=gb, shared=True)
+            base = self._run("baseline", None, dropout="off", global_batch=gb)
             note = ""
         except RunFailed as exc:
             fallback = self._fallback_reference(tuned)
             if fallback is None or Status.OOM not in str(exc):
                 raise
-            base = self._run("baseline-small", fallback, dropout="off", global_batch=gb, shared=True)
+            base = self._run("baseline-small", fallback, dropout="off", global_batch=gb)
             shape = (f"{fallback.micro_batches} x accumulation {fallback.accumulation}" if fallback.equal_micro_batches
                      else f"{fallback.split_text()}")
             note = f" (the script's own configuration ran out of memory; the reference is the even split {shape})"
@@ -205,9 +204,9 @@ class Verifier:
             )
         fp32_base = _eager_fp32(base_cfg)
         reference = base if base_cfg.dtype == "fp32" else self._run(
-            "baseline-fp32", fp32_base, dropout="off", global_batch=gb, shared=True)
+            "baseline-fp32", fp32_base, dropout="off", global_batch=gb)
         # part 0: the rounding floor of this model on this device
-        floor_run = self._run("floor", fp32_base, dropout="off", global_batch=gb, reverse=True, shared=True)
+        floor_run = self._run("floor", fp32_base, dropout="off", global_batch=gb, reverse=True)
         self._same_samples(floor_run, base)
         floor = self._compare("floor", floor_run, reference, None)
         checks.append(floor)
@@ -259,7 +258,7 @@ class Verifier:
         if tuned.dtype != "fp32":
             same = base if base_cfg.dtype == tuned.dtype else self._run(
                 f"baseline-{tuned.dtype}", dataclasses.replace(base_cfg, dtype=tuned.dtype), dropout="off",
-                global_batch=gb, shared=True)
+                global_batch=gb)
             noise = self._compare("noise", same, reference, None)
             checks.append(noise)
             if not noise.finite:
