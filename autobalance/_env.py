@@ -9,7 +9,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from autobalance._errors import UsageError
 
@@ -64,6 +64,27 @@ MEMORY_CAP_BYTES = "AUTOBALANCE_MEMORY_CAP_BYTES"
 PG_TIMEOUT_S = "AUTOBALANCE_PG_TIMEOUT_S"
 """Process-group timeout in seconds (short in trials so a lost peer cannot hang a rank)."""
 
+DEVICE = "AUTOBALANCE_DEVICE"
+"""``cpu`` or ``cuda``: the device the trial runs on (default: cuda when available)."""
+DIAGNOSE = "AUTOBALANCE_DIAGNOSE"
+"""``1`` in a run started by ``autobalance diagnose``: the runtime adds MemTracker's module breakdown."""
+
+WARM = "AUTOBALANCE_WARM"
+"""Set to ``1`` in the processes of a warm worker pool: the script runs once per trial in one process."""
+POOL_DIR = "AUTOBALANCE_POOL_DIR"
+"""Directory through which the launcher hands trial requests to a warm pool."""
+
+EMULATE_MS_PER_SAMPLE = "AUTOBALANCE_EMULATE_MS_PER_SAMPLE"
+"""Emulated slow ranks (CPU tests, planning a mixed machine): milliseconds each micro-step sleeps per
+sample, one number or one per rank (``runtime/_emulate.py``). A sleep: the update is unchanged."""
+EMULATE_SMS = "AUTOBALANCE_EMULATE_SMS"
+"""Emulated smaller GPUs (planning a mixed machine on one kind of GPU): the streaming multiprocessors
+each rank may use, one number or one per rank, 0 for all (``runtime/_emulate.py``: a CUDA green
+context). Where the kernels run, not what they compute: the update is unchanged."""
+COMPILE_BACKEND = "AUTOBALANCE_COMPILE_BACKEND"
+"""``torch.compile`` backend for compiled configurations (default ``inductor``); tests use
+``aot_eager_decomp_partition`` (the same partitioner and activation budget, no C++ compile)."""
+
 OOM_EXIT_CODE = 75
 """Exit code of a rank that ran out of memory (after writing its report)."""
 ERROR_EXIT_CODE = 76
@@ -82,15 +103,24 @@ def in_trial() -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class TrialEnv:
-    """The variables a trial sets for itself alone: what the launcher adds to a cold trial's
-    environment, and all a warm pool's request carries (the pool's own environment has none of them,
-    so one pool runs trials of different lengths and caps). :meth:`to_env` and :meth:`from_env` are
-    each other's inverse, as ``BalanceConfig.to_json`` and ``from_json``; the runtime reads them with
-    the lenient :meth:`read`."""
+    """The trial's and the job's ``AUTOBALANCE_*`` variables, typed. Those of :attr:`NAMES` a trial sets
+    for itself alone: what the launcher adds to a cold trial's environment, and all a warm pool's
+    request carries (the pool's own environment has none of them, so one pool runs trials of
+    different lengths and caps). Those of :attr:`JOB_NAMES` belong to the job's processes rather
+    than to one trial (set once for a cold trial's job or a warm pool, by ``autobalance diagnose``,
+    or by the user). :meth:`to_env` and :meth:`from_env` are each other's inverse, as
+    ``BalanceConfig.to_json`` and ``from_json``; the runtime reads them with the lenient :meth:`read`
+    once per :func:`autobalance.plan` call, and where no plan is at hand (the warm worker's loop, a
+    rank's start and exit, the device before the process group exists) with :meth:`read_job`."""
 
     NAMES: ClassVar[tuple[str, ...]] = (TRIAL_DIR, CONFIG, GLOBAL_BATCH, MEASURE_S, STEPS, WARMUP, MAX_STEPS,
                                          MEMORY_CAP_BYTES)
-    """Every variable :meth:`to_env` may set (those it leaves out are unset for the trial)."""
+    """The per-trial variables: every one :meth:`to_env` may set from the trial's fields (those it
+    leaves out are unset for the trial); the launcher drops them from the parent's environment."""
+    JOB_NAMES: ClassVar[tuple[str, ...]] = (TRIAL_ID, DEVICE, WARM, POOL_DIR, DIAGNOSE, EMULATE_MS_PER_SAMPLE,
+                                             EMULATE_SMS, COMPILE_BACKEND)
+    """The job's variables (the fields from ``trial_id`` on): :meth:`read_job` reads exactly these,
+    :meth:`read` these and :attr:`NAMES`; :meth:`to_env` writes one only when its field is set."""
 
     trial_dir: str
     config_json: str | None = None
@@ -104,6 +134,27 @@ class TrialEnv:
     max_steps: int = 50
     memory_cap_bytes: tuple[int, ...] | None = None
     """Per-rank memory caps (one entry: every rank); None or empty: no cap."""
+    trial_id: str = ""
+    """``AUTOBALANCE_TRIAL_ID``: marks every process of the trial, or of a warm pool (its reports and
+    its orphan check carry it); "": unset."""
+    device: str | None = None
+    """``AUTOBALANCE_DEVICE`` as set (``cpu`` or ``cuda``, checked where it is used); None: unset (a
+    script's ``device=`` argument wins, then this, then cuda when available)."""
+    warm: bool = False
+    """``AUTOBALANCE_WARM=1``: this process is a warm pool's worker, which outlives its trials."""
+    pool_dir: str | None = None
+    """``AUTOBALANCE_POOL_DIR``: where a warm worker takes its trial requests (None: unset)."""
+    diagnose: bool = False
+    """``AUTOBALANCE_DIAGNOSE=1``: a run of ``autobalance diagnose``; the plan adds MemTracker's module
+    breakdown."""
+    emulate_ms_per_sample: str | None = None
+    """``AUTOBALANCE_EMULATE_MS_PER_SAMPLE`` as set (None: unset), parsed per rank by
+    ``runtime/_emulate.emulated_ms_per_sample``, whose errors name the rank."""
+    emulate_sms: str | None = None
+    """``AUTOBALANCE_EMULATE_SMS`` as set (None: unset), parsed per rank by ``runtime/_emulate.emulated_sms``."""
+    compile_backend: str | None = None
+    """``AUTOBALANCE_COMPILE_BACKEND`` as set: the ``torch.compile`` backend of a compiled configuration
+    (None or empty: ``inductor``)."""
 
     def to_env(self) -> dict[str, str]:
         """The variables, as the trial's processes see them."""
@@ -117,6 +168,17 @@ class TrialEnv:
             env[GLOBAL_BATCH] = str(self.global_batch)
         if self.memory_cap_bytes:
             env[MEMORY_CAP_BYTES] = ",".join(str(b) for b in self.memory_cap_bytes)
+        if self.trial_id:
+            env[TRIAL_ID] = self.trial_id
+        if self.warm:
+            env[WARM] = "1"
+        if self.diagnose:
+            env[DIAGNOSE] = "1"
+        for name, value in ((DEVICE, self.device), (POOL_DIR, self.pool_dir),
+                            (EMULATE_MS_PER_SAMPLE, self.emulate_ms_per_sample), (EMULATE_SMS, self.emulate_sms),
+                            (COMPILE_BACKEND, self.compile_backend)):
+            if value is not None:
+                env[name] = value
         return env
 
     @classmethod
@@ -127,7 +189,8 @@ class TrialEnv:
         return cls(trial_dir=env[TRIAL_DIR], config_json=env.get(CONFIG),
                    global_batch=None if batch is None else int(batch), steps=int(env[STEPS]),
                    warmup=int(env[WARMUP]), measure_s=float(env.get(MEASURE_S, "0")), max_steps=int(env[MAX_STEPS]),
-                   memory_cap_bytes=tuple(int(c) for c in caps.split(",")) if caps else None)
+                   memory_cap_bytes=tuple(int(c) for c in caps.split(",")) if caps else None,
+                   **_job_fields(env))
 
     @classmethod
     def read(cls, environ: Mapping[str, str], *, rank: int) -> TrialEnv:
@@ -136,7 +199,8 @@ class TrialEnv:
         or empty variable takes its default, and outside a trial (no ``TRIAL_DIR``: a production job)
         ``trial_dir`` is ``""`` and the configuration and global batch are not read, while the steps
         and the memory cap are. A malformed value is a ``UsageError`` naming it (a global batch that
-        is not an integer: ``ValueError``); ``rank`` is this process's, whose cap must exist."""
+        is not an integer: ``ValueError``); ``rank`` is this process's, whose cap must exist. The
+        job's variables are read as :meth:`read_job` reads them."""
         trial_dir = environ.get(TRIAL_DIR) or ""
         caps = _caps(environ.get(MEMORY_CAP_BYTES), rank)
         batch = environ.get(GLOBAL_BATCH) if trial_dir else None
@@ -144,13 +208,29 @@ class TrialEnv:
                    global_batch=int(batch) if batch else None,
                    warmup=_int(environ, WARMUP, 1), steps=_int(environ, STEPS, 3),
                    measure_s=_seconds(environ, MEASURE_S, 0.0), max_steps=_int(environ, MAX_STEPS, 50),
-                   memory_cap_bytes=caps)
+                   memory_cap_bytes=caps, **_job_fields(environ))
+
+    @classmethod
+    def read_job(cls, environ: Mapping[str, str]) -> TrialEnv:
+        """The job's variables alone (:attr:`JOB_NAMES`), where the runtime has no plan's
+        :class:`TrialEnv` at hand: the warm worker's loop, a rank's orphan check at start and exit,
+        the device before the process group exists. The per-trial fields keep their defaults
+        (``trial_dir`` ``""``). Never raises: each value is kept as set, checked where it is used."""
+        return cls(trial_dir="", **_job_fields(environ))
 
     def cap_for(self, rank: int) -> int | None:
         """This rank's memory cap in bytes (one entry: every rank's), or None."""
         if not self.memory_cap_bytes:
             return None
         return self.memory_cap_bytes[0] if len(self.memory_cap_bytes) == 1 else self.memory_cap_bytes[rank]
+
+
+def _job_fields(environ: Mapping[str, str]) -> dict[str, Any]:
+    """:attr:`TrialEnv.JOB_NAMES` as fields, each as set (the two flags: whether it is ``1``)."""
+    return {"trial_id": environ.get(TRIAL_ID, ""), "device": environ.get(DEVICE), "warm": environ.get(WARM) == "1",
+            "pool_dir": environ.get(POOL_DIR), "diagnose": environ.get(DIAGNOSE) == "1",
+            "emulate_ms_per_sample": environ.get(EMULATE_MS_PER_SAMPLE), "emulate_sms": environ.get(EMULATE_SMS),
+            "compile_backend": environ.get(COMPILE_BACKEND)}
 
 
 def _int(environ: Mapping[str, str], name: str, default: int) -> int:
@@ -196,16 +276,6 @@ def _caps(raw: str | None, rank: int) -> tuple[int, ...] | None:
                          "give one cap per rank.")
     return values
 
-DEVICE = "AUTOBALANCE_DEVICE"
-"""``cpu`` or ``cuda``: the device the trial runs on (default: cuda when available)."""
-DIAGNOSE = "AUTOBALANCE_DIAGNOSE"
-"""``1`` in a run started by ``autobalance diagnose``: the runtime adds MemTracker's module breakdown."""
-
-WARM = "AUTOBALANCE_WARM"
-"""Set to ``1`` in the processes of a warm worker pool: the script runs once per trial in one process."""
-POOL_DIR = "AUTOBALANCE_POOL_DIR"
-"""Directory through which the launcher hands trial requests to a warm pool."""
-
 VERIFY_FILE = "verify.json"
 """A file of that name in the trial directory makes the trial a verification run (``autobalance
 verify``): JSON with ``dropout`` (``off``: the model runs in eval mode so every sample's computation
@@ -214,13 +284,3 @@ and optionally ``init`` (a ``.pt`` of the starting weights to load). After the f
 rank 0 writes ``verify-step.pt`` (gradients and updated parameters, tensors only), ``verify-init.pt``
 (the starting weights) and ``verify-step.json`` (the step's sample indices), then the trial ends.
 It is a file, not a variable, so it reaches warm workers (which take only per-trial variables)."""
-EMULATE_MS_PER_SAMPLE = "AUTOBALANCE_EMULATE_MS_PER_SAMPLE"
-"""Emulated slow ranks (CPU tests, planning a mixed machine): milliseconds each micro-step sleeps per
-sample, one number or one per rank (``runtime/_emulate.py``). A sleep: the update is unchanged."""
-EMULATE_SMS = "AUTOBALANCE_EMULATE_SMS"
-"""Emulated smaller GPUs (planning a mixed machine on one kind of GPU): the streaming multiprocessors
-each rank may use, one number or one per rank, 0 for all (``runtime/_emulate.py``: a CUDA green
-context). Where the kernels run, not what they compute: the update is unchanged."""
-COMPILE_BACKEND = "AUTOBALANCE_COMPILE_BACKEND"
-"""``torch.compile`` backend for compiled configurations (default ``inductor``); tests use
-``aot_eager_decomp_partition`` (the same partitioner and activation budget, no C++ compile)."""

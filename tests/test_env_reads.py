@@ -4,7 +4,8 @@ job's training math (issue 22: no switch in autobalance/ may silently corrupt tr
 The inventory is found from the source by AST, on every form of reading a variable by name:
 ``os.environ.get`` / ``.pop`` / ``.setdefault`` / ``[...]``, ``"X" in os.environ`` / ``not in``,
 ``os.getenv``, the runtime's ``int_env``, ``TrialEnv.read(os.environ, ...)`` (a read of every
-name in ``TrialEnv.NAMES``: ``test_trial_env_read_reads_only_its_names`` proves it), each also through an alias
+name in ``TrialEnv.NAMES`` and ``TrialEnv.JOB_NAMES``) and ``TrialEnv.read_job(os.environ)`` (of
+``JOB_NAMES``: ``test_trial_env_read_reads_only_its_names`` proves both), each also through an alias
 (``env = os.environ``, ``from os import environ``, ``import os as o``) or on a copy
 (``env = dict(os.environ)``); names are resolved through ``autobalance._env``, the module's own
 constants and loops over literal tuples. So a new read fails here until someone says what it does.
@@ -13,6 +14,10 @@ Reading the whole environment (``dict(os.environ)``, ``os.environ.copy()``, ``.i
 ``.keys()``, ``{**os.environ}``, passing ``os.environ`` on) names no variable: each such site is
 listed in ``WHOLE_READS`` with its reason, or fails. The checker itself is proved on planted
 sources (``test_checker_finds_planted_reads``), so it cannot pass by seeing nothing.
+
+In ``autobalance/runtime/`` an ``AUTOBALANCE_*`` variable is read through ``TrialEnv`` (issue 32: one
+typed trial environment), apart from the few direct reads listed in ``RUNTIME_DIRECT`` with their
+reason: ``test_the_runtime_reads_its_variables_through_trial_env``.
 """
 
 from __future__ import annotations
@@ -69,6 +74,21 @@ WHOLE_READS: dict[str, str] = {
 }
 """``path::function`` of each read of the whole environment -> why it is not a hidden switch."""
 
+RUNTIME_DIRECT: dict[tuple[str, str], str] = {
+    ("runtime/_plan.py", "AUTOBALANCE_PG_TIMEOUT_S"):
+        "int_env before the process group exists, its default that of a trial (60 s) or of a production job",
+    ("runtime/_worker.py", "AUTOBALANCE_PG_TIMEOUT_S"): "the warm pool's process group, set up before any trial",
+    ("runtime/_choice.py", "AUTOBALANCE_CONFIG_FILE"):
+        "a production job's saved configuration, which a trial never has (the launcher drops it)",
+    ("runtime/_choice.py", "AUTOBALANCE_STUDY"): "idem",
+    ("runtime/_choice.py", "AUTOBALANCE_STORAGE"): "idem",
+}
+"""``(file, variable)`` of each ``AUTOBALANCE_*`` variable the runtime reads other than through
+``TrialEnv.read`` / ``read_job`` -> why."""
+
+TRIAL_ENV_READ = (*_env.TrialEnv.NAMES, *_env.TrialEnv.JOB_NAMES)
+"""What ``TrialEnv.read`` reads (``read_job``: ``JOB_NAMES`` alone)."""
+
 NAME_METHODS = ("get", "pop", "setdefault", "__getitem__", "__contains__")
 """``environ.<m>(NAME, ...)``: a read of one variable."""
 WRITE_METHODS = ("update", "clear", "__setitem__", "__delitem__")
@@ -119,6 +139,8 @@ class EnvReads:
         self.rel, self.constant = rel, constant
         self.names: dict[str, list[int]] = {}
         self.whole: dict[str, list[int]] = {}
+        self.typed: dict[str, list[int]] = {}
+        """The reads among ``names`` made through ``TrialEnv.read`` / ``read_job``."""
         tree = ast.parse(source)
         self.os_names, self.environ_names, self.getenv_names = {"os"}, set(), {"int_env"}
         for node in ast.walk(tree):
@@ -214,11 +236,13 @@ class EnvReads:
     def _visit(self, node: ast.AST, scope: _Scope) -> None:
         if isinstance(node, ast.Call):
             f = node.func
-            if (isinstance(f, ast.Attribute) and f.attr == "read" and node.args and self._is_env(node.args[0], scope)
-                    and ast.unparse(f.value) in ("TrialEnv", "_env.TrialEnv")):
-                self._consumed.add(id(node.args[0]))  # TrialEnv.read(os.environ, ...): its NAMES, not the whole
-                for name in _env.TrialEnv.NAMES:
+            if (isinstance(f, ast.Attribute) and f.attr in ("read", "read_job") and node.args
+                    and self._is_env(node.args[0], scope) and ast.unparse(f.value) in ("TrialEnv", "_env.TrialEnv")):
+                self._consumed.add(id(node.args[0]))  # TrialEnv.read(os.environ, ...): its names, not the whole
+                read = _env.TrialEnv.JOB_NAMES if f.attr == "read_job" else TRIAL_ENV_READ
+                for name in read:
                     self.names.setdefault(name, []).append(node.lineno)
+                    self.typed.setdefault(name, []).append(node.lineno)
             elif isinstance(f, ast.Attribute) and self._is_env(f.value, scope):
                 self._consumed.add(id(f.value))
                 if f.attr in NAME_METHODS and node.args:
@@ -250,10 +274,8 @@ def _module_constants(source: str) -> dict[str, object]:
     return out
 
 
-def scan(root: Path, package: str) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
-    """``(variable -> path:line of each read, path::function -> path:line of each whole read)``."""
-    names: dict[str, list[str]] = {}
-    whole: dict[str, list[str]] = {}
+def _files(root: Path, package: str) -> Iterator[tuple[str, EnvReads]]:
+    """``(path, its reads)`` of each source under ``root``."""
     for path in sorted(root.rglob("*.py")):
         rel = str(path.relative_to(root))
         source = path.read_text()
@@ -268,12 +290,36 @@ def scan(root: Path, package: str) -> tuple[dict[str, list[str]], dict[str, list
             except ImportError:
                 return None
 
-        found = EnvReads(source, rel, constant)
+        yield rel, EnvReads(source, rel, constant)
+
+
+def scan(root: Path, package: str) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """``(variable -> path:line of each read, path::function -> path:line of each whole read)``."""
+    names: dict[str, list[str]] = {}
+    whole: dict[str, list[str]] = {}
+    for rel, found in _files(root, package):
         for name, lines in found.names.items():
             names.setdefault(name, []).extend(f"{rel}:{n}" for n in lines)
         for site, lines in found.whole.items():
             whole.setdefault(site, []).extend(f"{rel}:{n}" for n in lines)
     return names, whole
+
+
+def direct_reads(root: Path, package: str, *, under: str, prefix: str) -> dict[tuple[str, str], list[int]]:
+    """``(path, variable) -> lines`` of each read under folder ``under`` of a variable named
+    ``prefix...`` other than through ``TrialEnv.read`` / ``read_job``."""
+    out: dict[tuple[str, str], list[int]] = {}
+    for rel, found in _files(root, package):
+        if not rel.startswith(f"{under}/"):
+            continue
+        for name, lines in found.names.items():
+            typed = list(found.typed.get(name, []))
+            for line in lines:
+                if line in typed:
+                    typed.remove(line)
+                elif name.startswith(prefix):
+                    out.setdefault((rel, name), []).append(line)
+    return out
 
 
 def env_reads() -> dict[str, list[str]]:
@@ -396,14 +442,50 @@ def test_trial_only_variables_are_ignored_by_a_production_job(monkeypatch: pytes
 
 
 def test_checker_counts_trial_env_read_as_its_names(tmp_path: Path):
-    """Fails if ``TrialEnv.read(os.environ, ...)`` is taken for a read of the whole environment, or
-    for no read at all: it reads the names of ``TrialEnv.NAMES``."""
+    """Fails if ``TrialEnv.read(os.environ, ...)`` or ``TrialEnv.read_job(os.environ)`` is taken for a
+    read of the whole environment, or for no read at all: they read the names of ``TrialEnv.NAMES``
+    and ``JOB_NAMES``, and ``JOB_NAMES`` alone."""
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "m.py").write_text("import os\nfrom autobalance import _env\n\n\ndef f():\n"
                                            "    return _env.TrialEnv.read(os.environ, rank=0)\n")
+    (tmp_path / "pkg" / "n.py").write_text("import os\nfrom autobalance._env import TrialEnv\n\n\ndef g():\n"
+                                           "    return TrialEnv.read_job(os.environ).device\n")
     found, whole = scan(tmp_path / "pkg", "planted_pkg")
-    assert sorted(found) == sorted(_env.TrialEnv.NAMES) and whole == {}
-    assert found[_env.STEPS] == ["m.py:6"]
+    assert sorted(found) == sorted(TRIAL_ENV_READ) and whole == {}
+    assert found[_env.STEPS] == ["m.py:6"] and found[_env.DEVICE] == ["m.py:6", "n.py:6"]
+
+
+RUNTIME_PLANTED = '''\
+import os
+
+from autobalance import _env
+
+
+def f(rank):
+    trial = _env.TrialEnv.read(os.environ, rank=rank)
+    backend = os.environ.get("AUTOBALANCE_COMPILE_BACKEND")   # a new direct read: fails
+    local = int(os.environ.get("LOCAL_RANK", "0"))             # torchrun's: not the rule's
+    return trial, backend, local, _env.TrialEnv.read_job(os.environ).warm
+'''
+
+
+def test_the_runtime_reads_its_variables_through_trial_env():
+    """Fails if ``autobalance/runtime/`` reads an ``AUTOBALANCE_*`` variable other than through
+    ``TrialEnv.read`` / ``read_job`` (issue 32) where ``RUNTIME_DIRECT`` does not say why, or if an
+    entry of ``RUNTIME_DIRECT`` is no longer read there."""
+    direct = direct_reads(ROOT, "autobalance", under="runtime", prefix="AUTOBALANCE_")
+    assert sorted(set(direct) - set(RUNTIME_DIRECT)) == [], {k: direct[k] for k in set(direct) - set(RUNTIME_DIRECT)}
+    assert sorted(set(RUNTIME_DIRECT) - set(direct)) == []
+
+
+def test_checker_finds_a_planted_direct_runtime_read(tmp_path: Path):
+    """The rule above sees a direct read of an ``AUTOBALANCE_*`` variable in the runtime beside the
+    typed reads, and only in the runtime."""
+    (tmp_path / "pkg" / "runtime").mkdir(parents=True)
+    (tmp_path / "pkg" / "runtime" / "_m.py").write_text(RUNTIME_PLANTED)
+    (tmp_path / "pkg" / "_other.py").write_text('import os\nos.environ.get("AUTOBALANCE_ELSEWHERE")\n')
+    direct = direct_reads(tmp_path / "pkg", "planted_pkg", under="runtime", prefix="AUTOBALANCE_")
+    assert direct == {("runtime/_m.py", _env.COMPILE_BACKEND): [8]}
 
 
 class _Recording(dict):
@@ -427,12 +509,15 @@ class _Recording(dict):
 
 
 def test_trial_env_read_reads_only_its_names():
-    """Fails if ``TrialEnv.read`` looks up a variable outside ``TrialEnv.NAMES`` (the checker above
-    counts it as reading exactly those)."""
+    """Fails if ``TrialEnv.read`` looks up a variable outside ``TrialEnv.NAMES`` and ``JOB_NAMES``, or
+    ``read_job`` one outside ``JOB_NAMES`` (the checker above counts them as reading exactly those)."""
     env = _Recording(_env.TrialEnv(trial_dir="/t", config_json="{}", global_batch=8, measure_s=2.0,
                                    memory_cap_bytes=(1, 2)).to_env(), AUTOBALANCE_STUDY="s")
     _env.TrialEnv.read(env, rank=1)
-    assert env.asked <= set(_env.TrialEnv.NAMES)
+    assert env.asked <= set(TRIAL_ENV_READ)
+    job = _Recording(env)
+    _env.TrialEnv.read_job(job)
+    assert job.asked == set(_env.TrialEnv.JOB_NAMES)
 
 
 def test_trial_env_read_inverts_to_env_and_applies_the_defaults():
@@ -465,3 +550,44 @@ def test_trial_env_read_inverts_to_env_and_applies_the_defaults():
         _env.TrialEnv.read({_env.MEMORY_CAP_BYTES: "1,2"}, rank=2)
     with pytest.raises(ValueError, match="invalid literal for int"):
         _env.TrialEnv.read({_env.TRIAL_DIR: "/t", _env.GLOBAL_BATCH: "many"}, rank=0)
+
+
+def test_the_job_variables_round_trip_and_read_as_today():
+    """Fails if a job variable of ``TrialEnv`` (trial id, device, warm, pool directory, diagnose, the
+    emulations, the compile backend) is not given back by ``from_env``, ``read`` and ``read_job`` as
+    ``to_env`` wrote it, if ``to_env`` writes one that is not set (the launcher's trials carry only
+    ``NAMES``), or if a value is read otherwise than the runtime read it directly: as set, the two
+    flags only when ``1``, and ``read_job`` never raising on the trial's own variables."""
+    job = dict(trial_id="abc", device="cuda", warm=True, pool_dir="/p", diagnose=True,
+               emulate_ms_per_sample="0,10", emulate_sms="0,64", compile_backend="eager")
+    trial = _env.TrialEnv(trial_dir="/t", steps=4, memory_cap_bytes=(5,), **job)
+    env = trial.to_env()
+    assert set(env) - set(_env.TrialEnv.NAMES) == set(_env.TrialEnv.JOB_NAMES)
+    assert env[_env.WARM] == env[_env.DIAGNOSE] == "1" and env[_env.TRIAL_ID] == "abc"
+    assert _env.TrialEnv.from_env(env) == trial == _env.TrialEnv.read(env, rank=1)
+    assert _env.TrialEnv.read_job(env) == _env.TrialEnv(trial_dir="", **job)
+    assert set(_env.TrialEnv(trial_dir="/t").to_env()) <= set(_env.TrialEnv.NAMES)
+    assert _env.TrialEnv.read_job({}) == _env.TrialEnv(trial_dir="") == _env.TrialEnv.read({}, rank=0)
+    as_set = _env.TrialEnv.read_job({_env.WARM: "true", _env.DIAGNOSE: "yes", _env.DEVICE: "",
+                                     _env.COMPILE_BACKEND: "", _env.TRIAL_ID: "", _env.STEPS: "x",
+                                     _env.MEMORY_CAP_BYTES: "a", _env.EMULATE_SMS: "half"})
+    assert (as_set.warm, as_set.diagnose, as_set.device, as_set.compile_backend, as_set.trial_id) == \
+        (False, False, "", "", "")
+    assert as_set.emulate_sms == "half" and as_set.steps == 3 and as_set.memory_cap_bytes is None
+
+
+def test_the_plan_takes_the_job_variables_from_its_read(monkeypatch: pytest.MonkeyPatch):
+    """Fails if ``plan()`` does not hand the variables it read to the parts that used to read them
+    (the trial id, the emulated slow rank, the compile backend, diagnose, warm)."""
+    from autobalance.runtime._compile import DEFAULT_BACKEND, CompileState
+
+    for name in (*TRIAL_ENV_READ, "RANK", "WORLD_SIZE", "LOCAL_RANK", _env.STUDY, _env.CONFIG_FILE):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(_env.TRIAL_ID, "tid")
+    monkeypatch.setenv(_env.EMULATE_MS_PER_SAMPLE, "7")
+    monkeypatch.setenv(_env.COMPILE_BACKEND, "eager")
+    plan = autobalance.plan(micro_batch=2, device="cpu")
+    assert plan.trial == _env.TrialEnv(trial_dir="", trial_id="tid", emulate_ms_per_sample="7", compile_backend="eager")
+    assert plan.trial_id == "tid" and plan.slow_rank is not None and plan.slow_rank.ms_per_sample == 7
+    assert CompileState(mode="default", budget=None, backend=plan.trial.compile_backend).backend == "eager"
+    assert CompileState(mode="default", budget=None, backend="").backend == DEFAULT_BACKEND

@@ -37,14 +37,12 @@ tracker's hooks drops the module breakdown (``error``) instead of the script's r
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from autobalance import _env
 from autobalance.runtime._meter import MemoryMeter
 from autobalance.runtime._parts import Part
 
@@ -104,7 +102,8 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
 class Breakdown(Part):
     """Collects one rank's memory breakdown and flags; see the module docstring."""
 
-    def __init__(self, *, device: torch.device, meter: MemoryMeter) -> None:
+    def __init__(self, *, device: torch.device, meter: MemoryMeter, diagnose: bool = False) -> None:
+        """``diagnose``: a run of ``autobalance diagnose`` (``TrialEnv.diagnose``): add MemTracker's module rows."""
         self.device = device
         self.meter = meter
         self.tracker = meter.tracker
@@ -120,7 +119,7 @@ class Breakdown(Part):
         self._trainable = 0
         self._wrapped: nn.Module | None = None
         self._memtracker: Any = None
-        self._want_memtracker = os.environ.get(_env.DIAGNOSE) == "1"
+        self._want_memtracker = diagnose
         self.note: str | None = None
         """Why the module rows are not MemTracker's alone (the model called more than once per step)."""
         self._module_hooks: list[Any] = []

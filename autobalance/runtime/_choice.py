@@ -119,6 +119,7 @@ def _load_stored(
     world_size: int,
     cap_bytes: int | None,
     defaults: BalanceConfig,
+    trial: _env.TrialEnv | None = None,
 ) -> tuple[BalanceConfig, str]:
     """The saved best configuration, read on rank 0 and broadcast so all ranks apply the same row.
 
@@ -128,7 +129,7 @@ def _load_stored(
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     # every rank's device, gathered before rank 0 reads the store: the configuration follows the devices
-    names = _gather_text(device_identity(device, rank), device=device)
+    names = _gather_text(device_identity(device, rank, trial), device=device)
     text: str | None = None
     if rank == 0:
         try:
@@ -206,10 +207,12 @@ def choose_config(
     world_size: int,
     cap_bytes: int | None,
     trial_config: str | None = None,
+    trial: _env.TrialEnv | None = None,
 ) -> tuple[BalanceConfig, str]:
     """The configuration this rank applies and its source (``trial``, ``argument``, ``store:...``, ``defaults``).
     Outside a trial, rank 0 prints one line naming a stored source or, when there is none, the script's
-    own configuration. ``trial_config``: a trial's ``AUTOBALANCE_CONFIG`` (``TrialEnv.config_json``)."""
+    own configuration. ``trial_config``: a trial's ``AUTOBALANCE_CONFIG`` (``TrialEnv.config_json``);
+    ``trial``: the variables ``plan()`` read, which name this rank's device (None: this process's)."""
     if in_trial:
         return (BalanceConfig.from_json(trial_config), "trial") if trial_config else (defaults, "defaults")
     if config is not None:
@@ -230,6 +233,7 @@ def choose_config(
             world_size=world_size,
             cap_bytes=cap_bytes,
             defaults=defaults,
+            trial=trial,
         )
     if not dist.is_initialized() or dist.get_rank() == 0:  # one plain line on rank 0, as for a stored one
         _say("autobalance: using the script's own configuration (no stored configuration: set AUTOBALANCE_STUDY "

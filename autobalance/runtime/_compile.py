@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from autobalance import _env
 from autobalance._config import CUDA_GRAPH_MODES
 from autobalance.runtime._parts import Part
 
@@ -66,14 +65,16 @@ def _counters() -> dict[str, int]:
 class CompileState(Part):
     """How this rank compiles, and what compiling cost (a part of a compiled configuration's plan)."""
 
-    def __init__(self, *, mode: str, budget: float | None, sizes: list[int] | None = None) -> None:
+    def __init__(self, *, mode: str, budget: float | None, sizes: list[int] | None = None,
+                 backend: str | None = None) -> None:
+        """``backend``: ``AUTOBALANCE_COMPILE_BACKEND`` (``TrialEnv.compile_backend``; None or empty: inductor)."""
         self.mode = mode
         self.budget_requested = budget
         self.sizes = frozenset(sizes or ())
         """This rank's micro-step sizes."""
         self.dynamic_batch = len(self.sizes) > 1
         """Whether the batch dimension is compiled dynamic (the rank's micro-steps differ in size)."""
-        self.backend = os.environ.get(_env.COMPILE_BACKEND) or DEFAULT_BACKEND
+        self.backend = backend or DEFAULT_BACKEND
         self.budget_used: float | None = None
         self.compile_s: float | None = None
         self._before: dict[str, int] = {}

@@ -36,6 +36,11 @@ if TYPE_CHECKING:
 __all__ = ["FewerSMs", "SlowRank", "device_identity", "emulated_ms_per_sample", "emulated_sms"]
 
 
+def _job(trial: _env.TrialEnv | None) -> _env.TrialEnv:
+    """``trial``, or where none is given (a caller outside a plan) this process's job variables."""
+    return trial if trial is not None else _env.TrialEnv.read_job(os.environ)
+
+
 def _this_rank(name: str, raw: str, values: list[float], rank: int) -> float:
     """One value for every rank, or rank ``rank``'s of one per rank."""
     if len(values) == 1:
@@ -91,14 +96,17 @@ class FewerSMs:
         self.ctx = ctx
 
     @classmethod
-    def from_env(cls, rank: int, device: Any) -> FewerSMs | None:
+    def from_env(cls, rank: int, device: Any, trial: _env.TrialEnv | None = None) -> FewerSMs | None:
+        """Rank ``rank``'s emulated SMs from ``trial.emulate_sms`` (None: this process's variables,
+        ``TrialEnv.read_job``), or None when it has all of them."""
         import torch
 
-        sms = emulated_sms(os.environ.get(_env.EMULATE_SMS), rank)
+        raw = _job(trial).emulate_sms
+        sms = emulated_sms(raw, rank)
         if sms <= 0:
             return None
         if torch.device(device).type != "cuda":
-            raise UsageError(f"{_env.EMULATE_SMS}={os.environ.get(_env.EMULATE_SMS)!r} needs a CUDA device (this "
+            raise UsageError(f"{_env.EMULATE_SMS}={raw!r} needs a CUDA device (this "
                              f"rank runs on {torch.device(device).type}); on CPU emulate a slow rank with "
                              f"{_env.EMULATE_MS_PER_SAMPLE}.")
         if not hasattr(torch.cuda, "green_contexts"):
@@ -107,7 +115,7 @@ class FewerSMs:
         return cls(sms=sms, device=device)
 
 
-def device_identity(device: Any, rank: int) -> str:
+def device_identity(device: Any, rank: int, trial: _env.TrialEnv | None = None) -> str:
     """What rank ``rank``'s device is called for a saved configuration to follow it (the hardware
     fingerprint's ``device_names``, compared by ``store.rank_order`` in production): the GPU model,
     or on CPU the processor model; with an emulated slowdown ``" (emulated +N ms/sample)"`` appended.
@@ -115,15 +123,17 @@ def device_identity(device: Any, rank: int) -> str:
     So on CPU the emulation is the device's identity: a job run with ``AUTOBALANCE_EMULATE_MS_PER_SAMPLE``
     ``0,10`` after a study tuned with ``10,0`` is the same machine with its GPUs in another rank order
     (the tests' stand-in for a mixed machine whose cards come up in another order). Two devices of one
-    model have one name: they are interchangeable, and their configurations never swap."""
+    model have one name: they are interchangeable, and their configurations never swap. ``trial``: the
+    plan's variables (None: this process's, ``TrialEnv.read_job``)."""
     import torch
 
     from autobalance.protocol import cpu_model_name
 
     device = torch.device(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model_name()
-    ms = emulated_ms_per_sample(os.environ.get(_env.EMULATE_MS_PER_SAMPLE), rank)
-    sms = emulated_sms(os.environ.get(_env.EMULATE_SMS), rank) if device.type == "cuda" else 0
+    trial = _job(trial)
+    ms = emulated_ms_per_sample(trial.emulate_ms_per_sample, rank)
+    sms = emulated_sms(trial.emulate_sms, rank) if device.type == "cuda" else 0
     if sms > 0:
         name = f"{name} (emulated {max(8, sms // 8 * 8)} SMs)"
     return f"{name} (emulated +{ms:g} ms/sample)" if ms > 0 else name
@@ -136,8 +146,10 @@ class SlowRank(Part):
         self.ms_per_sample = ms_per_sample
 
     @classmethod
-    def from_env(cls, rank: int) -> SlowRank | None:
-        ms = emulated_ms_per_sample(os.environ.get(_env.EMULATE_MS_PER_SAMPLE), rank)
+    def from_env(cls, rank: int, trial: _env.TrialEnv | None = None) -> SlowRank | None:
+        """Rank ``rank``'s emulated slowdown from ``trial.emulate_ms_per_sample`` (None: this process's
+        variables, ``TrialEnv.read_job``), or None when it has none."""
+        ms = emulated_ms_per_sample(_job(trial).emulate_ms_per_sample, rank)
         return cls(ms_per_sample=ms) if ms > 0 else None
 
     def on_micro_step(self, plan: Plan) -> Any:

@@ -65,11 +65,6 @@ def classify_exception(exc: BaseException) -> Status:
     return Status.ERROR
 
 
-def warm() -> bool:
-    """Whether this rank is a warm worker (which outlives its trials)."""
-    return os.environ.get(_env.WARM) == "1"
-
-
 class TrialEnd:
     """Ends one plan's trial: writes its report once, whichever way the trial ends."""
 
@@ -91,7 +86,7 @@ class TrialEnd:
         if plan.trial_dir is None or self.written:
             return
         self.written = True
-        if status == Status.OK and warm():  # the worker adds what the trial inherited and writes it
+        if status == Status.OK and plan.trial.warm:  # the worker adds what the trial inherited and writes it
             self.deferred = build_report(plan, status=status, error=error, tb=tb)
             return
         try:
@@ -108,7 +103,7 @@ class TrialEnd:
         """The trial's steps are done: report ``ok`` and leave the script's loop."""
         self.write(Status.OK)
         self.plan.meter.close()
-        if dist.is_initialized() and not warm():
+        if dist.is_initialized() and not self.plan.trial.warm:
             dist.destroy_process_group()
         raise TrialComplete()
 
@@ -159,14 +154,15 @@ def report_not_written(rank: int, trial_dir: str, status: Status, exc: BaseExcep
 
 
 @contextlib.contextmanager
-def setup_failure_reported(trial_dir: str) -> Iterator[None]:
-    """In a trial (``trial_dir`` not empty), a configuration that is rejected still leaves an ``error``
-    report (then raises)."""
+def setup_failure_reported(trial: _env.TrialEnv) -> Iterator[None]:
+    """In a trial (``trial.trial_dir`` not empty), a configuration that is rejected still leaves an
+    ``error`` report (then raises)."""
+    trial_dir = trial.trial_dir
     try:
         yield
     except AutobalanceError as exc:
         if trial_dir:
-            report = setup_failure_report(exc)
+            report = setup_failure_report(exc, trial_id=trial.trial_id)
             try:
                 write_report(trial_dir, report["rank"], report)
             except Exception as write_exc:
@@ -174,8 +170,9 @@ def setup_failure_reported(trial_dir: str) -> Iterator[None]:
         raise
 
 
-def set_parent_death_signal() -> None:
-    """Die with the parent (torchrun's agent): a killed tuner must not leave workers behind."""
+def set_parent_death_signal(marker: str) -> None:
+    """Die with the parent (torchrun's agent): a killed tuner must not leave workers behind.
+    ``marker``: this process's ``AUTOBALANCE_TRIAL_ID`` (``TrialEnv.trial_id``; "": unset)."""
     if not sys.platform.startswith("linux"):
         return
     try:
@@ -185,19 +182,18 @@ def set_parent_death_signal() -> None:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         pr_set_pdeathsig = 1
         libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-        if _parent_gone():  # the parent died before prctl took effect
+        if _parent_gone(marker):  # the parent died before prctl took effect
             os._exit(1)
     except OSError:
         pass
 
 
-def _parent_gone() -> bool:
+def _parent_gone(marker: str) -> bool:
     """Whether this rank was orphaned: re-parented to init, or to a subreaper that is not torchrun
-    (torchrun's environment carries the trial's marker, see the launcher)."""
+    (torchrun's environment carries the trial's marker ``marker``, see the launcher)."""
     ppid = os.getppid()
     if ppid == 1:
         return True
-    marker = os.environ.get(_env.TRIAL_ID)
     if not marker:
         return False
     try:

@@ -44,7 +44,6 @@ from autobalance.runtime._exit import (
     classify_exception,
     set_parent_death_signal,
     setup_failure_reported,
-    warm,
 )
 from autobalance.runtime._loader import make_loader, start_epoch
 from autobalance.runtime._memory import MemorySnapshot
@@ -108,7 +107,9 @@ class Plan:
         self.blocks_path = blocks
         self.cap_bytes = cap_bytes
         self.trial_dir = trial.trial_dir or None
-        self.trial_id = os.environ.get(_env.TRIAL_ID, "")
+        self.trial = trial
+        """The variables ``plan()`` read (:class:`autobalance._env.TrialEnv`)."""
+        self.trial_id = trial.trial_id
         self.measuring = self.trial_dir is not None
         self.scaler: Any = make_scaler(config.dtype, device)
         self.model: nn.Module | None = None
@@ -124,19 +125,19 @@ class Plan:
         # the optional parts: each is None when off, and only those that are on are called
         budgets = config.activation_budget
         self.compile_state = (CompileState(mode=config.compile, budget=budgets[rank] if budgets else None,
-                                           sizes=config.micro_step_sizes(rank))
+                                           sizes=config.micro_step_sizes(rank), backend=trial.compile_backend)
                               if config.compile != "off" else None)
         self.verify = VerifyRun.from_trial_dir(self.trial_dir)
         self.meter = MemoryMeter(device=device, cap_bytes=cap_bytes, measuring=self.measuring)
-        self.breakdown = Breakdown(device=device, meter=self.meter) if self.measuring else None
+        self.breakdown = Breakdown(device=device, meter=self.meter, diagnose=trial.diagnose) if self.measuring else None
         self.clock = StepClock(trial_dir=self.trial_dir, rank=rank, device=device,
                                compile_steps=1 if self.compile_state is not None else 0,
                                one_step=self.verify is not None, trial=trial)
         self.ending = TrialEnd(self)
         self.batch_watch = (BatchDependence() if self.measuring and self.compile_state is None else None)
         self.busy = BusyMeter(device=device) if self.measuring else None
-        self.slow_rank = SlowRank.from_env(rank)
-        self.fewer_sms = FewerSMs.from_env(rank, device)
+        self.slow_rank = SlowRank.from_env(rank, trial)
+        self.fewer_sms = FewerSMs.from_env(rank, device, trial)
         """An emulated smaller GPU (``AUTOBALANCE_EMULATE_SMS``), entered here for the whole run."""
         self._parts: list[Part] = [p for p in (self.compile_state, self.breakdown, self.verify, self.batch_watch,
                                                self.slow_rank, self.busy)
@@ -376,9 +377,10 @@ def plan(
     if on_mismatch not in ("warn", "error"):
         raise UsageError(f"on_mismatch={on_mismatch!r} is unknown; use 'warn' or 'error'.")
     in_trial = _env.in_trial()
+    job = _env.TrialEnv.read_job(os.environ)  # what the process group and the device need before the read below
     if in_trial:
-        set_parent_death_signal()
-    dev = resolve_device(device)
+        set_parent_death_signal(job.trial_id)
+    dev = resolve_device(device, job)
     if dev.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -398,7 +400,7 @@ def plan(
         gradient_as_bucket_view=gradient_as_bucket_view,
         global_batch=trial.global_batch if trial.global_batch is not None else global_batch,
     )
-    with setup_failure_reported(trial.trial_dir):  # e.g. a configuration from the environment that does not validate
+    with setup_failure_reported(trial):  # e.g. a configuration from the environment that does not validate
         chosen, source = choose_config(
             in_trial=in_trial,
             defaults=defaults,
@@ -411,6 +413,7 @@ def plan(
             world_size=world_size,
             cap_bytes=cap_bytes,
             trial_config=trial.config_json,
+            trial=trial,
         )
         result = Plan(
             config=chosen,
@@ -427,6 +430,6 @@ def plan(
         )
     global CURRENT_PLAN
     CURRENT_PLAN = result
-    if result.in_trial and not warm():
+    if result.in_trial and not trial.warm:
         result.ending.install()
     return result

@@ -141,17 +141,16 @@ def _device_info(plan: Plan) -> RankDevice:
         # "highest"): the search then need not hold fp32 back (tuner/search/_first_trials.py)
         return RankDevice(type="cuda", name=props.name, capacity_bytes=int(props.total_memory),
                           cap_bytes=plan.cap_bytes, uuid=nvml.uuid if nvml else None,
-                          identity=device_identity(plan.device, plan.rank),
+                          identity=device_identity(plan.device, plan.rank, plan.trial),
                           extra={"tf32": torch.get_float32_matmul_precision() != "highest"})
     return RankDevice(type="cpu", name=cpu_model_name(), capacity_bytes=cpu_capacity_bytes(), cap_bytes=plan.cap_bytes,
-                      identity=device_identity(plan.device, plan.rank))
+                      identity=device_identity(plan.device, plan.rank, plan.trial))
 
 
-def setup_failure_report(exc: BaseException) -> dict[str, Any]:
-    """The report of a rank whose configuration was rejected before its plan was built."""
+def setup_failure_report(exc: BaseException, *, trial_id: str = "") -> dict[str, Any]:
+    """The report of a rank whose configuration was rejected before its plan was built (``trial_id``:
+    the trial's ``TrialEnv.trial_id``)."""
     import torch.distributed as dist
-
-    from autobalance import _env
 
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0") or 0)
     return RankReport(
@@ -162,6 +161,6 @@ def setup_failure_report(exc: BaseException) -> dict[str, Any]:
         world_size=dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1") or 1),
         hostname=socket.gethostname(),
         pid=os.getpid(),
-        trial_id=os.environ.get(_env.TRIAL_ID, ""),
+        trial_id=trial_id,
         written_at=datetime.datetime.now(datetime.UTC).isoformat(),
     ).to_dict()

@@ -1,7 +1,8 @@
 """A rank's process set-up: its settings from the environment, its device, its process group.
 
 The launcher passes a trial's settings as ``AUTOBALANCE_*`` variables, which ``plan()`` reads once
-with :meth:`autobalance._env.TrialEnv.read`; a malformed one (here: the process-group timeout) is a
+with :meth:`autobalance._env.TrialEnv.read` (the device, before the process group exists, from
+:meth:`~autobalance._env.TrialEnv.read_job`); a malformed one (here: the process-group timeout) is a
 :class:`~autobalance._errors.UsageError` naming the variable. The process
 group is created here when torchrun started the rank and nobody created it yet, with a short
 timeout in a trial so that a lost peer cannot hang a rank, and torn down at exit.
@@ -53,8 +54,9 @@ def _destroy_process_group_at_exit() -> None:
             pass
 
 
-def resolve_device(device: str | None) -> torch.device:
-    choice = device or os.environ.get(_env.DEVICE) or ("cuda" if torch.cuda.is_available() else "cpu")
+def resolve_device(device: str | None, job: _env.TrialEnv) -> torch.device:
+    """``device`` (the script's argument), else ``AUTOBALANCE_DEVICE`` (``job.device``), else cuda when available."""
+    choice = device or job.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if choice not in ("cpu", "cuda"):
         raise UsageError(f"device={choice!r} is not supported; use 'cpu' or 'cuda'.")
     if choice == "cuda" and not torch.cuda.is_available():

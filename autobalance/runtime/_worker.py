@@ -173,11 +173,14 @@ def main(argv: list[str]) -> None:
         sys.stderr.write("usage: python -m autobalance.runtime._worker SCRIPT [ARGS...]\n")
         os._exit(2)
     script, args = argv[0], argv[1:]
-    pool_dir = os.environ[_env.POOL_DIR]
-    device = os.environ.get(_env.DEVICE, "cpu")
+    job = _env.TrialEnv.read_job(os.environ)  # the pool's variables (restored before each trial: they stay)
+    if job.pool_dir is None:
+        raise KeyError(_env.POOL_DIR)
+    pool_dir = job.pool_dir
+    device = "cpu" if job.device is None else job.device
     from autobalance.runtime._exit import set_parent_death_signal
 
-    set_parent_death_signal()
+    set_parent_death_signal(job.trial_id)
     _init(device)
     ledger = _ledger(device)
     ledger.pool_started()  # a fresh worker: the reference for what later trials inherit
