@@ -8,7 +8,17 @@ Each rank then takes the largest budget of the 0.05 grid predicted to fit - or a
 already compiled for the same (dtype, mode, buckets, micro-batch) when its predicted recomputation
 costs at most :data:`CACHE_TIE` more (the per-study Inductor cache then serves the graph). A
 configuration that a launched trial dominates (it needs at least the memory of one that did not
-fit) is never proposed, so never compiled. Dtypes the eager time model already knows to be
+fit) is never proposed, so never compiled.
+
+**ZeRO-1** (``"zero1"`` searched and the eager model has measured the optimizer state ``S``): each
+split also gets a ``zero1`` variant. Its shares water-fill the state over the ranks' compiled bounds
+without it at budget 1.0 (:func:`optimizer_shares` with ``base_r = fixed_r(0) + m_r * act_r * f(1) *
+(1 + extra(1))``, normalised by :func:`normalised_shares`): budget 1.0 because it is known before any
+budget is chosen, and the unsharded budget may not exist (a rank that does not fit at any budget
+unsharded is the case ZeRO-1 is for); the extras decide the shares either way. Each rank then takes
+its largest budget with ``fixed_r(q_r) = fixed_r + S * q_r``. The splits are also balanced once more
+on the fixed parts sharded by the state placed on the fixed parts alone (``base_r = fixed_r(0)``),
+and those new splits get a ``zero1`` variant only. Dtypes the eager time model already knows to be
 :data:`SLOW_DTYPE` times slower per sample than the fastest are not compiled at all.
 """
 
@@ -26,8 +36,8 @@ from autobalance.protocol import MEASURED_STATUSES, TrialAttr
 from autobalance.tuner.search._compiled_model import CompiledMemoryModel, CompiledTimeModel
 from autobalance.tuner.search._dominance import dominating_over_cap
 from autobalance.tuner.search._model_errors import FIT_ERRORS, ModelErrors, caught
-from autobalance.tuner.search._solver import balanced_split, neighbours
-from autobalance.tuner.search._space import SearchSpace
+from autobalance.tuner.search._solver import balanced_split, neighbours, optimizer_shares
+from autobalance.tuner.search._space import SearchSpace, normalised_shares
 from autobalance.tuner.search._step_time import StepTimeModel
 
 __all__ = ["CACHE_TIE", "DYNAMIC", "SLOW_DTYPE", "Candidate", "cache_order", "compiled_candidates", "compiled_graphs",
@@ -128,12 +138,15 @@ def compiled_candidates(
     trial_list = list(trials)
     seen: set[str] = set()
     out: list[Candidate] = []
-    budget_cache: dict[tuple[str, str, int, int], float | None] = {}
+    budget_cache: dict[tuple[str, str, int, int, float | None], float | None] = {}
+    shard = "zero1" in space.shardings and memory.eager.can_shard
+    state = memory.eager.optimizer_bytes(None)
 
-    def budget_for(rank: int, m: int, dtype: str, mode: str) -> float | None:
-        key = (dtype, mode, rank, m)
+    def budget_for(rank: int, m: int, dtype: str, mode: str, share: float | None = None) -> float | None:
+        key = (dtype, mode, rank, m, share)
         if key not in budget_cache:
-            top = memory.largest_budget(rank=rank, micro_batch=m, dtype=dtype, mode=mode, limit=usable[rank])
+            top = memory.largest_budget(rank=rank, micro_batch=m, dtype=dtype, mode=mode, limit=usable[rank],
+                                        optimizer_share=share)
             budget_cache[key] = None if top is None else cached_budget(top, m, dtype, mode)
         return budget_cache[key]
 
@@ -145,57 +158,92 @@ def compiled_candidates(
                 return b
         return top
 
+    def zero_shares(micro: list[int], dtype: str, mode: str) -> list[float]:
+        """The state water-filled over the ranks' compiled bounds without it at budget 1.0."""
+        curve = memory.curve(dtype, mode)
+        act = curve.estimate(1.0) * (1.0 + curve.extra_margin(1.0))
+        base = [memory.eager.fixed_bytes(r, dtype, 0.0) + m * memory.unit(r, dtype) * act
+                for r, m in enumerate(micro)]
+        return normalised_shares(optimizer_shares(base=base, state=state, limits=usable))
+
+    def consider(micro: list[int], acc: int, dtype: str, mode: str, zero: bool) -> None:
+        try:
+            placed = zero_shares(micro, dtype, mode) if zero else None
+        except FIT_ERRORS as exc:
+            caught(errors, "compiled search", exc)
+            return
+        shares: list[float | None] = list(placed) if placed is not None else [None] * world
+        budgets = [budget_for(r, m, dtype, mode, q) for r, (m, q) in enumerate(zip(micro, shares, strict=True))]
+        if any(b is None for b in budgets):
+            return
+        chosen = [float(b) for b in budgets if b is not None]
+        _, rho, _ = timing.params(dtype, mode)
+        cost = [1.0 + rho * (1.0 - b) for b in chosen]
+        sharding: dict[str, Any] = {} if placed is None else {"optimizer_sharding": "zero1", "optimizer_shares": placed}
+        try:
+            cfg = space.config_for(micro, acc, cost, checkpoint=[[] for _ in range(world)], dtype=dtype,
+                                   bucket_cap_mb=bucket, gradient_as_bucket_view=view, compile=mode,
+                                   activation_budget=chosen, **sharding)
+        except (UsageError, ValueError):  # a split the space cannot hold (a fixed split, too few
+            return                        # samples): a configuration refused, not a failed fit
+        key = cfg.to_json()
+        if key in seen or not space.contains(cfg):
+            return
+        seen.add(key)
+        if dominating_over_cap(trial_list, cfg) is not None:
+            return  # never compile what a launched trial proves cannot fit
+        peaks = memory.config_peaks(cfg)
+        if max_spread is not None and max(peaks) - min(peaks) > max_spread:
+            return
+        ms = timing.predict(cfg)
+        value = None if ms is None else score(cfg, peaks, ms)
+        if value is None:
+            return
+        out.append(Candidate(score=value, config=cfg, peaks=peaks, step_ms=ms,
+                             new_graphs=len(graph_keys(cfg.to_dict()) - done), source="compiled-model"))
+
     for dtype in space.dtypes:
         if not memory.can_predict(dtype) or much_slower(dtype, eager_timing):
             continue
         for mode in modes:
+            first = None  # zero1: the state placed by the fixed parts alone, to balance the splits with
+            if shard:
+                try:
+                    first = optimizer_shares(base=[memory.eager.fixed_bytes(r, dtype, 0.0) for r in range(world)],
+                                             state=state, limits=usable)
+                except FIT_ERRORS as exc:
+                    caught(errors, "compiled search", exc)
             for acc in space.accumulations:
                 total = space.micro_total(acc)
                 if total < world:
                     continue
-                for micro in _splits(memory, total=total, dtype=dtype, mode=mode, usable=usable, world=world,
-                                     errors=errors):
-                    budgets = [budget_for(r, m, dtype, mode) for r, m in enumerate(micro)]
-                    if any(b is None for b in budgets):
-                        continue
-                    chosen = [float(b) for b in budgets if b is not None]
-                    _, rho, _ = timing.params(dtype, mode)
-                    cost = [1.0 + rho * (1.0 - b) for b in chosen]
-                    try:
-                        cfg = space.config_for(micro, acc, cost, checkpoint=[[] for _ in range(world)], dtype=dtype,
-                                               bucket_cap_mb=bucket, gradient_as_bucket_view=view, compile=mode,
-                                               activation_budget=chosen)
-                    except (UsageError, ValueError):  # a split the space cannot hold (a fixed split, too few
-                        continue                      # samples): a configuration refused, not a failed fit
-                    key = cfg.to_json()
-                    if key in seen or not space.contains(cfg):
-                        continue
-                    seen.add(key)
-                    if dominating_over_cap(trial_list, cfg) is not None:
-                        continue  # never compile what a launched trial proves cannot fit
-                    peaks = memory.config_peaks(cfg)
-                    if max_spread is not None and max(peaks) - min(peaks) > max_spread:
-                        continue
-                    ms = timing.predict(cfg)
-                    value = None if ms is None else score(cfg, peaks, ms)
-                    if value is None:
-                        continue
-                    out.append(Candidate(score=value, config=cfg, peaks=peaks, step_ms=ms,
-                                         new_graphs=len(graph_keys(cfg.to_dict()) - done), source="compiled-model"))
+                plain = _splits(memory, total=total, dtype=dtype, mode=mode, usable=usable, world=world,
+                                errors=errors)
+                for micro in plain:
+                    consider(micro, acc, dtype, mode, zero=False)
+                    if shard:
+                        consider(micro, acc, dtype, mode, zero=True)
+                if first is not None:
+                    for micro in _splits(memory, total=total, dtype=dtype, mode=mode, usable=usable, world=world,
+                                         errors=errors, shares=first):
+                        if micro not in plain:
+                            consider(micro, acc, dtype, mode, zero=True)
     return out
 
 
 def _splits(memory: CompiledMemoryModel, *, total: int, dtype: str, mode: str, usable: list[float],
-            world: int, errors: ModelErrors | None = None) -> list[list[int]]:
+            world: int, errors: ModelErrors | None = None, shares: list[float] | None = None) -> list[list[int]]:
     """The even split, the splits balancing compiled peaks at a few common budgets, and (few ranks)
-    their one-sample neighbours."""
+    their one-sample neighbours; with ``shares``, the peaks of ``zero1`` with those shares (each rank's
+    fixed part ``fixed_r(q_r)``), else unsharded."""
     bases = [split_evenly(total, [1.0] * world)]
     curve = memory.curve(dtype, mode)
+    fixed = [memory.eager.fixed_bytes(r, dtype, None if shares is None else shares[r]) for r in range(world)]
     for budget in (1.0, 0.5, 0.05):
         per_sample = [memory.unit(r, dtype) * curve.estimate(budget) * (1.0 + curve.extra_margin(budget))
                       for r in range(world)]
         try:
-            split = balanced_split(total=total, fixed=[memory.eager.fixed_bytes(r, dtype) for r in range(world)],
+            split = balanced_split(total=total, fixed=fixed,
                                    per_sample=per_sample, limits=[u / (1.0 + memory.safety_margin) for u in usable])
         except FIT_ERRORS as exc:
             caught(errors, "compiled search", exc)
