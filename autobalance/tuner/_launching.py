@@ -18,7 +18,7 @@ from autobalance.store import heartbeat_interval_s, trial_id
 from autobalance.tuner._parallel import Slot, plan_slots
 from autobalance.tuner._roles import Reporter, TrialCoordinator
 from autobalance.tuner._settings import TuneSettings
-from autobalance.tuner._time_spent import per_trial_overhead_s
+from autobalance.tuner._time_spent import TrialOverhead
 from autobalance.tuner.search import compile_env
 
 __all__ = ["AUTO_MEASURE_FACTOR", "AUTO_MEASURE_MAX_S", "Stopped", "TrialLauncher", "best_step_s"]
@@ -56,6 +56,9 @@ class TrialLauncher:
         self.cold_note: str | None = None
         self.trials_run = 0
         """Trials launched (baseline included)."""
+        self.overhead = TrialOverhead()
+        """The per-trial overhead ``--measure-s auto`` reads; the trial loop counts each recorded trial
+        into it (:meth:`count_trials`)."""
         self.coordinator: TrialCoordinator | None = None
         self._slots: list[Slot] | None = None
         self._slot_pools: dict[int, WarmPool] = {}
@@ -135,14 +138,23 @@ class TrialLauncher:
 
     def measure_s(self, study: optuna.Study) -> float:
         """How long the next trial measures: ``--measure-s``, or with ``auto`` on CUDA 7/3 of the
-        per-trial overhead seen so far (so the steps take >= 70 % of a trial), at most 2 s."""
+        per-trial overhead as of the last recorded trial (:attr:`overhead`; so the steps take >= 70 %
+        of a trial), at most 2 s. Only this launcher's first launch, before anything was counted (the
+        baseline's), counts the study as it was opened."""
         s = self.settings
         if not isinstance(s.measure_s, str):
             return float(s.measure_s)
         if s.device != "cuda":
             return 0.0
-        overhead = per_trial_overhead_s(study.get_trials(deepcopy=False))
+        if not self.overhead.counted:
+            self.count_trials(study)
+        overhead = self.overhead.seconds
         return 0.0 if overhead is None else min(AUTO_MEASURE_MAX_S, AUTO_MEASURE_FACTOR * overhead)
+
+    def count_trials(self, study: optuna.Study) -> None:
+        """Bring :attr:`overhead` up to date with the study's trials: the trial loop calls it once per
+        recorded trial, and when it starts."""
+        self.overhead.update(study.get_trials(deepcopy=False))
 
     def beat_now(self, trial: optuna.Trial) -> None:
         """One heartbeat at once: a tuner killed before its trial starts leaves it stale, not running."""

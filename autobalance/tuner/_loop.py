@@ -82,11 +82,13 @@ class TrialLoop:
                     seen = self.recorder.seen(config)
                     if seen is not None:
                         frozen = self.recorder.reuse(study, trial, seen)
+                        self.launcher.count_trials(study)
                         self.reporter.finish(frozen, best_trial(study), reused=True)
                         return
                     prediction = self.advisor.predict_infeasible(study, config) if self.advisor is not None else None
                     if prediction is not None:
                         frozen = self.recorder.predicted(study, trial, config, prediction)
+                        self.launcher.count_trials(study)
                         self.reporter.finish(frozen, best_trial(study), predicted=True)
                         return
                 # 3. Launch it: a torchrun job (warm pool, cold, or across nodes) that each rank reports on.
@@ -107,6 +109,7 @@ class TrialLoop:
                 # 5. Record it: attributes, chart, constraints, tell; then the models learn from it.
                 with self.lock:  # matplotlib (the trial's chart) and the advisor are not thread-safe
                     frozen = self.recorder.record(study, trial, config, outcome, figures=figures)
+                    self.launcher.count_trials(study)  # the per-trial overhead the next launch measures by
                     if self.advisor is not None:
                         self.advisor.after_trial(study, frozen)
                     self.reporter.finish(frozen, best_trial(study))
@@ -132,6 +135,7 @@ class TrialLoop:
     # ------------------------------------------------------------------ the loop
     def run(self, study: optuna.Study, space: SearchSpace) -> None:
         """Trials until the study has ``--trials`` counted ones."""
+        self.launcher.count_trials(study)  # the baseline's and a resumed study's trials
         slots = self.launcher.slots()
         if len(slots) == 1:
             while self.more_trials(study):

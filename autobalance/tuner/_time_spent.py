@@ -23,8 +23,8 @@ from optuna.trial import FrozenTrial, TrialState
 from autobalance.launcher import TrialOutcome
 from autobalance.protocol import RankTiming, Status, TrialAttr, time_in_steps_s
 
-__all__ = ["TIME_PARTS", "TimeBudget", "describe_budget", "per_trial_overhead_s", "time_lines", "time_spent",
-           "trial_time_split"]
+__all__ = ["TIME_PARTS", "TimeBudget", "TrialOverhead", "describe_budget", "per_trial_overhead_s", "time_lines",
+           "time_spent", "trial_time_split"]
 
 TIME_PARTS = ("compile", "startup", "steps", "remeasure", "verify")
 """The parts of a run's wall time besides ``other``, in the order the summary names them."""
@@ -119,6 +119,26 @@ class TimeBudget:
         return {"verify_reserved": round(self.reserve_s, 1), "verify_reserved_runs": self.reserve_runs,
                 "next_trial_s": round(self.next_trial_s, 1),
                 "left_at_stop": None if self.left_at_stop is None else round(self.left_at_stop, 1)}
+
+
+class TrialOverhead:
+    """The per-trial overhead (:func:`per_trial_overhead_s`) over the study's trials as of the last
+    one recorded: what ``--measure-s auto`` sizes a launch's measurement by, so that a launch reads a
+    figure, not the study. The trial loop updates it (:meth:`update`) once per recorded trial and when it
+    starts (the baseline's and a resumed study's trials); another worker's trials on the same study
+    count from this loop's next recorded trial on."""
+
+    def __init__(self) -> None:
+        self.seconds: float | None = None
+        """The overhead in seconds; None before any launched ``ok`` trial."""
+        self.counted = False
+        """Whether :meth:`update` has run (before it, a launch counts the study as it was opened)."""
+
+    def update(self, trials: list[FrozenTrial]) -> float | None:
+        """Count ``trials`` (the study's, in order); the overhead over them."""
+        self.seconds = per_trial_overhead_s(trials)
+        self.counted = True
+        return self.seconds
 
 
 def describe_budget(seconds: float) -> str:
