@@ -36,6 +36,7 @@ from autobalance.tuner.search._compile import (
 )
 from autobalance.tuner.search._compiled_model import (
     COMPILE_SPEED_PRIOR,
+    MICRO_STEP_PRIOR,
     RECOMPUTE_PRIOR_COMPILED,
     UNMEASURED_MARGIN,
     BudgetCurve,
@@ -114,6 +115,7 @@ __all__ = [
     "DYNAMIC",
     "FIT_ERRORS",
     "INFEASIBLE_TIME",
+    "MICRO_STEP_PRIOR",
     "PRIOR_CHECKPOINT_SAVING",
     "RECOMPUTE_PRIOR",
     "RECOMPUTE_PRIOR_COMPILED",

@@ -38,16 +38,22 @@ bound), or when even the least any budget keeps does not fit: ``fixed_r(q) + m *
 limit_r * (1 + margin)`` (:meth:`CompiledMemoryModel.over_at_any_budget`).
 
 **Step time.** From the eager :class:`StepTimeModel` (``a`` per step, rank ``r``'s micro-steps
-``e_r = acc * b + k[dtype] * n_r`` without checkpointing)::
+``e_r = acc * b + k[dtype] * n_r`` without checkpointing, of which ``acc * b`` is paid once per
+micro-step whatever its size)::
 
-    t = a + s * max_r e_r * (1 + rho * (1 - b_r))
+    t = a + s * max_r (e_r + (beta - 1) * acc * b) * (1 + rho * (1 - b_r))
 
-``s`` is the compiled-versus-eager speed of the pair and ``rho * (1 - b)`` the recomputation cost,
-monotone non-increasing in the budget (0 at the default budget 1.0). ``rho`` is chosen on a grid
-with ``s`` in closed form (least squares on relative errors); while the pair's trials have not
-varied their budgets ``rho`` stays at its prior (:data:`RECOMPUTE_PRIOR_COMPILED`). Without
-trials of its own a pair borrows another's ``s`` and ``rho`` (same dtype first), and without any,
-the device's prior (:data:`COMPILE_SPEED_PRIOR`).
+``s`` is the compiled-versus-eager speed of the pair, ``beta`` what a compiled micro-step's fixed
+cost is relative to that speed (1: the same; CUDA graphs replay a micro-step's kernels with one
+launch, so ``reduce-overhead`` starts at :data:`MICRO_STEP_PRIOR`) and ``rho * (1 - b)`` the
+recomputation cost, monotone non-increasing in the budget (0 at the default budget 1.0). ``rho``
+and ``beta`` are chosen on grids with ``s`` in closed form (least squares on relative errors);
+while the pair's trials have not varied their budgets ``rho`` stays at its prior
+(:data:`RECOMPUTE_PRIOR_COMPILED`), and while they have not varied their number of micro-steps
+``beta`` stays at the mode's prior. Without trials of its own a pair borrows another's ``s`` and
+``rho`` (the same mode with another dtype first, then the same dtype with another mode, whose ``beta``
+it does not take: its own mode's prior), and without any, the device's prior
+(:data:`COMPILE_SPEED_PRIOR`).
 """
 
 from __future__ import annotations
@@ -75,6 +81,7 @@ __all__ = [
     "COMPILE_SPEED_PRIOR",
     "FLOOR_PRIOR",
     "LOW_BUDGET_FLOOR",
+    "MICRO_STEP_PRIOR",
     "RECOMPUTE_PRIOR_COMPILED",
     "UNMEASURED_MARGIN",
     "BudgetCurve",
@@ -89,6 +96,10 @@ GIB = 2**30
 UNMEASURED_MARGIN = 0.25
 """Extra relative margin on the activation part at a budget the pair has not measured (divided by
 ``sqrt(1 + measured budgets)``): the partitioner's plateaus make interpolation uncertain."""
+MICRO_STEP_PRIOR: dict[str, float] = {"reduce-overhead": 0.18}
+"""Prior ``beta`` per compile mode (others 1.0): on one H200 the GPT of ``studies/gpt-1gpu.toml`` paid
+33 ms per micro-step compiled with ``default`` and 5.8 ms with ``reduce-overhead`` (CUDA graphs):
+5.8 / 33 = 0.18 (``benchmarks/2026-12-03-h200b/compile_probe*.json``, ``docs/compile.md``)."""
 RECOMPUTE_PRIOR_COMPILED = 1.0 / 3.0
 """Prior ``rho``: at budget 0 the partitioner recomputes about one forward (a third of a step)."""
 COMPILE_SPEED_PRIOR: dict[str, float] = {"cuda": 0.85, "cpu": 1.0}
@@ -102,6 +113,7 @@ LOW_BUDGET_FLOOR = 0.5
 """Below the smallest measured budget ``b_1``, ``f(b) = F_1 * max(b / b_1, LOW_BUDGET_FLOOR)``: not the
 partitioner's proportional rule all the way down (the same grid: ``f(0.4) / f(1.0) = 0.68``)."""
 _RHO_GRID = [i / 20 for i in range(41)]  # 0 .. 2 in steps of 0.05
+_BETA_GRID = [i / 20 for i in range(41)]  # 0 .. 2 in steps of 0.05
 _TINY = 1.0
 
 
@@ -397,7 +409,8 @@ def _sharding_shares(cfg: dict[str, Any]) -> list[float] | None:
 
 @dataclass(kw_only=True)
 class CompiledTimeModel:
-    """``t = a + s * max_r e_r * (1 + rho * (1 - b_r))`` per (dtype, mode) (module doc)."""
+    """``t = a + s * max_r (e_r + (beta - 1) * acc * b) * (1 + rho * (1 - b_r))`` per (dtype, mode)
+    (module doc)."""
 
     eager: StepTimeModel
     """The eager step-time model (``a`` and each rank's ``e_r``)."""
@@ -405,6 +418,9 @@ class CompiledTimeModel:
     """``s`` of the pairs with measured compiled trials."""
     recompute: dict[Pair, float] = field(default_factory=dict)
     """``rho`` of those pairs."""
+    micro_step: dict[Pair, float] = field(default_factory=dict)
+    """``beta`` of those pairs (the mode's :data:`MICRO_STEP_PRIOR` while their trials have not varied
+    their number of micro-steps)."""
     prior_speed: float = 1.0
     """``s`` before any compiled trial (the device's :data:`COMPILE_SPEED_PRIOR`)."""
 
@@ -413,9 +429,18 @@ class CompiledTimeModel:
         pair = (dtype, mode)
         if pair in self.speed:
             return self.speed[pair], self.recompute[pair], True
-        for other in sorted(self.speed, key=lambda p: (p[0] != dtype, p)):
+        for other in sorted(self.speed, key=lambda p: (p[1] != mode, p[0] != dtype, p)):
             return self.speed[other], self.recompute[other], False
         return self.prior_speed, RECOMPUTE_PRIOR_COMPILED, False
+
+    def beta(self, dtype: str, mode: str) -> float:
+        """``beta``: the pair's own fit, else the same mode's with another dtype, else the mode's prior
+        (never another mode's: it is what the mode changes)."""
+        if (dtype, mode) in self.micro_step:
+            return self.micro_step[(dtype, mode)]
+        for other in sorted(p for p in self.micro_step if p[1] == mode):
+            return self.micro_step[other]
+        return MICRO_STEP_PRIOR.get(mode, 1.0)
 
     def rank_ms(self, config: BalanceConfig | dict[str, Any]) -> tuple[float, list[float]] | None:
         """``a`` and each rank's compiled micro-steps; None before any eager measurement."""
@@ -425,9 +450,11 @@ class CompiledTimeModel:
         if parts is None:
             return None
         a, ranks = parts
-        s, rho, _ = self.params(c["dtype"], c.get("compile", "off"))
+        mode = c.get("compile", "off")
+        s, rho, _ = self.params(c["dtype"], mode)
+        fixed = (self.beta(c["dtype"], mode) - 1.0) * (self.eager.micro_step_ms(eager_cfg) or 0.0)
         budgets = c.get("activation_budget") or [1.0] * len(ranks)
-        return a, [s * e * (1.0 + rho * (1.0 - float(b))) for e, b in zip(ranks, budgets, strict=True)]
+        return a, [s * max(0.0, e + fixed) * (1.0 + rho * (1.0 - float(b))) for e, b in zip(ranks, budgets, strict=True)]
 
     def predict(self, config: BalanceConfig | dict[str, Any]) -> float | None:
         """Predicted milliseconds per optimizer step."""
@@ -446,33 +473,40 @@ class CompiledTimeModel:
                 continue
             rows.setdefault((cfg["dtype"], cfg["compile"]), []).append((cfg, float(a[TrialAttr.STEP_TIME_MS])))
         for pair, group in rows.items():
-            fitted = _fit_pair(eager, group)
+            fitted = _fit_pair(eager, group, beta_prior=MICRO_STEP_PRIOR.get(pair[1], 1.0))
             if fitted is not None:
-                model.speed[pair], model.recompute[pair] = fitted
+                model.speed[pair], model.recompute[pair], model.micro_step[pair] = fitted
         return model
 
 
-def _fit_pair(eager: StepTimeModel, rows: list[tuple[dict[str, Any], float]]) -> tuple[float, float] | None:
-    """``(s, rho)`` minimising the squared relative errors: ``rho`` on a grid, ``s`` in closed form."""
+def _fit_pair(eager: StepTimeModel, rows: list[tuple[dict[str, Any], float]], *,
+              beta_prior: float = 1.0) -> tuple[float, float, float] | None:
+    """``(s, rho, beta)`` minimising the squared relative errors: ``rho`` and ``beta`` on grids (each
+    at its prior until the pair's trials vary budgets / numbers of micro-steps), ``s`` in closed form;
+    among equal errors the pair nearest the priors."""
     parts = []
     for cfg, ms in rows:
-        eager_parts = eager.rank_ms({**cfg, "checkpoint": [[] for _ in cfg["micro_batches"]]})
+        plain = {**cfg, "checkpoint": [[] for _ in cfg["micro_batches"]]}
+        eager_parts = eager.rank_ms(plain)
         if eager_parts is None or ms <= 0:
             return None
         budgets = cfg.get("activation_budget") or [1.0] * len(eager_parts[1])
-        parts.append((eager_parts[0], eager_parts[1], [float(b) for b in budgets], ms))
-    varied = len({tuple(b) for _, _, b, _ in parts}) > 1
-    q = [1.0 - a / ms for a, _, _, ms in parts]
-    best: tuple[float, float, float, float] | None = None  # (error, distance from the prior, s, rho)
-    for rho in (_RHO_GRID if varied else [RECOMPUTE_PRIOR_COMPILED]):
-        p = [max(e * (1.0 + rho * (1.0 - b)) for e, b in zip(ranks, budgets, strict=True)) / ms
-             for _, ranks, budgets, ms in parts]
-        denominator = sum(x * x for x in p)
-        if denominator <= 0:
-            continue
-        s = max(1e-3, sum(x * y for x, y in zip(p, q, strict=True)) / denominator)
-        error = round(sum((s * x - y) ** 2 for x, y in zip(p, q, strict=True)), 12)
-        candidate = (error, abs(rho - RECOMPUTE_PRIOR_COMPILED), s, rho)
-        if best is None or candidate[:2] < best[:2]:
-            best = candidate
-    return None if best is None else (best[2], best[3])
+        parts.append((eager_parts[0], eager_parts[1], [float(b) for b in budgets], eager.micro_step_ms(plain) or 0.0,
+                      ms))
+    varied = len({tuple(b) for _, _, b, _, _ in parts}) > 1
+    steps_varied = len({round(m, 9) for _, _, _, m, _ in parts}) > 1
+    q = [1.0 - a / ms for a, _, _, _, ms in parts]
+    best: tuple[float, float, float, float, float] | None = None  # (error, distance from the priors, s, rho, beta)
+    for beta in (_BETA_GRID if steps_varied else [beta_prior]):
+        for rho in (_RHO_GRID if varied else [RECOMPUTE_PRIOR_COMPILED]):
+            p = [max(max(0.0, e + (beta - 1.0) * m) * (1.0 + rho * (1.0 - b)) for e, b in zip(ranks, budgets, strict=True))
+                 / ms for _, ranks, budgets, m, ms in parts]
+            denominator = sum(x * x for x in p)
+            if denominator <= 0:
+                continue
+            s = max(1e-3, sum(x * y for x, y in zip(p, q, strict=True)) / denominator)
+            error = round(sum((s * x - y) ** 2 for x, y in zip(p, q, strict=True)), 12)
+            candidate = (error, abs(rho - RECOMPUTE_PRIOR_COMPILED) + abs(beta - beta_prior), s, rho, beta)
+            if best is None or candidate[:2] < best[:2]:
+                best = candidate
+    return None if best is None else (best[2], best[3], best[4])

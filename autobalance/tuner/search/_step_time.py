@@ -99,6 +99,14 @@ class StepTimeModel:
         return self.a, [ratio * ms for ms in _rank_ms(c, b=self.b, k=self.k[dtype], g=self.g, layers=self.num_layers,
                                                          speeds=self.speeds)]
 
+    def micro_step_ms(self, cfg: BalanceConfig | dict[str, Any]) -> float | None:
+        """``s * acc * b``: the part of each rank's micro-steps (:meth:`rank_ms`) paid once per
+        micro-step whatever its size (the compiled model scales it per compile mode); None before
+        any measurement."""
+        c = cfg.to_dict() if isinstance(cfg, BalanceConfig) else cfg
+        scaled = self._scale(c["dtype"])
+        return None if scaled is None else scaled[0] * int(c["accumulation"]) * self.b
+
     @classmethod
     def fit(cls, trials: list[FrozenTrial], *, num_layers: int, device: str,
             errors: ModelErrors | None = None) -> StepTimeModel:
