@@ -253,3 +253,24 @@ def test_a_zero1_trial_out_of_memory_dominates_configs_holding_at_least_its_stat
     assert dominating_over_cap([oom3], moved) is None
     found = dominating_over_cap([oom3], wider)
     assert found is not None and found[1] == 1
+
+
+def test_a_sampled_zero1_compiled_config_is_judged_with_its_share_of_the_state(tmp_path):
+    """The advisor's veto of a sampled compiled configuration: rank 0 at micro-batch 16, budget 0.3
+    holds ``2 + 2*q_0 + 16 * 0.25 * 0.3`` GiB: 5.2 unsharded (surely over 4.2 usable), 3.2 with no state
+    (q_0 = 0). Vetoed unsharded, never with the share."""
+    from autobalance.tuner import TuneSettings
+    from autobalance.tuner.search import ModelAdvisor
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    settings = TuneSettings(script=str(script), device="cuda", nproc_per_node=2, memory_cap_gib=[4.2], headroom=0.0,
+                            compile="search")
+    advisor = ModelAdvisor(space=space(["off", "zero1"]), settings=settings)
+    study = optuna.create_study()
+    study.set_user_attr("autobalance:reference_step_s", 0.06)
+    for t in [trial(c) for c in EAGER + COMPILED]:
+        study.add_trial(t)
+    vetoed = advisor.predict_infeasible(study, compiled([16, 16], [0.3, 0.3]))
+    assert vetoed is not None and "rank 0" in vetoed[1]["reason"]
+    assert advisor.predict_infeasible(study, compiled([16, 16], [0.3, 0.3], shares=[0.0, 1.0])) is None

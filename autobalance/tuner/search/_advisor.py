@@ -424,15 +424,16 @@ class ModelAdvisor:
             return None
         budgets = config.activation_budget or [1.0] * config.world_size
         layers = max(1, self.space.num_layers)
+        shares = config.sharding_shares() or [None] * config.world_size  # zero1: each rank's share of the state
         for rank, (m, b) in enumerate(zip(config.micro_batches, budgets, strict=True)):
             if not model.is_confident(rank=rank, micro_batch=m, checkpointed=0, num_layers=layers, dtype=config.dtype):
                 continue
             low = compiled.surely_over(rank=rank, micro_batch=m, budget=b, dtype=config.dtype, mode=config.compile,
-                                       limit=usable[rank])
+                                       limit=usable[rank], optimizer_share=shares[rank])
             why = "the compiled model's measured budgets put"
             if low is None:  # not even the least any budget keeps fits (a tiny budget does not save it)
                 low = compiled.over_at_any_budget(rank=rank, micro_batch=m, dtype=config.dtype, mode=config.compile,
-                                                  limit=usable[rank])
+                                                  limit=usable[rank], optimizer_share=shares[rank])
                 why = "at any budget the compiled model predicts"
             if low is None:
                 continue

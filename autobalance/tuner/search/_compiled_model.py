@@ -365,7 +365,8 @@ class CompiledMemoryModel:
 
 def compiled_observations(trials: Sequence[FrozenTrial]) -> list[CompiledObservation]:
     """Every rank of each measured compiled trial, and the failing rank of each that ran out of
-    memory (a lower bound: at least its capacity). Reused trials are no new evidence."""
+    memory (a lower bound: at least its capacity), with the rank's ``zero1`` share of the optimizer
+    state (None: unsharded). Reused trials are no new evidence."""
     out: list[CompiledObservation] = []
     for t in trials:
         a = t.user_attrs
