@@ -424,7 +424,8 @@ class ModelAdvisor:
             return None
         budgets = config.activation_budget or [1.0] * config.world_size
         layers = max(1, self.space.num_layers)
-        shares: list[float | None] = list(config.sharding_shares() or [None] * config.world_size)  # zero1's
+        own = config.sharding_shares()  # zero1: each rank's share of the state (None: unsharded)
+        shares: list[float | None] = [None] * config.world_size if own is None else list(own)
         for rank, (m, b) in enumerate(zip(config.micro_batches, budgets, strict=True)):
             if not model.is_confident(rank=rank, micro_batch=m, checkpointed=0, num_layers=layers, dtype=config.dtype):
                 continue
