@@ -10,12 +10,15 @@ import pytest
 from optuna.trial import TrialState
 
 from autobalance import BalanceConfig
+from autobalance.protocol import CONSTRAINTS_KEY
 from autobalance.tuner import SearchSpace, TuneSettings
 from autobalance.tuner.search import (
     MICRO_STEP_PRIOR,
     CompiledTimeModel,
     ModelAdvisor,
     StepTimeModel,
+    graph_probe,
+    graphs_verdict,
 )
 
 LAYERS = 4
@@ -49,8 +52,9 @@ def peak(c: BalanceConfig) -> float:
 
 def trial(c: BalanceConfig, ms: float) -> optuna.trial.FrozenTrial:
     attrs = {"status": "ok", "config": c.to_dict(), "step_time_ms": ms, "peak_device_gib": [peak(c)],
-             "usable_gib": [USABLE], "capacity_gib": [USABLE]}
-    return optuna.trial.create_trial(state=TrialState.COMPLETE, value=1.0, user_attrs=attrs)
+             "usable_gib": [USABLE], "capacity_gib": [USABLE], "feasible": True}
+    return optuna.trial.create_trial(state=TrialState.COMPLETE, value=ms / 100, user_attrs=attrs,  # step time rules
+                                     system_attrs={CONSTRAINTS_KEY: [peak(c) - USABLE]})
 
 
 EAGER = [cfg(8), cfg(16), cfg(4), cfg(4, ck=2), cfg(2, ck=4), cfg(8, ck=4)]
@@ -127,3 +131,68 @@ def test_a_study_that_asks_for_cuda_graphs_gets_proposals_that_fit_and_learns_th
     for c in again.values():
         if c.config.compile == "reduce-overhead":
             assert c.step_ms == pytest.approx(compiled_ms(c.config, s=1.1, beta=0.2), rel=0.03)
+
+
+# ------------------------------------------------------------------ the probe (--compile-mode auto)
+
+
+def test_auto_searches_cuda_graphs_at_world_size_1_on_a_gpu_only(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+
+    def modes(**kw) -> list[str]:
+        return TuneSettings(script=str(script), compile_mode="auto", **kw).compile_modes()
+
+    assert modes(device="cuda", nproc_per_node=1) == ["off", "default", "reduce-overhead"]
+    assert modes(device="cuda", nproc_per_node=2) == ["off", "default"]  # DDP: no CUDA graphs
+    assert modes(device="cpu", nproc_per_node=1, compile="on") == ["default"]
+    assert TuneSettings(script=str(script), device="cuda", nproc_per_node=1).compile_modes() == ["off", "default"]
+
+
+def _auto_study(tmp_path, graph_ms: float | None):
+    """Eager trials, two default-mode compiled ones (8 x 4 the faster) and, when given, the probe:
+    8 x 4 with CUDA graphs at ``graph_ms``."""
+    script = tmp_path / "train.py"
+    script.write_text("")
+    settings = TuneSettings(script=str(script), device="cuda", nproc_per_node=1, memory_cap_gib=[USABLE],
+                            headroom=0.0, compile="search", compile_mode="auto")
+    space = SearchSpace.build(world_size=1, global_batch=32, num_layers=LAYERS, dtypes=["bf16"], max_accumulation=16,
+                              compile_modes=settings.compile_modes())
+    advisor = ModelAdvisor(space=space, settings=settings)
+    study = optuna.create_study()
+    study.set_user_attr("autobalance:reference_step_s", 0.1)
+    default = [cfg(8, "default", 1.0), cfg(4, "default", 1.0)]
+    trials = eager_trials() + [trial(c, compiled_ms(c, s=0.5, beta=1.0)) for c in default]  # 8 x 4: the best trial
+    if graph_ms is not None:
+        trials.append(trial(cfg(8, "reduce-overhead", 1.0), graph_ms))
+    for t in trials:
+        study.add_trial(t)
+    return advisor, study, trials[len(EAGER)]
+
+
+def test_cuda_graphs_are_first_measured_at_the_best_default_mode_configuration(tmp_path):
+    advisor, study, best = _auto_study(tmp_path, graph_ms=None)
+    trials = study.get_trials()
+    assert graphs_verdict(trials, "bf16") == "untried"
+    # no model proposes them before a probe: the default mode's fit says nothing of launch time
+    assert not [c for c in advisor.scored_candidates(study) if c.config.compile == "reduce-overhead"]
+    probe = graph_probe(trials, best=best, modes=advisor.space.compile_modes, dtypes=["bf16"])
+    assert probe == BalanceConfig.from_dict({**best.user_attrs["config"], "compile": "reduce-overhead"})
+    assert graph_probe(trials, best=trials[0], modes=advisor.space.compile_modes, dtypes=["bf16"]) is None  # eager
+    assert graph_probe(trials, best=best, modes=["off", "default"], dtypes=["bf16"]) is None  # not searched
+    assert advisor._graph_probe(study)  # enqueued, once
+    waiting = study.get_trials(states=(TrialState.WAITING,))
+    assert len(waiting) == 1 and waiting[0].user_attrs["proposed_config"]["compile"] == "reduce-overhead"
+    assert "CUDA graphs" in waiting[0].user_attrs["proposal_note"]
+    assert not advisor._graph_probe(study)
+
+
+@pytest.mark.parametrize(("gain", "verdict"), [(0.05, "pays"), (0.01, "no-gain")])
+def test_after_the_probe_graphs_are_proposed_only_where_they_paid(tmp_path, gain, verdict):
+    twin = compiled_ms(cfg(8, "default", 1.0), s=0.5, beta=1.0)
+    advisor, study, best = _auto_study(tmp_path, graph_ms=(1 - gain) * twin)
+    trials = study.get_trials()
+    assert graphs_verdict(trials, "bf16") == verdict
+    assert graph_probe(trials, best=best, modes=advisor.space.compile_modes, dtypes=["bf16"]) is None  # done
+    graphs = [c for c in advisor.scored_candidates(study) if c.config.compile == "reduce-overhead"]
+    assert bool(graphs) == (verdict == "pays")

@@ -148,7 +148,11 @@ class TuneSettings:
     per-rank activation budget), ``search`` (both) (default: ``search`` on CUDA, ``off`` on CPU). On
     CPU a compile costs tens of seconds per configuration and rarely pays off."""
     compile_mode: str = "default"
-    """The ``torch.compile`` mode of compiled trials: ``default`` or ``max-autotune-no-cudagraphs``."""
+    """The ``torch.compile`` mode of compiled trials: ``default``, ``max-autotune-no-cudagraphs``,
+    ``reduce-overhead`` (CUDA graphs, world size 1), or ``auto``: ``default``, and on a GPU at world
+    size 1 CUDA graphs too, measured once against the study's best default-mode trial and proposed
+    further only where they pay (``tuner/search/_cuda_graphs.py``; not the default until GPU studies
+    show it pays, ``docs/compile.md``)."""
     verify: bool = True
     """Before the best configuration is saved, prove with ``autobalance verify`` that it computes the
     baseline's update (a failing configuration is never saved)."""
@@ -220,10 +224,10 @@ class TuneSettings:
         self._check_choice("split")
         if self.compile is not None:
             self._check_choice("compile")
-        if self.compile_mode not in COMPILE_MODES or self.compile_mode == "off":
+        if (self.compile_mode not in COMPILE_MODES and self.compile_mode != AUTO_MODE) or self.compile_mode == "off":
             raise UsageError(
-                f"--compile-mode={self.compile_mode!r} is unknown; use one of {', '.join(COMPILE_MODES[1:])} "
-                "(turn compile off with --compile off)."
+                f"--compile-mode={self.compile_mode!r} is unknown; use one of {AUTO_MODE}, "
+                f"{', '.join(COMPILE_MODES[1:])} (turn compile off with --compile off)."
             )
         if self.compile_mode in CUDA_GRAPH_MODES and self.world_size > 1 and self.compile != "off":
             raise UsageError(
@@ -269,7 +273,7 @@ class TuneSettings:
 
     def compile_modes(self) -> list[str]:
         """The compile modes this run searches (see ``compile``)."""
-        return compile_modes(self.compile, self.compile_mode, self.device)
+        return compile_modes(self.compile, self.compile_mode, self.device, world_size=self.world_size)
 
     def caps_bytes(self) -> list[int] | None:
         if self.memory_cap_gib is None:
@@ -396,10 +400,20 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def compile_modes(choice: str | None, mode: str, device: str) -> list[str]:
-    """``--compile`` (None: the device's default) as the list of modes searched."""
+AUTO_MODE = "auto"
+"""``--compile-mode auto``: the modes of :func:`compile_modes`."""
+
+
+def compile_modes(choice: str | None, mode: str, device: str, *, world_size: int = 1) -> list[str]:
+    """``--compile`` (None: the device's default) as the list of modes searched; ``--compile-mode
+    auto`` is ``default``, with ``reduce-overhead`` too on a GPU at world size 1 (CUDA graphs; in DDP
+    they would capture the gradient all-reduce)."""
     resolved = choice or ("search" if device == "cuda" else "off")
-    return {"off": ["off"], "on": [mode], "search": ["off", mode]}[resolved]
+    if mode == AUTO_MODE:
+        modes = ["default", *CUDA_GRAPH_MODES] if device == "cuda" and world_size == 1 else ["default"]
+    else:
+        modes = [mode]
+    return {"off": ["off"], "on": modes, "search": ["off", *modes]}[resolved]
 
 
 _DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(s|sec|m|min|h)?\s*", re.IGNORECASE)

@@ -55,6 +55,7 @@ from autobalance.tuner.search._compiled_search import (
     compiled_graphs,
     graph_keys,
 )
+from autobalance.tuner.search._cuda_graphs import GRAPH_GAIN, graph_probe, graphs_verdict
 from autobalance.tuner.search._dominance import (
     activation_budget,
     dominating_over_cap,
@@ -114,6 +115,7 @@ __all__ = [
     "DEFAULT_SAFETY_MARGIN",
     "DYNAMIC",
     "FIT_ERRORS",
+    "GRAPH_GAIN",
     "INFEASIBLE_TIME",
     "MICRO_STEP_PRIOR",
     "PRIOR_CHECKPOINT_SAVING",
@@ -152,6 +154,8 @@ __all__ = [
     "dominating_over_cap",
     "figures_from_outcome",
     "graph_keys",
+    "graph_probe",
+    "graphs_verdict",
     "model_errors_line",
     "observations_from_trials",
     "penalised",

@@ -20,7 +20,7 @@ from typing import Any, TypeVar, cast
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from autobalance._config import BalanceConfig, split_evenly
+from autobalance._config import CUDA_GRAPH_MODES, BalanceConfig, split_evenly
 from autobalance.protocol import (
     Status,
     StudyAttr,
@@ -38,6 +38,7 @@ from autobalance.tuner.search._compiled_model import (
     compiled_observations,
 )
 from autobalance.tuner.search._compiled_search import Candidate, cache_order, compiled_candidates
+from autobalance.tuner.search._cuda_graphs import graph_probe, graphs_verdict
 from autobalance.tuner.search._dominance import activation_budget, dominating_over_cap
 from autobalance.tuner.search._eager_search import eager_candidates
 from autobalance.tuner.search._first_trials import proposable_dtypes, proposals_stalled
@@ -177,9 +178,14 @@ class ModelAdvisor:
         compiled = self._compiled_for(study, model)
         if compiled is not None:
             compiled_timing = CompiledTimeModel.fit(trials, eager=timing, device=self.settings.device)
-            out += compiled_candidates(space=self.space, trials=trials, memory=compiled, timing=compiled_timing,
-                                       eager_timing=timing, usable=usable, bucket=bucket, view=view,
-                                       max_spread=max_spread, score=score, errors=self.errors)
+            found = compiled_candidates(space=self.space, trials=trials, memory=compiled, timing=compiled_timing,
+                                        eager_timing=timing, usable=usable, bucket=bucket, view=view,
+                                        max_spread=max_spread, score=score, errors=self.errors)
+            # CUDA graphs only where a probe measured them paying (_cuda_graphs): the default mode's
+            # fit says nothing of the host's launch time they remove
+            probed = "default" in self.space.compile_modes  # --compile-mode auto: graphs beside the default mode
+            out += [c for c in found if not probed or c.config.compile not in CUDA_GRAPH_MODES
+                    or graphs_verdict(trials, c.config.dtype) == "pays"]
         allowed = self._allowed_dtypes(study, timing)
         ordered = cache_order([c for c in out if c.config.dtype in allowed])
         self._predictions = {c.config.to_json(): c for c in ordered}
@@ -267,6 +273,8 @@ class ModelAdvisor:
             candidates = [c for c in candidates if c.new_graphs == 0]
         fresh = [c for c in candidates if c.config.to_json() not in self._proposed and c.config.to_json() not in measured]
         best = self._best_value(study)
+        if best is not None and (not fresh or fresh[0].score >= best) and self._graph_probe(study):
+            return  # the models promise nothing better: measure CUDA graphs at the best compiled configuration
         if self.time_left_s is not None and best is not None:  # under a time budget a compile must promise a gain
             fresh = [c for c in fresh if c.new_graphs == 0 or c.score < best]
         if not fresh or fresh[0].score > _WORTH * candidates[0].score:
@@ -289,6 +297,27 @@ class ModelAdvisor:
         elif self.dtype_note:
             attrs["proposal_note"] = self.dtype_note
         study.enqueue_trial(self.space.params_from_config(pick.config), user_attrs=attrs)
+
+    def _graph_probe(self, study: optuna.Study) -> bool:
+        """Enqueue the CUDA-graph probe (:func:`graph_probe`) when there is one and the time budget
+        holds a compile; True when enqueued. Asked once the models promise nothing better than the best
+        trial, and only when that is a default-mode compiled one: the probe measures graphs where the
+        default mode's optimum is."""
+        if self._no_time_to_compile(study):
+            return False
+        top = best_trial(study)
+        if top is None:
+            return False
+        probe = graph_probe(study.get_trials(deepcopy=False), best=top, modes=self.space.compile_modes,
+                            dtypes=self._allowed_dtypes(study))
+        if probe is None or probe.to_json() in self._proposed or not self.space.contains(probe):
+            return False
+        self._proposed.add(probe.to_json())
+        study.enqueue_trial(self.space.params_from_config(probe), user_attrs={
+            "proposed_by": "compiled-model", "proposed_config": probe.to_dict(), "proposal_note": (
+                f"CUDA graphs ({probe.compile}) at the best default-mode compiled configuration: one compile "
+                "measures whether they pay for this script")})
+        return True
 
     def _probe(self, study: optuna.Study) -> BalanceConfig | None:
         """With nothing measured that fits (the script's own configuration ran out of memory): the
