@@ -227,6 +227,8 @@ def tune_command(args: argparse.Namespace, ctx: dict[str, Any], *, strategy: str
            "--runs-dir", os.path.join(ctx["root"], "runs"), "--trial-timeout", str(args.trial_timeout)]
     if args.time_budget:
         cmd += ["--time-budget", args.time_budget]
+    if args.compile_mode:
+        cmd += ["--compile-mode", args.compile_mode]
     if args.small:  # the tiny GPT on CPU: the file's GPU settings replaced
         cmd += ["--device", "cpu", "--memory-cap-gib", f"{ctx['cap_gib']:g}", "--dtypes", ctx["dtype"],
                 "--", *ctx["script_args"]]
@@ -326,14 +328,16 @@ def run_studies(args: argparse.Namespace, ctx: dict[str, Any], grid: dict[str, A
         env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # each study its own (under its runs dir)
     for strategy in args.strategies.split(","):
         for seed in ints(args.seeds):
-            name = f"gpt1{ctx['suffix']}-{strategy}-s{seed}-{int(time.time())}"
+            mode = f"-{args.compile_mode}" if args.compile_mode else ""
+            name = f"gpt1{ctx['suffix']}{mode}-{strategy}-s{seed}-{int(time.time())}"
             cmd = tune_command(args, ctx, strategy=strategy, seed=seed, db=db, name=name)
             print(f"$ {' '.join(cmd)}", flush=True)
             t0 = time.monotonic()
             rc, output = run_bounded(cmd, env=env, cwd=ctx["root"], timeout_s=args.study_timeout)
             tail = output[-4000:]
             wall = round(time.monotonic() - t0, 1)
-            row: dict[str, Any] = {"strategy": strategy, "seed": seed, "study_name": name, "returncode": rc,
+            row: dict[str, Any] = {"strategy": strategy, "seed": seed, "compile_mode": args.compile_mode or "default",
+                                   "study_name": name, "returncode": rc,
                                    "wall_s": wall, "output_tail": tail}
             try:
                 row.update(study_row(optuna.load_study(study_name=name, storage=f"sqlite:///{db}"),
@@ -343,7 +347,9 @@ def run_studies(args: argparse.Namespace, ctx: dict[str, Any], grid: dict[str, A
             print(json.dumps({k: row.get(k) for k in ("strategy", "seed", "returncode", "wall_s", "trials_counted",
                                                       "best_step_ms", "saved_step_ms", "saved_vs_reference",
                                                       "within_5pct")}), flush=True)
-            out["studies"] = [r for r in out["studies"] if (r["strategy"], r["seed"]) != (strategy, seed)] + [row]
+            key = (strategy, seed, row["compile_mode"])
+            out["studies"] = [r for r in out["studies"]
+                              if (r["strategy"], r["seed"], r.get("compile_mode", "default")) != key] + [row]
             write_result(f"compiled_search_studies{ctx['suffix']}", out)
     return out
 
@@ -391,7 +397,8 @@ def markdown(grid: dict[str, Any] | None, studies: dict[str, Any] | None) -> str
             goal = ("-" if ratio is None or r.get("wall_s") is None else
                     "met" if ratio <= GOAL_RATIO and r["wall_s"] <= GOAL_WALL_S else "missed")
             lines.append(
-                f"| {r['strategy']} | {r['seed']} | {_f(r.get('returncode'))} | {_f(r.get('trials_counted'))} | "
+                f"| {r['strategy']}{'' if r.get('compile_mode', 'default') == 'default' else ' (' + r['compile_mode'] + ')'} | "
+                f"{r['seed']} | {_f(r.get('returncode'))} | {_f(r.get('trials_counted'))} | "
                 f"{_f(r.get('compiled_launched'))} | {_f(r.get('fx_graph_hits'))} / {_f(r.get('fx_graph_misses'))} | "
                 f"{'yes' if spent.get('stopped_by_budget') else 'no'} | {_f(r.get('best_step_ms'))} | "
                 f"{_f(r.get('saved_step_ms'))} | {_f(ratio, 3)} | {goal} | "
@@ -440,6 +447,8 @@ def main() -> None:
                    help="compiled configurations' activation budgets (default 0.1,0.2,...,1.0; --small 0.3,0.6,1.0)")
     p.add_argument("--grid-compile-modes", default="default",
                    help="compiled configurations' modes (default; reduce-overhead: CUDA graphs, world size 1, GPU)")
+    p.add_argument("--compile-mode", default=None,
+                   help="the studies' --compile-mode (auto: CUDA graphs probed beside the default mode; default: tune's)")
     p.add_argument("--loss-outside", action="store_true",
                    help="the script computes the loss outside the wrapped model (results in files ending -loss-outside)")
     p.add_argument("--cold", action="store_true", help="one torchrun per grid configuration instead of a warm pool")
