@@ -259,6 +259,19 @@ def test_the_verification_forecast_comes_from_the_studys_own_trials():
            *trials[1:]]
     heavier = forecast_verification(big, baseline=own, best=big[1], num_layers=16, device="cuda")
     assert heavier.seconds - got.seconds == pytest.approx(5 * IO_S_PER_GB * 2.0)
+    # fresh workers: trial 2 (compiled, the latest) started a pool (18 s of its 21 s start-up), so its
+    # worker is recycled and the first run starts one; a compiled candidate's compiled runs but the
+    # last each make the next run start one too; the per-run start-up leaves the pool start out
+    from autobalance.tuner._verify_time import restarts, verification_runs, worker_start_s
+
+    pooled = [*trials[:2], ran(2, comp, 120.0, {**split, "startup": 21.0, "compile": 40.0}, compile_s=40.0,
+                               compile_cache={"fx_graph_misses": 2}, pool_start_s=18.0)]
+    assert worker_start_s(pooled) == 18.0 and worker_start_s(trials) == 0.0
+    assert restarts(pooled, verification_runs(own, eager)) == 1
+    assert restarts(pooled, verification_runs(own, comp)) == 1 + 2  # tuned, tuned-dropout: compiled, not last
+    assert restarts(pooled[:2], verification_runs(own, eager)) == 0  # the latest trial ran eager
+    again = forecast_verification(pooled, baseline=own, best=pooled[1], num_layers=16, device="cuda")
+    assert again.seconds - got.seconds == pytest.approx(18.0)  # 21 - 18 = 3: the same start-up per run
 
 
 @pytest.mark.parametrize("graphs", [None, "pay", "no-gain"])

@@ -11,7 +11,10 @@ same configuration, dropout and sample order: a candidate whose fp32 arrangement
 is reused, not forecast. Each run is predicted as
 
 - its start-up and hand-over: the mean of the study's launched trials' (``startup`` + ``other`` of
-  their time split; a warm worker's restart after a compiled trial included, as the runs pay it too);
+  their time split, less the warm pool's start a trial paid);
+- the fresh workers it starts (:func:`restarts`: after a compiled trial or run the worker is
+  recycled), each the study's median pool start (``pool_start_s``; on one H200 18.7 s, and the first
+  run after the GPT study's compiled trials took 23.9 s: ``benchmarks/2026-12-03-h200b/tune_gpt-1gpu.log``);
 - its one step, twice (a run has no warm-up step: its first step pays the allocator's growth and
   the kernels' first launches): the step time measured for that configuration, else the step-time
   models' prediction (an fp32 run of a bf16 candidate from the study's fp32 trials or the dtype prior);
@@ -50,7 +53,7 @@ from autobalance.tuner.search import (
 )
 
 __all__ = ["FIRST_STEP_FACTOR", "FLOOR_RUNS", "IO_S_PER_GB", "VerifyForecast", "forecast_verification", "next_trial_s",
-           "verification_runs"]
+           "restarts", "verification_runs", "worker_start_s"]
 
 FLOOR_RUNS = 1
 """Shared fp32 runs of the script's own configuration besides ``baseline`` and ``baseline-fp32``:
@@ -120,6 +123,27 @@ def verification_runs(baseline: BalanceConfig | None, tuned: BalanceConfig) -> l
     return out
 
 
+def _pool_start(t: FrozenTrial) -> float:
+    return float(t.user_attrs.get(TrialAttr.POOL_START_S) or 0.0)
+
+
+def worker_start_s(trials: Sequence[FrozenTrial]) -> float:
+    """The median start of a warm pool the study's trials paid (0 before any)."""
+    starts = [s for t in trials if (s := _pool_start(t)) > 0]
+    return statistics.median(starts) if starts else 0.0
+
+
+def restarts(trials: Sequence[FrozenTrial], runs: Sequence[tuple[str, BalanceConfig, bool]]) -> int:
+    """Fresh workers the verification runs will start: a worker that ran a compiled graph is recycled
+    (it holds the graph's kernels: ``runtime._carryover``), so the first run pays one when the study's
+    latest launched trial compiled, and every compiled run but the last makes the next run pay one."""
+    ran = [t for t in trials if isinstance(t.user_attrs.get(TrialAttr.TIME_SPLIT), dict)
+           and t.user_attrs.get(TrialAttr.REUSED_FROM) is None]
+    latest = max(ran, key=lambda t: t.number, default=None)
+    first = latest is not None and (latest.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile", "off") != "off"
+    return int(first) + sum(1 for _, cfg, _ in runs[:-1] if cfg.compile != "off")
+
+
 def _launched(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
     """Trials that ran (a time split, not reused), the baseline last-resort: the others first."""
     ran = [t for t in trials if isinstance(t.user_attrs.get(TrialAttr.TIME_SPLIT), dict)
@@ -153,7 +177,7 @@ def forecast_verification(trials: Sequence[FrozenTrial], *, baseline: BalanceCon
     if not runs:
         return VerifyForecast(seconds=0.0, trial=best.number)
     ran = _launched(trials)
-    per_run = statistics.mean(_part(t, "startup", "other") for t in ran) if ran else 0.0
+    per_run = statistics.mean(_part(t, "startup", "other") - _pool_start(t) for t in ran) if ran else 0.0
     measured: dict[str, float] = {}
     for t in trials:
         cfg, ms = t.user_attrs.get(TrialAttr.CONFIG), t.user_attrs.get(TrialAttr.STEP_TIME_MS)
@@ -168,7 +192,7 @@ def forecast_verification(trials: Sequence[FrozenTrial], *, baseline: BalanceCon
     gb = max((float(b) for t in trials if isinstance(b := t.user_attrs.get(TrialAttr.PARAMETER_BYTES), (int, float))),
              default=0.0) / 1e9
     per_run += IO_S_PER_GB * gb
-    total = 0.0
+    total = restarts(trials, runs) * worker_start_s(trials)
     for _, cfg, _dropout in runs:
         ms = measured.get(json.dumps(cfg.to_dict(), sort_keys=True))
         if ms is None:
