@@ -184,8 +184,9 @@ class ModelAdvisor:
             # CUDA graphs only where a probe measured them paying (_cuda_graphs): the default mode's
             # fit says nothing of the host's launch time they remove
             probed = "default" in self.space.compile_modes  # --compile-mode auto: graphs beside the default mode
+            pays = {d: graphs_verdict(trials, d) == "pays" for d in self.space.dtypes} if probed else {}
             out += [c for c in found if not probed or c.config.compile not in CUDA_GRAPH_MODES
-                    or graphs_verdict(trials, c.config.dtype) == "pays"]
+                    or pays.get(c.config.dtype, False)]
         allowed = self._allowed_dtypes(study, timing)
         ordered = cache_order([c for c in out if c.config.dtype in allowed])
         self._predictions = {c.config.to_json(): c for c in ordered}
