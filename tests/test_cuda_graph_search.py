@@ -104,11 +104,12 @@ def test_a_pair_without_trials_borrows_its_own_modes_beta_never_another_modes():
     assert both.params("bf16", "reduce-overhead")[0] == pytest.approx(both.params("fp16", "reduce-overhead")[0])
 
 
-def _advisor(tmp_path) -> ModelAdvisor:
+def _advisor(tmp_path, mode: str = "reduce-overhead") -> ModelAdvisor:
+    """A one-GPU study's advisor searching eager and ``--compile-mode mode``."""
     script = tmp_path / "train.py"
     script.write_text("")
     settings = TuneSettings(script=str(script), device="cuda", nproc_per_node=1, memory_cap_gib=[USABLE],
-                            headroom=0.0, compile="search", compile_mode="reduce-overhead")
+                            headroom=0.0, compile="search", compile_mode=mode)
     space = SearchSpace.build(world_size=1, global_batch=32, num_layers=LAYERS, dtypes=["bf16"], max_accumulation=16,
                               compile_modes=settings.compile_modes())
     return ModelAdvisor(space=space, settings=settings)
@@ -152,13 +153,7 @@ def test_auto_searches_cuda_graphs_at_world_size_1_on_a_gpu_only(tmp_path):
 def _auto_study(tmp_path, graph_ms: float | None):
     """Eager trials, two default-mode compiled ones (8 x 4 the faster) and, when given, the probe:
     8 x 4 with CUDA graphs at ``graph_ms``."""
-    script = tmp_path / "train.py"
-    script.write_text("")
-    settings = TuneSettings(script=str(script), device="cuda", nproc_per_node=1, memory_cap_gib=[USABLE],
-                            headroom=0.0, compile="search", compile_mode="auto")
-    space = SearchSpace.build(world_size=1, global_batch=32, num_layers=LAYERS, dtypes=["bf16"], max_accumulation=16,
-                              compile_modes=settings.compile_modes())
-    advisor = ModelAdvisor(space=space, settings=settings)
+    advisor = _advisor(tmp_path, "auto")
     study = optuna.create_study()
     study.set_user_attr("autobalance:reference_step_s", 0.1)
     default = [cfg(8, "default", 1.0), cfg(4, "default", 1.0)]

@@ -51,6 +51,7 @@ from autobalance.tuner.search import (
     compiled_graphs,
     graph_keys,
 )
+from autobalance.verify import run_key
 
 __all__ = ["FIRST_STEP_FACTOR", "FLOOR_RUNS", "IO_S_PER_GB", "VerifyForecast", "forecast_verification", "next_trial_s",
            "restarts", "verification_runs", "worker_start_s"]
@@ -113,11 +114,12 @@ def verification_runs(baseline: BalanceConfig | None, tuned: BalanceConfig) -> l
         plain = dataclasses.replace(tuned, checkpoint=[[] for _ in tuned.micro_batches], activation_budget=None)
         runs += [("tuned-dropout", tuned, True), ("tuned-dropout-no-recompute", plain, True)]
     # a run that takes the same step as an earlier one is reused, not launched (verify.SharedRuns)
-    seen: set[tuple[str, bool, bool]] = set()
+    seen: set[str] = set()
     out: list[tuple[str, BalanceConfig, bool]] = []
     for name, config, dropout in runs:
-        key = (config.to_json(), dropout, name == "floor")
-        if name == "floor" or key not in seen:
+        key = run_key(config, dropout="on" if dropout else "off", global_batch=config.global_batch,
+                      reverse=name == "floor")
+        if key not in seen:
             out.append((name, config, dropout))
         seen.add(key)
     return out
@@ -137,9 +139,7 @@ def restarts(trials: Sequence[FrozenTrial], runs: Sequence[tuple[str, BalanceCon
     """Fresh workers the verification runs will start: a worker that ran a compiled graph is recycled
     (it holds the graph's kernels: ``runtime._carryover``), so the first run pays one when the study's
     latest launched trial compiled, and every compiled run but the last makes the next run pay one."""
-    ran = [t for t in trials if isinstance(t.user_attrs.get(TrialAttr.TIME_SPLIT), dict)
-           and t.user_attrs.get(TrialAttr.REUSED_FROM) is None]
-    latest = max(ran, key=lambda t: t.number, default=None)
+    latest = max(_launched(trials), key=lambda t: t.number, default=None)  # the baseline runs first
     first = latest is not None and (latest.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile", "off") != "off"
     return int(first) + sum(1 for _, cfg, _ in runs[:-1] if cfg.compile != "off")
 

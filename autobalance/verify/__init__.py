@@ -16,7 +16,7 @@ from autobalance.verify._result import (
     Verification,
     relative,
 )
-from autobalance.verify._runs import RunFailed, SharedRuns, StepResult, VerifyTarget
+from autobalance.verify._runs import RunFailed, SharedRuns, StepResult, VerifyTarget, run_key
 from autobalance.verify._tolerance import (
     BOUND_MAX,
     BOUND_MIN,
@@ -56,5 +56,6 @@ __all__ = [
     "recomputes",
     "relative",
     "rounding_likely",
+    "run_key",
     "without_recompute",
 ]

@@ -33,15 +33,16 @@ GraphVerdict = Literal["untried", "pays", "no-gain"]
 probes' outcome."""
 
 
-def _measured(trials: Sequence[FrozenTrial]) -> dict[str, tuple[FrozenTrial, float]]:
-    """Measured (ok, not reused) trials by their configuration's JSON, with their step ms."""
-    out: dict[str, tuple[FrozenTrial, float]] = {}
+def _measured(trials: Sequence[FrozenTrial]) -> dict[str, tuple[BalanceConfig, float]]:
+    """Measured (ok, not reused) trials' configurations by their JSON, with their step ms."""
+    out: dict[str, tuple[BalanceConfig, float]] = {}
     for t in trials:
         a = t.user_attrs
         cfg, ms = a.get(TrialAttr.CONFIG), a.get(TrialAttr.STEP_TIME_MS)
         if (t.state == TrialState.COMPLETE and a.get(TrialAttr.STATUS) == Status.OK and cfg
                 and isinstance(ms, (int, float)) and a.get(TrialAttr.REUSED_FROM) is None):
-            out[BalanceConfig.from_dict(cfg).to_json()] = (t, float(ms))
+            config = BalanceConfig.from_dict(cfg)
+            out[config.to_json()] = (config, float(ms))
     return out
 
 
@@ -51,8 +52,7 @@ def graphs_verdict(trials: Sequence[FrozenTrial], dtype: str) -> GraphVerdict:
     ``no-gain``; no pair: ``untried``)."""
     measured = _measured(trials)
     verdict: GraphVerdict = "untried"
-    for key, (_, ms) in measured.items():
-        cfg = BalanceConfig.from_json(key)
+    for cfg, ms in measured.values():
         if cfg.compile not in CUDA_GRAPH_MODES or cfg.dtype != dtype:
             continue
         twin = measured.get(dataclasses.replace(cfg, compile="default").to_json())
