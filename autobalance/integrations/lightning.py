@@ -20,7 +20,11 @@ at the framework's own points:
 - DDP: ``bucket_cap_mb`` and ``gradient_as_bucket_view``, and the rank weighting hook;
 - compile: the ``LightningModule``'s ``__call__`` (``self(x)`` in ``training_step``) with this rank's
   activation budget;
-- a trial's reports (warm-up and measured steps, peaks, verification), then it leaves ``fit``.
+- a trial's reports (warm-up and measured steps, peaks, verification), then it leaves ``fit``;
+- the per-batch SIGTERM broadcast of Lightning's training loop (2.5+; a collective before every
+  micro-batch, so every micro-batch waits for the slowest rank) counted as the rank's wait, not its
+  work: without it a fast rank's busy time includes the slow rank's micro-batches, and the search
+  takes the fast rank for the slow one.
 
 Automatic optimization only (one optimizer, ``training_step`` returns the micro-batch's mean loss).
 """
@@ -105,7 +109,22 @@ class BalanceStrategy(DDPStrategy):
             callbacks.append(BalanceCallback(self.ab_loop))
         assert self.model is not None
         self.ab_loop.prepare_model(self.model, blocks=self.ab_blocks)
+        self._count_sigterm_broadcast_as_wait(trainer)
         super().setup(trainer)
+
+    def _count_sigterm_broadcast_as_wait(self, trainer: pl.Trainer) -> None:
+        epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+        broadcast = getattr(epoch_loop, "_broadcast_sigterm_tensor", None)
+        if broadcast is None or getattr(broadcast, "_ab_counted", False):
+            return
+        loop = self.ab_loop
+
+        def counted() -> None:
+            with loop.waiting():
+                broadcast()
+
+        counted._ab_counted = True  # type: ignore[attr-defined]
+        epoch_loop._broadcast_sigterm_tensor = counted  # type: ignore[union-attr]
 
     def configure_ddp(self) -> None:
         super().configure_ddp()

@@ -15,6 +15,8 @@ call                            where the integration calls it
 ``loss_factor``                 the micro-batch's loss is multiplied by it before ``backward``
 ``before/after_optimizer_step`` around the optimizer step (gradients all-reduced)
 ``step_end``                    after the step: counted, measured; ends a trial once it is done
+``waiting``                     around a collective of the framework's own inside the loop (its
+                                wait for the other ranks is not this rank's work)
 ==============================  =================================================================
 
 Exactness: the framework divides each micro-batch's mean loss by the ``accumulation``;
@@ -232,6 +234,13 @@ class FrameworkLoop:
             self._contexts.close()
             self._contexts = None
         self._micro += 1
+
+    def waiting(self) -> contextlib.AbstractContextManager[None]:
+        """A context around a collective the framework runs inside the step (Lightning broadcasts a
+        SIGTERM flag before every micro-batch): the time inside is this rank's wait for the others, not
+        its busy time (:mod:`~autobalance.runtime._busy`), so a fast rank is not taken for a slow one."""
+        busy = self.plan.busy
+        return busy.waiting() if busy is not None else contextlib.nullcontext()
 
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         for part in self.plan._parts:
