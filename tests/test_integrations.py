@@ -6,7 +6,7 @@
 - CPU, gloo, 2 and 3 ranks: each integration, with an uneven split, accumulation of micro-steps of
   unequal sizes and checkpointing, gives one process's full-batch SGD update within 1e-6 over 3 steps,
   where DDP's plain average is off by more than 1e-3 (so removing the hook fails the test);
-- ``tune`` on ``examples/lightning`` and ``examples/hf``, rank 0 holding extras and emulated slower,
+- ``tune`` on ``examples/lightning``, ``examples/hf`` and ``examples/accelerate``, rank 0 holding extras and emulated slower,
   saves a verified uneven configuration (rank 0 fewer samples) that a production run then loads (by
   study name, and from an exported file).
 
@@ -149,6 +149,7 @@ SLOW_RANK0 = {"AUTOBALANCE_EMULATE_MS_PER_SAMPLE": "100,0"}
 @pytest.mark.parametrize(("example", "framework", "cap_gib", "trials", "script_args", "load"), [
     ("lightning", "lightning", "0.015", "3", ["--samples", "384", "--rank0-extra-mib", "4"], "study"),
     ("hf", "transformers", "0.0127", "5", ["--samples", "256", "--rank0-extra-mib", "3"], "file"),
+    ("accelerate", "accelerate", "0.015", "3", ["--samples", "384", "--rank0-extra-mib", "4"], "file"),
 ])
 def test_tune_example_saves_a_verified_uneven_configuration_and_production_loads_it(
         tmp_path, example, framework, cap_gib, trials, script_args, load):
@@ -158,7 +159,9 @@ def test_tune_example_saves_a_verified_uneven_configuration_and_production_loads
 
     Lightning broadcasts a flag before every micro-batch (a collective), so without that wait counted
     as wait (``FrameworkLoop.waiting``) the fast rank's busy time holds the slow rank's work, and the
-    study gives rank 0 more samples (seed 0: 20 against 12): this test fails."""
+    study gives rank 0 more samples (seed 0: 20 against 12): this test fails. Accelerate keeps its
+    state per process, and verification runs the fp32 and bf16 runs in one warm worker: without
+    ``AccelerateBalance`` clearing it there, verification fails and nothing is saved."""
     pytest.importorskip(framework)
     db = tmp_path / "ab.db"
     script = str(REPO / "examples" / example / "train.py")

@@ -20,6 +20,12 @@ rank's micro-batches (moved to the accelerator's device; not re-sharded by Accel
 :meth:`~AccelerateBalance.backward` weights the micro-batch's mean loss and calls ``accelerator.backward``
 (which divides it by the accumulation); :meth:`~AccelerateBalance.micro_step` counts the micro-steps, and
 after the last one of a step measures it (a trial ends there once its steps are done).
+
+In a warm worker (one process runs the script once per trial or verification run) Accelerate's
+process-wide ``AcceleratorState`` and ``GradientState`` outlive the run that built them, and a next
+run whose dtype differs fails (``AcceleratorState has already been initialized and cannot be
+changed``): :class:`AccelerateBalance` clears both there (the distributed ``PartialState`` stays, the
+process group is the worker's).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DistributedDataParallelKwargs, send_to_device
 
 from autobalance._errors import UsageError
@@ -65,6 +72,9 @@ class AccelerateBalance:
 
     def __init__(self, plan: Plan | None = None, **plan_kwargs: Any) -> None:
         self.plan = plan if plan is not None else make_plan(**plan_kwargs)
+        if self.plan.trial.warm:  # the previous run's Accelerator state (see the module docstring)
+            AcceleratorState._reset_state(reset_partial_state=False)
+            GradientState._reset_state()
         self.loop = FrameworkLoop(self.plan, framework="accelerate")
         self.accelerator: Accelerator | None = None
         self._optimizer: torch.optim.Optimizer | None = None
