@@ -85,6 +85,20 @@ def test_micro_step_factor_makes_unequal_micro_steps_a_rank_mean():
     assert [rank_weight(config, r) for r in (0, 1)] == [7 / 11, 4 / 11]
 
 
+@pytest.mark.parametrize(("dtype", "mixed", "matmul"), [("bf16", "bf16", "bfloat16"), ("fp32", "no", "float32")])
+def test_hf_trainer_runs_in_the_configurations_dtype(dtype, mixed, matmul):
+    """The script's TrainingArguments say nothing of precision; the plan's dtype reaches the Trainer's
+    Accelerator and its autocast. transformers resolves ``mixed_precision`` when the arguments are
+    built, so setting ``bf16=True`` afterwards alone ran bf16 configurations in fp32 (this fails then)."""
+    pytest.importorskip("transformers")
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "hf_precision.py"), dtype],
+                          capture_output=True, text=True, cwd=REPO, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert result == [[mixed, matmul]], proc.stdout[-2000:]
+
+
 class _Loop:
     def __init__(self) -> None:
         self.epochs = 0

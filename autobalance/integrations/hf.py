@@ -25,6 +25,7 @@ pass ``plan=``) and applies it:
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -32,6 +33,9 @@ from transformers import Trainer, TrainerCallback
 
 from autobalance.runtime import FrameworkLoop, Plan
 from autobalance.runtime import plan as make_plan
+
+_MIXED = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
+"""The configuration's dtype as Accelerate's ``mixed_precision``."""
 
 __all__ = ["BalanceTrainer", "plan_from_args"]
 
@@ -93,6 +97,13 @@ class BalanceTrainer(Trainer):
         training_args.per_device_train_batch_size = max(config.micro_batches)
         training_args.bf16 = config.dtype == "bf16"
         training_args.fp16 = config.dtype == "fp16"
+        # TrainingArguments resolves its mixed precision once, when built (transformers 5: the
+        # ``mixed_precision`` field; 4.x: the ACCELERATE_MIXED_PRECISION variable the Accelerator reads):
+        # setting bf16/fp16 afterwards alone leaves the Trainer in the script's own precision
+        if hasattr(training_args, "mixed_precision"):
+            training_args.mixed_precision = _MIXED[config.dtype]
+        else:
+            os.environ["ACCELERATE_MIXED_PRECISION"] = _MIXED[config.dtype]
         training_args.ddp_bucket_cap_mb = config.bucket_cap_mb
         if training_args.ddp_find_unused_parameters is None:  # checkpointing here is non-reentrant: no need
             training_args.ddp_find_unused_parameters = False
