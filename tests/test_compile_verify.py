@@ -131,6 +131,21 @@ def test_a_run_that_takes_the_baseline_step_is_reused_not_launched_again(tmp_pat
     assert len(set(runs.values())) == len(runs) - 1 == 4  # baseline, floor, baseline-bf16, tuned: launched once each
 
 
+def test_verify_passes_a_compiled_config_whose_micro_steps_differ_on_one_rank(tmp_path):
+    """One rank, micro-steps 6, 5, 5 compiled (a dynamic batch dimension; the model itself is the
+    compiled module, so the runtime's forward hooks run inside it) under verification's no-dropout
+    mode: on the H200 (benchmarks/2026-12-03-h200c) the fastest trial of two studies failed here with
+    ``TypeError: int() ... not 'torch.Size'`` (the hook's ``numel()`` answered with a size once Dynamo
+    had run the mode's ``__torch_function__``) and a slower trial was saved. Fails if that comes back."""
+    cfg = BalanceConfig(micro_batches=[6], accumulation=3, global_batch=16, rank_samples=[16], compile="default",
+                        activation_budget=[1.0])
+    assert cfg.micro_step_sizes(0) == [6, 5, 5]
+    proc = _verify(tmp_path, cfg, env={"AUTOBALANCE_COMPILE_BACKEND": "eager"})
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    verdict = json.loads(proc.stdout)
+    assert verdict["passed"] is True, verdict["reason"]
+
+
 def test_a_compiled_study_proposes_from_the_compiled_model_records_compile_time_and_verifies_a_compiled_trial(tmp_path):
     """One compiled study (the model strategy, ``--compile on``): its trials after the eager
     baseline are compiled, with each rank's budget on the 0.05 grid and their compile time recorded;

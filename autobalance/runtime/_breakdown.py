@@ -179,6 +179,10 @@ class Breakdown(Part):
             self._want_memtracker = False  # a dispatch mode: Dynamo would not compile under it
         handles: list[Any] = []
 
+        # eager only (never traced): at world size 1 the model is the compiled module and these hooks
+        # run inside it; traced under verification's no-dropout mode with a dynamic batch dimension,
+        # Dynamo answered the hook's numel() with a torch.Size (H200, benchmarks/2026-12-03-h200c)
+        @torch._dynamo.disable  # type: ignore[untyped-decorator]
         def pre_hook(_module: nn.Module, args: Any, kwargs: Any) -> None:
             handles[0].remove()
             self.flags["autocast"] = _autocast_state(self.device.type)
@@ -186,6 +190,7 @@ class Breakdown(Part):
             self.flags["input_shape"] = list(first.shape) if first is not None else None
             self.flags["input_numel"] = int(first.numel()) if first is not None else None
 
+        @torch._dynamo.disable  # type: ignore[untyped-decorator]
         def post_hook(_module: nn.Module, _args: Any, output: Any) -> None:
             handles[1].remove()
             out = _first_tensor(output)
