@@ -102,6 +102,10 @@ def child(integration: str, config: dict[str, Any], size: dict[str, int], steps:
     data = Tokens(mb * (steps + 1), size["length"], size["vocab"])
     model = build_model(size)
     timer = StepTimer()
+    matmul: list[str] = []  # the dtype a block's first matmul ran in (eager only: a hook would break the graph)
+    if config["compile"] == "off":
+        model.transformer.h[0].mlp.c_fc.register_forward_hook(
+            lambda _m, _i, out: matmul.append(str(out.dtype).removeprefix("torch.")) if not matmul else None)
     if integration == "lightning":
         run_lightning(plan, model, data, timer, steps)
     elif integration == "hf":
@@ -115,6 +119,7 @@ def child(integration: str, config: dict[str, Any], size: dict[str, int], steps:
         "configuration": config["name"],
         "applied": {"dtype": plan.config.dtype, "compile": plan.config.compile,
                     "activation_budget_used": compiled.budget_used if compiled is not None else None},
+        "matmul_dtype": matmul[0] if matmul else None,
         "first_step_s": timer.times[0] if timer.times else None,
         "step_times_s": timer.times,
         "median_step_s": statistics.median(warm) if warm else None,
@@ -230,7 +235,7 @@ def main() -> None:
                 os.unlink(path)
             result["wall_s"] = time.perf_counter() - started
             runs.append(result)
-            print(json.dumps({k: result.get(k) for k in ("integration", "configuration", "median_step_s",
+            print(json.dumps({k: result.get(k) for k in ("integration", "configuration", "matmul_dtype", "median_step_s",
                                                           "peak_allocated_bytes", "error")})[:400], flush=True)
     report = {
         "date": datetime.date.today().isoformat(),
