@@ -99,8 +99,8 @@ def _pickle_payload(marker: Path) -> str:
 )
 def test_malicious_config_from_the_environment_is_rejected_with_an_error_report(
         tmp_path: Path, payload: str, words: str) -> None:
-    """A real torchrun trial whose AUTOBALANCE_CONFIG is hostile: every rank rejects it (JSON,
-    validated) and writes an ``error`` report; nothing is evaluated or unpickled."""
+    """A real torchrun trial whose AUTOBALANCE_CONFIG is hostile: the ranks reject it (JSON, validated)
+    and write ``error`` reports (at least the first to fail); nothing is evaluated or unpickled."""
     marker = tmp_path / "PWNED"
     config = _pickle_payload(marker) if payload == "PICKLE" else payload.replace("{marker}", str(marker))
     launch = TrialLaunch(script=FAULTY, nproc_per_node=2, trial_dir=str(tmp_path / "trial"), config_json=config,
@@ -108,8 +108,12 @@ def test_malicious_config_from_the_environment_is_rejected_with_an_error_report(
     outcome = run_trial(launch)
     assert outcome.status == "error", outcome.reason
     assert "ConfigError" in outcome.reason and words in outcome.reason
-    for rank in (0, 1):
-        report = json.loads((tmp_path / "trial" / f"rank{rank}.json").read_text())
+    # torchrun stops the other rank once one has failed: on a busy machine the slower one can be
+    # stopped before it writes its report (CI once lost rank 1's), so every report written is checked
+    written = [tmp_path / "trial" / f"rank{rank}.json" for rank in (0, 1)]
+    reports = [json.loads(path.read_text()) for path in written if path.exists()]
+    assert reports, "no rank wrote its error report"
+    for report in reports:
         assert report["status"] == "error" and "ConfigError" in report["error"]
     assert not marker.exists()
     assert_no_processes(tmp_path)
