@@ -115,8 +115,8 @@ class BalanceStrategy(DDPStrategy):
     def _count_sigterm_broadcast_as_wait(self, trainer: pl.Trainer) -> None:
         epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
         broadcast = getattr(epoch_loop, "_broadcast_sigterm_tensor", None)
-        if broadcast is None or getattr(broadcast, "_ab_counted", False):
-            return
+        if self.ab_plan.busy is None or broadcast is None or getattr(broadcast, "_ab_counted", False):
+            return  # nothing measures busy time outside a trial: production's loop is left as it is
         loop = self.ab_loop
 
         def counted() -> None:
