@@ -11,9 +11,11 @@ from autobalance.launcher import classify
 from autobalance.launcher._failure_order import failure_order, torchrun_failures
 
 
-def entry(index: int, rank: int, code: int, pid: int, time: str = "2026-12-01_05:21:47") -> str:
+def entry(index: int, rank: int, code: int, pid: int, time: str = "2026-12-01_05:21:47",
+          local_rank: int | None = None) -> str:
     signal = {-9: "  (SIGKILL)", -15: "  (SIGTERM)"}.get(code, "")
-    return (f"[{index}]:\n  time      : {time}\n  host      : localhost\n  rank      : {rank} (local_rank: {rank})\n"
+    local = rank if local_rank is None else local_rank
+    return (f"[{index}]:\n  time      : {time}\n  host      : localhost\n  rank      : {rank} (local_rank: {local})\n"
             f"  exitcode  : {code} (pid: {pid}){signal}\n  error_file: <N/A>\n"
             f"  traceback : Signal {-code} received by PID {pid}\n")
 
@@ -108,3 +110,46 @@ def test_a_rank_that_died_before_the_timeout_is_the_reason_not_the_timeout(tmp_p
     hung = classify(trial_dir=d, world_size=2, returncode=None, timed_out=True, interrupted=False,
                     wall_s=61.0, timeout_s=60.0)
     assert hung.status == "timeout" and "--trial-timeout 60s" in hung.reason
+
+
+PEER_FAILED = {"status": "peer_failed", "error": "Connection closed by peer", "world_size": 4}
+
+
+def two_node_trial(tmp_path: Path, worker_log: str | None) -> str:
+    """A 2 x 2 trial as the coordinator finds it: its own ranks 0 and 1 reported that they lost a peer
+    and exited 1 (its torchrun lists them), the worker node's directory holds that node's torchrun log (or
+    none yet) and its ranks' stderr under their local rank numbers."""
+    d = trial_dir(tmp_path, summary([entry(1, 1, 1, 302)], entry(0, 0, 1, 301), closing=[]))
+    node = Path(d) / "node-w1"
+    for local in (0, 1):
+        (node / "logs" / "run_x" / "attempt_0" / str(local)).mkdir(parents=True)
+    rank2 = node / "logs" / "run_x" / "attempt_0" / "0" / "stderr.log"
+    rank2.write_text('Traceback (most recent call last):\n  File "train.py", line 3\nRuntimeError: bad shard 7\n')
+    if worker_log is not None:
+        (node / "torchrun.log").write_text(worker_log)
+    return d
+
+
+def test_a_rank_on_another_node_is_judged_from_that_nodes_torchrun_log_and_its_own_stderr(tmp_path):
+    """Rank 2 runs on the worker node as its local rank 0 and raised before it could report: the
+    reason is its own error, read from the worker's log directory. Fails if only the coordinator's
+    log is read (rank 2 was then said to have "finished normally (exit code 0)", CI's 2026-12-03
+    misreport)."""
+    log = summary([entry(1, 3, -15, 402, local_rank=1)], entry(0, 2, 1, 401, local_rank=0), closing=[402])
+    d = two_node_trial(tmp_path, log)
+    outcome = classify(trial_dir=d, world_size=4, returncode=0, timed_out=False, interrupted=False,
+                       wall_s=1.0, timeout_s=60.0)
+    assert outcome.status == "error", outcome.reason
+    assert outcome.failing_rank == 2
+    assert outcome.reason == "rank 2 failed before reporting: RuntimeError: bad shard 7", outcome.reason
+
+
+def test_a_rank_on_another_node_without_a_summary_is_not_said_to_have_exited_0(tmp_path):
+    d = two_node_trial(tmp_path, None)
+    for rank in (0, 1):
+        (Path(d) / f"rank{rank}.json").write_text(json.dumps({**PEER_FAILED, "rank": rank}))
+    outcome = classify(trial_dir=d, world_size=4, returncode=0, timed_out=False, interrupted=False,
+                       wall_s=1.0, timeout_s=60.0)
+    assert outcome.status == "crash"
+    assert outcome.failing_rank == 2
+    assert "exit code 0" not in outcome.reason and "no node's torchrun listed it" in outcome.reason, outcome.reason

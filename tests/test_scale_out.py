@@ -138,6 +138,31 @@ def test_the_coordinator_refuses_mismatched_workers_and_says_how_to_start_them(
     assert json.loads((Path(coordinator.hub) / "stop").read_text())["session"] == coordinator.session
 
 
+@pytest.mark.parametrize(("given", "expected"), [
+    ([], ["--rdzv-conf", "is_host=false"]),
+    (["--rdzv-conf=timeout=900"], ["--rdzv-conf=timeout=900,is_host=false"]),
+    (["--monitor-interval", "1", "--rdzv_conf", "read_timeout=90"],
+     ["--monitor-interval", "1", "--rdzv_conf", "read_timeout=90,is_host=false"]),
+    (["--rdzv-conf=is_host=true"], ["--rdzv-conf=is_host=true"]),
+])
+def test_a_worker_node_never_hosts_the_rendezvous_store(given: list[str], expected: list[str]) -> None:
+    """On one machine (this loopback test, or a worker on the endpoint's host) torch lets any agent
+    host the store; a worker's agent that did took the store away while the next trial used it."""
+    from autobalance.launcher._multinode import never_host_the_store
+
+    assert never_host_the_store(given) == expected
+
+
+def _trial_logs(tmp_path: Path) -> str:
+    """The tail of every torchrun and rank log of the study, for a failing assertion's message."""
+    parts = []
+    for path in sorted((tmp_path / "runs").rglob("*.log")):
+        text = path.read_text(errors="replace")[-1500:]
+        if text.strip():
+            parts.append(f"--- {path.relative_to(tmp_path)}\n{text}")
+    return "\n".join(parts)[-12000:]
+
+
 def _two_node_study(tmp_path: Path, *, trials: int, trial_timeout: int,
                     env: dict[str, str]) -> tuple[subprocess.CompletedProcess[str], subprocess.Popen[str], str]:
     """``tune`` as "node 0" and ``autobalance worker`` as "node 1" on this machine, joined by a c10d
@@ -177,7 +202,8 @@ def test_two_nodes_on_loopback_every_rank_reports_and_a_hanging_trial_is_killed_
     assert worker.returncode == 0, err[-4000:]
     assert "the study is over" in err
     trials = load(tmp_path / "a.db").get_trials()
-    assert [t.user_attrs["status"] for t in trials] == ["ok", "timeout", "ok"], [t.user_attrs.get("reason") for t in trials]
+    assert [t.user_attrs["status"] for t in trials] == ["ok", "timeout", "ok"], (
+        [t.user_attrs.get("reason") for t in trials], err[-3000:], _trial_logs(tmp_path))
     hung = trials[1]
     assert "killed the whole job" in hung.user_attrs["reason"]
     nodes = [json.loads(p.read_text()) for p in Path(hung.user_attrs["trial_dir"]).glob("node-*.json")]

@@ -27,7 +27,7 @@ __all__ = ["TorchrunFailure", "by_report_time", "failure_order", "torchrun_failu
 
 _ENTRY = re.compile(
     r"\[\d+\]:\s*\n\s*time\s*:\s*(?P<time>\S+)\s*\n(?:\s*host\s*:[^\n]*\n)?"
-    r"\s*rank\s*:\s*(?P<rank>\d+)\s*\(local_rank:\s*\d+\)\s*\n"
+    r"\s*rank\s*:\s*(?P<rank>\d+)\s*\(local_rank:\s*(?P<local>\d+)\)\s*\n"
     r"\s*exitcode\s*:\s*(?P<code>-?\d+)(?:\s*\(pid:\s*(?P<pid>\d+)\))?"
 )
 _CLOSING = re.compile(r"Sending process (\d+) closing signal (\w+)")
@@ -39,6 +39,8 @@ class TorchrunFailure:
     """One rank's entry in torchrun's failure summary."""
 
     rank: int
+    local_rank: int
+    """Its rank on its node (the name of its directory under torchrun's ``--log-dir``)."""
     exitcode: int
     pid: int | None
     time: str
@@ -59,7 +61,7 @@ def torchrun_failures(log_text: str) -> dict[int, TorchrunFailure] | None:
     for m in _ENTRY.finditer(log_text):
         rank = int(m["rank"])
         pid = int(m["pid"]) if m["pid"] else None
-        entry = TorchrunFailure(rank=rank, exitcode=int(m["code"]), pid=pid, time=m["time"],
+        entry = TorchrunFailure(rank=rank, local_rank=int(m["local"]), exitcode=int(m["code"]), pid=pid, time=m["time"],
                                 root_cause=root_at >= 0 and m.start() > root_at,
                                 torn_down=pid is not None and pid in closed)
         if rank in found:  # listed twice (root cause repeated): keep what both entries say

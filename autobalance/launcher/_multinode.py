@@ -49,7 +49,7 @@ from autobalance.launcher._outcome import TrialOutcome, classify, read_reports
 from autobalance.launcher._torchrun import TrialLaunch, run_trial, unwritable_trial_dir
 from autobalance.protocol import Status
 
-__all__ = ["Coordinator", "hub_dir", "run_worker"]
+__all__ = ["Coordinator", "hub_dir", "never_host_the_store", "run_worker"]
 
 BEAT_S = 1.0
 """How often the coordinator and the workers bump their beat counters."""
@@ -392,6 +392,31 @@ def run_worker(*, script: str, script_args: list[str], runs_dir: str, rdzv_endpo
             os.unlink(path)
 
 
+def never_host_the_store(torchrun_args: list[str]) -> list[str]:
+    """A worker node's torchrun options with ``is_host=false`` added to its ``--rdzv-conf``.
+
+    The c10d rendezvous store lives in the torchrun agent that first binds the endpoint's port when
+    the endpoint names its own machine (torch's heuristic, else the first one to try). That is the
+    coordinator's node (the endpoint is its address): a worker that hosted it instead - both nodes
+    on one machine, or a worker on the endpoint's host - would take the store with it when its
+    torchrun exits, and a worker's torchrun can outlive its trial by a few seconds (its exit barrier,
+    the kill after a cancel), while the next trial's agents already use the store. A user's own
+    ``is_host`` is kept."""
+    args = list(torchrun_args)
+    for i, arg in enumerate(args):
+        name, eq, conf = arg.partition("=")
+        if name not in ("--rdzv-conf", "--rdzv_conf"):
+            continue
+        if not eq:  # the value is the next option
+            if i + 1 < len(args) and "is_host" not in args[i + 1]:
+                args[i + 1] = f"{args[i + 1]},is_host=false"
+            return args
+        if "is_host" not in conf:
+            args[i] = f"{name}={conf},is_host=false" if conf else f"{name}=is_host=false"
+        return args
+    return ["--rdzv-conf", "is_host=false", *args]
+
+
 def _serve(request: dict[str, Any], *, hub: str, wid: str, host: str, info: dict[str, Any], script: str,
            script_args: list[str], runs_dir: str, endpoint: str, node_rank: int | None, torchrun_args: list[str],
            coordinator: _Beats, say: Callable[[str], None]) -> None:
@@ -419,7 +444,8 @@ def _serve(request: dict[str, Any], *, hub: str, wid: str, host: str, info: dict
     launch = TrialLaunch.joining(
         request, script=script, script_args=list(script_args), nproc_per_node=int(info["nproc_per_node"]),
         nnodes=int(info["nnodes"]), node_rank=node_rank, rdzv_endpoint=endpoint, rdzv_id=str(request["rdzv_id"]),
-        torchrun_args=torchrun_args, trial_dir=trial_dir, log_dir=os.path.join(trial_dir, f"node-{wid}"),
+        torchrun_args=never_host_the_store(torchrun_args), trial_dir=trial_dir,
+        log_dir=os.path.join(trial_dir, f"node-{wid}"),
         # the coordinator's cancel ends the trial; this limit only backs it up
         timeout_s=float(request.get("timeout_s", 300)) + 60, trial_id=f"{request.get('trial_id')}-{wid}",
     )

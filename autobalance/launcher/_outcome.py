@@ -102,28 +102,54 @@ def read_reports(trial_dir: str, world_size: int) -> tuple[dict[int, RankReport]
     return reports, problems
 
 
-def _rank_logs(trial_dir: str) -> dict[int, str]:
-    """stderr of each local rank from torchrun's ``--log-dir`` (text tail)."""
+def _node_dirs(trial_dir: str) -> list[str]:
+    """Where each node's torchrun wrote ``torchrun.log`` and ``logs/``: the trial directory (this
+    node) and, for a trial that spans nodes, ``node-<worker id>/`` of each worker node."""
+    return [trial_dir, *sorted(d for d in glob.glob(os.path.join(trial_dir, "node-*")) if os.path.isdir(d))]
+
+
+def _node_failures(trial_dir: str) -> list[dict[int, TorchrunFailure] | None]:
+    """The failures in each node's torchrun summary (by global rank; None: no summary), in
+    :func:`_node_dirs` order."""
+    found: list[dict[int, TorchrunFailure] | None] = []
+    for node in _node_dirs(trial_dir):
+        try:
+            with open(os.path.join(node, "torchrun.log"), errors="replace") as fh:
+                found.append(torchrun_failures(fh.read()[-200000:]))
+        except OSError:
+            found.append(None)
+    return found
+
+
+def _merged(per_node: list[dict[int, TorchrunFailure] | None]) -> dict[int, TorchrunFailure] | None:
+    """Every node's failures by global rank (None: no node's torchrun wrote a summary)."""
+    if all(f is None for f in per_node):
+        return None
+    return {rank: failure for f in per_node for rank, failure in (f or {}).items()}
+
+
+def _rank_logs(trial_dir: str, per_node: list[dict[int, TorchrunFailure] | None]) -> dict[int, str]:
+    """stderr of each rank (text tail) by global rank, from every node's ``--log-dir``. torchrun
+    names a rank's directory by its local rank: on one node that is the global rank; on several, a
+    rank torchrun listed as failed is placed by its summary entry and the others are left out (a
+    node's place in the job is the rendezvous's choice)."""
     logs: dict[int, str] = {}
-    for path in glob.glob(os.path.join(trial_dir, "logs", "**", "stderr.log"), recursive=True):
-        rank_dir = os.path.basename(os.path.dirname(path))
-        if rank_dir.isdigit():
+    nodes = _node_dirs(trial_dir)
+    for node, failures in zip(nodes, per_node, strict=True):
+        to_global = {f.local_rank: f.rank for f in (failures or {}).values()}
+        for path in glob.glob(os.path.join(node, "logs", "**", "stderr.log"), recursive=True):
+            rank_dir = os.path.basename(os.path.dirname(path))
+            if not rank_dir.isdigit():
+                continue
+            rank = to_global.get(int(rank_dir), int(rank_dir) if len(nodes) == 1 else None)
+            if rank is None:
+                continue
             try:
                 with open(path, errors="replace") as fh:
-                    logs[int(rank_dir)] = fh.read()[-20000:]
+                    logs[rank] = fh.read()[-20000:]
             except OSError:
                 continue
     return logs
-
-
-def _torchrun_failures(trial_dir: str) -> dict[int, TorchrunFailure] | None:
-    """The ranks torchrun lists as failed in its summary (None: no summary)."""
-    try:
-        with open(os.path.join(trial_dir, "torchrun.log"), errors="replace") as fh:
-            text = fh.read()[-200000:]
-    except OSError:
-        return None
-    return torchrun_failures(text)
 
 
 def _traceback_in(text: str) -> str:
@@ -136,10 +162,13 @@ def _is_peer_failure(tb: str) -> bool:
     return looks_like_peer_failure(last)
 
 
-def _how_it_ended(rank: int, codes: dict[int, int] | None) -> str:
+def _how_it_ended(rank: int, codes: dict[int, int] | None, *, nodes: int) -> str:
     if codes is None:
         return "died without a report (killed or crashed)"
     code = codes.get(rank)
+    if code is None and nodes > 1:
+        return ("ended without a report, and no node's torchrun listed it as failed (it exited 0, or its node's "
+                "torchrun was stopped before it could say)")
     if code is None:
         return ("finished normally (exit code 0) without a report: the script did not call autobalance.plan(), or "
                 "stopped before plan.steps() finished the trial's steps")
@@ -188,7 +217,8 @@ def classify(
         rep = reports[rank]
         return outcome(Status.ERROR, f"rank {rank} raised {rep.error or 'an error'}"[:300], rank,
                        rep.traceback or "")
-    failures = _torchrun_failures(trial_dir)
+    per_node = _node_failures(trial_dir)
+    failures = _merged(per_node)
     # torchrun saw a rank die on its own (not one it stopped) before the job was killed at the timeout:
     # that death came first, the timeout is its consequence
     died_first = failures is not None and any(not f.torn_down for f in failures.values())
@@ -202,7 +232,7 @@ def classify(
     if len(reports) == world_size and all(r.status == Status.OK for r in reports.values()):
         # every rank measured and reported; a failure while tearing down does not spoil that
         return outcome(Status.OK, "measured" if returncode == 0 else f"measured (torchrun exit code {returncode} afterwards)")
-    logs = _rank_logs(trial_dir)
+    logs = _rank_logs(trial_dir, per_node)
     codes = None if failures is None else {r: f.exitcode for r, f in failures.items()}
     # first failure first: a rank torchrun had to stop (its teardown) is never the cause of the others
     silent = failure_order([r for r in range(world_size) if r not in reports], failures)
@@ -229,7 +259,7 @@ def classify(
         stopped = sorted(r for r in silent if r != rank and failures and r in failures and failures[r].torn_down)
         if stopped:  # still running when it died: torchrun's teardown ended them before they noticed
             tail += f"; ranks {stopped} were stopped by torchrun when it ended the job"
-        reason = f"rank {rank} {_how_it_ended(rank, codes)}{tail}"
+        reason = f"rank {rank} {_how_it_ended(rank, codes, nodes=len(per_node))}{tail}"
         if returncode is not None and returncode < 0 and codes is None:
             reason += f"; torchrun was killed by signal {-returncode}"
         return outcome(Status.CRASH, reason[:300], rank, "\n".join(logs.get(r, "")[-2000:] for r in sorted(logs)))
