@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import optuna
@@ -25,13 +24,13 @@ def _rank_peaks(trial) -> dict[str, tuple[int, int]]:
             for m in [json.loads(r.read_text())["memory"]]}
 
 
-def test_warm_study_is_faster_than_cold_and_measures_the_same_bytes(tmp_path):
+def test_warm_study_starts_one_pool_and_measures_the_same_bytes_as_cold(tmp_path):
     """The same seeded study twice, in cold trials (a torchrun per trial) and in one warm pool: the
     same configurations (the script's own among them), the same live-tensor peaks on CPU to the byte
-    on every rank (warm trials are charged nothing the pool held), all in one pool start, and in less
-    wall time. Fails if a warm trial inherits memory, the pool restarts between good trials, or the
-    pool is slower than starting torchrun per trial."""
-    walls = {}
+    on every rank (warm trials are charged nothing the pool held), all in one pool start. Fails if a
+    warm trial inherits memory or the pool restarts between good trials. (What the pool saves in
+    time is measured in ``benchmarks/warm_vs_cold.py``, not asserted here: a wall-clock race between
+    two studies is at the mercy of a busy machine.)"""
     for mode in ("cold", "warm"):
         db = tmp_path / f"{mode}.db"
         # verification (the same runs, warm or cold, after the trials) is not what is compared here
@@ -40,9 +39,7 @@ def test_warm_study_is_faster_than_cold_and_measures_the_same_bytes(tmp_path):
                 "--prune-factor", "0", "--no-verify", "--runs-dir", str(tmp_path / mode)]
         if mode == "cold":
             args.append("--cold")
-        start = time.monotonic()
         proc = cli(args, cwd=tmp_path)
-        walls[mode] = time.monotonic() - start
         assert proc.returncode == 0, proc.stderr[-3000:]
     cold, warm = load(tmp_path / "cold.db").get_trials(), load(tmp_path / "warm.db").get_trials()
     assert len(cold) == len(warm) == 3
@@ -55,7 +52,6 @@ def test_warm_study_is_faster_than_cold_and_measures_the_same_bytes(tmp_path):
     assert len(list((tmp_path / "warm" / "s").glob("pool-*"))) == 1  # one pool start for the three
     assert not list((tmp_path / "cold" / "s").glob("pool-*"))
     assert processes_with(str(tmp_path)) == []
-    assert walls["warm"] < walls["cold"], walls
 
 
 def test_an_oom_trial_is_infeasible_and_the_model_strategy_skips_a_predicted_oom_without_launching(tmp_path):
