@@ -1,13 +1,17 @@
-"""Shared pieces of the GPU benchmarks: the GPT benchmark scenario and result writing."""
+"""Shared pieces of the benchmarks: the GPT benchmark scenario, result writing, and running a child
+command with a timeout that ends its whole process tree."""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +23,65 @@ GPT = str(REPO / "examples" / "gpt" / "train.py")
 GPT_ARGS = ["--n-layer", "16", "--n-embd", "1024", "--n-head", "16", "--block-size", "1024",
             "--vocab", "32768", "--samples", "256", "--micro-batch", "8", "--val-cache-mib", "3072",
             "--dropout", "0.0"]
+
+
+@dataclass(kw_only=True)
+class Bounded:
+    """What :func:`run_tree` ran to."""
+
+    returncode: int | None
+    """The command's exit code; None when it was stopped at its timeout."""
+    stdout: str
+    stderr: str
+    wall_s: float
+
+    @property
+    def timed_out(self) -> bool:
+        return self.returncode is None
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_tree(cmd: list[str], *, timeout_s: float, grace_s: float = 30.0, merge_stderr: bool = False,
+             **popen: Any) -> Bounded:
+    """Run ``cmd`` in its own session, capturing its output as text (``merge_stderr``: both streams,
+    interleaved, in ``stdout``). Past ``timeout_s`` its process group gets SIGTERM (``autobalance
+    tune`` then kills its trials and marks them interrupted) and, ``grace_s`` later, SIGKILL;
+    whatever the group still holds when the command is done (Inductor's compile workers, a stray
+    rank) is SIGKILLed too. The output goes through files, not pipes: a grandchild that inherited a
+    pipe would hold its reader until the timeout after the command itself had ended."""
+    started = time.monotonic()
+    with tempfile.TemporaryFile(mode="w+") as out, tempfile.TemporaryFile(mode="w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if merge_stderr else err, text=True,
+                                start_new_session=True, **popen)
+        returncode: int | None
+        try:
+            try:
+                returncode = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                _signal_group(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=grace_s)
+                except subprocess.TimeoutExpired:
+                    _signal_group(proc.pid, signal.SIGKILL)
+                    proc.wait(timeout=60)
+                returncode = None
+        finally:
+            _signal_group(proc.pid, signal.SIGKILL)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=60)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if returncode is None:
+        stderr += f"\n[benchmark] timed out after {timeout_s:g} s; its process group was stopped\n"
+    return Bounded(returncode=returncode, stdout=stdout, stderr=stderr, wall_s=time.monotonic() - started)
 
 
 def machine() -> dict[str, Any]:

@@ -30,13 +30,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import run_tree
 
 VARIANTS = {
     "static-8x4": {"split": [8] * 4, "mode": "default"},
@@ -169,20 +171,12 @@ def main() -> None:
         cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--out", args.out,
                "--steps", str(args.steps), *(["--smoke"] if args.smoke else [])]
         started = time.monotonic()
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
-        try:
-            stdout, stderr = proc.communicate(timeout=args.timeout)
-            line = stdout.strip().splitlines()[-1] if stdout.strip() else ""
-            row = json.loads(line) if line.startswith("{") else {"variant": name, "error": stderr[-600:]}
-        except subprocess.TimeoutExpired:
+        done = run_tree(cmd, timeout_s=args.timeout, grace_s=5, env=env)  # the whole tree, compile workers too
+        line = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+        if done.timed_out:
             row = {"variant": name, "error": f"timed out after {args.timeout} s"}
-        finally:  # the whole tree (Inductor's compile workers too)
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+        else:
+            row = json.loads(line) if line.startswith("{") else {"variant": name, "error": done.stderr[-600:]}
         row["wall_s"] = round(time.monotonic() - started, 1)
         results.append(row)
         print(json.dumps({k: row.get(k) for k in ("variant", "wall_s", "first_step_s", "step_ms_median", "graphs",

@@ -52,9 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tarfile
 import tempfile
@@ -65,7 +63,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from autobalance import BalanceConfig
 from autobalance.launcher import TrialLaunch, TrialOutcome, WarmPool, run_trial
-from benchmarks.common import GPT, REPO, write_result
+from benchmarks.common import GPT, REPO, run_tree, write_result
 
 GIB = 2**30
 GLOBAL_BATCH = 32
@@ -288,22 +286,10 @@ def study_row(study: Any, *, reference_ms: float | None) -> dict[str, Any]:
 
 def run_bounded(cmd: list[str], *, env: dict[str, str], cwd: str, timeout_s: float) -> tuple[int | None, str]:
     """Run ``cmd``; past ``timeout_s`` it gets SIGTERM (``tune`` then kills its trials and marks them
-    interrupted), a minute later SIGKILL. Returns the exit code (None: timed out) and the output."""
-    with tempfile.TemporaryFile(mode="w+") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
-        try:
-            rc: int | None = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=60)
-            rc = None
-            log.write(f"\n[compiled_search] timed out after {timeout_s:g} s\n")
-        log.seek(0)
-        return rc, log.read()
+    interrupted), a minute later SIGKILL, and its process group is ended either way
+    (:func:`benchmarks.common.run_tree`). Returns the exit code (None: timed out) and the output."""
+    done = run_tree(cmd, timeout_s=timeout_s, grace_s=60, merge_stderr=True, env=env, cwd=cwd)
+    return done.returncode, done.stdout + done.stderr
 
 
 def run_studies(args: argparse.Namespace, ctx: dict[str, Any], grid: dict[str, Any] | None) -> dict[str, Any]:

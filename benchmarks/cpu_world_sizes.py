@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import GPT, write_result
+from benchmarks.common import GPT, run_tree, write_result
 
 
 def main() -> None:
@@ -35,13 +33,12 @@ def main() -> None:
         cmd = [sys.executable, "-m", "autobalance", "tune", GPT, "--trials", str(args.trials), "--nproc-per-node",
                str(world), "--device", "cpu", "--storage", db, "--study-name", f"w{world}", "--seed", "0",
                "--dtypes", "fp32", "--trial-timeout", "300", "--runs-dir", f"{root}/runs", "--", "--micro-batch", "4"]
-        start = time.monotonic()
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        wall = time.monotonic() - start
+        proc = run_tree(cmd, timeout_s=args.trials * 300 + 600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        wall = proc.wall_s
         study = optuna.load_study(study_name=f"w{world}", storage=db)
         trials = study.get_trials()
-        report = subprocess.run([sys.executable, "-m", "autobalance", "report", "--study-name", f"w{world}",
-                                 "--storage", db, "-o", f"{root}/w{world}.html"], capture_output=True, text=True)
+        report = run_tree([sys.executable, "-m", "autobalance", "report", "--study-name", f"w{world}",
+                           "--storage", db, "-o", f"{root}/w{world}.html"], timeout_s=300)
         runs.append({
             "world_size": world, "returncode": proc.returncode, "wall_s": wall, "stderr_tail": proc.stderr[-1500:],
             "trials": [{"number": t.number, "status": t.user_attrs.get("status"), "config": t.user_attrs.get("config"),

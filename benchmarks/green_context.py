@@ -27,13 +27,16 @@ import importlib.util
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.common import run_tree  # noqa: E402
+
 GPT_SIZE = {"n_layer": 16, "n_embd": 1024, "n_head": 16, "block_size": 1024, "vocab": 32768}
 SMOKE_SIZE = {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 16, "vocab": 64}
 
@@ -167,14 +170,12 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--child", "--out", str(part), "--sms", str(sms),
                "--micro-batch", str(args.micro_batch), "--accumulation", str(args.accumulation),
                "--warmup", str(args.warmup), "--steps", str(args.steps), *(["--smoke"] if args.smoke else [])]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s, cwd=REPO)
-            if proc.returncode == 0 and part.exists():
-                results.append(json.loads(part.read_text()))
-            else:
-                results.append({"mode": f"sms={sms}" if sms else "full", "error": proc.stderr[-3000:]})
-        except subprocess.TimeoutExpired:
-            results.append({"mode": f"sms={sms}" if sms else "full", "error": f"timed out after {args.timeout_s} s"})
+        proc = run_tree(cmd, timeout_s=args.timeout_s, grace_s=5, cwd=REPO)
+        if proc.returncode == 0 and part.exists():
+            results.append(json.loads(part.read_text()))
+        else:
+            error = f"timed out after {args.timeout_s} s" if proc.timed_out else proc.stderr[-3000:]
+            results.append({"mode": f"sms={sms}" if sms else "full", "error": error})
         if part.exists():
             os.remove(part)
         print(json.dumps(results[-1])[:400], flush=True)

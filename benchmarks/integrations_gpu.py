@@ -16,7 +16,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,6 +24,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from benchmarks.common import run_tree  # noqa: E402
 
 INTEGRATIONS = ("lightning", "hf", "accelerate")
 
@@ -222,15 +223,14 @@ def main() -> None:
             if args.smoke:
                 cmd.append("--smoke")
             started = time.perf_counter()
-            try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
-                                      env={**os.environ, "PYTHONPATH": str(REPO)})
+            try:  # the whole tree ends with the run (Inductor's compile workers too)
+                proc = run_tree(cmd, timeout_s=args.timeout, grace_s=5, env={**os.environ, "PYTHONPATH": str(REPO)})
                 ok = proc.returncode == 0 and os.path.getsize(path) > 0
-                result = json.loads(Path(path).read_text()) if ok else {
-                    "integration": integration, "configuration": config["name"], "error": proc.stderr[-3000:]}
-            except subprocess.TimeoutExpired:
-                result = {"integration": integration, "configuration": config["name"],
-                          "error": f"timed out after {args.timeout} s"}
+                if ok:
+                    result = json.loads(Path(path).read_text())
+                else:
+                    error = f"timed out after {args.timeout} s" if proc.timed_out else proc.stderr[-3000:]
+                    result = {"integration": integration, "configuration": config["name"], "error": error}
             finally:
                 os.unlink(path)
             result["wall_s"] = time.perf_counter() - started

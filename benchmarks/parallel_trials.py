@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import queue
-import subprocess
 import sys
 import tempfile
 import threading
@@ -32,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from autobalance import BalanceConfig
 from autobalance.launcher import TrialLaunch, TrialOutcome, WarmPool, run_trial, trial_processes
-from benchmarks.common import GPT, write_result
+from benchmarks.common import GPT, run_tree, write_result
 
 GPT_1GPU = ["--n-layer", "8", "--n-embd", "1024", "--n-head", "16", "--block-size", "1024", "--vocab", "32768",
             "--val-cache-mib", "1024", "--samples", "256", "--micro-batch", "8", "--dropout", "0.0"]
@@ -134,9 +133,8 @@ def run_tune(*, nslots: int, args: argparse.Namespace, script_args: list[str], r
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
     if args.device == "cuda" and nslots == 1:
         env["CUDA_VISIBLE_DEVICES"] = slots("cuda", 1)[0]["env"]["CUDA_VISIBLE_DEVICES"]
-    start = time.monotonic()
-    proc = subprocess.run([*cmd, "--", *script_args], capture_output=True, text=True, env=env, cwd=root)
-    wall = time.monotonic() - start
+    proc = run_tree([*cmd, "--", *script_args], timeout_s=args.trials * args.trial_timeout + 600, env=env, cwd=root)
+    wall = proc.wall_s
     trials: list[dict[str, Any]] = []
     try:
         import optuna
