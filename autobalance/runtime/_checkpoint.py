@@ -12,7 +12,7 @@ from torch import nn
 
 from autobalance._errors import ConfigError
 
-__all__ = ["BLOCKS_HINT", "BlockRun", "apply_checkpointing", "find_blocks"]
+__all__ = ["BLOCKS_HINT", "BlockRun", "apply_checkpointing", "find_blocks", "without_generation_cache"]
 
 BLOCKS_HINT = ("name them with plan.wrap(model, blocks=\"path.to.blocks\") (or ab.plan(blocks=...)): a ModuleList "
                "or nn.Sequential of the model's repeated blocks, e.g. 'transformer.h'")
@@ -177,6 +177,24 @@ def _context_fn(block: nn.Module) -> Any:
         return contextlib.nullcontext(), _Recompute(modes, keep)
 
     return contexts
+
+
+def without_generation_cache(model: nn.Module, checkpoint: list[list[int]]) -> bool:
+    """Switch off a model's generation cache (``model.config.use_cache``) when any rank checkpoints a
+    block; returns whether it did.
+
+    A checkpointed block is run twice, and a block that appends this step's keys and values to a
+    cache passed in (a Hugging Face model whose config says ``use_cache``; transformers 4.x builds
+    that cache in training too) appends them again when it is recomputed: the recomputation then
+    sees twice the sequence and torch stops it (``CheckpointError``, other metadata). transformers
+    switches the cache off itself under its own gradient checkpointing; a cache serves generation,
+    never the training step, so nothing the step computes changes. Every rank does it when any
+    rank checkpoints, so the ranks' models stay alike. Duck-typed: no framework is imported."""
+    config = getattr(model, "config", None)
+    if not any(checkpoint) or getattr(config, "use_cache", None) is not True:
+        return False
+    config.use_cache = False  # type: ignore[union-attr]
+    return True
 
 
 def apply_checkpointing(blocks: BlockRun | nn.ModuleList | nn.Sequential, indices: list[int]) -> None:

@@ -37,7 +37,11 @@ import torch
 from torch import nn
 
 from autobalance._errors import ConfigError, UsageError
-from autobalance.runtime._checkpoint import apply_checkpointing, find_blocks
+from autobalance.runtime._checkpoint import (
+    apply_checkpointing,
+    find_blocks,
+    without_generation_cache,
+)
 from autobalance.runtime._rank_weighting import (
     RankWeight,
     micro_step_factor,
@@ -118,6 +122,7 @@ class FrameworkLoop:
         for part in parts:
             part.on_wrap(plan, model)
         apply_checkpointing(block_list, plan.config.checkpoint[plan.rank])
+        without_generation_cache(model, plan.config.checkpoint)
         if move:
             model = model.to(plan.device)
         for part in parts:

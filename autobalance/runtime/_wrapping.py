@@ -15,7 +15,11 @@ import torch.distributed as dist
 from torch import nn
 
 from autobalance.runtime._batch_dependent import batch_dependent_modules
-from autobalance.runtime._checkpoint import apply_checkpointing, find_blocks
+from autobalance.runtime._checkpoint import (
+    apply_checkpointing,
+    find_blocks,
+    without_generation_cache,
+)
 from autobalance.runtime._with_loss import ModelWithLoss
 
 if TYPE_CHECKING:
@@ -41,6 +45,7 @@ def wrap_model(
     for part in parts:
         part.on_wrap(plan, model)
     apply_checkpointing(block_list, config.checkpoint[plan.rank])
+    without_generation_cache(model, config.checkpoint)
     model = model.to(plan.device)
     for part in parts:
         part.on_model_moved(plan, model)
