@@ -6,8 +6,8 @@ Two changed lines in a ``Trainer`` script::
     trainer = BalanceTrainer(model=model, args=args, train_dataset=ds, data_collator=collate)  # was Trainer(...)
 
 :class:`BalanceTrainer` builds the plan from the ``TrainingArguments`` (``per_device_train_batch_size``,
-``gradient_accumulation_steps``, ``bf16``/``fp16``, ``ddp_bucket_cap_mb``, ``seed`` are the script's
-defaults; a trial's configuration or a stored best overrides them, as ``autobalance.plan`` decides; or
+``gradient_accumulation_steps``, ``bf16``/``fp16``, ``ddp_bucket_cap_mb``, ``seed``, and
+``gradient_checkpointing`` as "every block" are the script's defaults; a trial's configuration or a stored best overrides them, as ``autobalance.plan`` decides; or
 pass ``plan=``) and applies it:
 
 - the training loader: this rank's micro-batches over the training set (the ``data_collator`` kept),
@@ -15,6 +15,7 @@ pass ``plan=``) and applies it:
 - ``gradient_accumulation_steps``, ``bf16``/``fp16``, ``ddp_bucket_cap_mb`` and Accelerate's
   ``gradient_as_bucket_view``: set from the configuration before the Trainer is built;
 - checkpointing: this rank's chosen blocks (found as ``plan.wrap`` finds them, or ``blocks=``);
+  transformers' own ``gradient_checkpointing`` is turned off (it would checkpoint every block on top);
 - the loss: each micro-batch's mean loss (``compute_loss``), divided by the accumulation, times
   :meth:`~autobalance.runtime.FrameworkLoop.loss_factor`; the ranks weighted in DDP's all-reduce.
   Transformers' own token-count normalisation (``num_items_in_batch``) is turned off: the loss must be
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback
 
-from autobalance.runtime import FrameworkLoop, Plan
+from autobalance.runtime import FrameworkLoop, Plan, find_blocks
 from autobalance.runtime import plan as make_plan
 
 _MIXED = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
@@ -40,8 +41,27 @@ _MIXED = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 __all__ = ["BalanceTrainer", "plan_from_args"]
 
 
-def plan_from_args(args: Any, **plan_kwargs: Any) -> Plan:
-    """``autobalance.plan`` with the ``TrainingArguments`` as the script's defaults."""
+_CHECKPOINTING = ("activation_checkpointing", "gradient_checkpointing")
+"""transformers' own switches for checkpointing every (n-th) block: 5.25 and later name it
+``activation_checkpointing`` (``gradient_checkpointing`` kept as its alias), earlier ones
+``gradient_checkpointing``."""
+
+
+def _checkpoints_every(args: Any) -> int | None:
+    """Every how many blocks transformers would checkpoint (its ``every_n_layers``: the blocks whose
+    index is a multiple of it), or None when its own checkpointing is off."""
+    if not any(getattr(args, name, False) for name in _CHECKPOINTING):
+        return None
+    kwargs = getattr(args, "activation_checkpointing_kwargs", None) or {}
+    return max(1, int(kwargs.get("every_n_layers", 1)))
+
+
+def plan_from_args(args: Any, model: torch.nn.Module | None = None, blocks: str | None = None,
+                   **plan_kwargs: Any) -> Plan:
+    """``autobalance.plan`` with the ``TrainingArguments`` as the script's defaults. The arguments'
+    ``activation_checkpointing`` / ``gradient_checkpointing`` becomes the default "those blocks
+    checkpointed" (every block, or every ``every_n_layers``-th: in ``model``'s block list, ``blocks``
+    as in :class:`BalanceTrainer`); autobalance then checkpoints, per rank."""
     dtype = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
     defaults: dict[str, Any] = {
         "micro_batch": int(args.per_device_train_batch_size),
@@ -51,6 +71,9 @@ def plan_from_args(args: Any, **plan_kwargs: Any) -> Plan:
     }
     if getattr(args, "ddp_bucket_cap_mb", None):
         defaults["bucket_cap_mb"] = float(args.ddp_bucket_cap_mb)
+    every = _checkpoints_every(args)
+    if every is not None and model is not None:
+        defaults["checkpoint"] = list(range(0, len(find_blocks(model, blocks)[1]), every))
     defaults.update(plan_kwargs)
     return make_plan(**defaults)
 
@@ -90,7 +113,8 @@ class BalanceTrainer(Trainer):
         model = kwargs.get("model") if "model" in kwargs else (args[0] if args else None)
         if training_args is None or model is None:
             raise TypeError("BalanceTrainer needs model= and args= (a TrainingArguments); pass both.")
-        self.ab_plan = plan if plan is not None else plan_from_args(training_args, **(plan_kwargs or {}))
+        self.ab_plan = plan if plan is not None else plan_from_args(training_args, model, blocks,
+                                                                    **(plan_kwargs or {}))
         self.ab_loop = FrameworkLoop(self.ab_plan, framework="hf")
         config = self.ab_plan.config
         training_args.gradient_accumulation_steps = config.accumulation
@@ -105,6 +129,11 @@ class BalanceTrainer(Trainer):
         else:
             os.environ["ACCELERATE_MIXED_PRECISION"] = _MIXED[config.dtype]
         training_args.ddp_bucket_cap_mb = config.bucket_cap_mb
+        # the configuration says which blocks each rank checkpoints: transformers' own checkpointing (every
+        # block, on top) would recompute them all and hide what is measured
+        for name in _CHECKPOINTING:
+            if hasattr(training_args, name):
+                setattr(training_args, name, False)
         if training_args.ddp_find_unused_parameters is None:  # checkpointing here is non-reentrant: no need
             training_args.ddp_find_unused_parameters = False
         self.ab_loop.prepare_model(model, blocks=blocks)
