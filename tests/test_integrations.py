@@ -103,14 +103,15 @@ def test_hf_trainer_owns_checkpointing_and_takes_the_scripts_as_its_default():
     """TrainingArguments(gradient_checkpointing=True) and no plan: the script's default is every block
     checkpointed, autobalance wraps them, and transformers' own checkpointing stays off (on top, it
     recomputed every block whatever the configuration said, so what a trial measured was not its
-    configuration). transformers 5.25 calls it activation_checkpointing, 4.x gradient_checkpointing."""
+    configuration). transformers 5.25 calls it activation_checkpointing, 4.x gradient_checkpointing.
+    Its ``torch_compile`` is turned off the same way: the configuration compiles, or not."""
     pytest.importorskip("transformers")
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "hf_checkpointing.py")],
                           capture_output=True, text=True, cwd=REPO, timeout=240,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("RESULT")]
-    assert result == [["0,1,2", "False", "3"]], proc.stdout[-2000:]
+    assert result == [["0,1,2", "False", "3", "False"]], proc.stdout[-2000:]
 
 
 class _Loop:

@@ -20,7 +20,8 @@ pass ``plan=``) and applies it:
   :meth:`~autobalance.runtime.FrameworkLoop.loss_factor`; the ranks weighted in DDP's all-reduce.
   Transformers' own token-count normalisation (``num_items_in_batch``) is turned off: the loss must be
   a mean over the micro-batch's samples (or over tokens, with every sample of one length);
-- compile: the model's ``__call__`` with this rank's activation budget (leave ``torch_compile`` off);
+- compile: the model's ``__call__`` with this rank's activation budget; the arguments' ``torch_compile``
+  is turned off (the configuration compiles, or not: a compiled configuration is the tuner's choice);
 - a trial's reports, then it leaves ``train()``.
 """
 
@@ -134,6 +135,16 @@ class BalanceTrainer(Trainer):
         for name in _CHECKPOINTING:
             if hasattr(training_args, name):
                 setattr(training_args, name, False)
+        # likewise compile: the configuration compiles each rank's model with its budget (or not at all);
+        # transformers' torch_compile would compile the DDP module around it again. The arguments resolved
+        # it when built: a backend the Trainer hands Accelerate's dynamo plugin (accelerate >= 1.2), or
+        # the ACCELERATE_DYNAMO_* variables (older accelerate)
+        if getattr(training_args, "torch_compile", False):
+            training_args.torch_compile = False
+            training_args.torch_compile_backend = None
+            training_args.torch_compile_mode = None
+            os.environ.pop("ACCELERATE_DYNAMO_BACKEND", None)
+            os.environ.pop("ACCELERATE_DYNAMO_MODE", None)
         if training_args.ddp_find_unused_parameters is None:  # checkpointing here is non-reentrant: no need
             training_args.ddp_find_unused_parameters = False
         self.ab_loop.prepare_model(model, blocks=blocks)

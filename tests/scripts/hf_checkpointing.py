@@ -1,6 +1,7 @@
 """One CPU process: a ``BalanceTrainer`` over TrainingArguments with ``gradient_checkpointing=True`` and
 no plan of the script's own; prints the plan's checkpointed blocks, whether transformers' own
-checkpointing was on during the step, and how many blocks autobalance wrapped."""
+checkpointing was on during the step, how many blocks autobalance wrapped, and whether the Trainer
+would still compile (the arguments say ``torch_compile=True``; the configuration says no compile)."""
 
 from __future__ import annotations
 
@@ -28,11 +29,14 @@ def main() -> None:
     model.transformer.register_forward_pre_hook(lambda m, a: hf_own.append(bool(m.gradient_checkpointing)))
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(output_dir=out, use_cpu=True, report_to="none", save_strategy="no", max_steps=1,
-                                 disable_tqdm=True, per_device_train_batch_size=2, gradient_checkpointing=True)
+                                 disable_tqdm=True, per_device_train_batch_size=2, gradient_checkpointing=True,
+                                 torch_compile=True)
         trainer = BalanceTrainer(model=model, args=args, train_dataset=Tokens())
+        compiles = str(trainer.accelerator.state.dynamo_plugin.backend.value).lower() != "no"
         trainer.train()
     wrapped = sum(isinstance(b, CheckpointWrapper) for b in model.transformer.h)
-    print("RESULT", ",".join(map(str, trainer.ab_plan.config.checkpoint[0])), any(hf_own), wrapped, flush=True)
+    print("RESULT", ",".join(map(str, trainer.ab_plan.config.checkpoint[0])), any(hf_own), wrapped, compiles,
+          flush=True)
 
 
 if __name__ == "__main__":
