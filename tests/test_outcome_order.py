@@ -153,3 +153,17 @@ def test_a_rank_on_another_node_without_a_summary_is_not_said_to_have_exited_0(t
     assert outcome.status == "crash"
     assert outcome.failing_rank == 2
     assert "exit code 0" not in outcome.reason and "no node's torchrun listed it" in outcome.reason, outcome.reason
+
+
+def test_a_timeout_stays_a_timeout_when_another_nodes_ranks_died_of_its_kill(tmp_path):
+    """The coordinator's trial timed out and its torchrun was killed; in the seconds its kill takes, the
+    worker node's ranks lose their peers and die, and that node's torchrun lists them as failed on their
+    own. They died of the kill: the trial is a timeout. Fails if another node's summary counts as "a
+    rank died first"."""
+    log = summary([entry(1, 3, 1, 502, local_rank=1)], entry(0, 2, 1, 501, local_rank=0), closing=[])
+    d = two_node_trial(tmp_path, log)
+    (Path(d) / "torchrun.log").write_text("W1204 Received 15 death signal, shutting down workers\n")
+    outcome = classify(trial_dir=d, world_size=4, returncode=None, timed_out=True, interrupted=False,
+                       wall_s=61.0, timeout_s=60.0)
+    assert outcome.status == "timeout", outcome.reason
+    assert "killed the whole job" in outcome.reason

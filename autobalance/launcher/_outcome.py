@@ -219,9 +219,10 @@ def classify(
                        rep.traceback or "")
     per_node = _node_failures(trial_dir)
     failures = _merged(per_node)
-    # torchrun saw a rank die on its own (not one it stopped) before the job was killed at the timeout:
-    # that death came first, the timeout is its consequence
-    died_first = failures is not None and any(not f.torn_down for f in failures.values())
+    # this node's torchrun saw a rank die on its own (not one it stopped) before the job was killed at the
+    # timeout: that death came first, the timeout is its consequence. Only this node's: another node's
+    # ranks may have died of this node's kill (their peers vanished) before these lines run
+    died_first = per_node[0] is not None and any(not f.torn_down for f in per_node[0].values())
     if timed_out and not died_first:
         waiting = sorted(set(range(world_size)) - set(reports))
         return outcome(Status.TIMEOUT, f"no result within --trial-timeout {timeout_s:g}s (ranks {waiting} did not report); "
