@@ -114,6 +114,24 @@ def test_hf_trainer_owns_checkpointing_and_takes_the_scripts_as_its_default():
     assert result == [["0,1,2", "False", "3", "False"]], proc.stdout[-2000:]
 
 
+@pytest.mark.parametrize(("mode", "words"), [
+    ("ok", "ok"),
+    ("dtype", "Accelerator(mixed_precision='no') but th"),
+    ("dynamo", "Accelerator(dynamo_backend='inductor') w"),
+])
+def test_accelerate_refuses_an_accelerator_built_against_the_configuration(mode, words):
+    """An Accelerator whose mixed precision is not the configuration's ran the trial in another dtype than
+    the one measured; one with its own dynamo backend compiled the prepared model on top of the
+    configuration's compile. Both are refused at prepare(), with the fix named."""
+    pytest.importorskip("accelerate")
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "accelerate_mismatch.py"), mode],
+                          capture_output=True, text=True, cwd=REPO, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = [line[len("RESULT "):] for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert result == [words], proc.stdout[-2000:]
+
+
 class _Loop:
     def __init__(self) -> None:
         self.epochs = 0

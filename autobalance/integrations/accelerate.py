@@ -101,6 +101,19 @@ class AccelerateBalance:
                 f"Accelerator(gradient_accumulation_steps={accelerator.gradient_accumulation_steps}) but the "
                 f"configuration has {self.loop.accumulation}; build it with Accelerator(**balance.accelerator_kwargs())."
             )
+        wanted = _MIXED[self.plan.config.dtype]
+        if str(accelerator.mixed_precision) != wanted:
+            raise UsageError(
+                f"Accelerator(mixed_precision={str(accelerator.mixed_precision)!r}) but the configuration's dtype is "
+                f"{self.plan.config.dtype} ({wanted!r}); build it with Accelerator(**balance.accelerator_kwargs())."
+            )
+        dynamo = getattr(getattr(accelerator.state, "dynamo_plugin", None), "backend", None)
+        if dynamo is not None and str(getattr(dynamo, "value", dynamo)).lower() != "no":
+            raise UsageError(
+                f"Accelerator(dynamo_backend={str(getattr(dynamo, 'value', dynamo)).lower()!r}) would compile the "
+                "prepared model on top of the configuration's compile; leave dynamo_backend out (the "
+                "configuration compiles each rank's model with its budget, or not)."
+            )
         self.accelerator = accelerator
         self.loop.prepare_model(model, blocks=blocks)
         model, optimizer = accelerator.prepare(model, optimizer)
