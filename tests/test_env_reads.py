@@ -61,6 +61,9 @@ READS: dict[str, str] = {
                                    "compiled configuration; every backend runs the same graph and partitioner",
     "AUTOBALANCE_NODES_WAIT_S": NO_MATH, "AUTOBALANCE_HEARTBEAT_S": NO_MATH,
     "TORCHINDUCTOR_CACHE_DIR": NO_MATH, "CUDA_VISIBLE_DEVICES": NO_MATH, "COLUMNS": NO_MATH,
+    "ACCELERATE_DYNAMO_BACKEND": "removed, never read (.pop): the HF integration withdraws transformers' own "
+                                 "compile request (accelerate < 1.2 reads it) so the configuration alone compiles",
+    "ACCELERATE_DYNAMO_MODE": "idem",
 }
 """Every variable the package reads -> why it cannot change a production job's training math."""
 
