@@ -79,6 +79,14 @@ def test_the_cache_is_switched_off_when_any_rank_checkpoints_and_the_step_is_unc
     assert torch.equal(grads, _step(reference))
 
 
+def test_a_caching_model_inside_another_module_is_switched_off_too() -> None:
+    """A Hugging Face model inside a LightningModule (or any wrapper): the wrapper has no config."""
+    outer = nn.Module()
+    outer.inner = _CachingModel()
+    assert without_generation_cache(outer, [[0], []]) is True
+    assert outer.inner.config.use_cache is False
+
+
 @pytest.mark.parametrize(("checkpoint", "config"), [
     ([[], []], SimpleNamespace(use_cache=True)),  # nothing recomputed: the model is left as it is
     ([[1], []], SimpleNamespace(use_cache=False)),

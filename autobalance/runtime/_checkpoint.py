@@ -180,8 +180,9 @@ def _context_fn(block: nn.Module) -> Any:
 
 
 def without_generation_cache(model: nn.Module, checkpoint: list[list[int]]) -> bool:
-    """Switch off a model's generation cache (``model.config.use_cache``) when any rank checkpoints a
-    block; returns whether it did.
+    """Switch off the generation cache (``config.use_cache`` of the model or of any module inside it,
+    such as a Hugging Face model inside a ``LightningModule``) when any rank checkpoints a block;
+    returns whether it did.
 
     A checkpointed block is run twice, and a block that appends this step's keys and values to a
     cache passed in (a Hugging Face model whose config says ``use_cache``; transformers 4.x builds
@@ -190,11 +191,15 @@ def without_generation_cache(model: nn.Module, checkpoint: list[list[int]]) -> b
     switches the cache off itself under its own gradient checkpointing; a cache serves generation,
     never the training step, so nothing the step computes changes. Every rank does it when any
     rank checkpoints, so the ranks' models stay alike. Duck-typed: no framework is imported."""
-    config = getattr(model, "config", None)
-    if not any(checkpoint) or getattr(config, "use_cache", None) is not True:
+    if not any(checkpoint):
         return False
-    config.use_cache = False  # type: ignore[union-attr]
-    return True
+    switched = False
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", None) is True:
+            config.use_cache = False  # type: ignore[union-attr]
+            switched = True
+    return switched
 
 
 def apply_checkpointing(blocks: BlockRun | nn.ModuleList | nn.Sequential, indices: list[int]) -> None:
