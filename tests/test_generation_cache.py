@@ -100,3 +100,52 @@ def test_the_switch_leaves_other_models_alone(checkpoint: list[list[int]], confi
     before = vars(config).copy() if config is not None else None
     assert without_generation_cache(model, checkpoint) is False
     assert (vars(config) if config is not None else None) == before
+
+
+class _SelfCheckpointing(nn.Module):
+    """Blocks with the flag Hugging Face models set on ``gradient_checkpointing_enable()``."""
+
+    def __init__(self, own: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.blocks[0].gradient_checkpointing = own  # type: ignore[assignment]
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("own", [True, False])
+def test_plan_wrap_warns_when_the_model_checkpoints_its_own_blocks(own: bool) -> None:
+    """The configuration's checkpointing recomputes on top of the model's own, and what a study chooses
+    for it then changes nothing but time: plan.wrap says so, with the fix; a model without it is quiet."""
+    import warnings
+
+    import autobalance as ab
+
+    plan = ab.plan(micro_batch=2, device="cpu", checkpoint=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan.wrap(_SelfCheckpointing(own))
+    said = [str(w.message) for w in caught if "checkpoint their own blocks" in str(w.message)]
+    if own:
+        assert len(said) == 1 and "blocks.0 checkpoint their own blocks" in said[0], said
+        assert "model.gradient_checkpointing_disable()" in said[0] and "plan(checkpoint=N)" in said[0]
+    else:
+        assert said == []
+
+
+def test_a_hugging_face_models_own_checkpointing_is_seen() -> None:
+    """The flag is the one transformers really sets (the duck typing holds for the installed version)."""
+    transformers = pytest.importorskip("transformers")
+    from autobalance.runtime._checkpoint import own_checkpointing
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_positions=8, n_embd=16,
+                                                                  n_layer=2, n_head=2))
+    assert own_checkpointing(model) == []
+    model.gradient_checkpointing_enable()
+    assert own_checkpointing(model) != []
+    model.gradient_checkpointing_disable()
+    assert own_checkpointing(model) == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
@@ -12,7 +13,8 @@ from torch import nn
 
 from autobalance._errors import ConfigError
 
-__all__ = ["BLOCKS_HINT", "BlockRun", "apply_checkpointing", "find_blocks", "without_generation_cache"]
+__all__ = ["BLOCKS_HINT", "BlockRun", "apply_checkpointing", "find_blocks", "own_checkpointing", "warn_of_own_checkpointing",
+           "without_generation_cache"]
 
 BLOCKS_HINT = ("name them with plan.wrap(model, blocks=\"path.to.blocks\") (or ab.plan(blocks=...)): a ModuleList "
                "or nn.Sequential of the model's repeated blocks, e.g. 'transformer.h'")
@@ -177,6 +179,29 @@ def _context_fn(block: nn.Module) -> Any:
         return contextlib.nullcontext(), _Recompute(modes, keep)
 
     return contexts
+
+
+def own_checkpointing(model: nn.Module) -> list[str]:
+    """The modules of ``model`` that checkpoint by themselves (``gradient_checkpointing = True``, the
+    flag Hugging Face models set on ``gradient_checkpointing_enable()``), by name."""
+    # the module's own attribute: a checkpoint wrapper forwards attribute reads to the block it wraps
+    return [name or type(model).__name__ for name, module in model.named_modules()
+            if vars(module).get("gradient_checkpointing") is True]
+
+
+def warn_of_own_checkpointing(model: nn.Module) -> None:
+    """Warn when the model checkpoints its own blocks: the configuration's per-rank checkpointing then
+    recomputes on top of it, and what a study chooses for it changes nothing but time. Tune and
+    production still agree (both run the model's own), so this is a warning, not an error."""
+    names = own_checkpointing(model)
+    if not names:
+        return
+    more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+    warnings.warn(
+        f"autobalance: {names[0]}{more} checkpoint their own blocks (gradient_checkpointing=True): the configuration's "
+        "per-rank checkpointing then recomputes on top, and what it chooses does not change memory. Turn the "
+        "model's own off (model.gradient_checkpointing_disable()) and give the script's default to "
+        "autobalance.plan(checkpoint=N).", stacklevel=3)
 
 
 def without_generation_cache(model: nn.Module, checkpoint: list[list[int]]) -> bool:

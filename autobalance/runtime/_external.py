@@ -40,6 +40,7 @@ from autobalance._errors import ConfigError, UsageError
 from autobalance.runtime._checkpoint import (
     apply_checkpointing,
     find_blocks,
+    warn_of_own_checkpointing,
     without_generation_cache,
 )
 from autobalance.runtime._rank_weighting import (
@@ -121,6 +122,7 @@ class FrameworkLoop:
         parts = plan._parts
         for part in parts:
             part.on_wrap(plan, model)
+        warn_of_own_checkpointing(model)  # before the wrappers: the names the user knows
         apply_checkpointing(block_list, plan.config.checkpoint[plan.rank])
         without_generation_cache(model, plan.config.checkpoint)
         if move:

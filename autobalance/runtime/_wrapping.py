@@ -18,6 +18,7 @@ from autobalance.runtime._batch_dependent import batch_dependent_modules
 from autobalance.runtime._checkpoint import (
     apply_checkpointing,
     find_blocks,
+    warn_of_own_checkpointing,
     without_generation_cache,
 )
 from autobalance.runtime._with_loss import ModelWithLoss
@@ -44,6 +45,7 @@ def wrap_model(
     config.validate_for(world_size=plan.world_size, num_layers=len(block_list))
     for part in parts:
         part.on_wrap(plan, model)
+    warn_of_own_checkpointing(model)  # before the wrappers: the names the user knows
     apply_checkpointing(block_list, config.checkpoint[plan.rank])
     without_generation_cache(model, config.checkpoint)
     model = model.to(plan.device)
