@@ -107,10 +107,11 @@ class AccelerateBalance:
                 f"Accelerator(mixed_precision={str(accelerator.mixed_precision)!r}) but the configuration's dtype is "
                 f"{self.plan.config.dtype} ({wanted!r}); build it with Accelerator(**balance.accelerator_kwargs())."
             )
-        dynamo = getattr(getattr(accelerator.state, "dynamo_plugin", None), "backend", None)
-        if dynamo is not None and str(getattr(dynamo, "value", dynamo)).lower() != "no":
+        backend = getattr(getattr(accelerator.state, "dynamo_plugin", None), "backend", None)
+        dynamo = str(getattr(backend, "value", backend)).lower()
+        if backend is not None and dynamo != "no":
             raise UsageError(
-                f"Accelerator(dynamo_backend={str(getattr(dynamo, 'value', dynamo)).lower()!r}) would compile the "
+                f"Accelerator(dynamo_backend={dynamo!r}) would compile the "
                 "prepared model on top of the configuration's compile; leave dynamo_backend out (the "
                 "configuration compiles each rank's model with its budget, or not)."
             )

@@ -7,8 +7,8 @@ Two changed lines in a ``Trainer`` script::
 
 :class:`BalanceTrainer` builds the plan from the ``TrainingArguments`` (``per_device_train_batch_size``,
 ``gradient_accumulation_steps``, ``bf16``/``fp16``, ``ddp_bucket_cap_mb``, ``seed``, and
-``gradient_checkpointing`` as "every block" are the script's defaults; a trial's configuration or a stored best overrides them, as ``autobalance.plan`` decides; or
-pass ``plan=``) and applies it:
+``gradient_checkpointing``'s blocks are the script's defaults; a trial's configuration or a stored
+best overrides them, as ``autobalance.plan`` decides; or pass ``plan=``) and applies it:
 
 - the training loader: this rank's micro-batches over the training set (the ``data_collator`` kept),
   every rank the same number of micro-steps;

@@ -13,8 +13,15 @@ from torch import nn
 
 from autobalance._errors import ConfigError
 
-__all__ = ["BLOCKS_HINT", "BlockRun", "apply_checkpointing", "find_blocks", "own_checkpointing", "warn_of_own_checkpointing",
-           "without_generation_cache"]
+__all__ = [
+    "BLOCKS_HINT",
+    "BlockRun",
+    "apply_checkpointing",
+    "checkpoint_model",
+    "find_blocks",
+    "own_checkpointing",
+    "without_generation_cache",
+]
 
 BLOCKS_HINT = ("name them with plan.wrap(model, blocks=\"path.to.blocks\") (or ab.plan(blocks=...)): a ModuleList "
                "or nn.Sequential of the model's repeated blocks, e.g. 'transformer.h'")
@@ -189,7 +196,19 @@ def own_checkpointing(model: nn.Module) -> list[str]:
             if vars(module).get("gradient_checkpointing") is True]
 
 
-def warn_of_own_checkpointing(model: nn.Module) -> None:
+def checkpoint_model(model: nn.Module, blocks: BlockRun | nn.ModuleList | nn.Sequential,
+                     checkpoint: list[list[int]], rank: int) -> None:
+    """This rank's part of the configuration's checkpointing (``checkpoint``: every rank's blocks):
+    a warning when the model checkpoints on its own (:func:`_warn_of_own_checkpointing`, before the
+    wrappers, so it names the modules the user knows), this rank's blocks wrapped
+    (:func:`apply_checkpointing`), and the generation cache off when any rank checkpoints
+    (:func:`without_generation_cache`)."""
+    _warn_of_own_checkpointing(model)
+    apply_checkpointing(blocks, checkpoint[rank])
+    without_generation_cache(model, checkpoint)
+
+
+def _warn_of_own_checkpointing(model: nn.Module) -> None:
     """Warn when the model checkpoints its own blocks: the configuration's per-rank checkpointing then
     recomputes on top of it, and what a study chooses for it changes nothing but time. Tune and
     production still agree (both run the model's own), so this is a warning, not an error."""

@@ -37,12 +37,7 @@ import torch
 from torch import nn
 
 from autobalance._errors import ConfigError, UsageError
-from autobalance.runtime._checkpoint import (
-    apply_checkpointing,
-    find_blocks,
-    warn_of_own_checkpointing,
-    without_generation_cache,
-)
+from autobalance.runtime._checkpoint import checkpoint_model, find_blocks
 from autobalance.runtime._rank_weighting import (
     RankWeight,
     micro_step_factor,
@@ -122,9 +117,7 @@ class FrameworkLoop:
         parts = plan._parts
         for part in parts:
             part.on_wrap(plan, model)
-        warn_of_own_checkpointing(model)  # before the wrappers: the names the user knows
-        apply_checkpointing(block_list, plan.config.checkpoint[plan.rank])
-        without_generation_cache(model, plan.config.checkpoint)
+        checkpoint_model(model, block_list, plan.config.checkpoint, plan.rank)
         if move:
             model = model.to(plan.device)
         for part in parts:

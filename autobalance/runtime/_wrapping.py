@@ -15,12 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autobalance.runtime._batch_dependent import batch_dependent_modules
-from autobalance.runtime._checkpoint import (
-    apply_checkpointing,
-    find_blocks,
-    warn_of_own_checkpointing,
-    without_generation_cache,
-)
+from autobalance.runtime._checkpoint import checkpoint_model, find_blocks
 from autobalance.runtime._with_loss import ModelWithLoss
 
 if TYPE_CHECKING:
@@ -45,9 +40,7 @@ def wrap_model(
     config.validate_for(world_size=plan.world_size, num_layers=len(block_list))
     for part in parts:
         part.on_wrap(plan, model)
-    warn_of_own_checkpointing(model)  # before the wrappers: the names the user knows
-    apply_checkpointing(block_list, config.checkpoint[plan.rank])
-    without_generation_cache(model, config.checkpoint)
+    checkpoint_model(model, block_list, config.checkpoint, plan.rank)
     model = model.to(plan.device)
     for part in parts:
         part.on_model_moved(plan, model)

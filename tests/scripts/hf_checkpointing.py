@@ -7,20 +7,11 @@ from __future__ import annotations
 
 import tempfile
 
-import torch
+from hf_precision import Tokens  # tests/scripts/hf_precision.py, beside this script
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
 from autobalance.integrations.hf import BalanceTrainer
-
-
-class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
-    def __len__(self) -> int:
-        return 8
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        ids = (torch.arange(8) + i) % 64
-        return {"input_ids": ids, "labels": ids}
 
 
 def main() -> None:
