@@ -12,6 +12,7 @@ from autobalance._files import is_int, is_number
 
 __all__ = [
     "COMPILE_MODES",
+    "COMPILE_SCOPES",
     "CUDA_GRAPH_MODES",
     "DTYPES",
     "OPTIMIZER_SHARDINGS",
@@ -29,6 +30,10 @@ COMPILE_MODES = ("off", "default", "max-autotune-no-cudagraphs", "reduce-overhea
 """``torch.compile`` modes a configuration may ask for (``off``: eager). ``reduce-overhead`` (CUDA
 graphs) runs at world size 1 only: in DDP the captured regions would have to exclude the gradient
 all-reduce (``docs/compile.md``); it is asked for, never searched by default."""
+COMPILE_SCOPES = ("whole", "regional")
+"""What ``torch.compile`` compiles (``docs/compile.md``): ``whole``, the model inside DDP as one region;
+``regional``, each repeated block on its own (identical blocks share one compile) plus, when
+``plan.wrap(model, loss=...)`` owns the loss, the loss as one tail region."""
 CUDA_GRAPH_MODES = ("reduce-overhead",)
 """Compile modes that capture CUDA graphs (the runtime keeps the gradients allocated for them)."""
 OPTIMIZER_SHARDINGS = ("off", "zero1")
@@ -70,10 +75,16 @@ class BalanceConfig:
     compile: str = "off"
     """``torch.compile`` of the DDP-wrapped model: ``off`` (eager), ``default`` or
     ``max-autotune-no-cudagraphs`` (Inductor modes)."""
+    compile_scope: Literal["whole", "regional"] = "whole"
+    """With ``compile`` on, what is compiled: ``whole`` (the model inside DDP, one region) or
+    ``regional`` (each repeated block on its own with this rank's budget, identical blocks sharing one
+    compile, and the loss that ``plan.wrap(loss=...)`` owns as a tail region). Under ``regional`` a
+    block listed in ``checkpoint`` is checkpointed eagerly and not compiled."""
     activation_budget: list[float] | None = None
     """Per rank, ``torch._functorch.config.activation_memory_budget`` set before compiling: the
     fraction of activation memory the partitioner may keep (1.0: its default; lower: recompute
-    more). Only with ``compile`` on, which excludes layer checkpointing (``checkpoint`` all empty)."""
+    more). Only with ``compile`` on, which excludes layer checkpointing (``checkpoint`` all empty) unless
+    ``compile_scope`` is ``regional``."""
     optimizer_sharding: Literal["off", "zero1"] = "off"
     """``off``: every rank keeps the whole optimizer state (plain DDP); ``zero1``: each rank keeps the
     state of its share of the parameters only (``plan.optimizer(...)``; ZeRO stage 1, uneven)."""
@@ -182,7 +193,14 @@ class BalanceConfig:
     def _check_compile(self, ranks: int) -> None:
         if self.compile not in COMPILE_MODES:
             raise ConfigError(f"compile={self.compile!r} is unknown; use one of {', '.join(COMPILE_MODES)}.")
+        if self.compile_scope not in COMPILE_SCOPES:
+            raise ConfigError(f"compile_scope={self.compile_scope!r} is unknown; use one of {', '.join(COMPILE_SCOPES)}.")
         if self.compile == "off":
+            if self.compile_scope != "whole":
+                raise ConfigError(
+                    f"compile_scope={self.compile_scope!r} needs compile on; set compile='default' or "
+                    "compile_scope='whole'."
+                )
             if self.activation_budget is not None:
                 raise ConfigError(
                     f"activation_budget={self.activation_budget} needs compile on; set compile='default' "
@@ -190,12 +208,19 @@ class BalanceConfig:
                 )
             return
         for rank, blocks in enumerate(self.checkpoint):
-            if blocks:
+            if blocks and self.compile_scope == "whole":
                 raise ConfigError(
                     f"checkpoint[{rank}]={blocks} with compile={self.compile!r}: layer checkpointing and the "
                     "compile activation budget would both recompute; use checkpoint=[] on every rank (lower "
-                    "activation_budget instead) or compile='off'."
+                    "activation_budget instead), compile_scope='regional' (checkpointed blocks stay eager) or "
+                    "compile='off'."
                 )
+        if self.compile_scope == "regional" and self.compile in CUDA_GRAPH_MODES:
+            raise ConfigError(
+                f"compile_scope='regional' with compile={self.compile!r}: CUDA graphs are captured for the whole "
+                "model only (one graph tree per block would hold every block's activations apart); use "
+                "compile_scope='whole' or compile='default'."
+            )
         if self.compile in CUDA_GRAPH_MODES and ranks > 1:
             raise ConfigError(
                 f"compile={self.compile!r} with {ranks} ranks: CUDA graphs run at world size 1 only (in DDP the "
@@ -245,6 +270,8 @@ class BalanceConfig:
             raise bad("gradient_as_bucket_view", self.gradient_as_bucket_view, "true or false")
         if not isinstance(self.compile, str):
             raise bad("compile", self.compile, "a string")
+        if not isinstance(self.compile_scope, str):
+            raise bad("compile_scope", self.compile_scope, "a string")
         budget = self.activation_budget
         if budget is not None:
             if not isinstance(budget, list) or not all(is_number(b) and math.isfinite(b) for b in budget):
@@ -309,6 +336,8 @@ class BalanceConfig:
         data = asdict(self)
         if data["rank_samples"] is None:
             del data["rank_samples"]  # the equal form is stored as it was before any split existed
+        if data["compile_scope"] == "whole":  # stored as before regional compilation existed
+            del data["compile_scope"]
         if data["optimizer_sharding"] == "off":  # stored as before sharding existed
             del data["optimizer_sharding"], data["optimizer_shares"]
         return data
@@ -488,15 +517,15 @@ def describe_config(config: dict[str, Any] | BalanceConfig | None) -> str:
     mode = c.compile
     per_rank = []
     for r, line in enumerate(c.split_lines()):
-        if mode != "off":
-            if c.activation_budget:
-                line += f" budget {c.activation_budget[r]:.2g}"
-        elif c.checkpoint[r]:
+        if mode != "off" and c.activation_budget:
+            line += f" budget {c.activation_budget[r]:.2g}"
+        if c.checkpoint[r]:
             line += f" ckpt {block_ranges(c.checkpoint[r])}"
         per_rank.append(line)
     shared = [c.dtype]
     if mode != "off":
-        shared.append(f"compile={mode}" + ("" if c.activation_budget else " (default budget)"))
+        shared.append(f"compile={mode}" + (" regional" if c.compile_scope == "regional" else "")
+                      + ("" if c.activation_budget else " (default budget)"))
     shared.append(f"bucket={c.bucket_cap_mb:.0f}MB" + (" view" if c.gradient_as_bucket_view else ""))
     zero = c.sharding_shares()
     if zero is not None:

@@ -99,9 +99,35 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def point_config(spec: str, *, dtype: str) -> tuple[str, BalanceConfig]:
+    """One ``--grid-points`` entry: ``SCOPE/SPLIT/X[/DTYPE]`` with SCOPE ``eager`` (X: checkpointed
+    blocks), ``whole`` or ``regional`` (X: the activation budget); SPLIT a micro-batch (``8``: 8 x 4
+    at global batch 32) or ``aN`` (the global batch in N micro-steps that differ by at most one:
+    ``a5`` is 7,7,6,6,6)."""
+    parts = spec.split("/")
+    if len(parts) not in (3, 4) or parts[0] not in ("eager", "whole", "regional"):
+        raise SystemExit(f"--grid-points entry {spec!r} is not SCOPE/SPLIT/X[/DTYPE] (SCOPE eager, whole or regional)")
+    scope, split, x = parts[:3]
+    dt = parts[3] if len(parts) == 4 else dtype
+    rest: dict[str, Any] = {"dtype": dt}
+    if scope == "eager":
+        rest["checkpoint"] = [list(range(int(x)))]
+    else:
+        rest.update(compile="default", compile_scope=scope, activation_budget=[float(x)])
+    if split.startswith("a"):
+        cfg = BalanceConfig.any_split(rank_samples=[GLOBAL_BATCH], accumulation=int(split[1:]), **rest)
+    else:
+        mb = int(split)
+        cfg = BalanceConfig(micro_batches=[mb], accumulation=GLOBAL_BATCH // mb, global_batch=GLOBAL_BATCH, **rest)
+    what = f"ckpt{x}" if scope == "eager" else f"b{float(x):g}"
+    return f"{scope}-{'mb' if not split.startswith('a') else ''}{split}-{what}" + (f"-{dt}" if dt != dtype else ""), cfg
+
+
 def grid_configs(args: argparse.Namespace, *, dtype: str, layers: int) -> list[tuple[str, BalanceConfig]]:
-    """``(name, config)`` for every grid point: eager micro-batch x checkpointed blocks, then compiled
-    micro-batch x activation budget, at the global batch of 32."""
+    """``(name, config)`` for every grid point: ``--grid-points`` when given, else eager micro-batch x
+    checkpointed blocks, then compiled micro-batch x activation budget, at the global batch of 32."""
+    if args.grid_points:
+        return [point_config(spec, dtype=dtype) for spec in args.grid_points.split(",") if spec.strip()]
     out: list[tuple[str, BalanceConfig]] = []
     for mb in ints(args.grid_eager_micro_batches):
         for ck in ints(args.grid_checkpoints):
@@ -140,7 +166,8 @@ def grid_row(name: str, cfg: BalanceConfig, outcome: TrialOutcome, usable_gib: f
     ok = outcome.status == "ok" and peak is not None and median is not None
     return {
         "name": name, "kind": "compiled" if cfg.compile != "off" else "eager", "mode": cfg.compile,
-        "micro_batch": cfg.micro_batches[0],
+        "scope": cfg.compile_scope if cfg.compile != "off" else None, "dtype": cfg.dtype,
+        "micro_steps": cfg.micro_step_sizes(0), "micro_batch": cfg.micro_batches[0],
         "accumulation": cfg.accumulation, "checkpointed": len(cfg.checkpoint[0]) if cfg.checkpoint else 0,
         "budget": (cfg.activation_budget or [None])[0], "config": cfg.to_dict(),
         "status": outcome.status, "reason": "" if outcome.status == "ok" else outcome.reason[:300],
@@ -153,6 +180,8 @@ def grid_row(name: str, cfg: BalanceConfig, outcome: TrialOutcome, usable_gib: f
         "measured_steps": len(times), "compile_s": timing.get("compile_s"),
         "fx_graph_hits": (comp.get("cache") or {}).get("fx_graph_hits"),
         "fx_graph_misses": (comp.get("cache") or {}).get("fx_graph_misses"),
+        "aot_autograd_hits": (comp.get("cache") or {}).get("aot_autograd_hits"),
+        "graphs": comp.get("graphs"), "regions": comp.get("regions"),
         "wall_s": round(outcome.wall_s, 2), "pool_start_s": round(outcome.pool_start_s, 2),
         "recycled": outcome.recycled, "feasible": bool(ok and peak <= usable_gib),  # type: ignore[operator]
     }
@@ -431,6 +460,9 @@ def main() -> None:
                    help="compiled configurations' micro-batches (default 8,16,32; --small 8,16)")
     p.add_argument("--grid-budgets", default=None,
                    help="compiled configurations' activation budgets (default 0.1,0.2,...,1.0; --small 0.3,0.6,1.0)")
+    p.add_argument("--grid-points", default=None,
+                   help="explicit grid points, comma-separated SCOPE/SPLIT/X[/DTYPE] (see point_config); replaces the "
+                        "cross products of the other --grid-* flags")
     p.add_argument("--grid-compile-modes", default="default",
                    help="compiled configurations' modes (default; reduce-overhead: CUDA graphs, world size 1, GPU)")
     p.add_argument("--compile-mode", default=None,

@@ -20,6 +20,21 @@ static graph for the first size and a dynamic one at the second size's recompile
 what one serves (``benchmarks/compile_probe.py``; ``docs/compile.md`` has the measurement). A rank
 with one size compiles a static graph, as before.
 
+**Regional scope** (``compile_scope='regional'``, ``docs/compile.md``): instead of the whole model,
+each repeated block that ``plan.wrap`` found (the blocks checkpointing uses) is compiled on its own,
+as torchtitan's ``apply_compile`` and PyTorch's regional-compilation recipe do, and, when
+``plan.wrap(model, loss=...)`` owns the loss, the loss as one tail region. Every block's compiled
+function has the same code, and Dynamo treats the block's parameters as inputs (inlined built-in
+modules), so identical blocks share one graph: the trial compiles one block and the tail, not the
+model (on one H200 a third of the whole model's compile time: ``benchmarks/2026-12-04-h200``). The
+rest (embeddings, final layers, head) runs eagerly; with the loss outside the model, or a framework
+that calls the loss itself, the blocks alone are compiled (the report's ``compile.tail`` says so). A
+block this rank checkpoints stays eager (checkpointed, not compiled: exact, and no second
+recomputation on top of the budget's). DDP's bucket-boundary graph splitting (DDPOptimizer) is off
+inside a block: its gradients are ready when the block's compiled backward ends, which is the
+overlap a block gives anyway, and a split would compile each block in pieces. The activation budget
+is the process's, so it applies to every region.
+
 The persistent caches are Inductor's: ``TORCHINDUCTOR_CACHE_DIR`` (the tuner sets one per study)
 with the FX graph and AOTAutograd caches; hits and misses are read from Dynamo's counters.
 """
@@ -27,6 +42,8 @@ with the FX graph and AOTAutograd caches; hits and misses are read from Dynamo's
 from __future__ import annotations
 
 import os
+import warnings
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,6 +51,7 @@ from torch import nn
 
 from autobalance._config import CUDA_GRAPH_MODES
 from autobalance.runtime._parts import Part
+from autobalance.runtime._with_loss import ModelWithLoss
 
 if TYPE_CHECKING:
     from autobalance.runtime._plan import Plan
@@ -66,9 +84,13 @@ class CompileState(Part):
     """How this rank compiles, and what compiling cost (a part of a compiled configuration's plan)."""
 
     def __init__(self, *, mode: str, budget: float | None, sizes: list[int] | None = None,
-                 backend: str | None = None) -> None:
+                 backend: str | None = None, scope: str = "whole") -> None:
         """``backend``: ``AUTOBALANCE_COMPILE_BACKEND`` (``TrialEnv.compile_backend``; None or empty: inductor)."""
         self.mode = mode
+        self.scope = scope
+        """``whole`` or ``regional`` (the configuration's ``compile_scope``)."""
+        self.regions: dict[str, Any] = {}
+        """Regional scope: what was compiled (``blocks``, ``checkpointed_eager``, ``tail``, ``note``)."""
         self.budget_requested = budget
         self.sizes = frozenset(sizes or ())
         """This rank's micro-step sizes."""
@@ -80,9 +102,8 @@ class CompileState(Part):
         self._before: dict[str, int] = {}
         self._after_first_step: dict[str, int] | None = None
 
-    def apply(self, module: nn.Module) -> None:
-        """Set this rank's budget and compile ``module`` (the model inside DDP) in place; Dynamo
-        compiles on its first call."""
+    def _set_budget(self) -> dict[str, Any]:
+        """Set this rank's budget; the ``torch.compile`` keyword arguments."""
         import torch._functorch.config as functorch_config
 
         if self.budget_requested is not None:
@@ -92,6 +113,65 @@ class CompileState(Part):
         if self.backend == DEFAULT_BACKEND and self.mode != "default":
             kwargs["mode"] = self.mode
         self._before = _counters()
+        return kwargs
+
+    def apply(self, module: nn.Module) -> None:
+        """Set this rank's budget and compile ``module`` (the model inside DDP) in place; Dynamo
+        compiles on its first call."""
+        self.compile_module(module, self._set_budget())
+
+    def apply_regional(self, blocks: Sequence[nn.Module], tail: nn.Module | None) -> None:
+        """Set this rank's budget and compile each block of ``blocks`` that is not checkpointed, and
+        ``tail`` (a :class:`ModelWithLoss`: its loss function) when given, each in place. No block:
+        one warning line, and the model runs eagerly."""
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+        kwargs = self._set_budget()
+        compiled = checkpointed = 0
+        for block in blocks:
+            if isinstance(block, CheckpointWrapper):
+                checkpointed += 1
+                continue
+            self.compile_module(block, kwargs, ddp_split=False)
+            compiled += 1
+        tail_text = "none: the loss is computed outside the model (pass it as plan.wrap(model, loss=fn) to compile it)"
+        if tail is not None and callable(getattr(tail, "loss_fn", None)):
+            tail.loss_fn = self.compiled_function(tail.loss_fn, kwargs, ddp_split=False)
+            tail_text = "the loss (plan.wrap(loss=...))"
+        self.regions = {"blocks": compiled, "checkpointed_eager": checkpointed, "tail": tail_text}
+        if not blocks:
+            self.regions["note"] = "no repeated blocks found: ran eagerly"
+            warnings.warn(
+                "autobalance: compile_scope='regional' but the model has no repeated blocks to compile; it runs "
+                "eagerly. Name them with plan.wrap(model, blocks='path.to.blocks') (or the integration's blocks=), "
+                "or use compile_scope='whole'.", stacklevel=2)
+
+    def compiled_function(self, fn: Any, kwargs: dict[str, Any], *, ddp_split: bool = True) -> Any:
+        """``fn`` compiled with ``kwargs``; a rank with micro-steps of several sizes marks the batch
+        dimension dynamic before each call; ``ddp_split=False``: DDPOptimizer's bucket split off."""
+        compiled = torch.compile(fn, **kwargs)
+        if self.dynamic_batch:
+            sizes = self.sizes
+            mark = getattr(torch._dynamo, "maybe_mark_dynamic", None) or torch._dynamo.mark_dynamic
+            inner = compiled
+
+            def compiled(*args: Any, **kw: Any) -> Any:  # eager: marks before Dynamo sees the call
+                for value in (*args, *kw.values()):
+                    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.size(0) in sizes:
+                        mark(value, 0)
+                return inner(*args, **kw)
+        if ddp_split:
+            return compiled
+        patch = torch._dynamo.config.patch(optimize_ddp=False)
+        whole = compiled
+
+        def unsplit(*args: Any, **kw: Any) -> Any:
+            with patch:
+                return whole(*args, **kw)
+        return unsplit
+
+    def compile_module(self, module: nn.Module, kwargs: dict[str, Any], *, ddp_split: bool = True) -> None:
+        """Compile ``module`` in place (its ``_compiled_call_impl``, as ``nn.Module.compile`` does)."""
         call_impl = module._call_impl
 
         def call(*args: Any, **kw: Any) -> Any:  # a frame outside Dynamo's skip list, as torch.compile(module) adds
@@ -99,24 +179,16 @@ class CompileState(Part):
 
         # nn.Module.compile() would compile _call_impl itself, a frame Dynamo skips: a model made only
         # of torch.nn modules (nn.Sequential of nn.Linear, ...) would then silently run eagerly
-        compiled = torch.compile(call, **kwargs)
-        if not self.dynamic_batch:
-            module._compiled_call_impl = compiled
-            return
-        sizes = self.sizes
-        mark = getattr(torch._dynamo, "maybe_mark_dynamic", None) or torch._dynamo.mark_dynamic
-
-        def marked(*args: Any, **kw: Any) -> Any:  # eager: marks before Dynamo sees the call
-            for value in (*args, *kw.values()):
-                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.size(0) in sizes:
-                    mark(value, 0)
-            return compiled(*args, **kw)
-
-        module._compiled_call_impl = marked
+        module._compiled_call_impl = self.compiled_function(call, kwargs, ddp_split=ddp_split)
 
     # ------------------------------------------------------------------ hooks called by Plan
     def on_wrapped(self, plan: Plan, wrapped: nn.Module) -> None:
-        if plan.model is not None:
+        if plan.model is None:
+            return
+        if self.scope == "regional":
+            tail = plan.model if isinstance(plan.model, ModelWithLoss) else None
+            self.apply_regional(list(plan.block_run or ()), tail)
+        else:
             self.apply(plan.model)  # in place, inside DDP (which stays as it is)
 
     def on_micro_step(self, plan: Plan) -> Any:
@@ -182,6 +254,8 @@ class CompileState(Part):
         inductor = getattr(getattr(torch, "_inductor", None), "config", None)
         return {
             "mode": self.mode,
+            "scope": self.scope,
+            **({"regions": dict(self.regions)} if self.scope == "regional" else {}),
             "backend": self.backend,
             "activation_budget": self.budget_used,
             "activation_budget_requested": self.budget_requested,

@@ -118,6 +118,7 @@ class FrameworkLoop:
         for part in parts:
             part.on_wrap(plan, model)
         checkpoint_model(model, block_list, plan.config.checkpoint, plan.rank)
+        plan.block_run = block_list
         if move:
             model = model.to(plan.device)
         for part in parts:

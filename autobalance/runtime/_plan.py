@@ -34,6 +34,7 @@ from autobalance.protocol import Status
 from autobalance.runtime._batch_dependent import BatchDependence
 from autobalance.runtime._breakdown import Breakdown
 from autobalance.runtime._busy import BusyMeter
+from autobalance.runtime._checkpoint import BlockRun
 from autobalance.runtime._choice import choose_config, default_config
 from autobalance.runtime._clock import StepClock
 from autobalance.runtime._compile import CompileState
@@ -115,6 +116,8 @@ class Plan:
         self.model: nn.Module | None = None
         self.ddp: nn.parallel.DistributedDataParallel | None = None
         self.model_info: dict[str, Any] = {}
+        self.block_run: BlockRun | None = None
+        """The repeated blocks ``plan.wrap`` found (checkpointing's and regional compilation's)."""
         self._sampler: UnevenBatchSampler | None = None
         self._epoch = 0
         self._layout: StepLayout | None = None
@@ -125,7 +128,8 @@ class Plan:
         # the optional parts: each is None when off, and only those that are on are called
         budgets = config.activation_budget
         self.compile_state = (CompileState(mode=config.compile, budget=budgets[rank] if budgets else None,
-                                           sizes=config.micro_step_sizes(rank), backend=trial.compile_backend)
+                                           sizes=config.micro_step_sizes(rank), backend=trial.compile_backend,
+                                           scope=config.compile_scope)
                               if config.compile != "off" else None)
         self.verify = VerifyRun.from_trial_dir(self.trial_dir)
         self.meter = MemoryMeter(device=device, cap_bytes=cap_bytes, measuring=self.measuring)

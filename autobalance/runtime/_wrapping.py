@@ -41,6 +41,7 @@ def wrap_model(
     for part in parts:
         part.on_wrap(plan, model)
     checkpoint_model(model, block_list, config.checkpoint, plan.rank)
+    plan.block_run = block_list
     model = model.to(plan.device)
     for part in parts:
         part.on_model_moved(plan, model)

@@ -90,7 +90,7 @@ def _recomputes(config: BalanceConfig) -> bool:
 def _fp32(config: BalanceConfig) -> BalanceConfig:
     """``config`` in fp32 as verification runs it: a compiled bf16/fp16 one runs eager."""
     if config.dtype != "fp32" and config.compile != "off":
-        return dataclasses.replace(config, dtype="fp32", compile="off", activation_budget=None)
+        return dataclasses.replace(config, dtype="fp32", compile="off", compile_scope="whole", activation_budget=None)
     return dataclasses.replace(config, dtype="fp32")
 
 

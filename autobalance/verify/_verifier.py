@@ -87,7 +87,7 @@ def without_recompute(config: BalanceConfig) -> BalanceConfig:
 def _eager_fp32(config: BalanceConfig) -> BalanceConfig:
     """``config`` in fp32; a compiled one in bf16/fp16 runs eager (part 1 checks the arrangement)."""
     if config.dtype != "fp32" and config.compile != "off":
-        return dataclasses.replace(config, dtype="fp32", compile="off", activation_budget=None)
+        return dataclasses.replace(config, dtype="fp32", compile="off", compile_scope="whole", activation_budget=None)
     return dataclasses.replace(config, dtype="fp32")
 
 
