@@ -100,6 +100,12 @@ class TrialAttr:
     PARAMETER_BYTES = "parameter_bytes"
     """The model's parameter bytes as the runtime saw them (what a verification run saves and loads)."""
     POOL_START_S = "pool_start_s"
+    WARM_RECYCLED = "warm_recycled"
+    """Why the warm pool was restarted after the trial (its worker held more than a fresh one: a
+    compiled trial's kernels); absent when the pool went on."""
+    DROPOUT_MODULES = "dropout_modules"
+    """The most dropout layers with ``p > 0`` any rank's model had (``RankReport.model``; absent: not
+    reported): verification's dropout runs are launched only for a model with dropout."""
     TIME_SPLIT = "time_split_s"
     """A launched trial's wall time by part, in seconds: ``startup`` (launch to the first step, a warm
     pool's start included), ``compile``, ``steps`` (warm-up and measured), ``remeasure`` (a second

@@ -83,6 +83,9 @@ class Recorder:
             attrs[TrialAttr.ERROR_TAIL] = outcome.traceback[-1500:]
         if outcome.failing_rank is not None:
             attrs[TrialAttr.FAILING_RANK] = outcome.failing_rank
+        dropout = [d for rep in outcome.reports.values() if isinstance(d := (rep.model or {}).get("dropout_modules"), int)]
+        if dropout:  # verification launches its dropout runs only for a model with dropout (_verify_time.py)
+            attrs[TrialAttr.DROPOUT_MODULES] = max(dropout)
         if outcome.pool_start_s > 0.05:
             attrs[TrialAttr.POOL_START_S] = round(outcome.pool_start_s, 3)
         # compile-step and steady peaks, the steps' spread, a warm trial's carry-over (tuner/_measurement.py)
