@@ -52,6 +52,9 @@ class StudyAttr:
     """The last fits the search survived by falling back: ``[{"where": ..., "error": ...}]`` (bounded)."""
     BASELINE_CLAIM = "autobalance:baseline_claim"
     """Which worker runs the baseline (concurrent workers on one study)."""
+    RUNNING_CLAIM_PREFIX = "autobalance:running:"
+    """A system attribute per configuration being launched (``<prefix><sha1 of its JSON>``, value the
+    trial id): the atomic claim that keeps two workers from launching one configuration at once."""
     ALLOW_BATCH_DEPENDENT = "autobalance:allow_batch_dependent"
     """True when the study was tuned with ``--allow-batch-dependent`` (verified in eval mode)."""
     VERIFY_PREFIX = "autobalance:verify:"

@@ -168,6 +168,14 @@ class Recorder:
         study.tell(trial, state=TrialState.FAIL)
         return True
 
+    def not_started(self, study: optuna.Study, trial: optuna.Trial, config: BalanceConfig, reason: str) -> None:
+        """A proposal the time budget cannot hold with verification after it: failed, not counted
+        (status ``surplus``: nothing launched), the loop stops asking."""
+        trial.set_user_attr(TrialAttr.STATUS, Status.SURPLUS)
+        trial.set_user_attr(TrialAttr.REASON, reason)
+        trial.set_user_attr(TrialAttr.CONFIG, config.to_dict())
+        study.tell(trial, state=TrialState.FAIL)
+
     def interrupted(self, study: optuna.Study, trial: optuna.Trial, config: BalanceConfig, exc: BaseException) -> None:
         """Ctrl-C (or another slot's failure) killed the trial: failed, run again on the next start."""
         partial: TrialOutcome | None = getattr(exc, "outcome", None)

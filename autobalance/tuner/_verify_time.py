@@ -66,7 +66,7 @@ from autobalance.verify import run_key
 
 __all__ = ["COMPARE_S_PER_GB", "FIRST_STEP_FACTOR", "FLOOR_RUNS", "FROM_CACHE_SHARE", "IO_S_PER_GB", "RESERVE_MARGIN",
            "RunPrices", "VerifyForecast", "forecast_verification", "has_dropout", "next_trial_s", "restarts",
-           "run_prices", "verification_runs", "worker_start_s"]
+           "run_prices", "trial_s", "verification_runs", "worker_start_s"]
 
 FLOOR_RUNS = 1
 """Shared fp32 runs of the script's own configuration besides ``baseline`` and ``baseline-fp32``:
@@ -332,3 +332,15 @@ def forecast_verification(trials: Sequence[FrozenTrial], *, baseline: BalanceCon
     compare_s = _comparisons(tuned, runs) * COMPARE_S_PER_GB * gb
     return VerifyForecast(seconds=sum(per_run.values()) + compare_s, runs=[name for name, _, _ in runs],
                           trial=best.number, per_run=per_run, compare_s=compare_s)
+
+
+def trial_s(trials: Sequence[FrozenTrial], config: BalanceConfig, *, device: str) -> float:
+    """The expected wall time of launching ``config`` next: the median launched trial without its
+    compiling (:func:`next_trial_s`) plus, compiled, its compile: from the study's cache when the
+    study compiled its graphs (:func:`_from_cache_s`), else the study's median cold compile."""
+    seconds = next_trial_s(trials)
+    if config.compile == "off":
+        return seconds
+    _, cold = compile_times(trials, device=device)
+    graphs = compiled_graphs([t for t in trials if t.user_attrs.get(TrialAttr.STATUS) in MEASURED_STATUSES])
+    return seconds + (_from_cache_s(trials, config, cold=cold) if graph_keys(config.to_dict()) <= graphs else cold)
