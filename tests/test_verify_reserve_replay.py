@@ -19,6 +19,7 @@ trial 10's ``tuned`` run failed and took the pool with it.
 
 from __future__ import annotations
 
+import re
 import shutil
 import statistics
 from pathlib import Path
@@ -150,3 +151,36 @@ def test_the_gpt_example_reports_its_dropout_layers_as_the_replay_assumes():
 
     assert facts(0.0)["dropout_modules"] == 0
     assert facts(0.1)["dropout_modules"] == 2 * 1 + 1  # each block's MLP dropout and the embedding's
+
+
+def test_a_trial_starts_only_when_the_reserve_still_holds_after_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """On ``h200c``'s recorded trials (no dropout facts: the dropout runs reserved): with the reserve
+    plus 20 s left an eager proposal (8 s) starts; a proposal that compiles new graphs (the study's
+    median cold compile, 41 s, then its verification should it become the best) does not; with
+    enough time left it does."""
+    import types
+
+    import autobalance.tuner._loop as loop_module
+    from autobalance.tuner._loop import TrialLoop
+    from autobalance.tuner._time_spent import TimeBudget
+
+    study = _study(H200C, tmp_path)
+    now = 1000.0
+    monkeypatch.setattr(loop_module, "time", types.SimpleNamespace(monotonic=lambda: now))
+    budget = TimeBudget(budget_s=300.0, started=now - 300.0)
+    loop = TrialLoop(settings=types.SimpleNamespace(verify=True, nnodes=1, device="cuda"),  # type: ignore[arg-type]
+                     storage=None, launcher=types.SimpleNamespace(stop=None), recorder=None,  # type: ignore[arg-type]
+                     reporter=None, advisor=None, budget=budget)  # type: ignore[arg-type]
+    loop._reserve(study)
+    left = round(budget.reserve_s) + 20
+    budget.started += left
+    eager = BalanceConfig.from_dict(study.trials[5].user_attrs[TrialAttr.CONFIG])  # 5,5,5,5,4,4,4 bf16
+    assert loop.over_budget(study, eager) is None
+    new = BalanceConfig.any_split(rank_samples=[32], accumulation=2, dtype="bf16", checkpoint=[[]],
+                                  compile="default", activation_budget=[1.0])
+    reason = loop.over_budget(study, new)
+    assert reason is not None and reason.startswith(f"the time budget no longer holds it: {left} s left"), reason
+    took, after = (float(x) for x in re.findall(r"about (\d+) s and verification after it (\d+) s", reason)[0])
+    assert 41 + 7 <= took <= 41 + 9 and after >= budget.reserve_s
+    budget.started += took + after - left + 1  # just enough left: it starts
+    assert loop.over_budget(study, new) is None
