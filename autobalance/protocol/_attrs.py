@@ -52,6 +52,9 @@ class StudyAttr:
     """The last fits the search survived by falling back: ``[{"where": ..., "error": ...}]`` (bounded)."""
     BASELINE_CLAIM = "autobalance:baseline_claim"
     """Which worker runs the baseline (concurrent workers on one study)."""
+    RUNNING_CLAIM_PREFIX = "autobalance:running:"
+    """A system attribute per configuration being launched (``<prefix><sha1 of its JSON>``, value the
+    trial id): the atomic claim that keeps two workers from launching one configuration at once."""
     ALLOW_BATCH_DEPENDENT = "autobalance:allow_batch_dependent"
     """True when the study was tuned with ``--allow-batch-dependent`` (verified in eval mode)."""
     VERIFY_PREFIX = "autobalance:verify:"
@@ -100,6 +103,12 @@ class TrialAttr:
     PARAMETER_BYTES = "parameter_bytes"
     """The model's parameter bytes as the runtime saw them (what a verification run saves and loads)."""
     POOL_START_S = "pool_start_s"
+    WARM_RECYCLED = "warm_recycled"
+    """Why the warm pool was restarted after the trial (its worker held more than a fresh one: a
+    compiled trial's kernels); absent when the pool went on."""
+    DROPOUT_MODULES = "dropout_modules"
+    """The most dropout layers with ``p > 0`` any rank's model had (``RankReport.model``; absent: not
+    reported): verification's dropout runs are launched only for a model with dropout."""
     TIME_SPLIT = "time_split_s"
     """A launched trial's wall time by part, in seconds: ``startup`` (launch to the first step, a warm
     pool's start included), ``compile``, ``steps`` (warm-up and measured), ``remeasure`` (a second

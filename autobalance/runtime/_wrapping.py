@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autobalance.runtime._batch_dependent import batch_dependent_modules
+from autobalance.runtime._batch_dependent import batch_dependent_modules, dropout_modules
 from autobalance.runtime._checkpoint import checkpoint_model, find_blocks
 from autobalance.runtime._with_loss import ModelWithLoss
 
@@ -80,5 +80,6 @@ def model_facts(
         "find_unused_parameters": find_unused_parameters,
         "compile": compile,
         "batch_dependent": batch_dependent_modules(model),
+        "dropout_modules": sum(1 for m in dropout_modules(model) if isinstance(m.p, float) and m.p > 0),
         "loss_in_model": loss_in_model,
     }

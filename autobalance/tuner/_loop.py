@@ -16,13 +16,13 @@ import time
 from collections.abc import Iterator
 
 import optuna
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from autobalance._config import BalanceConfig
 from autobalance._errors import LaunchError, TrialScriptError
 from autobalance.launcher import TrialOutcome, interrupts_deferred
-from autobalance.protocol import Status, StudyAttr, TrialAttr, best_trial
-from autobalance.store import heartbeat_interval_s, trial_id
+from autobalance.protocol import MEASURED_STATUSES, Status, StudyAttr, TrialAttr, best_trial
+from autobalance.store import heartbeat_interval_s, study_id, trial_id
 from autobalance.tuner._launching import Stopped, TrialLauncher, best_step_s
 from autobalance.tuner._parallel import Slot
 from autobalance.tuner._recording import Recorder
@@ -31,8 +31,13 @@ from autobalance.tuner._roles import Advisor, Reporter
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._study import counted_trials
 from autobalance.tuner._time_spent import TimeBudget, describe_budget
-from autobalance.tuner._verify_time import forecast_verification, next_trial_s
-from autobalance.tuner._workers import fail_stale_trials
+from autobalance.tuner._verify_time import (
+    VerifyForecast,
+    forecast_verification,
+    next_trial_s,
+    trial_s,
+)
+from autobalance.tuner._workers import RunningClaim, fail_stale_trials
 from autobalance.tuner.search import SearchSpace, TrialFigures
 
 __all__ = ["MAX_CRASHES_IN_A_ROW", "TrialLoop"]
@@ -74,6 +79,7 @@ class TrialLoop:
             if self.recorder.surplus(study, trial):  # another worker took the study's last trial
                 return
             self.running_here.add(trial_id(trial))
+        claim: RunningClaim | None = None
         try:
             config = space.suggest(trial)
             with self.measuring(config):  # another slot measuring the same configuration: wait for it
@@ -91,6 +97,19 @@ class TrialLoop:
                         self.launcher.count_trials(study)
                         self.reporter.finish(frozen, best_trial(study), predicted=True)
                         return
+                    late = self.over_budget(study, config)  # the reserve must still hold after this trial
+                    if late is not None:
+                        self.recorder.not_started(study, trial, config, late)
+                        self._budget_spent(study)
+                        return
+                # Another worker on the study launching it: wait for its trial, then reuse its result.
+                claim, done = self.claim(study, trial, config)
+                if done is not None:
+                    with self.lock:
+                        frozen = self.recorder.reuse(study, trial, done)
+                        self.launcher.count_trials(study)
+                        self.reporter.finish(frozen, best_trial(study), reused=True)
+                    return
                 # 3. Launch it: a torchrun job (warm pool, cold, or across nodes) that each rank reports on.
                 self.reporter.start(trial.number, config)
                 try:
@@ -119,8 +138,36 @@ class TrialLoop:
                 self.recorder.unfinished(study, trial, exc)  # never leave it RUNNING
             raise
         finally:
+            if claim is not None:
+                claim.release()
             with self.lock:
                 self.running_here.discard(trial_id(trial))
+
+    def claim(self, study: optuna.Study, trial: optuna.Trial,
+              config: BalanceConfig) -> tuple[RunningClaim, FrozenTrial | None]:
+        """Claim ``config`` for ``trial`` across the workers on the study (``_workers.RunningClaim``):
+        while another worker's trial holds it, wait (this trial's heartbeat kept, a dead worker's trial
+        failed as stale and its claim taken over). Then the trial that measured it meanwhile, to reuse,
+        or None: this trial launches it (under the claim, released once it is recorded)."""
+        claim = RunningClaim(self.storage, study_id(study, self.storage), config_json=config.to_json(),
+                             trial_id=trial_id(trial))
+        noted = False
+        while (holder := claim.try_acquire()) is not None:
+            if self.stop.is_set():
+                raise Stopped
+            if not noted:
+                self.reporter.note(f"trial {trial.number}: another worker's trial "
+                                   f"{self.storage.get_trial(holder).number} runs the same configuration; "
+                                   "waiting for its result.")
+                noted = True
+            self.launcher.beat_now(trial)
+            fail_stale_trials(study, self.storage)
+            time.sleep(min(3.0, heartbeat_interval_s() / 2))
+        key = config.to_json()
+        done = next((t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                     if t.user_attrs.get(TrialAttr.STATUS) in MEASURED_STATUSES
+                     and BalanceConfig.from_dict(t.user_attrs.get(TrialAttr.CONFIG) or {}).to_json() == key), None)
+        return claim, done
 
     def remeasure_reason(self, study: optuna.Study, outcome: TrialOutcome, figures: TrialFigures) -> str | None:
         """Why a measured trial runs once more (its steps spread, or it would become the best; see
@@ -214,23 +261,48 @@ class TrialLoop:
     def _reserve(self, study: optuna.Study) -> None:
         """Update what the time budget keeps free: the next trial and the best trial's verification
         as predicted from this study's trials (``_verify_time.py``); nothing without a budget."""
-        s = self.settings
         if self.budget.budget_s is None:
             return
         trials = study.get_trials(deepcopy=False)
         self.budget.next_trial_s = next_trial_s(trials)
-        if not s.verify or s.nnodes > 1:  # nothing is verified after the study
+        forecast = self._forecast(study, trials, best_trial(study))
+        if forecast is None:  # nothing is verified after the study
             return
-        space = study.user_attrs.get(StudyAttr.SPACE) or {}
-        base_no = study.user_attrs.get(StudyAttr.BASELINE)
-        own = next((t.user_attrs.get(TrialAttr.CONFIG) for t in trials if t.number == base_no), None)
-        forecast = forecast_verification(trials, baseline=BalanceConfig.from_dict(own) if own else None,
-                                         best=best_trial(study), num_layers=int(space.get("num_layers") or 0),
-                                         device=s.device)
-        self.budget.reserve_s, self.budget.reserve_runs = forecast.seconds, len(forecast.runs)
+        self.budget.reserve_s, self.budget.reserve_runs = forecast.reserve_s, len(forecast.runs)
         if self.advisor is not None and self.budget.deadline is not None:  # no compile the budget cannot hold
             self.advisor.time_left_s = (self.budget.deadline - time.monotonic() - self.budget.reserve_s
                                         - self.budget.next_trial_s)
+
+    def _forecast(self, study: optuna.Study, trials: list[FrozenTrial], best: FrozenTrial | None) -> VerifyForecast | None:
+        """Verification's forecast for ``best`` (``_verify_time.py``); None when nothing is verified."""
+        s = self.settings
+        if not s.verify or s.nnodes > 1:
+            return None
+        space = study.user_attrs.get(StudyAttr.SPACE) or {}
+        base_no = study.user_attrs.get(StudyAttr.BASELINE)
+        own = next((t.user_attrs.get(TrialAttr.CONFIG) for t in trials if t.number == base_no), None)
+        return forecast_verification(trials, baseline=BalanceConfig.from_dict(own) if own else None, best=best,
+                                     num_layers=int(space.get("num_layers") or 0), device=s.device)
+
+    def over_budget(self, study: optuna.Study, config: BalanceConfig) -> str | None:
+        """Why ``config`` is not launched under the time budget (None: it is): its expected time (a
+        compile included) plus verification's reserve after it - of the best so far, or of ``config``
+        should it become the best - no longer fits in the time left."""
+        if self.budget.deadline is None:
+            return None
+        trials = study.get_trials(deepcopy=False)
+        took = trial_s(trials, config, device=self.settings.device)
+        candidate = FrozenTrial(number=len(trials), state=TrialState.COMPLETE, value=None, values=None,
+                                datetime_start=None, datetime_complete=None, params={}, distributions={},
+                                user_attrs={TrialAttr.CONFIG: config.to_dict()}, system_attrs={},
+                                intermediate_values={}, trial_id=-1)
+        forecast = self._forecast(study, trials, candidate)
+        reserve = max(self.budget.reserve_s, forecast.reserve_s if forecast is not None else 0.0)
+        now = time.monotonic()
+        if self.budget.holds(now, took, reserve):
+            return None
+        return (f"the time budget no longer holds it: {max(0.0, self.budget.deadline - now):.0f} s left, it would take "
+                f"about {took:.0f} s and verification after it {reserve:.0f} s; nothing was launched")
 
     def _budget_spent(self, study: optuna.Study) -> None:
         """The first slot to see the budget spent says so; every slot then stops asking."""

@@ -18,7 +18,7 @@ import statistics
 from typing import Any
 
 from autobalance.launcher import TrialOutcome
-from autobalance.protocol import RankMemory, memory_text
+from autobalance.protocol import RankMemory, TrialAttr, memory_text
 
 __all__ = ["measurement_attrs", "measurement_summary"]
 
@@ -59,7 +59,7 @@ def measurement_attrs(outcome: TrialOutcome, *, world_size: int) -> dict[str, An
         attrs["warm_fresh_outside_gib"] = [_gib((w or {}).get("fresh_outside")) for w in warm]
         attrs["warm_inherited_outside_gib"] = [_gib((w or {}).get("inherited_outside")) for w in warm]
         if outcome.recycled:
-            attrs["warm_recycled"] = outcome.recycled
+            attrs[TrialAttr.WARM_RECYCLED] = outcome.recycled
     return attrs
 
 
@@ -70,7 +70,7 @@ def measurement_summary(attrs: list[dict[str, Any]]) -> list[str]:
     if warm:
         fresh = [g for a in warm for g in (a.get("warm_fresh_outside_gib") or []) if g is not None]
         inherited = [g for a in warm for g in (a.get("warm_inherited_outside_gib") or []) if g is not None]
-        recycled = [a["warm_recycled"] for a in warm if a.get("warm_recycled")]
+        recycled = [a[TrialAttr.WARM_RECYCLED] for a in warm if a.get(TrialAttr.WARM_RECYCLED)]
         text = (f"Warm trials ({len(warm)}): each trial's memory was measured in its own worker, nothing discounted; "
                 "the allocator was emptied between trials")
         if fresh:

@@ -83,6 +83,9 @@ class Recorder:
             attrs[TrialAttr.ERROR_TAIL] = outcome.traceback[-1500:]
         if outcome.failing_rank is not None:
             attrs[TrialAttr.FAILING_RANK] = outcome.failing_rank
+        dropout = [d for rep in outcome.reports.values() if isinstance(d := (rep.model or {}).get("dropout_modules"), int)]
+        if dropout:  # verification launches its dropout runs only for a model with dropout (_verify_time.py)
+            attrs[TrialAttr.DROPOUT_MODULES] = max(dropout)
         if outcome.pool_start_s > 0.05:
             attrs[TrialAttr.POOL_START_S] = round(outcome.pool_start_s, 3)
         # compile-step and steady peaks, the steps' spread, a warm trial's carry-over (tuner/_measurement.py)
@@ -164,6 +167,14 @@ class Recorder:
                                               "worker took the last one); nothing was launched")
         study.tell(trial, state=TrialState.FAIL)
         return True
+
+    def not_started(self, study: optuna.Study, trial: optuna.Trial, config: BalanceConfig, reason: str) -> None:
+        """A proposal the time budget cannot hold with verification after it: failed, not counted
+        (status ``surplus``: nothing launched), the loop stops asking."""
+        trial.set_user_attr(TrialAttr.STATUS, Status.SURPLUS)
+        trial.set_user_attr(TrialAttr.REASON, reason)
+        trial.set_user_attr(TrialAttr.CONFIG, config.to_dict())
+        study.tell(trial, state=TrialState.FAIL)
 
     def interrupted(self, study: optuna.Study, trial: optuna.Trial, config: BalanceConfig, exc: BaseException) -> None:
         """Ctrl-C (or another slot's failure) killed the trial: failed, run again on the next start."""

@@ -97,7 +97,8 @@ class TimeBudget:
     stopped: bool = False
     """Whether the budget, not ``--trials``, ended the trial loop."""
     reserve_s: float = 0.0
-    """Verification's predicted time (kept free at the end of the budget)."""
+    """What is kept free at the end of the budget for verification: its forecast times the margin
+    (``_verify_time.RESERVE_MARGIN``)."""
     reserve_runs: int = 0
     """Verification's predicted one-step runs."""
     next_trial_s: float = 0.0
@@ -111,8 +112,13 @@ class TimeBudget:
 
     def spent(self, now: float) -> bool:
         """Whether no further trial may start: the time left does not hold the next trial and
-        verification."""
-        return self.deadline is not None and now + self.next_trial_s + self.reserve_s >= self.deadline
+        verification, or a proposal found it so (:attr:`stopped`)."""
+        return self.deadline is not None and (self.stopped or not self.holds(now, self.next_trial_s, self.reserve_s))
+
+    def holds(self, now: float, trial_s: float, reserve_s: float) -> bool:
+        """Whether a trial of ``trial_s`` started ``now`` still leaves ``reserve_s`` (verification's
+        reserve after it) before the deadline."""
+        return self.deadline is None or now + trial_s + reserve_s < self.deadline
 
     def record(self) -> dict[str, Any]:
         """What the run's time accounting keeps about the reservation."""

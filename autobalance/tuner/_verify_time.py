@@ -1,35 +1,46 @@
 """What ``--time-budget`` reserves: the predicted time of the verification that follows the study,
-and of the next trial, from what the study itself measured.
+and of the next trial, priced from what the study itself measured.
 
 After the study ``tune`` verifies its best trial (``autobalance.verify``): one-step runs of the
 script, some shared by every candidate (``baseline``; ``baseline-fp32`` when the script's own dtype is
 not fp32; the rounding ``floor``, :data:`FLOOR_RUNS`; ``baseline-<dtype>`` for a bf16/fp16 candidate),
 the others per candidate (``tuned-fp32``, eager for a compiled bf16/fp16 candidate; ``tuned`` for a
-bf16/fp16 one; with recomputation the two dropout runs, which verification skips for a model without
-dropout: then the forecast is two runs long). A run that takes the same step as an earlier one (the
-same configuration, dropout and sample order: a candidate whose fp32 arrangement is the script's own)
-is reused, not forecast. Each run is predicted as
+bf16/fp16 one; with recomputation the two dropout runs, launched only for a model with dropout: the
+trials report its dropout layers, :data:`TrialAttr.DROPOUT_MODULES`; a study whose trials did not
+report them reserves the two runs). A run that takes the same step as an earlier one (the same
+configuration, dropout and sample order: a candidate whose fp32 arrangement is the script's own) is
+reused, not forecast. Each run is priced from the study's own launched trials (:func:`run_prices`):
 
-- its start-up and hand-over: the mean of the study's launched trials' (``startup`` + ``other`` of
-  their time split, less the warm pool's start a trial paid);
-- the fresh workers it starts (:func:`restarts`: after a compiled trial or run the worker is
-  recycled), each the study's median pool start (``pool_start_s``; on one H200 18.7 s, and the first
-  run after the GPT study's compiled trials took 23.9 s: ``benchmarks/2026-12-03-h200b/tune_gpt-1gpu.log``);
-- its one step, twice (a run has no warm-up step: its first step pays the allocator's growth and
-  the kernels' first launches): the step time measured for that configuration, else the step-time
-  models' prediction (an fp32 run of a bf16 candidate from the study's fp32 trials or the dtype prior);
-- its tensors' input and output: loading the starting weights, saving the step's gradients,
-  parameters and buffers, and reading them back here, :data:`IO_S_PER_GB` seconds per GB of the
-  model's parameters (the trials' ``parameter_bytes``; 0 before any reported them);
-- for a compiled run, its compile: the study's median compile from the Inductor cache when the study
-  compiled the same graphs (dtype, mode, buckets, micro-step sizes, budget; ``search.CACHE_HIT_PRIOR_S``
-  before any cache hit), else its median compile with cache misses.
+- its start-up and hand-over in a running worker: the median of the warm trials' ``startup`` +
+  ``other`` (a trial that started no pool; in a study of cold trials, every run's start is a cold
+  trial's: the median over all);
+- a fresh worker where verification will start one: the first run when the study's latest launched
+  trial ended its pool (recycled after it, ``warm_recycled``, or failed), and a run after a compiled
+  run in the share of the study's compiled warm trials that recycled their worker (none recycled on
+  the 2026-12-03 H200 study ``h200c``; 2 of 4 in ``h200b``). It costs the slowest start-up of the
+  study's trials that started a pool, less a warm trial's start-up (18.4 s in ``h200b``, whose first
+  verification run after a recycled pool took 23.9 s where the next took 5.8 s). A fresh worker is
+  priced once, not also inside every run's start-up (today's per-run start-up is the warm median);
+- its one step, twice (a run has no warm-up step: :data:`FIRST_STEP_FACTOR`): the step time measured
+  for that configuration, else the step-time models' prediction;
+- its tensors' input and output, :data:`IO_S_PER_GB` per GB of parameters (``parameter_bytes``);
+- for a compiled run, its compile: from the Inductor cache when the study compiled the same graphs
+  (the candidate's own always are): the study's median cache hit, else :data:`FROM_CACHE_SHARE` of
+  what those graphs took cold in the study; cold (the study's median cache miss) otherwise.
+
+Besides the runs, each comparison of two runs' tensors (``floor``, ``equivalence``; ``noise`` and
+``dtype`` for bf16/fp16; ``rng-replay`` with the dropout runs) costs :data:`COMPARE_S_PER_GB` per GB.
 
 Only the best candidate's runs are reserved: a second candidate (the best failed verification) adds
-its own runs after the budget. The trial loop stops starting trials once the time left is below
-the next trial (the median launched trial, its compiling apart) plus this forecast
-(:meth:`TimeBudget.spent`); a proposal that compiles new graphs needs the study's median compile on
-top (the advisor's ``time_left_s``), and a sampled trial then runs eager.
+its own runs after the budget. The reserve is the forecast times :data:`RESERVE_MARGIN`. The trial
+loop starts a trial only while the time left holds the next trial (the median launched trial, its
+compiling apart) plus that reserve (:meth:`TimeBudget.spent`); a proposal that compiles new graphs
+needs the study's median compile on top (the advisor's ``time_left_s``).
+
+Replayed on the recorded H200 studies (``tests/test_verify_reserve_replay.py``): ``h200c``'s
+best at the stop (trial 10) was reserved 133.9 s (7 runs, two of them dropout runs verification did
+not launch, three fresh workers none of which started, and every run's start-up averaged with the
+first trial's pool start) where its verification took ~67 s; priced as above it is within the margin.
 """
 
 from __future__ import annotations
@@ -53,18 +64,33 @@ from autobalance.tuner.search import (
 )
 from autobalance.verify import run_key
 
-__all__ = ["FIRST_STEP_FACTOR", "FLOOR_RUNS", "IO_S_PER_GB", "VerifyForecast", "forecast_verification", "next_trial_s",
-           "restarts", "verification_runs", "worker_start_s"]
+__all__ = ["COMPARE_S_PER_GB", "FIRST_STEP_FACTOR", "FLOOR_RUNS", "FROM_CACHE_SHARE", "IO_S_PER_GB", "RESERVE_MARGIN",
+           "RunPrices", "VerifyForecast", "forecast_verification", "has_dropout", "next_trial_s", "restarts",
+           "run_prices", "trial_s", "verification_runs", "worker_start_s"]
 
 FLOOR_RUNS = 1
 """Shared fp32 runs of the script's own configuration besides ``baseline`` and ``baseline-fp32``:
 the rounding floor (the same step with each micro-batch's samples reversed)."""
 IO_S_PER_GB = 5.0
 """A verification run's tensor input and output per GB of parameters: one H200 machine, the ~270M GPT
-(1.08 GB in fp32): starting weights 0.9-1.4 s, saving the step 2.1-3.4 s, reading it 1.6-2.6 s, 4.6-6.0 s
-a run (``benchmarks/2026-12-03-h200b/tune_gpt-1gpu.log``)."""
+(1.08 GB in fp32): starting weights 0.8-1.7 s, saving the step 2.1-3.4 s, reading it 1.3-2.6 s, 4.6-6.6 s
+a run (``benchmarks/2026-12-03-h200b`` and ``-h200c``, ``tune_gpt-1gpu.log``)."""
+COMPARE_S_PER_GB = 3.0
+"""One comparison of two runs' tensors (gradients, parameters, update, buffers) per GB of parameters:
+the ~270M GPT's verifications spent 13.5 s (``h200b`` trial 5, 4 comparisons) and 12.3 s (``h200c``
+trial 4, 4) outside their runs: 3.1-3.4 s a comparison of 1.08 GB."""
 FIRST_STEP_FACTOR = 2.0
 """A verification run's one step costs this many measured steps (no warm-up step before it)."""
+FROM_CACHE_SHARE = 0.4
+"""A compile from the Inductor cache, as a share of what the same graphs took cold in the study,
+where the study measured no cache hit: ``h200c`` trial 4 compiled cold in 36.9 s; its verification's
+``tuned`` run, from the study's cache, took 21.5 s with its read: less 1.0 s start-up and hand-over,
+5.4 s of tensors and 0.45 s of steps, 14.7 s (0.40). (Whole-model compiles from a shared cache took
+29-34 s of process wall against 46-52 s cold, start-up included: field notes 2026-12-04.)"""
+RESERVE_MARGIN = 1.2
+"""The reserve is the forecast times this: runs of one kind spread by ~20 % within one verification
+(eager one-step runs 5.0-6.8 s in ``h200c``'s), and the from-cache compile is priced from one
+measured share."""
 
 
 @dataclass(kw_only=True)
@@ -72,14 +98,25 @@ class VerifyForecast:
     """The predicted time of verifying one candidate."""
 
     seconds: float
-    """Predicted wall seconds of all its runs."""
+    """Predicted wall seconds of all its runs and comparisons."""
     runs: list[str] = field(default_factory=list)
     """The runs' names, in the order verification launches them."""
     trial: int | None = None
     """The candidate's trial number."""
+    per_run: dict[str, float] = field(default_factory=dict)
+    """Each run's predicted seconds (a fresh worker it starts included)."""
+    compare_s: float = 0.0
+    """The comparisons' predicted seconds."""
+
+    @property
+    def reserve_s(self) -> float:
+        """What the time budget keeps free for it: the forecast times :data:`RESERVE_MARGIN`."""
+        return self.seconds * RESERVE_MARGIN
 
     def to_dict(self) -> dict[str, object]:
-        return {"seconds": round(self.seconds, 1), "runs": list(self.runs), "trial": self.trial}
+        return {"seconds": round(self.seconds, 1), "reserve_s": round(self.reserve_s, 1), "runs": list(self.runs),
+                "trial": self.trial, "per_run": {k: round(v, 1) for k, v in self.per_run.items()},
+                "compare_s": round(self.compare_s, 1)}
 
 
 def _recomputes(config: BalanceConfig) -> bool:
@@ -94,9 +131,11 @@ def _fp32(config: BalanceConfig) -> BalanceConfig:
     return dataclasses.replace(config, dtype="fp32")
 
 
-def verification_runs(baseline: BalanceConfig | None, tuned: BalanceConfig) -> list[tuple[str, BalanceConfig, bool]]:
+def verification_runs(baseline: BalanceConfig | None, tuned: BalanceConfig, *,
+                      dropout: bool = True) -> list[tuple[str, BalanceConfig, bool]]:
     """The runs verifying ``tuned`` against the script's own ``baseline`` (None: unknown, taken as
-    ``tuned`` in fp32): ``(name, configuration, dropout on)``; none when ``tuned`` is the baseline."""
+    ``tuned`` in fp32): ``(name, configuration, dropout on)``; none when ``tuned`` is the baseline.
+    ``dropout``: whether the model has dropout (else a recomputing candidate has no dropout runs)."""
     if baseline is not None and baseline.to_dict() == tuned.to_dict():
         return []
     own = baseline if baseline is not None else _fp32(tuned)
@@ -110,44 +149,112 @@ def verification_runs(baseline: BalanceConfig | None, tuned: BalanceConfig) -> l
         if own.dtype != tuned.dtype:
             runs.append((f"baseline-{tuned.dtype}", dataclasses.replace(own, dtype=tuned.dtype), False))
         runs.append(("tuned", tuned, False))
-    if _recomputes(tuned):
+    if dropout and _recomputes(tuned):
         plain = dataclasses.replace(tuned, checkpoint=[[] for _ in tuned.micro_batches], activation_budget=None)
         runs += [("tuned-dropout", tuned, True), ("tuned-dropout-no-recompute", plain, True)]
     # a run that takes the same step as an earlier one is reused, not launched (verify.SharedRuns)
     seen: set[str] = set()
     out: list[tuple[str, BalanceConfig, bool]] = []
-    for name, config, dropout in runs:
-        key = run_key(config, dropout="on" if dropout else "off", global_batch=config.global_batch,
+    for name, config, with_dropout in runs:
+        key = run_key(config, dropout="on" if with_dropout else "off", global_batch=config.global_batch,
                       reverse=name == "floor")
         if key not in seen:
-            out.append((name, config, dropout))
+            out.append((name, config, with_dropout))
         seen.add(key)
     return out
+
+
+def _comparisons(tuned: BalanceConfig, runs: Sequence[tuple[str, BalanceConfig, bool]]) -> int:
+    """The comparisons verification makes: floor and equivalence; noise and dtype for bf16/fp16;
+    rng-replay with the dropout runs."""
+    return 2 + 2 * (tuned.dtype != "fp32") + any(with_dropout for _, _, with_dropout in runs)
+
+
+def has_dropout(trials: Sequence[FrozenTrial]) -> bool:
+    """Whether the model has dropout as the study's trials reported it (any layer with ``p > 0``);
+    True when none reported it (a study recorded before the trials did: the dropout runs reserved)."""
+    counts = [n for t in trials if isinstance(n := t.user_attrs.get(TrialAttr.DROPOUT_MODULES), int)]
+    return not counts or max(counts) > 0
 
 
 def _pool_start(t: FrozenTrial) -> float:
     return float(t.user_attrs.get(TrialAttr.POOL_START_S) or 0.0)
 
 
+def _warm(t: FrozenTrial) -> bool:
+    """A trial in a warm pool (it started one, or ran in one)."""
+    return _pool_start(t) > 0 or bool(t.user_attrs.get("warm_pool_trial"))
+
+
+def _compiled(t: FrozenTrial) -> bool:
+    return (t.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile", "off") != "off"
+
+
+@dataclass(frozen=True)
+class RunPrices:
+    """What a verification run costs besides its step and compile, from the study's launched trials
+    (:func:`run_prices`)."""
+
+    start_s: float
+    """A run's start-up and hand-over in a running worker (a cold study: a cold trial's whole start)."""
+    fresh_s: float
+    """A fresh worker's start on top of :attr:`start_s` (0 in a cold study: each run starts anew)."""
+    first_fresh: bool
+    """Whether the first run starts a fresh worker (the study's latest launched trial ended its pool)."""
+    recycle_share: float
+    """The share of the study's compiled warm trials after which the worker was recycled (1 before any)."""
+
+
 def worker_start_s(trials: Sequence[FrozenTrial]) -> float:
-    """The median start of a warm pool the study's trials paid (0 before any)."""
-    starts = [s for t in trials if (s := _pool_start(t)) > 0]
-    return statistics.median(starts) if starts else 0.0
+    """A fresh worker's start as the study's trials paid it: the slowest start-up of a trial that
+    started a pool (the start after compiled trials is the slower one), less a warm trial's
+    start-up; 0 before any started one."""
+    ran = _launched(trials)
+    fresh = [_part(t, "startup") for t in ran if _pool_start(t) > 0]
+    if not fresh:
+        return 0.0
+    warm = [_part(t, "startup") for t in ran if _warm(t) and _pool_start(t) <= 0]
+    return max(0.0, max(fresh) - (statistics.median(warm) if warm else 0.0))
 
 
-def restarts(trials: Sequence[FrozenTrial], runs: Sequence[tuple[str, BalanceConfig, bool]]) -> int:
-    """Fresh workers the verification runs will start: a worker that ran a compiled graph is recycled
-    (it holds the graph's kernels: ``runtime._carryover``), so the first run pays one when the study's
-    latest launched trial compiled, and every compiled run but the last makes the next run pay one."""
-    latest = max(_launched(trials), key=lambda t: t.number, default=None)  # the baseline runs first
-    first = latest is not None and (latest.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile", "off") != "off"
-    return int(first) + sum(1 for _, cfg, _ in runs[:-1] if cfg.compile != "off")
+def run_prices(trials: Sequence[FrozenTrial]) -> RunPrices:
+    """A verification run's start-up, and the fresh workers verification starts (module doc)."""
+    ran = _launched(trials)
+    if not ran:
+        return RunPrices(start_s=0.0, fresh_s=0.0, first_fresh=False, recycle_share=1.0)
+    if not any(_warm(t) for t in ran):  # cold trials: every run pays a whole start-up
+        return RunPrices(start_s=statistics.median(_part(t, "startup", "other") for t in ran), fresh_s=0.0,
+                         first_fresh=False, recycle_share=0.0)
+    warm = [t for t in ran if _warm(t) and _pool_start(t) <= 0]
+    start = (statistics.median(_part(t, "startup", "other") for t in warm) if warm
+             else statistics.median(_part(t, "startup", "other") - _pool_start(t) for t in ran))
+    latest = max(_every_launched(trials), key=lambda t: t.number)
+    first_fresh = (bool(latest.user_attrs.get(TrialAttr.WARM_RECYCLED))
+                   or latest.user_attrs.get(TrialAttr.STATUS) != Status.OK)  # a failed trial ends its pool
+    compiled = [t for t in ran if _compiled(t) and _warm(t)]
+    share = (sum(1 for t in compiled if t.user_attrs.get(TrialAttr.WARM_RECYCLED)) / len(compiled) if compiled
+             else 1.0)
+    return RunPrices(start_s=start, fresh_s=worker_start_s(trials), first_fresh=first_fresh, recycle_share=share)
+
+
+def restarts(trials: Sequence[FrozenTrial], runs: Sequence[tuple[str, BalanceConfig, bool]]) -> float:
+    """Fresh workers the verification runs are expected to start: the first run's when the study's
+    latest launched trial ended its pool, and after each compiled run but the last the share of the
+    study's compiled trials that recycled their worker (``runtime._carryover``)."""
+    prices = run_prices(trials)
+    if prices.fresh_s <= 0 and not any(_warm(t) for t in _launched(trials)):
+        return 0.0
+    return int(prices.first_fresh) + prices.recycle_share * sum(1 for _, cfg, _ in runs[:-1] if cfg.compile != "off")
+
+
+def _every_launched(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
+    return [t for t in trials if isinstance(t.user_attrs.get(TrialAttr.TIME_SPLIT), dict)
+            and t.user_attrs.get(TrialAttr.REUSED_FROM) is None]
 
 
 def _launched(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
     """Trials that ran (a time split, not reused), the baseline last-resort: the others first."""
-    ran = [t for t in trials if isinstance(t.user_attrs.get(TrialAttr.TIME_SPLIT), dict)
-           and t.user_attrs.get(TrialAttr.REUSED_FROM) is None]
+    ran = _every_launched(trials)
     others = [t for t in ran if not t.user_attrs.get(TrialAttr.BASELINE)]
     return others or ran
 
@@ -165,6 +272,25 @@ def next_trial_s(trials: Sequence[FrozenTrial]) -> float:
     return statistics.median(_part(t, "startup", "steps", "remeasure", "other") for t in ran) if ran else 0.0
 
 
+def _from_cache_s(trials: Sequence[FrozenTrial], cfg: BalanceConfig, *, cold: float) -> float:
+    """A compile of ``cfg``'s graphs from the study's Inductor cache: the study's median cache hit,
+    else :data:`FROM_CACHE_SHARE` of what trials compiling the same graphs took cold."""
+    hits, same = [], []
+    keys = graph_keys(cfg.to_dict())
+    for t in _every_launched(trials):
+        seconds = t.user_attrs.get(TrialAttr.COMPILE_S)
+        if not isinstance(seconds, (int, float)):
+            continue
+        cache = t.user_attrs.get(TrialAttr.COMPILE_CACHE) or {}
+        if cache.get("fx_graph_hits", 0) > 0 and not cache.get("fx_graph_misses", 0):
+            hits.append(float(seconds))
+        elif graph_keys(t.user_attrs.get(TrialAttr.CONFIG) or {}) == keys:
+            same.append(float(seconds))
+    if hits:
+        return statistics.median(hits)
+    return FROM_CACHE_SHARE * (statistics.median(same) if same else cold)
+
+
 def forecast_verification(trials: Sequence[FrozenTrial], *, baseline: BalanceConfig | None, best: FrozenTrial | None,
                           num_layers: int, device: str) -> VerifyForecast:
     """The predicted time of verifying ``best`` (module doc); 0 s without a candidate or when it is
@@ -173,11 +299,10 @@ def forecast_verification(trials: Sequence[FrozenTrial], *, baseline: BalanceCon
     if best is None or not config:
         return VerifyForecast(seconds=0.0)
     tuned = BalanceConfig.from_dict(config)
-    runs = verification_runs(baseline, tuned)
+    runs = verification_runs(baseline, tuned, dropout=has_dropout(trials))
     if not runs:
         return VerifyForecast(seconds=0.0, trial=best.number)
-    ran = _launched(trials)
-    per_run = statistics.mean(_part(t, "startup", "other") - _pool_start(t) for t in ran) if ran else 0.0
+    prices = run_prices(trials)
     measured: dict[str, float] = {}
     for t in trials:
         cfg, ms = t.user_attrs.get(TrialAttr.CONFIG), t.user_attrs.get(TrialAttr.STEP_TIME_MS)
@@ -188,16 +313,34 @@ def forecast_verification(trials: Sequence[FrozenTrial], *, baseline: BalanceCon
     compiled = CompiledTimeModel.fit(list(trials), eager=eager, device=device)
     slowest = max(measured.values(), default=0.0)
     graphs = compiled_graphs([t for t in trials if t.user_attrs.get(TrialAttr.STATUS) in MEASURED_STATUSES])
-    warm, cold = compile_times(trials, device=device)
+    _, cold = compile_times(trials, device=device)
     gb = max((float(b) for t in trials if isinstance(b := t.user_attrs.get(TrialAttr.PARAMETER_BYTES), (int, float))),
              default=0.0) / 1e9
-    per_run += IO_S_PER_GB * gb
-    total = restarts(trials, runs) * worker_start_s(trials)
-    for _, cfg, _dropout in runs:
+    per_run: dict[str, float] = {}
+    fresh_next = float(prices.first_fresh)  # the expected fresh workers the next run starts
+    for name, cfg, _dropout in runs:
         ms = measured.get(json.dumps(cfg.to_dict(), sort_keys=True))
         if ms is None:
             ms = (eager if cfg.compile == "off" else compiled).predict(cfg)
-        total += per_run + FIRST_STEP_FACTOR * (ms if ms is not None else slowest) / 1000.0
+        seconds = (prices.start_s + fresh_next * prices.fresh_s + IO_S_PER_GB * gb
+                   + FIRST_STEP_FACTOR * (ms if ms is not None else slowest) / 1000.0)
+        fresh_next = 0.0
         if cfg.compile != "off":
-            total += warm if graph_keys(cfg.to_dict()) <= graphs else cold
-    return VerifyForecast(seconds=total, runs=[name for name, _, _ in runs], trial=best.number)
+            seconds += _from_cache_s(trials, cfg, cold=cold) if graph_keys(cfg.to_dict()) <= graphs else cold
+            fresh_next = prices.recycle_share
+        per_run[name] = seconds
+    compare_s = _comparisons(tuned, runs) * COMPARE_S_PER_GB * gb
+    return VerifyForecast(seconds=sum(per_run.values()) + compare_s, runs=[name for name, _, _ in runs],
+                          trial=best.number, per_run=per_run, compare_s=compare_s)
+
+
+def trial_s(trials: Sequence[FrozenTrial], config: BalanceConfig, *, device: str) -> float:
+    """The expected wall time of launching ``config`` next: the median launched trial without its
+    compiling (:func:`next_trial_s`) plus, compiled, its compile: from the study's cache when the
+    study compiled its graphs (:func:`_from_cache_s`), else the study's median cold compile."""
+    seconds = next_trial_s(trials)
+    if config.compile == "off":
+        return seconds
+    _, cold = compile_times(trials, device=device)
+    graphs = compiled_graphs([t for t in trials if t.user_attrs.get(TrialAttr.STATUS) in MEASURED_STATUSES])
+    return seconds + (_from_cache_s(trials, config, cold=cold) if graph_keys(config.to_dict()) <= graphs else cold)

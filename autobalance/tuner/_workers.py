@@ -9,6 +9,10 @@ Any number of ``autobalance tune`` processes may work on one study (same ``--sto
   wait until it is recorded. A claim whose owner stops refreshing it (killed) is taken over.
 * **Stale trials.** A RUNNING trial whose heartbeat stopped (its tuner was killed) is marked
   FAIL with status ``stale`` and is not counted, so the study runs another trial in its place.
+* **One launch per configuration.** A worker launches a configuration only under its claim (a row
+  per configuration, :class:`RunningClaim`, atomic like the baseline's); a worker that finds another
+  worker's trial holding it waits for that trial and reuses its result. A claim whose trial is no
+  longer running (finished, or failed as stale when its tuner died) is taken over.
 * **No surplus.** Two workers may ask for the last trial at the same moment. Trial numbers are
   unique and increasing, so a trial that finds ``--trials`` counted trials numbered before it
   is failed at once with status ``surplus`` (not counted, nothing launched).
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import json
 import os
 import socket
@@ -37,7 +42,7 @@ from autobalance.store import (
     trial_id,
 )
 
-__all__ = ["CLAIM_KEY", "NOT_COUNTED", "BaselineClaim", "fail_stale_trials", "worker_id"]
+__all__ = ["CLAIM_KEY", "NOT_COUNTED", "BaselineClaim", "RunningClaim", "fail_stale_trials", "worker_id"]
 
 CLAIM_KEY = StudyAttr.BASELINE_CLAIM
 NOT_COUNTED = (None, Status.INTERRUPTED, Status.STALE, Status.SURPLUS)
@@ -138,6 +143,73 @@ class BaselineClaim:
             conn.execute(delete(table).where(table.c.study_id == self.study_id, table.c.key == CLAIM_KEY,
                                              table.c.value_json == self._value))
         self._value = None
+
+
+class RunningClaim:
+    """Which trial launches one configuration now (several workers on one study): a row in the
+    study's system attributes keyed by the configuration, holding the trial's id. The insert is
+    atomic (unique key, SQLite and PostgreSQL alike), so of two workers that propose the same
+    configuration at once exactly one launches it. A claim whose trial is no longer RUNNING (recorded,
+    or failed as stale: its tuner died and stopped its heartbeat) is taken over; the holder releases
+    it once its trial is recorded."""
+
+    def __init__(self, storage: optuna.storages.RDBStorage, study_id: int, *, config_json: str, trial_id: int) -> None:
+        self.storage = storage
+        self.study_id = study_id
+        self.key = StudyAttr.RUNNING_CLAIM_PREFIX + hashlib.sha1(config_json.encode()).hexdigest()
+        self.trial_id = trial_id
+        self.held = False
+
+    def _row(self) -> str | None:
+        from sqlalchemy import select
+
+        table = study_system_attr_table()
+        with self.storage.engine.connect() as conn:
+            row = conn.execute(select(table.c.value_json).where(table.c.study_id == self.study_id,
+                                                                table.c.key == self.key)).first()
+        return None if row is None else str(row[0])
+
+    def try_acquire(self) -> int | None:
+        """Take the claim: None when this trial holds it now, else the id of the trial that does."""
+        from sqlalchemy import delete, insert
+        from sqlalchemy.exc import IntegrityError
+
+        table = study_system_attr_table()
+        raw = self._row()
+        if raw is not None:
+            holder = json.loads(raw)
+            if holder == self.trial_id:
+                self.held = True
+                return None
+            try:
+                running = self.storage.get_trial(int(holder)).state == TrialState.RUNNING
+            except (KeyError, ValueError, TypeError):
+                running = False
+            if running:
+                return int(holder)
+            with self.storage.engine.begin() as conn:  # compare-and-delete: only that finished holder's claim
+                conn.execute(delete(table).where(table.c.study_id == self.study_id, table.c.key == self.key,
+                                                 table.c.value_json == raw))
+        try:
+            with self.storage.engine.begin() as conn:
+                conn.execute(insert(table).values(study_id=self.study_id, key=self.key,
+                                                  value_json=json.dumps(self.trial_id)))
+        except IntegrityError:  # another worker claimed it between the read and the insert
+            row = self._row()
+            return int(json.loads(row)) if row is not None else self.try_acquire()
+        self.held = True
+        return None
+
+    def release(self) -> None:
+        from sqlalchemy import delete
+
+        if not self.held:
+            return
+        table = study_system_attr_table()
+        with contextlib.suppress(Exception), self.storage.engine.begin() as conn:
+            conn.execute(delete(table).where(table.c.study_id == self.study_id, table.c.key == self.key,
+                                             table.c.value_json == json.dumps(self.trial_id)))
+        self.held = False
 
 
 def _silent_trial_ids(study: optuna.Study, storage: optuna.storages.RDBStorage, grace_s: float) -> list[int]:

@@ -9,6 +9,7 @@ FAIL ``surplus`` trial without launching anything; that is allowed here but noth
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -87,11 +88,24 @@ def _launched(tmp_path: Path) -> int:
     return len([p for p in tmp_path.glob("worker*/autobalance_runs/*/trial-*") if not p.name.endswith("-again")])
 
 
+def _no_configuration_twice(url: str, study: str, tmp_path: Path) -> None:
+    """No configuration launched twice (issue 41: both workers sample with one seed, so they propose
+    the same configurations): a proposal another worker runs or ran is waited for and reused."""
+    trials = [t for t in load(url, study).get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
+    ran = [json.dumps(t.user_attrs["config"], sort_keys=True) for t in trials if t.user_attrs.get("reused_from") is None]
+    assert len(ran) == len(set(ran)), ran
+    assert _launched(tmp_path) == len(ran)  # one trial directory per configuration, no second baseline
+    for t in trials:
+        if t.user_attrs.get("reused_from") is not None:
+            source = next(s for s in trials if s.number == t.user_attrs["reused_from"])
+            assert source.user_attrs["config"] == t.user_attrs["config"]
+
+
 def test_two_workers_on_one_sqlite_study(tmp_path: Path) -> None:
     url = sqlite_url(tmp_path / "study.db")
     results = _run_workers(url, tmp_path, 2, study="s")
     _check_study(url, "s", results)
-    assert _launched(tmp_path) == TRIALS  # nothing launched twice, no second baseline
+    _no_configuration_twice(url, "s", tmp_path)
     assert_no_processes(tmp_path)
 
 
@@ -101,5 +115,5 @@ def test_four_workers_on_one_postgres_study(tmp_path: Path, pg_fresh_schema: str
     not safe against that; the tuner retries)."""
     results = _run_workers(pg_fresh_schema, tmp_path, 4, study="s")
     _check_study(pg_fresh_schema, "s", results)
-    assert _launched(tmp_path) == TRIALS
+    _no_configuration_twice(pg_fresh_schema, "s", tmp_path)
     assert_no_processes(tmp_path)
