@@ -196,12 +196,9 @@ def print_result(result: Any, *, settings: Any, console: Console, nothing_feasib
     """Tune's summary: the comparison, where the time went, the notes, and how to see and use the
     result (no "Use it" line when nothing was saved: the best column then says why)."""
     not_saved = not_saved_reason(result, rejected=rejected)
-    if result.trials_run == 0:
-        from autobalance.tuner._summary import rerun_hint
-
-        hint = rerun_hint(already=getattr(result, "already", 0), of=getattr(result, "of", 0))
-        if hint:
-            console.print(hint)
+    hint = getattr(result, "rerun_hint", lambda: None)()  # a TuneResult; None: trials ran, or more were left
+    if hint:
+        console.print(hint)
     console.print(comparison_table(result.baseline, result.best, not_saved=not_saved))
     misfit = baseline_misfit(result.baseline, result.best)
     if misfit:

@@ -115,7 +115,7 @@ def dashboard_app(storage_url: str, *, warn: Callable[[str], None] | None = None
     except ImportError:
         from autobalance._errors import UsageError
 
-        raise UsageError("the dashboard needs optuna-dashboard; install it with pip install 'autobalance[report]'.") from None
+        raise UsageError("the dashboard needs optuna-dashboard; install it with pip install -e '.[report]' in the autobalance clone (or pip install optuna-dashboard).") from None
 
     from autobalance.store import open_storage
 

@@ -30,7 +30,7 @@ def write_pngs(summary: StudySummary, png_dir: str, *, importances: dict[str, fl
     except ImportError:
         from autobalance._errors import UsageError
 
-        raise UsageError("--png needs matplotlib; install it with pip install 'autobalance[report]'.") from None
+        raise UsageError("--png needs matplotlib; install it with pip install -e '.[report]' in the autobalance clone (or pip install matplotlib).") from None
     matplotlib.use("Agg", force=False)
     from matplotlib.figure import Figure
 

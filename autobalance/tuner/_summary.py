@@ -51,6 +51,10 @@ class TuneResult:
             return []
         return time_lines(self.time_spent)
 
+    def rerun_hint(self) -> str | None:
+        """The line for a run that had nothing to do (see :func:`rerun_hint`); None otherwise."""
+        return rerun_hint(already=self.already, of=self.of) if self.trials_run == 0 else None
+
 
 def _idle(result: TuneResult) -> bool:
     """This run launched no trial, verified nothing and was not stopped by its time budget: it had
