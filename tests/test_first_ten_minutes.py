@@ -194,3 +194,48 @@ def test_a_baseline_that_fails_leaves_no_empty_study(tmp_path: Path) -> None:
                cwd=tmp_path, timeout=300)
     assert proc.returncode != 0
     assert optuna.get_all_study_names(storage=f"sqlite:///{db}") == ["kept"]
+
+
+def test_the_dashboard_scales_its_history_to_the_feasible_trials(tmp_path: Path) -> None:
+    """Issue 43 (10): the infeasible baseline's penalty (12 and more) stretched the History chart and
+    flattened every other trial. The dashboard now reads infeasible trials' values just above the worst
+    feasible one (their order kept, their stored value in a user attribute), its best trial unchanged;
+    Optuna's warnings about importances' regimes stay out of the terminal."""
+    import json
+    import urllib.request
+    import warnings
+
+    from autobalance.protocol import is_feasible
+    from autobalance.report import dashboard_app
+    from autobalance.report._dashboard import SHOWN_ABOVE, STORED_VALUE_ATTR
+    from tests.report_helpers import WsgiServer
+    from tests.synthetic_study import BEST_2
+
+    study = build_study(tmp_path / "s.db")
+    stored = {t.number: t.values[0] for t in study.trials if t.values}
+    feasible = [stored[t.number] for t in study.trials if is_feasible(t) and t.values]
+    infeasible = sorted((stored[t.number], t.number) for t in study.trials if not is_feasible(t) and t.values)
+    worst, span = max(feasible), max(feasible) - min(feasible)
+    assert infeasible and min(v for v, _ in infeasible) > worst + span  # stored: far above (the stretch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        app = dashboard_app(f"sqlite:///{tmp_path / 's.db'}")
+        with WsgiServer(app) as server:
+            with urllib.request.urlopen(f"{server.url}/api/studies/{study._study_id}", timeout=60) as resp:
+                detail = json.load(resp)
+            with urllib.request.urlopen(f"{server.url}/api/studies/{study._study_id}/param_importances",
+                                        timeout=60) as resp:
+                assert json.load(resp)["param_importances"]
+    shown = {t["number"]: t["values"][0] for t in detail["trials"] if t.get("values")}
+    attrs = {t["number"]: {a["key"]: a["value"] for a in t["user_attrs"]} for t in detail["trials"]}
+    for number, value in stored.items():
+        if any(number == n for _, n in infeasible):
+            assert worst < shown[number] <= worst + SHOWN_ABOVE[1] * span + 1e-9, (number, shown[number], worst)
+            assert float(attrs[number][STORED_VALUE_ATTR]) == pytest.approx(value)
+        else:
+            assert shown[number] == pytest.approx(value) and STORED_VALUE_ATTR not in attrs[number]
+    order = [n for _, n in infeasible]
+    assert [shown[n] for n in order] == sorted(shown[n] for n in order)  # the penalties' order kept
+    assert [t["number"] for t in detail["best_trials"]] == [BEST_2]
+    said = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert not [m for m in said if "regimes" in m or "quantiles" in m], said
