@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -239,3 +240,57 @@ def test_the_dashboard_scales_its_history_to_the_feasible_trials(tmp_path: Path)
     assert [t["number"] for t in detail["best_trials"]] == [BEST_2]
     said = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
     assert not [m for m in said if "regimes" in m or "quantiles" in m], said
+
+
+def test_capacity_bytes_is_said_next_to_the_cap() -> None:
+    """Issue 43 (10): the dashboard's study attributes showed ``capacity_bytes`` of the host's RAM next to a
+    14.8 MiB cap, unexplained; the study now also records both in words, with units."""
+    from autobalance.tuner._baseline import capacity_in_words
+
+    host = [25276071936.0, 25276071936.0]
+    assert capacity_in_words(host, caps=[15569256, 15569256], headroom=0.05) == (
+        "capacity_bytes is each device's own memory (23.5 GiB per rank); trials are judged against the emulated "
+        "cap: 14.8 MiB per rank (14.1 MiB per rank usable with 5% headroom).")
+    assert capacity_in_words(host, caps=None, headroom=0.05) == (
+        "capacity_bytes is each device's memory (23.5 GiB per rank); trials are judged against it: "
+        "22.4 GiB per rank usable with 5% headroom.")
+
+
+def _mib_specs() -> list[Spec]:
+    """The synthetic GPU study's trials at the demo's scale: peaks of 10-16 MiB, spreads of KiB to MiB."""
+    from tests.synthetic_study import SPECS_2
+
+    return [Spec(**{**spec.__dict__, "peaks_gib": [None if p is None else p / 1024 for p in spec.peaks_gib]})
+            for spec in SPECS_2]
+
+
+@pytest.mark.parametrize("multi_objective", [False, True])
+def test_the_reports_charts_read_in_the_texts_unit_with_readable_names(tmp_path: Path, multi_objective: bool) -> None:
+    """Issue 43 (11): the report's axes were in GiB (0.004-0.014) where its text says MiB, the importance
+    chart said ``oshare_r0`` and ``share_r0``, and a single-objective study had a "Pareto front"."""
+    from autobalance.report import build_report
+
+    study = build_study(tmp_path / "r.db", specs=_mib_specs(), multi_objective=multi_objective)
+    html = tmp_path / "r.html"
+    build_report(study, output_html=str(html), png_dir=str(tmp_path / "png"))
+    text = html.read_text()
+    assert "14.0 MiB" in text  # the text's unit (the best's highest peak)
+    for title in ('"peak device memory (MiB)"', '"spread of peaks across ranks (MiB)"'):
+        assert title in text, title
+    assert "(GiB)" not in text and '"text":"GiB"' not in text
+    assert ('"name":"Pareto front"' in text) == multi_objective
+    importance = text[text.index('id="importance-chart"'):]
+    assert "rank 0's share of the batch" in importance and "accumulation steps" in importance
+    assert not re.search(r'"(o?share|ckpt|budget)_r\d"', importance)
+
+
+def test_param_words() -> None:
+    from autobalance.report._figures import memory_unit, param_words
+
+    assert param_words("oshare_r0") == "rank 0's share of the optimizer state"
+    assert param_words("share_r12") == "rank 12's share of the batch"
+    assert param_words("ckpt_r1") == "rank 1's checkpointed blocks"
+    assert param_words("grad_as_bucket_view") == "gradient_as_bucket_view"
+    assert param_words("share_rx") == "share_rx" and param_words("new_param") == "new_param"
+    assert memory_unit(0.0146) == ("MiB", 1024.0) and memory_unit(15.7) == ("GiB", 1.0)
+    assert memory_unit(0.0002) == ("KiB", 1024.0**2)

@@ -25,10 +25,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import optuna
 import pytest
 from typer.testing import CliRunner
 
 from autobalance.cli import app
+from autobalance.protocol import StudyAttr
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -150,6 +152,8 @@ def test_the_quick_start_runs_line_by_line(tmp_path: Path) -> None:
         assert proc.returncode == 0, (command, proc.stdout[-3000:], proc.stderr[-3000:])
         if argv[1:2] == ["tune"]:
             assert "Saved trial" in proc.stdout and "Verified trial" in proc.stdout, proc.stdout[-3000:]
+            attrs = optuna.load_study(study_name="gpt-cpu", storage=f"sqlite:///{tmp_path / 'autobalance.db'}").user_attrs
+            assert "emulated cap: 14.8 MiB per rank" in attrs[StudyAttr.CAPACITY_IN_WORDS], attrs
         if argv[1:2] == ["best"]:
             assert "rank 0 peak" in proc.stdout and "MiB" in proc.stdout, proc.stdout
         if argv[1:2] == ["report"]:
