@@ -41,7 +41,7 @@ def repo() -> Path:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Files with ``slow`` tests (real torchrun jobs) first, each file's tests in their own order.
-    The README's command runs the suite on two pytest-xdist workers, one file at a time each, in this
+    The test command (docs/development.md) runs the suite on two pytest-xdist workers, one file at a time each, in this
     order (``--dist loadfile --no-loadscope-reorder``): the quick files then fill the end of the run,
     instead of one worker finishing a long file alone while the other idles."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}

@@ -78,7 +78,7 @@ def browser_or_skip() -> tuple[str, str]:
     try:
         import selenium  # noqa: F401
     except ImportError:
-        service_missing("headless browser tests need the selenium package: pip install 'autobalance[test]'")
+        service_missing("headless browser tests need the selenium package: pip install -e '.[test]'")
     assert browser is not None and driver is not None
     return browser, driver
 

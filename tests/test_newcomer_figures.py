@@ -181,4 +181,6 @@ def test_best_shows_the_saved_speed_up_and_peaks_as_the_summary_does(tmp_path: P
     best = CliRunner().invoke(app, ["best", "--study-name", "s", "--storage", url], env={"COLUMNS": "400"})
     assert best.exit_code == 0, best.output
     assert "within noise (4.33x measured" in best.output and "4.3333" not in best.output
-    assert "310 KiB 280 KiB" in best.output and "30.0 KiB" in best.output
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in best.output.splitlines()
+            if line.startswith("│") and line.split("│")[1].strip()}
+    assert rows["rank 0 peak"] == "310 KiB" and rows["rank 1 peak"] == "280 KiB" and rows["spread"] == "30.0 KiB"

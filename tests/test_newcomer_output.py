@@ -136,8 +136,9 @@ def test_trials_has_a_feasible_column(synthetic: str) -> None:
 
 
 def test_readme_commands_name_the_demos_study() -> None:
-    """Copied from the README after the demo, a command must find its study (`gpt-cpu`); `gpt` exits 2."""
-    readme = (REPO / "README.md").read_text()
+    """Copied from the README (or the pages it sends a newcomer to for the other commands and
+    production) after the demo, a command must find its study (`gpt-cpu`); `gpt` exits 2."""
+    readme = "\n".join((REPO / page).read_text() for page in ("README.md", "docs/commands.md", "docs/production.md"))
     word = r"([\w.:@+-]+)"
     names = (re.findall(r"--study-name[ =]" + word, readme) + re.findall(r"AUTOBALANCE_STUDY=" + word, readme)
              + re.findall(r'study="([^"]*)"', readme))

@@ -196,6 +196,9 @@ def print_result(result: Any, *, settings: Any, console: Console, nothing_feasib
     """Tune's summary: the comparison, where the time went, the notes, and how to see and use the
     result (no "Use it" line when nothing was saved: the best column then says why)."""
     not_saved = not_saved_reason(result, rejected=rejected)
+    hint = getattr(result, "rerun_hint", lambda: None)()  # a TuneResult; None: trials ran, or more were left
+    if hint:
+        console.print(hint)
     console.print(comparison_table(result.baseline, result.best, not_saved=not_saved))
     misfit = baseline_misfit(result.baseline, result.best)
     if misfit:
@@ -224,19 +227,34 @@ def print_result(result: Any, *, settings: Any, console: Console, nothing_feasib
     )
 
 
-def _figure_text(key: str, fig: dict[str, Any]) -> str:
-    """A saved figure as the other outputs write it: memory by :func:`memory_text`, the speed-up by
-    :func:`~autobalance.protocol.speed_up` (claimed only beyond the steps' variation)."""
-    value = fig[key]
-    if key == "peak_device_gib" and isinstance(value, list):
-        return " ".join(memory_text(v) for v in value)
-    if key == "spread_gib":
-        return memory_text(value)
+def _speedup_text(fig: dict[str, Any]) -> str:
+    """The saved speed-up as the other outputs write it, by :func:`~autobalance.protocol.speed_up`
+    (claimed only beyond the steps' variation); the stored number when the steps are missing."""
     base = fig.get("baseline") or {}
-    if key == "speedup_vs_baseline" and base.get("step_time_ms") and fig.get("step_time_ms"):
+    if base.get("step_time_ms") and fig.get("step_time_ms"):
         return speed_up(baseline_ms=base["step_time_ms"], baseline_iqr_pct=base.get("step_time_iqr_pct"),
                         best_ms=fig["step_time_ms"], best_iqr_pct=fig.get("step_time_iqr_pct")).text()
-    return str(value)
+    return str(fig["speedup_vs_baseline"])
+
+
+def saved_figure_rows(fig: dict[str, Any], *, world_size: int) -> list[tuple[str, str]]:
+    """The saved figures as ``best``'s table rows: plain labels (``rank 0 peak``, ``spread``, ``step time``,
+    ``speed-up``), each value in the unit it is written in (``10.0 MiB``, ``68.5 ms``); the stored keys
+    (``peak_device_gib``, in GiB) are what ``--format json`` shows."""
+    rows: list[tuple[str, str]] = []
+    peaks = fig.get("peak_device_gib")
+    if isinstance(peaks, list):
+        many = len(peaks) > 1
+        rows += [(f"rank {r} peak" if many else "peak", memory_text(v)) for r, v in enumerate(peaks)]
+    elif peaks is not None:
+        rows.append(("peak", memory_text(peaks)))
+    if fig.get("spread_gib") is not None and world_size > 1:  # one rank: no spread
+        rows.append(("spread", memory_text(fig["spread_gib"])))
+    if fig.get("step_time_ms") is not None:
+        rows.append(("step time", f"{fig['step_time_ms']:.1f} ms"))
+    if fig.get("speedup_vs_baseline") is not None:
+        rows.append(("speed-up vs baseline", _speedup_text(fig)))
+    return rows
 
 
 def print_saved(saved: Any, *, fmt: str) -> None:
@@ -261,9 +279,8 @@ def print_saved(saved: Any, *, fmt: str) -> None:
                                   f"{cfg.accumulation} micro-step(s) per rank")
     fig = saved.figures
     fp = saved.fingerprint
-    for key in ("peak_device_gib", "spread_gib", "step_time_ms", "speedup_vs_baseline"):
-        if fig.get(key) is not None and not (key == "spread_gib" and fp.world_size < 2):  # one rank: no spread
-            table.add_row(key, _figure_text(key, fig))
+    for label, text in saved_figure_rows(fig, world_size=fp.world_size):
+        table.add_row(label, text)
     table.add_row("hardware", f"{fp.world_size} x {fp.device_name} ({fp.device_type})")
     table.add_row("saved", f"{saved.created_at} by {saved.saved_by}")
     console().print(table)

@@ -23,7 +23,10 @@ class StudyAttr:
     BASELINE = "autobalance:baseline_trial"
     """Number of the baseline trial (the script's own configuration)."""
     CAPACITY = "autobalance:capacity_bytes"
-    """Per-rank device capacity seen by the baseline."""
+    """Per-rank device capacity seen by the baseline (the device's own memory, not an emulated cap)."""
+    CAPACITY_IN_WORDS = "autobalance:capacity_in_words"
+    """What :attr:`CAPACITY` is next to the limit trials are judged against (an emulated cap, or the
+    device's memory), in words with units: the dashboard lists it beside ``capacity_bytes``."""
     DEVICE = "autobalance:device"
     """The baseline's rank-0 device section."""
     DEVICE_NAMES = "autobalance:device_names"

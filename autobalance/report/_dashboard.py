@@ -19,7 +19,8 @@ from typing import Any, BinaryIO
 
 from autobalance.report._artifacts import artifact_dir_for, render_trial_chart
 
-__all__ = ["ChartStore", "dashboard_app", "serve_dashboard"]
+__all__ = ["STORED_VALUE_ATTR", "ChartStore", "dashboard_app", "quiet_importance_warnings", "serve_dashboard", "shown_storage",
+           "shown_values"]
 
 _ARTIFACT_KEY = "artifacts:"  # optuna.artifacts' trial system attribute prefix
 
@@ -107,6 +108,117 @@ def missing_charts(storage: Any, base_dir: str) -> dict[str, _Missing]:
     return missing
 
 
+SHOWN_ABOVE = (0.05, 0.15)
+"""Where the dashboard draws infeasible trials: between 5 % and 15 % of the feasible trials' range of
+values above the worst of them (see :func:`shown_values`)."""
+STORED_VALUE_ATTR = "penalty_value (stored)"
+"""The user attribute the dashboard shows on an infeasible trial: the value the study stores for it."""
+
+
+def _violated(trial: Any) -> bool:
+    constraints = trial.system_attrs.get("constraints")
+    return bool(constraints) and any(float(c) > 0 for c in constraints)
+
+
+def shown_values(trials: list[Any], *, maximize: list[bool]) -> dict[int, list[float]]:
+    """Trial id -> the values the dashboard shows for each infeasible complete trial.
+
+    The study stores an infeasible trial's objective as a penalty (at least that of a trial with no
+    measurement, ``12`` for the demo, plus how far over it went), so that no view ranking by value
+    ever puts it above a feasible one. Plotted as such, one penalty stretches the History chart and
+    flattens every feasible trial. Shown here instead: just above the worst feasible value
+    (:data:`SHOWN_ABOVE` of the feasible range, at least 1e-3), in the penalties' order, so the
+    dashboard's best trial, Pareto front and order are unchanged and the chart is scaled to the
+    feasible trials; the stored value stays in the trial's attributes (:data:`STORED_VALUE_ATTR`).
+    Empty when the study has no feasible or no infeasible complete trial."""
+    complete = [t for t in trials if t.state.name == "COMPLETE" and t.values is not None]
+    feasible = [t for t in complete if not _violated(t)]
+    infeasible = [t for t in complete if _violated(t)]
+    if not feasible or not infeasible:
+        return {}
+    shown: dict[int, list[float]] = {t._trial_id: list(t.values) for t in infeasible}
+    for k, up in enumerate(maximize):
+        sign = -1.0 if up else 1.0  # in "worse is larger" terms
+        good = [sign * float(t.values[k]) for t in feasible]
+        worst, span = max(good), max(good) - min(good)
+        span = span if span > 0 else max(abs(worst) * 0.1, 1e-3)
+        ranks = sorted({sign * float(t.values[k]) for t in infeasible})
+        low, high = SHOWN_ABOVE
+        for t in infeasible:
+            rank = ranks.index(sign * float(t.values[k]))
+            frac = low + (high - low) * (rank / max(len(ranks) - 1, 1))
+            shown[t._trial_id][k] = sign * (worst + frac * span)
+    return shown
+
+
+def _forwarded(name: str) -> Any:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._inner, name)(*args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
+def shown_storage(inner: Any) -> Any:
+    """``inner`` (an Optuna storage) as the dashboard reads it: every call passed through, but the
+    trials it returns show infeasible trials' values by :func:`shown_values` (their stored value in
+    :data:`STORED_VALUE_ATTR`), and the best trial is the best of those."""
+    import copy
+
+    from optuna.storages import BaseStorage
+    from optuna.trial import TrialState
+
+    names = [n for n in dir(BaseStorage) if not n.startswith("_") and callable(getattr(BaseStorage, n))]
+    namespace: dict[str, Any] = {n: _forwarded(n) for n in names}
+
+    def __init__(self: Any, storage: Any) -> None:
+        self._inner = storage
+
+    def __getattr__(self: Any, name: str) -> Any:  # anything else of the storage (its engine, ...)
+        return getattr(self.__dict__["_inner"], name)
+
+    def get_all_trials(self: Any, study_id: int, deepcopy: bool = True, states: Any = None) -> list[Any]:
+        trials = self._inner.get_all_trials(study_id, deepcopy=False)
+        maximize = [d.name == "MAXIMIZE" for d in self._inner.get_study_directions(study_id)]
+        shown = shown_values(trials, maximize=maximize)
+        out = []
+        for t in trials:
+            if states is not None and t.state not in states:
+                continue
+            if t._trial_id in shown:
+                t = copy.copy(t)
+                t._user_attrs = {**t.user_attrs, STORED_VALUE_ATTR: t.values[0] if len(t.values) == 1 else list(t.values)}
+                t._values = shown[t._trial_id]
+            elif deepcopy:
+                t = copy.deepcopy(t)
+            out.append(t)
+        return out
+
+    def get_best_trial(self: Any, study_id: int) -> Any:
+        trials = get_all_trials(self, study_id, deepcopy=False, states=(TrialState.COMPLETE,))
+        if not trials:
+            raise ValueError("No trials are completed yet.")
+        up = self._inner.get_study_directions(study_id)[0].name == "MAXIMIZE"
+        return (max if up else min)(trials, key=lambda t: t.values[0])
+
+    namespace.update(__init__=__init__, __getattr__=__getattr__, get_all_trials=get_all_trials,
+                     get_best_trial=get_best_trial)
+    cls = type("ShownStorage", (BaseStorage,), namespace)
+    return cls(inner)
+
+
+def quiet_importance_warnings() -> None:
+    """The dashboard computes parameter importances (PED-ANOVA) on every refresh; with a handful of
+    trials Optuna warns each time that a parameter's regimes have fewer than 2 trials, or that the
+    quantiles select the same trials. Those warnings say the chart is rough, which the dashboard's
+    own chart shows; they are not the user's to act on, so they stay out of the terminal."""
+    import warnings
+
+    for message in (r"Some regimes for parameter", r"Target and region quantiles select the same set",
+                    r"The number of trials is too small to compute importances"):
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+
+
 def dashboard_app(storage_url: str, *, warn: Callable[[str], None] | None = None) -> Any:
     """optuna-dashboard's WSGI application for ``storage_url`` and its artifact directory.
     ``warn`` hears one line when charts are missing from the artifact folder (re-rendered on demand)."""
@@ -115,7 +227,7 @@ def dashboard_app(storage_url: str, *, warn: Callable[[str], None] | None = None
     except ImportError:
         from autobalance._errors import UsageError
 
-        raise UsageError("the dashboard needs optuna-dashboard; install it with pip install 'autobalance[report]'.") from None
+        raise UsageError("the dashboard needs optuna-dashboard; install it with pip install -e '.[report]' in the autobalance clone (or pip install optuna-dashboard).") from None
 
     from autobalance.store import open_storage
 
@@ -126,7 +238,8 @@ def dashboard_app(storage_url: str, *, warn: Callable[[str], None] | None = None
         where = "is missing" if not os.path.isdir(art_dir) else f"lacks {len(missing)} of them"
         warn(f"warning: the per-trial charts' folder {art_dir} {where} (was the database copied without it?); "
              f"{len(missing)} chart(s) will be re-rendered from the trials' figures when opened.")
-    return optuna_dashboard.wsgi(storage, artifact_store=ChartStore(art_dir, missing))
+    quiet_importance_warnings()
+    return optuna_dashboard.wsgi(shown_storage(storage), artifact_store=ChartStore(art_dir, missing))
 
 
 def serve_dashboard(storage_url: str, *, host: str = "127.0.0.1", port: int = 8080,

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from autobalance.protocol import FAILED_STATUSES, Status
+from autobalance.protocol import FAILED_STATUSES, Status, memory_text
 from autobalance.report._rows import StudySummary, TrialRow, pareto_front
 
-__all__ = ["compile_figure", "factor_values", "factors_figure", "importance_figure", "memory_figure", "rank_colors",
+__all__ = ["compile_figure", "factor_values", "factors_figure", "importance_figure", "memory_figure", "memory_unit", "param_words", "rank_colors",
            "time_memory_figure", "tradeoff_figure"]
 
 _PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
@@ -31,6 +31,40 @@ def _max(values: list[float | None]) -> float | None:
     return max(known) if known else None
 
 
+_PER_GIB = {"GiB": 1.0, "MiB": 1024.0, "KiB": 1024.0**2, "B": 1024.0**3}
+
+
+def memory_unit(gib: float | None) -> tuple[str, float]:
+    """The unit the report's text writes a size of ``gib`` in (:func:`~autobalance.protocol.memory_text`:
+    ``GiB``, ``MiB``, ``KiB``), and the factor from GiB to it: a chart's axis reads in the unit its
+    text does (the demo's peaks in MiB, not 0.004-0.014 GiB)."""
+    name = memory_text(gib or 1.0).split()[-1]
+    return name, _PER_GIB[name]
+
+
+def _scaled(values: list[float | None], factor: float) -> list[float | None]:
+    return [None if v is None else v * factor for v in values]
+
+
+PARAM_WORDS = {"accumulation": "accumulation steps", "compile": "torch.compile", "dtype": "dtype (AMP)",
+               "bucket_cap_mb": "DDP bucket size (MB)", "grad_as_bucket_view": "gradient_as_bucket_view",
+               "optimizer_sharding": "optimizer sharding (ZeRO-1)"}
+_PER_RANK_WORDS = {"share_r": "rank {}'s share of the batch", "oshare_r": "rank {}'s share of the optimizer state",
+                   "ckpt_r": "rank {}'s checkpointed blocks", "budget_r": "rank {}'s compile memory budget"}
+
+
+def param_words(name: str) -> str:
+    """A search parameter's name in words for the report (``oshare_r0`` -> ``rank 0's share of the
+    optimizer state``); a name it does not know stays as it is."""
+    if name in PARAM_WORDS:
+        return PARAM_WORDS[name]
+    for prefix, words in _PER_RANK_WORDS.items():
+        rank = name.removeprefix(prefix)
+        if rank != name and rank.isdigit():
+            return words.format(rank)
+    return name
+
+
 def _mark(row: TrialRow) -> str:
     if row.predicted:
         return "predicted OOM"
@@ -47,32 +81,33 @@ def memory_figure(summary: StudySummary) -> Any:
     rows = [r for r in summary.rows if any(p is not None for p in r.peaks_gib) or r.failed_memory]
     ranks = max((len(r.peaks_gib) for r in rows), default=0)
     labels = [r.label for r in rows]
+    unit, k = memory_unit(_max([_max(r.peaks_gib) for r in rows]))
     fig = go.Figure()
     for rank, color in zip(range(ranks), rank_colors(ranks), strict=True):
         have = [r for r in rows if rank < len(r.peaks_gib) and r.peaks_gib[rank] is not None]
         fig.add_trace(go.Bar(
-            x=[r.label for r in have], y=[r.peaks_gib[rank] for r in have], name=f"rank {rank}", marker_color=color,
+            x=[r.label for r in have], y=_scaled([r.peaks_gib[rank] for r in have], k), name=f"rank {rank}", marker_color=color,
             marker_pattern_shape=["/" if r.predicted else ("x" if r.failed_memory else "") for r in have],
             marker_opacity=[0.35 if r.predicted else 1.0 for r in have],
             customdata=[[r.outcome + (" (a prediction, not a measurement)" if r.predicted else ""), _describe(r)]
                         for r in have],
-            hovertemplate=f"rank {rank}: %{{y:.4f}} GiB<br>%{{x}} %{{customdata[0]}}<br>%{{customdata[1]}}<extra></extra>",
+            hovertemplate=f"rank {rank}: %{{y:.4g}} {unit}<br>%{{x}} %{{customdata[0]}}<br>%{{customdata[1]}}<extra></extra>",
         ))
-    top = _max([_max(r.peaks_gib) for r in rows]) or 1.0
-    caps = [_max(r.capacity_gib) for r in rows]
-    usable = [_max(r.usable_gib) for r in rows]
+    top = (_max([_max(r.peaks_gib) for r in rows]) or 1.0) * k
+    caps = _scaled([_max(r.capacity_gib) for r in rows], k)
+    usable = _scaled([_max(r.usable_gib) for r in rows], k)
     cap_top = _max(caps)
     off_scale = cap_top is not None and cap_top > 3 * top
     for name, series, dash in (("capacity", caps, "solid"), ("usable (capacity - headroom)", usable, "dash")):
         if any(v is not None for v in series):
             fig.add_trace(go.Scatter(
                 x=labels, y=series, name=name, mode="lines", line={"color": "#333333", "dash": dash, "shape": "hvh"},
-                hovertemplate=f"{name}: %{{y:.4f}} GiB<extra></extra>", visible="legendonly" if off_scale else True,
+                hovertemplate=f"{name}: %{{y:.4g}} {unit}<extra></extra>", visible="legendonly" if off_scale else True,
             ))
     bad = [r for r in rows if r.failed_memory or r.status in FAILED_STATUSES]
     if bad:
         fig.add_trace(go.Scatter(
-            x=[r.label for r in bad], y=[(_max(r.peaks_gib) or 0.0) + 0.06 * top for r in bad],
+            x=[r.label for r in bad], y=[(_max(r.peaks_gib) or 0.0) * k + 0.06 * top for r in bad],
             mode="markers+text", name="OOM / over the limit / predicted", marker={"symbol": "x", "size": 12, "color": BAD},
             text=[_mark(r) for r in bad], textposition="top center",
             textfont={"color": BAD}, customdata=[r.reason or "" for r in bad],
@@ -82,9 +117,9 @@ def memory_figure(summary: StudySummary) -> Any:
     if any(r.predicted for r in rows):
         title += " (pale hatched bars: predicted, never run)"
     if off_scale and cap_top is not None:
-        title += f" (capacity {cap_top:.3g} GiB is off scale; toggle it in the legend)"
+        title += f" (capacity {memory_text(cap_top / k)} is off scale; toggle it in the legend)"
     fig.update_layout(
-        title=title, barmode="group", xaxis_title="trial", yaxis_title="GiB", legend_title="",
+        title=title, barmode="group", xaxis_title="trial", yaxis_title=f"peak device memory ({unit})", legend_title="",
         xaxis={"categoryorder": "array", "categoryarray": labels},  # trial order, whichever rank has a bar
         template="plotly_white", height=460, margin={"t": 60, "l": 60, "r": 20, "b": 60},
     )
@@ -98,41 +133,44 @@ def tradeoff_figure(summary: StudySummary) -> Any:
     import plotly.graph_objects as go
 
     measured = [r for r in summary.rows if r.measured]
+    unit, k = memory_unit(_max([r.spread_gib for r in measured]))
     fig = go.Figure()
     for name, subset, color in (("feasible", [r for r in measured if r.feasible], "#1f77b4"),
                                 ("over the memory limit", [r for r in measured if not r.feasible], BAD)):
         if subset:
             fig.add_trace(go.Scatter(
-                x=[r.spread_gib for r in subset], y=[r.step_ms for r in subset], mode="markers", name=name,
+                x=_scaled([r.spread_gib for r in subset], k), y=[r.step_ms for r in subset], mode="markers", name=name,
                 marker={"size": 9, "color": color, "opacity": 0.8}, text=[r.label for r in subset],
                 customdata=[_describe(r) for r in subset],
-                hovertemplate="%{text}<br>spread %{x:.4f} GiB, step %{y:.1f} ms<br>%{customdata}<extra></extra>",
+                hovertemplate=f"%{{text}}<br>spread %{{x:.4g}} {unit}, step %{{y:.1f}} ms<br>%{{customdata}}<extra></extra>",
             ))
-    front = pareto_front(summary.rows)
+    # a front of spread and step time only where they are the study's two objectives; a single-objective
+    # study minimised their weighted sum, and its chosen trial need not be on such a front
+    front = pareto_front(summary.rows) if len(summary.directions) > 1 else []
     if front:
         fig.add_trace(go.Scatter(
-            x=[r.spread_gib for r in front], y=[r.step_ms for r in front], mode="lines+markers", name="Pareto front",
+            x=_scaled([r.spread_gib for r in front], k), y=[r.step_ms for r in front], mode="lines+markers", name="Pareto front",
             line={"color": "#2ca02c", "shape": "hv"}, marker={"size": 11, "color": "#2ca02c", "symbol": "circle-open"},
             text=[r.label for r in front], hovertemplate="Pareto: %{text}<extra></extra>",
         ))
     if summary.baseline is not None and summary.baseline.measured:
         b = summary.baseline
         fig.add_trace(go.Scatter(
-            x=[b.spread_gib], y=[b.step_ms], mode="markers+text", name="baseline (script's own)",
+            x=_scaled([b.spread_gib], k), y=[b.step_ms], mode="markers+text", name="baseline (script's own)",
             marker={"size": 14, "color": "#7f7f7f", "symbol": "diamond"}, text=["baseline"],
             textposition="bottom center", hovertemplate=f"baseline {b.label}<extra></extra>",
         ))
     if summary.best is not None and summary.best.measured:
         b = summary.best
         fig.add_trace(go.Scatter(
-            x=[b.spread_gib], y=[b.step_ms], mode="markers+text", name=f"chosen {b.label}",
+            x=_scaled([b.spread_gib], k), y=[b.step_ms], mode="markers+text", name=f"chosen {b.label}",
             marker={"size": 20, "color": "#ffbf00", "symbol": "star", "line": {"color": "#000000", "width": 1}},
             text=[f"chosen {b.label}"], textposition="top center",
             hovertemplate=f"chosen {b.label}<br>{_describe(b)}<extra></extra>",
         ))
     fig.update_layout(
         title="Step time versus spread of peak memory across ranks (lower-left is better)",
-        xaxis_title="spread of peaks across ranks (GiB)", yaxis_title="step time (ms)", template="plotly_white",
+        xaxis_title=f"spread of peaks across ranks ({unit})", yaxis_title="step time (ms)", template="plotly_white",
         height=460, margin={"t": 60, "l": 60, "r": 20, "b": 60},
     )
     return fig
@@ -142,11 +180,11 @@ def importance_figure(importances: dict[str, float]) -> Any:
     import plotly.graph_objects as go
 
     items = sorted(importances.items(), key=lambda kv: kv[1])
-    fig = go.Figure(go.Bar(x=[v for _, v in items], y=[k for k, _ in items], orientation="h",
+    fig = go.Figure(go.Bar(x=[v for _, v in items], y=[param_words(k) for k, _ in items], orientation="h",
                            marker_color="#1f77b4", hovertemplate="%{y}: %{x:.3f}<extra></extra>"))
     fig.update_layout(title="Parameter importances for the objective", xaxis_title="importance",
                       template="plotly_white", height=max(240, 60 + 36 * len(items)),
-                      margin={"t": 60, "l": 160, "r": 20, "b": 50})
+                      margin={"t": 60, "l": 260, "r": 20, "b": 50})
     return fig
 
 
@@ -173,11 +211,12 @@ def time_memory_figure(summary: StudySummary) -> Any:
     unmeasured = [r for r in summary.rows if r.step_ms is None and r.peak_gib is not None and r.reused_from is None]
     top = max((float(r.step_ms) for r in measured), default=100.0)  # type: ignore[arg-type]
     band = top * 1.12
+    unit, k = memory_unit(_max([p for r in [*measured, *unmeasured] for p in r.peaks_gib]))
     fig = go.Figure()
     for row in measured:  # a trial's ranks joined
         peaks = [p for p in row.peaks_gib if p is not None]
         if len(peaks) > 1:
-            fig.add_trace(go.Scatter(x=[min(peaks), max(peaks)], y=[row.step_ms, row.step_ms], mode="lines",
+            fig.add_trace(go.Scatter(x=[min(peaks) * k, max(peaks) * k], y=[row.step_ms, row.step_ms], mode="lines",
                                      line={"color": "#bbbbbb", "width": 1}, showlegend=False, hoverinfo="skip"))
     for rank in range(n):
         for feasible in (True, False):
@@ -186,11 +225,11 @@ def time_memory_figure(summary: StudySummary) -> Any:
                 continue
             name = (f"rank {rank}" if n > 1 else "peak") + ("" if feasible else " (trial over the limit)")
             fig.add_trace(go.Scatter(
-                x=[r.peaks_gib[rank] for r in subset], y=[r.step_ms for r in subset], mode="markers", name=name,
+                x=_scaled([r.peaks_gib[rank] for r in subset], k), y=[r.step_ms for r in subset], mode="markers", name=name,
                 marker={"size": 10, "color": colors[rank], "symbol": "circle" if feasible else "x",
                         "line": {"color": BAD if not feasible else colors[rank], "width": 2}},
                 text=[r.label for r in subset], customdata=[[r.outcome, _describe(r)] for r in subset],
-                hovertemplate=(f"%{{text}} rank {rank}: %{{x:.3f}} GiB, step %{{y:.1f}} ms<br>%{{customdata[0]}}"
+                hovertemplate=(f"%{{text}} rank {rank}: %{{x:.4g}} {unit}, step %{{y:.1f}} ms<br>%{{customdata[0]}}"
                                "<br>%{customdata[1]}<extra></extra>"),
             ))
     for predicted in (False, True):
@@ -199,40 +238,40 @@ def time_memory_figure(summary: StudySummary) -> Any:
             continue
         name = "predicted OOM (not run; predicted peak)" if predicted else "OOM / no step time (peak is a lower bound)"
         fig.add_trace(go.Scatter(
-            x=[r.peak_gib for r in subset], y=[band] * len(subset), mode="markers+text", name=name,
+            x=_scaled([r.peak_gib for r in subset], k), y=[band] * len(subset), mode="markers+text", name=name,
             marker={"size": 11, "color": BAD,
                     "symbol": "triangle-up-open" if predicted else "triangle-up",
                     "line": {"color": BAD, "width": 1.5}},
             text=[r.label.split()[0] for r in subset], textposition="top center", textfont={"size": 9},
             customdata=[[r.outcome, r.reason or "", _describe(r)] for r in subset],
-            hovertemplate="%{text}: %{customdata[0]}, peak >= %{x:.3f} GiB<br>%{customdata[1]}<br>%{customdata[2]}"
+            hovertemplate=f"%{{text}}: %{{customdata[0]}}, peak >= %{{x:.4g}} {unit}<br>%{{customdata[1]}}<br>%{{customdata[2]}}"
                           "<extra></extra>",
         ))
     best = summary.best
     if best is not None and best.step_ms is not None and best.peak_gib is not None:
         fig.add_trace(go.Scatter(
-            x=[best.peak_gib], y=[best.step_ms], mode="markers+text", name=f"chosen {best.label}",
+            x=_scaled([best.peak_gib], k), y=[best.step_ms], mode="markers+text", name=f"chosen {best.label}",
             marker={"size": 20, "color": "#ffbf00", "symbol": "star", "line": {"color": "#000000", "width": 1}},
             text=[f"chosen {best.label}"], textposition="bottom center",
-            hovertemplate=f"chosen {best.label}: highest rank %{{x:.3f}} GiB, %{{y:.1f}} ms<extra></extra>",
+            hovertemplate=f"chosen {best.label}: highest rank %{{x:.4g}} {unit}, %{{y:.1f}} ms<extra></extra>",
         ))
     caps, usable = _limits(summary)
-    xs = [p for r in [*measured, *unmeasured] for p in r.peaks_gib if p is not None]
+    xs = [p * k for r in [*measured, *unmeasured] for p in r.peaks_gib if p is not None]
     right = max(xs, default=1.0)
     for name, series, dash in (("capacity", caps, "solid"), ("usable", usable, "dash")):
-        levels = [(r, float(v)) for r, v in enumerate(series) if v is not None]
+        levels = [(r, float(v) * k) for r, v in enumerate(series) if v is not None]
         if not levels or min(v for _, v in levels) > 3 * right:
             continue  # host RAM on CPU: a far-away line would flatten the markers
         one_level = len({round(v, 4) for _, v in levels}) == 1
         for r, v in (levels[:1] if one_level else levels):
-            label = f"{name} {v:.3g} GiB" + ("" if one_level or n == 1 else f" (rank {r})")
+            label = f"{name} {v:.3g} {unit}" + ("" if one_level or n == 1 else f" (rank {r})")
             fig.add_vline(x=v, line={"color": "#333333" if one_level else colors[r], "dash": dash, "width": 1},
                           annotation_text=label, annotation_position="top left" if name == "usable" else "top right",
                           annotation_font_size=10)
             right = max(right, v)
     fig.update_layout(
         title="Step time versus peak memory per rank (left of the usable line and low is better)",
-        xaxis_title="peak device memory (GiB)", yaxis_title="step time (ms)", template="plotly_white", height=480,
+        xaxis_title=f"peak device memory ({unit})", yaxis_title="step time (ms)", template="plotly_white", height=480,
         margin={"t": 70, "l": 60, "r": 20, "b": 60}, legend_title="",
     )
     if unmeasured:

@@ -8,7 +8,17 @@ import os
 from typing import Any
 
 from autobalance.protocol import FAILED_STATUSES, Status
-from autobalance.report._figures import BAD, _limits, _natural, _varying, factor_values, rank_colors
+from autobalance.report._figures import (
+    BAD,
+    _limits,
+    _natural,
+    _scaled,
+    _varying,
+    factor_values,
+    memory_unit,
+    param_words,
+    rank_colors,
+)
 from autobalance.report._rows import StudySummary, pareto_front
 
 __all__ = ["write_pngs"]
@@ -30,7 +40,7 @@ def write_pngs(summary: StudySummary, png_dir: str, *, importances: dict[str, fl
     except ImportError:
         from autobalance._errors import UsageError
 
-        raise UsageError("--png needs matplotlib; install it with pip install 'autobalance[report]'.") from None
+        raise UsageError("--png needs matplotlib; install it with pip install -e '.[report]' in the autobalance clone (or pip install matplotlib).") from None
     matplotlib.use("Agg", force=False)
     from matplotlib.figure import Figure
 
@@ -42,25 +52,26 @@ def write_pngs(summary: StudySummary, png_dir: str, *, importances: dict[str, fl
     fig = Figure(figsize=(max(6.0, 0.5 * len(rows) * max(1, ranks) + 2), 4.2), dpi=110)
     ax = fig.add_subplot()
     width = 0.8 / max(1, ranks)
-    top = _max([_max(r.peaks_gib) for r in rows]) or 1.0
+    unit, k = memory_unit(_max([_max(r.peaks_gib) for r in rows]))
+    top = (_max([_max(r.peaks_gib) for r in rows]) or 1.0) * k
     for rank, color in zip(range(ranks), rank_colors(ranks), strict=True):
         xs = [i - 0.4 + width * (rank + 0.5) for i in range(len(rows))]
-        ys = [(r.peaks_gib[rank] if rank < len(r.peaks_gib) else None) or 0.0 for r in rows]
+        ys = [((r.peaks_gib[rank] if rank < len(r.peaks_gib) else None) or 0.0) * k for r in rows]
         ax.bar(xs, ys, width=width, color=color, label=f"rank {rank}",
                hatch=None, edgecolor=[BAD if r.failed_memory else color for r in rows])
-    caps = [_max(r.capacity_gib) for r in rows]
+    caps = _scaled([_max(r.capacity_gib) for r in rows], k)
     cap_top = _max(caps)
     if cap_top is not None and cap_top <= 3 * top:
-        for name, series, style in (("capacity", caps, "-"), ("usable", [_max(r.usable_gib) for r in rows], "--")):
+        for name, series, style in (("capacity", caps, "-"), ("usable", _scaled([_max(r.usable_gib) for r in rows], k), "--")):
             ax.step(range(len(rows)), [v if v is not None else float("nan") for v in series], where="mid",
                     color="#333333", linestyle=style, linewidth=1, label=name)
     for i, r in enumerate(rows):
         if r.failed_memory or r.status in FAILED_STATUSES:
             text = "predicted OOM" if r.predicted else ("over limit" if r.status == Status.OK else r.status.upper())
-            ax.annotate(text, (i, (_max(r.peaks_gib) or 0) + 0.04 * top), ha="center", color=BAD, fontsize=8,
+            ax.annotate(text, (i, (_max(r.peaks_gib) or 0) * k + 0.04 * top), ha="center", color=BAD, fontsize=8,
                         weight="bold")
     ax.set_xticks(range(len(rows)), [r.label for r in rows], rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("GiB")
+    ax.set_ylabel(f"peak device memory ({unit})")
     ax.set_title("Peak device memory per rank, per trial")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -80,7 +91,7 @@ def write_pngs(summary: StudySummary, png_dir: str, *, importances: dict[str, fl
         items = sorted(importances.items(), key=lambda kv: kv[1])
         fig = Figure(figsize=(6.4, max(2.4, 0.5 + 0.4 * len(items))), dpi=110)
         ax = fig.add_subplot()
-        ax.barh([k for k, _ in items], [v for _, v in items], color="#1f77b4")
+        ax.barh([param_words(name) for name, _ in items], [v for _, v in items], color="#1f77b4")
         ax.set_xlabel("importance")
         ax.set_title("Parameter importances")
         fig.tight_layout()
@@ -97,36 +108,37 @@ def _time_memory_png(summary: StudySummary, png_dir: str, Figure: Any) -> str:
     measured = [r for r in summary.rows if r.step_ms is not None and r.peak_gib is not None]
     unmeasured = [r for r in summary.rows if r.step_ms is None and r.peak_gib is not None and r.reused_from is None]
     top = max((float(r.step_ms) for r in measured), default=100.0)  # type: ignore[arg-type]
+    unit, k = memory_unit(_max([p for r in [*measured, *unmeasured] for p in r.peaks_gib]))
     for r in measured:
-        peaks = [p for p in r.peaks_gib if p is not None]
+        peaks = [p * k for p in r.peaks_gib if p is not None]
         if len(peaks) > 1:
             ax.plot([min(peaks), max(peaks)], [r.step_ms, r.step_ms], color="#bbbbbb", linewidth=1, zorder=1)
     for rank in range(n):
         for feasible in (True, False):
             subset = [r for r in measured if r.feasible == feasible and rank < r.ranks and r.peaks_gib[rank] is not None]
             if subset:
-                ax.scatter([r.peaks_gib[rank] for r in subset], [_f(r.step_ms) for r in subset], color=colors[rank],
+                ax.scatter([_f(r.peaks_gib[rank]) * k for r in subset], [_f(r.step_ms) for r in subset], color=colors[rank],
                            marker="o" if feasible else "X", edgecolors=colors[rank] if feasible else BAD, s=45,
                            label=(f"rank {rank}" if n > 1 else "peak") + ("" if feasible else " (trial over the limit)"),
                            zorder=3)
     for predicted in (False, True):
         subset = [r for r in unmeasured if r.predicted == predicted]
         if subset:
-            ax.scatter([_f(r.peak_gib) for r in subset], [top * 1.12] * len(subset), marker="^",
+            ax.scatter([_f(r.peak_gib) * k for r in subset], [top * 1.12] * len(subset), marker="^",
                        facecolors="none" if predicted else BAD, edgecolors=BAD, s=50, zorder=3,
                        label="predicted OOM (not run)" if predicted else "OOM (peak: a lower bound)")
     best = summary.best
     if best is not None and best.step_ms is not None:
-        ax.scatter([_f(best.peak_gib)], [_f(best.step_ms)], marker="*", s=260, color="#ffbf00", edgecolors="black",
+        ax.scatter([_f(best.peak_gib) * k], [_f(best.step_ms)], marker="*", s=260, color="#ffbf00", edgecolors="black",
                    label=f"chosen {best.label}", zorder=5)
     caps, usable = _limits(summary)
-    right = max((p for r in [*measured, *unmeasured] for p in r.peaks_gib if p is not None), default=1.0)
+    right = max((p * k for r in [*measured, *unmeasured] for p in r.peaks_gib if p is not None), default=1.0)
     for name, series, style in (("capacity", caps, "-"), ("usable", usable, "--")):
-        levels = sorted({round(float(v), 4) for v in series if v is not None})
+        levels = sorted({float(f"{float(v) * k:.4g}") for v in series if v is not None})
         if levels and levels[0] <= 3 * right:
             for v in levels:
-                ax.axvline(v, color="#333333", linestyle=style, linewidth=1, label=f"{name} {v:.4g} GiB")
-    ax.set_xlabel("peak device memory (GiB)")
+                ax.axvline(v, color="#333333", linestyle=style, linewidth=1, label=f"{name} {v:.4g} {unit}")
+    ax.set_xlabel(f"peak device memory ({unit})")
     ax.set_ylabel("step time (ms)")
     ax.set_title("Step time versus peak memory per rank")
     ax.legend(fontsize=7, loc="best")
@@ -190,21 +202,22 @@ def _tradeoff_png(summary: StudySummary, png_dir: str, Figure: Any) -> str:
     fig = Figure(figsize=(6.4, 4.2), dpi=110)
     ax = fig.add_subplot()
     measured = [r for r in summary.rows if r.measured]
+    unit, k = memory_unit(_max([r.spread_gib for r in measured]))
     for name, subset, color in (("feasible", [r for r in measured if r.feasible], "#1f77b4"),
                                 ("over the memory limit", [r for r in measured if not r.feasible], BAD)):
         if subset:
-            ax.scatter([_f(r.spread_gib) for r in subset], [_f(r.step_ms) for r in subset], color=color, label=name, s=30)
-    front = pareto_front(summary.rows)
+            ax.scatter([_f(r.spread_gib) * k for r in subset], [_f(r.step_ms) for r in subset], color=color, label=name, s=30)
+    front = pareto_front(summary.rows) if len(summary.directions) > 1 else []  # two objectives only
     if front:
-        ax.step([_f(r.spread_gib) for r in front], [_f(r.step_ms) for r in front], where="post", color="#2ca02c",
+        ax.step([_f(r.spread_gib) * k for r in front], [_f(r.step_ms) for r in front], where="post", color="#2ca02c",
                 label="Pareto front")
     if summary.baseline is not None and summary.baseline.measured:
-        ax.scatter([_f(summary.baseline.spread_gib)], [_f(summary.baseline.step_ms)], marker="D", s=70, color="#7f7f7f",
+        ax.scatter([_f(summary.baseline.spread_gib) * k], [_f(summary.baseline.step_ms)], marker="D", s=70, color="#7f7f7f",
                    label="baseline")
     if summary.best is not None and summary.best.measured:
-        ax.scatter([_f(summary.best.spread_gib)], [_f(summary.best.step_ms)], marker="*", s=260, color="#ffbf00",
+        ax.scatter([_f(summary.best.spread_gib) * k], [_f(summary.best.step_ms)], marker="*", s=260, color="#ffbf00",
                    edgecolors="black", label=f"chosen {summary.best.label}", zorder=5)
-    ax.set_xlabel("spread of peaks across ranks (GiB)")
+    ax.set_xlabel(f"spread of peaks across ranks ({unit})")
     ax.set_ylabel("step time (ms)")
     ax.set_title("Step time versus spread")
     ax.legend(fontsize=8)

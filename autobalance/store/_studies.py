@@ -74,7 +74,7 @@ def open_storage(url: str, *, heartbeat: bool = True) -> optuna.storages.RDBStor
     except ModuleNotFoundError as exc:
         raise StorageError(
             f"--storage={mask_url(url)} needs the Python driver {exc.name!r}; install it "
-            "(PostgreSQL: pip install 'autobalance[postgres]')."
+            "(PostgreSQL: pip install 'psycopg[binary]', or pip install -e '.[postgres]' in the autobalance clone)."
         ) from None
     except Exception as exc:
         detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

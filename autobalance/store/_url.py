@@ -40,8 +40,8 @@ _SECRET_PARAMS = re.compile(
     re.I,
 )
 _DRIVER_PACKAGES = {
-    "psycopg": "autobalance[postgres]",
-    "psycopg2": "psycopg2-binary (or use postgresql+psycopg:// with autobalance[postgres])",
+    "psycopg": "'psycopg[binary]'",
+    "psycopg2": "psycopg2-binary (or use postgresql+psycopg:// with 'psycopg[binary]')",
     "pg8000": "pg8000",
     "asyncpg": "asyncpg",
     "pymysql": "pymysql",

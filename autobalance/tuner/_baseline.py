@@ -174,9 +174,28 @@ def _space_from_baseline(study: optuna.Study, outcome: TrialOutcome,
     study.set_user_attr(StudyAttr.SCRIPT_FACTS, facts)
     study.set_user_attr(StudyAttr.ALLOW_BATCH_DEPENDENT, s.allow_batch_dependent)
     study.set_user_attr(StudyAttr.CAPACITY, capacity)
+    study.set_user_attr(StudyAttr.CAPACITY_IN_WORDS, capacity_in_words(capacity, caps=s.caps_bytes(),
+                                                                      headroom=s.headroom))
     study.set_user_attr(StudyAttr.DEVICE, device.as_read())  # the baseline's device as it reported it
     study.set_user_attr(StudyAttr.DEVICE_NAMES, [_identity(outcome.reports.get(r)) for r in range(s.world_size)])
     study.set_user_attr(StudyAttr.SCRIPT_SHA, script_sha256(s.script))
     study.set_user_attr(StudyAttr.TORCH_VERSION, rep.torch_version)
     study.set_user_attr(StudyAttr.CUDA_VERSION, rep.cuda_version)
     return space, defaults
+
+
+def capacity_in_words(capacity: list[float], *, caps: list[int] | None, headroom: float) -> str:
+    """The study attribute :data:`StudyAttr.CAPACITY_IN_WORDS`: ``capacity_bytes`` (the devices' own
+    memory, e.g. the host's RAM on CPU) beside the limit the trials are judged against, with units."""
+
+    def per_rank(values: list[float]) -> str:
+        texts = [memory_text(v / 2**30) for v in values]
+        return f"{texts[0]} per rank" if len(set(texts)) == 1 else ", ".join(f"rank {r} {t}" for r, t in enumerate(texts))
+
+    own = per_rank(capacity)
+    if caps:
+        return (f"capacity_bytes is each device's own memory ({own}); trials are judged against the emulated cap: "
+                f"{per_rank([float(c) for c in caps])} ({per_rank([c * (1 - headroom) for c in caps])} usable "
+                f"with {headroom:.0%} headroom).")
+    return (f"capacity_bytes is each device's memory ({own}); trials are judged against it: "
+            f"{per_rank([c * (1 - headroom) for c in capacity])} usable with {headroom:.0%} headroom.")

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from autobalance.protocol import Status, StudyAttr, TrialAttr, best_trial
 from autobalance.tuner._settings import TuneSettings
-from autobalance.tuner._summary import TuneResult, record_time_spent
+from autobalance.tuner._summary import TuneResult, baseline_won, record_time_spent
 
 if TYPE_CHECKING:
     from autobalance.launcher import WarmPool
@@ -69,11 +69,13 @@ def save_best(*, settings: TuneSettings, result: TuneResult, note: Callable[[str
     chosen = result.best
     if settings.verify:  # a configuration that fails verification is never saved
         started = time.monotonic()
+        before = _verdicts(study)
         try:
             chosen = verify_for_saving(settings=settings, study=study, best=result.best, baseline=result.baseline,
                                        notes=result.notes, note=note, pool=pool)
         finally:
-            record_time_spent(study, result, verify_s=time.monotonic() - started)
+            if _verdicts(study) != before:  # a verdict kept from an earlier run is not this run's work
+                record_time_spent(study, result, verify_s=time.monotonic() - started)
     verdicts = study.user_attrs
     prefix = StudyAttr.VERIFY_PREFIX
     rejected = sorted(int(key[len(prefix):]) for key, verdict in verdicts.items()
@@ -85,8 +87,17 @@ def save_best(*, settings: TuneSettings, result: TuneResult, note: Callable[[str
         result.best = chosen
     save_trial(storage_url=settings.storage, study=study, trial_number=chosen.number, action="tune")
     result.saved = True
-    result.notes.append(f"Saved trial {chosen.number} as the best configuration of '{settings.study_name}'.")
+    if result.baseline is not None and chosen.number == result.baseline.number:
+        result.notes.append(baseline_won(study, baseline=chosen.number, study_name=settings.study_name))
+    else:
+        result.notes.append(f"Saved trial {chosen.number} as the best configuration of '{settings.study_name}'.")
     return Saving(trial=chosen.number, rejected=rejected)
+
+
+def _verdicts(study: Any) -> dict[str, Any]:
+    """The study's verification verdicts (study attributes), by trial."""
+    prefix = StudyAttr.VERIFY_PREFIX
+    return {k: v for k, v in study.user_attrs.items() if k.startswith(prefix)}
 
 
 def _why_infeasible(trial: Any) -> str:

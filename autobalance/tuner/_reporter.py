@@ -105,7 +105,8 @@ class RichReporter:
         self.console.print(
             f"[bold]autobalance tune[/] {settings.script}  study [cyan]{settings.study_name}[/]  "
             f"{settings.world_size} ranks on {settings.device}  {settings.trials} trials"
-            + (f" ({already} done before)" if already else "") + budget
+            + (f" (all {already} done before: nothing to run; --trials {already + 10} runs 10 more)"
+               if already >= settings.trials else f" ({already} done before)" if already else "") + budget
         )
         cap = cap_line(settings)
         if cap:

@@ -12,7 +12,7 @@ from autobalance._config import BalanceConfig
 from autobalance.protocol import RankReport, StudyAttr
 from autobalance.tuner.search import SearchSpace
 
-__all__ = ["ATTR_SCRIPT_FACTS", "batch_dependent_layers", "keep_split", "script_facts", "summary_facts"]
+__all__ = ["ATTR_SCRIPT_FACTS", "batch_dependent_layers", "keep_split", "name_blocks", "script_facts", "summary_facts"]
 
 ATTR_SCRIPT_FACTS = StudyAttr.SCRIPT_FACTS
 """Study attribute: the lines of :func:`script_facts` for the baseline (shown again in the summary)."""
@@ -39,6 +39,20 @@ def keep_split(space: SearchSpace, *, report: RankReport, own: BalanceConfig, al
     return True
 
 
+_NAME_BLOCKS = {
+    "lightning": "BalanceStrategy(..., blocks={})",
+    "hf": "BalanceTrainer(..., blocks={})",
+    "accelerate": "balance.prepare(accelerator, model, optimizer, dataset, blocks={})",
+}
+"""How a script of each integration names its blocks (``model_info["framework"]`` in the rank report)."""
+
+
+def name_blocks(model: dict[str, Any], path: str) -> str:
+    """The call that names the blocks at ``path`` in this script: ``plan.wrap(model, blocks=...)``, or
+    the integration's own ``blocks=`` when a framework owns the loop (it never calls ``plan.wrap``)."""
+    return _NAME_BLOCKS.get(str(model.get("framework") or ""), "plan.wrap(model, blocks={})").format(path)
+
+
 def script_facts(report: RankReport, *, kept_split: bool, allow: bool, split: str) -> list[str]:
     """One line per fact (see the module doc); ``split``: the script's split in words."""
     lines = []
@@ -46,10 +60,10 @@ def script_facts(report: RankReport, *, kept_split: bool, allow: bool, split: st
     if int(model.get("num_blocks") or 0) == 0:
         lines.append("No repeated blocks found in the model (no ModuleList or nn.Sequential of same-type blocks): "
                      "activation checkpointing is not searched. Name the blocks with "
-                     "plan.wrap(model, blocks=\"path.to.blocks\") to search it.")
+                     + name_blocks(model, '"path.to.blocks"') + " to search it.")
     else:
         lines.append(f"Blocks: {model.get('num_blocks')} at '{model.get('blocks_path') or '(the model)'}' "
-                     "(name others with plan.wrap(model, blocks=...)).")
+                     f"(name others with {name_blocks(model, '...')}).")
     layers = batch_dependent_layers(report)
     if layers and kept_split:
         lines.append(f"Batch-dependent layers ({_shown(layers)}): their train-mode step depends on which samples "

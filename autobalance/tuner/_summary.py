@@ -4,6 +4,7 @@ trials, the steps' share of the wall time, compilation, the memory model's error
 from __future__ import annotations
 
 import contextlib
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +18,7 @@ from autobalance.tuner._script_facts import summary_facts
 from autobalance.tuner._time_spent import TIME_PARTS, per_trial_overhead_s, time_lines, time_spent
 from autobalance.tuner.search import compile_notes, model_errors_line
 
-__all__ = ["TuneResult", "per_trial_overhead_s", "summarise"]
+__all__ = ["TuneResult", "baseline_won", "per_trial_overhead_s", "rerun_hint", "summarise", "what_was_tried"]
 
 
 @dataclass(kw_only=True)
@@ -38,9 +39,79 @@ class TuneResult:
     time_spent: dict[str, Any] = field(default_factory=dict)
     """How this run spent its wall time and its time budget (see :data:`StudyAttr.TIME_SPENT`)."""
 
+    already: int = 0
+    """Trials the study had counted before this run (``--trials`` is the study's total)."""
+    of: int = 0
+    """``--trials``: the study's total."""
+
     def time_lines(self) -> list[str]:
-        """Where the run's time went, and whether its time budget stopped it."""
+        """Where the run's time went, and whether its time budget stopped it; nothing when this run
+        launched no trial and verified nothing (its time would read as the study's work)."""
+        if _idle(self):
+            return []
         return time_lines(self.time_spent)
+
+    def rerun_hint(self) -> str | None:
+        """The line for a run that had nothing to do (see :func:`rerun_hint`); None otherwise."""
+        return rerun_hint(already=self.already, of=self.of) if self.trials_run == 0 else None
+
+
+def _idle(result: TuneResult) -> bool:
+    """This run launched no trial, verified nothing and was not stopped by its time budget: it had
+    nothing to do (its few milliseconds are not the study's work)."""
+    spent = result.time_spent
+    return result.trials_run == 0 and not spent.get("verified") and not spent.get("stopped_by_budget")
+
+
+def rerun_hint(*, already: int, of: int, more: int = 10) -> str | None:
+    """The line for a run that had nothing to do: the study already counted ``of`` trials (``--trials``
+    is the study's total, not this run's), and how to run ``more``. None when trials were left to run."""
+    if of <= 0 or already < of:
+        return None
+    return (f"Nothing to run: the study already has {already} trial(s) and --trials {of} is the study's total, not "
+            f"this run's; --trials {already + more} runs {more} more. The figures below are from its earlier runs.")
+
+
+def what_was_tried(trials: list[FrozenTrial], *, baseline: int) -> str:
+    """The other configurations a study measured, in words: how many, and what varied among them
+    (splits, accumulation, checkpointing, dtypes, buckets, compile, optimizer sharding)."""
+    configs = [t.user_attrs.get(TrialAttr.CONFIG) or {} for t in trials
+               if t.number != baseline and t.user_attrs.get(TrialAttr.STATUS) not in (None, Status.STALE, Status.SURPLUS,
+                                                                                       Status.INTERRUPTED)]
+    if not configs:
+        return "no other configuration measured"
+
+    def values(key: str) -> list[Any]:
+        return sorted({json.dumps(c.get(key), sort_keys=True) for c in configs if key in c})
+
+    parts = []
+    splits = {json.dumps(c.get("rank_samples") or c.get("micro_batches")) for c in configs}
+    if len(splits) > 1:
+        parts.append(f"{len(splits)} splits")
+    acc = sorted({int(c["accumulation"]) for c in configs if isinstance(c.get("accumulation"), int)})
+    if len(acc) > 1:
+        parts.append(f"accumulation {acc[0]}-{acc[-1]}")
+    if any(any(blocks) for c in configs for blocks in (c.get("checkpoint") or [])):
+        parts.append("checkpointing")
+    dtypes = [json.loads(v) for v in values("dtype")]
+    if len(dtypes) > 1:
+        parts.append("/".join(str(d) for d in dtypes))
+    if len(values("bucket_cap_mb")) > 1:
+        parts.append("DDP buckets")
+    if any(c.get("compile", "off") != "off" for c in configs):
+        parts.append("torch.compile")
+    if any(c.get("optimizer_sharding") == "zero1" for c in configs):
+        parts.append("ZeRO-1")
+    return f"{len(configs)} other configuration(s)" + (f" ({', '.join(parts)})" if parts else "")
+
+
+def baseline_won(study: optuna.Study, *, baseline: int, study_name: str) -> str:
+    """The verdict when the best trial is the baseline: the script's own configuration was best, what
+    else was tried, and what saving it means."""
+    tried = what_was_tried(study.get_trials(deepcopy=False), baseline=baseline)
+    return (f"The script's own configuration was the best: {tried} did not beat it. Saved trial {baseline} (the "
+            f"script's own) as the best configuration of '{study_name}': a production run keeps the script's "
+            "settings; more --trials may still find a better one.")
 
 
 def summarise(study: optuna.Study, result: TuneResult, *, cold_note: str | None, advisor: Advisor | None,
@@ -113,5 +184,7 @@ def record_time_spent(study: optuna.Study, result: TuneResult, *, launched_here:
         spent["verify"], spent["verified"] = round(verify_s, 3), True
     spent["wall"] = round(result.wall_s + float(spent.get("verify") or 0.0), 3)
     spent["other"] = round(max(0.0, spent["wall"] - sum(float(spent.get(k) or 0.0) for k in TIME_PARTS)), 3)
+    if _idle(result):
+        return  # a run with nothing to do keeps the record of the study's last run that did
     with contextlib.suppress(Exception):  # a summary must not fail on a storage hiccup
         study.set_user_attr(StudyAttr.TIME_SPENT, dict(spent))

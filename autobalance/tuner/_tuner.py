@@ -3,7 +3,10 @@ study, runs the baseline once, then builds and runs the trial loop (:class:`~aut
 
 from __future__ import annotations
 
+import contextlib
 import time
+
+import optuna
 
 from autobalance._errors import UsageError
 from autobalance.launcher import WarmPool
@@ -63,17 +66,24 @@ class Tuner:
         if s.nnodes > 1 and not s.rdzv_endpoint:
             raise UsageError(f"--nnodes={s.nnodes} needs --rdzv-endpoint HOST:PORT (a port on this node that the other "
                              "nodes reach); start `autobalance worker` with the same endpoint on each of them.")
+        created = not _exists(self.storage, s.study_name)
         study = open_study(s, self.storage)
         self.recorder.load(study)
         space_dict = study.user_attrs.get(StudyAttr.SPACE)
         space = SearchSpace.from_dict(space_dict) if space_dict else None
         if space is not None:
             check_space(s, space)
-        self.reporter.begin(s, already=counted_trials(study), deadline=self.budget.deadline)
+        already = counted_trials(study)
+        self.reporter.begin(s, already=already, deadline=self.budget.deadline)
         try:
             if space is None or StudyAttr.BASELINE not in study.user_attrs:
-                space = baseline_once(study, settings=s, storage=self.storage, launcher=self.launcher,
-                                      recorder=self.recorder, reporter=self.reporter)
+                try:
+                    space = baseline_once(study, settings=s, storage=self.storage, launcher=self.launcher,
+                                          recorder=self.recorder, reporter=self.reporter)
+                except BaseException:
+                    if created:  # a baseline that failed before recording a trial leaves no empty study behind
+                        _drop_if_empty(study, self.storage)
+                    raise
             self.recorder.launch_settings(study, cold=self.launcher.cold)
             if self.advisor is None and s.strategy == "model":
                 self.advisor = _make_advisor(space=space, settings=s)
@@ -83,7 +93,7 @@ class Tuner:
         base_no = study.user_attrs.get(StudyAttr.BASELINE)
         result = TuneResult(study_name=s.study_name, storage=mask_url(s.storage), trials_run=self.trials_run,
                             baseline=study.trials[base_no] if base_no is not None else None,
-                            best=best_trial(study), wall_s=time.monotonic() - start)
+                            best=best_trial(study), wall_s=time.monotonic() - start, already=already, of=s.trials)
         result.time_spent = {"slots": len(self.launcher.slots()), "budget_s": s.time_budget_s,
                              "stopped_by_budget": self.budget.stopped, "trials": counted_trials(study), "of": s.trials,
                              **(self.budget.record() if s.time_budget_s is not None else {})}
@@ -105,6 +115,23 @@ class Tuner:
         if self.kept_pool is not None:
             self.kept_pool.close()
             self.kept_pool = None
+
+
+def _exists(storage: optuna.storages.BaseStorage, name: str) -> bool:
+    """Whether ``storage`` holds a study called ``name``."""
+    try:
+        storage.get_study_id_from_name(name)
+    except KeyError:
+        return False
+    return True
+
+
+def _drop_if_empty(study: optuna.Study, storage: optuna.storages.BaseStorage) -> None:
+    """Delete ``study`` when it has no trial at all (this run created it and its baseline failed
+    before recording one); a study with any trial, another worker's running one included, stays."""
+    with contextlib.suppress(Exception):  # the baseline's own error is what the user must see
+        if not study.get_trials(deepcopy=False):
+            optuna.delete_study(study_name=study.study_name, storage=storage)
 
 
 def _make_advisor(*, space: SearchSpace, settings: TuneSettings) -> Advisor | None:
