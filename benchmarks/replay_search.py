@@ -66,6 +66,8 @@ TRIAL_OVERHEAD_S = 1.5
 """A warm eager trial's start-up and hand-over around its steps (the grids' eager walls less steps)."""
 FROM_CACHE_SHARE = 0.4
 """A compile whose graphs the study compiled before costs this share of a cold one (issue 41's H200 study)."""
+VERIFY_COMPARE_S = 3.1
+"""Saving, reading and comparing one verification run's tensors (~1.08 GB of parameters: issue 41's H200 study)."""
 MEASURED_STEPS = 6
 WARMUP_STEPS = 2
 FP16_SLOWER = 1.02
@@ -316,8 +318,10 @@ def replay(machine: GridMachine, *, seed: int, budget: str, root: str) -> dict[s
         return {"placement": machine.placement, "budget": budget, "seed": seed, "saved": None, "ratio": None,
                 "wall_s": round(loop_s, 1), "grid_best_ms": round(grid_ms, 2)}
     best = BalanceConfig.from_dict(result.best.user_attrs["config"])
-    worker["fresh"] = True
-    verify_s = sum(run_s(cfg, 2)[0] for _, cfg, _ in verification_runs(own, best, dropout=False))
+    verify_s = 0.0
+    for _, cfg, _ in verification_runs(own, best, dropout=False):
+        worker["fresh"] = True  # each verification run in a fresh worker (63-98 s for 4-7 runs on the H200)
+        verify_s += run_s(cfg, 2)[0] + VERIFY_COMPARE_S
     true_ms = machine.point(best).step_ms
     trials = optuna.load_study(study_name=name, storage=settings.storage).trials
     phases = [t.user_attrs.get("proposed_by", "sampler") for t in trials]

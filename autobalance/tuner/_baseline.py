@@ -152,7 +152,8 @@ def _space_from_baseline(study: optuna.Study, outcome: TrialOutcome,
     space = SearchSpace.build(world_size=s.world_size, global_batch=defaults.global_batch,
                               num_layers=int((rep.model or {}).get("num_blocks", 0)), dtypes=dtypes,
                               max_accumulation=max(s.max_accumulation, defaults.accumulation),
-                              compile_modes=s.compile_modes(), any_split=s.split == "any")
+                              compile_modes=s.compile_modes(), any_split=s.split == "any",
+                              compile_scopes=s.compile_scopes(int((rep.model or {}).get("num_blocks", 0))))
     if defaults.accumulation not in space.accumulations:
         space.accumulations = sorted({*space.accumulations, defaults.accumulation})
     if s.world_size > 1 and any((r.optimizer or {}).get("wrapped") for r in outcome.reports.values()):

@@ -42,6 +42,7 @@ Sampler = Literal["tpe", "gp", "random", "nsga2"]
 Split = Literal["any", "equal"]
 OnError = Literal["stop", "continue"]
 CompileChoice = Literal["off", "on", "search"]
+CompileScopeChoice = Literal["search", "whole", "regional"]
 
 SAMPLERS: tuple[str, ...] = get_args(Sampler)
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
@@ -153,6 +154,11 @@ class TuneSettings:
     size 1 CUDA graphs too, measured once against the study's best default-mode trial and proposed
     further only where they pay (``tuner/search/_cuda_graphs.py``; not the default until GPU studies
     show it pays, ``docs/compile.md``)."""
+    compile_scope: CompileScopeChoice = "search"
+    """What compiled trials compile: ``whole`` (the model as one region), ``regional`` (each repeated
+    block on its own, identical blocks sharing one compile, plus the loss ``plan.wrap(loss=...)`` owns:
+    about a third of the compile time) or ``search`` (both, when the model has repeated blocks;
+    ``docs/compile.md`` says when each wins)."""
     verify: bool = True
     """Before the best configuration is saved, prove with ``autobalance verify`` that it computes the
     baseline's update (a failing configuration is never saved)."""
@@ -274,6 +280,13 @@ class TuneSettings:
     def compile_modes(self) -> list[str]:
         """The compile modes this run searches (see ``compile``)."""
         return compile_modes(self.compile, self.compile_mode, self.device, world_size=self.world_size)
+
+    def compile_scopes(self, num_blocks: int) -> list[str]:
+        """The compile scopes this run searches for a model with ``num_blocks`` repeated blocks
+        (``regional`` needs blocks to compile)."""
+        if self.compile_scope == "search":
+            return ["whole", "regional"] if num_blocks > 0 else ["whole"]
+        return [self.compile_scope] if num_blocks > 0 or self.compile_scope == "whole" else ["whole"]
 
     def caps_bytes(self) -> list[int] | None:
         if self.memory_cap_gib is None:

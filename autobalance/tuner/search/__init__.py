@@ -98,6 +98,8 @@ from autobalance.tuner.search._space import (
     BUDGET_RANGE,
     SHARE_RANGE,
     SearchSpace,
+    compile_key,
+    config_compile_key,
 )
 from autobalance.tuner.search._step_time import (
     RECOMPUTE_PRIOR,
@@ -146,11 +148,13 @@ __all__ = [
     "choose_checkpointing",
     "compile_env",
     "compile_figures",
+    "compile_key",
     "compile_notes",
     "compile_times",
     "compiled_candidates",
     "compiled_graphs",
     "compiled_observations",
+    "config_compile_key",
     "dominating_over_cap",
     "figures_from_outcome",
     "graph_keys",

@@ -53,7 +53,7 @@ from autobalance.tuner.search._objective import TrialFigures, spread_fraction
 from autobalance.tuner.search._solver import (
     predict_config_feasible,
 )
-from autobalance.tuner.search._space import BUDGET_RANGE, SearchSpace
+from autobalance.tuner.search._space import BUDGET_RANGE, SearchSpace, config_compile_key
 from autobalance.tuner.search._step_time import StepTimeModel
 
 __all__ = ["ModelAdvisor", "observations_from_trials"]
@@ -453,17 +453,18 @@ class ModelAdvisor:
         if compiled is None or not model.can_predict(config.dtype):
             return None
         budgets = config.activation_budget or [1.0] * config.world_size
+        key = config_compile_key(config)
         layers = max(1, self.space.num_layers)
         own = config.sharding_shares()  # zero1: each rank's share of the state (None: unsharded)
         shares: list[float | None] = [None] * config.world_size if own is None else list(own)
         for rank, (m, b) in enumerate(zip(config.micro_batches, budgets, strict=True)):
             if not model.is_confident(rank=rank, micro_batch=m, checkpointed=0, num_layers=layers, dtype=config.dtype):
                 continue
-            low = compiled.surely_over(rank=rank, micro_batch=m, budget=b, dtype=config.dtype, mode=config.compile,
+            low = compiled.surely_over(rank=rank, micro_batch=m, budget=b, dtype=config.dtype, mode=key,
                                        limit=usable[rank], optimizer_share=shares[rank])
             why = "the compiled model's measured budgets put"
             if low is None:  # not even the least any budget keeps fits (a tiny budget does not save it)
-                low = compiled.over_at_any_budget(rank=rank, micro_batch=m, dtype=config.dtype, mode=config.compile,
+                low = compiled.over_at_any_budget(rank=rank, micro_batch=m, dtype=config.dtype, mode=key,
                                                   limit=usable[rank], optimizer_share=shares[rank])
                 why = "at any budget the compiled model predicts"
             if low is None:

@@ -74,7 +74,12 @@ from autobalance.tuner.search._memory_model import (
     WIDEN_FACTOR,
     MemoryModel,
 )
-from autobalance.tuner.search._space import BUDGET_RANGE, BUDGET_STEP
+from autobalance.tuner.search._space import (
+    BUDGET_RANGE,
+    BUDGET_STEP,
+    REGIONAL_KEY,
+    config_compile_key,
+)
 from autobalance.tuner.search._step_time import StepTimeModel
 
 __all__ = [
@@ -230,7 +235,10 @@ class CompiledMemoryModel:
     curves: dict[Pair, BudgetCurve] = field(default_factory=dict)
     """Fitted curves of the pairs with compiled trials."""
     pooled: BudgetCurve | None = None
-    """Every pair's points together: what a pair without trials borrows."""
+    """The whole-model pairs' points together (``pooled_by_scope[False]``)."""
+    pooled_by_scope: dict[bool, BudgetCurve] = field(default_factory=dict)
+    """Per scope (True: regional), its pairs' points together: what a pair of that scope without
+    trials borrows (never the other scope's)."""
     safety_margin: float = DEFAULT_SAFETY_MARGIN
     """Relative margin on the whole peak (widened by :meth:`correct`)."""
     max_margin: float = MAX_MARGIN
@@ -249,8 +257,11 @@ class CompiledMemoryModel:
                 continue
             points.setdefault((o.dtype, o.mode), []).append((o.budget, model.fraction(o), o.ok))
         model.curves = {pair: BudgetCurve.from_points(p) for pair, p in points.items()}
-        every = [p for group in points.values() for p in group]
-        model.pooled = BudgetCurve.from_points(every, borrowed=True) if every else None
+        for regional in (False, True):  # borrowed within a scope only: a scope's fractions say little of the other's
+            every = [p for pair, group in points.items() if pair[1].endswith(REGIONAL_KEY) == regional for p in group]
+            if every:
+                model.pooled_by_scope[regional] = BudgetCurve.from_points(every, borrowed=True)
+        model.pooled = model.pooled_by_scope.get(False)
         return model
 
     # ------------------------------------------------------------------------------- parts
@@ -269,8 +280,8 @@ class CompiledMemoryModel:
         own = self.curves.get((dtype, mode))
         if own is not None:
             return own
-        return self.pooled if self.pooled is not None else BudgetCurve(budgets=[], fractions=[], exact=[],
-                                                                        borrowed=True)
+        pooled = self.pooled_by_scope.get(mode.endswith(REGIONAL_KEY))
+        return pooled if pooled is not None else BudgetCurve(budgets=[], fractions=[], exact=[], borrowed=True)
 
     def can_predict(self, dtype: str) -> bool:
         return self.eager.can_predict(dtype)
@@ -331,7 +342,7 @@ class CompiledMemoryModel:
         budgets = config.activation_budget or [1.0] * config.world_size
         zero = config.sharding_shares()
         shares: list[float | None] = list(zero) if zero is not None else [None] * config.world_size
-        return [self.predict(rank=r, micro_batch=m, budget=b, dtype=config.dtype, mode=config.compile,
+        return [self.predict(rank=r, micro_batch=m, budget=b, dtype=config.dtype, mode=config_compile_key(config),
                              optimizer_share=q)
                 for r, (m, b, q) in enumerate(zip(config.micro_batches, budgets, shares, strict=True))]
 
@@ -392,7 +403,7 @@ def compiled_observations(trials: Sequence[FrozenTrial]) -> list[CompiledObserva
             ranks = [(r, max(float(peaks[r] or 0.0), floor) * GIB)]
         for r, peak in ranks:
             out.append(CompiledObservation(rank=r, micro_batch=int(cfg["micro_batches"][r]), budget=float(budgets[r]),
-                                           dtype=cfg["dtype"], mode=cfg["compile"], peak_bytes=peak,
+                                           dtype=cfg["dtype"], mode=config_compile_key(cfg), peak_bytes=peak,
                                            ok=status == Status.OK, trial=t.number,
                                            optimizer_share=None if shares is None else shares[r]))
     return out
@@ -430,7 +441,9 @@ class CompiledTimeModel:
         pair = (dtype, mode)
         if pair in self.speed:
             return self.speed[pair], self.recompute[pair], True
-        for other in sorted(self.speed, key=lambda p: (p[1] != mode, p[0] != dtype, p)):
+        scope = mode.endswith(REGIONAL_KEY)  # borrowed within the scope only (module doc)
+        for other in sorted((p for p in self.speed if p[1].endswith(REGIONAL_KEY) == scope),
+                            key=lambda p: (p[1] != mode, p[0] != dtype, p)):
             return self.speed[other], self.recompute[other], False
         return self.prior_speed, RECOMPUTE_PRIOR_COMPILED, False
 
@@ -441,7 +454,7 @@ class CompiledTimeModel:
             return self.micro_step[(dtype, mode)]
         for other in sorted(p for p in self.micro_step if p[1] == mode):
             return self.micro_step[other]
-        return MICRO_STEP_PRIOR.get(mode, 1.0)
+        return MICRO_STEP_PRIOR.get(mode.removesuffix(REGIONAL_KEY), 1.0)
 
     def rank_ms(self, config: BalanceConfig | dict[str, Any]) -> tuple[float, list[float]] | None:
         """``a`` and each rank's compiled micro-steps; None before any eager measurement."""
@@ -451,7 +464,7 @@ class CompiledTimeModel:
         if parts is None:
             return None
         a, ranks = parts
-        mode = c.get("compile", "off")
+        mode = config_compile_key(c)
         s, rho, _ = self.params(c["dtype"], mode)
         fixed = (self.beta(c["dtype"], mode) - 1.0) * (self.eager.micro_step_ms(eager_cfg) or 0.0)
         budgets = c.get("activation_budget") or [1.0] * len(ranks)
@@ -472,9 +485,9 @@ class CompiledTimeModel:
             if (a.get(TrialAttr.STATUS) != Status.OK or not a.get(TrialAttr.STEP_TIME_MS) or not cfg
                     or cfg.get("compile", "off") == "off" or a.get(TrialAttr.REUSED_FROM) is not None):
                 continue
-            rows.setdefault((cfg["dtype"], cfg["compile"]), []).append((cfg, float(a[TrialAttr.STEP_TIME_MS])))
+            rows.setdefault((cfg["dtype"], config_compile_key(cfg)), []).append((cfg, float(a[TrialAttr.STEP_TIME_MS])))
         for pair, group in rows.items():
-            fitted = _fit_pair(eager, group, beta_prior=MICRO_STEP_PRIOR.get(pair[1], 1.0))
+            fitted = _fit_pair(eager, group, beta_prior=MICRO_STEP_PRIOR.get(pair[1].removesuffix(REGIONAL_KEY), 1.0))
             if fitted is not None:
                 model.speed[pair], model.recompute[pair], model.micro_step[pair] = fitted
         return model

@@ -37,7 +37,12 @@ from autobalance.tuner.search._compiled_model import CompiledMemoryModel, Compil
 from autobalance.tuner.search._dominance import dominating_over_cap
 from autobalance.tuner.search._model_errors import FIT_ERRORS, ModelErrors, caught
 from autobalance.tuner.search._solver import balanced_split, neighbours, optimizer_shares
-from autobalance.tuner.search._space import SearchSpace, normalised_shares
+from autobalance.tuner.search._space import (
+    SearchSpace,
+    compile_key,
+    config_compile_key,
+    normalised_shares,
+)
 from autobalance.tuner.search._step_time import StepTimeModel
 
 __all__ = ["CACHE_TIE", "DYNAMIC", "SLOW_DTYPE", "Candidate", "cache_order", "compiled_candidates", "compiled_graphs",
@@ -87,7 +92,8 @@ def graph_keys(cfg: dict[str, Any]) -> set[Graph]:
     for r in range(config.world_size):
         sizes = set(config.micro_step_sizes(r))
         size = next(iter(sizes)) if len(sizes) == 1 else DYNAMIC
-        out.add((config.dtype, config.compile, float(config.bucket_cap_mb), size, round(float(budgets[r]), 3)))
+        out.add((config.dtype, config_compile_key(config), float(config.bucket_cap_mb), size,
+                 round(float(budgets[r]), 3)))
     return out
 
 
@@ -130,7 +136,8 @@ def compiled_candidates(
 ) -> list[Candidate]:
     """Compiled configurations predicted to fit (module doc), unordered; a balanced split the
     solver fails on is left out, noted in ``errors``."""
-    modes = [m for m in space.compile_modes if m != "off"]
+    modes = [(compile_key(m, scope), m, scope) for m in space.compile_modes if m != "off"
+             for scope in space.compile_scopes if scope == "whole" or m not in ("reduce-overhead",)]
     if not modes:
         return []
     world = space.world_size
@@ -166,7 +173,8 @@ def compiled_candidates(
                 for r, m in enumerate(micro)]
         return normalised_shares(optimizer_shares(base=base, state=state, limits=usable))
 
-    def consider(micro: list[int], acc: int, dtype: str, mode: str, zero: bool) -> None:
+    def consider(micro: list[int], acc: int, dtype: str, key: tuple[str, str, str], zero: bool) -> None:
+        mode, compile_mode, scope = key
         try:
             placed = zero_shares(micro, dtype, mode) if zero else None
         except FIT_ERRORS as exc:
@@ -182,8 +190,8 @@ def compiled_candidates(
         sharding: dict[str, Any] = {} if placed is None else {"optimizer_sharding": "zero1", "optimizer_shares": placed}
         try:
             cfg = space.config_for(micro, acc, cost, checkpoint=[[] for _ in range(world)], dtype=dtype,
-                                   bucket_cap_mb=bucket, gradient_as_bucket_view=view, compile=mode,
-                                   activation_budget=chosen, **sharding)
+                                   bucket_cap_mb=bucket, gradient_as_bucket_view=view, compile=compile_mode,
+                                   compile_scope=scope, activation_budget=chosen, **sharding)
         except (UsageError, ValueError):  # a split the space cannot hold (a fixed split, too few
             return                        # samples): a configuration refused, not a failed fit
         key = cfg.to_json()
@@ -205,7 +213,8 @@ def compiled_candidates(
     for dtype in space.dtypes:
         if not memory.can_predict(dtype) or much_slower(dtype, eager_timing):
             continue
-        for mode in modes:
+        for key in modes:
+            mode = key[0]
             first = None  # zero1: the state placed by the fixed parts alone, to balance the splits with
             if shard:
                 try:
@@ -220,14 +229,14 @@ def compiled_candidates(
                 plain = _splits(memory, total=total, dtype=dtype, mode=mode, usable=usable, world=world,
                                 errors=errors)
                 for micro in plain:
-                    consider(micro, acc, dtype, mode, zero=False)
+                    consider(micro, acc, dtype, key, zero=False)
                     if shard:
-                        consider(micro, acc, dtype, mode, zero=True)
+                        consider(micro, acc, dtype, key, zero=True)
                 if first is not None:
                     for micro in _splits(memory, total=total, dtype=dtype, mode=mode, usable=usable, world=world,
                                          errors=errors, shares=first):
                         if micro not in plain:
-                            consider(micro, acc, dtype, mode, zero=True)
+                            consider(micro, acc, dtype, key, zero=True)
     return out
 
 

@@ -74,7 +74,8 @@ def graph_probe(trials: Sequence[FrozenTrial], *, best: FrozenTrial, modes: Sequ
     if not graph_modes or "default" not in modes or not cfg_dict or not best.user_attrs.get(TrialAttr.FEASIBLE, True):
         return None
     cfg = BalanceConfig.from_dict(cfg_dict)
-    if cfg.compile != "default" or cfg.dtype not in dtypes or graphs_verdict(trials, cfg.dtype) != "untried":
+    if (cfg.compile != "default" or cfg.compile_scope != "whole" or cfg.dtype not in dtypes
+            or graphs_verdict(trials, cfg.dtype) != "untried"):  # CUDA graphs: the whole model only
         return None
     probe = dataclasses.replace(cfg, compile=graph_modes[0])
     tried = {BalanceConfig.from_dict(t.user_attrs[TrialAttr.CONFIG]).to_json() for t in trials

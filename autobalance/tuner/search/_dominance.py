@@ -38,11 +38,12 @@ def _ranks_over_cap(t: FrozenTrial) -> list[int] | None:
 
 def _needs_at_least(cfg: dict[str, Any], other: dict[str, Any], rank: int) -> bool:
     """Rank ``rank`` of ``cfg`` holds at least the memory it held under ``other``: same dtype and
-    compile mode, a micro-batch no smaller, no more recomputation (checkpointing the first N blocks,
+    compile mode and scope, a micro-batch no smaller, no more recomputation (checkpointing the first N blocks,
     or a compile budget: a larger budget keeps more activations), buckets no smaller, not views
     where ``other`` used views, and at least ``other``'s optimizer state (``zero1``: its run of the
     parameters contains ``other``'s; unsharded: all of it). Accumulation does not change a rank's peak."""
-    if cfg["dtype"] != other["dtype"] or cfg.get("compile", "off") != other.get("compile", "off"):
+    if (cfg["dtype"] != other["dtype"] or cfg.get("compile", "off") != other.get("compile", "off")
+            or cfg.get("compile_scope", "whole") != other.get("compile_scope", "whole")):
         return False
     return (cfg["micro_batches"][rank] >= other["micro_batches"][rank]
             and len(cfg["checkpoint"][rank]) <= len(other["checkpoint"][rank])

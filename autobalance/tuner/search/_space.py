@@ -22,7 +22,8 @@ import optuna
 
 from autobalance._config import BalanceConfig, samples_within, split_at_least, split_evenly
 
-__all__ = ["BUDGET_RANGE", "OPTIMIZER_SHARE_RANGE", "SHARE_RANGE", "SearchSpace", "normalised_shares"]
+__all__ = ["BUDGET_RANGE", "OPTIMIZER_SHARE_RANGE", "SHARE_RANGE", "SearchSpace", "compile_key", "config_compile_key",
+           "normalised_shares"]
 
 SHARE_RANGE = (0.05, 1.0)
 BUCKET_RANGE_MB = (1.0, 200.0)
@@ -30,6 +31,23 @@ BUDGET_RANGE = (0.05, 1.0)
 BUDGET_STEP = 0.05
 OPTIMIZER_SHARE_RANGE = (0.0, 1.0)
 """A rank's ``oshare_r`` weight; the shares are the weights over their sum (all 0: even)."""
+
+
+REGIONAL_KEY = "@regional"
+
+
+def compile_key(mode: str, scope: str = "whole") -> str:
+    """The compiled models' key for a compile mode at a scope: the mode itself for ``whole`` (as
+    before scopes existed), ``<mode>@regional`` for ``regional``: each scope has its own fits and
+    graphs (what one scope measured says little of the other: ``docs/compile.md``)."""
+    return mode if scope == "whole" or mode == "off" else mode + REGIONAL_KEY
+
+
+def config_compile_key(config: BalanceConfig | dict[str, Any]) -> str:
+    """:func:`compile_key` of a configuration (or its stored dictionary)."""
+    if isinstance(config, BalanceConfig):
+        return compile_key(config.compile, config.compile_scope)
+    return compile_key(str(config.get("compile", "off")), str(config.get("compile_scope", "whole")))
 
 
 def normalised_shares(weights: list[float]) -> list[float]:
@@ -75,6 +93,9 @@ class SearchSpace:
     any_split: bool = False
     """Any split of the global batch: per rank, any number of samples per step, in micro-steps
     that differ by at most one (False, as in studies from before: equal micro-batches only)."""
+    compile_scopes: list[str] = field(default_factory=lambda: ["whole"])
+    """Compile scopes searched (``whole``, ``regional``); more than one: a ``compile_scope`` parameter
+    for compiled trials (studies from before scopes existed: ``["whole"]``)."""
     shardings: list[str] = field(default_factory=lambda: ["off"])
     """``optimizer_sharding`` values searched: ``["off", "zero1"]`` when the script passes its optimizer
     through ``plan.optimizer`` and there is more than one rank (then ``optimizer_sharding`` and, for
@@ -83,12 +104,13 @@ class SearchSpace:
     @classmethod
     def build(
         cls, *, world_size: int, global_batch: int, num_layers: int, dtypes: list[str], max_accumulation: int,
-        compile_modes: list[str] | None = None, any_split: bool = False,
+        compile_modes: list[str] | None = None, any_split: bool = False, compile_scopes: list[str] | None = None,
     ) -> SearchSpace:
         accs = [a for a in range(1, max_accumulation + 1)
                 if global_batch >= a * world_size and (any_split or global_batch % a == 0)]
         return cls(world_size=world_size, global_batch=global_batch, num_layers=num_layers, dtypes=list(dtypes),
-                   accumulations=accs or [1], compile_modes=list(compile_modes or ["off"]), any_split=any_split)
+                   accumulations=accs or [1], compile_modes=list(compile_modes or ["off"]), any_split=any_split,
+                   compile_scopes=list(compile_scopes or ["whole"]))
 
     @property
     def compile_searched(self) -> bool:
@@ -125,6 +147,8 @@ class SearchSpace:
                 d[f"share_r{r}"] = optuna.distributions.FloatDistribution(*SHARE_RANGE)
         if self.compile_searched:
             d["compile"] = optuna.distributions.CategoricalDistribution(self.compile_modes)
+            if len(self.compile_scopes) > 1:
+                d["compile_scope"] = optuna.distributions.CategoricalDistribution(self.compile_scopes)
         if self.num_layers > 0 and "off" in self.compile_modes:
             for r in range(self.world_size):
                 d[f"ckpt_r{r}"] = optuna.distributions.IntDistribution(0, self.num_layers)
@@ -144,8 +168,9 @@ class SearchSpace:
         params: dict[str, Any] = {}
         for name, dist in self.distributions().items():
             compiled = params.get("compile", "off") != "off"
-            if (name.startswith("ckpt_r") and compiled) or (name.startswith("budget_r") and not compiled):
-                continue  # conditional on compile: checkpointing for eager trials, budgets for compiled ones
+            if (name.startswith("ckpt_r") and compiled) or (
+                    (name.startswith("budget_r") or name == "compile_scope") and not compiled):
+                continue  # conditional on compile: checkpointing for eager trials, budgets and scope for compiled ones
             if name.startswith("oshare_r") and params.get("optimizer_sharding", "off") != "zero1":
                 continue  # conditional on sharding: shares only for zero1 trials
             params[name] = _suggest(trial, name, dist)
@@ -165,6 +190,8 @@ class SearchSpace:
             checkpoint=ckpt, dtype=str(params["dtype"]), bucket_cap_mb=round(float(params["bucket_cap_mb"]), 3),
             gradient_as_bucket_view=bool(params["grad_as_bucket_view"]), compile=mode, activation_budget=budget,
         )
+        if mode != "off":
+            rest["compile_scope"] = str(params.get("compile_scope", self.compile_scopes[0]))
         if params.get("optimizer_sharding", "off") == "zero1":
             rest["optimizer_sharding"] = "zero1"
             rest["optimizer_shares"] = normalised_shares(
@@ -218,6 +245,8 @@ class SearchSpace:
                 params[f"share_r{r}"] = min(SHARE_RANGE[1], max(SHARE_RANGE[0], n / top))
         if self.compile_searched:
             params["compile"] = config.compile
+            if len(self.compile_scopes) > 1 and config.compile != "off":
+                params["compile_scope"] = config.compile_scope
         if config.compile == "off":
             if self.num_layers > 0:
                 for r, blocks in enumerate(config.checkpoint):
@@ -247,6 +276,7 @@ class SearchSpace:
         return (config.global_batch == self.global_batch and config.world_size == self.world_size
                 and config.accumulation in self.accumulations and config.dtype in self.dtypes
                 and config.compile in self.compile_modes and config.optimizer_sharding in self.shardings
+                and (config.compile == "off" or config.compile_scope in self.compile_scopes)
                 and (self.any_split or self.fixed_split or config.equal_micro_batches))
 
 
