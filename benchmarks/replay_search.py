@@ -66,8 +66,13 @@ TRIAL_OVERHEAD_S = 1.5
 """A warm eager trial's start-up and hand-over around its steps (the grids' eager walls less steps)."""
 FROM_CACHE_SHARE = 0.4
 """A compile whose graphs the study compiled before costs this share of a cold one (issue 41's H200 study)."""
+VERIFY_RUN_S = 5.0
+"""A verification run's own start-up and hand-over beyond a trial's (issue 41's H200 study: 4 runs of a
+verification took 33.5 s, 63-98 s for 4-7 runs in the 2026-12-04 studies)."""
 VERIFY_COMPARE_S = 3.1
 """Saving, reading and comparing one verification run's tensors (~1.08 GB of parameters: issue 41's H200 study)."""
+GRADIENTS_GIB = 1.08
+"""fp32 gradients of the ~270M-parameter GPT."""
 MEASURED_STEPS = 6
 WARMUP_STEPS = 2
 FP16_SLOWER = 1.02
@@ -240,8 +245,7 @@ class GridMachine:
 
 def replay(machine: GridMachine, *, seed: int, budget: str, root: str) -> dict[str, Any]:
     """One ``tune --time-budget`` study on ``machine``; its saved configuration against the grid best."""
-    from autobalance.tuner import Tuner, TuneSettings
-    from autobalance.tuner import _loop, _tuner
+    from autobalance.tuner import Tuner, TuneSettings, _loop, _tuner
     from autobalance.tuner._launching import TrialLauncher
     from autobalance.tuner._verify_time import verification_runs
 
@@ -285,6 +289,9 @@ def replay(machine: GridMachine, *, seed: int, budget: str, root: str) -> dict[s
                            "peak_reserved": pt.peak_gib * gib, "outside_pytorch": 0},
                 "timing": {"startup_s": wall - (compile_s or 0) - MEASURED_STEPS * pt.step_ms / 1000,
                            "steps_s": MEASURED_STEPS * pt.step_ms / 1000, "compile_s": compile_s},
+                # held apart from activations: live after the step (gradients set to None) + the gradients
+                "breakdown": {"bytes": {"live_after_step": (machine.fixed - GRADIENTS_GIB) * gib,
+                                        "gradients": GRADIENTS_GIB * gib}},
                 "torch_version": "replayed"}
             if ok:
                 rep.update(step_times_s=[pt.step_ms / 1000] * MEASURED_STEPS, step_time_s=pt.step_ms / 1000,
@@ -319,9 +326,8 @@ def replay(machine: GridMachine, *, seed: int, budget: str, root: str) -> dict[s
                 "wall_s": round(loop_s, 1), "grid_best_ms": round(grid_ms, 2)}
     best = BalanceConfig.from_dict(result.best.user_attrs["config"])
     verify_s = 0.0
-    for _, cfg, _ in verification_runs(own, best, dropout=False):
-        worker["fresh"] = True  # each verification run in a fresh worker (63-98 s for 4-7 runs on the H200)
-        verify_s += run_s(cfg, 2)[0] + VERIFY_COMPARE_S
+    for _, cfg, _ in verification_runs(own, best, dropout=False):  # through the warm pool, as tune verifies
+        verify_s += run_s(cfg, 2)[0] + VERIFY_RUN_S + VERIFY_COMPARE_S
     true_ms = machine.point(best).step_ms
     trials = optuna.load_study(study_name=name, storage=settings.storage).trials
     phases = [t.user_attrs.get("proposed_by", "sampler") for t in trials]

@@ -29,6 +29,8 @@ class StudyAttr:
     device's memory), in words with units: the dashboard lists it beside ``capacity_bytes``."""
     DEVICE = "autobalance:device"
     """The baseline's rank-0 device section."""
+    MODEL = "autobalance:model"
+    """The baseline's rank-0 model facts (``RankReport.model``: blocks, ``loss_in_model``, framework)."""
     DEVICE_NAMES = "autobalance:device_names"
     """Each rank's device identity in the baseline (``RankDevice.identity``; None where a rank reported
     none): the saved fingerprint's ``device_names``, which production maps the configuration by."""
@@ -105,6 +107,13 @@ class TrialAttr:
     COMPILE_CACHE = "compile_cache"
     PARAMETER_BYTES = "parameter_bytes"
     """The model's parameter bytes as the runtime saw them (what a verification run saves and loads)."""
+    HELD_GIB = "held_gib"
+    """Per rank: GiB live after an optimizer step plus outside PyTorch (what does not scale with the
+    micro-batch; ``TrialFigures.held``); absent when not measured."""
+    PROPOSAL_PHASE = "proposed_by"
+    """The search-policy phase that proposed the trial (``tuner/search/_policy.py``; ``sampler``: Optuna's)."""
+    PROPOSAL_REASON = "proposal_note"
+    """Why that phase proposed it, in words."""
     POOL_START_S = "pool_start_s"
     WARM_RECYCLED = "warm_recycled"
     """Why the warm pool was restarted after the trial (its worker held more than a fresh one: a

@@ -178,6 +178,7 @@ def _space_from_baseline(study: optuna.Study, outcome: TrialOutcome,
     study.set_user_attr(StudyAttr.CAPACITY_IN_WORDS, capacity_in_words(capacity, caps=s.caps_bytes(),
                                                                       headroom=s.headroom))
     study.set_user_attr(StudyAttr.DEVICE, device.as_read())  # the baseline's device as it reported it
+    study.set_user_attr(StudyAttr.MODEL, dict(rep.model or {}))
     study.set_user_attr(StudyAttr.DEVICE_NAMES, [_identity(outcome.reports.get(r)) for r in range(s.world_size)])
     study.set_user_attr(StudyAttr.SCRIPT_SHA, script_sha256(s.script))
     study.set_user_attr(StudyAttr.TORCH_VERSION, rep.torch_version)

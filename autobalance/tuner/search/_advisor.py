@@ -50,6 +50,13 @@ from autobalance.tuner.search._holdout import (
 from autobalance.tuner.search._memory_model import MemoryModel
 from autobalance.tuner.search._model_errors import FIT_ERRORS, ModelErrors
 from autobalance.tuner.search._objective import TrialFigures, spread_fraction
+from autobalance.tuner.search._policy import (
+    LOW_BUDGET,
+    Proposal,
+    Record,
+    SearchPolicy,
+    TrialHistory,
+)
 from autobalance.tuner.search._solver import (
     predict_config_feasible,
 )
@@ -114,6 +121,10 @@ class ModelAdvisor:
         """The fits the search fell back from; saved in the study after each call that fits (:func:`_saves_errors`)."""
         self.dtype_note = ""
         """Why the last proposals were held to some dtypes (``""``: none held back)."""
+        self.policy = SearchPolicy(space=space, advisor=self)
+        """Where the next trial is chosen (``_policy``)."""
+        self._study: optuna.Study | None = None
+        """The study of the :meth:`before_ask` call in progress (the policy's phases read it)."""
         self.time_left_s: float | None = None
         """Seconds ``--time-budget`` leaves for a compile once verification's predicted time and a
         usual trial are kept (set by the tuner before each ask; None: no budget): a proposal that
@@ -239,86 +250,154 @@ class ModelAdvisor:
 
     @_saves_errors
     def before_ask(self, study: optuna.Study) -> None:
-        """Enqueue the best untried model proposal when nothing is waiting.
-
-        On CPU every ``SAMPLER_EVERY``-th trial is left to the wrapped sampler (it explores what the
-        model does not: bucket sizes, dtypes the model cannot predict yet); on a GPU only once the
-        models' proposals stopped improving (``_first_trials.proposals_stalled``): until then the
-        first trials come from the models and priors. Proposals scored more than ``_WORTH`` times
-        the best candidate's score are left to the sampler too; a trial the sampler gets while some
-        dtype is held back (fp32 on a GPU) has its dtype fixed to the first allowed one.
-        """
+        """Enqueue the search policy's next proposal when nothing is waiting (``_policy``: the one
+        place the next trial is chosen); no proposal: the sampler's trial."""
         if study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
             return
         self._asks += 1
+        self._study = study
+        try:
+            history = TrialHistory.from_trials(
+                study.get_trials(deepcopy=False), space=self.space, usable=self._usable(study),
+                device=self.settings.device, model_facts=study.user_attrs.get(StudyAttr.MODEL))
+            proposal = self.policy.next(history)
+        finally:
+            self._study = None
+        if proposal is None:
+            return
+        if proposal.config is None:  # the sampler's trial, some parameters pinned
+            if proposal.fixed:
+                study.enqueue_trial(proposal.fixed, user_attrs=proposal.user_attrs())
+            return
+        self._proposed.add(proposal.config.to_json())
+        study.enqueue_trial(self.space.params_from_config(proposal.config), user_attrs=proposal.user_attrs())
+
+    # ------------------------------------------------------------------ what the policy's phases ask
+    @property
+    def study(self) -> optuna.Study:
+        assert self._study is not None, "asked outside before_ask"
+        return self._study
+
+    def allowed_dtypes_now(self) -> list[str]:
+        return self._allowed_dtypes(self.study)
+
+    def best_record(self, history: TrialHistory) -> Record | None:
+        top = best_trial(self.study)
+        return None if top is None else next((r for r in history.records if r.number == top.number), None)
+
+    def largest_budgets(self, config: BalanceConfig) -> list[float] | None:
+        """Per rank, the largest budget the compiled model predicts to fit at ``config``'s micro-batches
+        (its scope and dtype); None: a rank fits at none, or nothing to predict from."""
+        model = self.model if self.model is not None else self.refit(self.study)
+        usable = self._usable(self.study)
+        compiled = self._compiled_for(self.study, model) if model is not None else None
+        if compiled is None or usable is None or not model or not model.can_predict(config.dtype):
+            return None
+        key = config_compile_key(config)
+        out = []
+        for rank, m in enumerate(config.micro_batches):
+            b = compiled.largest_budget(rank=rank, micro_batch=m, dtype=config.dtype, mode=key, limit=usable[rank])
+            if b is None:
+                return None
+            out.append(float(b))
+        return out
+
+    def compiled_peaks(self, config: BalanceConfig) -> list[float] | None:
+        """The compiled model's predicted peaks of ``config``, GiB per rank (None: no model)."""
+        if self.compiled is None:
+            return None
+        return [p / GIB for p in self.compiled.config_peaks(config)]
+
+    def time_holds_compile(self) -> bool:
+        return not self._no_time_to_compile(self.study)
+
+    def explore(self, history: TrialHistory) -> Proposal | None:
+        """The sampler's trial every ``SAMPLER_EVERY``-th ask: on CPU always (it explores what the
+        models do not: bucket sizes, dtypes they cannot predict yet), on a GPU only once the models'
+        proposals stopped improving (``_first_trials.proposals_stalled``)."""
+        study = self.study
         if self._asks % SAMPLER_EVERY == 0 and (
                 self.settings.device != "cuda"
                 or proposals_stalled(study.get_trials(deepcopy=False), study.user_attrs.get(StudyAttr.OBJECTIVE, {}))):
-            self._to_sampler(study)
-            return
+            return self._sampler_proposal("explore: " + ("every third trial on CPU" if self.settings.device != "cuda"
+                                                         else "the models' proposals stopped improving"))
+        return None
+
+    def model_proposal(self, history: TrialHistory) -> Proposal | None:
+        """The models' best new candidate (eager from the memory model, compiled from the compiled
+        model), when it is worth a trial: under a time budget a compile must fit in the time left and
+        promise a gain; a budget below ``LOW_BUDGET`` only where a higher one was measured at that
+        micro-batch and scope; an eager candidate first while the compiled model has too few eager
+        trials of its dtype (``EAGER_FIRST``)."""
+        study = self.study
         candidates = self.scored_candidates(study)
         if not candidates:
-            probe = self._probe(study) if self.settings.device == "cuda" else None
-            if probe is None:
-                self._to_sampler(study)
-                return
-            self._proposed.add(probe.to_json())
-            study.enqueue_trial(self.space.params_from_config(probe), user_attrs={
-                "proposed_by": "prior", "proposed_config": probe.to_dict(), "proposal_note": (
-                    "nothing measured fits yet: the least memory the priors know, in "
-                    f"{probe.dtype} ({self.dtype_note or 'the dtype prior on a GPU'})")})
-            return
-        measured = {json.dumps(t.user_attrs.get(TrialAttr.CONFIG), sort_keys=True)
-                    for t in study.get_trials(deepcopy=False) if t.user_attrs.get(TrialAttr.CONFIG)}
+            return None
+        tried = history.tried() | self._proposed
         if self._no_time_to_compile(study):  # no new graph that the time budget cannot hold
             candidates = [c for c in candidates if c.new_graphs == 0]
-        fresh = [c for c in candidates if c.config.to_json() not in self._proposed and c.config.to_json() not in measured]
+        fresh = [c for c in candidates if c.config.to_json() not in tried and self._low_budget_ok(history, c.config)]
         best = self._best_value(study)
-        if best is not None and (not fresh or fresh[0].score >= best) and self._graph_probe(study):
-            return  # the models promise nothing better: measure CUDA graphs at the best compiled configuration
         if self.time_left_s is not None and best is not None:  # under a time budget a compile must promise a gain
             fresh = [c for c in fresh if c.new_graphs == 0 or c.score < best]
+        if best is not None and fresh and fresh[0].score >= best:
+            return None  # the models promise nothing better: the later phases (scope, CUDA graphs, sampler)
         if not fresh or fresh[0].score > _WORTH * candidates[0].score:
-            self._to_sampler(study)
-            return
+            return None
         pick, note = fresh[0], None
-        if pick.source == "compiled-model" and self._eager_first(study, pick.config.dtype):
+        if pick.source == "compiled-model" and self._eager_first(study, pick.config.dtype) and (
+                history.eager_probe() is None):
             eager = [c for c in fresh if c.source == "memory-model" and c.config.dtype == pick.config.dtype]
             if eager:  # a few seconds that teach the compiled model its fixed part before a compile
                 pick, note = eager[0], "eager first: teaches the memory model before compiling"
-        self._proposed.add(pick.config.to_json())
-        attrs: dict[str, Any] = {"proposed_by": pick.source, "proposed_config": pick.config.to_dict(),
-                                 "proposal_peak_gib": [round(p / GIB, 4) for p in pick.peaks]}
-        if pick.step_ms is not None:
-            attrs["proposal_step_ms"] = round(pick.step_ms, 3)
+        extra: dict[str, Any] = {}
         if pick.source == "compiled-model":
-            attrs["proposal_new_graphs"] = pick.new_graphs
-        if note:
-            attrs["proposal_note"] = note
-        elif self.dtype_note:
-            attrs["proposal_note"] = self.dtype_note
-        study.enqueue_trial(self.space.params_from_config(pick.config), user_attrs=attrs)
+            extra["proposal_new_graphs"] = pick.new_graphs
+        reason = note or ("the compiled model's best configuration predicted to fit" if pick.source == "compiled-model"
+                          else "the memory model's best configuration predicted to fit")
+        if self.dtype_note and not note:
+            reason += f" ({self.dtype_note})"
+        return Proposal(config=pick.config, phase=pick.source, reason=reason, predicted_ms=pick.step_ms,
+                        predicted_peak_gib=[p / GIB for p in pick.peaks], extra=extra)
 
-    def _graph_probe(self, study: optuna.Study) -> bool:
-        """Enqueue the CUDA-graph probe (:func:`graph_probe`) when there is one and the time budget
-        holds a compile; True when enqueued. Asked once the models promise nothing better than the best
-        trial, and only when that is a default-mode compiled one: the probe measures graphs where the
-        default mode's optimum is."""
+    def _low_budget_ok(self, history: TrialHistory, config: BalanceConfig) -> bool:
+        """A budget below ``LOW_BUDGET`` only where a higher one was measured at that micro-batch and scope."""
+        if config.compile == "off" or min(config.activation_budget or [1.0]) >= LOW_BUDGET:
+            return True
+        measured = history.measured_budget(config_compile_key(config), max(config.micro_batches))
+        return measured is not None and measured >= LOW_BUDGET
+
+    def fallback_proposal(self, history: TrialHistory) -> Proposal | None:
+        """When the models propose nothing: CUDA graphs at the best default-mode compiled trial (once),
+        the least memory the priors know while nothing fits (on a GPU), else the sampler."""
+        study = self.study
+        graph = self._graph_probe(study)
+        if graph is not None:
+            return graph
+        if self.settings.device == "cuda" and not any(r.status == Status.OK for r in history.records):
+            probe = self._probe(study)
+            if probe is not None:
+                return Proposal(config=probe, phase="prior", reason=(
+                    "nothing measured fits yet: the least memory the priors know, in "
+                    f"{probe.dtype} ({self.dtype_note or 'the dtype prior on a GPU'})"))
+        return self._sampler_proposal("the sampler's trial: the models propose nothing new worth a trial")
+
+    def _graph_probe(self, study: optuna.Study) -> Proposal | None:
+        """The CUDA-graph probe (:func:`graph_probe`) when there is one and the time budget holds a
+        compile. Asked once the models promise nothing better than the best trial, and only when that
+        is a default-mode compiled one: the probe measures graphs where the default mode's optimum is."""
         if self._no_time_to_compile(study):
-            return False
+            return None
         top = best_trial(study)
         if top is None:
-            return False
+            return None
         probe = graph_probe(study.get_trials(deepcopy=False), best=top, modes=self.space.compile_modes,
                             dtypes=self._allowed_dtypes(study))
         if probe is None or probe.to_json() in self._proposed or not self.space.contains(probe):
-            return False
-        self._proposed.add(probe.to_json())
-        study.enqueue_trial(self.space.params_from_config(probe), user_attrs={
-            "proposed_by": "compiled-model", "proposed_config": probe.to_dict(), "proposal_note": (
-                f"CUDA graphs ({probe.compile}) at the best default-mode compiled configuration: one compile "
-                "measures whether they pay for this script")})
-        return True
+            return None
+        return Proposal(config=probe, phase="cuda-graphs", reason=(
+            f"CUDA graphs ({probe.compile}) at the best default-mode compiled configuration: one compile "
+            "measures whether they pay for this script"))
 
     def _probe(self, study: optuna.Study) -> BalanceConfig | None:
         """With nothing measured that fits (the script's own configuration ran out of memory): the
@@ -365,12 +444,13 @@ class ModelAdvisor:
         _, compile_s = compile_times(study.get_trials(deepcopy=False), device=self.settings.device)
         return compile_s > self.time_left_s
 
-    def _to_sampler(self, study: optuna.Study) -> None:
-        """Leave the next trial to the sampler. While some dtype is held back, its dtype is fixed to
-        the best trial's (when allowed) or the first allowed one; when the time budget holds no
-        compile, it runs eager (the sampler picks the rest)."""
+    def _sampler_proposal(self, why: str) -> Proposal:
+        """The sampler's trial. While some dtype is held back, its dtype is fixed to the best trial's
+        (when allowed) or the first allowed one; when the time budget holds no compile, it runs eager
+        (the sampler picks the rest)."""
+        study = self.study
         fixed: dict[str, Any] = {}
-        notes = []
+        notes = [why]
         if self._no_time_to_compile(study) and "off" in self.space.compile_modes:
             fixed["compile"] = "off"
             notes.append("eager: the time budget holds no compile")
@@ -381,9 +461,7 @@ class ModelAdvisor:
                 dtype = (best.user_attrs.get(TrialAttr.CONFIG) or {}).get("dtype") if best is not None else None
                 fixed["dtype"] = dtype if dtype in allowed else allowed[0]
                 notes.append(f"in {fixed['dtype']}: {self.dtype_note}")
-        if fixed:
-            study.enqueue_trial(fixed, user_attrs={"proposed_by": "sampler",
-                                                   "proposal_note": "the sampler's trial " + "; ".join(notes)})
+        return Proposal(config=None, phase="sampler", reason="; ".join(notes), fixed=fixed)
 
     def _timing(self, study: optuna.Study) -> StepTimeModel | None:
         """The step-time model on the study's trials (None: nothing measured yet)."""

@@ -30,7 +30,7 @@ from typing import Any
 
 from optuna.trial import FrozenTrial, TrialState
 
-from autobalance._config import BalanceConfig, split_evenly
+from autobalance._config import CUDA_GRAPH_MODES, BalanceConfig, split_evenly
 from autobalance._errors import UsageError
 from autobalance.protocol import MEASURED_STATUSES, TrialAttr
 from autobalance.tuner.search._compiled_model import CompiledMemoryModel, CompiledTimeModel
@@ -137,7 +137,7 @@ def compiled_candidates(
     """Compiled configurations predicted to fit (module doc), unordered; a balanced split the
     solver fails on is left out, noted in ``errors``."""
     modes = [(compile_key(m, scope), m, scope) for m in space.compile_modes if m != "off"
-             for scope in space.compile_scopes if scope == "whole" or m not in ("reduce-overhead",)]
+             for scope in space.compile_scopes if scope == "whole" or m not in CUDA_GRAPH_MODES]
     if not modes:
         return []
     world = space.world_size
@@ -173,8 +173,8 @@ def compiled_candidates(
                 for r, m in enumerate(micro)]
         return normalised_shares(optimizer_shares(base=base, state=state, limits=usable))
 
-    def consider(micro: list[int], acc: int, dtype: str, key: tuple[str, str, str], zero: bool) -> None:
-        mode, compile_mode, scope = key
+    def consider(micro: list[int], acc: int, dtype: str, target: tuple[str, str, str], zero: bool) -> None:
+        mode, compile_mode, scope = target
         try:
             placed = zero_shares(micro, dtype, mode) if zero else None
         except FIT_ERRORS as exc:

@@ -32,9 +32,17 @@ def observations_from_trials(trials: list[FrozenTrial], *, num_layers: int) -> l
         measured = len(state) == len(peaks) and all(isinstance(v, (int, float)) for v in state)
         # the whole state: summed over the ranks when sharded, on every rank when not
         whole = (sum(state) if cfg.get("optimizer_sharding", "off") == "zero1" else max(state)) if measured else None
+        held = t.user_attrs.get(TrialAttr.HELD_GIB) or []
         for rank, peak in enumerate(peaks):
             if peak is None or peak <= 0:
                 continue
+            if status == Status.OK and rank < len(held) and isinstance(held[rank], (int, float)) and 0 < held[rank] < peak:
+                # what the rank holds apart from activations: the model's fixed part, measured (zero samples)
+                obs.append(MemoryObservation(
+                    rank=rank, micro_batch=0, checkpointed=0, num_layers=max(1, num_layers), dtype=cfg["dtype"],
+                    peak_bytes=float(held[rank]) * GIB, ok=True,
+                    optimizer_bytes=float(state[rank]) if measured else None,
+                    optimizer_total=None if whole is None else float(whole)))
             obs.append(MemoryObservation(
                 rank=rank, micro_batch=int(cfg["micro_batches"][rank]), checkpointed=len(cfg["checkpoint"][rank]),
                 num_layers=max(1, num_layers), dtype=cfg["dtype"], peak_bytes=float(peak) * GIB, ok=status == Status.OK,

@@ -121,9 +121,10 @@ class MemoryObservation:
             raise UsageError(
                 f"MemoryObservation rank={self.rank} is negative; use the global rank (>= 0)."
             )
-        if self.micro_batch < 1:
+        if self.micro_batch < 1 and not (self.micro_batch == 0 and self.ok):
             raise UsageError(
-                f"MemoryObservation micro_batch={self.micro_batch} is below 1; every rank trains >= 1 sample."
+                f"MemoryObservation micro_batch={self.micro_batch} is below 1; every rank trains >= 1 sample "
+                "(0 only for the memory a measured rank holds apart from activations)."
             )
         if self.num_layers < 1:
             raise UsageError(

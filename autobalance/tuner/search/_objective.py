@@ -56,6 +56,12 @@ class TrialFigures:
     """Every rank's script passed its optimizer through ``plan.optimizer``."""
     parameter_bytes: int | None = None
     """The model's parameter bytes (``RankReport.model``; None: not reported)."""
+    held: list[float | None] = field(default_factory=list)
+    """Per rank: the bytes that do not scale with the micro-batch (parameters, gradients, optimizer
+    state, the script's extras, what is held outside PyTorch): the report's ``breakdown`` bytes
+    ``live_after_step`` (taken with the gradients set to None) plus ``gradients`` plus
+    ``outside_pytorch``; None: not measured. With the peak, one eager trial gives the per-sample
+    activations (the search policy's probe, and the memory model's observation at zero samples)."""
     compile: dict[str, Any] = field(default_factory=dict)
     """Compiled trials: ``compile_s`` (slowest rank's first step), ``activation_budget_used`` (per
     rank, as reported) and ``compile_cache`` (Inductor cache hits/misses over the ranks)."""
@@ -143,6 +149,7 @@ class TrialFigures:
                if any(v is not None for v in self.optimizer_state) else {}),
             **({TrialAttr.OPTIMIZER_WRAPPED: True} if self.optimizer_wrapped else {}),
             **({TrialAttr.PARAMETER_BYTES: self.parameter_bytes} if self.parameter_bytes else {}),
+            **({TrialAttr.HELD_GIB: gib(self.held)} if any(v is not None for v in self.held) else {}),
             "memory_constraint": round(self.memory_constraint(headroom), 5),
             **self.compile,
             **per_rank,
@@ -194,6 +201,7 @@ def figures_from_outcome(
     wait: list[float | None] = []
     optimizer_state: list[float | None] = []
     wrapped: list[bool] = []
+    held: list[float | None] = []
     reports = outcome.reports
     for r in range(world_size):
         rep = reports.get(r)
@@ -219,6 +227,10 @@ def figures_from_outcome(
             counts.append(int(rep.measured_steps))
         opt = (rep.optimizer if rep is not None else None) or {}
         optimizer_state.append(_float(opt.get("state_bytes")) if ok else None)
+        parts = ((rep.breakdown if rep is not None else None) or {}).get("bytes") or {}
+        after, grads = parts.get("live_after_step"), parts.get("gradients")
+        held.append(float(after) + float(grads if isinstance(grads, (int, float)) else 0) + float(mem.outside_pytorch or 0)
+                    if ok and isinstance(after, (int, float)) else None)
         wrapped.append(bool(opt.get("wrapped")))
         busy.append(_float(rep.busy_time_s) if ok and rep is not None else None)
         wait.append(_float(rep.allreduce_wait_s) if ok and rep is not None else None)
@@ -240,5 +252,5 @@ def figures_from_outcome(
         time_in_steps_s=max(in_steps) if len(in_steps) == world_size else None,
         measured_steps=min(counts) if len(counts) == world_size else None,
         busy_s=busy, wait_s=wait, optimizer_state=optimizer_state, optimizer_wrapped=bool(wrapped) and all(wrapped),
-        parameter_bytes=param_bytes, compile=compile_figures(outcome.reports),
+        parameter_bytes=param_bytes, compile=compile_figures(outcome.reports), held=held,
     )

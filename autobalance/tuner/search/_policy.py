@@ -1,0 +1,376 @@
+"""The search policy: where the next trial is chosen.
+
+:meth:`SearchPolicy.next` reads the study once as a :class:`TrialHistory` (the policy's only reader of
+the trials' attributes; other workers' running trials included, so parallel tuners do not propose
+what another is measuring) and walks its phases in order: the first that applies proposes the next
+trial as a :class:`Proposal` (configuration, phase, reason, prediction). The advisor enqueues it, so
+the study stays a plain Optuna study (dashboard, resume, several workers); when no phase proposes,
+the trial is the sampler's. Every trial line and the dashboard show the phase and its prediction.
+
+| phase | applies when | proposes |
+|---|---|---|
+| ``probe`` | GPU, compile searched, nothing compiled yet, and no half-precision eager trial without checkpointing has measured what the model holds apart from activations | one such eager trial at the smallest micro-batch the space holds: the held memory and the per-sample activations, in seconds, no compile |
+| ``compiled-start`` | GPU, compile searched, nothing compiled yet, the probe measured | the cheapest scope to compile (``regional`` when searched), the first half dtype, budget 1.0, the largest micro-batch predicted to fit (:func:`first_compiled_micro_batch`), fewest micro-steps |
+| ``compiled-grow`` | the best trial is compiled and one micro-step fewer (same scope and dtype) was never tried | that split at the largest budget the compiled model predicts to fit, when it is at least :data:`GROW_MIN_BUDGET`: fewest micro-steps that fit |
+| ``model`` | the memory and compiled models have fitted | their best-ranked configuration predicted to fit (``compiled-model`` or ``memory-model``); a budget below :data:`LOW_BUDGET` only where a higher one was measured at that micro-batch and scope |
+| ``scope-probe`` | the best trial is compiled in one scope, another scope is searched and never ran at that split, and the time budget holds a compile of it | the best configuration in the other scope: one compile measures whether that scope wins for this script |
+| ``cuda-graphs``, ``prior``, ``explore`` | as the advisor decides (``_cuda_graphs``, ``_first_trials``) | CUDA graphs at the best default-mode trial; the least memory the priors know while nothing fits; the sampler once the models' proposals stop improving |
+
+Constants of the policy live here (:data:`KEEP_AT_FULL_BUDGET`, :data:`FIT_MARGIN`,
+:data:`LOW_BUDGET`), each with the measurement it comes from.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from optuna.trial import FrozenTrial, TrialState
+
+from autobalance._config import BalanceConfig
+from autobalance._errors import ConfigError, UsageError
+from autobalance.protocol import MEASURED_STATUSES, Status, TrialAttr, memory_text
+from autobalance.tuner.search._space import SearchSpace, config_compile_key
+
+if TYPE_CHECKING:
+    from autobalance.tuner.search._advisor import ModelAdvisor
+
+__all__ = ["FIT_MARGIN", "GROW_MIN_BUDGET", "HALF_DTYPES", "KEEP_AT_FULL_BUDGET", "LOW_BUDGET", "PHASES", "Proposal", "Record",
+           "SearchPolicy", "TrialHistory", "first_compiled_micro_batch"]
+
+GIB = 2**30
+HALF_DTYPES = ("bf16", "fp16")
+KEEP_AT_FULL_BUDGET = {True: 0.75, False: 1.0}
+"""Prior: the fraction of the eager per-sample activations a compiled graph keeps at budget 1.0, by
+whether the loss is inside the compiled model (``plan.wrap(loss=...)``). Measured on one H200
+(``benchmarks/2026-12-04-h200``, the GPT of ``studies/gpt-1gpu.toml``, 9.58 GiB held, 0.97 GiB per
+sample eager): loss inside 0.63-0.73 (whole 8 x 4, regional 8 x 4 and 16 x 2); loss outside 0.97-1.01
+(its full-precision logits stay outside the graph). Used only for the first compiled trial: after it,
+the compiled model's own fit."""
+FIT_MARGIN = 0.03
+"""The first compiled trial's predicted peak stays this fraction below the usable memory."""
+GROW_MIN_BUDGET = 0.5
+"""``compiled-grow`` takes one micro-step fewer only while the budget predicted to fit stays at or above
+this: on one H200 (``benchmarks/2026-12-04-h200``) a micro-step costs ~30 ms of launches whatever its
+size, so a larger micro-batch at budget 0.5 or more beat the smaller one at 1.0 (regional 16 x 2 at 0.5:
+128.9 ms, 8 x 4 at 1.0: 140.3 ms), and at 0.3 it no longer did (139.0 ms)."""
+LOW_BUDGET = 0.3
+"""Budgets below this are proposed only where a higher one was measured at the same micro-batch and
+scope: memory is not monotone in low budgets (pytorch/pytorch#197838; on the H200 whole-model 8 x 4
+with the loss outside peaked at 15.5 GiB at budget 0.75 and 16.9 GiB at 0.5)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Record:
+    """One trial as the policy reads it."""
+
+    number: int
+    config: BalanceConfig | None
+    """Its configuration (for a running trial: from its parameters; None: not known)."""
+    status: str | None
+    """Its :class:`Status` (None: running or waiting)."""
+    running: bool
+    peaks_gib: list[float | None] = field(default_factory=list)
+    held_gib: list[float | None] = field(default_factory=list)
+    step_ms: float | None = None
+    feasible: bool = False
+    reused: bool = False
+    phase: str | None = None
+
+    @property
+    def measured(self) -> bool:
+        """Launched and measured here (not reused from another trial, not predicted)."""
+        return self.status in MEASURED_STATUSES and not self.reused
+
+    @property
+    def compiled(self) -> bool:
+        return self.config is not None and self.config.compile != "off"
+
+
+@dataclass(kw_only=True)
+class TrialHistory:
+    """The study's trials, read once per decision."""
+
+    records: list[Record]
+    usable_gib: list[float]
+    """Per rank, the memory a trial may use (cap x (1 - headroom))."""
+    device: str
+    loss_in_model: bool | None = None
+    """The baseline's report: the loss computed inside the wrapped model (None: not reported)."""
+
+    @classmethod
+    def from_trials(cls, trials: Sequence[FrozenTrial], *, space: SearchSpace, usable: list[float] | None,
+                    device: str, model_facts: dict[str, Any] | None = None) -> TrialHistory:
+        records = []
+        for t in trials:
+            a = t.user_attrs
+            running = t.state in (TrialState.RUNNING, TrialState.WAITING)
+            cfg: BalanceConfig | None = None
+            raw = a.get(TrialAttr.CONFIG)
+            try:
+                if raw:
+                    cfg = BalanceConfig.from_dict(raw)
+                elif running and t.params:  # another worker's trial being measured: what it runs
+                    cfg = space.config_from_params(t.params)
+            except (ConfigError, KeyError, TypeError, ValueError):  # a damaged attribute or partial params
+                cfg = None
+            records.append(Record(
+                number=t.number, config=cfg, status=None if running else a.get(TrialAttr.STATUS), running=running,
+                peaks_gib=list(a.get(TrialAttr.PEAK_DEVICE_GIB) or []), held_gib=list(a.get(TrialAttr.HELD_GIB) or []),
+                step_ms=a.get(TrialAttr.STEP_TIME_MS), feasible=bool(a.get(TrialAttr.FEASIBLE)),
+                reused=a.get(TrialAttr.REUSED_FROM) is not None, phase=a.get(TrialAttr.PROPOSAL_PHASE)))
+        facts = model_facts or {}
+        return cls(records=records, usable_gib=[u / GIB for u in (usable or [])], device=device,
+                   loss_in_model=facts.get("loss_in_model") if isinstance(facts.get("loss_in_model"), bool) else None)
+
+    def tried(self) -> set[str]:
+        """Every configuration measured, predicted, reused, running or waiting (as JSON)."""
+        return {r.config.to_json() for r in self.records if r.config is not None}
+
+    def compiled_tried(self) -> list[Record]:
+        """Compiled trials launched, running or waiting (reused and predicted ones left out)."""
+        return [r for r in self.records if r.compiled and (r.running or r.measured or r.status == Status.OOM)]
+
+    def eager_probe(self) -> tuple[Record, float, float] | None:
+        """The half-precision eager measurement without checkpointing that gives the held memory and
+        per-sample activations, ``(record, held GiB, activations GiB per sample)`` of its fullest rank;
+        None before one."""
+        best: tuple[Record, float, float] | None = None
+        for r in self.records:
+            cfg = r.config
+            if (not r.measured or r.status != Status.OK or cfg is None or cfg.compile != "off"
+                    or cfg.dtype not in HALF_DTYPES or any(cfg.checkpoint)):
+                continue
+            for rank, (peak, held) in enumerate(zip(r.peaks_gib, r.held_gib, strict=False)):
+                if peak is None or held is None or peak <= held:
+                    continue
+                act = (float(peak) - float(held)) / cfg.micro_batches[rank]
+                if best is None or held > best[1]:
+                    best = (r, float(held), act)
+        return best
+
+    def measured_budget(self, key: str, micro_batch: int) -> float | None:
+        """The highest budget measured at ``micro_batch`` (largest on any rank) for the compile key ``key``."""
+        out: float | None = None
+        for r in self.records:
+            cfg = r.config
+            if not r.measured or cfg is None or cfg.compile == "off" or config_compile_key(cfg) != key:
+                continue
+            if max(cfg.micro_batches) != micro_batch:
+                continue
+            b = min(cfg.activation_budget or [1.0])
+            out = b if out is None else max(out, b)
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Proposal:
+    """The next trial: what to run, which phase chose it, why, and what it is predicted to do."""
+
+    config: BalanceConfig | None
+    """None: the sampler's trial (``fixed`` may pin some of its parameters)."""
+    phase: str
+    reason: str
+    predicted_ms: float | None = None
+    predicted_peak_gib: list[float] | None = None
+    fixed: dict[str, Any] = field(default_factory=dict)
+    """For the sampler's trial: parameters pinned (a dtype held back, eager when no compile fits in time)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """More attributes the trial records (``proposal_new_graphs``, ...)."""
+
+    def prediction_text(self) -> str:
+        """``131 ms, 13.9 GiB predicted`` (empty without a prediction)."""
+        parts = []
+        if self.predicted_ms is not None:
+            parts.append(f"{self.predicted_ms:.0f} ms")
+        if self.predicted_peak_gib:
+            parts.append(memory_text(max(self.predicted_peak_gib)))
+        return ", ".join(parts) + " predicted" if parts else ""
+
+    def user_attrs(self) -> dict[str, Any]:
+        attrs: dict[str, Any] = {TrialAttr.PROPOSAL_PHASE: self.phase, TrialAttr.PROPOSAL_REASON: self.reason,
+                                 **self.extra}
+        if self.config is not None:
+            attrs["proposed_config"] = self.config.to_dict()
+        if self.predicted_ms is not None:
+            attrs["proposal_step_ms"] = round(self.predicted_ms, 3)
+        if self.predicted_peak_gib is not None:
+            attrs["proposal_peak_gib"] = [round(p, 4) for p in self.predicted_peak_gib]
+        return attrs
+
+
+def first_compiled_micro_batch(*, held_gib: float, act_gib: float, usable_gib: float, keep: float,
+                               candidates: Sequence[int]) -> int | None:
+    """The largest of ``candidates`` (largest micro-batches of the space's splits) whose predicted
+    peak at budget 1.0, ``held + m * act * keep``, stays :data:`FIT_MARGIN` below ``usable``; None:
+    none does."""
+    limit = usable_gib * (1.0 - FIT_MARGIN)
+    fits = [m for m in candidates if held_gib + m * act_gib * keep <= limit]
+    return max(fits) if fits else None
+
+
+Phase = Callable[["SearchPolicy", TrialHistory], "Proposal | None"]
+
+
+class SearchPolicy:
+    """The ordered phases (module doc); the advisor supplies the models and the study's context."""
+
+    def __init__(self, *, space: SearchSpace, advisor: ModelAdvisor) -> None:
+        self.space = space
+        self.advisor = advisor
+
+    @property
+    def on_gpu_compiling(self) -> bool:
+        return self.advisor.settings.device == "cuda" and self.space.compile_searched
+
+    def half_dtypes(self) -> list[str]:
+        """The half dtypes the first trials may use (``_first_trials``'s order, bf16 first)."""
+        allowed = self.advisor.allowed_dtypes_now()
+        return [d for d in allowed if d in HALF_DTYPES]
+
+    def next(self, history: TrialHistory) -> Proposal | None:
+        """The first phase's proposal that is new (not tried, not running elsewhere); None: the sampler's trial."""
+        tried = history.tried()
+        for phase in PHASES:
+            proposal = phase(self, history)
+            if proposal is None:
+                continue
+            if proposal.config is not None and proposal.config.to_json() in tried:
+                continue
+            return proposal
+        return None
+
+    # ------------------------------------------------------------------ phases
+    def probe(self, history: TrialHistory) -> Proposal | None:
+        if not self.on_gpu_compiling or "off" not in self.space.compile_modes or history.compiled_tried():
+            return None
+        if history.eager_probe() is not None:
+            return None
+        dtypes = self.half_dtypes()
+        if not dtypes:
+            return None
+        acc = max(self.space.accumulations)
+        tried = {r.config.to_json() for r in history.records if r.config is not None}
+        for a in sorted(self.space.accumulations, reverse=True):  # the smallest micro-batch not yet tried
+            cfg = self._config(a, dtype=dtypes[0], compile="off")
+            if cfg is not None and cfg.to_json() not in tried:
+                acc = a
+                break
+        else:
+            return None
+        return Proposal(config=cfg, phase="probe", reason=(
+            f"eager {dtypes[0]} at the smallest micro-batch ({max(cfg.micro_batches)} x {acc}), nothing checkpointed: "
+            "measures the memory held apart from activations and the activations per sample in seconds, "
+            "before any compile"))
+
+    def compiled_start(self, history: TrialHistory) -> Proposal | None:
+        if not self.on_gpu_compiling or history.compiled_tried():
+            return None
+        probe = history.eager_probe()
+        dtypes = self.half_dtypes()
+        if probe is None or not dtypes or not history.usable_gib:
+            return None
+        _, held, act = probe
+        keep = KEEP_AT_FULL_BUDGET[history.loss_in_model is not False]
+        scope = "regional" if "regional" in self.space.compile_scopes else "whole"
+        mode = next(m for m in self.space.compile_modes if m != "off")
+        by_micro: dict[int, BalanceConfig] = {}
+        for acc in sorted(self.space.accumulations):  # fewest micro-steps first: one per largest micro-batch
+            cfg = self._config(acc, dtype=dtypes[0], compile=mode, scope=scope)
+            if cfg is not None:
+                by_micro.setdefault(max(cfg.micro_batches), cfg)
+        m = first_compiled_micro_batch(held_gib=held, act_gib=act, usable_gib=min(history.usable_gib), keep=keep,
+                                       candidates=list(by_micro))
+        if m is None:
+            m = min(by_micro) if by_micro else None
+        if m is None:
+            return None
+        cfg = by_micro[m]
+        peak = held + m * act * keep
+        return Proposal(config=cfg, phase="compiled-start", predicted_peak_gib=[peak], reason=(
+            f"the first compiled trial: {scope} (the cheapest to compile), {cfg.dtype}, budget 1.0, the largest "
+            f"micro-batch predicted to fit ({m}: {memory_text(held)} held + {m} x {memory_text(act)} x {keep:g} "
+            f"kept at budget 1.0 <= {memory_text(min(history.usable_gib))} usable)"))
+
+    def explore(self, history: TrialHistory) -> Proposal | None:
+        return self.advisor.explore(history)
+
+    def compiled_grow(self, history: TrialHistory) -> Proposal | None:
+        best = self.advisor.best_record(history)
+        if best is None or best.config is None or best.config.compile == "off" or not best.feasible:
+            return None
+        cfg = best.config
+        fewer = [a for a in self.space.accumulations if a < cfg.accumulation]
+        if not fewer:
+            return None
+        acc = max(fewer)
+        template = self._config(acc, dtype=cfg.dtype, compile=cfg.compile, scope=cfg.compile_scope)
+        if template is None:
+            return None
+        fits = self.advisor.largest_budgets(template)
+        if fits is None or min(fits) < GROW_MIN_BUDGET:
+            return None
+        grown = BalanceConfig.from_dict({**template.to_dict(), "activation_budget": fits,
+                                         "bucket_cap_mb": cfg.bucket_cap_mb,
+                                         "gradient_as_bucket_view": cfg.gradient_as_bucket_view})
+        peaks = self.advisor.compiled_peaks(grown)
+        return Proposal(config=grown, phase="compiled-grow", predicted_peak_gib=peaks, reason=(
+            f"one micro-step fewer than the best trial ({best.number}: {cfg.accumulation} -> {acc}) at the largest "
+            f"budget predicted to fit ({min(fits):g} >= {GROW_MIN_BUDGET:g}): a micro-step's launches cost the same "
+            "whatever its size"))
+
+    def model(self, history: TrialHistory) -> Proposal | None:
+        return self.advisor.model_proposal(history)
+
+    def scope_probe(self, history: TrialHistory) -> Proposal | None:
+        if len(self.space.compile_scopes) < 2:
+            return None
+        best = self.advisor.best_record(history)
+        if best is None or best.config is None or best.config.compile != "default":
+            return None
+        ran = {config_compile_key(r.config) + "|" + json.dumps(r.config.micro_batches)
+               for r in history.compiled_tried() if r.config is not None}
+        for scope in self.space.compile_scopes:
+            if scope == best.config.compile_scope:
+                continue
+            other = BalanceConfig.from_dict({**best.config.to_dict(), "compile_scope": scope})
+            if not self.space.contains(other):
+                continue
+            if config_compile_key(other) + "|" + json.dumps(other.micro_batches) in ran:
+                continue
+            if not self.advisor.time_holds_compile():
+                return None
+            return Proposal(config=other, phase="scope-probe", reason=(
+                f"the best trial ({best.number}) compiled {scope} instead of {best.config.compile_scope}: one "
+                "compile measures whether that scope wins for this script"))
+        return None
+
+    def fallbacks(self, history: TrialHistory) -> Proposal | None:
+        return self.advisor.fallback_proposal(history)
+
+    # ------------------------------------------------------------------ helpers
+    def _config(self, acc: int, *, dtype: str, compile: str, scope: str = "whole") -> BalanceConfig | None:
+        """The even split of ``acc`` micro-steps, nothing checkpointed, budget 1.0 when compiled."""
+        from autobalance._config import split_evenly
+
+        world = self.space.world_size
+        total = self.space.micro_total(acc)
+        if total < world:
+            return None
+        micro = split_evenly(total, [1.0] * world)
+        rest: dict[str, Any] = {"checkpoint": [[] for _ in range(world)], "dtype": dtype, "bucket_cap_mb": 25.0,
+                                "gradient_as_bucket_view": True, "compile": compile}
+        if compile != "off":
+            rest.update(compile_scope=scope, activation_budget=[1.0] * world)
+        try:
+            cfg = self.space.config_for(micro, acc, None, **rest)
+        except (ConfigError, UsageError, ValueError):  # a split this space cannot hold
+            return None
+        return cfg if self.space.contains(cfg) else None
+
+
+PHASES: list[Phase] = [SearchPolicy.probe, SearchPolicy.compiled_start, SearchPolicy.explore,
+                       SearchPolicy.compiled_grow, SearchPolicy.model, SearchPolicy.scope_probe, SearchPolicy.fallbacks]
+"""The phases in the order they are asked (module doc)."""
