@@ -327,7 +327,8 @@ class ModelAdvisor:
         """The models' best new candidate (eager from the memory model, compiled from the compiled
         model), when it is worth a trial: under a time budget a compile must fit in the time left and
         promise a gain; a budget below ``LOW_BUDGET`` only where a higher one was measured at that
-        micro-batch and scope; an eager candidate first while the compiled model has too few eager
+        micro-batch and scope; a compile scope only once a trial of it was measured (the scope probe
+        brings in another: no borrowing across scopes); an eager candidate first while the compiled model has too few eager
         trials of its dtype (``EAGER_FIRST``)."""
         study = self.study
         candidates = self.scored_candidates(study)
@@ -336,7 +337,9 @@ class ModelAdvisor:
         tried = history.tried() | self._proposed
         if self._no_time_to_compile(study):  # no new graph that the time budget cannot hold
             candidates = [c for c in candidates if c.new_graphs == 0]
-        fresh = [c for c in candidates if c.config.to_json() not in tried and self._low_budget_ok(history, c.config)]
+        scopes = history.measured_scopes() or {self.space.compile_scopes[-1]}  # regional first when searched
+        fresh = [c for c in candidates if c.config.to_json() not in tried and self._low_budget_ok(history, c.config)
+                 and (c.config.compile == "off" or c.config.compile_scope in scopes)]
         best = self._best_value(study)
         if self.time_left_s is not None and best is not None:  # under a time budget a compile must promise a gain
             fresh = [c for c in fresh if c.new_graphs == 0 or c.score < best]

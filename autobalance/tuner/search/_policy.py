@@ -11,9 +11,10 @@ the trial is the sampler's. Every trial line and the dashboard show the phase an
 |---|---|---|
 | ``probe`` | GPU, compile searched, nothing compiled yet, and no half-precision eager trial without checkpointing has measured what the model holds apart from activations | one such eager trial at the smallest micro-batch the space holds: the held memory and the per-sample activations, in seconds, no compile |
 | ``compiled-start`` | GPU, compile searched, nothing compiled yet, the probe measured | the cheapest scope to compile (``regional`` when searched), the first half dtype, budget 1.0, the largest micro-batch predicted to fit (:func:`first_compiled_micro_batch`), fewest micro-steps |
-| ``compiled-grow`` | the best trial is compiled and one micro-step fewer (same scope and dtype) was never tried | that split at the largest budget the compiled model predicts to fit, when it is at least :data:`GROW_MIN_BUDGET`: fewest micro-steps that fit |
+| ``compiled-grow`` | a compiled trial fitted, and a split of fewer micro-steps (same scope and dtype) was never tried | from the best compiled trial, the next split of fewer micro-steps whose largest budget predicted to fit is at least :data:`GROW_MIN_BUDGET`, at that budget: one micro-step at a time towards the fewest that fit |
 | ``model`` | the memory and compiled models have fitted | their best-ranked configuration predicted to fit (``compiled-model`` or ``memory-model``); a budget below :data:`LOW_BUDGET` only where a higher one was measured at that micro-batch and scope |
 | ``scope-probe`` | the best trial is compiled in one scope, another scope is searched and never ran at that split, and the time budget holds a compile of it | the best configuration in the other scope: one compile measures whether that scope wins for this script |
+| ``refine`` | one rank, the models and the scope probe propose nothing new | the best compiled trial one budget step (:data:`REFINE_STEP`) higher when predicted to fit, else lower (not below :data:`LOW_BUDGET`) |
 | ``cuda-graphs``, ``prior``, ``explore`` | as the advisor decides (``_cuda_graphs``, ``_first_trials``) | CUDA graphs at the best default-mode trial; the least memory the priors know while nothing fits; the sampler once the models' proposals stop improving |
 
 Constants of the policy live here (:data:`KEEP_AT_FULL_BUDGET`, :data:`FIT_MARGIN`,
@@ -37,7 +38,7 @@ from autobalance.tuner.search._space import SearchSpace, config_compile_key
 if TYPE_CHECKING:
     from autobalance.tuner.search._advisor import ModelAdvisor
 
-__all__ = ["FIT_MARGIN", "GROW_MIN_BUDGET", "HALF_DTYPES", "KEEP_AT_FULL_BUDGET", "LOW_BUDGET", "PHASES", "Proposal", "Record",
+__all__ = ["FIT_MARGIN", "GROW_MIN_BUDGET", "HALF_DTYPES", "KEEP_AT_FULL_BUDGET", "LOW_BUDGET", "PHASES", "REFINE_STEP", "Proposal", "Record",
            "SearchPolicy", "TrialHistory", "first_compiled_micro_batch"]
 
 GIB = 2**30
@@ -56,6 +57,8 @@ GROW_MIN_BUDGET = 0.5
 this: on one H200 (``benchmarks/2026-12-04-h200``) a micro-step costs ~30 ms of launches whatever its
 size, so a larger micro-batch at budget 0.5 or more beat the smaller one at 1.0 (regional 16 x 2 at 0.5:
 128.9 ms, 8 x 4 at 1.0: 140.3 ms), and at 0.3 it no longer did (139.0 ms)."""
+REFINE_STEP = 0.05
+"""``refine`` moves the best compiled trial's budget by this much (the space's budget grid)."""
 LOW_BUDGET = 0.3
 """Budgets below this are proposed only where a higher one was measured at the same micro-batch and
 scope: memory is not monotone in low budgets (pytorch/pytorch#197838; on the H200 whole-model 8 x 4
@@ -150,6 +153,21 @@ class TrialHistory:
                 if best is None or held > best[1]:
                     best = (r, float(held), act)
         return best
+
+    def best_compiled(self) -> Record | None:
+        """The fastest feasible compiled trial measured here (None: none)."""
+        ok = [r for r in self.records if r.measured and r.compiled and r.feasible and r.step_ms is not None]
+        return min(ok, key=lambda r: float(r.step_ms or 0.0)) if ok else None
+
+    def compiled_splits(self) -> set[tuple[str, str]]:
+        """(compile key, micro-batches as JSON) of every compiled trial launched, running or predicted."""
+        return {(config_compile_key(r.config), json.dumps(r.config.micro_batches)) for r in self.records
+                if r.config is not None and r.config.compile != "off" and not r.reused}
+
+    def measured_scopes(self) -> set[str]:
+        """The compile scopes of the compiled trials measured here (that ran to the end)."""
+        return {r.config.compile_scope for r in self.records
+                if r.measured and r.status == Status.OK and r.config is not None and r.config.compile != "off"}
 
     def measured_budget(self, key: str, micro_batch: int) -> float | None:
         """The highest budget measured at ``micro_batch`` (largest on any rank) for the compile key ``key``."""
@@ -298,28 +316,27 @@ class SearchPolicy:
         return self.advisor.explore(history)
 
     def compiled_grow(self, history: TrialHistory) -> Proposal | None:
-        best = self.advisor.best_record(history)
-        if best is None or best.config is None or best.config.compile == "off" or not best.feasible:
+        base = history.best_compiled()
+        if base is None or base.config is None:
             return None
-        cfg = best.config
-        fewer = [a for a in self.space.accumulations if a < cfg.accumulation]
-        if not fewer:
-            return None
-        acc = max(fewer)
-        template = self._config(acc, dtype=cfg.dtype, compile=cfg.compile, scope=cfg.compile_scope)
-        if template is None:
-            return None
-        fits = self.advisor.largest_budgets(template)
-        if fits is None or min(fits) < GROW_MIN_BUDGET:
-            return None
-        grown = BalanceConfig.from_dict({**template.to_dict(), "activation_budget": fits,
-                                         "bucket_cap_mb": cfg.bucket_cap_mb,
-                                         "gradient_as_bucket_view": cfg.gradient_as_bucket_view})
-        peaks = self.advisor.compiled_peaks(grown)
-        return Proposal(config=grown, phase="compiled-grow", predicted_peak_gib=peaks, reason=(
-            f"one micro-step fewer than the best trial ({best.number}: {cfg.accumulation} -> {acc}) at the largest "
-            f"budget predicted to fit ({min(fits):g} >= {GROW_MIN_BUDGET:g}): a micro-step's launches cost the same "
-            "whatever its size"))
+        cfg = base.config
+        ran = history.compiled_splits()
+        for acc in sorted((a for a in self.space.accumulations if a < cfg.accumulation), reverse=True):  # one fewer first
+            template = self._config(acc, dtype=cfg.dtype, compile=cfg.compile, scope=cfg.compile_scope)
+            if template is None or (config_compile_key(template), json.dumps(template.micro_batches)) in ran:
+                continue
+            fits = self.advisor.largest_budgets(template)
+            if fits is None or min(fits) < GROW_MIN_BUDGET:
+                continue
+            grown = BalanceConfig.from_dict({**template.to_dict(), "activation_budget": fits,
+                                             "bucket_cap_mb": cfg.bucket_cap_mb,
+                                             "gradient_as_bucket_view": cfg.gradient_as_bucket_view})
+            return Proposal(config=grown, phase="compiled-grow", predicted_peak_gib=self.advisor.compiled_peaks(grown),
+                            reason=(
+                f"fewer micro-steps in {cfg.compile_scope} {cfg.dtype} ({cfg.accumulation} -> {acc}, "
+                f"from trial {base.number}) at the largest budget predicted to fit ({min(fits):g} >= {GROW_MIN_BUDGET:g}): "
+                "a micro-step's launches cost the same whatever its size"))
+        return None
 
     def model(self, history: TrialHistory) -> Proposal | None:
         return self.advisor.model_proposal(history)
@@ -347,6 +364,25 @@ class SearchPolicy:
                 "compile measures whether that scope wins for this script"))
         return None
 
+    def refine(self, history: TrialHistory) -> Proposal | None:
+        base = history.best_compiled()
+        if base is None or base.config is None or base.config.world_size != 1:
+            return None  # several ranks: the model phase moves each rank's budget
+        cfg = base.config
+        b = (cfg.activation_budget or [1.0])[0]
+        fits = self.advisor.largest_budgets(cfg)
+        for step in (REFINE_STEP, -REFINE_STEP):
+            nb = round(b + step, 3)
+            if not LOW_BUDGET <= nb <= 1.0 or (step > 0 and (fits is None or fits[0] < nb)):
+                continue
+            other = BalanceConfig.from_dict({**cfg.to_dict(), "activation_budget": [nb]})
+            if other.to_json() in history.tried():
+                continue
+            return Proposal(config=other, phase="refine", predicted_peak_gib=self.advisor.compiled_peaks(other), reason=(
+                f"the best compiled trial ({base.number}) at budget {nb:g} instead of {b:g}: "
+                + ("more kept, less recomputed, predicted to fit" if step > 0 else "less memory for what may be lost")))
+        return None
+
     def fallbacks(self, history: TrialHistory) -> Proposal | None:
         return self.advisor.fallback_proposal(history)
 
@@ -372,5 +408,6 @@ class SearchPolicy:
 
 
 PHASES: list[Phase] = [SearchPolicy.probe, SearchPolicy.compiled_start, SearchPolicy.explore,
-                       SearchPolicy.compiled_grow, SearchPolicy.model, SearchPolicy.scope_probe, SearchPolicy.fallbacks]
+                       SearchPolicy.compiled_grow, SearchPolicy.model, SearchPolicy.scope_probe, SearchPolicy.refine,
+                       SearchPolicy.fallbacks]
 """The phases in the order they are asked (module doc)."""
