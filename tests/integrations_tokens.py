@@ -136,7 +136,26 @@ def run_hf(world: int) -> dict[str, Any]:
     for name, config in uneven.items():
         results[name] = rel_error(hf_params(world, data, config), reference)
     results["per_sample"] = rel_error(hf_params(world, data, uneven["acc2"], per_sample=True), reference)
+    results["refused"] = hf_refusal(data)
     return results
+
+
+def hf_refusal(data: Sequences) -> str:
+    """What ``BalanceTrainer`` says of ``average_tokens_across_devices=False`` (each rank's own token mean)."""
+    from transformers import TrainingArguments
+
+    from autobalance._errors import UsageError
+    from autobalance.integrations.hf import BalanceTrainer
+
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(output_dir=out, per_device_train_batch_size=4, average_tokens_across_devices=False,
+                                 report_to="none", use_cpu=True, disable_tqdm=True)
+        try:
+            BalanceTrainer(model=gpt2(), args=args, train_dataset=data, data_collator=collate,
+                           plan=ab.plan(config=script_config(int(os.environ["WORLD_SIZE"]))))
+        except UsageError as exc:
+            return str(exc)
+    return "not refused"
 
 
 # ------------------------------------------------------------------------------- Lightning, Accelerate
