@@ -201,4 +201,4 @@ def test_tune_on_a_padded_hf_script_saves_a_verified_uneven_configuration(tmp_pa
     assert figures["baseline"]["status"] == "oom", figures["baseline"]
     assert figures["status"] == "ok" and figures["verification"]["passed"], figures
     assert not figures["verification"].get("skipped"), figures
-    assert len(set(config.samples_per_rank)) > 1, config
+    assert config.samples_per_rank[0] < config.samples_per_rank[1], config  # uneven, away from the slow rank

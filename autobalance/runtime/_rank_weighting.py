@@ -30,12 +30,11 @@ A loss that is a mean over other units than samples (real tokens of padded seque
 """
 
 # no ``from __future__ import annotations``: DDP checks the hook's annotations at run time (GradBucket, Future)
-from dataclasses import dataclass
-from typing import Any
-
 import contextlib
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
