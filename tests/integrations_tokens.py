@@ -13,6 +13,9 @@ writes how far each run's parameters are from its reference.
 - ``lightning``, ``accelerate``: the reference is one process's AdamW on the whole batch's token mean
   (float64); each integration runs the configurations with the count line, and once without it
   (``no_count``, the control).
+- ``sgd_update``: one uneven split (accumulation 3) with SGD and no clipping, the update (parameters
+  less the starting ones) against the reference's: AdamW and clipping are blind to a loss scaled by a
+  constant (a world size too many), SGD's update is not.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ from autobalance._config import BalanceConfig
 
 STEPS = 3
 LR = 3e-3
+SGD_LR = 0.5
+"""SGD's rate: its update is proportional to the gradient, so a loss scaled wrong by any factor shows
+(AdamW's first steps and clipping hide a constant factor)."""
 VOCAB = 48
 MAX_LEN = 24
 
@@ -88,6 +94,11 @@ def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n.replace("._checkpoint_wrapped_module", ""): p.detach().clone() for n, p in model.named_parameters()}
 
 
+def update(params: dict[str, torch.Tensor], start: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the steps changed: ``params - start``."""
+    return {k: params[k].double() - start[k].double() for k in start}
+
+
 def rel_error(params: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
     assert params.keys() == ref.keys(), sorted(set(params) ^ set(ref))
     diff = torch.cat([(params[k].double() - ref[k].double()).flatten() for k in ref])
@@ -103,8 +114,10 @@ def gpt2() -> nn.Module:
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
 
 
-def hf_params(world: int, data: Sequences, config: BalanceConfig | None, *, per_sample: bool = False) -> dict[str, torch.Tensor]:
-    """3 steps of transformers' ``Trainer`` (``config`` None) or of ``BalanceTrainer`` with ``config``."""
+def hf_params(world: int, data: Sequences, config: BalanceConfig | None, *, per_sample: bool = False,
+              sgd: bool = False) -> dict[str, torch.Tensor]:
+    """3 steps of transformers' ``Trainer`` (``config`` None) or of ``BalanceTrainer`` with ``config``: AdamW,
+    cosine schedule, clipping at 1.0; ``sgd``: SGD at ``SGD_LR``, constant, no clipping (scale-sensitive)."""
     from transformers import Trainer, TrainingArguments
 
     from autobalance.integrations.hf import BalanceTrainer
@@ -113,8 +126,9 @@ def hf_params(world: int, data: Sequences, config: BalanceConfig | None, *, per_
     micro = script_config(world).micro_batches[0]
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(output_dir=out, per_device_train_batch_size=micro, gradient_accumulation_steps=2,
-                                 num_train_epochs=STEPS, learning_rate=LR, lr_scheduler_type="cosine",
-                                 max_grad_norm=1.0, report_to="none", save_strategy="no", logging_strategy="no",
+                                 num_train_epochs=STEPS, learning_rate=SGD_LR if sgd else LR,
+                                 lr_scheduler_type="constant" if sgd else "cosine", optim="sgd" if sgd else "adamw_torch",
+                                 weight_decay=0.0, max_grad_norm=0.0 if sgd else 1.0, report_to="none", save_strategy="no", logging_strategy="no",
                                  use_cpu=True, seed=0, disable_tqdm=True, dataloader_drop_last=True)
         if config is None:
             trainer: Any = Trainer(model=model, args=args, train_dataset=data, data_collator=collate)
@@ -136,6 +150,9 @@ def run_hf(world: int) -> dict[str, Any]:
     for name, config in uneven.items():
         results[name] = rel_error(hf_params(world, data, config), reference)
     results["per_sample"] = rel_error(hf_params(world, data, uneven["acc2"], per_sample=True), reference)
+    start = params_of(gpt2())
+    results["sgd_update"] = rel_error(update(hf_params(world, data, uneven["acc3"], sgd=True), start),
+                                      update(hf_params(world, data, None, sgd=True), start))
     results["refused"] = hf_refusal(data)
     return results
 
@@ -182,10 +199,14 @@ def count_of(labels: torch.Tensor) -> torch.Tensor:
     return (labels != -100).sum()
 
 
-def whole_batch_reference(data: Sequences) -> dict[str, torch.Tensor]:
-    """One process, float64: AdamW on the token mean over the whole batch, 3 steps."""
+def optimizer_for(params: Any, sgd: bool) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=SGD_LR) if sgd else torch.optim.AdamW(params, lr=LR)
+
+
+def whole_batch_reference(data: Sequences, *, sgd: bool = False) -> dict[str, torch.Tensor]:
+    """One process, float64: AdamW (or SGD) on the token mean over the whole batch, 3 steps."""
     net = TokenNet().double()
-    opt = torch.optim.AdamW(net.parameters(), lr=LR)
+    opt = optimizer_for(net.parameters(), sgd)
     batch = collate([data[i] for i in range(len(data))])
     for _ in range(STEPS):
         opt.zero_grad()
@@ -194,7 +215,8 @@ def whole_batch_reference(data: Sequences) -> dict[str, torch.Tensor]:
     return params_of(net)
 
 
-def lightning_params(config: BalanceConfig, data: Sequences, world: int, *, with_count: bool) -> dict[str, torch.Tensor]:
+def lightning_params(config: BalanceConfig, data: Sequences, world: int, *, with_count: bool,
+                     sgd: bool = False) -> dict[str, torch.Tensor]:
     import lightning.pytorch as pl
 
     from autobalance.integrations.lightning import BalanceStrategy
@@ -211,7 +233,7 @@ def lightning_params(config: BalanceConfig, data: Sequences, world: int, *, with
             return loss
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.AdamW(self.parameters(), lr=LR)
+            return optimizer_for(self.parameters(), sgd)
 
     strategy = BalanceStrategy(ab.plan(config=config), blocks="net.blocks")
     module = Module()
@@ -222,7 +244,8 @@ def lightning_params(config: BalanceConfig, data: Sequences, world: int, *, with
     return params_of(module.net)
 
 
-def accelerate_params(config: BalanceConfig, data: Sequences, world: int, *, with_count: bool) -> dict[str, torch.Tensor]:
+def accelerate_params(config: BalanceConfig, data: Sequences, world: int, *, with_count: bool,
+                      sgd: bool = False) -> dict[str, torch.Tensor]:
     from accelerate import Accelerator
 
     from autobalance.integrations.accelerate import AccelerateBalance
@@ -230,7 +253,7 @@ def accelerate_params(config: BalanceConfig, data: Sequences, world: int, *, wit
     balance = AccelerateBalance(ab.plan(config=config))
     accelerator = Accelerator(**balance.accelerator_kwargs())
     net = TokenNet()
-    model, optimizer, loader = balance.prepare(accelerator, net, torch.optim.AdamW(net.parameters(), lr=LR), data,
+    model, optimizer, loader = balance.prepare(accelerator, net, optimizer_for(net.parameters(), sgd), data,
                                                blocks="blocks", collate_fn=collate)
     steps = 0
     while steps < STEPS:
@@ -256,6 +279,9 @@ def run_counted(runner: Callable[..., dict[str, torch.Tensor]], world: int) -> d
     for name, config in uneven.items():
         results[name] = rel_error(runner(config, data, world, with_count=True), reference)
     results["no_count"] = rel_error(runner(uneven["acc2"], data, world, with_count=False), reference)
+    start = params_of(TokenNet())
+    results["sgd_update"] = rel_error(update(runner(uneven["acc3"], data, world, with_count=True, sgd=True), start),
+                                      update(whole_batch_reference(data, sgd=True), start))
     return results
 
 

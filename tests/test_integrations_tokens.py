@@ -131,8 +131,9 @@ def _torchrun(world: int, args: list[str], *, timeout: float) -> subprocess.Comp
 def test_token_means_give_the_frameworks_own_update(tmp_path, world):
     """``BalanceTrainer`` against transformers' ``Trainer``, Lightning and Accelerate with the count line
     against the whole batch's token mean: the script's own split and three uneven ones within 2e-5 after
-    3 AdamW steps; the controls (the old per-sample weighting, the count left out) off by more than 1e-3,
-    so the check can fail."""
+    3 AdamW steps, and an uneven split's SGD update within 2e-5 (a loss scaled by a constant shows there);
+    the controls (the old per-sample weighting, the count left out) off by more than 1e-3, so the check
+    can fail."""
     for name in FRAMEWORKS:
         pytest.importorskip(name)
     out = tmp_path / "tokens.json"
@@ -141,7 +142,7 @@ def test_token_means_give_the_frameworks_own_update(tmp_path, world):
     results = json.loads(out.read_text())
     assert sorted(results) == ["accelerate", "hf", "lightning"]
     for name, r in results.items():
-        for run in ("own", "acc1", "acc2", "acc3"):
+        for run in ("own", "acc1", "acc2", "acc3", "sgd_update"):
             assert r[run] <= 2e-5, (name, run, r)
         control = r["per_sample" if name == "hf" else "no_count"]
         assert control > 1e-3, (name, r)
