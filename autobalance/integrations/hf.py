@@ -165,7 +165,8 @@ class BalanceTrainer(Trainer):
         # transformers' token normalisation is kept (see compute_loss); a per-rank token mean is not a loss
         # any other split can compute
         normalises = bool(self.model_accepts_loss_kwargs or self.compute_loss_func is not None)
-        if normalises and not self.args.average_tokens_across_devices and self.ab_plan.world_size > 1:
+        across = bool(getattr(self.args, "average_tokens_across_devices", False))  # 4.46 and later have it
+        if normalises and not across and self.ab_plan.world_size > 1:
             raise UsageError(
                 "BalanceTrainer: TrainingArguments(average_tokens_across_devices=False) on "
                 f"{self.ab_plan.world_size} ranks divides each rank's loss by its own tokens, which depends on how "
