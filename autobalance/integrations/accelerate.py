@@ -1,4 +1,4 @@
-"""Accelerate: ``prepare`` and ``backward`` beside an ``Accelerator``'s (``pip install 'autobalance[accelerate]'``).
+"""Accelerate: ``prepare`` and ``backward`` beside an ``Accelerator``'s (``pip install -e '.[accelerate]'``).
 
 A custom loop with ``Accelerator`` (lines marked ``# ab``)::
 
@@ -20,6 +20,11 @@ rank's micro-batches (moved to the accelerator's device; not re-sharded by Accel
 :meth:`~AccelerateBalance.backward` weights the micro-batch's mean loss and calls ``accelerator.backward``
 (which divides it by the accumulation); :meth:`~AccelerateBalance.micro_step` counts the micro-steps, and
 after the last one of a step measures it (a trial ends there once its steps are done).
+
+A loss that is a mean over tokens (padded sequences, ``ignore_index``) hands its count, the one
+changed line that makes the update the mean over the whole step's tokens for any split::
+
+    balance.backward(loss, count=(labels != -100).sum())                       # ab: the tokens it averages
 
 In a warm worker (one process runs the script once per trial or verification run) Accelerate's
 process-wide ``AcceleratorState`` and ``GradientState`` outlive the run that built them, and a next
@@ -136,11 +141,15 @@ class AccelerateBalance:
         if self.loop.micro_index == self.loop.accumulation:
             self.loop.step_end()
 
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``accelerator.backward`` of the micro-batch's mean loss, weighted for uneven splits."""
+    def backward(self, loss: torch.Tensor, *, count: Any = None, **kwargs: Any) -> None:
+        """``accelerator.backward`` of the micro-batch's mean loss, weighted for uneven splits.
+        ``count``: for a loss that is a mean over other units than samples (the real tokens of padded
+        sequences), how many the micro-batch holds, e.g. ``(labels != -100).sum()``: the update is then
+        the mean over the whole step's units on every rank (as ``plan.steps(count=)`` gives)."""
         if self.accelerator is None:
             raise UsageError("balance.backward() before balance.prepare(accelerator, ...); prepare first.")
+        factor = self.loop.loss_factor(count)
         self.loop.before_backward()
-        self.accelerator.backward(loss * self.loop.loss_factor(), **kwargs)
+        self.accelerator.backward(loss * factor, **kwargs)
         self.loop.after_backward()
         self.loop.micro_batch_end()

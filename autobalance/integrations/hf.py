@@ -1,4 +1,4 @@
-"""Hugging Face ``Trainer``: a Trainer that applies a balance configuration (``pip install 'autobalance[hf]'``).
+"""Hugging Face ``Trainer``: a Trainer that applies a balance configuration (``pip install -e '.[hf]'``).
 
 Two changed lines in a ``Trainer`` script::
 
@@ -16,10 +16,14 @@ best overrides them, as ``autobalance.plan`` decides; or pass ``plan=``) and app
   ``gradient_as_bucket_view``: set from the configuration before the Trainer is built;
 - checkpointing: this rank's chosen blocks (found as ``plan.wrap`` finds them, or ``blocks=``);
   transformers' own ``gradient_checkpointing`` is turned off (it would checkpoint every block on top);
-- the loss: each micro-batch's mean loss (``compute_loss``), divided by the accumulation, times
-  :meth:`~autobalance.runtime.FrameworkLoop.loss_factor`; the ranks weighted in DDP's all-reduce.
-  Transformers' own token-count normalisation (``num_items_in_batch``) is turned off: the loss must be
-  a mean over the micro-batch's samples (or over tokens, with every sample of one length);
+- the loss, as transformers computes it: where transformers normalises by tokens (the model accepts
+  ``num_items_in_batch``, or a ``compute_loss_func`` is given: transformers' own test), the loss is
+  the global token mean over the step's micro-steps and ranks exactly as ``Trainer`` computes it
+  (its ``num_items_in_batch``, its label counting, ``average_tokens_across_devices``), for any split:
+  the ranks averaged as DDP does. Else each micro-batch's mean loss, divided by the accumulation, times
+  :meth:`~autobalance.runtime.FrameworkLoop.loss_factor`, the ranks weighted by their samples in DDP's
+  all-reduce (a per-sample mean: exact for any split). ``average_tokens_across_devices=False`` (each
+  rank's own token mean, which depends on the split) is refused on several ranks;
 - compile: the model's ``__call__`` with this rank's activation budget; the arguments' ``torch_compile``
   is turned off (the configuration compiles, or not: a compiled configuration is the tuner's choice);
 - a trial's reports, then it leaves ``train()``.
@@ -33,6 +37,7 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback
 
+from autobalance._errors import UsageError
 from autobalance.runtime import FrameworkLoop, Plan, find_blocks
 from autobalance.runtime import plan as make_plan
 
@@ -157,9 +162,16 @@ class BalanceTrainer(Trainer):
 
             self.accelerator.ddp_handler = DistributedDataParallelKwargs(
                 bucket_cap_mb=config.bucket_cap_mb, gradient_as_bucket_view=True)  # type: ignore[arg-type]
-        # the loss is the micro-batch's mean, divided by the accumulation here and weighted by the plan
-        self.model_accepts_loss_kwargs = False
-        self.loss_is_scaled_for_ga = False
+        # transformers' token normalisation is kept (see compute_loss); a per-rank token mean is not a loss
+        # any other split can compute
+        normalises = bool(self.model_accepts_loss_kwargs or self.compute_loss_func is not None)
+        across = bool(getattr(self.args, "average_tokens_across_devices", False))  # 4.46 and later have it
+        if normalises and not across and self.ab_plan.world_size > 1:
+            raise UsageError(
+                "BalanceTrainer: TrainingArguments(average_tokens_across_devices=False) on "
+                f"{self.ab_plan.world_size} ranks divides each rank's loss by its own tokens, which depends on how "
+                "the batch is split; set average_tokens_across_devices=True (transformers' default)."
+            )
         self.ab_plan.scaler = getattr(self.accelerator, "scaler", None)
         self.add_callback(_LoopCallback(self))
         self._ab_attached = False
@@ -188,12 +200,31 @@ class BalanceTrainer(Trainer):
         self.ab_loop.micro_batch_end()
         return loss
 
+    def _scaled_for_accumulation(self, num_items_in_batch: Any) -> bool:
+        """Whether ``training_step`` takes the loss as already scaled for the accumulation (transformers'
+        test: 5.x's ``loss_is_scaled_for_ga`` when set, else normalised by ``num_items_in_batch`` or a
+        ``compute_loss_func``; 4.x has the same test without the attribute)."""
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled is None:
+            scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) \
+                or self.compute_loss_func is not None
+        return bool(scaled)
+
     def compute_loss(self, model: torch.nn.Module, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
-        out: Any = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=None)
-        if not self._ab_training_step:  # evaluation: the loss as the model computes it
+        out: Any = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        if not self._ab_training_step:  # evaluation: the loss as the Trainer computes it
             return out
-        factor = self.ab_loop.loss_factor()
+        if num_items_in_batch is not None and self._scaled_for_accumulation(num_items_in_batch):
+            # transformers' global token mean: divided by the step's tokens on every rank and multiplied by
+            # the world size (average_tokens_across_devices), whatever the split: DDP's average is the update
+            factor = self.ab_loop.framework_normalised()
+        else:
+            # a mean over the micro-batch's samples: weighted by them (transformers divides by the accumulation)
+            factor = self.ab_loop.loss_factor()
+            if self._scaled_for_accumulation(num_items_in_batch):
+                factor /= self.ab_loop.accumulation
         self.ab_loop.before_backward()
         if return_outputs:
             loss, outputs = out

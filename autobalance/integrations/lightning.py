@@ -1,4 +1,4 @@
-"""PyTorch Lightning: a DDP strategy that applies a balance configuration (``pip install 'autobalance[lightning]'``).
+"""PyTorch Lightning: a DDP strategy that applies a balance configuration (``pip install -e '.[lightning]'``).
 
 One added line (the strategy) and ``strategy=`` in a Lightning script::
 
@@ -26,12 +26,18 @@ at the framework's own points:
   work: without it a fast rank's busy time includes the slow rank's micro-batches, and the search
   takes the fast rank for the slow one.
 
-Automatic optimization only (one optimizer, ``training_step`` returns the micro-batch's mean loss).
+Automatic optimization only (one optimizer). ``training_step`` returns the micro-batch's mean loss over
+its samples; a loss that is a mean over other units (the real tokens of padded sequences) returns
+its count beside it, the one line that keeps the update the mean over the whole step's tokens for any
+split (as ``plan.steps(count=)`` does)::
+
+    return {"loss": loss, "count": (labels != -100).sum()}   # ab: the tokens the loss averages over
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -82,6 +88,8 @@ class BalanceStrategy(DDPStrategy):
         self.ab_plan = plan if plan is not None else make_plan(**plan_kwargs)
         self.ab_loop = FrameworkLoop(self.ab_plan, framework="lightning")
         self.ab_blocks = blocks
+        self._ab_count: Any = None
+        """The ``count`` the current micro-batch's ``training_step`` returned (None: a per-sample mean)."""
         config = self.ab_plan.config
         super().__init__(bucket_cap_mb=config.bucket_cap_mb,
                          gradient_as_bucket_view=config.gradient_as_bucket_view, **(ddp_kwargs or {}))
@@ -142,9 +150,15 @@ class BalanceStrategy(DDPStrategy):
             pin_memory=dataloader.pin_memory, worker_init_fn=dataloader.worker_init_fn,
             persistent_workers=dataloader.persistent_workers if dataloader.num_workers > 0 else False)
 
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().training_step(*args, **kwargs)
+        self._ab_count = out.get("count") if isinstance(out, Mapping) else None
+        return out
+
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         loop = self.ab_loop
-        closure_loss = closure_loss * loop.loss_factor()
+        count, self._ab_count = self._ab_count, None
+        closure_loss = closure_loss * loop.loss_factor(count)
         loop.before_backward()
         out = super().backward(closure_loss, optimizer, *args, **kwargs)
         loop.after_backward()

@@ -22,7 +22,10 @@ call                            where the integration calls it
 Exactness: the framework divides each micro-batch's mean loss by the ``accumulation``;
 :func:`~autobalance.runtime._rank_weighting.micro_step_factor` corrects micro-steps of unequal
 sizes within a rank, and :func:`~autobalance.runtime._rank_weighting.weighted_sum_hook` weights the
-ranks by ``n_r / N`` in DDP's all-reduce. Every rank must run the same number of micro-steps per
+ranks by ``n_r / N`` in DDP's all-reduce. A loss that is a mean over tokens hands its count
+(``loss_factor(count=)``), or is normalised by the framework itself (``framework_normalised``):
+:class:`~autobalance.runtime._rank_weighting.StepWeighting` then weights it by its share of the step's
+count on every rank instead. Every rank must run the same number of micro-steps per
 optimizer step (the framework's accumulation is one number), so the batch sampler yields only the
 epoch's full steps: the partial last step of :func:`~autobalance.runtime.epoch_schedule` is
 dropped with the tail (its samples come first in another epoch's permutation).
@@ -40,7 +43,7 @@ from autobalance._errors import ConfigError, UsageError
 from autobalance.runtime._checkpoint import checkpoint_model, find_blocks
 from autobalance.runtime._rank_weighting import (
     RankWeight,
-    micro_step_factor,
+    StepWeighting,
     rank_weight,
     register_rank_weighting,
 )
@@ -92,6 +95,9 @@ class FrameworkLoop:
         self.framework = framework
         self.weighting: RankWeight | None = None
         """The rank weighting hook's state, once :meth:`attach` registered it."""
+        self.weights = StepWeighting(config=plan.config, rank=plan.rank, world_size=plan.world_size,
+                                     device=plan.device, framework=framework, waiting=self.waiting)
+        """Each micro-batch's loss factor and the hook's weight, per step (by samples or by counts)."""
         self._schedule: EpochSchedule | None = None
         self._step_in_epoch = 0
         self._micro = 0
@@ -141,6 +147,7 @@ class FrameworkLoop:
             plan.ddp = wrapped
             if weighting and self.weighting is None:
                 self.weighting = register_rank_weighting(wrapped, weight=rank_weight(plan.config, plan.rank))
+                self.weights.hook = self.weighting
         elif plan.world_size > 1:
             raise UsageError(
                 f"{self.framework}: attach(wrapped={type(wrapped).__name__}) with {plan.world_size} ranks needs "
@@ -215,17 +222,32 @@ class FrameworkLoop:
                 stack.enter_context(context)
         self._contexts = stack
 
-    def loss_factor(self) -> float:
+    def loss_factor(self, count: Any = None) -> float:
         """The factor for this micro-batch's loss (before the framework divides it by the
-        accumulation): exact micro-steps of unequal sizes within this rank."""
-        mine = self.layout.micro_batches[self.plan.rank]
-        return micro_step_factor(self.plan.config, self.plan.rank, self._micro, size=len(mine[self._micro]))
+        accumulation). Without ``count`` the loss is a mean over the micro-batch's samples: exact
+        micro-steps of unequal sizes within this rank, the ranks weighted by ``n_r / N``. With
+        ``count`` (a number or a 0-d tensor: how many units, e.g. real tokens, the loss averages over)
+        the update is the mean over every rank's and micro-step's units, as ``plan.steps(count=)``
+        gives (:class:`~autobalance.runtime._rank_weighting.StepWeighting`; the step's last
+        micro-batch all-reduces the counts)."""
+        if count is None:
+            mine = self.layout.micro_batches[self.plan.rank]
+            return self.weights.samples(micro_index=self._micro, size=len(mine[self._micro]))
+        return self.weights.counted(count, micro_index=self._micro, last=self._micro == self.accumulation - 1)
+
+    def framework_normalised(self) -> float:
+        """This micro-batch's loss is already normalised by the framework over the whole step on every
+        rank and multiplied by the world size (transformers' ``num_items_in_batch`` with
+        ``average_tokens_across_devices``): the factor 1, and the ranks averaged as DDP does."""
+        return self.weights.normalised(micro_index=self._micro)
 
     def before_backward(self) -> None:
         for part in self.plan._parts:
             part.before_backward(self.plan)
 
     def after_backward(self) -> None:
+        if self.plan.model is not None:
+            self.weights.after_backward(self.plan.model.parameters())
         for part in self.plan._parts:
             part.after_backward(self.plan)
 
@@ -263,6 +285,7 @@ class FrameworkLoop:
         self._micro = 0
         self._step_in_epoch += 1
         self._step_open = False
+        self.weights.step_end()
         plan.step_done()
         if any([part.trial_done(plan) for part in plan._parts]) or plan.clock.done(plan.steps_done):
             plan.ending.finish()

@@ -339,6 +339,7 @@ class VerifyRun(Part):
             return
         self.save_step(model=plan.model, rank=plan.rank, grads=grads, layout=plan.layout.micro_batches,
                        info={"config": plan.config.to_dict(), "loss_weighting": True,
+                             "framework": plan.model_info.get("framework"),
                              "training": plan.model.training, "scale": self._scale,
                              "dropout_seen": self.dropout_seen, "reverse": self.reverse,
                              "script_precision": {k: v for k, v in self.script_precision.items() if v}})

@@ -45,7 +45,8 @@ class Saving:
         raise VerificationError(
             f"nothing was saved: every configuration tried failed verification (trial(s) {trials}; the reasons are "
             "above). Fix what they name in the script (most often a loss that is not a per-sample mean: a token "
-            "mean needs plan.steps(loader, count=...), a sum must become a mean; README: Losses), then "
+            "mean needs plan.steps(loader, count=...), or the integration's count: Lightning's {'loss', 'count'}, "
+            "Accelerate's balance.backward(loss, count=...); a sum must become a mean; README: Losses), then "
             "tune a new study (--study-name), or re-verify one of these trials with `autobalance verify SCRIPT "
             "--study-name NAME --trial N` and save it with `autobalance promote`; until then keep the script's "
             "own configuration."

@@ -11,9 +11,11 @@ from __future__ import annotations
 from autobalance.verify._result import (
     BUFFER_CAUSES,
     FP32_CAUSES,
+    TOKEN_MEAN_FIXES,
     Check,
     Failure,
     Verification,
+    fp32_causes,
     relative,
 )
 from autobalance.verify._runs import RunFailed, SharedRuns, StepResult, VerifyTarget, run_key
@@ -41,6 +43,7 @@ __all__ = [
     "NOISE_FACTOR",
     "NOISE_LIMIT",
     "ROUNDING_FACTOR",
+    "TOKEN_MEAN_FIXES",
     "UPDATE_LIMIT",
     "Check",
     "Failure",
@@ -52,6 +55,7 @@ __all__ = [
     "VerifyTarget",
     "bound_from_floor",
     "floor_too_high",
+    "fp32_causes",
     "noise_problem",
     "recomputes",
     "relative",

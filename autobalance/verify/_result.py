@@ -8,7 +8,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BUFFER_CAUSES", "FP32_CAUSES", "Check", "Failure", "Verification", "relative"]
+__all__ = ["BUFFER_CAUSES", "FP32_CAUSES", "TOKEN_MEAN_FIXES", "Check", "Failure", "Verification", "fp32_causes",
+           "relative"]
 
 
 class Failure(enum.StrEnum):
@@ -101,15 +102,34 @@ class Check:
                 "passed": self.passed}
 
 
-FP32_CAUSES = (
-    "likely causes: a loss that is not a per-sample mean, so a sample's weight depends on its micro-batch: "
-    "a mean over tokens (padding, ignore_index) needs `plan.steps(loader, count=lambda batch: n_real_tokens)`, "
-    "a reduction='sum' loss must become the mean over the micro-batch's samples (README: Losses); a term computed "
-    "over the whole micro-batch (a load-balancing loss of a mixture of experts, a contrastive loss over the "
-    "batch), which no weighting makes split-independent: keep the script's own split; layers whose step depends "
-    "on the batch that autobalance does not recognise (it knows BatchNorm and modules with running_* buffers)"
-)
-"""What to say when the fp32 math differs far above the rounding floor."""
+TOKEN_MEAN_FIXES = {
+    "": "`plan.steps(loader, count=lambda batch: n_real_tokens)`",
+    "lightning": "`return {\"loss\": loss, \"count\": n_real_tokens}` from training_step",
+    "accelerate": "`balance.backward(loss, count=n_real_tokens)`",
+    "hf": ("transformers' own token normalisation, which BalanceTrainer keeps: a model whose forward takes "
+           "num_items_in_batch (or **kwargs), or compute_loss_func= in the trainer"),
+}
+"""What makes a token-mean loss exact for any split, by the loop that runs it ("": the runtime's own
+``plan.steps``; else the integration, as the run's report names it)."""
+
+
+def fp32_causes(framework: str | None = None) -> str:
+    """What to say when the fp32 math differs far above the rounding floor; the token-mean fix named
+    for the loop the script runs in (``framework``: ``lightning``, ``hf``, ``accelerate`` or None)."""
+    fix = TOKEN_MEAN_FIXES.get(framework or "", TOKEN_MEAN_FIXES[""])
+    return (
+        "likely causes: a loss that is not a per-sample mean, so a sample's weight depends on its micro-batch: "
+        f"a mean over tokens (padding, ignore_index) needs {fix}, "
+        "a reduction='sum' loss must become the mean over the micro-batch's samples (README: Losses); a term "
+        "computed over the whole micro-batch (a load-balancing loss of a mixture of experts, a contrastive loss "
+        "over the batch), which no weighting makes split-independent: keep the script's own split; layers whose "
+        "step depends on the batch that autobalance does not recognise (it knows BatchNorm and modules with "
+        "running_* buffers)"
+    )
+
+
+FP32_CAUSES = fp32_causes()
+"""What to say when the fp32 math of a ``plan.steps`` script differs far above the rounding floor."""
 
 BUFFER_CAUSES = (
     "only the buffers differ: a layer that updates its buffers in its forward (running statistics) ran another "

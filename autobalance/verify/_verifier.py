@@ -51,10 +51,10 @@ from autobalance._errors import UsageError
 from autobalance.protocol import Status
 from autobalance.verify._result import (
     BUFFER_CAUSES,
-    FP32_CAUSES,
     Check,
     Failure,
     Verification,
+    fp32_causes,
     relative,
 )
 from autobalance.verify._runs import RunFailed, Runner, SharedRuns, StepResult, VerifyTarget
@@ -240,7 +240,10 @@ class Verifier:
                           "it fails again keep the script's split or make the step deterministic "
                           "(torch.use_deterministic_algorithms(True))")
             else:
-                failure, causes = Failure.MATH, FP32_CAUSES
+                framework = next((r.info.get("framework") for r in self._runner.results if r.info.get("framework")),
+                                 None)
+                loss_causes = fp32_causes(framework if isinstance(framework, str) else None)
+                failure, causes = Failure.MATH, loss_causes
                 dependent = next((r.info.get("batch_dependent") for r in self._runner.results
                                   if r.info.get("batch_dependent")), None)
                 if dependent and not self.allow_batch_dependent:  # the model's own layers: the first suspect
@@ -248,7 +251,7 @@ class Verifier:
                     causes = (f"first suspect: the batch-dependent layers ({shown}) compute statistics over each "
                               "micro-batch in train mode, so another split changes the step: keep the script's split, "
                               "or accept the change with --allow-batch-dependent (verified in eval mode); other "
-                              + FP32_CAUSES)
+                              + loss_causes)
             return Verification(passed=False, failure=failure, reason=(
                 f"its step differs from the baseline's{where}: {equivalence.figures()}, {limits}{note}; {causes}"))
         tolerance = bound
