@@ -138,7 +138,8 @@ def test_the_command_line_is_built_without_heavy_imports() -> None:
 
 def test_choice_settings_are_literals_and_the_command_line_shows_their_choices() -> None:
     """One source for both: a choice setting's ``Literal`` is what TuneSettings accepts and the flag's metavar."""
-    assert set(CHOICES) == {"device", "remeasure", "cap_mode", "strategy", "sampler", "split", "on_error", "compile"}
+    assert set(CHOICES) == {"device", "remeasure", "cap_mode", "strategy", "sampler", "split", "on_error", "compile",
+                            "compile_scope"}
     params = _tune_params()
     for name, choices in CHOICES.items():
         assert params[name].metavar == "|".join(choices), name

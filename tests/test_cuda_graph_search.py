@@ -175,11 +175,11 @@ def test_cuda_graphs_are_first_measured_at_the_best_default_mode_configuration(t
     assert probe == BalanceConfig.from_dict({**best.user_attrs["config"], "compile": "reduce-overhead"})
     assert graph_probe(trials, best=trials[0], modes=advisor.space.compile_modes, dtypes=["bf16"]) is None  # eager
     assert graph_probe(trials, best=best, modes=["off", "default"], dtypes=["bf16"]) is None  # not searched
-    assert advisor._graph_probe(study)  # enqueued, once
-    waiting = study.get_trials(states=(TrialState.WAITING,))
-    assert len(waiting) == 1 and waiting[0].user_attrs["proposed_config"]["compile"] == "reduce-overhead"
-    assert "CUDA graphs" in waiting[0].user_attrs["proposal_note"]
-    assert not advisor._graph_probe(study)
+    proposal = advisor._graph_probe(study)  # the search policy's cuda-graphs phase: proposed once
+    assert proposal is not None and proposal.phase == "cuda-graphs" and proposal.config is not None
+    assert proposal.config.compile == "reduce-overhead" and "CUDA graphs" in proposal.reason
+    advisor._proposed.add(proposal.config.to_json())  # what before_ask does when it enqueues it
+    assert advisor._graph_probe(study) is None
 
 
 @pytest.mark.parametrize(("gain", "verdict"), [(0.05, "pays"), (0.01, "no-gain")])

@@ -295,10 +295,11 @@ def test_near_the_end_of_a_time_budget_no_new_graph_is_compiled(tmp_path):
     assert advisor.space.suggest(study.ask()).compile == "off"  # here: the best eager proposal
     # a trial left to the sampler then runs eager too (and in bf16: fp32 is still held back)
     study.tell(study.trials[-1].number, 1.0)
-    advisor._to_sampler(study)
-    waiting = study.get_trials(states=(TrialState.WAITING,))
-    assert waiting and waiting[0].system_attrs["fixed_params"] == {"compile": "off", "dtype": "bf16"}
-    assert "the time budget holds no compile" in waiting[0].user_attrs["proposal_note"]
+    advisor._study = study  # what before_ask sets while the policy's phases run
+    sampler = advisor._sampler_proposal("the sampler's trial")
+    assert sampler.config is None and sampler.phase == "sampler"
+    assert sampler.fixed == {"compile": "off", "dtype": "bf16"}
+    assert "the time budget holds no compile" in sampler.reason
 
 
 def test_under_a_time_budget_a_new_graph_is_compiled_only_when_predicted_to_beat_the_best(tmp_path):

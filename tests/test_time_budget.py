@@ -391,7 +391,12 @@ def test_a_five_minute_budget_ends_within_it_verification_included(tmp_path: Pat
     if graphs:
         grid += [BalanceConfig.from_dict({**c.to_dict(), "compile": "reduce-overhead"}) for c in grid
                  if c.compile == "default"]
-    optimum = min(step_ms(cfg) for cfg in grid if true_peak(cfg) <= usable)
+    # the optimum the policy may reach: budgets below LOW_BUDGET only where a higher one was measured at that
+    # micro-batch (memory is not monotone in low budgets on the H200: tuner/search/_policy.py), so not blind
+    from autobalance.tuner.search._policy import LOW_BUDGET
+
+    optimum = min(step_ms(cfg) for cfg in grid if true_peak(cfg) <= usable
+                  and (cfg.compile == "off" or min(cfg.activation_budget or [1.0]) >= LOW_BUDGET))
     ran = [t.user_attrs["config"] for t in optuna.load_study(study_name="sim", storage=settings.storage).trials
            if t.user_attrs.get("status") == "ok" and t.user_attrs.get("config")]
     graph_trials = [c for c in ran if c["compile"] == "reduce-overhead"]
@@ -399,7 +404,10 @@ def test_a_five_minute_budget_ends_within_it_verification_included(tmp_path: Pat
     if graphs == "no-gain":  # the probe's price, paid once: one compile (here 45 s of the 300), never a second
         assert len(graph_trials) == 1, graph_trials
         return
-    assert result.best.user_attrs["step_time_ms"] <= 1.10 * optimum, (result.best.user_attrs["step_time_ms"], optimum)
+    story = [(t.user_attrs.get("proposed_by"), t.user_attrs.get("status"), t.user_attrs.get("step_time_ms"),
+              t.user_attrs.get("config")) for t in optuna.load_study(study_name="sim", storage=settings.storage).trials]
+    assert result.best.user_attrs["step_time_ms"] <= 1.10 * optimum, "\n".join(map(str, [
+        result.best.user_attrs["step_time_ms"], optimum, *story]))
     if graphs == "pay":
         assert best_cfg["compile"] == "reduce-overhead", best_cfg
     else:

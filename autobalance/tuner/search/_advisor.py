@@ -302,11 +302,27 @@ class ModelAdvisor:
             out.append(float(b))
         return out
 
+    def eager_estimate(self) -> tuple[None, float, float] | None:
+        """``(None, held GiB, activations GiB per sample)`` of the fullest rank from the memory model's
+        fit in the first half dtype, when trials did not report the held memory (runtimes from before)."""
+        model = self.model if self.model is not None else self.refit(self.study)
+        dtypes = [d for d in self.allowed_dtypes_now() if d in ("bf16", "fp16")]
+        if model is None or not dtypes or not model.can_predict(dtypes[0]):
+            return None
+        layers = max(1, self.space.num_layers)
+        ranks = range(self.space.world_size)
+        held = max(model.fixed_bytes(r, dtypes[0]) for r in ranks)
+        act = max(model.per_sample_bytes(r, dtypes[0], 0, layers) for r in ranks)
+        return None, held / GIB, act / GIB
+
     def compiled_peaks(self, config: BalanceConfig) -> list[float] | None:
         """The compiled model's predicted peaks of ``config``, GiB per rank (None: no model)."""
         if self.compiled is None:
             return None
         return [p / GIB for p in self.compiled.config_peaks(config)]
+
+    def graph_proposal(self) -> Proposal | None:
+        return self._graph_probe(self.study)
 
     def time_holds_compile(self) -> bool:
         return not self._no_time_to_compile(self.study)
@@ -338,13 +354,15 @@ class ModelAdvisor:
         if self._no_time_to_compile(study):  # no new graph that the time budget cannot hold
             candidates = [c for c in candidates if c.new_graphs == 0]
         scopes = history.measured_scopes() or {self.space.compile_scopes[-1]}  # regional first when searched
+        if self.settings.device == "cuda" and history.best_compiled() is not None and not self._eager_timed(history):
+            # an eager proposal against a compiled best needs an eager time model of its own (three measured
+            # eager splits): with fewer it is proportional and ranks launch-bound small micro-batches too well
+            candidates = [c for c in candidates if c.config.compile != "off"]
         fresh = [c for c in candidates if c.config.to_json() not in tried and self._low_budget_ok(history, c.config)
                  and (c.config.compile == "off" or c.config.compile_scope in scopes)]
         best = self._best_value(study)
         if self.time_left_s is not None and best is not None:  # under a time budget a compile must promise a gain
             fresh = [c for c in fresh if c.new_graphs == 0 or c.score < best]
-        if best is not None and fresh and fresh[0].score >= best:
-            return None  # the models promise nothing better: the later phases (scope, CUDA graphs, sampler)
         if not fresh or fresh[0].score > _WORTH * candidates[0].score:
             return None
         pick, note = fresh[0], None
@@ -363,6 +381,12 @@ class ModelAdvisor:
         return Proposal(config=pick.config, phase=pick.source, reason=reason, predicted_ms=pick.step_ms,
                         predicted_peak_gib=[p / GIB for p in pick.peaks], extra=extra)
 
+    @staticmethod
+    def _eager_timed(history: TrialHistory) -> bool:
+        """Whether three distinct eager splits were measured (the eager time model's fixed terms are then seen)."""
+        return len({json.dumps([r.config.accumulation, r.config.micro_batches]) for r in history.records
+                    if r.measured and r.status == Status.OK and r.config is not None and r.config.compile == "off"}) >= 3
+
     def _low_budget_ok(self, history: TrialHistory, config: BalanceConfig) -> bool:
         """A budget below ``LOW_BUDGET`` only where a higher one was measured at that micro-batch and scope."""
         if config.compile == "off" or min(config.activation_budget or [1.0]) >= LOW_BUDGET:
@@ -371,12 +395,9 @@ class ModelAdvisor:
         return measured is not None and measured >= LOW_BUDGET
 
     def fallback_proposal(self, history: TrialHistory) -> Proposal | None:
-        """When the models propose nothing: CUDA graphs at the best default-mode compiled trial (once),
-        the least memory the priors know while nothing fits (on a GPU), else the sampler."""
+        """When no phase proposes: the least memory the priors know while nothing fits (on a GPU), else
+        the sampler."""
         study = self.study
-        graph = self._graph_probe(study)
-        if graph is not None:
-            return graph
         if self.settings.device == "cuda" and not any(r.status == Status.OK for r in history.records):
             probe = self._probe(study)
             if probe is not None:
@@ -394,6 +415,17 @@ class ModelAdvisor:
         top = best_trial(study)
         if top is None:
             return None
+        if (top.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile_scope", "whole") != "whole":
+            # CUDA graphs capture the whole model: probed at the best whole-model trial within 2 % of the best
+            whole = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                     if t.user_attrs.get(TrialAttr.FEASIBLE) and t.user_attrs.get(TrialAttr.STEP_TIME_MS)
+                     and (t.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile") == "default"
+                     and (t.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile_scope", "whole") == "whole"]
+            best_ms = float(top.user_attrs.get(TrialAttr.STEP_TIME_MS) or 0.0)
+            close = [t for t in whole if float(t.user_attrs[TrialAttr.STEP_TIME_MS]) <= 1.02 * best_ms]
+            if not close:
+                return None
+            top = min(close, key=lambda t: float(t.user_attrs[TrialAttr.STEP_TIME_MS]))
         probe = graph_probe(study.get_trials(deepcopy=False), best=top, modes=self.space.compile_modes,
                             dtypes=self._allowed_dtypes(study))
         if probe is None or probe.to_json() in self._proposed or not self.space.contains(probe):

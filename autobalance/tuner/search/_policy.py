@@ -11,11 +11,13 @@ the trial is the sampler's. Every trial line and the dashboard show the phase an
 |---|---|---|
 | ``probe`` | GPU, compile searched, nothing compiled yet, and no half-precision eager trial without checkpointing has measured what the model holds apart from activations | one such eager trial at the smallest micro-batch the space holds: the held memory and the per-sample activations, in seconds, no compile |
 | ``compiled-start`` | GPU, compile searched, nothing compiled yet, the probe measured | the cheapest scope to compile (``regional`` when searched), the first half dtype, budget 1.0, the largest micro-batch predicted to fit (:func:`first_compiled_micro_batch`), fewest micro-steps |
+| ``explore`` | every third ask: on CPU always, on a GPU once the models' proposals stopped improving (``_first_trials``) | the sampler's trial (a dtype held back pinned; eager when no compile fits in the time left) |
 | ``compiled-grow`` | a compiled trial fitted, and a split of fewer micro-steps (same scope and dtype) was never tried | from the best compiled trial, the next split of fewer micro-steps whose largest budget predicted to fit is at least :data:`GROW_MIN_BUDGET`, at that budget: one micro-step at a time towards the fewest that fit |
+| ``scope-probe`` | growing stopped, the best trial is compiled in one scope, another scope is searched and never ran at that split, and the time budget holds a compile of it | the best configuration in the other scope: one compile measures whether that scope wins for this script |
+| ``cuda-graphs`` | ``--compile-mode auto``, the best trial is a default-mode compiled one, graphs untried, time holds a compile | the best configuration with CUDA graphs: one compile measures whether they pay (``_cuda_graphs``) |
 | ``model`` | the memory and compiled models have fitted | their best-ranked configuration predicted to fit (``compiled-model`` or ``memory-model``); a budget below :data:`LOW_BUDGET` only where a higher one was measured at that micro-batch and scope |
-| ``scope-probe`` | the best trial is compiled in one scope, another scope is searched and never ran at that split, and the time budget holds a compile of it | the best configuration in the other scope: one compile measures whether that scope wins for this script |
-| ``refine`` | one rank, the models and the scope probe propose nothing new | the best compiled trial one budget step (:data:`REFINE_STEP`) higher when predicted to fit, else lower (not below :data:`LOW_BUDGET`) |
-| ``cuda-graphs``, ``prior``, ``explore`` | as the advisor decides (``_cuda_graphs``, ``_first_trials``) | CUDA graphs at the best default-mode trial; the least memory the priors know while nothing fits; the sampler once the models' proposals stop improving |
+| ``refine`` | one rank, the phases above propose nothing new | the best compiled trial one budget step (:data:`REFINE_STEP`) higher when predicted to fit, else lower (not below :data:`LOW_BUDGET`) |
+| ``prior``, ``sampler`` | nothing else proposes | the least memory the priors know while nothing fits (GPU); else the sampler |
 
 Constants of the policy live here (:data:`KEEP_AT_FULL_BUDGET`, :data:`FIT_MARGIN`,
 :data:`LOW_BUDGET`), each with the measurement it comes from.
@@ -154,6 +156,11 @@ class TrialHistory:
                     best = (r, float(held), act)
         return best
 
+    def eager_half_measured(self) -> bool:
+        """Whether a half-precision eager trial without checkpointing ran to the end here."""
+        return any(r.measured and r.status == Status.OK and r.config is not None and r.config.compile == "off"
+                   and r.config.dtype in HALF_DTYPES and not any(r.config.checkpoint) for r in self.records)
+
     def best_compiled(self) -> Record | None:
         """The fastest feasible compiled trial measured here (None: none)."""
         ok = [r for r in self.records if r.measured and r.compiled and r.feasible and r.step_ms is not None]
@@ -264,7 +271,7 @@ class SearchPolicy:
     def probe(self, history: TrialHistory) -> Proposal | None:
         if not self.on_gpu_compiling or "off" not in self.space.compile_modes or history.compiled_tried():
             return None
-        if history.eager_probe() is not None:
+        if history.eager_probe() is not None or history.eager_half_measured():
             return None
         dtypes = self.half_dtypes()
         if not dtypes:
@@ -286,7 +293,7 @@ class SearchPolicy:
     def compiled_start(self, history: TrialHistory) -> Proposal | None:
         if not self.on_gpu_compiling or history.compiled_tried():
             return None
-        probe = history.eager_probe()
+        probe = history.eager_probe() or self.advisor.eager_estimate()
         dtypes = self.half_dtypes()
         if probe is None or not dtypes or not history.usable_gib:
             return None
@@ -383,6 +390,9 @@ class SearchPolicy:
                 + ("more kept, less recomputed, predicted to fit" if step > 0 else "less memory for what may be lost")))
         return None
 
+    def cuda_graphs(self, history: TrialHistory) -> Proposal | None:
+        return self.advisor.graph_proposal()
+
     def fallbacks(self, history: TrialHistory) -> Proposal | None:
         return self.advisor.fallback_proposal(history)
 
@@ -408,6 +418,6 @@ class SearchPolicy:
 
 
 PHASES: list[Phase] = [SearchPolicy.probe, SearchPolicy.compiled_start, SearchPolicy.explore,
-                       SearchPolicy.compiled_grow, SearchPolicy.model, SearchPolicy.scope_probe, SearchPolicy.refine,
-                       SearchPolicy.fallbacks]
+                       SearchPolicy.compiled_grow, SearchPolicy.scope_probe, SearchPolicy.cuda_graphs, SearchPolicy.model,
+                       SearchPolicy.refine, SearchPolicy.fallbacks]
 """The phases in the order they are asked (module doc)."""
