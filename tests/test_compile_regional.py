@@ -14,6 +14,7 @@ import json
 import time
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -240,3 +241,148 @@ def test_the_report_names_the_scope_parameter_in_words():
     from autobalance.report._figures import param_words
 
     assert param_words("compile_scope") == "compile scope"
+
+
+# ---------------------------------------------------------------------- real runs (torchrun, 2 gloo ranks)
+
+FAST_COMPILE = {"AUTOBALANCE_COMPILE_BACKEND": "aot_eager_decomp_partition", "OMP_NUM_THREADS": "1"}
+
+
+def _gpt_args(layers: int, *extra: str) -> list[str]:
+    return ["--n-layer", str(layers), "--n-embd", "32", "--samples", "128", *extra]
+
+
+def _verify(tmp_path: Path, cfg: BalanceConfig, *script_args: str) -> tuple[dict[str, Any], str]:
+    from tests.tune_helpers import GPT, cli
+
+    path = tmp_path / "c.json"
+    path.write_text(cfg.to_json())
+    proc = cli(["verify", GPT, "--config", str(path), "--device", "cpu", "--runs-dir", str(tmp_path / "runs"),
+                "--json", "--", *script_args], cwd=tmp_path, env=FAST_COMPILE, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    return json.loads(proc.stdout), proc.stderr
+
+
+def _run_reports(verdict: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    """The rank reports of one verification run."""
+    trial_dir = Path(verdict["runs"][name])
+    return [json.loads((trial_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.slow
+def test_verify_passes_a_regional_configuration_with_an_uneven_split_and_per_rank_budgets(tmp_path):
+    """The regional compiled step (each block and the loss compiled, budgets 0.5 and 1.0, 3 + 13
+    samples) against the script's own eager fp32 step: within the rounding bound, and the compiled run
+    really compiled one block graph and the loss on each rank with its own budget.
+
+    Dropout off in the script (``--dropout 0``): with ``aot_eager_decomp_partition`` a budget below 1
+    recomputes random ops without replaying them (whole-model too: rng-replay 0.19 on this model;
+    Inductor replays them and passes), which is the test backend's, not the runtime's."""
+    cfg = BalanceConfig(micro_batches=[3, 13], global_batch=16, compile="default", compile_scope="regional",
+                        activation_budget=[0.5, 1.0])
+    verdict, _ = _verify(tmp_path, cfg, *_gpt_args(3, "--dropout", "0"))
+    assert verdict["passed"] is True, verdict["reason"]
+    checks = {c["name"]: c for c in verdict["checks"]}
+    eq = checks["equivalence"]
+    assert eq["runs"] == ["tuned", "baseline"]  # fp32: the compiled configuration itself against the eager one
+    assert eq["grad_rel"] <= verdict["bound"] and eq["param_rel"] <= verdict["bound"]
+    for rank, (report, budget) in enumerate(zip(_run_reports(verdict, "tuned"), (0.5, 1.0), strict=True)):
+        comp = report["compile"]
+        assert comp["scope"] == "regional" and comp["activation_budget"] == budget, (rank, comp)
+        assert comp["regions"]["blocks"] == 3 and comp["regions"]["tail"] == "the loss (plan.wrap(loss=...))"
+        assert comp["graphs"] == 2, (rank, comp)  # one block graph for the three blocks, one for the loss
+
+
+@pytest.mark.slow
+def test_checkpointed_blocks_under_a_regional_compile_run_eagerly_and_verify(tmp_path):
+    """Rank 0 checkpoints block 0 under a regional compile: it stays eager, the others compile; the
+    step matches the eager fp32 one, and with dropout on the recomputation replays the masks. Before
+    the rng-replay reference kept that block eager too, this failed (compiled dropout draws other
+    masks than the eager checkpointed block: gradients 9e-2 apart, Inductor as well)."""
+    cfg = BalanceConfig(micro_batches=[3, 13], global_batch=16, compile="default", compile_scope="regional",
+                        activation_budget=[1.0, 1.0], checkpoint=[[0], []])
+    verdict, _ = _verify(tmp_path, cfg, *_gpt_args(2))
+    assert verdict["passed"] is True, verdict["reason"]
+    checks = {c["name"]: c for c in verdict["checks"]}
+    assert checks["equivalence"]["grad_rel"] <= verdict["bound"]
+    replay = checks["rng-replay"]
+    assert replay["grad_rel"] <= replay["tolerance"][0], replay
+    ranks = _run_reports(verdict, "tuned")
+    assert [r["compile"]["regions"]["checkpointed_eager"] for r in ranks] == [1, 0]
+    assert [r["compile"]["regions"]["blocks"] for r in ranks] == [1, 2]
+    reference = _run_reports(verdict, "tuned-dropout-no-recompute")
+    assert reference[0]["compile"]["regions"]["eager_for_verification"] == 1  # not checkpointed, still eager
+    assert "eager_for_verification" not in reference[1]["compile"]["regions"]
+
+
+@pytest.mark.slow
+def test_a_regional_trial_with_the_loss_outside_compiles_one_graph_for_four_blocks(tmp_path):
+    from autobalance.launcher import TrialLaunch, run_trial
+    from tests.tune_helpers import GPT
+
+    cfg = BalanceConfig(micro_batches=[5, 11], global_batch=16, compile="default", compile_scope="regional",
+                        activation_budget=[0.5, 1.0])
+    launch = TrialLaunch(script=GPT, script_args=_gpt_args(4, "--loss-outside"), nproc_per_node=2, device="cpu",
+                         config_json=cfg.to_json(), steps=2, warmup=1, trial_dir=str(tmp_path / "t"), timeout_s=300,
+                         env=FAST_COMPILE, trial_id=f"regional{time.time()}")
+    outcome = run_trial(launch)
+    assert outcome.status == "ok", (outcome.reason, outcome.traceback[-3000:])
+    for rank, rep in outcome.reports.items():
+        comp = rep.compile
+        assert comp["scope"] == "regional" and comp["regions"]["blocks"] == 4, (rank, comp)
+        assert comp["regions"]["tail"].startswith("none: the loss is computed outside the model")
+        assert comp["graphs"] == 1 and comp["recompiles_after_first_step"] == 0, (rank, comp)
+        assert rep.timing.compile_s > 0 and len(rep.step_times_s) == 2
+
+
+def _production(tmp_path: Path, cfg: BalanceConfig, env: dict[str, str] | None = None) -> tuple[Any, dict[int, Any]]:
+    """``cfg`` saved in a store, exported, and loaded by a production job (tests/scripts/show_regions.py)."""
+    from autobalance.store import ConfigStore, current_fingerprint, export_file
+    from tests.conftest import torchrun
+
+    with ConfigStore(url=f"sqlite:///{tmp_path / 'best.db'}") as store:
+        row = store.save(study_name="prod", trial_number=4, config=cfg, figures={},
+                         fingerprint=current_fingerprint(device_type="cpu", world_size=2, nnodes=1), saved_by="test")
+    path = export_file(row, str(tmp_path / "best.json"))
+    assert json.loads(Path(path).read_text())["config"]["compile_scope"] == "regional"
+    out = tmp_path / "regions"
+    out.mkdir()
+    proc = torchrun(["tests/scripts/show_regions.py"], env={"AUTOBALANCE_DEVICE": "cpu", "AUTOBALANCE_CONFIG_FILE": path,
+                                                            "SHOW_REGIONS_DIR": str(out), **FAST_COMPILE, **(env or {})})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1) if (out / f"rank{r}.json").exists()}
+    return proc, found
+
+
+@pytest.mark.slow
+def test_production_loads_a_regional_configuration_and_compiles_the_same_regions(tmp_path):
+    """A saved regional configuration (rank 0 checkpointing block 0) loads in a production job on every
+    rank, and the job compiles what the trial compiled: the blocks not checkpointed (one graph) and the
+    loss (one graph), with each rank's budget."""
+    cfg = BalanceConfig(micro_batches=[3, 5], global_batch=8, compile="default", compile_scope="regional",
+                        activation_budget=[0.5, 1.0], checkpoint=[[0], []])
+    proc, found = _production(tmp_path, cfg)
+    assert set(found) == {0, 1}
+    using = [line for line in proc.stderr.splitlines() if line.startswith("autobalance: using")]
+    assert len(using) == 1 and "compile=default regional" in using[0], using
+    for rank, data in found.items():
+        assert BalanceConfig.from_dict(data["config"]) == cfg
+        comp = data["compile"]
+        assert comp["scope"] == "regional" and comp["activation_budget"] == [0.5, 1.0][rank]
+        assert comp["regions"]["tail"] == "the loss (plan.wrap(loss=...))"
+        assert comp["graphs"] == 2, (rank, comp)
+    assert found[0]["compiled_blocks"] == [False, True, True] and found[0]["compile"]["regions"]["checkpointed_eager"] == 1
+    assert found[1]["compiled_blocks"] == [True, True, True] and found[1]["compile"]["regions"]["blocks"] == 3
+
+
+@pytest.mark.slow
+def test_a_production_model_without_its_blocks_says_so_in_one_line_and_runs_eagerly(tmp_path):
+    cfg = BalanceConfig(micro_batches=[3, 5], global_batch=8, compile="default", compile_scope="regional")
+    proc, found = _production(tmp_path, cfg, {"SHOW_REGIONS_NO_BLOCKS": "1"})
+    warned = [line for line in proc.stderr.splitlines() if "compile_scope='regional' but the model has no repeated" in line]
+    assert len(warned) == 2, proc.stderr[-3000:]  # one line per rank
+    assert all("blocks=" in line and "compile_scope='whole'" in line for line in warned)
+    for data in found.values():
+        comp = data["compile"]
+        assert comp["regions"]["blocks"] == 0 and comp["regions"]["note"] == "no repeated blocks found: ran eagerly"
+        assert comp["graphs"] == 1  # the loss alone: the model ran eagerly
