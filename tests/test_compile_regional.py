@@ -196,7 +196,7 @@ def test_an_integration_reports_that_it_owns_the_loss(dynamo):
     """Under a framework (``prepare_model`` records it), no tail: the report says the framework computes
     the loss, not that the script should pass ``loss=`` to ``plan.wrap``."""
     _, state = _regional(Net([Block(), Block()]), loss=False, framework="lightning")
-    assert state.regions["tail"] == "none: lightning computes the loss itself (the blocks alone are compiled)"
+    assert state.regions["tail"] == "none: the lightning integration's loop computes the loss (the blocks alone are compiled)"
 
 
 # ---------------------------------------------------------------------- the configuration
@@ -386,3 +386,31 @@ def test_a_production_model_without_its_blocks_says_so_in_one_line_and_runs_eage
         comp = data["compile"]
         assert comp["regions"]["blocks"] == 0 and comp["regions"]["note"] == "no repeated blocks found: ran eagerly"
         assert comp["graphs"] == 1  # the loss alone: the model ran eagerly
+
+
+@pytest.mark.slow
+def test_each_integration_compiles_the_blocks_it_finds_and_names_the_framework_as_the_loss_owner(tmp_path):
+    """Lightning, the Hugging Face Trainer and Accelerate under a regional compile (any split, rank 0
+    checkpointing block 0, budgets 0.5 and 1.0): ``prepare_model`` finds the blocks before the
+    framework's DDP and ``attach`` compiles them (one graph per rank), the framework's loss is no tail,
+    and the update is one process's full-batch SGD."""
+    from tests.conftest import torchrun
+
+    frameworks = {"lightning": "lightning", "hf": "transformers", "accelerate": "accelerate"}
+    for module in frameworks.values():
+        pytest.importorskip(module)
+    proc = torchrun(["tests/scripts/integrations_regional.py", str(tmp_path), ",".join(frameworks)],
+                    env=FAST_COMPILE, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for name in frameworks:
+        for rank, results in enumerate(ranks):
+            comp = results[name]["compile"]
+            assert comp is not None and comp["scope"] == "regional", (name, rank, comp)
+            assert comp["regions"]["blocks"] == [2, 3][rank] and comp["regions"]["checkpointed_eager"] == [1, 0][rank]
+            assert comp["regions"]["tail"].startswith(f"none: the {name} integration's loop computes the loss")
+            assert comp["activation_budget"] == [0.5, 1.0][rank] and comp["recompiles_after_first_step"] == 0
+            # one graph for the blocks; on rank 1 block 0 is compiled too and takes the data (no gradient)
+            # where the others take activations: Dynamo guards on requires_grad, a second graph
+            assert comp["graphs"] == [1, 2][rank], (name, rank, comp)
+        assert ranks[0][name]["rel_error"] <= 1e-6, (name, ranks[0][name])

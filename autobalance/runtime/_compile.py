@@ -142,7 +142,7 @@ class CompileState(Part):
                 continue
             self.compile_module(block, kwargs, ddp_split=False)
             compiled += 1
-        tail_text = (f"none: {framework} computes the loss itself (the blocks alone are compiled)" if framework else
+        tail_text = (f"none: the {framework} integration's loop computes the loss (the blocks alone are compiled)" if framework else
                      "none: the loss is computed outside the model (pass it as plan.wrap(model, loss=fn) to compile it)")
         if tail is not None and callable(getattr(tail, "loss_fn", None)):
             tail.loss_fn = self.compiled_function(tail.loss_fn, kwargs, ddp_split=False)
