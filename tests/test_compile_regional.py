@@ -343,6 +343,7 @@ def _production(tmp_path: Path, cfg: BalanceConfig, env: dict[str, str] | None =
     with ConfigStore(url=f"sqlite:///{tmp_path / 'best.db'}") as store:
         row = store.save(study_name="prod", trial_number=4, config=cfg, figures={},
                          fingerprint=current_fingerprint(device_type="cpu", world_size=2, nnodes=1), saved_by="test")
+        assert store.load("prod").config == cfg  # the scope survives the store
     path = export_file(row, str(tmp_path / "best.json"))
     assert json.loads(Path(path).read_text())["config"]["compile_scope"] == "regional"
     out = tmp_path / "regions"
