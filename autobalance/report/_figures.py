@@ -46,8 +46,8 @@ def _scaled(values: list[float | None], factor: float) -> list[float | None]:
     return [None if v is None else v * factor for v in values]
 
 
-PARAM_WORDS = {"accumulation": "accumulation steps", "compile": "torch.compile", "dtype": "dtype (AMP)",
-               "bucket_cap_mb": "DDP bucket size (MB)", "grad_as_bucket_view": "gradient_as_bucket_view",
+PARAM_WORDS = {"accumulation": "accumulation steps", "compile": "torch.compile", "compile_scope": "compile scope",
+               "dtype": "dtype (AMP)", "bucket_cap_mb": "DDP bucket size (MB)", "grad_as_bucket_view": "gradient_as_bucket_view",
                "optimizer_sharding": "optimizer sharding (ZeRO-1)"}
 _PER_RANK_WORDS = {"share_r": "rank {}'s share of the batch", "oshare_r": "rank {}'s share of the optimizer state",
                    "ckpt_r": "rank {}'s checkpointed blocks", "budget_r": "rank {}'s compile memory budget"}

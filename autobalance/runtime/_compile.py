@@ -30,7 +30,9 @@ model (on one H200 a third of the whole model's compile time: ``benchmarks/2026-
 rest (embeddings, final layers, head) runs eagerly; with the loss outside the model, or a framework
 that calls the loss itself, the blocks alone are compiled (the report's ``compile.tail`` says so). A
 block this rank checkpoints stays eager (checkpointed, not compiled: exact, and no second
-recomputation on top of the budget's). DDP's bucket-boundary graph splitting (DDPOptimizer) is off
+recomputation on top of the budget's); compiled dropout draws other masks than eager dropout, so
+verification's rng-replay reference (the configuration without recomputation) keeps those blocks
+eager too (``VerifyRun.eager_blocks``). DDP's bucket-boundary graph splitting (DDPOptimizer) is off
 inside a block: its gradients are ready when the block's compiled backward ends, which is the
 overlap a block gives anyway, and a split would compile each block in pieces. The activation budget
 is the process's, so it applies to every region.
@@ -43,7 +45,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -120,25 +122,34 @@ class CompileState(Part):
         compiles on its first call."""
         self.compile_module(module, self._set_budget())
 
-    def apply_regional(self, blocks: Sequence[nn.Module], tail: nn.Module | None) -> None:
+    def apply_regional(self, blocks: Sequence[nn.Module], tail: nn.Module | None, *,
+                       framework: str | None = None, eager: Collection[int] = ()) -> None:
         """Set this rank's budget and compile each block of ``blocks`` that is not checkpointed, and
         ``tail`` (a :class:`ModelWithLoss`: its loss function) when given, each in place. No block:
-        one warning line, and the model runs eagerly."""
+        one warning line, and the model runs eagerly. ``framework``: the integration whose loop calls
+        the loss (no tail; the report's ``tail`` names it). ``eager``: indices of blocks left eager
+        although not checkpointed (a verification's rng-replay reference: ``VerifyRun.eager_blocks``)."""
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
         kwargs = self._set_budget()
-        compiled = checkpointed = 0
-        for block in blocks:
+        compiled = checkpointed = kept = 0
+        for index, block in enumerate(blocks):
             if isinstance(block, CheckpointWrapper):
                 checkpointed += 1
                 continue
+            if index in eager:
+                kept += 1
+                continue
             self.compile_module(block, kwargs, ddp_split=False)
             compiled += 1
-        tail_text = "none: the loss is computed outside the model (pass it as plan.wrap(model, loss=fn) to compile it)"
+        tail_text = (f"none: the {framework} integration's loop computes the loss (the blocks alone are compiled)" if framework else
+                     "none: the loss is computed outside the model (pass it as plan.wrap(model, loss=fn) to compile it)")
         if tail is not None and callable(getattr(tail, "loss_fn", None)):
             tail.loss_fn = self.compiled_function(tail.loss_fn, kwargs, ddp_split=False)
             tail_text = "the loss (plan.wrap(loss=...))"
         self.regions = {"blocks": compiled, "checkpointed_eager": checkpointed, "tail": tail_text}
+        if kept:
+            self.regions["eager_for_verification"] = kept
         if not blocks:
             self.regions["note"] = "no repeated blocks found: ran eagerly"
             warnings.warn(
@@ -187,7 +198,9 @@ class CompileState(Part):
             return
         if self.scope == "regional":
             tail = plan.model if isinstance(plan.model, ModelWithLoss) else None
-            self.apply_regional(list(plan.block_run or ()), tail)
+            eager = plan.verify.eager_blocks if plan.verify is not None else None
+            self.apply_regional(list(plan.block_run or ()), tail, framework=plan.model_info.get("framework"),
+                                eager=eager[plan.rank] if eager else ())
         else:
             self.apply(plan.model)  # in place, inside DDP (which stays as it is)
 

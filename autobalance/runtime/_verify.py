@@ -184,8 +184,12 @@ class VerifyRun(Part):
     """What a verification run does beyond an ordinary trial (a part of its plan)."""
 
     def __init__(self, *, trial_dir: str, dropout: str, init: str | None, allow_batch_dependent: bool = False,
-                 reverse: bool = False) -> None:
+                 reverse: bool = False, eager_blocks: list[list[int]] | None = None) -> None:
         self.trial_dir = trial_dir
+        self.eager_blocks = eager_blocks
+        """Per rank, the blocks a regional compile leaves eager although this run does not checkpoint
+        them: the rng-replay reference of a configuration whose checkpointed blocks run eagerly (compiled
+        dropout draws other masks than eager dropout). None: as the configuration says."""
         self.dropout = dropout
         self.init = init
         self.allow_batch_dependent = allow_batch_dependent
@@ -227,10 +231,14 @@ class VerifyRun(Part):
         init = spec.get("init") if isinstance(spec, dict) else None
         allow = spec.get("allow_batch_dependent", False) if isinstance(spec, dict) else None
         reverse = spec.get("reverse", False) if isinstance(spec, dict) else None
+        eager = spec.get("eager_blocks") if isinstance(spec, dict) else None
+        eager_ok = eager is None or (isinstance(eager, list) and all(
+            isinstance(r, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in r) for r in eager))
         if (dropout not in ("off", "on") or not (init is None or isinstance(init, str)) or not isinstance(allow, bool)
-                or not isinstance(reverse, bool)):
+                or not isinstance(reverse, bool) or not eager_ok):
             raise ConfigError(f"{path}={spec!r} is not a verification request; rerun autobalance verify.")
-        return cls(trial_dir=trial_dir, dropout=dropout, init=init, allow_batch_dependent=allow, reverse=reverse)
+        return cls(trial_dir=trial_dir, dropout=dropout, init=init, allow_batch_dependent=allow, reverse=reverse,
+                   eager_blocks=eager)
 
     def _hold_precision(self) -> None:
         if not self.holds_precision:

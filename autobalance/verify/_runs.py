@@ -114,10 +114,13 @@ class SharedRuns:
         self.close()
 
 
-def run_key(config: BalanceConfig | None, *, dropout: str, global_batch: int, reverse: bool) -> str:
+def run_key(config: BalanceConfig | None, *, dropout: str, global_batch: int, reverse: bool,
+            eager_blocks: list[list[int]] | None = None) -> str:
     """What a verification run computes: the configuration (None: the script's defaults), dropout,
-    global batch and sample order. Two runs with one key take the same step."""
-    return f"{None if config is None else config.to_json()}|{dropout}|{global_batch}|{reverse}"
+    global batch, sample order and the blocks a regional compile leaves eager (``eager_blocks``).
+    Two runs with one key take the same step."""
+    key = f"{None if config is None else config.to_json()}|{dropout}|{global_batch}|{reverse}"
+    return key if eager_blocks is None else f"{key}|eager={eager_blocks}"
 
 
 class Runner:
@@ -138,18 +141,20 @@ class Runner:
         ``save`` (writing the step)."""
 
     def run(self, name: str, config: BalanceConfig | None, *, dropout: str, global_batch: int,
-            reverse: bool = False) -> StepResult:
+            reverse: bool = False, eager_blocks: list[list[int]] | None = None) -> StepResult:
         """One run, or the earlier one that took the same step (:func:`run_key`: kept in
         :class:`SharedRuns` for this verification and the next candidate's); ``reverse``: each
-        micro-batch's samples in reverse order (the floor)."""
-        key = run_key(config, dropout=dropout, global_batch=global_batch, reverse=reverse)
+        micro-batch's samples in reverse order (the floor); ``eager_blocks``: per rank, blocks a
+        regional compile leaves eager although not checkpointed (the rng-replay reference)."""
+        key = run_key(config, dropout=dropout, global_batch=global_batch, reverse=reverse, eager_blocks=eager_blocks)
         done = self.shared.baselines.get(key)
         if done is not None:  # the same step, already run (by this verification or an earlier candidate's)
             self.runs[name] = done.trial_dir
             self.results.append(done)
             self.note(f"verify: {name} run: the same step as the {done.name} run, reused ({done.trial_dir})")
             return done
-        result = self._launch_run(name, config, dropout=dropout, global_batch=global_batch, reverse=reverse)
+        result = self._launch_run(name, config, dropout=dropout, global_batch=global_batch, reverse=reverse,
+                                  eager_blocks=eager_blocks)
         self.shared.baselines[key] = result
         if config is None and result.config:  # the script's own configuration, by its resolved name too
             resolved = run_key(BalanceConfig.from_dict(result.config), dropout=dropout, global_batch=global_batch,
@@ -165,13 +170,16 @@ class Runner:
         return run_trial(launch)
 
     def _launch_run(self, name: str, config: BalanceConfig | None, *, dropout: str, global_batch: int,
-                    reverse: bool) -> StepResult:
+                    reverse: bool, eager_blocks: list[list[int]] | None = None) -> StepResult:
         t = self.target
         trial_dir = os.path.join(t.work_dir, name)
         os.makedirs(trial_dir, exist_ok=True)
+        spec: dict[str, Any] = {"dropout": dropout, "init": self.shared.init_path,
+                                "allow_batch_dependent": self.allow_batch_dependent, "reverse": reverse}
+        if eager_blocks is not None:
+            spec["eager_blocks"] = eager_blocks
         with open(os.path.join(trial_dir, _env.VERIFY_FILE), "w") as fh:
-            json.dump({"dropout": dropout, "init": self.shared.init_path,
-                       "allow_batch_dependent": self.allow_batch_dependent, "reverse": reverse}, fh)
+            json.dump(spec, fh)
         self.runs[name] = trial_dir
         what = "script defaults" if config is None else describe_config(config)
         self.note(f"verify: {name} run ({what}, dropout {dropout}{', samples reversed' if reverse else ''})")
