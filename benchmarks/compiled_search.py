@@ -350,6 +350,10 @@ def run_studies(args: argparse.Namespace, ctx: dict[str, Any], grid: dict[str, A
             t0 = time.monotonic()
             rc, output = run_bounded(cmd, env=env, cwd=ctx["root"], timeout_s=args.study_timeout)
             tail = output[-4000:]
+            log_dir = os.environ.get("OUT") or str(REPO / "benchmarks" / "results")
+            os.makedirs(log_dir, exist_ok=True)
+            with open(os.path.join(log_dir, f"tune{ctx['suffix']}-{strategy}-s{seed}.log"), "w") as fh:
+                fh.write(output)  # the whole console: each trial's phase, prediction and outcome
             wall = round(time.monotonic() - t0, 1)
             row: dict[str, Any] = {"strategy": strategy, "seed": seed, "compile_mode": args.compile_mode or "default",
                                    "study_name": name, "returncode": rc,
