@@ -38,7 +38,7 @@ from autobalance.tuner._verify_time import (
     trial_s,
 )
 from autobalance.tuner._workers import RunningClaim, fail_stale_trials
-from autobalance.tuner.search import SearchSpace, TrialFigures
+from autobalance.tuner.search import SearchSpace, TrialFigures, proposal_line
 
 __all__ = ["MAX_CRASHES_IN_A_ROW", "TrialLoop"]
 
@@ -111,7 +111,7 @@ class TrialLoop:
                         self.reporter.finish(frozen, best_trial(study), reused=True)
                     return
                 # 3. Launch it: a torchrun job (warm pool, cold, or across nodes) that each rank reports on.
-                self.reporter.start(trial.number, config)
+                self.reporter.start(trial.number, config, why=proposal_line(trial.user_attrs))
                 try:
                     outcome = self.launcher.launch(study, number=trial.number, config=config, trial=trial)
                     figures = self.recorder.figures(study, outcome)

@@ -120,11 +120,13 @@ class RichReporter:
         self._progress.start()
         self._task = self._progress.add_task(self._best_text, total=settings.trials, completed=already)
 
-    def start(self, number: int, config: BalanceConfig | None, *, baseline: bool = False) -> None:
+    def start(self, number: int, config: BalanceConfig | None, *, baseline: bool = False, why: str = "") -> None:
+        """``why``: who proposed the trial and what it predicted (``search.proposal_line``)."""
         label = "baseline (the script's own configuration)" if baseline else describe_config(config)
         left = "" if self._deadline is None else f"  [dim]({time_left_text(self._deadline - time.monotonic())})[/]"
+        reason = rf"  [dim]\[{escape(why)}][/]" if why else ""
         with self._lock:
-            self.console.print(f"[dim]trial {number}[/] {escape(label)} ...{left}")
+            self.console.print(f"[dim]trial {number}[/] {escape(label)} ...{reason}{left}")
 
     def tick(self, number: int, elapsed: float) -> None:
         with self._lock:

@@ -84,6 +84,13 @@ from autobalance.tuner.search._objective import (
     penalised,
     spread_fraction,
 )
+from autobalance.tuner.search._policy import (
+    LOW_BUDGET,
+    Proposal,
+    SearchPolicy,
+    TrialHistory,
+    proposal_line,
+)
 from autobalance.tuner.search._solver import (
     DEFAULT_RECOMPUTE_FRACTION,
     SplitPlan,
@@ -119,6 +126,7 @@ __all__ = [
     "FIT_ERRORS",
     "GRAPH_GAIN",
     "INFEASIBLE_TIME",
+    "LOW_BUDGET",
     "MICRO_STEP_PRIOR",
     "PRIOR_CHECKPOINT_SAVING",
     "RECOMPUTE_PRIOR",
@@ -135,10 +143,13 @@ __all__ = [
     "MemoryObservation",
     "ModelAdvisor",
     "ModelErrors",
+    "Proposal",
+    "SearchPolicy",
     "SearchSpace",
     "SplitPlan",
     "StepTimeModel",
     "TrialFigures",
+    "TrialHistory",
     "activation_budget",
     "balanced_split",
     "balanced_split_for",
@@ -167,6 +178,7 @@ __all__ = [
     "predict_config_feasible",
     "predict_feasible",
     "proposable_dtypes",
+    "proposal_line",
     "proposals_stalled",
     "space_problem",
     "spread_fraction",

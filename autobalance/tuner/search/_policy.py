@@ -13,7 +13,7 @@ the trial is the sampler's. Every trial line and the dashboard show the phase an
 | ``compiled-start`` | GPU, compile searched, nothing compiled yet, the probe measured | the cheapest scope to compile (``regional`` when searched), the first half dtype, budget 1.0, the largest micro-batch predicted to fit (:func:`first_compiled_micro_batch`), fewest micro-steps |
 | ``explore`` | every third ask: on CPU always, on a GPU once the models' proposals stopped improving (``_first_trials``) | the sampler's trial (a dtype held back pinned; eager when no compile fits in the time left) |
 | ``compiled-grow`` | a compiled trial fitted, and a split of fewer micro-steps (same scope and dtype) was never tried | from the best compiled trial, the next split of fewer micro-steps whose largest budget predicted to fit is at least :data:`GROW_MIN_BUDGET`, at that budget: one micro-step at a time towards the fewest that fit |
-| ``scope-probe`` | growing stopped, the best trial is compiled in one scope, another scope is searched and never ran at that split, and the time budget holds a compile of it | the best configuration in the other scope: one compile measures whether that scope wins for this script |
+| ``scope-probe`` | growing stopped; one of the :data:`SCOPE_TRANSFERS` fastest compiled splits never ran in another searched scope; the time budget holds a compile | that configuration in the other scope, budget unchanged (what fitted in one scope is the best guess in the other; a model of a scope from one point extrapolates budgets poorly): whether, and where, that scope wins |
 | ``cuda-graphs`` | ``--compile-mode auto``, the best trial is a default-mode compiled one, graphs untried, time holds a compile | the best configuration with CUDA graphs: one compile measures whether they pay (``_cuda_graphs``) |
 | ``model`` | the memory and compiled models have fitted | their best-ranked configuration predicted to fit (``compiled-model`` or ``memory-model``); a budget below :data:`LOW_BUDGET` only where a higher one was measured at that micro-batch and scope |
 | ``refine`` | one rank, the phases above propose nothing new | the best compiled trial one budget step (:data:`REFINE_STEP`) higher when predicted to fit, else lower (not below :data:`LOW_BUDGET`) |
@@ -40,8 +40,8 @@ from autobalance.tuner.search._space import SearchSpace, config_compile_key
 if TYPE_CHECKING:
     from autobalance.tuner.search._advisor import ModelAdvisor
 
-__all__ = ["FIT_MARGIN", "GROW_MIN_BUDGET", "HALF_DTYPES", "KEEP_AT_FULL_BUDGET", "LOW_BUDGET", "PHASES", "REFINE_STEP", "Proposal", "Record",
-           "SearchPolicy", "TrialHistory", "first_compiled_micro_batch"]
+__all__ = ["FIT_MARGIN", "GROW_MIN_BUDGET", "HALF_DTYPES", "KEEP_AT_FULL_BUDGET", "LOW_BUDGET", "PHASES", "REFINE_STEP", "SCOPE_TRANSFERS", "Proposal", "Record",
+           "SearchPolicy", "TrialHistory", "first_compiled_micro_batch", "proposal_line"]
 
 GIB = 2**30
 HALF_DTYPES = ("bf16", "fp16")
@@ -59,6 +59,9 @@ GROW_MIN_BUDGET = 0.5
 this: on one H200 (``benchmarks/2026-12-04-h200``) a micro-step costs ~30 ms of launches whatever its
 size, so a larger micro-batch at budget 0.5 or more beat the smaller one at 1.0 (regional 16 x 2 at 0.5:
 128.9 ms, 8 x 4 at 1.0: 140.3 ms), and at 0.3 it no longer did (139.0 ms)."""
+SCOPE_TRANSFERS = 2
+"""``scope-probe`` runs the fastest this many measured compiled splits in the other scope (the scopes'
+optima differ: on the H200, regional 11,11,10 was its best split and whole 8 x 4 the grid's)."""
 REFINE_STEP = 0.05
 """``refine`` moves the best compiled trial's budget by this much (the space's budget grid)."""
 LOW_BUDGET = 0.3
@@ -161,6 +164,11 @@ class TrialHistory:
         return any(r.measured and r.status == Status.OK and r.config is not None and r.config.compile == "off"
                    and r.config.dtype in HALF_DTYPES and not any(r.config.checkpoint) for r in self.records)
 
+    def fastest_compiled(self, n: int) -> list[Record]:
+        """The ``n`` fastest feasible compiled trials measured here, fastest first."""
+        ok = [r for r in self.records if r.measured and r.compiled and r.feasible and r.step_ms is not None]
+        return sorted(ok, key=lambda r: float(r.step_ms or 0.0))[:n]
+
     def best_compiled(self) -> Record | None:
         """The fastest feasible compiled trial measured here (None: none)."""
         ok = [r for r in self.records if r.measured and r.compiled and r.feasible and r.step_ms is not None]
@@ -224,6 +232,23 @@ class Proposal:
         if self.predicted_peak_gib is not None:
             attrs["proposal_peak_gib"] = [round(p, 4) for p in self.predicted_peak_gib]
         return attrs
+
+
+def proposal_line(attrs: dict[str, Any]) -> str:
+    """A trial's phase and prediction as its console line shows them, from its attributes:
+    ``compiled-grow: 13.6 GiB predicted``, ``compiled-model: 169 ms, 12.6 GiB predicted``, ``sampler``
+    (empty: nobody proposed it, as for a trial from before the policy)."""
+    phase = attrs.get(TrialAttr.PROPOSAL_PHASE)
+    if not phase:
+        return ""
+    parts = []
+    ms = attrs.get("proposal_step_ms")
+    if isinstance(ms, (int, float)):
+        parts.append(f"{ms:.0f} ms")
+    peaks = attrs.get("proposal_peak_gib")
+    if isinstance(peaks, list) and peaks and all(isinstance(p, (int, float)) for p in peaks):
+        parts.append(memory_text(max(peaks)))
+    return f"{phase}: {', '.join(parts)} predicted" if parts else str(phase)
 
 
 def first_compiled_micro_batch(*, held_gib: float, act_gib: float, usable_gib: float, keep: float,
@@ -351,24 +376,27 @@ class SearchPolicy:
     def scope_probe(self, history: TrialHistory) -> Proposal | None:
         if len(self.space.compile_scopes) < 2:
             return None
-        best = self.advisor.best_record(history)
-        if best is None or best.config is None or best.config.compile != "default":
-            return None
-        ran = {config_compile_key(r.config) + "|" + json.dumps(r.config.micro_batches)
-               for r in history.compiled_tried() if r.config is not None}
-        for scope in self.space.compile_scopes:
-            if scope == best.config.compile_scope:
+        ran = history.compiled_splits()
+        measured = history.measured_scopes()
+        for source in history.fastest_compiled(SCOPE_TRANSFERS):
+            cfg = source.config
+            if cfg is None or cfg.compile != "default":
                 continue
-            other = BalanceConfig.from_dict({**best.config.to_dict(), "compile_scope": scope})
-            if not self.space.contains(other):
-                continue
-            if config_compile_key(other) + "|" + json.dumps(other.micro_batches) in ran:
-                continue
-            if not self.advisor.time_holds_compile():
-                return None
-            return Proposal(config=other, phase="scope-probe", reason=(
-                f"the best trial ({best.number}) compiled {scope} instead of {best.config.compile_scope}: one "
-                "compile measures whether that scope wins for this script"))
+            for scope in self.space.compile_scopes:
+                if scope == cfg.compile_scope:
+                    continue
+                other = BalanceConfig.from_dict({**cfg.to_dict(), "compile_scope": scope})
+                if not self.space.contains(other) or (config_compile_key(other), json.dumps(other.micro_batches)) in ran:
+                    continue
+                if not self.advisor.time_holds_compile():
+                    return None
+                first = scope not in measured
+                return Proposal(config=other, phase="scope-probe", predicted_peak_gib=None if first else
+                                self.advisor.compiled_peaks(other), reason=(
+                    f"trial {source.number} compiled {scope} instead of {cfg.compile_scope}: "
+                    + ("one compile measures whether that scope wins for this script" if first else
+                       "one of the fastest configurations measured in the other scope, as it fitted there (the "
+                       "scopes' optima differ)")))
         return None
 
     def refine(self, history: TrialHistory) -> Proposal | None:
