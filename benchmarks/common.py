@@ -48,15 +48,17 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 
 def run_tree(cmd: list[str], *, timeout_s: float, grace_s: float = 30.0, merge_stderr: bool = False,
-             **popen: Any) -> Bounded:
+             log_path: str | None = None, **popen: Any) -> Bounded:
     """Run ``cmd`` in its own session, capturing its output as text (``merge_stderr``: both streams,
     interleaved, in ``stdout``). Past ``timeout_s`` its process group gets SIGTERM (``autobalance
     tune`` then kills its trials and marks them interrupted) and, ``grace_s`` later, SIGKILL;
     whatever the group still holds when the command is done (Inductor's compile workers, a stray
     rank) is SIGKILLed too. The output goes through files, not pipes: a grandchild that inherited a
-    pipe would hold its reader until the timeout after the command itself had ended."""
+    pipe would hold its reader until the timeout after the command itself had ended. ``log_path``: the
+    output file is that path, written as the command runs (what a caller cut short still has)."""
     started = time.monotonic()
-    with tempfile.TemporaryFile(mode="w+") as out, tempfile.TemporaryFile(mode="w+") as err:
+    opened = open(log_path, "w+") if log_path else tempfile.TemporaryFile(mode="w+")  # noqa: SIM115
+    with opened as out, tempfile.TemporaryFile(mode="w+") as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if merge_stderr else err, text=True,
                                 start_new_session=True, **popen)
         returncode: int | None

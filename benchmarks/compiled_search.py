@@ -313,11 +313,12 @@ def study_row(study: Any, *, reference_ms: float | None) -> dict[str, Any]:
     }
 
 
-def run_bounded(cmd: list[str], *, env: dict[str, str], cwd: str, timeout_s: float) -> tuple[int | None, str]:
+def run_bounded(cmd: list[str], *, env: dict[str, str], cwd: str, timeout_s: float,
+                log_path: str | None = None) -> tuple[int | None, str]:
     """Run ``cmd``; past ``timeout_s`` it gets SIGTERM (``tune`` then kills its trials and marks them
     interrupted), a minute later SIGKILL, and its process group is ended either way
     (:func:`benchmarks.common.run_tree`). Returns the exit code (None: timed out) and the output."""
-    done = run_tree(cmd, timeout_s=timeout_s, grace_s=60, merge_stderr=True, env=env, cwd=cwd)
+    done = run_tree(cmd, timeout_s=timeout_s, grace_s=60, merge_stderr=True, env=env, cwd=cwd, log_path=log_path)
     return done.returncode, done.stdout + done.stderr
 
 
@@ -348,12 +349,12 @@ def run_studies(args: argparse.Namespace, ctx: dict[str, Any], grid: dict[str, A
             cmd = tune_command(args, ctx, strategy=strategy, seed=seed, db=db, name=name)
             print(f"$ {' '.join(cmd)}", flush=True)
             t0 = time.monotonic()
-            rc, output = run_bounded(cmd, env=env, cwd=ctx["root"], timeout_s=args.study_timeout)
-            tail = output[-4000:]
             log_dir = os.environ.get("OUT") or str(REPO / "benchmarks" / "results")
             os.makedirs(log_dir, exist_ok=True)
-            with open(os.path.join(log_dir, f"tune{ctx['suffix']}-{strategy}-s{seed}.log"), "w") as fh:
-                fh.write(output)  # the whole console: each trial's phase, prediction and outcome
+            # the whole console as it runs (each trial's phase, prediction and outcome): kept if cut short
+            log = os.path.join(log_dir, f"tune{ctx['suffix']}-{strategy}-s{seed}.log")
+            rc, output = run_bounded(cmd, env=env, cwd=ctx["root"], timeout_s=args.study_timeout, log_path=log)
+            tail = output[-4000:]
             wall = round(time.monotonic() - t0, 1)
             row: dict[str, Any] = {"strategy": strategy, "seed": seed, "compile_mode": args.compile_mode or "default",
                                    "study_name": name, "returncode": rc,

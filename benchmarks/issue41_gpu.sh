@@ -9,6 +9,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.csv" || true
 placement=${1:?inside or outside}; seed=${2:?seed}
+rm -rf /tmp/cs  # a fresh study database and Inductor cache per call (a warm machine keeps /tmp)
 flags=(); grid=benchmarks/2026-12-04-h200/grid-inside.json
 if [[ $placement == outside ]]; then flags+=(--loss-outside); grid=benchmarks/2026-12-04-h200/grid-outside-2.json; fi
 timeout "${STUDY_S:-560}" python3 benchmarks/compiled_search.py --phase studies --strategies model --seeds "$seed" \
