@@ -319,7 +319,7 @@ def replay(machine: GridMachine, *, seed: int, budget: str, root: str) -> dict[s
     name = f"{machine.placement}-{budget}-{seed}"
     settings = TuneSettings(script=os.path.join(HERE, "..", "examples", "gpt", "train.py"), device="cuda", trials=500,
                             nproc_per_node=1, memory_cap_gib=[CAP_GIB], headroom=HEADROOM, compile="search",
-                            time_budget=budget, seed=seed, remeasure="off", measure_s=0, prune_factor=0,
+                            time_budget=budget, seed=seed, measure_s=0, prune_factor=0,  # remeasure: auto (on, on CUDA)
                             storage=f"sqlite:///{root}/{name}.db", study_name=name, runs_dir=os.path.join(root, "runs"))
     try:
         tuner = Tuner(settings=settings)

@@ -87,6 +87,9 @@ def test_on_a_gpu_the_first_trials_go_where_the_optimum_is(tmp_path: Path) -> No
     assert bigger and held + bigger[0] * (peak - held) / m * KEEP_AT_FULL_BUDGET[True] > usable * (1 - FIT_MARGIN)
     for t in done[1:]:
         assert t.user_attrs.get("proposed_by"), t.user_attrs  # every proposal carries its phase
+    scopes = {t.user_attrs["config"].get("compile_scope", "whole") for t in done
+              if t.user_attrs.get("status") == "ok" and t.user_attrs["config"]["compile"] != "off"}
+    assert scopes == {"whole", "regional"}  # the study searched both compile scopes (issue 40)
     assert proposal_line(done[first].user_attrs).startswith("compiled-start: ")
 
 
