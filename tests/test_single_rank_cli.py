@@ -117,4 +117,4 @@ def test_saved_best_of_one_rank_has_no_spread(capsys) -> None:
     print_saved(saved(1), fmt="table")
     assert "spread" not in capsys.readouterr().out
     print_saved(saved(2), fmt="table")
-    assert "spread_gib" in capsys.readouterr().out
+    assert "spread" in capsys.readouterr().out

@@ -136,7 +136,7 @@ def shown_values(trials: list[Any], *, maximize: list[bool]) -> dict[int, list[f
     infeasible = [t for t in complete if _violated(t)]
     if not feasible or not infeasible:
         return {}
-    shown: dict[int, list[float]] = {t._trial_id: list(t.values) for t in infeasible}
+    shown: dict[int, list[float]] = {t.number: list(t.values) for t in infeasible}
     for k, up in enumerate(maximize):
         sign = -1.0 if up else 1.0  # in "worse is larger" terms
         good = [sign * float(t.values[k]) for t in feasible]
@@ -147,7 +147,7 @@ def shown_values(trials: list[Any], *, maximize: list[bool]) -> dict[int, list[f
         for t in infeasible:
             rank = ranks.index(sign * float(t.values[k]))
             frac = low + (high - low) * (rank / max(len(ranks) - 1, 1))
-            shown[t._trial_id][k] = sign * (worst + frac * span)
+            shown[t.number][k] = sign * (worst + frac * span)
     return shown
 
 
@@ -185,10 +185,10 @@ def shown_storage(inner: Any) -> Any:
         for t in trials:
             if states is not None and t.state not in states:
                 continue
-            if t._trial_id in shown:
+            if t.number in shown:
                 t = copy.copy(t)
-                t._user_attrs = {**t.user_attrs, STORED_VALUE_ATTR: t.values[0] if len(t.values) == 1 else list(t.values)}
-                t._values = shown[t._trial_id]
+                t.user_attrs = {**t.user_attrs, STORED_VALUE_ATTR: t.values[0] if len(t.values) == 1 else list(t.values)}
+                t.values = shown[t.number]
             elif deepcopy:
                 t = copy.deepcopy(t)
             out.append(t)

@@ -46,7 +46,8 @@ def full_compiled_config() -> BalanceConfig:
     """The compiled counterpart: compile and per-rank budgets set (checkpointing excludes them), and
     micro-steps that differ by one (``rank_samples``: 3,3,2 / 5,5,4 / 3,3,2)."""
     return dataclasses.replace(full_config(), checkpoint=[[], [], []], compile="max-autotune-no-cudagraphs",
-                               activation_budget=[0.45, 0.8, 1.0], rank_samples=[8, 14, 8], micro_batches=[3, 5, 3])
+                               compile_scope="regional", activation_budget=[0.45, 0.8, 1.0], rank_samples=[8, 14, 8],
+                               micro_batches=[3, 5, 3])
 
 
 def make_fingerprint(**overrides: Any) -> HardwareFingerprint:

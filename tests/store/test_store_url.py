@@ -94,7 +94,7 @@ def test_missing_postgres_driver_names_the_extra(monkeypatch: pytest.MonkeyPatch
         return real_import(name, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(builtins, "__import__", fake_import)
-    with pytest.raises(StorageError, match=r"pip install autobalance\[postgres\]") as info:
+    with pytest.raises(StorageError, match=r"pip install 'psycopg\[binary\]'") as info:
         normalize_storage_url("postgresql+psycopg://u:secret@h/d")
     assert "secret" not in str(info.value)
 

@@ -40,7 +40,7 @@ def observations_from_trials(trials: list[FrozenTrial], *, num_layers: int) -> l
                 # what the rank holds apart from activations: the model's fixed part, measured (zero samples)
                 obs.append(MemoryObservation(
                     rank=rank, micro_batch=0, checkpointed=0, num_layers=max(1, num_layers), dtype=cfg["dtype"],
-                    peak_bytes=float(held[rank]) * GIB, ok=True,
+                    peak_bytes=float(held[rank]) * GIB, ok=True, held=True,
                     optimizer_bytes=float(state[rank]) if measured else None,
                     optimizer_total=None if whole is None else float(whole)))
             obs.append(MemoryObservation(

@@ -109,6 +109,9 @@ class MemoryObservation:
     """This rank's measured optimizer-state bytes in the trial (None: not measured)."""
     optimizer_total: float | None = None
     """The trial's whole optimizer state, all ranks together (None: not measured)."""
+    held: bool = False
+    """An observation of what the rank holds apart from activations (``micro_batch`` 0: the fixed part
+    measured directly, ``TrialAttr.HELD_GIB``)."""
 
     def __post_init__(self) -> None:
         for name in ("rank", "micro_batch", "checkpointed", "num_layers"):
@@ -121,10 +124,10 @@ class MemoryObservation:
             raise UsageError(
                 f"MemoryObservation rank={self.rank} is negative; use the global rank (>= 0)."
             )
-        if self.micro_batch < 1 and not (self.micro_batch == 0 and self.ok):
+        if self.micro_batch < 1 and not (self.held and self.micro_batch == 0 and self.ok):
             raise UsageError(
                 f"MemoryObservation micro_batch={self.micro_batch} is below 1; every rank trains >= 1 sample "
-                "(0 only for the memory a measured rank holds apart from activations)."
+                "(0 only with held=True: the memory a measured rank holds apart from activations)."
             )
         if self.num_layers < 1:
             raise UsageError(

@@ -61,7 +61,8 @@ class TrialFigures:
     state, the script's extras, what is held outside PyTorch): the report's ``breakdown`` bytes
     ``live_after_step`` (taken with the gradients set to None) plus ``gradients`` plus
     ``outside_pytorch``; None: not measured. With the peak, one eager trial gives the per-sample
-    activations (the search policy's probe, and the memory model's observation at zero samples)."""
+    activations (the search policy's probe, and the memory model's observation at zero samples). GPU
+    only: on CPU (the live-tensor tracker) studies fitted with it chose worse (tests/test_zero.py)."""
     compile: dict[str, Any] = field(default_factory=dict)
     """Compiled trials: ``compile_s`` (slowest rank's first step), ``activation_budget_used`` (per
     rank, as reported) and ``compile_cache`` (Inductor cache hits/misses over the ranks)."""
@@ -229,8 +230,9 @@ def figures_from_outcome(
         optimizer_state.append(_float(opt.get("state_bytes")) if ok else None)
         parts = ((rep.breakdown if rep is not None else None) or {}).get("bytes") or {}
         after, grads = parts.get("live_after_step"), parts.get("gradients")
+        on_gpu = dev.type == "cuda"  # on CPU the live-tensor tracker's peaks include the optimizer step's
         held.append(float(after) + float(grads if isinstance(grads, (int, float)) else 0) + float(mem.outside_pytorch or 0)
-                    if ok and isinstance(after, (int, float)) else None)
+                    if ok and on_gpu and isinstance(after, (int, float)) else None)  # transients: not a fixed part
         wrapped.append(bool(opt.get("wrapped")))
         busy.append(_float(rep.busy_time_s) if ok and rep is not None else None)
         wait.append(_float(rep.allreduce_wait_s) if ok and rep is not None else None)

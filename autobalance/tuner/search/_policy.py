@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from optuna.trial import FrozenTrial, TrialState
 
@@ -36,9 +36,6 @@ from autobalance._config import BalanceConfig
 from autobalance._errors import ConfigError, UsageError
 from autobalance.protocol import MEASURED_STATUSES, Status, TrialAttr, memory_text
 from autobalance.tuner.search._space import SearchSpace, config_compile_key
-
-if TYPE_CHECKING:
-    from autobalance.tuner.search._advisor import ModelAdvisor
 
 __all__ = ["FIT_MARGIN", "GROW_MIN_BUDGET", "HALF_DTYPES", "KEEP_AT_FULL_BUDGET", "LOW_BUDGET", "PHASES", "REFINE_STEP", "SCOPE_TRANSFERS", "Proposal", "Record",
            "SearchPolicy", "TrialHistory", "first_compiled_micro_batch", "proposal_line"]
@@ -261,13 +258,30 @@ def first_compiled_micro_batch(*, held_gib: float, act_gib: float, usable_gib: f
     return max(fits) if fits else None
 
 
+class Models(Protocol):
+    """What the phases ask of the models and the study's context (``ModelAdvisor`` provides it)."""
+
+    space: SearchSpace
+    settings: Any
+
+    def allowed_dtypes_now(self) -> list[str]: ...
+    def eager_estimate(self) -> tuple[None, float, float] | None: ...
+    def largest_budgets(self, config: BalanceConfig) -> list[float] | None: ...
+    def compiled_peaks(self, config: BalanceConfig) -> list[float] | None: ...
+    def time_holds_compile(self) -> bool: ...
+    def explore(self, history: TrialHistory) -> Proposal | None: ...
+    def model_proposal(self, history: TrialHistory) -> Proposal | None: ...
+    def graph_proposal(self) -> Proposal | None: ...
+    def fallback_proposal(self, history: TrialHistory) -> Proposal | None: ...
+
+
 Phase = Callable[["SearchPolicy", TrialHistory], "Proposal | None"]
 
 
 class SearchPolicy:
     """The ordered phases (module doc); the advisor supplies the models and the study's context."""
 
-    def __init__(self, *, space: SearchSpace, advisor: ModelAdvisor) -> None:
+    def __init__(self, *, space: SearchSpace, advisor: Models) -> None:
         self.space = space
         self.advisor = advisor
 
