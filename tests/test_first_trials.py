@@ -320,3 +320,31 @@ def test_under_a_time_budget_a_new_graph_is_compiled_only_when_predicted_to_beat
     fresh.before_ask(study)
     again = study.get_trials(states=(TrialState.WAITING,))
     assert again and again[0].user_attrs.get("proposal_new_graphs", 0) > 0
+
+
+def test_the_eager_veto_judges_at_the_default_margin_not_the_widened_one(tmp_path):
+    """Issue 41: a margin widened by under-predictions (up to 50 %) vetoed configurations that fit
+    ("predicts 9.28 MiB (+50% margin) > usable 12.2 MiB", measured 9.2-10.0). Proposals may stay that
+    careful; a configuration is recorded ``predicted_oom`` without launching only when its central
+    prediction plus the default 5 % is over the usable memory. Fails if the veto uses the widened margin."""
+    from autobalance.tuner.search._advisor import VETO_MARGIN
+
+    advisor = advisor_for(tmp_path)
+    study = _measured_study(advisor, EAGER_BF16)
+    model = advisor.refit(study)
+    assert model is not None
+    model.safety_margin = 0.5  # as after under-predictions
+    usable = _usable(advisor) * GIB
+    layers = 16
+    fits = [c for c in (BalanceConfig(micro_batches=[m], accumulation=32 // m, global_batch=32, dtype="bf16",
+                                      bucket_cap_mb=25.0, gradient_as_bucket_view=True, checkpoint=[list(range(c))])
+                        for m in (4, 8) for c in (0, 8, 16))
+            if 1.0 / 1.5 * usable < model.predict(rank=0, micro_batch=c.micro_batches[0], checkpointed=len(c.checkpoint[0]),
+                                                  num_layers=layers, dtype="bf16") * (1 + VETO_MARGIN) <= usable]
+    assert fits, "no configuration between the widened and the default margin: the check would be empty"
+    for cfg in fits:  # over with the widened margin, within with the default: launched
+        assert advisor.predict_infeasible(study, cfg) is None, cfg
+    over = BalanceConfig(micro_batches=[32], accumulation=1, global_batch=32, dtype="bf16", bucket_cap_mb=25.0,
+                         gradient_as_bucket_view=True, checkpoint=[[]])
+    _figures, attrs = advisor.predict_infeasible(study, over)
+    assert attrs["predicted_by"] == "memory-model" and "(+5% margin)" in attrs["reason"]
