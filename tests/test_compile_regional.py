@@ -137,6 +137,35 @@ def test_identical_blocks_compile_once_and_the_loss_tail_once(dynamo, n_blocks, 
     assert report["scope"] == "regional" and report["regions"] == state.regions and report["graphs"] == 1 + loss
 
 
+def test_a_block_is_compiled_with_ddps_bucket_split_off_and_the_whole_model_with_it_on(dynamo):
+    """Inside a block DDP's bucket boundaries do not split the graph (``optimize_ddp`` off while a regional
+    region compiles: its gradients are ready when the block's backward ends, and a split would compile
+    each block in pieces); a whole-model compile keeps DDPOptimizer's split. Read by a backend at compile
+    time. Fails if the regional wrapper stops switching it off, or leaks the switch to the whole scope."""
+    seen: list[bool] = []
+
+    def backend(gm: Any, inputs: Any) -> Any:
+        seen.append(bool(torch._dynamo.config.optimize_ddp))
+        return gm.forward
+
+    torch.manual_seed(0)
+    model = Net([Block() for _ in range(2)])
+    state = CompileState(mode="default", budget=None, sizes=[6], scope="regional")
+    state.backend = backend  # type: ignore[assignment]
+    plan = SimpleNamespace(model=model, block_run=find_blocks(model)[1], model_info={}, verify=None, rank=0)
+    state.on_wrapped(plan, model)  # type: ignore[arg-type]
+    _step(model, *_data(6), loss=False)
+    assert seen and not any(seen)
+    seen.clear()
+    torch._dynamo.reset()
+    whole = Net([Block() for _ in range(2)])
+    state = CompileState(mode="default", budget=None, sizes=[6], scope="whole")
+    state.backend = backend  # type: ignore[assignment]
+    state.apply(whole)
+    _step(whole, *_data(6), loss=False)
+    assert seen and all(seen) == bool(torch._dynamo.config.optimize_ddp)
+
+
 def test_two_block_types_compile_one_graph_each(dynamo):
     """``blocks=`` naming a ModuleList of two alternating block classes: every block compiled, one
     graph per class (2, with the loss outside)."""
