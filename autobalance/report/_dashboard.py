@@ -265,9 +265,16 @@ def serve_dashboard(storage_url: str, *, host: str = "127.0.0.1", port: int = 80
     shown = f"[{host}]" if ":" in host else host
     echo(f"optuna-dashboard for {mask_url(storage_url)} at http://{shown}:{server.server_port}/dashboard "
          f"(artifacts in {artifact_dir_for(storage_url)}). Ctrl-C to stop.")
+    # requests are served on a thread; the main thread only waits, so Ctrl-C (delivered to the main
+    # thread) never lands inside a request's database calls, where it could leave a lock held and the
+    # exit hanging (seen once under load: the quick start's dashboard did not end within 60 s of SIGINT)
+    serving = threading.Thread(target=server.serve_forever, name="autobalance-dashboard", daemon=True)
+    serving.start()
     try:
-        server.serve_forever()
+        while serving.is_alive():
+            serving.join(timeout=0.5)
     except KeyboardInterrupt:
         pass
     finally:
+        server.shutdown()  # the request in progress ends first
         server.server_close()
