@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import datetime
 import json
 import os
 import statistics
@@ -74,6 +75,9 @@ VERIFY_COMPARE_S = 3.1
 """Saving, reading and comparing one verification run's tensors (~1.08 GB of parameters: issue 41's H200 study)."""
 GRADIENTS_GIB = 1.08
 """fp32 gradients of the ~270M-parameter GPT."""
+PARAMETER_GB = 1.08
+"""Its fp32 parameters, as the runtime reports them (``model.parameter_bytes``, an integer): what
+verification's tensor input/output and comparisons are priced by."""
 STEP_NOISE = 0.03
 """Relative noise of a trial's measured step (one H200 study: the same configuration repeated within
 +-15 % eager, compiled 8 x 4 steps within ~1.5 %: field notes)."""
@@ -262,27 +266,30 @@ def replay(machine: GridMachine, *, seed: int, budget: str, root: str) -> dict[s
     _tuner.time, _loop.time = clock, clock  # type: ignore[assignment]
     compiled: set[str] = set()
     rng = np.random.default_rng(seed)
-    worker = {"fresh": True}
+    worker = {"fresh": True, "trials": 0}
     own = BalanceConfig(micro_batches=[8], accumulation=4, global_batch=GLOBAL_BATCH, dtype="fp32",
                         gradient_as_bucket_view=True)
 
-    def run_s(cfg: BalanceConfig, steps: float) -> tuple[float, float | None]:
-        """(wall, compile) of one run of ``steps`` steps; a compiled run recycles the worker after it."""
+    def run_s(cfg: BalanceConfig, steps: float) -> tuple[float, float | None, float]:
+        """(wall, compile, worker start) of one run of ``steps`` steps; a compiled run recycles the
+        worker after it, so the next run starts a fresh one."""
         pt = machine.point(cfg)
         start = WORKER_START_S if worker["fresh"] else 0.0
+        worker["trials"] = 1 if worker["fresh"] else worker["trials"] + 1
         worker["fresh"] = cfg.compile != "off"
         compile_s = None
         if pt.compile_s is not None:
             key = json.dumps([cfg.compile_scope, cfg.dtype, cfg.micro_step_sizes(0), cfg.activation_budget])
             compile_s = pt.compile_s * (FROM_CACHE_SHARE if key in compiled else 1.0)
             compiled.add(key)
-        return start + TRIAL_OVERHEAD_S + (compile_s or 0.0) + steps * pt.step_ms / 1000, compile_s
+        return start + TRIAL_OVERHEAD_S + (compile_s or 0.0) + steps * pt.step_ms / 1000, compile_s, start
 
     class Launcher(TrialLauncher):
         def launch(self, study: optuna.Study, *, number: int, config: BalanceConfig | None,
                    trial: optuna.Trial | None = None, again: bool = False) -> TrialOutcome:
             cfg = config or own
-            wall, compile_s = run_s(cfg, MEASURED_STEPS + WARMUP_STEPS)
+            wall, compile_s, start = run_s(cfg, MEASURED_STEPS + WARMUP_STEPS)
+            started_at = clock.now
             clock.now += wall
             pt = machine.point(cfg)
             pt = Point(pt.peak_gib * (1 + PEAK_NOISE * rng.standard_normal()),
@@ -291,16 +298,18 @@ def replay(machine: GridMachine, *, seed: int, budget: str, root: str) -> dict[s
             gib = 2**30
             rep: dict[str, Any] = {
                 "status": "ok" if ok else "oom", "rank": 0, "config": cfg.to_dict(), "defaults": own.to_dict(),
-                "model": {"num_blocks": LAYERS, "dropout_modules": 0, "parameter_bytes": 1.08e9,
+                "model": {"num_blocks": LAYERS, "dropout_modules": 0, "parameter_bytes": int(PARAMETER_GB * 1e9),
                           "loss_in_model": machine.placement == "inside"},
                 "device": {"type": "cuda", "name": "replayed H200", "capacity_bytes": 141 * gib},
                 "memory": {"peak_device": pt.peak_gib * gib, "peak_allocated": pt.peak_gib * gib,
                            "peak_reserved": pt.peak_gib * gib, "outside_pytorch": 0},
                 "timing": {"startup_s": wall - (compile_s or 0) - MEASURED_STEPS * pt.step_ms / 1000,
-                           "steps_s": MEASURED_STEPS * pt.step_ms / 1000, "compile_s": compile_s},
+                           "steps_s": MEASURED_STEPS * pt.step_ms / 1000, "compile_s": compile_s, "wall_s": wall},
+                "written_at": datetime.datetime.fromtimestamp(clock.now, datetime.UTC).isoformat(),
                 # held apart from activations: live after the step (gradients set to None) + the gradients
                 "breakdown": {"bytes": {"live_after_step": (machine.fixed - GRADIENTS_GIB) * gib,
                                         "gradients": GRADIENTS_GIB * gib}},
+                "warm": {"pool_trial": worker["trials"], "fresh_outside": 0, "inherited_outside": 0},
                 "torch_version": "replayed"}
             if ok:
                 rep.update(step_times_s=[pt.step_ms / 1000] * MEASURED_STEPS, step_time_s=pt.step_ms / 1000,
@@ -311,10 +320,13 @@ def replay(machine: GridMachine, *, seed: int, budget: str, root: str) -> dict[s
                                   "cache": {"fx_graph_hits": int(not cold), "fx_graph_misses": int(cold)}}
                 rep["activation_budget"] = (cfg.activation_budget or [1.0])[0]
             self.trials_run += 1
-            return TrialOutcome(status=Status.OK if ok else Status.OOM, reason="replayed", reports={0: rep},
+            outcome = TrialOutcome(status=Status.OK if ok else Status.OOM, reason="replayed", reports={0: rep},
                                 returncode=0, wall_s=wall, trial_dir="", failing_rank=None if ok else 0,
-                                pool_start_s=WORKER_START_S if wall > WORKER_START_S + TRIAL_OVERHEAD_S and
-                                compile_s is None else 0.0)
+                                pool_start_s=start,  # as the warm pool reports a run that started a worker
+                                started_at=started_at)
+            if cfg.compile != "off":  # the replay's workers do not outlive a compiled trial (``run_s``)
+                outcome.recycled = "replayed: a compiled trial's worker is not reused"
+            return outcome
 
     name = f"{machine.placement}-{budget}-{seed}"
     settings = TuneSettings(script=os.path.join(HERE, "..", "examples", "gpt", "train.py"), device="cuda", trials=500,

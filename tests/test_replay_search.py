@@ -49,14 +49,14 @@ def _trials(tmp_path: Path, placement: str, seed: int) -> tuple[dict, list[optun
 @pytest.mark.parametrize("placement", ["inside", "outside"])
 def test_a_five_minute_study_on_the_recorded_grid_saves_near_its_best(tmp_path: Path, placement: str) -> None:
     """Three seeds (the replay's measurement noise differs): each saves within 1.08 of the grid's best
-    and the median within 1.03 (loss inside) / 1.05 (outside: its best lies between two measured budgets
-    of one split, 2-4 % apart), each within 5 min 30 s with verification. Today's policy before issue 41
-    saved 1.18 (inside) and 1.44-1.82 (outside) of the grid best on the same replay."""
+    and the median within 1.03, each within the 5 minutes with verification (issue 41's goals). The
+    policy before issue 41 saved 1.18 (inside) and 1.44-1.82 (outside) of the grid best on the same
+    replay; before ``raise-budget`` the loss outside stopped at regional 8 x 4 budget 0.55 (1.038)."""
     rows = [_trials(tmp_path, placement, seed)[0] for seed in range(3)]
     ratios = [r["ratio"] for r in rows]
     assert all(r is not None and r <= 1.08 for r in ratios), rows
-    assert statistics.median(ratios) <= (1.03 if placement == "inside" else 1.05), ratios
-    assert all(r["wall_s"] <= 330.0 for r in rows), [r["wall_s"] for r in rows]
+    assert statistics.median(ratios) <= 1.03, ratios
+    assert all(r["wall_s"] <= 300.0 for r in rows), [r["wall_s"] for r in rows]
 
 
 def test_on_a_gpu_the_first_trials_go_where_the_optimum_is(tmp_path: Path) -> None:

@@ -48,6 +48,9 @@ class Advisor(Protocol):
 
     time_left_s: float | None
     """Seconds the time budget leaves (None: no budget); set by the loop before each ask."""
+    over_budget: Callable[[optuna.Study, BalanceConfig], str | None] | None
+    """Why a configuration would not be launched under the time budget (None: it would; the
+    attribute None: no budget); set by the loop, so the search proposes only what the loop will run."""
 
     def before_ask(self, study: optuna.Study) -> None: ...
     def predict_infeasible(self, study: optuna.Study,

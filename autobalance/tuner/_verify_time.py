@@ -313,7 +313,6 @@ def forecast_verification(trials: Sequence[FrozenTrial], *, baseline: BalanceCon
     compiled = CompiledTimeModel.fit(list(trials), eager=eager, device=device)
     slowest = max(measured.values(), default=0.0)
     graphs = compiled_graphs([t for t in trials if t.user_attrs.get(TrialAttr.STATUS) in MEASURED_STATUSES])
-    _, cold = compile_times(trials, device=device)
     gb = max((float(b) for t in trials if isinstance(b := t.user_attrs.get(TrialAttr.PARAMETER_BYTES), (int, float))),
              default=0.0) / 1e9
     per_run: dict[str, float] = {}
@@ -326,6 +325,7 @@ def forecast_verification(trials: Sequence[FrozenTrial], *, baseline: BalanceCon
                    + FIRST_STEP_FACTOR * (ms if ms is not None else slowest) / 1000.0)
         fresh_next = 0.0
         if cfg.compile != "off":
+            _, cold = compile_times(trials, device=device, scope=cfg.compile_scope)
             seconds += _from_cache_s(trials, cfg, cold=cold) if graph_keys(cfg.to_dict()) <= graphs else cold
             fresh_next = prices.recycle_share
         per_run[name] = seconds
@@ -337,10 +337,11 @@ def forecast_verification(trials: Sequence[FrozenTrial], *, baseline: BalanceCon
 def trial_s(trials: Sequence[FrozenTrial], config: BalanceConfig, *, device: str) -> float:
     """The expected wall time of launching ``config`` next: the median launched trial without its
     compiling (:func:`next_trial_s`) plus, compiled, its compile: from the study's cache when the
-    study compiled its graphs (:func:`_from_cache_s`), else the study's median cold compile."""
+    study compiled its graphs (:func:`_from_cache_s`), else the study's median cold compile in its
+    scope (``compile_times``: a whole-model compile is not priced as a regional one)."""
     seconds = next_trial_s(trials)
     if config.compile == "off":
         return seconds
-    _, cold = compile_times(trials, device=device)
+    _, cold = compile_times(trials, device=device, scope=config.compile_scope)
     graphs = compiled_graphs([t for t in trials if t.user_attrs.get(TrialAttr.STATUS) in MEASURED_STATUSES])
     return seconds + (_from_cache_s(trials, config, cold=cold) if graph_keys(config.to_dict()) <= graphs else cold)

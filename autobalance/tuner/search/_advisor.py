@@ -134,6 +134,10 @@ class ModelAdvisor:
         usual trial are kept (set by the tuner before each ask; None: no budget): a proposal that
         compiles new graphs is made only when the study's median compile fits in it, and only when
         it is predicted to beat the best trial (a compile predicted to lose is not worth its time)."""
+        self.over_budget: Callable[[optuna.Study, BalanceConfig], str | None] | None = None
+        """Why the tuner would not launch a configuration under ``--time-budget`` (its compile and
+        verification's reserve after it priced from the study: ``_verify_time``), or None; set by the
+        tuner (None: no budget). The policy skips a proposal the budget cannot hold."""
 
     # ------------------------------------------------------------------ model
     def _usable(self, study: optuna.Study) -> list[float] | None:
@@ -319,6 +323,16 @@ class ModelAdvisor:
         act = max(model.per_sample_bytes(r, dtypes[0], 0, layers) for r in ranks)
         return None, held / GIB, act / GIB
 
+    def peak_change(self, config: BalanceConfig, budget: float) -> list[float] | None:
+        """Per rank, the compiled model's change of the peak (GiB, no margins) from ``config``'s budgets
+        to ``budget`` (None: no model)."""
+        model = self.model if self.model is not None else self.refit(self.study)
+        compiled = self._compiled_for(self.study, model) if model is not None else None
+        if compiled is None or not compiled.can_predict(config.dtype):
+            return None
+        other = BalanceConfig.from_dict({**config.to_dict(), "activation_budget": [budget] * config.world_size})
+        return [(b - a) / GIB for a, b in zip(compiled.config_peaks(config), compiled.config_peaks(other), strict=True)]
+
     def compiled_peaks(self, config: BalanceConfig) -> list[float] | None:
         """The compiled model's predicted peaks of ``config``, GiB per rank (None: no model)."""
         if self.compiled is None:
@@ -328,8 +342,12 @@ class ModelAdvisor:
     def graph_proposal(self) -> Proposal | None:
         return self._graph_probe(self.study)
 
-    def time_holds_compile(self) -> bool:
-        return not self._no_time_to_compile(self.study)
+    def unaffordable(self, config: BalanceConfig) -> str | None:
+        """Why the time budget would not launch ``config`` (None: it would, or there is no budget)."""
+        return None if self.over_budget is None else self.over_budget(self.study, config)
+
+    def time_holds_compile(self, scope: str | None = None) -> bool:
+        return not self._no_time_to_compile(self.study, scope)
 
     def explore(self, history: TrialHistory) -> Proposal | None:
         """The sampler's trial every ``SAMPLER_EVERY``-th ask: on CPU always (it explores what the
@@ -357,6 +375,10 @@ class ModelAdvisor:
         tried = history.tried() | self._proposed
         if self._no_time_to_compile(study):  # no new graph that the time budget cannot hold
             candidates = [c for c in candidates if c.new_graphs == 0]
+        elif self.time_left_s is not None:  # nor one of a scope whose compile it cannot hold
+            dear = {scope for scope in self.space.compile_scopes if self._no_time_to_compile(study, scope)}
+            candidates = [c for c in candidates if c.new_graphs == 0 or c.config.compile == "off"
+                          or c.config.compile_scope not in dear]
         scopes = history.measured_scopes() or {self.space.compile_scopes[-1]}  # regional first when searched
         if self.settings.device == "cuda" and history.best_compiled() is not None and not self._eager_timed(history):
             # an eager proposal against a compiled best needs an eager time model of its own (three measured
@@ -476,11 +498,12 @@ class ModelAdvisor:
             return None
         return weighted_objective(best.values, study.user_attrs.get(StudyAttr.OBJECTIVE, {}))
 
-    def _no_time_to_compile(self, study: optuna.Study) -> bool:
-        """Whether the time budget leaves less than the study's median compile (:attr:`time_left_s`)."""
+    def _no_time_to_compile(self, study: optuna.Study, scope: str | None = None) -> bool:
+        """Whether the time budget leaves less than the study's median compile (:attr:`time_left_s`);
+        ``scope``: a compile of that scope (``compile_times``)."""
         if self.time_left_s is None or not self.space.compile_searched:
             return False
-        _, compile_s = compile_times(study.get_trials(deepcopy=False), device=self.settings.device)
+        _, compile_s = compile_times(study.get_trials(deepcopy=False), device=self.settings.device, scope=scope)
         return compile_s > self.time_left_s
 
     def _sampler_proposal(self, why: str) -> Proposal:

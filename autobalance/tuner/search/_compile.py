@@ -13,7 +13,7 @@ from autobalance.protocol import RankReport, TrialAttr
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner.search._space import SearchSpace
 
-__all__ = ["CACHE_HIT_PRIOR_S", "COMPILE_PRIOR_S", "cache_dir", "compile_env", "compile_figures", "compile_notes",
+__all__ = ["CACHE_HIT_PRIOR_S", "COMPILE_PRIOR_S", "REGIONAL_COMPILE_SHARE", "cache_dir", "compile_env", "compile_figures", "compile_notes",
            "compile_times", "space_problem"]
 
 CACHE_SUBDIR = "inductor-cache"
@@ -23,6 +23,12 @@ least a tenth of the study's compile with misses)."""
 COMPILE_PRIOR_S: dict[str, float] = {"cuda": 45.0, "cpu": 20.0}
 """A compile with cache misses, before the study measured one (one H200: 15-94 s per configuration;
 2 CPU cores: 18-25 s)."""
+REGIONAL_COMPILE_SHARE = (0.22, 0.30)
+"""A regional compile's time as a share of the whole-model compile of the same configuration (low,
+high): one H200, the ~270M GPT, the product's runtime, 0.22-0.30 at equal points
+(``benchmarks/2026-12-04-h200``). A scope the study has not compiled is priced from the other one
+at the end of the range that makes it dearer: a whole-model compile as the regional one / 0.22, a
+regional one as the whole-model one x 0.30."""
 
 
 def cache_dir(runs_dir: str, study_name: str) -> str:
@@ -106,10 +112,23 @@ def compile_notes(trials: list[FrozenTrial]) -> tuple[list[str], float]:
     return lines, total
 
 
-def compile_times(trials: Sequence[FrozenTrial], *, device: str) -> tuple[float, float]:
+def compile_times(trials: Sequence[FrozenTrial], *, device: str, scope: str | None = None) -> tuple[float, float]:
     """(median compile from the Inductor cache, median compile with cache misses) of the study's
     launched compiled trials; priors (:data:`CACHE_HIT_PRIOR_S`, :data:`COMPILE_PRIOR_S`) where it
-    measured none."""
+    measured none. ``scope`` (``whole``/``regional``): that scope's trials only; a scope the study has
+    not compiled is priced from the other's (:data:`REGIONAL_COMPILE_SHARE`): a whole-model compile
+    costs three to five regional ones, and pricing one by the other's median starts compiles that
+    the time left cannot hold."""
+    if scope is not None:
+        own = [t for t in trials if _scope(t) == scope]
+        if any(isinstance(t.user_attrs.get(TrialAttr.COMPILE_S), (int, float)) for t in own):
+            return compile_times(own, device=device)
+        others = [t for t in trials if _scope(t) not in (None, scope)]
+        if any(isinstance(t.user_attrs.get(TrialAttr.COMPILE_S), (int, float)) for t in others):
+            warm, cold = compile_times(others, device=device)
+            low, high = REGIONAL_COMPILE_SHARE
+            factor = high if scope == "regional" else 1.0 / low
+            return warm * factor, cold * factor
     hit, miss, every = [], [], []
     for t in trials:
         seconds = t.user_attrs.get(TrialAttr.COMPILE_S)
@@ -127,3 +146,11 @@ def compile_times(trials: Sequence[FrozenTrial], *, device: str) -> tuple[float,
     cold = statistics.median(miss) if miss else statistics.median(every)
     warm = statistics.median(hit) if hit else min(min(every), max(CACHE_HIT_PRIOR_S, 0.1 * cold))
     return warm, cold
+
+
+def _scope(trial: FrozenTrial) -> str | None:
+    """A compiled trial's compile scope (None: eager or no configuration)."""
+    cfg = trial.user_attrs.get(TrialAttr.CONFIG) or {}
+    if not isinstance(cfg, dict) or cfg.get("compile", "off") == "off":
+        return None
+    return str(cfg.get("compile_scope", "whole"))

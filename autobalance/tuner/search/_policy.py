@@ -3,7 +3,9 @@
 :meth:`SearchPolicy.next` reads the study once as a :class:`TrialHistory` (the policy's only reader of
 the trials' attributes; other workers' running trials included, so parallel tuners do not propose
 what another is measuring) and walks its phases in order: the first that applies proposes the next
-trial as a :class:`Proposal` (configuration, phase, reason, prediction). The advisor enqueues it, so
+trial as a :class:`Proposal` (configuration, phase, reason, prediction); a proposal the time budget
+cannot hold (its compile priced per scope, verification's reserve after it) gives way to the next
+phase's. The advisor enqueues it, so
 the study stays a plain Optuna study (dashboard, resume, several workers); when no phase proposes,
 the trial is the sampler's. Every trial line and the dashboard show the phase and its prediction.
 
@@ -13,10 +15,10 @@ the trial is the sampler's. Every trial line and the dashboard show the phase an
 | ``compiled-start`` | GPU, compile searched, nothing compiled yet, the probe measured | the cheapest scope to compile (``regional`` when searched), the first half dtype, budget 1.0, the largest micro-batch predicted to fit (:func:`first_compiled_micro_batch`), fewest micro-steps |
 | ``explore`` | every third ask: on CPU always, on a GPU once the models' proposals stopped improving (``_first_trials``) | the sampler's trial (a dtype held back pinned; eager when no compile fits in the time left) |
 | ``compiled-grow`` | a compiled trial fitted, and a split of fewer micro-steps (same scope and dtype) was never tried | from the best compiled trial, the next split of fewer micro-steps whose largest budget predicted to fit is at least :data:`GROW_MIN_BUDGET`, at that budget: one micro-step at a time towards the fewest that fit |
-| ``scope-probe`` | growing stopped; one of the :data:`SCOPE_TRANSFERS` fastest compiled splits never ran in another searched scope; the time budget holds a compile | that configuration in the other scope, budget unchanged (what fitted in one scope is the best guess in the other; a model of a scope from one point extrapolates budgets poorly): whether, and where, that scope wins |
+| ``scope-probe`` | growing stopped; a searched scope never ran, or one of the :data:`SCOPE_TRANSFERS` fastest compiled splits never ran in another searched scope; the time budget holds a compile of that scope | a scope's first trial: budget 1.0 at the fewest micro-steps whose peak at 1.0 the measured scope's model puts :data:`FIT_MARGIN` below the usable memory (the fractions kept at 1.0 match across scopes); then each fast configuration in the other scope, budget unchanged (what fitted in one scope is the best guess in the other): whether, and where, that scope wins |
+| ``raise-budget`` | one rank; the best compiled trial ran below budget 1.0 and its measured peak leaves room | that trial at the largest higher budget whose peak, its measured one plus the compiled model's change from its budget, stays :data:`FIT_MARGIN` below the usable memory and below any budget that did not fit at that split: the partitioner recomputes less, and the step's time falls steeply with the budget (regional 8 x 4, loss outside, on the H200: 185.8 ms at 0.5, 172.5 at 0.7, 143.3 at 0.85) |
 | ``cuda-graphs`` | ``--compile-mode auto``, the best trial is a default-mode compiled one, graphs untried, time holds a compile | the best configuration with CUDA graphs: one compile measures whether they pay (``_cuda_graphs``) |
 | ``model`` | the memory and compiled models have fitted | their best-ranked configuration predicted to fit (``compiled-model`` or ``memory-model``); a budget below :data:`LOW_BUDGET` only where a higher one was measured at that micro-batch and scope |
-| ``refine`` | one rank, the phases above propose nothing new | the best compiled trial one budget step (:data:`REFINE_STEP`) higher when predicted to fit, else lower (not below :data:`LOW_BUDGET`) |
 | ``prior``, ``sampler`` | nothing else proposes | the least memory the priors know while nothing fits (GPU); else the sampler |
 
 Constants of the policy live here (:data:`KEEP_AT_FULL_BUDGET`, :data:`FIT_MARGIN`,
@@ -37,7 +39,7 @@ from autobalance._errors import ConfigError, UsageError
 from autobalance.protocol import MEASURED_STATUSES, Status, TrialAttr, memory_text
 from autobalance.tuner.search._space import SearchSpace, config_compile_key
 
-__all__ = ["FIT_MARGIN", "GROW_MIN_BUDGET", "HALF_DTYPES", "KEEP_AT_FULL_BUDGET", "LOW_BUDGET", "PHASES", "REFINE_STEP", "SCOPE_TRANSFERS", "Proposal", "Record",
+__all__ = ["BUDGET_CEILING", "FIT_MARGIN", "GROW_MIN_BUDGET", "HALF_DTYPES", "KEEP_AT_FULL_BUDGET", "LOW_BUDGET", "PHASES", "REFINE_STEP", "SCOPE_TRANSFERS", "Proposal", "Record",
            "SearchPolicy", "TrialHistory", "first_compiled_micro_batch", "proposal_line"]
 
 GIB = 2**30
@@ -59,8 +61,12 @@ size, so a larger micro-batch at budget 0.5 or more beat the smaller one at 1.0 
 SCOPE_TRANSFERS = 2
 """``scope-probe`` runs the fastest this many measured compiled splits in the other scope (the scopes'
 optima differ: on the H200, regional 11,11,10 was its best split and whole 8 x 4 the grid's)."""
+BUDGET_CEILING = 1.0
+"""``raise-budget`` proposes budgets up to this (the partitioner's default: it keeps what eager keeps)."""
 REFINE_STEP = 0.05
-"""``refine`` moves the best compiled trial's budget by this much (the space's budget grid)."""
+"""``raise-budget`` moves the best compiled trial's budget in steps of this much (the space's budget
+grid). No phase lowers it: at one rank a lower budget at the same split only recomputes more (the
+former ``refine`` phase did, and in the replay its trials were kept only when noise favoured them)."""
 LOW_BUDGET = 0.3
 """Budgets below this are proposed only where a higher one was measured at the same micro-batch and
 scope: memory is not monotone in low budgets (pytorch/pytorch#197838; on the H200 whole-model 8 x 4
@@ -181,6 +187,23 @@ class TrialHistory:
         return {r.config.compile_scope for r in self.records
                 if r.measured and r.status == Status.OK and r.config is not None and r.config.compile != "off"}
 
+    def over_budgets(self, config: BalanceConfig) -> list[float]:
+        """Budgets at which ``config``'s split (its compile key, dtype and micro-batches) ran out of
+        memory or over the usable memory: a higher budget keeps at least as much (the partitioner's
+        budget is monotone where it is not low)."""
+        key, split = config_compile_key(config), json.dumps(config.micro_batches)
+        out = []
+        for r in self.records:
+            c = r.config
+            if (not r.measured or c is None or c.compile == "off" or config_compile_key(c) != key
+                    or c.dtype != config.dtype or json.dumps(c.micro_batches) != split):
+                continue
+            over = r.status == Status.OOM or (bool(self.usable_gib) and any(
+                p is not None and p > u for p, u in zip(r.peaks_gib, self.usable_gib, strict=False)))
+            if over:
+                out.append(min(c.activation_budget or [1.0]))
+        return out
+
     def measured_budget(self, key: str, micro_batch: int) -> float | None:
         """The highest budget measured at ``micro_batch`` (largest on any rank) for the compile key ``key``."""
         out: float | None = None
@@ -268,7 +291,9 @@ class Models(Protocol):
     def eager_estimate(self) -> tuple[None, float, float] | None: ...
     def largest_budgets(self, config: BalanceConfig) -> list[float] | None: ...
     def compiled_peaks(self, config: BalanceConfig) -> list[float] | None: ...
-    def time_holds_compile(self) -> bool: ...
+    def time_holds_compile(self, scope: str | None = None) -> bool: ...
+    def unaffordable(self, config: BalanceConfig) -> str | None: ...
+    def peak_change(self, config: BalanceConfig, budget: float) -> list[float] | None: ...
     def explore(self, history: TrialHistory) -> Proposal | None: ...
     def model_proposal(self, history: TrialHistory) -> Proposal | None: ...
     def graph_proposal(self) -> Proposal | None: ...
@@ -295,13 +320,16 @@ class SearchPolicy:
         return [d for d in allowed if d in HALF_DTYPES]
 
     def next(self, history: TrialHistory) -> Proposal | None:
-        """The first phase's proposal that is new (not tried, not running elsewhere); None: the sampler's trial."""
+        """The first phase's proposal that is new (not tried, not running elsewhere) and that the time
+        budget holds (its compile and verification's reserve after it: a phase whose trial the budget
+        cannot hold gives way to the next, cheaper one); None: the sampler's trial."""
         tried = history.tried()
         for phase in PHASES:
             proposal = phase(self, history)
             if proposal is None:
                 continue
-            if proposal.config is not None and proposal.config.to_json() in tried:
+            if proposal.config is not None and (proposal.config.to_json() in tried
+                                                 or self.advisor.unaffordable(proposal.config) is not None):
                 continue
             return proposal
         return None
@@ -387,11 +415,44 @@ class SearchPolicy:
     def model(self, history: TrialHistory) -> Proposal | None:
         return self.advisor.model_proposal(history)
 
+    def raise_budget(self, history: TrialHistory) -> Proposal | None:
+        base = history.best_compiled()
+        if base is None or base.config is None or base.config.world_size != 1 or not history.usable_gib:
+            return None  # several ranks: the model phase moves each rank's budget
+        cfg = base.config
+        b = (cfg.activation_budget or [1.0])[0]
+        peak = base.peaks_gib[0] if base.peaks_gib else None
+        if b >= BUDGET_CEILING or peak is None:
+            return None
+        ceiling = min([BUDGET_CEILING + 1e-9, *history.over_budgets(cfg)])
+        limit = history.usable_gib[0] * (1.0 - FIT_MARGIN)
+        pick: tuple[float, float] | None = None
+        nb = round(b + REFINE_STEP, 3)
+        while nb < ceiling:
+            change = self.advisor.peak_change(cfg, nb)
+            if change is None or float(peak) + change[0] > limit:
+                break
+            pick = (nb, float(peak) + change[0])
+            nb = round(nb + REFINE_STEP, 3)
+        if pick is None:
+            return None
+        other = BalanceConfig.from_dict({**cfg.to_dict(), "activation_budget": [pick[0]]})
+        return Proposal(config=other, phase="raise-budget", predicted_peak_gib=[pick[1]], reason=(
+            f"the best compiled trial ({base.number}) at budget {pick[0]:g} instead of {b:g}: its measured "
+            f"{memory_text(float(peak))} plus the compiled model's change stays {FIT_MARGIN:.0%} below "
+            f"{memory_text(history.usable_gib[0])} usable; less recomputed"))
+
     def scope_probe(self, history: TrialHistory) -> Proposal | None:
         if len(self.space.compile_scopes) < 2:
             return None
         ran = history.compiled_splits()
         measured = history.measured_scopes()
+        for scope in self.space.compile_scopes:  # a scope not measured yet: where it most likely wins
+            if scope in measured:
+                continue
+            first = self._scope_start(history, scope, ran)
+            if first is not None:
+                return first
         for source in history.fastest_compiled(SCOPE_TRANSFERS):
             cfg = source.config
             if cfg is None or cfg.compile != "default":
@@ -402,34 +463,45 @@ class SearchPolicy:
                 other = BalanceConfig.from_dict({**cfg.to_dict(), "compile_scope": scope})
                 if not self.space.contains(other) or (config_compile_key(other), json.dumps(other.micro_batches)) in ran:
                     continue
-                if not self.advisor.time_holds_compile():
+                if not self.advisor.time_holds_compile(scope):
                     return None
-                first = scope not in measured
-                return Proposal(config=other, phase="scope-probe", predicted_peak_gib=None if first else
+                new_scope = scope not in measured
+                return Proposal(config=other, phase="scope-probe", predicted_peak_gib=None if new_scope else
                                 self.advisor.compiled_peaks(other), reason=(
                     f"trial {source.number} compiled {scope} instead of {cfg.compile_scope}: "
-                    + ("one compile measures whether that scope wins for this script" if first else
+                    + ("one compile measures whether that scope wins for this script" if new_scope else
                        "one of the fastest configurations measured in the other scope, as it fitted there (the "
                        "scopes' optima differ)")))
         return None
 
-    def refine(self, history: TrialHistory) -> Proposal | None:
+    def _scope_start(self, history: TrialHistory, scope: str, ran: set[tuple[str, str]]) -> Proposal | None:
+        """The first trial of ``scope``: budget 1.0 (where the partitioner keeps what eager keeps in
+        either scope: the kept fractions at 1.0 measured 0.63-0.73 in both with the loss inside) at the
+        fewest micro-steps whose peak at budget 1.0 in a measured scope, the compiled model's estimate
+        from its trials, stays :data:`FIT_MARGIN` below the usable memory; None: none does."""
         base = history.best_compiled()
-        if base is None or base.config is None or base.config.world_size != 1:
-            return None  # several ranks: the model phase moves each rank's budget
+        if base is None or base.config is None or not history.usable_gib:
+            return None
         cfg = base.config
-        b = (cfg.activation_budget or [1.0])[0]
-        fits = self.advisor.largest_budgets(cfg)
-        for step in (REFINE_STEP, -REFINE_STEP):
-            nb = round(b + step, 3)
-            if not LOW_BUDGET <= nb <= 1.0 or (step > 0 and (fits is None or fits[0] < nb)):
+        limit = min(history.usable_gib) * (1.0 - FIT_MARGIN)
+        for acc in sorted(self.space.accumulations):
+            source = self._config(acc, dtype=cfg.dtype, compile=cfg.compile, scope=cfg.compile_scope)
+            if source is None:
                 continue
-            other = BalanceConfig.from_dict({**cfg.to_dict(), "activation_budget": [nb]})
-            if other.to_json() in history.tried():
+            peaks = self.advisor.compiled_peaks(source)
+            if peaks is None or max(peaks) > limit:
                 continue
-            return Proposal(config=other, phase="refine", predicted_peak_gib=self.advisor.compiled_peaks(other), reason=(
-                f"the best compiled trial ({base.number}) at budget {nb:g} instead of {b:g}: "
-                + ("more kept, less recomputed, predicted to fit" if step > 0 else "less memory for what may be lost")))
+            other = BalanceConfig.from_dict({**source.to_dict(), "compile_scope": scope,
+                                             "bucket_cap_mb": cfg.bucket_cap_mb,
+                                             "gradient_as_bucket_view": cfg.gradient_as_bucket_view})
+            if not self.space.contains(other) or (config_compile_key(other), json.dumps(other.micro_batches)) in ran:
+                return None
+            if not self.advisor.time_holds_compile(scope):
+                return None
+            return Proposal(config=other, phase="scope-probe", predicted_peak_gib=peaks, reason=(
+                f"the first {scope} trial: budget 1.0 at the fewest micro-steps ({acc}) predicted to fit there "
+                f"({memory_text(max(peaks))} in {cfg.compile_scope}, where the kept fractions at 1.0 match): "
+                "one compile measures whether that scope wins for this script"))
         return None
 
     def cuda_graphs(self, history: TrialHistory) -> Proposal | None:
@@ -460,6 +532,6 @@ class SearchPolicy:
 
 
 PHASES: list[Phase] = [SearchPolicy.probe, SearchPolicy.compiled_start, SearchPolicy.explore,
-                       SearchPolicy.compiled_grow, SearchPolicy.scope_probe, SearchPolicy.cuda_graphs, SearchPolicy.model,
-                       SearchPolicy.refine, SearchPolicy.fallbacks]
+                       SearchPolicy.compiled_grow, SearchPolicy.scope_probe, SearchPolicy.raise_budget, SearchPolicy.cuda_graphs, SearchPolicy.model,
+                       SearchPolicy.fallbacks]
 """The phases in the order they are asked (module doc)."""

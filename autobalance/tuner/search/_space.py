@@ -20,7 +20,13 @@ from typing import Any
 
 import optuna
 
-from autobalance._config import BalanceConfig, samples_within, split_at_least, split_evenly
+from autobalance._config import (
+    CUDA_GRAPH_MODES,
+    BalanceConfig,
+    samples_within,
+    split_at_least,
+    split_evenly,
+)
 
 __all__ = ["BUDGET_RANGE", "OPTIMIZER_SHARE_RANGE", "SHARE_RANGE", "SearchSpace", "compile_key", "config_compile_key",
            "normalised_shares"]
@@ -171,6 +177,8 @@ class SearchSpace:
             if (name.startswith("ckpt_r") and compiled) or (
                     (name.startswith("budget_r") or name == "compile_scope") and not compiled):
                 continue  # conditional on compile: checkpointing for eager trials, budgets and scope for compiled ones
+            if name == "compile_scope" and params.get("compile") in CUDA_GRAPH_MODES:
+                continue  # CUDA graphs are captured for the whole model only
             if name.startswith("oshare_r") and params.get("optimizer_sharding", "off") != "zero1":
                 continue  # conditional on sharding: shares only for zero1 trials
             params[name] = _suggest(trial, name, dist)
@@ -190,8 +198,9 @@ class SearchSpace:
             checkpoint=ckpt, dtype=str(params["dtype"]), bucket_cap_mb=round(float(params["bucket_cap_mb"]), 3),
             gradient_as_bucket_view=bool(params["grad_as_bucket_view"]), compile=mode, activation_budget=budget,
         )
-        if mode != "off":
-            rest["compile_scope"] = str(params.get("compile_scope", self.compile_scopes[0]))
+        if mode != "off":  # CUDA graphs: the whole model only (BalanceConfig refuses them regional)
+            rest["compile_scope"] = ("whole" if mode in CUDA_GRAPH_MODES
+                                     else str(params.get("compile_scope", self.compile_scopes[0])))
         if params.get("optimizer_sharding", "off") == "zero1":
             rest["optimizer_sharding"] = "zero1"
             rest["optimizer_shares"] = normalised_shares(

@@ -1,0 +1,179 @@
+"""The search policy's phases one at a time (``tuner/search/_policy.py``), on hand-made histories:
+``raise-budget`` (the best compiled trial's budget raised while its measured peak leaves room),
+``scope-probe``'s first trial of a scope, a proposal the time budget cannot hold giving way, and
+compile time priced per scope (``compile_times``)."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from optuna.distributions import FloatDistribution
+from optuna.trial import FrozenTrial, TrialState
+
+from autobalance import BalanceConfig
+from autobalance.protocol import Status
+from autobalance.tuner.search import SearchSpace, TrialHistory, compile_times
+from autobalance.tuner.search._compile import REGIONAL_COMPILE_SHARE
+from autobalance.tuner.search._policy import FIT_MARGIN, Proposal, Record, SearchPolicy
+
+USABLE = 15.2
+
+
+def _space() -> SearchSpace:
+    return SearchSpace.build(world_size=1, global_batch=32, num_layers=16, dtypes=["bf16"], max_accumulation=8,
+                             compile_modes=["off", "default"], any_split=True, compile_scopes=["whole", "regional"])
+
+
+def _cfg(micro: int, acc: int, budget: float, scope: str = "regional") -> BalanceConfig:
+    return _space().config_for([micro], acc, None, checkpoint=[[]], dtype="bf16", bucket_cap_mb=25.0,
+                               gradient_as_bucket_view=True, compile="default", compile_scope=scope,
+                               activation_budget=[budget])
+
+
+def _record(number: int, cfg: BalanceConfig, *, peak: float, ms: float | None, status: str = Status.OK) -> Record:
+    return Record(number=number, config=cfg, status=status, running=False, peaks_gib=[peak], held_gib=[9.6],
+                  step_ms=ms, feasible=status == Status.OK and peak <= USABLE)
+
+
+class _Models:
+    """What the phases ask of the models: a linear budget curve (``slope`` GiB per unit of budget per
+    sample), peaks at budget 1.0 of ``peak_at_one`` per micro-batch, every compile affordable unless
+    ``refuse`` names the configuration."""
+
+    def __init__(self, *, slope: float = 0.6, peak_at_one: dict[int, float] | None = None,
+                 refuse: set[str] | None = None) -> None:
+        self.space = _space()
+        self.settings = type("S", (), {"device": "cuda"})()
+        self.slope = slope
+        self.peak_at_one = peak_at_one or {}
+        self.refuse = refuse or set()
+
+    def allowed_dtypes_now(self) -> list[str]:
+        return ["bf16"]
+
+    def eager_estimate(self) -> None:
+        return None
+
+    def largest_budgets(self, config: BalanceConfig) -> list[float] | None:
+        return None  # no split with fewer micro-steps fits: ``compiled-grow`` has nothing
+
+    def compiled_peaks(self, config: BalanceConfig) -> list[float] | None:
+        m = max(config.micro_batches)
+        return [self.peak_at_one[m]] if m in self.peak_at_one else None
+
+    def peak_change(self, config: BalanceConfig, budget: float) -> list[float] | None:
+        b = (config.activation_budget or [1.0])[0]
+        return [self.slope * max(config.micro_batches) * (budget - b)]
+
+    def time_holds_compile(self, scope: str | None = None) -> bool:
+        return True
+
+    def unaffordable(self, config: BalanceConfig) -> str | None:
+        return "no time" if config.to_json() in self.refuse else None
+
+    def explore(self, history: TrialHistory) -> Proposal | None:
+        return None
+
+    def model_proposal(self, history: TrialHistory) -> Proposal | None:
+        return None
+
+    def graph_proposal(self) -> Proposal | None:
+        return None
+
+    def fallback_proposal(self, history: TrialHistory) -> Proposal | None:
+        return None
+
+
+def _history(*records: Record) -> TrialHistory:
+    return TrialHistory(records=list(records), usable_gib=[USABLE], device="cuda", loss_in_model=False)
+
+
+def test_raise_budget_goes_to_the_largest_budget_whose_measured_peak_plus_the_change_fits() -> None:
+    """8 x 4 at 0.55 peaked at 14.4 GiB; the model adds 0.6 GiB per sample per unit of budget (0.24 GiB
+    per 0.05 at micro-batch 8): 0.6 -> 14.64, 0.65 -> 14.88 > 15.2 x 0.97 = 14.74, so 0.6."""
+    policy = SearchPolicy(space=_space(), advisor=_Models(slope=0.6))
+    p = policy.raise_budget(_history(_record(3, _cfg(8, 4, 0.55), peak=14.4, ms=182.0)))
+    assert p is not None and p.phase == "raise-budget"
+    assert p.config is not None and p.config.activation_budget == [0.6]
+    assert p.predicted_peak_gib is not None and p.predicted_peak_gib[0] <= USABLE * (1 - FIT_MARGIN)
+    policy = SearchPolicy(space=_space(), advisor=_Models(slope=0.1))  # flatter: further up
+    p = policy.raise_budget(_history(_record(3, _cfg(8, 4, 0.55), peak=14.4, ms=182.0)))
+    assert p is not None and p.config is not None and p.config.activation_budget == [0.95]
+
+
+def test_raise_budget_stays_below_a_budget_that_did_not_fit_at_that_split() -> None:
+    over = _record(4, _cfg(8, 4, 0.7), peak=15.3, ms=172.0)  # ran, over the usable memory
+    best = _record(3, _cfg(8, 4, 0.55), peak=14.0, ms=182.0)
+    policy = SearchPolicy(space=_space(), advisor=_Models(slope=0.05))  # the model alone would allow 1.0
+    p = policy.raise_budget(_history(best, over))
+    assert p is not None and p.config is not None and p.config.activation_budget == [0.65]
+    oom = _record(4, _cfg(8, 4, 0.6), peak=16.0, ms=None, status=Status.OOM)
+    assert policy.raise_budget(_history(best, oom)) is None
+    full = _record(3, _cfg(8, 4, 1.0), peak=14.0, ms=140.0)
+    assert policy.raise_budget(_history(full)) is None  # nothing above the partitioner's default
+
+
+def test_the_first_trial_of_another_scope_is_budget_one_at_the_fewest_micro_steps_predicted_to_fit() -> None:
+    """Regional 7 x 5 at 1.0 is the best so far; the model puts regional 8 x 4 at 1.0 at 14.6 GiB (fits
+    14.74) and 11 x 3 at 18 GiB: whole-model 8 x 4 at budget 1.0 is the first whole trial."""
+    models = _Models(peak_at_one={7: 13.7, 8: 14.6, 11: 18.0, 16: 21.0, 32: 30.0})
+    policy = SearchPolicy(space=_space(), advisor=models)
+    p = policy.scope_probe(_history(_record(2, _cfg(7, 5, 1.0), peak=13.7, ms=145.0)))
+    assert p is not None and p.phase == "scope-probe" and p.config is not None
+    assert p.config.compile_scope == "whole" and p.config.micro_batches == [8]
+    assert p.config.activation_budget == [1.0]
+
+
+def test_a_proposal_the_time_budget_cannot_hold_gives_way_to_the_next_phase() -> None:
+    best = _record(3, _cfg(8, 4, 0.55), peak=14.4, ms=182.0)
+    raised = BalanceConfig.from_dict({**best.config.to_dict(), "activation_budget": [0.6]})  # type: ignore[union-attr]
+    models = _Models(slope=0.6, peak_at_one={8: 14.6, 11: 18.0, 16: 21.0, 32: 30.0})
+    first = SearchPolicy(space=_space(), advisor=models).next(_history(best))
+    assert first is not None and first.phase == "scope-probe"  # the other scope before the budget is raised
+    models.refuse = {first.config.to_json()} if first.config is not None else set()
+    then = SearchPolicy(space=_space(), advisor=models).next(_history(best))
+    assert then is not None and then.phase == "raise-budget" and then.config == raised
+    models.refuse.add(raised.to_json())
+    assert SearchPolicy(space=_space(), advisor=models).next(_history(best)) is None  # the sampler's trial
+
+
+def _trial(number: int, scope: str | None, compile_s: float | None, *, hit: bool = False) -> FrozenTrial:
+    cfg: dict[str, Any] = {"compile": "off"} if scope is None else {"compile": "default", "compile_scope": scope}
+    if scope == "whole":
+        del cfg["compile_scope"]  # omitted from the JSON when whole, as BalanceConfig writes it
+    attrs: dict[str, Any] = {"config": cfg}
+    if compile_s is not None:
+        attrs.update(compile_s=compile_s, compile_cache={"fx_graph_hits": 1} if hit else {"fx_graph_misses": 2})
+    now = datetime.datetime.now()
+    return FrozenTrial(number=number, state=TrialState.COMPLETE, value=1.0, values=None, datetime_start=now,
+                       datetime_complete=now, params={"x": 0.5}, distributions={"x": FloatDistribution(0, 1)},
+                       user_attrs=attrs, system_attrs={}, intermediate_values={}, trial_id=number)
+
+
+def test_compile_time_is_priced_per_scope_and_an_unmeasured_scope_from_the_other() -> None:
+    """Regional compiles of 8 s must not price a whole-model one: that scope's own median when measured,
+    else the other's scaled by the measured share (0.22-0.30, the dearer end)."""
+    low, high = REGIONAL_COMPILE_SHARE
+    regional = [_trial(1, "regional", 8.0), _trial(2, "regional", 9.0), _trial(3, None, None)]
+    assert compile_times(regional, device="cuda", scope="regional")[1] == 8.5
+    assert abs(compile_times(regional, device="cuda", scope="whole")[1] - 8.5 / low) < 1e-9
+    both = [*regional, _trial(4, "whole", 38.0), _trial(5, "whole", 15.0, hit=True)]
+    assert compile_times(both, device="cuda", scope="whole") == (15.0, 38.0)
+    assert compile_times(both, device="cuda")[1] == 9.0  # every compile together, as before
+    whole = [_trial(1, "whole", 40.0)]
+    assert abs(compile_times(whole, device="cuda", scope="regional")[1] - 40.0 * high) < 1e-9
+
+
+def test_a_sampled_cuda_graph_trial_is_whole_model_whatever_the_scope_parameter() -> None:
+    """The sampler may draw ``compile_scope=regional`` with ``reduce-overhead`` (the scope is a parameter of
+    every compiled trial): CUDA graphs are captured for the whole model only, so the trial is whole-model
+    (it raised ``ConfigError`` inside the trial loop before)."""
+    space = SearchSpace.build(world_size=1, global_batch=32, num_layers=16, dtypes=["bf16"], max_accumulation=8,
+                              compile_modes=["off", "default", "reduce-overhead"], any_split=True,
+                              compile_scopes=["whole", "regional"])
+    params = {"accumulation": 4, "compile": "reduce-overhead", "compile_scope": "regional", "budget_r0": 0.8,
+              "dtype": "bf16", "bucket_cap_mb": 25.0, "grad_as_bucket_view": True}
+    cfg = space.config_from_params(params)
+    assert cfg.compile == "reduce-overhead" and cfg.compile_scope == "whole"
+    assert space.config_from_params({**params, "compile": "default"}).compile_scope == "regional"
