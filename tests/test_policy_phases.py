@@ -42,12 +42,14 @@ class _Models:
     ``refuse`` names the configuration."""
 
     def __init__(self, *, slope: float = 0.6, peak_at_one: dict[int, float] | None = None,
-                 refuse: set[str] | None = None) -> None:
+                 refuse: set[str] | None = None, budgets: dict[int, float] | None = None) -> None:
         self.space = _space()
         self.settings = type("S", (), {"device": "cuda"})()
         self.slope = slope
         self.peak_at_one = peak_at_one or {}
         self.refuse = refuse or set()
+        self.budgets = budgets or {}
+        """Per largest micro-batch, the largest budget predicted to fit (absent: none fits)."""
 
     def allowed_dtypes_now(self) -> list[str]:
         return ["bf16"]
@@ -56,7 +58,8 @@ class _Models:
         return None
 
     def largest_budgets(self, config: BalanceConfig) -> list[float] | None:
-        return None  # no split with fewer micro-steps fits: ``compiled-grow`` has nothing
+        b = self.budgets.get(max(config.micro_batches))
+        return None if b is None else [b]  # by default none fits: ``compiled-grow`` has nothing
 
     def compiled_peaks(self, config: BalanceConfig) -> list[float] | None:
         m = max(config.micro_batches)
@@ -177,3 +180,18 @@ def test_a_sampled_cuda_graph_trial_is_whole_model_whatever_the_scope_parameter(
     cfg = space.config_from_params(params)
     assert cfg.compile == "reduce-overhead" and cfg.compile_scope == "whole"
     assert space.config_from_params({**params, "compile": "default"}).compile_scope == "regional"
+
+
+def test_grow_goes_straight_to_the_fewest_micro_steps_that_fit_at_the_full_budget() -> None:
+    """From 6 x 6: 7 and 8 fit at budget 1.0, 11 only at 0.6: straight to 8 x 4 at 1.0 (one compile, not
+    two); once no fewer split fits at 1.0, one micro-step at a time while the budget stays >= 0.5."""
+    models = _Models(budgets={7: 1.0, 8: 1.0, 11: 0.6, 16: 0.3})
+    policy = SearchPolicy(space=_space(), advisor=models)
+    p = policy.compiled_grow(_history(_record(2, _cfg(6, 6, 1.0), peak=12.7, ms=150.0)))
+    assert p is not None and p.config is not None and p.phase == "compiled-grow"
+    assert p.config.micro_batches == [8] and p.config.activation_budget == [1.0]
+    p = policy.compiled_grow(_history(_record(2, _cfg(8, 4, 1.0), peak=14.6, ms=140.0)))
+    assert p is not None and p.config is not None
+    assert p.config.micro_batches == [11] and p.config.activation_budget == [0.6]
+    p = policy.compiled_grow(_history(_record(2, _cfg(11, 3, 0.6), peak=14.6, ms=138.0)))
+    assert p is None  # 16 x 2 only at 0.3 < GROW_MIN_BUDGET

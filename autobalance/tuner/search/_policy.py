@@ -14,7 +14,7 @@ the trial is the sampler's. Every trial line and the dashboard show the phase an
 | ``probe`` | GPU, compile searched, nothing compiled yet, and no half-precision eager trial without checkpointing has measured what the model holds apart from activations | one such eager trial at the smallest micro-batch the space holds: the held memory and the per-sample activations, in seconds, no compile |
 | ``compiled-start`` | GPU, compile searched, nothing compiled yet, the probe measured | the cheapest scope to compile (``regional`` when searched), the first half dtype, budget 1.0, the largest micro-batch predicted to fit (:func:`first_compiled_micro_batch`), fewest micro-steps |
 | ``explore`` | every third ask: on CPU always, on a GPU once the models' proposals stopped improving (``_first_trials``) | the sampler's trial (a dtype held back pinned; eager when no compile fits in the time left) |
-| ``compiled-grow`` | a compiled trial fitted, and a split of fewer micro-steps (same scope and dtype) was never tried | from the best compiled trial, the next split of fewer micro-steps whose largest budget predicted to fit is at least :data:`GROW_MIN_BUDGET`, at that budget: one micro-step at a time towards the fewest that fit |
+| ``compiled-grow`` | a compiled trial fitted, and a split of fewer micro-steps (same scope and dtype) was never tried | from the best compiled trial, the split of fewest micro-steps predicted to fit at budget 1.0 (straight there), else the next split of fewer micro-steps whose largest budget predicted to fit is at least :data:`GROW_MIN_BUDGET`, at that budget (one micro-step at a time where the budget must fall) |
 | ``scope-probe`` | growing stopped; a searched scope never ran, or one of the :data:`SCOPE_TRANSFERS` fastest compiled splits never ran in another searched scope; the time budget holds a compile of that scope | a scope's first trial: budget 1.0 at the fewest micro-steps whose peak at 1.0 the measured scope's model puts :data:`FIT_MARGIN` below the usable memory (the fractions kept at 1.0 match across scopes); then each fast configuration in the other scope, budget unchanged (what fitted in one scope is the best guess in the other): whether, and where, that scope wins |
 | ``raise-budget`` | one rank; the best compiled trial ran below budget 1.0 and its measured peak leaves room | that trial at the largest higher budget whose peak, its measured one plus the compiled model's change from its budget, stays :data:`FIT_MARGIN` below the usable memory and below any budget that did not fit at that split: the partitioner recomputes less, and the step's time falls steeply with the budget (regional 8 x 4, loss outside, on the H200: 185.8 ms at 0.5, 172.5 at 0.7, 143.3 at 0.85) |
 | ``cuda-graphs`` | ``--compile-mode auto``, the best trial is a default-mode compiled one, graphs untried, time holds a compile | the best configuration with CUDA graphs: one compile measures whether they pay (``_cuda_graphs``) |
@@ -395,22 +395,26 @@ class SearchPolicy:
             return None
         cfg = base.config
         ran = history.compiled_splits()
+        options: list[tuple[int, BalanceConfig, list[float]]] = []
         for acc in sorted((a for a in self.space.accumulations if a < cfg.accumulation), reverse=True):  # one fewer first
             template = self._config(acc, dtype=cfg.dtype, compile=cfg.compile, scope=cfg.compile_scope)
             if template is None or (config_compile_key(template), json.dumps(template.micro_batches)) in ran:
                 continue
             fits = self.advisor.largest_budgets(template)
-            if fits is None or min(fits) < GROW_MIN_BUDGET:
-                continue
-            grown = BalanceConfig.from_dict({**template.to_dict(), "activation_budget": fits,
-                                             "bucket_cap_mb": cfg.bucket_cap_mb,
-                                             "gradient_as_bucket_view": cfg.gradient_as_bucket_view})
-            return Proposal(config=grown, phase="compiled-grow", predicted_peak_gib=self.advisor.compiled_peaks(grown),
-                            reason=(
-                f"fewer micro-steps in {cfg.compile_scope} {cfg.dtype} ({cfg.accumulation} -> {acc}, "
-                f"from trial {base.number}) at the largest budget predicted to fit ({min(fits):g} >= {GROW_MIN_BUDGET:g}): "
-                "a micro-step's launches cost the same whatever its size"))
-        return None
+            if fits is not None and min(fits) >= GROW_MIN_BUDGET:
+                options.append((acc, template, fits))
+        if not options:
+            return None
+        full = [o for o in options if min(o[2]) >= 1.0]  # fitting at the full budget: straight to the fewest
+        acc, template, fits = min(full, key=lambda o: o[0]) if full else options[0]
+        grown = BalanceConfig.from_dict({**template.to_dict(), "activation_budget": fits,
+                                         "bucket_cap_mb": cfg.bucket_cap_mb,
+                                         "gradient_as_bucket_view": cfg.gradient_as_bucket_view})
+        return Proposal(config=grown, phase="compiled-grow", predicted_peak_gib=self.advisor.compiled_peaks(grown),
+                        reason=(
+            f"fewer micro-steps in {cfg.compile_scope} {cfg.dtype} ({cfg.accumulation} -> {acc}, "
+            f"from trial {base.number}) at the largest budget predicted to fit ({min(fits):g} >= {GROW_MIN_BUDGET:g}): "
+            "a micro-step's launches cost the same whatever its size"))
 
     def model(self, history: TrialHistory) -> Proposal | None:
         return self.advisor.model_proposal(history)
