@@ -72,6 +72,9 @@ class _Models:
     def time_holds_compile(self, scope: str | None = None) -> bool:
         return True
 
+    def predicted_ms(self, config: BalanceConfig) -> float | None:
+        return 100.0 + 10.0 * config.accumulation
+
     def unaffordable(self, config: BalanceConfig) -> str | None:
         return "no time" if config.to_json() in self.refuse else None
 
@@ -137,6 +140,7 @@ def test_a_proposal_the_time_budget_cannot_hold_gives_way_to_the_next_phase() ->
     models.refuse = {first.config.to_json()} if first.config is not None else set()
     then = SearchPolicy(space=_space(), advisor=models).next(_history(best))
     assert then is not None and then.phase == "raise-budget" and then.config == raised
+    assert then.predicted_ms == 140.0 and then.prediction_text().startswith("140 ms, ")  # a time and a peak
     models.refuse.add(raised.to_json())
     assert SearchPolicy(space=_space(), advisor=models).next(_history(best)) is None  # the sampler's trial
 

@@ -87,6 +87,9 @@ def test_on_a_gpu_the_first_trials_go_where_the_optimum_is(tmp_path: Path) -> No
     assert bigger and held + bigger[0] * (peak - held) / m * KEEP_AT_FULL_BUDGET[True] > usable * (1 - FIT_MARGIN)
     for t in done[1:]:
         assert t.user_attrs.get("proposed_by"), t.user_attrs  # every proposal carries its phase
+    for t in done[first:]:  # and, from the first compiled trial on, what it predicted: a time and a peak
+        if t.user_attrs["proposed_by"] not in ("sampler", "explore"):
+            assert "proposal_step_ms" in t.user_attrs and "proposal_peak_gib" in t.user_attrs, t.user_attrs
     scopes = {t.user_attrs["config"].get("compile_scope", "whole") for t in done
               if t.user_attrs.get("status") == "ok" and t.user_attrs["config"]["compile"] != "off"}
     assert scopes == {"whole", "regional"}  # the study searched both compile scopes (issue 40)

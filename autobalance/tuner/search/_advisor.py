@@ -323,6 +323,17 @@ class ModelAdvisor:
         act = max(model.per_sample_bytes(r, dtypes[0], 0, layers) for r in ranks)
         return None, held / GIB, act / GIB
 
+    def predicted_ms(self, config: BalanceConfig) -> float | None:
+        """The step-time models' prediction for ``config`` (ms; None: nothing to predict from)."""
+        trials = self.study.get_trials(deepcopy=False)
+        try:
+            timing = StepTimeModel.fit(trials, num_layers=self.space.num_layers, device=self.settings.device)
+            if config.compile == "off":
+                return timing.predict(config) if timing.k else None
+            return CompiledTimeModel.fit(trials, eager=timing, device=self.settings.device).predict(config)
+        except FIT_ERRORS:  # a fit that cannot be made says nothing: the proposal goes without a time
+            return None
+
     def peak_change(self, config: BalanceConfig, budget: float) -> list[float] | None:
         """Per rank, the compiled model's change of the peak (GiB, no margins) from ``config``'s budgets
         to ``budget`` (None: no model)."""

@@ -27,6 +27,7 @@ Constants of the policy live here (:data:`KEEP_AT_FULL_BUDGET`, :data:`FIT_MARGI
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -294,6 +295,7 @@ class Models(Protocol):
     def time_holds_compile(self, scope: str | None = None) -> bool: ...
     def unaffordable(self, config: BalanceConfig) -> str | None: ...
     def peak_change(self, config: BalanceConfig, budget: float) -> list[float] | None: ...
+    def predicted_ms(self, config: BalanceConfig) -> float | None: ...
     def explore(self, history: TrialHistory) -> Proposal | None: ...
     def model_proposal(self, history: TrialHistory) -> Proposal | None: ...
     def graph_proposal(self) -> Proposal | None: ...
@@ -331,6 +333,8 @@ class SearchPolicy:
             if proposal.config is not None and (proposal.config.to_json() in tried
                                                  or self.advisor.unaffordable(proposal.config) is not None):
                 continue
+            if proposal.config is not None and proposal.predicted_ms is None:  # every line says its time too
+                proposal = dataclasses.replace(proposal, predicted_ms=self.advisor.predicted_ms(proposal.config))
             return proposal
         return None
 
