@@ -199,3 +199,32 @@ def test_grow_goes_straight_to_the_fewest_micro_steps_that_fit_at_the_full_budge
     assert p.config.micro_batches == [11] and p.config.activation_budget == [0.6]
     p = policy.compiled_grow(_history(_record(2, _cfg(11, 3, 0.6), peak=14.6, ms=138.0)))
     assert p is None  # 16 x 2 only at 0.3 < GROW_MIN_BUDGET
+
+
+def test_one_decision_reads_the_trials_once(tmp_path: Any) -> None:
+    """The advisor decides on a snapshot: its trials and attributes as read when the decision began
+    (filtered by state as the study would), while writes go to the study itself."""
+    import optuna
+
+    from autobalance.tuner.search._snapshot import StudySnapshot
+
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path}/s.db", study_name="s")
+    study.enqueue_trial({"x": 0.25})
+    done = study.ask({"x": FloatDistribution(0, 1)})
+    study.tell(done, 1.0)
+    study.enqueue_trial({"x": 0.5})
+    reads = []
+    real = study.get_trials
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        reads.append(1)
+        return real(*args, **kwargs)
+
+    study.get_trials = counted  # type: ignore[method-assign]
+    view = StudySnapshot(study)
+    for _ in range(5):
+        assert [t.number for t in view.get_trials(deepcopy=False)] == [0, 1]
+        assert [t.number for t in view.get_trials(deepcopy=False, states=(TrialState.WAITING,))] == [1]
+    assert len(reads) == 1
+    view.set_user_attr("k", 1)  # through to the study
+    assert study.user_attrs["k"] == 1 and view.get_trials()[0] is not view.get_trials()[0]  # deep copies by default

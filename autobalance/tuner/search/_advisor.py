@@ -57,6 +57,7 @@ from autobalance.tuner.search._policy import (
     SearchPolicy,
     TrialHistory,
 )
+from autobalance.tuner.search._snapshot import StudySnapshot
 from autobalance.tuner.search._solver import (
     predict_config_feasible,
 )
@@ -263,11 +264,12 @@ class ModelAdvisor:
         if study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
             return
         self._asks += 1
-        self._study = study
+        view = cast(optuna.Study, StudySnapshot(study))  # the trials read once for the whole decision
+        self._study = view
         try:
             history = TrialHistory.from_trials(
-                study.get_trials(deepcopy=False), space=self.space, usable=self._usable(study),
-                device=self.settings.device, model_facts=study.user_attrs.get(StudyAttr.MODEL))
+                view.get_trials(deepcopy=False), space=self.space, usable=self._usable(view),
+                device=self.settings.device, model_facts=view.user_attrs.get(StudyAttr.MODEL))
             proposal = self.policy.next(history)
         finally:
             self._study = None
