@@ -58,9 +58,9 @@ class TrialLoop:
         self.reporter = reporter
         self.advisor = advisor
         self.budget = budget
+        """``--time-budget``: the tuner's (started when its run started); the loop stops asking once it is spent."""
         if advisor is not None and budget.budget_s is not None:  # the search proposes what the loop will launch
             advisor.over_budget = self.over_budget
-        """``--time-budget``: the tuner's (started when its run started); the loop stops asking once it is spent."""
         self.lock = threading.RLock()
         self.stop = launcher.stop
         """Set when a slot failed or the tuner was interrupted: every slot stops (its running trial is killed)."""

@@ -129,6 +129,8 @@ class ModelAdvisor:
         self.policy = SearchPolicy(space=space, advisor=self)
         """Where the next trial is chosen (``_policy``)."""
         self._study: optuna.Study | None = None
+        self._decision_compiled: tuple[CompiledMemoryModel | None] | None = None
+        """The compiled model fitted once for the decision in progress (None: not fitted yet)."""
         """The study of the :meth:`before_ask` call in progress (the policy's phases read it)."""
         self.time_left_s: float | None = None
         """Seconds ``--time-budget`` leaves for a compile once verification's predicted time and a
@@ -266,6 +268,7 @@ class ModelAdvisor:
         self._asks += 1
         view = cast(optuna.Study, StudySnapshot(study))  # the trials read once for the whole decision
         self._study = view
+        self._decision_compiled = None
         try:
             history = TrialHistory.from_trials(
                 view.get_trials(deepcopy=False), space=self.space, usable=self._usable(view),
@@ -336,11 +339,17 @@ class ModelAdvisor:
         except FIT_ERRORS:  # a fit that cannot be made says nothing: the proposal goes without a time
             return None
 
+    def _compiled_now(self) -> CompiledMemoryModel | None:
+        """The compiled model on the decision's trials, fitted once per decision."""
+        if self._decision_compiled is None:
+            model = self.model if self.model is not None else self.refit(self.study)
+            self._decision_compiled = (self._compiled_for(self.study, model) if model is not None else None,)
+        return self._decision_compiled[0]
+
     def peak_change(self, config: BalanceConfig, budget: float) -> list[float] | None:
         """Per rank, the compiled model's change of the peak (GiB, no margins) from ``config``'s budgets
         to ``budget`` (None: no model)."""
-        model = self.model if self.model is not None else self.refit(self.study)
-        compiled = self._compiled_for(self.study, model) if model is not None else None
+        compiled = self._compiled_now()
         if compiled is None or not compiled.can_predict(config.dtype):
             return None
         other = BalanceConfig.from_dict({**config.to_dict(), "activation_budget": [budget] * config.world_size})
@@ -348,9 +357,10 @@ class ModelAdvisor:
 
     def compiled_peaks(self, config: BalanceConfig) -> list[float] | None:
         """The compiled model's predicted peaks of ``config``, GiB per rank (None: no model)."""
-        if self.compiled is None:
+        compiled = self._compiled_now()
+        if compiled is None or not compiled.can_predict(config.dtype):
             return None
-        return [p / GIB for p in self.compiled.config_peaks(config)]
+        return [p / GIB for p in compiled.config_peaks(config)]
 
     def graph_proposal(self) -> Proposal | None:
         return self._graph_probe(self.study)
