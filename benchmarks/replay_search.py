@@ -741,6 +741,8 @@ def _parse(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[s
                                       for x in placements):
         p.error(f"--second-grids {args.second_grids!r}: holds no second-grid-PLACEMENT.json for {','.join(placements)}; "
                 "give the $OUT of benchmarks/second_family_gpu.sh")
+    if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        p.error(f"--out {args.out!r}: its folder does not exist; create it first or name a file in an existing one")
     return machines, placements, budgets, seeds
 
 

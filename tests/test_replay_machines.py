@@ -220,6 +220,7 @@ def test_summary_groups_by_machine(studies: dict[str, dict[str, Any]]) -> None:
     ("--seeds", "a-b", "--seeds 'a-b'"),
     ("--two-size-factor", "0", "--two-size-factor 0.0: give a positive factor"),
     ("--second-grids", "/nonexistent", "--second-grids '/nonexistent'"),
+    ("--out", "/nonexistent/replay.json", "--out '/nonexistent/replay.json': its folder does not exist"),
 ])
 def test_bad_flags_get_one_line_that_names_them(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
                                                 flag: str, value: str, says: str) -> None:
