@@ -259,8 +259,11 @@ def tune_command(args: argparse.Namespace, ctx: dict[str, Any], *, strategy: str
     if args.small:  # the tiny GPT on CPU: the file's GPU settings replaced
         cmd += ["--device", "cpu", "--memory-cap-gib", f"{ctx['cap_gib']:g}", "--dtypes", ctx["dtype"],
                 "--", *ctx["script_args"]]
-    elif args.loss_outside:  # arguments after -- replace the file's script_args: all of them again
-        cmd += ["--", *ctx["script_args"]]
+    else:
+        if args.memory_cap_gib is not None:  # another model family's study names its own cap
+            cmd += ["--memory-cap-gib", f"{args.memory_cap_gib:g}"]
+        if args.loss_outside or args.script_arg:  # arguments after -- replace the file's script_args: all of them
+            cmd += ["--", *ctx["script_args"]]
     return cmd
 
 
@@ -429,6 +432,23 @@ def markdown(grid: dict[str, Any] | None, studies: dict[str, Any] | None) -> str
 
 
 # ---------------------------------------------------------------------- main
+def with_script_args(script_args: list[str], settings: list[str]) -> list[str]:
+    """``script_args`` with each ``--script-arg NAME=VALUE`` applied: ``--NAME``'s value replaced, or
+    ``--NAME VALUE`` appended where the study file has no such flag (``vocab=131072``: another model
+    family of the same script)."""
+    out = list(script_args)
+    for item in settings:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip("-"):
+            raise SystemExit(f"--script-arg {item!r} is not NAME=VALUE; give e.g. --script-arg vocab=131072")
+        flag = "--" + name.strip("-")
+        if flag in out:
+            out[out.index(flag) + 1] = value
+        else:
+            out += [flag, value]
+    return out
+
+
 def context(args: argparse.Namespace) -> dict[str, Any]:
     """Device, script arguments, cap and environment of this run (GPU: the study file's scenario)."""
     toml = study_file()
@@ -439,6 +459,7 @@ def context(args: argparse.Namespace) -> dict[str, Any]:
         env = {"AUTOBALANCE_COMPILE_BACKEND": args.cpu_backend, "OMP_NUM_THREADS": "1"}
     script_args = (list(CPU_ARGS) if args.small else list(toml["script_args"])) + (
         ["--loss-outside"] if args.loss_outside else [])
+    script_args = with_script_args(script_args, args.script_arg or [])
     layers = int(script_args[script_args.index("--n-layer") + 1]) if "--n-layer" in script_args else 4
     cap = args.memory_cap_gib if args.memory_cap_gib is not None else (
         float(toml["memory_cap_gib"][0]) if not args.small else SMALL_CAP_GIB)
@@ -472,6 +493,8 @@ def main() -> None:
                    help="compiled configurations' modes (default; reduce-overhead: CUDA graphs, world size 1, GPU)")
     p.add_argument("--compile-mode", default=None,
                    help="the studies' --compile-mode (auto: CUDA graphs probed beside the default mode; default: tune's)")
+    p.add_argument("--script-arg", action="append", default=None, metavar="NAME=VALUE",
+                   help="replace (or add) one of the study file's script arguments, e.g. vocab=131072; repeatable")
     p.add_argument("--loss-outside", action="store_true",
                    help="the script computes the loss outside the wrapped model (results in files ending -loss-outside)")
     p.add_argument("--cold", action="store_true", help="one torchrun per grid configuration instead of a warm pool")
