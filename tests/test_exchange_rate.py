@@ -163,7 +163,7 @@ def test_one_rank_launches_no_reference_run_and_the_first_step_fixes_it(tmp_path
     t = _measure(study, space, recorder, cfg, Spec(status="ok", micro=[8], acc=4, peaks_gib=[9.0], step_ms=300.0))
     rate = exchange_rate(study.user_attrs)
     assert rate is not None and rate["source"] == "first-measured" and rate["trial"] == t.number
-    assert "one rank, no memory spread to trade" in (exchange_rate_text(study.user_attrs) or "")
+    assert "one rank, nothing to trade; trials rank by step time" in (exchange_rate_text(study.user_attrs) or "")
 
 
 def test_a_study_stored_before_the_rate_keeps_loading(tmp_path):

@@ -51,7 +51,7 @@ def exchange_rate_text(user_attrs: Mapping[str, Any]) -> str | None:
     where = f"trial {trial}, {source}" if trial is not None else source
     reference = f"the reference step, {ref_ms:.1f} ms: {where}"
     if rate.get("world_size") == 1:
-        return f"Exchange rate: one rank, no memory spread to trade; step times are divided by {reference}."
+        return f"Exchange rate: one rank, nothing to trade; trials rank by step time, divided by {reference}."
     value = f"a trial's value = {w_s:g} x spread % / 100 + {w_t:g} x step ms / {ref_ms:.1f}"
     if w_t == 0:
         trade = f"step time does not count (--weight-time 0; {reference})"
