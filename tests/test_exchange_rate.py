@@ -5,6 +5,7 @@ study, shown in the report; a study stored before it was recorded keeps loading.
 
 from __future__ import annotations
 
+import html
 import warnings
 from pathlib import Path
 from typing import Any
@@ -15,13 +16,13 @@ import pytest
 from autobalance import BalanceConfig
 from autobalance.launcher import TrialOutcome
 from autobalance.protocol import StudyAttr, TrialAttr, exchange_rate, exchange_rate_text
-from autobalance.report import summarize
+from autobalance.report import build_report, summarize
+from autobalance.store import dashboard_notes, open_storage
 from autobalance.tuner import SearchSpace, TuneSettings
 from autobalance.tuner._baseline import baseline_done, baseline_once
 from autobalance.tuner._recording import Recorder
 from autobalance.tuner._roles import NullReporter
 from autobalance.tuner._study import open_study
-from autobalance.store import open_storage
 from tests.synthetic_study import CAP_GIB, GIB, HEADROOM, SCRIPT, Spec, _report
 
 LAYERS = 4
@@ -151,6 +152,12 @@ def test_a_baseline_that_runs_is_the_reference_and_nothing_else_is_launched(tmp_
         notes.lines[-1]
     assert baseline_done(study.user_attrs)
     assert summarize(study).exchange_rate == notes.lines[-1]
+    # the report and optuna-dashboard's study note say it in the same words
+    page = Path(build_report(study, output_html=str(tmp_path / "r.html")).html).read_text()
+    assert f'<p class="meta" id="exchange-rate">{html.escape(notes.lines[-1])}</p>' in page
+    get_note, _, _ = dashboard_notes()
+    system = study._storage.get_study_system_attrs(study._study_id)
+    assert f"- {notes.lines[-1]}" in get_note(system, None)["body"].splitlines()
 
 
 def test_one_rank_launches_no_reference_run_and_the_first_step_fixes_it(tmp_path):
