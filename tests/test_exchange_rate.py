@@ -126,7 +126,8 @@ def test_the_same_pair_gets_the_same_values_whichever_trial_was_measured_first(t
         assert rate["reference_step_s"] == pytest.approx(REFERENCE_MS / 1000) and rate["source"] == "reference"
         assert len(launcher.launched) == 2 and rate["trial"] == 1  # the baseline, then one reference run
         assert study.trials[1].user_attrs[TrialAttr.REFERENCE_RUN] is True
-        assert any(line.startswith("Exchange rate: 1 point of memory spread (1 % of capacity) is worth 2.00 ms")
+        assert any(line.startswith("Exchange rate: 1 point of memory spread (1 % of capacity, 164 MiB of 16.0 GiB) is "
+                                   "worth 2.00 ms of step time (1 % of the reference step, 200.0 ms: trial 1, ")
                    for line in notes.lines), notes.lines  # printed before the first search trial
         _measure(study, space, recorder, *first)
         uneven = _measure(study, space, recorder, *UNEVEN)
@@ -146,10 +147,11 @@ def test_a_baseline_that_runs_is_the_reference_and_nothing_else_is_launched(tmp_
     study, _, _, launcher, notes = _start(tmp_path, "runs", baseline=own, reference=None)
     assert launcher.launched == [None]
     assert exchange_rate(study.user_attrs) == {"reference_step_s": pytest.approx(0.12), "source": "baseline",
-                                               "trial": 0, "weight_spread": 1.0, "weight_time": 1.0, "world_size": 2}
+                                               "trial": 0, "weight_spread": 1.0, "weight_time": 1.0, "world_size": 2,
+                                               "capacity_bytes": [CAP_GIB * GIB] * 2}
     assert notes.lines[-1] == exchange_rate_text(study.user_attrs)
-    assert "1.20 ms of step time (1 % of the reference step, 120.0 ms: trial 0, the script's own configuration)" in \
-        notes.lines[-1]
+    assert ("(1 % of capacity, 164 MiB of 16.0 GiB) is worth 1.20 ms of step time (1 % of the reference step, "
+            "120.0 ms: trial 0, the script's own configuration)") in notes.lines[-1]
     assert baseline_done(study.user_attrs)
     assert summarize(study).exchange_rate == notes.lines[-1]
     # the report and optuna-dashboard's study note say it in the same words

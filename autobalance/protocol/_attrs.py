@@ -26,7 +26,8 @@ class StudyAttr:
     EXCHANGE_RATE = "autobalance:exchange_rate"
     """The objective's trade between spread and step time: ``reference_step_s``, ``source``
     (``baseline``, ``reference``, ``first-measured``), ``trial`` (the trial that measured it),
-    ``weight_spread``, ``weight_time``, ``world_size``; ``protocol.exchange_rate_text`` says it in
+    ``weight_spread``, ``weight_time``, ``world_size``, ``capacity_bytes`` (per rank, what the spread
+    is a fraction of); ``protocol.exchange_rate_text`` says it in
     words. Absent in studies stored before it (read from :attr:`REFERENCE` then)."""
     BASELINE = "autobalance:baseline_trial"
     """Number of the baseline trial (the script's own configuration)."""

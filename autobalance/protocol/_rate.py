@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from autobalance.protocol._attrs import StudyAttr
+from autobalance.protocol._units import memory_text
 
 __all__ = ["RATE_SOURCES", "exchange_rate", "exchange_rate_text"]
 
@@ -34,7 +35,8 @@ def exchange_rate(user_attrs: Mapping[str, Any]) -> dict[str, Any] | None:
     return {"reference_step_s": float(reference), "source": "stored-before", "trial": None,
             "weight_spread": float(objective.get("weight_spread", 1.0)),
             "weight_time": float(objective.get("weight_time", 1.0)),
-            "world_size": objective.get("world_size")}
+            "world_size": objective.get("world_size"),
+            "capacity_bytes": objective.get("caps_bytes") or user_attrs.get(StudyAttr.CAPACITY)}
 
 
 def exchange_rate_text(user_attrs: Mapping[str, Any]) -> str | None:
@@ -52,12 +54,22 @@ def exchange_rate_text(user_attrs: Mapping[str, Any]) -> str | None:
     reference = f"the reference step, {ref_ms:.1f} ms: {where}"
     if rate.get("world_size") == 1:
         return f"Exchange rate: one rank, nothing to trade; trials rank by step time, divided by {reference}."
-    value = f"a trial's value = {w_s:g} x spread % / 100 + {w_t:g} x step ms / {ref_ms:.1f}"
+    value = f"a trial's value = {w_s:g} x spread as % of capacity / 100 + {w_t:g} x step ms / {ref_ms:.1f}"
     if w_t == 0:
         trade = f"step time does not count (--weight-time 0; {reference})"
     elif w_s == 0:
         trade = f"memory spread does not count (--weight-spread 0; {reference})"
     else:
-        trade = (f"1 point of memory spread (1 % of capacity) is worth {w_s / w_t * ref_ms / 100:.2f} ms of step time "
-                 f"({w_s / w_t:g} % of {reference})")
+        trade = (f"1 point of memory spread ({_one_point(rate.get('capacity_bytes'))}) is worth "
+                 f"{w_s / w_t * ref_ms / 100:.2f} ms of step time ({w_s / w_t:g} % of {reference})")
     return f"Exchange rate: {trade}; {value}."
+
+
+def _one_point(capacity: Any) -> str:
+    """``1 % of capacity, 152 KiB of 14.8 MiB`` (one capacity for every rank), else ``1 % of each
+    rank's capacity``."""
+    sizes = {float(c) for c in capacity} if isinstance(capacity, list) and capacity else set()
+    if len(sizes) != 1 or not all(c > 0 for c in sizes):
+        return "1 % of each rank's capacity" if sizes else "1 % of capacity"
+    cap = sizes.pop() / 2**30
+    return f"1 % of capacity, {memory_text(cap / 100)} of {memory_text(cap)}"

@@ -31,6 +31,7 @@ from autobalance.tuner._recording import Recorder
 from autobalance.tuner._roles import Reporter
 from autobalance.tuner._script_facts import keep_split, script_facts
 from autobalance.tuner._settings import TuneSettings
+from autobalance.tuner._study import counted_trials
 from autobalance.tuner._workers import BaselineClaim, worker_id
 from autobalance.tuner.search import SearchSpace, fix_exchange_rate, rate_fixed
 
@@ -131,10 +132,13 @@ def _fix_reference(study: optuna.Study, space: SearchSpace, own: BalanceConfig, 
                    launcher: TrialLauncher, recorder: Recorder, reporter: Reporter) -> None:
     """Fix the objective's exchange rate before the search and print it: the baseline's step when it
     gave one; else, on several ranks (where spread and step time trade), the step of the first
-    reference run (:func:`reference_configs`) that gives one; else the first trial that will."""
+    reference run (:func:`reference_configs`) that gives one, within ``--trials``; else the first trial
+    that will."""
     s = settings
     if study.user_attrs.get(StudyAttr.REFERENCE) is None and s.world_size > 1:
         for cfg in reference_configs(space, own):
+            if counted_trials(study) >= s.trials:  # --trials holds no more
+                break
             _reference_run(study, space, cfg, launcher=launcher, recorder=recorder, reporter=reporter)
             if study.user_attrs.get(StudyAttr.REFERENCE) is not None:
                 break

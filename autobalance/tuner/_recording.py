@@ -121,7 +121,7 @@ class Recorder:
                 reference = float(figures.step_time_s)  # type: ignore[arg-type]
                 fix_exchange_rate(study, reference_step_s=reference, source=rate_source(trial.user_attrs),
                                   trial=trial.number, weight_spread=s.weight_spread, weight_time=s.weight_time,
-                                  world_size=s.world_size)
+                                  world_size=s.world_size, capacity_bytes=figures.capacity)
             constraints = [figures.memory_constraint(s.headroom)]
             if s.max_spread_gib is not None:
                 spread = figures.spread_bytes() if figures.measured else None

@@ -171,18 +171,20 @@ def rate_source(attrs: Mapping[str, Any]) -> str:
 
 
 def fix_exchange_rate(study: Any, *, reference_step_s: float | None, source: str, trial: int | None,
-                      weight_spread: float, weight_time: float, world_size: int) -> None:
+                      weight_spread: float, weight_time: float, world_size: int,
+                      capacity_bytes: list[float] | None = None) -> None:
     """Store the objective's exchange rate with the study (``StudyAttr.EXCHANGE_RATE``, and the
     reference step as ``StudyAttr.REFERENCE``), once, before the search's first trial: every trial's
     step time is divided by ``reference_step_s`` whichever trial runs first. ``reference_step_s``
     None: nothing gave a step time before the search (the first trial that does fixes it, ``source``
-    ``first-measured``)."""
+    ``first-measured``). ``capacity_bytes``: each rank's capacity the spread is a fraction of."""
     if reference_step_s is not None:
         study.set_user_attr(StudyAttr.REFERENCE, float(reference_step_s))
     study.set_user_attr(StudyAttr.EXCHANGE_RATE, {
         "reference_step_s": None if reference_step_s is None else float(reference_step_s), "source": source,
         "trial": trial, "weight_spread": float(weight_spread), "weight_time": float(weight_time),
-        "world_size": int(world_size)})
+        "world_size": int(world_size),
+        "capacity_bytes": None if capacity_bytes is None else [float(c) for c in capacity_bytes]})
 
 
 def rate_fixed(user_attrs: Mapping[str, Any]) -> bool:
