@@ -71,15 +71,15 @@ class _Notes(NullReporter):
         self.lines.append(text)
 
 
-def _settings(tmp_path: Path, name: str, world: int = 2) -> TuneSettings:
+def _settings(tmp_path: Path, name: str, world: int = 2, trials: int = 20) -> TuneSettings:
     return TuneSettings(script=SCRIPT, storage=f"sqlite:///{tmp_path / 'studies.db'}", study_name=name,
                         nproc_per_node=world, device="cuda", memory_cap_gib=[CAP_GIB] * world, headroom=HEADROOM,
-                        runs_dir=str(tmp_path / "runs"))
+                        runs_dir=str(tmp_path / "runs"), trials=trials)
 
 
-def _start(tmp_path: Path, name: str, *, baseline: Spec, reference: Spec | None,
-           world: int = 2) -> tuple[optuna.Study, SearchSpace, Recorder, _Launcher, _Notes]:
-    settings = _settings(tmp_path, name, world)
+def _start(tmp_path: Path, name: str, *, baseline: Spec, reference: Spec | None, world: int = 2,
+           trials: int = 20) -> tuple[optuna.Study, SearchSpace, Recorder, _Launcher, _Notes]:
+    settings = _settings(tmp_path, name, world, trials)
     storage = open_storage(settings.storage)
     study = open_study(settings, storage)
     own = OWN if world == 2 else BalanceConfig(micro_batches=[32], accumulation=1, global_batch=32, checkpoint=[[]],
@@ -173,6 +173,13 @@ def test_one_rank_launches_no_reference_run_and_the_first_step_fixes_it(tmp_path
     rate = exchange_rate(study.user_attrs)
     assert rate is not None and rate["source"] == "first-measured" and rate["trial"] == t.number
     assert "one rank, nothing to trade; trials rank by step time" in (exchange_rate_text(study.user_attrs) or "")
+
+
+def test_no_reference_run_beyond_trials(tmp_path):
+    study, _, _, launcher, notes = _start(tmp_path, "one-trial", baseline=OOM_OWN, reference=REFERENCE_RUN, trials=1)
+    assert launcher.launched == [None] and baseline_done(study.user_attrs)
+    assert study.user_attrs[StudyAttr.EXCHANGE_RATE]["reference_step_s"] is None
+    assert "the first trial that does fixes" in notes.lines[-1]
 
 
 def test_a_study_stored_before_the_rate_keeps_loading(tmp_path):
