@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from autobalance.protocol._attrs import CONSTRAINTS_KEY, StudyAttr, TrialAttr
 from autobalance.protocol._rank_time import SLOW_RATIO, SlowRank, busy_wait_text, slow_rank
+from autobalance.protocol._rate import RATE_SOURCES, exchange_rate, exchange_rate_text
 from autobalance.protocol._report import (
     GENERIC_CPU_NAME,
     REPORT_SCHEMA,
@@ -57,6 +58,7 @@ __all__ = [
     "OOM_MARKERS",
     "OUTCOME_STATUSES",
     "PEER_FAILURE_MARKERS",
+    "RATE_SOURCES",
     "REPORT_SCHEMA",
     "REPORT_STATUSES",
     "SLOW_RATIO",
@@ -74,6 +76,8 @@ __all__ = [
     "best_trial",
     "busy_wait_text",
     "cpu_model_name",
+    "exchange_rate",
+    "exchange_rate_text",
     "is_feasible",
     "looks_like_oom",
     "looks_like_peer_failure",

@@ -19,7 +19,16 @@ class StudyAttr:
     OBJECTIVE = "autobalance:objective"
     """Objective settings (weights, headroom, caps, device, world size, ...): a continued study must match."""
     REFERENCE = "autobalance:reference_step_s"
-    """The first measured step time: step times are normalised by it."""
+    """The reference step time, seconds: every trial's step time is divided by it in the objective.
+    Fixed before the search: the baseline's step, else the step of a reference run of the script's
+    own configuration with every block checkpointed (several ranks); else, and in studies stored
+    before :attr:`EXCHANGE_RATE`, the first measured trial's."""
+    EXCHANGE_RATE = "autobalance:exchange_rate"
+    """The objective's trade between spread and step time: ``reference_step_s``, ``source``
+    (``baseline``, ``reference``, ``first-measured``), ``trial`` (the trial that measured it),
+    ``weight_spread``, ``weight_time``, ``world_size``, ``capacity_bytes`` (per rank, what the spread
+    is a fraction of); ``protocol.exchange_rate_text`` says it in
+    words. Absent in studies stored before it (read from :attr:`REFERENCE` then)."""
     BASELINE = "autobalance:baseline_trial"
     """Number of the baseline trial (the script's own configuration)."""
     CAPACITY = "autobalance:capacity_bytes"
@@ -81,6 +90,9 @@ class TrialAttr:
     as JSON), for the dashboard; display only (studies from before hold ``split_lines()``, a list)."""
     BASELINE = "baseline"
     """True on the baseline trial."""
+    REFERENCE_RUN = "reference_run"
+    """True on a reference run: on several ranks, when the baseline gave no step time, the script's own
+    configuration with every block checkpointed, run before the search to fix the reference step."""
     FEASIBLE = "feasible"
     OUTCOME = "outcome"
     """What became of the trial in a few words (``ok``, ``over limit (rank 0)``, ``OOM (rank 1)``,

@@ -338,6 +338,7 @@ def build_report(study: Any, *, output_html: str, png_dir: str | None = None,
 <style>{_STYLE}</style></head><body>
 <h1>autobalance report: study <code>{_e(summary.name)}</code></h1>
 <p class="meta">{_e(meta)}</p>
+{f'<p class="meta" id="exchange-rate">{_e(summary.exchange_rate)}</p>' if summary.exchange_rate else ''}
 {_best_config(summary, saved_trial)}
 <h2>Baseline versus best</h2>
 {_comparison(summary)}

@@ -121,6 +121,9 @@ class StudySummary:
     """Masked storage URL (for the commands the report suggests), when known."""
     script: str | None = None
     """The training script of the study's latest ``tune``, when recorded."""
+    exchange_rate: str | None = None
+    """The objective's trade between spread and step time in one sentence (``protocol.exchange_rate_text``;
+    None while no reference step is fixed)."""
 
     @property
     def world_size(self) -> int:
@@ -197,7 +200,7 @@ def pareto_front(rows: list[TrialRow]) -> list[TrialRow]:
 
 
 def summarize(study: Any, *, storage_url: str | None = None) -> StudySummary:
-    from autobalance.protocol import StudyAttr, best_trial
+    from autobalance.protocol import StudyAttr, best_trial, exchange_rate_text
 
     prefix = StudyAttr.VERIFY_PREFIX
 
@@ -220,4 +223,5 @@ def summarize(study: Any, *, storage_url: str | None = None) -> StudySummary:
                 if k.startswith(prefix) and k[len(prefix):].isdigit() and isinstance(v, dict)},
         compile_total_s=study.user_attrs.get(StudyAttr.COMPILE_TOTAL), storage_url=storage_url,
         script=(study.user_attrs.get(StudyAttr.LAUNCH) or {}).get("script"),
+        exchange_rate=exchange_rate_text(study.user_attrs),
     )

@@ -52,6 +52,8 @@ def why_this_one(summary: StudySummary, *, script: str = "SCRIPT") -> list[str]:
             closest = min(over, key=lambda r: (r.peak_gib or 0.0))
             parts.append(f"The closest, {closest.label}, {excluded_reason(closest, summary)}. Raise --memory-cap-gib, "
                          "lower --headroom or run more trials.")
+        if summary.multi_rank and summary.exchange_rate:
+            parts.append(summary.exchange_rate)
         return parts
     fits = [r for r in rows if r.feasible and r.measured]
     obj = summary.objective
@@ -61,11 +63,13 @@ def why_this_one(summary: StudySummary, *, script: str = "SCRIPT") -> list[str]:
                 "Pareto front")
     elif summary.multi_rank:
         rule = (f"the lowest objective ({obj.get('weight_spread', 1.0):g} x spread as a fraction of capacity + "
-                f"{obj.get('weight_time', 1.0):g} x step time relative to the first measured trial)")
+                f"{obj.get('weight_time', 1.0):g} x step time / the reference step)")
     else:
         rule = "the shortest step time"
     parts = [f"Trial {best.label} won: {rule} among the {len(fits)} measured trial(s) that fit in the usable memory"
              + (f"; step {best.step_ms:.1f} ms" if best.step_ms is not None else "") + "."]
+    if summary.multi_rank and summary.exchange_rate:
+        parts.append(summary.exchange_rate)
     slack = [(u - p, r, p, u) for r, (p, u) in enumerate(zip(best.peaks_gib, best.usable_gib, strict=False))
              if p is not None and u is not None]
     if slack:

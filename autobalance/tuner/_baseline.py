@@ -10,8 +10,8 @@ from typing import Any
 
 import optuna
 
-from autobalance._config import BalanceConfig
-from autobalance._errors import LaunchError, TrialScriptError, UsageError
+from autobalance._config import BalanceConfig, split_evenly
+from autobalance._errors import ConfigError, LaunchError, TrialScriptError, UsageError
 from autobalance._files import script_sha256
 from autobalance.launcher import TrialOutcome
 from autobalance.protocol import (
@@ -21,6 +21,7 @@ from autobalance.protocol import (
     StudyAttr,
     TrialAttr,
     best_trial,
+    exchange_rate_text,
     memory_text,
     over_limit,
 )
@@ -30,10 +31,11 @@ from autobalance.tuner._recording import Recorder
 from autobalance.tuner._roles import Reporter
 from autobalance.tuner._script_facts import keep_split, script_facts
 from autobalance.tuner._settings import TuneSettings
+from autobalance.tuner._study import counted_trials
 from autobalance.tuner._workers import BaselineClaim, worker_id
-from autobalance.tuner.search import SearchSpace
+from autobalance.tuner.search import SearchSpace, fix_exchange_rate, rate_fixed
 
-__all__ = ["baseline_fit_note", "baseline_once"]
+__all__ = ["baseline_done", "baseline_fit_note", "baseline_once", "reference_configs"]
 
 
 def baseline_once(study: optuna.Study, *, settings: TuneSettings, storage: optuna.storages.RDBStorage,
@@ -43,7 +45,7 @@ def baseline_once(study: optuna.Study, *, settings: TuneSettings, storage: optun
     waiting = False
     while True:
         attrs = study.user_attrs
-        if StudyAttr.BASELINE in attrs and StudyAttr.SPACE in attrs:
+        if baseline_done(attrs):
             return SearchSpace.from_dict(attrs[StudyAttr.SPACE])
         if claim.try_acquire():
             break
@@ -63,8 +65,15 @@ def baseline_once(study: optuna.Study, *, settings: TuneSettings, storage: optun
     beat.start()
     try:
         attrs = study.user_attrs  # recorded by another worker while this one took the claim?
-        if StudyAttr.BASELINE in attrs and StudyAttr.SPACE in attrs:
+        if baseline_done(attrs):
             return SearchSpace.from_dict(attrs[StudyAttr.SPACE])
+        if StudyAttr.BASELINE in attrs and StudyAttr.SPACE in attrs:  # the baseline ran, its reference did not
+            space = SearchSpace.from_dict(attrs[StudyAttr.SPACE])
+            own = study.trials[int(attrs[StudyAttr.BASELINE])].user_attrs.get(TrialAttr.CONFIG)
+            if own:
+                _fix_reference(study, space, BalanceConfig.from_dict(own), settings=settings, launcher=launcher,
+                               recorder=recorder, reporter=reporter)
+            return space
         number = len(study.get_trials(deepcopy=False))
         reporter.start(number, None, baseline=True)
         outcome = launcher.launch(study, number=number, config=None)
@@ -78,11 +87,87 @@ def baseline_once(study: optuna.Study, *, settings: TuneSettings, storage: optun
         note = baseline_fit_note(frozen.user_attrs, global_batch=defaults.global_batch)
         if note:
             reporter.note(note)
+        _fix_reference(study, space, defaults, settings=settings, launcher=launcher, recorder=recorder,
+                       reporter=reporter)
         return space
     finally:
         stop.set()
         beat.join(timeout=5)
         claim.release()
+
+
+def baseline_done(attrs: dict[str, Any]) -> bool:
+    """Whether the study's baseline ran and its exchange rate is fixed (``search.rate_fixed``): the
+    search may start."""
+    return StudyAttr.BASELINE in attrs and StudyAttr.SPACE in attrs and rate_fixed(attrs)
+
+
+def reference_configs(space: SearchSpace, own: BalanceConfig) -> list[BalanceConfig]:
+    """The reference runs' configurations, tried in order until one gives a step time: the script's
+    own configuration (its dtype, buckets, sharding, eager) split evenly with every block checkpointed
+    at its own number of micro-steps, then at the most the space allows. Fixed by the baseline
+    alone, so every study of the script measures the same reference."""
+    if "off" not in space.compile_modes:
+        return []
+    world = space.world_size
+    out: list[BalanceConfig] = []
+    sharding: dict[str, Any] = ({"optimizer_sharding": "zero1"} if own.optimizer_sharding == "zero1"
+                                and "zero1" in space.shardings else {})  # even shares, as the script's own
+    for acc in dict.fromkeys([own.accumulation, max(space.accumulations)]):
+        if acc not in space.accumulations or space.micro_total(acc) < world:
+            continue
+        try:
+            cfg = space.config_for(split_evenly(space.micro_total(acc), [1.0] * world), acc, None,
+                                   checkpoint=[list(range(space.num_layers)) for _ in range(world)], dtype=own.dtype,
+                                   bucket_cap_mb=own.bucket_cap_mb, gradient_as_bucket_view=own.gradient_as_bucket_view,
+                                   **sharding)
+        except (ConfigError, UsageError, ValueError):  # a split this space cannot hold
+            continue
+        if space.contains(cfg) and cfg.to_json() not in {c.to_json() for c in out}:
+            out.append(cfg)
+    return out
+
+
+def _fix_reference(study: optuna.Study, space: SearchSpace, own: BalanceConfig, *, settings: TuneSettings,
+                   launcher: TrialLauncher, recorder: Recorder, reporter: Reporter) -> None:
+    """Fix the objective's exchange rate before the search and print it: the baseline's step when it
+    gave one; else, on several ranks (where spread and step time trade), the step of the first
+    reference run (:func:`reference_configs`) that gives one, within ``--trials``; else the first trial
+    that will."""
+    s = settings
+    if study.user_attrs.get(StudyAttr.REFERENCE) is None and s.world_size > 1:
+        for cfg in reference_configs(space, own):
+            if counted_trials(study) >= s.trials:  # --trials holds no more
+                break
+            _reference_run(study, space, cfg, launcher=launcher, recorder=recorder, reporter=reporter)
+            if study.user_attrs.get(StudyAttr.REFERENCE) is not None:
+                break
+    if study.user_attrs.get(StudyAttr.REFERENCE) is None:
+        fix_exchange_rate(study, reference_step_s=None, source="first-measured", trial=None,
+                          weight_spread=s.weight_spread, weight_time=s.weight_time, world_size=s.world_size)
+        reporter.note("Exchange rate: nothing gave a step time before the search; the first trial that does "
+                      "fixes the reference step every step time is divided by.")
+        return
+    text = exchange_rate_text(study.user_attrs)
+    if text:
+        reporter.note(text)
+
+
+def _reference_run(study: optuna.Study, space: SearchSpace, config: BalanceConfig, *, launcher: TrialLauncher,
+                   recorder: Recorder, reporter: Reporter) -> None:
+    """One reference run: an ordinary trial of the study (it counts, and the models learn from it)."""
+    study.enqueue_trial(space.params_from_config(config), user_attrs={TrialAttr.REFERENCE_RUN: True})
+    trial = study.ask()
+    try:
+        config = space.suggest(trial)
+        reporter.start(trial.number, config, why="reference run: fixes the step time the objective divides by")
+        outcome = launcher.launch(study, number=trial.number, config=config, trial=trial)
+        frozen = recorder.record(study, trial, config, outcome)
+    except BaseException as exc:
+        with contextlib.suppress(Exception):
+            recorder.unfinished(study, trial, exc)  # never leave it RUNNING
+        raise
+    reporter.finish(frozen, best_trial(study))
 
 
 def baseline_fit_note(attrs: dict[str, Any], *, global_batch: int) -> str | None:

@@ -28,7 +28,14 @@ from autobalance.tuner._notes import trial_outcome, write_notes
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._study import counts, measured_configs
 from autobalance.tuner._time_spent import trial_time_split
-from autobalance.tuner.search import TrialFigures, compile_env, figures_from_outcome, penalised
+from autobalance.tuner.search import (
+    TrialFigures,
+    compile_env,
+    figures_from_outcome,
+    fix_exchange_rate,
+    penalised,
+    rate_source,
+)
 
 __all__ = ["INTERRUPTED_REASON", "Recorder"]
 
@@ -110,9 +117,11 @@ class Recorder:
             return study.tell(trial, state=TrialState.PRUNED)
         if status in TOLD_STATUSES:
             reference = study.user_attrs.get(StudyAttr.REFERENCE)
-            if figures.measured and reference is None:
+            if figures.measured and reference is None:  # the baseline's step, a reference run's, else the first
                 reference = float(figures.step_time_s)  # type: ignore[arg-type]
-                study.set_user_attr(StudyAttr.REFERENCE, reference)
+                fix_exchange_rate(study, reference_step_s=reference, source=rate_source(trial.user_attrs),
+                                  trial=trial.number, weight_spread=s.weight_spread, weight_time=s.weight_time,
+                                  world_size=s.world_size, capacity_bytes=figures.capacity)
             constraints = [figures.memory_constraint(s.headroom)]
             if s.max_spread_gib is not None:
                 spread = figures.spread_bytes() if figures.measured else None

@@ -10,9 +10,9 @@ import optuna
 
 from autobalance._errors import UsageError
 from autobalance.launcher import WarmPool
-from autobalance.protocol import StudyAttr, best_trial
+from autobalance.protocol import StudyAttr, best_trial, exchange_rate_text
 from autobalance.store import mask_url, open_storage
-from autobalance.tuner._baseline import baseline_once
+from autobalance.tuner._baseline import baseline_done, baseline_once
 from autobalance.tuner._launching import TrialLauncher
 from autobalance.tuner._loop import MAX_CRASHES_IN_A_ROW, TrialLoop
 from autobalance.tuner._recording import Recorder
@@ -76,7 +76,9 @@ class Tuner:
         already = counted_trials(study)
         self.reporter.begin(s, already=already, deadline=self.budget.deadline)
         try:
-            if space is None or StudyAttr.BASELINE not in study.user_attrs:
+            if space is not None and baseline_done(study.user_attrs):  # continued: the study's trade, again
+                self.reporter.note(exchange_rate_text(study.user_attrs) or "Exchange rate: the first step fixes it.")
+            else:
                 try:
                     space = baseline_once(study, settings=s, storage=self.storage, launcher=self.launcher,
                                           recorder=self.recorder, reporter=self.reporter)

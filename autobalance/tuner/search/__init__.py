@@ -81,7 +81,10 @@ from autobalance.tuner.search._objective import (
     INFEASIBLE_TIME,
     TrialFigures,
     figures_from_outcome,
+    fix_exchange_rate,
     penalised,
+    rate_fixed,
+    rate_source,
     spread_fraction,
 )
 from autobalance.tuner.search._policy import (
@@ -168,6 +171,7 @@ __all__ = [
     "config_compile_key",
     "dominating_over_cap",
     "figures_from_outcome",
+    "fix_exchange_rate",
     "graph_keys",
     "graph_probe",
     "graphs_verdict",
@@ -180,6 +184,8 @@ __all__ = [
     "proposable_dtypes",
     "proposal_line",
     "proposals_stalled",
+    "rate_fixed",
+    "rate_source",
     "space_problem",
     "spread_fraction",
 ]

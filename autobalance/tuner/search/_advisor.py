@@ -423,6 +423,8 @@ class ModelAdvisor:
         extra: dict[str, Any] = {}
         if pick.source == "compiled-model":
             extra["proposal_new_graphs"] = pick.new_graphs
+        if pick.extrapolated:
+            extra["proposal_extrapolated"] = True
         reason = note or ("the compiled model's best configuration predicted to fit" if pick.source == "compiled-model"
                           else "the memory model's best configuration predicted to fit")
         if self.dtype_note and not note:

@@ -69,6 +69,7 @@ from autobalance._config import BalanceConfig
 from autobalance._errors import UsageError
 from autobalance.protocol import Status, TrialAttr
 from autobalance.tuner.search._memory_model import (
+    CLAMP_TOLERANCE,
     DEFAULT_SAFETY_MARGIN,
     MAX_MARGIN,
     WIDEN_FACTOR,
@@ -289,9 +290,52 @@ class CompiledMemoryModel:
     # ---------------------------------------------------------------------------- predictions
     def predict(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str,
                 optimizer_share: float | None = None) -> float:
-        """Estimated peak bytes (no margin) keeping ``optimizer_share`` of the optimizer state (None: all)."""
+        """Estimated peak bytes (no margin) keeping ``optimizer_share`` of the optimizer state (None: all);
+        never below what the rank holds apart from activations (the eager model's ``floor_bytes``)."""
+        return max(self._line(rank=rank, micro_batch=micro_batch, budget=budget, dtype=dtype, mode=mode,
+                              optimizer_share=optimizer_share), self.eager.floor_bytes(rank, optimizer_share))
+
+    def _line(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str,
+              optimizer_share: float | None = None) -> float:
         f = self.curve(dtype, mode).estimate(budget)
         return self.eager.fixed_bytes(rank, dtype, optimizer_share) + micro_batch * self.unit(rank, dtype) * f
+
+    def clamped(self, config: BalanceConfig) -> bool:
+        """True when a rank's prediction is impossible as fitted: below what it holds apart from
+        activations (:data:`CLAMP_TOLERANCE` under the eager floor), or built on an eager per-sample term
+        at or below zero (``unit`` then stands in at one byte). The search proposes nothing from it."""
+        return any(self.rank_clamped(rank=r, micro_batch=m, budget=b, dtype=config.dtype,
+                                     mode=config_compile_key(config), optimizer_share=q)
+                   for r, m, b, q in self._ranks(config))
+
+    def rank_clamped(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str,
+                     optimizer_share: float | None = None) -> bool:
+        """:meth:`clamped` for one rank."""
+        if self.eager.per_sample_bytes(rank, dtype, 0, self.num_layers) <= 0:
+            return True
+        line = self._line(rank=rank, micro_batch=micro_batch, budget=budget, dtype=dtype, mode=mode,
+                          optimizer_share=optimizer_share)
+        return line <= 0 or line < self.eager.floor_bytes(rank, optimizer_share) * (1.0 - CLAMP_TOLERANCE)
+
+    def extrapolated(self, config: BalanceConfig) -> bool:
+        """True when a rank's prediction goes beyond the data: a budget outside the pair's own measured
+        ones (or a curve borrowed from other pairs), or a micro-batch the eager model extrapolates."""
+        curve = self.curves.get((config.dtype, config_compile_key(config)))
+        for r, m, b, _ in self._ranks(config):
+            if curve is None or not curve.budgets or not curve.budgets[0] - 1e-6 <= b <= curve.budgets[-1] + 1e-6:
+                return True
+            if self.eager.extrapolated(rank=r, micro_batch=m, checkpointed=0, num_layers=self.num_layers,
+                                       dtype=config.dtype):
+                return True
+        return False
+
+    @staticmethod
+    def _ranks(config: BalanceConfig) -> list[tuple[int, int, float, float | None]]:
+        """Per rank: its micro-batch, budget and ``zero1`` share (None: unsharded)."""
+        budgets = config.activation_budget or [1.0] * config.world_size
+        zero = config.sharding_shares()
+        shares: list[float | None] = list(zero) if zero is not None else [None] * config.world_size
+        return [(r, m, float(b), q) for r, (m, b, q) in enumerate(zip(config.micro_batches, budgets, shares, strict=True))]
 
     def bound(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str,
               optimizer_share: float | None = None) -> float:
@@ -299,12 +343,15 @@ class CompiledMemoryModel:
         ``1 + safety_margin``."""
         curve = self.curve(dtype, mode)
         act = micro_batch * self.unit(rank, dtype) * curve.estimate(budget) * (1.0 + curve.extra_margin(budget))
-        return (self.eager.fixed_bytes(rank, dtype, optimizer_share) + act) * (1.0 + self.safety_margin)
+        peak = max(self.eager.fixed_bytes(rank, dtype, optimizer_share) + act, self.eager.floor_bytes(rank, optimizer_share))
+        return peak * (1.0 + self.safety_margin)
 
     def fits(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str, limit: float,
              optimizer_share: float | None = None) -> bool:
+        """Predicted to fit under ``limit``; never on an impossible (:meth:`rank_clamped`) prediction."""
         return self.bound(rank=rank, micro_batch=micro_batch, budget=budget, dtype=dtype, mode=mode,
-                          optimizer_share=optimizer_share) <= limit
+                          optimizer_share=optimizer_share) <= limit and not self.rank_clamped(
+            rank=rank, micro_batch=micro_batch, budget=budget, dtype=dtype, mode=mode, optimizer_share=optimizer_share)
 
     def largest_budget(self, *, rank: int, micro_batch: int, dtype: str, mode: str, limit: float,
                        optimizer_share: float | None = None) -> float | None:
@@ -339,12 +386,9 @@ class CompiledMemoryModel:
 
     def config_peaks(self, config: BalanceConfig) -> list[float]:
         """Estimated peak of each rank of a compiled configuration (its ``zero1`` shares, if any)."""
-        budgets = config.activation_budget or [1.0] * config.world_size
-        zero = config.sharding_shares()
-        shares: list[float | None] = list(zero) if zero is not None else [None] * config.world_size
         return [self.predict(rank=r, micro_batch=m, budget=b, dtype=config.dtype, mode=config_compile_key(config),
                              optimizer_share=q)
-                for r, (m, b, q) in enumerate(zip(config.micro_batches, budgets, shares, strict=True))]
+                for r, m, b, q in self._ranks(config)]
 
     def holdout_error(self, observations: Sequence[CompiledObservation]) -> float:
         """Mean ``|predicted - measured| / measured`` over the successful observations given."""

@@ -79,6 +79,8 @@ class Candidate:
     """Graphs no launched trial of the study has compiled yet (0 for eager configurations)."""
     source: str = "memory-model"
     """``memory-model`` (eager) or ``compiled-model``."""
+    extrapolated: bool = False
+    """The memory prediction goes beyond the measured data (the trial line says so)."""
 
 
 def graph_keys(cfg: dict[str, Any]) -> set[Graph]:
@@ -200,6 +202,8 @@ def compiled_candidates(
         seen.add(key)
         if dominating_over_cap(trial_list, cfg) is not None:
             return  # never compile what a launched trial proves cannot fit
+        if memory.clamped(cfg):
+            return  # an impossible prediction (below what a rank holds apart from activations): no proposal
         peaks = memory.config_peaks(cfg)
         if max_spread is not None and max(peaks) - min(peaks) > max_spread:
             return
@@ -208,7 +212,8 @@ def compiled_candidates(
         if value is None:
             return
         out.append(Candidate(score=value, config=cfg, peaks=peaks, step_ms=ms,
-                             new_graphs=len(graph_keys(cfg.to_dict()) - done), source="compiled-model"))
+                             new_graphs=len(graph_keys(cfg.to_dict()) - done), source="compiled-model",
+                             extrapolated=memory.extrapolated(cfg)))
 
     for dtype in space.dtypes:
         if not memory.can_predict(dtype) or much_slower(dtype, eager_timing):

@@ -59,14 +59,15 @@ def eager_candidates(*, space: SearchSpace, model: MemoryModel, timing: StepTime
             return
         seen.add(key)
         fits, peaks = predict_config_feasible(model, cfg, num_layers=layers, limits=usable)
-        if not fits:
-            return
+        if not fits or model.config_clamped(cfg, num_layers=layers):
+            return  # an impossible (clamped) prediction proposes nothing
         if max_spread is not None and max(peaks) - min(peaks) > max_spread:
             return
         ms = timing.predict(cfg)
         value = None if ms is None else score(cfg, peaks, ms)
         if value is not None:
-            out.append(Candidate(score=value, config=cfg, peaks=peaks, step_ms=ms))
+            out.append(Candidate(score=value, config=cfg, peaks=peaks, step_ms=ms,
+                                 extrapolated=model.config_extrapolated(cfg, num_layers=layers)))
 
     for dtype in space.dtypes:
         if not model.can_predict(dtype):

@@ -33,6 +33,8 @@ def observations_from_trials(trials: list[FrozenTrial], *, num_layers: int) -> l
         # the whole state: summed over the ranks when sharded, on every rank when not
         whole = (sum(state) if cfg.get("optimizer_sharding", "off") == "zero1" else max(state)) if measured else None
         held = t.user_attrs.get(TrialAttr.HELD_GIB) or []
+        params = t.user_attrs.get(TrialAttr.PARAMETER_BYTES)
+        params = float(params) if isinstance(params, (int, float)) and not isinstance(params, bool) else None
         for rank, peak in enumerate(peaks):
             if peak is None or peak <= 0:
                 continue
@@ -42,12 +44,12 @@ def observations_from_trials(trials: list[FrozenTrial], *, num_layers: int) -> l
                     rank=rank, micro_batch=0, checkpointed=0, num_layers=max(1, num_layers), dtype=cfg["dtype"],
                     peak_bytes=float(held[rank]) * GIB, ok=True, held=True,
                     optimizer_bytes=float(state[rank]) if measured else None,
-                    optimizer_total=None if whole is None else float(whole)))
+                    optimizer_total=None if whole is None else float(whole), parameter_bytes=params))
             obs.append(MemoryObservation(
                 rank=rank, micro_batch=int(cfg["micro_batches"][rank]), checkpointed=len(cfg["checkpoint"][rank]),
                 num_layers=max(1, num_layers), dtype=cfg["dtype"], peak_bytes=float(peak) * GIB, ok=status == Status.OK,
                 optimizer_bytes=float(state[rank]) if measured else None,
-                optimizer_total=None if whole is None else float(whole),
+                optimizer_total=None if whole is None else float(whole), parameter_bytes=params,
             ))
     return obs
 

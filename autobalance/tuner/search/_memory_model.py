@@ -34,6 +34,16 @@ buckets, rank-0 extras) and :meth:`MemoryModel.predict` takes ``optimizer_share`
 ``q_r`` is the share asked for; the partition by whole parameters lands within one parameter of it.
 Without those figures (reports from before, or a script that never steps through the plan)
 ``optimizer_total`` is None, the state stays inside ``fixed_r`` and a share cannot be predicted.
+
+The floor. A rank never holds less than what it keeps apart from activations (parameters,
+gradients, optimizer state, the script's extras): the least held part measured on that rank
+(``held`` observations, :attr:`MemoryObservation.held`), else the model's parameter bytes
+(:attr:`MemoryObservation.parameter_bytes`), plus its optimizer state. A least-squares line fitted
+through few points can cross it (a negative per-sample slope, a fixed part fitted below zero), so
+:meth:`MemoryModel.predict` never returns less than :meth:`MemoryModel.floor_bytes`, and
+:meth:`MemoryModel.clamped` says when it had to: such a prediction is impossible and the search
+proposes nothing from it. :meth:`MemoryModel.extrapolated` says when a prediction leaves what the
+data determines (the prior filled a direction, or the micro-batch lies outside the measured ones).
 """
 
 from __future__ import annotations
@@ -41,14 +51,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
-from autobalance._config import DTYPES
+from autobalance._config import DTYPES, BalanceConfig
 from autobalance._errors import UsageError
 
 __all__ = [
     "ACTIVATION_BYTES_SCALE",
+    "CLAMP_TOLERANCE",
     "DEFAULT_SAFETY_MARGIN",
     "MAX_MARGIN",
     "PRIOR_CHECKPOINT_SAVING",
@@ -81,6 +93,10 @@ WIDEN_FACTOR = 1.5
 """On an under-prediction by ``e`` (relative) beyond the margin, the margin becomes ``WIDEN_FACTOR * e``
 (the eager and the compiled memory models; one constant, so no default can drift from another)."""
 
+CLAMP_TOLERANCE = 0.01
+"""A fitted line this far (relative) under the floor is still taken as possible: the floor is the least
+held part ever measured on the rank, and a fit through those same points may pass just under it."""
+
 _RANK_TOL = 1e-10
 """Relative singular-value tolerance deciding which parameter directions the data determines."""
 _CONFIDENT_TOL = 1e-8
@@ -112,6 +128,9 @@ class MemoryObservation:
     held: bool = False
     """An observation of what the rank holds apart from activations (``micro_batch`` 0: the fixed part
     measured directly, ``TrialAttr.HELD_GIB``)."""
+    parameter_bytes: float | None = None
+    """The model's parameter bytes as the trial reported them (``TrialAttr.PARAMETER_BYTES``; None: not
+    reported): every rank holds at least these (a floor of the predictions)."""
 
     def __post_init__(self) -> None:
         for name in ("rank", "micro_batch", "checkpointed", "num_layers"):
@@ -187,6 +206,9 @@ class DtypeFit:
     """Column scales: parameter ``j`` times ``scale[j]`` is its typical contribution in bytes."""
     unseen: np.ndarray = field(repr=False)
     """Orthonormal basis (columns, scaled coordinates) of the directions the data did not determine."""
+    micro_range: tuple[int, int] | None = None
+    """The smallest and largest micro-batch of this dtype's own observations (held ones count as 0);
+    None: none of its own (borrowed from another dtype)."""
 
     @property
     def theta(self) -> np.ndarray:
@@ -217,6 +239,9 @@ class MemoryModel:
     optimizer_total: float | None = None
     """``S``, the whole optimizer state in bytes, learned from the trials (see the module docstring);
     None: not measured, the state is part of each rank's fixed bytes."""
+    held_floor: list[float] = field(default_factory=list)
+    """Per rank, the least it holds apart from activations, optimizer state aside when ``S`` is
+    known (the module docstring's floor); empty: nothing known, the floor is zero."""
 
     def __post_init__(self) -> None:
         if (
@@ -268,6 +293,7 @@ class MemoryModel:
         if ok and all(o.optimizer_bytes is not None and o.optimizer_total is not None for o in ok):
             model.optimizer_total = float(np.median([float(o.optimizer_total or 0.0) for o in ok]))
             observations = [_without_state(o) for o in observations]
+        model.held_floor = _held_floor(observations, world_size)
         by_dtype = {d: [o for o in observations if o.ok and o.dtype == d] for d in DTYPES}
         order = sorted(
             (d for d in DTYPES if by_dtype[d]),
@@ -334,10 +360,62 @@ class MemoryModel:
         optimizer_share: float | None = None,
     ) -> float:
         """Predicted peak bytes of ``rank`` for that micro-batch, checkpoint count and dtype, keeping
-        ``optimizer_share`` of the optimizer state (None: all of it, unsharded)."""
+        ``optimizer_share`` of the optimizer state (None: all of it, unsharded); never below
+        :meth:`floor_bytes` (:meth:`clamped` says when the fitted line went below it)."""
+        raw = self.fitted_line(rank=rank, micro_batch=micro_batch, checkpointed=checkpointed,
+                               num_layers=num_layers, dtype=dtype, optimizer_share=optimizer_share)
+        return max(raw, self.floor_bytes(rank, optimizer_share))
+
+    def fitted_line(
+        self, *, rank: int, micro_batch: int, checkpointed: int, num_layers: int, dtype: str,
+        optimizer_share: float | None = None,
+    ) -> float:
+        """The fitted line's value, unclamped (may fall below the floor, even below zero)."""
         fit = self._fit(dtype)
         x = self._query(rank, micro_batch, checkpointed, num_layers)
         return float(x @ fit.theta) + self.optimizer_bytes(optimizer_share)
+
+    def floor_bytes(self, rank: int, optimizer_share: float | None = None) -> float:
+        """The least ``rank`` can hold: its measured held part (else the parameters), plus the state kept."""
+        self._check_rank(rank)
+        held = self.held_floor[rank] if rank < len(self.held_floor) else 0.0
+        return held + self.optimizer_bytes(optimizer_share)
+
+    def clamped(
+        self, *, rank: int, micro_batch: int, checkpointed: int, num_layers: int, dtype: str,
+        optimizer_share: float | None = None,
+    ) -> bool:
+        """True when that prediction is impossible as fitted: the line falls below :meth:`floor_bytes`
+        (by more than :data:`CLAMP_TOLERANCE`) or to zero, or one more sample would take memory away (a negative per-sample term)."""
+        raw = self.fitted_line(rank=rank, micro_batch=micro_batch, checkpointed=checkpointed,
+                               num_layers=num_layers, dtype=dtype, optimizer_share=optimizer_share)
+        if raw <= 0 or raw < self.floor_bytes(rank, optimizer_share) * (1.0 - CLAMP_TOLERANCE):
+            return True
+        return micro_batch > 0 and self.per_sample_bytes(rank, dtype, checkpointed, num_layers) < 0
+
+    def extrapolated(self, *, rank: int, micro_batch: int, checkpointed: int, num_layers: int, dtype: str) -> bool:
+        """True when that prediction goes beyond the data: it leans on the prior (:meth:`is_confident`
+        is False) or the micro-batch lies outside the range of the dtype's own measured ones."""
+        fit = self._fit(dtype)
+        if fit.micro_range is None or not fit.micro_range[0] <= micro_batch <= fit.micro_range[1]:
+            return True
+        return not self.is_confident(rank=rank, micro_batch=micro_batch, checkpointed=checkpointed,
+                                     num_layers=num_layers, dtype=dtype)
+
+    def config_clamped(self, config: BalanceConfig, *, num_layers: int) -> bool:
+        """:meth:`clamped` on any rank of ``config`` (its checkpoint counts, ``zero1`` shares)."""
+        return any(self.clamped(**q) for q in self._config_queries(config, num_layers))
+
+    def config_extrapolated(self, config: BalanceConfig, *, num_layers: int) -> bool:
+        """:meth:`extrapolated` on any rank of ``config``."""
+        return any(self.extrapolated(**{k: v for k, v in q.items() if k != "optimizer_share"})
+                   for q in self._config_queries(config, num_layers))
+
+    def _config_queries(self, config: BalanceConfig, num_layers: int) -> list[dict[str, Any]]:
+        shares = config.sharding_shares()
+        return [dict(rank=r, micro_batch=m, checkpointed=len(config.checkpoint[r]), num_layers=num_layers,
+                     dtype=config.dtype, optimizer_share=None if shares is None else shares[r])
+                for r, m in enumerate(config.micro_batches)]
 
     def is_confident(
         self, *, rank: int, micro_batch: int, checkpointed: int, num_layers: int, dtype: str
@@ -459,6 +537,17 @@ def _without_state(obs: MemoryObservation) -> MemoryObservation:
     return replace(obs, peak_bytes=max(1.0, obs.peak_bytes - obs.optimizer_bytes))
 
 
+def _held_floor(observations: Sequence[MemoryObservation], world_size: int) -> list[float]:
+    """Per rank: the least held part measured on it (state aside when taken out), at least the
+    parameters; 0 where neither was measured."""
+    params = max((float(o.parameter_bytes) for o in observations if o.parameter_bytes), default=0.0)
+    floor = []
+    for rank in range(world_size):
+        held = [o.peak_bytes for o in observations if o.held and o.ok and o.rank == rank]
+        floor.append(max(min(held) if held else 0.0, params))
+    return floor
+
+
 def _check_dtype(dtype: str) -> None:
     if dtype not in DTYPES:
         raise UsageError(f"dtype={dtype!r} is unknown; use one of {', '.join(DTYPES)}.")
@@ -562,6 +651,7 @@ def _fit_dtype(
         theta_s = theta_s + unseen @ z
         used_reference = reference.dtype if reference is not None else None
     theta = theta_s / scale
+    micro = [o.micro_batch for o in observations]
     return DtypeFit(
         dtype=dtype,
         fixed=[float(v) for v in theta[:world_size]],
@@ -572,4 +662,5 @@ def _fit_dtype(
         reference=used_reference,
         scale=scale,
         unseen=unseen,
+        micro_range=(min(micro), max(micro)) if micro else None,
     )

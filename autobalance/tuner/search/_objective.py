@@ -3,6 +3,7 @@ attributes shown in the dashboard."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,12 +13,14 @@ from autobalance.protocol import (
     RankMemory,
     RankTiming,
     Status,
+    StudyAttr,
     TrialAttr,
     memory_text,
     objective_value,
 )
 
-__all__ = ["INFEASIBLE_TIME", "TrialFigures", "figures_from_outcome", "penalised", "spread_fraction"]
+__all__ = ["INFEASIBLE_TIME", "TrialFigures", "figures_from_outcome", "fix_exchange_rate", "penalised",
+           "rate_fixed", "rate_source", "spread_fraction"]
 
 GIB = 2**30
 INFEASIBLE_TIME = 10.0
@@ -157,6 +160,38 @@ class TrialFigures:
             **plottable,
         }
         return {k: v for k, v in attrs.items() if v is not None}
+
+
+def rate_source(attrs: Mapping[str, Any]) -> str:
+    """Where a trial that fixes the reference step stands (``StudyAttr.EXCHANGE_RATE["source"]``):
+    the baseline, a reference run (``TrialAttr.REFERENCE_RUN``), else the first trial that gave a step."""
+    if attrs.get(TrialAttr.BASELINE):
+        return "baseline"
+    return "reference" if attrs.get(TrialAttr.REFERENCE_RUN) else "first-measured"
+
+
+def fix_exchange_rate(study: Any, *, reference_step_s: float | None, source: str, trial: int | None,
+                      weight_spread: float, weight_time: float, world_size: int,
+                      capacity_bytes: list[float] | None = None) -> None:
+    """Store the objective's exchange rate with the study (``StudyAttr.EXCHANGE_RATE``, and the
+    reference step as ``StudyAttr.REFERENCE``), once, before the search's first trial: every trial's
+    step time is divided by ``reference_step_s`` whichever trial runs first. ``reference_step_s``
+    None: nothing gave a step time before the search (the first trial that does fixes it, ``source``
+    ``first-measured``). ``capacity_bytes``: each rank's capacity the spread is a fraction of."""
+    if reference_step_s is not None:
+        study.set_user_attr(StudyAttr.REFERENCE, float(reference_step_s))
+    study.set_user_attr(StudyAttr.EXCHANGE_RATE, {
+        "reference_step_s": None if reference_step_s is None else float(reference_step_s), "source": source,
+        "trial": trial, "weight_spread": float(weight_spread), "weight_time": float(weight_time),
+        "world_size": int(world_size),
+        "capacity_bytes": None if capacity_bytes is None else [float(c) for c in capacity_bytes]})
+
+
+def rate_fixed(user_attrs: Mapping[str, Any]) -> bool:
+    """Whether the study's exchange rate was settled before the search (its reference step, or the
+    rule that the first step fixes it), or the study was stored before the rate was recorded and has
+    its reference step already."""
+    return StudyAttr.EXCHANGE_RATE in user_attrs or user_attrs.get(StudyAttr.REFERENCE) is not None
 
 
 def penalised(values: list[float], constraints: list[float], *, feasible: bool, weight_spread: float,

@@ -269,7 +269,8 @@ def proposal_line(attrs: dict[str, Any]) -> str:
     peaks = attrs.get("proposal_peak_gib")
     if isinstance(peaks, list) and peaks and all(isinstance(p, (int, float)) for p in peaks):
         parts.append(memory_text(max(peaks)))
-    return f"{phase}: {', '.join(parts)} predicted" if parts else str(phase)
+    extrapolated = " (extrapolated)" if attrs.get("proposal_extrapolated") and parts else ""
+    return f"{phase}: {', '.join(parts)} predicted{extrapolated}" if parts else str(phase)
 
 
 def first_compiled_micro_batch(*, held_gib: float, act_gib: float, usable_gib: float, keep: float,
