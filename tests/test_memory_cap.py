@@ -66,7 +66,7 @@ def test_settings_take_either_flag_but_not_both() -> None:
     assert s.memory_cap_gib == [20.0, GPU_MEMORY_GIB["A100-40GB"]]
     assert s.caps_bytes() == [20 * 2**30, int(GPU_MEMORY_GIB["A100-40GB"] * 2**30)]
     assert TuneSettings(script=GPT, device="cpu", memory_cap_gib=[0.06]).memory_cap_gib == [0.06]  # as before
-    with pytest.raises(UsageError, match="--memory-cap=20GiB and --memory-cap-gib=0.5 both given; keep one"):
+    with pytest.raises(UsageError, match=r"--memory-cap=20GiB and --memory-cap-gib=0\.5 both given; keep one"):
         TuneSettings(script=GPT, device="cpu", memory_cap=["20GiB"], memory_cap_gib=[0.5])
     with pytest.raises(UsageError, match="--memory-cap-gib has 3 values for 2 ranks"):
         TuneSettings(script=GPT, device="cpu", memory_cap=["1GiB", "2GiB", "3GiB"])

@@ -6,6 +6,7 @@ for the developers). The check is tested on planted text, so it cannot pass by s
 from __future__ import annotations
 
 import ast
+import itertools
 import re
 from pathlib import Path
 
@@ -37,7 +38,7 @@ def printed_strings(source: str) -> list[tuple[int, str]]:
         if (isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and body
                 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)):
             docstrings.add(id(body[0].value))
-        for stmt, following in zip(body, body[1:], strict=False):
+        for stmt, following in itertools.pairwise(body):
             if (isinstance(stmt, ast.Assign | ast.AnnAssign) and isinstance(following, ast.Expr)
                     and isinstance(following.value, ast.Constant)):
                 docstrings.add(id(following.value))

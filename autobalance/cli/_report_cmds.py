@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-import typer
-
 from typing import Any
 
-from autobalance.cli._common import console, parse_floats, parse_list, quiet_optuna, run_command
+import typer
+
+from autobalance.cli._common import (
+    console,
+    existing_storage,
+    parse_floats,
+    parse_list,
+    quiet_optuna,
+    run_command,
+)
 
 commands = typer.Typer()
 _CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
@@ -26,7 +33,9 @@ def saved_trial(url: str, study_name: str) -> int | None:
 
 @commands.command(short_help="Write an offline HTML report of a study.")
 def report(
-    study_name: str = typer.Option(..., "--study-name", help="Study to report on."),
+    study_name: str | None = typer.Option(None, "--study-name", show_default=False,
+                                          help="Study to report on (default: the only one in the storage, or the "
+                                               "most recently tuned)."),
     storage: str = typer.Option("sqlite:///autobalance.db", help="Study database URL."),
     output: str = typer.Option("report.html", "-o", "--output", help="HTML file to write (one offline file)."),
     png: str | None = typer.Option(None, "--png", help="Also write static PNG charts into this directory."),
@@ -35,14 +44,16 @@ def report(
     micro-batch did, compile cost, per-rank peaks per trial, baseline vs best, importances."""
 
     def go() -> None:
+        from autobalance.cli._study import resolve_study_name
         from autobalance.report import build_report
         from autobalance.store import check_storage, load_study, mask_url
 
         quiet_optuna()
-        url = check_storage(storage)
-        study = load_study(study_name=study_name, storage_url=url)
+        url = check_storage(existing_storage(storage))
+        name = resolve_study_name(study_name, url, say=lambda line: typer.echo(line, err=True))
+        study = load_study(study_name=name, storage_url=url)
         files = build_report(study, output_html=output, png_dir=png, storage_url=mask_url(url),
-                             saved_trial=saved_trial(url, study_name))
+                             saved_trial=saved_trial(url, name))
         typer.echo(f"Wrote {files.html}")
         if files.not_saved:
             typer.echo(f"Best measured: trial {files.best_trial} (not saved: {files.not_saved}); the report gives no "

@@ -20,12 +20,12 @@ from autobalance._files import is_int, is_number
 __all__ = [
     "CHOICES",
     "COMPILE_CHOICES",
+    "GPU_MEMORY_GIB",
     "SAMPLERS",
     "SPLITS",
     "STRATEGIES",
     "SettingDoc",
     "TuneSettings",
-    "GPU_MEMORY_GIB",
     "compile_modes",
     "default_device",
     "default_study_name",
@@ -601,7 +601,7 @@ def memory_cap_text(gib: float) -> str:
     for unit, scale in (("GiB", 1.0), ("MiB", 2.0**-10), ("KiB", 2.0**-20)):
         if gib >= scale or unit == "KiB":
             value = gib / scale
-            digits = max(0, 2 - int(math.floor(math.log10(value)))) if value > 0 else 0
+            digits = max(0, 2 - math.floor(math.log10(value))) if value > 0 else 0
             step = 10.0 ** -digits
             rounded = math.ceil(value / step - 1e-9) * step
             return f"{rounded:.{digits}f}".rstrip("0").rstrip(".") + unit
