@@ -128,3 +128,12 @@ def test_the_line_to_paste() -> None:
     assert "72.8 MiB" in what and "5%" in what
     usable = parse_memory_cap("--memory-cap", ["76.7MiB"])[0] * 0.95 * 1024
     assert 72.8 <= usable < 72.9  # the script's own largest peak just fits
+
+
+def test_the_studys_first_lines_name_the_card() -> None:
+    from autobalance.tuner._reporter import cap_line
+
+    named = cap_line(TuneSettings(script=GPT, device="cpu", memory_cap=["A100-40GB"]))
+    assert named is not None and named.startswith("Emulated memory cap (A100-40GB): 39.3 GiB per rank"), named
+    sized = cap_line(TuneSettings(script=GPT, device="cpu", memory_cap=["60MiB"]))
+    assert sized is not None and sized.startswith("Emulated memory cap: 60.0 MiB per rank"), sized

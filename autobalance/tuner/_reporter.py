@@ -76,7 +76,9 @@ def cap_line(settings: TuneSettings) -> str | None:
         what = ", ".join(f"rank {r} {memory_text(c)}" for r, c in enumerate(caps)) + \
             f" ({', '.join(memory_text(u) for u in usable)} usable"
     mode = "ranks run under it" if settings.cap_mode == "enforce" else "peaks judged against it"
-    return (f"Emulated memory cap: {what} with {settings.headroom:.0%} headroom; {mode}): "
+    named = [c for c in settings.memory_cap or [] if not any(ch.isdigit() for ch in c[:1])]  # a card's name
+    card = f" ({', '.join(named)})" if named else ""
+    return (f"Emulated memory cap{card}: {what} with {settings.headroom:.0%} headroom; {mode}): "
             "a trial over it is infeasible.")
 
 
