@@ -86,6 +86,9 @@ def test_diagnose_prints_a_readable_table_and_the_tune_command(tmp_path) -> None
                  "held outside training state", "Likely causes, largest first", "1. rank 0 holds",
                  "Run: autobalance tune"):
         assert text in out, text
+    last = [line for line in out.splitlines() if line.strip()][-1]  # the line to paste: on CPU, the smallest cap
+    assert last.startswith(f"autobalance tune {GPT} --nproc-per-node 2 --device cpu --memory-cap "), last
+    assert last.endswith("MiB"), last
 
 
 def test_diagnose_of_a_missing_script_is_a_usage_error(tmp_path) -> None:

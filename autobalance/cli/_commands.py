@@ -12,6 +12,7 @@ from autobalance.cli._options import settings_from_command_line, with_settings_o
 
 commands = typer.Typer()
 _CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
+STUDY_HELP = "Study to show (default: the only one in the storage, or the most recently tuned)."
 
 
 @commands.command(short_help="Tune a training script over short real torchrun trials.", context_settings=_CONTEXT)
@@ -43,16 +44,19 @@ def studies(storage: str = typer.Option("sqlite:///autobalance.db", help="Study 
 
 @commands.command(short_help="Show a study's trials: configuration, peaks, step time.")
 def trials(
-    study_name: str = typer.Option(..., "--study-name"),
+    study_name: str | None = typer.Option(None, "--study-name", help=STUDY_HELP, show_default=False),
     storage: str = typer.Option("sqlite:///autobalance.db"),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """A table of a study's trials: configuration, per-rank peak memory, spread, step time, state."""
 
     def go() -> None:
+        from autobalance.cli._study import resolve_study_name
         from autobalance.cli._views import print_trials
 
-        print_trials(study_name=study_name, storage=existing_storage(storage), as_json=as_json)
+        url = existing_storage(storage)
+        name = resolve_study_name(study_name, url, say=lambda line: typer.echo(line, err=True))
+        print_trials(study_name=name, storage=url, as_json=as_json)
 
     run_command(go)
 
@@ -90,7 +94,7 @@ def promote(
 
 @commands.command(short_help="Print the saved best configuration of a study.")
 def best(
-    study_name: str = typer.Option(..., "--study-name"),
+    study_name: str | None = typer.Option(None, "--study-name", help=STUDY_HELP, show_default=False),
     storage: str = typer.Option("sqlite:///autobalance.db"),
     format: str = typer.Option("table", "--format", help="table, json or yaml."),
 ) -> None:
@@ -102,16 +106,19 @@ def best(
 
         if format not in ("table", "json", "yaml"):
             raise UsageError(f"--format={format!r} is unknown; use table, json or yaml.")
+        from autobalance.cli._study import resolve_study_name
+
         url = check_storage(existing_storage(storage))
+        name = resolve_study_name(study_name, url, saved=True, say=lambda line: typer.echo(line, err=True))
         with ConfigStore(url=url) as store:
-            print_saved(store.load(study_name), fmt=format)
+            print_saved(store.load(name), fmt=format)
 
     run_command(go)
 
 
 @commands.command(short_help="Write the saved best configuration to a JSON file.")
 def export(
-    study_name: str = typer.Option(..., "--study-name"),
+    study_name: str | None = typer.Option(None, "--study-name", help=STUDY_HELP, show_default=False),
     output: str = typer.Option(..., "-o", "--output", help="File to write (JSON) for AUTOBALANCE_CONFIG_FILE."),
     storage: str = typer.Option("sqlite:///autobalance.db"),
 ) -> None:
@@ -119,11 +126,13 @@ def export(
 
     def go() -> None:
         from autobalance._config import describe_config
+        from autobalance.cli._study import resolve_study_name
         from autobalance.store import ConfigStore, check_storage, export_file
 
         url = check_storage(existing_storage(storage))
+        name = resolve_study_name(study_name, url, saved=True, say=lambda line: typer.echo(line, err=True))
         with ConfigStore(url=url) as store:
-            saved = store.load(study_name)
+            saved = store.load(name)
             path = export_file(saved, output)
         typer.echo(f"Wrote {path}. Use it with AUTOBALANCE_CONFIG_FILE={path} torchrun ...")
         typer.echo(f"It applies: {describe_config(saved.config)}")

@@ -89,7 +89,10 @@ def run_command(fn: Callable[..., Any], *args: Any, interrupted: str = INTERRUPT
 
 def existing_storage(url: str) -> str:
     """``url`` for a command that only reads: a SQLite file that does not exist is an error (one
-    line, exit code 2), never silently created empty."""
+    line, exit code 2), never silently created empty; a malformed URL is one line showing the form."""
+    from autobalance.store import normalize_storage_url
+
+    normalize_storage_url(url)
     if url.startswith("sqlite:///") and "?" not in url and not url.startswith("sqlite:///file:"):
         path = url[len("sqlite:///"):]
         if path and path != ":memory:" and not os.path.exists(path):

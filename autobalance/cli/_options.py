@@ -28,6 +28,8 @@ DECLS: dict[str, tuple[str, ...]] = {
     "multi_objective": ("--multi-objective/--single-objective",),
 }
 """Fields whose flags are not the plain ``--field-name`` (or ``--field-name/--no-field-name``)."""
+FIELD_METAVARS = {"memory_cap": "SIZE|GPU[,...]"}
+"""Fields whose value is not read the way their annotation's :data:`METAVARS` says."""
 METAVARS = {"float | str | None": "DURATION", "list[float] | None": "X[,Y,...]", "list[str] | None": "A[,B,...]", "list[str]": "OPTION"}
 
 _CLI_TYPES: dict[str, Any] = {
@@ -74,7 +76,7 @@ def _parameter(name: str, annotation: str) -> inspect.Parameter:
     decls = DECLS.get(name) or ((f"{flag}/--no-{name.replace('_', '-')}",) if cli_type is bool else (flag,))
     from autobalance.tuner import CHOICES
 
-    metavar = "|".join(CHOICES[name]) if name in CHOICES else METAVARS.get(annotation)
+    metavar = "|".join(CHOICES[name]) if name in CHOICES else FIELD_METAVARS.get(name, METAVARS.get(annotation))
     info = typer.Option(
         None if described else doc.value, *decls, help=help_text(_flags_named(doc.text)),
         show_default=doc.default if described else True, metavar=metavar,

@@ -122,6 +122,19 @@ def print_trials(*, study_name: str, storage: str, as_json: bool) -> None:
     if with_time:
         console().print("busy/wait: each rank's own work per step and its wait at the gradient all-reduce (ms); "
                         "the rank that waits least is the slowest.")
+    print_reasons(rows)
+
+
+def print_reasons(rows: list[dict[str, Any]]) -> None:
+    """Each trial that did not end ``ok``, with its whole reason (tune's console line cuts it short)."""
+    failed = [r for r in rows if r["reason"] and r["status"] not in (None, "ok")]
+    if not failed:
+        return
+    out = console()
+    out.print("Why trials did not end ok:")
+    for r in failed:
+        out.print(f"  trial {r['number']} ({r['status']}): {' '.join(str(r['reason']).split())}", markup=False,
+                  soft_wrap=True)
 
 
 def optimizer_state_text(state_bytes: list[Any] | None, config: dict[str, Any] | None) -> str:

@@ -105,10 +105,12 @@ class Diagnosis:
 
 # ---------------------------------------------------------------------- analysis
 def tune_command(*, script: str, script_args: list[str], nproc_per_node: int, device: str,
-                 memory_cap_gib: str | None) -> str:
+                 memory_cap: str | None) -> str:
+    """The ``autobalance tune`` line for this script; ``memory_cap``: the cap as ``--memory-cap`` takes it
+    (``20GiB``, ``A100-40GB``; None: no cap, the card's own memory)."""
     cmd = ["autobalance", "tune", script, "--nproc-per-node", str(nproc_per_node), "--device", device]
-    if memory_cap_gib:
-        cmd += ["--memory-cap-gib", memory_cap_gib]
+    if memory_cap:
+        cmd += ["--memory-cap", memory_cap]
     if script_args:
         cmd += ["--", *script_args]
     return shlex.join(cmd)
@@ -359,11 +361,11 @@ def _findings(rows: list[RankBreakdown], *, command: str, status: str, reason: s
 
 
 def analyse(outcome: TrialOutcome, *, script: str, script_args: list[str], world_size: int, device: str,
-            nproc_per_node: int, memory_cap_gib: str | None = None) -> Diagnosis:
+            nproc_per_node: int, memory_cap: str | None = None) -> Diagnosis:
     """From a finished diagnose run (a :class:`~autobalance.launcher.TrialOutcome`) to the diagnosis."""
     rows = [_rank_row(r, outcome.reports.get(r)) for r in range(world_size)]
     command = tune_command(script=script, script_args=script_args, nproc_per_node=nproc_per_node, device=device,
-                           memory_cap_gib=memory_cap_gib)
+                           memory_cap=memory_cap)
     peaks = [r.peak_device for r in rows]
     spread = _spread(peaks)
     pct = None
@@ -422,7 +424,7 @@ def run_diagnose(*, script: str, script_args: list[str], nproc_per_node: int, de
                                 "Check that the script calls plan.wrap() and trains through plan.steps().")
         )
     return analyse(outcome, script=script, script_args=list(script_args), world_size=nproc_per_node,
-                   device=device, nproc_per_node=nproc_per_node, memory_cap_gib=memory_cap_text)
+                   device=device, nproc_per_node=nproc_per_node, memory_cap=memory_cap_text)
 
 
 # ---------------------------------------------------------------------- printing

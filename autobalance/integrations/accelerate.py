@@ -11,6 +11,8 @@ A custom loop with ``Accelerator`` (lines marked ``# ab``)::
             balance.backward(loss_fn(model(x), y))                              # ab: was accelerator.backward
             optimizer.step()
             optimizer.zero_grad()
+        if accelerator.sync_gradients:                                          # an optimizer step ended
+            scheduler.step()                                                    # sized by balance.steps_per_epoch()
 
 :meth:`AccelerateBalance.accelerator_kwargs` gives the ``Accelerator`` the configuration's
 ``gradient_accumulation_steps``, ``mixed_precision`` and DDP buckets (a ``DistributedDataParallelKwargs``);
@@ -131,6 +133,15 @@ class AccelerateBalance:
         inner.register_step_post_hook(lambda opt, args, kwargs: self.loop.after_optimizer_step(opt))
         loader = self.loop.dataloader(dataset, shuffle=shuffle, **loader_kwargs)
         return model, optimizer, _DeviceLoader(loader, accelerator.device)
+
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps in one epoch of the loader :meth:`prepare` returned, the same on every rank:
+        what a per-step schedule is sized by (``CosineAnnealingLR(optimizer, T_max=epochs *
+        balance.steps_per_epoch())``, stepped when ``accelerator.sync_gradients``). Not ``len(loader)``,
+        which counts micro-batches (``accumulation`` per step)."""
+        if self.accelerator is None:
+            raise UsageError("balance.steps_per_epoch() before balance.prepare(accelerator, ...); prepare first.")
+        return self.plan.steps_per_epoch()
 
     @contextlib.contextmanager
     def micro_step(self) -> Iterator[None]:

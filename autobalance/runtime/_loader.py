@@ -11,7 +11,7 @@ from autobalance._config import BalanceConfig
 from autobalance._errors import UsageError
 from autobalance.runtime._sampler import EpochSchedule, UnevenBatchSampler
 
-__all__ = ["make_loader", "start_epoch"]
+__all__ = ["epoch_steps", "make_loader", "start_epoch"]
 
 _SET_BY_PLAN = ("batch_size", "sampler", "batch_sampler", "shuffle", "drop_last")
 
@@ -63,3 +63,22 @@ def start_epoch(
             f"samples (one global batch is {global_batch})."
         )
     return sampler.schedule
+
+
+def epoch_steps(sampler: UnevenBatchSampler | None, loader: Any = None) -> int:
+    """Optimizer steps in one epoch of the plan's loader: what a per-step schedule (cosine, warm-up,
+    ``max_steps``) is sized by. The same on every rank and in every epoch (it depends on the dataset's
+    size and the configuration's global batch only); ``len(loader)`` is this rank's micro-batches
+    instead (``accumulation`` per step, and with an uneven split a partial last step that differs
+    from rank to rank)."""
+    if sampler is None:
+        raise UsageError(
+            "plan.steps_per_epoch() before plan.dataloader(); build the loader first and pass it: "
+            "plan.steps_per_epoch(loader)."
+        )
+    if loader is not None and getattr(loader, "batch_sampler", None) is not sampler:
+        raise UsageError(
+            "plan.steps_per_epoch(loader) needs the loader made by plan.dataloader(dataset) (the latest one); "
+            "pass that loader."
+        )
+    return len(sampler.schedule.steps)

@@ -46,7 +46,7 @@ from autobalance.runtime._exit import (
     set_parent_death_signal,
     setup_failure_reported,
 )
-from autobalance.runtime._loader import make_loader, start_epoch
+from autobalance.runtime._loader import epoch_steps, make_loader, start_epoch
 from autobalance.runtime._memory import MemorySnapshot
 from autobalance.runtime._meter import MemoryMeter
 from autobalance.runtime._parts import Part
@@ -211,6 +211,16 @@ class Plan:
             warn_small=not self.in_trial and self.rank == 0, loader_kwargs=loader_kwargs,
             reverse_within=self.verify is not None and self.verify.reverse)
         return loader
+
+    def steps_per_epoch(self, loader: Any = None) -> int:
+        """Optimizer steps in one epoch of ``loader`` (the one :meth:`dataloader` made; default: the
+        latest) under the configuration in force: the number a per-step schedule is sized by, e.g.
+        ``CosineAnnealingLR(optimizer, T_max=epochs * plan.steps_per_epoch(loader))``, stepped once
+        after each ``plan.optimizer_step``. The same on every rank and in every epoch. Not
+        ``len(loader)``: that counts this rank's micro-batches (``accumulation`` per step, and an uneven
+        split's partial last step differs from rank to rank), so a schedule sized by it is too long
+        as soon as a tuned configuration accumulates."""
+        return epoch_steps(self._sampler, loader)
 
     def steps(
         self, loader: Iterable[Any], *, count: Callable[[Any], Any] | None = None

@@ -52,6 +52,22 @@ _DRIVER_PACKAGES = {
 }
 
 
+_SCHEME = re.compile(r"^(?P<scheme>[A-Za-z][\w+.\-]+):(?!\\)")
+"""A URL scheme of two letters or more (a Windows drive letter, ``C:\\``, is a path)."""
+_FORM = ("a storage URL is SCHEME://..., e.g. sqlite:///autobalance.db (three slashes, then a path relative "
+         "to this directory; sqlite:////abs/path.db for an absolute one) or postgresql+psycopg://user@host:5432/db")
+
+
+_LOOSE_USERINFO = re.compile(r"^(?P<head>[^@]*?:/*[^:@/]*):(?P<password>[^@]*)@(?P<tail>.*)$", re.S)
+
+
+def _mask_malformed(url: str) -> str:
+    """``url`` (a URL missing its ``//``) with a password between ``user:`` and ``@`` masked."""
+    match = _LOOSE_USERINFO.match(url)
+    text = f"{match['head']}:{_MASK}@{match['tail']}" if match is not None else url
+    return mask_url(text)
+
+
 def mask_url(url: str) -> str:
     """``url`` with any password replaced by ``***``; safe for any string, URL or not."""
     text = str(url)
@@ -99,6 +115,13 @@ def normalize_storage_url(url: str) -> str:
     example = "use e.g. sqlite:///autobalance.db or postgresql+psycopg://user@host:5432/db"
     if not raw:
         raise StorageURLError(f"Storage URL is empty; {example}.")
+    scheme = _SCHEME.match(raw)
+    if "://" not in raw and scheme is not None:  # sqlite:/autobalance.db, sqlite:autobalance.db, postgresql:/...
+        raise StorageURLError(f"Storage URL {_mask_malformed(raw)!r} is malformed: {_FORM}.")
+    if raw.lower().startswith("sqlite://") and raw.lower() != "sqlite://" and not raw.lower().startswith("sqlite:///"):
+        raise StorageURLError(  # sqlite://x.db: SQLAlchemy reads x.db as a host and opens an in-memory database
+            f"Storage URL {mask_url(raw)!r} is malformed: a SQLite URL has three slashes before the file, "
+            f"sqlite:///{raw[len('sqlite://'):]} (four for an absolute path: sqlite:////abs/path.db).")
     if "://" not in raw:
         if raw.lower().endswith((".db", ".sqlite", ".sqlite3")):
             raw = "sqlite:///" + raw

@@ -24,10 +24,28 @@ from autobalance.protocol import Status, TrialAttr, memory_text, over_limit, tri
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._time_spent import describe_budget
 
-__all__ = ["RichReporter", "TimeLeftColumn", "cap_line", "short_figures", "time_left_text"]
+__all__ = ["REASON_CHARS", "RichReporter", "TimeLeftColumn", "cap_line", "clip_words", "short_figures", "time_left_text"]
 
 _STYLE = {Status.OK: "green", Status.OOM: "red", Status.TIMEOUT: "red", Status.ERROR: "bold red",
           Status.CRASH: "yellow", Status.PREDICTED_OOM: "magenta", Status.INTERRUPTED: "yellow"}
+
+
+REASON_CHARS = 160
+"""A trial's reason on its console line is cut near this many characters (at a word boundary)."""
+
+
+def clip_words(text: str, limit: int = REASON_CHARS) -> str:
+    """``text`` on one line, whole when it fits in ``limit`` characters; else cut at the last word
+    boundary before ``limit`` and ended with ``...``, never inside a word (a single word longer than
+    ``limit`` is kept whole)."""
+    text = " ".join(str(text).split())
+    if len(text) <= limit:
+        return text
+    cut = text.rfind(" ", 0, limit - 3)
+    if cut <= 0:
+        after = text.find(" ", limit - 3)
+        return text if after < 0 else text[:after] + " ..."
+    return text[:cut].rstrip(" ,;:([{") + " ..."
 
 
 def short_figures(trial: FrozenTrial) -> str:
@@ -58,7 +76,9 @@ def cap_line(settings: TuneSettings) -> str | None:
         what = ", ".join(f"rank {r} {memory_text(c)}" for r, c in enumerate(caps)) + \
             f" ({', '.join(memory_text(u) for u in usable)} usable"
     mode = "ranks run under it" if settings.cap_mode == "enforce" else "peaks judged against it"
-    return (f"Emulated memory cap: {what} with {settings.headroom:.0%} headroom; {mode}): "
+    named = [c for c in settings.memory_cap or [] if not any(ch.isdigit() for ch in c[:1])]  # a card's name
+    card = f" ({', '.join(named)})" if named else ""
+    return (f"Emulated memory cap{card}: {what} with {settings.headroom:.0%} headroom; {mode}): "
             "a trial over it is infeasible.")
 
 
@@ -96,11 +116,14 @@ class RichReporter:
         self._lock = threading.RLock()
         self._running: dict[int, float] = {}
         self._deadline: float | None = None
+        self._study_name = ""
+        self._clipped = False
 
     def begin(self, settings: TuneSettings, *, already: int, deadline: float | None = None) -> None:
         """``deadline``: when the time budget ends (``time.monotonic()``; None: no budget)."""
         self._total = settings.trials
         self._deadline = deadline
+        self._study_name = settings.study_name
         budget = "" if settings.time_budget_s is None else f"  time budget {describe_budget(settings.time_budget_s)}"
         self.console.print(
             f"[bold]autobalance tune[/] {settings.script}  study [cyan]{settings.study_name}[/]  "
@@ -149,10 +172,16 @@ class RichReporter:
             extra = (f" (implied by trial {trial.user_attrs.get('dominated_by')}, not launched)"
                      if trial.user_attrs.get(TrialAttr.PREDICTED_BY) == "dominance" else
                      " (predicted by the memory model, not launched)")
-        reason = "" if status == Status.OK else f"  [dim]{escape(str(trial.user_attrs.get('reason', ''))[:160])}[/]"
+        full = "" if status == Status.OK else " ".join(str(trial.user_attrs.get("reason", "")).split())
+        shown_reason = clip_words(full)
+        reason = f"  [dim]{escape(shown_reason)}[/]" if shown_reason else ""
         over = over_limit(trial.user_attrs)  # ran to the end, infeasible all the same: not a plain "ok"
         shown = f"[{style}]{status}[/]" if over is None else f"[red]{status}, {escape(over)}[/]"
         self.console.print(f"  trial {trial.number} {shown}{escape(extra)}  {escape(short_figures(trial))}{reason}")
+        if shown_reason != full and not self._clipped:  # once: where the whole reason is
+            self._clipped = True
+            name = f" --study-name {self._study_name}" if self._study_name else ""
+            self.console.print(f"  [dim]{escape(f'(a reason cut with ... reads whole in `autobalance trials{name}`)')}[/]")
         if best is not None:
             self._best_text = f"best #{best.number}: {best.user_attrs.get('step_time_ms', 0):.1f} ms" + (
                 f", spread {memory_text(best.user_attrs.get('spread_gib', 0))}" if trial_ranks(best.user_attrs) > 1 else "")

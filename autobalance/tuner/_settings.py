@@ -20,6 +20,7 @@ from autobalance._files import is_int, is_number
 __all__ = [
     "CHOICES",
     "COMPILE_CHOICES",
+    "GPU_MEMORY_GIB",
     "SAMPLERS",
     "SPLITS",
     "STRATEGIES",
@@ -29,7 +30,9 @@ __all__ = [
     "default_device",
     "default_study_name",
     "load_toml",
+    "memory_cap_text",
     "parse_duration",
+    "parse_memory_cap",
     "setting_docs",
     "setting_types",
 ]
@@ -105,9 +108,14 @@ class TuneSettings:
     about: str | None = None
     """One line printed under the study's first lines: what the study is about to show, said by a
     study TOML for whoever runs it (default: none)."""
+    memory_cap: list[str] | None = None
+    """Emulated capacity per rank, in the units you think in: a size (``20GiB``, ``60MiB``; GB and MB
+    are powers of ten) or a GPU model whose memory is known (``A100-40GB``, ``H100-80GB``, ``L4`` ...):
+    one for every rank or one per rank. Leave it out on the card you will train on (default: the card's
+    capacity; on CPU the host's memory)."""
     memory_cap_gib: list[float] | None = None
-    """Emulated capacity per rank in GiB: one value for every rank or one per rank (default: the
-    card's capacity; on CPU the host's memory)."""
+    """The same cap in plain GiB (``0.06`` is 61.4 MiB): one value for every rank or one per rank
+    (default: the card's capacity; on CPU the host's memory)."""
     cap_mode: CapMode = "enforce"
     """``enforce``: ranks run under the cap (allocator fraction / CPU budget) and really OOM;
     ``judge``: ranks run uncapped and a peak above the cap is judged infeasible (no OOM, no restarts)."""
@@ -245,6 +253,13 @@ class TuneSettings:
                 _positive(name, value)
         if self.prune_factor != 0 and self.prune_factor < 1:
             raise UsageError(f"--prune-factor={self.prune_factor:g} must be 0 (off) or at least 1; e.g. 1.5.")
+        if self.memory_cap is not None:
+            if self.memory_cap_gib is not None:
+                raise UsageError(
+                    f"--memory-cap={','.join(self.memory_cap)} and --memory-cap-gib="
+                    f"{','.join(f'{c:g}' for c in self.memory_cap_gib)} both given; keep one of them."
+                )
+            self.memory_cap_gib = parse_memory_cap("--memory-cap", self.memory_cap)
         if self.memory_cap_gib is not None:
             if len(self.memory_cap_gib) not in (1, self.world_size):
                 raise UsageError(
@@ -298,7 +313,11 @@ class TuneSettings:
     def merge(cls, *, flags: dict[str, Any], toml_path: str | None) -> TuneSettings:
         """Flags given on the command line win over the study TOML, which wins over defaults."""
         values = load_toml(toml_path) if toml_path else {}
-        values.update({k: v for k, v in flags.items() if v is not None})
+        given = {k: v for k, v in flags.items() if v is not None}
+        if given.keys() & {"memory_cap", "memory_cap_gib"}:  # a cap on the command line replaces the file's
+            values.pop("memory_cap", None)
+            values.pop("memory_cap_gib", None)
+        values.update(given)
         if not values.get("script"):
             raise UsageError(
                 "SCRIPT is missing; pass the training script (autobalance tune train.py ...) or a study "
@@ -499,8 +518,9 @@ def load_toml(path: str) -> dict[str, Any]:
         if name not in known:
             raise UsageError(f"--config={path!r} has unknown key {key!r}; known keys: {', '.join(sorted(known))}.")
         values[name] = value
-    if "memory_cap_gib" in values and not isinstance(values["memory_cap_gib"], list):
-        values["memory_cap_gib"] = [values["memory_cap_gib"]]
+    for name in ("memory_cap_gib", "memory_cap"):
+        if name in values and not isinstance(values[name], list):
+            values[name] = [values[name]]
     annotations = setting_types()
     for name, value in values.items():
         expected = _toml_type_problem(annotations[name], value)
@@ -516,3 +536,73 @@ def load_toml(path: str) -> dict[str, Any]:
         if not os.path.isabs(candidate) and not os.path.exists(candidate):
             values["script"] = os.path.normpath(os.path.join(base, candidate))
     return values
+
+
+GPU_MEMORY_GIB: dict[str, float] = {
+    "V100-16GB": 15.7, "V100-32GB": 31.7, "T4": 14.7, "A10": 21.9, "A10G": 21.9, "L4": 21.9,
+    "RTX3090": 23.6, "RTX4090": 23.6, "RTX-A6000": 47.5, "L40S": 44.3, "A100-40GB": 39.3,
+    "A100-80GB": 79.1, "H100-80GB": 79.1, "H100-94GB": 93.0, "H200": 139.8, "B200": 178.0,
+}
+"""GPUs ``--memory-cap`` knows by name: about the memory CUDA reports on each (``total_memory``, a
+little under the size the card is sold by, rounded down), in GiB, so a cap named after the card you
+train on never exceeds it."""
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]i?B|[KMGT]|B)?\s*", re.IGNORECASE)
+_UNIT_BYTES = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+               "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def _gpu_key(text: str) -> str:
+    """``A100-40GB``, ``a100 40gb``, ``A100_40``: one key (letters and digits, no trailing GB)."""
+    key = re.sub(r"[^a-z0-9]", "", text.lower())
+    return re.sub(r"(?<=\d)gb$", "", key)
+
+
+_GPU_ALIASES = {"H100": "H100-80GB", "H200-141GB": "H200", "B200-180GB": "B200", "B200-192GB": "B200",
+                "T4-16GB": "T4", "L4-24GB": "L4", "A10-24GB": "A10", "A10G-24GB": "A10G", "RTX3090-24GB": "RTX3090",
+                "RTX4090-24GB": "RTX4090", "A6000": "RTX-A6000", "RTX-A6000-48GB": "RTX-A6000", "L40S-48GB": "L40S"}
+"""Other names of the cards of :data:`GPU_MEMORY_GIB` (the size in the name, or a short form)."""
+
+_GPU_KEYS = {_gpu_key(name): name for name in GPU_MEMORY_GIB} | {_gpu_key(a): n for a, n in _GPU_ALIASES.items()}
+
+
+def parse_memory_cap(flag: str, items: list[str]) -> list[float]:
+    """``--memory-cap`` values (sizes with a unit, or GPU names of :data:`GPU_MEMORY_GIB`) in GiB; a value
+    that is neither is a :class:`UsageError` naming ``flag``, the value and the forms it takes."""
+    caps = []
+    for item in items:
+        text = str(item).strip()
+        match = _SIZE.fullmatch(text)
+        if match is not None and match[2]:
+            unit = match[2].lower()
+            unit = {"k": "kib", "m": "mib", "g": "gib", "t": "tib"}.get(unit, unit)
+            gib = float(match[1]) * _UNIT_BYTES[unit] / 2**30
+        elif _gpu_key(text) in _GPU_KEYS:
+            gib = GPU_MEMORY_GIB[_GPU_KEYS[_gpu_key(text)]]
+        elif match is not None:
+            raise UsageError(f"{flag}={text!r} has no unit; write {text}GiB or {text}MiB (or plain GiB with "
+                             f"--memory-cap-gib {text}).")
+        else:
+            family = [name for name in GPU_MEMORY_GIB if _gpu_key(name).startswith(_gpu_key(text))] if text else []
+            known = ", ".join(family or GPU_MEMORY_GIB)
+            raise UsageError(f"{flag}={text!r} is not a size or a GPU this table knows; use e.g. 20GiB, 60MiB or "
+                             f"one of {known}.")
+        if not (math.isfinite(gib) and gib > 0):
+            raise UsageError(f"{flag}={text!r} is not a positive size; use e.g. 20GiB or 60MiB.")
+        caps.append(gib)
+    if not caps:
+        raise UsageError(f"{flag} is empty; give a size such as 20GiB or a GPU such as A100-40GB.")
+    return caps
+
+
+def memory_cap_text(gib: float) -> str:
+    """A cap as ``--memory-cap`` takes it, in the unit its size calls for: ``20GiB``, ``61.4MiB``, ``512KiB``
+    (three significant digits, rounded up so the cap is never smaller than ``gib``)."""
+    for unit, scale in (("GiB", 1.0), ("MiB", 2.0**-10), ("KiB", 2.0**-20)):
+        if gib >= scale or unit == "KiB":
+            value = gib / scale
+            digits = max(0, 2 - math.floor(math.log10(value))) if value > 0 else 0
+            step = 10.0 ** -digits
+            rounded = math.ceil(value / step - 1e-9) * step
+            return f"{rounded:.{digits}f}".rstrip("0").rstrip(".") + unit
+    raise AssertionError("unreachable")

@@ -54,12 +54,16 @@ def main() -> None:
     model = Classifier(width=args.width, depth=args.depth)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer, loader = balance.prepare(accelerator, model, optimizer, data)  # ab: was accelerator.prepare
+    # ab: optimizer steps of an epoch under the configuration in force (len(loader) counts micro-batches)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=balance.steps_per_epoch())
     model.train()
     for x, y in loader:
         with accelerator.accumulate(model), balance.micro_step():  # ab: balance.micro_step()
             balance.backward(F.cross_entropy(model(x), y))  # ab: was accelerator.backward(...)
             optimizer.step()
             optimizer.zero_grad()
+        if accelerator.sync_gradients:  # an optimizer step ended
+            scheduler.step()
     if accelerator.is_main_process:
         print(f"done (rank 0 held {0 if cache is None else cache.numel() * 4 / 2**20:.1f} MiB of extras)", flush=True)
 

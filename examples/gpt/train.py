@@ -167,6 +167,12 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=plan.device.type == "cuda")
     if not args.no_shard:
         optimizer = plan.optimizer(optimizer)
+    # ab: a per-step schedule counts optimizer steps under the configuration in force (the same on every
+    # rank), not len(loader): that counts this rank's micro-batches, `accumulation` of them per step
+    total_steps = args.epochs * plan.steps_per_epoch(loader)
+    if args.max_steps:
+        total_steps = min(total_steps, args.max_steps)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
 
     step = 0
     for _epoch in range(args.epochs):
@@ -177,6 +183,7 @@ def main() -> None:
                     loss = loss_fn(model(x), y) if args.loss_outside else model(x, y)
                     plan.backward(loss)  # ab: uneven-batch loss weighting, GradScaler for fp16
             plan.optimizer_step(optimizer, clip_grad_norm=args.clip_grad or None)  # ab: clips unscaled gradients
+            scheduler.step()
             if ema is not None:
                 with torch.no_grad():
                     for pe, pm in zip(ema.parameters(), raw.parameters(), strict=True):

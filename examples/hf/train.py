@@ -65,6 +65,8 @@ def main() -> None:
                         n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     model = GPT2LMHeadModel(config)
     with tempfile.TemporaryDirectory() as out:
+        # the Trainer sizes its learning-rate schedule (lr_scheduler_type, warm-up) in optimizer steps of the
+        # loader BalanceTrainer builds: the configuration's accumulation is counted, nothing to size by hand
         training = TrainingArguments(output_dir=out, per_device_train_batch_size=args.micro_batch, num_train_epochs=1,
                                      learning_rate=1e-3, report_to="none", save_strategy="no", logging_strategy="no",
                                      use_cpu=not torch.cuda.is_available(), disable_tqdm=True, seed=0)

@@ -38,8 +38,12 @@ class Classifier(pl.LightningModule):
         x, y = batch
         return F.cross_entropy(self(x), y)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3)
+        # Lightning counts optimizer steps of the strategy's loader (the configuration's accumulation in force)
+        steps = int(self.trainer.estimated_stepping_batches)
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 def main() -> None:

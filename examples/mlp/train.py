@@ -21,11 +21,14 @@ def main() -> None:
     data = torch.utils.data.TensorDataset(torch.randn(1024, 64), torch.randint(0, 10, (1024,)))
     loader = plan.dataloader(data)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    # a per-step schedule counts optimizer steps: plan.steps_per_epoch(loader), not len(loader) (micro-batches)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=plan.steps_per_epoch(loader))
     for micro_batches in plan.steps(loader):
         for x, y in micro_batches:
             with plan.micro_step():
                 plan.backward(F.cross_entropy(model(x.to(plan.device)), y.to(plan.device)))
         plan.optimizer_step(optimizer)
+        scheduler.step()
     if plan.is_main:
         print("done", flush=True)
 

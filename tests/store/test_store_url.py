@@ -72,6 +72,12 @@ def test_normalize_storage_url() -> None:
         ("nosuchdb://x/y", "unknown database or driver 'nosuchdb'"),
         ("postgresql+nosuchdriver://u:pw@h/d", "unknown database or driver"),
         ("mysql+mysqldb://root:pw@h/db", "pip install mysqlclient"),
+        ("sqlite:/autobalance.db", "'sqlite:/autobalance.db' is malformed: a storage URL is SCHEME://..., e.g. "
+                                   "sqlite:///autobalance.db (three slashes"),
+        ("sqlite:autobalance.db", "is malformed: a storage URL is SCHEME://"),
+        ("postgresql:/u:pw@h/d", "'postgresql:/u:***@h/d' is malformed"),
+        ("sqlite://autobalance.db", "is malformed: a SQLite URL has three slashes before the file, "
+                                    "sqlite:///autobalance.db (four for an absolute path"),
     ],
 )
 def test_normalize_storage_url_errors(url: str, expected: str) -> None:
@@ -198,3 +204,25 @@ def test_import_does_not_import_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize("command", [["trials"], ["studies"], ["best"], ["report"], ["export", "-o", "x.json"],
+                                     ["tune", "examples/mlp/train.py", "--device", "cpu"]])
+def test_a_malformed_storage_url_is_one_line_naming_the_form(command: list[str], tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """``sqlite:/autobalance.db`` (a slash missing) was read as a file path (``directory .../sqlite:
+    does not exist``); every command says the URL is malformed and shows the form, and writes nothing."""
+    from typer.testing import CliRunner
+
+    from autobalance.cli import app
+
+    repo = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(tmp_path)
+    if command[0] == "tune":
+        command = ["tune", str(repo / command[1]), *command[2:], "--runs-dir", str(tmp_path / "runs")]
+    result = CliRunner().invoke(app, [*command, "--storage", "sqlite:/autobalance.db"])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "'sqlite:/autobalance.db' is malformed" in lines[0], lines
+    assert "sqlite:///autobalance.db" in lines[0]
+    assert list(tmp_path.iterdir()) == []
