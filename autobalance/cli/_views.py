@@ -12,6 +12,7 @@ from rich.table import Table
 from autobalance._config import describe_config
 from autobalance.cli._common import console
 from autobalance.protocol import (
+    Status,
     TrialAttr,
     busy_wait_text,
     memory_text,
@@ -127,7 +128,7 @@ def print_trials(*, study_name: str, storage: str, as_json: bool) -> None:
 
 def print_reasons(rows: list[dict[str, Any]]) -> None:
     """Each trial that did not end ``ok``, with its whole reason (tune's console line cuts it short)."""
-    failed = [r for r in rows if r["reason"] and r["status"] not in (None, "ok")]
+    failed = [r for r in rows if r["reason"] and r["status"] not in (None, Status.OK)]
     if not failed:
         return
     out = console()
