@@ -344,7 +344,8 @@ def replay(machine: GridMachine, *, seed: int, budget: str, root: str) -> dict[s
     grid_ms, grid_cfg = machine.best()
     if result.best is None:
         return {"placement": machine.placement, "budget": budget, "seed": seed, "saved": None, "ratio": None,
-                "wall_s": round(loop_s, 1), "grid_best_ms": round(grid_ms, 2)}
+                "wall_s": round(loop_s, 1), "grid_best_ms": round(grid_ms, 2),
+                "log": trial_log(optuna.load_study(study_name=name, storage=settings.storage).trials)}
     best = BalanceConfig.from_dict(result.best.user_attrs["config"])
     verify_s = 0.0
     for _, cfg, _ in verification_runs(own, best, dropout=False):  # through the warm pool, as tune verifies
@@ -352,10 +353,18 @@ def replay(machine: GridMachine, *, seed: int, budget: str, root: str) -> dict[s
     true_ms = machine.point(best).step_ms
     trials = optuna.load_study(study_name=name, storage=settings.storage).trials
     phases = [t.user_attrs.get("proposed_by", "sampler") for t in trials]
+    log = trial_log(trials)
     return {"placement": machine.placement, "budget": budget, "seed": seed, "saved": best.to_dict(),
             "saved_ms": round(true_ms, 2), "grid_best_ms": round(grid_ms, 2), "grid_best": grid_cfg.to_dict(),
             "ratio": round(true_ms / grid_ms, 4), "loop_s": round(loop_s, 1), "verify_s": round(verify_s, 1),
-            "wall_s": round(loop_s + verify_s, 1), "trials": len(trials), "phases": phases}
+            "wall_s": round(loop_s + verify_s, 1), "trials": len(trials), "phases": phases, "log": log}
+
+
+def trial_log(trials: list[optuna.trial.FrozenTrial]) -> list[list[Any]]:
+    """Each trial's (phase, configuration, state, values): what ``--dump`` writes to compare two versions
+    of the search decision by decision."""
+    return [[t.user_attrs.get("proposed_by", "sampler"), t.user_attrs.get("config"), t.state.name,
+             t.values] for t in trials]
 
 
 def _seeds(text: str) -> list[int]:
@@ -383,6 +392,8 @@ def main() -> None:
     p.add_argument("--placements", default="inside,outside")
     p.add_argument("--budgets", default="5m,10m")
     p.add_argument("--out", default=None, help="write the rows and the summary as JSON here")
+    p.add_argument("--dump", default=None, help="write each study's trials (phase, configuration, state, values) "
+                   "and saved configuration as JSON here, to compare two versions of the search")
     args = p.parse_args()
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     import autobalance.report as report
@@ -406,6 +417,9 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=1)
+    if args.dump:
+        with open(args.dump, "w") as fh:
+            json.dump([{k: r.get(k) for k in ("placement", "budget", "seed", "saved", "log")} for r in rows], fh, indent=0)
 
 
 if __name__ == "__main__":

@@ -327,7 +327,7 @@ def test_the_eager_veto_judges_at_the_default_margin_not_the_widened_one(tmp_pat
     ("predicts 9.28 MiB (+50% margin) > usable 12.2 MiB", measured 9.2-10.0). Proposals may stay that
     careful; a configuration is recorded ``predicted_oom`` without launching only when its central
     prediction plus the default 5 % is over the usable memory. Fails if the veto uses the widened margin."""
-    from autobalance.tuner.search._advisor import VETO_MARGIN
+    from autobalance.tuner.search import DEFAULT_SAFETY_MARGIN
 
     advisor = advisor_for(tmp_path)
     study = _measured_study(advisor, EAGER_BF16)
@@ -340,7 +340,7 @@ def test_the_eager_veto_judges_at_the_default_margin_not_the_widened_one(tmp_pat
                                       bucket_cap_mb=25.0, gradient_as_bucket_view=True, checkpoint=[list(range(c))])
                         for m in (4, 8) for c in (0, 8, 16))
             if 1.0 / 1.5 * usable < model.predict(rank=0, micro_batch=c.micro_batches[0], checkpointed=len(c.checkpoint[0]),
-                                                  num_layers=layers, dtype="bf16") * (1 + VETO_MARGIN) <= usable]
+                                                  num_layers=layers, dtype="bf16") * (1 + DEFAULT_SAFETY_MARGIN) <= usable]
     assert fits, "no configuration between the widened and the default margin: the check would be empty"
     for cfg in fits:  # over with the widened margin, within with the default: launched
         assert advisor.predict_infeasible(study, cfg) is None, cfg

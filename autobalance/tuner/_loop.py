@@ -38,11 +38,10 @@ from autobalance.tuner._verify_time import (
     trial_s,
 )
 from autobalance.tuner._workers import RunningClaim, fail_stale_trials
-from autobalance.tuner.search import SearchSpace, TrialFigures, proposal_line
+from autobalance.tuner.search import MAX_CRASHES_IN_A_ROW, SearchSpace, TrialFigures, proposal_line
 
 __all__ = ["MAX_CRASHES_IN_A_ROW", "TrialLoop"]
 
-MAX_CRASHES_IN_A_ROW = 3
 
 
 class TrialLoop:

@@ -38,6 +38,12 @@ from autobalance.tuner.search._compiled_model import (
     compiled_observations,
 )
 from autobalance.tuner.search._compiled_search import Candidate, cache_order, compiled_candidates
+from autobalance.tuner.search._constants import (
+    EAGER_FIRST,
+    MAX_PREDICTED_IN_A_ROW,
+    SAMPLER_EVERY,
+    WORTH,
+)
 from autobalance.tuner.search._cuda_graphs import graph_probe, graphs_verdict
 from autobalance.tuner.search._dominance import activation_budget, dominating_over_cap
 from autobalance.tuner.search._eager_search import eager_candidates
@@ -47,7 +53,7 @@ from autobalance.tuner.search._holdout import (
     eager_holdout_error,
     observations_from_trials,
 )
-from autobalance.tuner.search._memory_model import MemoryModel
+from autobalance.tuner.search._memory_model import DEFAULT_SAFETY_MARGIN, MemoryModel
 from autobalance.tuner.search._model_errors import FIT_ERRORS, ModelErrors
 from autobalance.tuner.search._objective import TrialFigures, spread_fraction
 from autobalance.tuner.search._policy import (
@@ -67,17 +73,6 @@ from autobalance.tuner.search._step_time import StepTimeModel
 __all__ = ["ModelAdvisor", "observations_from_trials"]
 
 GIB = 2**30
-_MAX_PREDICTED_IN_A_ROW = 25
-SAMPLER_EVERY = 3
-_WORTH = 1.5
-VETO_MARGIN = 0.05
-"""The margin a memory-model veto judges at (the models' default, :data:`DEFAULT_SAFETY_MARGIN`): a
-configuration is recorded as ``predicted_oom`` without launching only when its predicted peak plus this
-exceeds the usable memory, whatever the margin proposals have widened to."""
-EAGER_FIRST = 3
-"""With compile searched, a dtype's compiled proposals wait until this many eager trials of it were
-measured (or its eager memory model is fully determined): eager trials take seconds and give the
-compiled model its fixed part and activation unit; a compile takes tens of seconds."""
 
 
 def predicted_oom(*, headroom: float, usable: list[float], rank: int, peak: float | None,
@@ -117,7 +112,7 @@ class ModelAdvisor:
         self.model: MemoryModel | None = None
         self._proposed: set[str] = set()
         self._predicted_in_a_row = 0
-        self._margin = 0.05
+        self._margin = DEFAULT_SAFETY_MARGIN
         self._compiled_margin: float | None = None
         self.compiled: CompiledMemoryModel | None = None
         self._asks = 0
@@ -412,7 +407,7 @@ class ModelAdvisor:
         best = self._best_value(study)
         if self.time_left_s is not None and best is not None:  # under a time budget a compile must promise a gain
             fresh = [c for c in fresh if c.new_graphs == 0 or c.score < best]
-        if not fresh or fresh[0].score > _WORTH * candidates[0].score:
+        if not fresh or fresh[0].score > WORTH * candidates[0].score:
             return None
         pick, note = fresh[0], None
         if pick.source == "compiled-model" and self._eager_first(study, pick.config.dtype) and (
@@ -568,7 +563,7 @@ class ModelAdvisor:
         """Figures for a config that will not fit (a measured trial it dominates did not, or the
         model is confident); None to launch it."""
         usable = self._usable(study)
-        if usable is None or self._predicted_in_a_row >= _MAX_PREDICTED_IN_A_ROW:
+        if usable is None or self._predicted_in_a_row >= MAX_PREDICTED_IN_A_ROW:
             return None
         dominated = dominating_over_cap(study.get_trials(deepcopy=False), config)
         if dominated is not None:
@@ -590,7 +585,7 @@ class ModelAdvisor:
         # (up to 50 %) vetoed configurations that fit (issue 41: predicted 9.28 MiB +50 % > 12.2 MiB usable,
         # measured 9.2-10.0 MiB); proposing stays conservative, not launching needs the central estimate over
         feasible, peaks = predict_config_feasible(model, config, num_layers=max(1, self.space.num_layers),
-                                                  limits=usable, margin=VETO_MARGIN)
+                                                  limits=usable, margin=DEFAULT_SAFETY_MARGIN)
         if feasible:
             self._predicted_in_a_row = 0
             return None
@@ -606,7 +601,7 @@ class ModelAdvisor:
             "predicted": True,
             "predicted_by": "memory-model",
             "reason": (f"not launched: the memory model predicts rank {worst} at {memory_text(peaks[worst] / GIB)} "
-                       f"(+{100 * VETO_MARGIN:.0f}% margin) > usable {memory_text(usable[worst] / GIB)}"),
+                       f"(+{100 * DEFAULT_SAFETY_MARGIN:.0f}% margin) > usable {memory_text(usable[worst] / GIB)}"),
             "baseline": False,
         }
         return figures, attrs

@@ -9,11 +9,10 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autobalance._config import BalanceConfig
 from autobalance.protocol import MEASURED_STATUSES, Status, TrialAttr
+from autobalance.tuner.search._constants import SHARE_TOL
 
 __all__ = ["activation_budget", "dominating_over_cap"]
 
-_SHARE_TOL = 1e-9
-"""Cumulative shares this close are the same boundary (sums of 4-decimal shares in floating point)."""
 
 
 def activation_budget(cfg: dict[str, Any], rank: int) -> float:
@@ -72,7 +71,7 @@ def _holds_state_of(cfg: dict[str, Any], other: dict[str, Any], rank: int) -> bo
     three ranks or more the run may lie elsewhere in the parameter order)."""
     low, high = _state_run(cfg, rank)
     other_low, other_high = _state_run(other, rank)
-    return low <= other_low + _SHARE_TOL and high >= other_high - _SHARE_TOL
+    return low <= other_low + SHARE_TOL and high >= other_high - SHARE_TOL
 
 
 def dominating_over_cap(trials: list[FrozenTrial], config: BalanceConfig) -> tuple[FrozenTrial, int] | None:

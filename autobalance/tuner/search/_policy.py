@@ -21,8 +21,8 @@ the trial is the sampler's. Every trial line and the dashboard show the phase an
 | ``model`` | the memory and compiled models have fitted | their best-ranked configuration predicted to fit (``compiled-model`` or ``memory-model``); a budget below :data:`LOW_BUDGET` only where a higher one was measured at that micro-batch and scope |
 | ``prior``, ``sampler`` | nothing else proposes | the least memory the priors know while nothing fits (GPU); else the sampler |
 
-Constants of the policy live here (:data:`KEEP_AT_FULL_BUDGET`, :data:`FIT_MARGIN`,
-:data:`LOW_BUDGET`), each with the measurement it comes from.
+The policy's constants (:data:`KEEP_AT_FULL_BUDGET`, :data:`FIT_MARGIN`, :data:`LOW_BUDGET`, ...) live
+with every other decision constant in ``_constants``, each with the measurement it comes from.
 """
 
 from __future__ import annotations
@@ -38,40 +38,21 @@ from optuna.trial import FrozenTrial, TrialState
 from autobalance._config import BalanceConfig
 from autobalance._errors import ConfigError, UsageError
 from autobalance.protocol import MEASURED_STATUSES, Status, TrialAttr, memory_text
-from autobalance.tuner.search._space import SearchSpace, config_compile_key
+from autobalance.tuner.search._constants import (
+    BUDGET_CEILING,
+    FIT_MARGIN,
+    GROW_MIN_BUDGET,
+    KEEP_AT_FULL_BUDGET,
+    LOW_BUDGET,
+    SCOPE_TRANSFERS,
+)
+from autobalance.tuner.search._space import BUDGET_STEP, SearchSpace, config_compile_key
 
-__all__ = ["BUDGET_CEILING", "FIT_MARGIN", "GROW_MIN_BUDGET", "HALF_DTYPES", "KEEP_AT_FULL_BUDGET", "LOW_BUDGET", "PHASES", "REFINE_STEP", "SCOPE_TRANSFERS", "Proposal", "Record",
+__all__ = ["BUDGET_CEILING", "FIT_MARGIN", "GROW_MIN_BUDGET", "HALF_DTYPES", "KEEP_AT_FULL_BUDGET", "LOW_BUDGET", "PHASES", "SCOPE_TRANSFERS", "Proposal", "Record",
            "SearchPolicy", "TrialHistory", "first_compiled_micro_batch", "proposal_line"]
 
 GIB = 2**30
 HALF_DTYPES = ("bf16", "fp16")
-KEEP_AT_FULL_BUDGET = {True: 0.75, False: 1.0}
-"""Prior: the fraction of the eager per-sample activations a compiled graph keeps at budget 1.0, by
-whether the loss is inside the compiled model (``plan.wrap(loss=...)``). Measured on one H200
-(``benchmarks/2026-12-04-h200``, the GPT of ``studies/gpt-1gpu.toml``, 9.58 GiB held, 0.97 GiB per
-sample eager): loss inside 0.63-0.73 (whole 8 x 4, regional 8 x 4 and 16 x 2); loss outside 0.97-1.01
-(its full-precision logits stay outside the graph). Used only for the first compiled trial: after it,
-the compiled model's own fit."""
-FIT_MARGIN = 0.03
-"""The first compiled trial's predicted peak stays this fraction below the usable memory."""
-GROW_MIN_BUDGET = 0.5
-"""``compiled-grow`` takes one micro-step fewer only while the budget predicted to fit stays at or above
-this: on one H200 (``benchmarks/2026-12-04-h200``) a micro-step costs ~30 ms of launches whatever its
-size, so a larger micro-batch at budget 0.5 or more beat the smaller one at 1.0 (regional 16 x 2 at 0.5:
-128.9 ms, 8 x 4 at 1.0: 140.3 ms), and at 0.3 it no longer did (139.0 ms)."""
-SCOPE_TRANSFERS = 2
-"""``scope-probe`` runs the fastest this many measured compiled splits in the other scope (the scopes'
-optima differ: on the H200, regional 11,11,10 was its best split and whole 8 x 4 the grid's)."""
-BUDGET_CEILING = 1.0
-"""``raise-budget`` proposes budgets up to this (the partitioner's default: it keeps what eager keeps)."""
-REFINE_STEP = 0.05
-"""``raise-budget`` moves the best compiled trial's budget in steps of this much (the space's budget
-grid). No phase lowers it: at one rank a lower budget at the same split only recomputes more (the
-former ``refine`` phase did, and in the replay its trials were kept only when noise favoured them)."""
-LOW_BUDGET = 0.3
-"""Budgets below this are proposed only where a higher one was measured at the same micro-batch and
-scope: memory is not monotone in low budgets (pytorch/pytorch#197838; on the H200 whole-model 8 x 4
-with the loss outside peaked at 15.5 GiB at budget 0.75 and 16.9 GiB at 0.5)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -435,13 +416,13 @@ class SearchPolicy:
         ceiling = min([BUDGET_CEILING + 1e-9, *history.over_budgets(cfg)])
         limit = history.usable_gib[0] * (1.0 - FIT_MARGIN)
         pick: tuple[float, float] | None = None
-        nb = round(b + REFINE_STEP, 3)
+        nb = round(b + BUDGET_STEP, 3)
         while nb < ceiling:
             change = self.advisor.peak_change(cfg, nb)
             if change is None or float(peak) + change[0] > limit:
                 break
             pick = (nb, float(peak) + change[0])
-            nb = round(nb + REFINE_STEP, 3)
+            nb = round(nb + BUDGET_STEP, 3)
         if pick is None:
             return None
         other = BalanceConfig.from_dict({**cfg.to_dict(), "activation_budget": [pick[0]]})
