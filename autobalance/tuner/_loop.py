@@ -38,7 +38,13 @@ from autobalance.tuner._verify_time import (
     trial_s,
 )
 from autobalance.tuner._workers import RunningClaim, fail_stale_trials
-from autobalance.tuner.search import MAX_CRASHES_IN_A_ROW, SearchSpace, TrialFigures, proposal_line
+from autobalance.tuner.search import (
+    MAX_CRASHES_IN_A_ROW,
+    Decision,
+    SearchSpace,
+    TrialFigures,
+    proposal_line,
+)
 
 __all__ = ["MAX_CRASHES_IN_A_ROW", "TrialLoop"]
 
@@ -67,6 +73,19 @@ class TrialLoop:
         """Trial ids this loop runs now (other workers' running trials are waited for at the end)."""
         self._in_flight: dict[str, threading.Event] = {}
         self._crashes_in_a_row = 0
+        self._decision: Decision | None = None
+
+    def decision(self, study: optuna.Study) -> Decision:
+        """The decision of the next trial (``search.Decision``: the study read once, each model fitted
+        once): the last one while no trial finished since, else a new one."""
+        with self.lock:
+            decision = self._decision
+            if decision is None or not decision.current(study):
+                space = study.user_attrs.get(StudyAttr.SPACE) or {}
+                decision = self._decision = Decision(study, num_layers=int(space.get("num_layers") or 0),
+                                                     device=self.settings.device,
+                                                     errors=getattr(self.advisor, "errors", None))
+            return decision
 
     # ------------------------------------------------------------------ one trial
     def one_trial(self, study: optuna.Study, space: SearchSpace) -> None:
@@ -74,7 +93,7 @@ class TrialLoop:
         # 1. Ask Optuna (the advisor may have queued its proposal); one ask at a time.
         with self.lock:
             if self.advisor is not None:
-                self.advisor.before_ask(study)
+                self.advisor.before_ask(study, self.decision(study))
             trial = study.ask()
             self.launcher.beat_now(trial)
             if self.recorder.surplus(study, trial):  # another worker took the study's last trial
@@ -264,9 +283,10 @@ class TrialLoop:
         as predicted from this study's trials (``_verify_time.py``); nothing without a budget."""
         if self.budget.budget_s is None:
             return
-        trials = study.get_trials(deepcopy=False)
+        decision = self.decision(study)
+        trials = decision.trials
         self.budget.next_trial_s = next_trial_s(trials)
-        forecast = self._forecast(study, trials, best_trial(study))
+        forecast = self._forecast(decision, best_trial(decision.study))
         if forecast is None:  # nothing is verified after the study
             return
         self.budget.reserve_s, self.budget.reserve_runs = forecast.reserve_s, len(forecast.runs)
@@ -274,16 +294,18 @@ class TrialLoop:
             self.advisor.time_left_s = (self.budget.deadline - time.monotonic() - self.budget.reserve_s
                                         - self.budget.next_trial_s)
 
-    def _forecast(self, study: optuna.Study, trials: list[FrozenTrial], best: FrozenTrial | None) -> VerifyForecast | None:
-        """Verification's forecast for ``best`` (``_verify_time.py``); None when nothing is verified."""
+    def _forecast(self, decision: Decision, best: FrozenTrial | None) -> VerifyForecast | None:
+        """Verification's forecast for ``best`` (``_verify_time.py``), priced with the decision's
+        step-time models; None when nothing is verified."""
         s = self.settings
         if not s.verify or s.nnodes > 1:
             return None
-        space = study.user_attrs.get(StudyAttr.SPACE) or {}
-        base_no = study.user_attrs.get(StudyAttr.BASELINE)
+        trials = decision.trials
+        base_no = decision.study.user_attrs.get(StudyAttr.BASELINE)
         own = next((t.user_attrs.get(TrialAttr.CONFIG) for t in trials if t.number == base_no), None)
         return forecast_verification(trials, baseline=BalanceConfig.from_dict(own) if own else None, best=best,
-                                     num_layers=int(space.get("num_layers") or 0), device=s.device)
+                                     num_layers=decision.num_layers, device=s.device, eager=decision.step_time,
+                                     compiled=decision.compiled_time)
 
     def over_budget(self, study: optuna.Study, config: BalanceConfig) -> str | None:
         """Why ``config`` is not launched under the time budget (None: it is): its expected time (a
@@ -291,13 +313,14 @@ class TrialLoop:
         should it become the best - no longer fits in the time left."""
         if self.budget.deadline is None:
             return None
-        trials = study.get_trials(deepcopy=False)
+        decision = self.decision(study)
+        trials = decision.trials
         took = trial_s(trials, config, device=self.settings.device)
         candidate = FrozenTrial(number=len(trials), state=TrialState.COMPLETE, value=None, values=None,
                                 datetime_start=None, datetime_complete=None, params={}, distributions={},
                                 user_attrs={TrialAttr.CONFIG: config.to_dict()}, system_attrs={},
                                 intermediate_values={}, trial_id=-1)
-        forecast = self._forecast(study, trials, candidate)
+        forecast = self._forecast(decision, candidate)
         reserve = max(self.budget.reserve_s, forecast.reserve_s if forecast is not None else 0.0)
         now = time.monotonic()
         if self.budget.holds(now, took, reserve):

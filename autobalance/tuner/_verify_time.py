@@ -275,9 +275,11 @@ def _from_cache_s(trials: Sequence[FrozenTrial], cfg: BalanceConfig, *, cold: fl
 
 
 def forecast_verification(trials: Sequence[FrozenTrial], *, baseline: BalanceConfig | None, best: FrozenTrial | None,
-                          num_layers: int, device: str) -> VerifyForecast:
+                          num_layers: int, device: str, eager: StepTimeModel | None = None,
+                          compiled: CompiledTimeModel | None = None) -> VerifyForecast:
     """The predicted time of verifying ``best`` (module doc); 0 s without a candidate or when it is
-    the script's own configuration."""
+    the script's own configuration. ``eager``, ``compiled``: the step-time models already fitted on
+    ``trials`` (the decision's: ``search.Decision``); None: fitted here."""
     config = (best.user_attrs.get(TrialAttr.CONFIG) if best is not None else None)
     if best is None or not config:
         return VerifyForecast(seconds=0.0)
@@ -292,8 +294,10 @@ def forecast_verification(trials: Sequence[FrozenTrial], *, baseline: BalanceCon
         if (t.state == TrialState.COMPLETE and t.user_attrs.get(TrialAttr.STATUS) == Status.OK and cfg
                 and isinstance(ms, (int, float))):
             measured[json.dumps(cfg, sort_keys=True)] = float(ms)
-    eager = StepTimeModel.fit(list(trials), num_layers=num_layers, device=device)
-    compiled = CompiledTimeModel.fit(list(trials), eager=eager, device=device)
+    if eager is None:
+        eager = StepTimeModel.fit(list(trials), num_layers=num_layers, device=device)
+    if compiled is None:
+        compiled = CompiledTimeModel.fit(list(trials), eager=eager, device=device)
     slowest = max(measured.values(), default=0.0)
     graphs = compiled_graphs([t for t in trials if t.user_attrs.get(TrialAttr.STATUS) in MEASURED_STATUSES])
     gb = max((float(b) for t in trials if isinstance(b := t.user_attrs.get(TrialAttr.PARAMETER_BYTES), (int, float))),

@@ -125,6 +125,7 @@ from autobalance.tuner.search._policy import (
     TrialHistory,
     proposal_line,
 )
+from autobalance.tuner.search._snapshot import Decision
 from autobalance.tuner.search._solver import (
     DEFAULT_RECOMPUTE_FRACTION,
     SplitPlan,
@@ -203,6 +204,7 @@ __all__ = [
     "CompiledMemoryModel",
     "CompiledObservation",
     "CompiledTimeModel",
+    "Decision",
     "DtypeFit",
     "MemoryModel",
     "MemoryObservation",

@@ -63,7 +63,7 @@ from autobalance.tuner.search._policy import (
     SearchPolicy,
     TrialHistory,
 )
-from autobalance.tuner.search._snapshot import StudySnapshot
+from autobalance.tuner.search._snapshot import Decision
 from autobalance.tuner.search._solver import (
     predict_config_feasible,
 )
@@ -123,10 +123,9 @@ class ModelAdvisor:
         """Why the last proposals were held to some dtypes (``""``: none held back)."""
         self.policy = SearchPolicy(space=space, advisor=self)
         """Where the next trial is chosen (``_policy``)."""
-        self._study: optuna.Study | None = None
-        self._decision_compiled: tuple[CompiledMemoryModel | None] | None = None
-        """The compiled model fitted once for the decision in progress (None: not fitted yet)."""
-        """The study of the :meth:`before_ask` call in progress (the policy's phases read it)."""
+        self.decision: Decision | None = None
+        """The decision in progress (``_snapshot``: the study read once, each model fitted once), from
+        :meth:`before_ask` until the next; the veto of the trial asked reads it too."""
         self.time_left_s: float | None = None
         """Seconds ``--time-budget`` leaves for a compile once verification's predicted time and a
         usual trial are kept (set by the tuner before each ask; None: no budget): a proposal that
@@ -148,6 +147,13 @@ class ModelAdvisor:
         return [float(c) * (1.0 - self.settings.headroom) for c in capacity]
 
     def refit(self, study: optuna.Study) -> MemoryModel | None:
+        """The memory model on ``study``'s trials: fitted once per decision (:attr:`decision`)."""
+        decision = self._current(study)
+        if decision is None:
+            return self._refit(study)
+        return decision.fitted(("memory", self._margin), lambda: self._refit(decision.study))
+
+    def _refit(self, study: optuna.Study) -> MemoryModel | None:
         obs = observations_from_trials(study.get_trials(deepcopy=False), num_layers=self.space.num_layers)
         if not any(o.ok for o in obs):
             return None
@@ -180,8 +186,7 @@ class ModelAdvisor:
         if model is None or usable is None:
             return []
         trials = study.get_trials(deepcopy=False)
-        timing = StepTimeModel.fit(trials, num_layers=self.space.num_layers, device=self.settings.device,
-                                   errors=self.errors)
+        timing = self._decision_for(study).step_time
         reference = self._reference_ms(study)
         bucket, view = self._bucket_choice(study)
         max_spread = self.settings.max_spread_gib * GIB if self.settings.max_spread_gib is not None else None
@@ -194,7 +199,7 @@ class ModelAdvisor:
             max_spread=max_spread, score=score, errors=self.errors)
         compiled = self._compiled_for(study, model)
         if compiled is not None:
-            compiled_timing = CompiledTimeModel.fit(trials, eager=timing, device=self.settings.device)
+            compiled_timing = self._decision_for(study).compiled_time
             found = compiled_candidates(space=self.space, trials=trials, memory=compiled, timing=compiled_timing,
                                         eager_timing=timing, usable=usable, bucket=bucket, view=view,
                                         max_spread=max_spread, score=score, errors=self.errors)
@@ -233,9 +238,21 @@ class ModelAdvisor:
         if model is None or not self.space.compile_searched:
             return None
         margin = max(model.safety_margin, self._compiled_margin or 0.0)
-        self.compiled = CompiledMemoryModel.fit(compiled_observations(study.get_trials(deepcopy=False)),
-                                                eager=model, num_layers=self.space.num_layers, safety_margin=margin)
+        self.compiled = self._decision_for(study).fitted(("compiled-memory", id(model), margin), lambda: (
+            CompiledMemoryModel.fit(compiled_observations(study.get_trials(deepcopy=False)), eager=model,
+                                    num_layers=self.space.num_layers, safety_margin=margin)))
         return self.compiled
+
+    def _decision_for(self, study: optuna.Study) -> Decision:
+        """The decision in progress when ``study`` is its view, else a decision of its own (a call
+        outside :meth:`before_ask`)."""
+        return self._current(study) or Decision(study, num_layers=self.space.num_layers, device=self.settings.device,
+                                                errors=self.errors)
+
+    def _current(self, study: optuna.Study) -> Decision | None:
+        """The decision in progress if ``study`` is its study or its view of it (None: no decision)."""
+        decision = self.decision
+        return decision if decision is not None and (study is decision.study or study is decision.source) else None
 
     def _eager_first(self, study: optuna.Study, dtype: str) -> bool:
         """Whether ``dtype``'s compiled proposals wait for more eager trials (:data:`EAGER_FIRST`)."""
@@ -255,22 +272,22 @@ class ModelAdvisor:
         return 25.0, True
 
     @_saves_errors
-    def before_ask(self, study: optuna.Study) -> None:
+    def before_ask(self, study: optuna.Study, decision: Decision | None = None) -> None:
         """Enqueue the search policy's next proposal when nothing is waiting (``_policy``: the one
-        place the next trial is chosen); no proposal: the sampler's trial."""
+        place the next trial is chosen); no proposal: the sampler's trial. ``decision``: the loop's
+        (the study read once, each model fitted once); None: one of its own."""
         if study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
             return
         self._asks += 1
-        view = cast(optuna.Study, StudySnapshot(study))  # the trials read once for the whole decision
-        self._study = view
-        self._decision_compiled = None
-        try:
-            history = TrialHistory.from_trials(
-                view.get_trials(deepcopy=False), space=self.space, usable=self._usable(view),
-                device=self.settings.device, model_facts=view.user_attrs.get(StudyAttr.MODEL))
-            proposal = self.policy.next(history)
-        finally:
-            self._study = None
+        if decision is None:
+            decision = Decision(study, num_layers=self.space.num_layers, device=self.settings.device)
+        decision.errors = self.errors
+        self.decision = decision
+        view = decision.study
+        history = TrialHistory.from_trials(
+            view.get_trials(deepcopy=False), space=self.space, usable=self._usable(view),
+            device=self.settings.device, model_facts=view.user_attrs.get(StudyAttr.MODEL))
+        proposal = self.policy.next(history)
         if proposal is None:
             return
         if proposal.config is None:  # the sampler's trial, some parameters pinned
@@ -283,8 +300,8 @@ class ModelAdvisor:
     # ------------------------------------------------------------------ what the policy's phases ask
     @property
     def study(self) -> optuna.Study:
-        assert self._study is not None, "asked outside before_ask"
-        return self._study
+        assert self.decision is not None, "asked outside before_ask"
+        return self.decision.study
 
     def allowed_dtypes_now(self) -> list[str]:
         return self._allowed_dtypes(self.study)
@@ -325,21 +342,21 @@ class ModelAdvisor:
 
     def predicted_ms(self, config: BalanceConfig) -> float | None:
         """The step-time models' prediction for ``config`` (ms; None: nothing to predict from)."""
-        trials = self.study.get_trials(deepcopy=False)
+        decision = self._decision_for(self.study)
         try:
-            timing = StepTimeModel.fit(trials, num_layers=self.space.num_layers, device=self.settings.device)
+            timing = decision.step_time
             if config.compile == "off":
                 return timing.predict(config) if timing.k else None
-            return CompiledTimeModel.fit(trials, eager=timing, device=self.settings.device).predict(config)
+            return decision.compiled_time.predict(config)
         except FIT_ERRORS:  # a fit that cannot be made says nothing: the proposal goes without a time
             return None
 
     def _compiled_now(self) -> CompiledMemoryModel | None:
         """The compiled model on the decision's trials, fitted once per decision."""
-        if self._decision_compiled is None:
+        def first() -> CompiledMemoryModel | None:
             model = self.model if self.model is not None else self.refit(self.study)
-            self._decision_compiled = (self._compiled_for(self.study, model) if model is not None else None,)
-        return self._decision_compiled[0]
+            return self._compiled_for(self.study, model) if model is not None else None
+        return self._decision_for(self.study).fitted("compiled-now", first)
 
     def peak_change(self, config: BalanceConfig, budget: float) -> list[float] | None:
         """Per rank, the compiled model's change of the peak (GiB, no margins) from ``config``'s budgets
@@ -545,8 +562,7 @@ class ModelAdvisor:
 
     def _timing(self, study: optuna.Study) -> StepTimeModel | None:
         """The step-time model on the study's trials (None: nothing measured yet)."""
-        timing = StepTimeModel.fit(study.get_trials(deepcopy=False), num_layers=self.space.num_layers,
-                                   device=self.settings.device, errors=self.errors)
+        timing = self._decision_for(study).step_time
         return timing if timing.k else None
 
     @_saves_errors
