@@ -59,7 +59,6 @@ from autobalance.tuner.search._objective import TrialFigures, spread_fraction
 from autobalance.tuner.search._policy import (
     LOW_BUDGET,
     Proposal,
-    Record,
     SearchPolicy,
     TrialHistory,
 )
@@ -306,14 +305,10 @@ class ModelAdvisor:
     def allowed_dtypes_now(self) -> list[str]:
         return self._allowed_dtypes(self.study)
 
-    def best_record(self, history: TrialHistory) -> Record | None:
-        top = best_trial(self.study)
-        return None if top is None else next((r for r in history.records if r.number == top.number), None)
-
     def largest_budgets(self, config: BalanceConfig) -> list[float] | None:
         """Per rank, the largest budget the compiled model predicts to fit at ``config``'s micro-batches
         (its scope and dtype); None: a rank fits at none, or nothing to predict from."""
-        model = self.model if self.model is not None else self.refit(self.study)
+        model = self.refit(self.study)
         usable = self._usable(self.study)
         compiled = self._compiled_for(self.study, model) if model is not None else None
         if compiled is None or usable is None or not model or not model.can_predict(config.dtype):
@@ -330,7 +325,7 @@ class ModelAdvisor:
     def eager_estimate(self) -> tuple[None, float, float] | None:
         """``(None, held GiB, activations GiB per sample)`` of the fullest rank from the memory model's
         fit in the first half dtype, when trials did not report the held memory (runtimes from before)."""
-        model = self.model if self.model is not None else self.refit(self.study)
+        model = self.refit(self.study)
         dtypes = [d for d in self.allowed_dtypes_now() if d in ("bf16", "fp16")]
         if model is None or not dtypes or not model.can_predict(dtypes[0]):
             return None
@@ -354,7 +349,7 @@ class ModelAdvisor:
     def _compiled_now(self) -> CompiledMemoryModel | None:
         """The compiled model on the decision's trials, fitted once per decision."""
         def first() -> CompiledMemoryModel | None:
-            model = self.model if self.model is not None else self.refit(self.study)
+            model = self.refit(self.study)
             return self._compiled_for(self.study, model) if model is not None else None
         return self._decision_for(self.study).fitted("compiled-now", first)
 
@@ -585,7 +580,7 @@ class ModelAdvisor:
         if dominated is not None:
             self._predicted_in_a_row += 1
             return self._dominance_figures(config, usable, *dominated)
-        model = self.model if self.model is not None else self.refit(study)
+        model = self.refit(study)
         if model is None:
             return None
         if config.compile != "off":  # compiled memory follows the budget: the compiled model's measured bounds
