@@ -35,7 +35,7 @@ Only the best candidate's runs are reserved: a second candidate (the best failed
 its own runs after the budget. The reserve is the forecast times :data:`RESERVE_MARGIN`. The trial
 loop starts a trial only while the time left holds the next trial (the median launched trial, its
 compiling apart) plus that reserve (:meth:`TimeBudget.spent`); a proposal that compiles new graphs
-needs the study's median compile on top (the advisor's ``time_left_s``).
+needs the study's median compile on top (:attr:`TimeBudget.compile_left_s`).
 
 Replayed on the recorded H200 studies (``tests/test_verify_reserve_replay.py``): ``h200c``'s
 best at the stop (trial 10) was reserved 133.9 s (7 runs, two of them dropout runs verification did

@@ -31,7 +31,6 @@ from autobalance.protocol import (
     weighted_objective,
 )
 from autobalance.tuner._settings import TuneSettings
-from autobalance.tuner.search._compile import compile_times
 from autobalance.tuner.search._compiled_model import (
     CompiledMemoryModel,
     CompiledTimeModel,
@@ -125,15 +124,6 @@ class ModelAdvisor:
         self.decision: Decision | None = None
         """The decision in progress (``_snapshot``: the study read once, each model fitted once), from
         :meth:`before_ask` until the next; the veto of the trial asked reads it too."""
-        self.time_left_s: float | None = None
-        """Seconds ``--time-budget`` leaves for a compile once verification's predicted time and a
-        usual trial are kept (set by the tuner before each ask; None: no budget): a proposal that
-        compiles new graphs is made only when the study's median compile fits in it, and only when
-        it is predicted to beat the best trial (a compile predicted to lose is not worth its time)."""
-        self.over_budget: Callable[[optuna.Study, BalanceConfig], str | None] | None = None
-        """Why the tuner would not launch a configuration under ``--time-budget`` (its compile and
-        verification's reserve after it priced from the study: ``_verify_time``), or None; set by the
-        tuner (None: no budget). The policy skips a proposal the budget cannot hold."""
 
     # ------------------------------------------------------------------ model
     def _usable(self, study: optuna.Study) -> list[float] | None:
@@ -374,7 +364,7 @@ class ModelAdvisor:
 
     def unaffordable(self, config: BalanceConfig) -> str | None:
         """Why the time budget would not launch ``config`` (None: it would, or there is no budget)."""
-        return None if self.over_budget is None else self.over_budget(self.study, config)
+        return self._decision_for(self.study).unaffordable(config)
 
     def time_holds_compile(self, scope: str | None = None) -> bool:
         return not self._no_time_to_compile(self.study, scope)
@@ -405,7 +395,7 @@ class ModelAdvisor:
         tried = history.tried() | self._proposed
         if self._no_time_to_compile(study):  # no new graph that the time budget cannot hold
             candidates = [c for c in candidates if c.new_graphs == 0]
-        elif self.time_left_s is not None:  # nor one of a scope whose compile it cannot hold
+        elif self._decision_for(study).compile_limited:  # nor one of a scope whose compile it cannot hold
             dear = {scope for scope in self.space.compile_scopes if self._no_time_to_compile(study, scope)}
             candidates = [c for c in candidates if c.new_graphs == 0 or c.config.compile == "off"
                           or c.config.compile_scope not in dear]
@@ -417,7 +407,7 @@ class ModelAdvisor:
         fresh = [c for c in candidates if c.config.to_json() not in tried and self._low_budget_ok(history, c.config)
                  and (c.config.compile == "off" or c.config.compile_scope in scopes)]
         best = self._best_value(study)
-        if self.time_left_s is not None and best is not None:  # under a time budget a compile must promise a gain
+        if self._decision_for(study).compile_limited and best is not None:  # under a time budget a compile must promise a gain
             fresh = [c for c in fresh if c.new_graphs == 0 or c.score < best]
         if not fresh or fresh[0].score > WORTH * candidates[0].score:
             return None
@@ -529,12 +519,9 @@ class ModelAdvisor:
         return weighted_objective(best.values, study.user_attrs.get(StudyAttr.OBJECTIVE, {}))
 
     def _no_time_to_compile(self, study: optuna.Study, scope: str | None = None) -> bool:
-        """Whether the time budget leaves less than the study's median compile (:attr:`time_left_s`);
+        """Whether the time budget leaves less than the study's median compile (``TimeBudget.holds_compile``);
         ``scope``: a compile of that scope (``compile_times``)."""
-        if self.time_left_s is None or not self.space.compile_searched:
-            return False
-        _, compile_s = compile_times(study.get_trials(deepcopy=False), device=self.settings.device, scope=scope)
-        return compile_s > self.time_left_s
+        return self.space.compile_searched and not self._decision_for(study).holds_compile(scope)
 
     def _sampler_proposal(self, why: str) -> Proposal:
         """The sampler's trial. While some dtype is held back, its dtype is fixed to the best trial's

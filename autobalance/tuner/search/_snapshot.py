@@ -18,17 +18,19 @@ the policy's phases and the check of the configuration asked all use one fit of 
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Container, Hashable, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from autobalance._config import BalanceConfig
 from autobalance.tuner.search._compiled_model import CompiledTimeModel
 from autobalance.tuner.search._model_errors import ModelErrors
 from autobalance.tuner.search._step_time import StepTimeModel
 
-__all__ = ["Decision", "StudySnapshot", "finished_key"]
+__all__ = ["Budget", "Decision", "StudySnapshot", "finished_key"]
 
 _T = TypeVar("_T")
 
@@ -59,12 +61,23 @@ def finished_key(trials: Sequence[FrozenTrial]) -> tuple[tuple[int, int], ...]:
     return tuple((t.number, t.state.value) for t in trials if t.state.is_finished())
 
 
+class Budget(Protocol):
+    """What a decision asks of ``--time-budget`` (``tuner._time_spent.TimeBudget``, the one place a
+    stop for time is decided)."""
+
+    compile_left_s: float | None
+
+    def unaffordable(self, decision: Decision, config: BalanceConfig) -> str | None: ...
+    def holds_compile(self, decision: Decision, scope: str | None = None) -> bool: ...
+
+
 class Decision:
     """One choice of the next trial: the study's trials read once and each model fitted from them at
     most once (:meth:`fitted`; :attr:`step_time` and :attr:`compiled_time` here, the advisor's memory
     models through :meth:`fitted` with their own key)."""
 
-    def __init__(self, study: optuna.Study, *, num_layers: int, device: str, errors: ModelErrors | None = None) -> None:
+    def __init__(self, study: optuna.Study, *, num_layers: int, device: str, errors: ModelErrors | None = None,
+                 budget: Budget | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.source = study
         """The study itself (writes go there)."""
         self.study = cast(optuna.Study, StudySnapshot(study))
@@ -75,6 +88,10 @@ class Decision:
         self.device = device
         self.errors = errors
         """Where a time model's fit notes what it fell back from (the advisor's; None: nowhere)."""
+        self.budget = budget
+        """``--time-budget`` (None: no budget)."""
+        self.clock = clock
+        """The time now (``time.monotonic``; the replay's simulated clock)."""
         self._fits: dict[Hashable, Any] = {}
 
     def current(self, study: optuna.Study) -> bool:
@@ -86,6 +103,20 @@ class Decision:
         if key not in self._fits:
             self._fits[key] = fit()
         return cast(_T, self._fits[key])
+
+    def unaffordable(self, config: BalanceConfig) -> str | None:
+        """Why the time budget would not launch ``config`` now, verification's reserve after it
+        included (None: it would, or there is no budget)."""
+        return None if self.budget is None else self.budget.unaffordable(self, config)
+
+    def holds_compile(self, scope: str | None = None) -> bool:
+        """Whether the time left holds the study's median compile (``scope``: of that scope)."""
+        return self.budget is None or self.budget.holds_compile(self, scope)
+
+    @property
+    def compile_limited(self) -> bool:
+        """Whether the time budget limits compiles (it keeps time for verification)."""
+        return self.budget is not None and self.budget.compile_left_s is not None
 
     @property
     def step_time(self) -> StepTimeModel:
