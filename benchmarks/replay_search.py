@@ -394,6 +394,8 @@ def main() -> None:
     p.add_argument("--out", default=None, help="write the rows and the summary as JSON here")
     p.add_argument("--dump", default=None, help="write each study's trials (phase, configuration, state, values) "
                    "and saved configuration as JSON here, to compare two versions of the search")
+    p.add_argument("--compare", default=None, help="a --dump of an earlier version: say which studies decide "
+                   "differently (the first trial that differs) and exit 1 if any does")
     args = p.parse_args()
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     import autobalance.report as report
@@ -420,6 +422,26 @@ def main() -> None:
     if args.dump:
         with open(args.dump, "w") as fh:
             json.dump([{k: r.get(k) for k in ("placement", "budget", "seed", "saved", "log")} for r in rows], fh, indent=0)
+    if args.compare and compare(rows, args.compare):
+        sys.exit(1)
+
+
+def compare(rows: list[dict[str, Any]], path: str) -> int:
+    """How many of ``rows``' studies decide differently from the same studies in the dump at ``path``
+    (each printed with its first differing trial); a study missing from the dump counts."""
+    with open(path) as fh:
+        before = {(r["placement"], r["budget"], r["seed"]): r for r in json.load(fh)}
+    differ = 0
+    for r in rows:
+        old = before.get((r["placement"], r["budget"], r["seed"]))
+        if old is not None and old["log"] == r.get("log") and old["saved"] == r.get("saved"):
+            continue
+        differ += 1
+        pairs = list(zip((old or {}).get("log") or [], r.get("log") or [], strict=False))
+        first = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
+        print(f"differs: {r['placement']} {r['budget']} seed {r['seed']} from trial {first}", flush=True)
+    print(f"{len(rows) - differ} of {len(rows)} studies decide as in {path}", flush=True)
+    return differ
 
 
 if __name__ == "__main__":

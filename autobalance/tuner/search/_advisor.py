@@ -33,7 +33,6 @@ from autobalance.protocol import (
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner.search._compiled_model import (
     CompiledMemoryModel,
-    CompiledTimeModel,
     compiled_observations,
 )
 from autobalance.tuner.search._compiled_search import Candidate, cache_order, compiled_candidates
@@ -215,11 +214,6 @@ class ModelAdvisor:
         capacity = [u / (1.0 - self.settings.headroom) for u in usable]
         return objective_value(spread_fraction(peaks, capacity), ms / (reference_ms or ms),
                                weight_spread=self.settings.weight_spread, weight_time=self.settings.weight_time)
-
-    def predicted_objective(self, cfg: BalanceConfig, peaks: list[float], usable: list[float],
-                            timing: StepTimeModel | CompiledTimeModel, reference_ms: float | None) -> float | None:
-        t = timing.predict(cfg)
-        return None if t is None else self._objective(peaks, usable, t, reference_ms)
 
     def _compiled_for(self, study: optuna.Study, model: MemoryModel | None) -> CompiledMemoryModel | None:
         """The compiled model refitted on the study's compiled trials (None: compile not searched,
