@@ -68,3 +68,27 @@ def test_each_model_is_fitted_at_most_once_per_decision(monkeypatch: pytest.Monk
     assert sum(c["compiled memory"] for c in fits.values()) >= 3  # and the compiled phases' fits
     twice = {d: {m: n for m, n in c.items() if n > 1} for d, c in fits.items() if any(n > 1 for n in c.values())}
     assert twice == {}, f"models fitted more than once in a decision: {twice}"
+
+
+def test_a_decision_is_kept_until_a_trial_finishes(tmp_path: Path) -> None:
+    """The loop keeps one decision (its fits) while no trial finished - a trial asked and running
+    changes nothing the models read - and takes a new one once a trial is told."""
+    import threading
+    import types
+
+    from autobalance.tuner import TuneSettings
+    from autobalance.tuner._time_spent import TimeBudget
+
+    (tmp_path / "train.py").write_text("")
+    settings = TuneSettings(script=str(tmp_path / "train.py"), device="cpu")
+    loop = TrialLoop(settings=settings, storage=None, launcher=types.SimpleNamespace(stop=threading.Event()),  # type: ignore[arg-type]
+                     recorder=None, reporter=None, advisor=None, budget=TimeBudget(budget_s=None, started=0.0))  # type: ignore[arg-type]
+    study = optuna.create_study()
+    study.tell(study.ask(), 1.0)
+    first = loop.decision(study)
+    assert first.step_time is first.step_time  # fitted once, kept
+    running = study.ask()
+    assert loop.decision(study) is first and first.current(study)
+    study.tell(running, 2.0)
+    second = loop.decision(study)
+    assert second is not first and len(second.trials) == 2 and not first.current(study)

@@ -172,6 +172,19 @@ def test_compile_time_is_priced_per_scope_and_an_unmeasured_scope_from_the_other
     assert abs(compile_times(whole, device="cuda", scope="regional")[1] - 40.0 * high) < 1e-9
 
 
+def test_a_compile_from_the_cache_is_priced_at_one_share_of_a_cold_one_before_a_hit_is_measured() -> None:
+    """One cached-compile prior (``FROM_CACHE_SHARE``, 0.4: the H200's largest measured share) for the
+    compile figures and verification's forecast alike (the figures once used 0.1)."""
+    from autobalance.tuner._verify_time import FROM_CACHE_SHARE as verify_share
+    from autobalance.tuner.search import CACHE_HIT_PRIOR_S, COMPILE_PRIOR_S, FROM_CACHE_SHARE
+
+    assert verify_share is FROM_CACHE_SHARE == 0.4
+    assert compile_times([], device="cuda") == (FROM_CACHE_SHARE * COMPILE_PRIOR_S["cuda"], COMPILE_PRIOR_S["cuda"])
+    assert compile_times([_trial(1, "whole", 40.0)], device="cuda") == (FROM_CACHE_SHARE * 40.0, 40.0)
+    assert compile_times([_trial(1, "whole", 4.0)], device="cuda") == (CACHE_HIT_PRIOR_S, 4.0)  # a hit's floor
+    assert compile_times([], device="cpu")[0] == max(CACHE_HIT_PRIOR_S, FROM_CACHE_SHARE * COMPILE_PRIOR_S["cpu"])
+
+
 def test_a_sampled_cuda_graph_trial_is_whole_model_whatever_the_scope_parameter() -> None:
     """The sampler may draw ``compile_scope=regional`` with ``reduce-overhead`` (the scope is a parameter of
     every compiled trial): CUDA graphs are captured for the whole model only, so the trial is whole-model
