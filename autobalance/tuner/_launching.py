@@ -29,7 +29,6 @@ from autobalance.tuner.search import (
 __all__ = ["AUTO_MEASURE_FACTOR", "AUTO_MEASURE_MAX_S", "Stopped", "TrialLauncher", "best_step_s"]
 
 
-
 class Stopped(KeyboardInterrupt):
     """Raised in a slot's trial when another slot stopped the study (or the tuner was interrupted):
     the trial is killed and marked interrupted like on Ctrl-C."""

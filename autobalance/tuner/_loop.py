@@ -43,7 +43,6 @@ from autobalance.tuner.search import (
 __all__ = ["MAX_CRASHES_IN_A_ROW", "TrialLoop"]
 
 
-
 class TrialLoop:
     """Runs trials until the study has ``settings.trials`` counted ones. Several slots run
     :meth:`one_trial` at once; ``lock`` serialises what they share."""

@@ -30,7 +30,6 @@ from autobalance.tuner.search import DISPERSION_LIMIT
 __all__ = ["DISPERSION_LIMIT", "dispersion", "merge_outcomes", "remeasure_reason"]
 
 
-
 def _iqr(times: list[float]) -> float | None:
     if len(times) < 2:
         return None

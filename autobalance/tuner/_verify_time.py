@@ -75,7 +75,6 @@ __all__ = ["COMPARE_S_PER_GB", "FIRST_STEP_FACTOR", "FLOOR_RUNS", "FROM_CACHE_SH
            "run_prices", "trial_s", "verification_runs", "worker_start_s"]
 
 
-
 @dataclass(kw_only=True)
 class VerifyForecast:
     """The predicted time of verifying one candidate."""

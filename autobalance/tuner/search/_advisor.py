@@ -259,13 +259,13 @@ class ModelAdvisor:
         """Enqueue the search policy's next proposal when nothing is waiting (``_policy``: the one
         place the next trial is chosen); no proposal: the sampler's trial. ``decision``: the loop's
         (the study read once, each model fitted once); None: one of its own."""
-        if study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
-            return
-        self._asks += 1
         if decision is None:
             decision = Decision(study, num_layers=self.space.num_layers, device=self.settings.device)
         decision.errors = self.errors
-        self.decision = decision
+        self.decision = decision  # the veto of the trial asked reads it too
+        if study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+            return
+        self._asks += 1
         view = decision.study
         history = TrialHistory.from_trials(
             view.get_trials(deepcopy=False), space=self.space, usable=self._usable(view),

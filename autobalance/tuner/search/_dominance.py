@@ -14,7 +14,6 @@ from autobalance.tuner.search._constants import SHARE_TOL
 __all__ = ["activation_budget", "dominating_over_cap"]
 
 
-
 def activation_budget(cfg: dict[str, Any], rank: int) -> float:
     """Rank ``rank``'s compile activation budget in ``cfg`` (1.0: none set, everything kept)."""
     budgets = cfg.get("activation_budget")

@@ -46,7 +46,6 @@ __all__ = [
 ]
 
 
-
 @dataclass(kw_only=True)
 class SplitPlan:
     """One candidate: per-rank micro-batches and checkpoint counts with their predicted effect."""
