@@ -15,11 +15,14 @@ from autobalance.tuner import SearchSpace, TuneSettings
 from autobalance.tuner.search import (
     MICRO_STEP_PRIOR,
     CompiledTimeModel,
+    Decision,
     ModelAdvisor,
     StepTimeModel,
+    TrialHistory,
     graph_probe,
     graphs_verdict,
 )
+from autobalance.tuner.search._policy import cuda_graphs_phase
 
 LAYERS = 4
 GIB = 2**30
@@ -165,6 +168,10 @@ def _auto_study(tmp_path, graph_ms: float | None):
     return advisor, study, trials[len(EAGER)]
 
 
+def _history(advisor: ModelAdvisor, study: optuna.Study) -> TrialHistory:
+    return TrialHistory.from_trials(study.get_trials(), space=advisor.space, usable=[USABLE * GIB], device="cuda")
+
+
 def test_cuda_graphs_are_first_measured_at_the_best_default_mode_configuration(tmp_path):
     advisor, study, best = _auto_study(tmp_path, graph_ms=None)
     trials = study.get_trials()
@@ -175,11 +182,12 @@ def test_cuda_graphs_are_first_measured_at_the_best_default_mode_configuration(t
     assert probe == BalanceConfig.from_dict({**best.user_attrs["config"], "compile": "reduce-overhead"})
     assert graph_probe(trials, best=trials[0], modes=advisor.space.compile_modes, dtypes=["bf16"]) is None  # eager
     assert graph_probe(trials, best=best, modes=["off", "default"], dtypes=["bf16"]) is None  # not searched
-    proposal = advisor._graph_probe(study)  # the search policy's cuda-graphs phase: proposed once
+    advisor.decision = Decision(study, num_layers=advisor.space.num_layers, device="cuda")
+    proposal = cuda_graphs_phase(advisor.policy, _history(advisor, study))  # the cuda-graphs phase: proposed once
     assert proposal is not None and proposal.phase == "cuda-graphs" and proposal.config is not None
     assert proposal.config.compile == "reduce-overhead" and "CUDA graphs" in proposal.reason
-    advisor._proposed.add(proposal.config.to_json())  # what before_ask does when it enqueues it
-    assert advisor._graph_probe(study) is None
+    advisor.proposed.add(proposal.config.to_json())  # what before_ask does when it enqueues it
+    assert cuda_graphs_phase(advisor.policy, _history(advisor, study)) is None
 
 
 @pytest.mark.parametrize(("gain", "verdict"), [(0.05, "pays"), (0.01, "no-gain")])

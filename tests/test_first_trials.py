@@ -20,6 +20,7 @@ from autobalance.protocol import StudyAttr
 from autobalance.tuner import SearchSpace, TuneSettings
 from autobalance.tuner._time_spent import TimeBudget
 from autobalance.tuner.search import Decision, ModelAdvisor, proposable_dtypes, proposals_stalled
+from autobalance.tuner.search._policy import sampler_proposal
 
 GIB = 2**30
 LAYERS = 16
@@ -303,7 +304,7 @@ def test_near_the_end_of_a_time_budget_no_new_graph_is_compiled(tmp_path):
     # a trial left to the sampler then runs eager too (and in bf16: fp32 is still held back)
     study.tell(study.trials[-1].number, 1.0)
     advisor.decision = _compile_left(advisor, study, 30.0)  # what before_ask sets while the policy's phases run
-    sampler = advisor._sampler_proposal("the sampler's trial")
+    sampler = sampler_proposal(advisor, "the sampler's trial")
     assert sampler.config is None and sampler.phase == "sampler"
     assert sampler.fixed == {"compile": "off", "dtype": "bf16"}
     assert "the time budget holds no compile" in sampler.reason

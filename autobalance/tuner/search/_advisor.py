@@ -13,14 +13,13 @@ On a GPU the first trials are the models' (bf16 first, fp32 only when asked or l
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from autobalance._config import CUDA_GRAPH_MODES, BalanceConfig, split_evenly
+from autobalance._config import CUDA_GRAPH_MODES, BalanceConfig
 from autobalance.protocol import (
     Status,
     StudyAttr,
@@ -28,7 +27,6 @@ from autobalance.protocol import (
     best_trial,
     memory_text,
     objective_value,
-    weighted_objective,
 )
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner.search._compiled_model import (
@@ -37,15 +35,12 @@ from autobalance.tuner.search._compiled_model import (
 )
 from autobalance.tuner.search._compiled_search import Candidate, cache_order, compiled_candidates
 from autobalance.tuner.search._constants import (
-    EAGER_FIRST,
     MAX_PREDICTED_IN_A_ROW,
-    SAMPLER_EVERY,
-    WORTH,
 )
-from autobalance.tuner.search._cuda_graphs import graph_probe, graphs_verdict
+from autobalance.tuner.search._cuda_graphs import graphs_verdict
 from autobalance.tuner.search._dominance import activation_budget, dominating_over_cap
 from autobalance.tuner.search._eager_search import eager_candidates
-from autobalance.tuner.search._first_trials import proposable_dtypes, proposals_stalled
+from autobalance.tuner.search._first_trials import proposable_dtypes
 from autobalance.tuner.search._holdout import (
     compiled_holdout_error,
     eager_holdout_error,
@@ -55,8 +50,6 @@ from autobalance.tuner.search._memory_model import DEFAULT_SAFETY_MARGIN, Memory
 from autobalance.tuner.search._model_errors import FIT_ERRORS, ModelErrors
 from autobalance.tuner.search._objective import TrialFigures, spread_fraction
 from autobalance.tuner.search._policy import (
-    LOW_BUDGET,
-    Proposal,
     SearchPolicy,
     TrialHistory,
 )
@@ -64,7 +57,7 @@ from autobalance.tuner.search._snapshot import Decision
 from autobalance.tuner.search._solver import (
     predict_config_feasible,
 )
-from autobalance.tuner.search._space import BUDGET_RANGE, SearchSpace, config_compile_key
+from autobalance.tuner.search._space import SearchSpace, config_compile_key
 from autobalance.tuner.search._step_time import StepTimeModel
 
 __all__ = ["ModelAdvisor", "observations_from_trials"]
@@ -107,12 +100,12 @@ class ModelAdvisor:
         self.space = space
         self.settings = settings
         self.model: MemoryModel | None = None
-        self._proposed: set[str] = set()
+        self.proposed: set[str] = set()
         self._predicted_in_a_row = 0
         self._margin = DEFAULT_SAFETY_MARGIN
         self._compiled_margin: float | None = None
         self.compiled: CompiledMemoryModel | None = None
-        self._asks = 0
+        self.asks = 0
         self._predictions: dict[str, Candidate] = {}
         self.errors = ModelErrors()
         """The fits the search fell back from; saved in the study after each call that fits (:func:`_saves_errors`)."""
@@ -174,7 +167,7 @@ class ModelAdvisor:
         if model is None or usable is None:
             return []
         trials = study.get_trials(deepcopy=False)
-        timing = self._decision_for(study).step_time
+        timing = self.decision_for(study).step_time
         reference = self._reference_ms(study)
         bucket, view = self._bucket_choice(study)
         max_spread = self.settings.max_spread_gib * GIB if self.settings.max_spread_gib is not None else None
@@ -187,7 +180,7 @@ class ModelAdvisor:
             max_spread=max_spread, score=score, errors=self.errors)
         compiled = self._compiled_for(study, model)
         if compiled is not None:
-            compiled_timing = self._decision_for(study).compiled_time
+            compiled_timing = self.decision_for(study).compiled_time
             found = compiled_candidates(space=self.space, trials=trials, memory=compiled, timing=compiled_timing,
                                         eager_timing=timing, usable=usable, bucket=bucket, view=view,
                                         max_spread=max_spread, score=score, errors=self.errors)
@@ -197,12 +190,12 @@ class ModelAdvisor:
             pays = {d: graphs_verdict(trials, d) == "pays" for d in self.space.dtypes} if probed else {}
             out += [c for c in found if not probed or c.config.compile not in CUDA_GRAPH_MODES
                     or pays.get(c.config.dtype, False)]
-        allowed = self._allowed_dtypes(study, timing)
+        allowed = self.allowed_dtypes(study, timing)
         ordered = cache_order([c for c in out if c.config.dtype in allowed])
         self._predictions = {c.config.to_json(): c for c in ordered}
         return ordered
 
-    def _allowed_dtypes(self, study: optuna.Study, timing: StepTimeModel | None = None) -> list[str]:
+    def allowed_dtypes(self, study: optuna.Study, timing: StepTimeModel | None = None) -> list[str]:
         """The dtypes the models may propose now (``_first_trials``); sets :attr:`dtype_note`."""
         tf32 = bool((study.user_attrs.get(StudyAttr.DEVICE) or {}).get("tf32"))  # the baseline's report
         allowed, self.dtype_note = proposable_dtypes(
@@ -221,12 +214,12 @@ class ModelAdvisor:
         if model is None or not self.space.compile_searched:
             return None
         margin = max(model.safety_margin, self._compiled_margin or 0.0)
-        self.compiled = self._decision_for(study).fitted(("compiled-memory", id(model), margin), lambda: (
+        self.compiled = self.decision_for(study).fitted(("compiled-memory", id(model), margin), lambda: (
             CompiledMemoryModel.fit(compiled_observations(study.get_trials(deepcopy=False)), eager=model,
                                     num_layers=self.space.num_layers, safety_margin=margin)))
         return self.compiled
 
-    def _decision_for(self, study: optuna.Study) -> Decision:
+    def decision_for(self, study: optuna.Study) -> Decision:
         """The decision in progress when ``study`` is its view, else a decision of its own (a call
         outside :meth:`before_ask`)."""
         return self._current(study) or Decision(study, num_layers=self.space.num_layers, device=self.settings.device,
@@ -236,16 +229,6 @@ class ModelAdvisor:
         """The decision in progress if ``study`` is its study or its view of it (None: no decision)."""
         decision = self.decision
         return decision if decision is not None and (study is decision.study or study is decision.source) else None
-
-    def _eager_first(self, study: optuna.Study, dtype: str) -> bool:
-        """Whether ``dtype``'s compiled proposals wait for more eager trials (:data:`EAGER_FIRST`)."""
-        if "off" not in self.space.compile_modes or self.model is None or self.model.is_fitted_for(dtype):
-            return False
-        eager = sum(1 for t in study.get_trials(deepcopy=False)
-                    if t.user_attrs.get(TrialAttr.STATUS) == Status.OK and t.user_attrs.get(TrialAttr.REUSED_FROM) is None
-                    and (t.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile", "off") == "off"
-                    and (t.user_attrs.get(TrialAttr.CONFIG) or {}).get("dtype") == dtype)
-        return eager < EAGER_FIRST
 
     def _bucket_choice(self, study: optuna.Study) -> tuple[float, bool]:
         best = best_trial(study)
@@ -265,7 +248,7 @@ class ModelAdvisor:
         self.decision = decision  # the veto of the trial asked reads it too
         if study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
             return
-        self._asks += 1
+        self.asks += 1
         view = decision.study
         history = TrialHistory.from_trials(
             view.get_trials(deepcopy=False), space=self.space, usable=self._usable(view),
@@ -277,7 +260,7 @@ class ModelAdvisor:
             if proposal.fixed:
                 study.enqueue_trial(proposal.fixed, user_attrs=proposal.user_attrs())
             return
-        self._proposed.add(proposal.config.to_json())
+        self.proposed.add(proposal.config.to_json())
         study.enqueue_trial(self.space.params_from_config(proposal.config), user_attrs=proposal.user_attrs())
 
     # ------------------------------------------------------------------ what the policy's phases ask
@@ -287,7 +270,7 @@ class ModelAdvisor:
         return self.decision.study
 
     def allowed_dtypes_now(self) -> list[str]:
-        return self._allowed_dtypes(self.study)
+        return self.allowed_dtypes(self.study)
 
     def largest_budgets(self, config: BalanceConfig) -> list[float] | None:
         """Per rank, the largest budget the compiled model predicts to fit at ``config``'s micro-batches
@@ -321,7 +304,7 @@ class ModelAdvisor:
 
     def predicted_ms(self, config: BalanceConfig) -> float | None:
         """The step-time models' prediction for ``config`` (ms; None: nothing to predict from)."""
-        decision = self._decision_for(self.study)
+        decision = self.decision_for(self.study)
         try:
             timing = decision.step_time
             if config.compile == "off":
@@ -335,7 +318,7 @@ class ModelAdvisor:
         def first() -> CompiledMemoryModel | None:
             model = self.refit(self.study)
             return self._compiled_for(self.study, model) if model is not None else None
-        return self._decision_for(self.study).fitted("compiled-now", first)
+        return self.decision_for(self.study).fitted("compiled-now", first)
 
     def peak_change(self, config: BalanceConfig, budget: float) -> list[float] | None:
         """Per rank, the compiled model's change of the peak (GiB, no margins) from ``config``'s budgets
@@ -353,193 +336,13 @@ class ModelAdvisor:
             return None
         return [p / GIB for p in compiled.config_peaks(config)]
 
-    def graph_proposal(self) -> Proposal | None:
-        return self._graph_probe(self.study)
-
     def unaffordable(self, config: BalanceConfig) -> str | None:
         """Why the time budget would not launch ``config`` (None: it would, or there is no budget)."""
-        return self._decision_for(self.study).unaffordable(config)
+        return self.decision_for(self.study).unaffordable(config)
 
     def time_holds_compile(self, scope: str | None = None) -> bool:
-        return not self._no_time_to_compile(self.study, scope)
-
-    def explore(self, history: TrialHistory) -> Proposal | None:
-        """The sampler's trial every ``SAMPLER_EVERY``-th ask: on CPU always (it explores what the
-        models do not: bucket sizes, dtypes they cannot predict yet), on a GPU only once the models'
-        proposals stopped improving (``_first_trials.proposals_stalled``)."""
-        study = self.study
-        if self._asks % SAMPLER_EVERY == 0 and (
-                self.settings.device != "cuda"
-                or proposals_stalled(study.get_trials(deepcopy=False), study.user_attrs.get(StudyAttr.OBJECTIVE, {}))):
-            return self._sampler_proposal("explore: " + ("every third trial on CPU" if self.settings.device != "cuda"
-                                                         else "the models' proposals stopped improving"))
-        return None
-
-    def model_proposal(self, history: TrialHistory) -> Proposal | None:
-        """The models' best new candidate (eager from the memory model, compiled from the compiled
-        model), when it is worth a trial: under a time budget a compile must fit in the time left and
-        promise a gain; a budget below ``LOW_BUDGET`` only where a higher one was measured at that
-        micro-batch and scope; a compile scope only once a trial of it was measured (the scope probe
-        brings in another: no borrowing across scopes); an eager candidate first while the compiled model has too few eager
-        trials of its dtype (``EAGER_FIRST``)."""
-        study = self.study
-        candidates = self.scored_candidates(study)
-        if not candidates:
-            return None
-        tried = history.tried() | self._proposed
-        if self._no_time_to_compile(study):  # no new graph that the time budget cannot hold
-            candidates = [c for c in candidates if c.new_graphs == 0]
-        elif self._decision_for(study).compile_limited:  # nor one of a scope whose compile it cannot hold
-            dear = {scope for scope in self.space.compile_scopes if self._no_time_to_compile(study, scope)}
-            candidates = [c for c in candidates if c.new_graphs == 0 or c.config.compile == "off"
-                          or c.config.compile_scope not in dear]
-        scopes = history.measured_scopes() or {self.space.compile_scopes[-1]}  # regional first when searched
-        if self.settings.device == "cuda" and history.best_compiled() is not None and not self._eager_timed(history):
-            # an eager proposal against a compiled best needs an eager time model of its own (three measured
-            # eager splits): with fewer it is proportional and ranks launch-bound small micro-batches too well
-            candidates = [c for c in candidates if c.config.compile != "off"]
-        fresh = [c for c in candidates if c.config.to_json() not in tried and self._low_budget_ok(history, c.config)
-                 and (c.config.compile == "off" or c.config.compile_scope in scopes)]
-        best = self._best_value(study)
-        if self._decision_for(study).compile_limited and best is not None:  # under a time budget a compile must promise a gain
-            fresh = [c for c in fresh if c.new_graphs == 0 or c.score < best]
-        if not fresh or fresh[0].score > WORTH * candidates[0].score:
-            return None
-        pick, note = fresh[0], None
-        if pick.source == "compiled-model" and self._eager_first(study, pick.config.dtype) and (
-                history.eager_probe() is None):
-            eager = [c for c in fresh if c.source == "memory-model" and c.config.dtype == pick.config.dtype]
-            if eager:  # a few seconds that teach the compiled model its fixed part before a compile
-                pick, note = eager[0], "eager first: teaches the memory model before compiling"
-        extra: dict[str, Any] = {}
-        if pick.source == "compiled-model":
-            extra["proposal_new_graphs"] = pick.new_graphs
-        reason = note or ("the compiled model's best configuration predicted to fit" if pick.source == "compiled-model"
-                          else "the memory model's best configuration predicted to fit")
-        if self.dtype_note and not note:
-            reason += f" ({self.dtype_note})"
-        return Proposal(config=pick.config, phase=pick.source, reason=reason, predicted_ms=pick.step_ms,
-                        predicted_peak_gib=[p / GIB for p in pick.peaks], extra=extra)
-
-    @staticmethod
-    def _eager_timed(history: TrialHistory) -> bool:
-        """Whether three distinct eager splits were measured (the eager time model's fixed terms are then seen)."""
-        return len({json.dumps([r.config.accumulation, r.config.micro_batches]) for r in history.records
-                    if r.measured and r.status == Status.OK and r.config is not None and r.config.compile == "off"}) >= 3
-
-    def _low_budget_ok(self, history: TrialHistory, config: BalanceConfig) -> bool:
-        """A budget below ``LOW_BUDGET`` only where a higher one was measured at that micro-batch and scope."""
-        if config.compile == "off" or min(config.activation_budget or [1.0]) >= LOW_BUDGET:
-            return True
-        measured = history.measured_budget(config_compile_key(config), max(config.micro_batches))
-        return measured is not None and measured >= LOW_BUDGET
-
-    def fallback_proposal(self, history: TrialHistory) -> Proposal | None:
-        """When no phase proposes: the least memory the priors know while nothing fits (on a GPU), else
-        the sampler."""
-        study = self.study
-        if self.settings.device == "cuda" and not any(r.status == Status.OK for r in history.records):
-            probe = self._probe(study)
-            if probe is not None:
-                return Proposal(config=probe, phase="prior", reason=(
-                    "nothing measured fits yet: the least memory the priors know, in "
-                    f"{probe.dtype} ({self.dtype_note or 'the dtype prior on a GPU'})"))
-        return self._sampler_proposal("the sampler's trial: the models propose nothing new worth a trial")
-
-    def _graph_probe(self, study: optuna.Study) -> Proposal | None:
-        """The CUDA-graph probe (:func:`graph_probe`) when there is one and the time budget holds a
-        compile. Asked once the models promise nothing better than the best trial, and only when that
-        is a default-mode compiled one: the probe measures graphs where the default mode's optimum is."""
-        if self._no_time_to_compile(study):
-            return None
-        top = best_trial(study)
-        if top is None:
-            return None
-        if (top.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile_scope", "whole") != "whole":
-            # CUDA graphs capture the whole model: probed at the best whole-model trial within 2 % of the best
-            whole = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-                     if t.user_attrs.get(TrialAttr.FEASIBLE) and t.user_attrs.get(TrialAttr.STEP_TIME_MS)
-                     and (t.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile") == "default"
-                     and (t.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile_scope", "whole") == "whole"]
-            best_ms = float(top.user_attrs.get(TrialAttr.STEP_TIME_MS) or 0.0)
-            close = [t for t in whole if float(t.user_attrs[TrialAttr.STEP_TIME_MS]) <= 1.02 * best_ms]
-            if not close:
-                return None
-            top = min(close, key=lambda t: float(t.user_attrs[TrialAttr.STEP_TIME_MS]))
-        probe = graph_probe(study.get_trials(deepcopy=False), best=top, modes=self.space.compile_modes,
-                            dtypes=self._allowed_dtypes(study))
-        if probe is None or probe.to_json() in self._proposed or not self.space.contains(probe):
-            return None
-        return Proposal(config=probe, phase="cuda-graphs", reason=(
-            f"CUDA graphs ({probe.compile}) at the best default-mode compiled configuration: one compile "
-            "measures whether they pay for this script"))
-
-    def _probe(self, study: optuna.Study) -> BalanceConfig | None:
-        """With nothing measured that fits (the script's own configuration ran out of memory): the
-        least-memory configurations of the first allowed dtype, which the priors expect to fit - every
-        block checkpointed (compiled only: the smallest budget), at the baseline's accumulation, then
-        at the largest; None once both were tried."""
-        trials = study.get_trials(deepcopy=False)
-        if any(t.user_attrs.get(TrialAttr.STATUS) == Status.OK for t in trials):
-            return None
-        allowed = self._allowed_dtypes(study)
-        if not allowed:
-            return None
-        number = study.user_attrs.get(StudyAttr.BASELINE)
-        own = next((t.user_attrs.get(TrialAttr.CONFIG) or {} for t in trials if t.number == number), {})
-        tried = {json.dumps(t.user_attrs.get(TrialAttr.CONFIG), sort_keys=True)
-                 for t in trials if t.user_attrs.get(TrialAttr.CONFIG)} | self._proposed
-        world = self.space.world_size
-        mode = "off" if "off" in self.space.compile_modes else self.space.compile_modes[0]
-        layers = self.space.num_layers if mode == "off" else 0
-        for acc in dict.fromkeys([int(own.get("accumulation") or 1), max(self.space.accumulations)]):
-            if acc not in self.space.accumulations:
-                continue
-            micro = split_evenly(self.space.micro_total(acc), [1.0] * world)
-            cfg = self.space.config_for(
-                micro, acc, None, checkpoint=[list(range(layers)) for _ in range(world)], dtype=allowed[0],
-                bucket_cap_mb=float(own.get("bucket_cap_mb") or 25.0),
-                gradient_as_bucket_view=bool(own.get("gradient_as_bucket_view", True)), compile=mode,
-                activation_budget=None if mode == "off" else [BUDGET_RANGE[0]] * world)
-            if self.space.contains(cfg) and cfg.to_json() not in tried:
-                return cfg
-        return None
-
-    def _best_value(self, study: optuna.Study) -> float | None:
-        """The best feasible trial's objective (weighted on a Pareto front); None before one."""
-        best = best_trial(study)
-        if best is None or not best.values:
-            return None
-        return weighted_objective(best.values, study.user_attrs.get(StudyAttr.OBJECTIVE, {}))
-
-    def _no_time_to_compile(self, study: optuna.Study, scope: str | None = None) -> bool:
-        """Whether the time budget leaves less than the study's median compile (``TimeBudget.holds_compile``);
-        ``scope``: a compile of that scope (``compile_times``)."""
-        return self.space.compile_searched and not self._decision_for(study).holds_compile(scope)
-
-    def _sampler_proposal(self, why: str) -> Proposal:
-        """The sampler's trial. While some dtype is held back, its dtype is fixed to the best trial's
-        (when allowed) or the first allowed one; when the time budget holds no compile, it runs eager
-        (the sampler picks the rest)."""
-        study = self.study
-        fixed: dict[str, Any] = {}
-        notes = [why]
-        if self._no_time_to_compile(study) and "off" in self.space.compile_modes:
-            fixed["compile"] = "off"
-            notes.append("eager: the time budget holds no compile")
-        if self.settings.device == "cuda":
-            allowed = self._allowed_dtypes(study, self._timing(study))
-            if allowed and len(allowed) < len(self.space.dtypes):
-                best = best_trial(study)
-                dtype = (best.user_attrs.get(TrialAttr.CONFIG) or {}).get("dtype") if best is not None else None
-                fixed["dtype"] = dtype if dtype in allowed else allowed[0]
-                notes.append(f"in {fixed['dtype']}: {self.dtype_note}")
-        return Proposal(config=None, phase="sampler", reason="; ".join(notes), fixed=fixed)
-
-    def _timing(self, study: optuna.Study) -> StepTimeModel | None:
-        """The step-time model on the study's trials (None: nothing measured yet)."""
-        timing = self._decision_for(study).step_time
-        return timing if timing.k else None
+        """Whether the time budget holds a compile (``scope``: of that scope; ``TimeBudget.holds_compile``)."""
+        return not self.space.compile_searched or self.decision_for(self.study).holds_compile(scope)
 
     @_saves_errors
     def holdout_error(self, study: optuna.Study) -> float | None:
