@@ -10,7 +10,7 @@
 - ``_holdout``: what the memory models are fitted from, and their leave-one-trial-out errors;
 - ``_compiled_model``: compiled configurations' peaks (per-rank budgets) and step times;
 - ``_compiled_search``: compiled proposals from it, ordered to reuse the Inductor cache;
-- ``_dominance``: model-free "cannot fit" from launched trials that did not fit;
+- ``_dominance``: what cannot fit, said before launching (model-free dominance, the memory models' vetoes);
 - ``_compile``: compile in the study (cache, space check, compile figures);
 - ``_first_trials``: on a GPU, which dtypes the models may propose (bf16 first) and when the sampler explores;
 - ``_model_errors``: the errors a fit can raise, and the ones the search fell back from (kept in the study);

@@ -25,7 +25,6 @@ from autobalance.protocol import (
     StudyAttr,
     TrialAttr,
     best_trial,
-    memory_text,
     objective_value,
 )
 from autobalance.tuner._settings import TuneSettings
@@ -38,7 +37,7 @@ from autobalance.tuner.search._constants import (
     MAX_PREDICTED_IN_A_ROW,
 )
 from autobalance.tuner.search._cuda_graphs import graphs_verdict
-from autobalance.tuner.search._dominance import activation_budget, dominating_over_cap
+from autobalance.tuner.search._dominance import dominance_veto, dominating_over_cap, model_veto
 from autobalance.tuner.search._eager_search import eager_candidates
 from autobalance.tuner.search._first_trials import proposable_dtypes
 from autobalance.tuner.search._holdout import (
@@ -54,29 +53,12 @@ from autobalance.tuner.search._policy import (
     TrialHistory,
 )
 from autobalance.tuner.search._snapshot import Decision
-from autobalance.tuner.search._solver import (
-    predict_config_feasible,
-)
 from autobalance.tuner.search._space import SearchSpace, config_compile_key
 from autobalance.tuner.search._step_time import StepTimeModel
 
 __all__ = ["ModelAdvisor", "observations_from_trials"]
 
 GIB = 2**30
-
-
-def predicted_oom(*, headroom: float, usable: list[float], rank: int, peak: float | None,
-                  attrs: dict[str, Any]) -> tuple[TrialFigures, dict[str, Any]]:
-    """The figures and attributes of a trial recorded as ``predicted_oom`` without launching: rank
-    ``rank`` is known to need at least ``peak`` bytes; ``attrs`` say who predicted it and why."""
-    peaks: list[float | None] = [None] * len(usable)
-    peaks[rank] = peak
-    figures = TrialFigures(status=Status.PREDICTED_OOM, peak_device=peaks, peak_allocated=[None] * len(peaks),
-                           peak_reserved=[None] * len(peaks), outside_pytorch=[None] * len(peaks),
-                           capacity=[u / (1.0 - headroom) for u in usable], step_time_s=None, samples_per_s=None,
-                           startup_s=None)
-    return figures, {**figures.user_attrs(headroom), "status": Status.PREDICTED_OOM, "predicted": True, **attrs,
-                     "baseline": False}
 
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
@@ -106,7 +88,6 @@ class ModelAdvisor:
         self._compiled_margin: float | None = None
         self.compiled: CompiledMemoryModel | None = None
         self.asks = 0
-        self._predictions: dict[str, Candidate] = {}
         self.errors = ModelErrors()
         """The fits the search fell back from; saved in the study after each call that fits (:func:`_saves_errors`)."""
         self.dtype_note = ""
@@ -148,10 +129,6 @@ class ModelAdvisor:
         return model
 
     # ------------------------------------------------------------------ proposals
-    def _reference_ms(self, study: optuna.Study) -> float | None:
-        ref = study.user_attrs.get(StudyAttr.REFERENCE)
-        return 1000 * float(ref) if ref else None
-
     def candidates(self, study: optuna.Study) -> list[tuple[float, BalanceConfig]]:
         """Configurations the models predict to fit, scored by the predicted objective (spread from
         the memory models, step time from time models fitted to the study's trials), best first:
@@ -168,12 +145,15 @@ class ModelAdvisor:
             return []
         trials = study.get_trials(deepcopy=False)
         timing = self.decision_for(study).step_time
-        reference = self._reference_ms(study)
+        ref = study.user_attrs.get(StudyAttr.REFERENCE)
+        reference = 1000 * float(ref) if ref else None
+        capacity = [u / (1.0 - self.settings.headroom) for u in usable]
         bucket, view = self._bucket_choice(study)
         max_spread = self.settings.max_spread_gib * GIB if self.settings.max_spread_gib is not None else None
 
         def score(cfg: BalanceConfig, peaks: list[float], ms: float) -> float | None:
-            return self._objective(peaks, usable, ms, reference)
+            return objective_value(spread_fraction(peaks, capacity), ms / (reference or ms),
+                                   weight_spread=self.settings.weight_spread, weight_time=self.settings.weight_time)
 
         out = [] if "off" not in self.space.compile_modes else eager_candidates(
             space=self.space, model=model, timing=timing, usable=usable, bucket=bucket, view=view,
@@ -192,7 +172,6 @@ class ModelAdvisor:
                     or pays.get(c.config.dtype, False)]
         allowed = self.allowed_dtypes(study, timing)
         ordered = cache_order([c for c in out if c.config.dtype in allowed])
-        self._predictions = {c.config.to_json(): c for c in ordered}
         return ordered
 
     def allowed_dtypes(self, study: optuna.Study, timing: StepTimeModel | None = None) -> list[str]:
@@ -202,11 +181,6 @@ class ModelAdvisor:
             space=self.space, device=self.settings.device, trials=study.get_trials(deepcopy=False), tf32=tf32,
             asked="fp32" in (self.settings.dtypes or []), per_sample_ms=None if timing is None else dict(timing.k))
         return allowed
-
-    def _objective(self, peaks: list[float], usable: list[float], ms: float, reference_ms: float | None) -> float:
-        capacity = [u / (1.0 - self.settings.headroom) for u in usable]
-        return objective_value(spread_fraction(peaks, capacity), ms / (reference_ms or ms),
-                               weight_spread=self.settings.weight_spread, weight_time=self.settings.weight_time)
 
     def _compiled_for(self, study: optuna.Study, model: MemoryModel | None) -> CompiledMemoryModel | None:
         """The compiled model refitted on the study's compiled trials (None: compile not searched,
@@ -356,101 +330,33 @@ class ModelAdvisor:
     @_saves_errors
     def predict_infeasible(self, study: optuna.Study, config: BalanceConfig) -> tuple[TrialFigures, dict[str, Any]] | None:
         """Figures for a config that will not fit (a measured trial it dominates did not, or the
-        model is confident); None to launch it."""
+        models are confident: ``_dominance``); None to launch it. After :data:`MAX_PREDICTED_IN_A_ROW`
+        vetoes in a row the next configuration is launched whatever the models say."""
         usable = self._usable(study)
         if usable is None or self._predicted_in_a_row >= MAX_PREDICTED_IN_A_ROW:
             return None
+        headroom = self.settings.headroom
         dominated = dominating_over_cap(study.get_trials(deepcopy=False), config)
         if dominated is not None:
-            self._predicted_in_a_row += 1
-            return self._dominance_figures(config, usable, *dominated)
-        model = self.refit(study)
-        if model is None:
+            verdict: tuple[TrialFigures, dict[str, Any]] | bool | None = dominance_veto(
+                config, *dominated, usable=usable, headroom=headroom)
+        else:
+            model = self.refit(study)
+            if model is None:
+                return None
+            compiled = None
+            if config.compile != "off":  # compiled memory follows the budget: the compiled model's measured bounds
+                compiled = self.compiled if self.compiled is not None else self._compiled_for(study, model)
+            verdict = model_veto(model, compiled, config, usable=usable, headroom=headroom,
+                                 num_layers=self.space.num_layers)
+        if verdict is None:  # the models cannot say
             return None
-        if config.compile != "off":  # compiled memory follows the budget: the compiled model's measured bounds
-            return self._compiled_veto(study, model, config, usable)
-        counts = [len(c) for c in config.checkpoint]
-        if not model.can_predict(config.dtype) or not all(
-            model.is_confident(rank=r, micro_batch=m, checkpointed=c, num_layers=max(1, self.space.num_layers),
-                               dtype=config.dtype)
-            for r, (m, c) in enumerate(zip(config.micro_batches, counts, strict=True))
-        ):
-            return None
-        # the veto judges at the default margin, not the self-widened one the proposals use: a widened margin
-        # (up to 50 %) vetoed configurations that fit (issue 41: predicted 9.28 MiB +50 % > 12.2 MiB usable,
-        # measured 9.2-10.0 MiB); proposing stays conservative, not launching needs the central estimate over
-        feasible, peaks = predict_config_feasible(model, config, num_layers=max(1, self.space.num_layers),
-                                                  limits=usable, margin=DEFAULT_SAFETY_MARGIN)
-        if feasible:
+        if verdict is True:  # predicted to fit
             self._predicted_in_a_row = 0
             return None
+        assert verdict is not False
         self._predicted_in_a_row += 1
-        capacity = [u / (1.0 - self.settings.headroom) for u in usable]
-        worst = max(range(len(peaks)), key=lambda r: peaks[r] / usable[r])
-        figures = TrialFigures(status=Status.PREDICTED_OOM, peak_device=list(peaks), peak_allocated=[None] * len(peaks),
-                               peak_reserved=[None] * len(peaks), outside_pytorch=[None] * len(peaks),
-                               capacity=capacity, step_time_s=None, samples_per_s=None, startup_s=None)
-        attrs = {
-            **figures.user_attrs(self.settings.headroom),
-            "status": Status.PREDICTED_OOM,
-            "predicted": True,
-            "predicted_by": "memory-model",
-            "reason": (f"not launched: the memory model predicts rank {worst} at {memory_text(peaks[worst] / GIB)} "
-                       f"(+{100 * DEFAULT_SAFETY_MARGIN:.0f}% margin) > usable {memory_text(usable[worst] / GIB)}"),
-            "baseline": False,
-        }
-        return figures, attrs
-
-    def _compiled_veto(self, study: optuna.Study, model: MemoryModel, config: BalanceConfig,
-                       usable: list[float]) -> tuple[TrialFigures, dict[str, Any]] | None:
-        """Figures for a compiled configuration that the pair's measured budgets prove cannot fit on
-        some rank (whose eager fixed part the memory model is sure of); None to launch it."""
-        compiled = self.compiled if self.compiled is not None else self._compiled_for(study, model)
-        if compiled is None or not model.can_predict(config.dtype):
-            return None
-        budgets = config.activation_budget or [1.0] * config.world_size
-        key = config_compile_key(config)
-        layers = max(1, self.space.num_layers)
-        own = config.sharding_shares()  # zero1: each rank's share of the state (None: unsharded)
-        shares: list[float | None] = [None] * config.world_size if own is None else list(own)
-        for rank, (m, b) in enumerate(zip(config.micro_batches, budgets, strict=True)):
-            if not model.is_confident(rank=rank, micro_batch=m, checkpointed=0, num_layers=layers, dtype=config.dtype):
-                continue
-            low = compiled.surely_over(rank=rank, micro_batch=m, budget=b, dtype=config.dtype, mode=key,
-                                       limit=usable[rank], optimizer_share=shares[rank])
-            why = "the compiled model's measured budgets put"
-            if low is None:  # not even the least any budget keeps fits (a tiny budget does not save it)
-                low = compiled.over_at_any_budget(rank=rank, micro_batch=m, dtype=config.dtype, mode=key,
-                                                  limit=usable[rank], optimizer_share=shares[rank])
-                why = "at any budget the compiled model predicts"
-            if low is None:
-                continue
-            self._predicted_in_a_row += 1
-            return predicted_oom(headroom=self.settings.headroom, usable=usable, rank=rank, peak=low, attrs={
-                "predicted_by": "compiled-model",
-                "reason": (f"not launched (not compiled): {why} rank {rank} at "
-                           f"least at {memory_text(low / GIB)} with micro-batch {m}, budget {b:g} "
-                           f"(+{100 * compiled.safety_margin:.0f}% margin) > usable {memory_text(usable[rank] / GIB)}"),
-            })
-        self._predicted_in_a_row = 0
-        return None
-
-    def _dominance_figures(self, config: BalanceConfig, usable: list[float], trial: FrozenTrial,
-                           rank: int) -> tuple[TrialFigures, dict[str, Any]]:
-        seen = (trial.user_attrs.get(TrialAttr.PEAK_DEVICE_GIB) or [None] * config.world_size)[rank]
-        other = trial.user_attrs[TrialAttr.CONFIG]
-        what = (f"budget {activation_budget(other, rank):g}" if other.get("compile", "off") != "off"
-                else f"{len(other['checkpoint'][rank])} checkpointed blocks")
-        return predicted_oom(  # the peak is a lower bound: this one needs at least what that trial saw
-            headroom=self.settings.headroom, usable=usable, rank=rank, peak=None if seen is None else float(seen) * GIB,
-            attrs={
-                "predicted_by": "dominance",
-                "dominated_by": trial.number,
-                "reason": (f"not launched: trial {trial.number} exceeded rank {rank}'s usable memory "
-                           f"({memory_text(usable[rank] / GIB)}) with micro-batch {other['micro_batches'][rank]}, {what}; this "
-                           "configuration needs at least as much there (same dtype and compile mode, no smaller "
-                           "micro-batch, no more recomputation, no smaller bucket)"),
-            })
+        return verdict
 
     def after_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
         """A launched trial that OOMed although the model said it fits widens the safety margin; a
