@@ -265,7 +265,7 @@ def test_a_compiled_configuration_that_no_budget_can_fit_is_recorded_without_com
     if measured_compiled:  # 8 x 4 at 0.4 measured: 16 x 2 needs at least twice its activations (truth 16.0 GiB)
         assert advisor.predict_infeasible(study, compiled_cfg(16, 2, 0.4)) is not None
     # and never proposed
-    proposed = [c.config for c in advisor.scored_candidates(study) if c.source == "compiled-model"]
+    proposed = [c.config for c in advisor.models.scored_candidates(study) if c.source == "compiled-model"]
     assert proposed and all(max(c.micro_batches) < 32 for c in proposed)
 
 
@@ -289,7 +289,7 @@ def _compile_left(advisor: ModelAdvisor, study: optuna.Study, seconds: float) ->
 def test_near_the_end_of_a_time_budget_no_new_graph_is_compiled(tmp_path):
     advisor = advisor_for(tmp_path, compile="search")
     study = _measured_study(advisor, [*EAGER_BF16, compiled_cfg(8, 4, 0.4)])
-    best = advisor.scored_candidates(study)[0]
+    best = advisor.models.scored_candidates(study)[0]
     assert best.source == "compiled-model" and best.new_graphs > 0  # the models' best compiles something new
     # time for a compile (no compile_s measured here: the 45 s prior on a GPU)
     advisor.before_ask(study, _compile_left(advisor, study, 200.0))
@@ -303,8 +303,8 @@ def test_near_the_end_of_a_time_budget_no_new_graph_is_compiled(tmp_path):
     assert advisor.space.suggest(study.ask()).compile == "off"  # here: the best eager proposal
     # a trial left to the sampler then runs eager too (and in bf16: fp32 is still held back)
     study.tell(study.trials[-1].number, 1.0)
-    advisor.decision = _compile_left(advisor, study, 30.0)  # what before_ask sets while the policy's phases run
-    sampler = sampler_proposal(advisor, "the sampler's trial")
+    advisor.models.decision = _compile_left(advisor, study, 30.0)  # what before_ask sets while the policy's phases run
+    sampler = sampler_proposal(advisor.models, "the sampler's trial")
     assert sampler.config is None and sampler.phase == "sampler"
     assert sampler.fixed == {"compile": "off", "dtype": "bf16"}
     assert "the time budget holds no compile" in sampler.reason
@@ -313,7 +313,7 @@ def test_near_the_end_of_a_time_budget_no_new_graph_is_compiled(tmp_path):
 def test_under_a_time_budget_a_new_graph_is_compiled_only_when_predicted_to_beat_the_best(tmp_path):
     advisor = advisor_for(tmp_path, compile="search")
     study = _measured_study(advisor, [*EAGER_BF16, compiled_cfg(8, 4, 0.4)])
-    assert any(c.new_graphs > 0 for c in advisor.scored_candidates(study))
+    assert any(c.new_graphs > 0 for c in advisor.models.scored_candidates(study))
     # a measured best that no proposal is predicted to beat (feasible: its constraint is met)
     cfg = BalanceConfig(micro_batches=[4], accumulation=8, global_batch=32, dtype="bf16", checkpoint=[[0, 1]])
     study.add_trial(optuna.trial.create_trial(value=0.01, system_attrs={"constraints": [-1.0]},
@@ -339,7 +339,7 @@ def test_the_eager_veto_judges_at_the_default_margin_not_the_widened_one(tmp_pat
 
     advisor = advisor_for(tmp_path)
     study = _measured_study(advisor, EAGER_BF16)
-    model = advisor.refit(study)
+    model = advisor.models.refit(study)
     assert model is not None
     model.safety_margin = 0.5  # as after under-predictions
     usable = _usable(advisor) * GIB

@@ -14,7 +14,8 @@
 - ``_compile``: compile in the study (cache, space check, compile figures);
 - ``_first_trials``: on a GPU, which dtypes the models may propose (bf16 first) and when the sampler explores;
 - ``_model_errors``: the errors a fit can raise, and the ones the search fell back from (kept in the study);
-- ``_advisor``: the ``model`` strategy: proposals and predicted OOMs, built on all of the above.
+- ``_models``: the models of one decision, the candidates they rank, what the policy's phases ask of them;
+- ``_advisor``: the ``model`` strategy's glue to Optuna: enqueue the policy's proposal, veto, learn after each trial.
 
 Nothing here launches a trial; the study's running side (``autobalance.tuner``) uses these.
 """

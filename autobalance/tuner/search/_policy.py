@@ -289,7 +289,7 @@ def first_compiled_micro_batch(*, held_gib: float, act_gib: float, usable_gib: f
 
 
 class Models(Protocol):
-    """What the phases ask of the models and the study's context (``ModelAdvisor`` provides it, over the
+    """What the phases ask of the models and the study's context (``_models.SearchModels`` provides it, over the
     decision in progress: ``Decision``)."""
 
     space: SearchSpace
