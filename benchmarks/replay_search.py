@@ -680,7 +680,8 @@ def replay(machine: GridMachine, *, seed: int, budget: str, root: str) -> dict[s
         t = by_number.get(r["trial"])
         r["phase"] = t.user_attrs.get("proposed_by", "sampler") if t is not None else None
     if result.best is None:
-        return {**head, "saved": None, "ratio": None, "wall_s": round(loop_s, 1), **grid, "trial_points": read}
+        return {**head, "saved": None, "ratio": None, "wall_s": round(loop_s, 1), **grid, "trial_points": read,
+                "log": trial_log(trials)}
     best = BalanceConfig.from_dict(result.best.user_attrs["config"])
     verify_s = 0.0
     for _, cfg, _ in verification_runs(own, best, dropout=False):  # through the warm pool, as tune verifies
@@ -692,7 +693,15 @@ def replay(machine: GridMachine, *, seed: int, budget: str, root: str) -> dict[s
             "saved_ms": round(true_ms, 2), "saved_how": saved.how, "saved_basis": list(saved.basis),
             "saved_notes": list(saved.notes), **grid,
             "ratio": round(true_ms / grid_ms, 4), "loop_s": round(loop_s, 1), "verify_s": round(verify_s, 1),
-            "wall_s": round(loop_s + verify_s, 1), "trials": len(trials), "phases": phases, "trial_points": read}
+            "wall_s": round(loop_s + verify_s, 1), "trials": len(trials), "phases": phases, "trial_points": read,
+            "log": trial_log(trials)}
+
+
+def trial_log(trials: list[optuna.trial.FrozenTrial]) -> list[list[Any]]:
+    """Each trial's (phase, configuration, state, values): what ``--dump`` writes to compare two versions
+    of the search decision by decision."""
+    return [[t.user_attrs.get("proposed_by", "sampler"), t.user_attrs.get("config"), t.state.name,
+             t.values] for t in trials]
 
 
 def _seeds(text: str) -> list[int]:
@@ -770,6 +779,10 @@ def main() -> None:
     p.add_argument("--trial-points", action="store_true",
                    help="also print, per study, each trial's configuration and the recorded points it was read from")
     p.add_argument("--out", default=None, help="write the rows and the summary as JSON here")
+    p.add_argument("--dump", default=None, help="write each study's trials (phase, configuration, state, values) "
+                   "and saved configuration as JSON here, to compare two versions of the search")
+    p.add_argument("--compare", default=None, help="a --dump of an earlier version: say which studies decide "
+                   "differently (the first trial that differs) and exit 1 if any does")
     args = p.parse_args()
     machines, placements, budgets, seeds = _parse(p, args)
     optuna.logging.set_verbosity(optuna.logging.ERROR)
@@ -806,6 +819,34 @@ def main() -> None:
         with open(tmp, "w") as fh:
             json.dump(result, fh, indent=1)
         os.replace(tmp, args.out)  # nothing half-written
+    if args.dump:
+        with open(args.dump, "w") as fh:
+            json.dump([{k: r.get(k) for k in ("machine", "placement", "budget", "seed", "saved", "log")}
+                       for r in rows], fh, indent=0)
+    if args.compare and compare(rows, args.compare):
+        sys.exit(1)
+
+
+def _key(r: dict[str, Any]) -> tuple[str, str, str, int]:
+    return (r.get("machine") or "recorded", r["placement"], r["budget"], r["seed"])
+
+
+def compare(rows: list[dict[str, Any]], path: str) -> int:
+    """How many of ``rows``' studies decide differently from the same studies in the dump at ``path``
+    (each printed with its first differing trial); a study missing from the dump counts."""
+    with open(path) as fh:
+        before = {_key(r): r for r in json.load(fh)}
+    differ = 0
+    for r in rows:
+        old = before.get(_key(r))
+        if old is not None and old["log"] == r.get("log") and old["saved"] == r.get("saved"):
+            continue
+        differ += 1
+        pairs = list(zip((old or {}).get("log") or [], r.get("log") or [], strict=False))
+        first = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
+        print(f"differs: {_key(r)[0]} {r['placement']} {r['budget']} seed {r['seed']} from trial {first}", flush=True)
+    print(f"{len(rows) - differ} of {len(rows)} studies decide as in {path}", flush=True)
+    return differ
 
 
 if __name__ == "__main__":

@@ -97,7 +97,7 @@ def test_the_model_proposes_the_largest_micro_batch_that_fits_for_each_accumulat
     space = SearchSpace.build(world_size=1, global_batch=32, num_layers=4, dtypes=["fp32"], max_accumulation=8,
                               any_split=split == "any")
     advisor = ModelAdvisor(space=space, settings=settings)
-    candidates = advisor.candidates(_study_with_trials(settings, space))
+    candidates = advisor.models.candidates(_study_with_trials(settings, space))
     by_acc = {}
     for _, cfg in candidates:
         by_acc.setdefault(cfg.accumulation, cfg)
@@ -124,7 +124,7 @@ def test_a_model_without_blocks_gets_no_checkpointing_proposals(tmp_path):
         study.add_trial(optuna.trial.create_trial(state=optuna.trial.TrialState.COMPLETE, value=1.0, user_attrs={
             "status": "ok", "config": cfg.to_dict(), "peak_device_gib": [1.0 + 0.25 * m], "usable_gib": [2.8],
             "step_time_ms": 20.0 * acc + 32.0}))
-    candidates = ModelAdvisor(space=space, settings=settings).candidates(study)
+    candidates = ModelAdvisor(space=space, settings=settings).models.candidates(study)
     assert candidates and all(cfg.checkpoint == [[]] for _, cfg in candidates)
     assert max(max(cfg.micro_batches) for _, cfg in candidates) == 6  # 2.8 GiB / 1.05 margin: at most 6 fit
 
@@ -159,7 +159,7 @@ def test_the_model_proposes_per_rank_the_largest_micro_batch_that_fits(tmp_path,
                             headroom=0.0, split=split)
     space = SearchSpace.build(world_size=2, global_batch=31, num_layers=0, dtypes=["fp32"], max_accumulation=8,
                               any_split=split == "any")
-    candidates = ModelAdvisor(space=space, settings=settings).candidates(_two_rank_study())
+    candidates = ModelAdvisor(space=space, settings=settings).models.candidates(_two_rank_study())
     if split == "equal":
         assert candidates == []  # 31 on 2 ranks in 1 micro-step: 16 + 15 at once fit on neither rank
         return

@@ -251,11 +251,11 @@ def test_the_model_proposes_compiled_configs_at_each_ranks_largest_fitting_budge
     study = _study([trial(c) for c in EAGER] + [trial(compiled([16, 16], [0.3, 0.3])),
                                                 trial(compiled([16, 16], [0.6, 0.6])),
                                                 trial(compiled([8, 8], [1.0, 1.0], acc=2))])
-    candidates = advisor.scored_candidates(study)
+    candidates = advisor.models.scored_candidates(study)
     compiled_ones = [c for c in candidates if c.source == "compiled-model"]
     assert compiled_ones and all(c.config.compile == "default" and c.config.checkpoint == [[], []]
                                  for c in compiled_ones)
-    model = advisor.compiled
+    model = advisor.models.compiled
     for c in compiled_ones:
         for r, (m, b) in enumerate(zip(c.config.micro_batches, c.config.activation_budget, strict=True)):
             top = model.largest_budget(rank=r, micro_batch=m, dtype="fp32", mode="default", limit=USABLE * GIB)
@@ -283,7 +283,7 @@ def test_dominated_and_surely_over_configs_are_never_proposed_and_sampled_ones_a
     trials = [trial(c) for c in EAGER] + [trial(compiled([16, 16], [0.6, 0.6]))]
     trials.append(trial(compiled([16, 16], [0.5, 0.5]), status="oom", failing_rank=0, peaks=[4.0, None]))
     study = _study(trials)
-    proposed = [c for c in advisor.scored_candidates(study) if c.source == "compiled-model"]
+    proposed = [c for c in advisor.models.scored_candidates(study) if c.source == "compiled-model"]
     assert proposed and any(c.config.micro_batches[0] < 16 for c in proposed)
     for c in proposed:
         if c.config.micro_batches[0] >= 16:
@@ -302,7 +302,7 @@ def test_dominated_and_surely_over_configs_are_never_proposed_and_sampled_ones_a
 def test_eager_trials_come_first_while_they_teach_the_model_then_compiled_ones(tmp_path):
     advisor = _advisor(tmp_path, modes=["off", "default"])
     study = _study([trial(eager([16, 16], (4, 4)))])  # the baseline only
-    assert any(c.source == "compiled-model" for c in advisor.scored_candidates(study))
+    assert any(c.source == "compiled-model" for c in advisor.models.scored_candidates(study))
     advisor.before_ask(study)
     first = study.get_trials(states=(TrialState.WAITING,))
     assert first and first[0].user_attrs["proposed_by"] == "memory-model"
@@ -353,10 +353,10 @@ def test_a_rank_reuses_a_compiled_budget_when_its_recomputation_costs_about_the_
     for t, cfg in zip(trials, measured, strict=True):
         t.user_attrs["step_time_ms"] = compiled_ms(cfg, rho=0.1)  # recomputation nearly free
     study = _study([trial(c) for c in EAGER] + trials)
-    at16 = [c for c in advisor.scored_candidates(study) if c.source == "compiled-model"
+    at16 = [c for c in advisor.models.scored_candidates(study) if c.source == "compiled-model"
             and c.config.micro_batches == [16, 16] and c.config.accumulation == 1]
     assert len(at16) == 1
-    tops = [advisor.compiled.largest_budget(rank=r, micro_batch=16, dtype="fp32", mode="default", limit=USABLE * GIB)
+    tops = [advisor.models.compiled.largest_budget(rank=r, micro_batch=16, dtype="fp32", mode="default", limit=USABLE * GIB)
             for r in (0, 1)]
     assert tops[1] > 0.6  # a larger budget is predicted to fit on rank 1 ...
     assert at16[0].config.activation_budget == [0.6, 0.6] and at16[0].new_graphs == 0  # ... the cache serves 0.6

@@ -15,11 +15,14 @@ from autobalance.tuner import SearchSpace, TuneSettings
 from autobalance.tuner.search import (
     MICRO_STEP_PRIOR,
     CompiledTimeModel,
+    Decision,
     ModelAdvisor,
     StepTimeModel,
+    TrialHistory,
     graph_probe,
     graphs_verdict,
 )
+from autobalance.tuner.search._policy import cuda_graphs_phase
 
 LAYERS = 4
 GIB = 2**30
@@ -122,13 +125,13 @@ def test_a_study_that_asks_for_cuda_graphs_gets_proposals_that_fit_and_learns_th
     study.set_user_attr("autobalance:reference_step_s", 0.1)
     for t in eager_trials():
         study.add_trial(t)
-    graphs = [c for c in advisor.scored_candidates(study) if c.config.compile == "reduce-overhead"]
+    graphs = [c for c in advisor.models.scored_candidates(study) if c.config.compile == "reduce-overhead"]
     assert graphs and all(p <= USABLE * GIB for c in graphs for p in c.peaks)
     # after two of its trials with different micro-step counts the model knows their cost
     for c in (cfg(8, "reduce-overhead", 1.0), cfg(4, "reduce-overhead", 1.0)):
         study.add_trial(trial(c, compiled_ms(c, s=1.1, beta=0.2)))
-    advisor.scored_candidates(study)
-    again = {c.config.to_json(): c for c in advisor.scored_candidates(study)}
+    advisor.models.scored_candidates(study)
+    again = {c.config.to_json(): c for c in advisor.models.scored_candidates(study)}
     for c in again.values():
         if c.config.compile == "reduce-overhead":
             assert c.step_ms == pytest.approx(compiled_ms(c.config, s=1.1, beta=0.2), rel=0.03)
@@ -165,21 +168,26 @@ def _auto_study(tmp_path, graph_ms: float | None):
     return advisor, study, trials[len(EAGER)]
 
 
+def _history(advisor: ModelAdvisor, study: optuna.Study) -> TrialHistory:
+    return TrialHistory.from_trials(study.get_trials(), space=advisor.space, usable=[USABLE * GIB], device="cuda")
+
+
 def test_cuda_graphs_are_first_measured_at_the_best_default_mode_configuration(tmp_path):
     advisor, study, best = _auto_study(tmp_path, graph_ms=None)
     trials = study.get_trials()
     assert graphs_verdict(trials, "bf16") == "untried"
     # no model proposes them before a probe: the default mode's fit says nothing of launch time
-    assert not [c for c in advisor.scored_candidates(study) if c.config.compile == "reduce-overhead"]
+    assert not [c for c in advisor.models.scored_candidates(study) if c.config.compile == "reduce-overhead"]
     probe = graph_probe(trials, best=best, modes=advisor.space.compile_modes, dtypes=["bf16"])
     assert probe == BalanceConfig.from_dict({**best.user_attrs["config"], "compile": "reduce-overhead"})
     assert graph_probe(trials, best=trials[0], modes=advisor.space.compile_modes, dtypes=["bf16"]) is None  # eager
     assert graph_probe(trials, best=best, modes=["off", "default"], dtypes=["bf16"]) is None  # not searched
-    proposal = advisor._graph_probe(study)  # the search policy's cuda-graphs phase: proposed once
+    advisor.models.decision = Decision(study, num_layers=advisor.space.num_layers, device="cuda")
+    proposal = cuda_graphs_phase(advisor.policy, _history(advisor, study))  # the cuda-graphs phase: proposed once
     assert proposal is not None and proposal.phase == "cuda-graphs" and proposal.config is not None
     assert proposal.config.compile == "reduce-overhead" and "CUDA graphs" in proposal.reason
-    advisor._proposed.add(proposal.config.to_json())  # what before_ask does when it enqueues it
-    assert advisor._graph_probe(study) is None
+    advisor.models.proposed.add(proposal.config.to_json())  # what before_ask does when it enqueues it
+    assert cuda_graphs_phase(advisor.policy, _history(advisor, study)) is None
 
 
 @pytest.mark.parametrize(("gain", "verdict"), [(0.05, "pays"), (0.01, "no-gain")])
@@ -189,5 +197,5 @@ def test_after_the_probe_graphs_are_proposed_only_where_they_paid(tmp_path, gain
     trials = study.get_trials()
     assert graphs_verdict(trials, "bf16") == verdict
     assert graph_probe(trials, best=best, modes=advisor.space.compile_modes, dtypes=["bf16"]) is None  # done
-    graphs = [c for c in advisor.scored_candidates(study) if c.config.compile == "reduce-overhead"]
+    graphs = [c for c in advisor.models.scored_candidates(study) if c.config.compile == "reduce-overhead"]
     assert bool(graphs) == (verdict == "pays")

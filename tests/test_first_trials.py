@@ -18,7 +18,9 @@ from optuna.trial import TrialState
 from autobalance import BalanceConfig
 from autobalance.protocol import StudyAttr
 from autobalance.tuner import SearchSpace, TuneSettings
-from autobalance.tuner.search import ModelAdvisor, proposable_dtypes, proposals_stalled
+from autobalance.tuner._time_spent import TimeBudget
+from autobalance.tuner.search import Decision, ModelAdvisor, proposable_dtypes, proposals_stalled
+from autobalance.tuner.search._policy import sampler_proposal
 
 GIB = 2**30
 LAYERS = 16
@@ -263,7 +265,7 @@ def test_a_compiled_configuration_that_no_budget_can_fit_is_recorded_without_com
     if measured_compiled:  # 8 x 4 at 0.4 measured: 16 x 2 needs at least twice its activations (truth 16.0 GiB)
         assert advisor.predict_infeasible(study, compiled_cfg(16, 2, 0.4)) is not None
     # and never proposed
-    proposed = [c.config for c in advisor.scored_candidates(study) if c.source == "compiled-model"]
+    proposed = [c.config for c in advisor.models.scored_candidates(study) if c.source == "compiled-model"]
     assert proposed and all(max(c.micro_batches) < 32 for c in proposed)
 
 
@@ -278,25 +280,31 @@ def test_a_simulated_gpu_study_never_compiles_what_cannot_fit(tmp_path):
     assert all(t.user_attrs["config"]["dtype"] != "fp32" for t in runs)
 
 
+def _compile_left(advisor: ModelAdvisor, study: optuna.Study, seconds: float) -> Decision:
+    """A decision whose time budget leaves ``seconds`` for a compile (``TimeBudget.compile_left_s``)."""
+    budget = TimeBudget(budget_s=None, started=0.0, compile_left_s=seconds)
+    return Decision(study, num_layers=advisor.space.num_layers, device=advisor.settings.device, budget=budget)
+
+
 def test_near_the_end_of_a_time_budget_no_new_graph_is_compiled(tmp_path):
     advisor = advisor_for(tmp_path, compile="search")
     study = _measured_study(advisor, [*EAGER_BF16, compiled_cfg(8, 4, 0.4)])
-    best = advisor.scored_candidates(study)[0]
+    best = advisor.models.scored_candidates(study)[0]
     assert best.source == "compiled-model" and best.new_graphs > 0  # the models' best compiles something new
-    advisor.time_left_s = 200.0  # time for a compile (no compile_s measured here: the 45 s prior on a GPU)
-    advisor.before_ask(study)
+    # time for a compile (no compile_s measured here: the 45 s prior on a GPU)
+    advisor.before_ask(study, _compile_left(advisor, study, 200.0))
     first = study.get_trials(states=(TrialState.WAITING,))[0]
     assert first.user_attrs["proposed_by"] == "compiled-model"
     study.tell(study.ask(), 1.0)
-    advisor.time_left_s = 30.0  # less than a compile takes: the best proposal that compiles nothing new
-    advisor.before_ask(study)
+    # less than a compile takes: the best proposal that compiles nothing new
+    advisor.before_ask(study, _compile_left(advisor, study, 30.0))
     second = study.get_trials(states=(TrialState.WAITING,))
     assert second and (second[0].user_attrs.get("proposal_new_graphs") or 0) == 0
     assert advisor.space.suggest(study.ask()).compile == "off"  # here: the best eager proposal
     # a trial left to the sampler then runs eager too (and in bf16: fp32 is still held back)
     study.tell(study.trials[-1].number, 1.0)
-    advisor._study = study  # what before_ask sets while the policy's phases run
-    sampler = advisor._sampler_proposal("the sampler's trial")
+    advisor.models.decision = _compile_left(advisor, study, 30.0)  # what before_ask sets while the policy's phases run
+    sampler = sampler_proposal(advisor.models, "the sampler's trial")
     assert sampler.config is None and sampler.phase == "sampler"
     assert sampler.fixed == {"compile": "off", "dtype": "bf16"}
     assert "the time budget holds no compile" in sampler.reason
@@ -305,13 +313,13 @@ def test_near_the_end_of_a_time_budget_no_new_graph_is_compiled(tmp_path):
 def test_under_a_time_budget_a_new_graph_is_compiled_only_when_predicted_to_beat_the_best(tmp_path):
     advisor = advisor_for(tmp_path, compile="search")
     study = _measured_study(advisor, [*EAGER_BF16, compiled_cfg(8, 4, 0.4)])
-    assert any(c.new_graphs > 0 for c in advisor.scored_candidates(study))
+    assert any(c.new_graphs > 0 for c in advisor.models.scored_candidates(study))
     # a measured best that no proposal is predicted to beat (feasible: its constraint is met)
     cfg = BalanceConfig(micro_batches=[4], accumulation=8, global_batch=32, dtype="bf16", checkpoint=[[0, 1]])
     study.add_trial(optuna.trial.create_trial(value=0.01, system_attrs={"constraints": [-1.0]},
                                               user_attrs={"status": "ok", "config": cfg.to_dict()}))
-    advisor.time_left_s = 1000.0  # time enough for any compile, but none promises a gain
-    advisor.before_ask(study)
+    # time enough for any compile, but none promises a gain
+    advisor.before_ask(study, _compile_left(advisor, study, 1000.0))
     waiting = study.get_trials(states=(TrialState.WAITING,))
     assert not waiting or (waiting[0].user_attrs.get("proposal_new_graphs") or 0) == 0
     fresh = ModelAdvisor(space=advisor.space, settings=advisor.settings)  # without a budget: what it would compile
@@ -327,11 +335,11 @@ def test_the_eager_veto_judges_at_the_default_margin_not_the_widened_one(tmp_pat
     ("predicts 9.28 MiB (+50% margin) > usable 12.2 MiB", measured 9.2-10.0). Proposals may stay that
     careful; a configuration is recorded ``predicted_oom`` without launching only when its central
     prediction plus the default 5 % is over the usable memory. Fails if the veto uses the widened margin."""
-    from autobalance.tuner.search._advisor import VETO_MARGIN
+    from autobalance.tuner.search import DEFAULT_SAFETY_MARGIN
 
     advisor = advisor_for(tmp_path)
     study = _measured_study(advisor, EAGER_BF16)
-    model = advisor.refit(study)
+    model = advisor.models.refit(study)
     assert model is not None
     model.safety_margin = 0.5  # as after under-predictions
     usable = _usable(advisor) * GIB
@@ -340,7 +348,7 @@ def test_the_eager_veto_judges_at_the_default_margin_not_the_widened_one(tmp_pat
                                       bucket_cap_mb=25.0, gradient_as_bucket_view=True, checkpoint=[list(range(c))])
                         for m in (4, 8) for c in (0, 8, 16))
             if 1.0 / 1.5 * usable < model.predict(rank=0, micro_batch=c.micro_batches[0], checkpointed=len(c.checkpoint[0]),
-                                                  num_layers=layers, dtype="bf16") * (1 + VETO_MARGIN) <= usable]
+                                                  num_layers=layers, dtype="bf16") * (1 + DEFAULT_SAFETY_MARGIN) <= usable]
     assert fits, "no configuration between the widened and the default margin: the check would be empty"
     for cfg in fits:  # over with the widened margin, within with the default: launched
         assert advisor.predict_infeasible(study, cfg) is None, cfg

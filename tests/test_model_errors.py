@@ -16,7 +16,7 @@ from autobalance.protocol import StudyAttr
 from autobalance.tuner import TuneResult
 from autobalance.tuner._summary import summarise
 from autobalance.tuner.search import ModelErrors, StepTimeModel, model_errors_line
-from autobalance.tuner.search._model_errors import MAX_KEPT
+from autobalance.tuner.search._model_errors import MAX_KEPT_ERRORS
 from tests.test_compiled_model import EAGER, LAYERS, _advisor, _study, trial
 
 
@@ -83,13 +83,13 @@ def test_the_study_keeps_the_last_errors_and_the_line_names_each_place():
     study, errors = Study(), ModelErrors()
     errors.save(study)  # nothing caught: nothing written
     assert study.user_attrs == {}
-    for i in range(MAX_KEPT + 5):
+    for i in range(MAX_KEPT_ERRORS + 5):
         errors.caught("step time", ValueError(f"x{i}"))
     errors.caught("holdout", np.linalg.LinAlgError("singular"))
     errors.save(study)
     kept = study.user_attrs[StudyAttr.MODEL_ERRORS]
-    assert len(kept) == MAX_KEPT and kept[-1] == {"where": "holdout", "error": "LinAlgError: singular"}
+    assert len(kept) == MAX_KEPT_ERRORS and kept[-1] == {"where": "holdout", "error": "LinAlgError: singular"}
     assert errors.pending == []
-    assert model_errors_line(kept) == (f"models: {MAX_KEPT} fits failed (the last {MAX_KEPT} kept) (step time: "
-                                       f"ValueError: x{MAX_KEPT + 4} ({MAX_KEPT - 1}x); holdout: LinAlgError: singular).")
+    assert model_errors_line(kept) == (f"models: {MAX_KEPT_ERRORS} fits failed (the last {MAX_KEPT_ERRORS} kept) (step time: "
+                                       f"ValueError: x{MAX_KEPT_ERRORS + 4} ({MAX_KEPT_ERRORS - 1}x); holdout: LinAlgError: singular).")
     assert model_errors_line(None) is None and model_errors_line([]) is None

@@ -8,14 +8,15 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+import optuna
 from optuna.distributions import FloatDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from autobalance import BalanceConfig
 from autobalance.protocol import Status
-from autobalance.tuner.search import SearchSpace, TrialHistory, compile_times
+from autobalance.tuner.search import Decision, SearchSpace, TrialHistory, compile_times
 from autobalance.tuner.search._compile import REGIONAL_COMPILE_SHARE
-from autobalance.tuner.search._policy import FIT_MARGIN, Proposal, Record, SearchPolicy
+from autobalance.tuner.search._policy import FIT_MARGIN, Record, SearchPolicy
 
 USABLE = 15.2
 
@@ -50,6 +51,20 @@ class _Models:
         self.refuse = refuse or set()
         self.budgets = budgets or {}
         """Per largest micro-batch, the largest budget predicted to fit (absent: none fits)."""
+        self.study = optuna.create_study()  # no trial: the phases over the models' proposals have none
+        self.model = None
+        self.asks = 1  # not an ask the sampler explores at
+        self.proposed: set[str] = set()
+        self.dtype_note = ""
+
+    def decision_for(self, study: optuna.Study) -> Decision:
+        return Decision(study, num_layers=self.space.num_layers, device="cuda")
+
+    def scored_candidates(self, study: optuna.Study) -> list[Any]:
+        return []
+
+    def allowed_dtypes(self, study: optuna.Study, timing: Any = None) -> list[str]:
+        return ["bf16"]
 
     def allowed_dtypes_now(self) -> list[str]:
         return ["bf16"]
@@ -78,17 +93,6 @@ class _Models:
     def unaffordable(self, config: BalanceConfig) -> str | None:
         return "no time" if config.to_json() in self.refuse else None
 
-    def explore(self, history: TrialHistory) -> Proposal | None:
-        return None
-
-    def model_proposal(self, history: TrialHistory) -> Proposal | None:
-        return None
-
-    def graph_proposal(self) -> Proposal | None:
-        return None
-
-    def fallback_proposal(self, history: TrialHistory) -> Proposal | None:
-        return None
 
 
 def _history(*records: Record) -> TrialHistory:
@@ -142,7 +146,8 @@ def test_a_proposal_the_time_budget_cannot_hold_gives_way_to_the_next_phase() ->
     assert then is not None and then.phase == "raise-budget" and then.config == raised
     assert then.predicted_ms == 140.0 and then.prediction_text().startswith("140 ms, ")  # a time and a peak
     models.refuse.add(raised.to_json())
-    assert SearchPolicy(space=_space(), advisor=models).next(_history(best)) is None  # the sampler's trial
+    last = SearchPolicy(space=_space(), advisor=models).next(_history(best))
+    assert last is not None and last.phase == "sampler" and last.config is None  # the sampler's trial
 
 
 def _trial(number: int, scope: str | None, compile_s: float | None, *, hit: bool = False) -> FrozenTrial:
@@ -170,6 +175,19 @@ def test_compile_time_is_priced_per_scope_and_an_unmeasured_scope_from_the_other
     assert compile_times(both, device="cuda")[1] == 9.0  # every compile together, as before
     whole = [_trial(1, "whole", 40.0)]
     assert abs(compile_times(whole, device="cuda", scope="regional")[1] - 40.0 * high) < 1e-9
+
+
+def test_a_compile_from_the_cache_is_priced_at_one_share_of_a_cold_one_before_a_hit_is_measured() -> None:
+    """One cached-compile prior (``FROM_CACHE_SHARE``, 0.4: the H200's largest measured share) for the
+    compile figures and verification's forecast alike (the figures once used 0.1)."""
+    from autobalance.tuner._verify_time import FROM_CACHE_SHARE as verify_share
+    from autobalance.tuner.search import CACHE_HIT_PRIOR_S, COMPILE_PRIOR_S, FROM_CACHE_SHARE
+
+    assert verify_share is FROM_CACHE_SHARE == 0.4
+    assert compile_times([], device="cuda") == (FROM_CACHE_SHARE * COMPILE_PRIOR_S["cuda"], COMPILE_PRIOR_S["cuda"])
+    assert compile_times([_trial(1, "whole", 40.0)], device="cuda") == (FROM_CACHE_SHARE * 40.0, 40.0)
+    assert compile_times([_trial(1, "whole", 4.0)], device="cuda") == (CACHE_HIT_PRIOR_S, 4.0)  # a hit's floor
+    assert compile_times([], device="cpu")[0] == max(CACHE_HIT_PRIOR_S, FROM_CACHE_SHARE * COMPILE_PRIOR_S["cpu"])
 
 
 def test_a_sampled_cuda_graph_trial_is_whole_model_whatever_the_scope_parameter() -> None:

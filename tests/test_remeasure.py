@@ -117,3 +117,41 @@ def test_tune_remeasures_exactly_the_trials_the_rule_names(tmp_path):
                 assert not (is_feasible(t) and best_ms is not None and a["step_time_ms"] < best_ms)
         if is_feasible(t):
             best_ms = a["step_time_ms"] if best_ms is None else min(best_ms, a["step_time_ms"])
+
+
+def test_a_trial_over_the_spread_limit_is_not_remeasured_as_the_next_best(tmp_path):
+    """"Would become the best" is what the recorder will tell: within memory and, with
+    ``--max-spread-gib``, within the spread limit (the loop once judged memory only, and re-measured a
+    trial that was then recorded infeasible)."""
+    import threading
+    import types
+
+    import optuna
+
+    from autobalance.protocol import CONSTRAINTS_KEY, Status, TrialAttr
+    from autobalance.tuner import TuneSettings
+    from autobalance.tuner._loop import TrialLoop
+    from autobalance.tuner._recording import constraints, feasible
+    from autobalance.tuner.search import TrialFigures
+
+    gib = 2.0**30
+    figures = TrialFigures(status=Status.OK, peak_device=[4 * gib, 9 * gib], peak_allocated=[None, None],
+                           peak_reserved=[None, None], outside_pytorch=[None, None], capacity=[16 * gib, 16 * gib],
+                           step_time_s=0.1, samples_per_s=320.0, startup_s=1.0, measured_steps=4)
+    study = optuna.create_study()
+    fast = study.ask()
+    fast.set_user_attr(TrialAttr.STATUS, Status.OK)
+    fast.set_user_attr(TrialAttr.STEP_TIME_MS, 200.0)
+    study._storage.set_trial_system_attr(fast._trial_id, CONSTRAINTS_KEY, [-0.5])
+    study.tell(fast, 1.0)
+    outcome = _outcome([[0.100, 0.101, 0.099, 0.100], [0.100, 0.101, 0.099, 0.100]])
+    reasons = {}
+    (tmp_path / "train.py").write_text("")
+    for limit in (None, 2.0):
+        settings = TuneSettings(script=str(tmp_path / "train.py"), device="cuda", remeasure="on", max_spread_gib=limit)
+        loop = TrialLoop(settings=settings, storage=None, launcher=types.SimpleNamespace(stop=threading.Event()),
+                         recorder=None, reporter=None, advisor=None, budget=None)  # type: ignore[arg-type]
+        assert feasible(figures, settings, Status.OK) == all(c <= 0 for c in constraints(figures, settings))
+        reasons[limit] = loop.remeasure_reason(study, outcome, figures)
+    assert reasons[None] is not None and "would become the best" in reasons[None]  # fits, faster than 200 ms
+    assert reasons[2.0] is None  # 5 GiB of spread > 2 GiB: infeasible, never the best

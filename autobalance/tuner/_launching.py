@@ -19,15 +19,14 @@ from autobalance.tuner._parallel import Slot, plan_slots
 from autobalance.tuner._roles import Reporter, TrialCoordinator
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._time_spent import TrialOverhead
-from autobalance.tuner.search import compile_env
+from autobalance.tuner.search import (
+    AUTO_MEASURE_FACTOR,
+    AUTO_MEASURE_MAX_S,
+    WARM_PRUNE_MIN_STEPS,
+    compile_env,
+)
 
 __all__ = ["AUTO_MEASURE_FACTOR", "AUTO_MEASURE_MAX_S", "Stopped", "TrialLauncher", "best_step_s"]
-
-AUTO_MEASURE_FACTOR = 7 / 3
-"""``--measure-s auto``: measure 7/3 of the overhead, so the overhead is <= 30 % of a trial."""
-AUTO_MEASURE_MAX_S = 2.0
-"""``--measure-s auto`` never measures longer than this (cold trials' overhead is seconds)."""
-_WARM_PRUNE_MIN_STEPS = 20
 
 
 class Stopped(KeyboardInterrupt):
@@ -109,7 +108,7 @@ class TrialLauncher:
             beat = threading.Thread(target=self._heartbeat, args=(trial_id(trial), stop_beat), daemon=True)
             beat.start()
         # Pruning a warm trial kills the pool (restart: seconds); worth it only for long trials.
-        prune = trial is not None and s.prune_factor > 0 and (self.cold or s.nnodes > 1 or s.steps >= _WARM_PRUNE_MIN_STEPS)
+        prune = trial is not None and s.prune_factor > 0 and (self.cold or s.nnodes > 1 or s.steps >= WARM_PRUNE_MIN_STEPS)
         pruner = _Pruner(trial=trial, trial_dir=trial_dir, best_step_s=best_step_s(study),
                          factor=s.prune_factor) if prune and trial is not None else None
 

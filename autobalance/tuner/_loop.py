@@ -25,24 +25,22 @@ from autobalance.protocol import MEASURED_STATUSES, Status, StudyAttr, TrialAttr
 from autobalance.store import heartbeat_interval_s, study_id, trial_id
 from autobalance.tuner._launching import Stopped, TrialLauncher, best_step_s
 from autobalance.tuner._parallel import Slot
-from autobalance.tuner._recording import Recorder
+from autobalance.tuner._recording import Recorder, feasible
 from autobalance.tuner._remeasure import merge_outcomes, remeasure_reason
 from autobalance.tuner._roles import Advisor, Reporter
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._study import counted_trials
 from autobalance.tuner._time_spent import TimeBudget, describe_budget
-from autobalance.tuner._verify_time import (
-    VerifyForecast,
-    forecast_verification,
-    next_trial_s,
-    trial_s,
-)
 from autobalance.tuner._workers import RunningClaim, fail_stale_trials
-from autobalance.tuner.search import SearchSpace, TrialFigures, proposal_line
+from autobalance.tuner.search import (
+    MAX_CRASHES_IN_A_ROW,
+    Decision,
+    SearchSpace,
+    TrialFigures,
+    proposal_line,
+)
 
 __all__ = ["MAX_CRASHES_IN_A_ROW", "TrialLoop"]
-
-MAX_CRASHES_IN_A_ROW = 3
 
 
 class TrialLoop:
@@ -59,8 +57,8 @@ class TrialLoop:
         self.advisor = advisor
         self.budget = budget
         """``--time-budget``: the tuner's (started when its run started); the loop stops asking once it is spent."""
-        if advisor is not None and budget.budget_s is not None:  # the search proposes what the loop will launch
-            advisor.over_budget = self.over_budget
+        if budget is not None:  # verification's runs are reserved only when the study's best is verified
+            budget.verify = settings.verify and settings.nnodes <= 1
         self.lock = threading.RLock()
         self.stop = launcher.stop
         """Set when a slot failed or the tuner was interrupted: every slot stops (its running trial is killed)."""
@@ -68,6 +66,20 @@ class TrialLoop:
         """Trial ids this loop runs now (other workers' running trials are waited for at the end)."""
         self._in_flight: dict[str, threading.Event] = {}
         self._crashes_in_a_row = 0
+        self._decision: Decision | None = None
+
+    def decision(self, study: optuna.Study) -> Decision:
+        """The decision of the next trial (``search.Decision``: the study read once, each model fitted
+        once): the last one while no trial finished since, else a new one."""
+        with self.lock:
+            decision = self._decision
+            if decision is None or not decision.current(study):
+                space = study.user_attrs.get(StudyAttr.SPACE) or {}
+                decision = self._decision = Decision(
+                    study, num_layers=int(space.get("num_layers") or 0), device=self.settings.device,
+                    errors=getattr(self.advisor, "errors", None),
+                    budget=self.budget if self.budget.budget_s is not None else None, clock=time.monotonic)
+            return decision
 
     # ------------------------------------------------------------------ one trial
     def one_trial(self, study: optuna.Study, space: SearchSpace) -> None:
@@ -75,7 +87,7 @@ class TrialLoop:
         # 1. Ask Optuna (the advisor may have queued its proposal); one ask at a time.
         with self.lock:
             if self.advisor is not None:
-                self.advisor.before_ask(study)
+                self.advisor.before_ask(study, self.decision(study))
             trial = study.ask()
             self.launcher.beat_now(trial)
             if self.recorder.surplus(study, trial):  # another worker took the study's last trial
@@ -172,14 +184,14 @@ class TrialLoop:
         return claim, done
 
     def remeasure_reason(self, study: optuna.Study, outcome: TrialOutcome, figures: TrialFigures) -> str | None:
-        """Why a measured trial runs once more (its steps spread, or it would become the best; see
+        """Why a measured trial runs once more (its steps spread, or it would become the best: feasible
+        as the recorder will tell it, spread limit included, and faster than the best; see
         :mod:`autobalance.tuner._remeasure`), or None (``--remeasure``: ``auto`` is on for CUDA)."""
         s = self.settings
         if outcome.status != Status.OK or not (s.remeasure == "on" or (s.remeasure == "auto" and s.device == "cuda")):
             return None
-        feasible = figures.measured and figures.memory_constraint(s.headroom) <= 0
-        return remeasure_reason(outcome, step_time_s=figures.step_time_s, feasible=feasible,
-                                best_step_s=best_step_s(study))
+        return remeasure_reason(outcome, step_time_s=figures.step_time_s,
+                                feasible=feasible(figures, s, outcome.status), best_step_s=best_step_s(study))
 
     # ------------------------------------------------------------------ the loop
     def run(self, study: optuna.Study, space: SearchSpace) -> None:
@@ -261,50 +273,14 @@ class TrialLoop:
             time.sleep(min(3.0, heartbeat_interval_s() / 2))
 
     def _reserve(self, study: optuna.Study) -> None:
-        """Update what the time budget keeps free: the next trial and the best trial's verification
-        as predicted from this study's trials (``_verify_time.py``); nothing without a budget."""
-        if self.budget.budget_s is None:
-            return
-        trials = study.get_trials(deepcopy=False)
-        self.budget.next_trial_s = next_trial_s(trials)
-        forecast = self._forecast(study, trials, best_trial(study))
-        if forecast is None:  # nothing is verified after the study
-            return
-        self.budget.reserve_s, self.budget.reserve_runs = forecast.reserve_s, len(forecast.runs)
-        if self.advisor is not None and self.budget.deadline is not None:  # no compile the budget cannot hold
-            self.advisor.time_left_s = (self.budget.deadline - time.monotonic() - self.budget.reserve_s
-                                        - self.budget.next_trial_s)
-
-    def _forecast(self, study: optuna.Study, trials: list[FrozenTrial], best: FrozenTrial | None) -> VerifyForecast | None:
-        """Verification's forecast for ``best`` (``_verify_time.py``); None when nothing is verified."""
-        s = self.settings
-        if not s.verify or s.nnodes > 1:
-            return None
-        space = study.user_attrs.get(StudyAttr.SPACE) or {}
-        base_no = study.user_attrs.get(StudyAttr.BASELINE)
-        own = next((t.user_attrs.get(TrialAttr.CONFIG) for t in trials if t.number == base_no), None)
-        return forecast_verification(trials, baseline=BalanceConfig.from_dict(own) if own else None, best=best,
-                                     num_layers=int(space.get("num_layers") or 0), device=s.device)
+        """Update what the time budget keeps free (``TimeBudget.refresh``); nothing without a budget."""
+        if self.budget.budget_s is not None:
+            self.budget.refresh(self.decision(study), time.monotonic())
 
     def over_budget(self, study: optuna.Study, config: BalanceConfig) -> str | None:
-        """Why ``config`` is not launched under the time budget (None: it is): its expected time (a
-        compile included) plus verification's reserve after it - of the best so far, or of ``config``
-        should it become the best - no longer fits in the time left."""
-        if self.budget.deadline is None:
-            return None
-        trials = study.get_trials(deepcopy=False)
-        took = trial_s(trials, config, device=self.settings.device)
-        candidate = FrozenTrial(number=len(trials), state=TrialState.COMPLETE, value=None, values=None,
-                                datetime_start=None, datetime_complete=None, params={}, distributions={},
-                                user_attrs={TrialAttr.CONFIG: config.to_dict()}, system_attrs={},
-                                intermediate_values={}, trial_id=-1)
-        forecast = self._forecast(study, trials, candidate)
-        reserve = max(self.budget.reserve_s, forecast.reserve_s if forecast is not None else 0.0)
-        now = time.monotonic()
-        if self.budget.holds(now, took, reserve):
-            return None
-        return (f"the time budget no longer holds it: {max(0.0, self.budget.deadline - now):.0f} s left, it would take "
-                f"about {took:.0f} s and verification after it {reserve:.0f} s; nothing was launched")
+        """Why ``config`` is not launched under the time budget (None: it is): ``TimeBudget.unaffordable``
+        over this trial's decision."""
+        return self.budget.unaffordable(self.decision(study), config)
 
     def _budget_spent(self, study: optuna.Study) -> None:
         """The first slot to see the budget spent says so; every slot then stops asking."""

@@ -37,9 +37,27 @@ from autobalance.tuner.search import (
     rate_source,
 )
 
-__all__ = ["INTERRUPTED_REASON", "Recorder"]
+__all__ = ["INTERRUPTED_REASON", "Recorder", "constraints", "feasible"]
 
 INTERRUPTED_REASON = "the tuner was interrupted (Ctrl-C or SIGTERM); the trial's processes were killed"
+
+
+def constraints(figures: TrialFigures, settings: TuneSettings) -> list[float]:
+    """A told trial's constraints (each <= 0 when met): its memory against the usable memory, and
+    with ``--max-spread-gib`` its spread against that limit (an unmeasured trial violates it: every
+    trial has the same keys, as ``GPSampler`` requires)."""
+    out = [figures.memory_constraint(settings.headroom)]
+    if settings.max_spread_gib is not None:
+        spread = figures.spread_bytes() if figures.measured else None
+        out.append(1.0 if spread is None else spread / 2**30 - settings.max_spread_gib)
+    return out
+
+
+def feasible(figures: TrialFigures, settings: TuneSettings, status: str) -> bool:
+    """Whether a trial with these figures is feasible, so a candidate for the best (``protocol.is_feasible``
+    reads the same from a recorded trial): measured to the end and within every :func:`constraints`.
+    What the recorder tells and what the loop re-measures as "would become the best" both ask this."""
+    return status == Status.OK and figures.measured and all(c <= 0 for c in constraints(figures, settings))
 
 
 class Recorder:
@@ -122,18 +140,14 @@ class Recorder:
                 fix_exchange_rate(study, reference_step_s=reference, source=rate_source(trial.user_attrs),
                                   trial=trial.number, weight_spread=s.weight_spread, weight_time=s.weight_time,
                                   world_size=s.world_size, capacity_bytes=figures.capacity)
-            constraints = [figures.memory_constraint(s.headroom)]
-            if s.max_spread_gib is not None:
-                spread = figures.spread_bytes() if figures.measured else None
-                # same keys on every trial (GPSampler requires it): unmeasured trials violate it too
-                constraints.append(1.0 if spread is None else spread / 2**30 - s.max_spread_gib)
-            feasible = all(c <= 0 for c in constraints) and status == Status.OK
-            trial.set_user_attr(TrialAttr.FEASIBLE, feasible)
-            trial.set_user_attr(TrialAttr.OUTCOME, trial_outcome({**attrs, TrialAttr.FEASIBLE: feasible}))
-            self.storage.set_trial_system_attr(trial_id(trial), CONSTRAINTS_KEY, constraints)
+            met = constraints(figures, s)
+            fits = all(c <= 0 for c in met) and status == Status.OK
+            trial.set_user_attr(TrialAttr.FEASIBLE, fits)
+            trial.set_user_attr(TrialAttr.OUTCOME, trial_outcome({**attrs, TrialAttr.FEASIBLE: fits}))
+            self.storage.set_trial_system_attr(trial_id(trial), CONSTRAINTS_KEY, met)
             values = penalised(figures.values(reference_step_s=reference, weight_spread=s.weight_spread,
                                               weight_time=s.weight_time, multi_objective=s.multi_objective),
-                               constraints, feasible=feasible, weight_spread=s.weight_spread,
+                               met, feasible=fits, weight_spread=s.weight_spread,
                                weight_time=s.weight_time, multi_objective=s.multi_objective)
             frozen = study.tell(trial, values)
         else:

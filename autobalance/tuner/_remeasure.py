@@ -25,11 +25,9 @@ from typing import Any
 
 from autobalance.launcher import TrialOutcome
 from autobalance.protocol import RankMemory, RankReport, Status, timed_steps
+from autobalance.tuner.search import DISPERSION_LIMIT
 
 __all__ = ["DISPERSION_LIMIT", "dispersion", "merge_outcomes", "remeasure_reason"]
-
-DISPERSION_LIMIT = 0.05
-"""Re-measure when a rank's measured steps' IQR exceeds this fraction of their median."""
 
 
 def _iqr(times: list[float]) -> float | None:

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from autobalance._config import BalanceConfig
     from autobalance.launcher import TrialLaunch, TrialOutcome
     from autobalance.tuner._settings import TuneSettings
-    from autobalance.tuner.search import TrialFigures
+    from autobalance.tuner.search import Decision, TrialFigures
 
 __all__ = ["Advisor", "NullReporter", "Reporter", "TrialCoordinator"]
 
@@ -46,13 +46,9 @@ class Advisor(Protocol):
     """The search's advisor (the ``model`` strategy): proposes before each ask, predicts a configuration
     that cannot fit, learns from each trial, and says how well its models held out."""
 
-    time_left_s: float | None
-    """Seconds the time budget leaves (None: no budget); set by the loop before each ask."""
-    over_budget: Callable[[optuna.Study, BalanceConfig], str | None] | None
-    """Why a configuration would not be launched under the time budget (None: it would; the
-    attribute None: no budget); set by the loop, so the search proposes only what the loop will run."""
-
-    def before_ask(self, study: optuna.Study) -> None: ...
+    def before_ask(self, study: optuna.Study, decision: Decision | None = None) -> None:
+        """Enqueue the next trial, chosen over ``decision`` (the study read once, the models fitted
+        once, the time budget)."""
     def predict_infeasible(self, study: optuna.Study,
                            config: BalanceConfig) -> tuple[TrialFigures, dict[str, Any]] | None: ...
     def after_trial(self, study: optuna.Study, trial: FrozenTrial) -> None: ...

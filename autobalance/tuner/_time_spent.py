@@ -16,12 +16,17 @@ from __future__ import annotations
 import datetime
 import statistics
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from optuna.trial import FrozenTrial, TrialState
 
 from autobalance.launcher import TrialOutcome
 from autobalance.protocol import RankTiming, Status, TrialAttr, time_in_steps_s
+
+if TYPE_CHECKING:
+    from autobalance._config import BalanceConfig
+    from autobalance.tuner._verify_time import VerifyForecast
+    from autobalance.tuner.search import Decision
 
 __all__ = ["TIME_PARTS", "TimeBudget", "TrialOverhead", "describe_budget", "per_trial_overhead_s", "time_lines",
            "time_spent", "trial_time_split"]
@@ -90,7 +95,10 @@ def time_spent(trials: list[FrozenTrial], numbers: set[int]) -> dict[str, float]
 class TimeBudget:
     """``--time-budget`` of one run: the run, verification included, ends by ``deadline``
     (``time.monotonic()``): no trial starts once the time left is below the next trial's expected
-    time plus verification's predicted time (``_verify_time.py``)."""
+    time plus verification's predicted time (``_verify_time.py``). The one place a stop for time is
+    decided: :meth:`spent` (the loop's stop rule), :meth:`unaffordable` (a proposal, or the trial
+    asked, that the time left does not hold with verification's reserve after it) and
+    :meth:`holds_compile` (a compile the time left holds), each over one ``search.Decision``."""
 
     budget_s: float | None
     started: float
@@ -105,6 +113,13 @@ class TimeBudget:
     """The next trial's expected time (the median launched trial)."""
     left_at_stop: float | None = None
     """The time left when the budget stopped the trial loop."""
+    verify: bool = True
+    """Whether the study's best is verified after the trial loop (its runs reserved; ``tune --no-verify``
+    and several nodes: nothing reserved)."""
+    compile_left_s: float | None = None
+    """Seconds left for a compile once verification's reserve and a usual trial are kept (None: no
+    budget, or nothing verified): a proposal that compiles new graphs is made only when the study's
+    median compile fits in it, and only when it is predicted to beat the best trial."""
 
     @property
     def deadline(self) -> float | None:
@@ -119,6 +134,69 @@ class TimeBudget:
         """Whether a trial of ``trial_s`` started ``now`` still leaves ``reserve_s`` (verification's
         reserve after it) before the deadline."""
         return self.deadline is None or now + trial_s + reserve_s < self.deadline
+
+    def refresh(self, decision: Decision, now: float) -> None:
+        """What is kept free, as predicted from ``decision``'s trials (``_verify_time.py``): the next
+        trial, and the best trial's verification (:attr:`reserve_s`); nothing without a budget."""
+        from autobalance.protocol import best_trial
+        from autobalance.tuner._verify_time import next_trial_s
+
+        if self.budget_s is None:
+            return
+        self.next_trial_s = next_trial_s(decision.trials)
+        forecast = self.forecast(decision, best_trial(decision.study))
+        if forecast is None:  # nothing is verified after the study
+            return
+        self.reserve_s, self.reserve_runs = forecast.reserve_s, len(forecast.runs)
+        if self.deadline is not None:  # no compile the budget cannot hold
+            self.compile_left_s = self.deadline - now - self.reserve_s - self.next_trial_s
+
+    def forecast(self, decision: Decision, best: FrozenTrial | None) -> VerifyForecast | None:
+        """Verification's forecast for ``best``, priced with ``decision``'s step-time models; None when
+        nothing is verified."""
+        from autobalance._config import BalanceConfig
+        from autobalance.protocol import StudyAttr
+        from autobalance.tuner._verify_time import forecast_verification
+
+        if not self.verify:
+            return None
+        base_no = decision.study.user_attrs.get(StudyAttr.BASELINE)
+        own = next((t.user_attrs.get(TrialAttr.CONFIG) for t in decision.trials if t.number == base_no), None)
+        return forecast_verification(decision.trials, baseline=BalanceConfig.from_dict(own) if own else None,
+                                     best=best, num_layers=decision.num_layers, device=decision.device,
+                                     eager=decision.step_time, compiled=decision.compiled_time)
+
+    def unaffordable(self, decision: Decision, config: BalanceConfig) -> str | None:
+        """Why ``config`` is not launched under the time budget (None: it is): its expected time (a
+        compile included) plus verification's reserve after it - of the best so far, or of ``config``
+        should it become the best - no longer fits in the time left (``decision.clock``)."""
+        from autobalance.tuner._verify_time import trial_s
+
+        if self.deadline is None:
+            return None
+        trials = decision.trials
+        took = trial_s(trials, config, device=decision.device)
+        candidate = FrozenTrial(number=len(trials), state=TrialState.COMPLETE, value=None, values=None,
+                                datetime_start=None, datetime_complete=None, params={}, distributions={},
+                                user_attrs={TrialAttr.CONFIG: config.to_dict()}, system_attrs={},
+                                intermediate_values={}, trial_id=-1)
+        forecast = self.forecast(decision, candidate)
+        reserve = max(self.reserve_s, forecast.reserve_s if forecast is not None else 0.0)
+        now = decision.clock()
+        if self.holds(now, took, reserve):
+            return None
+        return (f"the time budget no longer holds it: {max(0.0, self.deadline - now):.0f} s left, it would take "
+                f"about {took:.0f} s and verification after it {reserve:.0f} s; nothing was launched")
+
+    def holds_compile(self, decision: Decision, scope: str | None = None) -> bool:
+        """Whether the time left for a compile (:attr:`compile_left_s`) holds the study's median compile
+        (``scope``: of that scope, ``compile_times``); always without a limit."""
+        from autobalance.tuner.search import compile_times
+
+        if self.compile_left_s is None:
+            return True
+        _, compile_s = compile_times(decision.trials, device=decision.device, scope=scope)
+        return compile_s <= self.compile_left_s
 
     def record(self) -> dict[str, Any]:
         """What the run's time accounting keeps about the reservation."""

@@ -21,6 +21,7 @@ from autobalance.protocol import (
     weighted_objective,
 )
 from autobalance.tuner._notes import write_notes
+from autobalance.tuner.search import MAX_CANDIDATES
 from autobalance.verify import Failure, SharedRuns, Verification, Verifier, VerifyTarget
 
 __all__ = ["MAX_CANDIDATES", "allows_batch_dependent", "ranked_candidates", "run_verify_command", "target_for",
@@ -33,8 +34,6 @@ ATTR_VERIFY_PREFIX = StudyAttr.VERIFY_PREFIX
 ATTR_ALLOW_BATCH_DEPENDENT = StudyAttr.ALLOW_BATCH_DEPENDENT
 """Study attribute: True when the study was tuned with ``--allow-batch-dependent`` (its configurations
 may change the train-mode step of batch-dependent layers, and are verified in eval mode)."""
-MAX_CANDIDATES = 3
-"""When the best configuration fails verification, the next best are tried (distinct configurations)."""
 
 
 def target_for(settings: Any, *, label: str) -> VerifyTarget:

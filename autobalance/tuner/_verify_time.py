@@ -35,7 +35,7 @@ Only the best candidate's runs are reserved: a second candidate (the best failed
 its own runs after the budget. The reserve is the forecast times :data:`RESERVE_MARGIN`. The trial
 loop starts a trial only while the time left holds the next trial (the median launched trial, its
 compiling apart) plus that reserve (:meth:`TimeBudget.spent`); a proposal that compiles new graphs
-needs the study's median compile on top (the advisor's ``time_left_s``).
+needs the study's median compile on top (:attr:`TimeBudget.compile_left_s`).
 
 Replayed on the recorded H200 studies (``tests/test_verify_reserve_replay.py``): ``h200c``'s
 best at the stop (trial 10) was reserved 133.9 s (7 runs, two of them dropout runs verification did
@@ -56,6 +56,12 @@ from optuna.trial import FrozenTrial, TrialState
 from autobalance._config import BalanceConfig
 from autobalance.protocol import MEASURED_STATUSES, Status, TrialAttr
 from autobalance.tuner.search import (
+    COMPARE_S_PER_GB,
+    FIRST_STEP_FACTOR,
+    FLOOR_RUNS,
+    FROM_CACHE_SHARE,
+    IO_S_PER_GB,
+    RESERVE_MARGIN,
     CompiledTimeModel,
     StepTimeModel,
     compile_times,
@@ -67,30 +73,6 @@ from autobalance.verify import run_key
 __all__ = ["COMPARE_S_PER_GB", "FIRST_STEP_FACTOR", "FLOOR_RUNS", "FROM_CACHE_SHARE", "IO_S_PER_GB", "RESERVE_MARGIN",
            "RunPrices", "VerifyForecast", "forecast_verification", "has_dropout", "next_trial_s", "restarts",
            "run_prices", "trial_s", "verification_runs", "worker_start_s"]
-
-FLOOR_RUNS = 1
-"""Shared fp32 runs of the script's own configuration besides ``baseline`` and ``baseline-fp32``:
-the rounding floor (the same step with each micro-batch's samples reversed)."""
-IO_S_PER_GB = 5.0
-"""A verification run's tensor input and output per GB of parameters: one H200 machine, the ~270M GPT
-(1.08 GB in fp32): starting weights 0.8-1.7 s, saving the step 2.1-3.4 s, reading it 1.3-2.6 s, 4.6-6.6 s
-a run (``benchmarks/2026-12-03-h200b`` and ``-h200c``, ``tune_gpt-1gpu.log``)."""
-COMPARE_S_PER_GB = 3.0
-"""One comparison of two runs' tensors (gradients, parameters, update, buffers) per GB of parameters:
-the ~270M GPT's verifications spent 13.5 s (``h200b`` trial 5, 4 comparisons) and 12.3 s (``h200c``
-trial 4, 4) outside their runs: 3.1-3.4 s a comparison of 1.08 GB."""
-FIRST_STEP_FACTOR = 2.0
-"""A verification run's one step costs this many measured steps (no warm-up step before it)."""
-FROM_CACHE_SHARE = 0.4
-"""A compile from the Inductor cache, as a share of what the same graphs took cold in the study,
-where the study measured no cache hit: ``h200c`` trial 4 compiled cold in 36.9 s; its verification's
-``tuned`` run, from the study's cache, took 21.5 s with its read: less 1.0 s start-up and hand-over,
-5.4 s of tensors and 0.45 s of steps, 14.7 s (0.40). (Whole-model compiles from a shared cache took
-29-34 s of process wall against 46-52 s cold, start-up included: field notes 2026-12-04.)"""
-RESERVE_MARGIN = 1.2
-"""The reserve is the forecast times this: runs of one kind spread by ~20 % within one verification
-(eager one-step runs 5.0-6.8 s in ``h200c``'s), and the from-cache compile is priced from one
-measured share."""
 
 
 @dataclass(kw_only=True)
@@ -292,9 +274,11 @@ def _from_cache_s(trials: Sequence[FrozenTrial], cfg: BalanceConfig, *, cold: fl
 
 
 def forecast_verification(trials: Sequence[FrozenTrial], *, baseline: BalanceConfig | None, best: FrozenTrial | None,
-                          num_layers: int, device: str) -> VerifyForecast:
+                          num_layers: int, device: str, eager: StepTimeModel | None = None,
+                          compiled: CompiledTimeModel | None = None) -> VerifyForecast:
     """The predicted time of verifying ``best`` (module doc); 0 s without a candidate or when it is
-    the script's own configuration."""
+    the script's own configuration. ``eager``, ``compiled``: the step-time models already fitted on
+    ``trials`` (the decision's: ``search.Decision``); None: fitted here."""
     config = (best.user_attrs.get(TrialAttr.CONFIG) if best is not None else None)
     if best is None or not config:
         return VerifyForecast(seconds=0.0)
@@ -309,8 +293,10 @@ def forecast_verification(trials: Sequence[FrozenTrial], *, baseline: BalanceCon
         if (t.state == TrialState.COMPLETE and t.user_attrs.get(TrialAttr.STATUS) == Status.OK and cfg
                 and isinstance(ms, (int, float))):
             measured[json.dumps(cfg, sort_keys=True)] = float(ms)
-    eager = StepTimeModel.fit(list(trials), num_layers=num_layers, device=device)
-    compiled = CompiledTimeModel.fit(list(trials), eager=eager, device=device)
+    if eager is None:
+        eager = StepTimeModel.fit(list(trials), num_layers=num_layers, device=device)
+    if compiled is None:
+        compiled = CompiledTimeModel.fit(list(trials), eager=eager, device=device)
     slowest = max(measured.values(), default=0.0)
     graphs = compiled_graphs([t for t in trials if t.user_attrs.get(TrialAttr.STATUS) in MEASURED_STATUSES])
     gb = max((float(b) for t in trials if isinstance(b := t.user_attrs.get(TrialAttr.PARAMETER_BYTES), (int, float))),

@@ -1,5 +1,6 @@
 """The search: what the study looks for and how it looks.
 
+- ``_constants``: every constant the search and the time budget decide by, with its measurement;
 - ``_space``: the search space (micro-batch shares, accumulation, checkpointing, dtype, buckets, compile);
 - ``_objective``: from a trial's rank reports to its figures, objective values and memory constraint;
 - ``_memory_model``: per-rank peak memory, fitted from the study's trials;
@@ -9,11 +10,12 @@
 - ``_holdout``: what the memory models are fitted from, and their leave-one-trial-out errors;
 - ``_compiled_model``: compiled configurations' peaks (per-rank budgets) and step times;
 - ``_compiled_search``: compiled proposals from it, ordered to reuse the Inductor cache;
-- ``_dominance``: model-free "cannot fit" from launched trials that did not fit;
+- ``_dominance``: what cannot fit, said before launching (model-free dominance, the memory models' vetoes);
 - ``_compile``: compile in the study (cache, space check, compile figures);
 - ``_first_trials``: on a GPU, which dtypes the models may propose (bf16 first) and when the sampler explores;
 - ``_model_errors``: the errors a fit can raise, and the ones the search fell back from (kept in the study);
-- ``_advisor``: the ``model`` strategy: proposals and predicted OOMs, built on all of the above.
+- ``_models``: the models of one decision, the candidates they rank, what the policy's phases ask of them;
+- ``_advisor``: the ``model`` strategy's glue to Optuna: enqueue the policy's proposal, veto, learn after each trial.
 
 Nothing here launches a trial; the study's running side (``autobalance.tuner``) uses these.
 """
@@ -55,6 +57,39 @@ from autobalance.tuner.search._compiled_search import (
     compiled_graphs,
     graph_keys,
 )
+from autobalance.tuner.search._constants import (
+    AUTO_MEASURE_FACTOR,
+    AUTO_MEASURE_MAX_S,
+    BUDGET_CEILING,
+    COMPARE_S_PER_GB,
+    DISPERSION_LIMIT,
+    DTYPE_SPEED_PRIOR,
+    EAGER_FIRST,
+    EQUAL_SPEED_BAND,
+    FIRST_STEP_FACTOR,
+    FIT_MARGIN,
+    FLOOR_RUNS,
+    FROM_CACHE_SHARE,
+    GROW_MIN_BUDGET,
+    IMPROVES,
+    IO_S_PER_GB,
+    KEEP_AT_FULL_BUDGET,
+    MAX_CANDIDATES,
+    MAX_CRASHES_IN_A_ROW,
+    MAX_ERROR_TEXT,
+    MAX_KEPT_ERRORS,
+    MAX_PREDICTED_IN_A_ROW,
+    NEIGHBOUR_RANKS,
+    REGIONAL_COMPILE_SHARE,
+    RESERVE_MARGIN,
+    SAMPLER_EVERY,
+    SCOPE_TRANSFERS,
+    SHARE_TOL,
+    SLOW_DTYPE,
+    STALL_AFTER,
+    WARM_PRUNE_MIN_STEPS,
+    WORTH,
+)
 from autobalance.tuner.search._cuda_graphs import GRAPH_GAIN, graph_probe, graphs_verdict
 from autobalance.tuner.search._dominance import (
     activation_budget,
@@ -94,6 +129,7 @@ from autobalance.tuner.search._policy import (
     TrialHistory,
     proposal_line,
 )
+from autobalance.tuner.search._snapshot import Decision
 from autobalance.tuner.search._solver import (
     DEFAULT_RECOMPUTE_FRACTION,
     SplitPlan,
@@ -118,29 +154,61 @@ from autobalance.tuner.search._step_time import (
 
 __all__ = [
     "ACTIVATION_BYTES_SCALE",
+    "AUTO_MEASURE_FACTOR",
+    "AUTO_MEASURE_MAX_S",
+    "BUDGET_CEILING",
     "BUDGET_RANGE",
     "CACHE_HIT_PRIOR_S",
     "CACHE_TIE",
+    "COMPARE_S_PER_GB",
     "COMPILE_PRIOR_S",
     "COMPILE_SPEED_PRIOR",
     "DEFAULT_RECOMPUTE_FRACTION",
     "DEFAULT_SAFETY_MARGIN",
+    "DISPERSION_LIMIT",
+    "DTYPE_SPEED_PRIOR",
     "DYNAMIC",
+    "EAGER_FIRST",
+    "EQUAL_SPEED_BAND",
+    "FIRST_STEP_FACTOR",
     "FIT_ERRORS",
+    "FIT_MARGIN",
+    "FLOOR_RUNS",
+    "FROM_CACHE_SHARE",
     "GRAPH_GAIN",
+    "GROW_MIN_BUDGET",
+    "IMPROVES",
     "INFEASIBLE_TIME",
+    "IO_S_PER_GB",
+    "KEEP_AT_FULL_BUDGET",
     "LOW_BUDGET",
+    "MAX_CANDIDATES",
+    "MAX_CRASHES_IN_A_ROW",
+    "MAX_ERROR_TEXT",
+    "MAX_KEPT_ERRORS",
+    "MAX_PREDICTED_IN_A_ROW",
     "MICRO_STEP_PRIOR",
+    "NEIGHBOUR_RANKS",
     "PRIOR_CHECKPOINT_SAVING",
     "RECOMPUTE_PRIOR",
     "RECOMPUTE_PRIOR_COMPILED",
+    "REGIONAL_COMPILE_SHARE",
+    "RESERVE_MARGIN",
+    "SAMPLER_EVERY",
+    "SCOPE_TRANSFERS",
     "SHARE_RANGE",
+    "SHARE_TOL",
+    "SLOW_DTYPE",
+    "STALL_AFTER",
     "UNMEASURED_MARGIN",
+    "WARM_PRUNE_MIN_STEPS",
+    "WORTH",
     "BudgetCurve",
     "Candidate",
     "CompiledMemoryModel",
     "CompiledObservation",
     "CompiledTimeModel",
+    "Decision",
     "DtypeFit",
     "MemoryModel",
     "MemoryObservation",

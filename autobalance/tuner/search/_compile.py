@@ -11,24 +11,18 @@ from optuna.trial import FrozenTrial
 
 from autobalance.protocol import RankReport, TrialAttr
 from autobalance.tuner._settings import TuneSettings
+from autobalance.tuner.search._constants import (
+    CACHE_HIT_PRIOR_S,
+    COMPILE_PRIOR_S,
+    FROM_CACHE_SHARE,
+    REGIONAL_COMPILE_SHARE,
+)
 from autobalance.tuner.search._space import SearchSpace
 
 __all__ = ["CACHE_HIT_PRIOR_S", "COMPILE_PRIOR_S", "REGIONAL_COMPILE_SHARE", "cache_dir", "compile_env", "compile_figures", "compile_notes",
            "compile_times", "space_problem"]
 
 CACHE_SUBDIR = "inductor-cache"
-CACHE_HIT_PRIOR_S = 2.0
-"""A compile served by the Inductor cache, before the study measured one (one H200: 1.3-1.9 s; at
-least a tenth of the study's compile with misses)."""
-COMPILE_PRIOR_S: dict[str, float] = {"cuda": 45.0, "cpu": 20.0}
-"""A compile with cache misses, before the study measured one (one H200: 15-94 s per configuration;
-2 CPU cores: 18-25 s)."""
-REGIONAL_COMPILE_SHARE = (0.22, 0.30)
-"""A regional compile's time as a share of the whole-model compile of the same configuration (low,
-high): one H200, the ~270M GPT, the product's runtime, 0.22-0.30 at equal points
-(``benchmarks/2026-12-04-h200``). A scope the study has not compiled is priced from the other one
-at the end of the range that makes it dearer: a whole-model compile as the regional one / 0.22, a
-regional one as the whole-model one x 0.30."""
 
 
 def cache_dir(runs_dir: str, study_name: str) -> str:
@@ -115,7 +109,8 @@ def compile_notes(trials: list[FrozenTrial]) -> tuple[list[str], float]:
 def compile_times(trials: Sequence[FrozenTrial], *, device: str, scope: str | None = None) -> tuple[float, float]:
     """(median compile from the Inductor cache, median compile with cache misses) of the study's
     launched compiled trials; priors (:data:`CACHE_HIT_PRIOR_S`, :data:`COMPILE_PRIOR_S`) where it
-    measured none. ``scope`` (``whole``/``regional``): that scope's trials only; a scope the study has
+    measured none (a compile from the cache: :data:`FROM_CACHE_SHARE` of a cold one, at least
+    :data:`CACHE_HIT_PRIOR_S`). ``scope`` (``whole``/``regional``): that scope's trials only; a scope the study has
     not compiled is priced from the other's (:data:`REGIONAL_COMPILE_SHARE`): a whole-model compile
     costs three to five regional ones, and pricing one by the other's median starts compiles that
     the time left cannot hold."""
@@ -142,9 +137,9 @@ def compile_times(trials: Sequence[FrozenTrial], *, device: str, scope: str | No
             hit.append(float(seconds))
     if not every:
         cold = COMPILE_PRIOR_S.get(device, COMPILE_PRIOR_S["cpu"])
-        return max(CACHE_HIT_PRIOR_S, 0.1 * cold), cold
+        return max(CACHE_HIT_PRIOR_S, FROM_CACHE_SHARE * cold), cold
     cold = statistics.median(miss) if miss else statistics.median(every)
-    warm = statistics.median(hit) if hit else min(min(every), max(CACHE_HIT_PRIOR_S, 0.1 * cold))
+    warm = statistics.median(hit) if hit else min(min(every), max(CACHE_HIT_PRIOR_S, FROM_CACHE_SHARE * cold))
     return warm, cold
 
 

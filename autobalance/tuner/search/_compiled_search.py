@@ -34,6 +34,7 @@ from autobalance._config import CUDA_GRAPH_MODES, BalanceConfig, split_evenly
 from autobalance._errors import UsageError
 from autobalance.protocol import MEASURED_STATUSES, TrialAttr
 from autobalance.tuner.search._compiled_model import CompiledMemoryModel, CompiledTimeModel
+from autobalance.tuner.search._constants import CACHE_TIE, NEIGHBOUR_RANKS, SLOW_DTYPE
 from autobalance.tuner.search._dominance import dominating_over_cap
 from autobalance.tuner.search._model_errors import FIT_ERRORS, ModelErrors, caught
 from autobalance.tuner.search._solver import balanced_split, neighbours, optimizer_shares
@@ -48,13 +49,6 @@ from autobalance.tuner.search._step_time import StepTimeModel
 __all__ = ["CACHE_TIE", "DYNAMIC", "SLOW_DTYPE", "Candidate", "cache_order", "compiled_candidates", "compiled_graphs",
            "graph_keys", "much_slower"]
 
-CACHE_TIE = 0.02
-"""Relative difference of predicted objective (or of a rank's predicted time) treated as a tie,
-which the configuration needing fewer new compiled graphs wins."""
-SLOW_DTYPE = 1.5
-"""A dtype whose measured eager cost per sample is this many times the fastest one's is not compiled."""
-NEIGHBOUR_RANKS = 4
-"""Up to this many ranks, one-sample neighbours of each split are tried too."""
 
 Graph = tuple[str, str, float, int, float]
 """(dtype, mode, bucket MB, micro-batch size, budget): what a rank compiles (the cache's key, roughly);

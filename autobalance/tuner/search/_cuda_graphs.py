@@ -21,12 +21,10 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autobalance._config import CUDA_GRAPH_MODES, BalanceConfig
 from autobalance.protocol import Status, TrialAttr
+from autobalance.tuner.search._constants import GRAPH_GAIN
 
 __all__ = ["GRAPH_GAIN", "GraphVerdict", "graph_probe", "graphs_verdict"]
 
-GRAPH_GAIN = 0.03
-"""A graph trial pays when its step is at least this fraction faster than its default-mode twin's
-(the same configuration in mode ``default``): more than the step-time noise of a compiled trial."""
 
 GraphVerdict = Literal["untried", "pays", "no-gain"]
 """``untried``: no graph trial has a measured default-mode twin yet; ``pays`` / ``no-gain``: the

@@ -1,19 +1,31 @@
-"""Dominance: a configuration that needs at least as much memory, on some rank, as a launched
-trial that did not fit there will not fit either. Model-free (monotonicity only)."""
+"""What cannot fit, said before launching (the vetoes; the advisor records them as ``predicted_oom``).
+
+Dominance: a configuration that needs at least as much memory, on some rank, as a launched trial that
+did not fit there will not fit either - model-free (monotonicity only: :func:`dominating_over_cap`,
+:func:`dominance_veto`). The memory models' verdict where they are confident (:func:`model_veto`:
+the eager memory model at the default margin, the compiled model's measured budget bounds)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from optuna.trial import FrozenTrial, TrialState
 
 from autobalance._config import BalanceConfig
-from autobalance.protocol import MEASURED_STATUSES, Status, TrialAttr
+from autobalance.protocol import MEASURED_STATUSES, Status, TrialAttr, memory_text
+from autobalance.tuner.search._constants import SHARE_TOL
+from autobalance.tuner.search._memory_model import DEFAULT_SAFETY_MARGIN
+from autobalance.tuner.search._objective import TrialFigures
+from autobalance.tuner.search._solver import predict_config_feasible
+from autobalance.tuner.search._space import config_compile_key
 
-__all__ = ["activation_budget", "dominating_over_cap"]
+if TYPE_CHECKING:
+    from autobalance.tuner.search._compiled_model import CompiledMemoryModel
+    from autobalance.tuner.search._memory_model import MemoryModel
 
-_SHARE_TOL = 1e-9
-"""Cumulative shares this close are the same boundary (sums of 4-decimal shares in floating point)."""
+__all__ = ["activation_budget", "compiled_veto", "dominance_veto", "dominating_over_cap", "model_veto", "predicted_oom"]
+
+GIB = 2**30
 
 
 def activation_budget(cfg: dict[str, Any], rank: int) -> float:
@@ -72,7 +84,7 @@ def _holds_state_of(cfg: dict[str, Any], other: dict[str, Any], rank: int) -> bo
     three ranks or more the run may lie elsewhere in the parameter order)."""
     low, high = _state_run(cfg, rank)
     other_low, other_high = _state_run(other, rank)
-    return low <= other_low + _SHARE_TOL and high >= other_high - _SHARE_TOL
+    return low <= other_low + SHARE_TOL and high >= other_high - SHARE_TOL
 
 
 def dominating_over_cap(trials: list[FrozenTrial], config: BalanceConfig) -> tuple[FrozenTrial, int] | None:
@@ -94,3 +106,107 @@ def dominating_over_cap(trials: list[FrozenTrial], config: BalanceConfig) -> tup
             if _needs_at_least(cfg, other, r):
                 return t, r
     return None
+
+
+def predicted_oom(*, headroom: float, usable: list[float], rank: int, peak: float | None,
+                  attrs: dict[str, Any]) -> tuple[TrialFigures, dict[str, Any]]:
+    """The figures and attributes of a trial recorded as ``predicted_oom`` without launching: rank
+    ``rank`` is known to need at least ``peak`` bytes; ``attrs`` say who predicted it and why."""
+    peaks: list[float | None] = [None] * len(usable)
+    peaks[rank] = peak
+    figures = TrialFigures(status=Status.PREDICTED_OOM, peak_device=peaks, peak_allocated=[None] * len(peaks),
+                           peak_reserved=[None] * len(peaks), outside_pytorch=[None] * len(peaks),
+                           capacity=[u / (1.0 - headroom) for u in usable], step_time_s=None, samples_per_s=None,
+                           startup_s=None)
+    return figures, {**figures.user_attrs(headroom), "status": Status.PREDICTED_OOM, "predicted": True, **attrs,
+                     "baseline": False}
+
+
+def model_veto(model: MemoryModel, compiled: CompiledMemoryModel | None, config: BalanceConfig, *,
+               usable: list[float], headroom: float, num_layers: int) -> tuple[TrialFigures, dict[str, Any]] | bool | None:
+    """The memory models' verdict on ``config``: its ``predicted_oom`` figures and attributes when a
+    rank will not fit, True when it is predicted to fit, None when the models cannot say (a dtype or
+    a split they are not confident of). Compiled: the compiled model's measured bounds
+    (:func:`compiled_veto`)."""
+    if config.compile != "off":
+        return compiled_veto(model, compiled, config, usable=usable, headroom=headroom, num_layers=num_layers)
+    counts = [len(c) for c in config.checkpoint]
+    if not model.can_predict(config.dtype) or not all(
+        model.is_confident(rank=r, micro_batch=m, checkpointed=c, num_layers=max(1, num_layers),
+                           dtype=config.dtype)
+        for r, (m, c) in enumerate(zip(config.micro_batches, counts, strict=True))
+    ):
+        return None
+    # the veto judges at the default margin, not the self-widened one the proposals use: a widened margin
+    # (up to 50 %) vetoed configurations that fit (issue 41: predicted 9.28 MiB +50 % > 12.2 MiB usable,
+    # measured 9.2-10.0 MiB); proposing stays conservative, not launching needs the central estimate over
+    feasible, peaks = predict_config_feasible(model, config, num_layers=max(1, num_layers),
+                                              limits=usable, margin=DEFAULT_SAFETY_MARGIN)
+    if feasible:
+        return True
+    capacity = [u / (1.0 - headroom) for u in usable]
+    worst = max(range(len(peaks)), key=lambda r: peaks[r] / usable[r])
+    figures = TrialFigures(status=Status.PREDICTED_OOM, peak_device=list(peaks), peak_allocated=[None] * len(peaks),
+                           peak_reserved=[None] * len(peaks), outside_pytorch=[None] * len(peaks),
+                           capacity=capacity, step_time_s=None, samples_per_s=None, startup_s=None)
+    attrs = {
+        **figures.user_attrs(headroom),
+        "status": Status.PREDICTED_OOM,
+        "predicted": True,
+        "predicted_by": "memory-model",
+        "reason": (f"not launched: the memory model predicts rank {worst} at {memory_text(peaks[worst] / GIB)} "
+                   f"(+{100 * DEFAULT_SAFETY_MARGIN:.0f}% margin) > usable {memory_text(usable[worst] / GIB)}"),
+        "baseline": False,
+    }
+    return figures, attrs
+
+
+def compiled_veto(model: MemoryModel, compiled: CompiledMemoryModel | None, config: BalanceConfig, *,
+                  usable: list[float], headroom: float, num_layers: int) -> tuple[TrialFigures, dict[str, Any]] | bool | None:
+    """A compiled configuration that the pair's measured budgets prove cannot fit on some rank (whose
+    eager fixed part the memory model is sure of): its figures; True: no rank is over; None: no model."""
+    if compiled is None or not model.can_predict(config.dtype):
+        return None
+    budgets = config.activation_budget or [1.0] * config.world_size
+    key = config_compile_key(config)
+    layers = max(1, num_layers)
+    own = config.sharding_shares()  # zero1: each rank's share of the state (None: unsharded)
+    shares: list[float | None] = [None] * config.world_size if own is None else list(own)
+    for rank, (m, b) in enumerate(zip(config.micro_batches, budgets, strict=True)):
+        if not model.is_confident(rank=rank, micro_batch=m, checkpointed=0, num_layers=layers, dtype=config.dtype):
+            continue
+        low = compiled.surely_over(rank=rank, micro_batch=m, budget=b, dtype=config.dtype, mode=key,
+                                   limit=usable[rank], optimizer_share=shares[rank])
+        why = "the compiled model's measured budgets put"
+        if low is None:  # not even the least any budget keeps fits (a tiny budget does not save it)
+            low = compiled.over_at_any_budget(rank=rank, micro_batch=m, dtype=config.dtype, mode=key,
+                                              limit=usable[rank], optimizer_share=shares[rank])
+            why = "at any budget the compiled model predicts"
+        if low is None:
+            continue
+        return predicted_oom(headroom=headroom, usable=usable, rank=rank, peak=low, attrs={
+            "predicted_by": "compiled-model",
+            "reason": (f"not launched (not compiled): {why} rank {rank} at "
+                       f"least at {memory_text(low / GIB)} with micro-batch {m}, budget {b:g} "
+                       f"(+{100 * compiled.safety_margin:.0f}% margin) > usable {memory_text(usable[rank] / GIB)}"),
+        })
+    return True
+
+
+def dominance_veto(config: BalanceConfig, trial: FrozenTrial, rank: int, *, usable: list[float],
+                   headroom: float) -> tuple[TrialFigures, dict[str, Any]]:
+    """The figures of ``config``, dominated on ``rank`` by launched ``trial`` that did not fit there."""
+    seen = (trial.user_attrs.get(TrialAttr.PEAK_DEVICE_GIB) or [None] * config.world_size)[rank]
+    other = trial.user_attrs[TrialAttr.CONFIG]
+    what = (f"budget {activation_budget(other, rank):g}" if other.get("compile", "off") != "off"
+            else f"{len(other['checkpoint'][rank])} checkpointed blocks")
+    return predicted_oom(  # the peak is a lower bound: this one needs at least what that trial saw
+        headroom=headroom, usable=usable, rank=rank, peak=None if seen is None else float(seen) * GIB,
+        attrs={
+            "predicted_by": "dominance",
+            "dominated_by": trial.number,
+            "reason": (f"not launched: trial {trial.number} exceeded rank {rank}'s usable memory "
+                       f"({memory_text(usable[rank] / GIB)}) with micro-batch {other['micro_batches'][rank]}, {what}; this "
+                       "configuration needs at least as much there (same dtype and compile mode, no smaller "
+                       "micro-batch, no more recomputation, no smaller bucket)"),
+        })

@@ -28,17 +28,13 @@ from typing import Any
 from optuna.trial import FrozenTrial, TrialState
 
 from autobalance.protocol import Status, TrialAttr, weighted_objective
+from autobalance.tuner.search._constants import IMPROVES, STALL_AFTER
 from autobalance.tuner.search._space import SearchSpace
 
 __all__ = ["HALF_DTYPES", "IMPROVES", "MODEL_SOURCES", "STALL_AFTER", "proposable_dtypes", "proposals_stalled"]
 
 HALF_DTYPES = ("bf16", "fp16")
 """Half-precision dtypes, in the order they are measured first."""
-STALL_AFTER = 2
-"""The models' proposals have stopped improving when this many launched ones in a row did not
-improve the study's best objective (by :data:`IMPROVES`)."""
-IMPROVES = 0.01
-"""A relative drop of the best objective smaller than this is noise, not an improvement."""
 MODEL_SOURCES = ("memory-model", "compiled-model")
 """``proposed_by`` of the models' proposals."""
 _FAILED = (Status.ERROR, Status.CRASH, Status.TIMEOUT)

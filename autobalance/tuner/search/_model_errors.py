@@ -6,7 +6,7 @@ start, no proposal from that split): the search goes on, worse. What is caught i
 can raise on data it cannot use (:data:`FIT_ERRORS`); a programming error (``TypeError``,
 ``AttributeError``, ``KeyError``, ...) is not caught. Each caught error is noted in a
 :class:`ModelErrors` and saved in the study (:data:`StudyAttr.MODEL_ERRORS`: the last
-:data:`MAX_KEPT` as ``{where, error}``), and the tune summary says it in one line
+:data:`MAX_KEPT_ERRORS` as ``{where, error}``), and the tune summary says it in one line
 (:func:`model_errors_line`)."""
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import numpy as np
 
 from autobalance._errors import UsageError
 from autobalance.protocol import StudyAttr
+from autobalance.tuner.search._constants import MAX_ERROR_TEXT, MAX_KEPT_ERRORS
 
-__all__ = ["FIT_ERRORS", "MAX_KEPT", "ModelErrors", "caught", "model_errors_line"]
+__all__ = ["FIT_ERRORS", "MAX_KEPT_ERRORS", "ModelErrors", "caught", "model_errors_line"]
 
 FIT_ERRORS: tuple[type[Exception], ...] = (np.linalg.LinAlgError, ValueError, ArithmeticError, UsageError)
 """What a fit or a solver raises on data it cannot use: numpy's ``LinAlgError`` (an SVD or least
@@ -27,9 +28,6 @@ squares that does not converge), ``ValueError`` (scipy's ``least_squares`` on a 
 that are not finite, an empty or ill-shaped array), ``ArithmeticError`` (a division by a zero
 measurement, an overflow), and autobalance's own refusals of an observation, a limit or a
 configuration (``UsageError``, ``ConfigError``)."""
-MAX_KEPT = 20
-"""The study keeps the last this many caught errors."""
-_MAX_TEXT = 200
 
 
 class ModelErrors:
@@ -40,14 +38,14 @@ class ModelErrors:
 
     def caught(self, where: str, exc: BaseException) -> None:
         """Note that ``where`` (``holdout``, ``step time``, ...) fell back after ``exc``."""
-        self.pending.append({"where": where, "error": f"{type(exc).__name__}: {exc}"[:_MAX_TEXT]})
+        self.pending.append({"where": where, "error": f"{type(exc).__name__}: {exc}"[:MAX_ERROR_TEXT]})
 
     def save(self, study: Any) -> None:
-        """Add the pending errors to the study's (the last :data:`MAX_KEPT` kept); nothing when none."""
+        """Add the pending errors to the study's (the last :data:`MAX_KEPT_ERRORS` kept); nothing when none."""
         if not self.pending:
             return
         kept = list(study.user_attrs.get(StudyAttr.MODEL_ERRORS) or [])
-        study.set_user_attr(StudyAttr.MODEL_ERRORS, [*kept, *self.pending][-MAX_KEPT:])
+        study.set_user_attr(StudyAttr.MODEL_ERRORS, [*kept, *self.pending][-MAX_KEPT_ERRORS:])
         self.pending = []
 
 
@@ -67,7 +65,7 @@ def model_errors_line(entries: list[dict[str, Any]] | None) -> str | None:
         latest[str(entry.get("where"))] = str(entry.get("error"))
     counts = Counter(str(entry.get("where")) for entry in entries)
     count = len(entries)
-    more = f" (the last {MAX_KEPT} kept)" if count >= MAX_KEPT else ""
+    more = f" (the last {MAX_KEPT_ERRORS} kept)" if count >= MAX_KEPT_ERRORS else ""
     places = "; ".join(f"{where}: {error}" + (f" ({counts[where]}x)" if counts[where] > 1 else "")
                        for where, error in latest.items())
     return f"models: {count} fit{'s' if count != 1 else ''} failed{more} ({places})."

@@ -21,8 +21,8 @@ the trial is the sampler's. Every trial line and the dashboard show the phase an
 | ``model`` | the memory and compiled models have fitted | their best-ranked configuration predicted to fit (``compiled-model`` or ``memory-model``); a budget below :data:`LOW_BUDGET` only where a higher one was measured at that micro-batch and scope |
 | ``prior``, ``sampler`` | nothing else proposes | the least memory the priors know while nothing fits (GPU); else the sampler |
 
-Constants of the policy live here (:data:`KEEP_AT_FULL_BUDGET`, :data:`FIT_MARGIN`,
-:data:`LOW_BUDGET`), each with the measurement it comes from.
+The policy's constants (:data:`KEEP_AT_FULL_BUDGET`, :data:`FIT_MARGIN`, :data:`LOW_BUDGET`, ...) live
+with every other decision constant in ``_constants``, each with the measurement it comes from.
 """
 
 from __future__ import annotations
@@ -31,47 +31,53 @@ import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from autobalance._config import BalanceConfig
+from autobalance._config import BalanceConfig, split_evenly
 from autobalance._errors import ConfigError, UsageError
-from autobalance.protocol import MEASURED_STATUSES, Status, TrialAttr, memory_text
-from autobalance.tuner.search._space import SearchSpace, config_compile_key
+from autobalance.protocol import (
+    MEASURED_STATUSES,
+    Status,
+    StudyAttr,
+    TrialAttr,
+    best_trial,
+    memory_text,
+    weighted_objective,
+)
+from autobalance.tuner.search._constants import (
+    BUDGET_CEILING,
+    EAGER_FIRST,
+    FIT_MARGIN,
+    GROW_MIN_BUDGET,
+    KEEP_AT_FULL_BUDGET,
+    LOW_BUDGET,
+    SAMPLER_EVERY,
+    SCOPE_TRANSFERS,
+    WORTH,
+)
+from autobalance.tuner.search._cuda_graphs import graph_probe
+from autobalance.tuner.search._first_trials import proposals_stalled
+from autobalance.tuner.search._space import (
+    BUDGET_RANGE,
+    BUDGET_STEP,
+    SearchSpace,
+    config_compile_key,
+)
 
-__all__ = ["BUDGET_CEILING", "FIT_MARGIN", "GROW_MIN_BUDGET", "HALF_DTYPES", "KEEP_AT_FULL_BUDGET", "LOW_BUDGET", "PHASES", "REFINE_STEP", "SCOPE_TRANSFERS", "Proposal", "Record",
+if TYPE_CHECKING:
+    from autobalance.tuner.search._compiled_search import Candidate
+    from autobalance.tuner.search._memory_model import MemoryModel
+    from autobalance.tuner.search._snapshot import Decision
+    from autobalance.tuner.search._step_time import StepTimeModel
+
+__all__ = ["BUDGET_CEILING", "FIT_MARGIN", "GROW_MIN_BUDGET", "HALF_DTYPES", "KEEP_AT_FULL_BUDGET", "LOW_BUDGET", "PHASES", "SCOPE_TRANSFERS", "Proposal", "Record",
            "SearchPolicy", "TrialHistory", "first_compiled_micro_batch", "proposal_line"]
 
 GIB = 2**30
 HALF_DTYPES = ("bf16", "fp16")
-KEEP_AT_FULL_BUDGET = {True: 0.75, False: 1.0}
-"""Prior: the fraction of the eager per-sample activations a compiled graph keeps at budget 1.0, by
-whether the loss is inside the compiled model (``plan.wrap(loss=...)``). Measured on one H200
-(``benchmarks/2026-12-04-h200``, the GPT of ``studies/gpt-1gpu.toml``, 9.58 GiB held, 0.97 GiB per
-sample eager): loss inside 0.63-0.73 (whole 8 x 4, regional 8 x 4 and 16 x 2); loss outside 0.97-1.01
-(its full-precision logits stay outside the graph). Used only for the first compiled trial: after it,
-the compiled model's own fit."""
-FIT_MARGIN = 0.03
-"""The first compiled trial's predicted peak stays this fraction below the usable memory."""
-GROW_MIN_BUDGET = 0.5
-"""``compiled-grow`` takes one micro-step fewer only while the budget predicted to fit stays at or above
-this: on one H200 (``benchmarks/2026-12-04-h200``) a micro-step costs ~30 ms of launches whatever its
-size, so a larger micro-batch at budget 0.5 or more beat the smaller one at 1.0 (regional 16 x 2 at 0.5:
-128.9 ms, 8 x 4 at 1.0: 140.3 ms), and at 0.3 it no longer did (139.0 ms)."""
-SCOPE_TRANSFERS = 2
-"""``scope-probe`` runs the fastest this many measured compiled splits in the other scope (the scopes'
-optima differ: on the H200, regional 11,11,10 was its best split and whole 8 x 4 the grid's)."""
-BUDGET_CEILING = 1.0
-"""``raise-budget`` proposes budgets up to this (the partitioner's default: it keeps what eager keeps)."""
-REFINE_STEP = 0.05
-"""``raise-budget`` moves the best compiled trial's budget in steps of this much (the space's budget
-grid). No phase lowers it: at one rank a lower budget at the same split only recomputes more (the
-former ``refine`` phase did, and in the replay its trials were kept only when noise favoured them)."""
-LOW_BUDGET = 0.3
-"""Budgets below this are proposed only where a higher one was measured at the same micro-batch and
-scope: memory is not monotone in low budgets (pytorch/pytorch#197838; on the H200 whole-model 8 x 4
-with the loss outside peaked at 15.5 GiB at budget 0.75 and 16.9 GiB at 0.5)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -284,11 +290,25 @@ def first_compiled_micro_batch(*, held_gib: float, act_gib: float, usable_gib: f
 
 
 class Models(Protocol):
-    """What the phases ask of the models and the study's context (``ModelAdvisor`` provides it)."""
+    """What the phases ask of the models and the study's context (``_models.SearchModels`` provides it, over the
+    decision in progress: ``Decision``)."""
 
     space: SearchSpace
     settings: Any
+    model: MemoryModel | None
+    """The memory model of the decision (None: not fitted)."""
+    asks: int
+    """The asks so far (``explore`` paces the sampler by it)."""
+    proposed: set[str]
+    """The configurations proposed so far (JSON)."""
+    dtype_note: str
+    """Why the last proposals were held to some dtypes (``""``: none held back)."""
 
+    @property
+    def study(self) -> optuna.Study: ...
+    def decision_for(self, study: optuna.Study) -> Decision: ...
+    def scored_candidates(self, study: optuna.Study) -> list[Candidate]: ...
+    def allowed_dtypes(self, study: optuna.Study, timing: StepTimeModel | None = None) -> list[str]: ...
     def allowed_dtypes_now(self) -> list[str]: ...
     def eager_estimate(self) -> tuple[None, float, float] | None: ...
     def largest_budgets(self, config: BalanceConfig) -> list[float] | None: ...
@@ -297,10 +317,6 @@ class Models(Protocol):
     def unaffordable(self, config: BalanceConfig) -> str | None: ...
     def peak_change(self, config: BalanceConfig, budget: float) -> list[float] | None: ...
     def predicted_ms(self, config: BalanceConfig) -> float | None: ...
-    def explore(self, history: TrialHistory) -> Proposal | None: ...
-    def model_proposal(self, history: TrialHistory) -> Proposal | None: ...
-    def graph_proposal(self) -> Proposal | None: ...
-    def fallback_proposal(self, history: TrialHistory) -> Proposal | None: ...
 
 
 Phase = Callable[["SearchPolicy", TrialHistory], "Proposal | None"]
@@ -391,9 +407,6 @@ class SearchPolicy:
             f"micro-batch predicted to fit ({m}: {memory_text(held)} held + {m} x {memory_text(act)} x {keep:g} "
             f"kept at budget 1.0 <= {memory_text(min(history.usable_gib))} usable)"))
 
-    def explore(self, history: TrialHistory) -> Proposal | None:
-        return self.advisor.explore(history)
-
     def compiled_grow(self, history: TrialHistory) -> Proposal | None:
         base = history.best_compiled()
         if base is None or base.config is None:
@@ -421,9 +434,6 @@ class SearchPolicy:
             f"from trial {base.number}) at the largest budget predicted to fit ({min(fits):g} >= {GROW_MIN_BUDGET:g}): "
             "a micro-step's launches cost the same whatever its size"))
 
-    def model(self, history: TrialHistory) -> Proposal | None:
-        return self.advisor.model_proposal(history)
-
     def raise_budget(self, history: TrialHistory) -> Proposal | None:
         base = history.best_compiled()
         if base is None or base.config is None or base.config.world_size != 1 or not history.usable_gib:
@@ -436,13 +446,13 @@ class SearchPolicy:
         ceiling = min([BUDGET_CEILING + 1e-9, *history.over_budgets(cfg)])
         limit = history.usable_gib[0] * (1.0 - FIT_MARGIN)
         pick: tuple[float, float] | None = None
-        nb = round(b + REFINE_STEP, 3)
+        nb = round(b + BUDGET_STEP, 3)
         while nb < ceiling:
             change = self.advisor.peak_change(cfg, nb)
             if change is None or float(peak) + change[0] > limit:
                 break
             pick = (nb, float(peak) + change[0])
-            nb = round(nb + REFINE_STEP, 3)
+            nb = round(nb + BUDGET_STEP, 3)
         if pick is None:
             return None
         other = BalanceConfig.from_dict({**cfg.to_dict(), "activation_budget": [pick[0]]})
@@ -513,17 +523,9 @@ class SearchPolicy:
                 "one compile measures whether that scope wins for this script"))
         return None
 
-    def cuda_graphs(self, history: TrialHistory) -> Proposal | None:
-        return self.advisor.graph_proposal()
-
-    def fallbacks(self, history: TrialHistory) -> Proposal | None:
-        return self.advisor.fallback_proposal(history)
-
     # ------------------------------------------------------------------ helpers
     def _config(self, acc: int, *, dtype: str, compile: str, scope: str = "whole") -> BalanceConfig | None:
         """The even split of ``acc`` micro-steps, nothing checkpointed, budget 1.0 when compiled."""
-        from autobalance._config import split_evenly
-
         world = self.space.world_size
         total = self.space.micro_total(acc)
         if total < world:
@@ -540,7 +542,217 @@ class SearchPolicy:
         return cfg if self.space.contains(cfg) else None
 
 
-PHASES: list[Phase] = [SearchPolicy.probe, SearchPolicy.compiled_start, SearchPolicy.explore,
-                       SearchPolicy.compiled_grow, SearchPolicy.scope_probe, SearchPolicy.raise_budget, SearchPolicy.cuda_graphs, SearchPolicy.model,
-                       SearchPolicy.fallbacks]
+# ---------------------------------------------------------------------- the phases over the models' proposals
+def _eager_first(models: Models, study: optuna.Study, dtype: str) -> bool:
+    """Whether ``dtype``'s compiled proposals wait for more eager trials (:data:`EAGER_FIRST`)."""
+    if "off" not in models.space.compile_modes or models.model is None or models.model.is_fitted_for(dtype):
+        return False
+    eager = sum(1 for t in study.get_trials(deepcopy=False)
+                if t.user_attrs.get(TrialAttr.STATUS) == Status.OK and t.user_attrs.get(TrialAttr.REUSED_FROM) is None
+                and (t.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile", "off") == "off"
+                and (t.user_attrs.get(TrialAttr.CONFIG) or {}).get("dtype") == dtype)
+    return eager < EAGER_FIRST
+
+
+def explore_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
+    """The sampler's trial every ``SAMPLER_EVERY``-th ask: on CPU always (it explores what the
+    models do not: bucket sizes, dtypes they cannot predict yet), on a GPU only once the models'
+    proposals stopped improving (``_first_trials.proposals_stalled``)."""
+    models = policy.advisor
+    study = models.study
+    if models.asks % SAMPLER_EVERY == 0 and (
+            models.settings.device != "cuda"
+            or proposals_stalled(study.get_trials(deepcopy=False), study.user_attrs.get(StudyAttr.OBJECTIVE, {}))):
+        return sampler_proposal(models, "explore: " + ("every third trial on CPU" if models.settings.device != "cuda"
+                                                     else "the models' proposals stopped improving"))
+    return None
+
+
+def model_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
+    """The models' best new candidate (eager from the memory model, compiled from the compiled
+    model), when it is worth a trial: under a time budget a compile must fit in the time left and
+    promise a gain; a budget below ``LOW_BUDGET`` only where a higher one was measured at that
+    micro-batch and scope; a compile scope only once a trial of it was measured (the scope probe
+    brings in another: no borrowing across scopes); an eager candidate first while the compiled model has too few eager
+    trials of its dtype (``EAGER_FIRST``)."""
+    models = policy.advisor
+    study = models.study
+    candidates = models.scored_candidates(study)
+    if not candidates:
+        return None
+    tried = history.tried() | models.proposed
+    if _no_time_to_compile(models, study):  # no new graph that the time budget cannot hold
+        candidates = [c for c in candidates if c.new_graphs == 0]
+    elif models.decision_for(study).compile_limited:  # nor one of a scope whose compile it cannot hold
+        dear = {scope for scope in models.space.compile_scopes if _no_time_to_compile(models, study, scope)}
+        candidates = [c for c in candidates if c.new_graphs == 0 or c.config.compile == "off"
+                      or c.config.compile_scope not in dear]
+    scopes = history.measured_scopes() or {models.space.compile_scopes[-1]}  # regional first when searched
+    if models.settings.device == "cuda" and history.best_compiled() is not None and not _eager_timed(history):
+        # an eager proposal against a compiled best needs an eager time model of its own (three measured
+        # eager splits): with fewer it is proportional and ranks launch-bound small micro-batches too well
+        candidates = [c for c in candidates if c.config.compile != "off"]
+    fresh = [c for c in candidates if c.config.to_json() not in tried and _low_budget_ok(history, c.config)
+             and (c.config.compile == "off" or c.config.compile_scope in scopes)]
+    best = _best_value(study)
+    if models.decision_for(study).compile_limited and best is not None:  # under a time budget a compile must promise a gain
+        fresh = [c for c in fresh if c.new_graphs == 0 or c.score < best]
+    if not fresh or fresh[0].score > WORTH * candidates[0].score:
+        return None
+    pick, note = fresh[0], None
+    if pick.source == "compiled-model" and _eager_first(models, study, pick.config.dtype) and (
+            history.eager_probe() is None):
+        eager = [c for c in fresh if c.source == "memory-model" and c.config.dtype == pick.config.dtype]
+        if eager:  # a few seconds that teach the compiled model its fixed part before a compile
+            pick, note = eager[0], "eager first: teaches the memory model before compiling"
+    extra: dict[str, Any] = {}
+    if pick.source == "compiled-model":
+        extra["proposal_new_graphs"] = pick.new_graphs
+    if pick.extrapolated:
+        extra["proposal_extrapolated"] = True
+    reason = note or ("the compiled model's best configuration predicted to fit" if pick.source == "compiled-model"
+                      else "the memory model's best configuration predicted to fit")
+    if models.dtype_note and not note:
+        reason += f" ({models.dtype_note})"
+    return Proposal(config=pick.config, phase=pick.source, reason=reason, predicted_ms=pick.step_ms,
+                    predicted_peak_gib=[p / GIB for p in pick.peaks], extra=extra)
+
+
+def _eager_timed(history: TrialHistory) -> bool:
+    """Whether three distinct eager splits were measured (the eager time model's fixed terms are then seen)."""
+    return len({json.dumps([r.config.accumulation, r.config.micro_batches]) for r in history.records
+                if r.measured and r.status == Status.OK and r.config is not None and r.config.compile == "off"}) >= 3
+
+
+def _low_budget_ok(history: TrialHistory, config: BalanceConfig) -> bool:
+    """A budget below ``LOW_BUDGET`` only where a higher one was measured at that micro-batch and scope."""
+    if config.compile == "off" or min(config.activation_budget or [1.0]) >= LOW_BUDGET:
+        return True
+    measured = history.measured_budget(config_compile_key(config), max(config.micro_batches))
+    return measured is not None and measured >= LOW_BUDGET
+
+
+def fallbacks_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
+    """When no phase proposes: the least memory the priors know while nothing fits (on a GPU), else
+    the sampler."""
+    models = policy.advisor
+    study = models.study
+    if models.settings.device == "cuda" and not any(r.status == Status.OK for r in history.records):
+        probe = _probe(models, study)
+        if probe is not None:
+            return Proposal(config=probe, phase="prior", reason=(
+                "nothing measured fits yet: the least memory the priors know, in "
+                f"{probe.dtype} ({models.dtype_note or 'the dtype prior on a GPU'})"))
+    return sampler_proposal(models, "the sampler's trial: the models propose nothing new worth a trial")
+
+
+def _graph_probe(models: Models, study: optuna.Study) -> Proposal | None:
+    """The CUDA-graph probe (:func:`graph_probe`) when there is one and the time budget holds a
+    compile. Asked once the models promise nothing better than the best trial, and only when that
+    is a default-mode compiled one: the probe measures graphs where the default mode's optimum is."""
+    if _no_time_to_compile(models, study):
+        return None
+    top = best_trial(study)
+    if top is None:
+        return None
+    if (top.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile_scope", "whole") != "whole":
+        # CUDA graphs capture the whole model: probed at the best whole-model trial within 2 % of the best
+        whole = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                 if t.user_attrs.get(TrialAttr.FEASIBLE) and t.user_attrs.get(TrialAttr.STEP_TIME_MS)
+                 and (t.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile") == "default"
+                 and (t.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile_scope", "whole") == "whole"]
+        best_ms = float(top.user_attrs.get(TrialAttr.STEP_TIME_MS) or 0.0)
+        close = [t for t in whole if float(t.user_attrs[TrialAttr.STEP_TIME_MS]) <= 1.02 * best_ms]
+        if not close:
+            return None
+        top = min(close, key=lambda t: float(t.user_attrs[TrialAttr.STEP_TIME_MS]))
+    probe = graph_probe(study.get_trials(deepcopy=False), best=top, modes=models.space.compile_modes,
+                        dtypes=models.allowed_dtypes(study))
+    if probe is None or probe.to_json() in models.proposed or not models.space.contains(probe):
+        return None
+    return Proposal(config=probe, phase="cuda-graphs", reason=(
+        f"CUDA graphs ({probe.compile}) at the best default-mode compiled configuration: one compile "
+        "measures whether they pay for this script"))
+
+
+def _probe(models: Models, study: optuna.Study) -> BalanceConfig | None:
+    """With nothing measured that fits (the script's own configuration ran out of memory): the
+    least-memory configurations of the first allowed dtype, which the priors expect to fit - every
+    block checkpointed (compiled only: the smallest budget), at the baseline's accumulation, then
+    at the largest; None once both were tried."""
+    trials = study.get_trials(deepcopy=False)
+    if any(t.user_attrs.get(TrialAttr.STATUS) == Status.OK for t in trials):
+        return None
+    allowed = models.allowed_dtypes(study)
+    if not allowed:
+        return None
+    number = study.user_attrs.get(StudyAttr.BASELINE)
+    own = next((t.user_attrs.get(TrialAttr.CONFIG) or {} for t in trials if t.number == number), {})
+    tried = {json.dumps(t.user_attrs.get(TrialAttr.CONFIG), sort_keys=True)
+             for t in trials if t.user_attrs.get(TrialAttr.CONFIG)} | models.proposed
+    world = models.space.world_size
+    mode = "off" if "off" in models.space.compile_modes else models.space.compile_modes[0]
+    layers = models.space.num_layers if mode == "off" else 0
+    for acc in dict.fromkeys([int(own.get("accumulation") or 1), max(models.space.accumulations)]):
+        if acc not in models.space.accumulations:
+            continue
+        micro = split_evenly(models.space.micro_total(acc), [1.0] * world)
+        cfg = models.space.config_for(
+            micro, acc, None, checkpoint=[list(range(layers)) for _ in range(world)], dtype=allowed[0],
+            bucket_cap_mb=float(own.get("bucket_cap_mb") or 25.0),
+            gradient_as_bucket_view=bool(own.get("gradient_as_bucket_view", True)), compile=mode,
+            activation_budget=None if mode == "off" else [BUDGET_RANGE[0]] * world)
+        if models.space.contains(cfg) and cfg.to_json() not in tried:
+            return cfg
+    return None
+
+
+def _best_value(study: optuna.Study) -> float | None:
+    """The best feasible trial's objective (weighted on a Pareto front); None before one."""
+    best = best_trial(study)
+    if best is None or not best.values:
+        return None
+    return weighted_objective(best.values, study.user_attrs.get(StudyAttr.OBJECTIVE, {}))
+
+
+def _no_time_to_compile(models: Models, study: optuna.Study, scope: str | None = None) -> bool:
+    """Whether the time budget leaves less than the study's median compile (``TimeBudget.holds_compile``);
+    ``scope``: a compile of that scope (``compile_times``)."""
+    return models.space.compile_searched and not models.decision_for(study).holds_compile(scope)
+
+
+def sampler_proposal(models: Models, why: str) -> Proposal:
+    """The sampler's trial. While some dtype is held back, its dtype is fixed to the best trial's
+    (when allowed) or the first allowed one; when the time budget holds no compile, it runs eager
+    (the sampler picks the rest)."""
+    study = models.study
+    fixed: dict[str, Any] = {}
+    notes = [why]
+    if _no_time_to_compile(models, study) and "off" in models.space.compile_modes:
+        fixed["compile"] = "off"
+        notes.append("eager: the time budget holds no compile")
+    if models.settings.device == "cuda":
+        allowed = models.allowed_dtypes(study, _timing(models, study))
+        if allowed and len(allowed) < len(models.space.dtypes):
+            best = best_trial(study)
+            dtype = (best.user_attrs.get(TrialAttr.CONFIG) or {}).get("dtype") if best is not None else None
+            fixed["dtype"] = dtype if dtype in allowed else allowed[0]
+            notes.append(f"in {fixed['dtype']}: {models.dtype_note}")
+    return Proposal(config=None, phase="sampler", reason="; ".join(notes), fixed=fixed)
+
+
+def _timing(models: Models, study: optuna.Study) -> StepTimeModel | None:
+    """The step-time model on the study's trials (None: nothing measured yet)."""
+    timing = models.decision_for(study).step_time
+    return timing if timing.k else None
+
+
+def cuda_graphs_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
+    """The CUDA-graph probe (:func:`_graph_probe`)."""
+    return _graph_probe(policy.advisor, policy.advisor.study)
+
+
+PHASES: list[Phase] = [SearchPolicy.probe, SearchPolicy.compiled_start, explore_phase, SearchPolicy.compiled_grow,
+                       SearchPolicy.scope_probe, SearchPolicy.raise_budget, cuda_graphs_phase, model_phase,
+                       fallbacks_phase]
 """The phases in the order they are asked (module doc)."""

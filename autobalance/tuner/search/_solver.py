@@ -29,6 +29,7 @@ import numpy as np
 
 from autobalance._config import BalanceConfig
 from autobalance._errors import UsageError
+from autobalance.tuner.search._constants import DEFAULT_RECOMPUTE_FRACTION
 from autobalance.tuner.search._memory_model import MemoryModel
 
 __all__ = [
@@ -43,9 +44,6 @@ __all__ = [
     "predict_config_feasible",
     "predict_feasible",
 ]
-
-DEFAULT_RECOMPUTE_FRACTION = 1.0 / 3.0
-"""Extra compute of a checkpointed block relative to its forward+backward (one more forward)."""
 
 
 @dataclass(kw_only=True)

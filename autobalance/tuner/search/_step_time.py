@@ -12,19 +12,12 @@ from optuna.trial import FrozenTrial
 
 from autobalance._config import BalanceConfig
 from autobalance.protocol import Status, TrialAttr
+from autobalance.tuner.search._constants import DTYPE_SPEED_PRIOR, EQUAL_SPEED_BAND, RECOMPUTE_PRIOR
 from autobalance.tuner.search._model_errors import FIT_ERRORS, ModelErrors, caught
 
 __all__ = ["EQUAL_SPEED_BAND", "RECOMPUTE_PRIOR", "StepTimeModel"]
 
 # Step-time priors per dtype before any measurement (relative to fp32); replaced by measurements.
-RECOMPUTE_PRIOR = 1.0
-"""While checkpointing has not varied: recomputing all blocks once costs one typical micro-step
-(``b + k * m``; the H200 grid of the GPT scenario measured 0.85 of it)."""
-EQUAL_SPEED_BAND = 1.15
-"""Ranks whose measured per-sample costs differ by less than this factor count as equally fast (the
-model then has no per-rank speeds, so equal devices keep the plans of a model without them: busy
-times of equal ranks differ by a few percent of noise)."""
-_DTYPE_SPEED_PRIOR = {"cuda": {"bf16": 0.55, "fp16": 0.55, "fp32": 1.0}, "cpu": {"bf16": 1.2, "fp16": 1.5, "fp32": 1.0}}
 
 
 @dataclass(kw_only=True)
@@ -112,7 +105,7 @@ class StepTimeModel:
             errors: ModelErrors | None = None) -> StepTimeModel:
         """Fitted on the measured eager trials; a least-squares fit that fails keeps its start (the
         proportional fit) or no per-rank speeds, noted in ``errors``."""
-        prior = _DTYPE_SPEED_PRIOR.get(device, _DTYPE_SPEED_PRIOR["cpu"])
+        prior = DTYPE_SPEED_PRIOR.get(device, DTYPE_SPEED_PRIOR["cpu"])
         rows = [(t.user_attrs[TrialAttr.CONFIG], float(t.user_attrs[TrialAttr.STEP_TIME_MS])) for t in trials
                 if t.user_attrs.get(TrialAttr.STATUS) == Status.OK and t.user_attrs.get(TrialAttr.STEP_TIME_MS)
                 and t.user_attrs.get(TrialAttr.REUSED_FROM) is None and t.user_attrs.get(TrialAttr.CONFIG)

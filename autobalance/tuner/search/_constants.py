@@ -1,0 +1,203 @@
+"""Every constant the search and the time budget decide by, each with the measurement it comes from.
+
+One home: the policy's phases, the advisor's pacing and vetoes, the compile and step-time priors,
+verification's price and the loop's stop rules read their numbers here (``tests/test_constants.py``
+fails on a numeric module constant elsewhere in ``autobalance/tuner``). The modules that use one
+re-export it under its old name, so ``from autobalance.tuner._verify_time import FROM_CACHE_SHARE``
+still works.
+
+Merged duplicates: the memory-model veto's margin is the models' default margin
+(``_memory_model.DEFAULT_SAFETY_MARGIN``, 0.05; the advisor's ``VETO_MARGIN`` was a copy), and
+``raise-budget`` steps the budget by the space's grid (``_space.BUDGET_STEP``, 0.05; the policy's
+``REFINE_STEP`` was a copy). The cached-compile prior is one number, :data:`FROM_CACHE_SHARE` (0.4):
+``compile_times`` priced a compile from the cache at 0.1 x a cold one before the study measured a hit,
+verification's forecast at 0.4 x; every H200 measurement of a compile from the study's cache in a new
+process is 0.18-0.40 of the cold one (below), none near 0.1, so the forecast's measured 0.40 is the
+prior of both. (``compile_times``'s cache-hit figure is not read by any decision, so the replay decides
+as before.)
+
+The constants of ``_memory_model``, ``_compiled_model``, ``_objective`` and the search space's ranges
+(``_space``) still live in those modules (listed in ``tests/test_constants.py``).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AUTO_MEASURE_FACTOR",
+    "AUTO_MEASURE_MAX_S",
+    "BUDGET_CEILING",
+    "CACHE_HIT_PRIOR_S",
+    "CACHE_TIE",
+    "COMPARE_S_PER_GB",
+    "COMPILE_PRIOR_S",
+    "DEFAULT_RECOMPUTE_FRACTION",
+    "DISPERSION_LIMIT",
+    "DTYPE_SPEED_PRIOR",
+    "EAGER_FIRST",
+    "EQUAL_SPEED_BAND",
+    "FIRST_STEP_FACTOR",
+    "FIT_MARGIN",
+    "FLOOR_RUNS",
+    "FROM_CACHE_SHARE",
+    "GRAPH_GAIN",
+    "GROW_MIN_BUDGET",
+    "IMPROVES",
+    "IO_S_PER_GB",
+    "KEEP_AT_FULL_BUDGET",
+    "LOW_BUDGET",
+    "MAX_CANDIDATES",
+    "MAX_CRASHES_IN_A_ROW",
+    "MAX_ERROR_TEXT",
+    "MAX_KEPT_ERRORS",
+    "MAX_PREDICTED_IN_A_ROW",
+    "NEIGHBOUR_RANKS",
+    "RECOMPUTE_PRIOR",
+    "REGIONAL_COMPILE_SHARE",
+    "RESERVE_MARGIN",
+    "SAMPLER_EVERY",
+    "SCOPE_TRANSFERS",
+    "SHARE_TOL",
+    "SLOW_DTYPE",
+    "STALL_AFTER",
+    "WARM_PRUNE_MIN_STEPS",
+    "WORTH",
+]
+
+# ---------------------------------------------------------------------- the policy's phases (``_policy``)
+KEEP_AT_FULL_BUDGET = {True: 0.75, False: 1.0}
+"""Prior: the fraction of the eager per-sample activations a compiled graph keeps at budget 1.0, by
+whether the loss is inside the compiled model (``plan.wrap(loss=...)``). Measured on one H200
+(``benchmarks/2026-12-04-h200``, the GPT of ``studies/gpt-1gpu.toml``, 9.58 GiB held, 0.97 GiB per
+sample eager): loss inside 0.63-0.73 (whole 8 x 4, regional 8 x 4 and 16 x 2); loss outside 0.97-1.01
+(its full-precision logits stay outside the graph). Used only for the first compiled trial: after it,
+the compiled model's own fit."""
+FIT_MARGIN = 0.03
+"""The first compiled trial's predicted peak stays this fraction below the usable memory."""
+GROW_MIN_BUDGET = 0.5
+"""``compiled-grow`` takes one micro-step fewer only while the budget predicted to fit stays at or above
+this: on one H200 (``benchmarks/2026-12-04-h200``) a micro-step costs ~30 ms of launches whatever its
+size, so a larger micro-batch at budget 0.5 or more beat the smaller one at 1.0 (regional 16 x 2 at 0.5:
+128.9 ms, 8 x 4 at 1.0: 140.3 ms), and at 0.3 it no longer did (139.0 ms)."""
+SCOPE_TRANSFERS = 2
+"""``scope-probe`` runs the fastest this many measured compiled splits in the other scope (the scopes'
+optima differ: on the H200, regional 11,11,10 was its best split and whole 8 x 4 the grid's)."""
+BUDGET_CEILING = 1.0
+"""``raise-budget`` proposes budgets up to this (the partitioner's default: it keeps what eager keeps),
+in steps of the space's budget grid (``_space.BUDGET_STEP``). No phase lowers a budget: at one rank a
+lower budget at the same split only recomputes more (the former ``refine`` phase did, and in the replay
+its trials were kept only when noise favoured them)."""
+LOW_BUDGET = 0.3
+"""Budgets below this are proposed only where a higher one was measured at the same micro-batch and
+scope: memory is not monotone in low budgets (pytorch/pytorch#197838; on the H200 whole-model 8 x 4
+with the loss outside peaked at 15.5 GiB at budget 0.75 and 16.9 GiB at 0.5)."""
+
+# ---------------------------------------------------------------------- pacing and vetoes (``_advisor``)
+MAX_PREDICTED_IN_A_ROW = 25
+"""After this many trials in a row settled as ``predicted_oom`` without launching, the next is
+launched whatever the models say (a model wrong in the safe direction cannot stall the study)."""
+SAMPLER_EVERY = 3
+"""``explore``: the sampler's trial every this-many-th ask (on a GPU only once the models' proposals
+stopped improving: :data:`STALL_AFTER`)."""
+WORTH = 1.5
+"""The ``model`` phase proposes its best untried candidate only while its predicted objective is
+within this factor of the best candidate's (tried or not): further down the ranking the models
+promise nothing a trial would teach."""
+EAGER_FIRST = 3
+"""With compile searched, a dtype's compiled proposals wait until this many eager trials of it were
+measured (or its eager memory model is fully determined): eager trials take seconds and give the
+compiled model its fixed part and activation unit; a compile takes tens of seconds."""
+
+# ---------------------------------------------------------------------- proposals (``_compiled_search``, ``_first_trials``, ``_cuda_graphs``)
+CACHE_TIE = 0.02
+"""Relative difference of predicted objective (or of a rank's predicted time) treated as a tie,
+which the configuration needing fewer new compiled graphs wins."""
+SLOW_DTYPE = 1.5
+"""A dtype whose measured eager cost per sample is this many times the fastest one's is not compiled."""
+NEIGHBOUR_RANKS = 4
+"""Up to this many ranks, one-sample neighbours of each split are tried too."""
+STALL_AFTER = 2
+"""The models' proposals have stopped improving when this many launched ones in a row did not
+improve the study's best objective (by :data:`IMPROVES`)."""
+IMPROVES = 0.01
+"""A relative drop of the best objective smaller than this is noise, not an improvement."""
+GRAPH_GAIN = 0.03
+"""A graph trial pays when its step is at least this fraction faster than its default-mode twin's
+(the same configuration in mode ``default``): more than the step-time noise of a compiled trial."""
+SHARE_TOL = 1e-9
+"""Cumulative shares this close are the same boundary (sums of 4-decimal shares in floating point)."""
+
+# ---------------------------------------------------------------------- step-time priors (``_step_time``, ``_solver``)
+RECOMPUTE_PRIOR = 1.0
+"""While checkpointing has not varied: recomputing all blocks once costs one typical micro-step
+(``b + k * m``; the H200 grid of the GPT scenario measured 0.85 of it)."""
+EQUAL_SPEED_BAND = 1.15
+"""Ranks whose measured per-sample costs differ by less than this factor count as equally fast (the
+model then has no per-rank speeds, so equal devices keep the plans of a model without them: busy
+times of equal ranks differ by a few percent of noise)."""
+DTYPE_SPEED_PRIOR = {"cuda": {"bf16": 0.55, "fp16": 0.55, "fp32": 1.0}, "cpu": {"bf16": 1.2, "fp16": 1.5, "fp32": 1.0}}
+"""Step time per dtype relative to fp32 before the study measured that dtype (replaced by measurements)."""
+DEFAULT_RECOMPUTE_FRACTION = 1.0 / 3.0
+"""Extra compute of a checkpointed block relative to its forward+backward (one more forward): the
+solver's ranking of checkpointing plans before the step-time model measured recomputation."""
+
+# ---------------------------------------------------------------------- compile priors (``_compile``)
+CACHE_HIT_PRIOR_S = 2.0
+"""A compile served by the Inductor cache in a warm worker, at least (one H200: FX-graph-cache hits
+1.3-1.9 s, field notes)."""
+COMPILE_PRIOR_S = {"cuda": 45.0, "cpu": 20.0}
+"""A compile with cache misses, before the study measured one (one H200: 15-94 s per configuration;
+2 CPU cores: 18-25 s)."""
+REGIONAL_COMPILE_SHARE = (0.22, 0.30)
+"""A regional compile's time as a share of the whole-model compile of the same configuration (low,
+high): one H200, the ~270M GPT, the product's runtime, 0.22-0.30 at equal points
+(``benchmarks/2026-12-04-h200``). A scope the study has not compiled is priced from the other one
+at the end of the range that makes it dearer: a whole-model compile as the regional one / 0.22, a
+regional one as the whole-model one x 0.30."""
+FROM_CACHE_SHARE = 0.4
+"""A compile from the study's Inductor cache in a new process, as a share of what the same graphs took
+cold, where the study measured no cache hit (both ``compile_times``'s prior and verification's
+forecast). One H200: ``h200c`` trial 4 compiled cold in 36.9 s; its verification's ``tuned`` run, from
+the study's cache, took 21.5 s with its read: less 1.0 s start-up and hand-over, 5.4 s of tensors and
+0.45 s of steps, 14.7 s (0.40); ``benchmarks/2026-12-03-h200b/compile_probe.json``: 8 x 4 default 28.2 s
+cold, 5.2 s in a second process on the same cache (0.18); whole-model compiles from a shared cache took
+29-34 s of process wall against 46-52 s cold, start-up included (field notes 2026-12-04). The largest
+measured share, so a budget is not overdrawn."""
+
+# ---------------------------------------------------------------------- verification's price (``tuner/_verify_time``)
+FLOOR_RUNS = 1
+"""Shared fp32 runs of the script's own configuration besides ``baseline`` and ``baseline-fp32``:
+the rounding floor (the same step with each micro-batch's samples reversed)."""
+IO_S_PER_GB = 5.0
+"""A verification run's tensor input and output per GB of parameters: one H200 machine, the ~270M GPT
+(1.08 GB in fp32): starting weights 0.8-1.7 s, saving the step 2.1-3.4 s, reading it 1.3-2.6 s, 4.6-6.6 s
+a run (``benchmarks/2026-12-03-h200b`` and ``-h200c``, ``tune_gpt-1gpu.log``)."""
+COMPARE_S_PER_GB = 3.0
+"""One comparison of two runs' tensors (gradients, parameters, update, buffers) per GB of parameters:
+the ~270M GPT's verifications spent 13.5 s (``h200b`` trial 5, 4 comparisons) and 12.3 s (``h200c``
+trial 4, 4) outside their runs: 3.1-3.4 s a comparison of 1.08 GB."""
+FIRST_STEP_FACTOR = 2.0
+"""A verification run's one step costs this many measured steps (no warm-up step before it)."""
+RESERVE_MARGIN = 1.2
+"""The reserve is the forecast times this: runs of one kind spread by ~20 % within one verification
+(eager one-step runs 5.0-6.8 s in ``h200c``'s), and the from-cache compile is priced from one
+measured share."""
+MAX_CANDIDATES = 3
+"""When the best configuration fails verification, the next best are tried (distinct configurations)."""
+
+# ---------------------------------------------------------------------- the loop and its launches (``tuner/``)
+MAX_CRASHES_IN_A_ROW = 3
+"""The study stops after this many trials in a row crashed (a crash is not the configuration's fault:
+the same crash again is the machine's or the script's)."""
+DISPERSION_LIMIT = 0.05
+"""Re-measure when a rank's measured steps' IQR exceeds this fraction of their median."""
+AUTO_MEASURE_FACTOR = 7 / 3
+"""``--measure-s auto``: measure 7/3 of the overhead, so the overhead is <= 30 % of a trial."""
+AUTO_MEASURE_MAX_S = 2.0
+"""``--measure-s auto`` never measures longer than this (cold trials' overhead is seconds)."""
+WARM_PRUNE_MIN_STEPS = 20
+"""A warm trial (one launch, no torchrun start-up to amortise) is pruned early only when it runs at
+least this many steps; cold and multi-node trials always may be."""
+MAX_KEPT_ERRORS = 20
+"""The study keeps the last this many caught fit errors."""
+MAX_ERROR_TEXT = 200
+"""A kept fit error's text is cut to this many characters."""
