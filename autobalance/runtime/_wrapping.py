@@ -1,8 +1,9 @@
-"""``plan.wrap()``'s pipeline: validate, checkpoint the chosen blocks, move, record, wrap in DDP.
+"""``plan.wrap()``'s pipeline: validate, checkpoint the chosen blocks, move, record, wrap in DDP (or,
+with ``param_sharding`` on, shard with FSDP2: :mod:`~autobalance.runtime._fsdp`).
 
 The parts' ``on_wrap`` / ``on_model_moved`` / ``on_wrapped`` hooks are called at their fixed points
 (:mod:`~autobalance.runtime._parts`); ``plan.model``, ``plan.ddp`` and ``plan.model_info`` are set
-here, ``plan.model`` before ``on_wrapped`` (the compile part reads it there).
+here, ``plan.model`` before ``on_wrapped`` (the compile part reads it there); ``plan.sharded`` when sharded.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autobalance._errors import ConfigError
 from autobalance.runtime._batch_dependent import batch_dependent_modules, dropout_modules
 from autobalance.runtime._checkpoint import checkpoint_model, find_blocks
 from autobalance.runtime._with_loss import ModelWithLoss
@@ -33,6 +35,7 @@ def wrap_model(
     blocks: str | None,
     find_unused_parameters: bool,
     loss: Callable[..., torch.Tensor] | None,
+    embeddings: Sequence[str] | None = None,
 ) -> nn.Module:
     """What :meth:`Plan.wrap` does (see its docstring); returns what the script trains."""
     config = plan.config
@@ -52,7 +55,18 @@ def wrap_model(
         model = ModelWithLoss(model, loss)
     plan.model = model
     wrapped: nn.Module = model
-    if plan.world_size > 1 and dist.is_initialized():
+    if config.param_sharding != "off":
+        from autobalance.runtime._fsdp import shard_model
+
+        if find_unused_parameters:
+            raise ConfigError(f"find_unused_parameters=True with param_sharding={config.param_sharding!r}: FSDP2 "
+                              "reduces whatever gradients there are; drop the argument or use param_sharding='off'.")
+        plan.sharded = shard_model(model, config=config, blocks=block_list, embeddings=embeddings, device=plan.device)
+        plan.model_info["param_sharding"] = plan.sharded.to_dict()
+    elif embeddings is not None:
+        raise ConfigError(f"embeddings={list(embeddings)} needs param_sharding on; drop the argument or set "
+                          "param_sharding='embeddings' or 'blocks'.")
+    elif plan.world_size > 1 and dist.is_initialized():
         plan.ddp = nn.parallel.DistributedDataParallel(
             model,
             device_ids=[plan.device.index] if plan.device.type == "cuda" else None,
