@@ -66,6 +66,38 @@ def test_different_micro_step_counts_with_sharding_are_refused_before_launch() -
                                 '"param_sharding": "blocks"}')
 
 
+def test_every_step_of_a_sharded_epoch_has_the_same_micro_steps_on_every_rank() -> None:
+    """The partial last step too (DDP's gives each rank as few micro-steps as its largest micro-batch
+    allows, which may differ): every sample once, each micro-batch within its rank's largest, a tail
+    that cannot be split so dropped (never a step on which one rank gathers alone)."""
+    import random
+
+    from autobalance._config import split_at_least
+    from autobalance.runtime import epoch_schedule
+
+    rng = random.Random(0)
+    differed = 0
+    for _ in range(1500):
+        world, acc = rng.randint(2, 4), rng.randint(1, 4)
+        global_batch = rng.randint(world * acc, world * acc + 30)
+        samples = split_at_least(global_batch, [rng.uniform(0.05, 1) for _ in range(world)], acc)
+        n = rng.randint(1, 3 * global_batch)
+        for mode in ("off", "blocks"):
+            cfg = BalanceConfig.any_split(rank_samples=samples, accumulation=acc, param_sharding=mode)
+            schedule = epoch_schedule(num_samples=n, config=cfg, epoch=0, seed=1)
+            seen = [i for step in schedule.steps for rank in step.micro_batches for mb in rank for i in mb]
+            assert len(seen) == len(set(seen)) == n - schedule.dropped
+            for step in schedule.steps:
+                for rank, mbs in enumerate(step.micro_batches):
+                    assert all(1 <= len(mb) <= cfg.micro_batches[rank] for mb in mbs)
+                counts = {len(mbs) for mbs in step.micro_batches}
+                if mode == "off":
+                    differed += len(counts) > 1
+                else:
+                    assert len(counts) == 1, (cfg, n, step)
+    assert differed > 50  # the unsharded schedule does give ranks different counts: the check is not empty
+
+
 # ------------------------------------------------------------------------------------ under torchrun
 
 _RUNS: dict[int, dict[str, Any]] = {}
@@ -106,6 +138,8 @@ def test_sharded_update_equals_one_process_on_the_whole_global_batch(tmp_path_fa
         assert min(c["scale"]) > 1000 * TOLERANCE, c  # the parameters moved: a real update was compared
     if world == 2:
         assert any(c["config"]["accumulation"] == 3 for c in checked)
+        tail = next(c for c in checked if c["name"] == "blocks epoch tail")
+        assert tail["steps_total"] == [7, 7, 5] and tail["steps_micro"][2] == [2, 2], tail  # same micro-steps
     control = [c for c in cases if c["wrong_weights"]]
     assert control and min(control[0]["max_abs"]) > 100 * TOLERANCE, control
 

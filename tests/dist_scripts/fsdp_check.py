@@ -139,15 +139,17 @@ def difference(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor]
 
 
 def case(name: str, cfg: ab.BalanceConfig, *, tokens: bool = False, clip: float | None = None,
-         wrong_weights: bool = False) -> dict[str, Any]:
-    data = make_data(120, ignore=tokens)
+         wrong_weights: bool = False, samples: int = 120) -> dict[str, Any]:
+    data = make_data(samples, ignore=tokens)
     ref = reference(cfg, data, clip=clip)
     run = train(cfg, data, tokens=tokens, clip=clip, wrong_weights=wrong_weights)
     torch.manual_seed(0)
     start = {n: p.detach().clone() for n, p in TokenNet().named_parameters()}
     scale = [max(float((r[n] - start[n]).abs().max()) for n in r) for r in ref]
     info = run["plan"].model_info.get("param_sharding")
-    result = {"name": name, "config": cfg.to_dict(), "describe": describe_config(cfg), "tokens": tokens,
+    steps = epoch_schedule(num_samples=samples, config=cfg, epoch=0, seed=3).steps[:3]
+    result = {"steps_micro": [[len(r) for r in step.micro_batches] for step in steps],
+              "steps_total": [step.total for step in steps], "name": name, "config": cfg.to_dict(), "describe": describe_config(cfg), "tokens": tokens,
               "clip": clip, "wrong_weights": wrong_weights, "max_abs": difference(run["after"], ref), "scale": scale,
               "sharding": info, "ddp": run["plan"].ddp is not None}
     del run
@@ -231,6 +233,8 @@ def main() -> None:
                  ab.BalanceConfig.any_split(rank_samples=[3, 9], accumulation=3, param_sharding="embeddings"),
                  clip=0.05),
         ]
+        # 19 samples: 2 full steps, then 5 (DDP's tail: 4 samples in 2 micro-steps on rank 0, 1 in 1 on rank 1)
+        results["cases"].append(case("blocks epoch tail", any_split(param_sharding="blocks"), samples=19, clip=0.05))
         base = dict(rank_samples=uneven, accumulation=2, checkpoint=ckpt)
         results["resume"] = [
             resume_case("sharded into sharded", ab.BalanceConfig.any_split(**base, param_sharding="blocks"),
