@@ -31,7 +31,7 @@ from autobalance.tuner._roles import Reporter
 from autobalance.tuner._script_facts import keep_split, script_facts
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._workers import BaselineClaim, worker_id
-from autobalance.tuner.search import SearchSpace
+from autobalance.tuner.search import SearchSpace, ShardingFacts
 
 __all__ = ["baseline_fit_note", "baseline_once"]
 
@@ -160,6 +160,9 @@ def _space_from_baseline(study: optuna.Study, outcome: TrialOutcome,
         # the script shards through plan.optimizer: search where the state lives (any rank's report says
         # so: a baseline that ran out of memory may have lost the other ranks' reports)
         space.shardings = ["off", "zero1"]
+    sharding = ShardingFacts.from_model(rep.model, s.world_size)
+    if sharding is not None and sharding.searched():  # large embedding-like modules: FSDP2 may pay (_sharding)
+        space.param_shardings = ["off", "embeddings", "blocks"]
     kept = keep_split(space, report=rep, own=defaults, allow=s.allow_batch_dependent)
     facts = script_facts(rep, kept_split=kept, allow=s.allow_batch_dependent, split=defaults.split_text())
     capacity = [_capacity(outcome.reports.get(r) or rep) for r in range(s.world_size)]

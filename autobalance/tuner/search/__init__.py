@@ -91,6 +91,7 @@ from autobalance.tuner.search._policy import (
     TrialHistory,
     proposal_line,
 )
+from autobalance.tuner.search._sharding import SavingModel, ShardingFacts
 from autobalance.tuner.search._solver import (
     DEFAULT_RECOMPUTE_FRACTION,
     SplitPlan,
@@ -144,8 +145,10 @@ __all__ = [
     "ModelAdvisor",
     "ModelErrors",
     "Proposal",
+    "SavingModel",
     "SearchPolicy",
     "SearchSpace",
+    "ShardingFacts",
     "SplitPlan",
     "StepTimeModel",
     "TrialFigures",

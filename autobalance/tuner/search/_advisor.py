@@ -57,6 +57,7 @@ from autobalance.tuner.search._policy import (
     SearchPolicy,
     TrialHistory,
 )
+from autobalance.tuner.search._sharding import sharding_proposal
 from autobalance.tuner.search._snapshot import StudySnapshot
 from autobalance.tuner.search._solver import (
     predict_config_feasible,
@@ -447,6 +448,9 @@ class ModelAdvisor:
         """When no phase proposes: the least memory the priors know while nothing fits (on a GPU), else
         the sampler."""
         study = self.study
+        shard = self._sharding_proposal(history)
+        if shard is not None:
+            return shard
         if self.settings.device == "cuda" and not any(r.status == Status.OK for r in history.records):
             probe = self._probe(study)
             if probe is not None:
@@ -454,6 +458,18 @@ class ModelAdvisor:
                     "nothing measured fits yet: the least memory the priors know, in "
                     f"{probe.dtype} ({self.dtype_note or 'the dtype prior on a GPU'})"))
         return self._sampler_proposal("the sampler's trial: the models propose nothing new worth a trial")
+
+    def _sharding_proposal(self, history: TrialHistory) -> Proposal | None:
+        """Parameter sharding where a rank's fixed part is large and nothing fits (``_sharding``)."""
+        study = self.study
+        found = sharding_proposal(study.get_trials(deepcopy=False), space_shardings=self.space.param_shardings,
+                                  model_facts=study.user_attrs.get(StudyAttr.MODEL), world_size=self.space.world_size,
+                                  usable=self._usable(study), unsharded=self.model, tried=history.tried() | self._proposed,
+                                  num_layers=self.space.num_layers)
+        if found is None:
+            return None
+        config, reason, _fixed = found  # the fixed part only (in the reason): no peak predicted
+        return Proposal(config=config, phase="shard", reason=reason)
 
     def _graph_probe(self, study: optuna.Study) -> Proposal | None:
         """The CUDA-graph probe (:func:`graph_probe`) when there is one and the time budget holds a
@@ -579,6 +595,8 @@ class ModelAdvisor:
             return None
         if config.compile != "off":  # compiled memory follows the budget: the compiled model's measured bounds
             return self._compiled_veto(study, model, config, usable)
+        if config.param_sharding != "off":  # the model is of unsharded memory: launched (dominance above still vetoes)
+            return None
         counts = [len(c) for c in config.checkpoint]
         if not model.can_predict(config.dtype) or not all(
             model.is_confident(rank=r, micro_batch=m, checkpointed=c, num_layers=max(1, self.space.num_layers),

@@ -9,6 +9,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autobalance._config import BalanceConfig
 from autobalance.protocol import MEASURED_STATUSES, Status, TrialAttr
+from autobalance.tuner.search._sharding import sharding_level
 
 __all__ = ["activation_budget", "dominating_over_cap"]
 
@@ -50,7 +51,17 @@ def _needs_at_least(cfg: dict[str, Any], other: dict[str, Any], rank: int) -> bo
             and activation_budget(cfg, rank) >= activation_budget(other, rank)
             and float(cfg["bucket_cap_mb"]) >= float(other["bucket_cap_mb"])
             and (not cfg["gradient_as_bucket_view"] or bool(other["gradient_as_bucket_view"]))
-            and _holds_state_of(cfg, other, rank))
+            and _holds_state_of(cfg, other, rank)
+            and _holds_parameters_of(cfg, other))
+
+
+def _holds_parameters_of(cfg: dict[str, Any], other: dict[str, Any]) -> bool:
+    """``cfg`` shards no more parameters than ``other`` (off < embeddings < blocks; at the same sharding,
+    keeping at least the groups ``other`` keeps gathered): each rank holds at least as much of them."""
+    mine, theirs = sharding_level(cfg.get("param_sharding", "off")), sharding_level(other.get("param_sharding", "off"))
+    if mine != theirs:
+        return mine < theirs
+    return set(cfg.get("keep_gathered", [])) >= set(other.get("keep_gathered", []))
 
 
 def _state_run(cfg: dict[str, Any], rank: int) -> tuple[float, float]:

@@ -28,6 +28,8 @@ def observations_from_trials(trials: list[FrozenTrial], *, num_layers: int) -> l
         peaks = t.user_attrs.get(TrialAttr.PEAK_DEVICE_GIB) or []
         if not cfg or len(peaks) != len(cfg["micro_batches"]) or cfg.get("compile", "off") != "off":
             continue  # the model is of eager memory; compiled trials follow their budget instead
+        if cfg.get("param_sharding", "off") != "off":
+            continue  # nor of sharded memory: what sharding saves is _sharding's term
         state = t.user_attrs.get(TrialAttr.OPTIMIZER_STATE_BYTES) or []
         measured = len(state) == len(peaks) and all(isinstance(v, (int, float)) for v in state)
         # the whole state: summed over the ranks when sharded, on every rank when not
