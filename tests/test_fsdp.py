@@ -162,16 +162,200 @@ def test_save_at_step_2_resume_step_3_equals_the_unbroken_run(tmp_path_factory):
 def test_live_tensor_peaks_fall_by_the_sharded_share_of_params_grads_and_state(tmp_path_factory, world):
     """Live CPU tensor peaks per rank (steps 2-3, AdamW state allocated) against DDP (gradients as bucket
     views, one copy): they fall by ``(1 - 1/world)`` of the sharded parameters, their gradients and their
-    optimizer state, less the largest unit's gathered weights (whole while it computes), within 10 %."""
+    optimizer state, less the largest unit's gathered weights (whole while it computes), within 10 %:
+    the search's prediction (``ShardingFacts.predicted_saving``) from the report's model facts."""
+    from autobalance.tuner.search import ShardingFacts
+
     ddp, *sharded = fsdp_check(world, tmp_path_factory)["memory"]
     assert ddp["sharding"] is None and [m["sharding"]["mode"] for m in sharded] == ["embeddings", "blocks"]
     total_state = ddp["ranks"][0]["state_bytes"]
+    facts = ShardingFacts.from_model(ddp["model"], world)  # what the baseline (DDP) reports
+    assert facts is not None and facts.searched()
     for m in sharded:
         info = m["sharding"]
-        share = info["sharded_bytes"] / m["param_bytes"]
-        predicted = (1 - 1 / world) * (2 * info["sharded_bytes"] + share * total_state) - info["largest_unit_bytes"]
+        predicted = facts.predicted_saving(BalanceConfig.from_dict(m["config"]), state_total=total_state)
+        assert info["sharded_bytes"] == facts.sharded_bytes(info["mode"]), (info, facts)
+        assert info["largest_unit_bytes"] == facts.largest_unit(info["mode"]), (info, facts)
         assert predicted > 0.2 * ddp["ranks"][0]["peak"], (predicted, ddp)  # a real saving is compared
         for r in range(world):
             fell = ddp["ranks"][r]["peak"] - m["ranks"][r]["peak"]
             assert abs(fell - predicted) <= 0.1 * predicted, (m["describe"], r, fell, predicted)
             assert m["ranks"][r]["state_bytes"] < total_state  # the state is sharded too
+
+
+# ------------------------------------------------------------------------------------ the search
+
+def _facts(**kw: Any) -> Any:
+    from autobalance.tuner.search import ShardingFacts
+
+    base = dict(world_size=2, param_bytes=100.0, embedding_bytes=80.0, largest_embedding=40.0, block_bytes=8.0,
+                num_blocks=2)
+    return ShardingFacts(**{**base, **kw})
+
+
+def test_space_searches_param_sharding_and_round_trips_a_config() -> None:
+    from autobalance.tuner.search._space import SearchSpace
+
+    space = SearchSpace.build(world_size=2, global_batch=8, num_layers=2, dtypes=["fp32", "fp16"],
+                              max_accumulation=2, any_split=True)
+    assert "param_sharding" not in space.distributions()
+    assert SearchSpace.from_dict({k: v for k, v in space.to_dict().items()
+                                  if k != "param_shardings"}).param_shardings == ["off"]  # studies from before
+    space.param_shardings = ["off", "embeddings", "blocks"]
+    assert {"param_sharding", "keep_gathered"} <= set(space.distributions())
+    for cfg in (BalanceConfig.any_split(rank_samples=[3, 5], param_sharding="blocks", keep_gathered=["blocks"]),
+                BalanceConfig.any_split(rank_samples=[3, 5], accumulation=2, param_sharding="embeddings",
+                                        keep_gathered=["embeddings"]),
+                BalanceConfig.any_split(rank_samples=[3, 5])):
+        params = space.params_from_config(cfg)
+        again = space.config_from_params(params)
+        assert again.param_sharding == cfg.param_sharding and again.keep_gathered == cfg.keep_gathered
+        assert space.contains(again)
+    # what sharding refuses (fp16) is sampled unsharded, never an invalid configuration
+    params = {**space.params_from_config(BalanceConfig.any_split(rank_samples=[3, 5], param_sharding="blocks")),
+              "dtype": "fp16"}
+    assert space.config_from_params(params).param_sharding == "off"
+    plain = SearchSpace.build(world_size=2, global_batch=8, num_layers=2, dtypes=["fp32"], max_accumulation=1)
+    assert not plain.contains(BalanceConfig.any_split(rank_samples=[4, 4], param_sharding="blocks"))
+
+
+def test_dimension_is_searched_where_embedding_like_modules_are_large() -> None:
+    from autobalance.tuner.search import ShardingFacts
+
+    model = {"parameter_bytes": 1000, "embedding_bytes": 800, "largest_embedding_bytes": 400,
+             "largest_block_bytes": 50, "num_blocks": 4}
+    assert ShardingFacts.from_model(model, 2).searched()
+    assert not ShardingFacts.from_model(model, 1).searched()  # one rank: nothing to shard over
+    assert not ShardingFacts.from_model({**model, "embedding_bytes": 100}, 2).searched()  # a GPT's small vocabulary
+    assert ShardingFacts.from_model({"parameter_bytes": 1000, "num_blocks": 4}, 2) is None  # a report from before
+
+
+def test_predicted_saving_follows_the_sharded_share_gradients_and_kept_groups() -> None:
+    facts = _facts()
+    one = BalanceConfig(micro_batches=[2, 2], global_batch=4, param_sharding="embeddings")
+    # (1 - 1/2) * (80 weights + 80 gradients + 160 state) - 40 (the largest unit, gathered)
+    assert facts.predicted_saving(one, state_total=200.0) == pytest.approx(0.5 * (80 + 80 + 160) - 40)
+    accumulated = BalanceConfig(micro_batches=[1, 1], accumulation=2, global_batch=4, param_sharding="embeddings")
+    assert facts.predicted_saving(accumulated, state_total=200.0) == pytest.approx(0.5 * (80 + 160) - 40)
+    blocks = BalanceConfig(micro_batches=[2, 2], global_batch=4, param_sharding="blocks", keep_gathered=["blocks"])
+    # everything sharded; the largest unit: an embedding-like module (40 > 8-byte blocks, 4-byte root)
+    assert facts.predicted_saving(blocks, state_total=200.0) == pytest.approx(0.5 * (100 + 100 + 200) - 40 - 0.5 * 16)
+    assert facts.predicted_saving(BalanceConfig(micro_batches=[2, 2], global_batch=4), state_total=200.0) == 0.0
+
+
+class _Unsharded:
+    """A stand-in for the eager memory model: 1000 bytes fixed + 10 a sample."""
+
+    def can_predict(self, dtype: str) -> bool:
+        return True
+
+    def predict(self, *, rank: int, micro_batch: int, checkpointed: int, num_layers: int, dtype: str) -> float:
+        return 1000.0 + 10.0 * micro_batch
+
+    def fixed_bytes(self, rank: int, dtype: str) -> float:
+        return 1000.0
+
+
+def _trial(cfg: BalanceConfig, peaks: list[float], status: str = "ok", **attrs: Any) -> Any:
+    import optuna
+
+    from autobalance.protocol import TrialAttr
+
+    return optuna.trial.create_trial(value=1.0, user_attrs={
+        TrialAttr.STATUS: status, TrialAttr.CONFIG: cfg.to_dict(), TrialAttr.PEAK_DEVICE_GIB: [p / 2**30 for p in peaks],
+        TrialAttr.FEASIBLE: attrs.pop("feasible", status == "ok"), **attrs})
+
+
+def test_saving_is_learned_per_rank_from_one_sharded_trial() -> None:
+    from autobalance.tuner.search import SavingModel
+
+    facts = _facts()
+    emb = BalanceConfig(micro_batches=[2, 6], global_batch=8, param_sharding="embeddings")
+    model = SavingModel.fit([_trial(emb, [1020.0 - 300.0, 1060.0 - 280.0])], facts=facts, unsharded=_Unsharded(),
+                            state_total=200.0)
+    assert model.saving(emb, 0) == pytest.approx(300.0) and model.saving(emb, 1) == pytest.approx(280.0)
+    assert model.source(emb) == "learned from its trials"
+    other = BalanceConfig(micro_batches=[4, 4], global_batch=8, param_sharding="blocks")
+    assert model.saving(other, 0) == pytest.approx(facts.predicted_saving(other, state_total=200.0))  # not seen
+    assert SavingModel.fit([], facts=facts, unsharded=None).source(emb) == "predicted from the parameters"
+
+
+def test_shard_proposal_where_the_fixed_part_is_large_and_nothing_fits() -> None:
+    from autobalance.tuner.search import SavingModel
+    from autobalance.tuner.search._sharding import sharding_proposal_config
+
+    facts = _facts(param_bytes=1000.0, embedding_bytes=900.0, largest_embedding=450.0, block_bytes=20.0)
+    savings = SavingModel(facts=facts, state_total=2000.0)
+    base = BalanceConfig(micro_batches=[4, 4], global_batch=8, dtype="fp16", optimizer_sharding="zero1")
+    kw = dict(space_shardings=["off", "embeddings", "blocks"], facts=facts, baseline=base, savings=savings)
+    fixed = [4000.0, 4000.0]  # weights, gradients, two moments
+    cfg, why = sharding_proposal_config(usable=[3600.0, 3600.0], fixed=fixed, any_fits=False, tried=set(), **kw)
+    # embeddings save 0.5 * (900 + 900 + 1800) - 450 = 1350: 2650 left, below 85 % of 3600
+    assert cfg.param_sharding == "embeddings" and cfg.micro_batches == [4, 4]
+    assert cfg.dtype == "fp32" and cfg.optimizer_sharding == "off"  # what sharding refuses, left out
+    assert "nothing unsharded fits" in why and "embeddings sharding leaves" in why
+    tight, _ = sharding_proposal_config(usable=[3000.0, 3000.0], fixed=fixed, any_fits=False, tried=set(), **kw)
+    assert tight.param_sharding == "blocks"  # 2650 > 85 % of 3000: the embeddings alone do not leave room
+    again, _ = sharding_proposal_config(usable=[3600.0, 3600.0], fixed=fixed, any_fits=False, tried={cfg.to_json()},
+                                        **kw)
+    assert again.param_sharding == "blocks"  # the embeddings tried (and did not fit): shard more
+    assert sharding_proposal_config(usable=[3600.0] * 2, fixed=fixed, any_fits=True, tried=set(), **kw) is None
+    assert sharding_proposal_config(usable=[9000.0] * 2, fixed=fixed, any_fits=False, tried=set(), **kw) is None
+    assert sharding_proposal_config(usable=[3600.0] * 2, fixed=fixed, any_fits=False, tried=set(),
+                                    **{**kw, "space_shardings": ["off"]}) is None
+
+
+def test_dominance_orders_configurations_by_how_much_they_shard() -> None:
+    from autobalance.protocol import TrialAttr
+    from autobalance.tuner.search import dominating_over_cap
+
+    over = dict(status="oom", feasible=False, **{TrialAttr.FAILING_RANK: 0, TrialAttr.USABLE_GIB: [1.0, 1.0]})
+    ddp_oom = _trial(BalanceConfig(micro_batches=[1, 1], global_batch=2), [2**31, 2**31], **over)
+    sharded = BalanceConfig(micro_batches=[2, 2], global_batch=4, param_sharding="embeddings")
+    assert dominating_over_cap([ddp_oom], sharded) is None  # sharding holds less: not implied
+    shard_oom = _trial(BalanceConfig(micro_batches=[1, 1], global_batch=2, param_sharding="blocks"), [2**31, 2**31],
+                       **over)
+    for cfg in (sharded, BalanceConfig(micro_batches=[2, 2], global_batch=4),
+                BalanceConfig(micro_batches=[1, 1], global_batch=2, param_sharding="blocks", keep_gathered=["blocks"])):
+        assert dominating_over_cap([shard_oom], cfg) is not None, cfg  # no more sharding, no smaller batch
+    assert dominating_over_cap([_trial(BalanceConfig(micro_batches=[1, 1], global_batch=2, param_sharding="blocks",
+                                                     keep_gathered=["blocks"]), [2**31, 2**31], **over)],
+                               BalanceConfig(micro_batches=[1, 1], global_batch=2, param_sharding="blocks")) is None
+
+
+@pytest.mark.slow
+def test_tune_on_the_vocabulary_heavy_example_saves_a_verified_sharded_configuration(tmp_path: Path) -> None:
+    """``studies/vocab-cpu.toml``: 2 gloo ranks under a 19 MiB cap. The least memory DDP can take
+    (one sample a micro-step on each rank, every block checkpointed, gradients as bucket views, 1 MiB
+    buckets) runs out of memory under it, so every DDP split does (each needs at least as much on some
+    rank), and every unsharded trial the study ran did. The search turns parameter sharding on (the
+    embedding and head hold most parameters), proposes it, verifies and saves a sharded configuration,
+    which then runs under the same cap in production."""
+    from autobalance.protocol import StudyAttr, TrialAttr
+    from tests.tune_helpers import cli, load
+
+    db = tmp_path / "vocab.db"
+    proc = cli(["tune", "--config", str(REPO / "studies/vocab-cpu.toml"), "--storage", f"sqlite:///{db}",
+                "--trial-timeout", "120", "--runs-dir", str(tmp_path / "runs")], cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    study = load(db, "vocab-cpu")
+    assert study.user_attrs[StudyAttr.SPACE]["param_shardings"] == ["off", "embeddings", "blocks"]
+    assert study.user_attrs[StudyAttr.MODEL]["embeddings"] == ["tok", "head"]
+    unsharded = [t.user_attrs for t in study.trials if "param_sharding" not in t.user_attrs.get(TrialAttr.CONFIG, {})]
+    assert unsharded and all(a.get(TrialAttr.FEASIBLE) is not True for a in unsharded), unsharded
+    assert study.trials[1].user_attrs.get(TrialAttr.PROPOSAL_PHASE) == "shard"
+    best = study.best_trial.user_attrs
+    config = BalanceConfig.from_dict(best[TrialAttr.CONFIG])
+    assert config.param_sharding != "off" and best[TrialAttr.FEASIBLE] is True, describe_config(config)
+    assert f"Verified trial {study.best_trial.number}" in proc.stdout and \
+        f"Saved trial {study.best_trial.number}" in proc.stdout, proc.stdout[-2000:]
+    cap = {"AUTOBALANCE_MEMORY_CAP_BYTES": str(19 * 2**20), "AUTOBALANCE_DEVICE": "cpu"}
+    least = BalanceConfig(micro_batches=[1, 1], accumulation=4, global_batch=8, checkpoint=[[0, 1], [0, 1]],
+                          gradient_as_bucket_view=True, bucket_cap_mb=1.0)
+    ddp = torchrun([str(REPO / "tests/scripts/with_config.py"), least.to_json(), str(REPO / "examples/vocab/train.py"),
+                    "--max-steps", "2"], nproc=2, timeout=120, env=cap)
+    assert ddp.returncode != 0 and "CPU memory budget exceeded" in ddp.stderr, ddp.stderr[-3000:]
+    prod = torchrun([str(REPO / "examples/vocab/train.py"), "--max-steps", "2"], nproc=2, timeout=120,
+                    env={"AUTOBALANCE_STUDY": "vocab-cpu", "AUTOBALANCE_STORAGE": f"sqlite:///{db}", **cap})
+    assert prod.returncode == 0, prod.stderr[-3000:]
+    assert f"parameter sharding: {config.param_sharding}" in prod.stdout and "done: 2 steps" in prod.stdout

@@ -14,7 +14,6 @@ Top to bottom, nanoGPT style; the lines that adopt autobalance are marked with `
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 import torch.nn.functional as F
@@ -97,8 +96,9 @@ for micro_batches in plan.steps(loader):  # ab: one optimizer step each
     if args.max_steps and step >= args.max_steps:
         break
 
-state = plan.full_state_dict(model, optimizer)  # ab: every rank calls it; rank 0 gets the whole state
+if args.save:  # ab: every rank calls it; rank 0 gets the whole state (its weights and AdamW's, on the CPU)
+    state = plan.full_state_dict(model, optimizer)
+    if plan.is_main:
+        torch.save(state, args.save)
 if plan.is_main:
-    if args.save:
-        torch.save(state, os.path.join(args.save))
     print(f"done: {step} steps", flush=True)

@@ -194,12 +194,14 @@ def memory_case(cfg: ab.BalanceConfig) -> dict[str, Any]:
         peak = tracker.window_peak
         state = state_bytes(opt)
         info = plan.model_info.get("param_sharding")
+        facts = {k: v for k, v in plan.model_info.items() if k != "param_sharding"}
         params = sum(full_tensor(p.detach()).numel() * 4 for p in model.parameters())
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {"peak": peak, "state_bytes": state})
     del model, opt, plan
     gc.collect()
-    return {"describe": describe_config(cfg), "sharding": info, "param_bytes": params, "ranks": gathered}
+    return {"describe": describe_config(cfg), "config": cfg.to_dict(), "sharding": info, "param_bytes": params,
+            "model": facts, "ranks": gathered}
 
 
 def main() -> None:
