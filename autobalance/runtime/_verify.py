@@ -370,6 +370,9 @@ class VerifyRun(Part):
                   layout: list[list[list[int]]], info: dict[str, Any]) -> None:
         """Rank 0 writes the step's gradients, updated parameters, buffers and sample indices (sharded
         parameters are gathered first, on every rank)."""
+        sharded = any(hasattr(p, "_local_tensor") for p in model.parameters())
+        if rank != 0 and not sharded:
+            return
         started = time.monotonic()
         params = {param_name(n): full_tensor(p.detach()).float().cpu().clone() for n, p in model.named_parameters()}
         if rank != 0:
