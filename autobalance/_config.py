@@ -178,9 +178,11 @@ class BalanceConfig:
         if self.dtype == "fp16":
             raise ConfigError(f"dtype='fp16' with param_sharding={mode!r}: the GradScaler's overflow check would "
                               "see only this rank's shard of each gradient; use dtype='bf16' or 'fp32'.")
-        if self.compile != "off":
-            raise ConfigError(f"compile={self.compile!r} with param_sharding={mode!r}: compiling a sharded model "
-                              "is not supported here; use compile='off' or param_sharding='off'.")
+        if self.compile != "off" and (mode != "embeddings" or self.compile_scope != "regional"):
+            raise ConfigError(f"compile={self.compile!r} (compile_scope={self.compile_scope!r}) with "
+                              f"param_sharding={mode!r}: only the blocks of an embeddings-sharded model are compiled "
+                              "here (they are no FSDP2 unit); use param_sharding='embeddings' with "
+                              "compile_scope='regional', or compile='off'.")
 
     def _check_sharding(self, ranks: int) -> None:
         if self.optimizer_sharding not in OPTIMIZER_SHARDINGS:

@@ -40,7 +40,8 @@ def test_param_sharding_round_trips_and_old_json_loads_unchanged() -> None:
     ({"param_sharding": "blocks", "keep_gathered": "blocks"}, "keep_gathered='blocks'"),
     ({"param_sharding": "blocks", "optimizer_sharding": "zero1"}, "optimizer_sharding='zero1'"),
     ({"param_sharding": "embeddings", "dtype": "fp16"}, "dtype='fp16'"),
-    ({"param_sharding": "blocks", "compile": "default"}, "compile='default'"),
+    ({"param_sharding": "blocks", "compile": "default", "compile_scope": "regional"}, "compile='default'"),
+    ({"param_sharding": "embeddings", "compile": "default"}, "compile_scope='whole'"),
 ])
 def test_bad_param_sharding_is_one_line_naming_field_value_and_fix(fields: dict, named: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -123,8 +124,9 @@ def test_sharded_update_equals_one_process_on_the_whole_global_batch(tmp_path_fa
     """Each sharding choice (the embedding and head only, or every block and the root too), even and
     uneven splits over 2 micro-steps (and 1+3 samples in 3 micro-steps of rank 0's 1: sizes 1,1,1 against
     3,3,3), a token-mean loss with ``count=``, per-rank checkpointing, clipping by the global norm,
-    gathered weights kept or not: 3 AdamW steps give one process's fp32 parameters within
-    :data:`TOLERANCE`. The control (every micro-batch weighted alike on an uneven split) is far off."""
+    gathered weights kept or not, the blocks compiled (regional) beside sharded embeddings: 3 AdamW
+    steps give one process's fp32 parameters within :data:`TOLERANCE`. The control (every micro-batch
+    weighted alike on an uneven split) is far off."""
     cases = fsdp_check(world, tmp_path_factory)["cases"]
     checked = [c for c in cases if not c["wrong_weights"]]
     assert {c["sharding"]["mode"] for c in checked} == {"embeddings", "blocks"}
@@ -138,6 +140,8 @@ def test_sharded_update_equals_one_process_on_the_whole_global_batch(tmp_path_fa
         assert min(c["scale"]) > 1000 * TOLERANCE, c  # the parameters moved: a real update was compared
     if world == 2:
         assert any(c["config"]["accumulation"] == 3 for c in checked)
+        compiled = [c for c in checked if c["config"]["compile"] != "off"]
+        assert compiled and compiled[0]["compiled_blocks"] == 3, compiled  # the blocks compiled, embeddings sharded
         tail = next(c for c in checked if c["name"] == "blocks epoch tail")
         assert tail["steps_total"] == [7, 7, 5] and tail["steps_micro"][2] == [2, 2], tail  # same micro-steps
     control = [c for c in cases if c["wrong_weights"]]

@@ -23,8 +23,11 @@ The whole model goes through FSDP2 either way (no DDP, no hand-made all-reduce).
 - **Clipping** by the global norm (:func:`clip_grad_norm`): squares of the sharded gradients' local
   shards summed over the ranks (one scalar all-reduce), the replicated ones counted once.
 - **Mixed precision.** bf16: a ``MixedPrecisionPolicy`` gathering bf16 weights and reducing fp32
-  gradients (the step keeps fp32 weights, as under autocast); fp32: none. fp16 and compile are
-  refused by the configuration.
+  gradients (the step keeps fp32 weights, as under autocast); fp32: none. fp16 is refused by the
+  configuration.
+- **Compile.** Regional compilation of the blocks composes with ``embeddings`` (the blocks are no
+  FSDP2 unit: the compiled regions hold no FSDP2 hook); whole-model compilation, or any with
+  ``blocks``, is refused by the configuration (not supported here).
 
 Saving: :func:`full_state_dict` gathers the model's and optimizer's full state onto rank 0 (CPU),
 in the plain format keyed by parameter names (``torch.distributed.checkpoint.state_dict``), and

@@ -151,7 +151,9 @@ def case(name: str, cfg: ab.BalanceConfig, *, tokens: bool = False, clip: float 
     result = {"steps_micro": [[len(r) for r in step.micro_batches] for step in steps],
               "steps_total": [step.total for step in steps], "name": name, "config": cfg.to_dict(), "describe": describe_config(cfg), "tokens": tokens,
               "clip": clip, "wrong_weights": wrong_weights, "max_abs": difference(run["after"], ref), "scale": scale,
-              "sharding": info, "ddp": run["plan"].ddp is not None}
+              "sharding": info, "ddp": run["plan"].ddp is not None,
+              "compiled_blocks": (run["plan"].compile_state.regions or {}).get("blocks", 0)
+              if run["plan"].compile_state is not None else 0}
     del run
     gc.collect()
     return result
@@ -235,6 +237,8 @@ def main() -> None:
                  ab.BalanceConfig.any_split(rank_samples=[3, 9], accumulation=3, param_sharding="embeddings"),
                  clip=0.05),
         ]
+        results["cases"].append(case("embeddings uneven regional compile", any_split(
+            param_sharding="embeddings", compile="default", compile_scope="regional"), clip=0.05))
         # 19 samples: 2 full steps, then 5 (DDP's tail: 4 samples in 2 micro-steps on rank 0, 1 in 1 on rank 1)
         results["cases"].append(case("blocks epoch tail", any_split(param_sharding="blocks"), samples=19, clip=0.05))
         base = dict(rank_samples=uneven, accumulation=2, checkpoint=ckpt)

@@ -221,7 +221,8 @@ class SearchSpace:
             rest["optimizer_shares"] = normalised_shares(
                 [float(params.get(f"oshare_r{r}", 1.0)) for r in range(self.world_size)])
         fsdp = str(params.get("param_sharding", "off"))
-        if fsdp != "off" and rest["compile"] == "off" and rest["dtype"] != "fp16":  # what sharding refuses: unsharded
+        # sharded trials are eager and not fp16 (the compiled models know no sharding; fp16 is refused): else unsharded
+        if fsdp != "off" and rest["compile"] == "off" and rest["dtype"] != "fp16":
             keep = KEEP_CHOICES.get(str(params.get("keep_gathered", "none")), [])
             rest.update(param_sharding=fsdp, keep_gathered=[g for g in keep if fsdp == "blocks" or g == "embeddings"],
                         optimizer_sharding="off", optimizer_shares=None)
