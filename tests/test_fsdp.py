@@ -99,6 +99,44 @@ def test_every_step_of_a_sharded_epoch_has_the_same_micro_steps_on_every_rank() 
     assert differed > 50  # the unsharded schedule does give ranks different counts: the check is not empty
 
 
+def test_embedding_like_modules_are_found_named_or_left_with_the_root_when_tied() -> None:
+    from torch import nn
+
+    from autobalance.runtime import find_blocks, find_embeddings
+
+    class Net(nn.Module):
+        def __init__(self, tie: bool) -> None:
+            super().__init__()
+            self.tok = nn.Embedding(1000, 16)
+            self.pos = nn.Embedding(8, 16)  # small: not embedding-like
+            self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)) for _ in range(2)])
+            self.head = nn.Linear(16, 1000, bias=False)
+            if tie:
+                self.head.weight = self.tok.weight
+
+    model = Net(tie=False)
+    _, blocks = find_blocks(model)
+    assert [n for n, _ in find_embeddings(model, blocks)] == ["tok", "head"]
+    assert [n for n, _ in find_embeddings(model, blocks, ["head"])] == ["head"]
+    tied = Net(tie=True)
+    assert find_embeddings(tied, find_blocks(tied)[1]) == []  # a shared weight stays in one unit: the root's
+    with pytest.raises(ConfigError, match="tied"):
+        find_embeddings(tied, find_blocks(tied)[1], ["tok"])
+    with pytest.raises(ConfigError, match="embeddings=\\['lm_head'\\]"):
+        find_embeddings(model, blocks, ["lm_head"])
+
+
+def test_framework_integrations_refuse_parameter_sharding_in_one_line() -> None:
+    from types import SimpleNamespace
+
+    from autobalance.runtime import FrameworkLoop
+
+    plan = SimpleNamespace(config=BalanceConfig(micro_batches=[2, 2], global_batch=4, param_sharding="embeddings"))
+    with pytest.raises(ConfigError) as err:
+        FrameworkLoop(plan, framework="lightning")  # type: ignore[arg-type]
+    assert "param_sharding='embeddings'" in str(err.value) and "\n" not in str(err.value)
+
+
 # ------------------------------------------------------------------------------------ under torchrun
 
 _RUNS: dict[int, dict[str, Any]] = {}

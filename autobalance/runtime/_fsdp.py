@@ -115,12 +115,13 @@ def find_embeddings(model: nn.Module, blocks: BlockRun, names: Sequence[str] | N
     vocab = {m.num_embeddings for _, m in embeddings}
     heads = [(n, m) for n, m in model.named_modules()
              if isinstance(m, nn.Linear) and id(m) not in inside and (m.out_features in vocab or m.in_features in vocab)]
-    candidates = [(n, m) for n, m in embeddings + heads if not any(id(p) in tied for p in m.parameters())]
+    candidates = embeddings + heads
     if not candidates:
         return []
-    largest = max(sum(p.numel() for p in m.parameters()) for _, m in candidates)
+    largest = max(sum(p.numel() for p in m.parameters()) for _, m in candidates)  # tied ones too: the scale
     return sorted(((n, m) for n, m in candidates
-                   if sum(p.numel() for p in m.parameters()) >= EMBEDDING_FRACTION * largest),
+                   if sum(p.numel() for p in m.parameters()) >= EMBEDDING_FRACTION * largest
+                   and not any(id(p) in tied for p in m.parameters())),
                   key=lambda item: list(dict(model.named_modules())).index(item[0]))
 
 
