@@ -401,3 +401,34 @@ def test_tune_on_the_vocabulary_heavy_example_saves_a_verified_sharded_configura
                     env={"AUTOBALANCE_STUDY": "vocab-cpu", "AUTOBALANCE_STORAGE": f"sqlite:///{db}", **cap})
     assert prod.returncode == 0, prod.stderr[-3000:]
     assert f"parameter sharding: {config.param_sharding}" in prod.stdout and "done: 2 steps" in prod.stdout
+
+
+def test_memory_model_proposes_sharded_splits_where_no_unsharded_one_fits() -> None:
+    """The eager search with the savings: the unsharded model (1000 bytes fixed + 10 a sample) fits
+    nothing under 900 usable bytes; with what each sharding saves per rank it proposes sharded splits,
+    their peaks the unsharded ones less the saving, every one under the usable memory."""
+    from autobalance.tuner.search import MemoryModel, MemoryObservation, SavingModel, StepTimeModel
+    from autobalance.tuner.search._eager_search import eager_candidates
+    from autobalance.tuner.search._space import SearchSpace
+
+    obs = [MemoryObservation(rank=r, micro_batch=mb, checkpointed=c, num_layers=2, dtype="fp32",
+                             peak_bytes=1000.0 + mb * (10.0 - 4.0 * c / 2))
+           for mb in (1, 2, 4) for c in (0, 2) for r in range(2)]
+    model = MemoryModel.fit(obs, world_size=2)
+    space = SearchSpace.build(world_size=2, global_batch=8, num_layers=2, dtypes=["fp32"], max_accumulation=2,
+                              any_split=True)
+    space.param_shardings = ["off", "embeddings", "blocks"]
+    timing = StepTimeModel(a=1.0, b=1.0, g=1.0, k={"fp32": 1.0}, num_layers=2, prior={"fp32": 1.0})
+    savings = SavingModel(facts=_facts(param_bytes=250.0, embedding_bytes=200.0, largest_embedding=100.0,
+                                       block_bytes=20.0), state_total=500.0)
+    kw = dict(space=space, model=model, timing=timing, usable=[900.0, 900.0], bucket=25.0, view=True,
+              max_spread=None, score=lambda cfg, peaks, ms: max(peaks))
+    assert eager_candidates(**kw) == []  # nothing unsharded fits
+    found = eager_candidates(**kw, savings=savings)
+    assert found and {c.config.param_sharding for c in found} <= {"embeddings", "blocks"}
+    for c in found:
+        unsharded = [model.predict(rank=r, micro_batch=c.config.micro_batches[r],
+                                   checkpointed=len(c.config.checkpoint[r]), num_layers=2, dtype="fp32")
+                     for r in range(2)]
+        assert c.peaks == pytest.approx([u - savings.saving(c.config, r) for r, u in enumerate(unsharded)])
+        assert max(c.peaks) * (1 + model.safety_margin) <= 900.0

@@ -47,7 +47,7 @@ from autobalance.tuner.search._holdout import (
     eager_holdout_error,
     observations_from_trials,
 )
-from autobalance.tuner.search._memory_model import MemoryModel
+from autobalance.tuner.search._memory_model import MemoryModel, MemoryObservation
 from autobalance.tuner.search._model_errors import FIT_ERRORS, ModelErrors
 from autobalance.tuner.search._objective import TrialFigures, spread_fraction
 from autobalance.tuner.search._policy import (
@@ -57,7 +57,7 @@ from autobalance.tuner.search._policy import (
     SearchPolicy,
     TrialHistory,
 )
-from autobalance.tuner.search._sharding import sharding_proposal
+from autobalance.tuner.search._sharding import SavingModel, sharding_proposal, study_savings
 from autobalance.tuner.search._snapshot import StudySnapshot
 from autobalance.tuner.search._solver import (
     predict_config_feasible,
@@ -116,6 +116,8 @@ class ModelAdvisor:
         self.space = space
         self.settings = settings
         self.model: MemoryModel | None = None
+        self.savings: SavingModel | None = None
+        """What each parameter sharding saves per rank (``_sharding``), refitted with the model; None: not searched."""
         self._proposed: set[str] = set()
         self._predicted_in_a_row = 0
         self._margin = 0.05
@@ -154,7 +156,15 @@ class ModelAdvisor:
         return [float(c) * (1.0 - self.settings.headroom) for c in capacity]
 
     def refit(self, study: optuna.Study) -> MemoryModel | None:
-        obs = observations_from_trials(study.get_trials(deepcopy=False), num_layers=self.space.num_layers)
+        trials = study.get_trials(deepcopy=False)
+        obs = observations_from_trials(trials, num_layers=self.space.num_layers)
+        self.savings = None
+        if len(self.space.param_shardings) > 1:  # sharded trials join as the unsharded peaks they imply (_sharding)
+            self.savings = study_savings(trials, model_facts=study.user_attrs.get(StudyAttr.MODEL),
+                                         world_size=self.space.world_size, num_layers=self.space.num_layers,
+                                         unsharded=self._fit_quietly(obs))
+            if self.savings is not None:
+                obs = observations_from_trials(trials, num_layers=self.space.num_layers, savings=self.savings)
         if not any(o.ok for o in obs):
             return None
         try:
@@ -165,6 +175,16 @@ class ModelAdvisor:
         self._margin = model.safety_margin
         self.model = model
         return model
+
+    def _fit_quietly(self, obs: list[MemoryObservation]) -> MemoryModel | None:
+        """The model of ``obs`` alone (None: nothing fits, or the fit failed; noted in the errors)."""
+        if not any(o.ok for o in obs):
+            return None
+        try:
+            return MemoryModel.fit(obs, world_size=self.space.world_size, safety_margin=self._margin)
+        except FIT_ERRORS as exc:
+            self.errors.caught("memory model", exc)
+            return None
 
     # ------------------------------------------------------------------ proposals
     def _reference_ms(self, study: optuna.Study) -> float | None:
@@ -197,7 +217,7 @@ class ModelAdvisor:
 
         out = [] if "off" not in self.space.compile_modes else eager_candidates(
             space=self.space, model=model, timing=timing, usable=usable, bucket=bucket, view=view,
-            max_spread=max_spread, score=score, errors=self.errors)
+            max_spread=max_spread, score=score, errors=self.errors, savings=self.savings)
         compiled = self._compiled_for(study, model)
         if compiled is not None:
             compiled_timing = CompiledTimeModel.fit(trials, eager=timing, device=self.settings.device)

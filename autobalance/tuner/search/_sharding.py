@@ -32,7 +32,7 @@ from autobalance._config import BalanceConfig
 from autobalance.protocol import Status, TrialAttr
 
 __all__ = ["EMBEDDING_SHARE", "FIT_FRACTION", "FIXED_SHARE", "SavingModel", "ShardingFacts", "sharding_level",
-           "sharding_proposal", "sharding_proposal_config", "state_total_of"]
+           "sharding_proposal", "sharding_proposal_config", "state_total_of", "study_savings"]
 
 GIB = 2**30
 
@@ -258,3 +258,15 @@ def sharding_proposal(trials: Sequence[FrozenTrial], *, space_shardings: Sequenc
         return None
     cfg, why = found
     return cfg, why, max(f - savings.saving(cfg, r) for r, f in enumerate(fixed))
+
+
+def study_savings(trials: Sequence[FrozenTrial], *, model_facts: Mapping[str, Any] | None, world_size: int,
+                  num_layers: int, unsharded: Any | None) -> SavingModel | None:
+    """The study's :class:`SavingModel` (``unsharded``: the eager memory model of its unsharded trials,
+    or None); None without the baseline's figures."""
+    facts = ShardingFacts.from_model(model_facts, world_size)
+    if facts is None:
+        return None
+    done = [t for t in trials if t.state == TrialState.COMPLETE]
+    return SavingModel.fit(done, facts=facts, unsharded=unsharded, num_layers=num_layers,
+                           state_total=state_total_of(done))
