@@ -13,10 +13,13 @@ the unsharded gradients accumulate until the last micro-step (gradient sync togg
 forward to backward (``keep_gathered``), whole at once instead of one unit at a time. Measured on CPU
 (``tests/test_fsdp.py``): live-tensor peaks fall by this within 10 %.
 
-The eager memory model is of unsharded memory (sharded trials are left out of its fit). Once a
-sharded trial of one sharding ran and the model predicts its split unsharded, the saving is learned
-(:class:`SavingModel`): per rank, the median of the model's unsharded prediction minus the measured
-peak over that sharding's trials, in place of the formula (one trial identifies it: one figure per rank).
+The eager memory model is of unsharded memory. Once a sharded trial of one sharding ran and the
+model of the unsharded trials predicts its split, the saving is learned (:class:`SavingModel`): per
+rank, the median of that model's unsharded prediction minus the measured peak over that sharding's
+trials, in place of the formula (one trial identifies it: one figure per rank). Sharded trials then
+join the fit as the unsharded peaks they imply (their peaks plus the saving:
+``_holdout.observations_from_trials``), and the eager proposals include sharded splits, their peaks
+the model's less the saving (``_eager_search``).
 """
 
 from __future__ import annotations
