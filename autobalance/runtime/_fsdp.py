@@ -195,13 +195,8 @@ def shard_model(model: nn.Module, *, config: BalanceConfig, blocks: BlockRun, em
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if not dist.is_initialized():  # one rank (the plan starts no group for it): a group of one, for FSDP2
-        import os
-        import tempfile
-
-        handle, path = tempfile.mkstemp(prefix="autobalance-fsdp-")
-        os.close(handle)
-        store = dist.FileStore(path, 1)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0, world_size=1)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
     world = dist.get_world_size()
     watch_storage_resizes()
     with torch.no_grad():  # one model on every rank, as DDP makes it
