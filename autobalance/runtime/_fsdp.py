@@ -252,22 +252,21 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Ten
     grads = [p.grad for p in params if p.grad is not None]
     if not any(hasattr(g, "_local_tensor") for g in grads):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    sharded = torch.zeros((), dtype=torch.float64)
-    whole = torch.zeros((), dtype=torch.float64)
-    locals_ = []
-    for g in grads:
-        local = getattr(g, "_local_tensor", g)
-        locals_.append(local)
-        square = local.detach().double().pow(2).sum().cpu()
+    locals_ = [getattr(g, "_local_tensor", g) for g in grads]
+    device = locals_[0].device  # summed where the gradients are: one transfer at the end, not one a tensor
+    sharded = torch.zeros((), dtype=torch.float64, device=device)
+    whole = torch.zeros((), dtype=torch.float64, device=device)
+    for g, local in zip(grads, locals_, strict=True):
+        square = local.detach().double().pow(2).sum().to(device)
         if hasattr(g, "_local_tensor") and _sharded_over(g) > 1:
             sharded += square
         else:
             whole += square
     if dist.is_initialized() and dist.get_world_size() > 1:
-        device = locals_[0].device if dist.get_backend() == "nccl" else torch.device("cpu")
-        summed = sharded.to(device)
+        comm = device if dist.get_backend() == "nccl" else torch.device("cpu")
+        summed = sharded.to(comm)
         dist.all_reduce(summed)
-        sharded = summed.cpu()
+        sharded = summed.to(device)
     total = (sharded + whole).sqrt().float()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for local in locals_:
