@@ -206,7 +206,9 @@ def shard_model(model: nn.Module, *, config: BalanceConfig, blocks: BlockRun, em
               if config.dtype == "bf16" else MixedPrecisionPolicy())
     mesh = init_device_mesh(device.type, (world,))
     keep = set(config.keep_gathered)
-    found = find_embeddings(model, blocks, embeddings)
+    from autobalance.runtime._with_loss import ModelWithLoss
+
+    found = find_embeddings(model.model if isinstance(model, ModelWithLoss) else model, blocks, embeddings)
     units: list[str] = []
     sizes: list[int] = []
     for name, module in found:
