@@ -212,7 +212,7 @@ def test_live_tensor_peaks_fall_by_the_sharded_share_of_params_grads_and_state(t
     assert ddp["sharding"] is None and [m["sharding"]["mode"] for m in sharded] == ["embeddings", "blocks"]
     total_state = ddp["ranks"][0]["state_bytes"]
     facts = ShardingFacts.from_model(ddp["model"], world)  # what the baseline (DDP) reports
-    assert facts is not None and facts.searched()
+    assert facts is not None and facts.searched(usable=ddp["ranks"][0]["peak"])
     for m in sharded:
         info = m["sharding"]
         predicted = facts.predicted_saving(BalanceConfig.from_dict(m["config"]), state_total=total_state)
@@ -266,9 +266,10 @@ def test_dimension_is_searched_where_embedding_like_modules_are_large() -> None:
 
     model = {"parameter_bytes": 1000, "embedding_bytes": 800, "largest_embedding_bytes": 400,
              "largest_block_bytes": 50, "num_blocks": 4}
-    assert ShardingFacts.from_model(model, 2).searched()
-    assert not ShardingFacts.from_model(model, 1).searched()  # one rank: nothing to shard over
-    assert not ShardingFacts.from_model({**model, "embedding_bytes": 100}, 2).searched()  # a GPT's small vocabulary
+    assert ShardingFacts.from_model(model, 2).searched(usable=10_000)  # 4 x 800 bytes: a third of the memory
+    assert not ShardingFacts.from_model(model, 1).searched(usable=10_000)  # one rank: nothing to shard over
+    assert not ShardingFacts.from_model(model, 2).searched(usable=100_000)  # 3 %: not worth a dimension
+    assert not ShardingFacts.from_model({**model, "embedding_bytes": 0}, 2).searched(usable=10)  # none found
     assert ShardingFacts.from_model({"parameter_bytes": 1000, "num_blocks": 4}, 2) is None  # a report from before
 
 

@@ -160,12 +160,12 @@ def _space_from_baseline(study: optuna.Study, outcome: TrialOutcome,
         # the script shards through plan.optimizer: search where the state lives (any rank's report says
         # so: a baseline that ran out of memory may have lost the other ranks' reports)
         space.shardings = ["off", "zero1"]
-    sharding = ShardingFacts.from_model(rep.model, s.world_size)
-    if sharding is not None and sharding.searched():  # large embedding-like modules: FSDP2 may pay (_sharding)
-        space.param_shardings = ["off", "embeddings", "blocks"]
     kept = keep_split(space, report=rep, own=defaults, allow=s.allow_batch_dependent)
     facts = script_facts(rep, kept_split=kept, allow=s.allow_batch_dependent, split=defaults.split_text())
     capacity = [_capacity(outcome.reports.get(r) or rep) for r in range(s.world_size)]
+    sharding = ShardingFacts.from_model(rep.model, s.world_size)
+    if sharding is not None and sharding.searched(min(s.caps_bytes() or capacity) * (1 - s.headroom)):
+        space.param_shardings = ["off", "embeddings", "blocks"]  # large embedding-like modules: FSDP2 may pay
     if s.device == "cuda" and s.caps_bytes():
         too_big = [(r, c) for r, c in enumerate(s.caps_bytes() or []) if c > capacity[r]]
         if too_big:

@@ -39,10 +39,11 @@ __all__ = ["EMBEDDING_SHARE", "FIT_FRACTION", "FIXED_SHARE", "SavingModel", "Sha
 
 GIB = 2**30
 
-EMBEDDING_SHARE = 0.25
-"""The dimension is searched (more than one rank) when the embedding-like modules the baseline's
-model holds (``model.embedding_bytes``) are at least this share of its parameters: a vocabulary-heavy
-model, where an embedding and a head dominate what every DDP rank replicates."""
+EMBEDDING_SHARE = 0.1
+"""The dimension is searched (more than one rank) when the embedding-like modules the baseline's model
+holds (``model.embedding_bytes``), with their gradients and AdamW's two moments (4x their bytes), are
+at least this share of a rank's usable memory: what every DDP rank replicates of them is then worth
+sharding (Llama-3's 128k x 4096 embedding and head: 16.8 GB of an 80 GB card)."""
 
 FIXED_SHARE = 0.5
 """A sharding is proposed when nothing unsharded fits and a rank's fixed part (parameters, gradients
@@ -89,10 +90,10 @@ class ShardingFacts:
             return None
         return out if out.param_bytes > 0 else None
 
-    def searched(self) -> bool:
-        """Whether sharding may pay here: more than one rank, embedding-like modules holding at least
-        :data:`EMBEDDING_SHARE` of the parameters."""
-        return self.world_size > 1 and self.embedding_bytes >= EMBEDDING_SHARE * self.param_bytes
+    def searched(self, usable: float) -> bool:
+        """Whether sharding may pay here: more than one rank, and the embedding-like modules' weights,
+        gradients and AdamW state at least :data:`EMBEDDING_SHARE` of ``usable`` (a rank's usable bytes)."""
+        return self.world_size > 1 and self.embedding_bytes > 0 and 4 * self.embedding_bytes >= EMBEDDING_SHARE * usable
 
     def sharded_bytes(self, mode: str) -> float:
         return {"embeddings": self.embedding_bytes, "blocks": self.param_bytes}.get(mode, 0.0)
