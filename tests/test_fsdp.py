@@ -187,11 +187,12 @@ def test_sharded_update_equals_one_process_on_the_whole_global_batch(tmp_path_fa
 
 
 @pytest.mark.slow
-def test_save_at_step_2_resume_step_3_equals_the_unbroken_run(tmp_path_factory):
+@pytest.mark.parametrize("world", [2, 3])
+def test_save_at_step_2_resume_step_3_equals_the_unbroken_run(tmp_path_factory, world):
     """``plan.full_state_dict`` at step 2 (rank 0, plain parameter names), a fresh model with other
     weights loading it (``plan.load_full_state_dict``), step 3: bitwise the unbroken sharded run when
     resumed sharded; within :data:`TOLERANCE` when a sharded run resumes under DDP or a DDP run sharded."""
-    resume = {r["name"]: r for r in fsdp_check(2, tmp_path_factory)["resume"]}
+    resume = {r["name"]: r for r in fsdp_check(world, tmp_path_factory)["resume"]}
     assert set(resume) == {"sharded into sharded", "sharded into DDP", "DDP into sharded"}
     assert resume["sharded into sharded"]["step3_max_abs"] == 0.0
     for r in resume.values():
@@ -202,8 +203,8 @@ def test_save_at_step_2_resume_step_3_equals_the_unbroken_run(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_live_tensor_peaks_fall_by_the_sharded_share_of_params_grads_and_state(tmp_path_factory, world):
-    """Live CPU tensor peaks per rank (steps 2-3, AdamW state allocated) against DDP (gradients as bucket
-    views, one copy): they fall by ``(1 - 1/world)`` of the sharded parameters, their gradients and their
+    """Live CPU tensor peaks per rank (a step's, once AdamW's state is allocated; the lowest of 15)
+    against DDP (gradients as bucket views, one copy): they fall by ``(1 - 1/world)`` of the sharded parameters, their gradients and their
     optimizer state, less the largest unit's gathered weights (whole while it computes), within 10 %:
     the search's prediction (``ShardingFacts.predicted_saving``) from the report's model facts."""
     from autobalance.tuner.search import ShardingFacts
