@@ -16,6 +16,8 @@ __all__ = [
     "CUDA_GRAPH_MODES",
     "DTYPES",
     "OPTIMIZER_SHARDINGS",
+    "PARAM_GROUPS",
+    "PARAM_SHARDINGS",
     "BalanceConfig",
     "block_ranges",
     "describe_config",
@@ -38,6 +40,13 @@ CUDA_GRAPH_MODES = ("reduce-overhead",)
 """Compile modes that capture CUDA graphs (the runtime keeps the gradients allocated for them)."""
 OPTIMIZER_SHARDINGS = ("off", "zero1")
 """Where the optimizer state lives: on every rank (``off``) or split over the ranks (``zero1``)."""
+PARAM_SHARDINGS = ("off", "embeddings", "blocks")
+"""Which parameters FSDP2 (``fully_shard``) shards (``docs/zero.md``): none (``off``: DDP);
+``embeddings``: the embedding-like modules (input embeddings, output heads), each its own unit, the
+rest replicated through FSDP2; ``blocks``: those and every repeated block, each its own unit, plus
+the root (what is left)."""
+PARAM_GROUPS = ("embeddings", "blocks")
+"""The groups of sharded units whose gathered weights a configuration may keep from forward to backward."""
 
 
 @dataclass(kw_only=True)
@@ -93,6 +102,15 @@ class BalanceConfig:
     (they sum to 1; None: even). The partition is whole parameters in the optimizer's order
     (``runtime/_zero.partition``, a pure function of these shares and the parameter sizes), so a
     production job with the same model applies the same partition."""
+    param_sharding: Literal["off", "embeddings", "blocks"] = "off"
+    """Parameters, gradients and optimizer state sharded evenly over the ranks by FSDP2
+    (``fully_shard``): ``off`` (DDP), ``embeddings`` (the embedding-like modules only, the rest
+    replicated through FSDP2) or ``blocks`` (the embedding-like modules, every repeated block and the
+    root). Every rank then runs the same number of micro-steps (each forward all-gathers)."""
+    keep_gathered: list[Literal["embeddings", "blocks"]] = field(default_factory=list)
+    """With ``param_sharding`` on: the groups of units whose all-gathered weights stay from forward to
+    backward (``reshard_after_forward=False``: no second all-gather, more memory); the others are freed
+    after forward and gathered again in backward (FSDP2's default)."""
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -136,6 +154,35 @@ class BalanceConfig:
             )
         self._check_compile(ranks)
         self._check_sharding(ranks)
+        self._check_param_sharding()
+
+    def _check_param_sharding(self) -> None:
+        mode = self.param_sharding
+        if mode not in PARAM_SHARDINGS:
+            raise ConfigError(f"param_sharding={mode!r} is unknown; use one of {', '.join(PARAM_SHARDINGS)}.")
+        keep = self.keep_gathered
+        if mode == "off":
+            if keep:
+                raise ConfigError(f"keep_gathered={keep} needs param_sharding on; set param_sharding='embeddings' "
+                                  "or 'blocks', or keep_gathered=[].")
+            return
+        groups = PARAM_GROUPS if mode == "blocks" else ("embeddings",)
+        if any(g not in groups for g in keep) or len(set(keep)) != len(keep):
+            raise ConfigError(f"keep_gathered={keep} names an unknown or repeated group for param_sharding={mode!r}; "
+                              f"list each of {', '.join(groups)} at most once.")
+        self.keep_gathered = [g for g in PARAM_GROUPS if g in keep]
+        if self.optimizer_sharding != "off":
+            raise ConfigError(f"optimizer_sharding={self.optimizer_sharding!r} with param_sharding={mode!r}: "
+                              "fully_shard already shards the optimizer state of what it shards; use "
+                              "optimizer_sharding='off'.")
+        if self.dtype == "fp16":
+            raise ConfigError(f"dtype='fp16' with param_sharding={mode!r}: the GradScaler's overflow check would "
+                              "see only this rank's shard of each gradient; use dtype='bf16' or 'fp32'.")
+        if self.compile != "off" and (mode != "embeddings" or self.compile_scope != "regional"):
+            raise ConfigError(f"compile={self.compile!r} (compile_scope={self.compile_scope!r}) with "
+                              f"param_sharding={mode!r}: only the blocks of an embeddings-sharded model are compiled "
+                              "here (they are no FSDP2 unit); use param_sharding='embeddings' with "
+                              "compile_scope='regional', or compile='off'.")
 
     def _check_sharding(self, ranks: int) -> None:
         if self.optimizer_sharding not in OPTIMIZER_SHARDINGS:
@@ -169,6 +216,14 @@ class BalanceConfig:
         shares, acc = self.rank_samples or [], self.accumulation
         if not shares:
             raise ConfigError("rank_samples=[] is empty; give one sample count per rank (or null for equal micro-batches).")
+        if any(s < acc for s in shares) and self.param_sharding != "off":
+            rank = min(r for r, s in enumerate(shares) if s < acc)
+            raise ConfigError(
+                f"rank_samples={shares} leaves rank {rank} fewer micro-steps than accumulation={acc}, but "
+                f"param_sharding={self.param_sharding!r} needs the same number of micro-steps on every rank (each "
+                f"forward all-gathers the shards: the others would wait forever); give every rank at least {acc} "
+                "samples, lower the accumulation or use param_sharding='off'."
+            )
         if any(s < acc for s in shares):
             raise ConfigError(
                 f"rank_samples={shares} gives a rank fewer samples than accumulation={acc} micro-steps; "
@@ -277,6 +332,10 @@ class BalanceConfig:
             if not isinstance(budget, list) or not all(is_number(b) and math.isfinite(b) for b in budget):
                 raise bad("activation_budget", budget, "null or a list of fractions (one per rank)")
             self.activation_budget = [float(b) for b in budget]
+        if not isinstance(self.param_sharding, str):
+            raise bad("param_sharding", self.param_sharding, "a string")
+        if not isinstance(self.keep_gathered, list) or not all(isinstance(g, str) for g in self.keep_gathered):
+            raise bad("keep_gathered", self.keep_gathered, "a list of group names (embeddings, blocks)")
         if not isinstance(self.optimizer_sharding, str):
             raise bad("optimizer_sharding", self.optimizer_sharding, "a string")
         fractions = self.optimizer_shares
@@ -340,6 +399,8 @@ class BalanceConfig:
             del data["compile_scope"]
         if data["optimizer_sharding"] == "off":  # stored as before sharding existed
             del data["optimizer_sharding"], data["optimizer_shares"]
+        if data["param_sharding"] == "off":  # stored as before parameter sharding existed
+            del data["param_sharding"], data["keep_gathered"]
         return data
 
     @classmethod
@@ -505,7 +566,8 @@ def samples_within(
 def describe_config(config: dict[str, Any] | BalanceConfig | None) -> str:
     """One line for a configuration (``None``: the script's own), the one notation every output uses:
     per rank its micro-batches of one optimizer step and its checkpointed blocks (indices, runs as
-    ranges) or compile budget, then what all ranks share (dtype, compile mode, DDP bucket):
+    ranges) or compile budget, then what all ranks share (dtype, compile mode, DDP bucket, ZeRO-1
+    shares, FSDP2 sharding as ``fsdp=<which> [keep=<groups>]``):
     ``rank 0: 6,6,5,5 ckpt 0-3; rank 1: 4,4,4,4 | bf16 bucket=25MB view`` (the micro-batches as
     :meth:`BalanceConfig.split_text` writes them, one rank included)."""
     if config is None:
@@ -530,6 +592,8 @@ def describe_config(config: dict[str, Any] | BalanceConfig | None) -> str:
     zero = c.sharding_shares()
     if zero is not None:
         shared.append("zero1 " + "/".join(f"{100 * q:.0f}%" for q in zero))
+    if c.param_sharding != "off":
+        shared.append(f"fsdp={c.param_sharding}" + (f" keep={'+'.join(c.keep_gathered)}" if c.keep_gathered else ""))
     return "; ".join(per_rank) + " | " + " ".join(shared)
 
 

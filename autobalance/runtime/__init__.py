@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from autobalance.runtime._checkpoint import apply_checkpointing, find_blocks
 from autobalance.runtime._external import FrameworkLoop, FullStepSampler
+from autobalance.runtime._fsdp import find_embeddings, full_state_dict, load_full_state_dict
 from autobalance.runtime._memory import CpuMemoryTracker, MemorySnapshot, NvmlDevice
 from autobalance.runtime._plan import Plan, TrialComplete, classify_exception, plan
 from autobalance.runtime._rank_weighting import (
@@ -43,6 +44,9 @@ __all__ = [
     "classify_exception",
     "epoch_schedule",
     "find_blocks",
+    "find_embeddings",
+    "full_state_dict",
+    "load_full_state_dict",
     "micro_batch_weight",
     "micro_step_factor",
     "plan",

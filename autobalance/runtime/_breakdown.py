@@ -56,14 +56,19 @@ def _storage_bytes(tensors: Any, device: torch.device) -> int:
     seen: set[int] = set()
     total = 0
     for t in tensors:
-        if not isinstance(t, torch.Tensor) or t.device.type != device.type:
+        if not isinstance(t, torch.Tensor):
+            continue
+        t = getattr(t, "_local_tensor", t)  # a DTensor (FSDP2): this rank's shard
+        if t.device.type != device.type:
             continue
         try:
             storage = t.untyped_storage()
+            if storage.nbytes() == 0:
+                continue
+            key = storage.data_ptr()  # raises for a storage FSDP2 resized to nothing
         except (NotImplementedError, RuntimeError):
             continue
-        key = storage.data_ptr()
-        if key in seen or storage.nbytes() == 0:
+        if key in seen:
             continue
         seen.add(key)
         total += storage.nbytes()

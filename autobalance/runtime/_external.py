@@ -91,6 +91,12 @@ class FrameworkLoop:
                 f"optimizer_sharding={sharding!r} with the {framework} integration: the framework owns the "
                 "optimizer step; use a configuration with optimizer_sharding='off' (tune with sharding off)."
             )
+        params = getattr(plan.config, "param_sharding", "off")
+        if params != "off":
+            raise ConfigError(
+                f"param_sharding={params!r} with the {framework} integration: the framework wraps the model in its "
+                "own DDP; use a configuration with param_sharding='off' (or the plan's own loop, plan.wrap)."
+            )
         self.plan = plan
         self.framework = framework
         self.weighting: RankWeight | None = None

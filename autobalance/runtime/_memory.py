@@ -75,14 +75,15 @@ class CpuMemoryTracker(TorchDispatchMode):
         self.window_peak = self.live_bytes
 
     def _track(self, tensor: torch.Tensor) -> bool:
+        tensor = getattr(tensor, "_local_tensor", tensor)  # a DTensor: this rank's shard
         if tensor.device.type != "cpu" or tensor.is_sparse:
             return False
         try:
             storage = tensor.untyped_storage()
-        except (NotImplementedError, RuntimeError):
+            nbytes = storage.nbytes()
+            key = storage._cdata  # the storage itself, whatever its data pointer after a resize
+        except (NotImplementedError, RuntimeError, AttributeError):
             return False
-        nbytes = storage.nbytes()
-        key = storage.data_ptr()
         if nbytes == 0 or key in self._refs:
             return False
         self._refs[key] = weakref.ref(storage, self._make_release(key))
@@ -91,6 +92,21 @@ class CpuMemoryTracker(TorchDispatchMode):
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         self.window_peak = max(self.window_peak, self.live_bytes)
         return True
+
+    def resized(self, tensor: torch.Tensor) -> None:
+        """``tensor``'s storage was resized in place (FSDP2 frees and re-allocates gathered weights so,
+        out of any dispatch mode's sight: :mod:`~autobalance.runtime._fsdp` reports each)."""
+        if tensor.device.type != "cpu":
+            return
+        storage = tensor.untyped_storage()
+        key, nbytes = storage._cdata, storage.nbytes()
+        if key not in self._sizes:
+            self._track(tensor)
+            return
+        self.live_bytes += nbytes - self._sizes[key]
+        self._sizes[key] = nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self.window_peak = max(self.window_peak, self.live_bytes)
 
     def _make_release(self, key: int) -> Any:
         def release(_ref: Any) -> None:

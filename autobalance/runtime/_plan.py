@@ -46,6 +46,7 @@ from autobalance.runtime._exit import (
     set_parent_death_signal,
     setup_failure_reported,
 )
+from autobalance.runtime._fsdp import ShardedModel, full_state_dict, load_full_state_dict
 from autobalance.runtime._loader import epoch_steps, make_loader, start_epoch
 from autobalance.runtime._memory import MemorySnapshot
 from autobalance.runtime._meter import MemoryMeter
@@ -115,6 +116,8 @@ class Plan:
         self.scaler: Any = make_scaler(config.dtype, device)
         self.model: nn.Module | None = None
         self.ddp: nn.parallel.DistributedDataParallel | None = None
+        self.sharded: ShardedModel | None = None
+        """FSDP2's units when the configuration shards parameters (``plan.ddp`` is then None)."""
         self.model_info: dict[str, Any] = {}
         self.block_run: BlockRun | None = None
         """The repeated blocks ``plan.wrap`` found (checkpointing's and regional compilation's)."""
@@ -191,6 +194,7 @@ class Plan:
         blocks: str | None = None,
         find_unused_parameters: bool = False,
         loss: Callable[..., torch.Tensor] | None = None,
+        embeddings: list[str] | None = None,
     ) -> nn.Module:
         """Checkpoint this rank's chosen blocks, move to the device, then wrap in DDP.
 
@@ -198,9 +202,13 @@ class Plan:
         computes it: ``loss = model(x, y)`` (inside ``plan.micro_step()``), so a compiled
         configuration compiles the model and its loss as one graph (the logits are then not kept at
         full size for the backward). Checkpoints keep the model's own ``state_dict`` keys.
+
+        With ``param_sharding`` on, FSDP2 shards the model instead of DDP (``embeddings``: the dotted
+        names of the embedding-like modules to shard, when discovery should not pick them); build the
+        optimizer on the returned model's parameters, and save with :meth:`full_state_dict`.
         """
         return wrap_model(self, model, parts=self._parts, blocks=blocks,
-                          find_unused_parameters=find_unused_parameters, loss=loss)
+                          find_unused_parameters=find_unused_parameters, loss=loss, embeddings=embeddings)
 
     def dataloader(
         self, dataset: Any, *, shuffle: bool = True, seed: int | None = None, **loader_kwargs: Any
@@ -271,6 +279,8 @@ class Plan:
         with contextlib.ExitStack() as stack:
             if not last and self.ddp is not None:
                 stack.enter_context(self.ddp.no_sync())
+            if self.sharded is not None:
+                self.sharded.set_sync(last)
             stack.enter_context(autocast(self.config.dtype, self.device))
             for context in contexts:
                 if context is not None:
@@ -309,6 +319,17 @@ class Plan:
             sharded.waiting = self.busy.waiting  # its broadcasts wait for each owner's update
         self.optimizer_info.sharded = sharded
         return sharded
+
+    def full_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+        """The model's and optimizer's full state on rank 0 (CPU, keyed by parameter names; the other
+        ranks get empty dicts) for ``torch.save``: sharded or not, a collective (every rank calls it)."""
+        return full_state_dict(model, optimizer)
+
+    def load_full_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                             state: dict[str, Any]) -> None:
+        """Load :meth:`full_state_dict`'s result, read on rank 0, into this run's model and optimizer,
+        sharded or not (a collective)."""
+        load_full_state_dict(model, optimizer, state)
 
     def optimizer_step(
         self, optimizer: torch.optim.Optimizer, *, clip_grad_norm: float | None = None

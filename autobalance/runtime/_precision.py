@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from autobalance._errors import ConfigError
+from autobalance.runtime._fsdp import clip_grad_norm as clip_grad_norm_sharded
 
 __all__ = ["TORCH_DTYPES", "already_unscaled", "autocast", "check_dtype_supported", "make_scaler", "scaled_backward", "step_optimizer"]
 
@@ -63,7 +64,7 @@ def step_optimizer(optimizer: torch.optim.Optimizer, *, scaler: Any, clip_grad_n
         if scaler is not None and not already_unscaled(scaler, optimizer):
             scaler.unscale_(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+        clip_grad_norm_sharded(params, clip_grad_norm)
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autobalance._config import BalanceConfig, micro_step_sizes, split_evenly
+from autobalance._config import BalanceConfig, micro_step_sizes, split_at_least, split_evenly
 
 __all__ = ["EpochSchedule", "StepLayout", "UnevenBatchSampler", "epoch_schedule"]
 
@@ -42,7 +42,9 @@ def epoch_schedule(
     final partial step splits the remaining samples over the ranks in proportion to their samples
     per step (each rank at least one), each rank's share in as few micro-batches as keep every one
     within its largest micro-batch, sizes differing by at most one; so every sample is used exactly
-    once; a tail smaller than the number of ranks is dropped.
+    once; a tail smaller than the number of ranks is dropped. With ``param_sharding`` on, the partial
+    step gives every rank the same number of micro-steps (:func:`_tail_sizes`; a tail that cannot be
+    split so is dropped).
     Every rank computes the same schedule from (seed, epoch), so no communication is needed.
     ``reverse_within``: each micro-batch's samples in reverse order (the same samples in the same
     micro-batches: a verification floor run).
@@ -66,12 +68,10 @@ def epoch_schedule(
                 pos += size
         steps.append(StepLayout(micro_batches=layout))
     remaining = num_samples - pos
-    if remaining >= world:
-        shares = split_evenly(remaining, [float(n) for n in config.samples_per_rank])
+    tail = _tail_sizes(remaining, config) if remaining >= world else None
+    if tail is not None:
         layout = [[] for _ in range(world)]
-        for rank, share in enumerate(shares):
-            largest = config.micro_batches[rank]
-            chunks = micro_step_sizes(share, -(-share // largest))
+        for rank, chunks in enumerate(tail):
             for size in chunks:
                 layout[rank].append(order[pos : pos + size])
                 pos += size
@@ -81,6 +81,25 @@ def epoch_schedule(
         for step in steps:
             step.micro_batches = [[mb[::-1] for mb in rank] for rank in step.micro_batches]
     return EpochSchedule(steps=steps, dropped=remaining)
+
+
+def _tail_sizes(remaining: int, config: BalanceConfig) -> list[list[int]] | None:
+    """Per rank, the micro-batch sizes of the epoch's partial last step of ``remaining`` samples: split
+    in proportion to the ranks' samples per step, each rank's share in as few micro-batches as keep
+    every one within its largest. With ``param_sharding`` on, every rank runs the same number of
+    micro-steps (the most any rank needs; samples moved to the ranks short of one per micro-step):
+    each forward all-gathers, so a rank with fewer would leave the others waiting. None: no such
+    split (fewer samples than ranks x micro-steps), the tail is dropped."""
+    weights = [float(n) for n in config.samples_per_rank]
+    shares = split_evenly(remaining, weights)
+    counts = [-(-share // largest) for share, largest in zip(shares, config.micro_batches, strict=True)]
+    if config.param_sharding == "off":
+        return [micro_step_sizes(share, count) for share, count in zip(shares, counts, strict=True)]
+    steps = max(counts)
+    if remaining < steps * config.world_size:
+        return None
+    shares = split_at_least(remaining, weights, steps)
+    return [micro_step_sizes(share, steps) for share in shares]
 
 
 class UnevenBatchSampler:

@@ -59,6 +59,7 @@ from torch.overrides import TorchFunctionMode
 
 from autobalance import _env
 from autobalance._errors import ConfigError
+from autobalance.runtime._fsdp import full_tensor
 from autobalance.runtime._parts import Part
 from autobalance.runtime._precision import already_unscaled
 
@@ -367,11 +368,15 @@ class VerifyRun(Part):
 
     def save_step(self, *, model: nn.Module, rank: int, grads: dict[str, torch.Tensor],
                   layout: list[list[list[int]]], info: dict[str, Any]) -> None:
-        """Rank 0 writes the step's gradients, updated parameters, buffers and sample indices."""
-        if rank != 0:
+        """Rank 0 writes the step's gradients, updated parameters, buffers and sample indices (sharded
+        parameters are gathered first, on every rank)."""
+        sharded = any(hasattr(p, "_local_tensor") for p in model.parameters())
+        if rank != 0 and not sharded:
             return
         started = time.monotonic()
-        params = {param_name(n): p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+        params = {param_name(n): full_tensor(p.detach()).float().cpu().clone() for n, p in model.named_parameters()}
+        if rank != 0:
+            return
         buffers = {param_name(n): b.detach().float().cpu().clone() for n, b in model.named_buffers()
                    if not b.is_complex()}
         tmp = os.path.join(self.trial_dir, STEP_FILE + ".tmp")
@@ -388,5 +393,5 @@ def gradients(model: nn.Module, *, scale: float) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         if p.grad is not None:
-            out[param_name(name)] = (p.grad.detach().float() / scale).cpu()
+            out[param_name(name)] = (full_tensor(p.grad.detach()).float() / scale).cpu()
     return out

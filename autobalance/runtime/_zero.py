@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from autobalance._errors import UsageError
+from autobalance.runtime._fsdp import local_nbytes
 
 __all__ = ["DEFAULT_EXCHANGE_BUCKET_BYTES", "OptimizerInfo", "ShardedOptimizer", "owner_ranges", "partition", "state_bytes"]
 
@@ -94,7 +95,7 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     for state in inner.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor):
-                total += value.numel() * value.element_size()
+                total += local_nbytes(value)
     return total
 
 
@@ -327,11 +328,11 @@ class OptimizerInfo:
                   "this optimizer steps unsharded", flush=True)
         self.state_bytes = state_bytes(optimizer)
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        self.total_param_bytes = sum(p.numel() * p.element_size() for p in params)
+        self.total_param_bytes = sum(p.numel() * p.element_size() for p in params)  # whole, sharded or not
         if isinstance(optimizer, ShardedOptimizer):
             self.param_bytes = sum(params[i].numel() * params[i].element_size() for i in optimizer.ranges[optimizer.rank])
         else:
-            self.param_bytes = self.total_param_bytes
+            self.param_bytes = sum(local_nbytes(p) for p in params)  # this rank's shards under FSDP2
 
     def to_dict(self) -> dict[str, Any]:
         return {"sharding": "zero1" if self.sharded is not None else "off", "wrapped": self.wrapped,

@@ -33,7 +33,7 @@ from autobalance.tuner._script_facts import keep_split, script_facts
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._study import counted_trials
 from autobalance.tuner._workers import BaselineClaim, worker_id
-from autobalance.tuner.search import SearchSpace, fix_exchange_rate, rate_fixed
+from autobalance.tuner.search import SearchSpace, ShardingFacts, fix_exchange_rate, rate_fixed
 
 __all__ = ["baseline_done", "baseline_fit_note", "baseline_once", "reference_configs"]
 
@@ -248,6 +248,9 @@ def _space_from_baseline(study: optuna.Study, outcome: TrialOutcome,
     kept = keep_split(space, report=rep, own=defaults, allow=s.allow_batch_dependent)
     facts = script_facts(rep, kept_split=kept, allow=s.allow_batch_dependent, split=defaults.split_text())
     capacity = [_capacity(outcome.reports.get(r) or rep) for r in range(s.world_size)]
+    sharding = ShardingFacts.from_model(rep.model, s.world_size)
+    if sharding is not None and sharding.searched(min(s.caps_bytes() or capacity) * (1 - s.headroom)):
+        space.param_shardings = ["off", "embeddings", "blocks"]  # large embedding-like modules: FSDP2 may pay
     if s.device == "cuda" and s.caps_bytes():
         too_big = [(r, c) for r, c in enumerate(s.caps_bytes() or []) if c > capacity[r]]
         if too_big:

@@ -129,6 +129,7 @@ from autobalance.tuner.search._policy import (
     TrialHistory,
     proposal_line,
 )
+from autobalance.tuner.search._sharding import SavingModel, ShardingFacts
 from autobalance.tuner.search._snapshot import Decision
 from autobalance.tuner.search._solver import (
     DEFAULT_RECOMPUTE_FRACTION,
@@ -215,8 +216,10 @@ __all__ = [
     "ModelAdvisor",
     "ModelErrors",
     "Proposal",
+    "SavingModel",
     "SearchPolicy",
     "SearchSpace",
+    "ShardingFacts",
     "SplitPlan",
     "StepTimeModel",
     "TrialFigures",

@@ -34,9 +34,12 @@ __all__ = [
     "DISPERSION_LIMIT",
     "DTYPE_SPEED_PRIOR",
     "EAGER_FIRST",
+    "EMBEDDING_SHARE",
     "EQUAL_SPEED_BAND",
     "FIRST_STEP_FACTOR",
+    "FIT_FRACTION",
     "FIT_MARGIN",
+    "FIXED_SHARE",
     "FLOOR_RUNS",
     "FROM_CACHE_SHARE",
     "GRAPH_GAIN",
@@ -201,3 +204,18 @@ MAX_KEPT_ERRORS = 20
 """The study keeps the last this many caught fit errors."""
 MAX_ERROR_TEXT = 200
 """A kept fit error's text is cut to this many characters."""
+
+# ---------------------------------------------------------------------- parameter sharding (``search/_sharding``)
+EMBEDDING_SHARE = 0.1
+"""The dimension is searched (more than one rank) when the embedding-like modules the baseline's model
+holds (``model.embedding_bytes``), with their gradients and AdamW's two moments (4x their bytes), are
+at least this share of a rank's usable memory: what every DDP rank replicates of them is then worth
+sharding (Llama-3's 128k x 4096 embedding and head: 16.8 GB of an 80 GB card)."""
+
+FIXED_SHARE = 0.5
+"""A sharding is proposed when nothing unsharded fits and a rank's fixed part (parameters, gradients
+and optimizer state, unsharded) is at least this share of its usable memory."""
+
+FIT_FRACTION = 0.85
+"""The least sharding proposed is the first whose predicted fixed part is below this share of the
+tightest rank's usable memory (the rest is left to activations); else the most."""

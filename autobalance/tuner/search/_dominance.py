@@ -16,6 +16,7 @@ from autobalance.protocol import MEASURED_STATUSES, Status, TrialAttr, memory_te
 from autobalance.tuner.search._constants import SHARE_TOL
 from autobalance.tuner.search._memory_model import DEFAULT_SAFETY_MARGIN
 from autobalance.tuner.search._objective import TrialFigures
+from autobalance.tuner.search._sharding import sharding_level
 from autobalance.tuner.search._solver import predict_config_feasible
 from autobalance.tuner.search._space import config_compile_key
 
@@ -62,7 +63,17 @@ def _needs_at_least(cfg: dict[str, Any], other: dict[str, Any], rank: int) -> bo
             and activation_budget(cfg, rank) >= activation_budget(other, rank)
             and float(cfg["bucket_cap_mb"]) >= float(other["bucket_cap_mb"])
             and (not cfg["gradient_as_bucket_view"] or bool(other["gradient_as_bucket_view"]))
-            and _holds_state_of(cfg, other, rank))
+            and _holds_state_of(cfg, other, rank)
+            and _holds_parameters_of(cfg, other))
+
+
+def _holds_parameters_of(cfg: dict[str, Any], other: dict[str, Any]) -> bool:
+    """``cfg`` shards no more parameters than ``other`` (off < embeddings < blocks; at the same sharding,
+    keeping at least the groups ``other`` keeps gathered): each rank holds at least as much of them."""
+    mine, theirs = sharding_level(cfg.get("param_sharding", "off")), sharding_level(other.get("param_sharding", "off"))
+    if mine != theirs:
+        return mine < theirs
+    return set(cfg.get("keep_gathered", [])) >= set(other.get("keep_gathered", []))
 
 
 def _state_run(cfg: dict[str, Any], rank: int) -> tuple[float, float]:
@@ -130,6 +141,8 @@ def model_veto(model: MemoryModel, compiled: CompiledMemoryModel | None, config:
     (:func:`compiled_veto`)."""
     if config.compile != "off":
         return compiled_veto(model, compiled, config, usable=usable, headroom=headroom, num_layers=num_layers)
+    if config.param_sharding != "off":  # the model is of unsharded memory: launched (dominance still vetoes)
+        return None
     counts = [len(c) for c in config.checkpoint]
     if not model.can_predict(config.dtype) or not all(
         model.is_confident(rank=r, micro_batch=m, checkpointed=c, num_layers=max(1, num_layers),

@@ -6,10 +6,13 @@ from __future__ import annotations
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from autobalance._config import BalanceConfig
+from autobalance._errors import ConfigError
 from autobalance.protocol import Status, TrialAttr
 from autobalance.tuner.search._compiled_model import CompiledMemoryModel, compiled_observations
 from autobalance.tuner.search._memory_model import MemoryModel, MemoryObservation
 from autobalance.tuner.search._model_errors import FIT_ERRORS, ModelErrors, caught
+from autobalance.tuner.search._sharding import SavingModel
 from autobalance.tuner.search._space import SearchSpace
 
 __all__ = ["compiled_holdout_error", "eager_holdout_error", "observations_from_trials"]
@@ -17,8 +20,11 @@ __all__ = ["compiled_holdout_error", "eager_holdout_error", "observations_from_t
 GIB = 2**30
 
 
-def observations_from_trials(trials: list[FrozenTrial], *, num_layers: int) -> list[MemoryObservation]:
-    """One observation per rank of every measured (ok) or OOMed trial (OOM peaks are lower bounds)."""
+def observations_from_trials(trials: list[FrozenTrial], *, num_layers: int,
+                             savings: SavingModel | None = None) -> list[MemoryObservation]:
+    """One observation per rank of every measured (ok) or OOMed trial (OOM peaks are lower bounds).
+    A trial that sharded parameters is left out, or with ``savings`` taken as the unsharded peaks it
+    implies: its peaks (and held memory) plus what it saved on each rank, holding the whole state."""
     obs: list[MemoryObservation] = []
     for t in trials:
         status = t.user_attrs.get(TrialAttr.STATUS)
@@ -28,7 +34,18 @@ def observations_from_trials(trials: list[FrozenTrial], *, num_layers: int) -> l
         peaks = t.user_attrs.get(TrialAttr.PEAK_DEVICE_GIB) or []
         if not cfg or len(peaks) != len(cfg["micro_batches"]) or cfg.get("compile", "off") != "off":
             continue  # the model is of eager memory; compiled trials follow their budget instead
+        lift = [0.0] * len(peaks)
+        if cfg.get("param_sharding", "off") != "off":
+            if savings is None:
+                continue  # the model is of unsharded memory: what sharding saves is _sharding's term
+            try:
+                sharded = BalanceConfig.from_dict(cfg)
+            except ConfigError:  # a damaged attribute
+                continue
+            lift = [savings.saving(sharded, r) for r in range(len(peaks))]
         state = t.user_attrs.get(TrialAttr.OPTIMIZER_STATE_BYTES) or []
+        if savings is not None and cfg.get("param_sharding", "off") != "off":  # unsharded: the whole state on each rank
+            state = [] if savings.state_total is None else [savings.state_total] * len(peaks)
         measured = len(state) == len(peaks) and all(isinstance(v, (int, float)) for v in state)
         # the whole state: summed over the ranks when sharded, on every rank when not
         whole = (sum(state) if cfg.get("optimizer_sharding", "off") == "zero1" else max(state)) if measured else None
@@ -42,12 +59,13 @@ def observations_from_trials(trials: list[FrozenTrial], *, num_layers: int) -> l
                 # what the rank holds apart from activations: the model's fixed part, measured (zero samples)
                 obs.append(MemoryObservation(
                     rank=rank, micro_batch=0, checkpointed=0, num_layers=max(1, num_layers), dtype=cfg["dtype"],
-                    peak_bytes=float(held[rank]) * GIB, ok=True, held=True,
+                    peak_bytes=float(held[rank]) * GIB + lift[rank], ok=True, held=True,
                     optimizer_bytes=float(state[rank]) if measured else None,
                     optimizer_total=None if whole is None else float(whole), parameter_bytes=params))
             obs.append(MemoryObservation(
                 rank=rank, micro_batch=int(cfg["micro_batches"][rank]), checkpointed=len(cfg["checkpoint"][rank]),
-                num_layers=max(1, num_layers), dtype=cfg["dtype"], peak_bytes=float(peak) * GIB, ok=status == Status.OK,
+                num_layers=max(1, num_layers), dtype=cfg["dtype"], peak_bytes=float(peak) * GIB + lift[rank],
+                ok=status == Status.OK,
                 optimizer_bytes=float(state[rank]) if measured else None,
                 optimizer_total=None if whole is None else float(whole), parameter_bytes=params,
             ))

@@ -30,9 +30,14 @@ from autobalance.tuner.search._cuda_graphs import graphs_verdict
 from autobalance.tuner.search._eager_search import eager_candidates
 from autobalance.tuner.search._first_trials import proposable_dtypes
 from autobalance.tuner.search._holdout import observations_from_trials
-from autobalance.tuner.search._memory_model import DEFAULT_SAFETY_MARGIN, MemoryModel
+from autobalance.tuner.search._memory_model import (
+    DEFAULT_SAFETY_MARGIN,
+    MemoryModel,
+    MemoryObservation,
+)
 from autobalance.tuner.search._model_errors import FIT_ERRORS, ModelErrors
 from autobalance.tuner.search._objective import spread_fraction
+from autobalance.tuner.search._sharding import SavingModel, study_savings
 from autobalance.tuner.search._snapshot import Decision
 from autobalance.tuner.search._space import SearchSpace, config_compile_key
 from autobalance.tuner.search._step_time import StepTimeModel
@@ -64,6 +69,8 @@ class SearchModels:
         """The memory model of the last decision that fitted one (corrected by :meth:`learn`)."""
         self.compiled: CompiledMemoryModel | None = None
         """The compiled memory model, likewise."""
+        self.savings: SavingModel | None = None
+        """What each parameter sharding saves per rank (``_sharding``), refitted with the model; None: not searched."""
         self._margin = DEFAULT_SAFETY_MARGIN
         self._compiled_margin: float | None = None
         self.proposed: set[str] = set()
@@ -96,7 +103,15 @@ class SearchModels:
         return decision.fitted(("memory", self._margin), lambda: self._refit(decision.study))
 
     def _refit(self, study: optuna.Study) -> MemoryModel | None:
-        obs = observations_from_trials(study.get_trials(deepcopy=False), num_layers=self.space.num_layers)
+        trials = study.get_trials(deepcopy=False)
+        obs = observations_from_trials(trials, num_layers=self.space.num_layers)
+        self.savings = None
+        if len(self.space.param_shardings) > 1:  # sharded trials join as the unsharded peaks they imply (_sharding)
+            self.savings = study_savings(trials, model_facts=study.user_attrs.get(StudyAttr.MODEL),
+                                         world_size=self.space.world_size, num_layers=self.space.num_layers,
+                                         unsharded=self._fit_quietly(obs))
+            if self.savings is not None:
+                obs = observations_from_trials(trials, num_layers=self.space.num_layers, savings=self.savings)
         if not any(o.ok for o in obs):
             return None
         try:
@@ -107,6 +122,16 @@ class SearchModels:
         self._margin = model.safety_margin
         self.model = model
         return model
+
+    def _fit_quietly(self, obs: list[MemoryObservation]) -> MemoryModel | None:
+        """The model of ``obs`` alone (None: nothing fits, or the fit failed; noted in the errors)."""
+        if not any(o.ok for o in obs):
+            return None
+        try:
+            return MemoryModel.fit(obs, world_size=self.space.world_size, safety_margin=self._margin)
+        except FIT_ERRORS as exc:
+            self.errors.caught("memory model", exc)
+            return None
 
     # ------------------------------------------------------------------ proposals
     def candidates(self, study: optuna.Study) -> list[tuple[float, BalanceConfig]]:
@@ -137,7 +162,7 @@ class SearchModels:
 
         out = [] if "off" not in self.space.compile_modes else eager_candidates(
             space=self.space, model=model, timing=timing, usable=usable, bucket=bucket, view=view,
-            max_spread=max_spread, score=score, errors=self.errors)
+            max_spread=max_spread, score=score, errors=self.errors, savings=self.savings)
         compiled = self.compiled_for(study, model)
         if compiled is not None:
             compiled_timing = self.decision_for(study).compiled_time

@@ -60,6 +60,7 @@ from autobalance.tuner.search._constants import (
 )
 from autobalance.tuner.search._cuda_graphs import graph_probe
 from autobalance.tuner.search._first_trials import proposals_stalled
+from autobalance.tuner.search._sharding import sharding_proposal
 from autobalance.tuner.search._space import (
     BUDGET_RANGE,
     BUDGET_STEP,
@@ -307,6 +308,7 @@ class Models(Protocol):
     @property
     def study(self) -> optuna.Study: ...
     def decision_for(self, study: optuna.Study) -> Decision: ...
+    def usable(self, study: optuna.Study) -> list[float] | None: ...
     def scored_candidates(self, study: optuna.Study) -> list[Candidate]: ...
     def allowed_dtypes(self, study: optuna.Study, timing: StepTimeModel | None = None) -> list[str]: ...
     def allowed_dtypes_now(self) -> list[str]: ...
@@ -637,6 +639,9 @@ def fallbacks_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | N
     the sampler."""
     models = policy.advisor
     study = models.study
+    shard = _sharding_proposal(models, study, history)
+    if shard is not None:
+        return shard
     if models.settings.device == "cuda" and not any(r.status == Status.OK for r in history.records):
         probe = _probe(models, study)
         if probe is not None:
@@ -644,6 +649,18 @@ def fallbacks_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | N
                 "nothing measured fits yet: the least memory the priors know, in "
                 f"{probe.dtype} ({models.dtype_note or 'the dtype prior on a GPU'})"))
     return sampler_proposal(models, "the sampler's trial: the models propose nothing new worth a trial")
+
+
+def _sharding_proposal(models: Models, study: optuna.Study, history: TrialHistory) -> Proposal | None:
+    """Parameter sharding where a rank's fixed part is large and nothing fits (``_sharding``)."""
+    found = sharding_proposal(study.get_trials(deepcopy=False), space_shardings=models.space.param_shardings,
+                              model_facts=study.user_attrs.get(StudyAttr.MODEL), world_size=models.space.world_size,
+                              usable=models.usable(study), unsharded=models.model,
+                              tried=history.tried() | models.proposed, num_layers=models.space.num_layers)
+    if found is None:
+        return None
+    config, reason, _fixed = found  # the fixed part only (in the reason): no peak predicted
+    return Proposal(config=config, phase="shard", reason=reason)
 
 
 def _graph_probe(models: Models, study: optuna.Study) -> Proposal | None:

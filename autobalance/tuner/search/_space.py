@@ -28,7 +28,7 @@ from autobalance._config import (
     split_evenly,
 )
 
-__all__ = ["BUDGET_RANGE", "OPTIMIZER_SHARE_RANGE", "SHARE_RANGE", "SearchSpace", "compile_key", "config_compile_key",
+__all__ = ["BUDGET_RANGE", "KEEP_CHOICES", "OPTIMIZER_SHARE_RANGE", "SHARE_RANGE", "SearchSpace", "compile_key", "config_compile_key",
            "normalised_shares"]
 
 SHARE_RANGE = (0.05, 1.0)
@@ -38,6 +38,11 @@ BUDGET_STEP = 0.05
 OPTIMIZER_SHARE_RANGE = (0.0, 1.0)
 """A rank's ``oshare_r`` weight; the shares are the weights over their sum (all 0: even)."""
 
+
+KEEP_CHOICES: dict[str, list[str]] = {"none": [], "embeddings": ["embeddings"], "blocks": ["blocks"],
+                                      "both": ["embeddings", "blocks"]}
+"""The ``keep_gathered`` parameter's values and the groups each keeps gathered (``blocks`` and ``both``
+keep the blocks only where the blocks are sharded)."""
 
 REGIONAL_KEY = "@regional"
 
@@ -106,6 +111,11 @@ class SearchSpace:
     """``optimizer_sharding`` values searched: ``["off", "zero1"]`` when the script passes its optimizer
     through ``plan.optimizer`` and there is more than one rank (then ``optimizer_sharding`` and, for
     ``zero1``, per-rank ``oshare_r{r}`` weights normalised to the shares); ``["off"]``: no parameter."""
+    param_shardings: list[str] = field(default_factory=lambda: ["off"])
+    """``param_sharding`` values searched (FSDP2, ``_sharding``): ``["off", "embeddings", "blocks"]``
+    where the baseline's embedding-like modules are large (then ``param_sharding`` and, for sharded
+    trials, ``keep_gathered``: which groups keep their gathered weights from forward to backward);
+    ``["off"]`` (studies from before too): no parameter."""
 
     @classmethod
     def build(
@@ -165,6 +175,9 @@ class SearchSpace:
             d["optimizer_sharding"] = optuna.distributions.CategoricalDistribution(self.shardings)
             for r in range(self.world_size):
                 d[f"oshare_r{r}"] = optuna.distributions.FloatDistribution(*OPTIMIZER_SHARE_RANGE)
+        if len(self.param_shardings) > 1:
+            d["param_sharding"] = optuna.distributions.CategoricalDistribution(self.param_shardings)
+            d["keep_gathered"] = optuna.distributions.CategoricalDistribution(list(KEEP_CHOICES))
         d["dtype"] = optuna.distributions.CategoricalDistribution(self.dtypes)
         d["bucket_cap_mb"] = optuna.distributions.FloatDistribution(*BUCKET_RANGE_MB, log=True)
         d["grad_as_bucket_view"] = optuna.distributions.CategoricalDistribution([False, True])
@@ -181,6 +194,8 @@ class SearchSpace:
                 continue  # CUDA graphs are captured for the whole model only
             if name.startswith("oshare_r") and params.get("optimizer_sharding", "off") != "zero1":
                 continue  # conditional on sharding: shares only for zero1 trials
+            if name == "keep_gathered" and params.get("param_sharding", "off") == "off":
+                continue  # conditional on parameter sharding
             params[name] = _suggest(trial, name, dist)
         return self.config_from_params(params)
 
@@ -205,6 +220,12 @@ class SearchSpace:
             rest["optimizer_sharding"] = "zero1"
             rest["optimizer_shares"] = normalised_shares(
                 [float(params.get(f"oshare_r{r}", 1.0)) for r in range(self.world_size)])
+        fsdp = str(params.get("param_sharding", "off"))
+        # sharded trials are eager and not fp16 (the compiled models know no sharding; fp16 is refused): else unsharded
+        if fsdp != "off" and rest["compile"] == "off" and rest["dtype"] != "fp16":
+            keep = KEEP_CHOICES.get(str(params.get("keep_gathered", "none")), [])
+            rest.update(param_sharding=fsdp, keep_gathered=[g for g in keep if fsdp == "blocks" or g == "embeddings"],
+                        optimizer_sharding="off", optimizer_shares=None)
         if self.fixed_split:  # the script's own split, as it is
             micro, samples = self.kept_split(acc)
             return BalanceConfig(micro_batches=micro, accumulation=acc, global_batch=self.global_batch,
@@ -272,6 +293,10 @@ class SearchSpace:
                 heaviest = max(zero) or 1.0
                 for r, q in enumerate(zero):
                     params[f"oshare_r{r}"] = min(OPTIMIZER_SHARE_RANGE[1], max(OPTIMIZER_SHARE_RANGE[0], q / heaviest))
+        if len(self.param_shardings) > 1:
+            params["param_sharding"] = config.param_sharding
+            if config.param_sharding != "off":
+                params["keep_gathered"] = next(k for k, v in KEEP_CHOICES.items() if v == config.keep_gathered)
         params["dtype"] = config.dtype
         params["bucket_cap_mb"] = min(BUCKET_RANGE_MB[1], max(BUCKET_RANGE_MB[0], config.bucket_cap_mb))
         params["grad_as_bucket_view"] = config.gradient_as_bucket_view
@@ -285,6 +310,7 @@ class SearchSpace:
         return (config.global_batch == self.global_batch and config.world_size == self.world_size
                 and config.accumulation in self.accumulations and config.dtype in self.dtypes
                 and config.compile in self.compile_modes and config.optimizer_sharding in self.shardings
+                and config.param_sharding in self.param_shardings
                 and (config.compile == "off" or config.compile_scope in self.compile_scopes)
                 and (self.any_split or self.fixed_split or config.equal_micro_batches))
 
