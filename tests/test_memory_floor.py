@@ -81,7 +81,7 @@ def test_no_proposal_from_a_clamped_prediction_and_the_trial_line_says_extrapola
     settings = TuneSettings(script=str(script), device="cpu", nproc_per_node=1, memory_cap_gib=[55 / 1024],
                             headroom=0.0)
     space = SearchSpace.build(world_size=1, global_batch=8, num_layers=2, dtypes=["fp32"], max_accumulation=8)
-    found = ModelAdvisor(space=space, settings=settings).scored_candidates(_study())
+    found = ModelAdvisor(space=space, settings=settings).models.scored_candidates(_study())
     by_micro = {c.config.micro_batches[0]: c for c in found if not c.config.checkpoint[0]}
     assert 1 not in by_micro and 8 not in by_micro
     assert all(min(c.peaks) >= PARAMS for c in found)

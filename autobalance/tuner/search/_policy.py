@@ -653,6 +653,8 @@ def fallbacks_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | N
 
 def _sharding_proposal(models: Models, study: optuna.Study, history: TrialHistory) -> Proposal | None:
     """Parameter sharding where a rank's fixed part is large and nothing fits (``_sharding``)."""
+    if len(models.space.param_shardings) <= 1:  # not searched
+        return None
     found = sharding_proposal(study.get_trials(deepcopy=False), space_shardings=models.space.param_shardings,
                               model_facts=study.user_attrs.get(StudyAttr.MODEL), world_size=models.space.world_size,
                               usable=models.usable(study), unsharded=models.model,
