@@ -21,7 +21,14 @@ from optuna.trial import FrozenTrial, TrialState
 from autobalance._config import BalanceConfig
 from autobalance._errors import LaunchError, TrialScriptError
 from autobalance.launcher import TrialOutcome, interrupts_deferred
-from autobalance.protocol import MEASURED_STATUSES, Status, StudyAttr, TrialAttr, best_trial
+from autobalance.protocol import (
+    MEASURED_STATUSES,
+    Status,
+    StudyAttr,
+    TrialAttr,
+    best_trial,
+    would_be_best,
+)
 from autobalance.store import heartbeat_interval_s, study_id, trial_id
 from autobalance.tuner._launching import Stopped, TrialLauncher, best_step_s
 from autobalance.tuner._parallel import Slot
@@ -185,13 +192,20 @@ class TrialLoop:
 
     def remeasure_reason(self, study: optuna.Study, outcome: TrialOutcome, figures: TrialFigures) -> str | None:
         """Why a measured trial runs once more (its steps spread, or it would become the best: feasible
-        as the recorder will tell it, spread limit included, and faster than the best; see
-        :mod:`autobalance.tuner._remeasure`), or None (``--remeasure``: ``auto`` is on for CUDA)."""
+        as the recorder will tell it, spread limit included, and with a lower objective value than the
+        study's best trial, ``protocol.would_be_best``; see :mod:`autobalance.tuner._remeasure`), or None
+        (``--remeasure``: ``auto`` is on for CUDA)."""
         s = self.settings
         if outcome.status != Status.OK or not (s.remeasure == "on" or (s.remeasure == "auto" and s.device == "cuda")):
             return None
-        return remeasure_reason(outcome, step_time_s=figures.step_time_s,
-                                feasible=feasible(figures, s, outcome.status), best_step_s=best_step_s(study))
+        best = False
+        if feasible(figures, s, outcome.status):  # its values as the recorder will tell them
+            values = figures.values(reference_step_s=study.user_attrs.get(StudyAttr.REFERENCE),
+                                    weight_spread=s.weight_spread, weight_time=s.weight_time,
+                                    multi_objective=s.multi_objective)
+            best = would_be_best(study, values)
+        return remeasure_reason(outcome, step_time_s=figures.step_time_s, would_be_best=best,
+                                best_step_s=best_step_s(study))
 
     # ------------------------------------------------------------------ the loop
     def run(self, study: optuna.Study, space: SearchSpace) -> None:
