@@ -36,13 +36,11 @@ def test_dispersion_is_the_worst_rank_iqr_over_median():
 def test_reasons_high_spread_and_would_be_best_only_for_measured_trials():
     steady = _outcome([[0.100, 0.101, 0.099, 0.100]])
     noisy = _outcome([[0.100, 0.160, 0.090, 0.130]])
-    assert "IQR" in remeasure_reason(noisy, step_time_s=0.1, feasible=True, best_step_s=None)
-    assert remeasure_reason(steady, step_time_s=0.1, feasible=True, best_step_s=None) is None
-    assert remeasure_reason(steady, step_time_s=0.1, feasible=True, best_step_s=0.2) is not None
-    assert remeasure_reason(steady, step_time_s=0.1, feasible=False, best_step_s=0.2) is None  # not a candidate
-    assert remeasure_reason(steady, step_time_s=0.3, feasible=True, best_step_s=0.2) is None
+    assert "IQR" in remeasure_reason(noisy, step_time_s=0.1, would_be_best=False)
+    assert remeasure_reason(steady, step_time_s=0.1, would_be_best=False) is None
+    assert "would become the best" in remeasure_reason(steady, step_time_s=0.1, would_be_best=True, best_step_s=0.2)
     oom = _outcome([[0.1, 0.3]], status="oom")
-    assert remeasure_reason(oom, step_time_s=None, feasible=False, best_step_s=0.2) is None
+    assert remeasure_reason(oom, step_time_s=None, would_be_best=True) is None
 
 
 def test_merge_pools_steps_and_keeps_the_larger_memory():
@@ -128,7 +126,7 @@ def test_a_trial_over_the_spread_limit_is_not_remeasured_as_the_next_best(tmp_pa
 
     import optuna
 
-    from autobalance.protocol import CONSTRAINTS_KEY, Status, TrialAttr
+    from autobalance.protocol import CONSTRAINTS_KEY, Status, StudyAttr, TrialAttr
     from autobalance.tuner import TuneSettings
     from autobalance.tuner._loop import TrialLoop
     from autobalance.tuner._recording import constraints, feasible
@@ -139,6 +137,7 @@ def test_a_trial_over_the_spread_limit_is_not_remeasured_as_the_next_best(tmp_pa
                            peak_reserved=[None, None], outside_pytorch=[None, None], capacity=[16 * gib, 16 * gib],
                            step_time_s=0.1, samples_per_s=320.0, startup_s=1.0, measured_steps=4)
     study = optuna.create_study()
+    study.set_user_attr(StudyAttr.REFERENCE, 0.2)  # the objective's time: step / 200 ms
     fast = study.ask()
     fast.set_user_attr(TrialAttr.STATUS, Status.OK)
     fast.set_user_attr(TrialAttr.STEP_TIME_MS, 200.0)

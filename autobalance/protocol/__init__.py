@@ -39,13 +39,17 @@ from autobalance.protocol._status import (
 )
 from autobalance.protocol._trials import (
     best_trial,
+    best_value,
     is_feasible,
     objective_value,
     over_limit,
+    rank_trials,
+    ranked_trials,
     study_ranks,
     time_in_steps_s,
     trial_ranks,
     weighted_objective,
+    would_be_best,
 )
 from autobalance.protocol._units import memory_pair, memory_text
 
@@ -74,6 +78,7 @@ __all__ = [
     "StudyAttr",
     "TrialAttr",
     "best_trial",
+    "best_value",
     "busy_wait_text",
     "cpu_model_name",
     "exchange_rate",
@@ -85,6 +90,8 @@ __all__ = [
     "memory_text",
     "objective_value",
     "over_limit",
+    "rank_trials",
+    "ranked_trials",
     "report_path",
     "report_problem",
     "slow_rank",
@@ -94,4 +101,5 @@ __all__ = [
     "timed_steps",
     "trial_ranks",
     "weighted_objective",
+    "would_be_best",
 ]

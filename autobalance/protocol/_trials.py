@@ -3,7 +3,7 @@ report, the CLI views and production loading (optuna is imported by the caller).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from autobalance.protocol._attrs import CONSTRAINTS_KEY, StudyAttr, TrialAttr
@@ -14,8 +14,8 @@ if TYPE_CHECKING:
     import optuna
     from optuna.trial import FrozenTrial
 
-__all__ = ["best_trial", "is_feasible", "objective_value", "over_limit", "study_ranks", "time_in_steps_s",
-           "trial_ranks", "weighted_objective"]
+__all__ = ["best_trial", "best_value", "is_feasible", "objective_value", "over_limit", "rank_trials", "ranked_trials", "study_ranks",
+           "time_in_steps_s", "trial_ranks", "weighted_objective", "would_be_best"]
 
 
 def is_feasible(trial: FrozenTrial) -> bool:
@@ -64,14 +64,43 @@ def weighted_objective(values: list[float] | tuple[float, ...], objective: dict[
                            weight_time=objective.get("weight_time", 1.0))
 
 
+def ranked_trials(study: optuna.Study) -> list[FrozenTrial]:
+    """The study's candidates for its best trial, best first: the one meaning of "best" that the
+    loop (re-measure, pruning), the recorder, verification and the views all read
+    (:func:`rank_trials` over the study's trials and objective)."""
+    return rank_trials(study.get_trials(deepcopy=False), study.user_attrs.get(StudyAttr.OBJECTIVE, {}))
+
+
+def rank_trials(trials: Iterable[FrozenTrial], objective: Mapping[str, Any]) -> list[FrozenTrial]:
+    """``trials``' candidates for the best, best first. A candidate is feasible (:func:`is_feasible`:
+    measured to the end, within the usable memory and, with ``--max-spread-gib``, the spread limit)
+    and measured by the trial itself (a trial that reused another's result is that trial's copy,
+    never a candidate of its own). Ranked by the objective value (on a Pareto front the weighted sum
+    with ``objective``'s weights, :func:`weighted_objective`); ties: the earlier trial."""
+    feasible = [t for t in trials if is_feasible(t) and t.user_attrs.get(TrialAttr.REUSED_FROM) is None]
+    return sorted(feasible, key=lambda t: (weighted_objective(t.values, dict(objective)), t.number))
+
+
 def best_trial(study: optuna.Study) -> FrozenTrial | None:
-    """The best feasible trial: lowest objective, or on a Pareto front the lowest weighted sum
-    (ties: the earlier trial)."""
-    objective = study.user_attrs.get(StudyAttr.OBJECTIVE, {})
-    feasible = [t for t in study.get_trials(deepcopy=False) if is_feasible(t)]
-    if not feasible:
+    """The best trial (the first of :func:`ranked_trials`); None before any is feasible."""
+    ranked = ranked_trials(study)
+    return ranked[0] if ranked else None
+
+
+def best_value(study: optuna.Study) -> float | None:
+    """:func:`best_trial`'s objective value (weighted on a Pareto front); None before one."""
+    best = best_trial(study)
+    if best is None or not best.values:
         return None
-    return min(feasible, key=lambda t: (weighted_objective(t.values, objective), t.number))
+    return weighted_objective(best.values, study.user_attrs.get(StudyAttr.OBJECTIVE, {}))
+
+
+def would_be_best(study: optuna.Study, values: list[float] | tuple[float, ...]) -> bool:
+    """Whether a feasible trial with these objective values would become the best: lower than
+    :func:`best_value` (a tie keeps the earlier trial). False before any trial is feasible: there is
+    no best to beat yet."""
+    best = best_value(study)
+    return best is not None and weighted_objective(values, study.user_attrs.get(StudyAttr.OBJECTIVE, {})) < best
 
 
 def time_in_steps_s(user_attrs: Mapping[str, Any]) -> float | None:

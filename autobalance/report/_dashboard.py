@@ -195,9 +195,17 @@ def shown_storage(inner: Any) -> Any:
         return out
 
     def get_best_trial(self: Any, study_id: int) -> Any:
+        """The study's best trial (``protocol.rank_trials``: one meaning of best), as shown; before
+        any is feasible, the trial shown best (the least over its limits)."""
+        from autobalance.protocol import StudyAttr, rank_trials
+
         trials = get_all_trials(self, study_id, deepcopy=False, states=(TrialState.COMPLETE,))
         if not trials:
             raise ValueError("No trials are completed yet.")
+        objective = self._inner.get_study_user_attrs(study_id).get(StudyAttr.OBJECTIVE, {})
+        ranked = rank_trials(self._inner.get_all_trials(study_id, deepcopy=False), objective)
+        if ranked:
+            return next(t for t in trials if t.number == ranked[0].number)
         up = self._inner.get_study_directions(study_id)[0].name == "MAXIMIZE"
         return (max if up else min)(trials, key=lambda t: t.values[0])
 

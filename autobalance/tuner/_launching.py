@@ -13,7 +13,7 @@ import optuna
 
 from autobalance._config import BalanceConfig
 from autobalance.launcher import TrialLaunch, TrialOutcome, WarmPool, cold_reason, run_trial
-from autobalance.protocol import TrialAttr, is_feasible
+from autobalance.protocol import TrialAttr, best_trial
 from autobalance.store import heartbeat_interval_s, trial_id
 from autobalance.tuner._parallel import Slot, plan_slots
 from autobalance.tuner._roles import Reporter, TrialCoordinator
@@ -237,10 +237,10 @@ class TrialLauncher:
 
 
 def best_step_s(study: optuna.Study) -> float | None:
-    """The fastest feasible trial's step time so far (None before any)."""
-    times = [t.user_attrs[TrialAttr.STEP_TIME_MS] / 1000 for t in study.get_trials(deepcopy=False)
-             if is_feasible(t) and t.user_attrs.get(TrialAttr.STEP_TIME_MS)]
-    return min(times) if times else None
+    """The best trial's step time (``protocol.best_trial``: one meaning of best); None before one."""
+    best = best_trial(study)
+    step_ms = best.user_attrs.get(TrialAttr.STEP_TIME_MS) if best is not None else None
+    return float(step_ms) / 1000 if step_ms else None
 
 
 class _Pruner:

@@ -1,7 +1,9 @@
 """The trial loop. Read :meth:`TrialLoop.one_trial` top to bottom: it is what every trial of a study
 goes through - ask Optuna, settle it without launching when its result is known or predicted,
 launch it (and measure it again when one run is not to be trusted), record it.
-:meth:`TrialLoop.run` repeats it (on one thread, or one thread per slot).
+:meth:`TrialLoop.run` repeats it (on one thread, or one thread per slot) while
+:meth:`TrialLoop.more_trials`, the head of the loop, finds no stop rule met: every rule that ends
+the loop is read there, each with its reason in one line.
 
 The loop owns its state: the lock that serialises what the slots share, the stop signal, the
 trials it runs now, the configurations being measured, the crashes in a row. Its parts (launcher,
@@ -21,7 +23,14 @@ from optuna.trial import FrozenTrial, TrialState
 from autobalance._config import BalanceConfig
 from autobalance._errors import LaunchError, TrialScriptError
 from autobalance.launcher import TrialOutcome, interrupts_deferred
-from autobalance.protocol import MEASURED_STATUSES, Status, StudyAttr, TrialAttr, best_trial
+from autobalance.protocol import (
+    MEASURED_STATUSES,
+    Status,
+    StudyAttr,
+    TrialAttr,
+    best_trial,
+    would_be_best,
+)
 from autobalance.store import heartbeat_interval_s, study_id, trial_id
 from autobalance.tuner._launching import Stopped, TrialLauncher, best_step_s
 from autobalance.tuner._parallel import Slot
@@ -66,6 +75,10 @@ class TrialLoop:
         """Trial ids this loop runs now (other workers' running trials are waited for at the end)."""
         self._in_flight: dict[str, threading.Event] = {}
         self._crashes_in_a_row = 0
+        self._halt: Exception | None = None
+        """A trial's verdict that stops the study (:meth:`check_stop`), raised at the head of the loop."""
+        self.ended: str | None = None
+        """Why the loop ended, in one line (the stop rule :meth:`more_trials` found met)."""
         self._decision: Decision | None = None
 
     def decision(self, study: optuna.Study) -> Decision:
@@ -146,7 +159,7 @@ class TrialLoop:
                     if self.advisor is not None:
                         self.advisor.after_trial(study, frozen)
                     self.reporter.finish(frozen, best_trial(study))
-                    self.check_stop(study, outcome)  # too many crashes, or a script error: stop the study
+                    self.check_stop(study, outcome)  # too many crashes, or a script error: the head stops the study
         except BaseException as exc:
             with contextlib.suppress(Exception):
                 self.recorder.unfinished(study, trial, exc)  # never leave it RUNNING
@@ -185,13 +198,20 @@ class TrialLoop:
 
     def remeasure_reason(self, study: optuna.Study, outcome: TrialOutcome, figures: TrialFigures) -> str | None:
         """Why a measured trial runs once more (its steps spread, or it would become the best: feasible
-        as the recorder will tell it, spread limit included, and faster than the best; see
-        :mod:`autobalance.tuner._remeasure`), or None (``--remeasure``: ``auto`` is on for CUDA)."""
+        as the recorder will tell it, spread limit included, and with a lower objective value than the
+        study's best trial, ``protocol.would_be_best``; see :mod:`autobalance.tuner._remeasure`), or None
+        (``--remeasure``: ``auto`` is on for CUDA)."""
         s = self.settings
         if outcome.status != Status.OK or not (s.remeasure == "on" or (s.remeasure == "auto" and s.device == "cuda")):
             return None
-        return remeasure_reason(outcome, step_time_s=figures.step_time_s,
-                                feasible=feasible(figures, s, outcome.status), best_step_s=best_step_s(study))
+        best = False
+        if feasible(figures, s, outcome.status):  # its values as the recorder will tell them
+            values = figures.values(reference_step_s=study.user_attrs.get(StudyAttr.REFERENCE),
+                                    weight_spread=s.weight_spread, weight_time=s.weight_time,
+                                    multi_objective=s.multi_objective)
+            best = would_be_best(study, values)
+        return remeasure_reason(outcome, step_time_s=figures.step_time_s, would_be_best=best,
+                                best_step_s=best_step_s(study))
 
     # ------------------------------------------------------------------ the loop
     def run(self, study: optuna.Study, space: SearchSpace) -> None:
@@ -246,31 +266,57 @@ class TrialLoop:
         if errors:
             raise KeyboardInterrupt
 
+    # ------------------------------------------------------------------ the head of the loop: every stop rule
     def more_trials(self, study: optuna.Study) -> bool:
-        """Whether to ask for another trial; waits for other workers' running trials at the end
-        (one may go stale and need a replacement)."""
+        """The head of the loop, read before every ask (as Optuna's ``_optimize.py`` reads its stop flag,
+        ``n_trials`` and ``timeout`` at the head of its loop): whether to ask for another trial. Every
+        rule that ends the trial loop is here, in this order, each with its reason in one line
+        (:attr:`ended`; the time budget's is also said, by the first slot to find it):
+
+        1. a trial's verdict stops the study (:meth:`check_stop`: too many crashes in a row, a script
+           error): raised here;
+        2. the stop signal (a slot failed, or the tuner was interrupted): this slot stops;
+        3. the time budget (``TimeBudget.spent``: the time left holds no further trial with
+           verification after it, or a proposal was found unaffordable, ``TimeBudget.unaffordable``):
+           no new trial starts;
+        4. ``--trials`` counted trials: done, once other workers' running trials have finished (one
+           may go stale and need a replacement; with the time budget spent they are not waited for).
+
+        The models' veto limit (``MAX_PREDICTED_IN_A_ROW``) ends no loop: after that many vetoes in a
+        row the advisor lets the next proposal launch."""
         noted = False
         while True:
+            if self._halt is not None:
+                self.ended = f"stopped by a trial: {self._halt}"
+                raise self._halt
             if self.stop.is_set():
-                return False
+                return self._end("stopped: a slot failed or the tuner was interrupted")
             fail_stale_trials(study, self.storage)
             self._reserve(study)
             spent = self.budget.spent(time.monotonic())
             if counted_trials(study) < self.settings.trials:
-                if spent:  # Optuna's `timeout`: no trial starts after the budget
-                    self._budget_spent(study)
-                return not spent
+                if not spent:
+                    return True
+                self._budget_spent(study)  # Optuna's `timeout`: no trial starts after the budget
+                return self._end("the time budget holds no further trial with verification after it")
             if spent:  # other workers' running trials are not waited for
-                return False
+                return self._end(f"the study has its {self.settings.trials} trials (time budget spent)")
             with self.lock:  # this loop's own running trials (other slots) are not waited for
                 running = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
                            if trial_id(t) not in self.running_here]
             if not running:
-                return False
+                return self._end(f"the study has its {self.settings.trials} trials")
             if not noted:
                 self.reporter.note(f"Waiting for {len(running)} trial(s) that other workers on this study are running.")
                 noted = True
             time.sleep(min(3.0, heartbeat_interval_s() / 2))
+
+    def _end(self, reason: str) -> bool:
+        """The loop ends (False) for ``reason``, kept as :attr:`ended` (the first reason a slot found)."""
+        with self.lock:
+            if self.ended is None:
+                self.ended = reason
+        return False
 
     def _reserve(self, study: optuna.Study) -> None:
         """Update what the time budget keeps free (``TimeBudget.refresh``); nothing without a budget."""
@@ -323,12 +369,13 @@ class TrialLoop:
             done.set()
 
     def check_stop(self, study: optuna.Study, outcome: TrialOutcome) -> None:
-        """Stop the study after too many crashes in a row, or a script error (``--on-error stop``,
-        or before any trial was measured)."""
+        """After a recorded trial: whether it stops the study (too many crashes in a row, or a script
+        error with ``--on-error stop`` or before any trial was measured). The verdict is kept; the
+        head of the loop (:meth:`more_trials`) raises it before the next ask."""
         if outcome.status == Status.CRASH:
             self._crashes_in_a_row += 1
             if self._crashes_in_a_row >= MAX_CRASHES_IN_A_ROW:
-                raise LaunchError(
+                self._halt = LaunchError(
                     f"{self._crashes_in_a_row} trials in a row crashed (last: {outcome.reason}); "
                     f"stopping. Logs in {outcome.trial_dir}."
                 )
@@ -337,7 +384,7 @@ class TrialLoop:
         if outcome.status == Status.ERROR:
             any_ok = any(t.user_attrs.get(TrialAttr.STATUS) == Status.OK for t in study.get_trials(deepcopy=False))
             if self.settings.on_error == "stop" or not any_ok:
-                raise TrialScriptError(
+                self._halt = TrialScriptError(
                     f"trial {study.trials[-1].number} failed in the training script: {outcome.reason}. "
                     f"Logs in {outcome.trial_dir}. (Use --on-error continue to skip such trials.)",
                     traceback_text=outcome.traceback, rank=outcome.failing_rank,

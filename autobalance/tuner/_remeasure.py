@@ -7,8 +7,9 @@ tuner runs a measured trial once more when
 
 - its spread is high: the IQR of a rank's measured steps exceeds :data:`DISPERSION_LIMIT` of its
   median (something disturbed the steps: another process, a clock change, garbage collection), or
-- it is about to become the best: feasible and faster than every feasible trial so far (a lucky
-  measurement would otherwise steer the rest of the search and be what is saved).
+- it is about to become the best: feasible and with a lower objective value than the study's best
+  trial (``protocol.would_be_best``; a lucky measurement would otherwise steer the rest of the
+  search and be what is saved).
 
 The two runs are merged (:func:`merge_outcomes`): each rank's measured steps pooled, its step time
 the median of those it stands for (the full steps when any was measured: a partial step at the
@@ -64,17 +65,19 @@ def dispersion(outcome: TrialOutcome) -> float | None:
     return worst
 
 
-def remeasure_reason(outcome: TrialOutcome, *, step_time_s: float | None, feasible: bool,
-                     best_step_s: float | None, limit: float = DISPERSION_LIMIT) -> str | None:
-    """Why ``outcome`` (already measured once) must be measured again, or None."""
+def remeasure_reason(outcome: TrialOutcome, *, step_time_s: float | None, would_be_best: bool,
+                     best_step_s: float | None = None, limit: float = DISPERSION_LIMIT) -> str | None:
+    """Why ``outcome`` (already measured once) must be measured again, or None. ``would_be_best``:
+    feasible and better than the study's best trial (``protocol.would_be_best``); ``best_step_s``
+    that trial's step time, for the sentence."""
     if outcome.status != Status.OK or step_time_s is None:
         return None
     spread = dispersion(outcome)
     if spread is not None and spread > limit:
         return f"its measured steps' IQR is {100 * spread:.1f} % of their median (> {100 * limit:.0f} %)"
-    if feasible and best_step_s is not None and step_time_s < best_step_s:
-        return (f"it would become the best ({1000 * step_time_s:.1f} ms < {1000 * best_step_s:.1f} ms): "
-                "confirmed by a second run")
+    if would_be_best:
+        was = f"; the best so far {1000 * best_step_s:.1f} ms" if best_step_s is not None else ""
+        return f"it would become the best ({1000 * step_time_s:.1f} ms{was}): confirmed by a second run"
     return None
 
 

@@ -149,7 +149,7 @@ class TuneSettings:
     cold: bool = False
     """One torchrun job per trial instead of the warm worker pool (always cold for multi-node trials)."""
     prune_factor: float = 1.5
-    """Stop a trial once its median measured step is this many times the best feasible step time (0: never)."""
+    """Stop a trial once its median measured step is this many times the best trial's step time (0: never)."""
     runs_dir: str = "autobalance_runs"
     """Where trial directories (reports, logs) are kept."""
     compile: CompileChoice | None = None

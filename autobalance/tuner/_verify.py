@@ -17,8 +17,7 @@ from autobalance.protocol import (
     StudyAttr,
     TrialAttr,
     best_trial,
-    is_feasible,
-    weighted_objective,
+    ranked_trials,
 )
 from autobalance.tuner._notes import write_notes
 from autobalance.tuner.search import MAX_CANDIDATES
@@ -53,13 +52,10 @@ def allows_batch_dependent(study: Any) -> bool:
 
 
 def ranked_candidates(study: Any) -> list[Any]:
-    """Feasible trials, best first (the order of ``best_trial``), one per configuration."""
-    objective = study.user_attrs.get(StudyAttr.OBJECTIVE, {})
-    feasible = [t for t in study.get_trials(deepcopy=False) if is_feasible(t)]
-    feasible.sort(key=lambda t: (weighted_objective(t.values, objective), t.number))
+    """The candidates for the best (``protocol.ranked_trials``: one meaning of best), one per configuration."""
     seen: set[str] = set()
     out = []
-    for t in feasible:
+    for t in ranked_trials(study):
         key = json.dumps(t.user_attrs.get(TrialAttr.CONFIG), sort_keys=True)
         if key not in seen:
             seen.add(key)
