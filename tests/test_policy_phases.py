@@ -63,6 +63,9 @@ class _Models:
     def scored_candidates(self, study: optuna.Study) -> list[Any]:
         return []
 
+    def usable(self, study: optuna.Study) -> list[float] | None:
+        return [USABLE * 2**30]
+
     def allowed_dtypes(self, study: optuna.Study, timing: Any = None) -> list[str]:
         return ["bf16"]
 
@@ -124,15 +127,45 @@ def test_raise_budget_stays_below_a_budget_that_did_not_fit_at_that_split() -> N
     assert policy.raise_budget(_history(full)) is None  # nothing above the partitioner's default
 
 
-def test_the_first_trial_of_another_scope_is_budget_one_at_the_fewest_micro_steps_predicted_to_fit() -> None:
-    """Regional 7 x 5 at 1.0 is the best so far; the model puts regional 8 x 4 at 1.0 at 14.6 GiB (fits
-    14.74) and 11 x 3 at 18 GiB: whole-model 8 x 4 at budget 1.0 is the first whole trial."""
-    models = _Models(peak_at_one={7: 13.7, 8: 14.6, 11: 18.0, 16: 21.0, 32: 30.0})
+def test_the_first_trial_of_another_scope_is_the_best_measured_split_at_the_largest_budget_predicted() -> None:
+    """Regional 8 x 4 at 0.55 (159 ms) is the best; 5,5,5,5,4,4,4 at 1.0 ran 275 ms; the model puts 8 x 4's
+    largest budget at 0.75: whole-model 8 x 4 at 0.75 is the first whole trial (what fitted in one scope is
+    the best evidence for the other), not the split the measured scope ran slowest or never ran."""
+    models = _Models(peak_at_one={5: 13.7, 8: 14.6, 11: 18.0, 16: 21.0, 32: 30.0}, budgets={8: 0.75, 16: 0.3})
     policy = SearchPolicy(space=_space(), advisor=models)
-    p = policy.scope_probe(_history(_record(2, _cfg(7, 5, 1.0), peak=13.7, ms=145.0)))
+    history = _history(_record(2, _cfg(5, 7, 1.0), peak=13.8, ms=274.7), _record(5, _cfg(8, 4, 0.55), peak=14.7,
+                                                                                  ms=159.0))
+    p = policy.scope_probe(history)
     assert p is not None and p.phase == "scope-probe" and p.config is not None
-    assert p.config.compile_scope == "whole" and p.config.micro_batches == [8]
-    assert p.config.activation_budget == [1.0]
+    assert p.config.compile_scope == "whole" and p.config.micro_batches == [8] and p.config.accumulation == 4
+    assert p.config.activation_budget == [0.75]
+    models.budgets = {}  # the model predicts no budget there: the one it ran at
+    p = policy.scope_probe(history)
+    assert p is not None and p.config is not None and p.config.activation_budget == [0.55]
+
+
+def test_two_micro_step_sizes_are_proposed_compiled_only_when_one_measured_competitive() -> None:
+    """``compiled-grow`` from 4 x 8 skips 6,6,5,5,5,5 and 7,7,6,6,6 (two sizes: dynamic batch dimension) for
+    8 x 4; once a two-size split measured within ``SAME_WITHIN`` of the best, it is proposed like any other."""
+    models = _Models(budgets={6: 0.8, 7: 0.7, 8: 0.6, 11: 0.4})
+    policy = SearchPolicy(space=_space(), advisor=models)
+    slow = _record(1, _cfg(4, 8, 1.0), peak=13.0, ms=190.0)
+    p = policy.compiled_grow(_history(slow))
+    assert p is not None and p.config is not None and p.config.micro_batches == [8] and p.config.accumulation == 4
+    two = _record(2, _cfg(6, 6, 1.0), peak=13.5, ms=191.0)  # 6,6,5,5,5,5 within 3 % of 190 ms
+    assert _history(slow, two).two_sizes_compete()
+    p = policy.compiled_grow(_history(slow, two))
+    assert p is not None and p.config is not None and p.config.accumulation == 5  # 7,7,6,6,6: one fewer
+    assert not _history(slow, _record(2, _cfg(6, 6, 1.0), peak=13.5, ms=250.0)).two_sizes_compete()
+
+
+def test_a_compiled_time_below_the_measured_budgets_is_outside_the_models_support() -> None:
+    history = _history(_record(3, _cfg(8, 4, 0.55), peak=14.4, ms=159.0), _record(4, _cfg(4, 8, 1.0), peak=13.0,
+                                                                                   ms=190.0))
+    assert history.time_supported(_cfg(8, 4, 0.6)) and history.time_supported(_cfg(4, 8, 0.55))
+    assert not history.time_supported(_cfg(8, 4, 0.3))  # the issue's "44 ms": budget below any measured
+    assert not history.time_supported(_cfg(16, 2, 0.6))  # a micro-batch beyond the measured ones
+    assert not history.time_supported(_cfg(8, 4, 0.6, scope="whole"))  # a scope never measured
 
 
 def test_a_proposal_the_time_budget_cannot_hold_gives_way_to_the_next_phase() -> None:
@@ -206,17 +239,19 @@ def test_a_sampled_cuda_graph_trial_is_whole_model_whatever_the_scope_parameter(
 
 def test_grow_goes_straight_to_the_fewest_micro_steps_that_fit_at_the_full_budget() -> None:
     """From 6 x 6: 7 and 8 fit at budget 1.0, 11 only at 0.6: straight to 8 x 4 at 1.0 (one compile, not
-    two); once no fewer split fits at 1.0, one micro-step at a time while the budget stays >= 0.5."""
+    two); once no fewer split fits at 1.0, the next split of one micro-step size per rank (11,11,10 has two)
+    while the budget stays >= 0.5."""
     models = _Models(budgets={7: 1.0, 8: 1.0, 11: 0.6, 16: 0.3})
     policy = SearchPolicy(space=_space(), advisor=models)
     p = policy.compiled_grow(_history(_record(2, _cfg(6, 6, 1.0), peak=12.7, ms=150.0)))
     assert p is not None and p.config is not None and p.phase == "compiled-grow"
     assert p.config.micro_batches == [8] and p.config.activation_budget == [1.0]
     p = policy.compiled_grow(_history(_record(2, _cfg(8, 4, 1.0), peak=14.6, ms=140.0)))
+    assert p is None  # 11,11,10 is two sizes (skipped), 16 x 2 only at 0.3 < GROW_MIN_BUDGET
+    models.budgets[16] = 0.55
+    p = policy.compiled_grow(_history(_record(2, _cfg(8, 4, 1.0), peak=14.6, ms=140.0)))
     assert p is not None and p.config is not None
-    assert p.config.micro_batches == [11] and p.config.activation_budget == [0.6]
-    p = policy.compiled_grow(_history(_record(2, _cfg(11, 3, 0.6), peak=14.6, ms=138.0)))
-    assert p is None  # 16 x 2 only at 0.3 < GROW_MIN_BUDGET
+    assert p.config.micro_batches == [16] and p.config.activation_budget == [0.55]
 
 
 def test_one_decision_reads_the_trials_once(tmp_path: Any) -> None:

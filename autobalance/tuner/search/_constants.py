@@ -57,6 +57,7 @@ __all__ = [
     "RECOMPUTE_PRIOR",
     "REGIONAL_COMPILE_SHARE",
     "RESERVE_MARGIN",
+    "SAME_WITHIN",
     "SAMPLER_EVERY",
     "SCOPE_TRANSFERS",
     "SHARE_TOL",
@@ -84,6 +85,12 @@ size, so a larger micro-batch at budget 0.5 or more beat the smaller one at 1.0 
 SCOPE_TRANSFERS = 2
 """``scope-probe`` runs the fastest this many measured compiled splits in the other scope (the scopes'
 optima differ: on the H200, regional 11,11,10 was its best split and whole 8 x 4 the grid's)."""
+SAME_WITHIN = 0.03
+"""Two measured step times this close (relative to the faster) are one within the noise: on one H200
+single steps of one configuration ranged about +-15 % (143-194 ms, regional 8 x 4), so two
+configurations 3 % apart are not separated by a median of 8-12 steps. A compiled split of two
+micro-step sizes (the runtime compiles it with a dynamic batch dimension: 5,5,5,5,4,4,4 ran 255-275 ms
+where 8 x 4 ran 159 ms) is proposed again only when one measured within this of the best."""
 BUDGET_CEILING = 1.0
 """``raise-budget`` proposes budgets up to this (the partitioner's default: it keeps what eager keeps),
 in steps of the space's budget grid (``_space.BUDGET_STEP``). No phase lowers a budget: at one rank a

@@ -54,6 +54,7 @@ from autobalance.tuner.search._constants import (
     GROW_MIN_BUDGET,
     KEEP_AT_FULL_BUDGET,
     LOW_BUDGET,
+    SAME_WITHIN,
     SAMPLER_EVERY,
     SCOPE_TRANSFERS,
     WORTH,
@@ -75,10 +76,17 @@ if TYPE_CHECKING:
     from autobalance.tuner.search._step_time import StepTimeModel
 
 __all__ = ["BUDGET_CEILING", "FIT_MARGIN", "GROW_MIN_BUDGET", "HALF_DTYPES", "KEEP_AT_FULL_BUDGET", "LOW_BUDGET", "PHASES", "SCOPE_TRANSFERS", "Proposal", "Record",
-           "SearchPolicy", "TrialHistory", "first_compiled_micro_batch", "proposal_line"]
+           "SearchPolicy", "TrialHistory", "first_compiled_micro_batch", "one_size", "proposal_line"]
 
 GIB = 2**30
 HALF_DTYPES = ("bf16", "fp16")
+
+
+def one_size(config: BalanceConfig) -> bool:
+    """Whether each rank's micro-steps are of one size (its samples divided evenly among them): compiled,
+    a static batch dimension; two sizes compile it dynamic, which ran 1.6-1.7x slower on one H200
+    (5,5,5,5,4,4,4: 255-275 ms where 8 x 4 ran 159 ms)."""
+    return all(len(set(config.micro_step_sizes(r))) == 1 for r in range(config.world_size))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,6 +192,38 @@ class TrialHistory:
         """The fastest feasible compiled trial measured here (None: none)."""
         ok = [r for r in self.records if r.measured and r.compiled and r.feasible and r.step_ms is not None]
         return min(ok, key=lambda r: float(r.step_ms or 0.0)) if ok else None
+
+    def two_sizes_compete(self) -> bool:
+        """Whether a compiled split of two micro-step sizes in a rank was measured here within
+        :data:`SAME_WITHIN` of the best compiled trial (then such splits are proposed like any other)."""
+        best = self.best_compiled()
+        if best is None or best.step_ms is None:
+            return False
+        return any(r.measured and r.compiled and r.feasible and r.step_ms is not None and r.config is not None
+                   and not one_size(r.config) and float(r.step_ms) <= float(best.step_ms) * (1.0 + SAME_WITHIN)
+                   for r in self.records)
+
+    def time_supported(self, config: BalanceConfig) -> bool:
+        """Whether the step-time model's prediction for ``config`` lies inside what it was fitted on:
+        eager always (its terms are per sample and per micro-step); compiled, a trial of its compile
+        key and dtype measured, its lowest budget at or above the lowest measured there (below, the
+        recomputation term is extrapolated: 44 ms predicted at budget 0.3 from trials at 0.55-1.0 for a
+        configuration that ran 164 ms), and its largest micro-batch within the measured ones' range."""
+        if config.compile == "off":
+            return True
+        key = config_compile_key(config)
+        budgets, micros = [], []
+        for r in self.records:
+            c = r.config
+            if (not r.measured or r.status != Status.OK or r.step_ms is None or c is None or c.compile == "off"
+                    or config_compile_key(c) != key or c.dtype != config.dtype):
+                continue
+            budgets.append(min(c.activation_budget or [1.0]))
+            micros.append(max(c.micro_batches))
+        if not budgets:
+            return False
+        m = max(config.micro_batches)
+        return min(config.activation_budget or [1.0]) >= min(budgets) - 1e-9 and min(micros) <= m <= max(micros)
 
     def compiled_splits(self) -> set[tuple[str, str]]:
         """(compile key, micro-batches as JSON) of every compiled trial launched, running or predicted."""
@@ -391,11 +431,12 @@ class SearchPolicy:
         keep = KEEP_AT_FULL_BUDGET[history.loss_in_model is not False]
         scope = "regional" if "regional" in self.space.compile_scopes else "whole"
         mode = next(m for m in self.space.compile_modes if m != "off")
+        splits = [c for c in (self._config(acc, dtype=dtypes[0], compile=mode, scope=scope)
+                              for acc in sorted(self.space.accumulations)) if c is not None]
+        even = [c for c in splits if one_size(c)]
         by_micro: dict[int, BalanceConfig] = {}
-        for acc in sorted(self.space.accumulations):  # fewest micro-steps first: one per largest micro-batch
-            cfg = self._config(acc, dtype=dtypes[0], compile=mode, scope=scope)
-            if cfg is not None:
-                by_micro.setdefault(max(cfg.micro_batches), cfg)
+        for cfg in even or splits:  # fewest micro-steps first: one per largest micro-batch; one size per rank
+            by_micro.setdefault(max(cfg.micro_batches), cfg)  # when the space holds one (``one_size``)
         m = first_compiled_micro_batch(held_gib=held, act_gib=act, usable_gib=min(history.usable_gib), keep=keep,
                                        candidates=list(by_micro))
         if m is None:
@@ -406,7 +447,7 @@ class SearchPolicy:
         peak = held + m * act * keep
         return Proposal(config=cfg, phase="compiled-start", predicted_peak_gib=[peak], reason=(
             f"the first compiled trial: {scope} (the cheapest to compile), {cfg.dtype}, budget 1.0, the largest "
-            f"micro-batch predicted to fit ({m}: {memory_text(held)} held + {m} x {memory_text(act)} x {keep:g} "
+            f"micro-batch {'of micro-steps of one size ' if even else ''}predicted to fit ({m}: {memory_text(held)} held + {m} x {memory_text(act)} x {keep:g} "
             f"kept at budget 1.0 <= {memory_text(min(history.usable_gib))} usable)"))
 
     def compiled_grow(self, history: TrialHistory) -> Proposal | None:
@@ -415,10 +456,13 @@ class SearchPolicy:
             return None
         cfg = base.config
         ran = history.compiled_splits()
+        two_sizes = history.two_sizes_compete()
         options: list[tuple[int, BalanceConfig, list[float]]] = []
         for acc in sorted((a for a in self.space.accumulations if a < cfg.accumulation), reverse=True):  # one fewer first
             template = self._config(acc, dtype=cfg.dtype, compile=cfg.compile, scope=cfg.compile_scope)
             if template is None or (config_compile_key(template), json.dumps(template.micro_batches)) in ran:
+                continue
+            if not two_sizes and not one_size(template):  # two sizes compile dynamic: slow unless measured not
                 continue
             fits = self.advisor.largest_budgets(template)
             if fits is not None and min(fits) >= GROW_MIN_BUDGET:
@@ -474,7 +518,10 @@ class SearchPolicy:
             first = self._scope_start(history, scope, ran)
             if first is not None:
                 return first
-        for source in history.fastest_compiled(SCOPE_TRANSFERS):
+        fastest = history.fastest_compiled(len(history.records))
+        if not history.two_sizes_compete():  # two sizes compile dynamic: slow unless measured not (``one_size``)
+            fastest = [r for r in fastest if r.config is not None and one_size(r.config)]
+        for source in fastest[:SCOPE_TRANSFERS]:
             cfg = source.config
             if cfg is None or cfg.compile != "default":
                 continue
@@ -496,34 +543,32 @@ class SearchPolicy:
         return None
 
     def _scope_start(self, history: TrialHistory, scope: str, ran: set[tuple[str, str]]) -> Proposal | None:
-        """The first trial of ``scope``: budget 1.0 (where the partitioner keeps what eager keeps in
-        either scope: the kept fractions at 1.0 measured 0.63-0.73 in both with the loss inside) at the
-        fewest micro-steps whose peak at budget 1.0 in a measured scope, the compiled model's estimate
-        from its trials, stays :data:`FIT_MARGIN` below the usable memory; None: none does."""
-        base = history.best_compiled()
-        if base is None or base.config is None or not history.usable_gib:
+        """The first trial of ``scope``: the best split measured in another scope (one micro-step size per
+        rank unless two sizes measured competitive: :meth:`TrialHistory.two_sizes_compete`), at the largest
+        budget per rank the models predict to fit at that split (no lower than the budget it ran at: what
+        fitted in one scope is the best evidence for the other; the kept fractions at 1.0 measured
+        0.63-0.73 in both scopes with the loss inside); None: no such split, or it ran in ``scope``."""
+        fastest = history.fastest_compiled(len(history.records))
+        if not history.two_sizes_compete():
+            fastest = [r for r in fastest if r.config is not None and one_size(r.config)]
+        base = next((r for r in fastest if r.config is not None and r.config.compile_scope != scope), None)
+        if base is None or base.config is None:
             return None
         cfg = base.config
-        limit = min(history.usable_gib) * (1.0 - FIT_MARGIN)
-        for acc in sorted(self.space.accumulations):
-            source = self._config(acc, dtype=cfg.dtype, compile=cfg.compile, scope=cfg.compile_scope)
-            if source is None:
-                continue
-            peaks = self.advisor.compiled_peaks(source)
-            if peaks is None or max(peaks) > limit:
-                continue
-            other = BalanceConfig.from_dict({**source.to_dict(), "compile_scope": scope,
-                                             "bucket_cap_mb": cfg.bucket_cap_mb,
-                                             "gradient_as_bucket_view": cfg.gradient_as_bucket_view})
-            if not self.space.contains(other) or (config_compile_key(other), json.dumps(other.micro_batches)) in ran:
-                return None
-            if not self.advisor.time_holds_compile(scope):
-                return None
-            return Proposal(config=other, phase="scope-probe", predicted_peak_gib=peaks, reason=(
-                f"the first {scope} trial: budget 1.0 at the fewest micro-steps ({acc}) predicted to fit there "
-                f"({memory_text(max(peaks))} in {cfg.compile_scope}, where the kept fractions at 1.0 match): "
-                "one compile measures whether that scope wins for this script"))
-        return None
+        measured_at = list(cfg.activation_budget or [1.0] * cfg.world_size)
+        fits = self.advisor.largest_budgets(cfg) or measured_at
+        budgets = [max(f, b) for f, b in zip(fits, measured_at, strict=True)]
+        source = BalanceConfig.from_dict({**cfg.to_dict(), "activation_budget": budgets})
+        other = BalanceConfig.from_dict({**source.to_dict(), "compile_scope": scope})
+        if not self.space.contains(other) or (config_compile_key(other), json.dumps(other.micro_batches)) in ran:
+            return None
+        if not self.advisor.time_holds_compile(scope):
+            return None
+        peaks = self.advisor.compiled_peaks(source)
+        return Proposal(config=other, phase="scope-probe", predicted_peak_gib=peaks, reason=(
+            f"the first {scope} trial: the best split measured in {cfg.compile_scope} (trial {base.number}, "
+            f"{cfg.accumulation} micro-steps) at the largest budget predicted to fit there ({min(budgets):g}): "
+            "one compile measures whether that scope wins for this script"))
 
     # ------------------------------------------------------------------ helpers
     def _config(self, acc: int, *, dtype: str, compile: str, scope: str = "whole") -> BalanceConfig | None:
@@ -594,6 +639,15 @@ def model_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
         # an eager proposal against a compiled best needs an eager time model of its own (three measured
         # eager splits): with fewer it is proportional and ranks launch-bound small micro-batches too well
         candidates = [c for c in candidates if c.config.compile != "off"]
+    if not history.two_sizes_compete():  # compiled: one micro-step size per rank (``one_size``) where any fits
+        even = [c for c in candidates if c.config.compile == "off" or one_size(c.config)]
+        if any(c.config.compile != "off" for c in even) or not any(c.config.compile != "off" for c in candidates):
+            candidates = even
+    # a time predicted outside the step-time model's support is no reason to propose: those rank last
+    inside = {id(c) for c in candidates if history.time_supported(c.config)}
+    candidates = [c for c in candidates if id(c) in inside] + [c for c in candidates if id(c) not in inside]
+    if not candidates:
+        return None
     fresh = [c for c in candidates if c.config.to_json() not in tried and _low_budget_ok(history, c.config)
              and (c.config.compile == "off" or c.config.compile_scope in scopes)]
     best = _best_value(study)
@@ -610,7 +664,7 @@ def model_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
     extra: dict[str, Any] = {}
     if pick.source == "compiled-model":
         extra["proposal_new_graphs"] = pick.new_graphs
-    if pick.extrapolated:
+    if pick.extrapolated or id(pick) not in inside:
         extra["proposal_extrapolated"] = True
     reason = note or ("the compiled model's best configuration predicted to fit" if pick.source == "compiled-model"
                       else "the memory model's best configuration predicted to fit")
