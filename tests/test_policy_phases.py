@@ -281,3 +281,48 @@ def test_one_decision_reads_the_trials_once(tmp_path: Any) -> None:
     assert len(reads) == 1
     view.set_user_attr("k", 1)  # through to the study
     assert study.user_attrs["k"] == 1 and view.get_trials()[0] is not view.get_trials()[0]  # deep copies by default
+
+
+def _h200_trials() -> list[Record]:
+    """The H200 study of ``studies/gpt-1gpu.toml``'s GPT (loss outside, 16 GiB cap) up to its scope probe, as
+    measured: the baseline 16 x 2 fp32 out of memory, the eager probe 4 x 8 bf16 (12.8 GiB; held 8.4 GiB:
+    so that 5 per micro-step is predicted at 13.9 GiB, as the study's line said), then regional
+    5,5,5,5,4,4,4 at 1.0 (274.7 ms), 6,6,5,5,5,5 at 0.75 (185.3), 7,7,6,6,6 at 0.75 (165.1) and 8 x 4 at
+    0.55 (159.0 ms, the saved one)."""
+    baseline = _space().config_for([16], 2, None, checkpoint=[[]], dtype="fp32", bucket_cap_mb=25.0,
+                                   gradient_as_bucket_view=True, compile="off")
+    probe = _space().config_for([4], 8, None, checkpoint=[[]], dtype="bf16", bucket_cap_mb=25.0,
+                                gradient_as_bucket_view=True, compile="off")
+    return [
+        Record(number=0, config=baseline, status=Status.OOM, running=False, peaks_gib=[15.8]),
+        Record(number=1, config=probe, status=Status.OK, running=False, peaks_gib=[12.8], held_gib=[8.4],
+               step_ms=218.1, feasible=True),
+        _record(2, _cfg(5, 7, 1.0), peak=13.8, ms=274.7),
+        _record(3, _cfg(6, 6, 0.75), peak=14.2, ms=185.3),
+        _record(4, _cfg(7, 5, 0.75), peak=14.6, ms=165.1),
+        _record(5, _cfg(8, 4, 0.55), peak=14.7, ms=159.0),
+    ]
+
+
+def test_the_h200_sequence_now_starts_on_an_even_split_and_probes_the_whole_model_at_8_x_4() -> None:
+    """The trial table of the H200 study (1.12x of what fits) replayed as measured points: the first
+    compiled trial is an even split (4 x 8 at 1.0, 12.8 GiB; it was 5,5,5,5,4,4,4, a dynamic batch
+    dimension, 274.7 ms), growing from it goes to 8 x 4 (not 6,6,5,5,5,5 or 7,7,6,6,6), and the first
+    whole-model trial is 8 x 4, the best measured split, at the largest budget predicted to fit there (it
+    was 5,5,5,5,4,4,4 at 1.0, 55.7 s of compile spent on the slowest split)."""
+    trials = _h200_trials()
+    peaks = {4: 12.8, 5: 13.9, 6: 14.9, 7: 15.5, 8: 16.5, 11: 20.0, 16: 24.0, 32: 40.0}  # at budget 1.0
+    models = _Models(peak_at_one=peaks, budgets={4: 1.0, 5: 1.0, 6: 0.85, 7: 0.8, 8: 0.75, 11: 0.45, 16: 0.3})
+    policy = SearchPolicy(space=_space(), advisor=models)
+    start = policy.compiled_start(_history(*trials[:2]))
+    assert start is not None and start.phase == "compiled-start" and start.config is not None
+    assert start.config.micro_batches == [4] and start.config.accumulation == 8  # one size per micro-step
+    assert start.config.activation_budget == [1.0] and start.config.compile_scope == "regional"
+    first = _record(2, start.config, peak=12.8, ms=175.0)
+    grow = policy.compiled_grow(_history(*trials[:2], first))
+    assert grow is not None and grow.config is not None
+    assert grow.config.micro_batches == [8] and grow.config.accumulation == 4 and grow.config.activation_budget == [0.75]
+    probe = policy.scope_probe(_history(*trials))
+    assert probe is not None and probe.phase == "scope-probe" and probe.config is not None
+    assert probe.config.compile_scope == "whole" and probe.config.micro_batches == [8]
+    assert probe.config.accumulation == 4 and probe.config.activation_budget == [0.75]
