@@ -326,3 +326,23 @@ def test_the_h200_sequence_now_starts_on_an_even_split_and_probes_the_whole_mode
     assert probe is not None and probe.phase == "scope-probe" and probe.config is not None
     assert probe.config.compile_scope == "whole" and probe.config.micro_batches == [8]
     assert probe.config.accumulation == 4 and probe.config.activation_budget == [0.75]
+
+
+def test_a_compiled_time_predicted_outside_the_models_support_is_no_reason_to_propose() -> None:
+    """The H200 study's "44 ms" trial: regional 8 x 4 at 0.3, below every measured budget (0.55-1.0), was
+    predicted at 44 ms and ran 164. A candidate inside the support (8 x 4 at 0.6, 150 ms) goes first; the
+    extrapolated one only after it, and its line says so."""
+    from autobalance.tuner.search._compiled_search import Candidate
+    from autobalance.tuner.search._policy import model_phase
+
+    models = _Models()
+    low = Candidate(score=0.3, config=_cfg(8, 4, 0.3), peaks=[12.3 * 2**30], step_ms=44.0, source="compiled-model")
+    inside = Candidate(score=0.9, config=_cfg(8, 4, 0.6), peaks=[14.6 * 2**30], step_ms=150.0, source="compiled-model")
+    models.scored_candidates = lambda study: [low, inside]  # type: ignore[method-assign]
+    policy = SearchPolicy(space=_space(), advisor=models)
+    trials = [_record(3, _cfg(8, 4, 0.55), peak=14.4, ms=159.0), _record(4, _cfg(4, 8, 1.0), peak=12.8, ms=190.0)]
+    p = model_phase(policy, _history(*trials))
+    assert p is not None and p.config == inside.config and "proposal_extrapolated" not in p.extra
+    models.proposed.add(inside.config.to_json())
+    p = model_phase(policy, _history(*trials))
+    assert p is not None and p.config == low.config and p.extra.get("proposal_extrapolated") is True
