@@ -173,12 +173,14 @@ def test_a_proposal_the_time_budget_cannot_hold_gives_way_to_the_next_phase() ->
     raised = BalanceConfig.from_dict({**best.config.to_dict(), "activation_budget": [0.6]})  # type: ignore[union-attr]
     models = _Models(slope=0.6, peak_at_one={8: 14.6, 11: 18.0, 16: 21.0, 32: 30.0})
     first = SearchPolicy(space=_space(), advisor=models).next(_history(best))
-    assert first is not None and first.phase == "scope-probe"  # the other scope before the budget is raised
-    models.refuse = {first.config.to_json()} if first.config is not None else set()
+    # the budget raised in the measured scope (a cheap compile) before the other scope is probed
+    assert first is not None and first.phase == "raise-budget" and first.config == raised
+    assert first.predicted_ms == 140.0 and first.prediction_text().startswith("140 ms, ")  # a time and a peak
+    models.refuse = {raised.to_json()}
     then = SearchPolicy(space=_space(), advisor=models).next(_history(best))
-    assert then is not None and then.phase == "raise-budget" and then.config == raised
-    assert then.predicted_ms == 140.0 and then.prediction_text().startswith("140 ms, ")  # a time and a peak
-    models.refuse.add(raised.to_json())
+    assert then is not None and then.phase == "scope-probe"
+    assert then.config is not None and then.config.compile_scope == "whole"
+    models.refuse.add(then.config.to_json())
     last = SearchPolicy(space=_space(), advisor=models).next(_history(best))
     assert last is not None and last.phase == "sampler" and last.config is None  # the sampler's trial
 

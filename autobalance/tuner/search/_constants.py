@@ -63,6 +63,7 @@ __all__ = [
     "SHARE_TOL",
     "SLOW_DTYPE",
     "STALL_AFTER",
+    "TRANSFER_WITHIN",
     "WARM_PRUNE_MIN_STEPS",
     "WORTH",
 ]
@@ -91,6 +92,10 @@ single steps of one configuration ranged about +-15 % (143-194 ms, regional 8 x 
 configurations 3 % apart are not separated by a median of 8-12 steps. A compiled split of two
 micro-step sizes (the runtime compiles it with a dynamic batch dimension: 5,5,5,5,4,4,4 ran 255-275 ms
 where 8 x 4 ran 159 ms) is proposed again only when one measured within this of the best."""
+TRANSFER_WITHIN = 1.15
+"""``scope-probe`` runs a measured split in the other scope only while it is within this of the fastest
+(one configuration's single steps ranged +-15 % on the H200): a slow split's compile in the other scope
+(regional 4 x 8 at 1.0, 339 ms against 8 x 4's 182 in the replay) does not pay for itself."""
 BUDGET_CEILING = 1.0
 """``raise-budget`` proposes budgets up to this (the partitioner's default: it keeps what eager keeps),
 in steps of the space's budget grid (``_space.BUDGET_STEP``). No phase lowers a budget: at one rank a

@@ -15,8 +15,8 @@ the trial is the sampler's. Every trial line and the dashboard show the phase an
 | ``compiled-start`` | GPU, compile searched, nothing compiled yet, the probe measured | the cheapest scope to compile (``regional`` when searched), the first half dtype, budget 1.0, the largest micro-batch predicted to fit (:func:`first_compiled_micro_batch`) among splits of one micro-step size per rank (:func:`one_size`; two sizes only where the space holds none), fewest micro-steps |
 | ``explore`` | every third ask: on CPU always, on a GPU once the models' proposals stopped improving (``_first_trials``) | the sampler's trial (a dtype held back pinned; eager when no compile fits in the time left) |
 | ``compiled-grow`` | a compiled trial fitted, and a split of fewer micro-steps (same scope and dtype) was never tried | from the best compiled trial, the next split of one micro-step size per rank whose largest budget predicted to fit is at least :data:`GROW_MIN_BUDGET`, at that budget; once a two-size split measured within :data:`SAME_WITHIN` of the best, every split: the fewest micro-steps predicted to fit at budget 1.0 (straight there), else one micro-step fewer |
-| ``scope-probe`` | growing stopped; a searched scope never ran, or one of the :data:`SCOPE_TRANSFERS` fastest compiled splits never ran in another searched scope; the time budget holds a compile of that scope | a scope's first trial: the best split measured in another scope (one micro-step size per rank unless two sizes measured competitive) at the largest budget per rank the models predict to fit there, never below the one it ran at (what fitted in one scope is the best evidence for the other); then each fast configuration in the other scope, budget unchanged: whether, and where, that scope wins |
 | ``raise-budget`` | one rank; the best compiled trial ran below budget 1.0 and its measured peak leaves room | that trial at the largest higher budget whose peak, its measured one plus the compiled model's change from its budget, stays :data:`FIT_MARGIN` below the usable memory and below any budget that did not fit at that split: the partitioner recomputes less, and the step's time falls steeply with the budget (regional 8 x 4, loss outside, on the H200: 185.8 ms at 0.5, 172.5 at 0.7, 143.3 at 0.85) |
+| ``scope-probe`` | growing stopped; a searched scope never ran, or one of the :data:`SCOPE_TRANSFERS` fastest compiled splits (within :data:`TRANSFER_WITHIN` of the fastest) never ran in another searched scope; the time budget holds a compile of that scope | a scope's first trial: the best split measured in another scope (one micro-step size per rank unless two sizes measured competitive) at the largest budget per rank the models predict to fit there, never below the one it ran at (what fitted in one scope is the best evidence for the other); then each fast configuration in the other scope, budget unchanged: whether, and where, that scope wins |
 | ``cuda-graphs`` | ``--compile-mode auto``, the best trial is a default-mode compiled one, graphs untried, time holds a compile | the best configuration with CUDA graphs: one compile measures whether they pay (``_cuda_graphs``) |
 | ``model`` | the memory and compiled models have fitted | their best-ranked configuration predicted to fit (``compiled-model`` or ``memory-model``); a budget below :data:`LOW_BUDGET` only where a higher one was measured at that micro-batch and scope; compiled, one micro-step size per rank unless two sizes measured competitive; a compiled time predicted outside the step-time model's support (:meth:`TrialHistory.time_supported`) ranks after every one inside it, and the trial says it extrapolates |
 | ``prior``, ``sampler`` | nothing else proposes | the least memory the priors know while nothing fits (GPU); else the sampler |
@@ -57,6 +57,7 @@ from autobalance.tuner.search._constants import (
     SAME_WITHIN,
     SAMPLER_EVERY,
     SCOPE_TRANSFERS,
+    TRANSFER_WITHIN,
     WORTH,
 )
 from autobalance.tuner.search._cuda_graphs import graph_probe
@@ -524,7 +525,10 @@ class SearchPolicy:
         fastest = history.fastest_compiled(len(history.records))
         if not history.two_sizes_compete():  # two sizes compile dynamic: slow unless measured not (``one_size``)
             fastest = [r for r in fastest if r.config is not None and one_size(r.config)]
+        top = float(fastest[0].step_ms or 0.0) if fastest else 0.0
         for source in fastest[:SCOPE_TRANSFERS]:
+            if float(source.step_ms or 0.0) > top * TRANSFER_WITHIN:
+                break  # not among the fast ones: another scope's compile would not pay for it
             cfg = source.config
             if cfg is None or cfg.compile != "default":
                 continue
@@ -827,6 +831,6 @@ def cuda_graphs_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal |
 
 
 PHASES: list[Phase] = [SearchPolicy.probe, SearchPolicy.compiled_start, explore_phase, SearchPolicy.compiled_grow,
-                       SearchPolicy.scope_probe, SearchPolicy.raise_budget, cuda_graphs_phase, model_phase,
+                       SearchPolicy.raise_budget, SearchPolicy.scope_probe, cuda_graphs_phase, model_phase,
                        fallbacks_phase]
 """The phases in the order they are asked (module doc)."""
