@@ -15,7 +15,7 @@ the trial is the sampler's. Every trial line and the dashboard show the phase an
 | ``compiled-start`` | GPU, compile searched, nothing compiled yet, the probe measured | the cheapest scope to compile (``regional`` when searched), the first half dtype, budget 1.0, the largest micro-batch predicted to fit (:func:`first_compiled_micro_batch`) among splits of one micro-step size per rank (:func:`one_size`; two sizes only where the space holds none), fewest micro-steps |
 | ``explore`` | every third ask: on CPU always, on a GPU once the models' proposals stopped improving (``_first_trials``) | the sampler's trial (a dtype held back pinned; eager when no compile fits in the time left) |
 | ``compiled-grow`` | a compiled trial fitted, and a split of fewer micro-steps (same scope and dtype) was never tried | from the best compiled trial, the next split of one micro-step size per rank whose largest budget predicted to fit is at least :data:`GROW_MIN_BUDGET`, at that budget; once a two-size split measured within :data:`SAME_WITHIN` of the best, every split: the fewest micro-steps predicted to fit at budget 1.0 (straight there), else one micro-step fewer |
-| ``raise-budget`` | one rank; the best compiled trial ran below budget 1.0 and its measured peak leaves room | that trial at the largest higher budget whose peak, its measured one plus the compiled model's change from its budget, stays :data:`FIT_MARGIN` below the usable memory and below any budget that did not fit at that split: the partitioner recomputes less, and the step's time falls steeply with the budget (regional 8 x 4, loss outside, on the H200: 185.8 ms at 0.5, 172.5 at 0.7, 143.3 at 0.85) |
+| ``raise-budget`` | one rank; the best compiled trial ran below budget 1.0 and its measured peak leaves room | that trial at the largest higher budget whose peak, its measured one plus the compiled model's change from its budget counted 1 + :data:`RAISE_CHANGE_MARGIN` times, stays within the usable memory (the margin on what is predicted, not on what was measured), and below any budget that did not fit at that split: the partitioner recomputes less, and the step's time falls steeply with the budget (regional 8 x 4, loss outside, on the H200: 185.8 ms at 0.5, 172.5 at 0.7, 143.3 at 0.85) |
 | ``scope-probe`` | growing stopped; a searched scope never ran, or one of the :data:`SCOPE_TRANSFERS` fastest compiled splits (within :data:`TRANSFER_WITHIN` of the fastest) never ran in another searched scope; the time budget holds a compile of that scope | a scope's first trial: the best split measured in another scope (one micro-step size per rank unless two sizes measured competitive) at the largest budget per rank the models predict to fit there, never below the one it ran at (what fitted in one scope is the best evidence for the other); then each fast configuration in the other scope, budget unchanged: whether, and where, that scope wins |
 | ``cuda-graphs`` | ``--compile-mode auto``, the best trial is a default-mode compiled one, graphs untried, time holds a compile | the best configuration with CUDA graphs: one compile measures whether they pay (``_cuda_graphs``) |
 | ``model`` | the memory and compiled models have fitted | their best-ranked configuration predicted to fit (``compiled-model`` or ``memory-model``); a budget below :data:`LOW_BUDGET` only where a higher one was measured at that micro-batch and scope; compiled, one micro-step size per rank unless two sizes measured competitive; a compiled time predicted outside the step-time model's support (:meth:`TrialHistory.time_supported`) ranks after every one inside it, and the trial says it extrapolates |
@@ -54,6 +54,7 @@ from autobalance.tuner.search._constants import (
     GROW_MIN_BUDGET,
     KEEP_AT_FULL_BUDGET,
     LOW_BUDGET,
+    RAISE_CHANGE_MARGIN,
     SAME_WITHIN,
     SAMPLER_EVERY,
     SCOPE_TRANSFERS,
@@ -494,12 +495,12 @@ class SearchPolicy:
         if b >= BUDGET_CEILING or peak is None:
             return None
         ceiling = min([BUDGET_CEILING + 1e-9, *history.over_budgets(cfg)])
-        limit = history.usable_gib[0] * (1.0 - FIT_MARGIN)
+        limit = history.usable_gib[0]  # the measured peak is known: the margin is on the predicted change
         pick: tuple[float, float] | None = None
         nb = round(b + BUDGET_STEP, 3)
         while nb < ceiling:
             change = self.advisor.peak_change(cfg, nb)
-            if change is None or float(peak) + change[0] > limit:
+            if change is None or float(peak) + max(change[0], 0.0) * (1.0 + RAISE_CHANGE_MARGIN) > limit:
                 break
             pick = (nb, float(peak) + change[0])
             nb = round(nb + BUDGET_STEP, 3)
@@ -508,7 +509,7 @@ class SearchPolicy:
         other = BalanceConfig.from_dict({**cfg.to_dict(), "activation_budget": [pick[0]]})
         return Proposal(config=other, phase="raise-budget", predicted_peak_gib=[pick[1]], reason=(
             f"the best compiled trial ({base.number}) at budget {pick[0]:g} instead of {b:g}: its measured "
-            f"{memory_text(float(peak))} plus the compiled model's change stays {FIT_MARGIN:.0%} below "
+            f"{memory_text(float(peak))} plus the compiled model's change counted {1.0 + RAISE_CHANGE_MARGIN:g}x stays below "
             f"{memory_text(history.usable_gib[0])} usable; less recomputed"))
 
     def scope_probe(self, history: TrialHistory) -> Proposal | None:
