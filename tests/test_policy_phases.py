@@ -63,6 +63,9 @@ class _Models:
     def scored_candidates(self, study: optuna.Study) -> list[Any]:
         return []
 
+    def usable(self, study: optuna.Study) -> list[float] | None:
+        return [USABLE * 2**30]
+
     def allowed_dtypes(self, study: optuna.Study, timing: Any = None) -> list[str]:
         return ["bf16"]
 
@@ -101,7 +104,8 @@ def _history(*records: Record) -> TrialHistory:
 
 def test_raise_budget_goes_to_the_largest_budget_whose_measured_peak_plus_the_change_fits() -> None:
     """8 x 4 at 0.55 peaked at 14.4 GiB; the model adds 0.6 GiB per sample per unit of budget (0.24 GiB
-    per 0.05 at micro-batch 8): 0.6 -> 14.64, 0.65 -> 14.88 > 15.2 x 0.97 = 14.74, so 0.6."""
+    per 0.05 at micro-batch 8), counted twice (``RAISE_CHANGE_MARGIN``): 0.6 -> 14.88, 0.65 -> 15.36 > 15.2,
+    so 0.6; flatter (0.04 per 0.05): 1.0 -> 14.4 + 2 x 0.36 = 15.12, the partitioner's default."""
     policy = SearchPolicy(space=_space(), advisor=_Models(slope=0.6))
     p = policy.raise_budget(_history(_record(3, _cfg(8, 4, 0.55), peak=14.4, ms=182.0)))
     assert p is not None and p.phase == "raise-budget"
@@ -109,7 +113,7 @@ def test_raise_budget_goes_to_the_largest_budget_whose_measured_peak_plus_the_ch
     assert p.predicted_peak_gib is not None and p.predicted_peak_gib[0] <= USABLE * (1 - FIT_MARGIN)
     policy = SearchPolicy(space=_space(), advisor=_Models(slope=0.1))  # flatter: further up
     p = policy.raise_budget(_history(_record(3, _cfg(8, 4, 0.55), peak=14.4, ms=182.0)))
-    assert p is not None and p.config is not None and p.config.activation_budget == [0.95]
+    assert p is not None and p.config is not None and p.config.activation_budget == [1.0]
 
 
 def test_raise_budget_stays_below_a_budget_that_did_not_fit_at_that_split() -> None:
@@ -124,15 +128,45 @@ def test_raise_budget_stays_below_a_budget_that_did_not_fit_at_that_split() -> N
     assert policy.raise_budget(_history(full)) is None  # nothing above the partitioner's default
 
 
-def test_the_first_trial_of_another_scope_is_budget_one_at_the_fewest_micro_steps_predicted_to_fit() -> None:
-    """Regional 7 x 5 at 1.0 is the best so far; the model puts regional 8 x 4 at 1.0 at 14.6 GiB (fits
-    14.74) and 11 x 3 at 18 GiB: whole-model 8 x 4 at budget 1.0 is the first whole trial."""
-    models = _Models(peak_at_one={7: 13.7, 8: 14.6, 11: 18.0, 16: 21.0, 32: 30.0})
+def test_the_first_trial_of_another_scope_is_the_best_measured_split_at_the_largest_budget_predicted() -> None:
+    """Regional 8 x 4 at 0.55 (159 ms) is the best; 5,5,5,5,4,4,4 at 1.0 ran 275 ms; the model puts 8 x 4's
+    largest budget at 0.75: whole-model 8 x 4 at 0.75 is the first whole trial (what fitted in one scope is
+    the best evidence for the other), not the split the measured scope ran slowest or never ran."""
+    models = _Models(peak_at_one={5: 13.7, 8: 14.6, 11: 18.0, 16: 21.0, 32: 30.0}, budgets={8: 0.75, 16: 0.3})
     policy = SearchPolicy(space=_space(), advisor=models)
-    p = policy.scope_probe(_history(_record(2, _cfg(7, 5, 1.0), peak=13.7, ms=145.0)))
+    history = _history(_record(2, _cfg(5, 7, 1.0), peak=13.8, ms=274.7), _record(5, _cfg(8, 4, 0.55), peak=14.7,
+                                                                                  ms=159.0))
+    p = policy.scope_probe(history)
     assert p is not None and p.phase == "scope-probe" and p.config is not None
-    assert p.config.compile_scope == "whole" and p.config.micro_batches == [8]
-    assert p.config.activation_budget == [1.0]
+    assert p.config.compile_scope == "whole" and p.config.micro_batches == [8] and p.config.accumulation == 4
+    assert p.config.activation_budget == [0.75]
+    models.budgets = {}  # the model predicts no budget there: the one it ran at
+    p = policy.scope_probe(history)
+    assert p is not None and p.config is not None and p.config.activation_budget == [0.55]
+
+
+def test_two_micro_step_sizes_are_proposed_compiled_only_when_one_measured_competitive() -> None:
+    """``compiled-grow`` from 4 x 8 skips 6,6,5,5,5,5 and 7,7,6,6,6 (two sizes: dynamic batch dimension) for
+    8 x 4; once a two-size split measured within ``SAME_WITHIN`` of the best, it is proposed like any other."""
+    models = _Models(budgets={6: 0.8, 7: 0.7, 8: 0.6, 11: 0.4})
+    policy = SearchPolicy(space=_space(), advisor=models)
+    slow = _record(1, _cfg(4, 8, 1.0), peak=13.0, ms=190.0)
+    p = policy.compiled_grow(_history(slow))
+    assert p is not None and p.config is not None and p.config.micro_batches == [8] and p.config.accumulation == 4
+    two = _record(2, _cfg(6, 6, 1.0), peak=13.5, ms=191.0)  # 6,6,5,5,5,5 within 3 % of 190 ms
+    assert _history(slow, two).two_sizes_compete()
+    p = policy.compiled_grow(_history(slow, two))
+    assert p is not None and p.config is not None and p.config.accumulation == 5  # 7,7,6,6,6: one fewer
+    assert not _history(slow, _record(2, _cfg(6, 6, 1.0), peak=13.5, ms=250.0)).two_sizes_compete()
+
+
+def test_a_compiled_time_below_the_measured_budgets_is_outside_the_models_support() -> None:
+    history = _history(_record(3, _cfg(8, 4, 0.55), peak=14.4, ms=159.0), _record(4, _cfg(4, 8, 1.0), peak=13.0,
+                                                                                   ms=190.0))
+    assert history.time_supported(_cfg(8, 4, 0.6)) and history.time_supported(_cfg(4, 8, 0.55))
+    assert not history.time_supported(_cfg(8, 4, 0.3))  # the issue's "44 ms": budget below any measured
+    assert not history.time_supported(_cfg(16, 2, 0.6))  # a micro-batch beyond the measured ones
+    assert not history.time_supported(_cfg(8, 4, 0.6, scope="whole"))  # a scope never measured
 
 
 def test_a_proposal_the_time_budget_cannot_hold_gives_way_to_the_next_phase() -> None:
@@ -140,12 +174,14 @@ def test_a_proposal_the_time_budget_cannot_hold_gives_way_to_the_next_phase() ->
     raised = BalanceConfig.from_dict({**best.config.to_dict(), "activation_budget": [0.6]})  # type: ignore[union-attr]
     models = _Models(slope=0.6, peak_at_one={8: 14.6, 11: 18.0, 16: 21.0, 32: 30.0})
     first = SearchPolicy(space=_space(), advisor=models).next(_history(best))
-    assert first is not None and first.phase == "scope-probe"  # the other scope before the budget is raised
-    models.refuse = {first.config.to_json()} if first.config is not None else set()
+    # the budget raised in the measured scope (a cheap compile) before the other scope is probed
+    assert first is not None and first.phase == "raise-budget" and first.config == raised
+    assert first.predicted_ms == 140.0 and first.prediction_text().startswith("140 ms, ")  # a time and a peak
+    models.refuse = {raised.to_json()}
     then = SearchPolicy(space=_space(), advisor=models).next(_history(best))
-    assert then is not None and then.phase == "raise-budget" and then.config == raised
-    assert then.predicted_ms == 140.0 and then.prediction_text().startswith("140 ms, ")  # a time and a peak
-    models.refuse.add(raised.to_json())
+    assert then is not None and then.phase == "scope-probe"
+    assert then.config is not None and then.config.compile_scope == "whole"
+    models.refuse.add(then.config.to_json())
     last = SearchPolicy(space=_space(), advisor=models).next(_history(best))
     assert last is not None and last.phase == "sampler" and last.config is None  # the sampler's trial
 
@@ -206,17 +242,19 @@ def test_a_sampled_cuda_graph_trial_is_whole_model_whatever_the_scope_parameter(
 
 def test_grow_goes_straight_to_the_fewest_micro_steps_that_fit_at_the_full_budget() -> None:
     """From 6 x 6: 7 and 8 fit at budget 1.0, 11 only at 0.6: straight to 8 x 4 at 1.0 (one compile, not
-    two); once no fewer split fits at 1.0, one micro-step at a time while the budget stays >= 0.5."""
+    two); once no fewer split fits at 1.0, the next split of one micro-step size per rank (11,11,10 has two)
+    while the budget stays >= 0.5."""
     models = _Models(budgets={7: 1.0, 8: 1.0, 11: 0.6, 16: 0.3})
     policy = SearchPolicy(space=_space(), advisor=models)
     p = policy.compiled_grow(_history(_record(2, _cfg(6, 6, 1.0), peak=12.7, ms=150.0)))
     assert p is not None and p.config is not None and p.phase == "compiled-grow"
     assert p.config.micro_batches == [8] and p.config.activation_budget == [1.0]
     p = policy.compiled_grow(_history(_record(2, _cfg(8, 4, 1.0), peak=14.6, ms=140.0)))
+    assert p is None  # 11,11,10 is two sizes (skipped), 16 x 2 only at 0.3 < GROW_MIN_BUDGET
+    models.budgets[16] = 0.55
+    p = policy.compiled_grow(_history(_record(2, _cfg(8, 4, 1.0), peak=14.6, ms=140.0)))
     assert p is not None and p.config is not None
-    assert p.config.micro_batches == [11] and p.config.activation_budget == [0.6]
-    p = policy.compiled_grow(_history(_record(2, _cfg(11, 3, 0.6), peak=14.6, ms=138.0)))
-    assert p is None  # 16 x 2 only at 0.3 < GROW_MIN_BUDGET
+    assert p.config.micro_batches == [16] and p.config.activation_budget == [0.55]
 
 
 def test_one_decision_reads_the_trials_once(tmp_path: Any) -> None:
@@ -246,3 +284,68 @@ def test_one_decision_reads_the_trials_once(tmp_path: Any) -> None:
     assert len(reads) == 1
     view.set_user_attr("k", 1)  # through to the study
     assert study.user_attrs["k"] == 1 and view.get_trials()[0] is not view.get_trials()[0]  # deep copies by default
+
+
+def _h200_trials() -> list[Record]:
+    """The H200 study of ``studies/gpt-1gpu.toml``'s GPT (loss outside, 16 GiB cap) up to its scope probe, as
+    measured: the baseline 16 x 2 fp32 out of memory, the eager probe 4 x 8 bf16 (12.8 GiB; held 8.4 GiB:
+    so that 5 per micro-step is predicted at 13.9 GiB, as the study's line said), then regional
+    5,5,5,5,4,4,4 at 1.0 (274.7 ms), 6,6,5,5,5,5 at 0.75 (185.3), 7,7,6,6,6 at 0.75 (165.1) and 8 x 4 at
+    0.55 (159.0 ms, the saved one)."""
+    baseline = _space().config_for([16], 2, None, checkpoint=[[]], dtype="fp32", bucket_cap_mb=25.0,
+                                   gradient_as_bucket_view=True, compile="off")
+    probe = _space().config_for([4], 8, None, checkpoint=[[]], dtype="bf16", bucket_cap_mb=25.0,
+                                gradient_as_bucket_view=True, compile="off")
+    return [
+        Record(number=0, config=baseline, status=Status.OOM, running=False, peaks_gib=[15.8]),
+        Record(number=1, config=probe, status=Status.OK, running=False, peaks_gib=[12.8], held_gib=[8.4],
+               step_ms=218.1, feasible=True),
+        _record(2, _cfg(5, 7, 1.0), peak=13.8, ms=274.7),
+        _record(3, _cfg(6, 6, 0.75), peak=14.2, ms=185.3),
+        _record(4, _cfg(7, 5, 0.75), peak=14.6, ms=165.1),
+        _record(5, _cfg(8, 4, 0.55), peak=14.7, ms=159.0),
+    ]
+
+
+def test_the_h200_sequence_now_starts_on_an_even_split_and_probes_the_whole_model_at_8_x_4() -> None:
+    """The trial table of the H200 study (1.12x of what fits) replayed as measured points: the first
+    compiled trial is an even split (4 x 8 at 1.0, 12.8 GiB; it was 5,5,5,5,4,4,4, a dynamic batch
+    dimension, 274.7 ms), growing from it goes to 8 x 4 (not 6,6,5,5,5,5 or 7,7,6,6,6), and the first
+    whole-model trial is 8 x 4, the best measured split, at the largest budget predicted to fit there (it
+    was 5,5,5,5,4,4,4 at 1.0, 55.7 s of compile spent on the slowest split)."""
+    trials = _h200_trials()
+    peaks = {4: 12.8, 5: 13.9, 6: 14.9, 7: 15.5, 8: 16.5, 11: 20.0, 16: 24.0, 32: 40.0}  # at budget 1.0
+    models = _Models(peak_at_one=peaks, budgets={4: 1.0, 5: 1.0, 6: 0.85, 7: 0.8, 8: 0.75, 11: 0.45, 16: 0.3})
+    policy = SearchPolicy(space=_space(), advisor=models)
+    start = policy.compiled_start(_history(*trials[:2]))
+    assert start is not None and start.phase == "compiled-start" and start.config is not None
+    assert start.config.micro_batches == [4] and start.config.accumulation == 8  # one size per micro-step
+    assert start.config.activation_budget == [1.0] and start.config.compile_scope == "regional"
+    first = _record(2, start.config, peak=12.8, ms=175.0)
+    grow = policy.compiled_grow(_history(*trials[:2], first))
+    assert grow is not None and grow.config is not None
+    assert grow.config.micro_batches == [8] and grow.config.accumulation == 4 and grow.config.activation_budget == [0.75]
+    probe = policy.scope_probe(_history(*trials))
+    assert probe is not None and probe.phase == "scope-probe" and probe.config is not None
+    assert probe.config.compile_scope == "whole" and probe.config.micro_batches == [8]
+    assert probe.config.accumulation == 4 and probe.config.activation_budget == [0.75]
+
+
+def test_a_compiled_time_predicted_outside_the_models_support_is_no_reason_to_propose() -> None:
+    """The H200 study's "44 ms" trial: regional 8 x 4 at 0.3, below every measured budget (0.55-1.0), was
+    predicted at 44 ms and ran 164. A candidate inside the support (8 x 4 at 0.6, 150 ms) goes first; the
+    extrapolated one only after it, and its line says so."""
+    from autobalance.tuner.search._compiled_search import Candidate
+    from autobalance.tuner.search._policy import model_phase
+
+    models = _Models()
+    low = Candidate(score=0.3, config=_cfg(8, 4, 0.3), peaks=[12.3 * 2**30], step_ms=44.0, source="compiled-model")
+    inside = Candidate(score=0.9, config=_cfg(8, 4, 0.6), peaks=[14.6 * 2**30], step_ms=150.0, source="compiled-model")
+    models.scored_candidates = lambda study: [low, inside]  # type: ignore[method-assign]
+    policy = SearchPolicy(space=_space(), advisor=models)
+    trials = [_record(3, _cfg(8, 4, 0.55), peak=14.4, ms=159.0), _record(4, _cfg(4, 8, 1.0), peak=12.8, ms=190.0)]
+    p = model_phase(policy, _history(*trials))
+    assert p is not None and p.config == inside.config and "proposal_extrapolated" not in p.extra
+    models.proposed.add(inside.config.to_json())
+    p = model_phase(policy, _history(*trials))
+    assert p is not None and p.config == low.config and p.extra.get("proposal_extrapolated") is True

@@ -323,11 +323,14 @@ def test_a_five_minute_budget_ends_within_it_verification_included(tmp_path: Pat
     usable = 16.0 * 0.95
 
     def step_ms(cfg: BalanceConfig) -> float:
+        # compiled micro-steps of two sizes in a rank compile a dynamic batch dimension: 1.5x, as the H200
+        # charged 5,5,5,5,4,4,4 (255-275 ms where 8 x 4 ran 159) and as benchmarks/replay_search.py charges
+        dynamic = 1.5 if cfg.compile != "off" and len(set(cfg.micro_step_sizes(0))) > 1 else 1.0
         if cfg.compile == "reduce-overhead" and graphs == "pay":  # the micro-steps' fixed 30 ms at 0.18
             plain = BalanceConfig.from_dict({**cfg.to_dict(), "compile": "default"})
-            return true_ms(plain) - 0.85 * cfg.accumulation * 30 * (1 - 0.18) * (
-                1 + (1 - (cfg.activation_budget or [1.0])[0]) / 3)
-        return true_ms(cfg)
+            return dynamic * (true_ms(plain) - 0.85 * cfg.accumulation * 30 * (1 - 0.18) * (
+                1 + (1 - (cfg.activation_budget or [1.0])[0]) / 3))
+        return dynamic * true_ms(cfg)
 
     def run_s(cfg: BalanceConfig, steps: float) -> tuple[float, float]:
         """(wall, compile) of a run of ``steps`` steps."""

@@ -54,14 +54,17 @@ __all__ = [
     "MAX_KEPT_ERRORS",
     "MAX_PREDICTED_IN_A_ROW",
     "NEIGHBOUR_RANKS",
+    "RAISE_CHANGE_MARGIN",
     "RECOMPUTE_PRIOR",
     "REGIONAL_COMPILE_SHARE",
     "RESERVE_MARGIN",
+    "SAME_WITHIN",
     "SAMPLER_EVERY",
     "SCOPE_TRANSFERS",
     "SHARE_TOL",
     "SLOW_DTYPE",
     "STALL_AFTER",
+    "TRANSFER_WITHIN",
     "WARM_PRUNE_MIN_STEPS",
     "WORTH",
 ]
@@ -84,6 +87,24 @@ size, so a larger micro-batch at budget 0.5 or more beat the smaller one at 1.0 
 SCOPE_TRANSFERS = 2
 """``scope-probe`` runs the fastest this many measured compiled splits in the other scope (the scopes'
 optima differ: on the H200, regional 11,11,10 was its best split and whole 8 x 4 the grid's)."""
+SAME_WITHIN = 0.03
+"""Two measured step times this close (relative to the faster) are one within the noise: on one H200
+single steps of one configuration ranged about +-15 % (143-194 ms, regional 8 x 4), so two
+configurations 3 % apart are not separated by a median of 8-12 steps. A compiled split of two
+micro-step sizes (the runtime compiles it with a dynamic batch dimension: 5,5,5,5,4,4,4 ran 255-275 ms
+where 8 x 4 ran 159 ms) is proposed again only when one measured within this of the best."""
+RAISE_CHANGE_MARGIN = 1.0
+"""``raise-budget`` keeps a trial's measured peak plus the compiled model's predicted change counted
+``1 + this`` times within the usable memory (the measured part is known; the prediction is what errs):
+on the H200, regional 8 x 4 with the loss outside peaked 14.23 GiB at 0.5, 15.21 at 0.7 and 15.21 at 0.85,
+so a line through two budgets errs by up to the whole change. It replaced :data:`FIT_MARGIN` of the
+usable memory there, which kept a study whose measured peak was already within 3 % of the usable memory
+from ever raising (the second machine of ``benchmarks/replay_search.py``: 8 x 4 at 0.65, 27.7 of 28.5 GiB,
+never tried 0.85, 17 % faster at 27.96)."""
+TRANSFER_WITHIN = 1.15
+"""``scope-probe`` runs a measured split in the other scope only while it is within this of the fastest
+(one configuration's single steps ranged +-15 % on the H200): a slow split's compile in the other scope
+(regional 4 x 8 at 1.0, 339 ms against 8 x 4's 182 in the replay) does not pay for itself."""
 BUDGET_CEILING = 1.0
 """``raise-budget`` proposes budgets up to this (the partitioner's default: it keeps what eager keeps),
 in steps of the space's budget grid (``_space.BUDGET_STEP``). No phase lowers a budget: at one rank a

@@ -12,13 +12,13 @@ the trial is the sampler's. Every trial line and the dashboard show the phase an
 | phase | applies when | proposes |
 |---|---|---|
 | ``probe`` | GPU, compile searched, nothing compiled yet, and no half-precision eager trial without checkpointing has measured what the model holds apart from activations | one such eager trial at the smallest micro-batch the space holds: the held memory and the per-sample activations, in seconds, no compile |
-| ``compiled-start`` | GPU, compile searched, nothing compiled yet, the probe measured | the cheapest scope to compile (``regional`` when searched), the first half dtype, budget 1.0, the largest micro-batch predicted to fit (:func:`first_compiled_micro_batch`), fewest micro-steps |
+| ``compiled-start`` | GPU, compile searched, nothing compiled yet, the probe measured | the cheapest scope to compile (``regional`` when searched), the first half dtype, budget 1.0, the largest micro-batch predicted to fit (:func:`first_compiled_micro_batch`) among splits of one micro-step size per rank (:func:`one_size`; two sizes only where the space holds none), fewest micro-steps |
 | ``explore`` | every third ask: on CPU always, on a GPU once the models' proposals stopped improving (``_first_trials``) | the sampler's trial (a dtype held back pinned; eager when no compile fits in the time left) |
-| ``compiled-grow`` | a compiled trial fitted, and a split of fewer micro-steps (same scope and dtype) was never tried | from the best compiled trial, the split of fewest micro-steps predicted to fit at budget 1.0 (straight there), else the next split of fewer micro-steps whose largest budget predicted to fit is at least :data:`GROW_MIN_BUDGET`, at that budget (one micro-step at a time where the budget must fall) |
-| ``scope-probe`` | growing stopped; a searched scope never ran, or one of the :data:`SCOPE_TRANSFERS` fastest compiled splits never ran in another searched scope; the time budget holds a compile of that scope | a scope's first trial: budget 1.0 at the fewest micro-steps whose peak at 1.0 the measured scope's model puts :data:`FIT_MARGIN` below the usable memory (the fractions kept at 1.0 match across scopes); then each fast configuration in the other scope, budget unchanged (what fitted in one scope is the best guess in the other): whether, and where, that scope wins |
-| ``raise-budget`` | one rank; the best compiled trial ran below budget 1.0 and its measured peak leaves room | that trial at the largest higher budget whose peak, its measured one plus the compiled model's change from its budget, stays :data:`FIT_MARGIN` below the usable memory and below any budget that did not fit at that split: the partitioner recomputes less, and the step's time falls steeply with the budget (regional 8 x 4, loss outside, on the H200: 185.8 ms at 0.5, 172.5 at 0.7, 143.3 at 0.85) |
+| ``compiled-grow`` | a compiled trial fitted, and a split of fewer micro-steps (same scope and dtype) was never tried | from the best compiled trial, the next split of one micro-step size per rank whose largest budget predicted to fit is at least :data:`GROW_MIN_BUDGET`, at that budget; once a two-size split measured within :data:`SAME_WITHIN` of the best, every split: the fewest micro-steps predicted to fit at budget 1.0 (straight there), else one micro-step fewer |
+| ``raise-budget`` | one rank; the best compiled trial ran below budget 1.0 and its measured peak leaves room | that trial at the largest higher budget whose peak, its measured one plus the compiled model's change from its budget counted 1 + :data:`RAISE_CHANGE_MARGIN` times, stays within the usable memory (the margin on what is predicted, not on what was measured), and below any budget that did not fit at that split: the partitioner recomputes less, and the step's time falls steeply with the budget (regional 8 x 4, loss outside, on the H200: 185.8 ms at 0.5, 172.5 at 0.7, 143.3 at 0.85) |
+| ``scope-probe`` | growing stopped; a searched scope never ran, or one of the :data:`SCOPE_TRANSFERS` fastest compiled splits (within :data:`TRANSFER_WITHIN` of the fastest) never ran in another searched scope; the time budget holds a compile of that scope | a scope's first trial: the best split measured in another scope (one micro-step size per rank unless two sizes measured competitive) at the largest budget per rank the models predict to fit there, never below the one it ran at (what fitted in one scope is the best evidence for the other); then each fast configuration in the other scope, budget unchanged: whether, and where, that scope wins |
 | ``cuda-graphs`` | ``--compile-mode auto``, the best trial is a default-mode compiled one, graphs untried, time holds a compile | the best configuration with CUDA graphs: one compile measures whether they pay (``_cuda_graphs``) |
-| ``model`` | the memory and compiled models have fitted | their best-ranked configuration predicted to fit (``compiled-model`` or ``memory-model``); a budget below :data:`LOW_BUDGET` only where a higher one was measured at that micro-batch and scope |
+| ``model`` | the memory and compiled models have fitted | their best-ranked configuration predicted to fit (``compiled-model`` or ``memory-model``); a budget below :data:`LOW_BUDGET` only where a higher one was measured at that micro-batch and scope; compiled, one micro-step size per rank unless two sizes measured competitive; a compiled time predicted outside the step-time model's support (:meth:`TrialHistory.time_supported`) ranks after every one inside it, and the trial says it extrapolates |
 | ``prior``, ``sampler`` | nothing else proposes | the least memory the priors know while nothing fits (GPU); else the sampler |
 
 The policy's constants (:data:`KEEP_AT_FULL_BUDGET`, :data:`FIT_MARGIN`, :data:`LOW_BUDGET`, ...) live
@@ -54,8 +54,11 @@ from autobalance.tuner.search._constants import (
     GROW_MIN_BUDGET,
     KEEP_AT_FULL_BUDGET,
     LOW_BUDGET,
+    RAISE_CHANGE_MARGIN,
+    SAME_WITHIN,
     SAMPLER_EVERY,
     SCOPE_TRANSFERS,
+    TRANSFER_WITHIN,
     WORTH,
 )
 from autobalance.tuner.search._cuda_graphs import graph_probe
@@ -75,10 +78,17 @@ if TYPE_CHECKING:
     from autobalance.tuner.search._step_time import StepTimeModel
 
 __all__ = ["BUDGET_CEILING", "FIT_MARGIN", "GROW_MIN_BUDGET", "HALF_DTYPES", "KEEP_AT_FULL_BUDGET", "LOW_BUDGET", "PHASES", "SCOPE_TRANSFERS", "Proposal", "Record",
-           "SearchPolicy", "TrialHistory", "first_compiled_micro_batch", "proposal_line"]
+           "SearchPolicy", "TrialHistory", "first_compiled_micro_batch", "one_size", "proposal_line"]
 
 GIB = 2**30
 HALF_DTYPES = ("bf16", "fp16")
+
+
+def one_size(config: BalanceConfig) -> bool:
+    """Whether each rank's micro-steps are of one size (its samples divided evenly among them): compiled,
+    a static batch dimension; two sizes compile it dynamic, which ran 1.6-1.7x slower on one H200
+    (5,5,5,5,4,4,4: 255-275 ms where 8 x 4 ran 159 ms)."""
+    return all(len(set(config.micro_step_sizes(r))) == 1 for r in range(config.world_size))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,6 +194,38 @@ class TrialHistory:
         """The fastest feasible compiled trial measured here (None: none)."""
         ok = [r for r in self.records if r.measured and r.compiled and r.feasible and r.step_ms is not None]
         return min(ok, key=lambda r: float(r.step_ms or 0.0)) if ok else None
+
+    def two_sizes_compete(self) -> bool:
+        """Whether a compiled split of two micro-step sizes in a rank was measured here within
+        :data:`SAME_WITHIN` of the best compiled trial (then such splits are proposed like any other)."""
+        best = self.best_compiled()
+        if best is None or best.step_ms is None:
+            return False
+        return any(r.measured and r.compiled and r.feasible and r.step_ms is not None and r.config is not None
+                   and not one_size(r.config) and float(r.step_ms) <= float(best.step_ms) * (1.0 + SAME_WITHIN)
+                   for r in self.records)
+
+    def time_supported(self, config: BalanceConfig) -> bool:
+        """Whether the step-time model's prediction for ``config`` lies inside what it was fitted on:
+        eager always (its terms are per sample and per micro-step); compiled, a trial of its compile
+        key and dtype measured, its lowest budget at or above the lowest measured there (below, the
+        recomputation term is extrapolated: 44 ms predicted at budget 0.3 from trials at 0.55-1.0 for a
+        configuration that ran 164 ms), and its largest micro-batch within the measured ones' range."""
+        if config.compile == "off":
+            return True
+        key = config_compile_key(config)
+        budgets, micros = [], []
+        for r in self.records:
+            c = r.config
+            if (not r.measured or r.status != Status.OK or r.step_ms is None or c is None or c.compile == "off"
+                    or config_compile_key(c) != key or c.dtype != config.dtype):
+                continue
+            budgets.append(min(c.activation_budget or [1.0]))
+            micros.append(max(c.micro_batches))
+        if not budgets:
+            return False
+        m = max(config.micro_batches)
+        return min(config.activation_budget or [1.0]) >= min(budgets) - 1e-9 and min(micros) <= m <= max(micros)
 
     def compiled_splits(self) -> set[tuple[str, str]]:
         """(compile key, micro-batches as JSON) of every compiled trial launched, running or predicted."""
@@ -391,11 +433,12 @@ class SearchPolicy:
         keep = KEEP_AT_FULL_BUDGET[history.loss_in_model is not False]
         scope = "regional" if "regional" in self.space.compile_scopes else "whole"
         mode = next(m for m in self.space.compile_modes if m != "off")
+        splits = [c for c in (self._config(acc, dtype=dtypes[0], compile=mode, scope=scope)
+                              for acc in sorted(self.space.accumulations)) if c is not None]
+        even = [c for c in splits if one_size(c)]
         by_micro: dict[int, BalanceConfig] = {}
-        for acc in sorted(self.space.accumulations):  # fewest micro-steps first: one per largest micro-batch
-            cfg = self._config(acc, dtype=dtypes[0], compile=mode, scope=scope)
-            if cfg is not None:
-                by_micro.setdefault(max(cfg.micro_batches), cfg)
+        for cfg in even or splits:  # fewest micro-steps first: one per largest micro-batch; one size per rank
+            by_micro.setdefault(max(cfg.micro_batches), cfg)  # when the space holds one (``one_size``)
         m = first_compiled_micro_batch(held_gib=held, act_gib=act, usable_gib=min(history.usable_gib), keep=keep,
                                        candidates=list(by_micro))
         if m is None:
@@ -406,7 +449,7 @@ class SearchPolicy:
         peak = held + m * act * keep
         return Proposal(config=cfg, phase="compiled-start", predicted_peak_gib=[peak], reason=(
             f"the first compiled trial: {scope} (the cheapest to compile), {cfg.dtype}, budget 1.0, the largest "
-            f"micro-batch predicted to fit ({m}: {memory_text(held)} held + {m} x {memory_text(act)} x {keep:g} "
+            f"micro-batch {'of micro-steps of one size ' if even else ''}predicted to fit ({m}: {memory_text(held)} held + {m} x {memory_text(act)} x {keep:g} "
             f"kept at budget 1.0 <= {memory_text(min(history.usable_gib))} usable)"))
 
     def compiled_grow(self, history: TrialHistory) -> Proposal | None:
@@ -415,10 +458,13 @@ class SearchPolicy:
             return None
         cfg = base.config
         ran = history.compiled_splits()
+        two_sizes = history.two_sizes_compete()
         options: list[tuple[int, BalanceConfig, list[float]]] = []
         for acc in sorted((a for a in self.space.accumulations if a < cfg.accumulation), reverse=True):  # one fewer first
             template = self._config(acc, dtype=cfg.dtype, compile=cfg.compile, scope=cfg.compile_scope)
             if template is None or (config_compile_key(template), json.dumps(template.micro_batches)) in ran:
+                continue
+            if not two_sizes and not one_size(template):  # two sizes compile dynamic: slow unless measured not
                 continue
             fits = self.advisor.largest_budgets(template)
             if fits is not None and min(fits) >= GROW_MIN_BUDGET:
@@ -426,7 +472,10 @@ class SearchPolicy:
         if not options:
             return None
         full = [o for o in options if min(o[2]) >= 1.0]  # fitting at the full budget: straight to the fewest
-        acc, template, fits = min(full, key=lambda o: o[0]) if full else options[0]
+        # of one size per rank, the next split already doubles the micro-batch (32: 4 x 8, 8 x 4, 16 x 2):
+        # one at a time, as far as the memory model reaches from what was measured (4 x 8 at 1.0 alone put
+        # 16 x 2 at 1.0 within the usable memory; it peaked 20.9 GiB of 15.2)
+        acc, template, fits = min(full, key=lambda o: o[0]) if full and two_sizes else options[0]
         grown = BalanceConfig.from_dict({**template.to_dict(), "activation_budget": fits,
                                          "bucket_cap_mb": cfg.bucket_cap_mb,
                                          "gradient_as_bucket_view": cfg.gradient_as_bucket_view})
@@ -446,12 +495,12 @@ class SearchPolicy:
         if b >= BUDGET_CEILING or peak is None:
             return None
         ceiling = min([BUDGET_CEILING + 1e-9, *history.over_budgets(cfg)])
-        limit = history.usable_gib[0] * (1.0 - FIT_MARGIN)
+        limit = history.usable_gib[0]  # the measured peak is known: the margin is on the predicted change
         pick: tuple[float, float] | None = None
         nb = round(b + BUDGET_STEP, 3)
         while nb < ceiling:
             change = self.advisor.peak_change(cfg, nb)
-            if change is None or float(peak) + change[0] > limit:
+            if change is None or float(peak) + max(change[0], 0.0) * (1.0 + RAISE_CHANGE_MARGIN) > limit:
                 break
             pick = (nb, float(peak) + change[0])
             nb = round(nb + BUDGET_STEP, 3)
@@ -460,7 +509,7 @@ class SearchPolicy:
         other = BalanceConfig.from_dict({**cfg.to_dict(), "activation_budget": [pick[0]]})
         return Proposal(config=other, phase="raise-budget", predicted_peak_gib=[pick[1]], reason=(
             f"the best compiled trial ({base.number}) at budget {pick[0]:g} instead of {b:g}: its measured "
-            f"{memory_text(float(peak))} plus the compiled model's change stays {FIT_MARGIN:.0%} below "
+            f"{memory_text(float(peak))} plus the compiled model's change counted {1.0 + RAISE_CHANGE_MARGIN:g}x stays below "
             f"{memory_text(history.usable_gib[0])} usable; less recomputed"))
 
     def scope_probe(self, history: TrialHistory) -> Proposal | None:
@@ -474,7 +523,13 @@ class SearchPolicy:
             first = self._scope_start(history, scope, ran)
             if first is not None:
                 return first
-        for source in history.fastest_compiled(SCOPE_TRANSFERS):
+        fastest = history.fastest_compiled(len(history.records))
+        if not history.two_sizes_compete():  # two sizes compile dynamic: slow unless measured not (``one_size``)
+            fastest = [r for r in fastest if r.config is not None and one_size(r.config)]
+        top = float(fastest[0].step_ms or 0.0) if fastest else 0.0
+        for source in fastest[:SCOPE_TRANSFERS]:
+            if float(source.step_ms or 0.0) > top * TRANSFER_WITHIN:
+                break  # not among the fast ones: another scope's compile would not pay for it
             cfg = source.config
             if cfg is None or cfg.compile != "default":
                 continue
@@ -496,34 +551,32 @@ class SearchPolicy:
         return None
 
     def _scope_start(self, history: TrialHistory, scope: str, ran: set[tuple[str, str]]) -> Proposal | None:
-        """The first trial of ``scope``: budget 1.0 (where the partitioner keeps what eager keeps in
-        either scope: the kept fractions at 1.0 measured 0.63-0.73 in both with the loss inside) at the
-        fewest micro-steps whose peak at budget 1.0 in a measured scope, the compiled model's estimate
-        from its trials, stays :data:`FIT_MARGIN` below the usable memory; None: none does."""
-        base = history.best_compiled()
-        if base is None or base.config is None or not history.usable_gib:
+        """The first trial of ``scope``: the best split measured in another scope (one micro-step size per
+        rank unless two sizes measured competitive: :meth:`TrialHistory.two_sizes_compete`), at the largest
+        budget per rank the models predict to fit at that split (no lower than the budget it ran at: what
+        fitted in one scope is the best evidence for the other; the kept fractions at 1.0 measured
+        0.63-0.73 in both scopes with the loss inside); None: no such split, or it ran in ``scope``."""
+        fastest = history.fastest_compiled(len(history.records))
+        if not history.two_sizes_compete():
+            fastest = [r for r in fastest if r.config is not None and one_size(r.config)]
+        base = next((r for r in fastest if r.config is not None and r.config.compile_scope != scope), None)
+        if base is None or base.config is None:
             return None
         cfg = base.config
-        limit = min(history.usable_gib) * (1.0 - FIT_MARGIN)
-        for acc in sorted(self.space.accumulations):
-            source = self._config(acc, dtype=cfg.dtype, compile=cfg.compile, scope=cfg.compile_scope)
-            if source is None:
-                continue
-            peaks = self.advisor.compiled_peaks(source)
-            if peaks is None or max(peaks) > limit:
-                continue
-            other = BalanceConfig.from_dict({**source.to_dict(), "compile_scope": scope,
-                                             "bucket_cap_mb": cfg.bucket_cap_mb,
-                                             "gradient_as_bucket_view": cfg.gradient_as_bucket_view})
-            if not self.space.contains(other) or (config_compile_key(other), json.dumps(other.micro_batches)) in ran:
-                return None
-            if not self.advisor.time_holds_compile(scope):
-                return None
-            return Proposal(config=other, phase="scope-probe", predicted_peak_gib=peaks, reason=(
-                f"the first {scope} trial: budget 1.0 at the fewest micro-steps ({acc}) predicted to fit there "
-                f"({memory_text(max(peaks))} in {cfg.compile_scope}, where the kept fractions at 1.0 match): "
-                "one compile measures whether that scope wins for this script"))
-        return None
+        measured_at = list(cfg.activation_budget or [1.0] * cfg.world_size)
+        fits = self.advisor.largest_budgets(cfg) or measured_at
+        budgets = [max(f, b) for f, b in zip(fits, measured_at, strict=True)]
+        source = BalanceConfig.from_dict({**cfg.to_dict(), "activation_budget": budgets})
+        other = BalanceConfig.from_dict({**source.to_dict(), "compile_scope": scope})
+        if not self.space.contains(other) or (config_compile_key(other), json.dumps(other.micro_batches)) in ran:
+            return None
+        if not self.advisor.time_holds_compile(scope):
+            return None
+        peaks = self.advisor.compiled_peaks(source)
+        return Proposal(config=other, phase="scope-probe", predicted_peak_gib=peaks, reason=(
+            f"the first {scope} trial: the best split measured in {cfg.compile_scope} (trial {base.number}, "
+            f"{cfg.accumulation} micro-steps) at the largest budget predicted to fit there ({min(budgets):g}): "
+            "one compile measures whether that scope wins for this script"))
 
     # ------------------------------------------------------------------ helpers
     def _config(self, acc: int, *, dtype: str, compile: str, scope: str = "whole") -> BalanceConfig | None:
@@ -594,6 +647,15 @@ def model_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
         # an eager proposal against a compiled best needs an eager time model of its own (three measured
         # eager splits): with fewer it is proportional and ranks launch-bound small micro-batches too well
         candidates = [c for c in candidates if c.config.compile != "off"]
+    if not history.two_sizes_compete():  # compiled: one micro-step size per rank (``one_size``) where any fits
+        even = [c for c in candidates if c.config.compile == "off" or one_size(c.config)]
+        if any(c.config.compile != "off" for c in even) or not any(c.config.compile != "off" for c in candidates):
+            candidates = even
+    # a time predicted outside the step-time model's support is no reason to propose: those rank last
+    inside = {id(c) for c in candidates if history.time_supported(c.config)}
+    candidates = [c for c in candidates if id(c) in inside] + [c for c in candidates if id(c) not in inside]
+    if not candidates:
+        return None
     fresh = [c for c in candidates if c.config.to_json() not in tried and _low_budget_ok(history, c.config)
              and (c.config.compile == "off" or c.config.compile_scope in scopes)]
     best = _best_value(study)
@@ -610,7 +672,7 @@ def model_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
     extra: dict[str, Any] = {}
     if pick.source == "compiled-model":
         extra["proposal_new_graphs"] = pick.new_graphs
-    if pick.extrapolated:
+    if pick.extrapolated or id(pick) not in inside:
         extra["proposal_extrapolated"] = True
     reason = note or ("the compiled model's best configuration predicted to fit" if pick.source == "compiled-model"
                       else "the memory model's best configuration predicted to fit")
@@ -772,6 +834,6 @@ def cuda_graphs_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal |
 
 
 PHASES: list[Phase] = [SearchPolicy.probe, SearchPolicy.compiled_start, explore_phase, SearchPolicy.compiled_grow,
-                       SearchPolicy.scope_probe, SearchPolicy.raise_budget, cuda_graphs_phase, model_phase,
+                       SearchPolicy.raise_budget, SearchPolicy.scope_probe, cuda_graphs_phase, model_phase,
                        fallbacks_phase]
 """The phases in the order they are asked (module doc)."""
