@@ -44,8 +44,8 @@ from autobalance.protocol import (
     StudyAttr,
     TrialAttr,
     best_trial,
+    best_value,
     memory_text,
-    weighted_objective,
 )
 from autobalance.tuner.search._constants import (
     BUDGET_CEILING,
@@ -658,7 +658,7 @@ def model_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
         return None
     fresh = [c for c in candidates if c.config.to_json() not in tried and _low_budget_ok(history, c.config)
              and (c.config.compile == "off" or c.config.compile_scope in scopes)]
-    best = _best_value(study)
+    best = best_value(study)
     if models.decision_for(study).compile_limited and best is not None:  # under a time budget a compile must promise a gain
         fresh = [c for c in fresh if c.new_graphs == 0 or c.score < best]
     if not fresh or fresh[0].score > WORTH * candidates[0].score:
@@ -786,14 +786,6 @@ def _probe(models: Models, study: optuna.Study) -> BalanceConfig | None:
         if models.space.contains(cfg) and cfg.to_json() not in tried:
             return cfg
     return None
-
-
-def _best_value(study: optuna.Study) -> float | None:
-    """The best feasible trial's objective (weighted on a Pareto front); None before one."""
-    best = best_trial(study)
-    if best is None or not best.values:
-        return None
-    return weighted_objective(best.values, study.user_attrs.get(StudyAttr.OBJECTIVE, {}))
 
 
 def _no_time_to_compile(models: Models, study: optuna.Study, scope: str | None = None) -> bool:
