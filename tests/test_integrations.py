@@ -195,7 +195,8 @@ SLOW_RANK0 = {"AUTOBALANCE_EMULATE_MS_PER_SAMPLE": "100,0"}
 @pytest.mark.slow
 @pytest.mark.parametrize(("example", "framework", "cap_gib", "trials", "script_args", "load"), [
     ("lightning", "lightning", "0.015", "3", ["--samples", "384", "--rank0-extra-mib", "4"], "study"),
-    ("hf", "transformers", "0.0127", "5", ["--samples", "256", "--rank0-extra-mib", "3"], "file"),
+    # 6 trials: the reference run that fixes the exchange rate (its own configuration fits nowhere) takes one
+    ("hf", "transformers", "0.0127", "6", ["--samples", "256", "--rank0-extra-mib", "3"], "file"),
     ("accelerate", "accelerate", "0.015", "3", ["--samples", "384", "--rank0-extra-mib", "4"], "file"),
 ])
 def test_tune_example_saves_a_verified_uneven_configuration_and_production_loads_it(
