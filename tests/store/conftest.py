@@ -50,6 +50,13 @@ def full_compiled_config() -> BalanceConfig:
                                micro_batches=[3, 5, 3])
 
 
+def full_sharded_config() -> BalanceConfig:
+    """The parameter-sharded counterpart (sharding excludes fp16 and ZeRO-1): FSDP2 on the blocks, their
+    gathered weights and the embeddings' kept through the backward, the same micro-steps on every rank."""
+    return BalanceConfig(micro_batches=[3, 5, 2], accumulation=3, global_batch=30, checkpoint=[[0, 2], [], [1]],
+                         dtype="bf16", param_sharding="blocks", keep_gathered=["embeddings", "blocks"])
+
+
 def make_fingerprint(**overrides: Any) -> HardwareFingerprint:
     world = overrides.pop("world_size", 3)
     data: dict[str, Any] = {

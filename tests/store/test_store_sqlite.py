@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import FIGURES, full_compiled_config, full_config, make_fingerprint
+from conftest import FIGURES, full_compiled_config, full_config, full_sharded_config, make_fingerprint
 from store_workers import SAVES_PER_WORKER, run_concurrent_saves
 
 from autobalance import BalanceConfig, SchemaVersionError, StorageError, StudyNotFoundError
@@ -23,8 +23,9 @@ def _db(url: str) -> str:
 
 
 def test_full_config_sets_every_field() -> None:
-    """Between them (checkpointing and compile exclude each other), every field differs from its default."""
-    configs = (full_config(), full_compiled_config())
+    """Between them (checkpointing and compile exclude each other, parameter sharding fp16 and ZeRO-1),
+    every field differs from its default."""
+    configs = (full_config(), full_compiled_config(), full_sharded_config())
     for f in dataclasses.fields(BalanceConfig):
         default = (
             f.default
@@ -42,6 +43,13 @@ def test_round_trip_compiled_config(sqlite_url: str, save_kwargs: SaveKwargs) ->
     with ConfigStore(url=sqlite_url) as store:
         assert store.load("s").config == full_compiled_config()
 
+
+
+def test_round_trip_sharded_config(sqlite_url: str, save_kwargs: SaveKwargs) -> None:
+    with ConfigStore(url=sqlite_url) as store:
+        store.save(**{**save_kwargs(), "config": full_sharded_config()})
+    with ConfigStore(url=sqlite_url) as store:
+        assert store.load("s").config == full_sharded_config()
 
 def test_round_trip_every_field(sqlite_url: str, save_kwargs: SaveKwargs) -> None:
     kwargs = save_kwargs()
