@@ -9,7 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import FIGURES, full_compiled_config, full_config, full_sharded_config, make_fingerprint
+from conftest import (
+    FIGURES,
+    full_compiled_config,
+    full_config,
+    full_sharded_config,
+    make_fingerprint,
+)
 from store_workers import SAVES_PER_WORKER, run_concurrent_saves
 
 from autobalance import BalanceConfig, SchemaVersionError, StorageError, StudyNotFoundError
