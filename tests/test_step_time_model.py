@@ -73,3 +73,38 @@ def test_without_checkpointing_data_the_recompute_cost_is_the_prior():
     assert model.g == pytest.approx(28.4, rel=2e-3)
     cfg = BalanceConfig(micro_batches=[7, 9], global_batch=16, dtype="bf16")
     assert model.predict(cfg) == pytest.approx(truth(cfg), rel=0.02)
+
+
+def sharded(cfg: BalanceConfig, mode: str) -> BalanceConfig:
+    return BalanceConfig.from_dict({**cfg.to_dict(), "param_sharding": mode})
+
+
+def test_a_sharding_costs_its_prior_until_measured_then_its_measured_ratio_and_stays_out_of_the_fit():
+    from autobalance.tuner.search._constants import SHARDING_TIME_PRIOR
+
+    seen = configs(("bf16", "fp32"))
+    probe = BalanceConfig(micro_batches=[5, 11], global_batch=16, dtype="bf16", checkpoint=[[0, 1], [0]])
+    model = StepTimeModel.fit([trial(c, truth(c)) for c in seen], num_layers=LAYERS, device="cuda")
+    for mode in ("embeddings", "blocks"):  # not measured: the H200's ratio
+        assert model.predict(sharded(probe, mode)) == pytest.approx(truth(probe) * SHARDING_TIME_PRIOR[mode], rel=1e-3)
+    assert model.sharding_measured == []
+    # two embeddings-sharded trials at 1.2x their unsharded truth: learned, and the unsharded terms unchanged
+    slow = [trial(sharded(c, "embeddings"), 1.2 * truth(c)) for c in seen[:2]]
+    learned = StepTimeModel.fit([trial(c, truth(c)) for c in seen] + slow, num_layers=LAYERS, device="cuda")
+    assert learned.sharding_measured == ["embeddings"]
+    assert learned.predict(sharded(probe, "embeddings")) == pytest.approx(1.2 * truth(probe), rel=1e-3)
+    assert learned.predict(probe) == pytest.approx(truth(probe), rel=1e-3)
+    assert learned.predict(sharded(probe, "blocks")) == pytest.approx(truth(probe) * SHARDING_TIME_PRIOR["blocks"],
+                                                                      rel=1e-3)
+
+
+def test_only_sharded_trials_still_give_a_model_through_the_prior():
+    from autobalance.tuner.search._constants import SHARDING_TIME_PRIOR
+
+    seen = configs(("bf16",))
+    f = SHARDING_TIME_PRIOR["embeddings"]
+    model = StepTimeModel.fit([trial(sharded(c, "embeddings"), f * truth(c)) for c in seen], num_layers=LAYERS,
+                              device="cuda")
+    probe = BalanceConfig(micro_batches=[5, 11], global_batch=16, dtype="bf16", checkpoint=[[0, 1], [0]])
+    assert model.predict(sharded(probe, "embeddings")) == pytest.approx(f * truth(probe), rel=1e-3)
+    assert model.predict(probe) == pytest.approx(truth(probe), rel=1e-3)

@@ -61,6 +61,7 @@ __all__ = [
     "SAME_WITHIN",
     "SAMPLER_EVERY",
     "SCOPE_TRANSFERS",
+    "SHARDING_TIME_PRIOR",
     "SHARE_TOL",
     "SLOW_DTYPE",
     "STALL_AFTER",
@@ -160,6 +161,13 @@ model then has no per-rank speeds, so equal devices keep the plans of a model wi
 times of equal ranks differ by a few percent of noise)."""
 DTYPE_SPEED_PRIOR = {"cuda": {"bf16": 0.55, "fp16": 0.55, "fp32": 1.0}, "cpu": {"bf16": 1.2, "fp16": 1.5, "fp32": 1.0}}
 """Step time per dtype relative to fp32 before the study measured that dtype (replaced by measurements)."""
+SHARDING_TIME_PRIOR = {"embeddings": 1.43, "blocks": 2.13}
+"""Step time of a ``param_sharding`` relative to the same configuration unsharded, before the study
+measured a trial of that sharding (then the measured ratio replaces it). One H200, ``studies/gpt-1gpu.toml``'s
+~270M GPT at world size 1 (FSDP2's own machinery, no communication), bf16, 8 x 4 eager: 175.1 ms plain,
+250.7 ms ``embeddings``, 373.6 ms ``blocks`` (``benchmarks/2026-12-05-h200/fsdp_overhead.json``). More ranks
+add communication, so this is the least a sharding costs there; no CPU figure of a realistic model exists,
+so the CPU path starts from the same ratios."""
 DEFAULT_RECOMPUTE_FRACTION = 1.0 / 3.0
 """Extra compute of a checkpointed block relative to its forward+backward (one more forward): the
 solver's ranking of checkpointing plans before the step-time model measured recomputation."""

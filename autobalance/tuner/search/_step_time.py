@@ -3,6 +3,7 @@ study's measured trials (fixed per-step, per-micro-step and recompute costs, per
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -12,7 +13,12 @@ from optuna.trial import FrozenTrial
 
 from autobalance._config import BalanceConfig
 from autobalance.protocol import Status, TrialAttr
-from autobalance.tuner.search._constants import DTYPE_SPEED_PRIOR, EQUAL_SPEED_BAND, RECOMPUTE_PRIOR
+from autobalance.tuner.search._constants import (
+    DTYPE_SPEED_PRIOR,
+    EQUAL_SPEED_BAND,
+    RECOMPUTE_PRIOR,
+    SHARDING_TIME_PRIOR,
+)
 from autobalance.tuner.search._model_errors import FIT_ERRORS, ModelErrors, caught
 
 __all__ = ["EQUAL_SPEED_BAND", "RECOMPUTE_PRIOR", "StepTimeModel"]
@@ -42,6 +48,11 @@ class StepTimeModel:
     Fitted to the study's measured eager trials by bounded least squares on relative errors. With
     fewer distinct configurations than parameters it falls back to the proportional form
     (``a = b = 0``); while checkpointing has not varied, ``g`` is ``RECOMPUTE_PRIOR`` micro-steps.
+
+    Parameter sharding (FSDP2) multiplies the whole step by ``f[param_sharding]``: the median of
+    measured / predicted-unsharded over the study's trials of that sharding, else
+    :data:`SHARDING_TIME_PRIOR` (measured on an H200); sharded trials stay out of the fit of the
+    unsharded terms.
     """
 
     a: float
@@ -61,6 +72,10 @@ class StepTimeModel:
     speeds: list[float] | None = None
     """Each rank's relative cost per sample (1.0: the slowest rank), from the ranks' busy times;
     None: equally fast ranks (within :data:`EQUAL_SPEED_BAND`) or no busy times measured."""
+    sharding: dict[str, float] = dataclasses.field(default_factory=lambda: dict(SHARDING_TIME_PRIOR))
+    """Step time of each ``param_sharding`` relative to unsharded: measured, else the prior."""
+    sharding_measured: list[str] = dataclasses.field(default_factory=list)
+    """The shardings whose factor comes from the study's own trials (the others: the prior)."""
 
     @property
     def rho(self) -> float:
@@ -89,8 +104,15 @@ class StepTimeModel:
         if scaled is None:
             return None
         ratio, dtype = scaled
-        return self.a, [ratio * ms for ms in _rank_ms(c, b=self.b, k=self.k[dtype], g=self.g, layers=self.num_layers,
+        f = self.sharding_factor(c)
+        return f * self.a, [f * ratio * ms for ms in _rank_ms(c, b=self.b, k=self.k[dtype], g=self.g, layers=self.num_layers,
                                                          speeds=self.speeds)]
+
+    def sharding_factor(self, cfg: BalanceConfig | dict[str, Any]) -> float:
+        """What ``cfg``'s parameter sharding multiplies the step by (1.0 unsharded)."""
+        c = cfg.to_dict() if isinstance(cfg, BalanceConfig) else cfg
+        mode = c.get("param_sharding", "off")
+        return 1.0 if mode == "off" else self.sharding.get(mode, max(self.sharding.values(), default=1.0))
 
     def micro_step_ms(self, cfg: BalanceConfig | dict[str, Any]) -> float | None:
         """``s * acc * b``: the part of each rank's micro-steps (:meth:`rank_ms`) paid once per
@@ -106,10 +128,16 @@ class StepTimeModel:
         """Fitted on the measured eager trials; a least-squares fit that fails keeps its start (the
         proportional fit) or no per-rank speeds, noted in ``errors``."""
         prior = DTYPE_SPEED_PRIOR.get(device, DTYPE_SPEED_PRIOR["cpu"])
-        rows = [(t.user_attrs[TrialAttr.CONFIG], float(t.user_attrs[TrialAttr.STEP_TIME_MS])) for t in trials
-                if t.user_attrs.get(TrialAttr.STATUS) == Status.OK and t.user_attrs.get(TrialAttr.STEP_TIME_MS)
-                and t.user_attrs.get(TrialAttr.REUSED_FROM) is None and t.user_attrs.get(TrialAttr.CONFIG)
-                and t.user_attrs[TrialAttr.CONFIG].get("compile", "off") == "off"]
+        measured = [(t.user_attrs[TrialAttr.CONFIG], float(t.user_attrs[TrialAttr.STEP_TIME_MS])) for t in trials
+                    if t.user_attrs.get(TrialAttr.STATUS) == Status.OK and t.user_attrs.get(TrialAttr.STEP_TIME_MS)
+                    and t.user_attrs.get(TrialAttr.REUSED_FROM) is None and t.user_attrs.get(TrialAttr.CONFIG)
+                    and t.user_attrs[TrialAttr.CONFIG].get("compile", "off") == "off"]
+        rows = [(cfg, ms) for cfg, ms in measured if cfg.get("param_sharding", "off") == "off"]
+        sharded = [(cfg, ms) for cfg, ms in measured if cfg.get("param_sharding", "off") != "off"]
+        if not rows:  # only sharded trials measured: their unsharded twins taken at the prior's ratio
+            rows = [({**cfg, "param_sharding": "off"}, ms / SHARDING_TIME_PRIOR.get(cfg["param_sharding"], 1.0))
+                    for cfg, ms in sharded]
+            sharded = []
         dtypes = sorted({cfg["dtype"] for cfg, _ in rows})
         typical = (sum(sum(cfg["micro_batches"]) / len(cfg["micro_batches"]) for cfg, _ in rows) / len(rows)
                    if rows else 1.0)
@@ -158,7 +186,19 @@ class StepTimeModel:
                 (model.a, model.b, model.g, model.k), model.speeds = unpack(fitted[0]), fitted[1]
         if not any_ckpt:
             model.g = RECOMPUTE_PRIOR * (model.b + min(model.k.values()) * typical)
+        model._learn_sharding(sharded)
         return model
+
+    def _learn_sharding(self, sharded: list[tuple[dict[str, Any], float]]) -> None:
+        """Each measured sharding's factor: the median of measured / predicted unsharded."""
+        ratios: dict[str, list[float]] = {}
+        for cfg, ms in sharded:
+            base = self.predict({**cfg, "param_sharding": "off"})
+            if base is not None and base > 0:
+                ratios.setdefault(cfg["param_sharding"], []).append(ms / base)
+        for mode, values in sorted(ratios.items()):
+            self.sharding[mode] = float(np.median(values))
+            self.sharding_measured.append(mode)
 
 
 def _samples_per_rank(cfg: dict[str, Any]) -> list[int]:
