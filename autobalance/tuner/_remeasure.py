@@ -320,7 +320,7 @@ def spread_text(entry: Mapping[str, Any]) -> str:
     elif entry.get("iqr_pct") is not None:
         iqr = f"IQR {float(entry['iqr_pct']):.1f} % of it"
     else:
-        return f"{ms:.1f} ms ({runs} run{'s' if runs != 1 else ''}{over})"
+        return f"{ms:.1f} ms ({over.strip() + ', ' if over else ''}{runs} run{'s' if runs != 1 else ''})"
     return f"{ms:.1f} ms ({iqr}{over}, {runs} run{'s' if runs != 1 else ''})"
 
 
@@ -440,3 +440,27 @@ def least_plan(study: Any, trials: Sequence[Any], *, device: str) -> tuple[list[
     if len(leaders) < 2:
         return [], 0.0
     return leaders[:2], LEADER_RUNS[-1] * sum(leader_run_s(trials, t, device=device) for t in leaders[:2])
+
+
+def saved_spread(study: Any, trial: Any) -> dict[str, Any] | None:
+    """The step time a saved trial stands on, with its spread: the leaders' pooled figures when it was
+    re-measured as one (:data:`StudyAttr.LEADERS`), else its own steps' (``step_times_ms``: the slowest
+    rank's median and quartiles), else its median and IQR %; ``runs`` and ``steps`` behind it. None
+    without a step time. What :func:`spread_text` writes and the saved record keeps."""
+    from autobalance.protocol import StudyAttr
+
+    record = study.user_attrs.get(StudyAttr.LEADERS) or {}
+    entry = (record.get("trials") or {}).get(str(trial.number)) if isinstance(record, dict) else None
+    if isinstance(entry, dict) and entry.get("step_time_ms") is not None:
+        return {k: entry.get(k) for k in ("step_time_ms", "q1_ms", "q3_ms", "steps", "runs")} | {
+            "source": "leaders re-measured before saving, interleaved"}
+    steps, runs = own_steps(trial)
+    spread = step_spread(steps)
+    if spread is not None:
+        return spread | {"runs": runs, "source": "the trial's own steps"}
+    ms = _step_ms(trial)
+    if ms is None:
+        return None
+    return {"step_time_ms": ms, "iqr_pct": trial.user_attrs.get("step_time_iqr_pct"),
+            "steps": trial.user_attrs.get(TrialAttr.MEASURED_STEPS), "runs": 2 if trial.user_attrs.get("remeasured") else 1,
+            "source": "the trial's own figures"}
