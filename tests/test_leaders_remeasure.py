@@ -181,3 +181,40 @@ def _now() -> Any:
     from datetime import UTC, datetime
 
     return datetime.now(UTC)
+
+
+def test_the_loop_skips_the_leaders_with_its_reason_when_time_is_short_and_runs_them_when_not(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    import autobalance.tuner._loop as loop_module
+    from autobalance.tuner._loop import TrialLoop
+    from autobalance.tuner._time_spent import TimeBudget
+
+    study = _close_pair_study(tmp_path)
+    now = 1000.0
+    monkeypatch.setattr(loop_module, "time", SimpleNamespace(monotonic=lambda: now))
+    budget = TimeBudget(budget_s=300.0, started=now - 295.0)  # 5 s left
+    notes: list[str] = []
+    launched: list[int] = []
+
+    def launch(study: Any, *, number: int, config: Any, again: bool) -> TrialOutcome:
+        assert again
+        launched.append(number)
+        return _outcome([100.0 if number == 1 else 103.0] * 6)
+
+    launcher = SimpleNamespace(stop=threading.Event(), launch=launch)
+    loop = TrialLoop(settings=SimpleNamespace(verify=True, nnodes=1, device="cuda", remeasure="auto"),  # type: ignore[arg-type]
+                     storage=None, launcher=launcher, recorder=None,  # type: ignore[arg-type]
+                     reporter=SimpleNamespace(note=notes.append), advisor=None, budget=budget)  # type: ignore[arg-type]
+    loop.remeasure_leaders(study)
+    assert launched == [] and StudyAttr.LEADERS not in study.user_attrs
+    assert len(notes) == 1 and notes[0].startswith("Leaders not re-measured: within the measured noise of the best "
+                                                   "(trial 2, 101.0 ms): trial 1 104.0 ms (+3.0 %"), notes
+    assert "does not hold 1 more run(s) of the first two" in notes[0]
+    budget.started = now  # the whole budget left: the most runs, interleaved, and the pooled figure decides
+    notes.clear()
+    loop.remeasure_leaders(study)
+    assert launched == [2, 1] * LEADER_RUNS[0], notes
+    assert "Trials 2, 1 run 3 more time(s) each" in notes[0] and "trial 1 is now the best (was trial 2)" in notes[1]
+    assert best_trial(study).number == 1
