@@ -337,9 +337,12 @@ def pooled_value(trial: Any, step_time_ms: float, objective: Mapping[str, Any], 
 def remeasure_leaders(plan: LeaderPlan, *, launch: Callable[[Any], TrialOutcome], objective: Mapping[str, Any],
                       reference_s: float | None) -> dict[str, Any]:
     """Run ``plan`` (each launch a re-measure run of a leader trial, in :meth:`LeaderPlan.order`), pool
-    each leader's steps (its own, :func:`own_steps`, and every run's, rank by rank) and return the :data:`StudyAttr.LEADERS` record: each
-    leader's pooled figures and value (or why its re-run failed), ``order`` best first by pooled value,
-    and the plan's ``reason``. A leader whose run fails is not run again."""
+    each leader's steps (its own, :func:`own_steps`, and every run's, rank by rank) and return the
+    :data:`StudyAttr.LEADERS` record: each leader's pooled figures and value (or why its re-run
+    failed), ``order`` best first by pooled value, and the plan's ``reason``. A leader whose run fails
+    is not run again."""
+    from autobalance.tuner._measurement import rank_steps
+
     runs: dict[int, list[TrialOutcome]] = {t.number: [] for t in plan.leaders}
     failed: dict[int, str] = {}
     for trial in plan.order():
@@ -351,8 +354,6 @@ def remeasure_leaders(plan: LeaderPlan, *, launch: Callable[[Any], TrialOutcome]
             runs[trial.number] = []
             continue
         runs[trial.number].append(outcome)
-    from autobalance.tuner._measurement import rank_steps
-
     entries: dict[str, dict[str, Any]] = {}
     for trial in plan.leaders:
         if trial.number in failed:

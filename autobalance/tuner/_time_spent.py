@@ -120,8 +120,8 @@ class TimeBudget:
     """Whether the leaders are re-measured before saving (``_remeasure.py``; ``--remeasure``, one node):
     their least plan is then kept free too (:attr:`leaders_s`)."""
     leaders_s: float = 0.0
-    """What is kept free for re-measuring the leaders: the least plan (2 runs of the best and the next
-    trial within its measured noise, ``_remeasure.least_plan_s``); 0 when none is within it."""
+    """What is kept free for re-measuring the leaders: the least plan (one more run of the best and of
+    the next trial within its measured noise, ``_remeasure.least_plan``); 0 when none is within it."""
     compile_left_s: float | None = None
     """Seconds left for a compile once verification's reserve and a usual trial are kept (None: no
     budget, or nothing verified): a proposal that compiles new graphs is made only when the study's
