@@ -31,6 +31,10 @@ What the grids do not know, the replay states instead of guessing kindly:
   is mostly logits, derived from the recorded grids by :class:`Family` until a device records its grid
   with ``benchmarks/second_family_gpu.sh``; then ``--second-grids``).
 
+The tuner's re-measure of its leaders before saving (the best trial and those within its measured noise,
+run again interleaved) is answered like any trial, each run with a fresh noise draw; each study's row
+says what it did (``leaders``: runs, the pooled step each leader ranked by, and its true one).
+
 Printed per study: the machine, placement, budget and seed, the saved configuration, its true step over
 the grid's best (the best feasible point of the same machine over every scope, split, budget and dtype
 the search space holds), the wall with verification, and how the saved point was read; then per
@@ -674,7 +678,9 @@ def replay(machine: GridMachine, *, seed: int, budget: str, root: str) -> dict[s
         head["family"] = machine.family.to_dict()
     grid = {"grid_best_ms": round(grid_ms, 2), "grid_best": grid_cfg.to_dict(), "grid_best_config": label(grid_cfg),
             "grid_best_how": grid_pt.how, "grid_best_basis": list(grid_pt.basis)}
-    trials = optuna.load_study(study_name=name, storage=settings.storage).trials
+    stored = optuna.load_study(study_name=name, storage=settings.storage)
+    trials = stored.trials
+    head["leaders"] = leaders_of(stored.user_attrs.get("autobalance:leaders"), read)
     by_number = {t.number: t for t in trials}
     for r in read:
         t = by_number.get(r["trial"])
@@ -695,6 +701,18 @@ def replay(machine: GridMachine, *, seed: int, budget: str, root: str) -> dict[s
             "ratio": round(true_ms / grid_ms, 4), "loop_s": round(loop_s, 1), "verify_s": round(verify_s, 1),
             "wall_s": round(loop_s + verify_s, 1), "trials": len(trials), "phases": phases, "trial_points": read,
             "log": trial_log(trials)}
+
+
+def leaders_of(record: Any, read: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """What the tuner's re-measure of its leaders before saving did (``tuner/_remeasure.py``): the runs
+    of each leader, the pooled step it ranked by against its true one, best first; None when it made
+    none (the tuner's reason is in its notes)."""
+    if not isinstance(record, dict):
+        return None
+    true = {r["trial"]: r["true_ms"] for r in read}
+    return {"runs": record.get("runs"), "order": record.get("order"),
+            "pooled_ms": {n: (e.get("step_time_ms"), e.get("runs")) for n, e in (record.get("trials") or {}).items()},
+            "true_ms": {str(n): true.get(n) for n in record.get("order") or []}}
 
 
 def trial_log(trials: list[optuna.trial.FrozenTrial]) -> list[list[Any]]:
@@ -758,7 +776,7 @@ def _parse(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[s
 def _line(row: dict[str, Any]) -> str:
     """One study as printed: the figures, then what the saved configuration was read from."""
     keys = ("machine", "placement", "budget", "seed", "saved_config", "saved_ms", "ratio", "wall_s", "trials",
-            "saved_how", "saved_basis", "saved_notes")
+            "saved_how", "saved_basis", "saved_notes", "leaders")
     return json.dumps({k: row.get(k) for k in keys})
 
 

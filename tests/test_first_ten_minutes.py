@@ -132,7 +132,7 @@ def test_the_scripts_own_configuration_winning_is_said_plainly(tmp_path: Path) -
     # another best keeps the plain line
     result = TuneResult(study_name="won", storage=url, trials_run=3, baseline=study.trials[1], best=best, wall_s=1.0)
     save_best(settings=settings, result=result)
-    assert result.notes[-1] == "Saved trial 0 as the best configuration of 'won'."
+    assert result.notes[-1] == "Saved trial 0 as the best configuration of 'won': 100.0 ms (over 5 steps, 1 run)."
 
 
 def test_a_rerun_of_a_finished_study_says_how_to_run_more(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import optuna
 import pytest
 
 from autobalance.launcher import TrialOutcome
-from autobalance.protocol import Status, TrialAttr
+from autobalance.protocol import Status, StudyAttr, TrialAttr
 from autobalance.tuner import Tuner, TuneSettings
 from autobalance.tuner._launching import TrialLauncher
 from tests.test_first_trials import baseline
@@ -63,7 +63,9 @@ def test_one_trial_remeasures_and_records_figures_built_in_recording(tmp_path: P
     study = optuna.load_study(study_name=settings.study_name, storage=settings.storage)
     remeasured = [t for t in study.trials if t.user_attrs.get("remeasured")]
     launched = [n for n, again in Launcher.runs if not again]
-    assert remeasured and {t.number for t in remeasured} == {n for n, again in Launcher.runs if again}
+    leaders = study.user_attrs.get(StudyAttr.LEADERS) or {}  # the leaders' runs come last, after the loop
+    in_loop = Launcher.runs[:len(Launcher.runs) - int(leaders.get("runs") or 0) * len(leaders.get("order") or [])]
+    assert remeasured and {t.number for t in remeasured} == {n for n, again in in_loop if again}
     for t in remeasured:
         assert t.user_attrs[TrialAttr.STEP_TIME_MS] == pytest.approx(100.0)  # the merged outcome's figures
     # once per outcome: the baseline, each trial's first run, each re-measured trial's merged outcome

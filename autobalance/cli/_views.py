@@ -264,7 +264,12 @@ def saved_figure_rows(fig: dict[str, Any], *, world_size: int) -> list[tuple[str
         rows.append(("peak", memory_text(peaks)))
     if fig.get("spread_gib") is not None and world_size > 1:  # one rank: no spread
         rows.append(("spread", memory_text(fig["spread_gib"])))
-    if fig.get("step_time_ms") is not None:
+    spread = fig.get("step_time_spread")  # saved with its spread (older records: the step time alone)
+    if isinstance(spread, dict) and spread.get("step_time_ms") is not None:
+        from autobalance.tuner._remeasure import spread_text
+
+        rows.append(("step time", spread_text(spread)))
+    elif fig.get("step_time_ms") is not None:
         rows.append(("step time", f"{fig['step_time_ms']:.1f} ms"))
     if fig.get("speedup_vs_baseline") is not None:
         rows.append(("speed-up vs baseline", _speedup_text(fig)))

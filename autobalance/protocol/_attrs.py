@@ -73,6 +73,11 @@ class StudyAttr:
     """True when the study was tuned with ``--allow-batch-dependent`` (verified in eval mode)."""
     VERIFY_PREFIX = "autobalance:verify:"
     """``+ <trial number>``: the verdict of verifying that trial's configuration."""
+    LEADERS = "autobalance:leaders"
+    """The leaders re-measured before saving (``tuner/_remeasure.py``): ``{"reason": ..., "order": [trial
+    numbers, best first], "trials": {"<number>": {"value": pooled objective value, "step_time_ms",
+    "q1_ms", "q3_ms", "steps", "runs"} or {"failed": reason}}}``. Read by ``protocol.ranked_trials``: a
+    leader ranks by its pooled value."""
 
 
 class TrialAttr:

@@ -14,7 +14,8 @@ if TYPE_CHECKING:
     import optuna
     from optuna.trial import FrozenTrial
 
-__all__ = ["best_trial", "best_value", "is_feasible", "objective_value", "over_limit", "rank_trials", "ranked_trials", "study_ranks",
+__all__ = ["best_trial", "best_value", "is_feasible", "objective_value", "over_limit", "pooled_values", "rank_trials",
+           "ranked_trials", "study_ranks",
            "time_in_steps_s", "trial_ranks", "weighted_objective", "would_be_best"]
 
 
@@ -68,17 +69,41 @@ def ranked_trials(study: optuna.Study) -> list[FrozenTrial]:
     """The study's candidates for its best trial, best first: the one meaning of "best" that the
     loop (re-measure, pruning), the recorder, verification and the views all read
     (:func:`rank_trials` over the study's trials and objective)."""
-    return rank_trials(study.get_trials(deepcopy=False), study.user_attrs.get(StudyAttr.OBJECTIVE, {}))
+    return rank_trials(study.get_trials(deepcopy=False), study.user_attrs.get(StudyAttr.OBJECTIVE, {}),
+                       pooled=pooled_values(study.user_attrs.get(StudyAttr.LEADERS)))
 
 
-def rank_trials(trials: Iterable[FrozenTrial], objective: Mapping[str, Any]) -> list[FrozenTrial]:
+def pooled_values(record: Any) -> dict[int, float]:
+    """Each re-measured leader's pooled objective value from a :data:`StudyAttr.LEADERS` record (a leader
+    whose re-run failed: infinity, behind every other candidate); empty without a record."""
+    out: dict[int, float] = {}
+    trials = record.get("trials") if isinstance(record, dict) else None
+    for key, entry in (trials or {}).items():
+        if not isinstance(entry, dict) or not str(key).isdigit():
+            continue
+        value = entry.get("value")
+        if entry.get("failed"):
+            out[int(key)] = float("inf")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[int(key)] = float(value)
+    return out
+
+
+def rank_trials(trials: Iterable[FrozenTrial], objective: Mapping[str, Any],
+                pooled: Mapping[int, float] | None = None) -> list[FrozenTrial]:
     """``trials``' candidates for the best, best first. A candidate is feasible (:func:`is_feasible`:
     measured to the end, within the usable memory and, with ``--max-spread-gib``, the spread limit)
     and measured by the trial itself (a trial that reused another's result is that trial's copy,
     never a candidate of its own). Ranked by the objective value (on a Pareto front the weighted sum
-    with ``objective``'s weights, :func:`weighted_objective`); ties: the earlier trial."""
+    with ``objective``'s weights, :func:`weighted_objective`; a leader re-measured before saving by its
+    pooled value, ``pooled``: :func:`pooled_values`); ties: the earlier trial."""
     feasible = [t for t in trials if is_feasible(t) and t.user_attrs.get(TrialAttr.REUSED_FROM) is None]
-    return sorted(feasible, key=lambda t: (weighted_objective(t.values, dict(objective)), t.number))
+    pooled = pooled or {}
+
+    def value(t: FrozenTrial) -> float:
+        return pooled[t.number] if t.number in pooled else weighted_objective(t.values, dict(objective))
+
+    return sorted(feasible, key=lambda t: (value(t), t.number))
 
 
 def best_trial(study: optuna.Study) -> FrozenTrial | None:
@@ -92,6 +117,9 @@ def best_value(study: optuna.Study) -> float | None:
     best = best_trial(study)
     if best is None or not best.values:
         return None
+    pooled = pooled_values(study.user_attrs.get(StudyAttr.LEADERS))
+    if best.number in pooled:  # re-measured before saving: its pooled value
+        return pooled[best.number]
     return weighted_objective(best.values, study.user_attrs.get(StudyAttr.OBJECTIVE, {}))
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from autobalance.protocol import Status, StudyAttr, TrialAttr, best_trial
+from autobalance.tuner._remeasure import saved_spread, spread_text
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._summary import TuneResult, baseline_won, record_time_spent
 
@@ -91,7 +92,9 @@ def save_best(*, settings: TuneSettings, result: TuneResult, note: Callable[[str
     if result.baseline is not None and chosen.number == result.baseline.number:
         result.notes.append(baseline_won(study, baseline=chosen.number, study_name=settings.study_name))
     else:
-        result.notes.append(f"Saved trial {chosen.number} as the best configuration of '{settings.study_name}'.")
+        spread = saved_spread(study, chosen)
+        figure = f": {spread_text(spread)}" if spread is not None else ""
+        result.notes.append(f"Saved trial {chosen.number} as the best configuration of '{settings.study_name}'{figure}.")
     return Saving(trial=chosen.number, rejected=rejected)
 
 

@@ -35,7 +35,16 @@ from autobalance.store import heartbeat_interval_s, study_id, trial_id
 from autobalance.tuner._launching import Stopped, TrialLauncher, best_step_s
 from autobalance.tuner._parallel import Slot
 from autobalance.tuner._recording import Recorder, feasible
-from autobalance.tuner._remeasure import merge_outcomes, remeasure_reason
+from autobalance.tuner._remeasure import (
+    close_leaders,
+    leader_candidates,
+    leader_run_s,
+    leaders_line,
+    merge_outcomes,
+    plan_leaders,
+    remeasure_leaders,
+    remeasure_reason,
+)
 from autobalance.tuner._roles import Advisor, Reporter
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._study import counted_trials
@@ -68,6 +77,7 @@ class TrialLoop:
         """``--time-budget``: the tuner's (started when its run started); the loop stops asking once it is spent."""
         if budget is not None:  # verification's runs are reserved only when the study's best is verified
             budget.verify = settings.verify and settings.nnodes <= 1
+            budget.leaders = self.remeasure_on() and settings.nnodes <= 1  # and the leaders' re-measure
         self.lock = threading.RLock()
         self.stop = launcher.stop
         """Set when a slot failed or the tuner was interrupted: every slot stops (its running trial is killed)."""
@@ -80,6 +90,8 @@ class TrialLoop:
         self.ended: str | None = None
         """Why the loop ended, in one line (the stop rule :meth:`more_trials` found met)."""
         self._decision: Decision | None = None
+        self.leaders_s = 0.0
+        """Seconds the leaders' re-measure took (:meth:`remeasure_leaders`)."""
 
     def decision(self, study: optuna.Study) -> Decision:
         """The decision of the next trial (``search.Decision``: the study read once, each model fitted
@@ -202,7 +214,7 @@ class TrialLoop:
         study's best trial, ``protocol.would_be_best``; see :mod:`autobalance.tuner._remeasure`), or None
         (``--remeasure``: ``auto`` is on for CUDA)."""
         s = self.settings
-        if outcome.status != Status.OK or not (s.remeasure == "on" or (s.remeasure == "auto" and s.device == "cuda")):
+        if outcome.status != Status.OK or not self.remeasure_on():
             return None
         best = False
         if feasible(figures, s, outcome.status):  # its values as the recorder will tell them
@@ -213,9 +225,14 @@ class TrialLoop:
         return remeasure_reason(outcome, step_time_s=figures.step_time_s, would_be_best=best,
                                 best_step_s=best_step_s(study))
 
+    def remeasure_on(self) -> bool:
+        """``--remeasure``: ``on``, or ``auto`` on CUDA (where one run's step time is not to be trusted)."""
+        s = self.settings
+        return s.remeasure == "on" or (s.remeasure == "auto" and s.device == "cuda")
+
     # ------------------------------------------------------------------ the loop
     def run(self, study: optuna.Study, space: SearchSpace) -> None:
-        """Trials until the study has ``--trials`` counted ones."""
+        """Trials until the study has ``--trials`` counted ones; then the leaders re-measured."""
         self.launcher.count_trials(study)  # the baseline's and a resumed study's trials
         slots = self.launcher.slots()
         if len(slots) == 1:
@@ -223,6 +240,44 @@ class TrialLoop:
                 self.one_trial(study, space)
         else:
             self._run_parallel(study, space, slots)
+        self.remeasure_leaders(study)
+
+    def remeasure_leaders(self, study: optuna.Study) -> None:
+        """Before saving: the best trial and those within its measured noise run again, interleaved in
+        the same worker state, as many runs as the time left holds with verification's reserve kept,
+        and rank by their pooled steps (``_remeasure.py``: ``close_leaders``, ``plan_leaders``,
+        ``remeasure_leaders``; the record is :data:`StudyAttr.LEADERS`). Each decision is said with
+        its reason. Nothing on several nodes, with ``--remeasure off`` or once the study was stopped."""
+        s = self.settings
+        if self.stop.is_set() or s.nnodes > 1 or not self.remeasure_on():
+            return
+        leaders, why = close_leaders(leader_candidates(study))
+        if not leaders:
+            return
+        decision = self.decision(study)
+        left: float | None = None
+        if self.budget.deadline is not None:
+            forecasts = [self.budget.forecast(decision, t) for t in leaders]
+            reserve = max((f.reserve_s for f in forecasts if f is not None), default=0.0)
+            left = self.budget.deadline - time.monotonic() - reserve
+        plan = plan_leaders(leaders, run_s=lambda t: leader_run_s(decision.trials, t, device=s.device),
+                            time_left_s=left, why=why)
+        self.reporter.note(plan.reason)
+        if plan.runs == 0:
+            return
+        started = time.monotonic()
+
+        def launch(trial: FrozenTrial) -> TrialOutcome:
+            config = BalanceConfig.from_dict(trial.user_attrs[TrialAttr.CONFIG])
+            return self.launcher.launch(study, number=trial.number, config=config, again=True)
+
+        objective = study.user_attrs.get(StudyAttr.OBJECTIVE) or {}
+        record = remeasure_leaders(plan, launch=launch, objective=objective,
+                                   reference_s=study.user_attrs.get(StudyAttr.REFERENCE))
+        self.leaders_s = time.monotonic() - started
+        record["wall_s"] = round(self.leaders_s, 3)
+        study.set_user_attr(StudyAttr.LEADERS, record)
+        self.reporter.note(leaders_line(record, was=leaders[0].number))
 
     def _run_parallel(self, study: optuna.Study, space: SearchSpace, slots: list[Slot]) -> None:
         """One thread per slot, each running :meth:`one_trial` until the study is done. A slot that
@@ -341,8 +396,9 @@ class TrialLoop:
             self.reporter.note(
                 f"Time budget ({budget}): {left:.0f} s left after {counted_trials(study)} of {self.settings.trials} "
                 f"trials, kept for the next trial's {self.budget.next_trial_s:.0f} s and verification's predicted "
-                f"{self.budget.reserve_s:.0f} s ({self.budget.reserve_runs} one-step runs): no new trial starts; "
-                "running ones finish, then the best is verified and saved.")
+                f"{self.budget.reserve_s:.0f} s ({self.budget.reserve_runs} one-step runs)"
+                + (f" and re-measuring the leaders' {self.budget.leaders_s:.0f} s" if self.budget.leaders_s > 0 else "")
+                + ": no new trial starts; running ones finish, then the best is verified and saved.")
             return
         self.reporter.note(f"Time budget ({budget}) spent after {counted_trials(study)} of {self.settings.trials} "
                            "trials: no new trial starts; running ones finish, then the best is verified and saved.")

@@ -18,11 +18,23 @@ import statistics
 from typing import Any
 
 from autobalance.launcher import TrialOutcome
-from autobalance.protocol import RankMemory, TrialAttr, memory_text
+from autobalance.protocol import RankMemory, TrialAttr, memory_text, timed_steps
 
-__all__ = ["measurement_attrs", "measurement_summary"]
+__all__ = ["STEP_TIMES_MS", "measurement_attrs", "measurement_summary", "rank_steps"]
 
 GIB = 2**30
+STEP_TIMES_MS = "step_times_ms"
+"""Trial attribute: each rank's measured steps that its step time stands for (``protocol.timed_steps``),
+in ms; a trial measured twice holds both runs' steps."""
+
+
+def rank_steps(rep: Any) -> list[float]:
+    """A rank report's timed steps in seconds (the full steps when any was measured)."""
+    config = rep.config or {}
+    batch = config.get("global_batch")
+    times, _ = timed_steps([float(t) for t in rep.step_times_s or []], rep.step_samples,
+                           batch if isinstance(batch, int) else None)
+    return times
 
 
 def _gib(value: Any) -> float | None:
@@ -49,6 +61,9 @@ def measurement_attrs(outcome: TrialOutcome, *, world_size: int) -> dict[str, An
                 spreads.append(100 * float(iqr) / median)
     if spreads and len(spreads) == world_size:
         attrs["step_time_iqr_pct"] = round(max(spreads), 2)
+    steps = [rank_steps(rep) if rep is not None else [] for rep in reports]
+    if any(steps):  # each rank's timed steps: what the leaders' re-measure pools (tuner/_remeasure.py)
+        attrs[STEP_TIMES_MS] = [[round(1000 * t, 3) for t in times] for times in steps]
     if outcome.remeasured:
         attrs["remeasured"] = {"reason": outcome.remeasured.get("reason"),
                                "step_time_ms": [None if t is None else round(1000 * t, 3)

@@ -15,6 +15,7 @@ from autobalance._errors import UsageError, VerificationError
 from autobalance._files import script_sha256
 from autobalance.protocol import Status, StudyAttr, TrialAttr
 from autobalance.tuner._notes import write_notes
+from autobalance.tuner._remeasure import saved_spread
 
 __all__ = ["figures_of_trial", "fingerprint_of_study", "promote_trial", "save_trial"]
 
@@ -26,6 +27,9 @@ _FIGURE_KEYS = ("peak_device_gib", "peak_reserved_gib", "peak_allocated_gib", "o
 def figures_of_trial(study: optuna.Study, trial: FrozenTrial) -> dict[str, Any]:
     figures: dict[str, Any] = {k: trial.user_attrs.get(k) for k in _FIGURE_KEYS}
     figures["values"] = trial.values
+    spread = saved_spread(study, trial)  # the step time with its spread (pooled when the leaders were re-measured)
+    if spread is not None:
+        figures["step_time_spread"] = spread
     verdict = study.user_attrs.get(f"{StudyAttr.VERIFY_PREFIX}{trial.number}")
     figures["verification"] = None if verdict is None else {
         k: verdict.get(k) for k in ("passed", "reason", "skipped")}

@@ -21,14 +21,47 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import statistics
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from autobalance.launcher import TrialOutcome
-from autobalance.protocol import RankMemory, RankReport, Status, timed_steps
+from autobalance.protocol import (
+    RankMemory,
+    RankReport,
+    Status,
+    TrialAttr,
+    timed_steps,
+    weighted_objective,
+)
 from autobalance.tuner.search import DISPERSION_LIMIT
+from autobalance.tuner.search._constants import (
+    LEADER_MEDIAN_SE,
+    LEADER_NOISE_FLOOR,
+    LEADER_NOISE_SIGMAS,
+    LEADER_RUNS,
+    LEADERS_MAX,
+)
 
-__all__ = ["DISPERSION_LIMIT", "dispersion", "merge_outcomes", "remeasure_reason"]
+__all__ = [
+    "DISPERSION_LIMIT",
+    "LeaderPlan",
+    "close_leaders",
+    "dispersion",
+    "figure_noise",
+    "leaders_line",
+    "merge_outcomes",
+    "noise_band",
+    "own_steps",
+    "plan_leaders",
+    "pooled_value",
+    "remeasure_leaders",
+    "remeasure_reason",
+    "spread_text",
+    "step_spread",
+]
 
 
 def _iqr(times: list[float]) -> float | None:
@@ -148,3 +181,287 @@ def merge_outcomes(first: TrialOutcome, second: TrialOutcome, *, reason: str) ->
 def _slowest(outcome: TrialOutcome) -> float | None:
     times = [rep.step_time_s for rep in outcome.reports.values()]
     return max(float(t) for t in times if t is not None) if times and all(t is not None for t in times) else None
+
+
+# ---------------------------------------------------------------------- the leaders, before saving
+# Once the trial loop ends, the best trial and those within its measured noise (the leaders) run
+# again, interleaved in the same warm worker state (A, B, A, B, ...: each run a re-measure launch, as
+# above), each one's steps pooled over those runs, and they rank by the pooled figure
+# (``StudyAttr.LEADERS``, read by ``protocol.ranked_trials``): what is verified and saved is then the
+# truly faster of two configurations a single run each could not tell apart. The trial's own steps
+# are pooled too (a lucky run made it a leader more often than not, but the new runs outweigh it).
+
+
+@dataclass(kw_only=True)
+class LeaderPlan:
+    """What the leaders' re-measure will do (``runs`` 0: nothing, ``reason`` says why)."""
+
+    leaders: list[Any]
+    """The leader trials, best first (as ranked before the re-measure)."""
+    runs: int
+    """Runs of each leader, interleaved."""
+    reason: str
+    """Why these leaders and this many runs, or why none, in one line."""
+
+    def order(self) -> list[Any]:
+        """The launches, interleaved: A, B, C, A, B, C, ..."""
+        return [t for _ in range(self.runs) for t in self.leaders]
+
+
+def figure_noise(attrs: Mapping[str, Any]) -> float:
+    """The standard error of a trial's step figure as a fraction of it, from its own steps' spread
+    (``step_time_iqr_pct`` over ``measured_steps``; :data:`LEADER_MEDIAN_SE`); 0 when unknown."""
+    iqr_pct, steps = attrs.get("step_time_iqr_pct"), attrs.get(TrialAttr.MEASURED_STEPS)
+    if not isinstance(iqr_pct, (int, float)) or not isinstance(steps, int) or steps < 2:
+        return 0.0
+    return LEADER_MEDIAN_SE * float(iqr_pct) / 100 / math.sqrt(steps)
+
+
+def noise_band(best: Mapping[str, Any], other: Mapping[str, Any]) -> float:
+    """The largest relative step-time difference between two trials that their measurements cannot
+    tell from noise: :data:`LEADER_NOISE_SIGMAS` standard errors of the difference, at least
+    :data:`LEADER_NOISE_FLOOR`."""
+    return max(LEADER_NOISE_FLOOR, LEADER_NOISE_SIGMAS * math.hypot(figure_noise(best), figure_noise(other)))
+
+
+def _step_ms(t: Any) -> float | None:
+    value = t.user_attrs.get(TrialAttr.STEP_TIME_MS)
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
+def close_leaders(ranked: Sequence[Any], *, limit: int = LEADERS_MAX) -> tuple[list[Any], str]:
+    """The best of ``ranked`` (candidates best first, one per configuration) and the next ones whose
+    step time is within the measured noise of the best's (:func:`noise_band`), at most ``limit``; and
+    why, in one line. One leader alone: nothing is close (the line says what the next one missed by)."""
+    if not ranked or _step_ms(ranked[0]) is None:
+        return list(ranked[:1]), "no measured best trial"
+    best = ranked[0]
+    best_ms = float(_step_ms(best) or 0.0)
+    leaders, words, missed = [best], [], ""
+    for t in ranked[1:]:
+        ms = _step_ms(t)
+        if ms is None:
+            continue
+        gap, band = (ms - best_ms) / best_ms, noise_band(best.user_attrs, t.user_attrs)
+        if gap > band:
+            missed = (f"the next, trial {t.number} ({ms:.1f} ms), is {100 * gap:+.1f} % from the best's {best_ms:.1f} ms, "
+                      f"outside the measured noise ({100 * band:.1f} %)")
+            break
+        if len(leaders) >= limit:
+            words.append(f"trial {t.number} within it too, left out (at most {limit} leaders)")
+            break
+        leaders.append(t)
+        words.append(f"trial {t.number} {ms:.1f} ms ({100 * gap:+.1f} %, within {100 * band:.1f} %)")
+    if len(leaders) < 2:
+        return leaders, f"no other feasible trial is within the measured noise of the best (trial {best.number}, " \
+                        f"{best_ms:.1f} ms)" + (f": {missed}" if missed else "")
+    return leaders, f"within the measured noise of the best (trial {best.number}, {best_ms:.1f} ms): " + "; ".join(words)
+
+
+def plan_leaders(leaders: Sequence[Any], *, run_s: Callable[[Any], float], time_left_s: float | None,
+                 why: str) -> LeaderPlan:
+    """How many of ``leaders`` to re-measure and how many more runs each (:data:`LEADER_RUNS`, the most
+    first; at the same runs, the most leaders): the most that ``time_left_s`` (after verification's
+    reserve; None: no time budget) holds, each run priced by ``run_s``. ``why``: :func:`close_leaders`'s
+    line."""
+    if len(leaders) < 2:
+        return LeaderPlan(leaders=list(leaders), runs=0, reason=f"Leaders not re-measured: {why}.")
+    options = [(k, runs) for runs in LEADER_RUNS for k in range(len(leaders), 1, -1)]
+    for k, runs in options:
+        chosen = list(leaders[:k])
+        cost = runs * sum(run_s(t) for t in chosen)
+        if time_left_s is None or cost <= time_left_s:
+            left = "" if time_left_s is None else f" of the {time_left_s:.0f} s left after verification's reserve"
+            fewer = "" if (k, runs) == options[0] else " (the most the time left holds)"
+            names = ", ".join(str(t.number) for t in chosen)
+            return LeaderPlan(leaders=chosen, runs=runs, reason=(
+                f"Leaders re-measured before saving: {why}. Trials {names} run {runs} more time(s) each, "
+                f"interleaved in the same worker state, their steps pooled with their own{fewer}: about {cost:.0f} s"
+                f"{left}."))
+    least = LEADER_RUNS[-1] * sum(run_s(t) for t in leaders[:2])
+    return LeaderPlan(leaders=list(leaders), runs=0, reason=(
+        f"Leaders not re-measured: {why}; but the time left ({max(0.0, time_left_s or 0.0):.0f} s after "
+        f"verification's reserve) does not hold {LEADER_RUNS[-1]} more run(s) of the first two (about {least:.0f} s)."))
+
+
+def step_spread(per_rank: Sequence[Sequence[float]]) -> dict[str, Any] | None:
+    """The slowest rank's steps (seconds, per rank): ``step_time_ms`` (their median), ``q1_ms``,
+    ``q3_ms``, ``steps``; None without steps."""
+    ranked = [(statistics.median(times), list(times)) for times in per_rank if times]
+    if not ranked:
+        return None
+    median, times = max(ranked, key=lambda x: x[0])
+    q = statistics.quantiles(times, n=4, method="inclusive") if len(times) >= 2 else [median, median, median]
+    return {"step_time_ms": round(1000 * median, 3), "q1_ms": round(1000 * q[0], 3), "q3_ms": round(1000 * q[2], 3),
+            "steps": len(times)}
+
+
+def own_steps(trial: Any) -> tuple[list[list[float]], int]:
+    """A trial's own measured steps per rank (seconds; its ``step_times_ms``, none in a study recorded
+    before they were kept) and how many runs they come from (2 when it was re-measured)."""
+    from autobalance.tuner._measurement import STEP_TIMES_MS
+
+    kept = trial.user_attrs.get(STEP_TIMES_MS)
+    if not isinstance(kept, list) or not any(isinstance(r, list) and r for r in kept):
+        return [], 0
+    steps = [[float(t) / 1000 for t in r] if isinstance(r, list) else [] for r in kept]
+    return steps, 2 if trial.user_attrs.get("remeasured") else 1
+
+
+def spread_text(entry: Mapping[str, Any]) -> str:
+    """``159.0 ms (IQR 152.0-166.0 ms over 24 steps, 3 runs)`` from a leader's record (or a trial's
+    figures in the same keys; ``iqr_pct`` when the quartiles are not known)."""
+    ms = float(entry["step_time_ms"])
+    runs = int(entry.get("runs") or 1)
+    steps = entry.get("steps")
+    over = f" over {steps} steps" if steps else ""
+    if entry.get("q1_ms") is not None and entry.get("q3_ms") is not None:
+        iqr = f"IQR {float(entry['q1_ms']):.1f}-{float(entry['q3_ms']):.1f} ms"
+    elif entry.get("iqr_pct") is not None:
+        iqr = f"IQR {float(entry['iqr_pct']):.1f} % of it"
+    else:
+        return f"{ms:.1f} ms ({over.strip() + ', ' if over else ''}{runs} run{'s' if runs != 1 else ''})"
+    return f"{ms:.1f} ms ({iqr}{over}, {runs} run{'s' if runs != 1 else ''})"
+
+
+def pooled_value(trial: Any, step_time_ms: float, objective: Mapping[str, Any], reference_s: float | None) -> float:
+    """``trial``'s objective value with its step time replaced by the pooled one (the memory terms as
+    measured): the weighted value plus the time weight x the step's change over the reference step."""
+    value = weighted_objective(trial.values, dict(objective))
+    own = _step_ms(trial)
+    if own is None or not reference_s:
+        return value
+    return value + float(objective.get("weight_time", 1.0)) * (step_time_ms - own) / 1000 / float(reference_s)
+
+
+def remeasure_leaders(plan: LeaderPlan, *, launch: Callable[[Any], TrialOutcome], objective: Mapping[str, Any],
+                      reference_s: float | None) -> dict[str, Any]:
+    """Run ``plan`` (each launch a re-measure run of a leader trial, in :meth:`LeaderPlan.order`), pool
+    each leader's steps (its own, :func:`own_steps`, and every run's, rank by rank) and return the
+    :data:`StudyAttr.LEADERS` record: each leader's pooled figures and value (or why its re-run
+    failed), ``order`` best first by pooled value, and the plan's ``reason``. A leader whose run fails
+    is not run again."""
+    from autobalance.tuner._measurement import rank_steps
+
+    runs: dict[int, list[TrialOutcome]] = {t.number: [] for t in plan.leaders}
+    failed: dict[int, str] = {}
+    for trial in plan.order():
+        if trial.number in failed:
+            continue
+        outcome = launch(trial)
+        if outcome.status != Status.OK:
+            failed[trial.number] = f"a re-measure run ended {outcome.status}: {outcome.reason}"
+            runs[trial.number] = []
+            continue
+        runs[trial.number].append(outcome)
+    entries: dict[str, dict[str, Any]] = {}
+    for trial in plan.leaders:
+        if trial.number in failed:
+            entries[str(trial.number)] = {"failed": failed[trial.number]}
+            continue
+        pooled, own_runs = own_steps(trial)
+        for outcome in runs[trial.number]:  # each rank's steps of every run, pooled
+            for rank, rep in outcome.reports.items():
+                while len(pooled) <= rank:
+                    pooled.append([])
+                pooled[rank].extend(rank_steps(rep))
+        spread = step_spread(pooled)
+        if spread is None:
+            entries[str(trial.number)] = {"failed": "no measured steps in its re-measure runs"}
+            continue
+        entries[str(trial.number)] = {**spread, "runs": own_runs + len(runs[trial.number]),
+                                      "new_runs": len(runs[trial.number]), "trial_ms": _step_ms(trial),
+                                      "value": pooled_value(trial, spread["step_time_ms"], objective, reference_s)}
+    order = sorted((n for n in runs), key=lambda n: (entries[str(n)].get("value", math.inf), n))
+    return {"reason": plan.reason, "order": order, "runs": plan.runs, "trials": entries}
+
+
+def leaders_line(record: Mapping[str, Any], *, was: int | None) -> str:
+    """One line on the leaders' pooled figures, best first, and which one is now the best."""
+    parts = []
+    for n in record.get("order") or []:
+        entry = (record.get("trials") or {}).get(str(n)) or {}
+        if entry.get("failed"):
+            parts.append(f"trial {n}: {entry['failed']}")
+        else:
+            one = f", measured before {entry['trial_ms']:.1f} ms" if entry.get("trial_ms") else ""
+            parts.append(f"trial {n} {spread_text(entry)}{one}")
+    order = list(record.get("order") or [])
+    first = order[0] if order else None
+    verdict = (f"trial {first} stays the best" if first == was
+               else f"trial {first} is now the best (was trial {was})")
+    return "Leaders pooled (interleaved runs): " + "; ".join(parts) + f": {verdict}."
+
+
+def leader_candidates(study: Any) -> list[Any]:
+    """The study's candidates for the best (``protocol.ranked_trials``), one per configuration, without
+    those that failed verification (never saved) and before any leaders' pooled figure counts: as the
+    trials measured them."""
+    import json
+
+    from autobalance.protocol import StudyAttr, rank_trials
+
+    seen: set[str] = set()
+    out = []
+    trials = study.get_trials(deepcopy=False)
+    for t in rank_trials(trials, study.user_attrs.get(StudyAttr.OBJECTIVE, {})):
+        verdict = study.user_attrs.get(f"{StudyAttr.VERIFY_PREFIX}{t.number}")
+        key = json.dumps(t.user_attrs.get(TrialAttr.CONFIG), sort_keys=True)
+        if key in seen or (isinstance(verdict, dict) and not verdict.get("passed")):
+            continue
+        seen.add(key)
+        out.append(t)
+    return out
+
+
+def leader_run_s(trials: Sequence[Any], trial: Any, *, device: str) -> float:
+    """One re-measure run of ``trial``'s configuration: its own first run's start-up, steps and hand-over
+    (its time split) plus, compiled, a compile from the study's cache (``_verify_time``); a trial
+    without a time split is priced as the study's next trial (``_verify_time.trial_s``)."""
+    from autobalance._config import BalanceConfig
+    from autobalance.tuner._verify_time import _from_cache_s, trial_s
+    from autobalance.tuner.search import compile_times
+
+    config = BalanceConfig.from_dict(trial.user_attrs[TrialAttr.CONFIG])
+    split = trial.user_attrs.get(TrialAttr.TIME_SPLIT)
+    if not isinstance(split, dict):
+        return trial_s(trials, config, device=device)
+    own = sum(float(split.get(k) or 0.0) for k in ("startup", "steps", "other"))
+    if config.compile == "off":
+        return own
+    _, cold = compile_times(trials, device=device, scope=config.compile_scope)
+    return own + _from_cache_s(trials, config, cold=cold)
+
+
+def least_plan(study: Any, trials: Sequence[Any], *, device: str) -> tuple[list[Any], float]:
+    """The least leaders' plan now: the first two leaders and their :data:`LEADER_RUNS`' fewest runs'
+    time (:func:`leader_run_s`), which the time budget keeps free (with the larger of their
+    verifications); none and 0 when no trial is within the best's noise."""
+    leaders, _ = close_leaders(leader_candidates(study))
+    if len(leaders) < 2:
+        return [], 0.0
+    return leaders[:2], LEADER_RUNS[-1] * sum(leader_run_s(trials, t, device=device) for t in leaders[:2])
+
+
+def saved_spread(study: Any, trial: Any) -> dict[str, Any] | None:
+    """The step time a saved trial stands on, with its spread: the leaders' pooled figures when it was
+    re-measured as one (:data:`StudyAttr.LEADERS`), else its own steps' (``step_times_ms``: the slowest
+    rank's median and quartiles), else its median and IQR %; ``runs`` and ``steps`` behind it. None
+    without a step time. What :func:`spread_text` writes and the saved record keeps."""
+    from autobalance.protocol import StudyAttr
+
+    record = study.user_attrs.get(StudyAttr.LEADERS) or {}
+    entry = (record.get("trials") or {}).get(str(trial.number)) if isinstance(record, dict) else None
+    if isinstance(entry, dict) and entry.get("step_time_ms") is not None:
+        return {k: entry.get(k) for k in ("step_time_ms", "q1_ms", "q3_ms", "steps", "runs")} | {
+            "source": "leaders re-measured before saving, interleaved"}
+    steps, runs = own_steps(trial)
+    spread = step_spread(steps)
+    if spread is not None:
+        return spread | {"runs": runs, "source": "the trial's own steps"}
+    ms = _step_ms(trial)
+    if ms is None:
+        return None
+    return {"step_time_ms": ms, "iqr_pct": trial.user_attrs.get("step_time_iqr_pct"),
+            "steps": trial.user_attrs.get(TrialAttr.MEASURED_STEPS), "runs": 2 if trial.user_attrs.get("remeasured") else 1,
+            "source": "the trial's own figures"}

@@ -178,6 +178,7 @@ def record_time_spent(study: optuna.Study, result: TuneResult, *, launched_here:
     spent = result.time_spent
     if launched_here is not None:
         spent.update(time_spent(study.get_trials(deepcopy=False), launched_here))
+        spent["remeasure"] = round(spent["remeasure"] + float(spent.get("leaders_s") or 0.0), 3)  # the leaders' runs
         spent.setdefault("verify", 0.0)
         spent.setdefault("verified", False)
     if verify_s is not None:

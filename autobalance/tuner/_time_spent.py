@@ -116,6 +116,12 @@ class TimeBudget:
     verify: bool = True
     """Whether the study's best is verified after the trial loop (its runs reserved; ``tune --no-verify``
     and several nodes: nothing reserved)."""
+    leaders: bool = False
+    """Whether the leaders are re-measured before saving (``_remeasure.py``; ``--remeasure``, one node):
+    their least plan is then kept free too (:attr:`leaders_s`)."""
+    leaders_s: float = 0.0
+    """What is kept free for re-measuring the leaders: the least plan (one more run of the best and of
+    the next trial within its measured noise, ``_remeasure.least_plan``); 0 when none is within it."""
     compile_left_s: float | None = None
     """Seconds left for a compile once verification's reserve and a usual trial are kept (None: no
     budget, or nothing verified): a proposal that compiles new graphs is made only when the study's
@@ -128,7 +134,8 @@ class TimeBudget:
     def spent(self, now: float) -> bool:
         """Whether no further trial may start: the time left does not hold the next trial and
         verification, or a proposal found it so (:attr:`stopped`)."""
-        return self.deadline is not None and (self.stopped or not self.holds(now, self.next_trial_s, self.reserve_s))
+        return self.deadline is not None and (self.stopped or not self.holds(now, self.next_trial_s,
+                                                                            self.reserve_s + self.leaders_s))
 
     def holds(self, now: float, trial_s: float, reserve_s: float) -> bool:
         """Whether a trial of ``trial_s`` started ``now`` still leaves ``reserve_s`` (verification's
@@ -144,12 +151,21 @@ class TimeBudget:
         if self.budget_s is None:
             return
         self.next_trial_s = next_trial_s(decision.trials)
+        leaders: list[FrozenTrial] = []
+        if self.leaders:
+            from autobalance.tuner._remeasure import least_plan
+
+            leaders, self.leaders_s = least_plan(decision.study, decision.trials, device=decision.device)
         forecast = self.forecast(decision, best_trial(decision.study))
         if forecast is None:  # nothing is verified after the study
             return
+        for leader in leaders[1:]:  # a leader may become the best: the larger verification is kept
+            other = self.forecast(decision, leader)
+            if other is not None and other.reserve_s > forecast.reserve_s:
+                forecast = other
         self.reserve_s, self.reserve_runs = forecast.reserve_s, len(forecast.runs)
         if self.deadline is not None:  # no compile the budget cannot hold
-            self.compile_left_s = self.deadline - now - self.reserve_s - self.next_trial_s
+            self.compile_left_s = self.deadline - now - self.reserve_s - self.leaders_s - self.next_trial_s
 
     def forecast(self, decision: Decision, best: FrozenTrial | None) -> VerifyForecast | None:
         """Verification's forecast for ``best``, priced with ``decision``'s step-time models; None when
@@ -181,12 +197,13 @@ class TimeBudget:
                                 user_attrs={TrialAttr.CONFIG: config.to_dict()}, system_attrs={},
                                 intermediate_values={}, trial_id=-1)
         forecast = self.forecast(decision, candidate)
-        reserve = max(self.reserve_s, forecast.reserve_s if forecast is not None else 0.0)
+        reserve = max(self.reserve_s, forecast.reserve_s if forecast is not None else 0.0) + self.leaders_s
         now = decision.clock()
         if self.holds(now, took, reserve):
             return None
+        leaders = f" (re-measuring the leaders {self.leaders_s:.0f} s of it)" if self.leaders_s > 0 else ""
         return (f"the time budget no longer holds it: {max(0.0, self.deadline - now):.0f} s left, it would take "
-                f"about {took:.0f} s and verification after it {reserve:.0f} s; nothing was launched")
+                f"about {took:.0f} s and verification after it {reserve:.0f} s{leaders}; nothing was launched")
 
     def holds_compile(self, decision: Decision, scope: str | None = None) -> bool:
         """Whether the time left for a compile (:attr:`compile_left_s`) holds the study's median compile
@@ -201,7 +218,7 @@ class TimeBudget:
     def record(self) -> dict[str, Any]:
         """What the run's time accounting keeps about the reservation."""
         return {"verify_reserved": round(self.reserve_s, 1), "verify_reserved_runs": self.reserve_runs,
-                "next_trial_s": round(self.next_trial_s, 1),
+                "next_trial_s": round(self.next_trial_s, 1), "leaders_reserved": round(self.leaders_s, 1),
                 "left_at_stop": None if self.left_at_stop is None else round(self.left_at_stop, 1)}
 
 

@@ -89,7 +89,9 @@ class Tuner:
             self.recorder.launch_settings(study, cold=self.launcher.cold)
             if self.advisor is None and s.strategy == "model":
                 self.advisor = _make_advisor(space=space, settings=s)
-            self.trial_loop().run(study, space)
+            loop = self.trial_loop()
+            loop.run(study, space)
+            leaders_s = loop.leaders_s
         finally:
             self.close()
         base_no = study.user_attrs.get(StudyAttr.BASELINE)
@@ -98,6 +100,7 @@ class Tuner:
                             best=best_trial(study), wall_s=time.monotonic() - start, already=already, of=s.trials)
         result.time_spent = {"slots": len(self.launcher.slots()), "budget_s": s.time_budget_s,
                              "stopped_by_budget": self.budget.stopped, "trials": counted_trials(study), "of": s.trials,
+                             "leaders_s": round(leaders_s, 3),
                              **(self.budget.record() if s.time_budget_s is not None else {})}
         summarise(study, result, cold_note=self.launcher.cold_note, advisor=self.advisor,
                   launched_here=set(self.recorder.launched_here))

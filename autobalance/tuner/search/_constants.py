@@ -248,3 +248,31 @@ and optimizer state, unsharded) is at least this share of its usable memory."""
 FIT_FRACTION = 0.85
 """The least sharding proposed is the first whose predicted fixed part is below this share of the
 tightest rank's usable memory (the rest is left to activations); else the most."""
+
+# ---------------------------------------------------------------------- the leaders re-measured before saving (``tuner/_remeasure``)
+LEADER_NOISE_FLOOR = 0.05
+"""Two measured configurations whose step times differ by less than this fraction of the faster one
+are not told apart by one measurement each, whatever their own steps' spread says. From the H200:
+single steps of one configuration ranged about +-15 % within a trial (a step's standard deviation
+near 15 / sqrt(3) ~ 8.7 %); the median of 9 such steps then varies by about 1.25 x 8.7 / sqrt(9) ~
+3.6 %, and the difference of two such medians by about sqrt(2) x 3.6 ~ 5 % (one standard deviation:
+two configurations 3 % apart were not separable by a median of 8-12 steps). Across a warm study one
+configuration measured 177-239 ms, so the run-to-run drift is no smaller than this."""
+LEADER_MEDIAN_SE = 0.93
+"""A median's standard error over ``n`` steps is about this times the steps' IQR / sqrt(n) (a normal
+sample: the median's standard error is 1.2533 sigma / sqrt(n), and the IQR is 1.349 sigma). With each
+trial's own IQR and step count this gives its figure's noise; the floor above applies when it is less."""
+LEADER_NOISE_SIGMAS = 2.0
+"""A leader is within the measured noise of the best when their step times differ by less than this
+many standard errors of the difference (each trial's own, :data:`LEADER_MEDIAN_SE`; at least
+:data:`LEADER_NOISE_FLOOR`): at 2, a difference the noise alone would produce 95 % of the time."""
+LEADERS_MAX = 3
+"""At most this many leaders (the best and those within its noise) are re-measured before saving:
+each costs its runs' time (per run a trial's start-up, its compile from the study's cache and its
+steps), so 3 leaders at 2 runs is already 6 runs; 2 is the least that decides anything."""
+LEADER_RUNS = (3, 2, 1)
+"""More runs of each leader, interleaved (A, B, A, B, ...), the most first, each leader's steps pooled
+with its own: with 3 more runs no single run's drift (177-239 ms for one configuration across a warm
+H200 study) decides; 1 is the least that measures the leaders again side by side in the same worker
+state. The most runs (then leaders) the time left holds, verification's reserve kept, are made; none
+when it holds not one more run of the first two, and the time budget keeps that least plan free."""
