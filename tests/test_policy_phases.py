@@ -216,8 +216,8 @@ def test_compile_time_is_priced_per_scope_and_an_unmeasured_scope_from_the_other
 def test_a_compile_from_the_cache_is_priced_at_one_share_of_a_cold_one_before_a_hit_is_measured() -> None:
     """One cached-compile prior (``FROM_CACHE_SHARE``, 0.4: the H200's largest measured share) for the
     compile figures and verification's forecast alike (the figures once used 0.1)."""
-    from autobalance.tuner._verify_time import FROM_CACHE_SHARE as verify_share
     from autobalance.tuner.search import CACHE_HIT_PRIOR_S, COMPILE_PRIOR_S, FROM_CACHE_SHARE
+    from autobalance.tuner.search._timing import FROM_CACHE_SHARE as verify_share
 
     assert verify_share is FROM_CACHE_SHARE == 0.4
     assert compile_times([], device="cuda") == (FROM_CACHE_SHARE * COMPILE_PRIOR_S["cuda"], COMPILE_PRIOR_S["cuda"])

@@ -30,7 +30,7 @@ from optuna.trial import FrozenTrial
 
 from autobalance import BalanceConfig
 from autobalance.protocol import StudyAttr, TrialAttr, best_trial
-from autobalance.tuner._verify_time import RESERVE_MARGIN, forecast_verification
+from autobalance.tuner.search._timing import RESERVE_MARGIN, forecast_verification
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 H200B = BENCH / "2026-12-03-h200b" / "tune_gpt-1gpu.db"

@@ -5,6 +5,7 @@
 - ``_objective``: from a trial's rank reports to its figures, objective values and memory constraint;
 - ``_memory_model``: per-rank peak memory, fitted from the study's trials;
 - ``_step_time``: step time, fitted from the study's trials;
+- ``_timing``: what time costs: verification's price and the next trial's, from the study's own trials;
 - ``_solver``: balanced splits and per-rank checkpointing from the memory model;
 - ``_eager_search``: the memory model's eager proposals;
 - ``_holdout``: what the memory models are fitted from, and their leave-one-trial-out errors;
@@ -152,6 +153,18 @@ from autobalance.tuner.search._step_time import (
     RECOMPUTE_PRIOR,
     StepTimeModel,
 )
+from autobalance.tuner.search._timing import (
+    RunPrices,
+    VerifyForecast,
+    forecast_verification,
+    has_dropout,
+    next_trial_s,
+    restarts,
+    run_prices,
+    trial_s,
+    verification_runs,
+    worker_start_s,
+)
 
 __all__ = [
     "ACTIVATION_BYTES_SCALE",
@@ -216,6 +229,7 @@ __all__ = [
     "ModelAdvisor",
     "ModelErrors",
     "Proposal",
+    "RunPrices",
     "SavingModel",
     "SearchPolicy",
     "SearchSpace",
@@ -224,6 +238,7 @@ __all__ = [
     "StepTimeModel",
     "TrialFigures",
     "TrialHistory",
+    "VerifyForecast",
     "activation_budget",
     "balanced_split",
     "balanced_split_for",
@@ -243,10 +258,13 @@ __all__ = [
     "dominating_over_cap",
     "figures_from_outcome",
     "fix_exchange_rate",
+    "forecast_verification",
     "graph_keys",
     "graph_probe",
     "graphs_verdict",
+    "has_dropout",
     "model_errors_line",
+    "next_trial_s",
     "observations_from_trials",
     "penalised",
     "plans_from_model",
@@ -257,6 +275,11 @@ __all__ = [
     "proposals_stalled",
     "rate_fixed",
     "rate_source",
+    "restarts",
+    "run_prices",
     "space_problem",
     "spread_fraction",
+    "trial_s",
+    "verification_runs",
+    "worker_start_s",
 ]

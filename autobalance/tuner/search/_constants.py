@@ -3,7 +3,7 @@
 One home: the policy's phases, the advisor's pacing and vetoes, the compile and step-time priors,
 verification's price and the loop's stop rules read their numbers here (``tests/test_constants.py``
 fails on a numeric module constant elsewhere in ``autobalance/tuner``). The modules that use one
-re-export it under its old name, so ``from autobalance.tuner._verify_time import FROM_CACHE_SHARE``
+re-export it under its old name, so ``from autobalance.tuner.search._timing import FROM_CACHE_SHARE``
 still works.
 
 Merged duplicates: the memory-model veto's margin is the models' default margin
@@ -187,7 +187,7 @@ cold, 5.2 s in a second process on the same cache (0.18); whole-model compiles f
 29-34 s of process wall against 46-52 s cold, start-up included (field notes 2026-12-04). The largest
 measured share, so a budget is not overdrawn."""
 
-# ---------------------------------------------------------------------- verification's price (``tuner/_verify_time``)
+# ---------------------------------------------------------------------- verification's price (``_timing``)
 FLOOR_RUNS = 1
 """Shared fp32 runs of the script's own configuration besides ``baseline`` and ``baseline-fp32``:
 the rounding floor (the same step with each micro-batch's samples reversed)."""

@@ -55,19 +55,18 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autobalance._config import BalanceConfig
 from autobalance.protocol import MEASURED_STATUSES, Status, TrialAttr
-from autobalance.tuner.search import (
+from autobalance.tuner.search._compile import compile_times
+from autobalance.tuner.search._compiled_model import CompiledTimeModel
+from autobalance.tuner.search._compiled_search import compiled_graphs, graph_keys
+from autobalance.tuner.search._constants import (
     COMPARE_S_PER_GB,
     FIRST_STEP_FACTOR,
     FLOOR_RUNS,
     FROM_CACHE_SHARE,
     IO_S_PER_GB,
     RESERVE_MARGIN,
-    CompiledTimeModel,
-    StepTimeModel,
-    compile_times,
-    compiled_graphs,
-    graph_keys,
 )
+from autobalance.tuner.search._step_time import StepTimeModel
 from autobalance.verify import run_key
 
 __all__ = ["COMPARE_S_PER_GB", "FIRST_STEP_FACTOR", "FLOOR_RUNS", "FROM_CACHE_SHARE", "IO_S_PER_GB", "RESERVE_MARGIN",
