@@ -20,8 +20,8 @@ of the shardings; ``_settings``' byte units and the memory the GPUs ``--memory-c
 ELSEWHERE = {
     "search/_memory_model.py": {"ACTIVATION_BYTES_SCALE", "PRIOR_CHECKPOINT_SAVING", "DEFAULT_SAFETY_MARGIN",
                                 "MAX_MARGIN", "WIDEN_FACTOR", "_RANK_TOL", "_CONFIDENT_TOL", "CLAMP_TOLERANCE"},
-    "search/_compiled_model.py": {"UNMEASURED_MARGIN", "MICRO_STEP_PRIOR", "RECOMPUTE_PRIOR_COMPILED",
-                                  "COMPILE_SPEED_PRIOR", "FLOOR_PRIOR", "LOW_BUDGET_FLOOR", "_TINY"},
+    "search/_compiled_model.py": {"UNMEASURED_MARGIN",
+                                  "FLOOR_PRIOR", "LOW_BUDGET_FLOOR", "_TINY"},
     "search/_objective.py": {"INFEASIBLE_TIME"},
     "search/_space.py": {"SHARE_RANGE", "BUCKET_RANGE_MB", "BUDGET_RANGE", "BUDGET_STEP", "OPTIMIZER_SHARE_RANGE"},
     "_settings.py": {"_UNIT_S"},

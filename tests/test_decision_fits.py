@@ -17,9 +17,9 @@ import pytest
 
 from autobalance.tuner._loop import TrialLoop
 from autobalance.tuner._recording import Recorder
-from autobalance.tuner.search._compiled_model import CompiledMemoryModel, CompiledTimeModel
+from autobalance.tuner.search._compiled_model import CompiledMemoryModel
 from autobalance.tuner.search._memory_model import MemoryModel
-from autobalance.tuner.search._step_time import StepTimeModel
+from autobalance.tuner.search._timing import CompiledTimeModel, StepTimeModel
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))

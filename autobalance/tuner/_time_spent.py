@@ -14,14 +14,14 @@ The time budget keeps verification's predicted time free (:class:`TimeBudget`, `
 from __future__ import annotations
 
 import datetime
-import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from optuna.trial import FrozenTrial, TrialState
 
 from autobalance.launcher import TrialOutcome
-from autobalance.protocol import RankTiming, Status, TrialAttr, time_in_steps_s
+from autobalance.protocol import RankTiming, TrialAttr
+from autobalance.tuner.search import per_trial_overhead_s
 
 if TYPE_CHECKING:
     from autobalance._config import BalanceConfig
@@ -277,20 +277,3 @@ def time_lines(spent: dict[str, Any]) -> list[str]:
             text += f", took {parts['verify']:.1f} s" if spent.get("verified") else ""
         lines.append(text + ").")
     return lines
-
-
-def per_trial_overhead_s(trials: list[FrozenTrial], *, last: int = 5) -> float | None:
-    """Median, over the last ``last`` launched ok trials, of the trial's wall time outside its
-    warm-up and measured steps, its compilation and the start of a warm pool (what remains: a cold
-    trial's start-up, the script's set-up, the hand-over); None before any."""
-    overheads = []
-    for t in trials:
-        a = t.user_attrs
-        if (t.state != TrialState.COMPLETE or a.get(TrialAttr.STATUS) != Status.OK
-                or a.get(TrialAttr.REUSED_FROM) is not None
-                or a.get(TrialAttr.WALL_S) is None or (in_steps := time_in_steps_s(a)) is None):
-            continue
-        overheads.append(max(0.0, float(a[TrialAttr.WALL_S]) - in_steps
-                             - float(a.get(TrialAttr.COMPILE_S) or 0.0) - float(a.get(TrialAttr.POOL_START_S) or 0.0)))
-    recent = overheads[-last:]
-    return statistics.median(recent) if recent else None

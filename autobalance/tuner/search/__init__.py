@@ -4,12 +4,12 @@
 - ``_space``: the search space (micro-batch shares, accumulation, checkpointing, dtype, buckets, compile);
 - ``_objective``: from a trial's rank reports to its figures, objective values and memory constraint;
 - ``_memory_model``: per-rank peak memory, fitted from the study's trials;
-- ``_step_time``: step time, fitted from the study's trials;
-- ``_timing``: what time costs: verification's price and the next trial's, from the study's own trials;
+- ``_timing``: the timing model: step time eager and compiled, compile time per scope, a trial's
+  time, verification's price, fitted from the study's own trials;
 - ``_solver``: balanced splits and per-rank checkpointing from the memory model;
 - ``_eager_search``: the memory model's eager proposals;
 - ``_holdout``: what the memory models are fitted from, and their leave-one-trial-out errors;
-- ``_compiled_model``: compiled configurations' peaks (per-rank budgets) and step times;
+- ``_compiled_model``: compiled configurations' peaks (per-rank budgets);
 - ``_compiled_search``: compiled proposals from it, ordered to reuse the Inductor cache;
 - ``_dominance``: what cannot fit, said before launching (model-free dominance, the memory models' vetoes);
 - ``_compile``: compile in the study (cache, space check, compile figures);
@@ -34,29 +34,21 @@ from autobalance.tuner.search._compile import (
     compile_env,
     compile_figures,
     compile_notes,
-    compile_times,
     space_problem,
 )
 from autobalance.tuner.search._compiled_model import (
-    COMPILE_SPEED_PRIOR,
-    MICRO_STEP_PRIOR,
-    RECOMPUTE_PRIOR_COMPILED,
     UNMEASURED_MARGIN,
     BudgetCurve,
     CompiledMemoryModel,
     CompiledObservation,
-    CompiledTimeModel,
     budget_grid,
     compiled_observations,
 )
 from autobalance.tuner.search._compiled_search import (
     CACHE_TIE,
-    DYNAMIC,
     Candidate,
     cache_order,
     compiled_candidates,
-    compiled_graphs,
-    graph_keys,
 )
 from autobalance.tuner.search._constants import (
     AUTO_MEASURE_FACTOR,
@@ -149,16 +141,23 @@ from autobalance.tuner.search._space import (
     compile_key,
     config_compile_key,
 )
-from autobalance.tuner.search._step_time import (
-    RECOMPUTE_PRIOR,
-    StepTimeModel,
-)
 from autobalance.tuner.search._timing import (
+    COMPILE_SPEED_PRIOR,
+    DYNAMIC,
+    MICRO_STEP_PRIOR,
+    RECOMPUTE_PRIOR,
+    RECOMPUTE_PRIOR_COMPILED,
+    CompiledTimeModel,
     RunPrices,
+    StepTimeModel,
     VerifyForecast,
+    compile_times,
+    compiled_graphs,
     forecast_verification,
+    graph_keys,
     has_dropout,
     next_trial_s,
+    per_trial_overhead_s,
     restarts,
     run_prices,
     trial_s,
@@ -267,6 +266,7 @@ __all__ = [
     "next_trial_s",
     "observations_from_trials",
     "penalised",
+    "per_trial_overhead_s",
     "plans_from_model",
     "predict_config_feasible",
     "predict_feasible",

@@ -1,10 +1,10 @@
-"""Compile in the study: the trials' Inductor cache, the space check, compile-time figures."""
+"""Compile in the study: the trials' Inductor cache, the space check, compile-time figures (compile
+times per scope: ``_timing.compile_times``)."""
 
 from __future__ import annotations
 
 import os
 import statistics
-from collections.abc import Sequence
 from typing import Any
 
 from optuna.trial import FrozenTrial
@@ -14,10 +14,10 @@ from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner.search._constants import (
     CACHE_HIT_PRIOR_S,
     COMPILE_PRIOR_S,
-    FROM_CACHE_SHARE,
     REGIONAL_COMPILE_SHARE,
 )
 from autobalance.tuner.search._space import SearchSpace
+from autobalance.tuner.search._timing import compile_times
 
 __all__ = ["CACHE_HIT_PRIOR_S", "COMPILE_PRIOR_S", "REGIONAL_COMPILE_SHARE", "cache_dir", "compile_env", "compile_figures", "compile_notes",
            "compile_times", "space_problem"]
@@ -104,48 +104,3 @@ def compile_notes(trials: list[FrozenTrial]) -> tuple[list[str], float]:
                      f"from the cache (about {saved * len(warm):.0f} s saved over {len(warm)} cached trial(s))")
         lines.append(text + ".")
     return lines, total
-
-
-def compile_times(trials: Sequence[FrozenTrial], *, device: str, scope: str | None = None) -> tuple[float, float]:
-    """(median compile from the Inductor cache, median compile with cache misses) of the study's
-    launched compiled trials; priors (:data:`CACHE_HIT_PRIOR_S`, :data:`COMPILE_PRIOR_S`) where it
-    measured none (a compile from the cache: :data:`FROM_CACHE_SHARE` of a cold one, at least
-    :data:`CACHE_HIT_PRIOR_S`). ``scope`` (``whole``/``regional``): that scope's trials only; a scope the study has
-    not compiled is priced from the other's (:data:`REGIONAL_COMPILE_SHARE`): a whole-model compile
-    costs three to five regional ones, and pricing one by the other's median starts compiles that
-    the time left cannot hold."""
-    if scope is not None:
-        own = [t for t in trials if _scope(t) == scope]
-        if any(isinstance(t.user_attrs.get(TrialAttr.COMPILE_S), (int, float)) for t in own):
-            return compile_times(own, device=device)
-        others = [t for t in trials if _scope(t) not in (None, scope)]
-        if any(isinstance(t.user_attrs.get(TrialAttr.COMPILE_S), (int, float)) for t in others):
-            warm, cold = compile_times(others, device=device)
-            low, high = REGIONAL_COMPILE_SHARE
-            factor = high if scope == "regional" else 1.0 / low
-            return warm * factor, cold * factor
-    hit, miss, every = [], [], []
-    for t in trials:
-        seconds = t.user_attrs.get(TrialAttr.COMPILE_S)
-        if not isinstance(seconds, (int, float)) or t.user_attrs.get(TrialAttr.REUSED_FROM) is not None:
-            continue
-        cache = t.user_attrs.get(TrialAttr.COMPILE_CACHE) or {}
-        every.append(float(seconds))
-        if cache.get("fx_graph_misses", 0) > 0:
-            miss.append(float(seconds))
-        elif cache.get("fx_graph_hits", 0) > 0:
-            hit.append(float(seconds))
-    if not every:
-        cold = COMPILE_PRIOR_S.get(device, COMPILE_PRIOR_S["cpu"])
-        return max(CACHE_HIT_PRIOR_S, FROM_CACHE_SHARE * cold), cold
-    cold = statistics.median(miss) if miss else statistics.median(every)
-    warm = statistics.median(hit) if hit else min(min(every), max(CACHE_HIT_PRIOR_S, FROM_CACHE_SHARE * cold))
-    return warm, cold
-
-
-def _scope(trial: FrozenTrial) -> str | None:
-    """A compiled trial's compile scope (None: eager or no configuration)."""
-    cfg = trial.user_attrs.get(TrialAttr.CONFIG) or {}
-    if not isinstance(cfg, dict) or cfg.get("compile", "off") == "off":
-        return None
-    return str(cfg.get("compile_scope", "whole"))

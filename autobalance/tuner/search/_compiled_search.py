@@ -28,12 +28,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from optuna.trial import FrozenTrial, TrialState
+from optuna.trial import FrozenTrial
 
 from autobalance._config import CUDA_GRAPH_MODES, BalanceConfig, split_evenly
 from autobalance._errors import UsageError
-from autobalance.protocol import MEASURED_STATUSES, TrialAttr
-from autobalance.tuner.search._compiled_model import CompiledMemoryModel, CompiledTimeModel
+from autobalance.tuner.search._compiled_model import CompiledMemoryModel
 from autobalance.tuner.search._constants import CACHE_TIE, NEIGHBOUR_RANKS, SLOW_DTYPE
 from autobalance.tuner.search._dominance import dominating_over_cap
 from autobalance.tuner.search._model_errors import FIT_ERRORS, ModelErrors, caught
@@ -41,20 +40,18 @@ from autobalance.tuner.search._solver import balanced_split, neighbours, optimiz
 from autobalance.tuner.search._space import (
     SearchSpace,
     compile_key,
-    config_compile_key,
     normalised_shares,
 )
-from autobalance.tuner.search._step_time import StepTimeModel
+from autobalance.tuner.search._timing import (
+    DYNAMIC,
+    CompiledTimeModel,
+    StepTimeModel,
+    compiled_graphs,
+    graph_keys,
+)
 
 __all__ = ["CACHE_TIE", "DYNAMIC", "SLOW_DTYPE", "Candidate", "cache_order", "compiled_candidates", "compiled_graphs",
            "graph_keys", "much_slower"]
-
-
-Graph = tuple[str, str, float, int, float]
-"""(dtype, mode, bucket MB, micro-batch size, budget): what a rank compiles (the cache's key, roughly);
-size :data:`DYNAMIC` for a rank whose micro-steps differ in size (one graph, batch dimension dynamic)."""
-DYNAMIC = 0
-"""The micro-batch size of a graph compiled with a dynamic batch dimension."""
 
 
 @dataclass(kw_only=True)
@@ -75,33 +72,6 @@ class Candidate:
     """``memory-model`` (eager) or ``compiled-model``."""
     extrapolated: bool = False
     """The memory prediction goes beyond the measured data (the trial line says so)."""
-
-
-def graph_keys(cfg: dict[str, Any]) -> set[Graph]:
-    """The graphs a compiled configuration compiles: one per rank, static at its micro-step size, or
-    dynamic (:data:`DYNAMIC`) when its micro-steps differ in size (``runtime._compile``)."""
-    if cfg.get("compile", "off") == "off":
-        return set()
-    config = BalanceConfig.from_dict(cfg)
-    budgets = config.activation_budget or [1.0] * config.world_size
-    out: set[Graph] = set()
-    for r in range(config.world_size):
-        sizes = set(config.micro_step_sizes(r))
-        size = next(iter(sizes)) if len(sizes) == 1 else DYNAMIC
-        out.add((config.dtype, config_compile_key(config), float(config.bucket_cap_mb), size,
-                 round(float(budgets[r]), 3)))
-    return out
-
-
-def compiled_graphs(trials: Sequence[FrozenTrial]) -> set[Graph]:
-    """Graphs the study's launched trials compiled (what the per-study Inductor cache holds)."""
-    out: set[Graph] = set()
-    for t in trials:
-        cfg = t.user_attrs.get(TrialAttr.CONFIG)
-        if (t.state == TrialState.COMPLETE and cfg and t.user_attrs.get(TrialAttr.STATUS) in MEASURED_STATUSES
-                and t.user_attrs.get(TrialAttr.REUSED_FROM) is None):
-            out |= graph_keys(cfg)
-    return out
 
 
 def much_slower(dtype: str, timing: StepTimeModel) -> bool:

@@ -25,11 +25,13 @@ from __future__ import annotations
 __all__ = [
     "AUTO_MEASURE_FACTOR",
     "AUTO_MEASURE_MAX_S",
+    "BETA_GRID",
     "BUDGET_CEILING",
     "CACHE_HIT_PRIOR_S",
     "CACHE_TIE",
     "COMPARE_S_PER_GB",
     "COMPILE_PRIOR_S",
+    "COMPILE_SPEED_PRIOR",
     "DEFAULT_RECOMPUTE_FRACTION",
     "DISPERSION_LIMIT",
     "DTYPE_SPEED_PRIOR",
@@ -53,11 +55,14 @@ __all__ = [
     "MAX_ERROR_TEXT",
     "MAX_KEPT_ERRORS",
     "MAX_PREDICTED_IN_A_ROW",
+    "MICRO_STEP_PRIOR",
     "NEIGHBOUR_RANKS",
     "RAISE_CHANGE_MARGIN",
     "RECOMPUTE_PRIOR",
+    "RECOMPUTE_PRIOR_COMPILED",
     "REGIONAL_COMPILE_SHARE",
     "RESERVE_MARGIN",
+    "RHO_GRID",
     "SAME_WITHIN",
     "SAMPLER_EVERY",
     "SCOPE_TRANSFERS",
@@ -150,7 +155,7 @@ GRAPH_GAIN = 0.03
 SHARE_TOL = 1e-9
 """Cumulative shares this close are the same boundary (sums of 4-decimal shares in floating point)."""
 
-# ---------------------------------------------------------------------- step-time priors (``_step_time``, ``_solver``)
+# ---------------------------------------------------------------------- step-time priors (``_timing``, ``_solver``)
 RECOMPUTE_PRIOR = 1.0
 """While checkpointing has not varied: recomputing all blocks once costs one typical micro-step
 (``b + k * m``; the H200 grid of the GPT scenario measured 0.85 of it)."""
@@ -240,3 +245,20 @@ and optimizer state, unsharded) is at least this share of its usable memory."""
 FIT_FRACTION = 0.85
 """The least sharding proposed is the first whose predicted fixed part is below this share of the
 tightest rank's usable memory (the rest is left to activations); else the most."""
+
+# ---------------------------------------------------------------------- compiled step-time priors (``_timing.CompiledTimeModel``)
+MICRO_STEP_PRIOR: dict[str, float] = {"reduce-overhead": 0.18}
+"""Prior ``beta`` per compile mode (others 1.0): on one H200 the GPT of ``studies/gpt-1gpu.toml`` paid
+33 ms per micro-step compiled with ``default`` and 5.8 ms with ``reduce-overhead`` (CUDA graphs):
+5.8 / 33 = 0.18 (``benchmarks/2026-12-03-h200b/compile_probe*.json``, ``docs/compile.md``)."""
+RECOMPUTE_PRIOR_COMPILED = 1.0 / 3.0
+"""Prior ``rho``: at budget 0 the partitioner recomputes about one forward (a third of a step)."""
+COMPILE_SPEED_PRIOR: dict[str, float] = {"cuda": 0.85, "cpu": 1.0}
+"""Prior ``s`` (compiled / eager time) before any compiled trial: Inductor fuses on GPUs; on CPU
+no gain is assumed."""
+RHO_GRID = [i / 20 for i in range(41)]
+"""The compiled step-time fit's grid of ``rho`` (recomputation at budget 0): 0 .. 2 in steps of 0.05,
+wide enough for a partitioner that recomputes up to two forwards."""
+BETA_GRID = [i / 20 for i in range(41)]
+"""The compiled step-time fit's grid of ``beta`` (a compiled micro-step's fixed cost relative to the
+eager one): 0 .. 2 in steps of 0.05 (the H200's CUDA graphs measured 0.18)."""

@@ -20,7 +20,7 @@ from autobalance.tuner.search._solver import (
     predict_config_feasible,
 )
 from autobalance.tuner.search._space import SearchSpace, normalised_shares
-from autobalance.tuner.search._step_time import StepTimeModel
+from autobalance.tuner.search._timing import StepTimeModel
 
 __all__ = ["Score", "eager_candidates"]
 

@@ -40,7 +40,7 @@ from autobalance.tuner.search._objective import spread_fraction
 from autobalance.tuner.search._sharding import SavingModel, study_savings
 from autobalance.tuner.search._snapshot import Decision
 from autobalance.tuner.search._space import SearchSpace, config_compile_key
-from autobalance.tuner.search._step_time import StepTimeModel
+from autobalance.tuner.search._timing import StepTimeModel
 
 __all__ = ["SearchModels", "saves_errors"]
 

@@ -75,7 +75,7 @@ if TYPE_CHECKING:
     from autobalance.tuner.search._compiled_search import Candidate
     from autobalance.tuner.search._memory_model import MemoryModel
     from autobalance.tuner.search._snapshot import Decision
-    from autobalance.tuner.search._step_time import StepTimeModel
+    from autobalance.tuner.search._timing import StepTimeModel
 
 __all__ = ["BUDGET_CEILING", "FIT_MARGIN", "GROW_MIN_BUDGET", "HALF_DTYPES", "KEEP_AT_FULL_BUDGET", "LOW_BUDGET", "PHASES", "SCOPE_TRANSFERS", "Proposal", "Record",
            "SearchPolicy", "TrialHistory", "first_compiled_micro_batch", "one_size", "proposal_line"]

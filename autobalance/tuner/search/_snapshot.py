@@ -26,9 +26,8 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from autobalance._config import BalanceConfig
-from autobalance.tuner.search._compiled_model import CompiledTimeModel
 from autobalance.tuner.search._model_errors import ModelErrors
-from autobalance.tuner.search._step_time import StepTimeModel
+from autobalance.tuner.search._timing import CompiledTimeModel, StepTimeModel
 
 __all__ = ["Budget", "Decision", "StudySnapshot", "finished_key"]
 
