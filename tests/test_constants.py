@@ -13,7 +13,7 @@ TUNER = ROOT / "autobalance" / "tuner"
 HOME = TUNER / "search" / "_constants.py"
 
 UNITS = {"GIB", "DYNAMIC", "LEVELS", "_UNIT_BYTES", "GPU_MEMORY_GIB", "REASON_CHARS"}
-"""Units, markers, facts and presentation, not decisions (``GIB = 2**30``; ``_compiled_search.DYNAMIC``,
+"""Units, markers, facts and presentation, not decisions (``GIB = 2**30``; ``_timing.DYNAMIC``,
 the micro-batch size that marks a graph with a dynamic batch dimension; ``_sharding.LEVELS``, the order
 of the shardings; ``_settings``' byte units and the memory the GPUs ``--memory-cap`` names report;
 ``_reporter.REASON_CHARS``, where a console line is cut)."""

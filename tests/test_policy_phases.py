@@ -15,7 +15,7 @@ from optuna.trial import FrozenTrial, TrialState
 from autobalance import BalanceConfig
 from autobalance.protocol import Status
 from autobalance.tuner.search import Decision, SearchSpace, TrialHistory, compile_times
-from autobalance.tuner.search._compile import REGIONAL_COMPILE_SHARE
+from autobalance.tuner.search._constants import REGIONAL_COMPILE_SHARE
 from autobalance.tuner.search._policy import FIT_MARGIN, Record, SearchPolicy
 
 USABLE = 15.2
@@ -335,7 +335,7 @@ def test_a_compiled_time_predicted_outside_the_models_support_is_no_reason_to_pr
     """The H200 study's "44 ms" trial: regional 8 x 4 at 0.3, below every measured budget (0.55-1.0), was
     predicted at 44 ms and ran 164. A candidate inside the support (8 x 4 at 0.6, 150 ms) goes first; the
     extrapolated one only after it, and its line says so."""
-    from autobalance.tuner.search._compiled_search import Candidate
+    from autobalance.tuner.search._candidates import Candidate
     from autobalance.tuner.search._policy import model_phase
 
     models = _Models()

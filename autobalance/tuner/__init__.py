@@ -4,7 +4,7 @@ Running the study: ``_tuner`` (the :class:`Tuner`), ``_loop`` (the trial loop), 
 (slots, warm pools, heartbeats), ``_recording`` (what is told to the study), ``_baseline``,
 ``_study`` (opening and counting), ``_summary``, ``_workers`` (several workers on one study),
 ``_preflight`` (the checks before anything runs).
-The search: ``_space``, ``_objective``, ``_memory_model``, ``_solver``, ``_advisor``, ``_compile``.
+The search: ``_space``, ``_objective``, ``_memory_model``, ``_solver``, ``_advisor``, ``_timing``.
 """
 
 from __future__ import annotations

@@ -7,12 +7,11 @@
 - ``_timing``: the timing model: step time eager and compiled, compile time per scope, a trial's
   time, verification's price, fitted from the study's own trials;
 - ``_solver``: balanced splits and per-rank checkpointing from the memory model;
-- ``_eager_search``: the memory model's eager proposals;
 - ``_holdout``: what the memory models are fitted from, and their leave-one-trial-out errors;
 - ``_compiled_model``: compiled configurations' peaks (per-rank budgets);
-- ``_compiled_search``: compiled proposals from it, ordered to reuse the Inductor cache;
+- ``_candidates``: the models' proposals, eager from the memory model and compiled from the compiled model
+  (ordered to reuse the Inductor cache);
 - ``_dominance``: what cannot fit, said before launching (model-free dominance, the memory models' vetoes);
-- ``_compile``: compile in the study (cache, space check, compile figures);
 - ``_first_trials``: on a GPU, which dtypes the models may propose (bf16 first) and when the sampler explores;
 - ``_model_errors``: the errors a fit can raise, and the ones the search fell back from (kept in the study);
 - ``_models``: the models of one decision, the candidates they rank, what the policy's phases ask of them;
@@ -27,14 +26,11 @@ from autobalance.tuner.search._advisor import (
     ModelAdvisor,
     observations_from_trials,
 )
-from autobalance.tuner.search._compile import (
-    CACHE_HIT_PRIOR_S,
-    COMPILE_PRIOR_S,
-    cache_dir,
-    compile_env,
-    compile_figures,
-    compile_notes,
-    space_problem,
+from autobalance.tuner.search._candidates import (
+    CACHE_TIE,
+    Candidate,
+    cache_order,
+    compiled_candidates,
 )
 from autobalance.tuner.search._compiled_model import (
     UNMEASURED_MARGIN,
@@ -43,12 +39,6 @@ from autobalance.tuner.search._compiled_model import (
     CompiledObservation,
     budget_grid,
     compiled_observations,
-)
-from autobalance.tuner.search._compiled_search import (
-    CACHE_TIE,
-    Candidate,
-    cache_order,
-    compiled_candidates,
 )
 from autobalance.tuner.search._constants import (
     AUTO_MEASURE_FACTOR,
@@ -108,6 +98,7 @@ from autobalance.tuner.search._model_errors import (
 from autobalance.tuner.search._objective import (
     INFEASIBLE_TIME,
     TrialFigures,
+    compile_figures,
     figures_from_outcome,
     fix_exchange_rate,
     penalised,
@@ -140,8 +131,11 @@ from autobalance.tuner.search._space import (
     SearchSpace,
     compile_key,
     config_compile_key,
+    space_problem,
 )
 from autobalance.tuner.search._timing import (
+    CACHE_HIT_PRIOR_S,
+    COMPILE_PRIOR_S,
     COMPILE_SPEED_PRIOR,
     DYNAMIC,
     MICRO_STEP_PRIOR,
@@ -151,6 +145,9 @@ from autobalance.tuner.search._timing import (
     RunPrices,
     StepTimeModel,
     VerifyForecast,
+    cache_dir,
+    compile_env,
+    compile_notes,
     compile_times,
     compiled_graphs,
     forecast_verification,

@@ -1,7 +1,7 @@
 """The search's models over one decision: the per-rank memory model and the compiled memory model
 fitted from the study's own trials (each once per decision: ``_snapshot.Decision``), the candidates
-they rank by predicted objective (eager ones from the memory model: ``_eager_search``; compiled ones
-from the compiled model: ``_compiled_search``), and what the policy's phases ask of them (the
+they rank by predicted objective (``_candidates``: eager ones from the memory model, compiled ones
+from the compiled model), and what the policy's phases ask of them (the
 ``Models`` protocol of ``_policy``). They learn from each trial (:meth:`SearchModels.learn`: a
 model that under-predicted widens its margin).
 """
@@ -24,10 +24,14 @@ from autobalance.protocol import (
     objective_value,
 )
 from autobalance.tuner._settings import TuneSettings
+from autobalance.tuner.search._candidates import (
+    Candidate,
+    cache_order,
+    compiled_candidates,
+    eager_candidates,
+)
 from autobalance.tuner.search._compiled_model import CompiledMemoryModel, compiled_observations
-from autobalance.tuner.search._compiled_search import Candidate, cache_order, compiled_candidates
 from autobalance.tuner.search._cuda_graphs import graphs_verdict
-from autobalance.tuner.search._eager_search import eager_candidates
 from autobalance.tuner.search._first_trials import proposable_dtypes
 from autobalance.tuner.search._holdout import observations_from_trials
 from autobalance.tuner.search._memory_model import (

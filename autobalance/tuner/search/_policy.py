@@ -72,7 +72,7 @@ from autobalance.tuner.search._space import (
 )
 
 if TYPE_CHECKING:
-    from autobalance.tuner.search._compiled_search import Candidate
+    from autobalance.tuner.search._candidates import Candidate
     from autobalance.tuner.search._memory_model import MemoryModel
     from autobalance.tuner.search._snapshot import Decision
     from autobalance.tuner.search._timing import StepTimeModel

@@ -6,7 +6,9 @@
   (:func:`graph_keys`, :func:`compiled_graphs`);
 - a trial's time: the next trial (:func:`next_trial_s`, :func:`trial_s`) and the per-trial overhead
   ``--measure-s auto`` sizes a launch by (:func:`per_trial_overhead_s`);
-- verification's price (:func:`forecast_verification`), which the time budget reserves.
+- verification's price (:func:`forecast_verification`), which the time budget reserves;
+- compile in the study: the per-study Inductor cache (:func:`cache_dir`, :func:`compile_env`) and the
+  summary's compile lines (:func:`compile_notes`).
 
 **Compiled step time.** From the eager :class:`StepTimeModel` (``a`` per step, rank ``r``'s micro-steps
 ``e_r = acc * b + k[dtype] * n_r`` without checkpointing, of which ``acc * b`` is paid once per
@@ -75,10 +77,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from optuna.trial import FrozenTrial, TrialState
@@ -108,6 +111,9 @@ from autobalance.tuner.search._model_errors import FIT_ERRORS, ModelErrors, caug
 from autobalance.tuner.search._space import REGIONAL_KEY, config_compile_key
 from autobalance.verify import run_key
 
+if TYPE_CHECKING:
+    from autobalance.tuner._settings import TuneSettings
+
 __all__ = [
     "COMPARE_S_PER_GB",
     "COMPILE_SPEED_PRIOR",
@@ -126,7 +132,7 @@ __all__ = [
     "RunPrices",
     "StepTimeModel",
     "VerifyForecast",
-    "compile_times",
+    "cache_dir", "compile_env", "compile_notes", "compile_times",
     "compiled_graphs",
     "forecast_verification",
     "graph_keys",
@@ -561,6 +567,61 @@ def _scope(trial: FrozenTrial) -> str | None:
     if not isinstance(cfg, dict) or cfg.get("compile", "off") == "off":
         return None
     return str(cfg.get("compile_scope", "whole"))
+
+
+# ------------------------------------------------------------ compile in the study: its Inductor cache, the summary's compile lines
+CACHE_SUBDIR = "inductor-cache"
+
+
+def cache_dir(runs_dir: str, study_name: str) -> str:
+    """``<runs_dir>/<study>/inductor-cache``: one persistent Inductor cache per study."""
+    return os.path.abspath(os.path.join(runs_dir, study_name, CACHE_SUBDIR))
+
+
+def compile_env(settings: TuneSettings) -> dict[str, str]:
+    """Environment for the study's trials: a per-study Inductor cache with the FX graph and
+    AOTAutograd caches on (a cache directory the user set is kept). Empty when nothing compiles."""
+    if settings.compile_modes() == ["off"]:
+        return {}
+    env = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
+    if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir(settings.runs_dir, settings.study_name)
+        # made here, not by the first compile: a backend that writes nothing (aot_eager) still gets it,
+        # and ranks of several trials never race to create it
+        os.makedirs(env["TORCHINDUCTOR_CACHE_DIR"], exist_ok=True)
+    return env
+
+
+def compile_notes(trials: list[FrozenTrial]) -> tuple[list[str], float]:
+    """Summary lines on compile time (total, and per trial with a cold or warm cache), and the total."""
+    launched = [t for t in trials if t.user_attrs.get(TrialAttr.COMPILE_S) is not None
+                and t.user_attrs.get(TrialAttr.REUSED_FROM) is None]
+    if not launched:
+        return [], 0.0
+    times = [float(t.user_attrs[TrialAttr.COMPILE_S]) for t in launched]
+    total = sum(times)
+    lines = [f"Compile: {len(launched)} compiled trial(s) spent {total:.1f} s compiling in total "
+             f"(median {statistics.median(times):.1f} s); the objective uses step time only, production runs "
+             "compile once."]
+    proposed = sum(t.user_attrs.get("proposed_by") == "compiled-model" for t in launched)
+    if proposed:
+        lines.append(f"The compiled model proposed {proposed} of them (each rank's largest budget predicted to fit).")
+    warm = [float(t.user_attrs[TrialAttr.COMPILE_S]) for t in launched
+            if (t.user_attrs.get(TrialAttr.COMPILE_CACHE) or {}).get("fx_graph_hits", 0) > 0
+            and (t.user_attrs.get(TrialAttr.COMPILE_CACHE) or {}).get("fx_graph_misses", 0) == 0]
+    cold = [float(t.user_attrs[TrialAttr.COMPILE_S]) for t in launched
+            if (t.user_attrs.get(TrialAttr.COMPILE_CACHE) or {}).get("fx_graph_misses", 0) > 0]
+    hits = sum((t.user_attrs.get(TrialAttr.COMPILE_CACHE) or {}).get("fx_graph_hits", 0) for t in launched)
+    misses = sum((t.user_attrs.get(TrialAttr.COMPILE_CACHE) or {}).get("fx_graph_misses", 0) for t in launched)
+    if hits or misses:
+        text = f"Inductor FX graph cache: {hits} hit(s), {misses} miss(es)"
+        if warm and cold:
+            saved = statistics.median(cold) - statistics.median(warm)
+            text += (f"; median compile {statistics.median(cold):.1f} s with misses vs {statistics.median(warm):.1f} s "
+                     f"from the cache (about {saved * len(warm):.0f} s saved over {len(warm)} cached trial(s))")
+        lines.append(text + ".")
+    return lines, total
+
 
 
 # --------------------------------------------------------------------------------- a trial's time
