@@ -262,7 +262,7 @@ def test_one_decision_reads_the_trials_once(tmp_path: Any) -> None:
     (filtered by state as the study would), while writes go to the study itself."""
     import optuna
 
-    from autobalance.tuner.search._snapshot import StudySnapshot
+    from autobalance.tuner.search._models import StudySnapshot
 
     study = optuna.create_study(storage=f"sqlite:///{tmp_path}/s.db", study_name="s")
     study.enqueue_trial({"x": 0.25})

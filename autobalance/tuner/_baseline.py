@@ -28,7 +28,7 @@ from autobalance.protocol import (
 from autobalance.store import heartbeat_interval_s, study_id
 from autobalance.tuner._launching import TrialLauncher
 from autobalance.tuner._recording import Recorder
-from autobalance.tuner._roles import Reporter
+from autobalance.tuner._reporter import Reporter
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._study import BaselineClaim, counted_trials, worker_id
 from autobalance.tuner._summary import keep_split, script_facts

@@ -35,7 +35,7 @@ from autobalance.store import heartbeat_interval_s, study_id, trial_id
 from autobalance.tuner._launching import Slot, Stopped, TrialLauncher, best_step_s
 from autobalance.tuner._recording import Recorder, feasible
 from autobalance.tuner._remeasure import merge_outcomes, remeasure_reason
-from autobalance.tuner._roles import Advisor, Reporter
+from autobalance.tuner._reporter import Advisor, Reporter
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._study import RunningClaim, counted_trials, fail_stale_trials
 from autobalance.tuner._time_spent import TimeBudget, describe_budget

@@ -174,7 +174,7 @@ class TuneSettings:
     """The ``torch.compile`` mode of compiled trials: ``default``, ``max-autotune-no-cudagraphs``,
     ``reduce-overhead`` (CUDA graphs, world size 1), or ``auto``: ``default``, and on a GPU at world
     size 1 CUDA graphs too, measured once against the study's best default-mode trial and proposed
-    further only where they pay (``tuner/search/_cuda_graphs.py``; not the default until GPU studies
+    further only where they pay (``tuner/search/_models.py``: ``graph_probe``; not the default until GPU studies
     show it pays, ``docs/compile.md``)."""
     compile_scope: CompileScopeChoice = "search"
     """What compiled trials compile: ``whole`` (the model as one region), ``regional`` (each repeated

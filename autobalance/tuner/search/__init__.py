@@ -12,9 +12,11 @@
 - ``_candidates``: the models' proposals, eager from the memory model and compiled from the compiled model
   (ordered to reuse the Inductor cache);
 - ``_dominance``: what cannot fit, said before launching (model-free dominance, the memory models' vetoes);
-- ``_first_trials``: on a GPU, which dtypes the models may propose (bf16 first) and when the sampler explores;
 - ``_model_errors``: the errors a fit can raise, and the ones the search fell back from (kept in the study);
-- ``_models``: the models of one decision, the candidates they rank, what the policy's phases ask of them;
+- ``_models``: one decision (``Decision``: the study read once, each model fitted at most once), the
+  candidates the models rank, what the policy's phases ask of them; on a GPU which dtypes the models may
+  propose (bf16 first) and when the sampler explores; CUDA graphs probed once (``--compile-mode auto``);
+- ``_policy``: where the next trial is chosen (the phases);
 - ``_advisor``: the ``model`` strategy's glue to Optuna: enqueue the policy's proposal, veto, learn after each trial.
 
 Nothing here launches a trial; the study's running side (``autobalance.tuner``) uses these.
@@ -73,14 +75,9 @@ from autobalance.tuner.search._constants import (
     WARM_PRUNE_MIN_STEPS,
     WORTH,
 )
-from autobalance.tuner.search._cuda_graphs import GRAPH_GAIN, graph_probe, graphs_verdict
 from autobalance.tuner.search._dominance import (
     activation_budget,
     dominating_over_cap,
-)
-from autobalance.tuner.search._first_trials import (
-    proposable_dtypes,
-    proposals_stalled,
 )
 from autobalance.tuner.search._memory_model import (
     ACTIVATION_BYTES_SCALE,
@@ -94,6 +91,14 @@ from autobalance.tuner.search._model_errors import (
     FIT_ERRORS,
     ModelErrors,
     model_errors_line,
+)
+from autobalance.tuner.search._models import (
+    GRAPH_GAIN,
+    Decision,
+    graph_probe,
+    graphs_verdict,
+    proposable_dtypes,
+    proposals_stalled,
 )
 from autobalance.tuner.search._objective import (
     INFEASIBLE_TIME,
@@ -114,7 +119,6 @@ from autobalance.tuner.search._policy import (
     proposal_line,
 )
 from autobalance.tuner.search._sharding import SavingModel, ShardingFacts
-from autobalance.tuner.search._snapshot import Decision
 from autobalance.tuner.search._solver import (
     DEFAULT_RECOMPUTE_FRACTION,
     SplitPlan,

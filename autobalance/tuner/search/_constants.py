@@ -136,7 +136,7 @@ EAGER_FIRST = 3
 measured (or its eager memory model is fully determined): eager trials take seconds and give the
 compiled model its fixed part and activation unit; a compile takes tens of seconds."""
 
-# ---------------------------------------------------------------------- proposals (``_candidates``, ``_first_trials``, ``_cuda_graphs``)
+# ---------------------------------------------------------------------- proposals (``_candidates``, ``_models``)
 CACHE_TIE = 0.02
 """Relative difference of predicted objective (or of a rank's predicted time) treated as a tie,
 which the configuration needing fewer new compiled graphs wins."""
