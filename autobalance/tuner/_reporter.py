@@ -39,6 +39,7 @@ from autobalance._config import BalanceConfig, describe_config
 from autobalance.protocol import Status, TrialAttr, memory_text, over_limit, trial_ranks
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._time_spent import describe_budget
+from autobalance.tuner.search import REASON_CHARS
 
 if TYPE_CHECKING:
     import optuna
@@ -70,10 +71,6 @@ __all__ = [
 
 _STYLE = {Status.OK: "green", Status.OOM: "red", Status.TIMEOUT: "red", Status.ERROR: "bold red",
           Status.CRASH: "yellow", Status.PREDICTED_OOM: "magenta", Status.INTERRUPTED: "yellow"}
-
-
-REASON_CHARS = 160
-"""A trial's reason on its console line is cut near this many characters (at a word boundary)."""
 
 
 def clip_words(text: str, limit: int = REASON_CHARS) -> str:

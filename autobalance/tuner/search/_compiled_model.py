@@ -52,6 +52,8 @@ from optuna.trial import FrozenTrial, TrialState
 from autobalance._config import BalanceConfig
 from autobalance._errors import UsageError
 from autobalance.protocol import Status, TrialAttr
+from autobalance.tuner.search._constants import FLOOR_PRIOR, LOW_BUDGET_FLOOR, UNMEASURED_MARGIN
+from autobalance.tuner.search._constants import MIN_SAMPLE_BYTES as _TINY
 from autobalance.tuner.search._memory_model import (
     CLAMP_TOLERANCE,
     DEFAULT_SAFETY_MARGIN,
@@ -78,17 +80,6 @@ __all__ = [
 ]
 
 GIB = 2**30
-UNMEASURED_MARGIN = 0.25
-"""Extra relative margin on the activation part at a budget the pair has not measured (divided by
-``sqrt(1 + measured budgets)``): the partitioner's plateaus make interpolation uncertain."""
-FLOOR_PRIOR = 0.25
-"""Without any compiled trial, ``f(b) = max(b, FLOOR_PRIOR)``: at its smallest budget the partitioner
-still keeps part of the activations (on one H200 the GPT of ``studies/gpt-1gpu.toml`` kept 0.42 of
-its eager activations at budget 0.4 with the loss outside the model, about 0.38 with it inside)."""
-LOW_BUDGET_FLOOR = 0.5
-"""Below the smallest measured budget ``b_1``, ``f(b) = F_1 * max(b / b_1, LOW_BUDGET_FLOOR)``: not the
-partitioner's proportional rule all the way down (the same grid: ``f(0.4) / f(1.0) = 0.68``)."""
-_TINY = 1.0
 
 
 def budget_grid() -> list[float]:

@@ -19,13 +19,12 @@ from autobalance.protocol import (
     memory_text,
     objective_value,
 )
+from autobalance.tuner.search._constants import INFEASIBLE_TIME
 
 __all__ = ["INFEASIBLE_TIME", "TrialFigures", "compile_figures", "figures_from_outcome", "fix_exchange_rate", "penalised",
            "rate_fixed", "rate_source", "spread_fraction"]
 
 GIB = 2**30
-INFEASIBLE_TIME = 10.0
-"""Normalised step time recorded for trials without a measurement (OOM, timeout)."""
 
 
 @dataclass(kw_only=True)
@@ -77,9 +76,6 @@ class TrialFigures:
     @property
     def measured(self) -> bool:
         return self.status == Status.OK and all(p is not None for p in self.peak_device) and self.step_time_s is not None
-
-    def spread_fraction_if_measured(self) -> float | None:
-        return self.spread_fraction() if self.measured else None
 
     def spread_bytes(self) -> float | None:
         peaks = [p for p in self.peak_device if p is not None]

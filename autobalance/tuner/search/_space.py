@@ -27,6 +27,13 @@ from autobalance._config import (
     split_at_least,
     split_evenly,
 )
+from autobalance.tuner.search._constants import (
+    BUCKET_RANGE_MB,
+    BUDGET_RANGE,
+    BUDGET_STEP,
+    OPTIMIZER_SHARE_RANGE,
+    SHARE_RANGE,
+)
 
 if TYPE_CHECKING:
     from autobalance.tuner._settings import TuneSettings
@@ -42,13 +49,6 @@ __all__ = [
     "normalised_shares",
     "space_problem",
 ]
-
-SHARE_RANGE = (0.05, 1.0)
-BUCKET_RANGE_MB = (1.0, 200.0)
-BUDGET_RANGE = (0.05, 1.0)
-BUDGET_STEP = 0.05
-OPTIMIZER_SHARE_RANGE = (0.0, 1.0)
-"""A rank's ``oshare_r`` weight; the shares are the weights over their sum (all 0: even)."""
 
 
 KEEP_CHOICES: dict[str, list[str]] = {"none": [], "embeddings": ["embeddings"], "blocks": ["blocks"],

@@ -95,6 +95,7 @@ from autobalance.tuner.search._constants import (
     COMPILE_PRIOR_S,
     COMPILE_SPEED_PRIOR,
     DTYPE_SPEED_PRIOR,
+    DYNAMIC,
     EQUAL_SPEED_BAND,
     FIRST_STEP_FACTOR,
     FLOOR_RUNS,
@@ -148,7 +149,6 @@ __all__ = [
 
 Pair = tuple[str, str]
 """(dtype, compile mode)."""
-
 
 
 # -------------------------------------------------------------------------------- eager step time
@@ -493,8 +493,6 @@ def _fit_pair(eager: StepTimeModel, rows: list[tuple[dict[str, Any], float]], *,
 Graph = tuple[str, str, float, int, float]
 """(dtype, mode, bucket MB, micro-batch size, budget): what a rank compiles (the cache's key, roughly);
 size :data:`DYNAMIC` for a rank whose micro-steps differ in size (one graph, batch dimension dynamic)."""
-DYNAMIC = 0
-"""The micro-batch size of a graph compiled with a dynamic batch dimension."""
 
 
 def graph_keys(cfg: dict[str, Any]) -> set[Graph]:
@@ -621,7 +619,6 @@ def compile_notes(trials: list[FrozenTrial]) -> tuple[list[str], float]:
                      f"from the cache (about {saved * len(warm):.0f} s saved over {len(warm)} cached trial(s))")
         lines.append(text + ".")
     return lines, total
-
 
 
 # --------------------------------------------------------------------------------- a trial's time
