@@ -417,7 +417,7 @@ def finished_key(trials: Sequence[FrozenTrial]) -> tuple[tuple[int, int], ...]:
 
 
 class Budget(Protocol):
-    """What a decision asks of ``--time-budget`` (``tuner._time_spent.TimeBudget``, the one place a
+    """What a decision asks of ``--time-budget`` (``tuner._budget.TimeBudget``, the one place a
     stop for time is decided)."""
 
     compile_left_s: float | None
