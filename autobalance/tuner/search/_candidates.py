@@ -140,10 +140,9 @@ def compiled_candidates(
         return budget_cache[key]
 
     def cached_budget(top: float, m: int, dtype: str, mode: str) -> float:
-        _, rho, _ = timing.params(dtype, mode)
         ready = [g[4] for g in done if g[:4] == (dtype, mode, float(bucket), m) and g[4] <= top]
         for b in sorted(ready, reverse=True):
-            if (1.0 + rho * (1.0 - b)) <= (1.0 + rho * (1.0 - top)) * (1.0 + CACHE_TIE):
+            if timing.recompute_factor(dtype, mode, b) <= timing.recompute_factor(dtype, mode, top) * (1.0 + CACHE_TIE):
                 return b
         return top
 
@@ -167,8 +166,7 @@ def compiled_candidates(
         if any(b is None for b in budgets):
             return
         chosen = [float(b) for b in budgets if b is not None]
-        _, rho, _ = timing.params(dtype, mode)
-        cost = [1.0 + rho * (1.0 - b) for b in chosen]
+        cost = [timing.recompute_factor(dtype, mode, b) for b in chosen]
         sharding: dict[str, Any] = {} if placed is None else {"optimizer_sharding": "zero1", "optimizer_shares": placed}
         try:
             cfg = space.config_for(micro, acc, cost, checkpoint=[[] for _ in range(world)], dtype=dtype,
@@ -296,8 +294,7 @@ def _eager_candidates(*, space: SearchSpace, model: MemoryModel, timing: StepTim
     def consider(micro: list[int], counts: list[int], dtype: str, acc: int, zero: bool = False) -> None:
         # any split: the largest micro-batch per rank that fits; the ranks whose steps cost more
         # per sample (more recomputation) give up the samples beyond the global batch first
-        speeds = timing.speeds or [1.0] * world
-        cost = [(1.0 + timing.rho * c / layers) * s for c, s in zip(counts, speeds, strict=True)]
+        cost = timing.sample_costs(counts, layers=layers)
         cfg = space.config_for(micro, acc, cost, checkpoint=[list(range(c)) for c in counts], dtype=dtype,
                                     bucket_cap_mb=bucket, gradient_as_bucket_view=view)
         if zero:  # zero1: the state water-filled over the ranks' peaks without it (solver.optimizer_shares)

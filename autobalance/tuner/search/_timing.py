@@ -224,6 +224,12 @@ class StepTimeModel:
         return self.a, [ratio * ms for ms in _rank_ms(c, b=self.b, k=self.k[dtype], g=self.g, layers=self.num_layers,
                                                          speeds=self.speeds)]
 
+    def sample_costs(self, checkpointed: list[int], *, layers: int) -> list[float]:
+        """Each rank's relative cost per sample with ``checkpointed[r]`` of its ``layers`` blocks
+        checkpointed, ``(1 + rho * c_r / L) * speeds[r]``: what the balanced split weighs the ranks by."""
+        speeds = self.speeds or [1.0] * len(checkpointed)
+        return [(1.0 + self.rho * c / layers) * s for c, s in zip(checkpointed, speeds, strict=True)]
+
     def micro_step_ms(self, cfg: BalanceConfig | dict[str, Any]) -> float | None:
         """``s * acc * b``: the part of each rank's micro-steps (:meth:`rank_ms`) paid once per
         micro-step whatever its size (the compiled model scales it per compile mode); None before
@@ -418,6 +424,12 @@ class CompiledTimeModel:
         for other in sorted(p for p in self.micro_step if p[1] == mode):
             return self.micro_step[other]
         return MICRO_STEP_PRIOR.get(mode.removesuffix(REGIONAL_KEY), 1.0)
+
+    def recompute_factor(self, dtype: str, mode: str, budget: float) -> float:
+        """``1 + rho * (1 - budget)``: a compiled micro-step's cost at ``budget`` relative to budget 1.0
+        (the recomputation term of :meth:`rank_ms`)."""
+        _, rho, _ = self.params(dtype, mode)
+        return 1.0 + rho * (1.0 - budget)
 
     def rank_ms(self, config: BalanceConfig | dict[str, Any]) -> tuple[float, list[float]] | None:
         """``a`` and each rank's compiled micro-steps; None before any eager measurement."""
