@@ -7,7 +7,6 @@
 - ``_timing``: the timing model: step time eager and compiled, compile time per scope, a trial's
   time, verification's price, fitted from the study's own trials;
 - ``_solver``: balanced splits and per-rank checkpointing from the memory model;
-- ``_holdout``: what the memory models are fitted from, and their leave-one-trial-out errors;
 - ``_compiled_model``: compiled configurations' peaks (per-rank budgets);
 - ``_candidates``: the models' proposals, eager from the memory model and compiled from the compiled model
   (ordered to reuse the Inductor cache);
@@ -16,6 +15,7 @@
 - ``_models``: one decision (``Decision``: the study read once, each model fitted at most once), the
   candidates the models rank, what the policy's phases ask of them; on a GPU which dtypes the models may
   propose (bf16 first) and when the sampler explores; CUDA graphs probed once (``--compile-mode auto``);
+  what the memory models are fitted from, and their leave-one-trial-out errors;
 - ``_policy``: where the next trial is chosen (the phases);
 - ``_advisor``: the ``model`` strategy's glue to Optuna: enqueue the policy's proposal, veto, learn after each trial.
 

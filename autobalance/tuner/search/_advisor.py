@@ -19,13 +19,15 @@ from autobalance.protocol import StudyAttr
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner.search._constants import MAX_PREDICTED_IN_A_ROW
 from autobalance.tuner.search._dominance import dominance_veto, dominating_over_cap, model_veto
-from autobalance.tuner.search._holdout import (
+from autobalance.tuner.search._model_errors import ModelErrors
+from autobalance.tuner.search._models import (
+    Decision,
+    SearchModels,
     compiled_holdout_error,
     eager_holdout_error,
     observations_from_trials,
+    saves_errors,
 )
-from autobalance.tuner.search._model_errors import ModelErrors
-from autobalance.tuner.search._models import Decision, SearchModels, saves_errors
 from autobalance.tuner.search._objective import TrialFigures
 from autobalance.tuner.search._policy import SearchPolicy, TrialHistory
 from autobalance.tuner.search._space import SearchSpace

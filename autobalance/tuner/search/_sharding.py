@@ -18,7 +18,7 @@ model of the unsharded trials predicts its split, the saving is learned (:class:
 rank, the median of that model's unsharded prediction minus the measured peak over that sharding's
 trials, in place of the formula (one trial identifies it: one figure per rank). Sharded trials then
 join the fit as the unsharded peaks they imply (their peaks plus the saving:
-``_holdout.observations_from_trials``), and the eager proposals include sharded splits, their peaks
+``_models.observations_from_trials``), and the eager proposals include sharded splits, their peaks
 the model's less the saving (``_candidates``).
 """
 
