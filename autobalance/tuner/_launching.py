@@ -1,7 +1,7 @@
 """Launching a trial: the slot it runs in, its warm pool (or a cold torchrun, or the multi-node
 hand-off), its heartbeat in the storage and early stopping (pruning).
 
-**Slots: where concurrent trials run.** Several trials at once on one host: disjoint GPU sets (``--gpus-per-trial``) or CPU core sets
+**Slots.** Several trials at once on one host: disjoint GPU sets (``--gpus-per-trial``) or CPU core sets
 (``--cpus-per-trial``), one *slot* per concurrent trial.
 
 Each slot is a tuner thread that asks Optuna for a trial, launches it on the slot's devices and

@@ -1,6 +1,6 @@
 """Progress of a study on the terminal: one line per trial plus a live bar.
 
-**Each trial's outcome in words, and the study's notes.** A trial's ``outcome`` in words, and optuna-dashboard notes on the study and its trials: the study's note and the best trial's say
+**Notes.** A trial's ``outcome`` in words, and optuna-dashboard notes on the study and its trials: the study's note and the best trial's say
 why it won (faster trials excluded and why, headroom, verification); a trial that ran out of
 memory, went over the limit or was predicted to says so in one line at the top of its page.
 
@@ -8,7 +8,7 @@ Notes are Markdown kept in the study's system attributes (optuna-dashboard's for
 person wrote in the dashboard is never overwritten: autobalance only rewrites notes that carry
 its own last line (:data:`SIGNATURE`).
 
-**The parts the loop is handed, as Protocols.** What the trial loop needs of the parts it is handed: the console (:class:`Reporter`), the search's
+**Roles.** What the trial loop needs of the parts it is handed: the console (:class:`Reporter`), the search's
 advisor (:class:`Advisor`) and the multi-node coordinator (:class:`TrialCoordinator`). Each is a
 ``typing.Protocol``: ``RichReporter``, ``ModelAdvisor`` and ``launcher.Coordinator`` satisfy them
 without naming them, and a test or another front end may hand in anything that has these methods.

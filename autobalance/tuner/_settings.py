@@ -1,6 +1,6 @@
 """Settings of one ``autobalance tune`` run: flags > study TOML > defaults.
 
-**Preflight: the settings against this host, before anything runs.** Before ``tune`` starts anything: the GPUs and memory caps against this host, the runs directory,
+**Preflight.** Before ``tune`` starts anything: the GPUs and memory caps against this host, the runs directory,
 the storage. Each failure is a :class:`~autobalance._errors.UsageError` or
 :class:`~autobalance._errors.StorageError` naming the flag to change, raised before any trial.
 """

@@ -1,7 +1,7 @@
 """The study: the sampler, opening (or continuing) a study with the same objective and search
 space, and which trials count towards ``--trials``.
 
-**Several workers on one study.** Several tuner processes on one study: one baseline, stale trials, no trial beyond the total.
+**Workers.** Several tuner processes on one study: one baseline, stale trials, no trial beyond the total.
 
 Any number of ``autobalance tune`` processes may work on one study (same ``--storage`` and
 ``--study-name``), on one host or many. What keeps them consistent:

@@ -1,7 +1,7 @@
 """What a finished ``tune`` says: the result, and the notes under the table (predicted and pruned
 trials, the steps' share of the wall time, compilation, the memory model's error).
 
-**How each trial was measured.** How each trial was measured, as trial attributes and as lines of the study summary.
+**How each trial was measured**, as trial attributes and as lines of the study summary.
 
 - the compiling step apart from the steady state: ``compile_peak_gib`` and ``steady_peak_gib`` per
   rank (a compiled trial's peak device memory in its first, compiling, step and in the steps
@@ -14,7 +14,7 @@ trials, the steps' share of the wall time, compilation, the memory model's error
   over its reference when the trial started: charged to the trial, never discounted) and
   ``warm_recycled`` (why the pool was restarted after it).
 
-**The script's facts, from the baseline's report.** What the baseline trial's report says about the script that shapes the study, in words: its
+**The script's facts**: what the baseline trial's report says about the script that shapes the study, in words: its
 repeated blocks (none found: checkpointing is not searched), batch-dependent layers (the split
 stays the script's own), a dataset smaller than one global batch (every step is a partial step).
 

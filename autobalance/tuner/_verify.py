@@ -1,7 +1,7 @@
 """The study's side of verification: which trials to verify before saving (``tune``), and the
 ``autobalance verify`` command. The rule itself and its runs are the :mod:`autobalance.verify` room.
 
-**Verify and save one trial.** Saving a trial's configuration to the store (end of ``tune`` and ``autobalance promote``).
+**Promote.** Saving a trial's configuration to the store (end of ``tune`` and ``autobalance promote``).
 """
 
 from __future__ import annotations
