@@ -45,7 +45,12 @@ from autobalance.protocol import (
 )
 from autobalance.tuner._budget import TIME_PARTS, per_trial_overhead_s, time_lines, time_spent
 from autobalance.tuner._reporter import Advisor
-from autobalance.tuner.search import SearchSpace, compile_notes, model_errors_line
+from autobalance.tuner.search import (
+    SearchSpace,
+    compile_notes,
+    model_errors_line,
+    typical_compile_s,
+)
 
 __all__ = [
     "ATTR_SCRIPT_FACTS",
@@ -183,10 +188,8 @@ def summarise(study: optuna.Study, result: TuneResult, *, cold_note: str | None,
             f"overhead {per_trial_overhead_s(launched, last=len(launched)) or 0:.2f} s per trial: the script's "
             "set-up, hand-over" + (f"; plus {starts:.1f} s starting warm workers)." if starts else ")."))
     compiled_skipped = sum((t.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile", "off") != "off" for t in predicted)
-    compile_times = sorted(float(t.user_attrs[TrialAttr.COMPILE_S]) for t in trials
-                           if t.user_attrs.get(TrialAttr.COMPILE_S))
-    if compiled_skipped and compile_times:
-        median = compile_times[len(compile_times) // 2]
+    median = typical_compile_s(trials)
+    if compiled_skipped and median is not None:
         result.notes.append(f"{compiled_skipped} of them compiled: about {compiled_skipped * median:.0f} s of "
                             f"compilation saved (the study's median compile, {median:.1f} s, each).")
     if pruned:

@@ -163,6 +163,7 @@ from autobalance.tuner.search._timing import (
     restarts,
     run_prices,
     trial_s,
+    typical_compile_s,
     verification_runs,
     worker_start_s,
 )
@@ -283,6 +284,7 @@ __all__ = [
     "space_problem",
     "spread_fraction",
     "trial_s",
+    "typical_compile_s",
     "verification_runs",
     "worker_start_s",
 ]

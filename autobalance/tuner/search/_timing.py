@@ -2,7 +2,7 @@
 (``search.Decision`` holds the fitted models).
 
 - step time, eager (:class:`StepTimeModel`) and compiled (:class:`CompiledTimeModel`);
-- compile time per scope (:func:`compile_times`), and the graphs the study's Inductor cache holds
+- compile time per scope (:func:`compile_times`; the summary's :func:`typical_compile_s`), and the graphs the study's Inductor cache holds
   (:func:`graph_keys`, :func:`compiled_graphs`);
 - a trial's time: the next trial (:func:`next_trial_s`, :func:`trial_s`) and the per-trial overhead
   ``--measure-s auto`` sizes a launch by (:func:`per_trial_overhead_s`);
@@ -142,7 +142,7 @@ __all__ = [
     "per_trial_overhead_s",
     "restarts",
     "run_prices",
-    "trial_s",
+    "trial_s", "typical_compile_s",
     "verification_runs",
     "worker_start_s",
 ]
@@ -569,6 +569,13 @@ def compile_times(trials: Sequence[FrozenTrial], *, device: str, scope: str | No
     cold = statistics.median(miss) if miss else statistics.median(every)
     warm = statistics.median(hit) if hit else min(min(every), max(CACHE_HIT_PRIOR_S, FROM_CACHE_SHARE * cold))
     return warm, cold
+
+
+def typical_compile_s(trials: Sequence[FrozenTrial]) -> float | None:
+    """The median of the compile times the study's trials recorded (the upper one of an even count: a
+    measured time), what a compile the study did not run is priced at in its summary; None before any."""
+    times = sorted(float(t.user_attrs[TrialAttr.COMPILE_S]) for t in trials if t.user_attrs.get(TrialAttr.COMPILE_S))
+    return times[len(times) // 2] if times else None
 
 
 def _scope(trial: FrozenTrial) -> str | None:
