@@ -577,7 +577,7 @@ def replay(machine: GridMachine, *, seed: int, budget: str, root: str) -> dict[s
     """One ``tune --time-budget`` study on ``machine``; its saved configuration against the grid best."""
     from autobalance.tuner import Tuner, TuneSettings, _loop, _tuner
     from autobalance.tuner._launching import TrialLauncher
-    from autobalance.tuner._verify_time import verification_runs
+    from autobalance.tuner.search._timing import verification_runs
 
     clock = types.SimpleNamespace(now=1000.0)
     clock.monotonic = lambda: clock.now

@@ -20,7 +20,7 @@ from autobalance._config import BalanceConfig
 from autobalance.launcher import TrialOutcome
 from autobalance.protocol import StudyAttr
 from autobalance.tuner import SearchSpace, Tuner, TuneSettings
-from autobalance.tuner._notes import write_notes
+from autobalance.tuner._reporter import write_notes
 from autobalance.tuner._study import open_study
 
 GIB = 2**30

@@ -142,7 +142,7 @@ def _report(**sections: Any) -> RankReport:
 
 
 def test_a_study_keeps_a_batch_dependent_models_split_and_says_why():
-    from autobalance.tuner._script_facts import keep_split, script_facts
+    from autobalance.tuner._summary import keep_split, script_facts
     from autobalance.tuner.search import SearchSpace
 
     report = _report(model={"num_blocks": 6, "blocks_path": "body.layers",
@@ -168,7 +168,7 @@ def test_the_kept_split_is_the_scripts_own_even_when_it_is_uneven():
     4,3,3): every trial would then change the script's train-mode step."""
     import optuna
 
-    from autobalance.tuner._script_facts import keep_split
+    from autobalance.tuner._summary import keep_split
     from autobalance.tuner.search import SearchSpace
 
     report = _report(model={"num_blocks": 6, "batch_dependent": ["body.layers.0.norm (BatchNorm1d)"]})
@@ -206,7 +206,7 @@ def test_the_kept_split_is_the_scripts_own_even_when_it_is_uneven():
 
 
 def test_a_study_without_blocks_says_so_first_and_how_to_name_them():
-    from autobalance.tuner._script_facts import script_facts
+    from autobalance.tuner._summary import script_facts
 
     lines = script_facts(_report(model={"num_blocks": 0, "blocks_path": ""}), kept_split=False, allow=False, split="8,8")
     assert lines[0].startswith("No repeated blocks found") and "blocks=" in lines[0]
@@ -255,8 +255,7 @@ def test_the_final_summary_repeats_why_the_split_was_kept_and_that_the_dataset_i
 
     from autobalance.cli._views import print_result
     from autobalance.protocol import StudyAttr
-    from autobalance.tuner._script_facts import script_facts, summary_facts
-    from autobalance.tuner._summary import TuneResult, summarise
+    from autobalance.tuner._summary import TuneResult, script_facts, summarise, summary_facts
 
     report = _report(model={"num_blocks": 6, "blocks_path": "body.layers",
                             "batch_dependent": ["body.layers.0.norm (BatchNorm1d)"]},

@@ -14,7 +14,12 @@ from autobalance._config import describe_config
 from autobalance.protocol import RankReport, RankTiming, Status
 from autobalance.tuner import SearchSpace, TuneSettings
 from autobalance.tuner._verify import load_config_file
-from autobalance.tuner.search import compile_figures, compile_notes, space_problem
+from autobalance.tuner.search import (
+    compile_figures,
+    compile_notes,
+    space_problem,
+    typical_compile_s,
+)
 from autobalance.verify import Check, recomputes, without_recompute
 from autobalance.verify import relative as _relative
 
@@ -153,6 +158,17 @@ def test_compile_figures_and_notes():
     assert total == 35.0
     assert "2 compiled trial(s) spent 35.0 s" in lines[0]
     assert "8 hit(s), 8 miss(es)" in lines[1] and "30.0 s with misses vs 5.0 s" in lines[1]
+
+
+def test_the_summary_prices_a_compile_it_did_not_run_at_a_measured_median():
+    """The upper median of the recorded compile times (a time some trial took); none recorded: None."""
+    class T:
+        def __init__(self, attrs):
+            self.user_attrs = attrs
+
+    assert typical_compile_s([T({}), T({"compile_s": None})]) is None
+    assert typical_compile_s([T({"compile_s": 30.0}), T({"compile_s": 5.0}), T({"compile_s": 0.0})]) == 30.0
+    assert typical_compile_s([T({"compile_s": 30.0}), T({"compile_s": 5.0}), T({"compile_s": 12.0})]) == 12.0
 
 
 def test_describe_config_shows_compile_and_budget():

@@ -23,7 +23,7 @@ from autobalance.tuner.search import (
     compiled_observations,
     observations_from_trials,
 )
-from autobalance.tuner.search._compiled_search import _splits, compiled_candidates
+from autobalance.tuner.search._candidates import _splits, compiled_candidates
 from autobalance.tuner.search._dominance import dominating_over_cap
 
 GIB = 2**30

@@ -14,7 +14,7 @@ from optuna_dashboard._pareto_front import get_pareto_front_trials
 from autobalance.report import dashboard_app
 from autobalance.report._artifacts import BAD, GOOD, PREDICTED, chart_verdict
 from autobalance.tuner import best_trial, is_feasible
-from autobalance.tuner._notes import SIGNATURE, write_notes
+from autobalance.tuner._reporter import SIGNATURE, write_notes
 from autobalance.tuner.search import penalised
 from tests.report_helpers import WsgiServer
 from tests.synthetic_study import BEST_2, OVER_CAP_FASTER_2, build_study
@@ -148,7 +148,7 @@ def test_the_study_note_lists_every_trials_outcome(single) -> None:
 def test_outcome_lines_stay_short_for_many_trials() -> None:
     from types import SimpleNamespace
 
-    from autobalance.tuner._notes import outcome_lines
+    from autobalance.tuner._reporter import outcome_lines
 
     def row(number: int, outcome: str, reused_from: int | None = None) -> SimpleNamespace:
         return SimpleNamespace(number=number, outcome=outcome if reused_from is None else f"{outcome}, as #{reused_from}",

@@ -17,9 +17,9 @@ import pytest
 
 from autobalance.tuner._loop import TrialLoop
 from autobalance.tuner._recording import Recorder
-from autobalance.tuner.search._compiled_model import CompiledMemoryModel, CompiledTimeModel
+from autobalance.tuner.search._compiled_model import CompiledMemoryModel
 from autobalance.tuner.search._memory_model import MemoryModel
-from autobalance.tuner.search._step_time import StepTimeModel
+from autobalance.tuner.search._timing import CompiledTimeModel, StepTimeModel
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -77,7 +77,7 @@ def test_a_decision_is_kept_until_a_trial_finishes(tmp_path: Path) -> None:
     import types
 
     from autobalance.tuner import TuneSettings
-    from autobalance.tuner._time_spent import TimeBudget
+    from autobalance.tuner._budget import TimeBudget
 
     (tmp_path / "train.py").write_text("")
     settings = TuneSettings(script=str(tmp_path / "train.py"), device="cpu")

@@ -21,7 +21,7 @@ from autobalance.store import dashboard_notes, open_storage
 from autobalance.tuner import SearchSpace, TuneSettings
 from autobalance.tuner._baseline import baseline_done, baseline_once
 from autobalance.tuner._recording import Recorder
-from autobalance.tuner._roles import NullReporter
+from autobalance.tuner._reporter import NullReporter
 from autobalance.tuner._study import open_study
 from tests.synthetic_study import CAP_GIB, GIB, HEADROOM, SCRIPT, Spec, _report
 

@@ -32,8 +32,7 @@ from autobalance.store import ConfigStore, current_fingerprint
 from autobalance.tuner import TuneSettings
 from autobalance.tuner._finish import save_best
 from autobalance.tuner._reporter import RichReporter
-from autobalance.tuner._script_facts import script_facts
-from autobalance.tuner._summary import TuneResult, record_time_spent
+from autobalance.tuner._summary import TuneResult, record_time_spent, script_facts
 from tests.synthetic_study import Spec, build_study
 from tests.tune_helpers import GPT, cli
 

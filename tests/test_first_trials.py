@@ -18,7 +18,7 @@ from optuna.trial import TrialState
 from autobalance import BalanceConfig
 from autobalance.protocol import StudyAttr
 from autobalance.tuner import SearchSpace, TuneSettings
-from autobalance.tuner._time_spent import TimeBudget
+from autobalance.tuner._budget import TimeBudget
 from autobalance.tuner.search import Decision, ModelAdvisor, proposable_dtypes, proposals_stalled
 from autobalance.tuner.search._policy import sampler_proposal
 

@@ -16,7 +16,6 @@ from autobalance.cli._views import saved_figure_rows
 from autobalance.launcher import TrialOutcome
 from autobalance.protocol import Status, StudyAttr, best_trial
 from autobalance.store import SavedConfig
-from autobalance.tuner._promote import figures_of_trial
 from autobalance.tuner._remeasure import (
     close_leaders,
     leader_candidates,
@@ -27,6 +26,7 @@ from autobalance.tuner._remeasure import (
     saved_spread,
     spread_text,
 )
+from autobalance.tuner._verify import figures_of_trial
 from autobalance.tuner.search._constants import LEADER_NOISE_FLOOR, LEADER_RUNS
 from tests.synthetic_study import Spec, build_study
 
@@ -188,8 +188,8 @@ def test_the_loop_skips_the_leaders_with_its_reason_when_time_is_short_and_runs_
     import threading
 
     import autobalance.tuner._loop as loop_module
+    from autobalance.tuner._budget import TimeBudget
     from autobalance.tuner._loop import TrialLoop
-    from autobalance.tuner._time_spent import TimeBudget
 
     study = _close_pair_study(tmp_path)
     now = 1000.0

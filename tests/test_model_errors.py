@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import scipy.optimize
 
-import autobalance.tuner.search._holdout as holdout
+import autobalance.tuner.search._models as holdout  # the held-out fits live with the models
 from autobalance.protocol import StudyAttr
 from autobalance.tuner import TuneResult
 from autobalance.tuner._summary import summarise

@@ -170,7 +170,7 @@ def test_best_shows_the_saved_speed_up_and_peaks_as_the_summary_does(tmp_path: P
     """``autobalance best`` printed the stored ratio (4.3333) and peaks as GiB floats."""
     from autobalance import BalanceConfig
     from autobalance.store import ConfigStore, current_fingerprint
-    from autobalance.tuner._promote import figures_of_trial
+    from autobalance.tuner._verify import figures_of_trial
 
     url = _study(tmp_path, verdict={"passed": True, "reason": "within the bound"})
     study = optuna.load_study(study_name="s", storage=url)

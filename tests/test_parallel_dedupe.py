@@ -17,7 +17,7 @@ from autobalance import BalanceConfig
 from autobalance.protocol import Status, TrialAttr
 from autobalance.store import open_storage, trial_id
 from autobalance.tuner._loop import TrialLoop
-from autobalance.tuner._workers import RunningClaim
+from autobalance.tuner._study import RunningClaim
 
 CONFIG = BalanceConfig(micro_batches=[4], accumulation=2, global_batch=8, dtype="fp32", checkpoint=[[]])
 

@@ -13,7 +13,7 @@ import torch
 from autobalance.launcher import TrialLaunch, TrialOutcome, run_trial
 from autobalance.runtime._clock import StepClock
 from autobalance.tuner._remeasure import dispersion, merge_outcomes
-from autobalance.tuner._script_facts import script_facts
+from autobalance.tuner._summary import script_facts
 from tests.conftest import torchrun
 from tests.tune_helpers import REPO
 

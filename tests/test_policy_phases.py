@@ -15,7 +15,7 @@ from optuna.trial import FrozenTrial, TrialState
 from autobalance import BalanceConfig
 from autobalance.protocol import Status
 from autobalance.tuner.search import Decision, SearchSpace, TrialHistory, compile_times
-from autobalance.tuner.search._compile import REGIONAL_COMPILE_SHARE
+from autobalance.tuner.search._constants import REGIONAL_COMPILE_SHARE
 from autobalance.tuner.search._policy import FIT_MARGIN, Record, SearchPolicy
 
 USABLE = 15.2
@@ -216,8 +216,8 @@ def test_compile_time_is_priced_per_scope_and_an_unmeasured_scope_from_the_other
 def test_a_compile_from_the_cache_is_priced_at_one_share_of_a_cold_one_before_a_hit_is_measured() -> None:
     """One cached-compile prior (``FROM_CACHE_SHARE``, 0.4: the H200's largest measured share) for the
     compile figures and verification's forecast alike (the figures once used 0.1)."""
-    from autobalance.tuner._verify_time import FROM_CACHE_SHARE as verify_share
     from autobalance.tuner.search import CACHE_HIT_PRIOR_S, COMPILE_PRIOR_S, FROM_CACHE_SHARE
+    from autobalance.tuner.search._timing import FROM_CACHE_SHARE as verify_share
 
     assert verify_share is FROM_CACHE_SHARE == 0.4
     assert compile_times([], device="cuda") == (FROM_CACHE_SHARE * COMPILE_PRIOR_S["cuda"], COMPILE_PRIOR_S["cuda"])
@@ -262,7 +262,7 @@ def test_one_decision_reads_the_trials_once(tmp_path: Any) -> None:
     (filtered by state as the study would), while writes go to the study itself."""
     import optuna
 
-    from autobalance.tuner.search._snapshot import StudySnapshot
+    from autobalance.tuner.search._models import StudySnapshot
 
     study = optuna.create_study(storage=f"sqlite:///{tmp_path}/s.db", study_name="s")
     study.enqueue_trial({"x": 0.25})
@@ -335,7 +335,7 @@ def test_a_compiled_time_predicted_outside_the_models_support_is_no_reason_to_pr
     """The H200 study's "44 ms" trial: regional 8 x 4 at 0.3, below every measured budget (0.55-1.0), was
     predicted at 44 ms and ran 164. A candidate inside the support (8 x 4 at 0.6, 150 ms) goes first; the
     extrapolated one only after it, and its line says so."""
-    from autobalance.tuner.search._compiled_search import Candidate
+    from autobalance.tuner.search._candidates import Candidate
     from autobalance.tuner.search._policy import model_phase
 
     models = _Models()

@@ -65,7 +65,7 @@ def test_a_second_run_that_fails_is_the_outcome():
 
 
 def test_measurement_attrs_and_summary_say_what_a_warm_trial_took_and_how_it_was_measured():
-    from autobalance.tuner._measurement import measurement_attrs, measurement_summary
+    from autobalance.tuner._summary import measurement_attrs, measurement_summary
 
     gib = 2**30
     a = _outcome([[0.10, 0.11, 0.12, 0.10], [0.10, 0.10, 0.10, 0.10]], peak=10 * gib, compile_peak=12 * gib)

@@ -38,7 +38,7 @@ def synthetic(tmp_path_factory: pytest.TempPathFactory) -> tuple[optuna.Study, P
     root = tmp_path_factory.mktemp("browser")
     db = root / "study.db"
     study = build_study(db, verified=BEST_2)
-    from autobalance.tuner._promote import save_trial
+    from autobalance.tuner._verify import save_trial
 
     save_trial(storage_url=f"sqlite:///{db}", study=study, trial_number=BEST_2, action="test")
     return study, db

@@ -20,7 +20,7 @@ import pytest
 from optuna.trial import TrialState
 
 from autobalance._errors import UsageError
-from autobalance.tuner._parallel import Slot, plan_slots
+from autobalance.tuner._launching import Slot, plan_slots
 from tests.tune_helpers import (
     FAULTY,
     REPO,

@@ -14,9 +14,9 @@ from autobalance import UsageError
 from autobalance.launcher import TrialOutcome
 from autobalance.protocol import Status, StudyAttr, TrialAttr
 from autobalance.tuner import TuneSettings, load_toml
+from autobalance.tuner._budget import describe_budget, time_lines, time_spent, trial_time_split
 from autobalance.tuner._reporter import time_left_text
 from autobalance.tuner._settings import parse_duration
-from autobalance.tuner._time_spent import describe_budget, time_lines, time_spent, trial_time_split
 from tests.tune_helpers import GPT, cli, load, tune_args
 
 
@@ -190,7 +190,7 @@ def test_a_tiny_budget_stops_the_study_early_and_still_verifies_and_saves(tmp_pa
 
 def test_the_reserved_runs_are_the_ones_verification_launches():
     from autobalance import BalanceConfig
-    from autobalance.tuner._verify_time import verification_runs
+    from autobalance.tuner.search._timing import verification_runs
 
     own = BalanceConfig(micro_batches=[8], accumulation=4, global_batch=32, dtype="fp32", checkpoint=[[]])
     assert verification_runs(own, own) == []  # the script's own configuration needs no proof
@@ -220,7 +220,7 @@ def test_the_reserved_runs_are_the_ones_verification_launches():
 
 def test_the_verification_forecast_comes_from_the_studys_own_trials():
     from autobalance import BalanceConfig
-    from autobalance.tuner._verify_time import (
+    from autobalance.tuner.search._timing import (
         FIRST_STEP_FACTOR,
         forecast_verification,
         next_trial_s,
@@ -249,7 +249,7 @@ def test_the_verification_forecast_comes_from_the_studys_own_trials():
     # tuned-fp32 runs eager; the budget-1.0 run without recomputation misses the cache (40 s); tuned and
     # tuned-dropout (bf16, budget 0.5, compiled by trial 2) hit it (no hit measured yet: FROM_CACHE_SHARE of
     # trial 2's 40 s cold compile, was 10 % before issue 41: a from-cache compile on the H200 took 40 %)
-    from autobalance.tuner._verify_time import FROM_CACHE_SHARE
+    from autobalance.tuner.search._timing import FROM_CACHE_SHARE
 
     assert FROM_CACHE_SHARE == 0.4
     assert 40.0 + 2 * 16.0 < compiled.seconds - got.seconds < 2 * 40.0 + 2 * 16.0
@@ -258,7 +258,7 @@ def test_the_verification_forecast_comes_from_the_studys_own_trials():
     assert next_trial_s(trials) == pytest.approx((3.5 + 5.5) / 2)  # the baseline apart, compiling apart
     # the runs' tensor input and output: IO_S_PER_GB per GB of the model's parameters, in every run, and
     # the four comparisons (floor, equivalence, noise, dtype): COMPARE_S_PER_GB each (issue 41)
-    from autobalance.tuner._verify_time import COMPARE_S_PER_GB, IO_S_PER_GB
+    from autobalance.tuner.search._timing import COMPARE_S_PER_GB, IO_S_PER_GB
 
     big = [ran(0, own, 1300.0, {**split, "startup": 12.0}, baseline=True, parameter_bytes=2_000_000_000),
            *trials[1:]]
@@ -270,7 +270,7 @@ def test_the_verification_forecast_comes_from_the_studys_own_trials():
     # (here all); the per-run start-up leaves the pool start out. A fresh worker costs the whole
     # start-up of a trial that started one (21 s: was the pool's 18 s alone, with the script's set-up
     # in the new worker averaged into every run's start-up instead: issue 41)
-    from autobalance.tuner._verify_time import restarts, verification_runs, worker_start_s
+    from autobalance.tuner.search._timing import restarts, verification_runs, worker_start_s
 
     recycled = {TrialAttr.WARM_RECYCLED: "a compiled trial left 468 MiB outside PyTorch"}
     pooled = [*trials[:2], ran(2, comp, 120.0, {**split, "startup": 21.0, "compile": 40.0}, compile_s=40.0,
@@ -306,7 +306,7 @@ def test_a_five_minute_budget_ends_within_it_verification_included(tmp_path: Pat
     from autobalance import BalanceConfig
     from autobalance.tuner import Tuner
     from autobalance.tuner._launching import TrialLauncher
-    from autobalance.tuner._verify_time import verification_runs
+    from autobalance.tuner.search._timing import verification_runs
     from tests.test_first_trials import ACT, FIXED, baseline, true_ms, true_peak
 
     clock = types.SimpleNamespace(now=1000.0)

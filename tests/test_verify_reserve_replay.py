@@ -30,7 +30,7 @@ from optuna.trial import FrozenTrial
 
 from autobalance import BalanceConfig
 from autobalance.protocol import StudyAttr, TrialAttr, best_trial
-from autobalance.tuner._verify_time import RESERVE_MARGIN, forecast_verification
+from autobalance.tuner.search._timing import RESERVE_MARGIN, forecast_verification
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 H200B = BENCH / "2026-12-03-h200b" / "tune_gpt-1gpu.db"
@@ -161,8 +161,8 @@ def test_a_trial_starts_only_when_the_reserve_still_holds_after_it(tmp_path: Pat
     import types
 
     import autobalance.tuner._loop as loop_module
+    from autobalance.tuner._budget import TimeBudget
     from autobalance.tuner._loop import TrialLoop
-    from autobalance.tuner._time_spent import TimeBudget
 
     study = _study(H200C, tmp_path)
     now = 1000.0

@@ -164,7 +164,7 @@ def test_observations_take_the_whole_state_from_sharded_and_unsharded_trials() -
     import optuna
 
     from autobalance.protocol import Status, TrialAttr
-    from autobalance.tuner.search._holdout import observations_from_trials
+    from autobalance.tuner.search._models import observations_from_trials
 
     def trial(sharding: str, state: list[int]) -> optuna.trial.FrozenTrial:
         cfg = BalanceConfig(micro_batches=[2, 2], global_batch=4, optimizer_sharding=sharding)

@@ -266,7 +266,7 @@ def saved_figure_rows(fig: dict[str, Any], *, world_size: int) -> list[tuple[str
         rows.append(("spread", memory_text(fig["spread_gib"])))
     spread = fig.get("step_time_spread")  # saved with its spread (older records: the step time alone)
     if isinstance(spread, dict) and spread.get("step_time_ms") is not None:
-        from autobalance.tuner._remeasure import spread_text
+        from autobalance.tuner import spread_text
 
         rows.append(("step time", spread_text(spread)))
     elif fig.get("step_time_ms") is not None:

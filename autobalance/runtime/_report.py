@@ -138,7 +138,7 @@ def _device_info(plan: Plan) -> RankDevice:
         props = torch.cuda.get_device_properties(plan.device)
         nvml = plan.meter.nvml
         # fp32 matmuls in TF32 (the script set allow_tf32, or a float32 matmul precision below
-        # "highest"): the search then need not hold fp32 back (tuner/search/_first_trials.py)
+        # "highest"): the search then need not hold fp32 back (tuner/search/_models.py)
         return RankDevice(type="cuda", name=props.name, capacity_bytes=int(props.total_memory),
                           cap_bytes=plan.cap_bytes, uuid=nvml.uuid if nvml else None,
                           identity=device_identity(plan.device, plan.rank, plan.trial),

@@ -2,9 +2,10 @@
 
 Running the study: ``_tuner`` (the :class:`Tuner`), ``_loop`` (the trial loop), ``_launching``
 (slots, warm pools, heartbeats), ``_recording`` (what is told to the study), ``_baseline``,
-``_study`` (opening and counting), ``_summary``, ``_workers`` (several workers on one study),
-``_preflight`` (the checks before anything runs).
-The search: ``_space``, ``_objective``, ``_memory_model``, ``_solver``, ``_advisor``, ``_compile``.
+``_study`` (opening and counting, several workers on one study), ``_summary``, ``_settings`` (the
+settings, and the preflight checks before anything runs), ``_reporter`` (the console, each trial's
+outcome in words), ``_verify`` (verify and save).
+The search: ``_space``, ``_objective``, ``_memory_model``, ``_solver``, ``_advisor``, ``_timing``.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from autobalance.protocol import best_trial, is_feasible
     from autobalance.tuner._finish import Saving, best_so_far, nothing_feasible, save_best
-    from autobalance.tuner._preflight import check_caps, check_gpus, preflight
-    from autobalance.tuner._promote import promote_trial
+    from autobalance.tuner._remeasure import spread_text
     from autobalance.tuner._reporter import RichReporter
     from autobalance.tuner._settings import (
         CHOICES,
@@ -24,26 +24,29 @@ if TYPE_CHECKING:
         STRATEGIES,
         SettingDoc,
         TuneSettings,
+        check_caps,
+        check_gpus,
         default_device,
         default_study_name,
         load_toml,
         memory_cap_text,
         parse_memory_cap,
+        preflight,
         setting_docs,
         setting_types,
     )
     from autobalance.tuner._study import make_sampler
     from autobalance.tuner._summary import TuneResult
     from autobalance.tuner._tuner import Tuner
-    from autobalance.tuner._verify import run_verify_command
+    from autobalance.tuner._verify import promote_trial, run_verify_command
     from autobalance.tuner.search import SearchSpace, TrialFigures, figures_from_outcome
 
 _EXPORTS: dict[str, str] = {
     "best_so_far": "autobalance.tuner._finish",
     "best_trial": "autobalance.protocol",
     "CHOICES": "autobalance.tuner._settings",
-    "check_caps": "autobalance.tuner._preflight",
-    "check_gpus": "autobalance.tuner._preflight",
+    "check_caps": "autobalance.tuner._settings",
+    "check_gpus": "autobalance.tuner._settings",
     "default_device": "autobalance.tuner._settings",
     "default_study_name": "autobalance.tuner._settings",
     "figures_from_outcome": "autobalance.tuner.search",
@@ -53,8 +56,8 @@ _EXPORTS: dict[str, str] = {
     "parse_memory_cap": "autobalance.tuner._settings",
     "make_sampler": "autobalance.tuner._study",
     "nothing_feasible": "autobalance.tuner._finish",
-    "preflight": "autobalance.tuner._preflight",
-    "promote_trial": "autobalance.tuner._promote",
+    "preflight": "autobalance.tuner._settings",
+    "promote_trial": "autobalance.tuner._verify",
     "RichReporter": "autobalance.tuner._reporter",
     "run_verify_command": "autobalance.tuner._verify",
     "SAMPLERS": "autobalance.tuner._settings",
@@ -63,6 +66,7 @@ _EXPORTS: dict[str, str] = {
     "SearchSpace": "autobalance.tuner.search",
     "setting_docs": "autobalance.tuner._settings",
     "setting_types": "autobalance.tuner._settings",
+    "spread_text": "autobalance.tuner._remeasure",
     "SettingDoc": "autobalance.tuner._settings",
     "STRATEGIES": "autobalance.tuner._settings",
     "TrialFigures": "autobalance.tuner.search",
@@ -114,4 +118,5 @@ __all__ = [
     "save_best",
     "setting_docs",
     "setting_types",
+    "spread_text",
 ]

@@ -28,11 +28,10 @@ from autobalance.protocol import (
 from autobalance.store import heartbeat_interval_s, study_id
 from autobalance.tuner._launching import TrialLauncher
 from autobalance.tuner._recording import Recorder
-from autobalance.tuner._roles import Reporter
-from autobalance.tuner._script_facts import keep_split, script_facts
+from autobalance.tuner._reporter import Reporter
 from autobalance.tuner._settings import TuneSettings
-from autobalance.tuner._study import counted_trials
-from autobalance.tuner._workers import BaselineClaim, worker_id
+from autobalance.tuner._study import BaselineClaim, counted_trials, worker_id
+from autobalance.tuner._summary import keep_split, script_facts
 from autobalance.tuner.search import SearchSpace, ShardingFacts, fix_exchange_rate, rate_fixed
 
 __all__ = ["baseline_done", "baseline_fit_note", "baseline_once", "reference_configs"]
@@ -40,7 +39,7 @@ __all__ = ["baseline_done", "baseline_fit_note", "baseline_once", "reference_con
 
 def baseline_once(study: optuna.Study, *, settings: TuneSettings, storage: optuna.storages.RDBStorage,
                   launcher: TrialLauncher, recorder: Recorder, reporter: Reporter) -> SearchSpace:
-    """Run the baseline, or wait while another worker on this study runs it (see ``_workers``)."""
+    """Run the baseline, or wait while another worker on this study runs it (see ``_study``: several workers on one study)."""
     claim = BaselineClaim(storage, study_id(study, storage), owner=worker_id(), stale_after_s=3 * heartbeat_interval_s())
     waiting = False
     while True:

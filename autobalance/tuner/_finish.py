@@ -62,8 +62,7 @@ def save_best(*, settings: TuneSettings, result: TuneResult, note: Callable[[str
     study's warm pool, kept by the tuner (:attr:`Tuner.kept_pool`; the caller closes it): the
     verification runs in its workers."""
     from autobalance.store import load_study
-    from autobalance.tuner._promote import save_trial
-    from autobalance.tuner._verify import verify_for_saving
+    from autobalance.tuner._verify import save_trial, verify_for_saving
 
     study = load_study(study_name=settings.study_name, storage_url=settings.storage)
     if result.best is None:

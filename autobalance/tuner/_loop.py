@@ -32,8 +32,8 @@ from autobalance.protocol import (
     would_be_best,
 )
 from autobalance.store import heartbeat_interval_s, study_id, trial_id
-from autobalance.tuner._launching import Stopped, TrialLauncher, best_step_s
-from autobalance.tuner._parallel import Slot
+from autobalance.tuner._budget import TimeBudget, describe_budget
+from autobalance.tuner._launching import Slot, Stopped, TrialLauncher, best_step_s
 from autobalance.tuner._recording import Recorder, feasible
 from autobalance.tuner._remeasure import (
     close_leaders,
@@ -45,11 +45,9 @@ from autobalance.tuner._remeasure import (
     remeasure_leaders,
     remeasure_reason,
 )
-from autobalance.tuner._roles import Advisor, Reporter
+from autobalance.tuner._reporter import Advisor, Reporter
 from autobalance.tuner._settings import TuneSettings
-from autobalance.tuner._study import counted_trials
-from autobalance.tuner._time_spent import TimeBudget, describe_budget
-from autobalance.tuner._workers import RunningClaim, fail_stale_trials
+from autobalance.tuner._study import RunningClaim, counted_trials, fail_stale_trials
 from autobalance.tuner.search import (
     MAX_CRASHES_IN_A_ROW,
     Decision,

@@ -23,11 +23,11 @@ from autobalance.protocol import (
     TrialAttr,
 )
 from autobalance.store import mask_url, storage_of, trial_id
-from autobalance.tuner._measurement import measurement_attrs
-from autobalance.tuner._notes import trial_outcome, write_notes
+from autobalance.tuner._budget import trial_time_split
+from autobalance.tuner._reporter import trial_outcome, write_notes
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._study import counts, measured_configs
-from autobalance.tuner._time_spent import trial_time_split
+from autobalance.tuner._summary import measurement_attrs
 from autobalance.tuner.search import (
     TrialFigures,
     compile_env,
@@ -109,11 +109,11 @@ class Recorder:
         if outcome.failing_rank is not None:
             attrs[TrialAttr.FAILING_RANK] = outcome.failing_rank
         dropout = [d for rep in outcome.reports.values() if isinstance(d := (rep.model or {}).get("dropout_modules"), int)]
-        if dropout:  # verification launches its dropout runs only for a model with dropout (_verify_time.py)
+        if dropout:  # verification launches its dropout runs only for a model with dropout (search/_timing.py)
             attrs[TrialAttr.DROPOUT_MODULES] = max(dropout)
         if outcome.pool_start_s > 0.05:
             attrs[TrialAttr.POOL_START_S] = round(outcome.pool_start_s, 3)
-        # compile-step and steady peaks, the steps' spread, a warm trial's carry-over (tuner/_measurement.py)
+        # compile-step and steady peaks, the steps' spread, a warm trial's carry-over (tuner/_summary.py)
         attrs.update(measurement_attrs(outcome, world_size=s.world_size))
         try:  # per-rank memory chart as a trial artifact; Optuna accepts artifacts only before tell
             from autobalance.report import artifact_dir_for, upload_trial_chart

@@ -36,8 +36,8 @@ from autobalance.protocol import (
     timed_steps,
     weighted_objective,
 )
-from autobalance.tuner.search import DISPERSION_LIMIT
-from autobalance.tuner.search._constants import (
+from autobalance.tuner.search import (
+    DISPERSION_LIMIT,
     LEADER_MEDIAN_SE,
     LEADER_NOISE_FLOOR,
     LEADER_NOISE_SIGMAS,
@@ -45,8 +45,22 @@ from autobalance.tuner.search._constants import (
     LEADERS_MAX,
 )
 
+STEP_TIMES_MS = "step_times_ms"
+"""Trial attribute: each rank's measured steps that its step time stands for (``protocol.timed_steps``),
+in ms; a trial measured twice holds both runs' steps."""
+
+
+def rank_steps(rep: Any) -> list[float]:
+    """A rank report's timed steps in seconds (the full steps when any was measured)."""
+    config = rep.config or {}
+    batch = config.get("global_batch")
+    times, _ = timed_steps([float(t) for t in rep.step_times_s or []], rep.step_samples,
+                           batch if isinstance(batch, int) else None)
+    return times
+
 __all__ = [
     "DISPERSION_LIMIT",
+    "STEP_TIMES_MS",
     "LeaderPlan",
     "close_leaders",
     "dispersion",
@@ -57,6 +71,7 @@ __all__ = [
     "own_steps",
     "plan_leaders",
     "pooled_value",
+    "rank_steps",
     "remeasure_leaders",
     "remeasure_reason",
     "spread_text",
@@ -299,7 +314,6 @@ def step_spread(per_rank: Sequence[Sequence[float]]) -> dict[str, Any] | None:
 def own_steps(trial: Any) -> tuple[list[list[float]], int]:
     """A trial's own measured steps per rank (seconds; its ``step_times_ms``, none in a study recorded
     before they were kept) and how many runs they come from (2 when it was re-measured)."""
-    from autobalance.tuner._measurement import STEP_TIMES_MS
 
     kept = trial.user_attrs.get(STEP_TIMES_MS)
     if not isinstance(kept, list) or not any(isinstance(r, list) and r for r in kept):
@@ -341,7 +355,6 @@ def remeasure_leaders(plan: LeaderPlan, *, launch: Callable[[Any], TrialOutcome]
     :data:`StudyAttr.LEADERS` record: each leader's pooled figures and value (or why its re-run
     failed), ``order`` best first by pooled value, and the plan's ``reason``. A leader whose run fails
     is not run again."""
-    from autobalance.tuner._measurement import rank_steps
 
     runs: dict[int, list[TrialOutcome]] = {t.number: [] for t in plan.leaders}
     failed: dict[int, str] = {}
@@ -416,11 +429,10 @@ def leader_candidates(study: Any) -> list[Any]:
 
 def leader_run_s(trials: Sequence[Any], trial: Any, *, device: str) -> float:
     """One re-measure run of ``trial``'s configuration: its own first run's start-up, steps and hand-over
-    (its time split) plus, compiled, a compile from the study's cache (``_verify_time``); a trial
-    without a time split is priced as the study's next trial (``_verify_time.trial_s``)."""
+    (its time split) plus, compiled, a compile from the study's cache (``search._timing``); a trial
+    without a time split is priced as the study's next trial (``search._timing.trial_s``)."""
     from autobalance._config import BalanceConfig
-    from autobalance.tuner._verify_time import _from_cache_s, trial_s
-    from autobalance.tuner.search import compile_times
+    from autobalance.tuner.search import compile_times, from_cache_s, trial_s
 
     config = BalanceConfig.from_dict(trial.user_attrs[TrialAttr.CONFIG])
     split = trial.user_attrs.get(TrialAttr.TIME_SPLIT)
@@ -430,7 +442,7 @@ def leader_run_s(trials: Sequence[Any], trial: Any, *, device: str) -> float:
     if config.compile == "off":
         return own
     _, cold = compile_times(trials, device=device, scope=config.compile_scope)
-    return own + _from_cache_s(trials, config, cold=cold)
+    return own + from_cache_s(trials, config, cold=cold)
 
 
 def least_plan(study: Any, trials: Sequence[Any], *, device: str) -> tuple[list[Any], float]:

@@ -1,10 +1,26 @@
-"""Progress of a study on the terminal: one line per trial plus a live bar."""
+"""Progress of a study on the terminal: one line per trial plus a live bar.
+
+**Notes.** A trial's ``outcome`` in words, and optuna-dashboard notes on the study and its trials: the study's note and the best trial's say
+why it won (faster trials excluded and why, headroom, verification); a trial that ran out of
+memory, went over the limit or was predicted to says so in one line at the top of its page.
+
+Notes are Markdown kept in the study's system attributes (optuna-dashboard's format). A note a
+person wrote in the dashboard is never overwritten: autobalance only rewrites notes that carry
+its own last line (:data:`SIGNATURE`).
+
+**Roles.** What the trial loop needs of the parts it is handed: the console (:class:`Reporter`), the search's
+advisor (:class:`Advisor`) and the multi-node coordinator (:class:`TrialCoordinator`). Each is a
+``typing.Protocol``: ``RichReporter``, ``ModelAdvisor`` and ``launcher.Coordinator`` satisfy them
+without naming them, and a test or another front end may hand in anything that has these methods.
+"""
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from optuna.trial import FrozenTrial
 from rich.console import Console
@@ -21,17 +37,40 @@ from rich.text import Text
 
 from autobalance._config import BalanceConfig, describe_config
 from autobalance.protocol import Status, TrialAttr, memory_text, over_limit, trial_ranks
+from autobalance.tuner._budget import describe_budget
 from autobalance.tuner._settings import TuneSettings
-from autobalance.tuner._time_spent import describe_budget
+from autobalance.tuner.search import REASON_CHARS
 
-__all__ = ["REASON_CHARS", "RichReporter", "TimeLeftColumn", "cap_line", "clip_words", "short_figures", "time_left_text"]
+if TYPE_CHECKING:
+    import optuna
+    from optuna.trial import FrozenTrial
+
+    from autobalance._config import BalanceConfig
+    from autobalance.launcher import TrialLaunch, TrialOutcome
+    from autobalance.tuner._settings import TuneSettings
+    from autobalance.tuner.search import Decision, TrialFigures
+
+__all__ = [
+    "REASON_CHARS",
+    "SIGNATURE",
+    "Advisor",
+    "NullReporter",
+    "Reporter",
+    "RichReporter",
+    "TimeLeftColumn",
+    "TrialCoordinator",
+    "cap_line",
+    "clip_words",
+    "note_for",
+    "outcome_lines",
+    "short_figures",
+    "time_left_text",
+    "trial_outcome",
+    "write_notes",
+]
 
 _STYLE = {Status.OK: "green", Status.OOM: "red", Status.TIMEOUT: "red", Status.ERROR: "bold red",
           Status.CRASH: "yellow", Status.PREDICTED_OOM: "magenta", Status.INTERRUPTED: "yellow"}
-
-
-REASON_CHARS = 160
-"""A trial's reason on its console line is cut near this many characters (at a word boundary)."""
 
 
 def clip_words(text: str, limit: int = REASON_CHARS) -> str:
@@ -196,3 +235,172 @@ class RichReporter:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+
+
+# -------------------------------------------- each trial's outcome in words, and the study's notes
+SIGNATURE = "_(note written by autobalance)_"
+
+
+def trial_outcome(attrs: dict[str, Any]) -> str:
+    """The ``outcome`` user attribute: what became of the trial in a few words (``ok``, ``over limit
+    (rank 0)``, ``OOM (rank 1)``, ``predicted OOM (not run)``, ...), from its other attributes."""
+    from autobalance.report import outcome_label
+
+    peaks = attrs.get(TrialAttr.PEAK_DEVICE_GIB) or []
+    usable = attrs.get(TrialAttr.USABLE_GIB) or []
+    ratios = [(float(p) / float(u), r) for r, (p, u) in enumerate(zip(peaks, usable, strict=False)) if p is not None and u]
+    many = len(peaks) > 1
+    return outcome_label(status=str(attrs.get(TrialAttr.STATUS)), feasible=bool(attrs.get(TrialAttr.FEASIBLE)),
+                         failing_rank=attrs.get(TrialAttr.FAILING_RANK) if many else None,
+                         worst_rank=max(ratios)[1] if ratios and many else None,
+                         predicted=bool(attrs.get(TrialAttr.PREDICTED)), reused_from=attrs.get(TrialAttr.REUSED_FROM))
+
+
+_KIND_ORDER = ("ok", "over limit", "OOM", "predicted OOM")
+
+
+def _numbers(numbers: list[int]) -> str:
+    """``#1, #3–#7, #9``: runs of three or more consecutive trials as a range."""
+    numbers = sorted(set(numbers))
+    parts: list[str] = []
+    i = 0
+    while i < len(numbers):
+        j = i
+        while j + 1 < len(numbers) and numbers[j + 1] == numbers[j] + 1:
+            j += 1
+        if j - i >= 2:
+            parts.append(f"#{numbers[i]}–#{numbers[j]}")
+        else:
+            parts.extend(f"#{n}" for n in numbers[i:j + 1])
+        i = j + 1
+    return ", ".join(parts)
+
+
+def outcome_lines(rows: list[Any]) -> list[str]:
+    """Every trial's outcome, grouped (optuna-dashboard badges every trial "Complete"): one line per
+    outcome, ``ok`` first, then over the limit, OOM and predicted, each with the failing rank, then
+    anything else (timeout, error, pruned, ...). ``OOM (rank 1): #4, #6``; a reused measurement counts
+    as its outcome (``ok: #1, #9 (as #1)``). Short for 50+ trials: consecutive numbers make a range."""
+    groups: dict[str, list[int]] = {}
+    reused: dict[str, list[str]] = {}
+    for row in rows:
+        label = row.outcome
+        if row.reused_from is not None:
+            label = label.removesuffix(f", as #{row.reused_from}")
+            reused.setdefault(label, []).append(f"#{row.number} (as #{row.reused_from})")
+            groups.setdefault(label, [])
+        else:
+            groups.setdefault(label, []).append(row.number)
+
+    def order(label: str) -> tuple[int, str]:
+        kind = next((i for i, k in enumerate(_KIND_ORDER) if label == k or label.startswith(k + " ")), len(_KIND_ORDER))
+        return kind, label
+
+    return [f"{label}: " + ", ".join(p for p in (_numbers(groups[label]), *reused.get(label, [])) if p)
+            for label in sorted(groups, key=order)]
+
+
+def note_for(row: Any, summary: Any, why: list[str]) -> str:
+    """The Markdown note of one trial ("" for a plain trial that fits and did not win)."""
+    if summary.best is not None and row.number == summary.best.number:
+        lines = ["**Best trial: why it won**", "", *[f"- {s}" for s in why]]
+    elif row.predicted:
+        lines = [f"**{row.outcome}**: {row.reason or 'judged out of memory without launching'}.",
+                 "", "Its peaks are predictions (or a lower bound from another trial), not measurements."]
+    elif row.status == Status.OK and row.feasible:
+        return ""
+    elif row.status == Status.OK:
+        from autobalance.report import excluded_reason
+
+        lines = [f"**{row.outcome}**: {excluded_reason(row, summary)}."]
+    else:
+        lines = [f"**{row.outcome}**: {row.reason or row.status}."]
+        if row.status == Status.OOM:
+            lines += ["", "Its peaks are lower bounds (the rank stopped when it ran out)."]
+    return "\n".join([*lines, "", SIGNATURE])
+
+
+def write_notes(study: Any) -> int:
+    """(Re)write the autobalance notes of ``study`` that changed; returns how many were written.
+    Without optuna-dashboard installed this does nothing; a failure only warns."""
+    try:
+        from autobalance.store import dashboard_notes
+
+        get_note_from_system_attrs, note_ver_key, save_note_with_version = dashboard_notes()
+    except ImportError:
+        return 0
+    try:
+        from autobalance.report import summarize, why_this_one
+        from autobalance.store import storage_of, study_id, trial_id
+
+        summary = summarize(study)
+        why = why_this_one(summary, script=summary.script or "SCRIPT")
+        storage = storage_of(study)
+        sid = study_id(study)
+        system = storage.get_study_system_attrs(sid)
+        trials = {t.number: t for t in study.get_trials(deepcopy=False)}
+        wanted: list[tuple[int | None, str]] = [(trial_id(trials[row.number]), note_for(row, summary, why))
+                                                for row in summary.rows]
+        best = summary.best
+        head = (f"**autobalance: trial {best.number} is the best**" if best is not None
+                else "**autobalance: no configuration fits yet**")
+        outcomes = [f"**Trials by outcome** ({len(summary.rows)}; optuna-dashboard marks them all Complete)", "",
+                    *[f"- {line}" for line in outcome_lines(summary.rows)]]
+        wanted.append((None, "\n".join([head, "", *[f"- {s}" for s in why], "", *outcomes, "", SIGNATURE])))  # the study's note
+        written = 0
+        for note_trial, body in wanted:
+            current = get_note_from_system_attrs(system, note_trial)
+            if current["body"] == body or (current["body"] and not current["body"].endswith(SIGNATURE)):
+                continue  # unchanged, or a person's own note
+            save_note_with_version(storage, sid, note_trial, int(system.get(note_ver_key(note_trial), 0)) + 1,
+                                   body)
+            written += 1
+        return written
+    except Exception as exc:  # notes are a courtesy: never fail a study over them
+        warnings.warn(f"autobalance: the dashboard notes of {study.study_name!r} were not written ({exc})", stacklevel=2)
+        return 0
+
+
+# ------------------------------------------------------ the parts the loop is handed, as Protocols
+class Reporter(Protocol):
+    """The console of a ``tune`` run: told when the study begins, each trial starts, runs and ends."""
+
+    def begin(self, settings: TuneSettings, *, already: int, deadline: float | None = None) -> None: ...
+    def start(self, number: int, config: BalanceConfig | None, *, baseline: bool = False, why: str = "") -> None: ...
+    def tick(self, number: int, elapsed: float) -> None: ...
+    def note(self, text: str) -> None: ...
+    def finish(self, trial: FrozenTrial, best: FrozenTrial | None, *, reused: bool = False,
+               predicted: bool = False) -> None: ...
+
+
+class NullReporter:
+    """A :class:`Reporter` that says nothing (a ``Tuner`` handed none)."""
+
+    def begin(self, settings: TuneSettings, *, already: int, deadline: float | None = None) -> None: ...
+    def start(self, number: int, config: BalanceConfig | None, *, baseline: bool = False, why: str = "") -> None: ...
+    def tick(self, number: int, elapsed: float) -> None: ...
+    def note(self, text: str) -> None: ...
+    def finish(self, trial: FrozenTrial, best: FrozenTrial | None, *, reused: bool = False,
+               predicted: bool = False) -> None: ...
+
+
+class Advisor(Protocol):
+    """The search's advisor (the ``model`` strategy): proposes before each ask, predicts a configuration
+    that cannot fit, learns from each trial, and says how well its models held out."""
+
+    def before_ask(self, study: optuna.Study, decision: Decision | None = None) -> None:
+        """Enqueue the next trial, chosen over ``decision`` (the study read once, the models fitted
+        once, the time budget)."""
+    def predict_infeasible(self, study: optuna.Study,
+                           config: BalanceConfig) -> tuple[TrialFigures, dict[str, Any]] | None: ...
+    def after_trial(self, study: optuna.Study, trial: FrozenTrial) -> None: ...
+    def holdout_error(self, study: optuna.Study) -> float | None: ...
+    def compiled_holdout_error(self, study: optuna.Study) -> tuple[float, int] | None: ...
+
+
+class TrialCoordinator(Protocol):
+    """Runs one trial over several nodes (``launcher.Coordinator``): started once, closed at the end."""
+
+    def start(self) -> None: ...
+    def run(self, launch: TrialLaunch, *, on_poll: Callable[[float], bool | None] | None = None) -> TrialOutcome: ...
+    def close(self) -> None: ...

@@ -1,24 +1,76 @@
 """What a finished ``tune`` says: the result, and the notes under the table (predicted and pruned
-trials, the steps' share of the wall time, compilation, the memory model's error)."""
+trials, the steps' share of the wall time, compilation, the memory model's error).
+
+**How each trial was measured**, as trial attributes and as lines of the study summary.
+
+- the compiling step apart from the steady state: ``compile_peak_gib`` and ``steady_peak_gib`` per
+  rank (a compiled trial's peak device memory in its first, compiling, step and in the steps
+  after); the memory constraint judges ``peak_device_gib``, the larger of the two;
+- the steps' spread: ``step_time_iqr_pct`` (the worst rank's interquartile range of its measured
+  steps, % of its median) next to ``measured_steps``; ``remeasured`` for a trial measured twice;
+- a warm trial's carry-over (see :mod:`autobalance.runtime._carryover`): ``warm_pool_trial`` (its
+  place in its worker's life, 1 = a fresh worker), ``warm_fresh_outside_gib`` (what a fresh worker
+  held outside PyTorch, per rank), ``warm_inherited_outside_gib`` (what this trial's worker held
+  over its reference when the trial started: charged to the trial, never discounted) and
+  ``warm_recycled`` (why the pool was restarted after it).
+
+**The script's facts**: what the baseline trial's report says about the script that shapes the study, in words: its
+repeated blocks (none found: checkpointing is not searched), batch-dependent layers (the split
+stays the script's own), a dataset smaller than one global batch (every step is a partial step).
+
+The study prints these lines first, before any other trial runs.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from autobalance.protocol import Status, StudyAttr, TrialAttr, time_in_steps_s
-from autobalance.tuner._measurement import measurement_summary
-from autobalance.tuner._roles import Advisor
-from autobalance.tuner._script_facts import summary_facts
-from autobalance.tuner._time_spent import TIME_PARTS, per_trial_overhead_s, time_lines, time_spent
-from autobalance.tuner.search import compile_notes, model_errors_line
+from autobalance._config import BalanceConfig
+from autobalance.launcher import TrialOutcome
+from autobalance.protocol import (
+    RankMemory,
+    RankReport,
+    Status,
+    StudyAttr,
+    TrialAttr,
+    memory_text,
+    time_in_steps_s,
+)
+from autobalance.tuner._budget import TIME_PARTS, per_trial_overhead_s, time_lines, time_spent
+from autobalance.tuner._remeasure import STEP_TIMES_MS, rank_steps
+from autobalance.tuner._reporter import Advisor
+from autobalance.tuner.search import (
+    SearchSpace,
+    compile_notes,
+    model_errors_line,
+    typical_compile_s,
+)
 
-__all__ = ["TuneResult", "baseline_won", "per_trial_overhead_s", "rerun_hint", "summarise", "what_was_tried"]
+__all__ = [
+    "ATTR_SCRIPT_FACTS",
+    "STEP_TIMES_MS",
+    "TuneResult",
+    "baseline_won",
+    "batch_dependent_layers",
+    "keep_split",
+    "measurement_attrs",
+    "measurement_summary",
+    "name_blocks",
+    "per_trial_overhead_s",
+    "rank_steps",
+    "rerun_hint",
+    "script_facts",
+    "summarise",
+    "summary_facts",
+    "what_was_tried",
+]
 
 
 @dataclass(kw_only=True)
@@ -139,15 +191,13 @@ def summarise(study: optuna.Study, result: TuneResult, *, cold_note: str | None,
             f"overhead {per_trial_overhead_s(launched, last=len(launched)) or 0:.2f} s per trial: the script's "
             "set-up, hand-over" + (f"; plus {starts:.1f} s starting warm workers)." if starts else ")."))
     compiled_skipped = sum((t.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile", "off") != "off" for t in predicted)
-    compile_times = sorted(float(t.user_attrs[TrialAttr.COMPILE_S]) for t in trials
-                           if t.user_attrs.get(TrialAttr.COMPILE_S))
-    if compiled_skipped and compile_times:
-        median = compile_times[len(compile_times) // 2]
+    median = typical_compile_s(trials)
+    if compiled_skipped and median is not None:
         result.notes.append(f"{compiled_skipped} of them compiled: about {compiled_skipped * median:.0f} s of "
                             f"compilation saved (the study's median compile, {median:.1f} s, each).")
     if pruned:
         result.notes.append(f"{pruned} trial(s) were stopped early (pruned) as clearly slower than the best.")
-    # what warm trials took from a fresh worker, the compiling step apart, the steps' spread (tuner/_measurement.py)
+    # what warm trials took from a fresh worker, the compiling step apart, the steps' spread (below: how each trial was measured)
     result.notes.extend(measurement_summary([dict(t.user_attrs) for t in trials
                                              if t.user_attrs.get(TrialAttr.REUSED_FROM) is None]))
     if cold_note:
@@ -189,3 +239,155 @@ def record_time_spent(study: optuna.Study, result: TuneResult, *, launched_here:
         return  # a run with nothing to do keeps the record of the study's last run that did
     with contextlib.suppress(Exception):  # a summary must not fail on a storage hiccup
         study.set_user_attr(StudyAttr.TIME_SPENT, dict(spent))
+
+
+# --------------------------------------------------------------------- how each trial was measured
+GIB = 2**30
+
+
+def _gib(value: Any) -> float | None:
+    return None if value is None else round(float(value) / GIB, 4)
+
+
+def measurement_attrs(outcome: TrialOutcome, *, world_size: int) -> dict[str, Any]:
+    reports = [outcome.reports.get(r) for r in range(world_size)]
+    memory = [rep.memory if rep is not None and rep.memory is not None else RankMemory() for rep in reports]
+    attrs: dict[str, Any] = {}
+    first = [(mem.compile_step or {}).get("peak_device") for mem in memory]
+    steady = [(mem.steady or {}).get("peak_device") for mem in memory]
+    if any(v is not None for v in first):
+        attrs["compile_peak_gib"] = [_gib(v) for v in first]
+        attrs["steady_peak_gib"] = [_gib(v) for v in steady]
+    spreads = []
+    for rep in reports:
+        if rep is None:
+            continue
+        iqr, times = rep.step_time_iqr_s, rep.step_times_s or []
+        if iqr is not None and times:
+            median = statistics.median(float(t) for t in times)
+            if median > 0:
+                spreads.append(100 * float(iqr) / median)
+    if spreads and len(spreads) == world_size:
+        attrs["step_time_iqr_pct"] = round(max(spreads), 2)
+    steps = [rank_steps(rep) if rep is not None else [] for rep in reports]
+    if any(steps):  # each rank's timed steps: what the leaders' re-measure pools (tuner/_remeasure.py)
+        attrs[STEP_TIMES_MS] = [[round(1000 * t, 3) for t in times] for times in steps]
+    if outcome.remeasured:
+        attrs["remeasured"] = {"reason": outcome.remeasured.get("reason"),
+                               "step_time_ms": [None if t is None else round(1000 * t, 3)
+                                                for t in outcome.remeasured.get("step_time_s") or []]}
+    warm = [rep.warm if rep is not None else None for rep in reports]
+    if any(warm):
+        attrs["warm_pool_trial"] = max(int(w.get("pool_trial") or 0) for w in warm if w)
+        attrs["warm_fresh_outside_gib"] = [_gib((w or {}).get("fresh_outside")) for w in warm]
+        attrs["warm_inherited_outside_gib"] = [_gib((w or {}).get("inherited_outside")) for w in warm]
+        if outcome.recycled:
+            attrs[TrialAttr.WARM_RECYCLED] = outcome.recycled
+    return attrs
+
+
+def measurement_summary(attrs: list[dict[str, Any]]) -> list[str]:
+    """Lines for the study summary from the launched trials' attributes (empty when none apply)."""
+    lines: list[str] = []
+    warm = [a for a in attrs if a.get("warm_pool_trial")]
+    if warm:
+        fresh = [g for a in warm for g in (a.get("warm_fresh_outside_gib") or []) if g is not None]
+        inherited = [g for a in warm for g in (a.get("warm_inherited_outside_gib") or []) if g is not None]
+        recycled = [a[TrialAttr.WARM_RECYCLED] for a in warm if a.get(TrialAttr.WARM_RECYCLED)]
+        text = (f"Warm trials ({len(warm)}): each trial's memory was measured in its own worker, nothing discounted; "
+                "the allocator was emptied between trials")
+        if fresh:
+            text += f"; a fresh worker held {memory_text(min(fresh))}-{memory_text(max(fresh))} outside PyTorch"
+        if inherited:
+            text += f"; a trial inherited at most {memory_text(max(inherited))} over it (charged to it)"
+        text += (f"; workers recycled after {len(recycled)} trial(s) (first: {recycled[0]})." if recycled
+                 else "; no worker needed recycling.")
+        lines.append(text)
+    compiled = [a for a in attrs if a.get("compile_peak_gib")]
+    if compiled:
+        higher = sum(1 for a in compiled
+                     if max(v or 0 for v in a["compile_peak_gib"]) > max(v or 0 for v in a.get("steady_peak_gib") or [0]))
+        lines.append(f"Compiled trials ({len(compiled)}): the compiling step's peak and the steady peak both "
+                     f"judged (the larger counts); the compiling step was the higher in {higher}.")
+    again = [a for a in attrs if a.get("remeasured")]
+    spreads = [a["step_time_iqr_pct"] for a in attrs if a.get("step_time_iqr_pct") is not None]
+    if spreads:
+        lines.append(f"Step times: spread (IQR) of measured steps {min(spreads):.1f}-{max(spreads):.1f} % of the "
+                     f"median; {len(again)} trial(s) measured twice (high spread, or about to become the best).")
+    return lines
+
+
+# -------------------------------------------------- the script's facts, from the baseline's report
+ATTR_SCRIPT_FACTS = StudyAttr.SCRIPT_FACTS
+"""Study attribute: the lines of :func:`script_facts` for the baseline (shown again in the summary)."""
+
+
+def batch_dependent_layers(report: RankReport) -> list[str]:
+    """``"path (Type)"`` of the batch-dependent layers the baseline found (BatchNorm and its kind,
+    modules whose forward wrote their buffers)."""
+    layers = (report.model or {}).get("batch_dependent") or []
+    return [str(x) for x in layers]
+
+
+def _shown(layers: list[str]) -> str:
+    return ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
+
+
+def keep_split(space: SearchSpace, *, report: RankReport, own: BalanceConfig, allow: bool) -> bool:
+    """Restrict ``space`` to the split and accumulation of ``own`` (the script's own configuration:
+    its micro-batch per rank, even or not) when the model has batch-dependent layers and changing
+    their step is not allowed; returns whether it did."""
+    if allow or not batch_dependent_layers(report):
+        return False
+    space.keep_split(own)
+    return True
+
+
+_NAME_BLOCKS = {
+    "lightning": "BalanceStrategy(..., blocks={})",
+    "hf": "BalanceTrainer(..., blocks={})",
+    "accelerate": "balance.prepare(accelerator, model, optimizer, dataset, blocks={})",
+}
+"""How a script of each integration names its blocks (``model_info["framework"]`` in the rank report)."""
+
+
+def name_blocks(model: dict[str, Any], path: str) -> str:
+    """The call that names the blocks at ``path`` in this script: ``plan.wrap(model, blocks=...)``, or
+    the integration's own ``blocks=`` when a framework owns the loop (it never calls ``plan.wrap``)."""
+    return _NAME_BLOCKS.get(str(model.get("framework") or ""), "plan.wrap(model, blocks={})").format(path)
+
+
+def script_facts(report: RankReport, *, kept_split: bool, allow: bool, split: str) -> list[str]:
+    """One line per fact (see the module doc); ``split``: the script's split in words."""
+    lines = []
+    model = report.model or {}
+    if int(model.get("num_blocks") or 0) == 0:
+        lines.append("No repeated blocks found in the model (no ModuleList or nn.Sequential of same-type blocks): "
+                     "activation checkpointing is not searched. Name the blocks with "
+                     + name_blocks(model, '"path.to.blocks"') + " to search it.")
+    else:
+        lines.append(f"Blocks: {model.get('num_blocks')} at '{model.get('blocks_path') or '(the model)'}' "
+                     f"(name others with {name_blocks(model, '...')}).")
+    layers = batch_dependent_layers(report)
+    if layers and kept_split:
+        lines.append(f"Batch-dependent layers ({_shown(layers)}): their train-mode step depends on which samples "
+                     f"share a micro-batch, so the split and accumulation stay the script's own ({split}); "
+                     "checkpointing, dtype, buckets and compile are searched. Pass --allow-batch-dependent to "
+                     "search splits anyway (verified in eval mode).")
+    elif layers and allow:
+        lines.append(f"Batch-dependent layers ({_shown(layers)}): splits are searched (--allow-batch-dependent) and "
+                     "verified in eval mode; their batch statistics change with the split.")
+    data = report.data or {}
+    samples, global_batch = data.get("samples"), data.get("global_batch")
+    if isinstance(samples, int) and isinstance(global_batch, int) and samples < global_batch:
+        lines.append(f"The dataset has {samples} samples, fewer than one global batch ({global_batch}): every step "
+                     f"is a partial step of at most {samples} samples, and samples/s counts the samples really "
+                     "used. Give the script more data (or a smaller --global-batch) to tune full steps.")
+    return lines
+
+
+def summary_facts(study_attrs: dict[str, Any]) -> list[str]:
+    """The facts the study's summary repeats: what limits the search (no blocks, a kept split, a
+    dataset smaller than one global batch); the line naming the blocks found is said once, at the start."""
+    facts = study_attrs.get(ATTR_SCRIPT_FACTS) or []
+    return [str(line) for line in facts if not str(line).startswith("Blocks: ")]

@@ -2,7 +2,7 @@
 
 Every requested trial is recorded exactly once (the study ends with exactly ``--trials`` counted
 trials, all measured), trial numbers are unique, no worker fails with "database is locked", and
-only one worker runs the baseline: the others wait for it (see ``autobalance/tuner/_workers.py``).
+only one worker runs the baseline: the others wait for it (see ``autobalance/tuner/_study.py``).
 A worker that asked for a trial beyond the total at the same moment as another records it as a
 FAIL ``surplus`` trial without launching anything; that is allowed here but nothing else is.
 """

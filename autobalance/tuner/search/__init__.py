@@ -4,17 +4,19 @@
 - ``_space``: the search space (micro-batch shares, accumulation, checkpointing, dtype, buckets, compile);
 - ``_objective``: from a trial's rank reports to its figures, objective values and memory constraint;
 - ``_memory_model``: per-rank peak memory, fitted from the study's trials;
-- ``_step_time``: step time, fitted from the study's trials;
+- ``_timing``: the timing model: step time eager and compiled, compile time per scope, a trial's
+  time, verification's price, fitted from the study's own trials;
 - ``_solver``: balanced splits and per-rank checkpointing from the memory model;
-- ``_eager_search``: the memory model's eager proposals;
-- ``_holdout``: what the memory models are fitted from, and their leave-one-trial-out errors;
-- ``_compiled_model``: compiled configurations' peaks (per-rank budgets) and step times;
-- ``_compiled_search``: compiled proposals from it, ordered to reuse the Inductor cache;
+- ``_compiled_model``: compiled configurations' peaks (per-rank budgets);
+- ``_candidates``: the models' proposals, eager from the memory model and compiled from the compiled model
+  (ordered to reuse the Inductor cache);
 - ``_dominance``: what cannot fit, said before launching (model-free dominance, the memory models' vetoes);
-- ``_compile``: compile in the study (cache, space check, compile figures);
-- ``_first_trials``: on a GPU, which dtypes the models may propose (bf16 first) and when the sampler explores;
 - ``_model_errors``: the errors a fit can raise, and the ones the search fell back from (kept in the study);
-- ``_models``: the models of one decision, the candidates they rank, what the policy's phases ask of them;
+- ``_models``: one decision (``Decision``: the study read once, each model fitted at most once), the
+  candidates the models rank, what the policy's phases ask of them; on a GPU which dtypes the models may
+  propose (bf16 first) and when the sampler explores; CUDA graphs probed once (``--compile-mode auto``);
+  what the memory models are fitted from, and their leave-one-trial-out errors;
+- ``_policy``: where the next trial is chosen (the phases);
 - ``_advisor``: the ``model`` strategy's glue to Optuna: enqueue the policy's proposal, veto, learn after each trial.
 
 Nothing here launches a trial; the study's running side (``autobalance.tuner``) uses these.
@@ -26,36 +28,19 @@ from autobalance.tuner.search._advisor import (
     ModelAdvisor,
     observations_from_trials,
 )
-from autobalance.tuner.search._compile import (
-    CACHE_HIT_PRIOR_S,
-    COMPILE_PRIOR_S,
-    cache_dir,
-    compile_env,
-    compile_figures,
-    compile_notes,
-    compile_times,
-    space_problem,
+from autobalance.tuner.search._candidates import (
+    CACHE_TIE,
+    Candidate,
+    cache_order,
+    compiled_candidates,
 )
 from autobalance.tuner.search._compiled_model import (
-    COMPILE_SPEED_PRIOR,
-    MICRO_STEP_PRIOR,
-    RECOMPUTE_PRIOR_COMPILED,
     UNMEASURED_MARGIN,
     BudgetCurve,
     CompiledMemoryModel,
     CompiledObservation,
-    CompiledTimeModel,
     budget_grid,
     compiled_observations,
-)
-from autobalance.tuner.search._compiled_search import (
-    CACHE_TIE,
-    DYNAMIC,
-    Candidate,
-    cache_order,
-    compiled_candidates,
-    compiled_graphs,
-    graph_keys,
 )
 from autobalance.tuner.search._constants import (
     AUTO_MEASURE_FACTOR,
@@ -74,12 +59,18 @@ from autobalance.tuner.search._constants import (
     IMPROVES,
     IO_S_PER_GB,
     KEEP_AT_FULL_BUDGET,
+    LEADER_MEDIAN_SE,
+    LEADER_NOISE_FLOOR,
+    LEADER_NOISE_SIGMAS,
+    LEADER_RUNS,
+    LEADERS_MAX,
     MAX_CANDIDATES,
     MAX_CRASHES_IN_A_ROW,
     MAX_ERROR_TEXT,
     MAX_KEPT_ERRORS,
     MAX_PREDICTED_IN_A_ROW,
     NEIGHBOUR_RANKS,
+    REASON_CHARS,
     REGIONAL_COMPILE_SHARE,
     RESERVE_MARGIN,
     SAMPLER_EVERY,
@@ -90,14 +81,9 @@ from autobalance.tuner.search._constants import (
     WARM_PRUNE_MIN_STEPS,
     WORTH,
 )
-from autobalance.tuner.search._cuda_graphs import GRAPH_GAIN, graph_probe, graphs_verdict
 from autobalance.tuner.search._dominance import (
     activation_budget,
     dominating_over_cap,
-)
-from autobalance.tuner.search._first_trials import (
-    proposable_dtypes,
-    proposals_stalled,
 )
 from autobalance.tuner.search._memory_model import (
     ACTIVATION_BYTES_SCALE,
@@ -112,9 +98,18 @@ from autobalance.tuner.search._model_errors import (
     ModelErrors,
     model_errors_line,
 )
+from autobalance.tuner.search._models import (
+    GRAPH_GAIN,
+    Decision,
+    graph_probe,
+    graphs_verdict,
+    proposable_dtypes,
+    proposals_stalled,
+)
 from autobalance.tuner.search._objective import (
     INFEASIBLE_TIME,
     TrialFigures,
+    compile_figures,
     figures_from_outcome,
     fix_exchange_rate,
     penalised,
@@ -130,7 +125,6 @@ from autobalance.tuner.search._policy import (
     proposal_line,
 )
 from autobalance.tuner.search._sharding import SavingModel, ShardingFacts
-from autobalance.tuner.search._snapshot import Decision
 from autobalance.tuner.search._solver import (
     DEFAULT_RECOMPUTE_FRACTION,
     SplitPlan,
@@ -147,11 +141,38 @@ from autobalance.tuner.search._space import (
     SearchSpace,
     compile_key,
     config_compile_key,
+    space_problem,
 )
-from autobalance.tuner.search._step_time import (
+from autobalance.tuner.search._timing import (
+    CACHE_HIT_PRIOR_S,
+    COMPILE_PRIOR_S,
+    COMPILE_SPEED_PRIOR,
+    DYNAMIC,
+    MICRO_STEP_PRIOR,
     RECOMPUTE_PRIOR,
+    RECOMPUTE_PRIOR_COMPILED,
+    CompiledTimeModel,
+    RunPrices,
     StepTimeModel,
+    VerifyForecast,
+    cache_dir,
+    compile_env,
+    compile_notes,
+    compile_times,
+    compiled_graphs,
+    forecast_verification,
+    graph_keys,
+    has_dropout,
+    next_trial_s,
+    per_trial_overhead_s,
+    restarts,
+    run_prices,
+    trial_s,
+    typical_compile_s,
+    verification_runs,
+    worker_start_s,
 )
+from autobalance.tuner.search._timing import _from_cache_s as from_cache_s
 
 __all__ = [
     "ACTIVATION_BYTES_SCALE",
@@ -182,6 +203,11 @@ __all__ = [
     "INFEASIBLE_TIME",
     "IO_S_PER_GB",
     "KEEP_AT_FULL_BUDGET",
+    "LEADERS_MAX",
+    "LEADER_MEDIAN_SE",
+    "LEADER_NOISE_FLOOR",
+    "LEADER_NOISE_SIGMAS",
+    "LEADER_RUNS",
     "LOW_BUDGET",
     "MAX_CANDIDATES",
     "MAX_CRASHES_IN_A_ROW",
@@ -191,6 +217,7 @@ __all__ = [
     "MICRO_STEP_PRIOR",
     "NEIGHBOUR_RANKS",
     "PRIOR_CHECKPOINT_SAVING",
+    "REASON_CHARS",
     "RECOMPUTE_PRIOR",
     "RECOMPUTE_PRIOR_COMPILED",
     "REGIONAL_COMPILE_SHARE",
@@ -216,6 +243,7 @@ __all__ = [
     "ModelAdvisor",
     "ModelErrors",
     "Proposal",
+    "RunPrices",
     "SavingModel",
     "SearchPolicy",
     "SearchSpace",
@@ -224,6 +252,7 @@ __all__ = [
     "StepTimeModel",
     "TrialFigures",
     "TrialHistory",
+    "VerifyForecast",
     "activation_budget",
     "balanced_split",
     "balanced_split_for",
@@ -243,12 +272,17 @@ __all__ = [
     "dominating_over_cap",
     "figures_from_outcome",
     "fix_exchange_rate",
+    "forecast_verification",
+    "from_cache_s",
     "graph_keys",
     "graph_probe",
     "graphs_verdict",
+    "has_dropout",
     "model_errors_line",
+    "next_trial_s",
     "observations_from_trials",
     "penalised",
+    "per_trial_overhead_s",
     "plans_from_model",
     "predict_config_feasible",
     "predict_feasible",
@@ -257,6 +291,12 @@ __all__ = [
     "proposals_stalled",
     "rate_fixed",
     "rate_source",
+    "restarts",
+    "run_prices",
     "space_problem",
     "spread_fraction",
+    "trial_s",
+    "typical_compile_s",
+    "verification_runs",
+    "worker_start_s",
 ]

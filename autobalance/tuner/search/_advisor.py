@@ -4,7 +4,7 @@ asked is vetoed when it cannot fit (recorded as ``predicted_oom``, not launched:
 each trial the models learn from it (``_models``). Where the next trial is chosen: ``_policy``.
 
 On a GPU the first trials are the models' (bf16 first, fp32 only when asked or learned:
-``_first_trials``), and the sampler explores once their proposals stop improving.
+``_models.proposable_dtypes``), and the sampler explores once their proposals stop improving.
 """
 
 from __future__ import annotations
@@ -19,16 +19,17 @@ from autobalance.protocol import StudyAttr
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner.search._constants import MAX_PREDICTED_IN_A_ROW
 from autobalance.tuner.search._dominance import dominance_veto, dominating_over_cap, model_veto
-from autobalance.tuner.search._holdout import (
+from autobalance.tuner.search._model_errors import ModelErrors
+from autobalance.tuner.search._models import (
+    Decision,
+    SearchModels,
     compiled_holdout_error,
     eager_holdout_error,
     observations_from_trials,
+    saves_errors,
 )
-from autobalance.tuner.search._model_errors import ModelErrors
-from autobalance.tuner.search._models import SearchModels, saves_errors
 from autobalance.tuner.search._objective import TrialFigures
 from autobalance.tuner.search._policy import SearchPolicy, TrialHistory
-from autobalance.tuner.search._snapshot import Decision
 from autobalance.tuner.search._space import SearchSpace
 
 __all__ = ["ModelAdvisor", "observations_from_trials"]

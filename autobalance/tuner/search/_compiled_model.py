@@ -1,4 +1,4 @@
-"""A model of compiled configurations: per-rank peak memory and step time as functions of the
+"""A model of compiled configurations: per-rank peak memory as a function of the
 micro-batch and the per-rank activation budget, per (dtype, compile mode), fitted from few trials.
 
 **Memory.** Rank ``r`` with micro-batch ``m`` and budget ``b`` peaks at::
@@ -37,23 +37,7 @@ limit_r * (1 + margin)`` for the largest measured ``b_j <= b`` (monotonicity mak
 bound), or when even the least any budget keeps does not fit: ``fixed_r(q) + m * act_r * f(0.05) >
 limit_r * (1 + margin)`` (:meth:`CompiledMemoryModel.over_at_any_budget`).
 
-**Step time.** From the eager :class:`StepTimeModel` (``a`` per step, rank ``r``'s micro-steps
-``e_r = acc * b + k[dtype] * n_r`` without checkpointing, of which ``acc * b`` is paid once per
-micro-step whatever its size)::
-
-    t = a + s * max_r (e_r + (beta - 1) * acc * b) * (1 + rho * (1 - b_r))
-
-``s`` is the compiled-versus-eager speed of the pair, ``beta`` what a compiled micro-step's fixed
-cost is relative to that speed (1: the same; CUDA graphs replay a micro-step's kernels with one
-launch, so ``reduce-overhead`` starts at :data:`MICRO_STEP_PRIOR`) and ``rho * (1 - b)`` the
-recomputation cost, monotone non-increasing in the budget (0 at the default budget 1.0). ``rho``
-and ``beta`` are chosen on grids with ``s`` in closed form (least squares on relative errors);
-while the pair's trials have not varied their budgets ``rho`` stays at its prior
-(:data:`RECOMPUTE_PRIOR_COMPILED`), and while they have not varied their number of micro-steps
-``beta`` stays at the mode's prior. Without trials of its own a pair borrows another's ``s`` and
-``rho`` (the same mode with another dtype first, then the same dtype with another mode, whose ``beta``
-it does not take: its own mode's prior), and without any, the device's prior
-(:data:`COMPILE_SPEED_PRIOR`).
+Step time: ``_timing.CompiledTimeModel``.
 """
 
 from __future__ import annotations
@@ -68,6 +52,8 @@ from optuna.trial import FrozenTrial, TrialState
 from autobalance._config import BalanceConfig
 from autobalance._errors import UsageError
 from autobalance.protocol import Status, TrialAttr
+from autobalance.tuner.search._constants import FLOOR_PRIOR, LOW_BUDGET_FLOOR, UNMEASURED_MARGIN
+from autobalance.tuner.search._constants import MIN_SAMPLE_BYTES as _TINY
 from autobalance.tuner.search._memory_model import (
     CLAMP_TOLERANCE,
     DEFAULT_SAFETY_MARGIN,
@@ -81,46 +67,19 @@ from autobalance.tuner.search._space import (
     REGIONAL_KEY,
     config_compile_key,
 )
-from autobalance.tuner.search._step_time import StepTimeModel
 
 __all__ = [
-    "COMPILE_SPEED_PRIOR",
     "FLOOR_PRIOR",
     "LOW_BUDGET_FLOOR",
-    "MICRO_STEP_PRIOR",
-    "RECOMPUTE_PRIOR_COMPILED",
     "UNMEASURED_MARGIN",
     "BudgetCurve",
     "CompiledMemoryModel",
     "CompiledObservation",
-    "CompiledTimeModel",
     "budget_grid",
     "compiled_observations",
 ]
 
 GIB = 2**30
-UNMEASURED_MARGIN = 0.25
-"""Extra relative margin on the activation part at a budget the pair has not measured (divided by
-``sqrt(1 + measured budgets)``): the partitioner's plateaus make interpolation uncertain."""
-MICRO_STEP_PRIOR: dict[str, float] = {"reduce-overhead": 0.18}
-"""Prior ``beta`` per compile mode (others 1.0): on one H200 the GPT of ``studies/gpt-1gpu.toml`` paid
-33 ms per micro-step compiled with ``default`` and 5.8 ms with ``reduce-overhead`` (CUDA graphs):
-5.8 / 33 = 0.18 (``benchmarks/2026-12-03-h200b/compile_probe*.json``, ``docs/compile.md``)."""
-RECOMPUTE_PRIOR_COMPILED = 1.0 / 3.0
-"""Prior ``rho``: at budget 0 the partitioner recomputes about one forward (a third of a step)."""
-COMPILE_SPEED_PRIOR: dict[str, float] = {"cuda": 0.85, "cpu": 1.0}
-"""Prior ``s`` (compiled / eager time) before any compiled trial: Inductor fuses on GPUs; on CPU
-no gain is assumed."""
-FLOOR_PRIOR = 0.25
-"""Without any compiled trial, ``f(b) = max(b, FLOOR_PRIOR)``: at its smallest budget the partitioner
-still keeps part of the activations (on one H200 the GPT of ``studies/gpt-1gpu.toml`` kept 0.42 of
-its eager activations at budget 0.4 with the loss outside the model, about 0.38 with it inside)."""
-LOW_BUDGET_FLOOR = 0.5
-"""Below the smallest measured budget ``b_1``, ``f(b) = F_1 * max(b / b_1, LOW_BUDGET_FLOOR)``: not the
-partitioner's proportional rule all the way down (the same grid: ``f(0.4) / f(1.0) = 0.68``)."""
-_RHO_GRID = [i / 20 for i in range(41)]  # 0 .. 2 in steps of 0.05
-_BETA_GRID = [i / 20 for i in range(41)]  # 0 .. 2 in steps of 0.05
-_TINY = 1.0
 
 
 def budget_grid() -> list[float]:
@@ -461,110 +420,3 @@ def _sharding_shares(cfg: dict[str, Any]) -> list[float] | None:
     world = len(cfg["micro_batches"])
     shares = cfg.get("optimizer_shares")
     return [float(q) for q in shares] if shares and len(shares) == world else [1.0 / world] * world
-
-
-@dataclass(kw_only=True)
-class CompiledTimeModel:
-    """``t = a + s * max_r (e_r + (beta - 1) * acc * b) * (1 + rho * (1 - b_r))`` per (dtype, mode)
-    (module doc)."""
-
-    eager: StepTimeModel
-    """The eager step-time model (``a`` and each rank's ``e_r``)."""
-    speed: dict[Pair, float] = field(default_factory=dict)
-    """``s`` of the pairs with measured compiled trials."""
-    recompute: dict[Pair, float] = field(default_factory=dict)
-    """``rho`` of those pairs."""
-    micro_step: dict[Pair, float] = field(default_factory=dict)
-    """``beta`` of those pairs (the mode's :data:`MICRO_STEP_PRIOR` while their trials have not varied
-    their number of micro-steps)."""
-    prior_speed: float = 1.0
-    """``s`` before any compiled trial (the device's :data:`COMPILE_SPEED_PRIOR`)."""
-
-    def params(self, dtype: str, mode: str) -> tuple[float, float, bool]:
-        """``(s, rho, own)``: the pair's own fit, else a borrowed one (same dtype first), else the prior."""
-        pair = (dtype, mode)
-        if pair in self.speed:
-            return self.speed[pair], self.recompute[pair], True
-        scope = mode.endswith(REGIONAL_KEY)  # borrowed within the scope only (module doc)
-        for other in sorted((p for p in self.speed if p[1].endswith(REGIONAL_KEY) == scope),
-                            key=lambda p: (p[1] != mode, p[0] != dtype, p)):
-            return self.speed[other], self.recompute[other], False
-        return self.prior_speed, RECOMPUTE_PRIOR_COMPILED, False
-
-    def beta(self, dtype: str, mode: str) -> float:
-        """``beta``: the pair's own fit, else the same mode's with another dtype, else the mode's prior
-        (never another mode's: it is what the mode changes)."""
-        if (dtype, mode) in self.micro_step:
-            return self.micro_step[(dtype, mode)]
-        for other in sorted(p for p in self.micro_step if p[1] == mode):
-            return self.micro_step[other]
-        return MICRO_STEP_PRIOR.get(mode.removesuffix(REGIONAL_KEY), 1.0)
-
-    def rank_ms(self, config: BalanceConfig | dict[str, Any]) -> tuple[float, list[float]] | None:
-        """``a`` and each rank's compiled micro-steps; None before any eager measurement."""
-        c = config.to_dict() if isinstance(config, BalanceConfig) else dict(config)
-        eager_cfg = {**c, "checkpoint": [[] for _ in c["micro_batches"]]}
-        parts = self.eager.rank_ms(eager_cfg)
-        if parts is None:
-            return None
-        a, ranks = parts
-        mode = config_compile_key(c)
-        s, rho, _ = self.params(c["dtype"], mode)
-        fixed = (self.beta(c["dtype"], mode) - 1.0) * (self.eager.micro_step_ms(eager_cfg) or 0.0)
-        budgets = c.get("activation_budget") or [1.0] * len(ranks)
-        return a, [s * max(0.0, e + fixed) * (1.0 + rho * (1.0 - float(b))) for e, b in zip(ranks, budgets, strict=True)]
-
-    def predict(self, config: BalanceConfig | dict[str, Any]) -> float | None:
-        """Predicted milliseconds per optimizer step."""
-        parts = self.rank_ms(config)
-        return None if parts is None else parts[0] + max(parts[1])
-
-    @classmethod
-    def fit(cls, trials: Sequence[FrozenTrial], *, eager: StepTimeModel, device: str) -> CompiledTimeModel:
-        model = cls(eager=eager, prior_speed=COMPILE_SPEED_PRIOR.get(device, 1.0))
-        rows: dict[Pair, list[tuple[dict[str, Any], float]]] = {}
-        for t in trials:
-            a = t.user_attrs
-            cfg = a.get(TrialAttr.CONFIG)
-            if (a.get(TrialAttr.STATUS) != Status.OK or not a.get(TrialAttr.STEP_TIME_MS) or not cfg
-                    or cfg.get("compile", "off") == "off" or a.get(TrialAttr.REUSED_FROM) is not None):
-                continue
-            rows.setdefault((cfg["dtype"], config_compile_key(cfg)), []).append((cfg, float(a[TrialAttr.STEP_TIME_MS])))
-        for pair, group in rows.items():
-            fitted = _fit_pair(eager, group, beta_prior=MICRO_STEP_PRIOR.get(pair[1].removesuffix(REGIONAL_KEY), 1.0))
-            if fitted is not None:
-                model.speed[pair], model.recompute[pair], model.micro_step[pair] = fitted
-        return model
-
-
-def _fit_pair(eager: StepTimeModel, rows: list[tuple[dict[str, Any], float]], *,
-              beta_prior: float = 1.0) -> tuple[float, float, float] | None:
-    """``(s, rho, beta)`` minimising the squared relative errors: ``rho`` and ``beta`` on grids (each
-    at its prior until the pair's trials vary budgets / numbers of micro-steps), ``s`` in closed form;
-    among equal errors the pair nearest the priors."""
-    parts = []
-    for cfg, ms in rows:
-        plain = {**cfg, "checkpoint": [[] for _ in cfg["micro_batches"]]}
-        eager_parts = eager.rank_ms(plain)
-        if eager_parts is None or ms <= 0:
-            return None
-        budgets = cfg.get("activation_budget") or [1.0] * len(eager_parts[1])
-        parts.append((eager_parts[0], eager_parts[1], [float(b) for b in budgets], eager.micro_step_ms(plain) or 0.0,
-                      ms))
-    varied = len({tuple(b) for _, _, b, _, _ in parts}) > 1
-    steps_varied = len({round(m, 9) for _, _, _, m, _ in parts}) > 1
-    q = [1.0 - a / ms for a, _, _, _, ms in parts]
-    best: tuple[float, float, float, float, float] | None = None  # (error, distance from the priors, s, rho, beta)
-    for beta in (_BETA_GRID if steps_varied else [beta_prior]):
-        for rho in (_RHO_GRID if varied else [RECOMPUTE_PRIOR_COMPILED]):
-            p = [max(max(0.0, e + (beta - 1.0) * m) * (1.0 + rho * (1.0 - b)) for e, b in zip(ranks, budgets, strict=True))
-                 / ms for _, ranks, budgets, m, ms in parts]
-            denominator = sum(x * x for x in p)
-            if denominator <= 0:
-                continue
-            s = max(1e-3, sum(x * y for x, y in zip(p, q, strict=True)) / denominator)
-            error = round(sum((s * x - y) ** 2 for x, y in zip(p, q, strict=True)), 12)
-            candidate = (error, abs(rho - RECOMPUTE_PRIOR_COMPILED) + abs(beta - beta_prior), s, rho, beta)
-            if best is None or candidate[:2] < best[:2]:
-                best = candidate
-    return None if best is None else (best[2], best[3], best[4])

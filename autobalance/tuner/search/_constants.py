@@ -3,7 +3,7 @@
 One home: the policy's phases, the advisor's pacing and vetoes, the compile and step-time priors,
 verification's price and the loop's stop rules read their numbers here (``tests/test_constants.py``
 fails on a numeric module constant elsewhere in ``autobalance/tuner``). The modules that use one
-re-export it under its old name, so ``from autobalance.tuner._verify_time import FROM_CACHE_SHARE``
+re-export it under its old name, so ``from autobalance.tuner.search._timing import FROM_CACHE_SHARE``
 still works.
 
 Merged duplicates: the memory-model veto's margin is the models' default margin
@@ -16,23 +16,35 @@ process is 0.18-0.40 of the cold one (below), none near 0.1, so the forecast's m
 prior of both. (``compile_times``'s cache-hit figure is not read by any decision, so the replay decides
 as before.)
 
-The constants of ``_memory_model``, ``_compiled_model``, ``_objective`` and the search space's ranges
-(``_space``) still live in those modules (listed in ``tests/test_constants.py``).
+The memory models', the objective's and the search space's constants live here too (their modules
+import them under their old names); outside this module ``tests/test_constants.py`` allows only unit
+conversions (``GIB = 2**30``, the settings' duration and byte units) and the table of the memory the
+GPUs ``--memory-cap`` names report (``_settings`` is read by ``--help`` without importing the search).
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "ACTIVATION_BYTES_SCALE",
     "AUTO_MEASURE_FACTOR",
     "AUTO_MEASURE_MAX_S",
+    "BETA_GRID",
+    "BUCKET_RANGE_MB",
     "BUDGET_CEILING",
+    "BUDGET_RANGE",
+    "BUDGET_STEP",
     "CACHE_HIT_PRIOR_S",
     "CACHE_TIE",
+    "CLAMP_TOLERANCE",
     "COMPARE_S_PER_GB",
     "COMPILE_PRIOR_S",
+    "COMPILE_SPEED_PRIOR",
+    "CONFIDENT_TOL",
     "DEFAULT_RECOMPUTE_FRACTION",
+    "DEFAULT_SAFETY_MARGIN",
     "DISPERSION_LIMIT",
     "DTYPE_SPEED_PRIOR",
+    "DYNAMIC",
     "EAGER_FIRST",
     "EMBEDDING_SHARE",
     "EQUAL_SPEED_BAND",
@@ -40,33 +52,54 @@ __all__ = [
     "FIT_FRACTION",
     "FIT_MARGIN",
     "FIXED_SHARE",
+    "FLOOR_PRIOR",
     "FLOOR_RUNS",
     "FROM_CACHE_SHARE",
     "GRAPH_GAIN",
     "GROW_MIN_BUDGET",
     "IMPROVES",
+    "INFEASIBLE_TIME",
     "IO_S_PER_GB",
     "KEEP_AT_FULL_BUDGET",
+    "LEADERS_MAX",
+    "LEADER_MEDIAN_SE",
+    "LEADER_NOISE_FLOOR",
+    "LEADER_NOISE_SIGMAS",
+    "LEADER_RUNS",
+    "LEVELS",
     "LOW_BUDGET",
+    "LOW_BUDGET_FLOOR",
     "MAX_CANDIDATES",
     "MAX_CRASHES_IN_A_ROW",
     "MAX_ERROR_TEXT",
     "MAX_KEPT_ERRORS",
+    "MAX_MARGIN",
     "MAX_PREDICTED_IN_A_ROW",
+    "MICRO_STEP_PRIOR",
+    "MIN_SAMPLE_BYTES",
     "NEIGHBOUR_RANKS",
+    "OPTIMIZER_SHARE_RANGE",
+    "PRIOR_CHECKPOINT_SAVING",
     "RAISE_CHANGE_MARGIN",
+    "RANK_TOL",
+    "REASON_CHARS",
     "RECOMPUTE_PRIOR",
+    "RECOMPUTE_PRIOR_COMPILED",
     "REGIONAL_COMPILE_SHARE",
     "RESERVE_MARGIN",
+    "RHO_GRID",
     "SAME_WITHIN",
     "SAMPLER_EVERY",
     "SCOPE_TRANSFERS",
     "SHARDING_TIME_PRIOR",
+    "SHARE_RANGE",
     "SHARE_TOL",
     "SLOW_DTYPE",
     "STALL_AFTER",
     "TRANSFER_WITHIN",
+    "UNMEASURED_MARGIN",
     "WARM_PRUNE_MIN_STEPS",
+    "WIDEN_FACTOR",
     "WORTH",
 ]
 
@@ -132,7 +165,7 @@ EAGER_FIRST = 3
 measured (or its eager memory model is fully determined): eager trials take seconds and give the
 compiled model its fixed part and activation unit; a compile takes tens of seconds."""
 
-# ---------------------------------------------------------------------- proposals (``_compiled_search``, ``_first_trials``, ``_cuda_graphs``)
+# ---------------------------------------------------------------------- proposals (``_candidates``, ``_models``)
 CACHE_TIE = 0.02
 """Relative difference of predicted objective (or of a rank's predicted time) treated as a tie,
 which the configuration needing fewer new compiled graphs wins."""
@@ -151,7 +184,7 @@ GRAPH_GAIN = 0.03
 SHARE_TOL = 1e-9
 """Cumulative shares this close are the same boundary (sums of 4-decimal shares in floating point)."""
 
-# ---------------------------------------------------------------------- step-time priors (``_step_time``, ``_solver``)
+# ---------------------------------------------------------------------- step-time priors (``_timing``, ``_solver``)
 RECOMPUTE_PRIOR = 1.0
 """While checkpointing has not varied: recomputing all blocks once costs one typical micro-step
 (``b + k * m``; the H200 grid of the GPT scenario measured 0.85 of it)."""
@@ -195,7 +228,7 @@ cold, 5.2 s in a second process on the same cache (0.18); whole-model compiles f
 29-34 s of process wall against 46-52 s cold, start-up included (field notes 2026-12-04). The largest
 measured share, so a budget is not overdrawn."""
 
-# ---------------------------------------------------------------------- verification's price (``tuner/_verify_time``)
+# ---------------------------------------------------------------------- verification's price (``_timing``)
 FLOOR_RUNS = 1
 """Shared fp32 runs of the script's own configuration besides ``baseline`` and ``baseline-fp32``:
 the rounding floor (the same step with each micro-batch's samples reversed)."""
@@ -276,3 +309,93 @@ with its own: with 3 more runs no single run's drift (177-239 ms for one configu
 H200 study) decides; 1 is the least that measures the leaders again side by side in the same worker
 state. The most runs (then leaders) the time left holds, verification's reserve kept, are made; none
 when it holds not one more run of the first two, and the time budget keeps that least plan free."""
+
+# ---------------------------------------------------------------------- compiled step-time priors (``_timing.CompiledTimeModel``)
+MICRO_STEP_PRIOR: dict[str, float] = {"reduce-overhead": 0.18}
+"""Prior ``beta`` per compile mode (others 1.0): on one H200 the GPT of ``studies/gpt-1gpu.toml`` paid
+33 ms per micro-step compiled with ``default`` and 5.8 ms with ``reduce-overhead`` (CUDA graphs):
+5.8 / 33 = 0.18 (``benchmarks/2026-12-03-h200b/compile_probe*.json``, ``docs/compile.md``)."""
+RECOMPUTE_PRIOR_COMPILED = 1.0 / 3.0
+"""Prior ``rho``: at budget 0 the partitioner recomputes about one forward (a third of a step)."""
+COMPILE_SPEED_PRIOR: dict[str, float] = {"cuda": 0.85, "cpu": 1.0}
+"""Prior ``s`` (compiled / eager time) before any compiled trial: Inductor fuses on GPUs; on CPU
+no gain is assumed."""
+RHO_GRID = [i / 20 for i in range(41)]
+"""The compiled step-time fit's grid of ``rho`` (recomputation at budget 0): 0 .. 2 in steps of 0.05,
+wide enough for a partitioner that recomputes up to two forwards."""
+BETA_GRID = [i / 20 for i in range(41)]
+"""The compiled step-time fit's grid of ``beta`` (a compiled micro-step's fixed cost relative to the
+eager one): 0 .. 2 in steps of 0.05 (the H200's CUDA graphs measured 0.18)."""
+
+# ---------------------------------------------------------------------- the memory model (``_memory_model``)
+ACTIVATION_BYTES_SCALE: dict[str, float] = {"fp32": 1.0, "bf16": 0.5, "fp16": 0.5}
+"""Prior: per-sample activation bytes of each dtype relative to fp32 (autocast halves them).
+
+A dtype without enough trials of its own borrows the per-sample terms of the best-measured dtype
+scaled by the ratio of these factors, and that dtype's fixed part unchanged (autocast keeps fp32
+parameters, gradients and optimizer state)."""
+PRIOR_CHECKPOINT_SAVING = 0.7
+"""Prior: fraction of the per-sample activations saved when every block is checkpointed.
+
+Used only while no measured dtype has seen checkpointing vary (embeddings, logits and block
+inputs are not freed by checkpointing, hence below 1)."""
+DEFAULT_SAFETY_MARGIN = 0.05
+"""Initial relative margin: a prediction is trusted as feasible if ``peak * (1 + margin) <= limit``."""
+MAX_MARGIN = 0.5
+"""The margin never widens beyond this."""
+WIDEN_FACTOR = 1.5
+"""On an under-prediction by ``e`` (relative) beyond the margin, the margin becomes ``WIDEN_FACTOR * e``
+(the eager and the compiled memory models; one constant, so no default can drift from another)."""
+CLAMP_TOLERANCE = 0.01
+"""A fitted line this far (relative) under the floor is still taken as possible: the floor is the least
+held part ever measured on the rank, and a fit through those same points may pass just under it."""
+RANK_TOL = 1e-10
+"""Relative singular-value tolerance deciding which parameter directions the data determines."""
+CONFIDENT_TOL = 1e-8
+"""A query is confident when its (scaled) feature vector is this orthogonal to the unseen directions."""
+
+# ---------------------------------------------------------------------- the compiled memory model (``_compiled_model``)
+UNMEASURED_MARGIN = 0.25
+"""Extra relative margin on the activation part at a budget the pair has not measured (divided by
+``sqrt(1 + measured budgets)``): the partitioner's plateaus make interpolation uncertain."""
+FLOOR_PRIOR = 0.25
+"""Without any compiled trial, ``f(b) = max(b, FLOOR_PRIOR)``: at its smallest budget the partitioner
+still keeps part of the activations (on one H200 the GPT of ``studies/gpt-1gpu.toml`` kept 0.42 of
+its eager activations at budget 0.4 with the loss outside the model, about 0.38 with it inside)."""
+LOW_BUDGET_FLOOR = 0.5
+"""Below the smallest measured budget ``b_1``, ``f(b) = F_1 * max(b / b_1, LOW_BUDGET_FLOOR)``: not the
+partitioner's proportional rule all the way down (the same grid: ``f(0.4) / f(1.0) = 0.68``)."""
+MIN_SAMPLE_BYTES = 1.0
+"""The least activation bytes of one sample (1 byte): keeps the compiled model's fractions finite when
+the eager model predicts no activations for a rank."""
+
+# ---------------------------------------------------------------------- the objective (``_objective``)
+INFEASIBLE_TIME = 10.0
+"""Normalised step time recorded for trials without a measurement (OOM, timeout)."""
+
+# ---------------------------------------------------------------------- the search space's ranges and grid (``_space``)
+SHARE_RANGE = (0.05, 1.0)
+"""The range a rank's micro-batch share weight is sampled in (``share_r``): never 0, so every rank
+keeps a sample (the shares are normalised over their sum)."""
+BUCKET_RANGE_MB = (1.0, 200.0)
+"""DDP's ``bucket_cap_mb`` range the space searches (log scale): 1 MB (many small all-reduces)
+to 200 MB (one large one for the models studied; DDP's default is 25 MB)."""
+BUDGET_RANGE = (0.05, 1.0)
+"""The per-rank activation-memory budget range of compiled trials (``budget_r``): 0.05 (the
+partitioner keeps the least it can) to 1.0 (its default)."""
+BUDGET_STEP = 0.05
+"""The budget grid's step: repeated budgets hit the per-study Inductor cache (a 0.05 grid gives 20
+budgets; the H200 grids measured the curve's plateaus at this resolution). ``raise-budget`` steps by it too."""
+OPTIMIZER_SHARE_RANGE = (0.0, 1.0)
+"""A rank's ``oshare_r`` weight; the shares are the weights over their sum (all 0: even)."""
+
+# ---------------------------------------------------------------------- markers and presentation (``_sharding``, ``_timing``, ``tuner/_reporter``)
+LEVELS = {"off": 0, "embeddings": 1, "blocks": 2}
+"""The order of the parameter shardings (more sharding, a higher level): what dominance compares, not a
+measurement."""
+
+DYNAMIC = 0
+"""The micro-batch size of a graph compiled with a dynamic batch dimension."""
+
+REASON_CHARS = 160
+"""A trial's reason on its console line is cut near this many characters (at a word boundary)."""

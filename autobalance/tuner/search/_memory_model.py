@@ -57,6 +57,16 @@ import numpy as np
 
 from autobalance._config import DTYPES, BalanceConfig
 from autobalance._errors import UsageError
+from autobalance.tuner.search._constants import (
+    ACTIVATION_BYTES_SCALE,
+    CLAMP_TOLERANCE,
+    DEFAULT_SAFETY_MARGIN,
+    MAX_MARGIN,
+    PRIOR_CHECKPOINT_SAVING,
+    WIDEN_FACTOR,
+)
+from autobalance.tuner.search._constants import CONFIDENT_TOL as _CONFIDENT_TOL
+from autobalance.tuner.search._constants import RANK_TOL as _RANK_TOL
 
 __all__ = [
     "ACTIVATION_BYTES_SCALE",
@@ -69,38 +79,6 @@ __all__ = [
     "MemoryModel",
     "MemoryObservation",
 ]
-
-ACTIVATION_BYTES_SCALE: dict[str, float] = {"fp32": 1.0, "bf16": 0.5, "fp16": 0.5}
-"""Prior: per-sample activation bytes of each dtype relative to fp32 (autocast halves them).
-
-A dtype without enough trials of its own borrows the per-sample terms of the best-measured dtype
-scaled by the ratio of these factors, and that dtype's fixed part unchanged (autocast keeps fp32
-parameters, gradients and optimizer state)."""
-
-PRIOR_CHECKPOINT_SAVING = 0.7
-"""Prior: fraction of the per-sample activations saved when every block is checkpointed.
-
-Used only while no measured dtype has seen checkpointing vary (embeddings, logits and block
-inputs are not freed by checkpointing, hence below 1)."""
-
-DEFAULT_SAFETY_MARGIN = 0.05
-"""Initial relative margin: a prediction is trusted as feasible if ``peak * (1 + margin) <= limit``."""
-
-MAX_MARGIN = 0.5
-"""The margin never widens beyond this."""
-
-WIDEN_FACTOR = 1.5
-"""On an under-prediction by ``e`` (relative) beyond the margin, the margin becomes ``WIDEN_FACTOR * e``
-(the eager and the compiled memory models; one constant, so no default can drift from another)."""
-
-CLAMP_TOLERANCE = 0.01
-"""A fitted line this far (relative) under the floor is still taken as possible: the floor is the least
-held part ever measured on the rank, and a fit through those same points may pass just under it."""
-
-_RANK_TOL = 1e-10
-"""Relative singular-value tolerance deciding which parameter directions the data determines."""
-_CONFIDENT_TOL = 1e-8
-"""A query is confident when its (scaled) feature vector is this orthogonal to the unseen directions."""
 
 
 @dataclass(kw_only=True)

@@ -1,48 +1,126 @@
 """The search's models over one decision: the per-rank memory model and the compiled memory model
-fitted from the study's own trials (each once per decision: ``_snapshot.Decision``), the candidates
-they rank by predicted objective (eager ones from the memory model: ``_eager_search``; compiled ones
-from the compiled model: ``_compiled_search``), and what the policy's phases ask of them (the
+fitted from the study's own trials (each once per decision: :class:`Decision`, below), the candidates
+they rank by predicted objective (``_candidates``: eager ones from the memory model, compiled ones
+from the compiled model), and what the policy's phases ask of them (the
 ``Models`` protocol of ``_policy``). They learn from each trial (:meth:`SearchModels.learn`: a
 model that under-predicted widens its margin).
+
+**One decision** (:class:`Decision`): the study's trials and attributes read once.
+
+Choosing the next trial asks many questions of the study (the history, the models' fits, the
+compile prices, the time budget's forecast for each phase's proposal), and each used to read every
+trial from the storage again: ~35 reads of all trials per trial in a 10-minute replay, each a query
+(and over the network for a shared PostgreSQL study). :class:`StudySnapshot` answers
+``get_trials`` and ``user_attrs`` from one read taken when the decision starts; nothing changes the
+trials while the advisor decides (it enqueues its proposal after), and everything else (writing an
+attribute, ``enqueue_trial``) goes to the study itself.
+
+A :class:`Decision` is one choice of the next trial: the study read once and the models fitted from
+it at most once, however many phases, vetoes and budget checks ask. The loop builds it at the head
+of each trial (``TrialLoop.decision``) and hands it to the advisor; it is rebuilt only when a trial
+finished since (another worker's included), so the verification forecast that the stop rule reads,
+the policy's phases and the check of the configuration asked all use one fit of each model.
+
+**First trials.** No blind start-up on a GPU: which dtypes the model strategy may propose, and when the wrapped
+sampler may explore.
+
+On a CUDA device the dtype prior says fp32 without TF32 costs about twice bf16 per sample on a
+tensor-core GPU (on one H200, 1331-1340 ms per step where bf16 ran 170-230 ms: field notes), so:
+
+- **bf16 first.** Until a bf16 trial was measured (or bf16 failed), only bf16 is proposed; fp16 is
+  the first dtype when bf16 is not searched.
+- **fp16 next**, once the first half-precision dtype was measured or failed.
+- **fp32 only when asked or learned**: the search space holds no half-precision dtype (``--dtypes
+  fp32``); ``--dtypes`` names fp32 or the script runs fp32 matmuls in TF32 (then like fp16, after the
+  first dtype); every half-precision dtype failed (trials that ran and ended in an error, a crash or
+  a timeout, none measured); or the study measured fp32 faster per sample than every half-precision
+  dtype.
+
+Trials left to the sampler before that get the first allowed dtype fixed (the sampler picks the
+rest), so the sampler's random start-up never spends a trial on fp32 with most blocks checkpointed.
+On a GPU the sampler explores freely only once the models' proposals stop improving
+(:func:`proposals_stalled`); on CPU every third trial is the sampler's, as before.
+
+**CUDA graphs** (``torch.compile`` mode ``reduce-overhead``) in the search: measured against the
+default mode once, at the best default-mode compiled configuration, before any model proposes them.
+
+A micro-step costs about ``max(host launch time, GPU time)``: graphs cut the launch time, so they pay
+where the host is the bottleneck and not where the GPU is busy (one H200, ``studies/gpt-1gpu.toml``:
+8 x 4 137 -> 129 ms, 4 x 8 269 -> 152 ms; ``docs/compile.md``). Which one a study's script is cannot
+be read from default-mode trials alone, and the step-time model's prior for graphs, borrowed from the
+default mode, promised 53 ms at 8 x 4: so the first graph trial is a **probe**: once the models promise nothing better than the study's best
+trial and that is a default-mode compiled one, the same configuration with graphs (one compile);
+graphs are proposed further only when a probe ran at least :data:`GRAPH_GAIN` faster than its
+default-mode twin.
+
+**What the memory models are fitted from, and their held-out errors.** What the memory models are fitted from, and how well they predict: each measured trial predicted
+from all the others (leave-one-trial-out), as the summary and the study's attributes report it.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
-from collections.abc import Callable
-from typing import Any, TypeVar, cast
+import math
+import time
+from collections.abc import Callable, Container, Hashable, Sequence
+from typing import Any, Literal, Protocol, TypeVar, cast
 
 import optuna
-from optuna.trial import FrozenTrial
+from optuna.trial import FrozenTrial, TrialState
 
 from autobalance._config import CUDA_GRAPH_MODES, BalanceConfig
+from autobalance._errors import ConfigError
 from autobalance.protocol import (
     Status,
     StudyAttr,
     TrialAttr,
     best_trial,
     objective_value,
+    weighted_objective,
 )
 from autobalance.tuner._settings import TuneSettings
+from autobalance.tuner.search._candidates import (
+    Candidate,
+    cache_order,
+    compiled_candidates,
+    eager_candidates,
+)
 from autobalance.tuner.search._compiled_model import CompiledMemoryModel, compiled_observations
-from autobalance.tuner.search._compiled_search import Candidate, cache_order, compiled_candidates
-from autobalance.tuner.search._cuda_graphs import graphs_verdict
-from autobalance.tuner.search._eager_search import eager_candidates
-from autobalance.tuner.search._first_trials import proposable_dtypes
-from autobalance.tuner.search._holdout import observations_from_trials
+from autobalance.tuner.search._constants import GRAPH_GAIN, IMPROVES, STALL_AFTER
 from autobalance.tuner.search._memory_model import (
     DEFAULT_SAFETY_MARGIN,
     MemoryModel,
     MemoryObservation,
 )
-from autobalance.tuner.search._model_errors import FIT_ERRORS, ModelErrors
+from autobalance.tuner.search._model_errors import FIT_ERRORS, ModelErrors, caught
 from autobalance.tuner.search._objective import spread_fraction
 from autobalance.tuner.search._sharding import SavingModel, study_savings
-from autobalance.tuner.search._snapshot import Decision
 from autobalance.tuner.search._space import SearchSpace, config_compile_key
-from autobalance.tuner.search._step_time import StepTimeModel
+from autobalance.tuner.search._timing import CompiledTimeModel, StepTimeModel
 
-__all__ = ["SearchModels", "saves_errors"]
+__all__ = [
+    "GRAPH_GAIN",
+    "HALF_DTYPES",
+    "IMPROVES",
+    "MODEL_SOURCES",
+    "STALL_AFTER",
+    "Budget",
+    "Decision",
+    "GraphVerdict",
+    "SearchModels",
+    "StudySnapshot",
+    "compiled_holdout_error",
+    "eager_holdout_error",
+    "finished_key",
+    "graph_probe",
+    "graphs_verdict",
+    "observations_from_trials",
+    "proposable_dtypes",
+    "proposals_stalled",
+    "saves_errors",
+]
 
 GIB = 2**30
 _Method = TypeVar("_Method", bound=Callable[..., Any])
@@ -82,7 +160,7 @@ class SearchModels:
         self.dtype_note = ""
         """Why the last proposals were held to some dtypes (``""``: none held back)."""
         self.decision: Decision | None = None
-        """The decision in progress (``_snapshot``: the study read once, each model fitted once), from
+        """The decision in progress (:class:`Decision`: the study read once, each model fitted once), from
         the advisor's ``before_ask`` until the next; the veto of the trial asked reads it too."""
 
     # ------------------------------------------------------------------ model
@@ -169,7 +247,7 @@ class SearchModels:
             found = compiled_candidates(space=self.space, trials=trials, memory=compiled, timing=compiled_timing,
                                         eager_timing=timing, usable=usable, bucket=bucket, view=view,
                                         max_spread=max_spread, score=score, errors=self.errors)
-            # CUDA graphs only where a probe measured them paying (_cuda_graphs): the default mode's
+            # CUDA graphs only where a probe measured them paying (graphs_verdict, below): the default mode's
             # fit says nothing of the host's launch time they remove
             probed = "default" in self.space.compile_modes  # --compile-mode auto: graphs beside the default mode
             pays = {d: graphs_verdict(trials, d) == "pays" for d in self.space.dtypes} if probed else {}
@@ -180,7 +258,7 @@ class SearchModels:
         return ordered
 
     def allowed_dtypes(self, study: optuna.Study, timing: StepTimeModel | None = None) -> list[str]:
-        """The dtypes the models may propose now (``_first_trials``); sets :attr:`dtype_note`."""
+        """The dtypes the models may propose now (:func:`proposable_dtypes`); sets :attr:`dtype_note`."""
         tf32 = bool((study.user_attrs.get(StudyAttr.DEVICE) or {}).get("tf32"))  # the baseline's report
         allowed, self.dtype_note = proposable_dtypes(
             space=self.space, device=self.settings.device, trials=study.get_trials(deepcopy=False), tf32=tf32,
@@ -312,3 +390,344 @@ class SearchModels:
             limit = usable[obs.rank] if usable else None
             self.model.correct(obs, limit=limit)
         self._margin = self.model.safety_margin
+
+
+# ------------------------------- one decision: the study read once, each model fitted at most once
+_T = TypeVar("_T")
+
+
+class StudySnapshot:
+    """``study``'s trials and user attributes as of its creation; every other attribute is the study's."""
+
+    def __init__(self, study: optuna.Study) -> None:
+        self._study = study
+        self._trials = study.get_trials(deepcopy=False)
+        self.user_attrs: dict[str, Any] = study.user_attrs
+
+    def get_trials(self, deepcopy: bool = True, states: Container[TrialState] | None = None) -> list[FrozenTrial]:
+        trials = self._trials if states is None else [t for t in self._trials if t.state in states]
+        return copy.deepcopy(trials) if deepcopy else list(trials)
+
+    @property
+    def trials(self) -> list[FrozenTrial]:
+        return self.get_trials()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._study, name)
+
+
+def finished_key(trials: Sequence[FrozenTrial]) -> tuple[tuple[int, int], ...]:
+    """What the models are fitted from, in short: each finished trial's number and state (a trial's
+    attributes are written before it finishes, and never after)."""
+    return tuple((t.number, t.state.value) for t in trials if t.state.is_finished())
+
+
+class Budget(Protocol):
+    """What a decision asks of ``--time-budget`` (``tuner._budget.TimeBudget``, the one place a
+    stop for time is decided)."""
+
+    compile_left_s: float | None
+
+    def unaffordable(self, decision: Decision, config: BalanceConfig) -> str | None: ...
+    def holds_compile(self, decision: Decision, scope: str | None = None) -> bool: ...
+
+
+class Decision:
+    """One choice of the next trial: the study's trials read once and each model fitted from them at
+    most once (:meth:`fitted`; :attr:`step_time` and :attr:`compiled_time` here, the advisor's memory
+    models through :meth:`fitted` with their own key)."""
+
+    def __init__(self, study: optuna.Study, *, num_layers: int, device: str, errors: ModelErrors | None = None,
+                 budget: Budget | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.source = study
+        """The study itself (writes go there)."""
+        self.study = cast(optuna.Study, StudySnapshot(study))
+        """The study as of this decision (:class:`StudySnapshot`)."""
+        self.trials = self.study.get_trials(deepcopy=False)
+        self.key = finished_key(self.trials)
+        self.num_layers = num_layers
+        self.device = device
+        self.errors = errors
+        """Where a time model's fit notes what it fell back from (the advisor's; None: nowhere)."""
+        self.budget = budget
+        """``--time-budget`` (None: no budget)."""
+        self.clock = clock
+        """The time now (``time.monotonic``; the replay's simulated clock)."""
+        self._fits: dict[Hashable, Any] = {}
+
+    def current(self, study: optuna.Study) -> bool:
+        """Whether no trial of ``study`` finished since this decision read it."""
+        return finished_key(study.get_trials(deepcopy=False)) == self.key
+
+    def fitted(self, key: Hashable, fit: Callable[[], _T]) -> _T:
+        """``fit()``'s result, computed once per ``key`` in this decision."""
+        if key not in self._fits:
+            self._fits[key] = fit()
+        return cast(_T, self._fits[key])
+
+    def unaffordable(self, config: BalanceConfig) -> str | None:
+        """Why the time budget would not launch ``config`` now, verification's reserve after it
+        included (None: it would, or there is no budget)."""
+        return None if self.budget is None else self.budget.unaffordable(self, config)
+
+    def holds_compile(self, scope: str | None = None) -> bool:
+        """Whether the time left holds the study's median compile (``scope``: of that scope)."""
+        return self.budget is None or self.budget.holds_compile(self, scope)
+
+    @property
+    def compile_limited(self) -> bool:
+        """Whether the time budget limits compiles (it keeps time for verification)."""
+        return self.budget is not None and self.budget.compile_left_s is not None
+
+    @property
+    def step_time(self) -> StepTimeModel:
+        """The eager step-time model on this decision's trials."""
+        return self.fitted("step-time", lambda: StepTimeModel.fit(self.trials, num_layers=self.num_layers,
+                                                                   device=self.device, errors=self.errors))
+
+    @property
+    def compiled_time(self) -> CompiledTimeModel:
+        """The compiled step-time model on this decision's trials (built on :attr:`step_time`)."""
+        return self.fitted("compiled-time", lambda: CompiledTimeModel.fit(self.trials, eager=self.step_time,
+                                                                           device=self.device))
+
+
+# ------------------------------ which dtypes the models may propose, and when the sampler explores
+HALF_DTYPES = ("bf16", "fp16")
+"""Half-precision dtypes, in the order they are measured first."""
+MODEL_SOURCES = ("memory-model", "compiled-model")
+"""``proposed_by`` of the models' proposals."""
+_FAILED = (Status.ERROR, Status.CRASH, Status.TIMEOUT)
+
+
+def _launched(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
+    """Finished trials that ran their configuration (not predicted, not reused), by number."""
+    return sorted((t for t in trials if t.state in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
+                   and t.user_attrs.get(TrialAttr.CONFIG)
+                   and t.user_attrs.get(TrialAttr.STATUS) not in (None, Status.PREDICTED_OOM, Status.INTERRUPTED,
+                                                                  Status.STALE, Status.SURPLUS)
+                   and t.user_attrs.get(TrialAttr.REUSED_FROM) is None), key=lambda t: t.number)
+
+
+def _dtype_states(trials: Sequence[FrozenTrial]) -> tuple[set[str], set[str]]:
+    """(dtypes with a measured trial, dtypes whose launched trials all failed without a measurement)."""
+    measured: set[str] = set()
+    tried: dict[str, list[str]] = {}
+    for t in _launched(trials):
+        dtype = str(t.user_attrs[TrialAttr.CONFIG].get("dtype"))
+        status = str(t.user_attrs.get(TrialAttr.STATUS))
+        tried.setdefault(dtype, []).append(status)
+        if status in (Status.OK, Status.PRUNED):
+            measured.add(dtype)
+    failed = {d for d, statuses in tried.items()
+              if d not in measured and any(s in _FAILED for s in statuses)}
+    return measured, failed
+
+
+def proposable_dtypes(*, space: SearchSpace, device: str, trials: Sequence[FrozenTrial], tf32: bool = False,
+                      asked: bool = False, per_sample_ms: dict[str, float] | None = None) -> tuple[list[str], str]:
+    """The dtypes the models may propose now, in the space's order, and why in words (``""``: all of
+    them). ``tf32``: the script runs fp32 matmuls in TF32; ``asked``: ``--dtypes`` names fp32 (then,
+    as with TF32, fp32 comes after the first half-precision dtype); ``per_sample_ms``: the step-time
+    model's measured cost per sample by dtype."""
+    if device != "cuda":
+        return list(space.dtypes), ""
+    half = [d for d in HALF_DTYPES if d in space.dtypes]
+    if not half:
+        return list(space.dtypes), ""
+    measured, failed = _dtype_states(trials)
+    first = half[0]
+    allowed = {first}
+    why = f"{first} first (the dtype prior on a GPU)"
+    if first in measured or first in failed:
+        allowed |= set(half)
+        why = "half precision first (fp32 without TF32 costs about twice bf16 on a GPU)"
+    if "fp32" in space.dtypes:
+        k = per_sample_ms or {}
+        faster = ("fp32" in k and any(d in k for d in half)
+                  and all(k["fp32"] < k[d] for d in half if d in k))
+        if all(d in failed for d in half) or faster or ((tf32 or asked) and len(allowed) > 1):
+            allowed.add("fp32")
+    out = [d for d in space.dtypes if d in allowed]
+    return out, ("" if len(out) == len(space.dtypes) else why)
+
+
+def proposals_stalled(trials: Sequence[FrozenTrial], objective: dict[str, Any]) -> bool:
+    """Whether the last :data:`STALL_AFTER` launched model proposals did not improve the best
+    objective of the trials before them (an infeasible trial's value carries its violation, so it
+    never improves on a feasible best). False before that many model proposals ran."""
+    best = math.inf
+    misses = 0
+    for t in _launched(trials):
+        values = t.values if t.state == TrialState.COMPLETE else None
+        value = weighted_objective(values, objective) if values else math.inf
+        if t.user_attrs.get("proposed_by") in MODEL_SOURCES:
+            improved = value < best - IMPROVES * abs(best) if math.isfinite(best) else math.isfinite(value)
+            misses = 0 if improved else misses + 1
+        best = min(best, value)
+    return misses >= STALL_AFTER
+
+
+# ------------------------------------ CUDA graphs: probed once against the best default-mode trial
+GraphVerdict = Literal["untried", "pays", "no-gain"]
+"""``untried``: no graph trial has a measured default-mode twin yet; ``pays`` / ``no-gain``: the
+probes' outcome."""
+
+
+def _measured(trials: Sequence[FrozenTrial]) -> dict[str, tuple[BalanceConfig, float]]:
+    """Measured (ok, not reused) trials' configurations by their JSON, with their step ms."""
+    out: dict[str, tuple[BalanceConfig, float]] = {}
+    for t in trials:
+        a = t.user_attrs
+        cfg, ms = a.get(TrialAttr.CONFIG), a.get(TrialAttr.STEP_TIME_MS)
+        if (t.state == TrialState.COMPLETE and a.get(TrialAttr.STATUS) == Status.OK and cfg
+                and isinstance(ms, (int, float)) and a.get(TrialAttr.REUSED_FROM) is None):
+            config = BalanceConfig.from_dict(cfg)
+            out[config.to_json()] = (config, float(ms))
+    return out
+
+
+def graphs_verdict(trials: Sequence[FrozenTrial], dtype: str) -> GraphVerdict:
+    """Whether CUDA graphs paid in ``dtype``: a measured graph trial at least :data:`GRAPH_GAIN`
+    faster than its measured default-mode twin (any such pair: ``pays``; pairs but none:
+    ``no-gain``; no pair: ``untried``)."""
+    measured = _measured(trials)
+    verdict: GraphVerdict = "untried"
+    for cfg, ms in measured.values():
+        if cfg.compile not in CUDA_GRAPH_MODES or cfg.dtype != dtype:
+            continue
+        twin = measured.get(dataclasses.replace(cfg, compile="default").to_json())
+        if twin is None:
+            continue
+        if ms <= (1.0 - GRAPH_GAIN) * twin[1]:
+            return "pays"
+        verdict = "no-gain"
+    return verdict
+
+
+def graph_probe(trials: Sequence[FrozenTrial], *, best: FrozenTrial, modes: Sequence[str],
+                dtypes: Sequence[str]) -> BalanceConfig | None:
+    """The probe: the study's ``best`` trial in the first CUDA-graph mode searched, when it is a
+    feasible default-mode compiled trial of an allowed dtype whose graphs are ``untried``; None
+    otherwise (graphs not searched, or the probe launched already)."""
+    graph_modes = [m for m in modes if m in CUDA_GRAPH_MODES]
+    cfg_dict = best.user_attrs.get(TrialAttr.CONFIG)
+    if not graph_modes or "default" not in modes or not cfg_dict or not best.user_attrs.get(TrialAttr.FEASIBLE, True):
+        return None
+    cfg = BalanceConfig.from_dict(cfg_dict)
+    if (cfg.compile != "default" or cfg.compile_scope != "whole" or cfg.dtype not in dtypes
+            or graphs_verdict(trials, cfg.dtype) != "untried"):  # CUDA graphs: the whole model only
+        return None
+    probe = dataclasses.replace(cfg, compile=graph_modes[0])
+    tried = {BalanceConfig.from_dict(t.user_attrs[TrialAttr.CONFIG]).to_json() for t in trials
+             if t.user_attrs.get(TrialAttr.CONFIG)}
+    return None if probe.to_json() in tried else probe
+
+
+# ------------------------------- what the memory models are fitted from, and their held-out errors
+GIB = 2**30
+
+
+def observations_from_trials(trials: list[FrozenTrial], *, num_layers: int,
+                             savings: SavingModel | None = None) -> list[MemoryObservation]:
+    """One observation per rank of every measured (ok) or OOMed trial (OOM peaks are lower bounds).
+    A trial that sharded parameters is left out, or with ``savings`` taken as the unsharded peaks it
+    implies: its peaks (and held memory) plus what it saved on each rank, holding the whole state."""
+    obs: list[MemoryObservation] = []
+    for t in trials:
+        status = t.user_attrs.get(TrialAttr.STATUS)
+        if t.state != TrialState.COMPLETE or status not in (Status.OK, Status.OOM) or t.user_attrs.get(TrialAttr.REUSED_FROM) is not None:
+            continue
+        cfg = t.user_attrs.get(TrialAttr.CONFIG)
+        peaks = t.user_attrs.get(TrialAttr.PEAK_DEVICE_GIB) or []
+        if not cfg or len(peaks) != len(cfg["micro_batches"]) or cfg.get("compile", "off") != "off":
+            continue  # the model is of eager memory; compiled trials follow their budget instead
+        lift = [0.0] * len(peaks)
+        if cfg.get("param_sharding", "off") != "off":
+            if savings is None:
+                continue  # the model is of unsharded memory: what sharding saves is _sharding's term
+            try:
+                sharded = BalanceConfig.from_dict(cfg)
+            except ConfigError:  # a damaged attribute
+                continue
+            lift = [savings.saving(sharded, r) for r in range(len(peaks))]
+        state = t.user_attrs.get(TrialAttr.OPTIMIZER_STATE_BYTES) or []
+        if savings is not None and cfg.get("param_sharding", "off") != "off":  # unsharded: the whole state on each rank
+            state = [] if savings.state_total is None else [savings.state_total] * len(peaks)
+        measured = len(state) == len(peaks) and all(isinstance(v, (int, float)) for v in state)
+        # the whole state: summed over the ranks when sharded, on every rank when not
+        whole = (sum(state) if cfg.get("optimizer_sharding", "off") == "zero1" else max(state)) if measured else None
+        held = t.user_attrs.get(TrialAttr.HELD_GIB) or []
+        params = t.user_attrs.get(TrialAttr.PARAMETER_BYTES)
+        params = float(params) if isinstance(params, (int, float)) and not isinstance(params, bool) else None
+        for rank, peak in enumerate(peaks):
+            if peak is None or peak <= 0:
+                continue
+            if status == Status.OK and rank < len(held) and isinstance(held[rank], (int, float)) and 0 < held[rank] < peak:
+                # what the rank holds apart from activations: the model's fixed part, measured (zero samples)
+                obs.append(MemoryObservation(
+                    rank=rank, micro_batch=0, checkpointed=0, num_layers=max(1, num_layers), dtype=cfg["dtype"],
+                    peak_bytes=float(held[rank]) * GIB + lift[rank], ok=True, held=True,
+                    optimizer_bytes=float(state[rank]) if measured else None,
+                    optimizer_total=None if whole is None else float(whole), parameter_bytes=params))
+            obs.append(MemoryObservation(
+                rank=rank, micro_batch=int(cfg["micro_batches"][rank]), checkpointed=len(cfg["checkpoint"][rank]),
+                num_layers=max(1, num_layers), dtype=cfg["dtype"], peak_bytes=float(peak) * GIB + lift[rank],
+                ok=status == Status.OK,
+                optimizer_bytes=float(state[rank]) if measured else None,
+                optimizer_total=None if whole is None else float(whole), parameter_bytes=params,
+            ))
+    return obs
+
+
+def eager_holdout_error(study: optuna.Study, *, space: SearchSpace, errors: ModelErrors | None = None) -> float | None:
+    """Leave-one-trial-out mean relative error of the peak prediction over measured trials (a fit
+    that fails leaves its trial out, noted in ``errors``)."""
+    trials = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get(TrialAttr.STATUS) == Status.OK
+              and t.user_attrs.get(TrialAttr.REUSED_FROM) is None]
+    held_out: list[float] = []
+    for i, held in enumerate(trials):
+        train = observations_from_trials(trials[:i] + trials[i + 1:], num_layers=space.num_layers)
+        test = observations_from_trials([held], num_layers=space.num_layers)
+        if not train or not test:
+            continue
+        try:
+            model = MemoryModel.fit(train, world_size=space.world_size)
+        except FIT_ERRORS as exc:
+            caught(errors, "holdout", exc)
+            continue
+        if not all(model.is_confident(rank=o.rank, micro_batch=o.micro_batch, checkpointed=o.checkpointed,
+                                      num_layers=o.num_layers, dtype=o.dtype) for o in test):
+            continue
+        held_out.append(model.holdout_error(test))
+    return sum(held_out) / len(held_out) if held_out else None
+
+
+def compiled_holdout_error(study: optuna.Study, *, space: SearchSpace,
+                           errors: ModelErrors | None = None) -> tuple[float, int] | None:
+    """Leave-one-trial-out mean relative error of the compiled model's per-rank peaks over the
+    measured compiled trials (each predicted from the others), and how many were predicted."""
+    if not space.compile_searched:
+        return None
+    trials = study.get_trials(deepcopy=False)
+    obs = observations_from_trials(trials, num_layers=space.num_layers)
+    if not any(o.ok for o in obs):
+        return None
+    try:
+        eager = MemoryModel.fit(obs, world_size=space.world_size)
+    except FIT_ERRORS as exc:
+        caught(errors, "compiled holdout", exc)
+        return None
+    compiled = compiled_observations(trials)
+    held_numbers = sorted({o.trial for o in compiled if o.ok})
+    held_out: list[float] = []
+    for number in held_numbers:
+        train = [o for o in compiled if o.trial != number]
+        test = [o for o in compiled if o.trial == number and o.ok]
+        if not train or not test:
+            continue
+        model = CompiledMemoryModel.fit(train, eager=eager, num_layers=space.num_layers)
+        if not all(model.can_predict(o.dtype) for o in test):
+            continue
+        held_out.append(model.holdout_error(test))
+    return (sum(held_out) / len(held_out), len(held_out)) if held_out else None

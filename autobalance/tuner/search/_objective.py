@@ -11,6 +11,7 @@ from autobalance.launcher import TrialOutcome
 from autobalance.protocol import (
     RankDevice,
     RankMemory,
+    RankReport,
     RankTiming,
     Status,
     StudyAttr,
@@ -18,13 +19,12 @@ from autobalance.protocol import (
     memory_text,
     objective_value,
 )
+from autobalance.tuner.search._constants import INFEASIBLE_TIME
 
-__all__ = ["INFEASIBLE_TIME", "TrialFigures", "figures_from_outcome", "fix_exchange_rate", "penalised",
+__all__ = ["INFEASIBLE_TIME", "TrialFigures", "compile_figures", "figures_from_outcome", "fix_exchange_rate", "penalised",
            "rate_fixed", "rate_source", "spread_fraction"]
 
 GIB = 2**30
-INFEASIBLE_TIME = 10.0
-"""Normalised step time recorded for trials without a measurement (OOM, timeout)."""
 
 
 @dataclass(kw_only=True)
@@ -76,9 +76,6 @@ class TrialFigures:
     @property
     def measured(self) -> bool:
         return self.status == Status.OK and all(p is not None for p in self.peak_device) and self.step_time_s is not None
-
-    def spread_fraction_if_measured(self) -> float | None:
-        return self.spread_fraction() if self.measured else None
 
     def spread_bytes(self) -> float | None:
         peaks = [p for p in self.peak_device if p is not None]
@@ -276,8 +273,6 @@ def figures_from_outcome(
     gb = ((first.config if first is not None else None) or {}).get("global_batch")
     if first is not None and first.samples_per_step:
         gb = first.samples_per_step  # partial steps count the samples they really used
-    from autobalance.tuner.search._compile import compile_figures
-
     param_bytes = max((int(b) for r in reports.values()
                        for b in [(r.model or {}).get("parameter_bytes")]
                        if isinstance(b, int) and not isinstance(b, bool)), default=None)
@@ -291,3 +286,23 @@ def figures_from_outcome(
         busy_s=busy, wait_s=wait, optimizer_state=optimizer_state, optimizer_wrapped=bool(wrapped) and all(wrapped),
         parameter_bytes=param_bytes, compile=compile_figures(outcome.reports), held=held,
     )
+
+
+def compile_figures(reports: dict[int, RankReport]) -> dict[str, Any]:
+    """Trial attributes from the ranks' reports: the slowest rank's compile time, each rank's
+    budget as it reported it, and the Inductor cache hits and misses summed over ranks."""
+    compiled = [r for r in reports.values() if (r.compile or {}).get("mode", "off") != "off"]
+    if not compiled:
+        return {}
+    times = [float(r.timing.compile_s) for r in compiled if r.timing is not None and r.timing.compile_s is not None]
+    cache: dict[str, int] = {}
+    for r in compiled:
+        for key, value in ((r.compile or {}).get("cache") or {}).items():
+            if isinstance(value, int) and not isinstance(value, bool):
+                cache[key] = cache.get(key, 0) + value
+    ranks = sorted(reports)
+    return {
+        "compile_s": round(max(times), 3) if times else None,
+        "activation_budget_used": [reports[r].activation_budget for r in ranks],
+        "compile_cache": cache,
+    }

@@ -61,8 +61,7 @@ from autobalance.tuner.search._constants import (
     TRANSFER_WITHIN,
     WORTH,
 )
-from autobalance.tuner.search._cuda_graphs import graph_probe
-from autobalance.tuner.search._first_trials import proposals_stalled
+from autobalance.tuner.search._models import graph_probe, proposals_stalled
 from autobalance.tuner.search._sharding import sharding_proposal
 from autobalance.tuner.search._space import (
     BUDGET_RANGE,
@@ -72,10 +71,10 @@ from autobalance.tuner.search._space import (
 )
 
 if TYPE_CHECKING:
-    from autobalance.tuner.search._compiled_search import Candidate
+    from autobalance.tuner.search._candidates import Candidate
     from autobalance.tuner.search._memory_model import MemoryModel
-    from autobalance.tuner.search._snapshot import Decision
-    from autobalance.tuner.search._step_time import StepTimeModel
+    from autobalance.tuner.search._models import Decision
+    from autobalance.tuner.search._timing import StepTimeModel
 
 __all__ = ["BUDGET_CEILING", "FIT_MARGIN", "GROW_MIN_BUDGET", "HALF_DTYPES", "KEEP_AT_FULL_BUDGET", "LOW_BUDGET", "PHASES", "SCOPE_TRANSFERS", "Proposal", "Record",
            "SearchPolicy", "TrialHistory", "first_compiled_micro_batch", "one_size", "proposal_line"]

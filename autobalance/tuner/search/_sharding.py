@@ -18,8 +18,8 @@ model of the unsharded trials predicts its split, the saving is learned (:class:
 rank, the median of that model's unsharded prediction minus the measured peak over that sharding's
 trials, in place of the formula (one trial identifies it: one figure per rank). Sharded trials then
 join the fit as the unsharded peaks they imply (their peaks plus the saving:
-``_holdout.observations_from_trials``), and the eager proposals include sharded splits, their peaks
-the model's less the saving (``_eager_search``).
+``_models.observations_from_trials``), and the eager proposals include sharded splits, their peaks
+the model's less the saving (``_candidates``).
 """
 
 from __future__ import annotations
@@ -33,14 +33,12 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autobalance._config import BalanceConfig
 from autobalance.protocol import Status, TrialAttr
-from autobalance.tuner.search._constants import EMBEDDING_SHARE, FIT_FRACTION, FIXED_SHARE
+from autobalance.tuner.search._constants import EMBEDDING_SHARE, FIT_FRACTION, FIXED_SHARE, LEVELS
 
 __all__ = ["EMBEDDING_SHARE", "FIT_FRACTION", "FIXED_SHARE", "SavingModel", "ShardingFacts", "sharding_level",
            "sharding_proposal", "sharding_proposal_config", "state_total_of", "study_savings"]
 
 GIB = 2**30
-
-LEVELS = {"off": 0, "embeddings": 1, "blocks": 2}
 
 
 def sharding_level(mode: str) -> int:

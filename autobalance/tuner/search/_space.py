@@ -16,7 +16,7 @@ recomputation; :class:`BalanceConfig` rejects that combination)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import optuna
 
@@ -27,16 +27,28 @@ from autobalance._config import (
     split_at_least,
     split_evenly,
 )
+from autobalance.tuner.search._constants import (
+    BUCKET_RANGE_MB,
+    BUDGET_RANGE,
+    BUDGET_STEP,
+    OPTIMIZER_SHARE_RANGE,
+    SHARE_RANGE,
+)
 
-__all__ = ["BUDGET_RANGE", "KEEP_CHOICES", "OPTIMIZER_SHARE_RANGE", "SHARE_RANGE", "SearchSpace", "compile_key", "config_compile_key",
-           "normalised_shares"]
+if TYPE_CHECKING:
+    from autobalance.tuner._settings import TuneSettings
 
-SHARE_RANGE = (0.05, 1.0)
-BUCKET_RANGE_MB = (1.0, 200.0)
-BUDGET_RANGE = (0.05, 1.0)
-BUDGET_STEP = 0.05
-OPTIMIZER_SHARE_RANGE = (0.0, 1.0)
-"""A rank's ``oshare_r`` weight; the shares are the weights over their sum (all 0: even)."""
+__all__ = [
+    "BUDGET_RANGE",
+    "KEEP_CHOICES",
+    "OPTIMIZER_SHARE_RANGE",
+    "SHARE_RANGE",
+    "SearchSpace",
+    "compile_key",
+    "config_compile_key",
+    "normalised_shares",
+    "space_problem",
+]
 
 
 KEEP_CHOICES: dict[str, list[str]] = {"none": [], "embeddings": ["embeddings"], "blocks": ["blocks"],
@@ -322,3 +334,14 @@ def _suggest(trial: optuna.Trial, name: str, dist: optuna.distributions.BaseDist
         return trial.suggest_int(name, dist.low, dist.high, log=dist.log)
     assert isinstance(dist, optuna.distributions.FloatDistribution)
     return trial.suggest_float(name, dist.low, dist.high, step=dist.step, log=dist.log)
+
+
+def space_problem(settings: TuneSettings, space: SearchSpace) -> str | None:
+    """An explicit ``--compile``/``--compile-mode`` that would change a continued study's space."""
+    if settings.compile is None:
+        return None
+    wanted = settings.compile_modes()
+    if wanted == space.compile_modes:
+        return None
+    return (f"--compile={settings.compile} --compile-mode={settings.compile_mode} (the study searches compile modes "
+            f"{','.join(space.compile_modes)})")

@@ -8,25 +8,24 @@ from each rank's report (written at ``written_at``, ``timing.wall_s`` after the 
 whose first step came ``timing.startup_s`` after that); a trial that never reached a step spent its
 whole run starting up. The run's time is then the sum over the trials it launched, plus
 verification, plus the rest (the tuner itself: sampling, recording, predictions without launching).
-The time budget keeps verification's predicted time free (:class:`TimeBudget`, ``_verify_time.py``).
+The time budget keeps verification's predicted time free (:class:`TimeBudget`, ``search/_timing.py``).
 """
 
 from __future__ import annotations
 
 import datetime
-import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from optuna.trial import FrozenTrial, TrialState
 
 from autobalance.launcher import TrialOutcome
-from autobalance.protocol import RankTiming, Status, TrialAttr, time_in_steps_s
+from autobalance.protocol import RankTiming, TrialAttr
+from autobalance.tuner.search import per_trial_overhead_s
 
 if TYPE_CHECKING:
     from autobalance._config import BalanceConfig
-    from autobalance.tuner._verify_time import VerifyForecast
-    from autobalance.tuner.search import Decision
+    from autobalance.tuner.search import Decision, VerifyForecast
 
 __all__ = ["TIME_PARTS", "TimeBudget", "TrialOverhead", "describe_budget", "per_trial_overhead_s", "time_lines",
            "time_spent", "trial_time_split"]
@@ -95,7 +94,7 @@ def time_spent(trials: list[FrozenTrial], numbers: set[int]) -> dict[str, float]
 class TimeBudget:
     """``--time-budget`` of one run: the run, verification included, ends by ``deadline``
     (``time.monotonic()``): no trial starts once the time left is below the next trial's expected
-    time plus verification's predicted time (``_verify_time.py``). The one place a stop for time is
+    time plus verification's predicted time (``search/_timing.py``). The one place a stop for time is
     decided: :meth:`spent` (the loop's stop rule), :meth:`unaffordable` (a proposal, or the trial
     asked, that the time left does not hold with verification's reserve after it) and
     :meth:`holds_compile` (a compile the time left holds), each over one ``search.Decision``."""
@@ -106,7 +105,7 @@ class TimeBudget:
     """Whether the budget, not ``--trials``, ended the trial loop."""
     reserve_s: float = 0.0
     """What is kept free at the end of the budget for verification: its forecast times the margin
-    (``_verify_time.RESERVE_MARGIN``)."""
+    (``search.RESERVE_MARGIN``)."""
     reserve_runs: int = 0
     """Verification's predicted one-step runs."""
     next_trial_s: float = 0.0
@@ -143,10 +142,10 @@ class TimeBudget:
         return self.deadline is None or now + trial_s + reserve_s < self.deadline
 
     def refresh(self, decision: Decision, now: float) -> None:
-        """What is kept free, as predicted from ``decision``'s trials (``_verify_time.py``): the next
+        """What is kept free, as predicted from ``decision``'s trials (``search/_timing.py``): the next
         trial, and the best trial's verification (:attr:`reserve_s`); nothing without a budget."""
         from autobalance.protocol import best_trial
-        from autobalance.tuner._verify_time import next_trial_s
+        from autobalance.tuner.search import next_trial_s
 
         if self.budget_s is None:
             return
@@ -172,7 +171,7 @@ class TimeBudget:
         nothing is verified."""
         from autobalance._config import BalanceConfig
         from autobalance.protocol import StudyAttr
-        from autobalance.tuner._verify_time import forecast_verification
+        from autobalance.tuner.search import forecast_verification
 
         if not self.verify:
             return None
@@ -186,7 +185,7 @@ class TimeBudget:
         """Why ``config`` is not launched under the time budget (None: it is): its expected time (a
         compile included) plus verification's reserve after it - of the best so far, or of ``config``
         should it become the best - no longer fits in the time left (``decision.clock``)."""
-        from autobalance.tuner._verify_time import trial_s
+        from autobalance.tuner.search import trial_s
 
         if self.deadline is None:
             return None
@@ -295,20 +294,3 @@ def time_lines(spent: dict[str, Any]) -> list[str]:
             text += f", took {parts['verify']:.1f} s" if spent.get("verified") else ""
         lines.append(text + ").")
     return lines
-
-
-def per_trial_overhead_s(trials: list[FrozenTrial], *, last: int = 5) -> float | None:
-    """Median, over the last ``last`` launched ok trials, of the trial's wall time outside its
-    warm-up and measured steps, its compilation and the start of a warm pool (what remains: a cold
-    trial's start-up, the script's set-up, the hand-over); None before any."""
-    overheads = []
-    for t in trials:
-        a = t.user_attrs
-        if (t.state != TrialState.COMPLETE or a.get(TrialAttr.STATUS) != Status.OK
-                or a.get(TrialAttr.REUSED_FROM) is not None
-                or a.get(TrialAttr.WALL_S) is None or (in_steps := time_in_steps_s(a)) is None):
-            continue
-        overheads.append(max(0.0, float(a[TrialAttr.WALL_S]) - in_steps
-                             - float(a.get(TrialAttr.COMPILE_S) or 0.0) - float(a.get(TrialAttr.POOL_START_S) or 0.0)))
-    recent = overheads[-last:]
-    return statistics.median(recent) if recent else None
