@@ -371,6 +371,23 @@ def test_raise_budget_takes_one_measured_step_where_only_the_doubled_change_leav
     assert policy.raise_budget(_history(tight)) is None
 
 
+def test_the_measured_step_follows_the_change_the_splits_own_budgets_measured() -> None:
+    """8 x 4 peaked 14.8 GiB at 0.55 and at 0.6 (a plateau; 0.6 ran 185 ms, within the noise of 0.55's 182):
+    the model's change of one step (0.48 GiB at 1.2 GiB per sample per unit of budget) would put 0.65 over,
+    the split's own measured change (none) does not: the next step is 0.65, from the highest budget measured.
+    Where the measured budgets rose 0.3 GiB a step, 0.65 would not fit (15.1 + 0.3 > 15.2)."""
+    policy = SearchPolicy(space=_space(), advisor=_Models(slope=1.2))
+    low = _record(3, _cfg(8, 4, 0.55), peak=14.8, ms=182.0)
+    flat = _record(4, _cfg(8, 4, 0.6), peak=14.8, ms=185.0)
+    p = policy.raise_budget(_history(low, flat))
+    assert p is not None and p.phase == "raise-budget" and p.config is not None
+    assert p.config.activation_budget == [0.65] and "measured budgets at this split" in p.reason
+    rising = _record(4, _cfg(8, 4, 0.6), peak=15.1, ms=185.0)
+    assert policy.raise_budget(_history(low, rising)) is None
+    slower = _record(4, _cfg(8, 4, 0.6), peak=14.8, ms=195.0)  # 0.6 ran slower beyond the noise: no step
+    assert policy.raise_budget(_history(low, slower)) is None
+
+
 def test_grow_probe_measures_a_larger_micro_batch_at_a_low_budget_where_fewer_micro_steps_measured_faster() -> None:
     """Regional 4 x 8 ran 158 ms, 8 x 4 at 1.0 129 ms (4 micro-steps fewer, 7 ms each); the compiled model
     places 16 x 2 at no budget (its curve below 1.0 is a prior): 16 x 2 without recomputation would run

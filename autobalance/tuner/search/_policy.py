@@ -29,6 +29,7 @@ with every other decision constant in ``_constants``, each with the measurement 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -276,15 +277,20 @@ class TrialHistory:
                            if r.measured and r.config is not None and r.config.compile != "off"
                            and config_compile_key(r.config) == key and r.config.dtype == config.dtype)])
 
-    def fitted_above(self, config: BalanceConfig) -> bool:
-        """Whether ``config``'s split (compile key, dtype, micro-batches) was measured to fit at a budget
-        above ``config``'s."""
+    def budget_ladder(self, config: BalanceConfig) -> list[tuple[float, float, float]]:
+        """``config``'s split (compile key, dtype, micro-batches, one rank) as measured to fit here:
+        ``(budget, peak GiB, step ms)`` per budget, ascending (a budget measured twice: its later trial)."""
         key, split = config_compile_key(config), json.dumps(config.micro_batches)
-        b = min(config.activation_budget or [1.0])
-        return any(r.measured and r.feasible and r.config is not None and r.config.compile != "off"
-                   and config_compile_key(r.config) == key and r.config.dtype == config.dtype
-                   and json.dumps(r.config.micro_batches) == split and min(r.config.activation_budget or [1.0]) > b + 1e-9
-                   for r in self.records)
+        out: dict[float, tuple[float, float, float]] = {}
+        for r in self.records:
+            c = r.config
+            if (not r.measured or not r.feasible or r.step_ms is None or c is None or c.compile == "off"
+                    or config_compile_key(c) != key or c.dtype != config.dtype or json.dumps(c.micro_batches) != split
+                    or not r.peaks_gib or r.peaks_gib[0] is None):
+                continue
+            b = round(min(c.activation_budget or [1.0]), 6)
+            out[b] = (b, float(r.peaks_gib[0]), float(r.step_ms))
+        return [out[b] for b in sorted(out)]
 
     def measured_budget(self, key: str, micro_batch: int) -> float | None:
         """The highest budget measured at ``micro_batch`` (largest on any rank) for the compile key ``key``."""
@@ -536,8 +542,8 @@ class SearchPolicy:
                 break
             pick = (nb, float(peak) + change[0])
             nb = round(nb + BUDGET_STEP, 3)
-        if pick is not None:
-            other = BalanceConfig.from_dict({**cfg.to_dict(), "activation_budget": [pick[0]]})
+        other = None if pick is None else BalanceConfig.from_dict({**cfg.to_dict(), "activation_budget": [pick[0]]})
+        if pick is not None and other is not None and other.to_json() not in history.tried():
             return Proposal(config=other, phase="raise-budget", predicted_peak_gib=[pick[1]], reason=(
                 f"the best compiled trial ({base.number}) at budget {pick[0]:g} instead of {b:g}: its measured "
                 f"{memory_text(float(peak))} plus the compiled model's change counted {1.0 + RAISE_CHANGE_MARGIN:g}x stays "
@@ -545,31 +551,48 @@ class SearchPolicy:
         return self._budget_step(history, base, limit=limit, ceiling=ceiling)
 
     def _budget_step(self, history: TrialHistory, base: Record, *, limit: float, ceiling: float) -> Proposal | None:
-        """``raise-budget``'s measured step: where the change counted 1 + :data:`RAISE_CHANGE_MARGIN` times
-        leaves no room but the compiled model's central prediction does, one step of the budget grid
-        above the best compiled trial. The margin guards a jump the model
-        draws through budgets it never measured at this split; a single step is a measurement instead:
-        when it fits, the next decision raises from its measured peak; when it does not, it caps the
-        split's budget (:meth:`TrialHistory.over_budgets`) and costs one trial. Taken only while the
-        direction is not measured against it: no higher budget at this split fitted (the best compiled
-        trial is the fastest, so one that fitted above it ran slower: :meth:`TrialHistory.fitted_above`)."""
+        """``raise-budget``'s measured step, where the change counted 1 + :data:`RAISE_CHANGE_MARGIN` times
+        leaves no room: one step of the budget grid above the highest budget measured to fit at the best
+        trial's split (scope, dtype, micro-batches), when that one ran within :data:`SAME_WITHIN` of the
+        best (a higher budget measured slower beyond the noise is the direction measured against it) and
+        its measured peak plus the change of one step stays within the usable memory - the change the
+        split's own measured budgets showed (the largest per step between two of them), else, with one
+        budget measured there, the compiled model's central prediction. The margin guards a jump the
+        model draws through budgets it never measured at this split; a single step is a measurement
+        instead: when it fits, the next decision steps from its measured peak; when it does not, it caps
+        the split's budget (:meth:`TrialHistory.over_budgets`) and costs one trial."""
         cfg = base.config
-        if cfg is None or not base.peaks_gib or base.peaks_gib[0] is None:
+        if cfg is None or base.step_ms is None:
             return None
-        peak = float(base.peaks_gib[0])
-        b = (cfg.activation_budget or [1.0])[0]
-        nb = round(b + BUDGET_STEP, 3)
-        if nb >= ceiling or history.fitted_above(cfg):
+        ladder = history.budget_ladder(cfg)  # (budget, peak GiB, step ms), ascending budgets, fitted
+        if not ladder:
             return None
-        change = self.advisor.peak_change(cfg, nb)
-        if change is None or peak + max(change[0], 0.0) > limit:
+        top_b, top_peak, top_ms = ladder[-1]
+        if top_ms > float(base.step_ms) * (1.0 + SAME_WITHIN):
+            return None  # the higher budget ran slower beyond the noise
+        nb = round(top_b + BUDGET_STEP, 3)
+        if nb >= ceiling:
+            return None
+        if len(ladder) >= 2:
+            step = max((max(0.0, (p1 - p0) / (b1 - b0)) for (b0, p0, _), (b1, p1, _) in itertools.pairwise(ladder)
+                        if b1 > b0 + 1e-9), default=0.0) * BUDGET_STEP
+            source = (f"the largest change per step its {len(ladder)} measured budgets at this split showed "
+                      f"({step:+.2f} GiB)")
+        else:
+            change = self.advisor.peak_change(BalanceConfig.from_dict({**cfg.to_dict(), "activation_budget": [top_b]}), nb)
+            if change is None:
+                return None
+            step = max(change[0], 0.0)
+            source = f"the compiled model's change ({step:+.2f} GiB, counted once)"
+        if top_peak + step > limit:
             return None
         other = BalanceConfig.from_dict({**cfg.to_dict(), "activation_budget": [nb]})
-        return Proposal(config=other, phase="raise-budget", predicted_peak_gib=[peak + change[0]], reason=(
-            f"a measured step: the best compiled trial ({base.number}) at budget {nb:g} instead of {b:g}; its measured "
-            f"{memory_text(peak)} plus the compiled model's change ({change[0]:+.2f} GiB, counted once) stays below "
-            f"{memory_text(limit)} usable, counted {1.0 + RAISE_CHANGE_MARGIN:g}x it does not: one trial measures the "
-            "peak there (the partitioner's memory rises in plateaus a line through two budgets does not see)"))
+        return Proposal(config=other, phase="raise-budget", predicted_peak_gib=[top_peak + step], reason=(
+            f"a measured step: trial {base.number}'s split at budget {nb:g}, one step above {top_b:g} (measured "
+            f"{memory_text(top_peak)}, {top_ms:.0f} ms); {memory_text(top_peak)} plus {source} stays below "
+            f"{memory_text(limit)} usable, where the model's change counted {1.0 + RAISE_CHANGE_MARGIN:g}x does not: "
+            "one trial measures the peak there (the partitioner's memory rises in plateaus that a line through "
+            "budgets measured at other splits does not see)"))
 
     def scope_probe(self, history: TrialHistory) -> Proposal | None:
         if len(self.space.compile_scopes) < 2:
