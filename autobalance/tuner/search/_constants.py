@@ -103,10 +103,12 @@ on the H200, regional 8 x 4 with the loss outside peaked 14.23 GiB at 0.5, 15.21
 so a line through two budgets errs by up to the whole change. It replaced :data:`FIT_MARGIN` of the
 usable memory there, which kept a study whose measured peak was already within 3 % of the usable memory
 from ever raising (the second machine of ``benchmarks/replay_search.py``: 8 x 4 at 0.65, 27.7 of 28.5 GiB,
-never tried 0.85, 17 % faster at 27.96). Where the doubled change leaves no room but the change counted once
-does, ``raise-budget`` takes one measured step of the budget grid (a trial over the usable memory caps
-the split's budget there): the second machine's peaks at 0.7 and 0.85 are equal, which a line through
-the measured budgets does not show until a trial measures it."""
+never tried 0.85, 17 % faster at 27.96). Where the doubled change leaves no room, ``raise-budget`` takes one
+measured step of the budget grid above the highest budget measured at that split, by the change per step
+that split's own budgets measured (with one budget measured there, the model's change counted once); a
+trial over the usable memory caps the split's budget: the second machine's peaks at 0.7 and 0.85 are
+equal (regional 8 x 4; recorded on the H200 for that family too, 28.40 GiB at both), which a line through
+budgets measured at other splits does not show until trials at that split measure it."""
 TRANSFER_WITHIN = 1.15
 """``scope-probe`` runs a measured split in the other scope only while it is within this of the fastest
 (one configuration's single steps ranged +-15 % on the H200): a slow split's compile in the other scope
