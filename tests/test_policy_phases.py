@@ -421,3 +421,18 @@ def test_grow_probe_measures_a_larger_micro_batch_at_a_low_budget_where_fewer_mi
     assert policy.grow_probe(_history(four, eight, whole, low)) is None
     tried = _record(5, _cfg(16, 2, 0.3), peak=16.0, ms=None, status=Status.OOM)
     assert policy.grow_probe(_history(four, eight, whole, tried)) is None
+
+
+def test_raise_budget_never_counts_less_change_than_the_splits_own_budgets_measured() -> None:
+    """The compiled model's curve is shared by every split: a trial over the memory at another micro-batch
+    (the second family's 16 x 2 at 0.3, 48.6 GiB) lifted it at every budget above, so it predicted no change
+    from 0.75 to 1.0 and ``raise-budget`` proposed 1.0, 0.95, 0.9 - each over the usable memory. The split's
+    own budgets measured 5 GiB per unit (0.25 a step): counted twice no jump fits; one measured step does."""
+    policy = SearchPolicy(space=_space(), advisor=_Models(slope=0.0))  # the model: no change at all
+    low = _record(3, _cfg(8, 4, 0.55), peak=14.55, ms=186.0)
+    best = _record(4, _cfg(8, 4, 0.6), peak=14.8, ms=182.0)
+    p = policy.raise_budget(_history(low, best))
+    assert p is not None and p.config is not None and p.config.activation_budget == [0.65]
+    assert "measured step" in p.reason
+    alone = policy.raise_budget(_history(best))  # without the split's measurements: the model's jump
+    assert alone is not None and alone.config is not None and alone.config.activation_budget == [1.0]

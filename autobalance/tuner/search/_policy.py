@@ -292,6 +292,14 @@ class TrialHistory:
             out[b] = (b, float(r.peaks_gib[0]), float(r.step_ms))
         return [out[b] for b in sorted(out)]
 
+    def ladder_slope(self, config: BalanceConfig) -> float | None:
+        """The largest rise of the measured peak per unit of budget between two budgets measured to fit at
+        ``config``'s split (:meth:`budget_ladder`), GiB; None: fewer than two measured there."""
+        ladder = self.budget_ladder(config)
+        if len(ladder) < 2:
+            return None
+        return max(max(0.0, (p1 - p0) / (b1 - b0)) for (b0, p0, _), (b1, p1, _) in itertools.pairwise(ladder))
+
     def measured_budget(self, key: str, micro_batch: int) -> float | None:
         """The highest budget measured at ``micro_batch`` (largest on any rank) for the compile key ``key``."""
         out: float | None = None
@@ -535,12 +543,18 @@ class SearchPolicy:
         ceiling = min([BUDGET_CEILING + 1e-9, *history.over_budgets(cfg)])
         limit = history.usable_gib[0]  # the measured peak is known: the margin is on the predicted change
         pick: tuple[float, float] | None = None
+        slope = history.ladder_slope(cfg)  # GiB per unit of budget the split's own budgets measured (None: < 2)
         nb = round(b + BUDGET_STEP, 3)
         while nb < ceiling:
             change = self.advisor.peak_change(cfg, nb)
-            if change is None or float(peak) + max(change[0], 0.0) * (1.0 + RAISE_CHANGE_MARGIN) > limit:
+            if change is None:
                 break
-            pick = (nb, float(peak) + change[0])
+            # never less than the split's own measurements show: the model's curve is shared by every split
+            # (a trial over the memory at another micro-batch lifts it at every budget above)
+            grow = max(change[0], 0.0, (slope or 0.0) * (nb - b))
+            if float(peak) + grow * (1.0 + RAISE_CHANGE_MARGIN) > limit:
+                break
+            pick = (nb, float(peak) + grow)
             nb = round(nb + BUDGET_STEP, 3)
         other = None if pick is None else BalanceConfig.from_dict({**cfg.to_dict(), "activation_budget": [pick[0]]})
         if pick is not None and other is not None and other.to_json() not in history.tried():
@@ -573,9 +587,9 @@ class SearchPolicy:
         nb = round(top_b + BUDGET_STEP, 3)
         if nb >= ceiling:
             return None
-        if len(ladder) >= 2:
-            step = max((max(0.0, (p1 - p0) / (b1 - b0)) for (b0, p0, _), (b1, p1, _) in itertools.pairwise(ladder)
-                        if b1 > b0 + 1e-9), default=0.0) * BUDGET_STEP
+        slope = history.ladder_slope(cfg)
+        if slope is not None:
+            step = slope * BUDGET_STEP
             source = (f"the largest change per step its {len(ladder)} measured budgets at this split showed "
                       f"({step:+.2f} GiB)")
         else:
