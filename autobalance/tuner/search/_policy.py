@@ -560,8 +560,10 @@ class SearchPolicy:
         if pick is not None and other is not None and other.to_json() not in history.tried():
             return Proposal(config=other, phase="raise-budget", predicted_peak_gib=[pick[1]], reason=(
                 f"the best compiled trial ({base.number}) at budget {pick[0]:g} instead of {b:g}: its measured "
-                f"{memory_text(float(peak))} plus the compiled model's change counted {1.0 + RAISE_CHANGE_MARGIN:g}x stays "
-                f"below {memory_text(history.usable_gib[0])} usable; less recomputed"))
+                f"{memory_text(float(peak))} plus the compiled model's change"
+                + (" (no less than the split's own measured budgets showed)" if slope is not None else "")
+                + f" counted {1.0 + RAISE_CHANGE_MARGIN:g}x stays below {memory_text(history.usable_gib[0])} usable; "
+                "less recomputed"))
         return self._budget_step(history, base, limit=limit, ceiling=ceiling)
 
     def _budget_step(self, history: TrialHistory, base: Record, *, limit: float, ceiling: float) -> Proposal | None:
