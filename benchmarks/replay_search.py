@@ -685,6 +685,7 @@ def replay(machine: GridMachine, *, seed: int, budget: str, root: str) -> dict[s
     for r in read:
         t = by_number.get(r["trial"])
         r["phase"] = t.user_attrs.get("proposed_by", "sampler") if t is not None else None
+        r["reason"] = t.user_attrs.get("proposal_note") if t is not None else None  # why the phase proposed it
     if result.best is None:
         return {**head, "saved": None, "ratio": None, "wall_s": round(loop_s, 1), **grid, "trial_points": read,
                 "log": trial_log(trials)}
@@ -795,7 +796,8 @@ def main() -> None:
                    help="a folder with second-grid-inside.json / -outside.json recorded by "
                         "benchmarks/second_family_gpu.sh: the second machine from them instead of derived")
     p.add_argument("--trial-points", action="store_true",
-                   help="also print, per study, each trial's configuration and the recorded points it was read from")
+                   help="also print, per study, each trial's configuration, the recorded points it was read from, "
+                        "and the phase that proposed it with its reason")
     p.add_argument("--out", default=None, help="write the rows and the summary as JSON here")
     p.add_argument("--dump", default=None, help="write each study's trials (phase, configuration, state, values) "
                    "and saved configuration as JSON here, to compare two versions of the search")

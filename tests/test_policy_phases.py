@@ -349,3 +349,90 @@ def test_a_compiled_time_predicted_outside_the_models_support_is_no_reason_to_pr
     models.proposed.add(inside.config.to_json())
     p = model_phase(policy, _history(*trials))
     assert p is not None and p.config == low.config and p.extra.get("proposal_extrapolated") is True
+
+
+def test_raise_budget_takes_one_measured_step_where_only_the_doubled_change_leaves_no_room() -> None:
+    """8 x 4 at 0.55 peaked 14.8 GiB of 15.2; the model adds 0.24 GiB per budget step at micro-batch 8. Counted
+    twice (15.28) it leaves no room, counted once (15.04) it does: one step, 0.6, whose trial measures the peak
+    there (the second machine's 8 x 4 peaked alike at 0.7 and 0.85; the doubled change never left 0.7). Not
+    taken once a higher budget at that split fitted (it ran slower: the direction was measured against it),
+    nor where the central prediction is over too."""
+    policy = SearchPolicy(space=_space(), advisor=_Models(slope=0.6))
+    best = _record(3, _cfg(8, 4, 0.55), peak=14.8, ms=182.0)
+    p = policy.raise_budget(_history(best))
+    assert p is not None and p.phase == "raise-budget" and p.config is not None
+    assert p.config.activation_budget == [0.6] and "measured step" in p.reason and "counted once" in p.reason
+    assert p.predicted_peak_gib is not None and abs(p.predicted_peak_gib[0] - 15.04) < 1e-6
+    slower_above = _record(4, _cfg(8, 4, 0.75), peak=15.0, ms=190.0)
+    assert policy.raise_budget(_history(best, slower_above)) is None
+    over = _record(4, _cfg(8, 4, 0.6), peak=15.5, ms=180.0)  # the step was measured over: capped there
+    assert policy.raise_budget(_history(best, over)) is None
+    tight = _record(3, _cfg(8, 4, 0.55), peak=15.0, ms=182.0)  # 15.0 + 0.24 > 15.2 even counted once
+    assert policy.raise_budget(_history(tight)) is None
+
+
+def test_the_measured_step_follows_the_change_the_splits_own_budgets_measured() -> None:
+    """8 x 4 peaked 14.8 GiB at 0.55 and at 0.6 (a plateau; 0.6 ran 185 ms, within the noise of 0.55's 182):
+    the model's change of one step (0.48 GiB at 1.2 GiB per sample per unit of budget) would put 0.65 over,
+    the split's own measured change (none) does not: the next step is 0.65, from the highest budget measured.
+    Where the measured budgets rose 0.3 GiB a step, 0.65 would not fit (15.1 + 0.3 > 15.2)."""
+    policy = SearchPolicy(space=_space(), advisor=_Models(slope=1.2))
+    low = _record(3, _cfg(8, 4, 0.55), peak=14.8, ms=182.0)
+    flat = _record(4, _cfg(8, 4, 0.6), peak=14.8, ms=185.0)
+    p = policy.raise_budget(_history(low, flat))
+    assert p is not None and p.phase == "raise-budget" and p.config is not None
+    assert p.config.activation_budget == [0.65] and "measured budgets at this split" in p.reason
+    rising = _record(4, _cfg(8, 4, 0.6), peak=15.1, ms=185.0)
+    assert policy.raise_budget(_history(low, rising)) is None
+    slower = _record(4, _cfg(8, 4, 0.6), peak=14.8, ms=195.0)  # 0.6 ran slower beyond the noise: no step
+    assert policy.raise_budget(_history(low, slower)) is None
+
+
+def test_grow_probe_measures_a_larger_micro_batch_at_a_low_budget_where_fewer_micro_steps_measured_faster() -> None:
+    """Regional 4 x 8 ran 158 ms, 8 x 4 at 1.0 129 ms (4 micro-steps fewer, 7 ms each); the compiled model
+    places 16 x 2 at no budget (its curve below 1.0 is a prior): 16 x 2 without recomputation would run
+    ~114 ms by that measured cost, under the best 129 ms, so one trial measures it at ``LOW_BUDGET`` (a tilted
+    machine's best: 16 x 2 at 0.35). Where the model places it at 0.4, there. Not proposed: where fewer
+    micro-steps did not measure faster, where even without recomputation it cannot beat the best, or where a
+    budget at or below ``LOW_BUDGET`` was measured in that scope (the model's "no budget" is then measured)."""
+    from autobalance.tuner.search._constants import LOW_BUDGET
+
+    models = _Models(budgets={})
+    policy = SearchPolicy(space=_space(), advisor=models)
+    four = _record(2, _cfg(4, 8, 1.0), peak=10.8, ms=158.0)
+    eight = _record(3, _cfg(8, 4, 1.0), peak=14.7, ms=129.0)
+    whole = _record(4, _cfg(8, 4, 1.0, scope="whole"), peak=14.4, ms=146.0)
+    p = policy.grow_probe(_history(four, eight, whole))
+    assert p is not None and p.phase == "grow-probe" and p.config is not None
+    assert p.config.compile_scope == "regional" and p.config.micro_batches == [16] and p.config.accumulation == 2
+    assert p.config.activation_budget == [LOW_BUDGET] and p.extra.get("proposal_extrapolated") is True
+    assert "measured step" in p.reason and "114 ms" in p.reason  # 129 - 2 x 29 / 4
+    models.budgets = {16: 0.4}
+    p = policy.grow_probe(_history(four, eight, whole))
+    assert p is not None and p.config is not None and p.config.activation_budget == [0.4]
+    models.budgets = {16: 0.55}  # at or above GROW_MIN_BUDGET: ``compiled-grow``'s
+    assert policy.grow_probe(_history(four, eight, whole)) is None
+    models.budgets = {}
+    close = _record(2, _cfg(4, 8, 1.0), peak=10.8, ms=131.0)  # within the noise of 8 x 4: no direction measured
+    assert policy.grow_probe(_history(close, eight, whole)) is None
+    best_whole = _record(4, _cfg(8, 4, 1.0, scope="whole"), peak=14.4, ms=110.0)  # 114 ms cannot beat 110
+    assert policy.grow_probe(_history(four, eight, best_whole)) is None
+    low = _record(5, _cfg(8, 4, 0.3), peak=11.0, ms=175.0)  # a budget that low measured in the scope
+    assert policy.grow_probe(_history(four, eight, whole, low)) is None
+    tried = _record(5, _cfg(16, 2, 0.3), peak=16.0, ms=None, status=Status.OOM)
+    assert policy.grow_probe(_history(four, eight, whole, tried)) is None
+
+
+def test_raise_budget_never_counts_less_change_than_the_splits_own_budgets_measured() -> None:
+    """The compiled model's curve is shared by every split: a trial over the memory at another micro-batch
+    (the second family's 16 x 2 at 0.3, 48.6 GiB) lifted it at every budget above, so it predicted no change
+    from 0.75 to 1.0 and ``raise-budget`` proposed 1.0, 0.95, 0.9 - each over the usable memory. The split's
+    own budgets measured 5 GiB per unit (0.25 a step): counted twice no jump fits; one measured step does."""
+    policy = SearchPolicy(space=_space(), advisor=_Models(slope=0.0))  # the model: no change at all
+    low = _record(3, _cfg(8, 4, 0.55), peak=14.55, ms=186.0)
+    best = _record(4, _cfg(8, 4, 0.6), peak=14.8, ms=182.0)
+    p = policy.raise_budget(_history(low, best))
+    assert p is not None and p.config is not None and p.config.activation_budget == [0.65]
+    assert "measured step" in p.reason
+    alone = policy.raise_budget(_history(best))  # without the split's measurements: the model's jump
+    assert alone is not None and alone.config is not None and alone.config.activation_budget == [1.0]

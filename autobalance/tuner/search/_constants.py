@@ -117,7 +117,10 @@ GROW_MIN_BUDGET = 0.5
 """``compiled-grow`` takes one micro-step fewer only while the budget predicted to fit stays at or above
 this: on one H200 (``benchmarks/2026-12-04-h200``) a micro-step costs ~30 ms of launches whatever its
 size, so a larger micro-batch at budget 0.5 or more beat the smaller one at 1.0 (regional 16 x 2 at 0.5:
-128.9 ms, 8 x 4 at 1.0: 140.3 ms), and at 0.3 it no longer did (139.0 ms)."""
+128.9 ms, 8 x 4 at 1.0: 140.3 ms), and at 0.3 it no longer did (139.0 ms). Below it, ``grow-probe`` measures the split instead of trusting a
+time the models extrapolate (recomputation's cost per unit of budget ranged 0.1-0.7 of a step on the H200
+grids: regional 16 x 2 inside 122.6 ms at 1.0, 139.0 at 0.3; regional 8 x 4 outside 138.3 at 1.0, 185.8
+at 0.5), after the scope probe, where fewer micro-steps measured faster and could win."""
 SCOPE_TRANSFERS = 2
 """``scope-probe`` runs the fastest this many measured compiled splits in the other scope (the scopes'
 optima differ: on the H200, regional 11,11,10 was its best split and whole 8 x 4 the grid's)."""
@@ -134,7 +137,12 @@ on the H200, regional 8 x 4 with the loss outside peaked 14.23 GiB at 0.5, 15.21
 so a line through two budgets errs by up to the whole change. It replaced :data:`FIT_MARGIN` of the
 usable memory there, which kept a study whose measured peak was already within 3 % of the usable memory
 from ever raising (the second machine of ``benchmarks/replay_search.py``: 8 x 4 at 0.65, 27.7 of 28.5 GiB,
-never tried 0.85, 17 % faster at 27.96)."""
+never tried 0.85, 17 % faster at 27.96). Where the doubled change leaves no room, ``raise-budget`` takes one
+measured step of the budget grid above the highest budget measured at that split, by the change per step
+that split's own budgets measured (with one budget measured there, the model's change counted once); a
+trial over the usable memory caps the split's budget: the second machine's peaks at 0.7 and 0.85 are
+equal (regional 8 x 4; recorded on the H200 for that family too, 28.40 GiB at both), which a line through
+budgets measured at other splits does not show until trials at that split measure it."""
 TRANSFER_WITHIN = 1.15
 """``scope-probe`` runs a measured split in the other scope only while it is within this of the fastest
 (one configuration's single steps ranged +-15 % on the H200): a slow split's compile in the other scope

@@ -15,8 +15,9 @@ the trial is the sampler's. Every trial line and the dashboard show the phase an
 | ``compiled-start`` | GPU, compile searched, nothing compiled yet, the probe measured | the cheapest scope to compile (``regional`` when searched), the first half dtype, budget 1.0, the largest micro-batch predicted to fit (:func:`first_compiled_micro_batch`) among splits of one micro-step size per rank (:func:`one_size`; two sizes only where the space holds none), fewest micro-steps |
 | ``explore`` | every third ask: on CPU always, on a GPU once the models' proposals stopped improving (``_first_trials``) | the sampler's trial (a dtype held back pinned; eager when no compile fits in the time left) |
 | ``compiled-grow`` | a compiled trial fitted, and a split of fewer micro-steps (same scope and dtype) was never tried | from the best compiled trial, the next split of one micro-step size per rank whose largest budget predicted to fit is at least :data:`GROW_MIN_BUDGET`, at that budget; once a two-size split measured within :data:`SAME_WITHIN` of the best, every split: the fewest micro-steps predicted to fit at budget 1.0 (straight there), else one micro-step fewer |
-| ``raise-budget`` | one rank; the best compiled trial ran below budget 1.0 and its measured peak leaves room | that trial at the largest higher budget whose peak, its measured one plus the compiled model's change from its budget counted 1 + :data:`RAISE_CHANGE_MARGIN` times, stays within the usable memory (the margin on what is predicted, not on what was measured), and below any budget that did not fit at that split: the partitioner recomputes less, and the step's time falls steeply with the budget (regional 8 x 4, loss outside, on the H200: 185.8 ms at 0.5, 172.5 at 0.7, 143.3 at 0.85) |
+| ``raise-budget`` | one rank; the best compiled trial ran below budget 1.0 and its measured peak leaves room | that trial at the largest higher budget whose peak, its measured one plus the compiled model's change from its budget counted 1 + :data:`RAISE_CHANGE_MARGIN` times, stays within the usable memory (the margin on what is predicted, not on what was measured), and below any budget that did not fit at that split: the partitioner recomputes less, and the step's time falls steeply with the budget (regional 8 x 4, loss outside, on the H200: 185.8 ms at 0.5, 172.5 at 0.7, 143.3 at 0.85); where only the doubled change leaves no room, a measured step: one budget step above the highest budget measured to fit at that split (unless it ran slower than the best beyond :data:`SAME_WITHIN`), while its measured peak plus the change of one step fits - the change the split's own measured budgets showed, or with one measured there the compiled model's, counted once |
 | ``scope-probe`` | growing stopped; a searched scope never ran, or one of the :data:`SCOPE_TRANSFERS` fastest compiled splits (within :data:`TRANSFER_WITHIN` of the fastest) never ran in another searched scope; the time budget holds a compile of that scope | a scope's first trial: the best split measured in another scope (one micro-step size per rank unless two sizes measured competitive) at the largest budget per rank the models predict to fit there, never below the one it ran at (what fitted in one scope is the best evidence for the other); then each fast configuration in the other scope, budget unchanged: whether, and where, that scope wins |
+| ``grow-probe`` | growing, raising and the scope probe propose nothing; in a scope, fewer micro-steps measured faster beyond :data:`SAME_WITHIN`; the next split of one size per rank never ran there and fits only below :data:`GROW_MIN_BUDGET` or at no budget the model's prior curve allows | a measured step: that split at the largest budget predicted to fit (at least :data:`LOW_BUDGET`), else at :data:`LOW_BUDGET`, where without recomputation the cost per micro-step the two trials measured puts it under the best measured step (the recomputation's cost at that budget is outside every model's support: one trial measures it; ``raise-budget`` climbs from there) |
 | ``cuda-graphs`` | ``--compile-mode auto``, the best trial is a default-mode compiled one, graphs untried, time holds a compile | the best configuration with CUDA graphs: one compile measures whether they pay (``_cuda_graphs``) |
 | ``model`` | the memory and compiled models have fitted | their best-ranked configuration predicted to fit (``compiled-model`` or ``memory-model``); a budget below :data:`LOW_BUDGET` only where a higher one was measured at that micro-batch and scope; compiled, one micro-step size per rank unless two sizes measured competitive; a compiled time predicted outside the step-time model's support (:meth:`TrialHistory.time_supported`) ranks after every one inside it, and the trial says it extrapolates |
 | ``prior``, ``sampler`` | nothing else proposes | the least memory the priors know while nothing fits (GPU); else the sampler |
@@ -28,6 +29,7 @@ with every other decision constant in ``_constants``, each with the measurement 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -252,6 +254,50 @@ class TrialHistory:
             if over:
                 out.append(min(c.activation_budget or [1.0]))
         return out
+
+    def slower_with_more_steps(self, base: Record) -> Record | None:
+        """A measured feasible trial of ``base``'s compile key and dtype with more micro-steps that ran
+        slower than ``base`` beyond :data:`SAME_WITHIN` (None: none): fewer micro-steps measured faster."""
+        cfg = base.config
+        if cfg is None or base.step_ms is None:
+            return None
+        key = config_compile_key(cfg)
+        out = [r for r in self.records if r.measured and r.feasible and r.step_ms is not None and r.config is not None
+               and r.config.compile != "off" and config_compile_key(r.config) == key and r.config.dtype == cfg.dtype
+               and r.config.accumulation > cfg.accumulation
+               and float(r.step_ms) > float(base.step_ms) * (1.0 + SAME_WITHIN)]
+        return min(out, key=lambda r: float(r.step_ms or 0.0)) if out else None
+
+    def lowest_budget(self, config: BalanceConfig) -> float:
+        """The lowest budget measured (fitted or not) in ``config``'s compile key and dtype, any split (1.0:
+        none below it)."""
+        key = config_compile_key(config)
+        return min([1.0, *(min(r.config.activation_budget or [1.0]) for r in self.records
+                           if r.measured and r.config is not None and r.config.compile != "off"
+                           and config_compile_key(r.config) == key and r.config.dtype == config.dtype)])
+
+    def budget_ladder(self, config: BalanceConfig) -> list[tuple[float, float, float]]:
+        """``config``'s split (compile key, dtype, micro-batches, one rank) as measured to fit here:
+        ``(budget, peak GiB, step ms)`` per budget, ascending (a budget measured twice: its later trial)."""
+        key, split = config_compile_key(config), json.dumps(config.micro_batches)
+        out: dict[float, tuple[float, float, float]] = {}
+        for r in self.records:
+            c = r.config
+            if (not r.measured or not r.feasible or r.step_ms is None or c is None or c.compile == "off"
+                    or config_compile_key(c) != key or c.dtype != config.dtype or json.dumps(c.micro_batches) != split
+                    or not r.peaks_gib or r.peaks_gib[0] is None):
+                continue
+            b = round(min(c.activation_budget or [1.0]), 6)
+            out[b] = (b, float(r.peaks_gib[0]), float(r.step_ms))
+        return [out[b] for b in sorted(out)]
+
+    def ladder_slope(self, config: BalanceConfig) -> float | None:
+        """The largest rise of the measured peak per unit of budget between two budgets measured to fit at
+        ``config``'s split (:meth:`budget_ladder`), GiB; None: fewer than two measured there."""
+        ladder = self.budget_ladder(config)
+        if len(ladder) < 2:
+            return None
+        return max(max(0.0, (p1 - p0) / (b1 - b0)) for (b0, p0, _), (b1, p1, _) in itertools.pairwise(ladder))
 
     def measured_budget(self, key: str, micro_batch: int) -> float | None:
         """The highest budget measured at ``micro_batch`` (largest on any rank) for the compile key ``key``."""
@@ -496,20 +542,72 @@ class SearchPolicy:
         ceiling = min([BUDGET_CEILING + 1e-9, *history.over_budgets(cfg)])
         limit = history.usable_gib[0]  # the measured peak is known: the margin is on the predicted change
         pick: tuple[float, float] | None = None
+        slope = history.ladder_slope(cfg)  # GiB per unit of budget the split's own budgets measured (None: < 2)
         nb = round(b + BUDGET_STEP, 3)
         while nb < ceiling:
             change = self.advisor.peak_change(cfg, nb)
-            if change is None or float(peak) + max(change[0], 0.0) * (1.0 + RAISE_CHANGE_MARGIN) > limit:
+            if change is None:
                 break
-            pick = (nb, float(peak) + change[0])
+            # never less than the split's own measurements show: the model's curve is shared by every split
+            # (a trial over the memory at another micro-batch lifts it at every budget above)
+            grow = max(change[0], 0.0, (slope or 0.0) * (nb - b))
+            if float(peak) + grow * (1.0 + RAISE_CHANGE_MARGIN) > limit:
+                break
+            pick = (nb, float(peak) + grow)
             nb = round(nb + BUDGET_STEP, 3)
-        if pick is None:
+        other = None if pick is None else BalanceConfig.from_dict({**cfg.to_dict(), "activation_budget": [pick[0]]})
+        if pick is not None and other is not None and other.to_json() not in history.tried():
+            return Proposal(config=other, phase="raise-budget", predicted_peak_gib=[pick[1]], reason=(
+                f"the best compiled trial ({base.number}) at budget {pick[0]:g} instead of {b:g}: its measured "
+                f"{memory_text(float(peak))} plus the compiled model's change"
+                + (" (no less than the split's own measured budgets showed)" if slope is not None else "")
+                + f" counted {1.0 + RAISE_CHANGE_MARGIN:g}x stays below {memory_text(history.usable_gib[0])} usable; "
+                "less recomputed"))
+        return self._budget_step(history, base, limit=limit, ceiling=ceiling)
+
+    def _budget_step(self, history: TrialHistory, base: Record, *, limit: float, ceiling: float) -> Proposal | None:
+        """``raise-budget``'s measured step, where the change counted 1 + :data:`RAISE_CHANGE_MARGIN` times
+        leaves no room: one step of the budget grid above the highest budget measured to fit at the best
+        trial's split (scope, dtype, micro-batches), when that one ran within :data:`SAME_WITHIN` of the
+        best (a higher budget measured slower beyond the noise is the direction measured against it) and
+        its measured peak plus the change of one step stays within the usable memory - the change the
+        split's own measured budgets showed (the largest per step between two of them), else, with one
+        budget measured there, the compiled model's central prediction. The margin guards a jump the
+        model draws through budgets it never measured at this split; a single step is a measurement
+        instead: when it fits, the next decision steps from its measured peak; when it does not, it caps
+        the split's budget (:meth:`TrialHistory.over_budgets`) and costs one trial."""
+        cfg = base.config
+        if cfg is None or base.step_ms is None:
             return None
-        other = BalanceConfig.from_dict({**cfg.to_dict(), "activation_budget": [pick[0]]})
-        return Proposal(config=other, phase="raise-budget", predicted_peak_gib=[pick[1]], reason=(
-            f"the best compiled trial ({base.number}) at budget {pick[0]:g} instead of {b:g}: its measured "
-            f"{memory_text(float(peak))} plus the compiled model's change counted {1.0 + RAISE_CHANGE_MARGIN:g}x stays below "
-            f"{memory_text(history.usable_gib[0])} usable; less recomputed"))
+        ladder = history.budget_ladder(cfg)  # (budget, peak GiB, step ms), ascending budgets, fitted
+        if not ladder:
+            return None
+        top_b, top_peak, top_ms = ladder[-1]
+        if top_ms > float(base.step_ms) * (1.0 + SAME_WITHIN):
+            return None  # the higher budget ran slower beyond the noise
+        nb = round(top_b + BUDGET_STEP, 3)
+        if nb >= ceiling:
+            return None
+        slope = history.ladder_slope(cfg)
+        if slope is not None:
+            step = slope * BUDGET_STEP
+            source = (f"the largest change per step its {len(ladder)} measured budgets at this split showed "
+                      f"({step:+.2f} GiB)")
+        else:
+            change = self.advisor.peak_change(BalanceConfig.from_dict({**cfg.to_dict(), "activation_budget": [top_b]}), nb)
+            if change is None:
+                return None
+            step = max(change[0], 0.0)
+            source = f"the compiled model's change ({step:+.2f} GiB, counted once)"
+        if top_peak + step > limit:
+            return None
+        other = BalanceConfig.from_dict({**cfg.to_dict(), "activation_budget": [nb]})
+        return Proposal(config=other, phase="raise-budget", predicted_peak_gib=[top_peak + step], reason=(
+            f"a measured step: trial {base.number}'s split at budget {nb:g}, one step above {top_b:g} (measured "
+            f"{memory_text(top_peak)}, {top_ms:.0f} ms); {memory_text(top_peak)} plus {source} stays below "
+            f"{memory_text(limit)} usable, where the model's change counted {1.0 + RAISE_CHANGE_MARGIN:g}x does not: "
+            "one trial measures the peak there (the partitioner's memory rises in plateaus that a line through "
+            "budgets measured at other splits does not see)"))
 
     def scope_probe(self, history: TrialHistory) -> Proposal | None:
         if len(self.space.compile_scopes) < 2:
@@ -547,6 +645,71 @@ class SearchPolicy:
                     + ("one compile measures whether that scope wins for this script" if new_scope else
                        "one of the fastest configurations measured in the other scope, as it fitted there (the "
                        "scopes' optima differ)")))
+        return None
+
+    def grow_probe(self, history: TrialHistory) -> Proposal | None:
+        """``compiled-grow``'s measured step below :data:`GROW_MIN_BUDGET`, once growing, raising and the
+        scope probe are done: the split of fewer micro-steps than the fastest one measured in a scope, at
+        the largest budget the compiled model predicts to fit there, or at :data:`LOW_BUDGET` (the least
+        memory the policy proposes where no higher budget was measured) when the model places it at no
+        budget from a curve it never measured that low. Whether a larger micro-batch at a low budget beats
+        a smaller one at a higher budget is the recomputation's cost, which no trial of the study has
+        measured there (the step-time model's prior; on the H200 it ranged 0.1-0.7 of a step across
+        scopes and placements): a prediction outside the model's support is no reason to propose, and no
+        reason not to either, so one trial measures it. Proposed only where the measurements point that
+        way - in that scope fewer micro-steps measured faster beyond the noise (:data:`SAME_WITHIN`) - and
+        where it can win: the split without recomputation (the most it can gain), at the cost per micro-step
+        those two trials measured (:func:`_micro_step_trend`), is faster than the best measured trial.
+        ``raise-budget`` then climbs from its measured peak."""
+        best = history.best_compiled()
+        if best is None or best.step_ms is None:
+            return None
+        ran = history.compiled_splits()
+        two_sizes = history.two_sizes_compete()
+        seen: set[tuple[str, str]] = set()
+        for base in history.fastest_compiled(len(history.records)):
+            cfg = base.config
+            if cfg is None or base.step_ms is None or (config_compile_key(cfg), cfg.dtype) in seen:
+                continue
+            seen.add((config_compile_key(cfg), cfg.dtype))  # the fastest of each scope and dtype
+            slower = history.slower_with_more_steps(base)
+            if slower is None:
+                continue  # no measured evidence that fewer micro-steps pay in this scope
+            for acc in sorted((a for a in self.space.accumulations if a < cfg.accumulation), reverse=True):
+                template = self._config(acc, dtype=cfg.dtype, compile=cfg.compile, scope=cfg.compile_scope)
+                if template is None or (not two_sizes and not one_size(template)):
+                    continue
+                if (config_compile_key(template), json.dumps(template.micro_batches)) in ran:
+                    break  # that split was tried: growing from it is ``compiled-grow``'s and ``raise-budget``'s
+                fits = self.advisor.largest_budgets(template)
+                if fits is not None and min(fits) >= GROW_MIN_BUDGET:
+                    break  # ``compiled-grow`` proposes it
+                bound = _micro_step_trend(base, slower, acc)  # budget 1.0: nothing recomputed
+                if bound is None or bound >= float(best.step_ms):
+                    break
+                if fits is None and history.lowest_budget(template) <= LOW_BUDGET + 1e-9:
+                    break  # the model's "no budget" rests on a budget measured that low: not a prior
+                if fits is not None and min(fits) < LOW_BUDGET:
+                    break  # it fits only where memory is not monotone in the budget (``LOW_BUDGET``)
+                low = min(fits) if fits is not None else LOW_BUDGET
+                budget = [low] * template.world_size
+                grown = BalanceConfig.from_dict({**template.to_dict(), "activation_budget": budget,
+                                                 "bucket_cap_mb": cfg.bucket_cap_mb,
+                                                 "gradient_as_bucket_view": cfg.gradient_as_bucket_view})
+                if not self.space.contains(grown):
+                    break
+                where = (f"the largest budget the compiled model predicts to fit ({low:g} < {GROW_MIN_BUDGET:g})"
+                         if fits is not None and min(fits) >= LOW_BUDGET else
+                         f"{LOW_BUDGET:g}, the least memory proposed unmeasured (the compiled model places it at no "
+                         "budget from a curve it never measured that low)")
+                return Proposal(config=grown, phase="grow-probe", predicted_peak_gib=self.advisor.compiled_peaks(grown),
+                                extra={"proposal_extrapolated": True}, reason=(
+                    f"a measured step: fewer micro-steps in {cfg.compile_scope} {cfg.dtype} ({cfg.accumulation} -> {acc}, "
+                    f"from trial {base.number}, {float(base.step_ms):.0f} ms; trial {slower.number} with "
+                    f"{slower.config.accumulation if slower.config else '?'} ran {float(slower.step_ms or 0.0):.0f} ms) "
+                    f"at {where}: without recomputation the measured cost per micro-step puts it at {bound:.0f} ms, "
+                    f"against the best measured {float(best.step_ms):.0f} ms; what recomputing costs at that budget no "
+                    "trial measured"))
         return None
 
     def _scope_start(self, history: TrialHistory, scope: str, ran: set[tuple[str, str]]) -> Proposal | None:
@@ -679,6 +842,19 @@ def model_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
         reason += f" ({models.dtype_note})"
     return Proposal(config=pick.config, phase=pick.source, reason=reason, predicted_ms=pick.step_ms,
                     predicted_peak_gib=[p / GIB for p in pick.peaks], extra=extra)
+
+
+def _micro_step_trend(base: Record, slower: Record, acc: int) -> float | None:
+    """``base``'s measured step with ``acc`` micro-steps instead of its own, at the cost per micro-step
+    that ``base`` and ``slower`` (same scope and dtype, more micro-steps) measured between them: a line
+    through two measurements, nothing recomputed (the budget's cost is not in it). None: no such cost."""
+    if base.config is None or slower.config is None or base.step_ms is None or slower.step_ms is None:
+        return None
+    steps = slower.config.accumulation - base.config.accumulation
+    if steps <= 0:
+        return None
+    per_step = (float(slower.step_ms) - float(base.step_ms)) / steps
+    return float(base.step_ms) - per_step * (base.config.accumulation - acc)
 
 
 def _eager_timed(history: TrialHistory) -> bool:
@@ -825,6 +1001,7 @@ def cuda_graphs_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal |
 
 
 PHASES: list[Phase] = [SearchPolicy.probe, SearchPolicy.compiled_start, explore_phase, SearchPolicy.compiled_grow,
-                       SearchPolicy.raise_budget, SearchPolicy.scope_probe, cuda_graphs_phase, model_phase,
+                       SearchPolicy.raise_budget, SearchPolicy.scope_probe, SearchPolicy.grow_probe, cuda_graphs_phase,
+                       model_phase,
                        fallbacks_phase]
 """The phases in the order they are asked (module doc)."""
