@@ -13,12 +13,12 @@ the trial is the sampler's. Every trial line and the dashboard show the phase an
 |---|---|---|
 | ``probe`` | GPU, compile searched, nothing compiled yet, and no half-precision eager trial without checkpointing has measured what the model holds apart from activations | one such eager trial at the smallest micro-batch the space holds: the held memory and the per-sample activations, in seconds, no compile |
 | ``compiled-start`` | GPU, compile searched, nothing compiled yet, the probe measured | the cheapest scope to compile (``regional`` when searched), the first half dtype, budget 1.0, the largest micro-batch predicted to fit (:func:`first_compiled_micro_batch`) among splits of one micro-step size per rank (:func:`one_size`; two sizes only where the space holds none), fewest micro-steps |
-| ``explore`` | every third ask: on CPU always, on a GPU once the models' proposals stopped improving (``_first_trials``) | the sampler's trial (a dtype held back pinned; eager when no compile fits in the time left) |
+| ``explore`` | every third ask: on CPU always, on a GPU once the models' proposals stopped improving (``_models.proposals_stalled``) | the sampler's trial (a dtype held back pinned; eager when no compile fits in the time left) |
 | ``compiled-grow`` | a compiled trial fitted, and a split of fewer micro-steps (same scope and dtype) was never tried | from the best compiled trial, the next split of one micro-step size per rank whose largest budget predicted to fit is at least :data:`GROW_MIN_BUDGET`, at that budget; once a two-size split measured within :data:`SAME_WITHIN` of the best, every split: the fewest micro-steps predicted to fit at budget 1.0 (straight there), else one micro-step fewer |
 | ``raise-budget`` | one rank; the best compiled trial ran below budget 1.0 and its measured peak leaves room | that trial at the largest higher budget whose peak, its measured one plus the compiled model's change from its budget counted 1 + :data:`RAISE_CHANGE_MARGIN` times, stays within the usable memory (the margin on what is predicted, not on what was measured), and below any budget that did not fit at that split: the partitioner recomputes less, and the step's time falls steeply with the budget (regional 8 x 4, loss outside, on the H200: 185.8 ms at 0.5, 172.5 at 0.7, 143.3 at 0.85); where only the doubled change leaves no room, a measured step: one budget step above the highest budget measured to fit at that split (unless it ran slower than the best beyond :data:`SAME_WITHIN`), while its measured peak plus the change of one step fits - the change the split's own measured budgets showed, or with one measured there the compiled model's, counted once |
 | ``scope-probe`` | growing stopped; a searched scope never ran, or one of the :data:`SCOPE_TRANSFERS` fastest compiled splits (within :data:`TRANSFER_WITHIN` of the fastest) never ran in another searched scope; the time budget holds a compile of that scope | a scope's first trial: the best split measured in another scope (one micro-step size per rank unless two sizes measured competitive) at the largest budget per rank the models predict to fit there, never below the one it ran at (what fitted in one scope is the best evidence for the other); then each fast configuration in the other scope, budget unchanged: whether, and where, that scope wins |
 | ``grow-probe`` | growing, raising and the scope probe propose nothing; in a scope, fewer micro-steps measured faster beyond :data:`SAME_WITHIN`; the next split of one size per rank never ran there and fits only below :data:`GROW_MIN_BUDGET` or at no budget the model's prior curve allows | a measured step: that split at the largest budget predicted to fit (at least :data:`LOW_BUDGET`), else at :data:`LOW_BUDGET`, where without recomputation the cost per micro-step the two trials measured puts it under the best measured step (the recomputation's cost at that budget is outside every model's support: one trial measures it; ``raise-budget`` climbs from there) |
-| ``cuda-graphs`` | ``--compile-mode auto``, the best trial is a default-mode compiled one, graphs untried, time holds a compile | the best configuration with CUDA graphs: one compile measures whether they pay (``_cuda_graphs``) |
+| ``cuda-graphs`` | ``--compile-mode auto``, the best trial is a default-mode compiled one, graphs untried, time holds a compile | the best configuration with CUDA graphs: one compile measures whether they pay (``_models.graph_probe``) |
 | ``model`` | the memory and compiled models have fitted | their best-ranked configuration predicted to fit (``compiled-model`` or ``memory-model``); a budget below :data:`LOW_BUDGET` only where a higher one was measured at that micro-batch and scope; compiled, one micro-step size per rank unless two sizes measured competitive; a compiled time predicted outside the step-time model's support (:meth:`TrialHistory.time_supported`) ranks after every one inside it, and the trial says it extrapolates |
 | ``prior``, ``sampler`` | nothing else proposes | the least memory the priors know while nothing fits (GPU); else the sampler |
 
@@ -423,7 +423,7 @@ class SearchPolicy:
         return self.advisor.settings.device == "cuda" and self.space.compile_searched
 
     def half_dtypes(self) -> list[str]:
-        """The half dtypes the first trials may use (``_first_trials``'s order, bf16 first)."""
+        """The half dtypes the first trials may use (``_models.proposable_dtypes``' order, bf16 first)."""
         allowed = self.advisor.allowed_dtypes_now()
         return [d for d in allowed if d in HALF_DTYPES]
 
@@ -774,7 +774,7 @@ def _eager_first(models: Models, study: optuna.Study, dtype: str) -> bool:
 def explore_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
     """The sampler's trial every ``SAMPLER_EVERY``-th ask: on CPU always (it explores what the
     models do not: bucket sizes, dtypes they cannot predict yet), on a GPU only once the models'
-    proposals stopped improving (``_first_trials.proposals_stalled``)."""
+    proposals stopped improving (``_models.proposals_stalled``)."""
     models = policy.advisor
     study = models.study
     if models.asks % SAMPLER_EVERY == 0 and (
