@@ -434,31 +434,9 @@ class MemoryModel:
     # -------------------------------------------------------------------------------- correction
 
     def correct(self, observation: MemoryObservation, *, limit: float | None = None) -> bool:
-        """Widen the safety margin when this observation shows an under-prediction beyond it.
-
-        Rule: let ``e = measured / predicted - 1`` where, for an out-of-memory trial, ``measured``
-        is the lower bound ``max(peak_bytes, limit)`` (it needed more than the ``limit`` it ran
-        under, if given). If ``e > safety_margin`` (the margin would not have covered it: a
-        predicted-feasible configuration OOMed, or a peak came in higher than margin allows), the
-        margin becomes ``min(max_margin, widen_factor * e)``. Over-predictions do not change the
-        margin (a wider one could not fix them; the next refit does). Returns True if widened.
-        Does nothing (False) for a dtype the model cannot predict yet.
-        """
-        self._check_rank(observation.rank)
-        if not self.can_predict(observation.dtype):
-            return False
-        predicted = self._predict_obs(observation)
-        measured = observation.peak_bytes
-        if not observation.ok and limit is not None:
-            measured = max(measured, float(limit))
-        if predicted <= 0:
-            return False
-        error = measured / predicted - 1.0
-        if error <= self.safety_margin or self.safety_margin >= self.max_margin:
-            return False
-        self.safety_margin = min(self.max_margin, self.widen_factor * error)
-        self.corrections += 1
-        return True
+        """Widen the safety margin when this observation shows an under-prediction beyond it
+        (:func:`widen_margin`); True if widened."""
+        return widen_margin(self, observation, limit=limit)
 
     # ---------------------------------------------------------------------------------- helpers
 
@@ -642,3 +620,31 @@ def _fit_dtype(
         unseen=unseen,
         micro_range=(min(micro), max(micro)) if micro else None,
     )
+
+
+def widen_margin(model: MemoryModel, observation: MemoryObservation, *, limit: float | None = None) -> bool:
+    """Widen ``model``'s safety margin when this observation shows an under-prediction beyond it.
+
+    Rule: let ``e = measured / predicted - 1`` where, for an out-of-memory trial, ``measured``
+    is the lower bound ``max(peak_bytes, limit)`` (it needed more than the ``limit`` it ran
+    under, if given). If ``e > safety_margin`` (the margin would not have covered it: a
+    predicted-feasible configuration OOMed, or a peak came in higher than margin allows), the
+    margin becomes ``min(max_margin, widen_factor * e)``. Over-predictions do not change the
+    margin (a wider one could not fix them; the next refit does). Returns True if widened.
+    Does nothing (False) for a dtype the model cannot predict yet.
+    """
+    model._check_rank(observation.rank)
+    if not model.can_predict(observation.dtype):
+        return False
+    predicted = model._predict_obs(observation)
+    measured = observation.peak_bytes
+    if not observation.ok and limit is not None:
+        measured = max(measured, float(limit))
+    if predicted <= 0:
+        return False
+    error = measured / predicted - 1.0
+    if error <= model.safety_margin or model.safety_margin >= model.max_margin:
+        return False
+    model.safety_margin = min(model.max_margin, model.widen_factor * error)
+    model.corrections += 1
+    return True

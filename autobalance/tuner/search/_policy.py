@@ -456,7 +456,7 @@ class SearchPolicy:
         acc = max(self.space.accumulations)
         tried = {r.config.to_json() for r in history.records if r.config is not None}
         for a in sorted(self.space.accumulations, reverse=True):  # the smallest micro-batch not yet tried
-            cfg = self._config(a, dtype=dtypes[0], compile="off")
+            cfg = _even_config(self.space, a, dtype=dtypes[0], compile="off")
             if cfg is not None and cfg.to_json() not in tried:
                 acc = a
                 break
@@ -478,7 +478,7 @@ class SearchPolicy:
         keep = KEEP_AT_FULL_BUDGET[history.loss_in_model is not False]
         scope = "regional" if "regional" in self.space.compile_scopes else "whole"
         mode = next(m for m in self.space.compile_modes if m != "off")
-        splits = [c for c in (self._config(acc, dtype=dtypes[0], compile=mode, scope=scope)
+        splits = [c for c in (_even_config(self.space, acc, dtype=dtypes[0], compile=mode, scope=scope)
                               for acc in sorted(self.space.accumulations)) if c is not None]
         even = [c for c in splits if one_size(c)]
         by_micro: dict[int, BalanceConfig] = {}
@@ -506,7 +506,7 @@ class SearchPolicy:
         two_sizes = history.two_sizes_compete()
         options: list[tuple[int, BalanceConfig, list[float]]] = []
         for acc in sorted((a for a in self.space.accumulations if a < cfg.accumulation), reverse=True):  # one fewer first
-            template = self._config(acc, dtype=cfg.dtype, compile=cfg.compile, scope=cfg.compile_scope)
+            template = _even_config(self.space, acc, dtype=cfg.dtype, compile=cfg.compile, scope=cfg.compile_scope)
             if template is None or (config_compile_key(template), json.dumps(template.micro_batches)) in ran:
                 continue
             if not two_sizes and not one_size(template):  # two sizes compile dynamic: slow unless measured not
@@ -563,51 +563,7 @@ class SearchPolicy:
                 + (" (no less than the split's own measured budgets showed)" if slope is not None else "")
                 + f" counted {1.0 + RAISE_CHANGE_MARGIN:g}x stays below {memory_text(history.usable_gib[0])} usable; "
                 "less recomputed"))
-        return self._budget_step(history, base, limit=limit, ceiling=ceiling)
-
-    def _budget_step(self, history: TrialHistory, base: Record, *, limit: float, ceiling: float) -> Proposal | None:
-        """``raise-budget``'s measured step, where the change counted 1 + :data:`RAISE_CHANGE_MARGIN` times
-        leaves no room: one step of the budget grid above the highest budget measured to fit at the best
-        trial's split (scope, dtype, micro-batches), when that one ran within :data:`SAME_WITHIN` of the
-        best (a higher budget measured slower beyond the noise is the direction measured against it) and
-        its measured peak plus the change of one step stays within the usable memory - the change the
-        split's own measured budgets showed (the largest per step between two of them), else, with one
-        budget measured there, the compiled model's central prediction. The margin guards a jump the
-        model draws through budgets it never measured at this split; a single step is a measurement
-        instead: when it fits, the next decision steps from its measured peak; when it does not, it caps
-        the split's budget (:meth:`TrialHistory.over_budgets`) and costs one trial."""
-        cfg = base.config
-        if cfg is None or base.step_ms is None:
-            return None
-        ladder = history.budget_ladder(cfg)  # (budget, peak GiB, step ms), ascending budgets, fitted
-        if not ladder:
-            return None
-        top_b, top_peak, top_ms = ladder[-1]
-        if top_ms > float(base.step_ms) * (1.0 + SAME_WITHIN):
-            return None  # the higher budget ran slower beyond the noise
-        nb = round(top_b + BUDGET_STEP, 3)
-        if nb >= ceiling:
-            return None
-        slope = history.ladder_slope(cfg)
-        if slope is not None:
-            step = slope * BUDGET_STEP
-            source = (f"the largest change per step its {len(ladder)} measured budgets at this split showed "
-                      f"({step:+.2f} GiB)")
-        else:
-            change = self.advisor.peak_change(BalanceConfig.from_dict({**cfg.to_dict(), "activation_budget": [top_b]}), nb)
-            if change is None:
-                return None
-            step = max(change[0], 0.0)
-            source = f"the compiled model's change ({step:+.2f} GiB, counted once)"
-        if top_peak + step > limit:
-            return None
-        other = BalanceConfig.from_dict({**cfg.to_dict(), "activation_budget": [nb]})
-        return Proposal(config=other, phase="raise-budget", predicted_peak_gib=[top_peak + step], reason=(
-            f"a measured step: trial {base.number}'s split at budget {nb:g}, one step above {top_b:g} (measured "
-            f"{memory_text(top_peak)}, {top_ms:.0f} ms); {memory_text(top_peak)} plus {source} stays below "
-            f"{memory_text(limit)} usable, where the model's change counted {1.0 + RAISE_CHANGE_MARGIN:g}x does not: "
-            "one trial measures the peak there (the partitioner's memory rises in plateaus that a line through "
-            "budgets measured at other splits does not see)"))
+        return _budget_step(self.advisor, history, base, limit=limit, ceiling=ceiling)
 
     def scope_probe(self, history: TrialHistory) -> Proposal | None:
         if len(self.space.compile_scopes) < 2:
@@ -676,7 +632,7 @@ class SearchPolicy:
             if slower is None:
                 continue  # no measured evidence that fewer micro-steps pay in this scope
             for acc in sorted((a for a in self.space.accumulations if a < cfg.accumulation), reverse=True):
-                template = self._config(acc, dtype=cfg.dtype, compile=cfg.compile, scope=cfg.compile_scope)
+                template = _even_config(self.space, acc, dtype=cfg.dtype, compile=cfg.compile, scope=cfg.compile_scope)
                 if template is None or (not two_sizes and not one_size(template)):
                     continue
                 if (config_compile_key(template), json.dumps(template.micro_batches)) in ran:
@@ -740,23 +696,70 @@ class SearchPolicy:
             f"{cfg.accumulation} micro-steps) at the largest budget predicted to fit there ({min(budgets):g}): "
             "one compile measures whether that scope wins for this script"))
 
-    # ------------------------------------------------------------------ helpers
-    def _config(self, acc: int, *, dtype: str, compile: str, scope: str = "whole") -> BalanceConfig | None:
-        """The even split of ``acc`` micro-steps, nothing checkpointed, budget 1.0 when compiled."""
-        world = self.space.world_size
-        total = self.space.micro_total(acc)
-        if total < world:
+# ---------------------------------------------------------------------- the policy's helpers
+def _budget_step(advisor: Models, history: TrialHistory, base: Record, *, limit: float,
+                 ceiling: float) -> Proposal | None:
+    """``raise-budget``'s measured step, where the change counted 1 + :data:`RAISE_CHANGE_MARGIN` times
+    leaves no room: one step of the budget grid above the highest budget measured to fit at the best
+    trial's split (scope, dtype, micro-batches), when that one ran within :data:`SAME_WITHIN` of the
+    best (a higher budget measured slower beyond the noise is the direction measured against it) and
+    its measured peak plus the change of one step stays within the usable memory - the change the
+    split's own measured budgets showed (the largest per step between two of them), else, with one
+    budget measured there, the compiled model's central prediction. The margin guards a jump the
+    model draws through budgets it never measured at this split; a single step is a measurement
+    instead: when it fits, the next decision steps from its measured peak; when it does not, it caps
+    the split's budget (:meth:`TrialHistory.over_budgets`) and costs one trial."""
+    cfg = base.config
+    if cfg is None or base.step_ms is None:
+        return None
+    ladder = history.budget_ladder(cfg)  # (budget, peak GiB, step ms), ascending budgets, fitted
+    if not ladder:
+        return None
+    top_b, top_peak, top_ms = ladder[-1]
+    if top_ms > float(base.step_ms) * (1.0 + SAME_WITHIN):
+        return None  # the higher budget ran slower beyond the noise
+    nb = round(top_b + BUDGET_STEP, 3)
+    if nb >= ceiling:
+        return None
+    slope = history.ladder_slope(cfg)
+    if slope is not None:
+        step = slope * BUDGET_STEP
+        source = (f"the largest change per step its {len(ladder)} measured budgets at this split showed "
+                  f"({step:+.2f} GiB)")
+    else:
+        change = advisor.peak_change(BalanceConfig.from_dict({**cfg.to_dict(), "activation_budget": [top_b]}), nb)
+        if change is None:
             return None
-        micro = split_evenly(total, [1.0] * world)
-        rest: dict[str, Any] = {"checkpoint": [[] for _ in range(world)], "dtype": dtype, "bucket_cap_mb": 25.0,
-                                "gradient_as_bucket_view": True, "compile": compile}
-        if compile != "off":
-            rest.update(compile_scope=scope, activation_budget=[1.0] * world)
-        try:
-            cfg = self.space.config_for(micro, acc, None, **rest)
-        except (ConfigError, UsageError, ValueError):  # a split this space cannot hold
-            return None
-        return cfg if self.space.contains(cfg) else None
+        step = max(change[0], 0.0)
+        source = f"the compiled model's change ({step:+.2f} GiB, counted once)"
+    if top_peak + step > limit:
+        return None
+    other = BalanceConfig.from_dict({**cfg.to_dict(), "activation_budget": [nb]})
+    return Proposal(config=other, phase="raise-budget", predicted_peak_gib=[top_peak + step], reason=(
+        f"a measured step: trial {base.number}'s split at budget {nb:g}, one step above {top_b:g} (measured "
+        f"{memory_text(top_peak)}, {top_ms:.0f} ms); {memory_text(top_peak)} plus {source} stays below "
+        f"{memory_text(limit)} usable, where the model's change counted {1.0 + RAISE_CHANGE_MARGIN:g}x does not: "
+        "one trial measures the peak there (the partitioner's memory rises in plateaus that a line through "
+        "budgets measured at other splits does not see)"))
+
+
+def _even_config(space: SearchSpace, acc: int, *, dtype: str, compile: str,
+                 scope: str = "whole") -> BalanceConfig | None:
+    """The even split of ``acc`` micro-steps, nothing checkpointed, budget 1.0 when compiled."""
+    world = space.world_size
+    total = space.micro_total(acc)
+    if total < world:
+        return None
+    micro = split_evenly(total, [1.0] * world)
+    rest: dict[str, Any] = {"checkpoint": [[] for _ in range(world)], "dtype": dtype, "bucket_cap_mb": 25.0,
+                            "gradient_as_bucket_view": True, "compile": compile}
+    if compile != "off":
+        rest.update(compile_scope=scope, activation_budget=[1.0] * world)
+    try:
+        cfg = space.config_for(micro, acc, None, **rest)
+    except (ConfigError, UsageError, ValueError):  # a split this space cannot hold
+        return None
+    return cfg if space.contains(cfg) else None
 
 
 # ---------------------------------------------------------------------- the phases over the models' proposals
