@@ -79,6 +79,22 @@ def test_the_plan_is_what_the_time_left_holds_and_says_why_or_why_not() -> None:
     assert plan.runs == 0 and plan.reason == "Leaders not re-measured: nothing close."
 
 
+def test_when_the_time_holds_fewer_leaders_the_runs_go_to_the_figures_on_the_fewest_runs() -> None:
+    """The best was re-measured in the loop (two runs pooled); two contenders within its noise rest on one
+    run each and the time holds one more run of two leaders: the contenders run, the best's figure stands."""
+    best, c1, c2 = _trial(3, 136.6), _trial(5, 139.4), _trial(4, 140.5)
+    best.user_attrs["remeasured"] = {"reason": "would become the best"}
+    plan = plan_leaders([best, c1, c2], run_s=lambda t: 10.0, time_left_s=25.0, why="close")
+    assert ([t.number for t in plan.leaders], plan.runs) == ([5, 4], 1)
+    assert "left out, their figures resting on more runs: trial 3 (2 runs)" in plan.reason
+    # all of them fit: every leader runs, the best first
+    plan = plan_leaders([best, c1, c2], run_s=lambda t: 10.0, time_left_s=35.0, why="close")
+    assert [t.number for t in plan.leaders] == [3, 5, 4] and "left out" not in plan.reason
+    # equal evidence: rank order, as before
+    plan = plan_leaders([_trial(3, 136.6), c1, c2], run_s=lambda t: 10.0, time_left_s=25.0, why="close")
+    assert [t.number for t in plan.leaders] == [3, 5]
+
+
 def _outcome(steps_ms: list[float]) -> TrialOutcome:
     rep = {"status": "ok", "rank": 0, "config": {"global_batch": 32}, "step_times_s": [t / 1000 for t in steps_ms],
            "step_time_s": sorted(steps_ms)[len(steps_ms) // 2] / 1000, "measured_steps": len(steps_ms),

@@ -275,7 +275,8 @@ class TrialLoop:
         self.leaders_s = time.monotonic() - started
         record["wall_s"] = round(self.leaders_s, 3)
         study.set_user_attr(StudyAttr.LEADERS, record)
-        self.reporter.note(leaders_line(record, was=leaders[0].number))
+        best = best_trial(study)
+        self.reporter.note(leaders_line(record, was=leaders[0].number, now=None if best is None else best.number))
 
     def _run_parallel(self, study: optuna.Study, space: SearchSpace, slots: list[Slot]) -> None:
         """One thread per slot, each running :meth:`one_trial` until the study is done. A slot that

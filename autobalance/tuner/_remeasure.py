@@ -74,6 +74,7 @@ __all__ = [
     "rank_steps",
     "remeasure_leaders",
     "remeasure_reason",
+    "runs_so_far",
     "spread_text",
     "step_spread",
 ]
@@ -278,16 +279,24 @@ def plan_leaders(leaders: Sequence[Any], *, run_s: Callable[[Any], float], time_
     """How many of ``leaders`` to re-measure and how many more runs each (:data:`LEADER_RUNS`, the most
     first; at the same runs, the most leaders): the most that ``time_left_s`` (after verification's
     reserve; None: no time budget) holds, each run priced by ``run_s``. ``why``: :func:`close_leaders`'s
-    line."""
+    line. When the time holds fewer than all of them, the runs go to the leaders whose figures rest on
+    the fewest runs (the best, re-measured in the loop when it became the best, often already pools two),
+    in rank order among equals: each figure then ends on as many runs as the time allows, and a leader
+    measured once, whose single run may be the unlucky one, is not left out for one measured twice."""
     if len(leaders) < 2:
         return LeaderPlan(leaders=list(leaders), runs=0, reason=f"Leaders not re-measured: {why}.")
+    by_evidence = sorted(leaders, key=lambda t: (runs_so_far(t), leaders.index(t)))
     options = [(k, runs) for runs in LEADER_RUNS for k in range(len(leaders), 1, -1)]
     for k, runs in options:
-        chosen = list(leaders[:k])
+        chosen = list(leaders[:k]) if k == len(leaders) else by_evidence[:k]
         cost = runs * sum(run_s(t) for t in chosen)
         if time_left_s is None or cost <= time_left_s:
             left = "" if time_left_s is None else f" of the {time_left_s:.0f} s left after verification's reserve"
             fewer = "" if (k, runs) == options[0] else " (the most the time left holds)"
+            left_out = [t for t in leaders if t not in chosen]
+            if left_out:
+                fewer += ("; left out, their figures resting on more runs: "
+                          + ", ".join(f"trial {t.number} ({runs_so_far(t)} runs)" for t in left_out))
             names = ", ".join(str(t.number) for t in chosen)
             return LeaderPlan(leaders=chosen, runs=runs, reason=(
                 f"Leaders re-measured before saving: {why}. Trials {names} run {runs} more time(s) each, "
@@ -311,6 +320,11 @@ def step_spread(per_rank: Sequence[Sequence[float]]) -> dict[str, Any] | None:
             "steps": len(times)}
 
 
+def runs_so_far(trial: Any) -> int:
+    """How many runs a trial's figure pools: 2 when it was re-measured in the loop, else 1."""
+    return 2 if trial.user_attrs.get("remeasured") else 1
+
+
 def own_steps(trial: Any) -> tuple[list[list[float]], int]:
     """A trial's own measured steps per rank (seconds; its ``step_times_ms``, none in a study recorded
     before they were kept) and how many runs they come from (2 when it was re-measured)."""
@@ -319,7 +333,7 @@ def own_steps(trial: Any) -> tuple[list[list[float]], int]:
     if not isinstance(kept, list) or not any(isinstance(r, list) and r for r in kept):
         return [], 0
     steps = [[float(t) / 1000 for t in r] if isinstance(r, list) else [] for r in kept]
-    return steps, 2 if trial.user_attrs.get("remeasured") else 1
+    return steps, runs_so_far(trial)
 
 
 def spread_text(entry: Mapping[str, Any]) -> str:
@@ -389,8 +403,9 @@ def remeasure_leaders(plan: LeaderPlan, *, launch: Callable[[Any], TrialOutcome]
     return {"reason": plan.reason, "order": order, "runs": plan.runs, "trials": entries}
 
 
-def leaders_line(record: Mapping[str, Any], *, was: int | None) -> str:
-    """One line on the leaders' pooled figures, best first, and which one is now the best."""
+def leaders_line(record: Mapping[str, Any], *, was: int | None, now: int | None = None) -> str:
+    """One line on the leaders' pooled figures, best first, and which one is now the best (``now``: the
+    study's best after the record, when known; else the first re-measured leader)."""
     parts = []
     for n in record.get("order") or []:
         entry = (record.get("trials") or {}).get(str(n)) or {}
@@ -400,7 +415,7 @@ def leaders_line(record: Mapping[str, Any], *, was: int | None) -> str:
             one = f", measured before {entry['trial_ms']:.1f} ms" if entry.get("trial_ms") else ""
             parts.append(f"trial {n} {spread_text(entry)}{one}")
     order = list(record.get("order") or [])
-    first = order[0] if order else None
+    first = now if now is not None else (order[0] if order else None)
     verdict = (f"trial {first} stays the best" if first == was
                else f"trial {first} is now the best (was trial {was})")
     return "Leaders pooled (interleaved runs): " + "; ".join(parts) + f": {verdict}."
