@@ -23,8 +23,8 @@ from autobalance.tuner.search import (
     compiled_observations,
     observations_from_trials,
 )
-from autobalance.tuner.search._candidates import _splits, compiled_candidates
 from autobalance.tuner.search._dominance import dominating_over_cap
+from autobalance.tuner.search._models import _splits, compiled_candidates
 
 GIB = 2**30
 LAYERS = 4

@@ -77,7 +77,7 @@ def test_a_decision_is_kept_until_a_trial_finishes(tmp_path: Path) -> None:
     import types
 
     from autobalance.tuner import TuneSettings
-    from autobalance.tuner._budget import TimeBudget
+    from autobalance.tuner.search import TimeBudget
 
     (tmp_path / "train.py").write_text("")
     settings = TuneSettings(script=str(tmp_path / "train.py"), device="cpu")

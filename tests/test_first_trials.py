@@ -18,8 +18,13 @@ from optuna.trial import TrialState
 from autobalance import BalanceConfig
 from autobalance.protocol import StudyAttr
 from autobalance.tuner import SearchSpace, TuneSettings
-from autobalance.tuner._budget import TimeBudget
-from autobalance.tuner.search import Decision, ModelAdvisor, proposable_dtypes, proposals_stalled
+from autobalance.tuner.search import (
+    Decision,
+    ModelAdvisor,
+    TimeBudget,
+    proposable_dtypes,
+    proposals_stalled,
+)
 from autobalance.tuner.search._policy import sampler_proposal
 
 GIB = 2**30

@@ -413,7 +413,7 @@ def test_memory_model_proposes_sharded_splits_where_no_unsharded_one_fits() -> N
     nothing under 900 usable bytes; with what each sharding saves per rank it proposes sharded splits,
     their peaks the unsharded ones less the saving, every one under the usable memory."""
     from autobalance.tuner.search import MemoryModel, MemoryObservation, SavingModel, StepTimeModel
-    from autobalance.tuner.search._candidates import eager_candidates
+    from autobalance.tuner.search._models import eager_candidates
     from autobalance.tuner.search._space import SearchSpace
 
     obs = [MemoryObservation(rank=r, micro_batch=mb, checkpointed=c, num_layers=2, dtype="fp32",

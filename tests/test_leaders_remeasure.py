@@ -204,8 +204,8 @@ def test_the_loop_skips_the_leaders_with_its_reason_when_time_is_short_and_runs_
     import threading
 
     import autobalance.tuner._loop as loop_module
-    from autobalance.tuner._budget import TimeBudget
     from autobalance.tuner._loop import TrialLoop
+    from autobalance.tuner.search import TimeBudget
 
     study = _close_pair_study(tmp_path)
     now = 1000.0

@@ -11,10 +11,9 @@ from autobalance import BalanceConfig
 from autobalance.protocol import TrialAttr
 from autobalance.tuner import TuneSettings
 from autobalance.tuner.search import SearchSpace
-from autobalance.tuner.search._advisor import ModelAdvisor
 from autobalance.tuner.search._compiled_model import CompiledMemoryModel
 from autobalance.tuner.search._memory_model import MemoryModel, MemoryObservation
-from autobalance.tuner.search._policy import proposal_line
+from autobalance.tuner.search._policy import ModelAdvisor, proposal_line
 
 MIB = 2**20
 PARAMS = 4 * MIB

@@ -106,12 +106,12 @@ def test_raise_budget_goes_to_the_largest_budget_whose_measured_peak_plus_the_ch
     """8 x 4 at 0.55 peaked at 14.4 GiB; the model adds 0.6 GiB per sample per unit of budget (0.24 GiB
     per 0.05 at micro-batch 8), counted twice (``RAISE_CHANGE_MARGIN``): 0.6 -> 14.88, 0.65 -> 15.36 > 15.2,
     so 0.6; flatter (0.04 per 0.05): 1.0 -> 14.4 + 2 x 0.36 = 15.12, the partitioner's default."""
-    policy = SearchPolicy(space=_space(), advisor=_Models(slope=0.6))
+    policy = SearchPolicy(space=_space(), models=_Models(slope=0.6))
     p = policy.raise_budget(_history(_record(3, _cfg(8, 4, 0.55), peak=14.4, ms=182.0)))
     assert p is not None and p.phase == "raise-budget"
     assert p.config is not None and p.config.activation_budget == [0.6]
     assert p.predicted_peak_gib is not None and p.predicted_peak_gib[0] <= USABLE * (1 - FIT_MARGIN)
-    policy = SearchPolicy(space=_space(), advisor=_Models(slope=0.1))  # flatter: further up
+    policy = SearchPolicy(space=_space(), models=_Models(slope=0.1))  # flatter: further up
     p = policy.raise_budget(_history(_record(3, _cfg(8, 4, 0.55), peak=14.4, ms=182.0)))
     assert p is not None and p.config is not None and p.config.activation_budget == [1.0]
 
@@ -119,7 +119,7 @@ def test_raise_budget_goes_to_the_largest_budget_whose_measured_peak_plus_the_ch
 def test_raise_budget_stays_below_a_budget_that_did_not_fit_at_that_split() -> None:
     over = _record(4, _cfg(8, 4, 0.7), peak=15.3, ms=172.0)  # ran, over the usable memory
     best = _record(3, _cfg(8, 4, 0.55), peak=14.0, ms=182.0)
-    policy = SearchPolicy(space=_space(), advisor=_Models(slope=0.05))  # the model alone would allow 1.0
+    policy = SearchPolicy(space=_space(), models=_Models(slope=0.05))  # the model alone would allow 1.0
     p = policy.raise_budget(_history(best, over))
     assert p is not None and p.config is not None and p.config.activation_budget == [0.65]
     oom = _record(4, _cfg(8, 4, 0.6), peak=16.0, ms=None, status=Status.OOM)
@@ -133,7 +133,7 @@ def test_the_first_trial_of_another_scope_is_the_best_measured_split_at_the_larg
     largest budget at 0.75: whole-model 8 x 4 at 0.75 is the first whole trial (what fitted in one scope is
     the best evidence for the other), not the split the measured scope ran slowest or never ran."""
     models = _Models(peak_at_one={5: 13.7, 8: 14.6, 11: 18.0, 16: 21.0, 32: 30.0}, budgets={8: 0.75, 16: 0.3})
-    policy = SearchPolicy(space=_space(), advisor=models)
+    policy = SearchPolicy(space=_space(), models=models)
     history = _history(_record(2, _cfg(5, 7, 1.0), peak=13.8, ms=274.7), _record(5, _cfg(8, 4, 0.55), peak=14.7,
                                                                                   ms=159.0))
     p = policy.scope_probe(history)
@@ -149,7 +149,7 @@ def test_two_micro_step_sizes_are_proposed_compiled_only_when_one_measured_compe
     """``compiled-grow`` from 4 x 8 skips 6,6,5,5,5,5 and 7,7,6,6,6 (two sizes: dynamic batch dimension) for
     8 x 4; once a two-size split measured within ``SAME_WITHIN`` of the best, it is proposed like any other."""
     models = _Models(budgets={6: 0.8, 7: 0.7, 8: 0.6, 11: 0.4})
-    policy = SearchPolicy(space=_space(), advisor=models)
+    policy = SearchPolicy(space=_space(), models=models)
     slow = _record(1, _cfg(4, 8, 1.0), peak=13.0, ms=190.0)
     p = policy.compiled_grow(_history(slow))
     assert p is not None and p.config is not None and p.config.micro_batches == [8] and p.config.accumulation == 4
@@ -173,16 +173,16 @@ def test_a_proposal_the_time_budget_cannot_hold_gives_way_to_the_next_phase() ->
     best = _record(3, _cfg(8, 4, 0.55), peak=14.4, ms=182.0)
     raised = BalanceConfig.from_dict({**best.config.to_dict(), "activation_budget": [0.6]})  # type: ignore[union-attr]
     models = _Models(slope=0.6, peak_at_one={8: 14.6, 11: 18.0, 16: 21.0, 32: 30.0})
-    first = SearchPolicy(space=_space(), advisor=models).next(_history(best))
+    first = SearchPolicy(space=_space(), models=models).next(_history(best))
     # the budget raised in the measured scope (a cheap compile) before the other scope is probed
     assert first is not None and first.phase == "raise-budget" and first.config == raised
     assert first.predicted_ms == 140.0 and first.prediction_text().startswith("140 ms, ")  # a time and a peak
     models.refuse = {raised.to_json()}
-    then = SearchPolicy(space=_space(), advisor=models).next(_history(best))
+    then = SearchPolicy(space=_space(), models=models).next(_history(best))
     assert then is not None and then.phase == "scope-probe"
     assert then.config is not None and then.config.compile_scope == "whole"
     models.refuse.add(then.config.to_json())
-    last = SearchPolicy(space=_space(), advisor=models).next(_history(best))
+    last = SearchPolicy(space=_space(), models=models).next(_history(best))
     assert last is not None and last.phase == "sampler" and last.config is None  # the sampler's trial
 
 
@@ -245,7 +245,7 @@ def test_grow_goes_straight_to_the_fewest_micro_steps_that_fit_at_the_full_budge
     two); once no fewer split fits at 1.0, the next split of one micro-step size per rank (11,11,10 has two)
     while the budget stays >= 0.5."""
     models = _Models(budgets={7: 1.0, 8: 1.0, 11: 0.6, 16: 0.3})
-    policy = SearchPolicy(space=_space(), advisor=models)
+    policy = SearchPolicy(space=_space(), models=models)
     p = policy.compiled_grow(_history(_record(2, _cfg(6, 6, 1.0), peak=12.7, ms=150.0)))
     assert p is not None and p.config is not None and p.phase == "compiled-grow"
     assert p.config.micro_batches == [8] and p.config.activation_budget == [1.0]
@@ -316,7 +316,7 @@ def test_the_h200_sequence_now_starts_on_an_even_split_and_probes_the_whole_mode
     trials = _h200_trials()
     peaks = {4: 12.8, 5: 13.9, 6: 14.9, 7: 15.5, 8: 16.5, 11: 20.0, 16: 24.0, 32: 40.0}  # at budget 1.0
     models = _Models(peak_at_one=peaks, budgets={4: 1.0, 5: 1.0, 6: 0.85, 7: 0.8, 8: 0.75, 11: 0.45, 16: 0.3})
-    policy = SearchPolicy(space=_space(), advisor=models)
+    policy = SearchPolicy(space=_space(), models=models)
     start = policy.compiled_start(_history(*trials[:2]))
     assert start is not None and start.phase == "compiled-start" and start.config is not None
     assert start.config.micro_batches == [4] and start.config.accumulation == 8  # one size per micro-step
@@ -335,14 +335,14 @@ def test_a_compiled_time_predicted_outside_the_models_support_is_no_reason_to_pr
     """The H200 study's "44 ms" trial: regional 8 x 4 at 0.3, below every measured budget (0.55-1.0), was
     predicted at 44 ms and ran 164. A candidate inside the support (8 x 4 at 0.6, 150 ms) goes first; the
     extrapolated one only after it, and its line says so."""
-    from autobalance.tuner.search._candidates import Candidate
+    from autobalance.tuner.search._models import Candidate
     from autobalance.tuner.search._policy import model_phase
 
     models = _Models()
     low = Candidate(score=0.3, config=_cfg(8, 4, 0.3), peaks=[12.3 * 2**30], step_ms=44.0, source="compiled-model")
     inside = Candidate(score=0.9, config=_cfg(8, 4, 0.6), peaks=[14.6 * 2**30], step_ms=150.0, source="compiled-model")
     models.scored_candidates = lambda study: [low, inside]  # type: ignore[method-assign]
-    policy = SearchPolicy(space=_space(), advisor=models)
+    policy = SearchPolicy(space=_space(), models=models)
     trials = [_record(3, _cfg(8, 4, 0.55), peak=14.4, ms=159.0), _record(4, _cfg(4, 8, 1.0), peak=12.8, ms=190.0)]
     p = model_phase(policy, _history(*trials))
     assert p is not None and p.config == inside.config and "proposal_extrapolated" not in p.extra
@@ -357,7 +357,7 @@ def test_raise_budget_takes_one_measured_step_where_only_the_doubled_change_leav
     there (the second machine's 8 x 4 peaked alike at 0.7 and 0.85; the doubled change never left 0.7). Not
     taken once a higher budget at that split fitted (it ran slower: the direction was measured against it),
     nor where the central prediction is over too."""
-    policy = SearchPolicy(space=_space(), advisor=_Models(slope=0.6))
+    policy = SearchPolicy(space=_space(), models=_Models(slope=0.6))
     best = _record(3, _cfg(8, 4, 0.55), peak=14.8, ms=182.0)
     p = policy.raise_budget(_history(best))
     assert p is not None and p.phase == "raise-budget" and p.config is not None
@@ -376,7 +376,7 @@ def test_the_measured_step_follows_the_change_the_splits_own_budgets_measured() 
     the model's change of one step (0.48 GiB at 1.2 GiB per sample per unit of budget) would put 0.65 over,
     the split's own measured change (none) does not: the next step is 0.65, from the highest budget measured.
     Where the measured budgets rose 0.3 GiB a step, 0.65 would not fit (15.1 + 0.3 > 15.2)."""
-    policy = SearchPolicy(space=_space(), advisor=_Models(slope=1.2))
+    policy = SearchPolicy(space=_space(), models=_Models(slope=1.2))
     low = _record(3, _cfg(8, 4, 0.55), peak=14.8, ms=182.0)
     flat = _record(4, _cfg(8, 4, 0.6), peak=14.8, ms=185.0)
     p = policy.raise_budget(_history(low, flat))
@@ -398,7 +398,7 @@ def test_grow_probe_measures_a_larger_micro_batch_at_a_low_budget_where_fewer_mi
     from autobalance.tuner.search._constants import LOW_BUDGET
 
     models = _Models(budgets={})
-    policy = SearchPolicy(space=_space(), advisor=models)
+    policy = SearchPolicy(space=_space(), models=models)
     four = _record(2, _cfg(4, 8, 1.0), peak=10.8, ms=158.0)
     eight = _record(3, _cfg(8, 4, 1.0), peak=14.7, ms=129.0)
     whole = _record(4, _cfg(8, 4, 1.0, scope="whole"), peak=14.4, ms=146.0)
@@ -428,7 +428,7 @@ def test_raise_budget_never_counts_less_change_than_the_splits_own_budgets_measu
     (the second family's 16 x 2 at 0.3, 48.6 GiB) lifted it at every budget above, so it predicted no change
     from 0.75 to 1.0 and ``raise-budget`` proposed 1.0, 0.95, 0.9 - each over the usable memory. The split's
     own budgets measured 5 GiB per unit (0.25 a step): counted twice no jump fits; one measured step does."""
-    policy = SearchPolicy(space=_space(), advisor=_Models(slope=0.0))  # the model: no change at all
+    policy = SearchPolicy(space=_space(), models=_Models(slope=0.0))  # the model: no change at all
     low = _record(3, _cfg(8, 4, 0.55), peak=14.55, ms=186.0)
     best = _record(4, _cfg(8, 4, 0.6), peak=14.8, ms=182.0)
     p = policy.raise_budget(_history(low, best))

@@ -22,7 +22,7 @@ def test_no_class_of_the_search_is_over_300_lines_and_the_advisor_is_under_150()
     lengths = class_lengths(SEARCH)
     assert lengths, "no class found: the search moved?"
     assert {k: v for k, v in lengths.items() if v > 300} == {}
-    assert lengths["_advisor.py:ModelAdvisor"] < 150
+    assert lengths["_policy.py:ModelAdvisor"] < 150
 
 
 def test_the_measure_sees_a_long_class(tmp_path: Path) -> None:

@@ -14,9 +14,9 @@ from autobalance import UsageError
 from autobalance.launcher import TrialOutcome
 from autobalance.protocol import Status, StudyAttr, TrialAttr
 from autobalance.tuner import TuneSettings, load_toml
-from autobalance.tuner._budget import describe_budget, time_lines, time_spent, trial_time_split
 from autobalance.tuner._reporter import time_left_text
 from autobalance.tuner._settings import parse_duration
+from autobalance.tuner._time_spent import describe_budget, time_lines, time_spent, trial_time_split
 from tests.tune_helpers import GPT, cli, load, tune_args
 
 

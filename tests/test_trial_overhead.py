@@ -13,8 +13,8 @@ import pytest
 
 from autobalance.launcher import TrialOutcome
 from autobalance.tuner import Tuner, TuneSettings
-from autobalance.tuner._budget import per_trial_overhead_s
 from autobalance.tuner._launching import AUTO_MEASURE_FACTOR, AUTO_MEASURE_MAX_S, TrialLauncher
+from autobalance.tuner._time_spent import per_trial_overhead_s
 from tests.test_first_trials import baseline
 from tests.test_trial_loop import _outcome
 from tests.tune_helpers import GPT

@@ -161,8 +161,8 @@ def test_a_trial_starts_only_when_the_reserve_still_holds_after_it(tmp_path: Pat
     import types
 
     import autobalance.tuner._loop as loop_module
-    from autobalance.tuner._budget import TimeBudget
     from autobalance.tuner._loop import TrialLoop
+    from autobalance.tuner.search import TimeBudget
 
     study = _study(H200C, tmp_path)
     now = 1000.0

@@ -34,9 +34,9 @@ from autobalance._errors import UsageError
 from autobalance.launcher import TrialLaunch, TrialOutcome, WarmPool, cold_reason, run_trial
 from autobalance.protocol import TrialAttr, best_trial
 from autobalance.store import heartbeat_interval_s, trial_id
-from autobalance.tuner._budget import TrialOverhead
 from autobalance.tuner._reporter import Reporter, TrialCoordinator
 from autobalance.tuner._settings import TuneSettings
+from autobalance.tuner._time_spent import TrialOverhead
 from autobalance.tuner.search import (
     AUTO_MEASURE_FACTOR,
     AUTO_MEASURE_MAX_S,

@@ -32,7 +32,6 @@ from autobalance.protocol import (
     would_be_best,
 )
 from autobalance.store import heartbeat_interval_s, study_id, trial_id
-from autobalance.tuner._budget import TimeBudget, describe_budget
 from autobalance.tuner._launching import Slot, Stopped, TrialLauncher, best_step_s
 from autobalance.tuner._recording import Recorder, feasible
 from autobalance.tuner._remeasure import (
@@ -40,6 +39,7 @@ from autobalance.tuner._remeasure import (
     leader_candidates,
     leader_run_s,
     leaders_line,
+    least_plan,
     merge_outcomes,
     plan_leaders,
     remeasure_leaders,
@@ -48,10 +48,12 @@ from autobalance.tuner._remeasure import (
 from autobalance.tuner._reporter import Advisor, Reporter
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._study import RunningClaim, counted_trials, fail_stale_trials
+from autobalance.tuner._time_spent import describe_budget
 from autobalance.tuner.search import (
     MAX_CRASHES_IN_A_ROW,
     Decision,
     SearchSpace,
+    TimeBudget,
     TrialFigures,
     proposal_line,
 )
@@ -75,7 +77,8 @@ class TrialLoop:
         """``--time-budget``: the tuner's (started when its run started); the loop stops asking once it is spent."""
         if budget is not None:  # verification's runs are reserved only when the study's best is verified
             budget.verify = settings.verify and settings.nnodes <= 1
-            budget.leaders = self.remeasure_on() and settings.nnodes <= 1  # and the leaders' re-measure
+            if self.remeasure_on() and settings.nnodes <= 1:  # and the leaders' re-measure
+                budget.leaders = least_plan
         self.lock = threading.RLock()
         self.stop = launcher.stop
         """Set when a slot failed or the tuner was interrupted: every slot stops (its running trial is killed)."""

@@ -23,11 +23,11 @@ from autobalance.protocol import (
     TrialAttr,
 )
 from autobalance.store import mask_url, storage_of, trial_id
-from autobalance.tuner._budget import trial_time_split
 from autobalance.tuner._reporter import trial_outcome, write_notes
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._study import counts, measured_configs
 from autobalance.tuner._summary import measurement_attrs
+from autobalance.tuner._time_spent import trial_time_split
 from autobalance.tuner.search import (
     TrialFigures,
     compile_env,

@@ -37,8 +37,8 @@ from rich.text import Text
 
 from autobalance._config import BalanceConfig, describe_config
 from autobalance.protocol import Status, TrialAttr, memory_text, over_limit, trial_ranks
-from autobalance.tuner._budget import describe_budget
 from autobalance.tuner._settings import TuneSettings
+from autobalance.tuner._time_spent import describe_budget
 from autobalance.tuner.search import REASON_CHARS
 
 if TYPE_CHECKING:

@@ -43,9 +43,9 @@ from autobalance.protocol import (
     memory_text,
     time_in_steps_s,
 )
-from autobalance.tuner._budget import TIME_PARTS, per_trial_overhead_s, time_lines, time_spent
 from autobalance.tuner._remeasure import STEP_TIMES_MS, rank_steps
 from autobalance.tuner._reporter import Advisor
+from autobalance.tuner._time_spent import TIME_PARTS, per_trial_overhead_s, time_lines, time_spent
 from autobalance.tuner.search import (
     SearchSpace,
     compile_notes,

@@ -13,7 +13,6 @@ from autobalance.launcher import WarmPool
 from autobalance.protocol import StudyAttr, best_trial, exchange_rate_text
 from autobalance.store import mask_url, open_storage
 from autobalance.tuner._baseline import baseline_done, baseline_once
-from autobalance.tuner._budget import TimeBudget
 from autobalance.tuner._launching import TrialLauncher
 from autobalance.tuner._loop import MAX_CRASHES_IN_A_ROW, TrialLoop
 from autobalance.tuner._recording import Recorder
@@ -21,7 +20,7 @@ from autobalance.tuner._reporter import Advisor, NullReporter, Reporter
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._study import check_space, counted_trials, open_study
 from autobalance.tuner._summary import TuneResult, summarise
-from autobalance.tuner.search import SearchSpace
+from autobalance.tuner.search import SearchSpace, TimeBudget
 
 __all__ = ["MAX_CRASHES_IN_A_ROW", "Tuner"]
 

@@ -157,7 +157,7 @@ LOW_BUDGET = 0.3
 scope: memory is not monotone in low budgets (pytorch/pytorch#197838; on the H200 whole-model 8 x 4
 with the loss outside peaked at 15.5 GiB at budget 0.75 and 16.9 GiB at 0.5)."""
 
-# ---------------------------------------------------------------------- pacing and vetoes (``_advisor``)
+# ---------------------------------------------------------------------- pacing and vetoes (``_policy``' advisor)
 MAX_PREDICTED_IN_A_ROW = 25
 """After this many trials in a row settled as ``predicted_oom`` without launching, the next is
 launched whatever the models say (a model wrong in the safe direction cannot stall the study)."""
@@ -173,7 +173,7 @@ EAGER_FIRST = 3
 measured (or its eager memory model is fully determined): eager trials take seconds and give the
 compiled model its fixed part and activation unit; a compile takes tens of seconds."""
 
-# ---------------------------------------------------------------------- proposals (``_candidates``, ``_models``)
+# ---------------------------------------------------------------------- proposals (``_models``' candidates)
 CACHE_TIE = 0.02
 """Relative difference of predicted objective (or of a rank's predicted time) treated as a tie,
 which the configuration needing fewer new compiled graphs wins."""

@@ -5,7 +5,7 @@ the trials' attributes; other workers' running trials included, so parallel tune
 what another is measuring) and walks its phases in order: the first that applies proposes the next
 trial as a :class:`Proposal` (configuration, phase, reason, prediction); a proposal the time budget
 cannot hold (its compile priced per scope, verification's reserve after it) gives way to the next
-phase's. The advisor enqueues it, so
+phase's. :class:`ModelAdvisor` (at the end of this module, the glue to Optuna) enqueues it, so
 the study stays a plain Optuna study (dashboard, resume, several workers); when no phase proposes,
 the trial is the sampler's. Every trial line and the dashboard show the phase and its prediction.
 
@@ -33,7 +33,7 @@ import itertools
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -56,6 +56,7 @@ from autobalance.tuner.search._constants import (
     GROW_MIN_BUDGET,
     KEEP_AT_FULL_BUDGET,
     LOW_BUDGET,
+    MAX_PREDICTED_IN_A_ROW,
     RAISE_CHANGE_MARGIN,
     SAME_WITHIN,
     SAMPLER_EVERY,
@@ -63,7 +64,17 @@ from autobalance.tuner.search._constants import (
     TRANSFER_WITHIN,
     WORTH,
 )
-from autobalance.tuner.search._models import graph_probe, proposals_stalled
+from autobalance.tuner.search._dominance import dominance_veto, dominating_over_cap, model_veto
+from autobalance.tuner.search._model_errors import ModelErrors
+from autobalance.tuner.search._models import (
+    Decision,
+    SearchModels,
+    compiled_holdout_error,
+    eager_holdout_error,
+    graph_probe,
+    proposals_stalled,
+    saves_errors,
+)
 from autobalance.tuner.search._sharding import sharding_proposal
 from autobalance.tuner.search._space import (
     BUDGET_RANGE,
@@ -73,13 +84,13 @@ from autobalance.tuner.search._space import (
 )
 
 if TYPE_CHECKING:
-    from autobalance.tuner.search._candidates import Candidate
-    from autobalance.tuner.search._memory_model import MemoryModel
-    from autobalance.tuner.search._models import Decision
+    from autobalance.tuner._settings import TuneSettings
+    from autobalance.tuner.search._objective import TrialFigures
     from autobalance.tuner.search._timing import StepTimeModel
 
-__all__ = ["BUDGET_CEILING", "FIT_MARGIN", "GROW_MIN_BUDGET", "HALF_DTYPES", "KEEP_AT_FULL_BUDGET", "LOW_BUDGET", "PHASES", "SCOPE_TRANSFERS", "Proposal", "Record",
-           "SearchPolicy", "TrialHistory", "first_compiled_micro_batch", "one_size", "proposal_line"]
+__all__ = ["BUDGET_CEILING", "FIT_MARGIN", "GROW_MIN_BUDGET", "HALF_DTYPES", "KEEP_AT_FULL_BUDGET", "LOW_BUDGET",
+           "PHASES", "SCOPE_TRANSFERS", "ModelAdvisor", "Proposal", "Record", "SearchPolicy", "TrialHistory",
+           "first_compiled_micro_batch", "one_size", "proposal_line"]
 
 GIB = 2**30
 HALF_DTYPES = ("bf16", "fp16")
@@ -377,54 +388,23 @@ def first_compiled_micro_batch(*, held_gib: float, act_gib: float, usable_gib: f
     return max(fits) if fits else None
 
 
-class Models(Protocol):
-    """What the phases ask of the models and the study's context (``_models.SearchModels`` provides it, over the
-    decision in progress: ``Decision``)."""
-
-    space: SearchSpace
-    settings: Any
-    model: MemoryModel | None
-    """The memory model of the decision (None: not fitted)."""
-    asks: int
-    """The asks so far (``explore`` paces the sampler by it)."""
-    proposed: set[str]
-    """The configurations proposed so far (JSON)."""
-    dtype_note: str
-    """Why the last proposals were held to some dtypes (``""``: none held back)."""
-
-    @property
-    def study(self) -> optuna.Study: ...
-    def decision_for(self, study: optuna.Study) -> Decision: ...
-    def usable(self, study: optuna.Study) -> list[float] | None: ...
-    def scored_candidates(self, study: optuna.Study) -> list[Candidate]: ...
-    def allowed_dtypes(self, study: optuna.Study, timing: StepTimeModel | None = None) -> list[str]: ...
-    def allowed_dtypes_now(self) -> list[str]: ...
-    def eager_estimate(self) -> tuple[None, float, float] | None: ...
-    def largest_budgets(self, config: BalanceConfig) -> list[float] | None: ...
-    def compiled_peaks(self, config: BalanceConfig) -> list[float] | None: ...
-    def time_holds_compile(self, scope: str | None = None) -> bool: ...
-    def unaffordable(self, config: BalanceConfig) -> str | None: ...
-    def peak_change(self, config: BalanceConfig, budget: float) -> list[float] | None: ...
-    def predicted_ms(self, config: BalanceConfig) -> float | None: ...
-
-
 Phase = Callable[["SearchPolicy", TrialHistory], "Proposal | None"]
 
 
 class SearchPolicy:
-    """The ordered phases (module doc); the advisor supplies the models and the study's context."""
+    """The ordered phases (module doc) over the models of the decision in progress (``_models.SearchModels``)."""
 
-    def __init__(self, *, space: SearchSpace, advisor: Models) -> None:
+    def __init__(self, *, space: SearchSpace, models: SearchModels) -> None:
         self.space = space
-        self.advisor = advisor
+        self.models = models
 
     @property
     def on_gpu_compiling(self) -> bool:
-        return self.advisor.settings.device == "cuda" and self.space.compile_searched
+        return self.models.settings.device == "cuda" and self.space.compile_searched
 
     def half_dtypes(self) -> list[str]:
         """The half dtypes the first trials may use (``_models.proposable_dtypes``' order, bf16 first)."""
-        allowed = self.advisor.allowed_dtypes_now()
+        allowed = self.models.allowed_dtypes_now()
         return [d for d in allowed if d in HALF_DTYPES]
 
     def next(self, history: TrialHistory) -> Proposal | None:
@@ -437,10 +417,10 @@ class SearchPolicy:
             if proposal is None:
                 continue
             if proposal.config is not None and (proposal.config.to_json() in tried
-                                                 or self.advisor.unaffordable(proposal.config) is not None):
+                                                 or self.models.unaffordable(proposal.config) is not None):
                 continue
             if proposal.config is not None and proposal.predicted_ms is None:  # every line says its time too
-                proposal = dataclasses.replace(proposal, predicted_ms=self.advisor.predicted_ms(proposal.config))
+                proposal = dataclasses.replace(proposal, predicted_ms=self.models.predicted_ms(proposal.config))
             return proposal
         return None
 
@@ -470,7 +450,7 @@ class SearchPolicy:
     def compiled_start(self, history: TrialHistory) -> Proposal | None:
         if not self.on_gpu_compiling or history.compiled_tried():
             return None
-        probe = history.eager_probe() or self.advisor.eager_estimate()
+        probe = history.eager_probe() or self.models.eager_estimate()
         dtypes = self.half_dtypes()
         if probe is None or not dtypes or not history.usable_gib:
             return None
@@ -511,7 +491,7 @@ class SearchPolicy:
                 continue
             if not two_sizes and not one_size(template):  # two sizes compile dynamic: slow unless measured not
                 continue
-            fits = self.advisor.largest_budgets(template)
+            fits = self.models.largest_budgets(template)
             if fits is not None and min(fits) >= GROW_MIN_BUDGET:
                 options.append((acc, template, fits))
         if not options:
@@ -524,7 +504,7 @@ class SearchPolicy:
         grown = BalanceConfig.from_dict({**template.to_dict(), "activation_budget": fits,
                                          "bucket_cap_mb": cfg.bucket_cap_mb,
                                          "gradient_as_bucket_view": cfg.gradient_as_bucket_view})
-        return Proposal(config=grown, phase="compiled-grow", predicted_peak_gib=self.advisor.compiled_peaks(grown),
+        return Proposal(config=grown, phase="compiled-grow", predicted_peak_gib=self.models.compiled_peaks(grown),
                         reason=(
             f"fewer micro-steps in {cfg.compile_scope} {cfg.dtype} ({cfg.accumulation} -> {acc}, "
             f"from trial {base.number}) at the largest budget predicted to fit ({min(fits):g} >= {GROW_MIN_BUDGET:g}): "
@@ -545,7 +525,7 @@ class SearchPolicy:
         slope = history.ladder_slope(cfg)  # GiB per unit of budget the split's own budgets measured (None: < 2)
         nb = round(b + BUDGET_STEP, 3)
         while nb < ceiling:
-            change = self.advisor.peak_change(cfg, nb)
+            change = self.models.peak_change(cfg, nb)
             if change is None:
                 break
             # never less than the split's own measurements show: the model's curve is shared by every split
@@ -563,7 +543,7 @@ class SearchPolicy:
                 + (" (no less than the split's own measured budgets showed)" if slope is not None else "")
                 + f" counted {1.0 + RAISE_CHANGE_MARGIN:g}x stays below {memory_text(history.usable_gib[0])} usable; "
                 "less recomputed"))
-        return _budget_step(self.advisor, history, base, limit=limit, ceiling=ceiling)
+        return _budget_step(self.models, history, base, limit=limit, ceiling=ceiling)
 
     def scope_probe(self, history: TrialHistory) -> Proposal | None:
         if len(self.space.compile_scopes) < 2:
@@ -592,11 +572,11 @@ class SearchPolicy:
                 other = BalanceConfig.from_dict({**cfg.to_dict(), "compile_scope": scope})
                 if not self.space.contains(other) or (config_compile_key(other), json.dumps(other.micro_batches)) in ran:
                     continue
-                if not self.advisor.time_holds_compile(scope):
+                if not self.models.time_holds_compile(scope):
                     return None
                 new_scope = scope not in measured
                 return Proposal(config=other, phase="scope-probe", predicted_peak_gib=None if new_scope else
-                                self.advisor.compiled_peaks(other), reason=(
+                                self.models.compiled_peaks(other), reason=(
                     f"trial {source.number} compiled {scope} instead of {cfg.compile_scope}: "
                     + ("one compile measures whether that scope wins for this script" if new_scope else
                        "one of the fastest configurations measured in the other scope, as it fitted there (the "
@@ -637,7 +617,7 @@ class SearchPolicy:
                     continue
                 if (config_compile_key(template), json.dumps(template.micro_batches)) in ran:
                     break  # that split was tried: growing from it is ``compiled-grow``'s and ``raise-budget``'s
-                fits = self.advisor.largest_budgets(template)
+                fits = self.models.largest_budgets(template)
                 if fits is not None and min(fits) >= GROW_MIN_BUDGET:
                     break  # ``compiled-grow`` proposes it
                 bound = _micro_step_trend(base, slower, acc)  # budget 1.0: nothing recomputed
@@ -658,7 +638,7 @@ class SearchPolicy:
                          if fits is not None and min(fits) >= LOW_BUDGET else
                          f"{LOW_BUDGET:g}, the least memory proposed unmeasured (the compiled model places it at no "
                          "budget from a curve it never measured that low)")
-                return Proposal(config=grown, phase="grow-probe", predicted_peak_gib=self.advisor.compiled_peaks(grown),
+                return Proposal(config=grown, phase="grow-probe", predicted_peak_gib=self.models.compiled_peaks(grown),
                                 extra={"proposal_extrapolated": True}, reason=(
                     f"a measured step: fewer micro-steps in {cfg.compile_scope} {cfg.dtype} ({cfg.accumulation} -> {acc}, "
                     f"from trial {base.number}, {float(base.step_ms):.0f} ms; trial {slower.number} with "
@@ -682,22 +662,22 @@ class SearchPolicy:
             return None
         cfg = base.config
         measured_at = list(cfg.activation_budget or [1.0] * cfg.world_size)
-        fits = self.advisor.largest_budgets(cfg) or measured_at
+        fits = self.models.largest_budgets(cfg) or measured_at
         budgets = [max(f, b) for f, b in zip(fits, measured_at, strict=True)]
         source = BalanceConfig.from_dict({**cfg.to_dict(), "activation_budget": budgets})
         other = BalanceConfig.from_dict({**source.to_dict(), "compile_scope": scope})
         if not self.space.contains(other) or (config_compile_key(other), json.dumps(other.micro_batches)) in ran:
             return None
-        if not self.advisor.time_holds_compile(scope):
+        if not self.models.time_holds_compile(scope):
             return None
-        peaks = self.advisor.compiled_peaks(source)
+        peaks = self.models.compiled_peaks(source)
         return Proposal(config=other, phase="scope-probe", predicted_peak_gib=peaks, reason=(
             f"the first {scope} trial: the best split measured in {cfg.compile_scope} (trial {base.number}, "
             f"{cfg.accumulation} micro-steps) at the largest budget predicted to fit there ({min(budgets):g}): "
             "one compile measures whether that scope wins for this script"))
 
 # ---------------------------------------------------------------------- the policy's helpers
-def _budget_step(advisor: Models, history: TrialHistory, base: Record, *, limit: float,
+def _budget_step(models: SearchModels, history: TrialHistory, base: Record, *, limit: float,
                  ceiling: float) -> Proposal | None:
     """``raise-budget``'s measured step, where the change counted 1 + :data:`RAISE_CHANGE_MARGIN` times
     leaves no room: one step of the budget grid above the highest budget measured to fit at the best
@@ -727,7 +707,7 @@ def _budget_step(advisor: Models, history: TrialHistory, base: Record, *, limit:
         source = (f"the largest change per step its {len(ladder)} measured budgets at this split showed "
                   f"({step:+.2f} GiB)")
     else:
-        change = advisor.peak_change(BalanceConfig.from_dict({**cfg.to_dict(), "activation_budget": [top_b]}), nb)
+        change = models.peak_change(BalanceConfig.from_dict({**cfg.to_dict(), "activation_budget": [top_b]}), nb)
         if change is None:
             return None
         step = max(change[0], 0.0)
@@ -763,7 +743,7 @@ def _even_config(space: SearchSpace, acc: int, *, dtype: str, compile: str,
 
 
 # ---------------------------------------------------------------------- the phases over the models' proposals
-def _eager_first(models: Models, study: optuna.Study, dtype: str) -> bool:
+def _eager_first(models: SearchModels, study: optuna.Study, dtype: str) -> bool:
     """Whether ``dtype``'s compiled proposals wait for more eager trials (:data:`EAGER_FIRST`)."""
     if "off" not in models.space.compile_modes or models.model is None or models.model.is_fitted_for(dtype):
         return False
@@ -778,7 +758,7 @@ def explore_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | Non
     """The sampler's trial every ``SAMPLER_EVERY``-th ask: on CPU always (it explores what the
     models do not: bucket sizes, dtypes they cannot predict yet), on a GPU only once the models'
     proposals stopped improving (``_models.proposals_stalled``)."""
-    models = policy.advisor
+    models = policy.models
     study = models.study
     if models.asks % SAMPLER_EVERY == 0 and (
             models.settings.device != "cuda"
@@ -795,7 +775,7 @@ def model_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
     micro-batch and scope; a compile scope only once a trial of it was measured (the scope probe
     brings in another: no borrowing across scopes); an eager candidate first while the compiled model has too few eager
     trials of its dtype (``EAGER_FIRST``)."""
-    models = policy.advisor
+    models = policy.models
     study = models.study
     candidates = models.scored_candidates(study)
     if not candidates:
@@ -877,7 +857,7 @@ def _low_budget_ok(history: TrialHistory, config: BalanceConfig) -> bool:
 def fallbacks_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
     """When no phase proposes: the least memory the priors know while nothing fits (on a GPU), else
     the sampler."""
-    models = policy.advisor
+    models = policy.models
     study = models.study
     shard = _sharding_proposal(models, study, history)
     if shard is not None:
@@ -891,7 +871,7 @@ def fallbacks_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | N
     return sampler_proposal(models, "the sampler's trial: the models propose nothing new worth a trial")
 
 
-def _sharding_proposal(models: Models, study: optuna.Study, history: TrialHistory) -> Proposal | None:
+def _sharding_proposal(models: SearchModels, study: optuna.Study, history: TrialHistory) -> Proposal | None:
     """Parameter sharding where a rank's fixed part is large and nothing fits (``_sharding``)."""
     if len(models.space.param_shardings) <= 1:  # not searched
         return None
@@ -905,7 +885,7 @@ def _sharding_proposal(models: Models, study: optuna.Study, history: TrialHistor
     return Proposal(config=config, phase="shard", reason=reason)
 
 
-def _graph_probe(models: Models, study: optuna.Study) -> Proposal | None:
+def _graph_probe(models: SearchModels, study: optuna.Study) -> Proposal | None:
     """The CUDA-graph probe (:func:`graph_probe`) when there is one and the time budget holds a
     compile. Asked once the models promise nothing better than the best trial, and only when that
     is a default-mode compiled one: the probe measures graphs where the default mode's optimum is."""
@@ -934,7 +914,7 @@ def _graph_probe(models: Models, study: optuna.Study) -> Proposal | None:
         "measures whether they pay for this script"))
 
 
-def _probe(models: Models, study: optuna.Study) -> BalanceConfig | None:
+def _probe(models: SearchModels, study: optuna.Study) -> BalanceConfig | None:
     """With nothing measured that fits (the script's own configuration ran out of memory): the
     least-memory configurations of the first allowed dtype, which the priors expect to fit - every
     block checkpointed (compiled only: the smallest budget), at the baseline's accumulation, then
@@ -966,13 +946,13 @@ def _probe(models: Models, study: optuna.Study) -> BalanceConfig | None:
     return None
 
 
-def _no_time_to_compile(models: Models, study: optuna.Study, scope: str | None = None) -> bool:
+def _no_time_to_compile(models: SearchModels, study: optuna.Study, scope: str | None = None) -> bool:
     """Whether the time budget leaves less than the study's median compile (``TimeBudget.holds_compile``);
     ``scope``: a compile of that scope (``compile_times``)."""
     return models.space.compile_searched and not models.decision_for(study).holds_compile(scope)
 
 
-def sampler_proposal(models: Models, why: str) -> Proposal:
+def sampler_proposal(models: SearchModels, why: str) -> Proposal:
     """The sampler's trial. While some dtype is held back, its dtype is fixed to the best trial's
     (when allowed) or the first allowed one; when the time budget holds no compile, it runs eager
     (the sampler picks the rest)."""
@@ -992,7 +972,7 @@ def sampler_proposal(models: Models, why: str) -> Proposal:
     return Proposal(config=None, phase="sampler", reason="; ".join(notes), fixed=fixed)
 
 
-def _timing(models: Models, study: optuna.Study) -> StepTimeModel | None:
+def _timing(models: SearchModels, study: optuna.Study) -> StepTimeModel | None:
     """The step-time model on the study's trials (None: nothing measured yet)."""
     timing = models.decision_for(study).step_time
     return timing if timing.k else None
@@ -1000,7 +980,7 @@ def _timing(models: Models, study: optuna.Study) -> StepTimeModel | None:
 
 def cuda_graphs_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
     """The CUDA-graph probe (:func:`_graph_probe`)."""
-    return _graph_probe(policy.advisor, policy.advisor.study)
+    return _graph_probe(policy.models, policy.models.study)
 
 
 PHASES: list[Phase] = [SearchPolicy.probe, SearchPolicy.compiled_start, explore_phase, SearchPolicy.compiled_grow,
@@ -1008,3 +988,97 @@ PHASES: list[Phase] = [SearchPolicy.probe, SearchPolicy.compiled_start, explore_
                        model_phase,
                        fallbacks_phase]
 """The phases in the order they are asked (module doc)."""
+
+# ---------------------------------------------------------------------- the glue to Optuna
+# The ``model`` strategy's glue: before each ask the policy's proposal is enqueued (an ordinary trial,
+# so the study stays a plain Optuna study: dashboard, samplers, resume); the trial asked is vetoed when
+# it cannot fit (recorded as ``predicted_oom``, not launched: ``_dominance``); after each trial the
+# models learn from it (``_models``).
+
+
+class ModelAdvisor:
+    """Enqueues the policy's proposals, vetoes predicted OOMs, and lets the models learn from each trial."""
+
+    def __init__(self, *, space: SearchSpace, settings: TuneSettings) -> None:
+        self.space = space
+        self.settings = settings
+        self.models = SearchModels(space=space, settings=settings)
+        """The models of the decision in progress (``_models``)."""
+        self.policy = SearchPolicy(space=space, models=self.models)
+        """Where the next trial is chosen (``_policy``)."""
+        self._predicted_in_a_row = 0
+
+    @property
+    def errors(self) -> ModelErrors:
+        """The fits the search fell back from (saved in the study after each call that fits)."""
+        return self.models.errors
+
+    @saves_errors
+    def before_ask(self, study: optuna.Study, decision: Decision | None = None) -> None:
+        """Enqueue the search policy's next proposal when nothing is waiting (``_policy``: the one
+        place the next trial is chosen); no proposal: the sampler's trial. ``decision``: the loop's
+        (the study read once, each model fitted once); None: one of its own."""
+        if decision is None:
+            decision = Decision(study, num_layers=self.space.num_layers, device=self.settings.device)
+        decision.errors = self.errors
+        self.models.decision = decision  # the veto of the trial asked reads it too
+        if study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+            return
+        self.models.asks += 1
+        view = decision.study
+        history = TrialHistory.from_trials(
+            view.get_trials(deepcopy=False), space=self.space, usable=self.models.usable(view),
+            device=self.settings.device, model_facts=view.user_attrs.get(StudyAttr.MODEL))
+        proposal = self.policy.next(history)
+        if proposal is None:
+            return
+        if proposal.config is None:  # the sampler's trial, some parameters pinned
+            if proposal.fixed:
+                study.enqueue_trial(proposal.fixed, user_attrs=proposal.user_attrs())
+            return
+        self.models.proposed.add(proposal.config.to_json())
+        study.enqueue_trial(self.space.params_from_config(proposal.config), user_attrs=proposal.user_attrs())
+
+    @saves_errors
+    def holdout_error(self, study: optuna.Study) -> float | None:
+        return eager_holdout_error(study, space=self.space, errors=self.errors)
+
+    @saves_errors
+    def compiled_holdout_error(self, study: optuna.Study) -> tuple[float, int] | None:
+        return compiled_holdout_error(study, space=self.space, errors=self.errors)
+
+    # ------------------------------------------------------------------ vetoes
+    @saves_errors
+    def predict_infeasible(self, study: optuna.Study, config: BalanceConfig) -> tuple[TrialFigures, dict[str, Any]] | None:
+        """Figures for a config that will not fit (a measured trial it dominates did not, or the
+        models are confident: ``_dominance``); None to launch it. After :data:`MAX_PREDICTED_IN_A_ROW`
+        vetoes in a row the next configuration is launched whatever the models say."""
+        usable = self.models.usable(study)
+        if usable is None or self._predicted_in_a_row >= MAX_PREDICTED_IN_A_ROW:
+            return None
+        headroom = self.settings.headroom
+        dominated = dominating_over_cap(study.get_trials(deepcopy=False), config)
+        if dominated is not None:
+            verdict: tuple[TrialFigures, dict[str, Any]] | bool | None = dominance_veto(
+                config, *dominated, usable=usable, headroom=headroom)
+        else:
+            model = self.models.refit(study)
+            if model is None:
+                return None
+            compiled = None
+            if config.compile != "off":  # compiled memory follows the budget: the compiled model's measured bounds
+                compiled = self.models.compiled if self.models.compiled is not None else self.models.compiled_for(study, model)
+            verdict = model_veto(model, compiled, config, usable=usable, headroom=headroom,
+                                 num_layers=self.space.num_layers)
+        if verdict is None:  # the models cannot say
+            return None
+        if verdict is True:  # predicted to fit
+            self._predicted_in_a_row = 0
+            return None
+        assert verdict is not False
+        self._predicted_in_a_row += 1
+        return verdict
+
+    def after_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        """The models learn from ``trial`` (``SearchModels.learn``)."""
+        self.models.learn(study, trial)

@@ -19,7 +19,7 @@ rank, the median of that model's unsharded prediction minus the measured peak ov
 trials, in place of the formula (one trial identifies it: one figure per rank). Sharded trials then
 join the fit as the unsharded peaks they imply (their peaks plus the saving:
 ``_models.observations_from_trials``), and the eager proposals include sharded splits, their peaks
-the model's less the saving (``_candidates``).
+the model's less the saving (``_models``' candidates).
 """
 
 from __future__ import annotations

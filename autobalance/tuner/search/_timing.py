@@ -7,6 +7,8 @@
 - a trial's time: the next trial (:func:`next_trial_s`, :func:`trial_s`) and the per-trial overhead
   ``--measure-s auto`` sizes a launch by (:func:`per_trial_overhead_s`);
 - verification's price (:func:`forecast_verification`), which the time budget reserves;
+- the time budget (:class:`TimeBudget`, ``--time-budget``): whether the time left holds a proposal with
+  verification's reserve after it, the one place a stop for time is decided;
 - compile in the study: the per-study Inductor cache (:func:`cache_dir`, :func:`compile_env`) and the
   summary's compile lines (:func:`compile_notes`).
 
@@ -79,7 +81,7 @@ import dataclasses
 import json
 import os
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -87,7 +89,14 @@ import numpy as np
 from optuna.trial import FrozenTrial, TrialState
 
 from autobalance._config import BalanceConfig
-from autobalance.protocol import MEASURED_STATUSES, Status, TrialAttr, time_in_steps_s
+from autobalance.protocol import (
+    MEASURED_STATUSES,
+    Status,
+    StudyAttr,
+    TrialAttr,
+    best_trial,
+    time_in_steps_s,
+)
 from autobalance.tuner.search._constants import (
     BETA_GRID,
     CACHE_HIT_PRIOR_S,
@@ -115,6 +124,7 @@ from autobalance.verify import run_key
 
 if TYPE_CHECKING:
     from autobalance.tuner._settings import TuneSettings
+    from autobalance.tuner.search._models import Decision
 
 __all__ = [
     "COMPARE_S_PER_GB",
@@ -133,10 +143,12 @@ __all__ = [
     "Graph",
     "RunPrices",
     "StepTimeModel",
+    "TimeBudget",
     "VerifyForecast",
     "cache_dir", "compile_env", "compile_notes", "compile_times",
     "compiled_graphs",
     "forecast_verification",
+    "from_cache_s",
     "graph_keys",
     "has_dropout",
     "next_trial_s",
@@ -873,7 +885,7 @@ def next_trial_s(trials: Sequence[FrozenTrial]) -> float:
     return statistics.median(_part(t, "startup", "steps", "remeasure", "other") for t in ran) if ran else 0.0
 
 
-def _from_cache_s(trials: Sequence[FrozenTrial], cfg: BalanceConfig, *, cold: float) -> float:
+def from_cache_s(trials: Sequence[FrozenTrial], cfg: BalanceConfig, *, cold: float) -> float:
     """A compile of ``cfg``'s graphs from the study's Inductor cache: the study's median cache hit,
     else :data:`FROM_CACHE_SHARE` of what trials compiling the same graphs took cold."""
     hits, same = [], []
@@ -931,7 +943,7 @@ def forecast_verification(trials: Sequence[FrozenTrial], *, baseline: BalanceCon
         fresh_next = 0.0
         if cfg.compile != "off":
             _, cold = compile_times(trials, device=device, scope=cfg.compile_scope)
-            seconds += _from_cache_s(trials, cfg, cold=cold) if graph_keys(cfg.to_dict()) <= graphs else cold
+            seconds += from_cache_s(trials, cfg, cold=cold) if graph_keys(cfg.to_dict()) <= graphs else cold
             fresh_next = prices.recycle_share
         per_run[name] = seconds
     compare_s = _comparisons(tuned, runs) * COMPARE_S_PER_GB * gb
@@ -942,11 +954,129 @@ def forecast_verification(trials: Sequence[FrozenTrial], *, baseline: BalanceCon
 def trial_s(trials: Sequence[FrozenTrial], config: BalanceConfig, *, device: str) -> float:
     """The expected wall time of launching ``config`` next: the median launched trial without its
     compiling (:func:`next_trial_s`) plus, compiled, its compile: from the study's cache when the
-    study compiled its graphs (:func:`_from_cache_s`), else the study's median cold compile in its
+    study compiled its graphs (:func:`from_cache_s`), else the study's median cold compile in its
     scope (``compile_times``: a whole-model compile is not priced as a regional one)."""
     seconds = next_trial_s(trials)
     if config.compile == "off":
         return seconds
     _, cold = compile_times(trials, device=device, scope=config.compile_scope)
     graphs = compiled_graphs([t for t in trials if t.user_attrs.get(TrialAttr.STATUS) in MEASURED_STATUSES])
-    return seconds + (_from_cache_s(trials, config, cold=cold) if graph_keys(config.to_dict()) <= graphs else cold)
+    return seconds + (from_cache_s(trials, config, cold=cold) if graph_keys(config.to_dict()) <= graphs else cold)
+
+
+@dataclass(kw_only=True)
+class TimeBudget:
+    """``--time-budget`` of one run: the run, verification included, ends by ``deadline``
+    (``time.monotonic()``): no trial starts once the time left is below the next trial's expected
+    time plus verification's predicted time (above). The one place a stop for time is
+    decided: :meth:`spent` (the loop's stop rule), :meth:`unaffordable` (a proposal, or the trial
+    asked, that the time left does not hold with verification's reserve after it) and
+    :meth:`holds_compile` (a compile the time left holds), each over one ``search.Decision``."""
+
+    budget_s: float | None
+    started: float
+    stopped: bool = False
+    """Whether the budget, not ``--trials``, ended the trial loop."""
+    reserve_s: float = 0.0
+    """What is kept free at the end of the budget for verification: its forecast times the margin
+    (``search.RESERVE_MARGIN``)."""
+    reserve_runs: int = 0
+    """Verification's predicted one-step runs."""
+    next_trial_s: float = 0.0
+    """The next trial's expected time (the median launched trial)."""
+    left_at_stop: float | None = None
+    """The time left when the budget stopped the trial loop."""
+    verify: bool = True
+    """Whether the study's best is verified after the trial loop (its runs reserved; ``tune --no-verify``
+    and several nodes: nothing reserved)."""
+    leaders: Callable[..., tuple[list[FrozenTrial], float]] | None = None
+    """The leaders' least plan when they are re-measured before saving (``tuner._remeasure.least_plan``;
+    ``--remeasure``, one node; None: they are not): kept free too (:attr:`leaders_s`)."""
+    leaders_s: float = 0.0
+    """What is kept free for re-measuring the leaders: the least plan (one more run of the best and of
+    the next trial within its measured noise, ``_remeasure.least_plan``); 0 when none is within it."""
+    compile_left_s: float | None = None
+    """Seconds left for a compile once verification's reserve and a usual trial are kept (None: no
+    budget, or nothing verified): a proposal that compiles new graphs is made only when the study's
+    median compile fits in it, and only when it is predicted to beat the best trial."""
+
+    @property
+    def deadline(self) -> float | None:
+        return None if self.budget_s is None else self.started + self.budget_s
+
+    def spent(self, now: float) -> bool:
+        """Whether no further trial may start: the time left does not hold the next trial and
+        verification, or a proposal found it so (:attr:`stopped`)."""
+        return self.deadline is not None and (self.stopped or not self.holds(now, self.next_trial_s,
+                                                                            self.reserve_s + self.leaders_s))
+
+    def holds(self, now: float, trial_s: float, reserve_s: float) -> bool:
+        """Whether a trial of ``trial_s`` started ``now`` still leaves ``reserve_s`` (verification's
+        reserve after it) before the deadline."""
+        return self.deadline is None or now + trial_s + reserve_s < self.deadline
+
+    def refresh(self, decision: Decision, now: float) -> None:
+        """What is kept free, as predicted from ``decision``'s trials (``search/_timing.py``): the next
+        trial, and the best trial's verification (:attr:`reserve_s`); nothing without a budget."""
+        if self.budget_s is None:
+            return
+        self.next_trial_s = next_trial_s(decision.trials)
+        leaders: list[FrozenTrial] = []
+        if self.leaders is not None:
+            leaders, self.leaders_s = self.leaders(decision.study, decision.trials, device=decision.device)
+        forecast = self.forecast(decision, best_trial(decision.study))
+        if forecast is None:  # nothing is verified after the study
+            return
+        for leader in leaders[1:]:  # a leader may become the best: the larger verification is kept
+            other = self.forecast(decision, leader)
+            if other is not None and other.reserve_s > forecast.reserve_s:
+                forecast = other
+        self.reserve_s, self.reserve_runs = forecast.reserve_s, len(forecast.runs)
+        if self.deadline is not None:  # no compile the budget cannot hold
+            self.compile_left_s = self.deadline - now - self.reserve_s - self.leaders_s - self.next_trial_s
+
+    def forecast(self, decision: Decision, best: FrozenTrial | None) -> VerifyForecast | None:
+        """Verification's forecast for ``best``, priced with ``decision``'s step-time models; None when
+        nothing is verified."""
+        if not self.verify:
+            return None
+        base_no = decision.study.user_attrs.get(StudyAttr.BASELINE)
+        own = next((t.user_attrs.get(TrialAttr.CONFIG) for t in decision.trials if t.number == base_no), None)
+        return forecast_verification(decision.trials, baseline=BalanceConfig.from_dict(own) if own else None,
+                                     best=best, num_layers=decision.num_layers, device=decision.device,
+                                     eager=decision.step_time, compiled=decision.compiled_time)
+
+    def unaffordable(self, decision: Decision, config: BalanceConfig) -> str | None:
+        """Why ``config`` is not launched under the time budget (None: it is): its expected time (a
+        compile included) plus verification's reserve after it - of the best so far, or of ``config``
+        should it become the best - no longer fits in the time left (``decision.clock``)."""
+        if self.deadline is None:
+            return None
+        trials = decision.trials
+        took = trial_s(trials, config, device=decision.device)
+        candidate = FrozenTrial(number=len(trials), state=TrialState.COMPLETE, value=None, values=None,
+                                datetime_start=None, datetime_complete=None, params={}, distributions={},
+                                user_attrs={TrialAttr.CONFIG: config.to_dict()}, system_attrs={},
+                                intermediate_values={}, trial_id=-1)
+        forecast = self.forecast(decision, candidate)
+        reserve = max(self.reserve_s, forecast.reserve_s if forecast is not None else 0.0) + self.leaders_s
+        now = decision.clock()
+        if self.holds(now, took, reserve):
+            return None
+        leaders = f" (re-measuring the leaders {self.leaders_s:.0f} s of it)" if self.leaders_s > 0 else ""
+        return (f"the time budget no longer holds it: {max(0.0, self.deadline - now):.0f} s left, it would take "
+                f"about {took:.0f} s and verification after it {reserve:.0f} s{leaders}; nothing was launched")
+
+    def holds_compile(self, decision: Decision, scope: str | None = None) -> bool:
+        """Whether the time left for a compile (:attr:`compile_left_s`) holds the study's median compile
+        (``scope``: of that scope, ``compile_times``); always without a limit."""
+        if self.compile_left_s is None:
+            return True
+        _, compile_s = compile_times(decision.trials, device=decision.device, scope=scope)
+        return compile_s <= self.compile_left_s
+
+    def record(self) -> dict[str, Any]:
+        """What the run's time accounting keeps about the reservation."""
+        return {"verify_reserved": round(self.reserve_s, 1), "verify_reserved_runs": self.reserve_runs,
+                "next_trial_s": round(self.next_trial_s, 1), "leaders_reserved": round(self.leaders_s, 1),
+                "left_at_stop": None if self.left_at_stop is None else round(self.left_at_stop, 1)}

@@ -14,20 +14,18 @@ The time budget keeps verification's predicted time free (:class:`TimeBudget`, `
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from optuna.trial import FrozenTrial, TrialState
+from optuna.trial import FrozenTrial
 
 from autobalance.launcher import TrialOutcome
 from autobalance.protocol import RankTiming, TrialAttr
 from autobalance.tuner.search import per_trial_overhead_s
 
 if TYPE_CHECKING:
-    from autobalance._config import BalanceConfig
-    from autobalance.tuner.search import Decision, VerifyForecast
+    pass
 
-__all__ = ["TIME_PARTS", "TimeBudget", "TrialOverhead", "describe_budget", "per_trial_overhead_s", "time_lines",
+__all__ = ["TIME_PARTS", "TrialOverhead", "describe_budget", "per_trial_overhead_s", "time_lines",
            "time_spent", "trial_time_split"]
 
 TIME_PARTS = ("compile", "startup", "steps", "remeasure", "verify")
@@ -88,137 +86,6 @@ def time_spent(trials: list[FrozenTrial], numbers: set[int]) -> dict[str, float]
         for key in total:
             total[key] += _number(split.get("other" if key == "handover" else key)) or 0.0
     return {k: round(v, 3) for k, v in total.items()}
-
-
-@dataclass(kw_only=True)
-class TimeBudget:
-    """``--time-budget`` of one run: the run, verification included, ends by ``deadline``
-    (``time.monotonic()``): no trial starts once the time left is below the next trial's expected
-    time plus verification's predicted time (``search/_timing.py``). The one place a stop for time is
-    decided: :meth:`spent` (the loop's stop rule), :meth:`unaffordable` (a proposal, or the trial
-    asked, that the time left does not hold with verification's reserve after it) and
-    :meth:`holds_compile` (a compile the time left holds), each over one ``search.Decision``."""
-
-    budget_s: float | None
-    started: float
-    stopped: bool = False
-    """Whether the budget, not ``--trials``, ended the trial loop."""
-    reserve_s: float = 0.0
-    """What is kept free at the end of the budget for verification: its forecast times the margin
-    (``search.RESERVE_MARGIN``)."""
-    reserve_runs: int = 0
-    """Verification's predicted one-step runs."""
-    next_trial_s: float = 0.0
-    """The next trial's expected time (the median launched trial)."""
-    left_at_stop: float | None = None
-    """The time left when the budget stopped the trial loop."""
-    verify: bool = True
-    """Whether the study's best is verified after the trial loop (its runs reserved; ``tune --no-verify``
-    and several nodes: nothing reserved)."""
-    leaders: bool = False
-    """Whether the leaders are re-measured before saving (``_remeasure.py``; ``--remeasure``, one node):
-    their least plan is then kept free too (:attr:`leaders_s`)."""
-    leaders_s: float = 0.0
-    """What is kept free for re-measuring the leaders: the least plan (one more run of the best and of
-    the next trial within its measured noise, ``_remeasure.least_plan``); 0 when none is within it."""
-    compile_left_s: float | None = None
-    """Seconds left for a compile once verification's reserve and a usual trial are kept (None: no
-    budget, or nothing verified): a proposal that compiles new graphs is made only when the study's
-    median compile fits in it, and only when it is predicted to beat the best trial."""
-
-    @property
-    def deadline(self) -> float | None:
-        return None if self.budget_s is None else self.started + self.budget_s
-
-    def spent(self, now: float) -> bool:
-        """Whether no further trial may start: the time left does not hold the next trial and
-        verification, or a proposal found it so (:attr:`stopped`)."""
-        return self.deadline is not None and (self.stopped or not self.holds(now, self.next_trial_s,
-                                                                            self.reserve_s + self.leaders_s))
-
-    def holds(self, now: float, trial_s: float, reserve_s: float) -> bool:
-        """Whether a trial of ``trial_s`` started ``now`` still leaves ``reserve_s`` (verification's
-        reserve after it) before the deadline."""
-        return self.deadline is None or now + trial_s + reserve_s < self.deadline
-
-    def refresh(self, decision: Decision, now: float) -> None:
-        """What is kept free, as predicted from ``decision``'s trials (``search/_timing.py``): the next
-        trial, and the best trial's verification (:attr:`reserve_s`); nothing without a budget."""
-        from autobalance.protocol import best_trial
-        from autobalance.tuner.search import next_trial_s
-
-        if self.budget_s is None:
-            return
-        self.next_trial_s = next_trial_s(decision.trials)
-        leaders: list[FrozenTrial] = []
-        if self.leaders:
-            from autobalance.tuner._remeasure import least_plan
-
-            leaders, self.leaders_s = least_plan(decision.study, decision.trials, device=decision.device)
-        forecast = self.forecast(decision, best_trial(decision.study))
-        if forecast is None:  # nothing is verified after the study
-            return
-        for leader in leaders[1:]:  # a leader may become the best: the larger verification is kept
-            other = self.forecast(decision, leader)
-            if other is not None and other.reserve_s > forecast.reserve_s:
-                forecast = other
-        self.reserve_s, self.reserve_runs = forecast.reserve_s, len(forecast.runs)
-        if self.deadline is not None:  # no compile the budget cannot hold
-            self.compile_left_s = self.deadline - now - self.reserve_s - self.leaders_s - self.next_trial_s
-
-    def forecast(self, decision: Decision, best: FrozenTrial | None) -> VerifyForecast | None:
-        """Verification's forecast for ``best``, priced with ``decision``'s step-time models; None when
-        nothing is verified."""
-        from autobalance._config import BalanceConfig
-        from autobalance.protocol import StudyAttr
-        from autobalance.tuner.search import forecast_verification
-
-        if not self.verify:
-            return None
-        base_no = decision.study.user_attrs.get(StudyAttr.BASELINE)
-        own = next((t.user_attrs.get(TrialAttr.CONFIG) for t in decision.trials if t.number == base_no), None)
-        return forecast_verification(decision.trials, baseline=BalanceConfig.from_dict(own) if own else None,
-                                     best=best, num_layers=decision.num_layers, device=decision.device,
-                                     eager=decision.step_time, compiled=decision.compiled_time)
-
-    def unaffordable(self, decision: Decision, config: BalanceConfig) -> str | None:
-        """Why ``config`` is not launched under the time budget (None: it is): its expected time (a
-        compile included) plus verification's reserve after it - of the best so far, or of ``config``
-        should it become the best - no longer fits in the time left (``decision.clock``)."""
-        from autobalance.tuner.search import trial_s
-
-        if self.deadline is None:
-            return None
-        trials = decision.trials
-        took = trial_s(trials, config, device=decision.device)
-        candidate = FrozenTrial(number=len(trials), state=TrialState.COMPLETE, value=None, values=None,
-                                datetime_start=None, datetime_complete=None, params={}, distributions={},
-                                user_attrs={TrialAttr.CONFIG: config.to_dict()}, system_attrs={},
-                                intermediate_values={}, trial_id=-1)
-        forecast = self.forecast(decision, candidate)
-        reserve = max(self.reserve_s, forecast.reserve_s if forecast is not None else 0.0) + self.leaders_s
-        now = decision.clock()
-        if self.holds(now, took, reserve):
-            return None
-        leaders = f" (re-measuring the leaders {self.leaders_s:.0f} s of it)" if self.leaders_s > 0 else ""
-        return (f"the time budget no longer holds it: {max(0.0, self.deadline - now):.0f} s left, it would take "
-                f"about {took:.0f} s and verification after it {reserve:.0f} s{leaders}; nothing was launched")
-
-    def holds_compile(self, decision: Decision, scope: str | None = None) -> bool:
-        """Whether the time left for a compile (:attr:`compile_left_s`) holds the study's median compile
-        (``scope``: of that scope, ``compile_times``); always without a limit."""
-        from autobalance.tuner.search import compile_times
-
-        if self.compile_left_s is None:
-            return True
-        _, compile_s = compile_times(decision.trials, device=decision.device, scope=scope)
-        return compile_s <= self.compile_left_s
-
-    def record(self) -> dict[str, Any]:
-        """What the run's time accounting keeps about the reservation."""
-        return {"verify_reserved": round(self.reserve_s, 1), "verify_reserved_runs": self.reserve_runs,
-                "next_trial_s": round(self.next_trial_s, 1), "leaders_reserved": round(self.leaders_s, 1),
-                "left_at_stop": None if self.left_at_stop is None else round(self.left_at_stop, 1)}
 
 
 class TrialOverhead:
