@@ -20,15 +20,22 @@ from typing import TYPE_CHECKING, Any
 from autobalance import _env
 from autobalance._config import BalanceConfig
 from autobalance._errors import ConfigError, LaunchError, TrialScriptError, UsageError
-from autobalance.protocol import RankDevice, RankMemory, RankReport, Status, memory_text, slow_rank
+from autobalance.protocol import (
+    GIB,
+    MIB,
+    RankDevice,
+    RankMemory,
+    RankReport,
+    Status,
+    memory_text,
+    slow_rank,
+)
 
 if TYPE_CHECKING:
     from autobalance.launcher import TrialOutcome
 
 __all__ = ["Diagnosis", "Finding", "RankBreakdown", "analyse", "print_diagnosis", "run_diagnose"]
 
-MIB = 2**20
-GIB = 2**30
 IMBALANCE_CAUSES = frozenset({"rank_extras", "uneven_inputs", "amp_some_ranks", "data_parallel", "slow_rank"})
 """Causes that make one rank need more than another; the others (no checkpointing, optimizer state,
 allocator cache, find_unused_parameters) weigh on every rank alike and are listed after them."""

@@ -52,14 +52,16 @@ from autobalance.protocol._trials import (
     weighted_objective,
     would_be_best,
 )
-from autobalance.protocol._units import memory_pair, memory_text
+from autobalance.protocol._units import GIB, MIB, memory_pair, memory_text
 
 __all__ = [
     "CONSTRAINTS_KEY",
     "FAILED_STATUSES",
     "GENERIC_CPU_NAME",
+    "GIB",
     "INFEASIBLE_STATUSES",
     "MEASURED_STATUSES",
+    "MIB",
     "OOM_MARKERS",
     "OUTCOME_STATUSES",
     "PEER_FAILURE_MARKERS",

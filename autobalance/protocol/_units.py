@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["memory_pair", "memory_text"]
+__all__ = ["GIB", "MIB", "memory_pair", "memory_text"]
+
+GIB = 2**30
+"""Bytes in a GiB: every figure the rooms exchange is in GiB; this turns bytes into it."""
+MIB = 2**20
 
 _UNITS = (("GiB", 1.0), ("MiB", 1 / 1024), ("KiB", 1 / 1024**2))
 

@@ -44,17 +44,8 @@ from autobalance.tuner.search import (
     compile_env,
 )
 
-__all__ = [
-    "AUTO_MEASURE_FACTOR",
-    "AUTO_MEASURE_MAX_S",
-    "Slot",
-    "Stopped",
-    "TrialLauncher",
-    "best_step_s",
-    "plan_slots",
-    "usable_cpus",
-    "visible_gpus",
-]
+__all__ = ["AUTO_MEASURE_FACTOR", "AUTO_MEASURE_MAX_S", "Slot", "Stopped", "TrialLauncher", "best_step_s",
+           "plan_slots", "usable_cpus", "visible_gpus"]
 
 
 class Stopped(KeyboardInterrupt):

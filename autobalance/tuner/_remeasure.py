@@ -58,26 +58,9 @@ def rank_steps(rep: Any) -> list[float]:
                            batch if isinstance(batch, int) else None)
     return times
 
-__all__ = [
-    "DISPERSION_LIMIT",
-    "STEP_TIMES_MS",
-    "LeaderPlan",
-    "close_leaders",
-    "dispersion",
-    "figure_noise",
-    "leaders_line",
-    "merge_outcomes",
-    "noise_band",
-    "own_steps",
-    "plan_leaders",
-    "pooled_value",
-    "rank_steps",
-    "remeasure_leaders",
-    "remeasure_reason",
-    "runs_so_far",
-    "spread_text",
-    "step_spread",
-]
+__all__ = ["DISPERSION_LIMIT", "STEP_TIMES_MS", "LeaderPlan", "close_leaders", "dispersion", "figure_noise",
+           "leaders_line", "merge_outcomes", "noise_band", "own_steps", "plan_leaders", "pooled_value",
+           "rank_steps", "remeasure_leaders", "remeasure_reason", "runs_so_far", "spread_text", "step_spread"]
 
 
 def _iqr(times: list[float]) -> float | None:

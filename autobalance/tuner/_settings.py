@@ -25,31 +25,10 @@ from autobalance._config import COMPILE_MODES, CUDA_GRAPH_MODES, DTYPES
 from autobalance._errors import StorageError, UsageError
 from autobalance._files import is_int, is_number
 
-__all__ = [
-    "CHOICES",
-    "COMPILE_CHOICES",
-    "GPU_MEMORY_GIB",
-    "SAMPLERS",
-    "SPLITS",
-    "STRATEGIES",
-    "SettingDoc",
-    "TuneSettings",
-    "check_caps",
-    "check_gpus",
-    "compile_modes",
-    "default_device",
-    "default_study_name",
-    "load_toml",
-    "local_capacities",
-    "memory_cap_text",
-    "parse_duration",
-    "parse_memory_cap",
-    "preflight",
-    "prepare_runs_dir",
-    "remove_dirs",
-    "setting_docs",
-    "setting_types",
-]
+__all__ = ["CHOICES", "COMPILE_CHOICES", "GPU_MEMORY_GIB", "SAMPLERS", "SPLITS", "STRATEGIES", "SettingDoc",
+           "TuneSettings", "check_caps", "check_gpus", "compile_modes", "default_device", "default_study_name",
+           "load_toml", "local_capacities", "memory_cap_text", "parse_duration", "parse_memory_cap", "preflight",
+           "prepare_runs_dir", "remove_dirs", "setting_docs", "setting_types"]
 
 Device = Literal["cpu", "cuda", "auto"]
 Remeasure = Literal["auto", "on", "off"]

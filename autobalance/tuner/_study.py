@@ -49,20 +49,8 @@ from autobalance.store import (
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner.search import SearchSpace, space_problem
 
-__all__ = [
-    "CLAIM_KEY",
-    "NOT_COUNTED",
-    "BaselineClaim",
-    "RunningClaim",
-    "check_space",
-    "counted_trials",
-    "counts",
-    "fail_stale_trials",
-    "make_sampler",
-    "measured_configs",
-    "open_study",
-    "worker_id",
-]
+__all__ = ["CLAIM_KEY", "NOT_COUNTED", "BaselineClaim", "RunningClaim", "check_space", "counted_trials", "counts",
+           "fail_stale_trials", "make_sampler", "measured_configs", "open_study", "worker_id"]
 
 
 def make_sampler(settings: TuneSettings, *, n_trials: int) -> optuna.samplers.BaseSampler:

@@ -35,6 +35,7 @@ from optuna.trial import FrozenTrial, TrialState
 from autobalance._config import BalanceConfig
 from autobalance.launcher import TrialOutcome
 from autobalance.protocol import (
+    GIB,
     RankMemory,
     RankReport,
     Status,
@@ -53,24 +54,9 @@ from autobalance.tuner.search import (
     typical_compile_s,
 )
 
-__all__ = [
-    "ATTR_SCRIPT_FACTS",
-    "STEP_TIMES_MS",
-    "TuneResult",
-    "baseline_won",
-    "batch_dependent_layers",
-    "keep_split",
-    "measurement_attrs",
-    "measurement_summary",
-    "name_blocks",
-    "per_trial_overhead_s",
-    "rank_steps",
-    "rerun_hint",
-    "script_facts",
-    "summarise",
-    "summary_facts",
-    "what_was_tried",
-]
+__all__ = ["ATTR_SCRIPT_FACTS", "STEP_TIMES_MS", "TuneResult", "baseline_won", "batch_dependent_layers",
+           "keep_split", "measurement_attrs", "measurement_summary", "name_blocks", "per_trial_overhead_s",
+           "rank_steps", "rerun_hint", "script_facts", "summarise", "summary_facts", "what_was_tried"]
 
 
 @dataclass(kw_only=True)
@@ -242,7 +228,6 @@ def record_time_spent(study: optuna.Study, result: TuneResult, *, launched_here:
 
 
 # --------------------------------------------------------------------- how each trial was measured
-GIB = 2**30
 
 
 def _gib(value: Any) -> float | None:

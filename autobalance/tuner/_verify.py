@@ -31,18 +31,8 @@ from autobalance.tuner._reporter import write_notes
 from autobalance.tuner.search import MAX_CANDIDATES
 from autobalance.verify import Failure, SharedRuns, Verification, Verifier, VerifyTarget
 
-__all__ = [
-    "MAX_CANDIDATES",
-    "allows_batch_dependent",
-    "figures_of_trial",
-    "fingerprint_of_study",
-    "promote_trial",
-    "ranked_candidates",
-    "run_verify_command",
-    "save_trial",
-    "target_for",
-    "verify_for_saving",
-]
+__all__ = ["MAX_CANDIDATES", "allows_batch_dependent", "figures_of_trial", "fingerprint_of_study", "promote_trial",
+           "ranked_candidates", "run_verify_command", "save_trial", "target_for", "verify_for_saving"]
 
 
 # ---------------------------------------------------------------------- in the study

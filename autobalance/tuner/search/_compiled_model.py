@@ -51,7 +51,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autobalance._config import BalanceConfig
 from autobalance._errors import UsageError
-from autobalance.protocol import Status, TrialAttr
+from autobalance.protocol import GIB, Status, TrialAttr
 from autobalance.tuner.search._constants import FLOOR_PRIOR, LOW_BUDGET_FLOOR, UNMEASURED_MARGIN
 from autobalance.tuner.search._constants import MIN_SAMPLE_BYTES as _TINY
 from autobalance.tuner.search._memory_model import (
@@ -68,18 +68,9 @@ from autobalance.tuner.search._space import (
     config_compile_key,
 )
 
-__all__ = [
-    "FLOOR_PRIOR",
-    "LOW_BUDGET_FLOOR",
-    "UNMEASURED_MARGIN",
-    "BudgetCurve",
-    "CompiledMemoryModel",
-    "CompiledObservation",
-    "budget_grid",
-    "compiled_observations",
-]
+__all__ = ["FLOOR_PRIOR", "LOW_BUDGET_FLOOR", "UNMEASURED_MARGIN", "BudgetCurve", "CompiledMemoryModel",
+           "CompiledObservation", "budget_grid", "compiled_observations"]
 
-GIB = 2**30
 
 
 def budget_grid() -> list[float]:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from optuna.trial import FrozenTrial, TrialState
 
 from autobalance._config import BalanceConfig
-from autobalance.protocol import MEASURED_STATUSES, Status, TrialAttr, memory_text
+from autobalance.protocol import GIB, MEASURED_STATUSES, Status, TrialAttr, memory_text
 from autobalance.tuner.search._constants import SHARE_TOL
 from autobalance.tuner.search._memory_model import DEFAULT_SAFETY_MARGIN
 from autobalance.tuner.search._objective import TrialFigures
@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 
 __all__ = ["activation_budget", "compiled_veto", "dominance_veto", "dominating_over_cap", "model_veto", "predicted_oom"]
 
-GIB = 2**30
 
 
 def activation_budget(cfg: dict[str, Any], rank: int) -> float:

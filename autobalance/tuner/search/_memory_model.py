@@ -68,17 +68,8 @@ from autobalance.tuner.search._constants import (
 from autobalance.tuner.search._constants import CONFIDENT_TOL as _CONFIDENT_TOL
 from autobalance.tuner.search._constants import RANK_TOL as _RANK_TOL
 
-__all__ = [
-    "ACTIVATION_BYTES_SCALE",
-    "CLAMP_TOLERANCE",
-    "DEFAULT_SAFETY_MARGIN",
-    "MAX_MARGIN",
-    "PRIOR_CHECKPOINT_SAVING",
-    "WIDEN_FACTOR",
-    "DtypeFit",
-    "MemoryModel",
-    "MemoryObservation",
-]
+__all__ = ["ACTIVATION_BYTES_SCALE", "CLAMP_TOLERANCE", "DEFAULT_SAFETY_MARGIN", "MAX_MARGIN",
+           "PRIOR_CHECKPOINT_SAVING", "WIDEN_FACTOR", "DtypeFit", "MemoryModel", "MemoryObservation"]
 
 
 @dataclass(kw_only=True)

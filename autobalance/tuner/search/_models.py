@@ -102,6 +102,7 @@ from optuna.trial import FrozenTrial, TrialState
 from autobalance._config import CUDA_GRAPH_MODES, BalanceConfig, split_evenly
 from autobalance._errors import ConfigError, UsageError
 from autobalance.protocol import (
+    GIB,
     Status,
     StudyAttr,
     TrialAttr,
@@ -152,13 +153,12 @@ from autobalance.tuner.search._timing import (
 )
 
 __all__ = ["CACHE_TIE", "DYNAMIC", "GRAPH_GAIN", "HALF_DTYPES", "IMPROVES", "MODEL_SOURCES", "SLOW_DTYPE",
-           "STALL_AFTER", "Candidate", "Decision", "GraphVerdict", "Score", "SearchModels",
-           "StudySnapshot", "cache_order", "compiled_candidates", "compiled_graphs", "compiled_holdout_error",
-           "eager_candidates", "eager_holdout_error", "finished_key", "graph_keys", "graph_probe", "graphs_verdict",
-           "much_slower", "observations_from_trials", "proposable_dtypes", "proposals_stalled", "saves_errors"]
+           "STALL_AFTER", "Candidate", "Decision", "GraphVerdict", "Score", "SearchModels", "StudySnapshot",
+           "cache_order", "compiled_candidates", "compiled_graphs", "compiled_holdout_error", "eager_candidates",
+           "eager_holdout_error", "finished_key", "graph_keys", "graph_probe", "graphs_verdict", "much_slower",
+           "observations_from_trials", "proposable_dtypes", "proposals_stalled", "saves_errors"]
 
 
-GIB = 2**30
 _Method = TypeVar("_Method", bound=Callable[..., Any])
 
 
@@ -651,7 +651,6 @@ def graph_probe(trials: Sequence[FrozenTrial], *, best: FrozenTrial, modes: Sequ
 
 
 # ------------------------------- what the memory models are fitted from, and their held-out errors
-GIB = 2**30
 
 
 def observations_from_trials(trials: list[FrozenTrial], *, num_layers: int,

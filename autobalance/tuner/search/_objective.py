@@ -9,6 +9,7 @@ from typing import Any
 
 from autobalance.launcher import TrialOutcome
 from autobalance.protocol import (
+    GIB,
     RankDevice,
     RankMemory,
     RankReport,
@@ -24,7 +25,6 @@ from autobalance.tuner.search._constants import INFEASIBLE_TIME
 __all__ = ["INFEASIBLE_TIME", "TrialFigures", "compile_figures", "figures_from_outcome", "fix_exchange_rate", "penalised",
            "rate_fixed", "rate_source", "spread_fraction"]
 
-GIB = 2**30
 
 
 @dataclass(kw_only=True)

@@ -41,6 +41,7 @@ from optuna.trial import FrozenTrial, TrialState
 from autobalance._config import BalanceConfig, split_evenly
 from autobalance._errors import ConfigError, UsageError
 from autobalance.protocol import (
+    GIB,
     MEASURED_STATUSES,
     Status,
     StudyAttr,
@@ -92,7 +93,6 @@ __all__ = ["BUDGET_CEILING", "FIT_MARGIN", "GROW_MIN_BUDGET", "HALF_DTYPES", "KE
            "PHASES", "SCOPE_TRANSFERS", "ModelAdvisor", "Proposal", "Record", "SearchPolicy", "TrialHistory",
            "first_compiled_micro_batch", "one_size", "proposal_line"]
 
-GIB = 2**30
 HALF_DTYPES = ("bf16", "fp16")
 
 

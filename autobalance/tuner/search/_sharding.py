@@ -32,13 +32,12 @@ from typing import Any
 from optuna.trial import FrozenTrial, TrialState
 
 from autobalance._config import BalanceConfig
-from autobalance.protocol import Status, TrialAttr
+from autobalance.protocol import GIB, Status, TrialAttr
 from autobalance.tuner.search._constants import EMBEDDING_SHARE, FIT_FRACTION, FIXED_SHARE, LEVELS
 
 __all__ = ["EMBEDDING_SHARE", "FIT_FRACTION", "FIXED_SHARE", "SavingModel", "ShardingFacts", "sharding_level",
            "sharding_proposal", "sharding_proposal_config", "state_total_of", "study_savings"]
 
-GIB = 2**30
 
 
 def sharding_level(mode: str) -> int:

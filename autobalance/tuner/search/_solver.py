@@ -32,18 +32,9 @@ from autobalance._errors import UsageError
 from autobalance.tuner.search._constants import DEFAULT_RECOMPUTE_FRACTION
 from autobalance.tuner.search._memory_model import MemoryModel
 
-__all__ = [
-    "DEFAULT_RECOMPUTE_FRACTION",
-    "SplitPlan",
-    "balanced_split",
-    "balanced_split_for",
-    "choose_checkpointing",
-    "neighbours",
-    "optimizer_shares",
-    "plans_from_model",
-    "predict_config_feasible",
-    "predict_feasible",
-]
+__all__ = ["DEFAULT_RECOMPUTE_FRACTION", "SplitPlan", "balanced_split", "balanced_split_for",
+           "choose_checkpointing", "neighbours", "optimizer_shares", "plans_from_model", "predict_config_feasible",
+           "predict_feasible"]
 
 
 @dataclass(kw_only=True)

@@ -38,17 +38,8 @@ from autobalance.tuner.search._constants import (
 if TYPE_CHECKING:
     from autobalance.tuner._settings import TuneSettings
 
-__all__ = [
-    "BUDGET_RANGE",
-    "KEEP_CHOICES",
-    "OPTIMIZER_SHARE_RANGE",
-    "SHARE_RANGE",
-    "SearchSpace",
-    "compile_key",
-    "config_compile_key",
-    "normalised_shares",
-    "space_problem",
-]
+__all__ = ["BUDGET_RANGE", "KEEP_CHOICES", "OPTIMIZER_SHARE_RANGE", "SHARE_RANGE", "SearchSpace", "compile_key",
+           "config_compile_key", "normalised_shares", "space_problem"]
 
 
 KEEP_CHOICES: dict[str, list[str]] = {"none": [], "embeddings": ["embeddings"], "blocks": ["blocks"],

@@ -126,39 +126,13 @@ if TYPE_CHECKING:
     from autobalance.tuner._settings import TuneSettings
     from autobalance.tuner.search._models import Decision
 
-__all__ = [
-    "COMPARE_S_PER_GB",
-    "COMPILE_SPEED_PRIOR",
-    "DYNAMIC",
-    "EQUAL_SPEED_BAND",
-    "FIRST_STEP_FACTOR",
-    "FLOOR_RUNS",
-    "FROM_CACHE_SHARE",
-    "IO_S_PER_GB",
-    "MICRO_STEP_PRIOR",
-    "RECOMPUTE_PRIOR",
-    "RECOMPUTE_PRIOR_COMPILED",
-    "RESERVE_MARGIN",
-    "CompiledTimeModel",
-    "Graph",
-    "RunPrices",
-    "StepTimeModel",
-    "TimeBudget",
-    "VerifyForecast",
-    "cache_dir", "compile_env", "compile_notes", "compile_times",
-    "compiled_graphs",
-    "forecast_verification",
-    "from_cache_s",
-    "graph_keys",
-    "has_dropout",
-    "next_trial_s",
-    "per_trial_overhead_s",
-    "restarts",
-    "run_prices",
-    "trial_s", "typical_compile_s",
-    "verification_runs",
-    "worker_start_s",
-]
+__all__ = ["COMPARE_S_PER_GB", "COMPILE_SPEED_PRIOR", "DYNAMIC", "EQUAL_SPEED_BAND", "FIRST_STEP_FACTOR",
+           "FLOOR_RUNS", "FROM_CACHE_SHARE", "IO_S_PER_GB", "MICRO_STEP_PRIOR", "RECOMPUTE_PRIOR",
+           "RECOMPUTE_PRIOR_COMPILED", "RESERVE_MARGIN", "CompiledTimeModel", "Graph", "RunPrices", "StepTimeModel",
+           "TimeBudget", "VerifyForecast", "cache_dir", "compile_env", "compile_notes", "compile_times",
+           "compiled_graphs", "forecast_verification", "from_cache_s", "graph_keys", "has_dropout", "next_trial_s",
+           "per_trial_overhead_s", "restarts", "run_prices", "trial_s", "typical_compile_s", "verification_runs",
+           "worker_start_s"]
 
 Pair = tuple[str, str]
 """(dtype, compile mode)."""
