@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TUNER = ROOT / "autobalance" / "tuner"
 HOME = TUNER / "search" / "_constants.py"
 
-UNITS = {"GIB", "_UNIT_BYTES", "_UNIT_S", "GPU_MEMORY_GIB"}
-"""Unit conversions and facts, not decisions: ``GIB = 2**30``; ``_settings``' byte and duration units
+UNITS = {"_UNIT_BYTES", "_UNIT_S", "GPU_MEMORY_GIB"}
+"""Unit conversions and facts, not decisions (``GIB`` is the protocol's, ``protocol._units``): ``_settings``' byte and duration units
 and the memory the GPUs ``--memory-cap`` names report (``_settings`` is imported by ``--help`` without
 the search, so it cannot read ``_constants``). Every other numeric module constant of ``tuner/`` lives in
 ``_constants``."""

@@ -18,8 +18,9 @@ as before.)
 
 The memory models', the objective's and the search space's constants live here too (their modules
 import them under their old names); outside this module ``tests/test_constants.py`` allows only unit
-conversions (``GIB = 2**30``, the settings' duration and byte units) and the table of the memory the
-GPUs ``--memory-cap`` names report (``_settings`` is read by ``--help`` without importing the search).
+conversions (the settings' duration and byte units; ``GIB`` is the protocol's, ``protocol._units``) and
+the table of the memory the GPUs ``--memory-cap`` names report (``_settings`` is read by ``--help``
+without importing the search).
 """
 
 from __future__ import annotations
