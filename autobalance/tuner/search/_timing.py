@@ -83,7 +83,7 @@ import os
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 from optuna.trial import FrozenTrial, TrialState
@@ -123,8 +123,9 @@ from autobalance.tuner.search._space import REGIONAL_KEY, config_compile_key
 from autobalance.verify import run_key
 
 if TYPE_CHECKING:
+    import optuna
+
     from autobalance.tuner._settings import TuneSettings
-    from autobalance.tuner.search._models import Decision
 
 __all__ = ["COMPARE_S_PER_GB", "COMPILE_SPEED_PRIOR", "DYNAMIC", "EQUAL_SPEED_BAND", "FIRST_STEP_FACTOR",
            "FLOOR_RUNS", "FROM_CACHE_SHARE", "IO_S_PER_GB", "MICRO_STEP_PRIOR", "RECOMPUTE_PRIOR",
@@ -938,6 +939,22 @@ def trial_s(trials: Sequence[FrozenTrial], config: BalanceConfig, *, device: str
     return seconds + (from_cache_s(trials, config, cold=cold) if graph_keys(config.to_dict()) <= graphs else cold)
 
 
+class DecisionView(Protocol):
+    """What the budget reads of one decision (``_models.Decision``: the study read once, its step-time
+    models fitted once, the clock)."""
+
+    study: optuna.Study
+    trials: list[FrozenTrial]
+    num_layers: int
+    device: str
+    clock: Callable[[], float]
+
+    @property
+    def step_time(self) -> StepTimeModel: ...
+    @property
+    def compiled_time(self) -> CompiledTimeModel: ...
+
+
 @dataclass(kw_only=True)
 class TimeBudget:
     """``--time-budget`` of one run: the run, verification included, ends by ``deadline``
@@ -989,7 +1006,7 @@ class TimeBudget:
         reserve after it) before the deadline."""
         return self.deadline is None or now + trial_s + reserve_s < self.deadline
 
-    def refresh(self, decision: Decision, now: float) -> None:
+    def refresh(self, decision: DecisionView, now: float) -> None:
         """What is kept free, as predicted from ``decision``'s trials (``search/_timing.py``): the next
         trial, and the best trial's verification (:attr:`reserve_s`); nothing without a budget."""
         if self.budget_s is None:
@@ -1009,7 +1026,7 @@ class TimeBudget:
         if self.deadline is not None:  # no compile the budget cannot hold
             self.compile_left_s = self.deadline - now - self.reserve_s - self.leaders_s - self.next_trial_s
 
-    def forecast(self, decision: Decision, best: FrozenTrial | None) -> VerifyForecast | None:
+    def forecast(self, decision: DecisionView, best: FrozenTrial | None) -> VerifyForecast | None:
         """Verification's forecast for ``best``, priced with ``decision``'s step-time models; None when
         nothing is verified."""
         if not self.verify:
@@ -1020,7 +1037,7 @@ class TimeBudget:
                                      best=best, num_layers=decision.num_layers, device=decision.device,
                                      eager=decision.step_time, compiled=decision.compiled_time)
 
-    def unaffordable(self, decision: Decision, config: BalanceConfig) -> str | None:
+    def unaffordable(self, decision: DecisionView, config: BalanceConfig) -> str | None:
         """Why ``config`` is not launched under the time budget (None: it is): its expected time (a
         compile included) plus verification's reserve after it - of the best so far, or of ``config``
         should it become the best - no longer fits in the time left (``decision.clock``)."""
@@ -1041,7 +1058,7 @@ class TimeBudget:
         return (f"the time budget no longer holds it: {max(0.0, self.deadline - now):.0f} s left, it would take "
                 f"about {took:.0f} s and verification after it {reserve:.0f} s{leaders}; nothing was launched")
 
-    def holds_compile(self, decision: Decision, scope: str | None = None) -> bool:
+    def holds_compile(self, decision: DecisionView, scope: str | None = None) -> bool:
         """Whether the time left for a compile (:attr:`compile_left_s`) holds the study's median compile
         (``scope``: of that scope, ``compile_times``); always without a limit."""
         if self.compile_left_s is None:
