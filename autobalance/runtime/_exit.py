@@ -32,6 +32,7 @@ from autobalance import _env
 from autobalance._errors import AutobalanceError
 from autobalance.protocol import Status, looks_like_oom, looks_like_peer_failure
 from autobalance.runtime._report import build_report, setup_failure_report, write_report
+from autobalance.runtime._setup import tear_down_group
 
 if TYPE_CHECKING:
     from autobalance.runtime._plan import Plan
@@ -103,8 +104,8 @@ class TrialEnd:
         """The trial's steps are done: report ``ok`` and leave the script's loop."""
         self.write(Status.OK)
         self.plan.meter.close()
-        if dist.is_initialized() and not self.plan.trial.warm:
-            dist.destroy_process_group()
+        if not self.plan.trial.warm:
+            tear_down_group()  # the report is written: a failed teardown changes nothing
         raise TrialComplete()
 
     def on_uncaught(self, exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
