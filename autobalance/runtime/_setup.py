@@ -43,14 +43,10 @@ def init_distributed(device_type: str, timeout_s: int) -> tuple[int, int, int]:
         dist.init_process_group(**kwargs)
         # the group autobalance created is torn down at exit: a live gloo/NCCL group at
         # interpreter shutdown can abort the process ("terminate called without an active exception")
-        atexit.register(_destroy_process_group_at_exit)
+        atexit.register(tear_down_group)
     if dist.is_initialized():
         world_size, rank = dist.get_world_size(), dist.get_rank()
     return rank, world_size, local_rank
-
-
-def _destroy_process_group_at_exit() -> None:
-    tear_down_group()
 
 
 def tear_down_group() -> None:

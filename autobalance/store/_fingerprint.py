@@ -8,7 +8,7 @@ from typing import Any
 
 from autobalance._errors import ConfigError
 from autobalance._files import is_int, is_number
-from autobalance.protocol import GENERIC_CPU_NAME, cpu_model_name, memory_text
+from autobalance.protocol import GENERIC_CPU_NAME, GIB, cpu_model_name, memory_text
 
 __all__ = [
     "CAPACITY_TOLERANCE",
@@ -28,7 +28,6 @@ DEVICE_TYPES = ("cuda", "cpu")
 CAPACITY_TOLERANCE = 0.02
 """Relative difference of a rank's usable memory above which two fingerprints differ."""
 
-_GIB = 1024**3
 
 
 @dataclass(kw_only=True)
@@ -157,7 +156,7 @@ def _gib(n: int | None, extra: int = 0) -> str:
     :func:`~autobalance.protocol.memory_text`); ``extra`` more digits on request."""
     if n is None:
         return "no cap"
-    return memory_text(n / _GIB, digits=3 + extra)
+    return memory_text(n / GIB, digits=3 + extra)
 
 
 def _gib_pair(a: int | None, b: int | None) -> tuple[str, str]:

@@ -258,9 +258,8 @@ class TrialLoop:
         decision = self.decision(study)
         left: float | None = None
         if self.budget.deadline is not None:
-            forecasts = [self.budget.forecast(decision, t) for t in leaders]
-            reserve = max((f.reserve_s for f in forecasts if f is not None), default=0.0)
-            left = self.budget.deadline - time.monotonic() - reserve
+            forecast = self.budget.largest_forecast(decision, leaders)
+            left = self.budget.deadline - time.monotonic() - (forecast.reserve_s if forecast is not None else 0.0)
         plan = plan_leaders(leaders, run_s=lambda t: leader_run_s(decision.trials, t, device=s.device),
                             time_left_s=left, why=why)
         self.reporter.note(plan.reason)

@@ -21,18 +21,22 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from autobalance._config import BalanceConfig
 from autobalance.launcher import TrialOutcome
 from autobalance.protocol import (
     RankMemory,
     RankReport,
     Status,
+    StudyAttr,
     TrialAttr,
+    rank_trials,
     timed_steps,
     weighted_objective,
 )
@@ -43,24 +47,18 @@ from autobalance.tuner.search import (
     LEADER_NOISE_SIGMAS,
     LEADER_RUNS,
     LEADERS_MAX,
+    compile_times,
+    from_cache_s,
+    trial_s,
 )
-
-STEP_TIMES_MS = "step_times_ms"
-"""Trial attribute: each rank's measured steps that its step time stands for (``protocol.timed_steps``),
-in ms; a trial measured twice holds both runs' steps."""
-
-
-def rank_steps(rep: Any) -> list[float]:
-    """A rank report's timed steps in seconds (the full steps when any was measured)."""
-    config = rep.config or {}
-    batch = config.get("global_batch")
-    times, _ = timed_steps([float(t) for t in rep.step_times_s or []], rep.step_samples,
-                           batch if isinstance(batch, int) else None)
-    return times
 
 __all__ = ["DISPERSION_LIMIT", "STEP_TIMES_MS", "LeaderPlan", "close_leaders", "dispersion", "figure_noise",
            "leaders_line", "merge_outcomes", "noise_band", "own_steps", "plan_leaders", "pooled_value",
            "rank_steps", "remeasure_leaders", "remeasure_reason", "runs_so_far", "spread_text", "step_spread"]
+
+STEP_TIMES_MS = "step_times_ms"
+"""Trial attribute: each rank's measured steps that its step time stands for (``protocol.timed_steps``),
+in ms; a trial measured twice holds both runs' steps."""
 
 
 def _iqr(times: list[float]) -> float | None:
@@ -80,6 +78,11 @@ def _timed(times: list[float], samples: list[Any] | None, rep: RankReport) -> tu
 def _global_batch(rep: RankReport) -> Any:
     """The global batch of the configuration the rank applied (as it reported it; None: not reported)."""
     return (rep.config or {}).get("global_batch")
+
+
+def rank_steps(rep: RankReport) -> list[float]:
+    """A rank report's timed steps in seconds (the full steps when any was measured: :func:`_timed`)."""
+    return _timed([float(t) for t in rep.step_times_s or []], rep.step_samples, rep)[0]
 
 
 def dispersion(outcome: TrialOutcome) -> float | None:
@@ -408,10 +411,6 @@ def leader_candidates(study: Any) -> list[Any]:
     """The study's candidates for the best (``protocol.ranked_trials``), one per configuration, without
     those that failed verification (never saved) and before any leaders' pooled figure counts: as the
     trials measured them."""
-    import json
-
-    from autobalance.protocol import StudyAttr, rank_trials
-
     seen: set[str] = set()
     out = []
     trials = study.get_trials(deepcopy=False)
@@ -429,9 +428,6 @@ def leader_run_s(trials: Sequence[Any], trial: Any, *, device: str) -> float:
     """One re-measure run of ``trial``'s configuration: its own first run's start-up, steps and hand-over
     (its time split) plus, compiled, a compile from the study's cache (``search._timing``); a trial
     without a time split is priced as the study's next trial (``search._timing.trial_s``)."""
-    from autobalance._config import BalanceConfig
-    from autobalance.tuner.search import compile_times, from_cache_s, trial_s
-
     config = BalanceConfig.from_dict(trial.user_attrs[TrialAttr.CONFIG])
     split = trial.user_attrs.get(TrialAttr.TIME_SPLIT)
     if not isinstance(split, dict):
@@ -458,8 +454,6 @@ def saved_spread(study: Any, trial: Any) -> dict[str, Any] | None:
     re-measured as one (:data:`StudyAttr.LEADERS`), else its own steps' (``step_times_ms``: the slowest
     rank's median and quartiles), else its median and IQR %; ``runs`` and ``steps`` behind it. None
     without a step time. What :func:`spread_text` writes and the saved record keeps."""
-    from autobalance.protocol import StudyAttr
-
     record = study.user_attrs.get(StudyAttr.LEADERS) or {}
     entry = (record.get("trials") or {}).get(str(trial.number)) if isinstance(record, dict) else None
     if isinstance(entry, dict) and entry.get("step_time_ms") is not None:
@@ -473,5 +467,5 @@ def saved_spread(study: Any, trial: Any) -> dict[str, Any] | None:
     if ms is None:
         return None
     return {"step_time_ms": ms, "iqr_pct": trial.user_attrs.get("step_time_iqr_pct"),
-            "steps": trial.user_attrs.get(TrialAttr.MEASURED_STEPS), "runs": 2 if trial.user_attrs.get("remeasured") else 1,
+            "steps": trial.user_attrs.get(TrialAttr.MEASURED_STEPS), "runs": runs_so_far(trial),
             "source": "the trial's own figures"}

@@ -1015,16 +1015,24 @@ class TimeBudget:
         leaders: list[FrozenTrial] = []
         if self.leaders is not None:
             leaders, self.leaders_s = self.leaders(decision.study, decision.trials, device=decision.device)
-        forecast = self.forecast(decision, best_trial(decision.study))
+        # a leader may become the best: the larger verification is kept
+        forecast = self.largest_forecast(decision, [best_trial(decision.study), *leaders[1:]])
         if forecast is None:  # nothing is verified after the study
             return
-        for leader in leaders[1:]:  # a leader may become the best: the larger verification is kept
-            other = self.forecast(decision, leader)
-            if other is not None and other.reserve_s > forecast.reserve_s:
-                forecast = other
         self.reserve_s, self.reserve_runs = forecast.reserve_s, len(forecast.runs)
         if self.deadline is not None:  # no compile the budget cannot hold
             self.compile_left_s = self.deadline - now - self.reserve_s - self.leaders_s - self.next_trial_s
+
+    def largest_forecast(self, decision: DecisionView,
+                         candidates: Sequence[FrozenTrial | None]) -> VerifyForecast | None:
+        """The largest of verification's forecasts for ``candidates`` (any may become the best: its
+        verification is what is kept free); the first among equals; None when nothing is verified."""
+        out: VerifyForecast | None = None
+        for candidate in candidates:
+            forecast = self.forecast(decision, candidate)
+            if forecast is not None and (out is None or forecast.reserve_s > out.reserve_s):
+                out = forecast
+        return out
 
     def forecast(self, decision: DecisionView, best: FrozenTrial | None) -> VerifyForecast | None:
         """Verification's forecast for ``best``, priced with ``decision``'s step-time models; None when
