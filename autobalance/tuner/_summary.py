@@ -54,9 +54,9 @@ from autobalance.tuner.search import (
     typical_compile_s,
 )
 
-__all__ = ["ATTR_SCRIPT_FACTS", "STEP_TIMES_MS", "TuneResult", "baseline_won", "batch_dependent_layers",
+__all__ = ["ATTR_SCRIPT_FACTS", "TuneResult", "baseline_won", "batch_dependent_layers",
            "keep_split", "measurement_attrs", "measurement_summary", "name_blocks", "per_trial_overhead_s",
-           "rank_steps", "rerun_hint", "script_facts", "summarise", "summary_facts", "what_was_tried"]
+           "rerun_hint", "script_facts", "summarise", "summary_facts", "what_was_tried"]
 
 
 @dataclass(kw_only=True)

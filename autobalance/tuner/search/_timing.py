@@ -1007,7 +1007,7 @@ class TimeBudget:
         return self.deadline is None or now + trial_s + reserve_s < self.deadline
 
     def refresh(self, decision: DecisionView, now: float) -> None:
-        """What is kept free, as predicted from ``decision``'s trials (``search/_timing.py``): the next
+        """What is kept free, as predicted from ``decision``'s trials (the models above): the next
         trial, and the best trial's verification (:attr:`reserve_s`); nothing without a budget."""
         if self.budget_s is None:
             return
