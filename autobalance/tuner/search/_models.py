@@ -1,46 +1,9 @@
-"""The search's models over one decision: the per-rank memory model and the compiled memory model
-fitted from the study's trials, the candidates they rank by predicted objective, and what the
-policy's phases ask of them (:class:`SearchModels`; a model that under-predicted a trial widens its
-margin: :meth:`SearchModels.learn`).
-
-**One decision** (:class:`Decision`): one choice of the next trial reads the study once
-(:class:`StudySnapshot`; before, ~35 reads of all trials per trial in a 10-minute replay, each a
-storage query) and fits each model from it at most once, however many phases, vetoes and budget
-checks ask. The loop rebuilds it only when a trial finished since (``TrialLoop.decision``). Nothing
-changes the trials while the advisor decides (it enqueues its proposal after).
-
-**First trials** (:func:`proposable_dtypes`): on a CUDA device fp32 without TF32 costs about twice
-bf16 per sample (one H200: 1331-1340 ms per step where bf16 ran 170-230 ms; field notes), so bf16
-first (fp16 when bf16 is not searched), the other half dtype once the first was measured or failed,
-and fp32 only when the space holds no half dtype, ``--dtypes`` names it or the script runs TF32
-(then after the first dtype), every half dtype failed unmeasured, or fp32 measured faster per
-sample. Trials left to the sampler before that get the first allowed dtype fixed; on a GPU the
-sampler explores freely only once the models' proposals stop improving (:func:`proposals_stalled`).
-
-**CUDA graphs** pay only where the host's launch time, not the GPU, bounds a step, which
-default-mode trials cannot tell (``docs/compile.md``): the first graph trial is a probe of the best
-trial, once that is a default-mode compiled one and the models promise nothing better
-(:func:`graph_probe`); graphs are proposed further only where a probe paid (:func:`graphs_verdict`).
-
-**Eager candidates** (:func:`eager_candidates`): per dtype and accumulation, the solver's balanced
-plans (water-filling with per-rank checkpointing), the even split and its one-sample neighbours.
-
-**Compiled candidates** (:func:`compiled_candidates`): per (dtype, compile mode, accumulation), the
-even split, the splits balancing the compiled peaks at budgets 1.0, 0.5 and 0.05 (rank 0 holds
-extras) and, with up to :data:`NEIGHBOUR_RANKS` ranks, their one-sample neighbours. Each rank takes
-the largest budget of the 0.05 grid predicted to fit, or a smaller one already compiled for the same
-(dtype, mode, buckets, micro-batch) within :data:`CACHE_TIE` of its recomputation (the per-study
-Inductor cache serves it). What a launched trial dominates is never proposed, so never compiled;
-nor is a dtype :data:`SLOW_DTYPE` times slower per sample.
-
-**ZeRO-1** (``"zero1"`` searched, the optimizer state ``S`` measured): each split also gets a
-``zero1`` variant whose shares water-fill ``S`` over the ranks' compiled bounds at budget 1.0
-(:func:`optimizer_shares`, ``base_r = fixed_r(0) + m_r * act_r * f(1) * (1 + extra(1))``): known
-before any budget is chosen, where the unsharded budget may not exist (the case ZeRO-1 is for). Each
-rank then takes its largest budget with ``fixed_r(q_r) = fixed_r + S * q_r``. The splits balanced on
-the fixed parts with the state placed on them alone (``base_r = fixed_r(0)``) get a ``zero1``
-variant only.
-"""
+"""The search's models over one decision (:class:`Decision`): the per-rank memory model and the
+compiled memory model fitted from the study's trials, the candidates they rank by predicted
+objective (:func:`eager_candidates`, :func:`compiled_candidates`), the dtypes they may propose
+(:func:`proposable_dtypes`), when CUDA graphs are tried (:func:`graph_probe`), and what the policy's
+phases ask of them (:class:`SearchModels`; a model that under-predicted a trial widens its margin:
+:meth:`SearchModels.learn`)."""
 
 from __future__ import annotations
 
@@ -174,7 +137,7 @@ class SearchModels:
         trials = study.get_trials(deepcopy=False)
         obs = observations_from_trials(trials, num_layers=self.space.num_layers)
         self.savings = None
-        if len(self.space.param_shardings) > 1:  # sharded trials join as the unsharded peaks they imply (_sharding)
+        if len(self.space.param_shardings) > 1:  # sharded trials join as the unsharded peaks they imply
             self.savings = study_savings(trials, model_facts=study.user_attrs.get(StudyAttr.MODEL),
                                          world_size=self.space.world_size, num_layers=self.space.num_layers,
                                          unsharded=self._fit(obs))
@@ -200,7 +163,7 @@ class SearchModels:
 
     @saves_errors
     def scored_candidates(self, study: optuna.Study) -> list[Candidate]:
-        """:meth:`candidates` with their predictions, in the order they are proposed (:func:`cache_order`)."""
+        """:meth:`candidates` with their predictions, in the order of :func:`cache_order`."""
         model = self.refit(study)
         usable = self.usable(study)
         if model is None or usable is None:
@@ -229,9 +192,8 @@ class SearchModels:
             found = compiled_candidates(space=self.space, trials=trials, memory=compiled, timing=compiled_timing,
                                         eager_timing=timing, usable=usable, bucket=bucket, view=view,
                                         max_spread=max_spread, score=score, errors=self.errors)
-            # CUDA graphs only where a probe measured them paying (graphs_verdict, below): the default mode's
-            # fit says nothing of the host's launch time they remove
-            probed = "default" in self.space.compile_modes  # --compile-mode auto: graphs beside the default mode
+            # CUDA graphs only where a probe paid (graph_probe), under --compile-mode auto
+            probed = "default" in self.space.compile_modes
             pays = {d: graphs_verdict(trials, d) == "pays" for d in self.space.dtypes} if probed else {}
             out += [c for c in found if not probed or c.config.compile not in CUDA_GRAPH_MODES
                     or pays.get(c.config.dtype, False)]
@@ -283,7 +245,7 @@ class SearchModels:
         model = self.refit(self.study)
         usable = self.usable(self.study)
         compiled = self.compiled_for(self.study, model)
-        if compiled is None or usable is None or model is None or not model.can_predict(config.dtype):
+        if compiled is None or usable is None or not model or not model.can_predict(config.dtype):
             return None
         key = config_compile_key(config)
         out = []
@@ -295,16 +257,15 @@ class SearchModels:
         return out
 
     def eager_estimate(self) -> tuple[None, float, float] | None:
-        """``(None, held GiB, activations GiB per sample)`` of the fullest rank in the first half dtype
-        by the memory model (for trials that did not report the held memory)."""
+        """``(None, held GiB, activations GiB per sample)`` of the fullest rank in the first half
+        dtype by the memory model (for trials that did not report the held memory)."""
         model = self.refit(self.study)
-        dtypes = [d for d in self.allowed_dtypes_now() if d in ("bf16", "fp16")]
-        if model is None or not dtypes or not model.can_predict(dtypes[0]):
+        half = next((d for d in self.allowed_dtypes_now() if d in HALF_DTYPES), None)
+        if model is None or half is None or not model.can_predict(half):
             return None
-        layers = max(1, self.space.num_layers)
         ranks = range(self.space.world_size)
-        held = max(model.fixed_bytes(r, dtypes[0]) for r in ranks)
-        act = max(model.per_sample_bytes(r, dtypes[0], 0, layers) for r in ranks)
+        held = max(model.fixed_bytes(r, half) for r in ranks)
+        act = max(model.per_sample_bytes(r, half, 0, max(1, self.space.num_layers)) for r in ranks)
         return None, held / GIB, act / GIB
 
     def predicted_ms(self, config: BalanceConfig) -> float | None:
@@ -318,26 +279,25 @@ class SearchModels:
         except FIT_ERRORS:  # a fit that cannot be made says nothing: the proposal goes without a time
             return None
 
-    def _compiled_now(self) -> CompiledMemoryModel | None:
-        """The compiled model on the decision's trials, fitted once per decision."""
-        return self.decision_for(self.study).fitted(
+    def _compiled_now(self, dtype: str) -> CompiledMemoryModel | None:
+        """The decision's compiled model (fitted once per decision) if it predicts ``dtype``."""
+        compiled = self.decision_for(self.study).fitted(
             "compiled-now", lambda: self.compiled_for(self.study, self.refit(self.study)))
+        return compiled if compiled is not None and compiled.can_predict(dtype) else None
 
     def peak_change(self, config: BalanceConfig, budget: float) -> list[float] | None:
         """Per rank, the compiled model's change of the peak (GiB, no margins) from ``config``'s budgets
         to ``budget`` (None: no model)."""
-        compiled = self._compiled_now()
-        if compiled is None or not compiled.can_predict(config.dtype):
+        compiled = self._compiled_now(config.dtype)
+        if compiled is None:
             return None
         other = BalanceConfig.from_dict({**config.to_dict(), "activation_budget": [budget] * config.world_size})
         return [(b - a) / GIB for a, b in zip(compiled.config_peaks(config), compiled.config_peaks(other), strict=True)]
 
     def compiled_peaks(self, config: BalanceConfig) -> list[float] | None:
         """The compiled model's predicted peaks of ``config``, GiB per rank (None: no model)."""
-        compiled = self._compiled_now()
-        if compiled is None or not compiled.can_predict(config.dtype):
-            return None
-        return [p / GIB for p in compiled.config_peaks(config)]
+        compiled = self._compiled_now(config.dtype)
+        return None if compiled is None else [p / GIB for p in compiled.config_peaks(config)]
 
     def unaffordable(self, config: BalanceConfig) -> str | None:
         """Why the time budget would not launch ``config`` (None: it would, or there is no budget)."""
@@ -394,8 +354,11 @@ def finished_key(trials: Sequence[FrozenTrial]) -> tuple[tuple[int, int], ...]:
 
 
 class Decision:
-    """One choice of the next trial: the study's trials read once and each model fitted from them at
-    most once (:meth:`fitted`; the advisor's memory models with their own key)."""
+    """One choice of the next trial: the study read once (:class:`StudySnapshot`; before, ~35 reads
+    of all trials per trial in a 10-minute replay, each a storage query) and each model fitted from
+    it at most once (:meth:`fitted`), however many phases, vetoes and budget checks ask. The loop
+    rebuilds it only when a trial finished since (``TrialLoop.decision``); nothing changes the
+    trials while the advisor decides (it enqueues its proposal after)."""
 
     def __init__(self, study: optuna.Study, *, num_layers: int, device: str, errors: ModelErrors | None = None,
                  budget: TimeBudget | None = None, clock: Callable[[], float] = time.monotonic) -> None:
@@ -468,24 +431,22 @@ def _launched(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
                    and t.user_attrs.get(TrialAttr.REUSED_FROM) is None), key=lambda t: t.number)
 
 
-def _dtype_states(trials: Sequence[FrozenTrial]) -> tuple[set[str], set[str]]:
-    """(dtypes with a measured trial, dtypes whose launched trials all failed without a measurement)."""
-    ran = [(str(t.user_attrs[TrialAttr.CONFIG].get("dtype")), str(t.user_attrs.get(TrialAttr.STATUS)))
-           for t in _launched(trials)]
-    measured = {d for d, status in ran if status in (Status.OK, Status.PRUNED)}
-    return measured, {d for d, status in ran if status in _FAILED} - measured
-
-
 def proposable_dtypes(*, space: SearchSpace, device: str, trials: Sequence[FrozenTrial], tf32: bool = False,
                       asked: bool = False, per_sample_ms: dict[str, float] | None = None) -> tuple[list[str], str]:
     """The dtypes the models may propose now, in the space's order, and why in words (``""``: all of
-    them). ``tf32``: the script runs fp32 matmuls in TF32; ``asked``: ``--dtypes`` names fp32 (then,
-    as with TF32, fp32 comes after the first half-precision dtype); ``per_sample_ms``: the step-time
-    model's measured cost per sample by dtype."""
+    them). On a CUDA device fp32 without TF32 costs about twice bf16 per sample (one H200: 1331-1340
+    ms per step where bf16 ran 170-230 ms; field notes), so: the first half dtype (bf16, else fp16),
+    the other once the first was measured or failed, and fp32 only when the space holds no half
+    dtype, after the first dtype when ``asked`` (``--dtypes`` names it) or ``tf32`` (the script
+    runs TF32), when every half dtype failed unmeasured, or when ``per_sample_ms`` (the step-time
+    model's, by dtype) has it faster than every half dtype."""
     half = [d for d in HALF_DTYPES if d in space.dtypes]
     if device != "cuda" or not half:
         return list(space.dtypes), ""
-    measured, failed = _dtype_states(trials)
+    ran = [(str(a[TrialAttr.CONFIG].get("dtype")), str(a.get(TrialAttr.STATUS)))
+           for a in [t.user_attrs for t in _launched(trials)]]
+    measured = {d for d, status in ran if status in (Status.OK, Status.PRUNED)}
+    failed = {d for d, status in ran if status in _FAILED} - measured  # failed, never measured
     first = half[0]
     allowed = {first}
     why = f"{first} first (the dtype prior on a GPU)"
@@ -551,7 +512,9 @@ def graph_probe(trials: Sequence[FrozenTrial], *, best: FrozenTrial, modes: Sequ
                 dtypes: Sequence[str]) -> BalanceConfig | None:
     """The probe: the study's ``best`` trial in the first CUDA-graph mode searched, when it is a
     feasible default-mode compiled trial of an allowed dtype whose graphs are ``untried``; None
-    otherwise (graphs not searched, or the probe launched already)."""
+    otherwise (graphs not searched, or the probe launched already). Graphs pay only where the host's
+    launch time bounds a step, which default-mode trials cannot tell (``docs/compile.md``): they are
+    proposed only where a probe paid (:func:`graphs_verdict`)."""
     graph_modes = [m for m in modes if m in CUDA_GRAPH_MODES]
     cfg_dict = best.user_attrs.get(TrialAttr.CONFIG)
     if not graph_modes or "default" not in modes or not cfg_dict or not best.user_attrs.get(TrialAttr.FEASIBLE, True):
@@ -671,8 +634,8 @@ def compiled_holdout_error(study: optuna.Study, *, space: SearchSpace,
 @dataclass(kw_only=True)
 class Candidate:
     """One proposal with what the models predict for it: its objective (lower is better), peak bytes
-    per rank, ms per optimizer step, the graphs no launched trial compiled yet, and whether the memory
-    prediction goes beyond the measured data (the trial line says so)."""
+    per rank, ms per optimizer step, the graphs no launched trial compiled yet, and whether the
+    memory prediction goes beyond the measured data (the trial line says so)."""
 
     score: float
     config: BalanceConfig
@@ -707,8 +670,24 @@ def compiled_candidates(
     eager_timing: StepTimeModel, usable: list[float], bucket: float, view: bool, max_spread: float | None,
     score: Score, errors: ModelErrors | None = None,
 ) -> list[Candidate]:
-    """Compiled configurations predicted to fit (module doc), unordered; a balanced split the
-    solver fails on is left out, noted in ``errors``."""
+    """Compiled configurations predicted to fit, unordered; a balanced split the solver fails on is
+    left out, noted in ``errors``.
+
+    Per (dtype, compile mode, accumulation), the even split, the splits balancing the compiled peaks
+    at budgets 1.0, 0.5 and 0.05 (rank 0 holds extras) and, with up to :data:`NEIGHBOUR_RANKS`
+    ranks, their one-sample neighbours. Each rank takes the largest budget of the 0.05 grid
+    predicted to fit, or a smaller one already compiled for the same (dtype, mode, buckets,
+    micro-batch) within :data:`CACHE_TIE` of its recomputation (the per-study Inductor cache serves
+    it). What a launched trial dominates is never proposed, so never compiled; nor is a dtype
+    :data:`SLOW_DTYPE` times slower per sample.
+
+    ZeRO-1 (``"zero1"`` searched, the optimizer state ``S`` measured): each split also gets a
+    ``zero1`` variant whose shares water-fill ``S`` over the ranks' compiled bounds at budget 1.0
+    (:func:`optimizer_shares`, ``base_r = fixed_r(0) + m_r * act_r * f(1) * (1 + extra(1))``): known
+    before any budget is chosen, where the unsharded budget may not exist (the case ZeRO-1 is for).
+    Each rank then takes its largest budget with ``fixed_r(q_r) = fixed_r + S * q_r``. The splits
+    balanced on the fixed parts with the state placed on them alone (``base_r = fixed_r(0)``) get a
+    ``zero1`` variant only."""
     modes = [(compile_key(m, scope), m, scope) for m in space.compile_modes if m != "off"
              for scope in space.compile_scopes if scope == "whole" or m not in CUDA_GRAPH_MODES]
     if not modes:
@@ -847,16 +826,9 @@ def eager_candidates(*, space: SearchSpace, model: MemoryModel, timing: StepTime
     out: list[Candidate] = []
     seen: set[str] = set()
 
-    def lift(mode: str, dtype: str, acc: int) -> list[float]:
-        """Per rank, what ``mode`` saves at ``acc`` micro-steps (0 unsharded)."""
-        if mode == "off" or savings is None:
-            return [0.0] * world
-        probe = BalanceConfig.from_dict({"micro_batches": [1] * world, "accumulation": acc,
-                                         "global_batch": world * acc, "dtype": dtype, "param_sharding": mode})
-        return [savings.saving(probe, r) for r in range(world)]
-
-    def consider(micro: list[int], counts: list[int], dtype: str, acc: int, mode: str,
-                 zero: bool = False) -> None:
+    def consider(micro: Sequence[int], counts: Sequence[int], dtype: str, acc: int, mode: str,
+                 saved: list[float], zero: bool = False) -> None:
+        micro, counts = list(micro), list(counts)
         # any split: the largest micro-batch per rank that fits; the ranks whose steps cost more
         # per sample (more recomputation) give up the samples beyond the global batch first
         cost = timing.sample_costs(counts, layers=layers)
@@ -873,7 +845,6 @@ def eager_candidates(*, space: SearchSpace, model: MemoryModel, timing: StepTime
         if key in seen or not space.contains(cfg):  # e.g. a split the space keeps fixed
             return
         seen.add(key)
-        saved = lift(mode, dtype, acc)
         fits, peaks = predict_config_feasible(model, cfg, num_layers=layers,
                                               limits=[u + s for u, s in zip(usable, saved, strict=True)])
         if not fits or model.config_clamped(cfg, num_layers=layers):
@@ -902,19 +873,25 @@ def eager_candidates(*, space: SearchSpace, model: MemoryModel, timing: StepTime
             continue
         shard = zero1 and mode == "off"
         total = space.micro_total(acc)
-        usable_now = [u + s for u, s in zip(usable, lift(mode, dtype, acc), strict=True)]
+        saved = [0.0] * world  # per rank, what the parameter sharding saves
+        if mode != "off" and savings is not None:
+            probe = BalanceConfig.from_dict({"micro_batches": [1] * world, "accumulation": acc,
+                                             "global_batch": world * acc, "dtype": dtype,
+                                             "param_sharding": mode})
+            saved = [savings.saving(probe, r) for r in range(world)]
+        usable_now = [u + s for u, s in zip(usable, saved, strict=True)]
         for plan in plans(total, dtype, usable_now):
-            consider(list(plan.micro_batches), list(plan.checkpointed), dtype, acc, mode)
+            consider(plan.micro_batches, plan.checkpointed, dtype, acc, mode, saved)
         if shard:  # the same plans, the state placed where memory is left (less on rank 0's extras)
             fixed0 = [model.fixed_bytes(r, dtype, 0.0) for r in range(world)]
             first = optimizer_shares(base=fixed0, state=model.optimizer_bytes(None),
                                      limits=usable_now)
             for plan in plans(total, dtype, usable_now, first):
-                consider(list(plan.micro_batches), list(plan.checkpointed), dtype, acc, mode, True)
+                consider(plan.micro_batches, plan.checkpointed, dtype, acc, mode, saved, zero=True)
         even = attempt(errors, "eager search", balanced_split_for, model, total=total,
                        checkpointed=[0] * world, num_layers=layers, dtype=dtype, limits=usable_now)
         for micro in (even, *neighbours(even)) if even is not None else []:
-            consider(micro, [0] * world, dtype, acc, mode)
+            consider(micro, [0] * world, dtype, acc, mode, saved)
             if shard:
-                consider(micro, [0] * world, dtype, acc, mode, zero=True)
+                consider(micro, [0] * world, dtype, acc, mode, saved, zero=True)
     return out

@@ -8,9 +8,9 @@ What a sharding saves on rank ``r`` (``W`` ranks; ``P_s`` the bytes of the param
     saved = (1 - 1/W) * (P_s + G_s + S * P_s / P) - U - (1 - 1/W) * K
 
 ``G_s = P_s`` with one micro-step (the gradients are reduce-scattered as they are made); with more,
-the unsharded gradients accumulate until the last micro-step, so ``G_s = 0``. ``K``: the bytes of the
-groups whose gathered weights are kept from forward to backward (``keep_gathered``). Measured on CPU
-(``tests/test_fsdp.py``): live-tensor peaks fall by this within 10 %.
+the unsharded gradients accumulate until the last micro-step, so ``G_s = 0``. ``K``: the bytes of
+the groups whose gathered weights are kept from forward to backward (``keep_gathered``). Measured on
+CPU (``tests/test_fsdp.py``): live-tensor peaks fall by this within 10 %.
 
 The eager memory model is of unsharded memory. Once a sharded trial ran and that model predicts its
 split, the saving is learned (:class:`SavingModel`: per rank, the median of the unsharded prediction
@@ -44,9 +44,9 @@ def sharding_level(mode: str) -> int:
 
 @dataclass(kw_only=True)
 class ShardingFacts:
-    """What the baseline's report says of the model's parameters (``StudyAttr.MODEL``), in bytes: all
-    of them, the embedding-like modules' (``runtime._fsdp.find_embeddings``), the largest of those,
-    and the largest repeated block's."""
+    """What the baseline's report says of the model's parameters (``StudyAttr.MODEL``), in bytes:
+    all of them, the embedding-like modules' (``runtime._fsdp.find_embeddings``), the largest of
+    those, and the largest repeated block's."""
 
     world_size: int
     param_bytes: float
@@ -142,15 +142,16 @@ class SavingModel:
             for r, peak in enumerate(peaks):
                 if peak is None:
                     continue
-                predicted = unsharded.predict(rank=r, micro_batch=cfg.micro_batches[r], dtype=cfg.dtype,
-                                              checkpointed=len(cfg.checkpoint[r]), num_layers=max(1, num_layers))
+                predicted = unsharded.predict(rank=r, micro_batch=cfg.micro_batches[r],
+                                              checkpointed=len(cfg.checkpoint[r]),
+                                              num_layers=max(1, num_layers), dtype=cfg.dtype)
                 per_rank[r].append(predicted - float(peak) * GIB)
         model.learned = {k: [statistics.median(v) if v else float("nan") for v in ranks]
                          for k, ranks in seen.items()}
         return model
 
     def saving(self, config: BalanceConfig, rank: int) -> float:
-        """What ``config``'s sharding saves on ``rank``: learned from its trials, else the formula."""
+        """What ``config``'s sharding saves on ``rank``: learned from its trials, else predicted."""
         learned = self.learned.get(_sharding_key(config))
         if learned is not None and rank < len(learned) and learned[rank] == learned[rank]:  # not NaN
             return learned[rank]
