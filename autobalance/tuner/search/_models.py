@@ -137,7 +137,7 @@ class SearchModels:
         trials = study.get_trials(deepcopy=False)
         obs = observations_from_trials(trials, num_layers=self.space.num_layers)
         self.savings = None
-        if len(self.space.param_shardings) > 1:  # sharded trials join as the unsharded peaks they imply
+        if len(self.space.param_shardings) > 1:  # sharded trials join as their unsharded peaks
             self.savings = study_savings(trials, model_facts=study.user_attrs.get(StudyAttr.MODEL),
                                          world_size=self.space.world_size, num_layers=self.space.num_layers,
                                          unsharded=self._fit(obs))
