@@ -331,7 +331,7 @@ def test_shard_proposal_where_the_fixed_part_is_large_and_nothing_fits() -> None
     facts = _facts(param_bytes=1000.0, embedding_bytes=900.0, largest_embedding=450.0, block_bytes=20.0)
     savings = SavingModel(facts=facts, state_total=2000.0)
     base = BalanceConfig(micro_batches=[4, 4], global_batch=8, dtype="fp16", optimizer_sharding="zero1")
-    kw = dict(space_shardings=["off", "embeddings", "blocks"], facts=facts, baseline=base, savings=savings)
+    kw = dict(space_shardings=["off", "embeddings", "blocks"], baseline=base, savings=savings)
     fixed = [4000.0, 4000.0]  # weights, gradients, two moments
     cfg, why = sharding_proposal_config(usable=[3600.0, 3600.0], fixed=fixed, any_fits=False, tried=set(), **kw)
     # embeddings save 0.5 * (900 + 900 + 1800) - 450 = 1350: 2650 left, below 85 % of 3600

@@ -2,17 +2,15 @@
 survives are kept.
 
 A fit that fails leaves the search with a fallback (no memory model yet, the proportional step-time
-start, no proposal from that split): the search goes on, worse. What is caught is only what a fit
-can raise on data it cannot use (:data:`FIT_ERRORS`); a programming error (``TypeError``,
-``AttributeError``, ``KeyError``, ...) is not caught. Each caught error is noted in a
-:class:`ModelErrors` and saved in the study (:data:`StudyAttr.MODEL_ERRORS`: the last
-:data:`MAX_KEPT_ERRORS` as ``{where, error}``), and the tune summary says it in one line
-(:func:`model_errors_line`)."""
+start, no proposal from that split). Only :data:`FIT_ERRORS` are caught, never a programming error
+(``TypeError``, ``AttributeError``, ...); each is noted in a :class:`ModelErrors`, saved in the
+study (:data:`StudyAttr.MODEL_ERRORS`) and said in the summary (:func:`model_errors_line`)."""
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
 
@@ -20,14 +18,17 @@ from autobalance._errors import UsageError
 from autobalance.protocol import StudyAttr
 from autobalance.tuner.search._constants import MAX_ERROR_TEXT, MAX_KEPT_ERRORS
 
-__all__ = ["FIT_ERRORS", "MAX_KEPT_ERRORS", "ModelErrors", "caught", "model_errors_line"]
+__all__ = ["FIT_ERRORS", "MAX_KEPT_ERRORS", "ModelErrors", "attempt", "caught", "model_errors_line"]
 
 FIT_ERRORS: tuple[type[Exception], ...] = (np.linalg.LinAlgError, ValueError, ArithmeticError, UsageError)
-"""What a fit or a solver raises on data it cannot use: numpy's ``LinAlgError`` (an SVD or least
-squares that does not converge), ``ValueError`` (scipy's ``least_squares`` on a start or residuals
-that are not finite, an empty or ill-shaped array), ``ArithmeticError`` (a division by a zero
-measurement, an overflow), and autobalance's own refusals of an observation, a limit or a
-configuration (``UsageError``, ``ConfigError``)."""
+"""What a fit or a solver raises on data it cannot use: ``LinAlgError`` (an SVD or least squares
+that does not converge), ``ValueError`` (scipy's ``least_squares`` on values that are not finite, an
+empty or ill-shaped array), ``ArithmeticError`` (a division by a zero measurement, an overflow), and
+autobalance's refusals of an observation, a limit or a configuration (``UsageError``,
+``ConfigError``)."""
+
+_T = TypeVar("_T")
+_P = ParamSpec("_P")
 
 
 class ModelErrors:
@@ -41,7 +42,7 @@ class ModelErrors:
         self.pending.append({"where": where, "error": f"{type(exc).__name__}: {exc}"[:MAX_ERROR_TEXT]})
 
     def save(self, study: Any) -> None:
-        """Add the pending errors to the study's (the last :data:`MAX_KEPT_ERRORS` kept); nothing when none."""
+        """Add the pending errors to the study's (the last :data:`MAX_KEPT_ERRORS` kept)."""
         if not self.pending:
             return
         kept = list(study.user_attrs.get(StudyAttr.MODEL_ERRORS) or [])
@@ -55,14 +56,22 @@ def caught(errors: ModelErrors | None, where: str, exc: BaseException) -> None:
         errors.caught(where, exc)
 
 
+def attempt(errors: ModelErrors | None, where: str, fit: Callable[_P, _T], /,
+            *args: _P.args, **kwargs: _P.kwargs) -> _T | None:
+    """``fit(*args, **kwargs)``, or None after one of :data:`FIT_ERRORS` (noted in ``errors``)."""
+    try:
+        return fit(*args, **kwargs)
+    except FIT_ERRORS as exc:
+        caught(errors, where, exc)
+        return None
+
+
 def model_errors_line(entries: list[dict[str, Any]] | None) -> str | None:
     """One line for the summary: ``models: 2 fits failed (holdout: LinAlgError: SVD did not converge; ...)``
     (each place once, its latest error); None when no fit failed."""
     if not entries:
         return None
-    latest: dict[str, str] = {}
-    for entry in entries:
-        latest[str(entry.get("where"))] = str(entry.get("error"))
+    latest = {str(entry.get("where")): str(entry.get("error")) for entry in entries}
     counts = Counter(str(entry.get("where")) for entry in entries)
     count = len(entries)
     more = f" (the last {MAX_KEPT_ERRORS} kept)" if count >= MAX_KEPT_ERRORS else ""

@@ -1,95 +1,16 @@
-"""The search's models over one decision: the per-rank memory model and the compiled memory model
-fitted from the study's own trials (each once per decision: :class:`Decision`, below), the candidates
-they rank by predicted objective (eager ones from the memory model, compiled ones from the compiled
-model: below), and what the policy's phases ask of them (:class:`SearchModels`). They learn from each trial (:meth:`SearchModels.learn`: a
-model that under-predicted widens its margin).
-
-**One decision** (:class:`Decision`): the study's trials and attributes read once.
-
-Choosing the next trial asks many questions of the study (the history, the models' fits, the
-compile prices, the time budget's forecast for each phase's proposal), and each used to read every
-trial from the storage again: ~35 reads of all trials per trial in a 10-minute replay, each a query
-(and over the network for a shared PostgreSQL study). :class:`StudySnapshot` answers
-``get_trials`` and ``user_attrs`` from one read taken when the decision starts; nothing changes the
-trials while the advisor decides (it enqueues its proposal after), and everything else (writing an
-attribute, ``enqueue_trial``) goes to the study itself.
-
-A :class:`Decision` is one choice of the next trial: the study read once and the models fitted from
-it at most once, however many phases, vetoes and budget checks ask. The loop builds it at the head
-of each trial (``TrialLoop.decision``) and hands it to the advisor; it is rebuilt only when a trial
-finished since (another worker's included), so the verification forecast that the stop rule reads,
-the policy's phases and the check of the configuration asked all use one fit of each model.
-
-**First trials.** No blind start-up on a GPU: which dtypes the model strategy may propose, and when the wrapped
-sampler may explore.
-
-On a CUDA device the dtype prior says fp32 without TF32 costs about twice bf16 per sample on a
-tensor-core GPU (on one H200, 1331-1340 ms per step where bf16 ran 170-230 ms: field notes), so:
-
-- **bf16 first.** Until a bf16 trial was measured (or bf16 failed), only bf16 is proposed; fp16 is
-  the first dtype when bf16 is not searched.
-- **fp16 next**, once the first half-precision dtype was measured or failed.
-- **fp32 only when asked or learned**: the search space holds no half-precision dtype (``--dtypes
-  fp32``); ``--dtypes`` names fp32 or the script runs fp32 matmuls in TF32 (then like fp16, after the
-  first dtype); every half-precision dtype failed (trials that ran and ended in an error, a crash or
-  a timeout, none measured); or the study measured fp32 faster per sample than every half-precision
-  dtype.
-
-Trials left to the sampler before that get the first allowed dtype fixed (the sampler picks the
-rest), so the sampler's random start-up never spends a trial on fp32 with most blocks checkpointed.
-On a GPU the sampler explores freely only once the models' proposals stop improving
-(:func:`proposals_stalled`); on CPU every third trial is the sampler's, as before.
-
-**CUDA graphs** (``torch.compile`` mode ``reduce-overhead``) in the search: measured against the
-default mode once, at the best default-mode compiled configuration, before any model proposes them.
-
-A micro-step costs about ``max(host launch time, GPU time)``: graphs cut the launch time, so they pay
-where the host is the bottleneck and not where the GPU is busy (one H200, ``studies/gpt-1gpu.toml``:
-8 x 4 137 -> 129 ms, 4 x 8 269 -> 152 ms; ``docs/compile.md``). Which one a study's script is cannot
-be read from default-mode trials alone, and the step-time model's prior for graphs, borrowed from the
-default mode, promised 53 ms at 8 x 4: so the first graph trial is a **probe**: once the models promise nothing better than the study's best
-trial and that is a default-mode compiled one, the same configuration with graphs (one compile);
-graphs are proposed further only when a probe ran at least :data:`GRAPH_GAIN` faster than its
-default-mode twin.
-
-**What the memory models are fitted from, and their held-out errors.** What the memory models are fitted from, and how well they predict: each measured trial predicted
-from all the others (leave-one-trial-out), as the summary and the study's attributes report it.
-
-**The candidates** the models rank by predicted objective (what the ``model`` phase proposes from).
-
-**Eager.** The memory model's eager proposals: for each dtype and accumulation, the balanced plans of the
-solver (water-filling with per-rank checkpointing), the even split and its one-sample neighbours;
-each kept when predicted to fit (and within the spread limit), scored by the predicted objective.
-
-**Compiled.** Compiled proposals from the compiled model: per split, each rank's largest budget predicted to
-fit, scored by the predicted objective; ordered so that few new graphs are compiled.
-
-For each (dtype, compile mode, accumulation) the splits tried are the even split, the splits that
-balance the compiled peaks at budgets 1.0, 0.5 and the smallest one (the ranks' fixed parts differ:
-rank 0 holds extras), and, with up to :data:`NEIGHBOUR_RANKS` ranks, their one-sample neighbours.
-Each rank then takes the largest budget of the 0.05 grid predicted to fit - or a smaller one
-already compiled for the same (dtype, mode, buckets, micro-batch) when its predicted recomputation
-costs at most :data:`CACHE_TIE` more (the per-study Inductor cache then serves the graph). A
-configuration that a launched trial dominates (it needs at least the memory of one that did not
-fit) is never proposed, so never compiled.
-
-**ZeRO-1** (``"zero1"`` searched and the eager model has measured the optimizer state ``S``): each
-split also gets a ``zero1`` variant. Its shares water-fill the state over the ranks' compiled bounds
-without it at budget 1.0 (:func:`optimizer_shares` with ``base_r = fixed_r(0) + m_r * act_r * f(1) *
-(1 + extra(1))``, normalised by :func:`normalised_shares`): budget 1.0 because it is known before any
-budget is chosen, and the unsharded budget may not exist (a rank that does not fit at any budget
-unsharded is the case ZeRO-1 is for); the extras decide the shares either way. Each rank then takes
-its largest budget with ``fixed_r(q_r) = fixed_r + S * q_r``. The splits are also balanced once more
-on the fixed parts sharded by the state placed on the fixed parts alone (``base_r = fixed_r(0)``),
-and those new splits get a ``zero1`` variant only. Dtypes the eager time model already knows to be
-:data:`SLOW_DTYPE` times slower per sample than the fastest are not compiled at all.
-"""
+"""The search's models over one decision (:class:`Decision`): the per-rank memory model and the
+compiled memory model fitted from the study's trials, the candidates they rank by predicted
+objective (:func:`eager_candidates`, :func:`compiled_candidates`), the dtypes they may propose
+(:func:`proposable_dtypes`), when CUDA graphs are tried (:func:`graph_probe`), and what the policy's
+phases ask of them (:class:`SearchModels`; a model that under-predicted a trial widens its margin:
+:meth:`SearchModels.learn`)."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 import functools
+import itertools
 import math
 import time
 from collections.abc import Callable, Container, Hashable, Sequence
@@ -126,10 +47,11 @@ from autobalance.tuner.search._memory_model import (
     MemoryModel,
     MemoryObservation,
 )
-from autobalance.tuner.search._model_errors import FIT_ERRORS, ModelErrors, caught
+from autobalance.tuner.search._model_errors import FIT_ERRORS, ModelErrors, attempt
 from autobalance.tuner.search._objective import spread_fraction
 from autobalance.tuner.search._sharding import SavingModel, study_savings
 from autobalance.tuner.search._solver import (
+    SplitPlan,
     balanced_split,
     balanced_split_for,
     neighbours,
@@ -144,7 +66,6 @@ from autobalance.tuner.search._space import (
     normalised_shares,
 )
 from autobalance.tuner.search._timing import (
-    DYNAMIC,
     CompiledTimeModel,
     StepTimeModel,
     TimeBudget,
@@ -152,11 +73,10 @@ from autobalance.tuner.search._timing import (
     graph_keys,
 )
 
-__all__ = ["CACHE_TIE", "DYNAMIC", "GRAPH_GAIN", "HALF_DTYPES", "IMPROVES", "MODEL_SOURCES", "SLOW_DTYPE",
-           "STALL_AFTER", "Candidate", "Decision", "GraphVerdict", "Score", "SearchModels", "StudySnapshot",
-           "cache_order", "compiled_candidates", "compiled_graphs", "compiled_holdout_error", "eager_candidates",
-           "eager_holdout_error", "finished_key", "graph_keys", "graph_probe", "graphs_verdict", "much_slower",
-           "observations_from_trials", "proposable_dtypes", "proposals_stalled", "saves_errors"]
+__all__ = ["HALF_DTYPES", "Candidate", "Decision", "SearchModels", "StudySnapshot", "cache_order",
+           "compiled_candidates", "compiled_holdout_error", "eager_candidates",
+           "eager_holdout_error", "graph_probe", "graphs_verdict", "observations_from_trials",
+           "proposable_dtypes", "proposals_stalled", "saves_errors"]
 
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
@@ -182,9 +102,8 @@ class SearchModels:
         self.model: MemoryModel | None = None
         """The memory model of the last decision that fitted one (corrected by :meth:`learn`)."""
         self.compiled: CompiledMemoryModel | None = None
-        """The compiled memory model, likewise."""
         self.savings: SavingModel | None = None
-        """What each parameter sharding saves per rank (``_sharding``), refitted with the model; None: not searched."""
+        """What each parameter sharding saves per rank (``_sharding``); None: not searched."""
         self._margin = DEFAULT_SAFETY_MARGIN
         self._compiled_margin: float | None = None
         self.proposed: set[str] = set()
@@ -192,17 +111,15 @@ class SearchModels:
         self.asks = 0
         """The asks so far (``explore`` paces the sampler by it)."""
         self.errors = ModelErrors()
-        """The fits the search fell back from; saved in the study after each call that fits (:func:`saves_errors`)."""
+        """The fits the search fell back from; saved in the study (:func:`saves_errors`)."""
         self.dtype_note = ""
         """Why the last proposals were held to some dtypes (``""``: none held back)."""
         self.decision: Decision | None = None
-        """The decision in progress (:class:`Decision`: the study read once, each model fitted once), from
-        the advisor's ``before_ask`` until the next; the veto of the trial asked reads it too."""
+        """The decision in progress, from the advisor's ``before_ask`` until the next."""
 
     # ------------------------------------------------------------------ model
     def usable(self, study: optuna.Study) -> list[float] | None:
-        caps = self.settings.caps_bytes()
-        capacity = caps or study.user_attrs.get(StudyAttr.CAPACITY)
+        capacity = self.settings.caps_bytes() or study.user_attrs.get(StudyAttr.CAPACITY)
         if not capacity:
             return None
         if len(capacity) == 1:
@@ -220,44 +137,33 @@ class SearchModels:
         trials = study.get_trials(deepcopy=False)
         obs = observations_from_trials(trials, num_layers=self.space.num_layers)
         self.savings = None
-        if len(self.space.param_shardings) > 1:  # sharded trials join as the unsharded peaks they imply (_sharding)
+        if len(self.space.param_shardings) > 1:  # sharded trials join as their unsharded peaks
             self.savings = study_savings(trials, model_facts=study.user_attrs.get(StudyAttr.MODEL),
                                          world_size=self.space.world_size, num_layers=self.space.num_layers,
-                                         unsharded=self._fit_quietly(obs))
+                                         unsharded=self._fit(obs))
             if self.savings is not None:
                 obs = observations_from_trials(trials, num_layers=self.space.num_layers, savings=self.savings)
-        if not any(o.ok for o in obs):
-            return None
-        try:
-            model = MemoryModel.fit(obs, world_size=self.space.world_size, safety_margin=self._margin)
-        except FIT_ERRORS as exc:
-            self.errors.caught("memory model", exc)
-            return None
-        self._margin = model.safety_margin
-        self.model = model
+        model = self._fit(obs)
+        if model is not None:
+            self._margin = model.safety_margin
+            self.model = model
         return model
 
-    def _fit_quietly(self, obs: list[MemoryObservation]) -> MemoryModel | None:
-        """The model of ``obs`` alone (None: nothing fits, or the fit failed; noted in the errors)."""
+    def _fit(self, obs: list[MemoryObservation]) -> MemoryModel | None:
+        """The model of ``obs`` (None: nothing fits, or the fit failed; noted in the errors)."""
         if not any(o.ok for o in obs):
             return None
-        try:
-            return MemoryModel.fit(obs, world_size=self.space.world_size, safety_margin=self._margin)
-        except FIT_ERRORS as exc:
-            self.errors.caught("memory model", exc)
-            return None
+        return attempt(self.errors, "memory model", MemoryModel.fit, obs,
+                       world_size=self.space.world_size, safety_margin=self._margin)
 
     # ------------------------------------------------------------------ proposals
     def candidates(self, study: optuna.Study) -> list[tuple[float, BalanceConfig]]:
-        """Configurations the models predict to fit, scored by the predicted objective (spread from
-        the memory models, step time from time models fitted to the study's trials), best first:
-        eager ones from the memory model, compiled ones from the compiled model."""
+        """Configurations the models predict to fit with their predicted objective, best first."""
         return [(c.score, c.config) for c in self.scored_candidates(study)]
 
     @saves_errors
     def scored_candidates(self, study: optuna.Study) -> list[Candidate]:
-        """:meth:`candidates` with their predictions, in the order they are proposed (ties go to
-        the candidate that compiles fewer new graphs)."""
+        """:meth:`candidates` with their predictions, in the order of :func:`cache_order`."""
         model = self.refit(study)
         usable = self.usable(study)
         if model is None or usable is None:
@@ -267,7 +173,10 @@ class SearchModels:
         ref = study.user_attrs.get(StudyAttr.REFERENCE)
         reference = 1000 * float(ref) if ref else None
         capacity = [u / (1.0 - self.settings.headroom) for u in usable]
-        bucket, view = self._bucket_choice(study)
+        best = best_trial(study)  # its buckets, else DDP's defaults
+        cfg = (best.user_attrs[TrialAttr.CONFIG] if best is not None
+               else {"bucket_cap_mb": 25.0, "gradient_as_bucket_view": True})
+        bucket, view = float(cfg["bucket_cap_mb"]), bool(cfg["gradient_as_bucket_view"])
         max_spread = self.settings.max_spread_gib * GIB if self.settings.max_spread_gib is not None else None
 
         def score(cfg: BalanceConfig, peaks: list[float], ms: float) -> float | None:
@@ -283,15 +192,13 @@ class SearchModels:
             found = compiled_candidates(space=self.space, trials=trials, memory=compiled, timing=compiled_timing,
                                         eager_timing=timing, usable=usable, bucket=bucket, view=view,
                                         max_spread=max_spread, score=score, errors=self.errors)
-            # CUDA graphs only where a probe measured them paying (graphs_verdict, below): the default mode's
-            # fit says nothing of the host's launch time they remove
-            probed = "default" in self.space.compile_modes  # --compile-mode auto: graphs beside the default mode
+            # CUDA graphs only where a probe paid (graph_probe), under --compile-mode auto
+            probed = "default" in self.space.compile_modes
             pays = {d: graphs_verdict(trials, d) == "pays" for d in self.space.dtypes} if probed else {}
             out += [c for c in found if not probed or c.config.compile not in CUDA_GRAPH_MODES
                     or pays.get(c.config.dtype, False)]
         allowed = self.allowed_dtypes(study, timing)
-        ordered = cache_order([c for c in out if c.config.dtype in allowed])
-        return ordered
+        return cache_order([c for c in out if c.config.dtype in allowed])
 
     def allowed_dtypes(self, study: optuna.Study, timing: StepTimeModel | None = None) -> list[str]:
         """The dtypes the models may propose now (:func:`proposable_dtypes`); sets :attr:`dtype_note`."""
@@ -323,13 +230,6 @@ class SearchModels:
         decision = self.decision
         return decision if decision is not None and (study is decision.study or study is decision.source) else None
 
-    def _bucket_choice(self, study: optuna.Study) -> tuple[float, bool]:
-        best = best_trial(study)
-        if best is not None:
-            cfg = best.user_attrs[TrialAttr.CONFIG]
-            return float(cfg["bucket_cap_mb"]), bool(cfg["gradient_as_bucket_view"])
-        return 25.0, True
-
     # ------------------------------------------------------------------ what the policy's phases ask
     @property
     def study(self) -> optuna.Study:
@@ -344,7 +244,7 @@ class SearchModels:
         (its scope and dtype); None: a rank fits at none, or nothing to predict from."""
         model = self.refit(self.study)
         usable = self.usable(self.study)
-        compiled = self.compiled_for(self.study, model) if model is not None else None
+        compiled = self.compiled_for(self.study, model)
         if compiled is None or usable is None or not model or not model.can_predict(config.dtype):
             return None
         key = config_compile_key(config)
@@ -357,16 +257,15 @@ class SearchModels:
         return out
 
     def eager_estimate(self) -> tuple[None, float, float] | None:
-        """``(None, held GiB, activations GiB per sample)`` of the fullest rank from the memory model's
-        fit in the first half dtype, when trials did not report the held memory (runtimes from before)."""
+        """``(None, held GiB, activations GiB per sample)`` of the fullest rank in the first half
+        dtype by the memory model (for trials that did not report the held memory)."""
         model = self.refit(self.study)
-        dtypes = [d for d in self.allowed_dtypes_now() if d in ("bf16", "fp16")]
-        if model is None or not dtypes or not model.can_predict(dtypes[0]):
+        half = next((d for d in self.allowed_dtypes_now() if d in HALF_DTYPES), None)
+        if model is None or half is None or not model.can_predict(half):
             return None
-        layers = max(1, self.space.num_layers)
         ranks = range(self.space.world_size)
-        held = max(model.fixed_bytes(r, dtypes[0]) for r in ranks)
-        act = max(model.per_sample_bytes(r, dtypes[0], 0, layers) for r in ranks)
+        held = max(model.fixed_bytes(r, half) for r in ranks)
+        act = max(model.per_sample_bytes(r, half, 0, max(1, self.space.num_layers)) for r in ranks)
         return None, held / GIB, act / GIB
 
     def predicted_ms(self, config: BalanceConfig) -> float | None:
@@ -380,28 +279,25 @@ class SearchModels:
         except FIT_ERRORS:  # a fit that cannot be made says nothing: the proposal goes without a time
             return None
 
-    def _compiled_now(self) -> CompiledMemoryModel | None:
-        """The compiled model on the decision's trials, fitted once per decision."""
-        def first() -> CompiledMemoryModel | None:
-            model = self.refit(self.study)
-            return self.compiled_for(self.study, model) if model is not None else None
-        return self.decision_for(self.study).fitted("compiled-now", first)
+    def _compiled_now(self, dtype: str) -> CompiledMemoryModel | None:
+        """The decision's compiled model (fitted once per decision) if it predicts ``dtype``."""
+        compiled = self.decision_for(self.study).fitted(
+            "compiled-now", lambda: self.compiled_for(self.study, self.refit(self.study)))
+        return compiled if compiled is not None and compiled.can_predict(dtype) else None
 
     def peak_change(self, config: BalanceConfig, budget: float) -> list[float] | None:
         """Per rank, the compiled model's change of the peak (GiB, no margins) from ``config``'s budgets
         to ``budget`` (None: no model)."""
-        compiled = self._compiled_now()
-        if compiled is None or not compiled.can_predict(config.dtype):
+        compiled = self._compiled_now(config.dtype)
+        if compiled is None:
             return None
         other = BalanceConfig.from_dict({**config.to_dict(), "activation_budget": [budget] * config.world_size})
         return [(b - a) / GIB for a, b in zip(compiled.config_peaks(config), compiled.config_peaks(other), strict=True)]
 
     def compiled_peaks(self, config: BalanceConfig) -> list[float] | None:
         """The compiled model's predicted peaks of ``config``, GiB per rank (None: no model)."""
-        compiled = self._compiled_now()
-        if compiled is None or not compiled.can_predict(config.dtype):
-            return None
-        return [p / GIB for p in compiled.config_peaks(config)]
+        compiled = self._compiled_now(config.dtype)
+        return None if compiled is None else [p / GIB for p in compiled.config_peaks(config)]
 
     def unaffordable(self, config: BalanceConfig) -> str | None:
         """Why the time budget would not launch ``config`` (None: it would, or there is no budget)."""
@@ -423,8 +319,7 @@ class SearchModels:
             return
         usable = self.usable(study)
         for obs in observations_from_trials([trial], num_layers=self.space.num_layers):
-            limit = usable[obs.rank] if usable else None
-            self.model.correct(obs, limit=limit)
+            self.model.correct(obs, limit=usable[obs.rank] if usable else None)
         self._margin = self.model.safety_margin
 
 
@@ -459,26 +354,27 @@ def finished_key(trials: Sequence[FrozenTrial]) -> tuple[tuple[int, int], ...]:
 
 
 class Decision:
-    """One choice of the next trial: the study's trials read once and each model fitted from them at
-    most once (:meth:`fitted`; :attr:`step_time` and :attr:`compiled_time` here, the advisor's memory
-    models through :meth:`fitted` with their own key)."""
+    """One choice of the next trial: the study read once (:class:`StudySnapshot`; before, ~35 reads
+    of all trials per trial in a 10-minute replay, each a storage query) and each model fitted from
+    it at most once (:meth:`fitted`), however many phases, vetoes and budget checks ask. The loop
+    rebuilds it only when a trial finished since (``TrialLoop.decision``); nothing changes the
+    trials while the advisor decides (it enqueues its proposal after)."""
 
     def __init__(self, study: optuna.Study, *, num_layers: int, device: str, errors: ModelErrors | None = None,
                  budget: TimeBudget | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.source = study
-        """The study itself (writes go there)."""
+        """The study itself (writes go there); :attr:`study` is its :class:`StudySnapshot`."""
         self.study = cast(optuna.Study, StudySnapshot(study))
-        """The study as of this decision (:class:`StudySnapshot`)."""
         self.trials = self.study.get_trials(deepcopy=False)
         self.key = finished_key(self.trials)
         self.num_layers = num_layers
         self.device = device
         self.errors = errors
-        """Where a time model's fit notes what it fell back from (the advisor's; None: nowhere)."""
+        """Where a time model's fit notes what it fell back from (None: nowhere)."""
         self.budget = budget
         """``--time-budget`` (None: no budget)."""
         self.clock = clock
-        """The time now (``time.monotonic``; the replay's simulated clock)."""
+        """The time now (the replay's simulated clock)."""
         self._fits: dict[Hashable, Any] = {}
 
     def current(self, study: optuna.Study) -> bool:
@@ -535,33 +431,22 @@ def _launched(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
                    and t.user_attrs.get(TrialAttr.REUSED_FROM) is None), key=lambda t: t.number)
 
 
-def _dtype_states(trials: Sequence[FrozenTrial]) -> tuple[set[str], set[str]]:
-    """(dtypes with a measured trial, dtypes whose launched trials all failed without a measurement)."""
-    measured: set[str] = set()
-    tried: dict[str, list[str]] = {}
-    for t in _launched(trials):
-        dtype = str(t.user_attrs[TrialAttr.CONFIG].get("dtype"))
-        status = str(t.user_attrs.get(TrialAttr.STATUS))
-        tried.setdefault(dtype, []).append(status)
-        if status in (Status.OK, Status.PRUNED):
-            measured.add(dtype)
-    failed = {d for d, statuses in tried.items()
-              if d not in measured and any(s in _FAILED for s in statuses)}
-    return measured, failed
-
-
 def proposable_dtypes(*, space: SearchSpace, device: str, trials: Sequence[FrozenTrial], tf32: bool = False,
                       asked: bool = False, per_sample_ms: dict[str, float] | None = None) -> tuple[list[str], str]:
     """The dtypes the models may propose now, in the space's order, and why in words (``""``: all of
-    them). ``tf32``: the script runs fp32 matmuls in TF32; ``asked``: ``--dtypes`` names fp32 (then,
-    as with TF32, fp32 comes after the first half-precision dtype); ``per_sample_ms``: the step-time
-    model's measured cost per sample by dtype."""
-    if device != "cuda":
-        return list(space.dtypes), ""
+    them). On a CUDA device fp32 without TF32 costs about twice bf16 per sample (one H200: 1331-1340
+    ms per step where bf16 ran 170-230 ms; field notes), so: the first half dtype (bf16, else fp16),
+    the other once the first was measured or failed, and fp32 only when the space holds no half
+    dtype, after the first dtype when ``asked`` (``--dtypes`` names it) or ``tf32`` (the script
+    runs TF32), when every half dtype failed unmeasured, or when ``per_sample_ms`` (the step-time
+    model's, by dtype) has it faster than every half dtype."""
     half = [d for d in HALF_DTYPES if d in space.dtypes]
-    if not half:
+    if device != "cuda" or not half:
         return list(space.dtypes), ""
-    measured, failed = _dtype_states(trials)
+    ran = [(str(a[TrialAttr.CONFIG].get("dtype")), str(a.get(TrialAttr.STATUS)))
+           for a in [t.user_attrs for t in _launched(trials)]]
+    measured = {d for d, status in ran if status in (Status.OK, Status.PRUNED)}
+    failed = {d for d, status in ran if status in _FAILED} - measured  # failed, never measured
     first = half[0]
     allowed = {first}
     why = f"{first} first (the dtype prior on a GPU)"
@@ -596,28 +481,20 @@ def proposals_stalled(trials: Sequence[FrozenTrial], objective: dict[str, Any]) 
 
 # ------------------------------------ CUDA graphs: probed once against the best default-mode trial
 GraphVerdict = Literal["untried", "pays", "no-gain"]
-"""``untried``: no graph trial has a measured default-mode twin yet; ``pays`` / ``no-gain``: the
-probes' outcome."""
-
-
-def _measured(trials: Sequence[FrozenTrial]) -> dict[str, tuple[BalanceConfig, float]]:
-    """Measured (ok, not reused) trials' configurations by their JSON, with their step ms."""
-    out: dict[str, tuple[BalanceConfig, float]] = {}
-    for t in trials:
-        a = t.user_attrs
-        cfg, ms = a.get(TrialAttr.CONFIG), a.get(TrialAttr.STEP_TIME_MS)
-        if (t.state == TrialState.COMPLETE and a.get(TrialAttr.STATUS) == Status.OK and cfg
-                and isinstance(ms, (int, float)) and a.get(TrialAttr.REUSED_FROM) is None):
-            config = BalanceConfig.from_dict(cfg)
-            out[config.to_json()] = (config, float(ms))
-    return out
 
 
 def graphs_verdict(trials: Sequence[FrozenTrial], dtype: str) -> GraphVerdict:
     """Whether CUDA graphs paid in ``dtype``: a measured graph trial at least :data:`GRAPH_GAIN`
     faster than its measured default-mode twin (any such pair: ``pays``; pairs but none:
     ``no-gain``; no pair: ``untried``)."""
-    measured = _measured(trials)
+    measured: dict[str, tuple[BalanceConfig, float]] = {}  # ok, not reused: by JSON, with step ms
+    for t in trials:
+        a = t.user_attrs
+        raw, ms = a.get(TrialAttr.CONFIG), a.get(TrialAttr.STEP_TIME_MS)
+        if (t.state == TrialState.COMPLETE and a.get(TrialAttr.STATUS) == Status.OK and raw
+                and isinstance(ms, (int, float)) and a.get(TrialAttr.REUSED_FROM) is None):
+            config = BalanceConfig.from_dict(raw)
+            measured[config.to_json()] = (config, float(ms))
     verdict: GraphVerdict = "untried"
     for cfg, ms in measured.values():
         if cfg.compile not in CUDA_GRAPH_MODES or cfg.dtype != dtype:
@@ -635,7 +512,9 @@ def graph_probe(trials: Sequence[FrozenTrial], *, best: FrozenTrial, modes: Sequ
                 dtypes: Sequence[str]) -> BalanceConfig | None:
     """The probe: the study's ``best`` trial in the first CUDA-graph mode searched, when it is a
     feasible default-mode compiled trial of an allowed dtype whose graphs are ``untried``; None
-    otherwise (graphs not searched, or the probe launched already)."""
+    otherwise (graphs not searched, or the probe launched already). Graphs pay only where the host's
+    launch time bounds a step, which default-mode trials cannot tell (``docs/compile.md``): they are
+    proposed only where a probe paid (:func:`graphs_verdict`)."""
     graph_modes = [m for m in modes if m in CUDA_GRAPH_MODES]
     cfg_dict = best.user_attrs.get(TrialAttr.CONFIG)
     if not graph_modes or "default" not in modes or not cfg_dict or not best.user_attrs.get(TrialAttr.FEASIBLE, True):
@@ -660,14 +539,17 @@ def observations_from_trials(trials: list[FrozenTrial], *, num_layers: int,
     implies: its peaks (and held memory) plus what it saved on each rank, holding the whole state."""
     obs: list[MemoryObservation] = []
     for t in trials:
-        status = t.user_attrs.get(TrialAttr.STATUS)
-        if t.state != TrialState.COMPLETE or status not in (Status.OK, Status.OOM) or t.user_attrs.get(TrialAttr.REUSED_FROM) is not None:
+        attrs = t.user_attrs
+        status = attrs.get(TrialAttr.STATUS)
+        if (t.state != TrialState.COMPLETE or status not in (Status.OK, Status.OOM)
+                or attrs.get(TrialAttr.REUSED_FROM) is not None):
             continue
-        cfg = t.user_attrs.get(TrialAttr.CONFIG)
-        peaks = t.user_attrs.get(TrialAttr.PEAK_DEVICE_GIB) or []
+        cfg = attrs.get(TrialAttr.CONFIG)
+        peaks = attrs.get(TrialAttr.PEAK_DEVICE_GIB) or []
         if not cfg or len(peaks) != len(cfg["micro_batches"]) or cfg.get("compile", "off") != "off":
             continue  # the model is of eager memory; compiled trials follow their budget instead
         lift = [0.0] * len(peaks)
+        state = attrs.get(TrialAttr.OPTIMIZER_STATE_BYTES) or []
         if cfg.get("param_sharding", "off") != "off":
             if savings is None:
                 continue  # the model is of unsharded memory: what sharding saves is _sharding's term
@@ -676,36 +558,34 @@ def observations_from_trials(trials: list[FrozenTrial], *, num_layers: int,
             except ConfigError:  # a damaged attribute
                 continue
             lift = [savings.saving(sharded, r) for r in range(len(peaks))]
-        state = t.user_attrs.get(TrialAttr.OPTIMIZER_STATE_BYTES) or []
-        if savings is not None and cfg.get("param_sharding", "off") != "off":  # unsharded: the whole state on each rank
+            # unsharded, each rank holds the whole state
             state = [] if savings.state_total is None else [savings.state_total] * len(peaks)
         measured = len(state) == len(peaks) and all(isinstance(v, (int, float)) for v in state)
         # the whole state: summed over the ranks when sharded, on every rank when not
-        whole = (sum(state) if cfg.get("optimizer_sharding", "off") == "zero1" else max(state)) if measured else None
-        held = t.user_attrs.get(TrialAttr.HELD_GIB) or []
-        params = t.user_attrs.get(TrialAttr.PARAMETER_BYTES)
+        zero1 = cfg.get("optimizer_sharding", "off") == "zero1"
+        whole = float(sum(state) if zero1 else max(state)) if measured else None
+        held = attrs.get(TrialAttr.HELD_GIB) or []
+        params = attrs.get(TrialAttr.PARAMETER_BYTES)
         params = float(params) if isinstance(params, (int, float)) and not isinstance(params, bool) else None
         for rank, peak in enumerate(peaks):
             if peak is None or peak <= 0:
                 continue
-            if status == Status.OK and rank < len(held) and isinstance(held[rank], (int, float)) and 0 < held[rank] < peak:
-                # what the rank holds apart from activations: the model's fixed part, measured (zero samples)
-                obs.append(MemoryObservation(
-                    rank=rank, micro_batch=0, checkpointed=0, num_layers=max(1, num_layers), dtype=cfg["dtype"],
-                    peak_bytes=float(held[rank]) * GIB + lift[rank], ok=True, held=True,
-                    optimizer_bytes=float(state[rank]) if measured else None,
-                    optimizer_total=None if whole is None else float(whole), parameter_bytes=params))
-            obs.append(MemoryObservation(
+            ob = MemoryObservation(
                 rank=rank, micro_batch=int(cfg["micro_batches"][rank]), checkpointed=len(cfg["checkpoint"][rank]),
                 num_layers=max(1, num_layers), dtype=cfg["dtype"], peak_bytes=float(peak) * GIB + lift[rank],
-                ok=status == Status.OK,
-                optimizer_bytes=float(state[rank]) if measured else None,
-                optimizer_total=None if whole is None else float(whole), parameter_bytes=params,
-            ))
+                ok=status == Status.OK, optimizer_bytes=float(state[rank]) if measured else None,
+                optimizer_total=whole, parameter_bytes=params)
+            rank_held = held[rank] if rank < len(held) else None
+            if status == Status.OK and isinstance(rank_held, (int, float)) and 0 < rank_held < peak:
+                # what the rank holds apart from activations: its fixed part, measured
+                obs.append(dataclasses.replace(ob, micro_batch=0, checkpointed=0, held=True,
+                                               peak_bytes=float(rank_held) * GIB + lift[rank]))
+            obs.append(ob)
     return obs
 
 
-def eager_holdout_error(study: optuna.Study, *, space: SearchSpace, errors: ModelErrors | None = None) -> float | None:
+def eager_holdout_error(study: optuna.Study, *, space: SearchSpace,
+                        errors: ModelErrors | None = None) -> float | None:
     """Leave-one-trial-out mean relative error of the peak prediction over measured trials (a fit
     that fails leaves its trial out, noted in ``errors``)."""
     trials = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get(TrialAttr.STATUS) == Status.OK
@@ -716,15 +596,11 @@ def eager_holdout_error(study: optuna.Study, *, space: SearchSpace, errors: Mode
         test = observations_from_trials([held], num_layers=space.num_layers)
         if not train or not test:
             continue
-        try:
-            model = MemoryModel.fit(train, world_size=space.world_size)
-        except FIT_ERRORS as exc:
-            caught(errors, "holdout", exc)
-            continue
-        if not all(model.is_confident(rank=o.rank, micro_batch=o.micro_batch, checkpointed=o.checkpointed,
-                                      num_layers=o.num_layers, dtype=o.dtype) for o in test):
-            continue
-        held_out.append(model.holdout_error(test))
+        model = attempt(errors, "holdout", MemoryModel.fit, train, world_size=space.world_size)
+        if model is not None and all(model.is_confident(
+                rank=o.rank, micro_batch=o.micro_batch, checkpointed=o.checkpointed,
+                num_layers=o.num_layers, dtype=o.dtype) for o in test):
+            held_out.append(model.holdout_error(test))
     return sum(held_out) / len(held_out) if held_out else None
 
 
@@ -738,52 +614,37 @@ def compiled_holdout_error(study: optuna.Study, *, space: SearchSpace,
     obs = observations_from_trials(trials, num_layers=space.num_layers)
     if not any(o.ok for o in obs):
         return None
-    try:
-        eager = MemoryModel.fit(obs, world_size=space.world_size)
-    except FIT_ERRORS as exc:
-        caught(errors, "compiled holdout", exc)
+    eager = attempt(errors, "compiled holdout", MemoryModel.fit, obs, world_size=space.world_size)
+    if eager is None:
         return None
     compiled = compiled_observations(trials)
-    held_numbers = sorted({o.trial for o in compiled if o.ok})
     held_out: list[float] = []
-    for number in held_numbers:
+    for number in sorted({o.trial for o in compiled if o.ok}):
         train = [o for o in compiled if o.trial != number]
         test = [o for o in compiled if o.trial == number and o.ok]
         if not train or not test:
             continue
         model = CompiledMemoryModel.fit(train, eager=eager, num_layers=space.num_layers)
-        if not all(model.can_predict(o.dtype) for o in test):
-            continue
-        held_out.append(model.holdout_error(test))
+        if all(model.can_predict(o.dtype) for o in test):
+            held_out.append(model.holdout_error(test))
     return (sum(held_out) / len(held_out), len(held_out)) if held_out else None
 
 
 # ---------------------------------------------------------------------- the candidates
 @dataclass(kw_only=True)
 class Candidate:
-    """One proposal with what the models predict for it."""
+    """One proposal with what the models predict for it: its objective (lower is better), peak bytes
+    per rank, ms per optimizer step, the graphs no launched trial compiled yet, and whether the
+    memory prediction goes beyond the measured data (the trial line says so)."""
 
     score: float
-    """Predicted objective (lower is better)."""
     config: BalanceConfig
-    """The configuration."""
     peaks: list[float]
-    """Predicted peak bytes per rank."""
     step_ms: float | None
-    """Predicted milliseconds per optimizer step."""
     new_graphs: int = 0
-    """Graphs no launched trial of the study has compiled yet (0 for eager configurations)."""
     source: str = "memory-model"
     """``memory-model`` (eager) or ``compiled-model``."""
     extrapolated: bool = False
-    """The memory prediction goes beyond the measured data (the trial line says so)."""
-
-
-def much_slower(dtype: str, timing: StepTimeModel) -> bool:
-    """Whether eager trials already measured ``dtype`` :data:`SLOW_DTYPE` times slower per sample."""
-    if dtype not in timing.k or len(timing.k) < 2:
-        return False
-    return timing.k[dtype] > SLOW_DTYPE * min(timing.k.values())
 
 
 def cache_order(candidates: list[Candidate]) -> list[Candidate]:
@@ -800,40 +661,55 @@ def cache_order(candidates: list[Candidate]) -> list[Candidate]:
     return out
 
 
+Score = Callable[[BalanceConfig, list[float], float], "float | None"]
+"""(configuration, predicted per-rank peaks, predicted step ms) -> predicted objective."""
+
+
 def compiled_candidates(
     *, space: SearchSpace, trials: Sequence[FrozenTrial], memory: CompiledMemoryModel, timing: CompiledTimeModel,
     eager_timing: StepTimeModel, usable: list[float], bucket: float, view: bool, max_spread: float | None,
-    score: Callable[[BalanceConfig, list[float], float], float | None], errors: ModelErrors | None = None,
+    score: Score, errors: ModelErrors | None = None,
 ) -> list[Candidate]:
-    """Compiled configurations predicted to fit (module doc), unordered; a balanced split the
-    solver fails on is left out, noted in ``errors``."""
+    """Compiled configurations predicted to fit, unordered; a balanced split the solver fails on is
+    left out, noted in ``errors``.
+
+    Per (dtype, compile mode, accumulation), the even split, the splits balancing the compiled peaks
+    at budgets 1.0, 0.5 and 0.05 (rank 0 holds extras) and, with up to :data:`NEIGHBOUR_RANKS`
+    ranks, their one-sample neighbours. Each rank takes the largest budget of the 0.05 grid
+    predicted to fit, or a smaller one already compiled for the same (dtype, mode, buckets,
+    micro-batch) within :data:`CACHE_TIE` of its recomputation (the per-study Inductor cache serves
+    it). What a launched trial dominates is never proposed, so never compiled; nor is a dtype
+    :data:`SLOW_DTYPE` times slower per sample.
+
+    ZeRO-1 (``"zero1"`` searched, the optimizer state ``S`` measured): each split also gets a
+    ``zero1`` variant whose shares water-fill ``S`` over the ranks' compiled bounds at budget 1.0
+    (:func:`optimizer_shares`, ``base_r = fixed_r(0) + m_r * act_r * f(1) * (1 + extra(1))``): known
+    before any budget is chosen, where the unsharded budget may not exist (the case ZeRO-1 is for).
+    Each rank then takes its largest budget with ``fixed_r(q_r) = fixed_r + S * q_r``. The splits
+    balanced on the fixed parts with the state placed on them alone (``base_r = fixed_r(0)``) get a
+    ``zero1`` variant only."""
     modes = [(compile_key(m, scope), m, scope) for m in space.compile_modes if m != "off"
              for scope in space.compile_scopes if scope == "whole" or m not in CUDA_GRAPH_MODES]
     if not modes:
         return []
     world = space.world_size
     done = compiled_graphs(trials)
-    trial_list = list(trials)
     seen: set[str] = set()
     out: list[Candidate] = []
-    budget_cache: dict[tuple[str, str, int, int, float | None], float | None] = {}
     shard = "zero1" in space.shardings and memory.eager.can_shard
     state = memory.eager.optimizer_bytes(None)
 
-    def budget_for(rank: int, m: int, dtype: str, mode: str, share: float | None = None) -> float | None:
-        key = (dtype, mode, rank, m, share)
-        if key not in budget_cache:
-            top = memory.largest_budget(rank=rank, micro_batch=m, dtype=dtype, mode=mode, limit=usable[rank],
-                                        optimizer_share=share)
-            budget_cache[key] = None if top is None else cached_budget(top, m, dtype, mode)
-        return budget_cache[key]
-
-    def cached_budget(top: float, m: int, dtype: str, mode: str) -> float:
-        ready = [g[4] for g in done if g[:4] == (dtype, mode, float(bucket), m) and g[4] <= top]
-        for b in sorted(ready, reverse=True):
-            if timing.recompute_factor(dtype, mode, b) <= timing.recompute_factor(dtype, mode, top) * (1.0 + CACHE_TIE):
-                return b
-        return top
+    @functools.cache
+    def budget_for(rank: int, m: int, dtype: str, mode: str, share: float | None) -> float | None:
+        """The largest budget predicted to fit, or a smaller one compiled already (CACHE_TIE)."""
+        top = memory.largest_budget(rank=rank, micro_batch=m, dtype=dtype, mode=mode,
+                                    limit=usable[rank], optimizer_share=share)
+        if top is None:
+            return None
+        same = (dtype, mode, float(bucket), m)
+        ready = sorted((g[4] for g in done if g[:4] == same and g[4] <= top), reverse=True)
+        tie = timing.recompute_factor(dtype, mode, top) * (1.0 + CACHE_TIE)
+        return next((b for b in ready if timing.recompute_factor(dtype, mode, b) <= tie), top)
 
     def zero_shares(micro: list[int], dtype: str, mode: str) -> list[float]:
         """The state water-filled over the ranks' compiled bounds without it at budget 1.0."""
@@ -843,13 +719,18 @@ def compiled_candidates(
                 for r, m in enumerate(micro)]
         return normalised_shares(optimizer_shares(base=base, state=state, limits=usable))
 
+    def fixed_shares(dtype: str) -> list[float]:
+        """zero1: the state placed by the fixed parts alone, to balance the splits with."""
+        base = [memory.eager.fixed_bytes(r, dtype, 0.0) for r in range(world)]
+        return optimizer_shares(base=base, state=state, limits=usable)
+
     def consider(micro: list[int], acc: int, dtype: str, target: tuple[str, str, str], zero: bool) -> None:
         mode, compile_mode, scope = target
-        try:
-            placed = zero_shares(micro, dtype, mode) if zero else None
-        except FIT_ERRORS as exc:
-            caught(errors, "compiled search", exc)
-            return
+        placed = None
+        if zero:
+            placed = attempt(errors, "compiled search", zero_shares, micro, dtype, mode)
+            if placed is None:
+                return
         shares: list[float | None] = list(placed) if placed is not None else [None] * world
         budgets = [budget_for(r, m, dtype, mode, q) for r, (m, q) in enumerate(zip(micro, shares, strict=True))]
         if any(b is None for b in budgets):
@@ -867,7 +748,7 @@ def compiled_candidates(
         if key in seen or not space.contains(cfg):
             return
         seen.add(key)
-        if dominating_over_cap(trial_list, cfg) is not None:
+        if dominating_over_cap(list(trials), cfg) is not None:
             return  # never compile what a launched trial proves cannot fit
         if memory.clamped(cfg):
             return  # an impossible prediction (below what a rank holds apart from activations): no proposal
@@ -882,18 +763,14 @@ def compiled_candidates(
                              new_graphs=len(graph_keys(cfg.to_dict()) - done), source="compiled-model",
                              extrapolated=memory.extrapolated(cfg)))
 
+    k = eager_timing.k  # the eager cost per sample by dtype
     for dtype in space.dtypes:
-        if not memory.can_predict(dtype) or much_slower(dtype, eager_timing):
+        slow = dtype in k and len(k) > 1 and k[dtype] > SLOW_DTYPE * min(k.values())
+        if slow or not memory.can_predict(dtype):
             continue
         for key in modes:
             mode = key[0]
-            first = None  # zero1: the state placed by the fixed parts alone, to balance the splits with
-            if shard:
-                try:
-                    first = optimizer_shares(base=[memory.eager.fixed_bytes(r, dtype, 0.0) for r in range(world)],
-                                             state=state, limits=usable)
-                except FIT_ERRORS as exc:
-                    caught(errors, "compiled search", exc)
+            first = attempt(errors, "compiled search", fixed_shares, dtype) if shard else None
             for acc in space.accumulations:
                 total = space.micro_total(acc)
                 if total < world:
@@ -923,12 +800,9 @@ def _splits(memory: CompiledMemoryModel, *, total: int, dtype: str, mode: str, u
     for budget in (1.0, 0.5, 0.05):
         per_sample = [memory.unit(r, dtype) * curve.estimate(budget) * (1.0 + curve.extra_margin(budget))
                       for r in range(world)]
-        try:
-            split = balanced_split(total=total, fixed=fixed,
-                                   per_sample=per_sample, limits=[u / (1.0 + memory.safety_margin) for u in usable])
-        except FIT_ERRORS as exc:
-            caught(errors, "compiled search", exc)
-            split = None
+        limits = [u / (1.0 + memory.safety_margin) for u in usable]
+        split = attempt(errors, "compiled search", balanced_split, total=total, fixed=fixed,
+                        per_sample=per_sample, limits=limits)
         if split is not None:
             bases.append(split)
     out: list[list[int]] = []
@@ -939,11 +813,6 @@ def _splits(memory: CompiledMemoryModel, *, total: int, dtype: str, mode: str, u
     return out
 
 
-# -------------------------------------------------------------------------------- eager candidates
-Score = Callable[[BalanceConfig, list[float], float], "float | None"]
-"""(configuration, predicted per-rank peaks, predicted step ms) -> predicted objective."""
-
-
 def eager_candidates(*, space: SearchSpace, model: MemoryModel, timing: StepTimeModel, usable: list[float],
                      bucket: float, view: bool, max_spread: float | None, score: Score,
                      errors: ModelErrors | None = None, savings: SavingModel | None = None) -> list[Candidate]:
@@ -952,52 +821,30 @@ def eager_candidates(*, space: SearchSpace, model: MemoryModel, timing: StepTime
     fails on the model's figures gives no plan, noted in ``errors``. With ``savings`` (parameter sharding
     searched, ``_sharding``), the same for each sharding: the model's unsharded peaks less what the
     sharding saves on each rank (its plans solved against the usable memory plus that saving)."""
-    out: list[Candidate] = []
-    seen: set[str] = set()
-    for mode in ["off", *([m for m in space.param_shardings if m != "off"] if savings is not None else [])]:
-        out += _eager_candidates(space=space, model=model, timing=timing, usable=usable, bucket=bucket, view=view,
-                                 max_spread=max_spread, score=score, errors=errors, seen=seen, mode=mode,
-                                 savings=savings)
-    return out
-
-
-def _eager_candidates(*, space: SearchSpace, model: MemoryModel, timing: StepTimeModel, usable: list[float],
-                      bucket: float, view: bool, max_spread: float | None, score: Score, errors: ModelErrors | None,
-                      seen: set[str], mode: str, savings: SavingModel | None) -> list[Candidate]:
-    """:func:`eager_candidates` for one ``param_sharding`` value."""
     layers = max(1, space.num_layers)
     world = space.world_size
     out: list[Candidate] = []
-    sharded = mode != "off"
+    seen: set[str] = set()
 
-    def lift(dtype: str, acc: int) -> list[float]:
-        """Per rank, what ``mode`` saves at ``acc`` micro-steps (0 unsharded)."""
-        if not sharded or savings is None:
-            return [0.0] * world
-        probe = BalanceConfig.from_dict({"micro_batches": [1] * world, "accumulation": acc,
-                                         "global_batch": world * acc, "dtype": dtype, "param_sharding": mode})
-        return [savings.saving(probe, r) for r in range(world)]
-
-    shard = "zero1" in space.shardings and model.can_shard and not sharded
-
-    def consider(micro: list[int], counts: list[int], dtype: str, acc: int, zero: bool = False) -> None:
+    def consider(micro: Sequence[int], counts: Sequence[int], dtype: str, acc: int, mode: str,
+                 saved: list[float], zero: bool = False) -> None:
+        micro, counts = list(micro), list(counts)
         # any split: the largest micro-batch per rank that fits; the ranks whose steps cost more
         # per sample (more recomputation) give up the samples beyond the global batch first
         cost = timing.sample_costs(counts, layers=layers)
         cfg = space.config_for(micro, acc, cost, checkpoint=[list(range(c)) for c in counts], dtype=dtype,
-                                    bucket_cap_mb=bucket, gradient_as_bucket_view=view)
+                               bucket_cap_mb=bucket, gradient_as_bucket_view=view)
         if zero:  # zero1: the state water-filled over the ranks' peaks without it (solver.optimizer_shares)
             base = [model.predict(rank=r, micro_batch=cfg.micro_batches[r], checkpointed=counts[r],
                                   num_layers=layers, dtype=dtype, optimizer_share=0.0) for r in range(world)]
             shares = normalised_shares(optimizer_shares(base=base, state=model.optimizer_bytes(None), limits=usable))
             cfg = dataclasses.replace(cfg, optimizer_sharding="zero1", optimizer_shares=shares)
-        if sharded:
+        if mode != "off":
             cfg = BalanceConfig.from_dict({**cfg.to_dict(), "param_sharding": mode})
         key = cfg.to_json()
         if key in seen or not space.contains(cfg):  # e.g. a split the space keeps fixed
             return
         seen.add(key)
-        saved = lift(dtype, acc)
         fits, peaks = predict_config_feasible(model, cfg, num_layers=layers,
                                               limits=[u + s for u, s in zip(usable, saved, strict=True)])
         if not fits or model.config_clamped(cfg, num_layers=layers):
@@ -1011,46 +858,40 @@ def _eager_candidates(*, space: SearchSpace, model: MemoryModel, timing: StepTim
             out.append(Candidate(score=value, config=cfg, peaks=peaks, step_ms=ms,
                                  extrapolated=model.config_extrapolated(cfg, num_layers=layers)))
 
-    for dtype in space.dtypes:
-        if not model.can_predict(dtype) or (sharded and dtype == "fp16"):  # fp16: sharding refuses it
+    def plans(total: int, dtype: str, limits: list[float],
+              shares: list[float] | None = None) -> list[SplitPlan]:
+        return attempt(errors, "eager search", plans_from_model, model, total=total,
+                       num_layers=layers, dtype=dtype, limits=limits, max_plans=5,
+                       recompute_fraction=timing.rho, max_spread_bytes=max_spread,
+                       checkpoint_counts=None if space.num_layers > 0 else [0],
+                       speeds=timing.speeds, optimizer_shares=shares) or []
+
+    sharded = [m for m in space.param_shardings if m != "off"] if savings is not None else []
+    zero1 = "zero1" in space.shardings and model.can_shard
+    for mode, dtype, acc in itertools.product(["off", *sharded], space.dtypes, space.accumulations):
+        if not model.can_predict(dtype) or (mode != "off" and dtype == "fp16"):  # FSDP refuses fp16
             continue
-        for acc in space.accumulations:
-            total = space.micro_total(acc)
-            usable_now = [u + s for u, s in zip(usable, lift(dtype, acc), strict=True)]
-            try:
-                plans = plans_from_model(model, total=total, num_layers=layers, dtype=dtype, limits=usable_now,
-                                         max_plans=5, recompute_fraction=timing.rho,
-                                         max_spread_bytes=max_spread,
-                                         checkpoint_counts=None if space.num_layers > 0 else [0],
-                                         speeds=timing.speeds)
-            except FIT_ERRORS as exc:
-                caught(errors, "eager search", exc)
-                plans = []
-            for plan in plans:
-                consider(list(plan.micro_batches), list(plan.checkpointed), dtype, acc)
-            if shard:  # the same plans with the state placed where memory is left (less on the rank with extras)
-                fixed0 = [model.fixed_bytes(r, dtype, 0.0) for r in range(world)]
-                first = optimizer_shares(base=fixed0, state=model.optimizer_bytes(None), limits=usable_now)
-                try:
-                    zero_plans = plans_from_model(model, total=total, num_layers=layers, dtype=dtype, limits=usable_now,
-                                                  max_plans=5, recompute_fraction=timing.rho,
-                                                  max_spread_bytes=max_spread,
-                                                  checkpoint_counts=None if space.num_layers > 0 else [0],
-                                                  speeds=timing.speeds, optimizer_shares=first)
-                except FIT_ERRORS as exc:
-                    caught(errors, "eager search", exc)
-                    zero_plans = []
-                for plan in zero_plans:
-                    consider(list(plan.micro_batches), list(plan.checkpointed), dtype, acc, zero=True)
-            try:
-                even = balanced_split_for(model, total=total, checkpointed=[0] * world, num_layers=layers,
-                                          dtype=dtype, limits=usable_now)
-            except FIT_ERRORS as exc:
-                caught(errors, "eager search", exc)
-                even = None
-            if even is not None:
-                for micro in (even, *neighbours(even)):
-                    consider(micro, [0] * world, dtype, acc)
-                    if shard:
-                        consider(micro, [0] * world, dtype, acc, zero=True)
+        shard = zero1 and mode == "off"
+        total = space.micro_total(acc)
+        saved = [0.0] * world  # per rank, what the parameter sharding saves
+        if mode != "off" and savings is not None:
+            probe = BalanceConfig.from_dict({"micro_batches": [1] * world, "accumulation": acc,
+                                             "global_batch": world * acc, "dtype": dtype,
+                                             "param_sharding": mode})
+            saved = [savings.saving(probe, r) for r in range(world)]
+        usable_now = [u + s for u, s in zip(usable, saved, strict=True)]
+        for plan in plans(total, dtype, usable_now):
+            consider(plan.micro_batches, plan.checkpointed, dtype, acc, mode, saved)
+        if shard:  # the same plans, the state placed where memory is left (less on rank 0's extras)
+            fixed0 = [model.fixed_bytes(r, dtype, 0.0) for r in range(world)]
+            first = optimizer_shares(base=fixed0, state=model.optimizer_bytes(None),
+                                     limits=usable_now)
+            for plan in plans(total, dtype, usable_now, first):
+                consider(plan.micro_batches, plan.checkpointed, dtype, acc, mode, saved, zero=True)
+        even = attempt(errors, "eager search", balanced_split_for, model, total=total,
+                       checkpointed=[0] * world, num_layers=layers, dtype=dtype, limits=usable_now)
+        for micro in (even, *neighbours(even)) if even is not None else []:
+            consider(micro, [0] * world, dtype, acc, mode, saved)
+            if shard:
+                consider(micro, [0] * world, dtype, acc, mode, saved, zero=True)
     return out

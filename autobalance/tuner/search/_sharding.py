@@ -8,18 +8,15 @@ What a sharding saves on rank ``r`` (``W`` ranks; ``P_s`` the bytes of the param
     saved = (1 - 1/W) * (P_s + G_s + S * P_s / P) - U - (1 - 1/W) * K
 
 ``G_s = P_s`` with one micro-step (the gradients are reduce-scattered as they are made); with more,
-the unsharded gradients accumulate until the last micro-step (gradient sync toggled as under DDP's
-``no_sync``), so ``G_s = 0``. ``K``: the bytes of the groups whose gathered weights are kept from
-forward to backward (``keep_gathered``), whole at once instead of one unit at a time. Measured on CPU
-(``tests/test_fsdp.py``): live-tensor peaks fall by this within 10 %.
+the unsharded gradients accumulate until the last micro-step, so ``G_s = 0``. ``K``: the bytes of
+the groups whose gathered weights are kept from forward to backward (``keep_gathered``). Measured on
+CPU (``tests/test_fsdp.py``): live-tensor peaks fall by this within 10 %.
 
-The eager memory model is of unsharded memory. Once a sharded trial of one sharding ran and the
-model of the unsharded trials predicts its split, the saving is learned (:class:`SavingModel`): per
-rank, the median of that model's unsharded prediction minus the measured peak over that sharding's
-trials, in place of the formula (one trial identifies it: one figure per rank). Sharded trials then
-join the fit as the unsharded peaks they imply (their peaks plus the saving:
-``_models.observations_from_trials``), and the eager proposals include sharded splits, their peaks
-the model's less the saving (``_models``' candidates).
+The eager memory model is of unsharded memory. Once a sharded trial ran and that model predicts its
+split, the saving is learned (:class:`SavingModel`: per rank, the median of the unsharded prediction
+minus the measured peak over that sharding's trials). Sharded trials then join the fit as the
+unsharded peaks they imply (``_models.observations_from_trials``), and the eager proposals include
+sharded splits, their peaks the model's less the saving (``_models.eager_candidates``).
 """
 
 from __future__ import annotations
@@ -35,9 +32,8 @@ from autobalance._config import BalanceConfig
 from autobalance.protocol import GIB, Status, TrialAttr
 from autobalance.tuner.search._constants import EMBEDDING_SHARE, FIT_FRACTION, FIXED_SHARE, LEVELS
 
-__all__ = ["EMBEDDING_SHARE", "FIT_FRACTION", "FIXED_SHARE", "SavingModel", "ShardingFacts", "sharding_level",
-           "sharding_proposal", "sharding_proposal_config", "state_total_of", "study_savings"]
-
+__all__ = ["SavingModel", "ShardingFacts", "sharding_level", "sharding_proposal",
+           "sharding_proposal_config", "study_savings"]
 
 
 def sharding_level(mode: str) -> int:
@@ -48,17 +44,15 @@ def sharding_level(mode: str) -> int:
 
 @dataclass(kw_only=True)
 class ShardingFacts:
-    """What the baseline's report says of the model's parameters (``StudyAttr.MODEL``)."""
+    """What the baseline's report says of the model's parameters (``StudyAttr.MODEL``), in bytes:
+    all of them, the embedding-like modules' (``runtime._fsdp.find_embeddings``), the largest of
+    those, and the largest repeated block's."""
 
     world_size: int
     param_bytes: float
-    """All parameters, in bytes."""
     embedding_bytes: float
-    """The embedding-like modules' parameters (``runtime._fsdp.find_embeddings``)."""
     largest_embedding: float
-    """The largest embedding-like module's parameters."""
     block_bytes: float
-    """The largest repeated block's parameters."""
     num_blocks: int
 
     @classmethod
@@ -75,9 +69,9 @@ class ShardingFacts:
         return out if out.param_bytes > 0 else None
 
     def searched(self, usable: float) -> bool:
-        """Whether sharding may pay here: more than one rank, and the embedding-like modules' weights,
-        gradients and AdamW state at least :data:`EMBEDDING_SHARE` of ``usable`` (a rank's usable bytes)."""
-        return self.world_size > 1 and self.embedding_bytes > 0 and 4 * self.embedding_bytes >= EMBEDDING_SHARE * usable
+        """Whether sharding may pay here (:data:`EMBEDDING_SHARE` of a rank's ``usable`` bytes)."""
+        return (self.world_size > 1 and self.embedding_bytes > 0
+                and 4 * self.embedding_bytes >= EMBEDDING_SHARE * usable)
 
     def sharded_bytes(self, mode: str) -> float:
         return {"embeddings": self.embedding_bytes, "blocks": self.param_bytes}.get(mode, 0.0)
@@ -92,11 +86,9 @@ class ShardingFacts:
 
     def kept_bytes(self, config: BalanceConfig) -> float:
         """The bytes of the groups whose gathered weights stay from forward to backward."""
-        keep = set(config.keep_gathered)
-        out = self.embedding_bytes if "embeddings" in keep else 0.0
-        if "blocks" in keep:
-            out += self.num_blocks * self.block_bytes
-        return out
+        keep = config.keep_gathered
+        return ((self.embedding_bytes if "embeddings" in keep else 0.0)
+                + (self.num_blocks * self.block_bytes if "blocks" in keep else 0.0))
 
     def predicted_saving(self, config: BalanceConfig, *, state_total: float | None) -> float:
         """What ``config``'s sharding saves on each rank by the formula of the module docstring
@@ -123,7 +115,7 @@ class SavingModel:
     facts: ShardingFacts
     state_total: float | None = None
     learned: dict[str, list[float]] = field(default_factory=dict)
-    """Per sharding key (``embeddings``, ``blocks+embeddings+blocks``, ...), per rank, the learned saving."""
+    """Per sharding key (``embeddings``, ``blocks+embeddings+blocks``, ...), per rank."""
 
     @classmethod
     def fit(cls, trials: Sequence[FrozenTrial], *, facts: ShardingFacts, unsharded: Any | None = None,
@@ -143,44 +135,41 @@ class SavingModel:
             except Exception:  # a damaged attribute
                 continue
             peaks = a.get(TrialAttr.PEAK_DEVICE_GIB) or []
-            if cfg.param_sharding == "off" or cfg.compile != "off" or len(peaks) != cfg.world_size:
+            if (cfg.param_sharding == "off" or cfg.compile != "off" or len(peaks) != cfg.world_size
+                    or not unsharded.can_predict(cfg.dtype)):
                 continue
-            if not unsharded.can_predict(cfg.dtype):
-                continue
-            key = _sharding_key(cfg)
-            per_rank = seen.setdefault(key, [[] for _ in range(cfg.world_size)])
+            per_rank = seen.setdefault(_sharding_key(cfg), [[] for _ in range(cfg.world_size)])
             for r, peak in enumerate(peaks):
                 if peak is None:
                     continue
                 predicted = unsharded.predict(rank=r, micro_batch=cfg.micro_batches[r],
-                                              checkpointed=len(cfg.checkpoint[r]), num_layers=max(1, num_layers),
-                                              dtype=cfg.dtype)
+                                              checkpointed=len(cfg.checkpoint[r]),
+                                              num_layers=max(1, num_layers), dtype=cfg.dtype)
                 per_rank[r].append(predicted - float(peak) * GIB)
-        model.learned = {k: [statistics.median(v) if v else float("nan") for v in ranks] for k, ranks in seen.items()}
+        model.learned = {k: [statistics.median(v) if v else float("nan") for v in ranks]
+                         for k, ranks in seen.items()}
         return model
 
     def saving(self, config: BalanceConfig, rank: int) -> float:
-        """What ``config``'s sharding saves on ``rank``: learned when its trials taught it, else the formula."""
+        """What ``config``'s sharding saves on ``rank``: learned from its trials, else predicted."""
         learned = self.learned.get(_sharding_key(config))
         if learned is not None and rank < len(learned) and learned[rank] == learned[rank]:  # not NaN
             return learned[rank]
         return self.facts.predicted_saving(config, state_total=self.state_total)
 
     def source(self, config: BalanceConfig) -> str:
-        return "learned from its trials" if _sharding_key(config) in self.learned else "predicted from the parameters"
+        learned = _sharding_key(config) in self.learned
+        return "learned from its trials" if learned else "predicted from the parameters"
 
 
-def sharding_proposal_config(*, space_shardings: Sequence[str], facts: ShardingFacts, baseline: BalanceConfig,
+def sharding_proposal_config(*, space_shardings: Sequence[str], baseline: BalanceConfig,
                              usable: Sequence[float], fixed: Sequence[float], any_fits: bool,
                              tried: set[str], savings: SavingModel) -> tuple[BalanceConfig, str] | None:
-    """The sharded configuration to try where the fixed part is large, and why; None when nothing
-    needs it (a trial fits, sharded or not, or the fixed part is small) or it was tried.
-
-    ``fixed``: per rank, what it holds apart from activations unsharded (the memory model's fixed part,
-    or parameters + gradients + optimizer state by the baseline's figures). The least sharding whose
-    predicted fixed part is below :data:`FIT_FRACTION` of the rank's usable memory on every rank, on
-    the baseline's split (its checkpointing, bucket and dtype; fp16 and compile, which sharding
-    refuses, as fp32/bf16 and eager)."""
+    """The sharded configuration to try where ``fixed`` (per rank, what it holds apart from
+    activations, unsharded) is large, and why; None when a trial fits, the fixed part is small or
+    the proposal was tried. The least sharding leaving below :data:`FIT_FRACTION` of every rank's
+    usable memory, on the baseline's split (fp16 and compile, which sharding refuses, as fp32 and
+    eager)."""
     if any_fits or len(space_shardings) < 2:
         return None
     tight = min(range(len(usable)), key=lambda r: usable[r] - fixed[r])
@@ -220,10 +209,10 @@ def state_total_of(trials: Sequence[FrozenTrial]) -> float | None:
 def sharding_proposal(trials: Sequence[FrozenTrial], *, space_shardings: Sequence[str],
                       model_facts: Mapping[str, Any] | None, world_size: int, usable: Sequence[float] | None,
                       unsharded: Any | None, tried: set[str], num_layers: int) -> tuple[BalanceConfig, str, float] | None:
-    """What the search proposes where the fixed part is large (:func:`sharding_proposal_config`) from
-    the study's trials: ``(configuration, reason, predicted largest peak in bytes)``, or None."""
+    """:func:`sharding_proposal_config` from the study's trials: ``(configuration, reason, predicted
+    largest peak in bytes)``, or None."""
     facts = ShardingFacts.from_model(model_facts, world_size)
-    if facts is None or usable is None or len(space_shardings) < 2:
+    if facts is None or usable is None:
         return None
     done = [t for t in trials if t.state == TrialState.COMPLETE and t.user_attrs.get(TrialAttr.CONFIG)]
     baseline = next((t for t in done if t.user_attrs.get(TrialAttr.BASELINE)), None)
@@ -240,7 +229,7 @@ def sharding_proposal(trials: Sequence[FrozenTrial], *, space_shardings: Sequenc
     else:  # weights, gradients and state, each whole on every rank
         fixed = [2.0 * facts.param_bytes + (2.0 * facts.param_bytes if state is None else state)] * world_size
     savings = SavingModel.fit(done, facts=facts, unsharded=unsharded, num_layers=num_layers, state_total=state)
-    found = sharding_proposal_config(space_shardings=space_shardings, facts=facts, baseline=base, usable=usable,
+    found = sharding_proposal_config(space_shardings=space_shardings, baseline=base, usable=usable,
                                      fixed=fixed, any_fits=any_fits, tried=tried, savings=savings)
     if found is None:
         return None
@@ -250,8 +239,7 @@ def sharding_proposal(trials: Sequence[FrozenTrial], *, space_shardings: Sequenc
 
 def study_savings(trials: Sequence[FrozenTrial], *, model_facts: Mapping[str, Any] | None, world_size: int,
                   num_layers: int, unsharded: Any | None) -> SavingModel | None:
-    """The study's :class:`SavingModel` (``unsharded``: the eager memory model of its unsharded trials,
-    or None); None without the baseline's figures."""
+    """The study's :class:`SavingModel`; None without the baseline's figures."""
     facts = ShardingFacts.from_model(model_facts, world_size)
     if facts is None:
         return None
