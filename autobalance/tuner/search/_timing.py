@@ -37,7 +37,7 @@ import os
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from optuna.trial import FrozenTrial, TrialState
@@ -78,19 +78,19 @@ from autobalance.tuner.search._space import REGIONAL_KEY, config_compile_key
 from autobalance.verify import run_key
 
 if TYPE_CHECKING:
-    import optuna
 
     from autobalance.tuner._settings import TuneSettings
+    from autobalance.tuner.search._models import Decision
 
 __all__ = ["COMPARE_S_PER_GB", "DYNAMIC", "FIRST_STEP_FACTOR", "FROM_CACHE_SHARE", "IO_S_PER_GB",
-           "MICRO_STEP_PRIOR", "RECOMPUTE_PRIOR", "RESERVE_MARGIN", "CompiledTimeModel", "StepTimeModel",
-           "TimeBudget", "cache_dir", "compile_env", "compile_notes", "compile_times", "compiled_graphs",
-           "forecast_verification", "from_cache_s", "graph_keys", "next_trial_s", "per_trial_overhead_s",
-           "restarts", "trial_s", "typical_compile_s", "verification_runs", "worker_start_s"]
-
+           "MICRO_STEP_PRIOR", "RECOMPUTE_PRIOR", "RESERVE_MARGIN", "CompiledTimeModel",
+           "StepTimeModel", "TimeBudget", "cache_dir", "compile_env", "compile_notes",
+           "compile_times", "compiled_graphs", "forecast_verification", "from_cache_s", "graph_keys",
+           "next_trial_s", "per_trial_overhead_s", "restarts", "trial_s", "typical_compile_s",
+           "verification_runs", "worker_start_s"]
 
 def _measured(t: FrozenTrial, *, compiled: bool) -> bool:
-    """A trial of its own (not reused) that measured an eager (``compiled``: a compiled) configuration."""
+    """A trial of its own (not reused) that measured an eager (``compiled``: compiled) configuration."""
     a = t.user_attrs
     return (a.get(TrialAttr.STATUS) == Status.OK and bool(a.get(TrialAttr.CONFIG))
             and (a[TrialAttr.CONFIG].get("compile", "off") != "off") == compiled
@@ -126,7 +126,7 @@ class StepTimeModel:
     prior: dict[str, float]
     """Relative speed priors per dtype, for dtypes without a measurement."""
     typical_micro_batch: float = 1.0
-    """Mean micro-batch of the fitted trials (converts ``g`` into the solver's recompute fraction)."""
+    """Mean micro-batch of the fitted trials (converts ``g`` into the solver's :attr:`rho`)."""
     speeds: list[float] | None = None
     """Each rank's relative cost per sample (1.0: the slowest rank); None: equally fast ranks
     (within :data:`EQUAL_SPEED_BAND`) or no busy times measured."""
@@ -136,7 +136,7 @@ class StepTimeModel:
 
     @property
     def rho(self) -> float:
-        """The solver's proxy: recomputing all blocks costs ``rho`` typical micro-steps' per-sample compute."""
+        """The solver's proxy: recomputing all blocks costs ``rho`` typical micro-steps' ``k``."""
         k = min(self.k.values()) if self.k else 1.0
         return self.g / max(k * self.typical_micro_batch, 1e-9)
 
@@ -153,7 +153,7 @@ class StepTimeModel:
         return None if parts is None else parts[0] + max(parts[1])
 
     def rank_ms(self, cfg: BalanceConfig | dict[str, Any]) -> tuple[float, list[float]] | None:
-        """``a`` and each rank's micro-steps (the slowest one is the step); None before any measurement."""
+        """``a`` and each rank's micro-steps (the slowest is the step); None before any measurement."""
         c = cfg.to_dict() if isinstance(cfg, BalanceConfig) else cfg
         scaled = self._scale(c["dtype"])
         if scaled is None:
@@ -161,7 +161,8 @@ class StepTimeModel:
         ratio, dtype = scaled
         mode = c.get("param_sharding", "off")
         f = 1.0 if mode == "off" else self.sharding.get(mode, max(self.sharding.values(), default=1.0))
-        ranks = _rank_ms(c, b=self.b, k=self.k[dtype], g=self.g, layers=self.num_layers, speeds=self.speeds)
+        ranks = _rank_ms(c, b=self.b, k=self.k[dtype], g=self.g, layers=self.num_layers,
+                         speeds=self.speeds)
         return f * self.a, [f * ratio * ms for ms in ranks]
 
     def sample_costs(self, checkpointed: list[int], *, layers: int) -> list[float]:
@@ -182,53 +183,79 @@ class StepTimeModel:
         proportional fit) or no per-rank speeds, noted in ``errors``."""
         prior = DTYPE_SPEED_PRIOR.get(device, DTYPE_SPEED_PRIOR["cpu"])
         measured = [(t.user_attrs[TrialAttr.CONFIG], float(t.user_attrs[TrialAttr.STEP_TIME_MS]))
-                    for t in trials if _measured(t, compiled=False) and t.user_attrs.get(TrialAttr.STEP_TIME_MS)]
+                    for t in trials
+                    if _measured(t, compiled=False) and t.user_attrs.get(TrialAttr.STEP_TIME_MS)]
         rows = [(cfg, ms) for cfg, ms in measured if cfg.get("param_sharding", "off") == "off"]
         sharded = [(cfg, ms) for cfg, ms in measured if cfg.get("param_sharding", "off") != "off"]
-        if not rows:  # only sharded trials measured: their unsharded twins taken at the prior's ratio
-            rows = [({**cfg, "param_sharding": "off"}, ms / SHARDING_TIME_PRIOR.get(cfg["param_sharding"], 1.0))
-                    for cfg, ms in sharded]
+        if not rows:  # only sharded trials measured: their unsharded twins at the prior's ratio
+            rows = [({**cfg, "param_sharding": "off"},
+                     ms / SHARDING_TIME_PRIOR.get(cfg["param_sharding"], 1.0)) for cfg, ms in sharded]
             sharded = []
         if not rows:
             return cls(a=0.0, b=0.0, g=0.0, k={}, num_layers=num_layers, prior=prior)
         dtypes = sorted({cfg["dtype"] for cfg, _ in rows})
-        typical = sum(sum(cfg["micro_batches"]) / len(cfg["micro_batches"]) for cfg, _ in rows) / len(rows)
-        model = cls(a=0.0, b=0.0, g=0.0, k={}, num_layers=num_layers, prior=prior, typical_micro_batch=typical)
+        typical = sum(sum(c["micro_batches"]) / len(c["micro_batches"]) for c, _ in rows) / len(rows)
+        model = cls(a=0.0, b=0.0, g=0.0, k={}, num_layers=num_layers, prior=prior,
+                    typical_micro_batch=typical)
         any_ckpt = any(any(ck for ck in cfg["checkpoint"]) for cfg, _ in rows)
         distinct = len({json.dumps(cfg, sort_keys=True) for cfg, _ in rows})
         full = distinct >= 3 + len(dtypes) + 1  # a, b, g and one k per dtype, with one to spare
-        layers = max(1, num_layers)
-
-        def residuals(x: Any) -> list[float]:
-            a, b, g, k = _unpack(x, dtypes, full)
-            return [(a + max(_rank_ms(c, b=b, k=k[c["dtype"]], g=g, layers=layers))) / t - 1.0 for c, t in rows]
-
         # start: the proportional fit (k from the mean time per sample-step), g a prior share of it
         k0 = {d: float(np.mean([t / max(_samples_per_rank(c)) for c, t in rows if c["dtype"] == d]))
               for d in dtypes}
         g0 = RECOMPUTE_PRIOR * min(k0.values()) * typical
         x0 = ([0.0, 0.0, g0] if full else [g0]) + [k0[d] for d in dtypes]
-        lower, upper = [0.0] * len(x0), [np.inf] * len(x0)
         g_at = 2 if full else 0
-        if not any_ckpt:  # the data cannot see g (every c_r is 0): fitted as 0, set from the prior below
-            x0[g_at], upper[g_at] = 0.0, 1e-12
-        from scipy.optimize import least_squares
+        if not any_ckpt:  # the data cannot see g (every c_r is 0): held at 0, set from the prior below
+            x0[g_at] = 0.0
+        n, layers = len(x0), max(1, num_layers)
+
+        def solve(busy: list[tuple[dict[str, Any], list[float]]], world: int) -> Any:
+            """Bounded least squares on the relative errors of the step times and, with ``world``
+            speeds (rank 0's fixes the scale: ``k * speed`` is what is seen), of every rank's busy
+            time (``a`` plus its own micro-steps)."""
+            from scipy.optimize import least_squares
+
+            def residuals(x: Any) -> list[float]:
+                (a, b, g, k), w = _unpack(x[:n], dtypes, full), [float(v) for v in x[n:]] or None
+                out = [(a + max(_rank_ms(c, b=b, k=k[c["dtype"]], g=g, layers=layers, speeds=w)))
+                       / t - 1.0 for c, t in rows]
+                for c, times in busy:
+                    if c["dtype"] in k:
+                        own = _rank_ms(c, b=b, k=k[c["dtype"]], g=g, layers=layers, speeds=w)
+                        out += [(a + o) / t - 1.0 for o, t in zip(own, times, strict=True)]
+                return out
+
+            start = x0 + [1.0] * world
+            lower, upper = [0.0] * n + [1e-3] * world, [np.inf] * (n + world)
+            if world:
+                lower[n], upper[n] = 1.0, 1.0 + 1e-12
+            if not any_ckpt:
+                upper[g_at] = 1e-12
+            return least_squares(residuals, np.clip(start, lower, upper), bounds=(lower, upper)).x
 
         try:
-            x = least_squares(residuals, np.clip(x0, lower, upper), bounds=(lower, upper)).x
+            x = solve([], 0)
         except FIT_ERRORS as exc:
             caught(errors, "step time", exc)
             x = np.asarray(x0)
         model.a, model.b, model.g, model.k = _unpack(x, dtypes, full)
         busy = _busy_rows(trials)
-        if busy:  # mixed devices: the same terms with a speed per rank, fitted to the busy times too
-            fitted = _fit_with_speeds(rows, busy, dtypes=dtypes, full=full, layers=layers, any_ckpt=any_ckpt,
-                                      start=[float(v) for v in x0], errors=errors)
-            if fitted is not None:
-                (model.a, model.b, model.g, model.k), model.speeds = _unpack(fitted[0], dtypes, full), fitted[1]
+        try:  # mixed devices: the same terms with a speed per rank, fitted to the busy times too
+            x = solve(busy, len(busy[0][1])) if busy else None
+        except FIT_ERRORS as exc:
+            caught(errors, "step time (per-rank speeds)", exc)
+            x = None
+        w = [] if x is None else [float(v) for v in x[n:]]
+        # speeds scaled so the slowest rank is 1.0 (g and k the other way); none if equally fast
+        if w and not (max(w) <= 0 or max(w) / max(min(w), 1e-12) < EQUAL_SPEED_BAND):
+            packed = [float(v) for v in x[:n]]
+            packed[g_at:] = [v * max(w) for v in packed[g_at:]]
+            model.a, model.b, model.g, model.k = _unpack(packed, dtypes, full)
+            model.speeds = [max(v / max(w), 1e-3) for v in w]
         if not any_ckpt:
             model.g = RECOMPUTE_PRIOR * (model.b + min(model.k.values()) * typical)
-        ratios: dict[str, list[float]] = {}  # each measured sharding: measured / predicted unsharded
+        ratios: dict[str, list[float]] = {}  # per measured sharding: measured / predicted unsharded
         for cfg, ms in sharded:
             base = model.predict({**cfg, "param_sharding": "off"})
             if base is not None and base > 0:
@@ -240,7 +267,7 @@ class StepTimeModel:
 
 
 def _unpack(x: Any, dtypes: list[str], full: bool) -> tuple[float, float, float, dict[str, float]]:
-    """``(a, b, g, k)`` from the packed terms: ``[a, b, g, *k]``, or ``[g, *k]`` (``a = b = 0``) not ``full``."""
+    """``(a, b, g, k)`` from the packed terms ``[a, b, g, *k]``, or ``[g, *k]`` (``a = b = 0``)."""
     a, b, g = (float(x[0]), float(x[1]), float(x[2])) if full else (0.0, 0.0, float(x[0]))
     return a, b, g, {d: float(v) for d, v in zip(dtypes, x[3:] if full else x[1:], strict=True)}
 
@@ -254,8 +281,8 @@ def _samples_per_rank(cfg: dict[str, Any]) -> list[int]:
 
 def _rank_ms(cfg: dict[str, Any], *, b: float, k: float, g: float, layers: int,
              speeds: list[float] | None = None) -> list[float]:
-    """Each rank's micro-steps of one optimizer step: ``acc * (b + s_r * g * c_r / L) + s_r * k * n_r``
-    (``s_r``: ``speeds[r]``, else 1); no rank waits for another before the step's last all-reduce."""
+    """Each rank's micro-steps of one optimizer step, ``acc * (b + s_r * g * c_r / L) + s_r * k * n_r``
+    (``s_r``: ``speeds[r]``, else 1): no rank waits for another before the step's last all-reduce."""
     acc = int(cfg["accumulation"])
     samples = _samples_per_rank(cfg)
     if speeds is None or len(speeds) != len(samples):
@@ -268,53 +295,14 @@ def _busy_rows(trials: list[FrozenTrial]) -> list[tuple[dict[str, Any], list[flo
     """(configuration, each rank's busy ms) of the measured eager trials whose every rank reported one."""
     rows = []
     for t in trials:
-        cfg, busy = t.user_attrs.get(TrialAttr.CONFIG), t.user_attrs.get(TrialAttr.BUSY_MS)
-        if (_measured(t, compiled=False) and isinstance(busy, list) and len(busy) == len(cfg["micro_batches"])
-                and all(isinstance(v, (int, float)) and v > 0 for v in busy)):
+        busy = t.user_attrs.get(TrialAttr.BUSY_MS)
+        if not _measured(t, compiled=False) or not isinstance(busy, list):
+            continue
+        cfg = t.user_attrs[TrialAttr.CONFIG]
+        if len(busy) == len(cfg["micro_batches"]) and all(isinstance(v, (int, float)) and v > 0 for v in busy):
             rows.append((cfg, [float(v) for v in busy]))
     return rows
 
-
-def _fit_with_speeds(rows: list[tuple[dict[str, Any], float]], busy: list[tuple[dict[str, Any], list[float]]], *,
-                     dtypes: list[str], full: bool, layers: int, any_ckpt: bool,
-                     start: list[float], errors: ModelErrors | None = None) -> tuple[list[float], list[float]] | None:
-    """The terms (packed as in :meth:`StepTimeModel.fit`) and one speed per rank, fitted to the step
-    times and to every rank's busy time (``a`` plus its own micro-steps), the speeds scaled so the
-    slowest rank is 1.0 (``g`` and ``k`` the other way); None when within :data:`EQUAL_SPEED_BAND`."""
-    from scipy.optimize import least_squares
-
-    world = len(busy[0][1])
-    n = len(start)
-    g_at = 2 if full else 0
-
-    def residuals(x: Any) -> list[float]:
-        (a, b, g, k), w = _unpack(x[:n], dtypes, full), [float(v) for v in x[n:]]
-        out = [(a + max(_rank_ms(c, b=b, k=k[c["dtype"]], g=g, layers=layers, speeds=w))) / t - 1.0
-               for c, t in rows]
-        for c, times in busy:
-            if c["dtype"] in k:
-                own = _rank_ms(c, b=b, k=k[c["dtype"]], g=g, layers=layers, speeds=w)
-                out += [(a + o) / t - 1.0 for o, t in zip(own, times, strict=True)]
-        return out
-
-    x0 = list(start) + [1.0] * world
-    lower, upper = [0.0] * n + [1e-3] * world, [np.inf] * n + [np.inf] * world
-    lower[n], upper[n] = 1.0, 1.0 + 1e-12  # rank 0's speed fixes the scale (k * speed is what is seen)
-    if not any_ckpt:
-        x0[g_at], upper[g_at] = 0.0, 1e-12
-    try:
-        x = least_squares(residuals, np.clip(x0, lower, upper), bounds=(lower, upper)).x
-    except FIT_ERRORS as exc:
-        caught(errors, "step time (per-rank speeds)", exc)
-        return None
-    w = [float(v) for v in x[n:]]
-    top = max(w)
-    if top <= 0 or top / max(min(w), 1e-12) < EQUAL_SPEED_BAND:
-        return None
-    packed = [float(v) for v in x[:n]]
-    for i in range(g_at, n):  # g and every k carry the slowest rank's cost
-        packed[i] *= top
-    return packed, [max(v / top, 1e-3) for v in w]
 
 # ----------------------------------------------------------------------------- compiled step time
 @dataclass(kw_only=True)
@@ -830,21 +818,6 @@ def forecast_verification(trials: Sequence[FrozenTrial], *, baseline: BalanceCon
 
 
 # ------------------------------------------------------------------------------- the time budget
-class DecisionView(Protocol):
-    """What the budget reads of one decision (``_models.Decision``)."""
-
-    study: optuna.Study
-    trials: list[FrozenTrial]
-    num_layers: int
-    device: str
-    clock: Callable[[], float]
-
-    @property
-    def step_time(self) -> StepTimeModel: ...
-    @property
-    def compiled_time(self) -> CompiledTimeModel: ...
-
-
 @dataclass(kw_only=True)
 class TimeBudget:
     """``--time-budget`` of one run: the run, verification included, ends by ``deadline``
@@ -888,7 +861,7 @@ class TimeBudget:
         """Whether a trial of ``trial_s`` started ``now`` still leaves ``reserve_s`` before the deadline."""
         return self.deadline is None or now + trial_s + reserve_s < self.deadline
 
-    def refresh(self, decision: DecisionView, now: float) -> None:
+    def refresh(self, decision: Decision, now: float) -> None:
         """What is kept free, as predicted from ``decision``'s trials: the next trial, and the best
         trial's verification (:attr:`reserve_s`); nothing without a budget."""
         if self.budget_s is None:
@@ -905,14 +878,14 @@ class TimeBudget:
         if self.deadline is not None:  # no compile the budget cannot hold
             self.compile_left_s = self.deadline - now - self.reserve_s - self.leaders_s - self.next_trial_s
 
-    def largest_forecast(self, decision: DecisionView,
+    def largest_forecast(self, decision: Decision,
                          candidates: Sequence[FrozenTrial | None]) -> VerifyForecast | None:
         """The largest of verification's forecasts for ``candidates`` (any may become the best), the
         first among equals; None when nothing is verified."""
         forecasts = [f for candidate in candidates if (f := self.forecast(decision, candidate)) is not None]
         return max(forecasts, key=lambda f: f.reserve_s, default=None)
 
-    def forecast(self, decision: DecisionView, best: FrozenTrial | None) -> VerifyForecast | None:
+    def forecast(self, decision: Decision, best: FrozenTrial | None) -> VerifyForecast | None:
         """Verification's forecast for ``best`` with ``decision``'s models; None when nothing is verified."""
         if not self.verify:
             return None
@@ -922,7 +895,7 @@ class TimeBudget:
                                      best=best, num_layers=decision.num_layers, device=decision.device,
                                      eager=decision.step_time, compiled=decision.compiled_time)
 
-    def unaffordable(self, decision: DecisionView, config: BalanceConfig) -> str | None:
+    def unaffordable(self, decision: Decision, config: BalanceConfig) -> str | None:
         """Why ``config`` is not launched under the time budget (None: it is): its expected time (a
         compile included) plus verification's reserve after it - of the best so far, or of ``config``
         should it become the best - no longer fits in the time left (``decision.clock``)."""
@@ -943,7 +916,7 @@ class TimeBudget:
         return (f"the time budget no longer holds it: {max(0.0, self.deadline - now):.0f} s left, it would take "
                 f"about {took:.0f} s and verification after it {reserve:.0f} s{leaders}; nothing was launched")
 
-    def holds_compile(self, decision: DecisionView, scope: str | None = None) -> bool:
+    def holds_compile(self, decision: Decision, scope: str | None = None) -> bool:
         """Whether :attr:`compile_left_s` holds the study's median compile (of ``scope``); always without a limit."""
         if self.compile_left_s is None:
             return True
