@@ -3,39 +3,34 @@ the per-rank activation budget, per (dtype, compile mode), fitted from few trial
 
 Rank ``r`` with micro-batch ``m``, budget ``b`` and ``zero1`` share ``q`` (1: unsharded) peaks at::
 
-    peak_r(m, b, q) = fixed_r(q) + m * act_r * f(b)
-    fixed_r(q)      = fixed_r + S * q
+    peak_r(m, b, q) = fixed_r + S * q + m * act_r * f(b)
 
-``fixed_r`` (parameters, gradients, buckets, rank-0 extras), ``S`` (the whole optimizer state; 0
-when the eager model has not measured it) and ``act_r`` (one sample's activations without
-checkpointing) come from the eager :class:`MemoryModel`: a compiled graph holds the same weights
-and state, only its activations follow the budget. ``f(b)``, the fraction of the eager activations
-the partitioner keeps, is fitted per pair from its compiled trials: each rank gives a point
-``y = (peak - fixed_r(q_r)) / (m * act_r)`` (clipped at 0), a rank that ran out of memory a lower
-bound ``y >= (capacity - fixed_r(q_r)) / (m * act_r)``. The min-cut knapsack makes ``f`` monotone
-but stepwise, so the fit is the *least monotone upper envelope* ``F_j = max`` of the points at
-budgets ``<= b_j``, linear between measured budgets; outside them the partitioner's rule (it keeps
-about ``b`` times its default): ``F_1 * max(b / b_1, LOW_BUDGET_FLOOR)`` below (it cannot drop the
-graphs' inputs, a loss outside the model and its logits), ``max(F_n, min(max(F_n, 1), F_n * b /
-b_n))`` above. A pair without trials borrows the points of its scope's other pairs (fractions are
-relative to each dtype's own activations); without any, ``f(b) = max(b, FLOOR_PRIOR)``.
+``fixed_r``, ``S`` (the optimizer state; 0 while the eager model has not measured it) and ``act_r``
+(one sample's activations without checkpointing) come from the eager :class:`MemoryModel`: a
+compiled graph holds the same weights and state, only its activations follow the budget. ``f(b)``,
+the share of the eager activations the partitioner keeps, is fitted per pair: each rank of a trial
+gives a point ``y = (peak - fixed_r - S * q_r) / (m * act_r)`` (clipped at 0; out of memory, a lower
+bound at its capacity). The min-cut knapsack makes ``f`` monotone but stepwise, so the fit is the
+*least monotone upper envelope* ``F_j = max`` of the points at budgets ``<= b_j``, linear between
+measured budgets; outside them the partitioner's rule (it keeps about ``b`` times its default):
+``F_1 * max(b / b_1, LOW_BUDGET_FLOOR)`` below (it cannot drop the graphs' inputs, nor a loss
+outside the model and its logits), ``max(F_n, min(max(F_n, 1), F_n * b / b_n))`` above. A pair
+without trials borrows its scope's other pairs' points; without any, ``f(b) = max(b, FLOOR_PRIOR)``.
 
-At an unmeasured ``b`` the activation part gets ``UNMEASURED_MARGIN / sqrt(1 + knots)`` more
-(:data:`UNMEASURED_MARGIN` without own knots), and the whole peak the self-correcting safety margin:
-a configuration fits when ``(fixed_r(q) + m * act_r * f(b) * (1 + extra)) * (1 + margin) <=
-limit_r``. It surely does not when ``fixed_r(q) + m * act_r * F(b_j) > limit_r * (1 + margin)`` for
-the largest measured ``b_j <= b`` (:meth:`CompiledMemoryModel.surely_over`), or at ``f(0.05)``
-(:meth:`CompiledMemoryModel.over_at_any_budget`).
+At an unmeasured ``b`` the activation part gets ``UNMEASURED_MARGIN / sqrt(1 + knots)`` more (all of
+it without own knots) and the whole peak the self-correcting safety margin: a configuration fits
+when ``(fixed_r + S * q + m * act_r * f(b) * (1 + extra)) * (1 + margin) <= limit_r``. It surely
+does not when even ``F`` at the largest measured ``b_j <= b`` (:meth:`CompiledMemoryModel.surely_over`)
+or ``f(0.05)`` (:meth:`~CompiledMemoryModel.over_at_any_budget`) exceeds ``limit_r * (1 + margin)``.
 """
 
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Any
 
 from optuna.trial import FrozenTrial, TrialState
 
@@ -75,7 +70,8 @@ Pair = tuple[str, str]
 
 @dataclass(kw_only=True)
 class CompiledObservation:
-    """One rank's measured peak in one compiled trial (its largest micro-batch, its budget)."""
+    """One rank's measured peak in one compiled trial (its largest micro-batch, its budget, its
+    ``zero1`` share: None unsharded); not ``ok`` (out of memory), the peak is a lower bound."""
 
     rank: int
     micro_batch: int
@@ -83,13 +79,10 @@ class CompiledObservation:
     dtype: str
     mode: str
     peak_bytes: float
-    """For a rank that ran out of memory, a lower bound (at least its capacity)."""
     ok: bool = True
-    """False when the rank ran out of memory."""
     trial: int = -1
     """Number of the trial (held-out errors leave whole trials out)."""
     optimizer_share: float | None = None
-    """That rank's ``zero1`` share of the optimizer state (None: unsharded, all of it)."""
 
 
 @dataclass(kw_only=True)
@@ -135,8 +128,8 @@ class BudgetCurve:
     def lower(self, budget: float) -> float:
         """A lower bound of ``f(budget)`` from monotonicity: the envelope at the largest measured
         budget at or below it (0 below the first)."""
-        below = [f for b, f in zip(self.budgets, self.fractions, strict=True) if b <= budget + 1e-9]
-        return below[-1] if below else 0.0
+        i = bisect_right(self.budgets, budget + 1e-9)
+        return self.fractions[i - 1] if i else 0.0
 
     def measured(self, budget: float) -> bool:
         """Whether a rank that fitted was measured at exactly this budget."""
@@ -204,19 +197,16 @@ class CompiledMemoryModel:
     def can_predict(self, dtype: str) -> bool:
         return self.eager.can_predict(dtype)
 
-    def _line(self, *, rank: int, micro_batch: int, dtype: str, optimizer_share: float | None,
-              fraction: float) -> float:
+    def _line(self, rank: int, micro_batch: int, dtype: str, share: float | None, fraction: float) -> float:
         """``fixed_r(q) + m * act_r * fraction``."""
-        return (self.eager.fixed_bytes(rank, dtype, optimizer_share)
-                + micro_batch * self.unit(rank, dtype) * fraction)
+        return self.eager.fixed_bytes(rank, dtype, share) + micro_batch * self.unit(rank, dtype) * fraction
 
     # ---------------------------------------------------------------------------- predictions
     def predict(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str,
                 optimizer_share: float | None = None) -> float:
         """Estimated peak bytes (no margin), never below what the rank holds apart from activations
         (the eager model's ``floor_bytes``)."""
-        line = self._line(rank=rank, micro_batch=micro_batch, dtype=dtype, optimizer_share=optimizer_share,
-                          fraction=self.curve(dtype, mode).estimate(budget))
+        line = self._line(rank, micro_batch, dtype, optimizer_share, self.curve(dtype, mode).estimate(budget))
         return max(line, self.eager.floor_bytes(rank, optimizer_share))
 
     def clamped(self, config: BalanceConfig) -> bool:
@@ -232,21 +222,18 @@ class CompiledMemoryModel:
         """:meth:`clamped` for one rank."""
         if self.eager.per_sample_bytes(rank, dtype, 0, self.num_layers) <= 0:
             return True
-        line = self._line(rank=rank, micro_batch=micro_batch, dtype=dtype, optimizer_share=optimizer_share,
-                          fraction=self.curve(dtype, mode).estimate(budget))
+        line = self._line(rank, micro_batch, dtype, optimizer_share, self.curve(dtype, mode).estimate(budget))
         return line <= 0 or line < self.eager.floor_bytes(rank, optimizer_share) * (1.0 - CLAMP_TOLERANCE)
 
     def extrapolated(self, config: BalanceConfig) -> bool:
         """True when a rank's prediction goes beyond the data: a budget outside the pair's own measured
         ones (or a curve borrowed from other pairs), or a micro-batch the eager model extrapolates."""
         curve = self.curves.get((config.dtype, config_compile_key(config)))
-        for r, m, b, _ in self._ranks(config):
-            if curve is None or not curve.budgets or not curve.budgets[0] - 1e-6 <= b <= curve.budgets[-1] + 1e-6:
-                return True
-            if self.eager.extrapolated(rank=r, micro_batch=m, checkpointed=0, num_layers=self.num_layers,
-                                       dtype=config.dtype):
-                return True
-        return False
+        if curve is None or not curve.budgets:
+            return True
+        return any(not curve.budgets[0] - 1e-6 <= b <= curve.budgets[-1] + 1e-6
+                   or self.eager.extrapolated(rank=r, micro_batch=m, checkpointed=0, num_layers=self.num_layers,
+                                              dtype=config.dtype) for r, m, b, _ in self._ranks(config))
 
     @staticmethod
     def _ranks(config: BalanceConfig) -> list[tuple[int, int, float, float | None]]:
@@ -256,21 +243,15 @@ class CompiledMemoryModel:
         return [(r, m, float(b), q)
                 for r, (m, b, q) in enumerate(zip(config.micro_batches, budgets, shares, strict=True))]
 
-    def bound(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str,
-              optimizer_share: float | None = None) -> float:
-        """The peak judged against the limit: the activation part with its extra margin, times
-        ``1 + safety_margin``."""
+    def fits(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str, limit: float,
+             optimizer_share: float | None = None) -> bool:
+        """Predicted to fit under ``limit``: the activation part with its extra margin, times ``1 +
+        safety_margin``; never on an impossible (:meth:`rank_clamped`) prediction."""
         curve = self.curve(dtype, mode)
         act = micro_batch * self.unit(rank, dtype) * curve.estimate(budget) * (1.0 + curve.extra_margin(budget))
         peak = max(self.eager.fixed_bytes(rank, dtype, optimizer_share) + act,
                    self.eager.floor_bytes(rank, optimizer_share))
-        return peak * (1.0 + self.safety_margin)
-
-    def fits(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str, limit: float,
-             optimizer_share: float | None = None) -> bool:
-        """Predicted to fit under ``limit``; never on an impossible (:meth:`rank_clamped`) prediction."""
-        return self.bound(rank=rank, micro_batch=micro_batch, budget=budget, dtype=dtype, mode=mode,
-                          optimizer_share=optimizer_share) <= limit and not self.rank_clamped(
+        return peak * (1.0 + self.safety_margin) <= limit and not self.rank_clamped(
             rank=rank, micro_batch=micro_batch, budget=budget, dtype=dtype, mode=mode, optimizer_share=optimizer_share)
 
     def largest_budget(self, *, rank: int, micro_batch: int, dtype: str, mode: str, limit: float,
@@ -288,16 +269,14 @@ class CompiledMemoryModel:
         low = 0.0 if own is None else own.lower(budget)
         if low <= 0:
             return None
-        peak = self._line(rank=rank, micro_batch=micro_batch, dtype=dtype, optimizer_share=optimizer_share,
-                          fraction=low)
+        peak = self._line(rank, micro_batch, dtype, optimizer_share, low)
         return peak if peak > limit * (1.0 + self.safety_margin) else None
 
     def over_at_any_budget(self, *, rank: int, micro_batch: int, dtype: str, mode: str, limit: float,
                            optimizer_share: float | None = None) -> float | None:
         """The least peak predicted for ``micro_batch`` on ``rank`` at any budget (the curve at the
         smallest one, no extra margin) when even that exceeds ``limit * (1 + margin)``; None otherwise."""
-        peak = self._line(rank=rank, micro_batch=micro_batch, dtype=dtype, optimizer_share=optimizer_share,
-                          fraction=self.curve(dtype, mode).estimate(BUDGET_RANGE[0]))
+        peak = self._line(rank, micro_batch, dtype, optimizer_share, self.curve(dtype, mode).estimate(BUDGET_RANGE[0]))
         return peak if peak > limit * (1.0 + self.safety_margin) else None
 
     def config_peaks(self, config: BalanceConfig) -> list[float]:
@@ -348,7 +327,7 @@ def compiled_observations(trials: Sequence[FrozenTrial]) -> list[CompiledObserva
         budgets = cfg.get("activation_budget") or [1.0] * len(cfg["micro_batches"])
         if len(peaks) != len(cfg["micro_batches"]):
             continue
-        shares = _sharding_shares(cfg)
+        shares = BalanceConfig.from_dict(cfg).sharding_shares()
         if status == Status.OK:
             ranks = [(r, float(p) * GIB) for r, p in enumerate(peaks) if p is not None and p > 0]
         else:
@@ -366,11 +345,3 @@ def compiled_observations(trials: Sequence[FrozenTrial]) -> list[CompiledObserva
                 for r, peak in ranks]
     return out
 
-
-def _sharding_shares(cfg: dict[str, Any]) -> list[float] | None:
-    """:meth:`BalanceConfig.sharding_shares` of a stored configuration."""
-    if cfg.get("optimizer_sharding", "off") == "off":
-        return None
-    world = len(cfg["micro_batches"])
-    shares = cfg.get("optimizer_shares")
-    return [float(q) for q in shares] if shares and len(shares) == world else [1.0 / world] * world

@@ -3,30 +3,28 @@ step time eager (:class:`StepTimeModel`) and compiled (:class:`CompiledTimeModel
 and the study's Inductor cache, a trial's time, verification's price, and the time budget
 (:class:`TimeBudget`, ``--time-budget``): the one place a stop for time is decided.
 
-**Verification's price** (:func:`forecast_verification`), what ``--time-budget`` reserves: after the
-study ``tune`` verifies its best trial (``autobalance.verify``) in one-step runs
-(:func:`verification_runs`: a run taking an earlier run's step is reused, not forecast; the dropout
-runs only for a model whose trials reported dropout layers, or did not report them), each priced
+**Verification's price** (:func:`forecast_verification`), what the budget reserves: the one-step runs
+verifying the best trial (:func:`verification_runs`; a run taking an earlier run's step is reused;
+the dropout runs only for a model whose trials reported dropout, or did not report it), each priced
 from the study's launched trials (:func:`run_prices`):
 
-- its start-up and hand-over in a running worker: the median of the warm trials' ``startup`` +
-  ``other`` (a study of cold trials: the median over all);
-- a fresh worker where verification starts one: the first run when the study's latest launched
-  trial ended its pool (recycled or failed), and a run after a compiled run in the share of the
-  study's compiled warm trials that recycled theirs (none in the 2026-12-03 H200 study ``h200c``; 2
-  of 4 in ``h200b``). It costs the slowest start-up of a trial that started a pool less a warm
-  trial's (18.4 s in ``h200b``, whose first run after a recycled pool took 23.9 s, the next 5.8 s);
-- its one step, twice (:data:`FIRST_STEP_FACTOR`): as measured for that configuration, else predicted;
+- its start-up and hand-over in a running worker: the median warm trial's ``startup + other`` (a
+  study of cold trials: the median over all);
+- a fresh worker: for the first run when the study's latest trial ended its pool (recycled or
+  failed), after a compiled run in the share of compiled warm trials that recycled theirs (none in
+  the 2026-12-03 H200 study ``h200c``, 2 of 4 in ``h200b``); it costs the slowest start-up of a
+  trial that started a pool less a warm trial's (18.4 s in ``h200b``, whose first run after a
+  recycled pool took 23.9 s, the next 5.8 s);
+- its step, :data:`FIRST_STEP_FACTOR` times the measured (else predicted) one;
 - its tensors' input and output, :data:`IO_S_PER_GB` per GB of parameters;
-- compiled, its compile: from the Inductor cache when the study compiled the same graphs (the
-  study's median cache hit, else :data:`FROM_CACHE_SHARE` of those graphs' cold compile), else the
-  study's median cache miss.
+- compiled, its compile: from the Inductor cache when the study compiled the same graphs (its
+  median cache hit, else :data:`FROM_CACHE_SHARE` of their cold compile), else its median miss.
 
-Each comparison of two runs' tensors costs :data:`COMPARE_S_PER_GB` per GB. Only the best
-candidate's runs are reserved, times :data:`RESERVE_MARGIN`. Replayed on the recorded H200 studies
-(``tests/test_verify_reserve_replay.py``): ``h200c``'s best at the stop (trial 10) was reserved
-133.9 s (two dropout runs not launched, three fresh workers never started) where its verification
-took ~67 s; priced as above it is within the margin.
+Each comparison of two runs' tensors costs :data:`COMPARE_S_PER_GB` per GB; only the best
+candidate's runs are reserved, times :data:`RESERVE_MARGIN`. On ``h200c``
+(``tests/test_verify_reserve_replay.py``) the best at the stop was reserved 133.9 s (two dropout
+runs not launched, three fresh workers never started) where its verification took ~67 s; priced
+as above it is within the margin.
 """
 
 from __future__ import annotations
@@ -78,7 +76,6 @@ from autobalance.tuner.search._space import REGIONAL_KEY, config_compile_key
 from autobalance.verify import run_key
 
 if TYPE_CHECKING:
-
     from autobalance.tuner._settings import TuneSettings
     from autobalance.tuner.search._models import Decision
 
@@ -88,6 +85,7 @@ __all__ = ["COMPARE_S_PER_GB", "DYNAMIC", "FIRST_STEP_FACTOR", "FROM_CACHE_SHARE
            "compile_times", "compiled_graphs", "forecast_verification", "from_cache_s", "graph_keys",
            "next_trial_s", "per_trial_overhead_s", "restarts", "trial_s", "typical_compile_s",
            "verification_runs", "worker_start_s"]
+
 
 def _measured(t: FrozenTrial, *, compiled: bool) -> bool:
     """A trial of its own (not reused) that measured an eager (``compiled``: compiled) configuration."""
@@ -438,13 +436,9 @@ def graph_keys(cfg: dict[str, Any]) -> set[Graph]:
         return set()
     config = BalanceConfig.from_dict(cfg)
     budgets = config.activation_budget or [1.0] * config.world_size
-    out: set[Graph] = set()
-    for r in range(config.world_size):
-        sizes = set(config.micro_step_sizes(r))
-        size = next(iter(sizes)) if len(sizes) == 1 else DYNAMIC
-        out.add((config.dtype, config_compile_key(config), float(config.bucket_cap_mb), size,
-                 round(float(budgets[r]), 3)))
-    return out
+    sizes = [set(config.micro_step_sizes(r)) for r in range(config.world_size)]
+    return {(config.dtype, config_compile_key(config), float(config.bucket_cap_mb),
+             next(iter(s)) if len(s) == 1 else DYNAMIC, round(float(budgets[r]), 3)) for r, s in enumerate(sizes)}
 
 
 def compiled_graphs(trials: Sequence[FrozenTrial]) -> set[Graph]:
@@ -649,12 +643,10 @@ class VerifyForecast:
     """The predicted time of verifying one candidate."""
 
     seconds: float
-    """Predicted wall seconds of all its runs and comparisons."""
+    """Its runs' (in launch order) and comparisons' predicted wall seconds."""
     runs: list[str] = field(default_factory=list)
-    """The runs' names, in the order verification launches them."""
     trial: int | None = None
     per_run: dict[str, float] = field(default_factory=dict)
-    """Each run's predicted seconds (a fresh worker it starts included)."""
     compare_s: float = 0.0
 
     @property
@@ -700,13 +692,6 @@ def verification_runs(baseline: BalanceConfig | None, tuned: BalanceConfig, *,
     return list(unique.values())
 
 
-def has_dropout(trials: Sequence[FrozenTrial]) -> bool:
-    """Whether the model has dropout as the study's trials reported it (any layer with ``p > 0``);
-    True when none reported it (a study recorded before the trials did: the dropout runs reserved)."""
-    counts = [n for t in trials if isinstance(n := t.user_attrs.get(TrialAttr.DROPOUT_MODULES), int)]
-    return not counts or max(counts) > 0
-
-
 def _pool_start(t: FrozenTrial) -> float:
     return float(t.user_attrs.get(TrialAttr.POOL_START_S) or 0.0)
 
@@ -718,16 +703,14 @@ def _warm(t: FrozenTrial) -> bool:
 
 @dataclass(frozen=True)
 class RunPrices:
-    """What a verification run costs besides its step and compile (:func:`run_prices`)."""
+    """What a verification run costs besides its step and compile (module doc): its start-up in a
+    running worker, a fresh worker's start on top (0 in a cold study: each run starts anew), whether
+    the first run starts one, and the share of compiled warm trials that recycled their worker."""
 
     start_s: float
-    """A run's start-up and hand-over in a running worker (a cold study: a cold trial's whole start)."""
     fresh_s: float
-    """A fresh worker's start on top of :attr:`start_s` (0 in a cold study: each run starts anew)."""
     first_fresh: bool
-    """Whether the first run starts a fresh worker (the study's latest launched trial ended its pool)."""
     recycle_share: float
-    """The share of the study's compiled warm trials after which the worker was recycled (1 before any)."""
 
 
 def worker_start_s(trials: Sequence[FrozenTrial]) -> float:
@@ -779,20 +762,18 @@ def forecast_verification(trials: Sequence[FrozenTrial], *, baseline: BalanceCon
     if best is None or not config:
         return VerifyForecast(seconds=0.0)
     tuned = BalanceConfig.from_dict(config)
-    runs = verification_runs(baseline, tuned, dropout=has_dropout(trials))
+    # the model has dropout as the trials reported it; none reported it: a study recorded before they did
+    counts = [n for t in trials if isinstance(n := t.user_attrs.get(TrialAttr.DROPOUT_MODULES), int)]
+    runs = verification_runs(baseline, tuned, dropout=not counts or max(counts) > 0)
     if not runs:
         return VerifyForecast(seconds=0.0, trial=best.number)
     prices = run_prices(trials)
-    measured: dict[str, float] = {}
-    for t in trials:
-        cfg, ms = t.user_attrs.get(TrialAttr.CONFIG), t.user_attrs.get(TrialAttr.STEP_TIME_MS)
-        if (t.state == TrialState.COMPLETE and t.user_attrs.get(TrialAttr.STATUS) == Status.OK and cfg
-                and isinstance(ms, (int, float))):
-            measured[json.dumps(cfg, sort_keys=True)] = float(ms)
-    if eager is None:
-        eager = StepTimeModel.fit(list(trials), num_layers=num_layers, device=device)
-    if compiled is None:
-        compiled = CompiledTimeModel.fit(list(trials), eager=eager, device=device)
+    measured = {json.dumps(cfg, sort_keys=True): float(ms) for t in trials
+                if t.state == TrialState.COMPLETE and t.user_attrs.get(TrialAttr.STATUS) == Status.OK
+                and (cfg := t.user_attrs.get(TrialAttr.CONFIG))
+                and isinstance(ms := t.user_attrs.get(TrialAttr.STEP_TIME_MS), (int, float))}
+    eager = eager or StepTimeModel.fit(list(trials), num_layers=num_layers, device=device)
+    compiled = compiled or CompiledTimeModel.fit(list(trials), eager=eager, device=device)
     slowest = max(measured.values(), default=0.0)
     graphs = compiled_graphs(trials)
     gb = max((float(b) for t in trials if isinstance(b := t.user_attrs.get(TrialAttr.PARAMETER_BYTES), (int, float))),
@@ -880,20 +861,17 @@ class TimeBudget:
 
     def largest_forecast(self, decision: Decision,
                          candidates: Sequence[FrozenTrial | None]) -> VerifyForecast | None:
-        """The largest of verification's forecasts for ``candidates`` (any may become the best), the
-        first among equals; None when nothing is verified."""
-        forecasts = [f for candidate in candidates if (f := self.forecast(decision, candidate)) is not None]
-        return max(forecasts, key=lambda f: f.reserve_s, default=None)
-
-    def forecast(self, decision: Decision, best: FrozenTrial | None) -> VerifyForecast | None:
-        """Verification's forecast for ``best`` with ``decision``'s models; None when nothing is verified."""
+        """The largest of verification's forecasts for ``candidates`` (any may become the best), with
+        ``decision``'s models; the first among equals; None when nothing is verified."""
         if not self.verify:
             return None
         base_no = decision.study.user_attrs.get(StudyAttr.BASELINE)
         own = next((t.user_attrs.get(TrialAttr.CONFIG) for t in decision.trials if t.number == base_no), None)
-        return forecast_verification(decision.trials, baseline=BalanceConfig.from_dict(own) if own else None,
-                                     best=best, num_layers=decision.num_layers, device=decision.device,
-                                     eager=decision.step_time, compiled=decision.compiled_time)
+        forecasts = [forecast_verification(decision.trials, baseline=BalanceConfig.from_dict(own) if own else None,
+                                           best=best, num_layers=decision.num_layers, device=decision.device,
+                                           eager=decision.step_time, compiled=decision.compiled_time)
+                     for best in candidates]
+        return max(forecasts, key=lambda f: f.reserve_s, default=None)
 
     def unaffordable(self, decision: Decision, config: BalanceConfig) -> str | None:
         """Why ``config`` is not launched under the time budget (None: it is): its expected time (a
@@ -907,7 +885,7 @@ class TimeBudget:
                                 datetime_start=None, datetime_complete=None, params={}, distributions={},
                                 user_attrs={TrialAttr.CONFIG: config.to_dict()}, system_attrs={},
                                 intermediate_values={}, trial_id=-1)
-        forecast = self.forecast(decision, candidate)
+        forecast = self.largest_forecast(decision, [candidate])
         reserve = max(self.reserve_s, forecast.reserve_s if forecast is not None else 0.0) + self.leaders_s
         now = decision.clock()
         if self.holds(now, took, reserve):
