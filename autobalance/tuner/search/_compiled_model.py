@@ -20,8 +20,8 @@ without trials borrows its scope's other pairs' points; without any, ``f(b) = ma
 At an unmeasured ``b`` the activation part gets ``UNMEASURED_MARGIN / sqrt(1 + knots)`` more (all of
 it without own knots) and the whole peak the self-correcting safety margin: a configuration fits
 when ``(fixed_r + S * q + m * act_r * f(b) * (1 + extra)) * (1 + margin) <= limit_r``. It surely
-does not when even ``F`` at the largest measured ``b_j <= b`` (:meth:`CompiledMemoryModel.surely_over`)
-or ``f(0.05)`` (:meth:`~CompiledMemoryModel.over_at_any_budget`) exceeds ``limit_r * (1 + margin)``.
+does not when even ``F`` at the largest measured ``b_j <= b`` (``surely_over``) or ``f(0.05)``
+(``over_at_any_budget``) exceeds ``limit_r * (1 + margin)``.
 """
 
 from __future__ import annotations
@@ -107,8 +107,9 @@ class BudgetCurve:
             old = by_budget.get(key, (0.0, False))
             by_budget[key] = (max(old[0], max(0.0, float(y))), old[1] or exact)
         budgets = sorted(by_budget)
-        return cls(budgets=budgets, fractions=list(accumulate((by_budget[b][0] for b in budgets), max)),
-                   exact=[by_budget[b][1] for b in budgets], borrowed=borrowed)
+        fractions = list(accumulate((by_budget[b][0] for b in budgets), max))
+        return cls(budgets=budgets, fractions=fractions, exact=[by_budget[b][1] for b in budgets],
+                   borrowed=borrowed)
 
     def estimate(self, budget: float) -> float:
         """``f(budget)``: interpolated between measured budgets, the partitioner's rule outside."""
@@ -139,7 +140,8 @@ class BudgetCurve:
         """The activation part's extra margin at ``budget`` (module doc)."""
         if self.borrowed or not self.budgets:
             return UNMEASURED_MARGIN
-        return 0.0 if self.measured(budget) else UNMEASURED_MARGIN / math.sqrt(1 + len(self.budgets))
+        knots = len(self.budgets)
+        return 0.0 if self.measured(budget) else UNMEASURED_MARGIN / math.sqrt(1 + knots)
 
 
 @dataclass(kw_only=True)
@@ -155,7 +157,7 @@ class CompiledMemoryModel:
     """Per scope (True: regional), its pairs' points together: what a pair of that scope without
     trials borrows (never the other scope's: a scope's fractions say little of the other's)."""
     safety_margin: float = DEFAULT_SAFETY_MARGIN
-    """Relative margin on the whole peak (widened by :meth:`correct`, at most :data:`MAX_MARGIN`)."""
+    """Relative margin on the whole peak (widened by :meth:`correct`, to :data:`MAX_MARGIN`)."""
     corrections: int = 0
     """How many times the margin was widened."""
 
@@ -197,16 +199,17 @@ class CompiledMemoryModel:
     def can_predict(self, dtype: str) -> bool:
         return self.eager.can_predict(dtype)
 
-    def _line(self, rank: int, micro_batch: int, dtype: str, share: float | None, fraction: float) -> float:
-        """``fixed_r(q) + m * act_r * fraction``."""
-        return self.eager.fixed_bytes(rank, dtype, share) + micro_batch * self.unit(rank, dtype) * fraction
+    def _line(self, rank: int, m: int, dtype: str, share: float | None, fraction: float) -> float:
+        """``fixed_r + S * q + m * act_r * fraction``."""
+        return self.eager.fixed_bytes(rank, dtype, share) + m * self.unit(rank, dtype) * fraction
 
     # ---------------------------------------------------------------------------- predictions
     def predict(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str,
                 optimizer_share: float | None = None) -> float:
         """Estimated peak bytes (no margin), never below what the rank holds apart from activations
         (the eager model's ``floor_bytes``)."""
-        line = self._line(rank, micro_batch, dtype, optimizer_share, self.curve(dtype, mode).estimate(budget))
+        f = self.curve(dtype, mode).estimate(budget)
+        line = self._line(rank, micro_batch, dtype, optimizer_share, f)
         return max(line, self.eager.floor_bytes(rank, optimizer_share))
 
     def clamped(self, config: BalanceConfig) -> bool:
@@ -222,7 +225,8 @@ class CompiledMemoryModel:
         """:meth:`clamped` for one rank."""
         if self.eager.per_sample_bytes(rank, dtype, 0, self.num_layers) <= 0:
             return True
-        line = self._line(rank, micro_batch, dtype, optimizer_share, self.curve(dtype, mode).estimate(budget))
+        f = self.curve(dtype, mode).estimate(budget)
+        line = self._line(rank, micro_batch, dtype, optimizer_share, f)
         return line <= 0 or line < self.eager.floor_bytes(rank, optimizer_share) * (1.0 - CLAMP_TOLERANCE)
 
     def extrapolated(self, config: BalanceConfig) -> bool:
@@ -232,16 +236,17 @@ class CompiledMemoryModel:
         if curve is None or not curve.budgets:
             return True
         return any(not curve.budgets[0] - 1e-6 <= b <= curve.budgets[-1] + 1e-6
-                   or self.eager.extrapolated(rank=r, micro_batch=m, checkpointed=0, num_layers=self.num_layers,
-                                              dtype=config.dtype) for r, m, b, _ in self._ranks(config))
+                   or self.eager.extrapolated(rank=r, micro_batch=m, checkpointed=0,
+                                              num_layers=self.num_layers, dtype=config.dtype)
+                   for r, m, b, _ in self._ranks(config))
 
     @staticmethod
     def _ranks(config: BalanceConfig) -> list[tuple[int, int, float, float | None]]:
         """Per rank: its micro-batch, budget and ``zero1`` share (None: unsharded)."""
         budgets = config.activation_budget or [1.0] * config.world_size
         shares: Sequence[float | None] = config.sharding_shares() or [None] * config.world_size
-        return [(r, m, float(b), q)
-                for r, (m, b, q) in enumerate(zip(config.micro_batches, budgets, shares, strict=True))]
+        ranks = zip(config.micro_batches, budgets, shares, strict=True)
+        return [(r, m, float(b), q) for r, (m, b, q) in enumerate(ranks)]
 
     def fits(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str, limit: float,
              optimizer_share: float | None = None) -> bool:
@@ -257,9 +262,9 @@ class CompiledMemoryModel:
     def largest_budget(self, *, rank: int, micro_batch: int, dtype: str, mode: str, limit: float,
                        optimizer_share: float | None = None) -> float | None:
         """The largest budget of the space's grid predicted to fit (None: not even the smallest)."""
-        return next((b for b in budget_grid() if self.fits(rank=rank, micro_batch=micro_batch, budget=b,
-                                                         dtype=dtype, mode=mode, limit=limit,
-                                                         optimizer_share=optimizer_share)), None)
+        return next((b for b in budget_grid()
+                     if self.fits(rank=rank, micro_batch=micro_batch, budget=b, dtype=dtype, mode=mode,
+                                  limit=limit, optimizer_share=optimizer_share)), None)
 
     def surely_over(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str,
                     limit: float, optimizer_share: float | None = None) -> float | None:
@@ -275,8 +280,9 @@ class CompiledMemoryModel:
     def over_at_any_budget(self, *, rank: int, micro_batch: int, dtype: str, mode: str, limit: float,
                            optimizer_share: float | None = None) -> float | None:
         """The least peak predicted for ``micro_batch`` on ``rank`` at any budget (the curve at the
-        smallest one, no extra margin) when even that exceeds ``limit * (1 + margin)``; None otherwise."""
-        peak = self._line(rank, micro_batch, dtype, optimizer_share, self.curve(dtype, mode).estimate(BUDGET_RANGE[0]))
+        smallest one, no extra margin) when even that exceeds ``limit * (1 + margin)``; else None."""
+        least = self.curve(dtype, mode).estimate(BUDGET_RANGE[0])
+        peak = self._line(rank, micro_batch, dtype, optimizer_share, least)
         return peak if peak > limit * (1.0 + self.safety_margin) else None
 
     def config_peaks(self, config: BalanceConfig) -> list[float]:
@@ -318,30 +324,27 @@ def compiled_observations(trials: Sequence[FrozenTrial]) -> list[CompiledObserva
     out: list[CompiledObservation] = []
     for t in trials:
         a = t.user_attrs
-        cfg = a.get(TrialAttr.CONFIG)
-        status = a.get(TrialAttr.STATUS)
-        if (t.state != TrialState.COMPLETE or status not in (Status.OK, Status.OOM) or not cfg
-                or cfg.get("compile", "off") == "off" or a.get(TrialAttr.REUSED_FROM) is not None):
-            continue
+        cfg, status = a.get(TrialAttr.CONFIG), a.get(TrialAttr.STATUS)
         peaks = a.get(TrialAttr.PEAK_DEVICE_GIB) or []
-        budgets = cfg.get("activation_budget") or [1.0] * len(cfg["micro_batches"])
-        if len(peaks) != len(cfg["micro_batches"]):
+        if (t.state != TrialState.COMPLETE or status not in (Status.OK, Status.OOM) or not cfg
+                or cfg.get("compile", "off") == "off" or a.get(TrialAttr.REUSED_FROM) is not None
+                or len(peaks) != len(cfg["micro_batches"])):
             continue
-        shares = BalanceConfig.from_dict(cfg).sharding_shares()
         if status == Status.OK:
             ranks = [(r, float(p) * GIB) for r, p in enumerate(peaks) if p is not None and p > 0]
-        else:
-            failing = a.get(TrialAttr.FAILING_RANK)
-            if failing is None:
-                continue
+        elif (failing := a.get(TrialAttr.FAILING_RANK)) is not None:
             r = int(failing)
             caps = a.get("capacity_gib") or a.get(TrialAttr.USABLE_GIB) or []
             floor = float(caps[r]) if r < len(caps) and caps[r] else 0.0
             ranks = [(r, max(float(peaks[r] or 0.0), floor) * GIB)]
-        out += [CompiledObservation(rank=r, micro_batch=int(cfg["micro_batches"][r]), budget=float(budgets[r]),
-                                    dtype=cfg["dtype"], mode=config_compile_key(cfg), peak_bytes=peak,
-                                    ok=status == Status.OK, trial=t.number,
-                                    optimizer_share=None if shares is None else shares[r])
+        else:
+            continue
+        budgets = cfg.get("activation_budget") or [1.0] * len(peaks)
+        shares = BalanceConfig.from_dict(cfg).sharding_shares()
+        out += [CompiledObservation(rank=r, micro_batch=int(cfg["micro_batches"][r]),
+                                    budget=float(budgets[r]), dtype=cfg["dtype"],
+                                    mode=config_compile_key(cfg), peak_bytes=peak, ok=status == Status.OK,
+                                    trial=t.number, optimizer_share=None if shares is None else shares[r])
                 for r, peak in ranks]
     return out
 

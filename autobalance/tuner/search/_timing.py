@@ -3,10 +3,10 @@ step time eager (:class:`StepTimeModel`) and compiled (:class:`CompiledTimeModel
 and the study's Inductor cache, a trial's time, verification's price, and the time budget
 (:class:`TimeBudget`, ``--time-budget``): the one place a stop for time is decided.
 
-**Verification's price** (:func:`forecast_verification`), what the budget reserves: the one-step runs
-verifying the best trial (:func:`verification_runs`; a run taking an earlier run's step is reused;
-the dropout runs only for a model whose trials reported dropout, or did not report it), each priced
-from the study's launched trials (:func:`run_prices`):
+**Verification's price** (:func:`forecast_verification`), what the budget reserves: the one-step
+runs verifying the best trial (:func:`verification_runs`; a run taking an earlier run's step is
+reused; the dropout runs only for a model whose trials reported dropout, or did not report it),
+each priced from the study's launched trials (:func:`run_prices`):
 
 - its start-up and hand-over in a running worker: the median warm trial's ``startup + other`` (a
   study of cold trials: the median over all);
@@ -82,13 +82,13 @@ if TYPE_CHECKING:
 __all__ = ["COMPARE_S_PER_GB", "DYNAMIC", "FIRST_STEP_FACTOR", "FROM_CACHE_SHARE", "IO_S_PER_GB",
            "MICRO_STEP_PRIOR", "RECOMPUTE_PRIOR", "RESERVE_MARGIN", "CompiledTimeModel",
            "StepTimeModel", "TimeBudget", "cache_dir", "compile_env", "compile_notes",
-           "compile_times", "compiled_graphs", "forecast_verification", "from_cache_s", "graph_keys",
-           "next_trial_s", "per_trial_overhead_s", "restarts", "trial_s", "typical_compile_s",
-           "verification_runs", "worker_start_s"]
+           "compile_times", "compiled_graphs", "forecast_verification", "from_cache_s",
+           "graph_keys", "next_trial_s", "per_trial_overhead_s", "restarts", "trial_s",
+           "typical_compile_s", "verification_runs", "worker_start_s"]
 
 
 def _measured(t: FrozenTrial, *, compiled: bool) -> bool:
-    """A trial of its own (not reused) that measured an eager (``compiled``: compiled) configuration."""
+    """A trial of its own (not reused) that measured an eager (``compiled``: compiled) config."""
     a = t.user_attrs
     return (a.get(TrialAttr.STATUS) == Status.OK and bool(a.get(TrialAttr.CONFIG))
             and (a[TrialAttr.CONFIG].get("compile", "off") != "off") == compiled
@@ -151,14 +151,15 @@ class StepTimeModel:
         return None if parts is None else parts[0] + max(parts[1])
 
     def rank_ms(self, cfg: BalanceConfig | dict[str, Any]) -> tuple[float, list[float]] | None:
-        """``a`` and each rank's micro-steps (the slowest is the step); None before any measurement."""
+        """``a`` and each rank's micro-steps (the slowest is the step); None before any trial."""
         c = cfg.to_dict() if isinstance(cfg, BalanceConfig) else cfg
         scaled = self._scale(c["dtype"])
         if scaled is None:
             return None
         ratio, dtype = scaled
         mode = c.get("param_sharding", "off")
-        f = 1.0 if mode == "off" else self.sharding.get(mode, max(self.sharding.values(), default=1.0))
+        worst = max(self.sharding.values(), default=1.0)
+        f = 1.0 if mode == "off" else self.sharding.get(mode, worst)
         ranks = _rank_ms(c, b=self.b, k=self.k[dtype], g=self.g, layers=self.num_layers,
                          speeds=self.speeds)
         return f * self.a, [f * ratio * ms for ms in ranks]
@@ -186,15 +187,15 @@ class StepTimeModel:
         rows = [(cfg, ms) for cfg, ms in measured if cfg.get("param_sharding", "off") == "off"]
         sharded = [(cfg, ms) for cfg, ms in measured if cfg.get("param_sharding", "off") != "off"]
         if not rows:  # only sharded trials measured: their unsharded twins at the prior's ratio
-            rows = [({**cfg, "param_sharding": "off"},
-                     ms / SHARDING_TIME_PRIOR.get(cfg["param_sharding"], 1.0)) for cfg, ms in sharded]
+            rows = [({**cfg, "param_sharding": "off"}, ms / SHARDING_TIME_PRIOR.get(cfg["param_sharding"], 1.0))
+                    for cfg, ms in sharded]
             sharded = []
+        typical = (sum(sum(c["micro_batches"]) / len(c["micro_batches"]) for c, _ in rows)
+                   / len(rows) if rows else 1.0)
+        model = cls(a=0.0, b=0.0, g=0.0, k={}, num_layers=num_layers, prior=prior, typical_micro_batch=typical)
         if not rows:
-            return cls(a=0.0, b=0.0, g=0.0, k={}, num_layers=num_layers, prior=prior)
+            return model
         dtypes = sorted({cfg["dtype"] for cfg, _ in rows})
-        typical = sum(sum(c["micro_batches"]) / len(c["micro_batches"]) for c, _ in rows) / len(rows)
-        model = cls(a=0.0, b=0.0, g=0.0, k={}, num_layers=num_layers, prior=prior,
-                    typical_micro_batch=typical)
         any_ckpt = any(any(ck for ck in cfg["checkpoint"]) for cfg, _ in rows)
         distinct = len({json.dumps(cfg, sort_keys=True) for cfg, _ in rows})
         full = distinct >= 3 + len(dtypes) + 1  # a, b, g and one k per dtype, with one to spare
@@ -204,7 +205,7 @@ class StepTimeModel:
         g0 = RECOMPUTE_PRIOR * min(k0.values()) * typical
         x0 = ([0.0, 0.0, g0] if full else [g0]) + [k0[d] for d in dtypes]
         g_at = 2 if full else 0
-        if not any_ckpt:  # the data cannot see g (every c_r is 0): held at 0, set from the prior below
+        if not any_ckpt:  # the data cannot see g (every c_r is 0): held at 0, the prior set below
             x0[g_at] = 0.0
         n, layers = len(x0), max(1, num_layers)
 
@@ -279,8 +280,8 @@ def _samples_per_rank(cfg: dict[str, Any]) -> list[int]:
 
 def _rank_ms(cfg: dict[str, Any], *, b: float, k: float, g: float, layers: int,
              speeds: list[float] | None = None) -> list[float]:
-    """Each rank's micro-steps of one optimizer step, ``acc * (b + s_r * g * c_r / L) + s_r * k * n_r``
-    (``s_r``: ``speeds[r]``, else 1): no rank waits for another before the step's last all-reduce."""
+    """Each rank's micro-steps of one step, ``acc * (b + s_r * g * c_r / L) + s_r * k * n_r`` (``s_r``:
+    ``speeds[r]``, else 1): no rank waits for another before the step's last all-reduce."""
     acc = int(cfg["accumulation"])
     samples = _samples_per_rank(cfg)
     if speeds is None or len(speeds) != len(samples):
@@ -309,12 +310,13 @@ class CompiledTimeModel:
 
     ``a`` and ``e_r = acc * b + k[dtype] * n_r`` (rank ``r``'s micro-steps without checkpointing, of
     which ``acc * b`` is paid once per micro-step whatever its size) come from the eager
-    :class:`StepTimeModel`. ``s`` is the compiled-versus-eager speed of the pair, ``beta`` a compiled
-    micro-step's fixed cost relative to an eager one (CUDA graphs replay a micro-step's kernels with
-    one launch: ``reduce-overhead`` starts at :data:`MICRO_STEP_PRIOR`), ``rho * (1 - b_r)`` the
-    recomputation at budget ``b_r`` (0 at the default 1.0). ``rho`` and ``beta`` are chosen on grids,
-    ``s`` in closed form (:func:`_fit_pair`); each stays at its prior (:data:`RECOMPUTE_PRIOR_COMPILED`,
-    the mode's ``beta``) while the pair's trials have not varied their budgets / micro-steps. A pair
+    :class:`StepTimeModel`. ``s`` is the compiled-versus-eager speed of the pair, ``beta`` a
+    compiled micro-step's fixed cost relative to an eager one (CUDA graphs replay a micro-step's
+    kernels with one launch: ``reduce-overhead`` starts at :data:`MICRO_STEP_PRIOR`), ``rho * (1 -
+    b_r)`` the recomputation at budget ``b_r`` (0 at the default 1.0). ``rho`` and ``beta`` are
+    chosen on grids, ``s`` in closed form (:func:`_fit_pair`); each stays at its prior
+    (:data:`RECOMPUTE_PRIOR_COMPILED`, the mode's ``beta``) while the pair's trials have not varied
+    their budgets / micro-steps. A pair
     without trials borrows another's ``s`` and ``rho`` within its scope (the same mode first, then
     the same dtype), never another mode's ``beta``; without any, :data:`COMPILE_SPEED_PRIOR`.
     """
@@ -340,7 +342,7 @@ class CompiledTimeModel:
         return self.prior_speed, RECOMPUTE_PRIOR_COMPILED, False
 
     def beta(self, dtype: str, mode: str) -> float:
-        """``beta``: the pair's own fit, else the same mode's with another dtype, else the mode's prior."""
+        """``beta``: the pair's own fit, else the same mode's with another dtype, else its prior."""
         if (dtype, mode) in self.micro_step:
             return self.micro_step[(dtype, mode)]
         for other in sorted(p for p in self.micro_step if p[1] == mode):
@@ -348,7 +350,7 @@ class CompiledTimeModel:
         return MICRO_STEP_PRIOR.get(mode.removesuffix(REGIONAL_KEY), 1.0)
 
     def recompute_factor(self, dtype: str, mode: str, budget: float) -> float:
-        """``1 + rho * (1 - budget)``: a compiled micro-step's cost at ``budget`` relative to 1.0."""
+        """``1 + rho * (1 - budget)``: a compiled micro-step's cost at ``budget`` relative to 1."""
         _, rho, _ = self.params(dtype, mode)
         return 1.0 + rho * (1.0 - budget)
 
@@ -362,7 +364,8 @@ class CompiledTimeModel:
         mode = config_compile_key(c)
         s, rho, _ = self.params(c["dtype"], mode)
         fixed = (self.beta(c["dtype"], mode) - 1.0) * micro_steps
-        return a, [s * max(0.0, e + fixed) * (1.0 + rho * (1.0 - b)) for e, b in zip(ranks, budgets, strict=True)]
+        return a, [s * max(0.0, e + fixed) * (1.0 + rho * (1.0 - b))
+                   for e, b in zip(ranks, budgets, strict=True)]
 
     def predict(self, config: BalanceConfig | dict[str, Any]) -> float | None:
         """Predicted milliseconds per optimizer step."""
@@ -385,8 +388,9 @@ class CompiledTimeModel:
         return model
 
 
-def _eager_parts(eager: StepTimeModel, cfg: dict[str, Any]) -> tuple[float, list[float], list[float], float] | None:
-    """``a``, each rank's ``e_r`` and budget ``b_r``, and ``acc * b``; None before any eager measurement."""
+def _eager_parts(eager: StepTimeModel,
+                 cfg: dict[str, Any]) -> tuple[float, list[float], list[float], float] | None:
+    """``a``, each rank's ``e_r`` and budget ``b_r``, and ``acc * b``; None before any eager trial."""
     plain = {**cfg, "checkpoint": [[] for _ in cfg["micro_batches"]]}
     parts = eager.rank_ms(plain)
     if parts is None:
@@ -397,8 +401,8 @@ def _eager_parts(eager: StepTimeModel, cfg: dict[str, Any]) -> tuple[float, list
 
 def _fit_pair(eager: StepTimeModel, rows: list[tuple[dict[str, Any], float]], *,
               beta_prior: float = 1.0) -> tuple[float, float, float] | None:
-    """``(s, rho, beta)`` minimising the squared relative errors (``rho`` and ``beta`` on grids, ``s``
-    in closed form); among equal errors the pair nearest the priors."""
+    """``(s, rho, beta)`` minimising the squared relative errors (``rho`` and ``beta`` on grids,
+    ``s`` in closed form); among equal errors the pair nearest the priors."""
     parts = []
     for cfg, ms in rows:
         eager_parts = _eager_parts(eager, cfg)
@@ -438,18 +442,16 @@ def graph_keys(cfg: dict[str, Any]) -> set[Graph]:
     budgets = config.activation_budget or [1.0] * config.world_size
     sizes = [set(config.micro_step_sizes(r)) for r in range(config.world_size)]
     return {(config.dtype, config_compile_key(config), float(config.bucket_cap_mb),
-             next(iter(s)) if len(s) == 1 else DYNAMIC, round(float(budgets[r]), 3)) for r, s in enumerate(sizes)}
+             next(iter(s)) if len(s) == 1 else DYNAMIC, round(float(budgets[r]), 3))
+            for r, s in enumerate(sizes)}
 
 
 def compiled_graphs(trials: Sequence[FrozenTrial]) -> set[Graph]:
     """Graphs the study's launched trials compiled (what the per-study Inductor cache holds)."""
-    out: set[Graph] = set()
-    for t in trials:
-        cfg = t.user_attrs.get(TrialAttr.CONFIG)
-        if (t.state == TrialState.COMPLETE and cfg and t.user_attrs.get(TrialAttr.STATUS) in MEASURED_STATUSES
-                and t.user_attrs.get(TrialAttr.REUSED_FROM) is None):
-            out |= graph_keys(cfg)
-    return out
+    return {graph for t in trials
+            if t.state == TrialState.COMPLETE and (cfg := t.user_attrs.get(TrialAttr.CONFIG))
+            and t.user_attrs.get(TrialAttr.STATUS) in MEASURED_STATUSES
+            and t.user_attrs.get(TrialAttr.REUSED_FROM) is None for graph in graph_keys(cfg)}
 
 
 def _compile_s(t: FrozenTrial) -> float | None:
@@ -465,20 +467,18 @@ def _cache(t: FrozenTrial) -> tuple[int, int]:
 
 def compile_times(trials: Sequence[FrozenTrial], *, device: str, scope: str | None = None) -> tuple[float, float]:
     """(median compile from the Inductor cache, median compile with cache misses) of the study's
-    launched compiled trials; where it measured none, :data:`COMPILE_PRIOR_S` cold and from the cache
-    :data:`FROM_CACHE_SHARE` of it, at least :data:`CACHE_HIT_PRIOR_S`. ``scope`` (``whole`` /
+    launched compiled trials; where it measured none, :data:`COMPILE_PRIOR_S` cold and from the
+    cache :data:`FROM_CACHE_SHARE` of it, at least :data:`CACHE_HIT_PRIOR_S`. ``scope`` (``whole`` /
     ``regional``): that scope's trials only; a scope the study has not compiled is priced from the
     other's (:data:`REGIONAL_COMPILE_SHARE`)."""
     if scope is not None:
         own = [t for t in trials if _scope(t) == scope]
-        if any(_compile_s(t) is not None for t in own):
-            return compile_times(own, device=device)
         others = [t for t in trials if _scope(t) not in (None, scope)]
-        if any(_compile_s(t) is not None for t in others):
-            warm, cold = compile_times(others, device=device)
-            low, high = REGIONAL_COMPILE_SHARE
-            factor = high if scope == "regional" else 1.0 / low
-            return warm * factor, cold * factor
+        low, high = REGIONAL_COMPILE_SHARE
+        for group, factor in ((own, 1.0), (others, high if scope == "regional" else 1.0 / low)):
+            if any(_compile_s(t) is not None for t in group):
+                warm, cold = compile_times(group, device=device)
+                return warm * factor, cold * factor
     hit, miss, every = [], [], []
     for t in trials:
         seconds = _compile_s(t)
@@ -526,8 +526,7 @@ def compile_env(settings: TuneSettings) -> dict[str, str]:
     env = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
     if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
         env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir(settings.runs_dir, settings.study_name)
-        # made here, not by the first compile: a backend that writes nothing (aot_eager) still gets it,
-        # and ranks of several trials never race to create it
+        # made here: a backend that writes nothing (aot_eager) still gets it, and no two trials race
         os.makedirs(env["TORCHINDUCTOR_CACHE_DIR"], exist_ok=True)
     return env
 
@@ -626,11 +625,12 @@ def _compile_price(trials: Sequence[FrozenTrial], config: BalanceConfig, *, devi
     """``config``'s compile: from the study's cache when the study compiled its graphs
     (:func:`from_cache_s`), else the study's median cold compile in its scope."""
     _, cold = compile_times(trials, device=device, scope=config.compile_scope)
-    return from_cache_s(trials, config, cold=cold) if graph_keys(config.to_dict()) <= graphs else cold
+    cached = graph_keys(config.to_dict()) <= graphs
+    return from_cache_s(trials, config, cold=cold) if cached else cold
 
 
 def trial_s(trials: Sequence[FrozenTrial], config: BalanceConfig, *, device: str) -> float:
-    """The expected wall time of launching ``config`` next: :func:`next_trial_s` plus, compiled, its compile."""
+    """The expected wall time of launching ``config`` next: :func:`next_trial_s` plus its compile."""
     seconds = next_trial_s(trials)
     if config.compile == "off":
         return seconds
@@ -680,15 +680,16 @@ def verification_runs(baseline: BalanceConfig | None, tuned: BalanceConfig, *,
         if own.dtype != tuned.dtype:
             runs.append((f"baseline-{tuned.dtype}", dataclasses.replace(own, dtype=tuned.dtype), False))
         runs.append(("tuned", tuned, False))
-    budgets = tuned.activation_budget or []
-    if dropout and (any(tuned.checkpoint) or (tuned.compile != "off" and any(b < 1.0 for b in budgets))):
+    recomputes = tuned.compile != "off" and any(b < 1.0 for b in tuned.activation_budget or [])
+    if dropout and (any(tuned.checkpoint) or recomputes):
         plain = dataclasses.replace(tuned, checkpoint=[[] for _ in tuned.micro_batches], activation_budget=None)
         runs += [("tuned-dropout", tuned, True), ("tuned-dropout-no-recompute", plain, True)]
     # a run that takes the same step as an earlier one is reused, not launched (verify.SharedRuns)
     unique: dict[str, tuple[str, BalanceConfig, bool]] = {}
     for name, config, with_dropout in runs:
-        unique.setdefault(run_key(config, dropout="on" if with_dropout else "off", global_batch=config.global_batch,
-                                  reverse=name == "floor"), (name, config, with_dropout))
+        key = run_key(config, dropout="on" if with_dropout else "off", global_batch=config.global_batch,
+                      reverse=name == "floor")
+        unique.setdefault(key, (name, config, with_dropout))
     return list(unique.values())
 
 
@@ -738,14 +739,15 @@ def run_prices(trials: Sequence[FrozenTrial]) -> RunPrices:
     latest = max(_every_launched(trials), key=lambda t: t.number)
     first_fresh = (bool(latest.user_attrs.get(TrialAttr.WARM_RECYCLED))
                    or latest.user_attrs.get(TrialAttr.STATUS) != Status.OK)  # a failed trial ends its pool
-    compiled = [t for t in ran if _warm(t) and (t.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile", "off") != "off"]
+    compiled = [t for t in ran
+                if _warm(t) and (t.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile", "off") != "off"]
     share = (sum(1 for t in compiled if t.user_attrs.get(TrialAttr.WARM_RECYCLED)) / len(compiled) if compiled
              else 1.0)
     return RunPrices(start_s=start, fresh_s=worker_start_s(trials), first_fresh=first_fresh, recycle_share=share)
 
 
 def restarts(trials: Sequence[FrozenTrial], runs: Sequence[tuple[str, BalanceConfig, bool]]) -> float:
-    """Fresh workers the verification runs are expected to start (module doc; ``runtime._carryover``)."""
+    """Fresh workers the verification runs are expected to start (module doc)."""
     prices = run_prices(trials)
     if prices.fresh_s <= 0 and not any(_warm(t) for t in _launched(trials)):
         return 0.0
@@ -762,7 +764,7 @@ def forecast_verification(trials: Sequence[FrozenTrial], *, baseline: BalanceCon
     if best is None or not config:
         return VerifyForecast(seconds=0.0)
     tuned = BalanceConfig.from_dict(config)
-    # the model has dropout as the trials reported it; none reported it: a study recorded before they did
+    # dropout as the trials reported it; none reported it: a study recorded before they did
     counts = [n for t in trials if isinstance(n := t.user_attrs.get(TrialAttr.DROPOUT_MODULES), int)]
     runs = verification_runs(baseline, tuned, dropout=not counts or max(counts) > 0)
     if not runs:
@@ -803,16 +805,16 @@ def forecast_verification(trials: Sequence[FrozenTrial], *, baseline: BalanceCon
 class TimeBudget:
     """``--time-budget`` of one run: the run, verification included, ends by ``deadline``
     (``time.monotonic()``): no trial starts once the time left is below the next trial's expected
-    time plus verification's predicted time. The one place a stop for time is decided: :meth:`spent`
-    (the loop's stop rule), :meth:`unaffordable` (a proposal the time left does not hold with
-    verification's reserve after it) and :meth:`holds_compile`, each over one ``search.Decision``."""
+    time plus verification's predicted time. The one place a stop for time is decided:
+    :meth:`spent` (the loop's stop rule), :meth:`unaffordable` (a proposal the time left does not
+    hold with verification's reserve after it) and :meth:`holds_compile`."""
 
     budget_s: float | None
     started: float
     stopped: bool = False
     """Whether the budget, not ``--trials``, ended the trial loop."""
     reserve_s: float = 0.0
-    """What is kept free at the end of the budget for verification (:attr:`VerifyForecast.reserve_s`)."""
+    """What is kept free at the end for verification (:attr:`VerifyForecast.reserve_s`)."""
     reserve_runs: int = 0
     next_trial_s: float = 0.0
     left_at_stop: float | None = None
@@ -820,8 +822,8 @@ class TimeBudget:
     """Whether the study's best is verified after the trial loop (``tune --no-verify`` and several
     nodes: nothing reserved)."""
     leaders: Callable[..., tuple[list[FrozenTrial], float]] | None = None
-    """The leaders' least plan when they are re-measured before saving (``tuner._remeasure.least_plan``;
-    None: they are not): its time, :attr:`leaders_s`, is kept free too (0 when none is within the noise)."""
+    """The leaders' least plan when they are re-measured before saving (``_remeasure.least_plan``;
+    None: they are not): its time, :attr:`leaders_s`, is kept free too (0: none within the noise)."""
     leaders_s: float = 0.0
     compile_left_s: float | None = None
     """Seconds left for a compile once verification's reserve and a usual trial are kept (None: no
@@ -839,7 +841,7 @@ class TimeBudget:
                                                                             self.reserve_s + self.leaders_s))
 
     def holds(self, now: float, trial_s: float, reserve_s: float) -> bool:
-        """Whether a trial of ``trial_s`` started ``now`` still leaves ``reserve_s`` before the deadline."""
+        """Whether a trial of ``trial_s`` started ``now`` leaves ``reserve_s`` before the deadline."""
         return self.deadline is None or now + trial_s + reserve_s < self.deadline
 
     def refresh(self, decision: Decision, now: float) -> None:
@@ -861,14 +863,15 @@ class TimeBudget:
 
     def largest_forecast(self, decision: Decision,
                          candidates: Sequence[FrozenTrial | None]) -> VerifyForecast | None:
-        """The largest of verification's forecasts for ``candidates`` (any may become the best), with
-        ``decision``'s models; the first among equals; None when nothing is verified."""
+        """The largest of verification's forecasts for ``candidates`` (any may become the best),
+        with ``decision``'s models; the first among equals; None when nothing is verified."""
         if not self.verify:
             return None
         base_no = decision.study.user_attrs.get(StudyAttr.BASELINE)
         own = next((t.user_attrs.get(TrialAttr.CONFIG) for t in decision.trials if t.number == base_no), None)
-        forecasts = [forecast_verification(decision.trials, baseline=BalanceConfig.from_dict(own) if own else None,
-                                           best=best, num_layers=decision.num_layers, device=decision.device,
+        baseline = BalanceConfig.from_dict(own) if own else None
+        forecasts = [forecast_verification(decision.trials, baseline=baseline, best=best,
+                                           num_layers=decision.num_layers, device=decision.device,
                                            eager=decision.step_time, compiled=decision.compiled_time)
                      for best in candidates]
         return max(forecasts, key=lambda f: f.reserve_s, default=None)
@@ -895,7 +898,7 @@ class TimeBudget:
                 f"about {took:.0f} s and verification after it {reserve:.0f} s{leaders}; nothing was launched")
 
     def holds_compile(self, decision: Decision, scope: str | None = None) -> bool:
-        """Whether :attr:`compile_left_s` holds the study's median compile (of ``scope``); always without a limit."""
+        """Whether :attr:`compile_left_s` (None: no limit) holds the study's median compile of ``scope``."""
         if self.compile_left_s is None:
             return True
         _, compile_s = compile_times(decision.trials, device=decision.device, scope=scope)
