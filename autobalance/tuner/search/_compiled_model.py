@@ -178,7 +178,6 @@ class CompiledMemoryModel:
                 model.pooled_by_scope[regional] = BudgetCurve.from_points(every, borrowed=True)
         return model
 
-    # ------------------------------------------------------------------------------- parts
     def unit(self, rank: int, dtype: str) -> float:
         """``act_r``: eager activation bytes of one sample without checkpointing (at least 1 byte)."""
         return max(_TINY, self.eager.per_sample_bytes(rank, dtype, 0, self.num_layers))
@@ -203,7 +202,6 @@ class CompiledMemoryModel:
         """``fixed_r + S * q + m * act_r * fraction``."""
         return self.eager.fixed_bytes(rank, dtype, share) + m * self.unit(rank, dtype) * fraction
 
-    # ---------------------------------------------------------------------------- predictions
     def predict(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str,
                 optimizer_share: float | None = None) -> float:
         """Estimated peak bytes (no margin), never below what the rank holds apart from activations
