@@ -35,7 +35,7 @@ import os
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 from optuna.trial import FrozenTrial, TrialState
@@ -76,8 +76,9 @@ from autobalance.tuner.search._space import REGIONAL_KEY, config_compile_key
 from autobalance.verify import run_key
 
 if TYPE_CHECKING:
+    import optuna
+
     from autobalance.tuner._settings import TuneSettings
-    from autobalance.tuner.search._models import Decision
 
 __all__ = ["COMPARE_S_PER_GB", "DYNAMIC", "FIRST_STEP_FACTOR", "FROM_CACHE_SHARE", "IO_S_PER_GB",
            "MICRO_STEP_PRIOR", "RECOMPUTE_PRIOR", "RESERVE_MARGIN", "CompiledTimeModel",
@@ -801,6 +802,21 @@ def forecast_verification(trials: Sequence[FrozenTrial], *, baseline: BalanceCon
 
 
 # ------------------------------------------------------------------------------- the time budget
+class DecisionView(Protocol):
+    """What the budget reads of one decision (``_models.Decision``, which imports this module)."""
+
+    study: optuna.Study
+    trials: list[FrozenTrial]
+    num_layers: int
+    device: str
+    clock: Callable[[], float]
+
+    @property
+    def step_time(self) -> StepTimeModel: ...
+    @property
+    def compiled_time(self) -> CompiledTimeModel: ...
+
+
 @dataclass(kw_only=True)
 class TimeBudget:
     """``--time-budget`` of one run: the run, verification included, ends by ``deadline``
@@ -844,7 +860,7 @@ class TimeBudget:
         """Whether a trial of ``trial_s`` started ``now`` leaves ``reserve_s`` before the deadline."""
         return self.deadline is None or now + trial_s + reserve_s < self.deadline
 
-    def refresh(self, decision: Decision, now: float) -> None:
+    def refresh(self, decision: DecisionView, now: float) -> None:
         """What is kept free, as predicted from ``decision``'s trials: the next trial, and the best
         trial's verification (:attr:`reserve_s`); nothing without a budget."""
         if self.budget_s is None:
@@ -861,7 +877,7 @@ class TimeBudget:
         if self.deadline is not None:  # no compile the budget cannot hold
             self.compile_left_s = self.deadline - now - self.reserve_s - self.leaders_s - self.next_trial_s
 
-    def largest_forecast(self, decision: Decision,
+    def largest_forecast(self, decision: DecisionView,
                          candidates: Sequence[FrozenTrial | None]) -> VerifyForecast | None:
         """The largest of verification's forecasts for ``candidates`` (any may become the best),
         with ``decision``'s models; the first among equals; None when nothing is verified."""
@@ -876,7 +892,7 @@ class TimeBudget:
                      for best in candidates]
         return max(forecasts, key=lambda f: f.reserve_s, default=None)
 
-    def unaffordable(self, decision: Decision, config: BalanceConfig) -> str | None:
+    def unaffordable(self, decision: DecisionView, config: BalanceConfig) -> str | None:
         """Why ``config`` is not launched under the time budget (None: it is): its expected time (a
         compile included) plus verification's reserve after it - of the best so far, or of ``config``
         should it become the best - no longer fits in the time left (``decision.clock``)."""
@@ -897,7 +913,7 @@ class TimeBudget:
         return (f"the time budget no longer holds it: {max(0.0, self.deadline - now):.0f} s left, it would take "
                 f"about {took:.0f} s and verification after it {reserve:.0f} s{leaders}; nothing was launched")
 
-    def holds_compile(self, decision: Decision, scope: str | None = None) -> bool:
+    def holds_compile(self, decision: DecisionView, scope: str | None = None) -> bool:
         """Whether :attr:`compile_left_s` (None: no limit) holds the study's median compile of ``scope``."""
         if self.compile_left_s is None:
             return True
