@@ -309,17 +309,16 @@ def _busy_rows(trials: list[FrozenTrial]) -> list[tuple[dict[str, Any], list[flo
 class CompiledTimeModel:
     """``t = a + s * max_r (e_r + (beta - 1) * acc * b) * (1 + rho * (1 - b_r))`` per (dtype, mode).
 
-    ``a`` and ``e_r = acc * b + k[dtype] * n_r`` (rank ``r``'s micro-steps without checkpointing, of
-    which ``acc * b`` is paid once per micro-step whatever its size) come from the eager
+    ``a`` and ``e_r = acc * b + k[dtype] * n_r`` (rank ``r``'s micro-steps without checkpointing,
+    ``acc * b`` paid once per micro-step whatever its size) come from the eager
     :class:`StepTimeModel`. ``s`` is the compiled-versus-eager speed of the pair, ``beta`` a
     compiled micro-step's fixed cost relative to an eager one (CUDA graphs replay a micro-step's
     kernels with one launch: ``reduce-overhead`` starts at :data:`MICRO_STEP_PRIOR`), ``rho * (1 -
-    b_r)`` the recomputation at budget ``b_r`` (0 at the default 1.0). ``rho`` and ``beta`` are
-    chosen on grids, ``s`` in closed form (:func:`_fit_pair`); each stays at its prior
-    (:data:`RECOMPUTE_PRIOR_COMPILED`, the mode's ``beta``) while the pair's trials have not varied
-    their budgets / micro-steps. A pair
-    without trials borrows another's ``s`` and ``rho`` within its scope (the same mode first, then
-    the same dtype), never another mode's ``beta``; without any, :data:`COMPILE_SPEED_PRIOR`.
+    b_r)`` the recomputation at budget ``b_r``. ``rho`` and ``beta`` are chosen on grids, ``s`` in
+    closed form (:func:`_fit_pair`); each stays at its prior (:data:`RECOMPUTE_PRIOR_COMPILED`, the
+    mode's) while the pair's trials have not varied budgets / micro-steps. A pair without trials
+    borrows another's ``s`` and ``rho`` within its scope (the same mode first, then the same dtype),
+    never another mode's ``beta``; without any, :data:`COMPILE_SPEED_PRIOR`.
     """
 
     eager: StepTimeModel
