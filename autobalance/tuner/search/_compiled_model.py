@@ -1,51 +1,36 @@
-"""A model of compiled configurations: per-rank peak memory as a function of the
-micro-batch and the per-rank activation budget, per (dtype, compile mode), fitted from few trials.
+"""A model of compiled configurations: per-rank peak memory as a function of the micro-batch and
+the per-rank activation budget, per (dtype, compile mode), fitted from few trials.
 
-**Memory.** Rank ``r`` with micro-batch ``m`` and budget ``b`` peaks at::
+Rank ``r`` with micro-batch ``m``, budget ``b`` and ``zero1`` share ``q`` (1: unsharded) peaks at::
 
-    peak_r(m, b, q) = fixed_r(q) + m * act_r * f(b)
-    fixed_r(q)      = fixed_r + S * q        (q = 1 unsharded; q = q_r, rank r's zero1 share)
+    peak_r(m, b, q) = fixed_r + S * q + m * act_r * f(b)
 
-``fixed_r`` (parameters, gradients, buckets, rank-0 extras), ``S`` (the whole optimizer state) and
-``act_r`` (the activations of one sample without checkpointing) come from the eager
-:class:`MemoryModel` (``fixed_bytes(rank, dtype, q)``; when it has not measured ``S`` the state
-stays inside ``fixed_r`` and ``S = 0``): a compiled graph holds the same weights and optimizer
-state, only its activations follow the budget. Every method takes ``optimizer_share`` (None:
-unsharded, ``q = 1``). ``f(b)``, the fraction of the eager activations the partitioner keeps, is
-fitted per (dtype, compile mode) from the study's compiled trials: each rank of a measured trial
-gives a point ``y = (peak - fixed_r(q_r)) / (m * act_r)`` (clipped at 0; ``q_r`` the trial's own
-share of that rank, so a ``zero1`` trial gives the same point as its unsharded twin), and a rank
-that ran out of memory a lower bound ``y >= (capacity - fixed_r(q_r)) / (m * act_r)``. The min-cut knapsack makes ``f`` monotone
-non-decreasing but stepwise (plateaus), so the fit is the *least monotone upper envelope* of the
-points: at each measured budget ``F_j = max`` of the points at budgets ``<= b_j``. Between
-measured budgets ``f`` is interpolated linearly; below the first one and above the last one it
-follows the partitioner's own rule (it keeps about ``b`` times what it keeps by default:
-``f(b) = F_1 * b / b_1`` below, ``max(F_n, min(max(F_n, 1), F_n * b / b_n))`` above, never more
-than the eager activations unless measured so). Without compiled trials of its own a pair borrows
-the points of every other compiled pair (the fractions are relative to each dtype's own
-activations), and without any, ``f(b) = max(b, FLOOR_PRIOR)``. Below the first measured budget
-``f`` never falls under ``LOW_BUDGET_FLOOR x F_1``: the partitioner cannot drop what it must keep
-(the graphs' inputs, a loss outside the model and its logits), so a tiny budget does not make a
-large micro-batch fit.
+``fixed_r``, ``S`` (the optimizer state; 0 while the eager model has not measured it) and ``act_r``
+(one sample's activations without checkpointing) come from the eager :class:`MemoryModel`: a
+compiled graph holds the same weights and state, only its activations follow the budget. ``f(b)``,
+the share of the eager activations the partitioner keeps, is fitted per pair: each rank of a trial
+gives a point ``y = (peak - fixed_r - S * q_r) / (m * act_r)`` (clipped at 0; out of memory, a lower
+bound at its capacity). The min-cut knapsack makes ``f`` monotone but stepwise, so the fit is the
+*least monotone upper envelope* ``F_j = max`` of the points at budgets ``<= b_j``, linear between
+measured budgets; outside them the partitioner's rule (it keeps about ``b`` times its default):
+``F_1 * max(b / b_1, LOW_BUDGET_FLOOR)`` below (it cannot drop the graphs' inputs, nor a loss
+outside the model and its logits), ``max(F_n, min(max(F_n, 1), F_n * b / b_n))`` above. A pair
+without trials borrows its scope's other pairs' points; without any, ``f(b) = max(b, FLOOR_PRIOR)``.
 
-Where ``b`` was not measured the activation part gets an extra relative margin,
-``UNMEASURED_MARGIN / sqrt(1 + knots)`` (:data:`UNMEASURED_MARGIN` without own knots), and the
-whole peak the model's self-correcting safety margin (as the eager model's): a configuration is
-predicted to fit when ``(fixed_r(q) + m * act_r * f(b) * (1 + extra)) * (1 + margin) <= limit_r``.
-It is predicted *not* to fit (so never compiled) from measured data, ``fixed_r(q) + m * act_r * F(b_j) >
-limit_r * (1 + margin)`` for the largest measured ``b_j <= b`` (monotonicity makes ``F(b_j)`` a lower
-bound), or when even the least any budget keeps does not fit: ``fixed_r(q) + m * act_r * f(0.05) >
-limit_r * (1 + margin)`` (:meth:`CompiledMemoryModel.over_at_any_budget`).
-
-Step time: ``_timing.CompiledTimeModel``.
+At an unmeasured ``b`` the activation part gets ``UNMEASURED_MARGIN / sqrt(1 + knots)`` more (all of
+it without own knots) and the whole peak the self-correcting safety margin: a configuration fits
+when ``(fixed_r + S * q + m * act_r * f(b) * (1 + extra)) * (1 + margin) <= limit_r``. It surely
+does not when even ``F`` at the largest measured ``b_j <= b`` (``surely_over``) or ``f(0.05)``
+(``over_at_any_budget``) exceeds ``limit_r * (1 + margin)``.
 """
 
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from itertools import accumulate
 
 from optuna.trial import FrozenTrial, TrialState
 
@@ -72,7 +57,6 @@ __all__ = ["FLOOR_PRIOR", "LOW_BUDGET_FLOOR", "UNMEASURED_MARGIN", "BudgetCurve"
            "CompiledObservation", "budget_grid", "compiled_observations"]
 
 
-
 def budget_grid() -> list[float]:
     """The search space's budgets, largest first (1.0, 0.95, ..., 0.05)."""
     low, high = BUDGET_RANGE
@@ -86,26 +70,19 @@ Pair = tuple[str, str]
 
 @dataclass(kw_only=True)
 class CompiledObservation:
-    """One rank's measured peak in one compiled trial."""
+    """One rank's measured peak in one compiled trial (its largest micro-batch, its budget, its
+    ``zero1`` share: None unsharded); not ``ok`` (out of memory), the peak is a lower bound."""
 
     rank: int
-    """Global rank the peak was measured on."""
     micro_batch: int
-    """That rank's (largest) micro-batch."""
     budget: float
-    """That rank's activation budget."""
     dtype: str
-    """Autocast dtype of the trial."""
     mode: str
-    """Compile mode of the trial."""
     peak_bytes: float
-    """Measured peak; for a rank that ran out of memory, a lower bound (at least its capacity)."""
     ok: bool = True
-    """False when the rank ran out of memory (``peak_bytes`` is then a lower bound)."""
     trial: int = -1
     """Number of the trial (held-out errors leave whole trials out)."""
     optimizer_share: float | None = None
-    """That rank's ``zero1`` share of the optimizer state in the trial (None: unsharded, all of it)."""
 
 
 @dataclass(kw_only=True)
@@ -119,7 +96,7 @@ class BudgetCurve:
     exact: list[bool]
     """Whether a rank that fitted was measured at that budget (else only lower bounds)."""
     borrowed: bool = False
-    """The points are another pair's (this pair has no compiled trial of its own)."""
+    """The points are other pairs' (this pair has no compiled trial of its own)."""
 
     @classmethod
     def from_points(cls, points: Sequence[tuple[float, float, bool]], *, borrowed: bool = False) -> BudgetCurve:
@@ -130,16 +107,9 @@ class BudgetCurve:
             old = by_budget.get(key, (0.0, False))
             by_budget[key] = (max(old[0], max(0.0, float(y))), old[1] or exact)
         budgets = sorted(by_budget)
-        fractions, exact_list, top = [], [], 0.0
-        for b in budgets:
-            top = max(top, by_budget[b][0])
-            fractions.append(top)
-            exact_list.append(by_budget[b][1])
-        return cls(budgets=budgets, fractions=fractions, exact=exact_list, borrowed=borrowed)
-
-    @property
-    def knots(self) -> int:
-        return len(self.budgets)
+        fractions = list(accumulate((by_budget[b][0] for b in budgets), max))
+        return cls(budgets=budgets, fractions=fractions, exact=[by_budget[b][1] for b in budgets],
+                   borrowed=borrowed)
 
     def estimate(self, budget: float) -> float:
         """``f(budget)``: interpolated between measured budgets, the partitioner's rule outside."""
@@ -152,17 +122,15 @@ class BudgetCurve:
             return first_f * max(b / first_b, LOW_BUDGET_FLOOR) if first_b > 0 else first_f
         if b >= last_b:
             return max(last_f, min(max(last_f, 1.0), last_f * b / last_b))
-        for (b0, f0), (b1, f1) in zip(zip(self.budgets, self.fractions, strict=True),
-                                      zip(self.budgets[1:], self.fractions[1:], strict=True), strict=True):
-            if b0 <= b <= b1:
-                return f0 + (f1 - f0) * (b - b0) / (b1 - b0)
-        return last_f  # not reached
+        i = bisect_left(self.budgets, b)  # budgets[i - 1] < b <= budgets[i]
+        (b0, b1), (f0, f1) = self.budgets[i - 1:i + 1], self.fractions[i - 1:i + 1]
+        return f0 + (f1 - f0) * (b - b0) / (b1 - b0)
 
     def lower(self, budget: float) -> float:
         """A lower bound of ``f(budget)`` from monotonicity: the envelope at the largest measured
         budget at or below it (0 below the first)."""
-        below = [f for b, f in zip(self.budgets, self.fractions, strict=True) if b <= budget + 1e-9]
-        return below[-1] if below else 0.0
+        i = bisect_right(self.budgets, budget + 1e-9)
+        return self.fractions[i - 1] if i else 0.0
 
     def measured(self, budget: float) -> bool:
         """Whether a rank that fitted was measured at exactly this budget."""
@@ -172,7 +140,8 @@ class BudgetCurve:
         """The activation part's extra margin at ``budget`` (module doc)."""
         if self.borrowed or not self.budgets:
             return UNMEASURED_MARGIN
-        return 0.0 if self.measured(budget) else UNMEASURED_MARGIN / math.sqrt(1 + self.knots)
+        knots = len(self.budgets)
+        return 0.0 if self.measured(budget) else UNMEASURED_MARGIN / math.sqrt(1 + knots)
 
 
 @dataclass(kw_only=True)
@@ -180,20 +149,15 @@ class CompiledMemoryModel:
     """Per-rank compiled peaks from the eager model's fixed part and per-pair budget curves."""
 
     eager: MemoryModel
-    """The eager model the fixed parts and activation units come from."""
     num_layers: int
     """Blocks of the model (for the eager model's queries)."""
     curves: dict[Pair, BudgetCurve] = field(default_factory=dict)
     """Fitted curves of the pairs with compiled trials."""
-    pooled: BudgetCurve | None = None
-    """The whole-model pairs' points together (``pooled_by_scope[False]``)."""
     pooled_by_scope: dict[bool, BudgetCurve] = field(default_factory=dict)
     """Per scope (True: regional), its pairs' points together: what a pair of that scope without
-    trials borrows (never the other scope's)."""
+    trials borrows (never the other scope's: a scope's fractions say little of the other's)."""
     safety_margin: float = DEFAULT_SAFETY_MARGIN
-    """Relative margin on the whole peak (widened by :meth:`correct`)."""
-    max_margin: float = MAX_MARGIN
-    """The margin never widens beyond this."""
+    """Relative margin on the whole peak (widened by :meth:`correct`, to :data:`MAX_MARGIN`)."""
     corrections: int = 0
     """How many times the margin was widened."""
 
@@ -208,26 +172,23 @@ class CompiledMemoryModel:
                 continue
             points.setdefault((o.dtype, o.mode), []).append((o.budget, model.fraction(o), o.ok))
         model.curves = {pair: BudgetCurve.from_points(p) for pair, p in points.items()}
-        for regional in (False, True):  # borrowed within a scope only: a scope's fractions say little of the other's
+        for regional in (False, True):
             every = [p for pair, group in points.items() if pair[1].endswith(REGIONAL_KEY) == regional for p in group]
             if every:
                 model.pooled_by_scope[regional] = BudgetCurve.from_points(every, borrowed=True)
-        model.pooled = model.pooled_by_scope.get(False)
         return model
 
-    # ------------------------------------------------------------------------------- parts
     def unit(self, rank: int, dtype: str) -> float:
         """``act_r``: eager activation bytes of one sample without checkpointing (at least 1 byte)."""
         return max(_TINY, self.eager.per_sample_bytes(rank, dtype, 0, self.num_layers))
 
     def fraction(self, o: CompiledObservation) -> float:
-        """The observation's point ``(peak - fixed_r(q_r)) / (m * act_r)``, clipped at 0 (``q_r`` its
-        own share of the optimizer state)."""
+        """The observation's point ``(peak - fixed_r(q_r)) / (m * act_r)``, clipped at 0."""
         fixed = self.eager.fixed_bytes(o.rank, o.dtype, o.optimizer_share)
         return max(0.0, (o.peak_bytes - fixed) / (o.micro_batch * self.unit(o.rank, o.dtype)))
 
     def curve(self, dtype: str, mode: str) -> BudgetCurve:
-        """The pair's own curve, else the pooled (borrowed) one, else the prior ``f(b) = b``."""
+        """The pair's own curve, else its scope's pooled (borrowed) one, else the prior."""
         own = self.curves.get((dtype, mode))
         if own is not None:
             return own
@@ -237,23 +198,22 @@ class CompiledMemoryModel:
     def can_predict(self, dtype: str) -> bool:
         return self.eager.can_predict(dtype)
 
-    # ---------------------------------------------------------------------------- predictions
+    def _line(self, rank: int, m: int, dtype: str, share: float | None, fraction: float) -> float:
+        """``fixed_r + S * q + m * act_r * fraction``."""
+        return self.eager.fixed_bytes(rank, dtype, share) + m * self.unit(rank, dtype) * fraction
+
     def predict(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str,
                 optimizer_share: float | None = None) -> float:
-        """Estimated peak bytes (no margin) keeping ``optimizer_share`` of the optimizer state (None: all);
-        never below what the rank holds apart from activations (the eager model's ``floor_bytes``)."""
-        return max(self._line(rank=rank, micro_batch=micro_batch, budget=budget, dtype=dtype, mode=mode,
-                              optimizer_share=optimizer_share), self.eager.floor_bytes(rank, optimizer_share))
-
-    def _line(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str,
-              optimizer_share: float | None = None) -> float:
+        """Estimated peak bytes (no margin), never below what the rank holds apart from activations
+        (the eager model's ``floor_bytes``)."""
         f = self.curve(dtype, mode).estimate(budget)
-        return self.eager.fixed_bytes(rank, dtype, optimizer_share) + micro_batch * self.unit(rank, dtype) * f
+        line = self._line(rank, micro_batch, dtype, optimizer_share, f)
+        return max(line, self.eager.floor_bytes(rank, optimizer_share))
 
     def clamped(self, config: BalanceConfig) -> bool:
         """True when a rank's prediction is impossible as fitted: below what it holds apart from
-        activations (:data:`CLAMP_TOLERANCE` under the eager floor), or built on an eager per-sample term
-        at or below zero (``unit`` then stands in at one byte). The search proposes nothing from it."""
+        activations (:data:`CLAMP_TOLERANCE` under the eager floor), or built on an eager per-sample
+        term at or below zero. The search proposes nothing from it."""
         return any(self.rank_clamped(rank=r, micro_batch=m, budget=b, dtype=config.dtype,
                                      mode=config_compile_key(config), optimizer_share=q)
                    for r, m, b, q in self._ranks(config))
@@ -263,75 +223,64 @@ class CompiledMemoryModel:
         """:meth:`clamped` for one rank."""
         if self.eager.per_sample_bytes(rank, dtype, 0, self.num_layers) <= 0:
             return True
-        line = self._line(rank=rank, micro_batch=micro_batch, budget=budget, dtype=dtype, mode=mode,
-                          optimizer_share=optimizer_share)
+        f = self.curve(dtype, mode).estimate(budget)
+        line = self._line(rank, micro_batch, dtype, optimizer_share, f)
         return line <= 0 or line < self.eager.floor_bytes(rank, optimizer_share) * (1.0 - CLAMP_TOLERANCE)
 
     def extrapolated(self, config: BalanceConfig) -> bool:
         """True when a rank's prediction goes beyond the data: a budget outside the pair's own measured
         ones (or a curve borrowed from other pairs), or a micro-batch the eager model extrapolates."""
         curve = self.curves.get((config.dtype, config_compile_key(config)))
-        for r, m, b, _ in self._ranks(config):
-            if curve is None or not curve.budgets or not curve.budgets[0] - 1e-6 <= b <= curve.budgets[-1] + 1e-6:
-                return True
-            if self.eager.extrapolated(rank=r, micro_batch=m, checkpointed=0, num_layers=self.num_layers,
-                                       dtype=config.dtype):
-                return True
-        return False
+        if curve is None or not curve.budgets:
+            return True
+        return any(not curve.budgets[0] - 1e-6 <= b <= curve.budgets[-1] + 1e-6
+                   or self.eager.extrapolated(rank=r, micro_batch=m, checkpointed=0,
+                                              num_layers=self.num_layers, dtype=config.dtype)
+                   for r, m, b, _ in self._ranks(config))
 
     @staticmethod
     def _ranks(config: BalanceConfig) -> list[tuple[int, int, float, float | None]]:
         """Per rank: its micro-batch, budget and ``zero1`` share (None: unsharded)."""
         budgets = config.activation_budget or [1.0] * config.world_size
-        zero = config.sharding_shares()
-        shares: list[float | None] = list(zero) if zero is not None else [None] * config.world_size
-        return [(r, m, float(b), q) for r, (m, b, q) in enumerate(zip(config.micro_batches, budgets, shares, strict=True))]
-
-    def bound(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str,
-              optimizer_share: float | None = None) -> float:
-        """The peak judged against the limit: the activation part with its extra margin, times
-        ``1 + safety_margin``."""
-        curve = self.curve(dtype, mode)
-        act = micro_batch * self.unit(rank, dtype) * curve.estimate(budget) * (1.0 + curve.extra_margin(budget))
-        peak = max(self.eager.fixed_bytes(rank, dtype, optimizer_share) + act, self.eager.floor_bytes(rank, optimizer_share))
-        return peak * (1.0 + self.safety_margin)
+        shares: Sequence[float | None] = config.sharding_shares() or [None] * config.world_size
+        ranks = zip(config.micro_batches, budgets, shares, strict=True)
+        return [(r, m, float(b), q) for r, (m, b, q) in enumerate(ranks)]
 
     def fits(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str, limit: float,
              optimizer_share: float | None = None) -> bool:
-        """Predicted to fit under ``limit``; never on an impossible (:meth:`rank_clamped`) prediction."""
-        return self.bound(rank=rank, micro_batch=micro_batch, budget=budget, dtype=dtype, mode=mode,
-                          optimizer_share=optimizer_share) <= limit and not self.rank_clamped(
+        """Predicted to fit under ``limit``: the activation part with its extra margin, times ``1 +
+        safety_margin``; never on an impossible (:meth:`rank_clamped`) prediction."""
+        curve = self.curve(dtype, mode)
+        act = micro_batch * self.unit(rank, dtype) * curve.estimate(budget) * (1.0 + curve.extra_margin(budget))
+        peak = max(self.eager.fixed_bytes(rank, dtype, optimizer_share) + act,
+                   self.eager.floor_bytes(rank, optimizer_share))
+        return peak * (1.0 + self.safety_margin) <= limit and not self.rank_clamped(
             rank=rank, micro_batch=micro_batch, budget=budget, dtype=dtype, mode=mode, optimizer_share=optimizer_share)
 
     def largest_budget(self, *, rank: int, micro_batch: int, dtype: str, mode: str, limit: float,
                        optimizer_share: float | None = None) -> float | None:
         """The largest budget of the space's grid predicted to fit (None: not even the smallest)."""
-        for budget in budget_grid():
-            if self.fits(rank=rank, micro_batch=micro_batch, budget=budget, dtype=dtype, mode=mode, limit=limit,
-                         optimizer_share=optimizer_share):
-                return budget
-        return None
+        return next((b for b in budget_grid()
+                     if self.fits(rank=rank, micro_batch=micro_batch, budget=b, dtype=dtype, mode=mode,
+                                  limit=limit, optimizer_share=optimizer_share)), None)
 
     def surely_over(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str,
                     limit: float, optimizer_share: float | None = None) -> float | None:
-        """The measured lower bound of the peak when even it exceeds ``limit * (1 + margin)``
-        (the pair's own measured budgets only); None otherwise."""
+        """The measured lower bound of the peak (the pair's own measured budgets only) when even it
+        exceeds ``limit * (1 + margin)``; None otherwise."""
         own = self.curves.get((dtype, mode))
-        if own is None:
-            return None
-        low = own.lower(budget)
+        low = 0.0 if own is None else own.lower(budget)
         if low <= 0:
             return None
-        peak = self.eager.fixed_bytes(rank, dtype, optimizer_share) + micro_batch * self.unit(rank, dtype) * low
+        peak = self._line(rank, micro_batch, dtype, optimizer_share, low)
         return peak if peak > limit * (1.0 + self.safety_margin) else None
 
     def over_at_any_budget(self, *, rank: int, micro_batch: int, dtype: str, mode: str, limit: float,
                            optimizer_share: float | None = None) -> float | None:
-        """The least peak the model predicts for ``micro_batch`` on ``rank`` at any budget (the curve
-        at the smallest one, no extra margin) when even that exceeds ``limit * (1 + margin)``: no
-        budget makes it fit. None otherwise."""
-        floor = self.curve(dtype, mode).estimate(BUDGET_RANGE[0])
-        peak = self.eager.fixed_bytes(rank, dtype, optimizer_share) + micro_batch * self.unit(rank, dtype) * floor
+        """The least peak predicted for ``micro_batch`` on ``rank`` at any budget (the curve at the
+        smallest one, no extra margin) when even that exceeds ``limit * (1 + margin)``; else None."""
+        least = self.curve(dtype, mode).estimate(BUDGET_RANGE[0])
+        peak = self._line(rank, micro_batch, dtype, optimizer_share, least)
         return peak if peak > limit * (1.0 + self.safety_margin) else None
 
     def config_peaks(self, config: BalanceConfig) -> list[float]:
@@ -340,74 +289,60 @@ class CompiledMemoryModel:
                              optimizer_share=q)
                 for r, m, b, q in self._ranks(config)]
 
+    def _predict_obs(self, o: CompiledObservation) -> float:
+        return self.predict(rank=o.rank, micro_batch=o.micro_batch, budget=o.budget, dtype=o.dtype,
+                            mode=o.mode, optimizer_share=o.optimizer_share)
+
     def holdout_error(self, observations: Sequence[CompiledObservation]) -> float:
         """Mean ``|predicted - measured| / measured`` over the successful observations given."""
         ok = [o for o in observations if o.ok and o.peak_bytes > 0]
         if not ok:
             raise UsageError("holdout_error got no successful compiled observation; pass measured compiled trials.")
-        errors = [abs(self.predict(rank=o.rank, micro_batch=o.micro_batch, budget=o.budget, dtype=o.dtype,
-                                   mode=o.mode, optimizer_share=o.optimizer_share) - o.peak_bytes) / o.peak_bytes
-                  for o in ok]
-        return sum(errors) / len(errors)
+        return sum(abs(self._predict_obs(o) - o.peak_bytes) / o.peak_bytes for o in ok) / len(ok)
 
-    def correct(self, observation: CompiledObservation, *, widen_factor: float = WIDEN_FACTOR) -> bool:
+    def correct(self, observation: CompiledObservation) -> bool:
         """Widen the safety margin when this (new) observation was under-predicted beyond it (the
-        eager model's rule: ``margin = min(max_margin, widen_factor * (measured / predicted - 1))``)."""
+        eager model's rule, ``_memory_model.widen_margin``)."""
         if not self.can_predict(observation.dtype):
             return False
-        predicted = self.predict(rank=observation.rank, micro_batch=observation.micro_batch,
-                                 budget=observation.budget, dtype=observation.dtype, mode=observation.mode,
-                                 optimizer_share=observation.optimizer_share)
+        predicted = self._predict_obs(observation)
         if predicted <= 0:
             return False
         error = observation.peak_bytes / predicted - 1.0
-        if error <= self.safety_margin or self.safety_margin >= self.max_margin:
+        if error <= self.safety_margin or self.safety_margin >= MAX_MARGIN:
             return False
-        self.safety_margin = min(self.max_margin, widen_factor * error)
+        self.safety_margin = min(MAX_MARGIN, WIDEN_FACTOR * error)
         self.corrections += 1
         return True
 
 
 def compiled_observations(trials: Sequence[FrozenTrial]) -> list[CompiledObservation]:
     """Every rank of each measured compiled trial, and the failing rank of each that ran out of
-    memory (a lower bound: at least its capacity), with the rank's ``zero1`` share of the optimizer
-    state (None: unsharded). Reused trials are no new evidence."""
+    memory (a lower bound: at least its capacity). Reused trials are no new evidence."""
     out: list[CompiledObservation] = []
     for t in trials:
         a = t.user_attrs
-        cfg = a.get(TrialAttr.CONFIG)
-        status = a.get(TrialAttr.STATUS)
-        if (t.state != TrialState.COMPLETE or status not in (Status.OK, Status.OOM) or not cfg
-                or cfg.get("compile", "off") == "off" or a.get(TrialAttr.REUSED_FROM) is not None):
-            continue
+        cfg, status = a.get(TrialAttr.CONFIG), a.get(TrialAttr.STATUS)
         peaks = a.get(TrialAttr.PEAK_DEVICE_GIB) or []
-        budgets = cfg.get("activation_budget") or [1.0] * len(cfg["micro_batches"])
-        if len(peaks) != len(cfg["micro_batches"]):
+        if (t.state != TrialState.COMPLETE or status not in (Status.OK, Status.OOM) or not cfg
+                or cfg.get("compile", "off") == "off" or a.get(TrialAttr.REUSED_FROM) is not None
+                or len(peaks) != len(cfg["micro_batches"])):
             continue
-        shares = _sharding_shares(cfg)
         if status == Status.OK:
             ranks = [(r, float(p) * GIB) for r, p in enumerate(peaks) if p is not None and p > 0]
-        else:
-            failing = a.get(TrialAttr.FAILING_RANK)
-            if failing is None:
-                continue
+        elif (failing := a.get(TrialAttr.FAILING_RANK)) is not None:
             r = int(failing)
             caps = a.get("capacity_gib") or a.get(TrialAttr.USABLE_GIB) or []
             floor = float(caps[r]) if r < len(caps) and caps[r] else 0.0
             ranks = [(r, max(float(peaks[r] or 0.0), floor) * GIB)]
-        for r, peak in ranks:
-            out.append(CompiledObservation(rank=r, micro_batch=int(cfg["micro_batches"][r]), budget=float(budgets[r]),
-                                           dtype=cfg["dtype"], mode=config_compile_key(cfg), peak_bytes=peak,
-                                           ok=status == Status.OK, trial=t.number,
-                                           optimizer_share=None if shares is None else shares[r]))
+        else:
+            continue
+        budgets = cfg.get("activation_budget") or [1.0] * len(peaks)
+        shares = BalanceConfig.from_dict(cfg).sharding_shares()
+        out += [CompiledObservation(rank=r, micro_batch=int(cfg["micro_batches"][r]),
+                                    budget=float(budgets[r]), dtype=cfg["dtype"],
+                                    mode=config_compile_key(cfg), peak_bytes=peak, ok=status == Status.OK,
+                                    trial=t.number, optimizer_share=None if shares is None else shares[r])
+                for r, peak in ranks]
     return out
 
-
-def _sharding_shares(cfg: dict[str, Any]) -> list[float] | None:
-    """A stored configuration's per-rank ``zero1`` shares (even when not given); None unsharded
-    (:meth:`BalanceConfig.sharding_shares` on the stored dictionary)."""
-    if cfg.get("optimizer_sharding", "off") == "off":
-        return None
-    world = len(cfg["micro_batches"])
-    shares = cfg.get("optimizer_shares")
-    return [float(q) for q in shares] if shares and len(shares) == world else [1.0 / world] * world

@@ -1,78 +1,30 @@
-"""The timing model: what the study's time costs, fitted from its own trials once per decision
-(``search.Decision`` holds the fitted models).
+"""The timing model, fitted from the study's own trials once per decision (``search.Decision``):
+step time eager (:class:`StepTimeModel`) and compiled (:class:`CompiledTimeModel`), compile time
+and the study's Inductor cache, a trial's time, verification's price, and the time budget
+(:class:`TimeBudget`, ``--time-budget``): the one place a stop for time is decided.
 
-- step time, eager (:class:`StepTimeModel`) and compiled (:class:`CompiledTimeModel`);
-- compile time per scope (:func:`compile_times`; the summary's :func:`typical_compile_s`), and the graphs the study's Inductor cache holds
-  (:func:`graph_keys`, :func:`compiled_graphs`);
-- a trial's time: the next trial (:func:`next_trial_s`, :func:`trial_s`) and the per-trial overhead
-  ``--measure-s auto`` sizes a launch by (:func:`per_trial_overhead_s`);
-- verification's price (:func:`forecast_verification`), which the time budget reserves;
-- the time budget (:class:`TimeBudget`, ``--time-budget``): whether the time left holds a proposal with
-  verification's reserve after it, the one place a stop for time is decided;
-- compile in the study: the per-study Inductor cache (:func:`cache_dir`, :func:`compile_env`) and the
-  summary's compile lines (:func:`compile_notes`).
+**Verification's price** (:func:`forecast_verification`), what the budget reserves: the one-step
+runs verifying the best trial (:func:`verification_runs`; a run taking an earlier run's step is
+reused; the dropout runs only for a model whose trials reported dropout, or did not report it),
+each priced from the study's launched trials (:func:`run_prices`):
 
-**Compiled step time.** From the eager :class:`StepTimeModel` (``a`` per step, rank ``r``'s micro-steps
-``e_r = acc * b + k[dtype] * n_r`` without checkpointing, of which ``acc * b`` is paid once per
-micro-step whatever its size)::
+- its start-up and hand-over in a running worker: the median warm trial's ``startup + other`` (a
+  study of cold trials: the median over all);
+- a fresh worker: for the first run when the study's latest trial ended its pool (recycled or
+  failed), after a compiled run in the share of compiled warm trials that recycled theirs (none in
+  the 2026-12-03 H200 study ``h200c``, 2 of 4 in ``h200b``); it costs the slowest start-up of a
+  trial that started a pool less a warm trial's (18.4 s in ``h200b``, whose first run after a
+  recycled pool took 23.9 s, the next 5.8 s);
+- its step, :data:`FIRST_STEP_FACTOR` times the measured (else predicted) one;
+- its tensors' input and output, :data:`IO_S_PER_GB` per GB of parameters;
+- compiled, its compile: from the Inductor cache when the study compiled the same graphs (its
+  median cache hit, else :data:`FROM_CACHE_SHARE` of their cold compile), else its median miss.
 
-    t = a + s * max_r (e_r + (beta - 1) * acc * b) * (1 + rho * (1 - b_r))
-
-``s`` is the compiled-versus-eager speed of the pair, ``beta`` what a compiled micro-step's fixed
-cost is relative to that speed (1: the same; CUDA graphs replay a micro-step's kernels with one
-launch, so ``reduce-overhead`` starts at :data:`MICRO_STEP_PRIOR`) and ``rho * (1 - b)`` the
-recomputation cost, monotone non-increasing in the budget (0 at the default budget 1.0). ``rho``
-and ``beta`` are chosen on grids with ``s`` in closed form (least squares on relative errors);
-while the pair's trials have not varied their budgets ``rho`` stays at its prior
-(:data:`RECOMPUTE_PRIOR_COMPILED`), and while they have not varied their number of micro-steps
-``beta`` stays at the mode's prior. Without trials of its own a pair borrows another's ``s`` and
-``rho`` (the same mode with another dtype first, then the same dtype with another mode, whose ``beta``
-it does not take: its own mode's prior), and without any, the device's prior
-(:data:`COMPILE_SPEED_PRIOR`).
-
-**Verification's price.** What ``--time-budget`` reserves: the predicted time of the verification that follows the study,
-and of the next trial, priced from what the study itself measured.
-
-After the study ``tune`` verifies its best trial (``autobalance.verify``): one-step runs of the
-script, some shared by every candidate (``baseline``; ``baseline-fp32`` when the script's own dtype is
-not fp32; the rounding ``floor``, :data:`FLOOR_RUNS`; ``baseline-<dtype>`` for a bf16/fp16 candidate),
-the others per candidate (``tuned-fp32``, eager for a compiled bf16/fp16 candidate; ``tuned`` for a
-bf16/fp16 one; with recomputation the two dropout runs, launched only for a model with dropout: the
-trials report its dropout layers, :data:`TrialAttr.DROPOUT_MODULES`; a study whose trials did not
-report them reserves the two runs). A run that takes the same step as an earlier one (the same
-configuration, dropout and sample order: a candidate whose fp32 arrangement is the script's own) is
-reused, not forecast. Each run is priced from the study's own launched trials (:func:`run_prices`):
-
-- its start-up and hand-over in a running worker: the median of the warm trials' ``startup`` +
-  ``other`` (a trial that started no pool; in a study of cold trials, every run's start is a cold
-  trial's: the median over all);
-- a fresh worker where verification will start one: the first run when the study's latest launched
-  trial ended its pool (recycled after it, ``warm_recycled``, or failed), and a run after a compiled
-  run in the share of the study's compiled warm trials that recycled their worker (none recycled on
-  the 2026-12-03 H200 study ``h200c``; 2 of 4 in ``h200b``). It costs the slowest start-up of the
-  study's trials that started a pool, less a warm trial's start-up (18.4 s in ``h200b``, whose first
-  verification run after a recycled pool took 23.9 s where the next took 5.8 s). A fresh worker is
-  priced once, not also inside every run's start-up (today's per-run start-up is the warm median);
-- its one step, twice (a run has no warm-up step: :data:`FIRST_STEP_FACTOR`): the step time measured
-  for that configuration, else the step-time models' prediction;
-- its tensors' input and output, :data:`IO_S_PER_GB` per GB of parameters (``parameter_bytes``);
-- for a compiled run, its compile: from the Inductor cache when the study compiled the same graphs
-  (the candidate's own always are): the study's median cache hit, else :data:`FROM_CACHE_SHARE` of
-  what those graphs took cold in the study; cold (the study's median cache miss) otherwise.
-
-Besides the runs, each comparison of two runs' tensors (``floor``, ``equivalence``; ``noise`` and
-``dtype`` for bf16/fp16; ``rng-replay`` with the dropout runs) costs :data:`COMPARE_S_PER_GB` per GB.
-
-Only the best candidate's runs are reserved: a second candidate (the best failed verification) adds
-its own runs after the budget. The reserve is the forecast times :data:`RESERVE_MARGIN`. The trial
-loop starts a trial only while the time left holds the next trial (the median launched trial, its
-compiling apart) plus that reserve (:meth:`TimeBudget.spent`); a proposal that compiles new graphs
-needs the study's median compile on top (:attr:`TimeBudget.compile_left_s`).
-
-Replayed on the recorded H200 studies (``tests/test_verify_reserve_replay.py``): ``h200c``'s
-best at the stop (trial 10) was reserved 133.9 s (7 runs, two of them dropout runs verification did
-not launch, three fresh workers none of which started, and every run's start-up averaged with the
-first trial's pool start) where its verification took ~67 s; priced as above it is within the margin.
+Each comparison of two runs' tensors costs :data:`COMPARE_S_PER_GB` per GB; only the best
+candidate's runs are reserved, times :data:`RESERVE_MARGIN`. On ``h200c``
+(``tests/test_verify_reserve_replay.py``) the best at the stop was reserved 133.9 s (two dropout
+runs not launched, three fresh workers never started) where its verification took ~67 s; priced
+as above it is within the margin.
 """
 
 from __future__ import annotations
@@ -97,6 +49,7 @@ from autobalance.protocol import (
     best_trial,
     time_in_steps_s,
 )
+from autobalance.tuner.search._compiled_model import Pair
 from autobalance.tuner.search._constants import (
     BETA_GRID,
     CACHE_HIT_PRIOR_S,
@@ -127,74 +80,62 @@ if TYPE_CHECKING:
 
     from autobalance.tuner._settings import TuneSettings
 
-__all__ = ["COMPARE_S_PER_GB", "COMPILE_SPEED_PRIOR", "DYNAMIC", "EQUAL_SPEED_BAND", "FIRST_STEP_FACTOR",
-           "FLOOR_RUNS", "FROM_CACHE_SHARE", "IO_S_PER_GB", "MICRO_STEP_PRIOR", "RECOMPUTE_PRIOR",
-           "RECOMPUTE_PRIOR_COMPILED", "RESERVE_MARGIN", "CompiledTimeModel", "Graph", "RunPrices", "StepTimeModel",
-           "TimeBudget", "VerifyForecast", "cache_dir", "compile_env", "compile_notes", "compile_times",
-           "compiled_graphs", "forecast_verification", "from_cache_s", "graph_keys", "has_dropout", "next_trial_s",
-           "per_trial_overhead_s", "restarts", "run_prices", "trial_s", "typical_compile_s", "verification_runs",
-           "worker_start_s"]
+__all__ = ["COMPARE_S_PER_GB", "DYNAMIC", "FIRST_STEP_FACTOR", "FROM_CACHE_SHARE", "IO_S_PER_GB",
+           "MICRO_STEP_PRIOR", "RECOMPUTE_PRIOR", "RESERVE_MARGIN", "CompiledTimeModel",
+           "StepTimeModel", "TimeBudget", "cache_dir", "compile_env", "compile_notes",
+           "compile_times", "compiled_graphs", "forecast_verification", "from_cache_s",
+           "graph_keys", "next_trial_s", "per_trial_overhead_s", "restarts", "trial_s",
+           "typical_compile_s", "verification_runs", "worker_start_s"]
 
-Pair = tuple[str, str]
-"""(dtype, compile mode)."""
+
+def _measured(t: FrozenTrial, *, compiled: bool) -> bool:
+    """A trial of its own (not reused) that measured an eager (``compiled``: compiled) config."""
+    a = t.user_attrs
+    return (a.get(TrialAttr.STATUS) == Status.OK and bool(a.get(TrialAttr.CONFIG))
+            and (a[TrialAttr.CONFIG].get("compile", "off") != "off") == compiled
+            and a.get(TrialAttr.REUSED_FROM) is None)
 
 
 # -------------------------------------------------------------------------------- eager step time
 @dataclass(kw_only=True)
 class StepTimeModel:
     """``t = a + s * max_r(acc * (b + g * c_r / L) + k[dtype] * n_r)`` milliseconds per optimizer
-    step, ``n_r`` the samples rank ``r`` takes per step (``acc * m_r`` with equal micro-batches, so
-    ``a + acc * s * max_r(b + k * m_r + g * c_r / L)``; with any split, micro-steps of different
-    sizes cost their own samples).
-
-    Mixed devices: ``speeds[r]`` multiplies rank ``r``'s per-sample and recompute terms
-    (``acc * (b + speeds_r * g * c_r / L) + speeds_r * k * n_r``), fitted from the ranks' busy times
-    (:func:`rank_speeds`; the slowest rank is 1.0); ``None`` when the ranks are equally fast.
+    step, ``n_r`` the samples rank ``r`` takes per step (``acc * m_r`` with equal micro-batches).
 
     ``a``: once per optimizer step (the optimizer, the last all-reduce); ``b``: once per micro-step
-    whatever its size (kernel launches: a GPU is far from saturated at small micro-batches); ``k``:
-    per sample, per dtype; ``g``: recomputing all ``L`` blocks once per micro-step; ``s`` is 1 for a
-    measured dtype and the prior speed ratio for one not measured yet. On the H200 grid of the GPT
-    scenario the fixed terms dominate (b ~ 30 ms, k ~ 1.3 ms per sample), which a model
-    proportional to the micro-batch (the earlier form) cannot express: 33 % median error there
-    against 7.5 % for this one (``benchmarks/RESULTS.md``).
+    whatever its size (kernel launches); ``k``: per sample, per dtype; ``g``: recomputing all ``L``
+    blocks once per micro-step; ``s``: 1 for a measured dtype, else the prior speed ratio. On the
+    H200 grid of the GPT scenario the fixed terms dominate (b ~ 30 ms, k ~ 1.3 ms per sample): a
+    model proportional to the micro-batch had 33 % median error there, this one 7.5 %
+    (``benchmarks/RESULTS.md``). Mixed devices: ``speeds[r]`` multiplies rank ``r``'s ``k`` and
+    ``g`` terms, fitted from the ranks' busy times.
 
-    Fitted to the study's measured eager trials by bounded least squares on relative errors. With
-    fewer distinct configurations than parameters it falls back to the proportional form
-    (``a = b = 0``); while checkpointing has not varied, ``g`` is ``RECOMPUTE_PRIOR`` micro-steps.
-
-    Parameter sharding (FSDP2) multiplies the whole step by ``f[param_sharding]``: the median of
-    measured / predicted-unsharded over the study's trials of that sharding, else
-    :data:`SHARDING_TIME_PRIOR` (measured on an H200); sharded trials stay out of the fit of the
-    unsharded terms.
+    Fitted by bounded least squares on relative errors; with fewer distinct configurations than
+    parameters, the proportional form (``a = b = 0``); while checkpointing has not varied, ``g`` is
+    :data:`RECOMPUTE_PRIOR` micro-steps. Parameter sharding (FSDP2) multiplies the step by
+    ``sharding[param_sharding]``: the median of measured / predicted-unsharded over the study's
+    trials of that sharding, else :data:`SHARDING_TIME_PRIOR`; sharded trials stay out of the fit.
     """
 
     a: float
-    """Milliseconds per optimizer step."""
     b: float
-    """Milliseconds per micro-step."""
     g: float
-    """Milliseconds to recompute all blocks once in a micro-step."""
     k: dict[str, float]
-    """Milliseconds per sample, per measured dtype."""
     num_layers: int
-    """Blocks of the model."""
     prior: dict[str, float]
     """Relative speed priors per dtype, for dtypes without a measurement."""
     typical_micro_batch: float = 1.0
-    """Mean micro-batch of the fitted trials (converts ``g`` into the solver's recompute fraction)."""
+    """Mean micro-batch of the fitted trials (converts ``g`` into the solver's :attr:`rho`)."""
     speeds: list[float] | None = None
-    """Each rank's relative cost per sample (1.0: the slowest rank), from the ranks' busy times;
-    None: equally fast ranks (within :data:`EQUAL_SPEED_BAND`) or no busy times measured."""
-    sharding: dict[str, float] = dataclasses.field(default_factory=lambda: dict(SHARDING_TIME_PRIOR))
-    """Step time of each ``param_sharding`` relative to unsharded: measured, else the prior."""
-    sharding_measured: list[str] = dataclasses.field(default_factory=list)
+    """Each rank's relative cost per sample (1.0: the slowest rank); None: equally fast ranks
+    (within :data:`EQUAL_SPEED_BAND`) or no busy times measured."""
+    sharding: dict[str, float] = field(default_factory=lambda: dict(SHARDING_TIME_PRIOR))
+    sharding_measured: list[str] = field(default_factory=list)
     """The shardings whose factor comes from the study's own trials (the others: the prior)."""
 
     @property
     def rho(self) -> float:
-        """The solver's proxy: recomputing all blocks costs ``rho`` times a typical micro-step's
-        per-sample compute."""
+        """The solver's proxy: recomputing all blocks costs ``rho`` typical micro-steps' ``k``."""
         k = min(self.k.values()) if self.k else 1.0
         return self.g / max(k * self.typical_micro_batch, 1e-9)
 
@@ -211,36 +152,29 @@ class StepTimeModel:
         return None if parts is None else parts[0] + max(parts[1])
 
     def rank_ms(self, cfg: BalanceConfig | dict[str, Any]) -> tuple[float, list[float]] | None:
-        """``a`` and each rank's micro-steps ``s * (acc * (b + g * c_r / L) + k * n_r)`` (the slowest
-        one is the step: :meth:`predict`); None before any measurement."""
+        """``a`` and each rank's micro-steps (the slowest is the step); None before any trial."""
         c = cfg.to_dict() if isinstance(cfg, BalanceConfig) else cfg
         scaled = self._scale(c["dtype"])
         if scaled is None:
             return None
         ratio, dtype = scaled
-        f = self.sharding_factor(c)
-        return f * self.a, [f * ratio * ms for ms in _rank_ms(c, b=self.b, k=self.k[dtype], g=self.g,
-                                                                 layers=self.num_layers, speeds=self.speeds)]
-
-    def sharding_factor(self, cfg: BalanceConfig | dict[str, Any]) -> float:
-        """What ``cfg``'s parameter sharding multiplies the step by (1.0 unsharded)."""
-        c = cfg.to_dict() if isinstance(cfg, BalanceConfig) else cfg
         mode = c.get("param_sharding", "off")
-        return 1.0 if mode == "off" else self.sharding.get(mode, max(self.sharding.values(), default=1.0))
+        worst = max(self.sharding.values(), default=1.0)
+        f = 1.0 if mode == "off" else self.sharding.get(mode, worst)
+        ranks = _rank_ms(c, b=self.b, k=self.k[dtype], g=self.g, layers=self.num_layers,
+                         speeds=self.speeds)
+        return f * self.a, [f * ratio * ms for ms in ranks]
 
     def sample_costs(self, checkpointed: list[int], *, layers: int) -> list[float]:
-        """Each rank's relative cost per sample with ``checkpointed[r]`` of its ``layers`` blocks
-        checkpointed, ``(1 + rho * c_r / L) * speeds[r]``: what the balanced split weighs the ranks by."""
+        """Each rank's relative cost per sample, ``(1 + rho * c_r / L) * speeds[r]``: what the
+        balanced split weighs the ranks by."""
         speeds = self.speeds or [1.0] * len(checkpointed)
         return [(1.0 + self.rho * c / layers) * s for c, s in zip(checkpointed, speeds, strict=True)]
 
-    def micro_step_ms(self, cfg: BalanceConfig | dict[str, Any]) -> float | None:
-        """``s * acc * b``: the part of each rank's micro-steps (:meth:`rank_ms`) paid once per
-        micro-step whatever its size (the compiled model scales it per compile mode); None before
-        any measurement."""
-        c = cfg.to_dict() if isinstance(cfg, BalanceConfig) else cfg
-        scaled = self._scale(c["dtype"])
-        return None if scaled is None else scaled[0] * int(c["accumulation"]) * self.b
+    def micro_step_ms(self, cfg: dict[str, Any]) -> float | None:
+        """``s * acc * b``: the part of the micro-steps paid once each whatever its size."""
+        scaled = self._scale(cfg["dtype"])
+        return None if scaled is None else scaled[0] * int(cfg["accumulation"]) * self.b
 
     @classmethod
     def fit(cls, trials: list[FrozenTrial], *, num_layers: int, device: str,
@@ -248,77 +182,94 @@ class StepTimeModel:
         """Fitted on the measured eager trials; a least-squares fit that fails keeps its start (the
         proportional fit) or no per-rank speeds, noted in ``errors``."""
         prior = DTYPE_SPEED_PRIOR.get(device, DTYPE_SPEED_PRIOR["cpu"])
-        measured = [(t.user_attrs[TrialAttr.CONFIG], float(t.user_attrs[TrialAttr.STEP_TIME_MS])) for t in trials
-                    if t.user_attrs.get(TrialAttr.STATUS) == Status.OK and t.user_attrs.get(TrialAttr.STEP_TIME_MS)
-                    and t.user_attrs.get(TrialAttr.REUSED_FROM) is None and t.user_attrs.get(TrialAttr.CONFIG)
-                    and t.user_attrs[TrialAttr.CONFIG].get("compile", "off") == "off"]
+        measured = [(t.user_attrs[TrialAttr.CONFIG], float(t.user_attrs[TrialAttr.STEP_TIME_MS]))
+                    for t in trials
+                    if _measured(t, compiled=False) and t.user_attrs.get(TrialAttr.STEP_TIME_MS)]
         rows = [(cfg, ms) for cfg, ms in measured if cfg.get("param_sharding", "off") == "off"]
         sharded = [(cfg, ms) for cfg, ms in measured if cfg.get("param_sharding", "off") != "off"]
-        if not rows:  # only sharded trials measured: their unsharded twins taken at the prior's ratio
+        if not rows:  # only sharded trials measured: their unsharded twins at the prior's ratio
             rows = [({**cfg, "param_sharding": "off"}, ms / SHARDING_TIME_PRIOR.get(cfg["param_sharding"], 1.0))
                     for cfg, ms in sharded]
             sharded = []
-        dtypes = sorted({cfg["dtype"] for cfg, _ in rows})
-        typical = (sum(sum(cfg["micro_batches"]) / len(cfg["micro_batches"]) for cfg, _ in rows) / len(rows)
-                   if rows else 1.0)
+        typical = (sum(sum(c["micro_batches"]) / len(c["micro_batches"]) for c, _ in rows)
+                   / len(rows) if rows else 1.0)
         model = cls(a=0.0, b=0.0, g=0.0, k={}, num_layers=num_layers, prior=prior, typical_micro_batch=typical)
         if not rows:
             return model
+        dtypes = sorted({cfg["dtype"] for cfg, _ in rows})
         any_ckpt = any(any(ck for ck in cfg["checkpoint"]) for cfg, _ in rows)
         distinct = len({json.dumps(cfg, sort_keys=True) for cfg, _ in rows})
         full = distinct >= 3 + len(dtypes) + 1  # a, b, g and one k per dtype, with one to spare
-        layers = max(1, num_layers)
-
-        def unpack(x: Any) -> tuple[float, float, float, dict[str, float]]:
-            a, b, g = (float(x[0]), float(x[1]), float(x[2])) if full else (0.0, 0.0, float(x[0]))
-            ks = x[3:] if full else x[1:]
-            return a, b, g, {d: float(v) for d, v in zip(dtypes, ks, strict=True)}
-
-        def predict(x: Any, cfg: dict[str, Any]) -> float:
-            a, b, g, k = unpack(x)
-            return a + _slowest_rank_ms(cfg, b=b, k=k[cfg["dtype"]], g=g, layers=layers)
-
         # start: the proportional fit (k from the mean time per sample-step), g a prior share of it
-        k0 = {d: float(np.mean([t / max(_samples_per_rank(c)) for c, t in rows
-                                if c["dtype"] == d])) for d in dtypes}
-        x0 = ([0.0, 0.0, RECOMPUTE_PRIOR * min(k0.values()) * typical] if full
-              else [RECOMPUTE_PRIOR * min(k0.values()) * typical]) + [k0[d] for d in dtypes]
-        lower, upper = [0.0] * len(x0), [np.inf] * len(x0)
+        k0 = {d: float(np.mean([t / max(_samples_per_rank(c)) for c, t in rows if c["dtype"] == d]))
+              for d in dtypes}
+        g0 = RECOMPUTE_PRIOR * min(k0.values()) * typical
+        x0 = ([0.0, 0.0, g0] if full else [g0]) + [k0[d] for d in dtypes]
         g_at = 2 if full else 0
-        if not any_ckpt:  # the data cannot see g (every c_r is 0): fitted as 0, set from the prior below
-            x0[g_at], upper[g_at] = 0.0, 1e-12
-        from scipy.optimize import least_squares
+        if not any_ckpt:  # the data cannot see g (every c_r is 0): held at 0, the prior set below
+            x0[g_at] = 0.0
+        n, layers = len(x0), max(1, num_layers)
 
-        def residuals(x: Any) -> list[float]:
-            return [predict(x, cfg) / t - 1.0 for cfg, t in rows]
+        def solve(busy: list[tuple[dict[str, Any], list[float]]], world: int) -> Any:
+            """Bounded least squares on the relative errors of the step times and, with ``world``
+            speeds (rank 0's fixes the scale: ``k * speed`` is what is seen), of every rank's busy
+            time (``a`` plus its own micro-steps)."""
+            from scipy.optimize import least_squares
+
+            def residuals(x: Any) -> list[float]:
+                (a, b, g, k), w = _unpack(x[:n], dtypes, full), [float(v) for v in x[n:]] or None
+                out = [(a + max(_rank_ms(c, b=b, k=k[c["dtype"]], g=g, layers=layers, speeds=w)))
+                       / t - 1.0 for c, t in rows]
+                for c, times in busy:
+                    if c["dtype"] in k:
+                        own = _rank_ms(c, b=b, k=k[c["dtype"]], g=g, layers=layers, speeds=w)
+                        out += [(a + o) / t - 1.0 for o, t in zip(own, times, strict=True)]
+                return out
+
+            start = x0 + [1.0] * world
+            lower, upper = [0.0] * n + [1e-3] * world, [np.inf] * (n + world)
+            if world:
+                lower[n], upper[n] = 1.0, 1.0 + 1e-12
+            if not any_ckpt:
+                upper[g_at] = 1e-12
+            return least_squares(residuals, np.clip(start, lower, upper), bounds=(lower, upper)).x
 
         try:
-            x = least_squares(residuals, np.clip(x0, lower, upper), bounds=(lower, upper)).x
+            x = solve([], 0)
         except FIT_ERRORS as exc:
             caught(errors, "step time", exc)
             x = np.asarray(x0)
-        model.a, model.b, model.g, model.k = unpack(x)
+        model.a, model.b, model.g, model.k = _unpack(x, dtypes, full)
         busy = _busy_rows(trials)
-        if busy:  # mixed devices: the same terms with a speed per rank, fitted to the busy times too
-            fitted = _fit_with_speeds(rows, busy, dtypes=dtypes, full=full, layers=layers, any_ckpt=any_ckpt,
-                                      start=[float(v) for v in x0], errors=errors)
-            if fitted is not None:
-                (model.a, model.b, model.g, model.k), model.speeds = unpack(fitted[0]), fitted[1]
+        try:  # mixed devices: the same terms with a speed per rank, fitted to the busy times too
+            x = solve(busy, len(busy[0][1])) if busy else None
+        except FIT_ERRORS as exc:
+            caught(errors, "step time (per-rank speeds)", exc)
+            x = None
+        w = [] if x is None else [float(v) for v in x[n:]]
+        # speeds scaled so the slowest rank is 1.0 (g and k the other way); none if equally fast
+        if w and not (max(w) <= 0 or max(w) / max(min(w), 1e-12) < EQUAL_SPEED_BAND):
+            packed = [float(v) for v in x[:n]]
+            packed[g_at:] = [v * max(w) for v in packed[g_at:]]
+            model.a, model.b, model.g, model.k = _unpack(packed, dtypes, full)
+            model.speeds = [max(v / max(w), 1e-3) for v in w]
         if not any_ckpt:
             model.g = RECOMPUTE_PRIOR * (model.b + min(model.k.values()) * typical)
-        model._learn_sharding(sharded)
-        return model
-
-    def _learn_sharding(self, sharded: list[tuple[dict[str, Any], float]]) -> None:
-        """Each measured sharding's factor: the median of measured / predicted unsharded."""
-        ratios: dict[str, list[float]] = {}
+        ratios: dict[str, list[float]] = {}  # per measured sharding: measured / predicted unsharded
         for cfg, ms in sharded:
-            base = self.predict({**cfg, "param_sharding": "off"})
+            base = model.predict({**cfg, "param_sharding": "off"})
             if base is not None and base > 0:
                 ratios.setdefault(cfg["param_sharding"], []).append(ms / base)
         for mode, values in sorted(ratios.items()):
-            self.sharding[mode] = float(np.median(values))
-            self.sharding_measured.append(mode)
+            model.sharding[mode] = float(np.median(values))
+            model.sharding_measured.append(mode)
+        return model
+
+
+def _unpack(x: Any, dtypes: list[str], full: bool) -> tuple[float, float, float, dict[str, float]]:
+    """``(a, b, g, k)`` from the packed terms ``[a, b, g, *k]``, or ``[g, *k]`` (``a = b = 0``)."""
+    a, b, g = (float(x[0]), float(x[1]), float(x[2])) if full else (0.0, 0.0, float(x[0]))
+    return a, b, g, {d: float(v) for d, v in zip(dtypes, x[3:] if full else x[1:], strict=True)}
 
 
 def _samples_per_rank(cfg: dict[str, Any]) -> list[int]:
@@ -330,117 +281,68 @@ def _samples_per_rank(cfg: dict[str, Any]) -> list[int]:
 
 def _rank_ms(cfg: dict[str, Any], *, b: float, k: float, g: float, layers: int,
              speeds: list[float] | None = None) -> list[float]:
-    """Each rank's micro-steps of one optimizer step: ``acc * (b + g * c_r / L) + k * n_r``, the
-    per-sample and recompute terms times ``speeds[r]`` when given."""
+    """Each rank's micro-steps of one step, ``acc * (b + s_r * g * c_r / L) + s_r * k * n_r`` (``s_r``:
+    ``speeds[r]``, else 1): no rank waits for another before the step's last all-reduce."""
     acc = int(cfg["accumulation"])
     samples = _samples_per_rank(cfg)
     if speeds is None or len(speeds) != len(samples):
-        return [acc * (b + g * len(ck) / max(1, layers)) + k * n
-                for n, ck in zip(samples, cfg["checkpoint"], strict=True)]
+        speeds = [1.0] * len(samples)
     return [acc * (b + s * g * len(ck) / max(1, layers)) + s * k * n
             for n, ck, s in zip(samples, cfg["checkpoint"], speeds, strict=True)]
-
-
-def _slowest_rank_ms(cfg: dict[str, Any], *, b: float, k: float, g: float, layers: int,
-                     speeds: list[float] | None = None) -> float:
-    """The slowest rank's micro-steps of one optimizer step (no rank waits for another before the
-    step's last all-reduce)."""
-    return max(_rank_ms(cfg, b=b, k=k, g=g, layers=layers, speeds=speeds))
 
 
 def _busy_rows(trials: list[FrozenTrial]) -> list[tuple[dict[str, Any], list[float]]]:
     """(configuration, each rank's busy ms) of the measured eager trials whose every rank reported one."""
     rows = []
     for t in trials:
-        cfg, busy = t.user_attrs.get(TrialAttr.CONFIG), t.user_attrs.get(TrialAttr.BUSY_MS)
-        if (t.user_attrs.get(TrialAttr.STATUS) != Status.OK or not cfg or not isinstance(busy, list)
-                or cfg.get("compile", "off") != "off" or t.user_attrs.get(TrialAttr.REUSED_FROM) is not None):
+        busy = t.user_attrs.get(TrialAttr.BUSY_MS)
+        if not _measured(t, compiled=False) or not isinstance(busy, list):
             continue
+        cfg = t.user_attrs[TrialAttr.CONFIG]
         if len(busy) == len(cfg["micro_batches"]) and all(isinstance(v, (int, float)) and v > 0 for v in busy):
             rows.append((cfg, [float(v) for v in busy]))
     return rows
 
 
-def _fit_with_speeds(rows: list[tuple[dict[str, Any], float]], busy: list[tuple[dict[str, Any], list[float]]], *,
-                     dtypes: list[str], full: bool, layers: int, any_ckpt: bool,
-                     start: list[float], errors: ModelErrors | None = None) -> tuple[list[float], list[float]] | None:
-    """The model's terms (packed as in :meth:`StepTimeModel.fit`) with one speed per rank, fitted by
-    bounded least squares on the step times and on every rank's busy time (``a`` plus its own
-    micro-steps), and the speeds scaled so the slowest rank is 1.0 (``k`` and ``g`` scaled the other
-    way: the same predictions); None when the ranks lie within :data:`EQUAL_SPEED_BAND`."""
-    from scipy.optimize import least_squares
-
-    world = len(busy[0][1])
-    n = len(start)
-    g_at = 2 if full else 0
-
-    def split(x: Any) -> tuple[float, float, float, dict[str, float], list[float]]:
-        a, b, g = (float(x[0]), float(x[1]), float(x[2])) if full else (0.0, 0.0, float(x[0]))
-        ks = x[3:n] if full else x[1:n]
-        return a, b, g, {d: float(v) for d, v in zip(dtypes, ks, strict=True)}, [float(v) for v in x[n:]]
-
-    def residuals(x: Any) -> list[float]:
-        a, b, g, k, w = split(x)
-        out = [(a + _slowest_rank_ms(c, b=b, k=k[c["dtype"]], g=g, layers=layers, speeds=w)) / t - 1.0
-               for c, t in rows]
-        for c, times in busy:
-            if c["dtype"] in k:
-                own = _rank_ms(c, b=b, k=k[c["dtype"]], g=g, layers=layers, speeds=w)
-                out += [(a + o) / t - 1.0 for o, t in zip(own, times, strict=True)]
-        return out
-
-    x0 = list(start) + [1.0] * world
-    lower, upper = [0.0] * n + [1e-3] * world, [np.inf] * n + [np.inf] * world
-    lower[n], upper[n] = 1.0, 1.0 + 1e-12  # rank 0's speed fixes the scale (k * speed is what is seen)
-    if not any_ckpt:
-        x0[g_at], upper[g_at] = 0.0, 1e-12
-    try:
-        x = least_squares(residuals, np.clip(x0, lower, upper), bounds=(lower, upper)).x
-    except FIT_ERRORS as exc:
-        caught(errors, "step time (per-rank speeds)", exc)
-        return None
-    w = split(x)[4]
-    top = max(w)
-    if top <= 0 or top / max(min(w), 1e-12) < EQUAL_SPEED_BAND:
-        return None
-    packed = [float(v) for v in x[:n]]
-    for i in range(g_at, n):  # g and every k carry the slowest rank's cost
-        packed[i] *= top
-    return packed, [max(v / top, 1e-3) for v in w]
-
-
 # ----------------------------------------------------------------------------- compiled step time
 @dataclass(kw_only=True)
 class CompiledTimeModel:
-    """``t = a + s * max_r (e_r + (beta - 1) * acc * b) * (1 + rho * (1 - b_r))`` per (dtype, mode)
-    (module doc)."""
+    """``t = a + s * max_r (e_r + (beta - 1) * acc * b) * (1 + rho * (1 - b_r))`` per (dtype, mode).
+
+    ``a`` and ``e_r = acc * b + k[dtype] * n_r`` (rank ``r``'s micro-steps without checkpointing,
+    ``acc * b`` paid once per micro-step whatever its size) come from the eager
+    :class:`StepTimeModel`. ``s`` is the compiled-versus-eager speed of the pair, ``beta`` a
+    compiled micro-step's fixed cost relative to an eager one (CUDA graphs replay a micro-step's
+    kernels with one launch: ``reduce-overhead`` starts at :data:`MICRO_STEP_PRIOR`), ``rho * (1 -
+    b_r)`` the recomputation at budget ``b_r``. ``rho`` and ``beta`` are chosen on grids, ``s`` in
+    closed form (:func:`_fit_pair`); each stays at its prior (:data:`RECOMPUTE_PRIOR_COMPILED`, the
+    mode's) while the pair's trials have not varied budgets / micro-steps. A pair without trials
+    borrows another's ``s`` and ``rho`` within its scope (the same mode first, then the same dtype),
+    never another mode's ``beta``; without any, :data:`COMPILE_SPEED_PRIOR`.
+    """
 
     eager: StepTimeModel
-    """The eager step-time model (``a`` and each rank's ``e_r``)."""
     speed: dict[Pair, float] = field(default_factory=dict)
     """``s`` of the pairs with measured compiled trials."""
     recompute: dict[Pair, float] = field(default_factory=dict)
     """``rho`` of those pairs."""
     micro_step: dict[Pair, float] = field(default_factory=dict)
-    """``beta`` of those pairs (the mode's :data:`MICRO_STEP_PRIOR` while their trials have not varied
-    their number of micro-steps)."""
+    """``beta`` of those pairs."""
     prior_speed: float = 1.0
-    """``s`` before any compiled trial (the device's :data:`COMPILE_SPEED_PRIOR`)."""
 
     def params(self, dtype: str, mode: str) -> tuple[float, float, bool]:
-        """``(s, rho, own)``: the pair's own fit, else a borrowed one (same dtype first), else the prior."""
+        """``(s, rho, own)``: the pair's own fit, else a borrowed one, else the prior."""
         pair = (dtype, mode)
         if pair in self.speed:
             return self.speed[pair], self.recompute[pair], True
-        scope = mode.endswith(REGIONAL_KEY)  # borrowed within the scope only (module doc)
+        scope = mode.endswith(REGIONAL_KEY)
         for other in sorted((p for p in self.speed if p[1].endswith(REGIONAL_KEY) == scope),
                             key=lambda p: (p[1] != mode, p[0] != dtype, p)):
             return self.speed[other], self.recompute[other], False
         return self.prior_speed, RECOMPUTE_PRIOR_COMPILED, False
 
     def beta(self, dtype: str, mode: str) -> float:
-        """``beta``: the pair's own fit, else the same mode's with another dtype, else the mode's prior
-        (never another mode's: it is what the mode changes)."""
+        """``beta``: the pair's own fit, else the same mode's with another dtype, else its prior."""
         if (dtype, mode) in self.micro_step:
             return self.micro_step[(dtype, mode)]
         for other in sorted(p for p in self.micro_step if p[1] == mode):
@@ -448,24 +350,22 @@ class CompiledTimeModel:
         return MICRO_STEP_PRIOR.get(mode.removesuffix(REGIONAL_KEY), 1.0)
 
     def recompute_factor(self, dtype: str, mode: str, budget: float) -> float:
-        """``1 + rho * (1 - budget)``: a compiled micro-step's cost at ``budget`` relative to budget 1.0
-        (the recomputation term of :meth:`rank_ms`)."""
+        """``1 + rho * (1 - budget)``: a compiled micro-step's cost at ``budget`` relative to 1."""
         _, rho, _ = self.params(dtype, mode)
         return 1.0 + rho * (1.0 - budget)
 
     def rank_ms(self, config: BalanceConfig | dict[str, Any]) -> tuple[float, list[float]] | None:
         """``a`` and each rank's compiled micro-steps; None before any eager measurement."""
-        c = config.to_dict() if isinstance(config, BalanceConfig) else dict(config)
-        eager_cfg = {**c, "checkpoint": [[] for _ in c["micro_batches"]]}
-        parts = self.eager.rank_ms(eager_cfg)
+        c = config.to_dict() if isinstance(config, BalanceConfig) else config
+        parts = _eager_parts(self.eager, c)
         if parts is None:
             return None
-        a, ranks = parts
+        a, ranks, budgets, micro_steps = parts
         mode = config_compile_key(c)
         s, rho, _ = self.params(c["dtype"], mode)
-        fixed = (self.beta(c["dtype"], mode) - 1.0) * (self.eager.micro_step_ms(eager_cfg) or 0.0)
-        budgets = c.get("activation_budget") or [1.0] * len(ranks)
-        return a, [s * max(0.0, e + fixed) * (1.0 + rho * (1.0 - float(b))) for e, b in zip(ranks, budgets, strict=True)]
+        fixed = (self.beta(c["dtype"], mode) - 1.0) * micro_steps
+        return a, [s * max(0.0, e + fixed) * (1.0 + rho * (1.0 - b))
+                   for e, b in zip(ranks, budgets, strict=True)]
 
     def predict(self, config: BalanceConfig | dict[str, Any]) -> float | None:
         """Predicted milliseconds per optimizer step."""
@@ -477,12 +377,10 @@ class CompiledTimeModel:
         model = cls(eager=eager, prior_speed=COMPILE_SPEED_PRIOR.get(device, 1.0))
         rows: dict[Pair, list[tuple[dict[str, Any], float]]] = {}
         for t in trials:
-            a = t.user_attrs
-            cfg = a.get(TrialAttr.CONFIG)
-            if (a.get(TrialAttr.STATUS) != Status.OK or not a.get(TrialAttr.STEP_TIME_MS) or not cfg
-                    or cfg.get("compile", "off") == "off" or a.get(TrialAttr.REUSED_FROM) is not None):
-                continue
-            rows.setdefault((cfg["dtype"], config_compile_key(cfg)), []).append((cfg, float(a[TrialAttr.STEP_TIME_MS])))
+            if _measured(t, compiled=True) and t.user_attrs.get(TrialAttr.STEP_TIME_MS):
+                cfg = t.user_attrs[TrialAttr.CONFIG]
+                rows.setdefault((cfg["dtype"], config_compile_key(cfg)), []).append(
+                    (cfg, float(t.user_attrs[TrialAttr.STEP_TIME_MS])))
         for pair, group in rows.items():
             fitted = _fit_pair(eager, group, beta_prior=MICRO_STEP_PRIOR.get(pair[1].removesuffix(REGIONAL_KEY), 1.0))
             if fitted is not None:
@@ -490,20 +388,27 @@ class CompiledTimeModel:
         return model
 
 
+def _eager_parts(eager: StepTimeModel,
+                 cfg: dict[str, Any]) -> tuple[float, list[float], list[float], float] | None:
+    """``a``, each rank's ``e_r`` and budget ``b_r``, and ``acc * b``; None before any eager trial."""
+    plain = {**cfg, "checkpoint": [[] for _ in cfg["micro_batches"]]}
+    parts = eager.rank_ms(plain)
+    if parts is None:
+        return None
+    budgets = cfg.get("activation_budget") or [1.0] * len(parts[1])
+    return parts[0], parts[1], [float(b) for b in budgets], eager.micro_step_ms(plain) or 0.0
+
+
 def _fit_pair(eager: StepTimeModel, rows: list[tuple[dict[str, Any], float]], *,
               beta_prior: float = 1.0) -> tuple[float, float, float] | None:
-    """``(s, rho, beta)`` minimising the squared relative errors: ``rho`` and ``beta`` on grids (each
-    at its prior until the pair's trials vary budgets / numbers of micro-steps), ``s`` in closed form;
-    among equal errors the pair nearest the priors."""
+    """``(s, rho, beta)`` minimising the squared relative errors (``rho`` and ``beta`` on grids,
+    ``s`` in closed form); among equal errors the pair nearest the priors."""
     parts = []
     for cfg, ms in rows:
-        plain = {**cfg, "checkpoint": [[] for _ in cfg["micro_batches"]]}
-        eager_parts = eager.rank_ms(plain)
+        eager_parts = _eager_parts(eager, cfg)
         if eager_parts is None or ms <= 0:
             return None
-        budgets = cfg.get("activation_budget") or [1.0] * len(eager_parts[1])
-        parts.append((eager_parts[0], eager_parts[1], [float(b) for b in budgets], eager.micro_step_ms(plain) or 0.0,
-                      ms))
+        parts.append((*eager_parts, ms))
     varied = len({tuple(b) for _, _, b, _, _ in parts}) > 1
     steps_varied = len({round(m, 9) for _, _, _, m, _ in parts}) > 1
     q = [1.0 - a / ms for a, _, _, _, ms in parts]
@@ -525,66 +430,66 @@ def _fit_pair(eager: StepTimeModel, rows: list[tuple[dict[str, Any], float]], *,
 
 # ------------------------------------------------------------ compile time and the Inductor cache
 Graph = tuple[str, str, float, int, float]
-"""(dtype, mode, bucket MB, micro-batch size, budget): what a rank compiles (the cache's key, roughly);
-size :data:`DYNAMIC` for a rank whose micro-steps differ in size (one graph, batch dimension dynamic)."""
+"""(dtype, mode, bucket MB, micro-batch size or :data:`DYNAMIC`, budget): what a rank compiles."""
 
 
 def graph_keys(cfg: dict[str, Any]) -> set[Graph]:
-    """The graphs a compiled configuration compiles: one per rank, static at its micro-step size, or
+    """The graphs a compiled configuration compiles, one per rank: static at its micro-step size, or
     dynamic (:data:`DYNAMIC`) when its micro-steps differ in size (``runtime._compile``)."""
     if cfg.get("compile", "off") == "off":
         return set()
     config = BalanceConfig.from_dict(cfg)
     budgets = config.activation_budget or [1.0] * config.world_size
-    out: set[Graph] = set()
-    for r in range(config.world_size):
-        sizes = set(config.micro_step_sizes(r))
-        size = next(iter(sizes)) if len(sizes) == 1 else DYNAMIC
-        out.add((config.dtype, config_compile_key(config), float(config.bucket_cap_mb), size,
-                 round(float(budgets[r]), 3)))
-    return out
+    sizes = [set(config.micro_step_sizes(r)) for r in range(config.world_size)]
+    return {(config.dtype, config_compile_key(config), float(config.bucket_cap_mb),
+             next(iter(s)) if len(s) == 1 else DYNAMIC, round(float(budgets[r]), 3))
+            for r, s in enumerate(sizes)}
 
 
 def compiled_graphs(trials: Sequence[FrozenTrial]) -> set[Graph]:
     """Graphs the study's launched trials compiled (what the per-study Inductor cache holds)."""
-    out: set[Graph] = set()
-    for t in trials:
-        cfg = t.user_attrs.get(TrialAttr.CONFIG)
-        if (t.state == TrialState.COMPLETE and cfg and t.user_attrs.get(TrialAttr.STATUS) in MEASURED_STATUSES
-                and t.user_attrs.get(TrialAttr.REUSED_FROM) is None):
-            out |= graph_keys(cfg)
-    return out
+    return {graph for t in trials
+            if t.state == TrialState.COMPLETE and (cfg := t.user_attrs.get(TrialAttr.CONFIG))
+            and t.user_attrs.get(TrialAttr.STATUS) in MEASURED_STATUSES
+            and t.user_attrs.get(TrialAttr.REUSED_FROM) is None for graph in graph_keys(cfg)}
+
+
+def _compile_s(t: FrozenTrial) -> float | None:
+    seconds = t.user_attrs.get(TrialAttr.COMPILE_S)
+    return float(seconds) if isinstance(seconds, (int, float)) else None
+
+
+def _cache(t: FrozenTrial) -> tuple[int, int]:
+    """(FX graph cache hits, misses) of a trial's compile."""
+    cache = t.user_attrs.get(TrialAttr.COMPILE_CACHE) or {}
+    return cache.get("fx_graph_hits", 0), cache.get("fx_graph_misses", 0)
 
 
 def compile_times(trials: Sequence[FrozenTrial], *, device: str, scope: str | None = None) -> tuple[float, float]:
     """(median compile from the Inductor cache, median compile with cache misses) of the study's
-    launched compiled trials; priors (:data:`CACHE_HIT_PRIOR_S`, :data:`COMPILE_PRIOR_S`) where it
-    measured none (a compile from the cache: :data:`FROM_CACHE_SHARE` of a cold one, at least
-    :data:`CACHE_HIT_PRIOR_S`). ``scope`` (``whole``/``regional``): that scope's trials only; a scope the study has
-    not compiled is priced from the other's (:data:`REGIONAL_COMPILE_SHARE`): a whole-model compile
-    costs three to five regional ones, and pricing one by the other's median starts compiles that
-    the time left cannot hold."""
+    launched compiled trials; where it measured none, :data:`COMPILE_PRIOR_S` cold and from the
+    cache :data:`FROM_CACHE_SHARE` of it, at least :data:`CACHE_HIT_PRIOR_S`. ``scope`` (``whole`` /
+    ``regional``): that scope's trials only; a scope the study has not compiled is priced from the
+    other's (:data:`REGIONAL_COMPILE_SHARE`)."""
     if scope is not None:
         own = [t for t in trials if _scope(t) == scope]
-        if any(isinstance(t.user_attrs.get(TrialAttr.COMPILE_S), (int, float)) for t in own):
-            return compile_times(own, device=device)
         others = [t for t in trials if _scope(t) not in (None, scope)]
-        if any(isinstance(t.user_attrs.get(TrialAttr.COMPILE_S), (int, float)) for t in others):
-            warm, cold = compile_times(others, device=device)
-            low, high = REGIONAL_COMPILE_SHARE
-            factor = high if scope == "regional" else 1.0 / low
-            return warm * factor, cold * factor
+        low, high = REGIONAL_COMPILE_SHARE
+        for group, factor in ((own, 1.0), (others, high if scope == "regional" else 1.0 / low)):
+            if any(_compile_s(t) is not None for t in group):
+                warm, cold = compile_times(group, device=device)
+                return warm * factor, cold * factor
     hit, miss, every = [], [], []
     for t in trials:
-        seconds = t.user_attrs.get(TrialAttr.COMPILE_S)
-        if not isinstance(seconds, (int, float)) or t.user_attrs.get(TrialAttr.REUSED_FROM) is not None:
+        seconds = _compile_s(t)
+        if seconds is None or t.user_attrs.get(TrialAttr.REUSED_FROM) is not None:
             continue
-        cache = t.user_attrs.get(TrialAttr.COMPILE_CACHE) or {}
-        every.append(float(seconds))
-        if cache.get("fx_graph_misses", 0) > 0:
-            miss.append(float(seconds))
-        elif cache.get("fx_graph_hits", 0) > 0:
-            hit.append(float(seconds))
+        hits, misses = _cache(t)
+        every.append(seconds)
+        if misses > 0:
+            miss.append(seconds)
+        elif hits > 0:
+            hit.append(seconds)
     if not every:
         cold = COMPILE_PRIOR_S.get(device, COMPILE_PRIOR_S["cpu"])
         return max(CACHE_HIT_PRIOR_S, FROM_CACHE_SHARE * cold), cold
@@ -608,13 +513,9 @@ def _scope(trial: FrozenTrial) -> str | None:
     return str(cfg.get("compile_scope", "whole"))
 
 
-# ------------------------------------------------------------ compile in the study: its Inductor cache, the summary's compile lines
-CACHE_SUBDIR = "inductor-cache"
-
-
 def cache_dir(runs_dir: str, study_name: str) -> str:
     """``<runs_dir>/<study>/inductor-cache``: one persistent Inductor cache per study."""
-    return os.path.abspath(os.path.join(runs_dir, study_name, CACHE_SUBDIR))
+    return os.path.abspath(os.path.join(runs_dir, study_name, "inductor-cache"))
 
 
 def compile_env(settings: TuneSettings) -> dict[str, str]:
@@ -625,8 +526,7 @@ def compile_env(settings: TuneSettings) -> dict[str, str]:
     env = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
     if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
         env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir(settings.runs_dir, settings.study_name)
-        # made here, not by the first compile: a backend that writes nothing (aot_eager) still gets it,
-        # and ranks of several trials never race to create it
+        # made here: a backend that writes nothing (aot_eager) still gets it, and no two trials race
         os.makedirs(env["TORCHINDUCTOR_CACHE_DIR"], exist_ok=True)
     return env
 
@@ -645,13 +545,10 @@ def compile_notes(trials: list[FrozenTrial]) -> tuple[list[str], float]:
     proposed = sum(t.user_attrs.get("proposed_by") == "compiled-model" for t in launched)
     if proposed:
         lines.append(f"The compiled model proposed {proposed} of them (each rank's largest budget predicted to fit).")
-    warm = [float(t.user_attrs[TrialAttr.COMPILE_S]) for t in launched
-            if (t.user_attrs.get(TrialAttr.COMPILE_CACHE) or {}).get("fx_graph_hits", 0) > 0
-            and (t.user_attrs.get(TrialAttr.COMPILE_CACHE) or {}).get("fx_graph_misses", 0) == 0]
-    cold = [float(t.user_attrs[TrialAttr.COMPILE_S]) for t in launched
-            if (t.user_attrs.get(TrialAttr.COMPILE_CACHE) or {}).get("fx_graph_misses", 0) > 0]
-    hits = sum((t.user_attrs.get(TrialAttr.COMPILE_CACHE) or {}).get("fx_graph_hits", 0) for t in launched)
-    misses = sum((t.user_attrs.get(TrialAttr.COMPILE_CACHE) or {}).get("fx_graph_misses", 0) for t in launched)
+    caches = [_cache(t) for t in launched]
+    warm = [s for s, (hits, misses) in zip(times, caches, strict=True) if hits > 0 and misses == 0]
+    cold = [s for s, (_, misses) in zip(times, caches, strict=True) if misses > 0]
+    hits, misses = sum(h for h, _ in caches), sum(m for _, m in caches)
     if hits or misses:
         text = f"Inductor FX graph cache: {hits} hit(s), {misses} miss(es)"
         if warm and cold:
@@ -680,36 +577,82 @@ def per_trial_overhead_s(trials: list[FrozenTrial], *, last: int = 5) -> float |
     return statistics.median(recent) if recent else None
 
 
+def _every_launched(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
+    return [t for t in trials if isinstance(t.user_attrs.get(TrialAttr.TIME_SPLIT), dict)
+            and t.user_attrs.get(TrialAttr.REUSED_FROM) is None]
+
+
+def _launched(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
+    """Trials that ran (a time split, not reused), the baseline last-resort: the others first."""
+    ran = _every_launched(trials)
+    others = [t for t in ran if not t.user_attrs.get(TrialAttr.BASELINE)]
+    return others or ran
+
+
+def _part(t: FrozenTrial, *keys: str) -> float:
+    split = t.user_attrs[TrialAttr.TIME_SPLIT]
+    return sum(float(split.get(k) or 0.0) for k in keys)
+
+
+def next_trial_s(trials: Sequence[FrozenTrial]) -> float:
+    """The median wall time of the study's launched trials without their compiling (0 before any):
+    near the end of a budget the advisor starts no compile that the time left cannot hold."""
+    ran = _launched(trials)
+    return statistics.median(_part(t, "startup", "steps", "remeasure", "other") for t in ran) if ran else 0.0
+
+
+def from_cache_s(trials: Sequence[FrozenTrial], cfg: BalanceConfig, *, cold: float) -> float:
+    """A compile of ``cfg``'s graphs from the study's Inductor cache: the study's median cache hit,
+    else :data:`FROM_CACHE_SHARE` of what trials compiling the same graphs took cold."""
+    hits, same = [], []
+    keys = graph_keys(cfg.to_dict())
+    for t in _every_launched(trials):
+        seconds = _compile_s(t)
+        if seconds is None:
+            continue
+        hit, miss = _cache(t)
+        if hit > 0 and not miss:
+            hits.append(seconds)
+        elif graph_keys(t.user_attrs.get(TrialAttr.CONFIG) or {}) == keys:
+            same.append(seconds)
+    if hits:
+        return statistics.median(hits)
+    return FROM_CACHE_SHARE * (statistics.median(same) if same else cold)
+
+
+def _compile_price(trials: Sequence[FrozenTrial], config: BalanceConfig, *, device: str,
+                   graphs: set[Graph]) -> float:
+    """``config``'s compile: from the study's cache when the study compiled its graphs
+    (:func:`from_cache_s`), else the study's median cold compile in its scope."""
+    _, cold = compile_times(trials, device=device, scope=config.compile_scope)
+    cached = graph_keys(config.to_dict()) <= graphs
+    return from_cache_s(trials, config, cold=cold) if cached else cold
+
+
+def trial_s(trials: Sequence[FrozenTrial], config: BalanceConfig, *, device: str) -> float:
+    """The expected wall time of launching ``config`` next: :func:`next_trial_s` plus its compile."""
+    seconds = next_trial_s(trials)
+    if config.compile == "off":
+        return seconds
+    return seconds + _compile_price(trials, config, device=device, graphs=compiled_graphs(trials))
+
+
 # --------------------------------------------------------------------------- verification's price
 @dataclass(kw_only=True)
 class VerifyForecast:
     """The predicted time of verifying one candidate."""
 
     seconds: float
-    """Predicted wall seconds of all its runs and comparisons."""
+    """Its runs' (in launch order) and comparisons' predicted wall seconds."""
     runs: list[str] = field(default_factory=list)
-    """The runs' names, in the order verification launches them."""
     trial: int | None = None
-    """The candidate's trial number."""
     per_run: dict[str, float] = field(default_factory=dict)
-    """Each run's predicted seconds (a fresh worker it starts included)."""
     compare_s: float = 0.0
-    """The comparisons' predicted seconds."""
 
     @property
     def reserve_s(self) -> float:
         """What the time budget keeps free for it: the forecast times :data:`RESERVE_MARGIN`."""
         return self.seconds * RESERVE_MARGIN
-
-    def to_dict(self) -> dict[str, object]:
-        return {"seconds": round(self.seconds, 1), "reserve_s": round(self.reserve_s, 1), "runs": list(self.runs),
-                "trial": self.trial, "per_run": {k: round(v, 1) for k, v in self.per_run.items()},
-                "compare_s": round(self.compare_s, 1)}
-
-
-def _recomputes(config: BalanceConfig) -> bool:
-    return any(config.checkpoint) or (config.compile != "off"
-                                      and any(b < 1.0 for b in (config.activation_budget or [])))
 
 
 def _fp32(config: BalanceConfig) -> BalanceConfig:
@@ -737,32 +680,17 @@ def verification_runs(baseline: BalanceConfig | None, tuned: BalanceConfig, *,
         if own.dtype != tuned.dtype:
             runs.append((f"baseline-{tuned.dtype}", dataclasses.replace(own, dtype=tuned.dtype), False))
         runs.append(("tuned", tuned, False))
-    if dropout and _recomputes(tuned):
+    recomputes = tuned.compile != "off" and any(b < 1.0 for b in tuned.activation_budget or [])
+    if dropout and (any(tuned.checkpoint) or recomputes):
         plain = dataclasses.replace(tuned, checkpoint=[[] for _ in tuned.micro_batches], activation_budget=None)
         runs += [("tuned-dropout", tuned, True), ("tuned-dropout-no-recompute", plain, True)]
     # a run that takes the same step as an earlier one is reused, not launched (verify.SharedRuns)
-    seen: set[str] = set()
-    out: list[tuple[str, BalanceConfig, bool]] = []
+    unique: dict[str, tuple[str, BalanceConfig, bool]] = {}
     for name, config, with_dropout in runs:
         key = run_key(config, dropout="on" if with_dropout else "off", global_batch=config.global_batch,
                       reverse=name == "floor")
-        if key not in seen:
-            out.append((name, config, with_dropout))
-        seen.add(key)
-    return out
-
-
-def _comparisons(tuned: BalanceConfig, runs: Sequence[tuple[str, BalanceConfig, bool]]) -> int:
-    """The comparisons verification makes: floor and equivalence; noise and dtype for bf16/fp16;
-    rng-replay with the dropout runs."""
-    return 2 + 2 * (tuned.dtype != "fp32") + any(with_dropout for _, _, with_dropout in runs)
-
-
-def has_dropout(trials: Sequence[FrozenTrial]) -> bool:
-    """Whether the model has dropout as the study's trials reported it (any layer with ``p > 0``);
-    True when none reported it (a study recorded before the trials did: the dropout runs reserved)."""
-    counts = [n for t in trials if isinstance(n := t.user_attrs.get(TrialAttr.DROPOUT_MODULES), int)]
-    return not counts or max(counts) > 0
+        unique.setdefault(key, (name, config, with_dropout))
+    return list(unique.values())
 
 
 def _pool_start(t: FrozenTrial) -> float:
@@ -774,29 +702,21 @@ def _warm(t: FrozenTrial) -> bool:
     return _pool_start(t) > 0 or bool(t.user_attrs.get("warm_pool_trial"))
 
 
-def _compiled(t: FrozenTrial) -> bool:
-    return (t.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile", "off") != "off"
-
-
 @dataclass(frozen=True)
 class RunPrices:
-    """What a verification run costs besides its step and compile, from the study's launched trials
-    (:func:`run_prices`)."""
+    """What a verification run costs besides its step and compile (module doc): its start-up in a
+    running worker, a fresh worker's start on top (0 in a cold study: each run starts anew), whether
+    the first run starts one, and the share of compiled warm trials that recycled their worker."""
 
     start_s: float
-    """A run's start-up and hand-over in a running worker (a cold study: a cold trial's whole start)."""
     fresh_s: float
-    """A fresh worker's start on top of :attr:`start_s` (0 in a cold study: each run starts anew)."""
     first_fresh: bool
-    """Whether the first run starts a fresh worker (the study's latest launched trial ended its pool)."""
     recycle_share: float
-    """The share of the study's compiled warm trials after which the worker was recycled (1 before any)."""
 
 
 def worker_start_s(trials: Sequence[FrozenTrial]) -> float:
-    """A fresh worker's start as the study's trials paid it: the slowest start-up of a trial that
-    started a pool (the start after compiled trials is the slower one), less a warm trial's
-    start-up; 0 before any started one."""
+    """A fresh worker's start: the slowest start-up of a trial that started a pool, less a warm
+    trial's start-up; 0 before any started one."""
     ran = _launched(trials)
     fresh = [_part(t, "startup") for t in ran if _pool_start(t) > 0]
     if not fresh:
@@ -819,64 +739,19 @@ def run_prices(trials: Sequence[FrozenTrial]) -> RunPrices:
     latest = max(_every_launched(trials), key=lambda t: t.number)
     first_fresh = (bool(latest.user_attrs.get(TrialAttr.WARM_RECYCLED))
                    or latest.user_attrs.get(TrialAttr.STATUS) != Status.OK)  # a failed trial ends its pool
-    compiled = [t for t in ran if _compiled(t) and _warm(t)]
+    compiled = [t for t in ran
+                if _warm(t) and (t.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile", "off") != "off"]
     share = (sum(1 for t in compiled if t.user_attrs.get(TrialAttr.WARM_RECYCLED)) / len(compiled) if compiled
              else 1.0)
     return RunPrices(start_s=start, fresh_s=worker_start_s(trials), first_fresh=first_fresh, recycle_share=share)
 
 
 def restarts(trials: Sequence[FrozenTrial], runs: Sequence[tuple[str, BalanceConfig, bool]]) -> float:
-    """Fresh workers the verification runs are expected to start: the first run's when the study's
-    latest launched trial ended its pool, and after each compiled run but the last the share of the
-    study's compiled trials that recycled their worker (``runtime._carryover``)."""
+    """Fresh workers the verification runs are expected to start (module doc)."""
     prices = run_prices(trials)
     if prices.fresh_s <= 0 and not any(_warm(t) for t in _launched(trials)):
         return 0.0
     return int(prices.first_fresh) + prices.recycle_share * sum(1 for _, cfg, _ in runs[:-1] if cfg.compile != "off")
-
-
-def _every_launched(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
-    return [t for t in trials if isinstance(t.user_attrs.get(TrialAttr.TIME_SPLIT), dict)
-            and t.user_attrs.get(TrialAttr.REUSED_FROM) is None]
-
-
-def _launched(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
-    """Trials that ran (a time split, not reused), the baseline last-resort: the others first."""
-    ran = _every_launched(trials)
-    others = [t for t in ran if not t.user_attrs.get(TrialAttr.BASELINE)]
-    return others or ran
-
-
-def _part(t: FrozenTrial, *keys: str) -> float:
-    split = t.user_attrs[TrialAttr.TIME_SPLIT]
-    return sum(float(split.get(k) or 0.0) for k in keys)
-
-
-def next_trial_s(trials: Sequence[FrozenTrial]) -> float:
-    """The median wall time of the study's launched trials without their compiling (0 before any):
-    near the end of a budget the advisor starts no compile that the time left cannot hold, so the
-    next trial is a trial's start-up, steps and hand-over."""
-    ran = _launched(trials)
-    return statistics.median(_part(t, "startup", "steps", "remeasure", "other") for t in ran) if ran else 0.0
-
-
-def from_cache_s(trials: Sequence[FrozenTrial], cfg: BalanceConfig, *, cold: float) -> float:
-    """A compile of ``cfg``'s graphs from the study's Inductor cache: the study's median cache hit,
-    else :data:`FROM_CACHE_SHARE` of what trials compiling the same graphs took cold."""
-    hits, same = [], []
-    keys = graph_keys(cfg.to_dict())
-    for t in _every_launched(trials):
-        seconds = t.user_attrs.get(TrialAttr.COMPILE_S)
-        if not isinstance(seconds, (int, float)):
-            continue
-        cache = t.user_attrs.get(TrialAttr.COMPILE_CACHE) or {}
-        if cache.get("fx_graph_hits", 0) > 0 and not cache.get("fx_graph_misses", 0):
-            hits.append(float(seconds))
-        elif graph_keys(t.user_attrs.get(TrialAttr.CONFIG) or {}) == keys:
-            same.append(float(seconds))
-    if hits:
-        return statistics.median(hits)
-    return FROM_CACHE_SHARE * (statistics.median(same) if same else cold)
 
 
 def forecast_verification(trials: Sequence[FrozenTrial], *, baseline: BalanceConfig | None, best: FrozenTrial | None,
@@ -884,27 +759,25 @@ def forecast_verification(trials: Sequence[FrozenTrial], *, baseline: BalanceCon
                           compiled: CompiledTimeModel | None = None) -> VerifyForecast:
     """The predicted time of verifying ``best`` (module doc); 0 s without a candidate or when it is
     the script's own configuration. ``eager``, ``compiled``: the step-time models already fitted on
-    ``trials`` (the decision's: ``search.Decision``); None: fitted here."""
+    ``trials``; None: fitted here."""
     config = (best.user_attrs.get(TrialAttr.CONFIG) if best is not None else None)
     if best is None or not config:
         return VerifyForecast(seconds=0.0)
     tuned = BalanceConfig.from_dict(config)
-    runs = verification_runs(baseline, tuned, dropout=has_dropout(trials))
+    # dropout as the trials reported it; none reported it: a study recorded before they did
+    counts = [n for t in trials if isinstance(n := t.user_attrs.get(TrialAttr.DROPOUT_MODULES), int)]
+    runs = verification_runs(baseline, tuned, dropout=not counts or max(counts) > 0)
     if not runs:
         return VerifyForecast(seconds=0.0, trial=best.number)
     prices = run_prices(trials)
-    measured: dict[str, float] = {}
-    for t in trials:
-        cfg, ms = t.user_attrs.get(TrialAttr.CONFIG), t.user_attrs.get(TrialAttr.STEP_TIME_MS)
-        if (t.state == TrialState.COMPLETE and t.user_attrs.get(TrialAttr.STATUS) == Status.OK and cfg
-                and isinstance(ms, (int, float))):
-            measured[json.dumps(cfg, sort_keys=True)] = float(ms)
-    if eager is None:
-        eager = StepTimeModel.fit(list(trials), num_layers=num_layers, device=device)
-    if compiled is None:
-        compiled = CompiledTimeModel.fit(list(trials), eager=eager, device=device)
+    measured = {json.dumps(cfg, sort_keys=True): float(ms) for t in trials
+                if t.state == TrialState.COMPLETE and t.user_attrs.get(TrialAttr.STATUS) == Status.OK
+                and (cfg := t.user_attrs.get(TrialAttr.CONFIG))
+                and isinstance(ms := t.user_attrs.get(TrialAttr.STEP_TIME_MS), (int, float))}
+    eager = eager or StepTimeModel.fit(list(trials), num_layers=num_layers, device=device)
+    compiled = compiled or CompiledTimeModel.fit(list(trials), eager=eager, device=device)
     slowest = max(measured.values(), default=0.0)
-    graphs = compiled_graphs([t for t in trials if t.user_attrs.get(TrialAttr.STATUS) in MEASURED_STATUSES])
+    graphs = compiled_graphs(trials)
     gb = max((float(b) for t in trials if isinstance(b := t.user_attrs.get(TrialAttr.PARAMETER_BYTES), (int, float))),
              default=0.0) / 1e9
     per_run: dict[str, float] = {}
@@ -917,31 +790,19 @@ def forecast_verification(trials: Sequence[FrozenTrial], *, baseline: BalanceCon
                    + FIRST_STEP_FACTOR * (ms if ms is not None else slowest) / 1000.0)
         fresh_next = 0.0
         if cfg.compile != "off":
-            _, cold = compile_times(trials, device=device, scope=cfg.compile_scope)
-            seconds += from_cache_s(trials, cfg, cold=cold) if graph_keys(cfg.to_dict()) <= graphs else cold
+            seconds += _compile_price(trials, cfg, device=device, graphs=graphs)
             fresh_next = prices.recycle_share
         per_run[name] = seconds
-    compare_s = _comparisons(tuned, runs) * COMPARE_S_PER_GB * gb
+    # floor and equivalence; noise and dtype for bf16/fp16; rng-replay with the dropout runs
+    comparisons = 2 + 2 * (tuned.dtype != "fp32") + any(with_dropout for _, _, with_dropout in runs)
+    compare_s = comparisons * COMPARE_S_PER_GB * gb
     return VerifyForecast(seconds=sum(per_run.values()) + compare_s, runs=[name for name, _, _ in runs],
                           trial=best.number, per_run=per_run, compare_s=compare_s)
 
 
-def trial_s(trials: Sequence[FrozenTrial], config: BalanceConfig, *, device: str) -> float:
-    """The expected wall time of launching ``config`` next: the median launched trial without its
-    compiling (:func:`next_trial_s`) plus, compiled, its compile: from the study's cache when the
-    study compiled its graphs (:func:`from_cache_s`), else the study's median cold compile in its
-    scope (``compile_times``: a whole-model compile is not priced as a regional one)."""
-    seconds = next_trial_s(trials)
-    if config.compile == "off":
-        return seconds
-    _, cold = compile_times(trials, device=device, scope=config.compile_scope)
-    graphs = compiled_graphs([t for t in trials if t.user_attrs.get(TrialAttr.STATUS) in MEASURED_STATUSES])
-    return seconds + (from_cache_s(trials, config, cold=cold) if graph_keys(config.to_dict()) <= graphs else cold)
-
-
+# ------------------------------------------------------------------------------- the time budget
 class DecisionView(Protocol):
-    """What the budget reads of one decision (``_models.Decision``: the study read once, its step-time
-    models fitted once, the clock)."""
+    """What the budget reads of one decision (``_models.Decision``, which imports this module)."""
 
     study: optuna.Study
     trials: list[FrozenTrial]
@@ -959,37 +820,30 @@ class DecisionView(Protocol):
 class TimeBudget:
     """``--time-budget`` of one run: the run, verification included, ends by ``deadline``
     (``time.monotonic()``): no trial starts once the time left is below the next trial's expected
-    time plus verification's predicted time (above). The one place a stop for time is
-    decided: :meth:`spent` (the loop's stop rule), :meth:`unaffordable` (a proposal, or the trial
-    asked, that the time left does not hold with verification's reserve after it) and
-    :meth:`holds_compile` (a compile the time left holds), each over one ``search.Decision``."""
+    time plus verification's predicted time. The one place a stop for time is decided:
+    :meth:`spent` (the loop's stop rule), :meth:`unaffordable` (a proposal the time left does not
+    hold with verification's reserve after it) and :meth:`holds_compile`."""
 
     budget_s: float | None
     started: float
     stopped: bool = False
     """Whether the budget, not ``--trials``, ended the trial loop."""
     reserve_s: float = 0.0
-    """What is kept free at the end of the budget for verification: its forecast times the margin
-    (``search.RESERVE_MARGIN``)."""
+    """What is kept free at the end for verification (:attr:`VerifyForecast.reserve_s`)."""
     reserve_runs: int = 0
-    """Verification's predicted one-step runs."""
     next_trial_s: float = 0.0
-    """The next trial's expected time (the median launched trial)."""
     left_at_stop: float | None = None
-    """The time left when the budget stopped the trial loop."""
     verify: bool = True
-    """Whether the study's best is verified after the trial loop (its runs reserved; ``tune --no-verify``
-    and several nodes: nothing reserved)."""
+    """Whether the study's best is verified after the trial loop (``tune --no-verify`` and several
+    nodes: nothing reserved)."""
     leaders: Callable[..., tuple[list[FrozenTrial], float]] | None = None
-    """The leaders' least plan when they are re-measured before saving (``tuner._remeasure.least_plan``;
-    ``--remeasure``, one node; None: they are not): kept free too (:attr:`leaders_s`)."""
+    """The leaders' least plan when they are re-measured before saving (``_remeasure.least_plan``;
+    None: they are not): its time, :attr:`leaders_s`, is kept free too (0: none within the noise)."""
     leaders_s: float = 0.0
-    """What is kept free for re-measuring the leaders: the least plan (one more run of the best and of
-    the next trial within its measured noise, ``_remeasure.least_plan``); 0 when none is within it."""
     compile_left_s: float | None = None
     """Seconds left for a compile once verification's reserve and a usual trial are kept (None: no
     budget, or nothing verified): a proposal that compiles new graphs is made only when the study's
-    median compile fits in it, and only when it is predicted to beat the best trial."""
+    median compile fits in it."""
 
     @property
     def deadline(self) -> float | None:
@@ -1002,13 +856,12 @@ class TimeBudget:
                                                                             self.reserve_s + self.leaders_s))
 
     def holds(self, now: float, trial_s: float, reserve_s: float) -> bool:
-        """Whether a trial of ``trial_s`` started ``now`` still leaves ``reserve_s`` (verification's
-        reserve after it) before the deadline."""
+        """Whether a trial of ``trial_s`` started ``now`` leaves ``reserve_s`` before the deadline."""
         return self.deadline is None or now + trial_s + reserve_s < self.deadline
 
     def refresh(self, decision: DecisionView, now: float) -> None:
-        """What is kept free, as predicted from ``decision``'s trials (the models above): the next
-        trial, and the best trial's verification (:attr:`reserve_s`); nothing without a budget."""
+        """What is kept free, as predicted from ``decision``'s trials: the next trial, and the best
+        trial's verification (:attr:`reserve_s`); nothing without a budget."""
         if self.budget_s is None:
             return
         self.next_trial_s = next_trial_s(decision.trials)
@@ -1025,25 +878,18 @@ class TimeBudget:
 
     def largest_forecast(self, decision: DecisionView,
                          candidates: Sequence[FrozenTrial | None]) -> VerifyForecast | None:
-        """The largest of verification's forecasts for ``candidates`` (any may become the best: its
-        verification is what is kept free); the first among equals; None when nothing is verified."""
-        out: VerifyForecast | None = None
-        for candidate in candidates:
-            forecast = self.forecast(decision, candidate)
-            if forecast is not None and (out is None or forecast.reserve_s > out.reserve_s):
-                out = forecast
-        return out
-
-    def forecast(self, decision: DecisionView, best: FrozenTrial | None) -> VerifyForecast | None:
-        """Verification's forecast for ``best``, priced with ``decision``'s step-time models; None when
-        nothing is verified."""
+        """The largest of verification's forecasts for ``candidates`` (any may become the best),
+        with ``decision``'s models; the first among equals; None when nothing is verified."""
         if not self.verify:
             return None
         base_no = decision.study.user_attrs.get(StudyAttr.BASELINE)
         own = next((t.user_attrs.get(TrialAttr.CONFIG) for t in decision.trials if t.number == base_no), None)
-        return forecast_verification(decision.trials, baseline=BalanceConfig.from_dict(own) if own else None,
-                                     best=best, num_layers=decision.num_layers, device=decision.device,
-                                     eager=decision.step_time, compiled=decision.compiled_time)
+        baseline = BalanceConfig.from_dict(own) if own else None
+        forecasts = [forecast_verification(decision.trials, baseline=baseline, best=best,
+                                           num_layers=decision.num_layers, device=decision.device,
+                                           eager=decision.step_time, compiled=decision.compiled_time)
+                     for best in candidates]
+        return max(forecasts, key=lambda f: f.reserve_s, default=None)
 
     def unaffordable(self, decision: DecisionView, config: BalanceConfig) -> str | None:
         """Why ``config`` is not launched under the time budget (None: it is): its expected time (a
@@ -1057,7 +903,7 @@ class TimeBudget:
                                 datetime_start=None, datetime_complete=None, params={}, distributions={},
                                 user_attrs={TrialAttr.CONFIG: config.to_dict()}, system_attrs={},
                                 intermediate_values={}, trial_id=-1)
-        forecast = self.forecast(decision, candidate)
+        forecast = self.largest_forecast(decision, [candidate])
         reserve = max(self.reserve_s, forecast.reserve_s if forecast is not None else 0.0) + self.leaders_s
         now = decision.clock()
         if self.holds(now, took, reserve):
@@ -1067,8 +913,7 @@ class TimeBudget:
                 f"about {took:.0f} s and verification after it {reserve:.0f} s{leaders}; nothing was launched")
 
     def holds_compile(self, decision: DecisionView, scope: str | None = None) -> bool:
-        """Whether the time left for a compile (:attr:`compile_left_s`) holds the study's median compile
-        (``scope``: of that scope, ``compile_times``); always without a limit."""
+        """Whether :attr:`compile_left_s` (None: no limit) holds the study's median compile of ``scope``."""
         if self.compile_left_s is None:
             return True
         _, compile_s = compile_times(decision.trials, device=decision.device, scope=scope)
