@@ -221,69 +221,55 @@ def _float(value: float | None) -> float | None:
 def figures_from_outcome(
     outcome: TrialOutcome, *, world_size: int, caps: list[int] | None, fallback_capacity: list[float] | None = None
 ) -> TrialFigures:
-    peak_device: list[float | None] = []
-    alloc: list[float | None] = []
-    reserved: list[float | None] = []
-    outside: list[float | None] = []
-    capacity: list[float] = []
-    steps: list[float] = []
-    startup: list[float] = []
-    in_steps: list[float] = []
-    counts: list[int] = []
-    busy: list[float | None] = []
-    wait: list[float | None] = []
-    optimizer_state: list[float | None] = []
-    wrapped: list[bool] = []
+    """A trial's figures from its ranks' reports (``caps``, else the reported device, else
+    ``fallback_capacity``: each rank's capacity)."""
+    reports = [outcome.reports.get(r) for r in range(world_size)]
+    good = [rep if rep is not None and rep.status == Status.OK else None for rep in reports]
+    # an OOM rank's peak is a lower bound: kept for display and the memory model, not as a measurement
+    mems = [(rep.memory if rep is not None else None) or RankMemory() for rep in reports]
+    devs = [(rep.device if rep is not None else None) or RankDevice() for rep in reports]
+    times = [(rep.timing if rep is not None else None) or RankTiming() for rep in reports]
+    opts = [(rep.optimizer if rep is not None else None) or {} for rep in reports]
+    capacity = [float((caps[r] if caps else None) or dev.cap_bytes or dev.capacity_bytes
+                      or (fallback_capacity[r] if fallback_capacity else None) or 2**40)
+                for r, dev in enumerate(devs)]
+    steps = [float(r.step_time_s) for r in good if r is not None and r.step_time_s is not None]
+    startup = [float(t.startup_s) for t in times if t.startup_s is not None]
+    in_steps = [float(t.steps_s) for t, rep in zip(times, good, strict=True)
+                if rep is not None and t.steps_s is not None]
+    counts = [int(r.measured_steps) for r in good if r is not None and r.measured_steps is not None]
     held: list[float | None] = []
-    reports = outcome.reports
-    for r in range(world_size):
-        rep = reports.get(r)
-        mem = rep.memory if rep is not None and rep.memory is not None else RankMemory()
-        ok = rep is not None and rep.status == Status.OK
-        # an OOM rank's peak is a lower bound: kept for display and the memory model, never as a measurement
-        peak_device.append(_float(mem.peak_device))
-        alloc.append(_float(mem.peak_allocated))
-        reserved.append(_float(mem.peak_reserved))
-        outside.append(_float(mem.outside_pytorch))
-        cap = caps[r] if caps else None
-        dev = rep.device if rep is not None and rep.device is not None else RankDevice()
-        fallback = fallback_capacity[r] if fallback_capacity else None
-        capacity.append(float(cap or dev.cap_bytes or dev.capacity_bytes or fallback or 2**40))
-        timing = rep.timing if rep is not None and rep.timing is not None else RankTiming()
-        if ok and rep is not None and rep.step_time_s is not None:
-            steps.append(float(rep.step_time_s))
-        if timing.startup_s is not None:
-            startup.append(float(timing.startup_s))
-        if ok and timing.steps_s is not None:
-            in_steps.append(float(timing.steps_s))
-        if ok and rep is not None and rep.measured_steps is not None:
-            counts.append(int(rep.measured_steps))
-        opt = (rep.optimizer if rep is not None else None) or {}
-        optimizer_state.append(_float(opt.get("state_bytes")) if ok else None)
+    for rep, mem, dev in zip(good, mems, devs, strict=True):
         parts = ((rep.breakdown if rep is not None else None) or {}).get("bytes") or {}
         after, grads = parts.get("live_after_step"), parts.get("gradients")
-        on_gpu = dev.type == "cuda"  # on CPU the live-tensor tracker's peaks include the optimizer step's
-        held.append(float(after) + float(grads if isinstance(grads, (int, float)) else 0) + float(mem.outside_pytorch or 0)
-                    if ok and on_gpu and isinstance(after, (int, float)) else None)  # transients: not a fixed part
-        wrapped.append(bool(opt.get("wrapped")))
-        busy.append(_float(rep.busy_time_s) if ok and rep is not None else None)
-        wait.append(_float(rep.allreduce_wait_s) if ok and rep is not None else None)
+        if rep is None or dev.type != "cuda" or not isinstance(after, (int, float)):
+            held.append(None)  # on CPU the live-tensor tracker's peaks include the optimizer step's
+            continue  # transients: not a fixed part
+        held.append(float(after) + float(grads if isinstance(grads, (int, float)) else 0)
+                    + float(mem.outside_pytorch or 0))
     step = max(steps) if len(steps) == world_size else None
-    first = next(iter(reports.values()), None)
+    first = next(iter(outcome.reports.values()), None)
     gb = ((first.config if first is not None else None) or {}).get("global_batch")
     if first is not None and first.samples_per_step:
         gb = first.samples_per_step  # partial steps count the samples they really used
-    param_bytes = max((int(b) for r in reports.values()
+    param_bytes = max((int(b) for r in outcome.reports.values()
                        for b in [(r.model or {}).get("parameter_bytes")]
                        if isinstance(b, int) and not isinstance(b, bool)), default=None)
-
+    wrapped = [bool(opt.get("wrapped")) for opt in opts]
     return TrialFigures(
-        status=outcome.status, peak_device=peak_device, peak_allocated=alloc, peak_reserved=reserved,
-        outside_pytorch=outside, capacity=capacity, step_time_s=step,
-        samples_per_s=(gb / step) if (gb and step) else None, startup_s=max(startup) if startup else None,
+        status=outcome.status, peak_device=[_float(m.peak_device) for m in mems],
+        peak_allocated=[_float(m.peak_allocated) for m in mems],
+        peak_reserved=[_float(m.peak_reserved) for m in mems],
+        outside_pytorch=[_float(m.outside_pytorch) for m in mems], capacity=capacity,
+        step_time_s=step, samples_per_s=(gb / step) if (gb and step) else None,
+        startup_s=max(startup) if startup else None,
         time_in_steps_s=max(in_steps) if len(in_steps) == world_size else None,
         measured_steps=min(counts) if len(counts) == world_size else None,
-        busy_s=busy, wait_s=wait, optimizer_state=optimizer_state, optimizer_wrapped=bool(wrapped) and all(wrapped),
+        busy_s=[None if rep is None else _float(rep.busy_time_s) for rep in good],
+        wait_s=[None if rep is None else _float(rep.allreduce_wait_s) for rep in good],
+        optimizer_state=[None if rep is None else _float(opt.get("state_bytes"))
+                         for rep, opt in zip(good, opts, strict=True)],
+        optimizer_wrapped=bool(wrapped) and all(wrapped),
         parameter_bytes=param_bytes, compile=compile_figures(outcome.reports), held=held,
     )
 
