@@ -3,7 +3,7 @@ attributes shown in the dashboard."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,9 +22,8 @@ from autobalance.protocol import (
 )
 from autobalance.tuner.search._constants import INFEASIBLE_TIME
 
-__all__ = ["INFEASIBLE_TIME", "TrialFigures", "compile_figures", "figures_from_outcome", "fix_exchange_rate", "penalised",
-           "rate_fixed", "rate_source", "spread_fraction"]
-
+__all__ = ["INFEASIBLE_TIME", "TrialFigures", "compile_figures", "figures_from_outcome",
+           "fix_exchange_rate", "penalised", "rate_fixed", "rate_source", "spread_fraction"]
 
 
 @dataclass(kw_only=True)
@@ -60,12 +59,10 @@ class TrialFigures:
     parameter_bytes: int | None = None
     """The model's parameter bytes (``RankReport.model``; None: not reported)."""
     held: list[float | None] = field(default_factory=list)
-    """Per rank: the bytes that do not scale with the micro-batch (parameters, gradients, optimizer
-    state, the script's extras, what is held outside PyTorch): the report's ``breakdown`` bytes
-    ``live_after_step`` (taken with the gradients set to None) plus ``gradients`` plus
-    ``outside_pytorch``; None: not measured. With the peak, one eager trial gives the per-sample
-    activations (the search policy's probe, and the memory model's observation at zero samples). GPU
-    only: on CPU (the live-tensor tracker) studies fitted with it chose worse (tests/test_zero.py)."""
+    """Per rank: the bytes that do not scale with the micro-batch, the report's ``breakdown`` bytes
+    ``live_after_step`` (gradients set to None) plus ``gradients`` plus ``outside_pytorch``; None:
+    not measured. With the peak, one eager trial gives the per-sample activations. GPU only: on CPU
+    (the live-tensor tracker) studies fitted with it chose worse (tests/test_zero.py)."""
     compile: dict[str, Any] = field(default_factory=dict)
     """Compiled trials: ``compile_s`` (slowest rank's first step), ``activation_budget_used`` (per
     rank, as reported) and ``compile_cache`` (Inductor cache hits/misses over the ranks)."""
@@ -75,7 +72,8 @@ class TrialFigures:
 
     @property
     def measured(self) -> bool:
-        return self.status == Status.OK and all(p is not None for p in self.peak_device) and self.step_time_s is not None
+        return (self.status == Status.OK and None not in self.peak_device
+                and self.step_time_s is not None)
 
     def spread_bytes(self) -> float | None:
         peaks = [p for p in self.peak_device if p is not None]
@@ -83,7 +81,7 @@ class TrialFigures:
 
     def spread_fraction(self) -> float | None:
         """max - min over ranks of peak / capacity (heterogeneous caps compare fairly)."""
-        if any(p is None for p in self.peak_device):
+        if None in self.peak_device:
             return None
         return spread_fraction([float(p) for p in self.peak_device if p is not None], self.capacity)
 
@@ -115,12 +113,20 @@ class TrialFigures:
         def gib(values: list[float | None]) -> list[float | None]:
             return [None if v is None else round(v / GIB, 4) for v in values]
 
+        def listed(values: list[float | None], unit: Callable[[float], Any]) -> list[Any] | None:
+            """Per rank, absent when no rank reported one."""
+            if all(v is None for v in values):
+                return None
+            return [None if v is None else unit(v) for v in values]
+
+        def ms(seconds: float) -> float:
+            return round(1000 * seconds, 3)
+
         spread_b = self.spread_bytes() if self.measured else None  # lower bounds or predictions: no spread
         spread_f = self.spread_fraction() if self.measured else None
-        per_rank = {}
-        for r, (p, c) in enumerate(zip(self.peak_device, self.capacity, strict=True)):
-            per_rank[f"rank{r}"] = (f"peak {memory_text(p / GIB)} of {memory_text(c / GIB)} ({100 * p / c:.1f}%)"
-                                    if p is not None else f"no measurement (cap {memory_text(c / GIB)})")
+        per_rank = {f"rank{r}": f"no measurement (cap {memory_text(c / GIB)})" if p is None
+                    else f"peak {memory_text(p / GIB)} of {memory_text(c / GIB)} ({100 * p / c:.1f}%)"
+                    for r, (p, c) in enumerate(zip(self.peak_device, self.capacity, strict=True))}
         plottable: dict[str, Any] = {}
         if self.measured:  # an OOM rank's peak is a lower bound, a predicted one a prediction: not plotted
             peaks = [float(p) for p in self.peak_device if p is not None]
@@ -137,20 +143,18 @@ class TrialFigures:
             "usable_gib": gib(list(self.usable(headroom))),
             "spread_gib": None if spread_b is None else round(spread_b / GIB, 4),
             "spread_pct_of_capacity": None if spread_f is None else round(100 * spread_f, 3),
-            "step_time_ms": None if self.step_time_s is None else round(1000 * self.step_time_s, 3),
+            "step_time_ms": None if self.step_time_s is None else ms(self.step_time_s),
             "samples_per_s": None if self.samples_per_s is None else round(self.samples_per_s, 2),
             "startup_s": None if self.startup_s is None else round(self.startup_s, 2),
-            **({} if self.time_in_steps_s is None else {TrialAttr.TIME_IN_STEPS_S: round(self.time_in_steps_s, 4)}),
-            **({} if self.measured_steps is None else {"measured_steps": self.measured_steps}),
-            **({TrialAttr.BUSY_MS: [None if v is None else round(1000 * v, 3) for v in self.busy_s]}
-               if any(v is not None for v in self.busy_s) else {}),
-            **({TrialAttr.WAIT_MS: [None if v is None else round(1000 * v, 3) for v in self.wait_s]}
-               if any(v is not None for v in self.wait_s) else {}),
-            **({TrialAttr.OPTIMIZER_STATE_BYTES: [None if v is None else int(v) for v in self.optimizer_state]}
-               if any(v is not None for v in self.optimizer_state) else {}),
-            **({TrialAttr.OPTIMIZER_WRAPPED: True} if self.optimizer_wrapped else {}),
-            **({TrialAttr.PARAMETER_BYTES: self.parameter_bytes} if self.parameter_bytes else {}),
-            **({TrialAttr.HELD_GIB: gib(self.held)} if any(v is not None for v in self.held) else {}),
+            TrialAttr.TIME_IN_STEPS_S: None if self.time_in_steps_s is None
+            else round(self.time_in_steps_s, 4),
+            "measured_steps": self.measured_steps,
+            TrialAttr.BUSY_MS: listed(self.busy_s, ms),
+            TrialAttr.WAIT_MS: listed(self.wait_s, ms),
+            TrialAttr.OPTIMIZER_STATE_BYTES: listed(self.optimizer_state, int),
+            TrialAttr.OPTIMIZER_WRAPPED: True if self.optimizer_wrapped else None,
+            TrialAttr.PARAMETER_BYTES: self.parameter_bytes or None,
+            TrialAttr.HELD_GIB: listed(self.held, lambda v: round(v / GIB, 4)),
             "memory_constraint": round(self.memory_constraint(headroom), 5),
             **self.compile,
             **per_rank,

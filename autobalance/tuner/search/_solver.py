@@ -97,19 +97,11 @@ def _min_max_select(values: list[np.ndarray], total: int) -> list[int] | None:
 
 
 def choose_checkpointing(
-    *,
-    total: int,
-    fixed: Sequence[float],
-    per_sample: Sequence[float],
-    saved_per_sample: Sequence[float],
-    num_layers: int,
-    limits: Sequence[float],
-    recompute_fraction: float = DEFAULT_RECOMPUTE_FRACTION,
-    max_spread_bytes: float | None = None,
-    checkpoint_counts: Sequence[int] | None = None,
-    max_plans: int = 5,
-    exhaustive_limit: int = 2_000_000,
-    speeds: Sequence[float] | None = None,
+    *, total: int, fixed: Sequence[float], per_sample: Sequence[float],
+    saved_per_sample: Sequence[float], num_layers: int, limits: Sequence[float],
+    recompute_fraction: float = DEFAULT_RECOMPUTE_FRACTION, max_spread_bytes: float | None = None,
+    checkpoint_counts: Sequence[int] | None = None, max_plans: int = 5,
+    exhaustive_limit: int = 2_000_000, speeds: Sequence[float] | None = None,
 ) -> list[SplitPlan]:
     """Per-rank checkpoint counts and micro-batches chosen together; candidates best first.
 
@@ -327,14 +319,8 @@ def _pareto(plans: list[SplitPlan], *, scale: float) -> list[SplitPlan]:
 
 
 def predict_feasible(
-    model: MemoryModel,
-    *,
-    micro_batches: Sequence[int],
-    checkpointed: Sequence[int],
-    num_layers: int,
-    dtype: str,
-    limits: Sequence[float],
-    margin: float | None = None,
+    model: MemoryModel, *, micro_batches: Sequence[int], checkpointed: Sequence[int],
+    num_layers: int, dtype: str, limits: Sequence[float], margin: float | None = None,
     optimizer_shares: Sequence[float] | None = None,
 ) -> tuple[bool, list[float]]:
     """Predicted peak of each rank, and whether every ``peak * (1 + margin) <= limit``
@@ -380,18 +366,10 @@ def balanced_split_for(
 
 
 def plans_from_model(
-    model: MemoryModel,
-    *,
-    total: int,
-    num_layers: int,
-    dtype: str,
-    limits: Sequence[float],
-    margin: float | None = None,
-    recompute_fraction: float = DEFAULT_RECOMPUTE_FRACTION,
-    max_spread_bytes: float | None = None,
-    checkpoint_counts: Sequence[int] | None = None,
-    max_plans: int = 5,
-    speeds: Sequence[float] | None = None,
+    model: MemoryModel, *, total: int, num_layers: int, dtype: str, limits: Sequence[float],
+    margin: float | None = None, recompute_fraction: float = DEFAULT_RECOMPUTE_FRACTION,
+    max_spread_bytes: float | None = None, checkpoint_counts: Sequence[int] | None = None,
+    max_plans: int = 5, speeds: Sequence[float] | None = None,
     optimizer_shares: Sequence[float] | None = None,
 ) -> list[SplitPlan]:
     """:func:`choose_checkpointing` with the model's terms for ``dtype`` under
@@ -402,18 +380,12 @@ def plans_from_model(
     full = [max(0.0, model.per_sample_bytes(r, dtype, 0, num_layers)) for r in range(world)]
     least = [model.per_sample_bytes(r, dtype, num_layers, num_layers) for r in range(world)]
     return choose_checkpointing(
-        total=total,
-        fixed=[model.fixed_bytes(r, dtype, shares[r]) for r in range(world)],
+        total=total, fixed=[model.fixed_bytes(r, dtype, shares[r]) for r in range(world)],
         per_sample=full,
         saved_per_sample=[min(f, max(0.0, f - lo)) for f, lo in zip(full, least, strict=True)],
-        num_layers=num_layers,
-        limits=_margin_limits(model, limits, margin),
-        recompute_fraction=recompute_fraction,
-        max_spread_bytes=max_spread_bytes,
-        checkpoint_counts=checkpoint_counts,
-        max_plans=max_plans,
-        speeds=speeds,
-    )
+        num_layers=num_layers, limits=_margin_limits(model, limits, margin),
+        recompute_fraction=recompute_fraction, max_spread_bytes=max_spread_bytes,
+        checkpoint_counts=checkpoint_counts, max_plans=max_plans, speeds=speeds)
 
 
 def optimizer_shares(*, base: Sequence[float], state: float,
