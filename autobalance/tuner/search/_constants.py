@@ -37,13 +37,14 @@ the compiled model's own fit."""
 FIT_MARGIN = 0.03
 """The first compiled trial's predicted peak stays this fraction below the usable memory."""
 GROW_MIN_BUDGET = 0.5
-"""``compiled-grow`` takes one micro-step fewer only while the budget predicted to fit stays at or above
-this: on one H200 (``benchmarks/2026-12-04-h200``) a micro-step costs ~30 ms of launches whatever its
-size, so a larger micro-batch at budget 0.5 or more beat the smaller one at 1.0 (regional 16 x 2 at 0.5:
-128.9 ms, 8 x 4 at 1.0: 140.3 ms), and at 0.3 it no longer did (139.0 ms). Below it, ``grow-probe`` measures the split instead of trusting a
-time the models extrapolate (recomputation's cost per unit of budget ranged 0.1-0.7 of a step on the H200
-grids: regional 16 x 2 inside 122.6 ms at 1.0, 139.0 at 0.3; regional 8 x 4 outside 138.3 at 1.0, 185.8
-at 0.5), after the scope probe, where fewer micro-steps measured faster and could win."""
+"""``compiled-grow`` takes one micro-step fewer only while the budget predicted to fit stays at or
+above this: on one H200 (``benchmarks/2026-12-04-h200``) a micro-step costs ~30 ms of launches
+whatever its size, so a larger micro-batch at budget 0.5 or more beat the smaller one at 1.0
+(regional 16 x 2 at 0.5: 128.9 ms, 8 x 4 at 1.0: 140.3 ms), at 0.3 no longer (139.0 ms). Below it,
+``grow-probe`` measures the split rather than trust an extrapolated time (recomputation's cost per
+unit of budget ranged 0.1-0.7 of a step: regional 16 x 2 inside 122.6 ms at 1.0, 139.0 at 0.3;
+regional 8 x 4 outside 138.3 at 1.0, 185.8 at 0.5), after the scope probe, where fewer micro-steps
+measured faster and could win."""
 SCOPE_TRANSFERS = 2
 """``scope-probe`` runs the fastest this many measured compiled splits in the other scope (the scopes'
 optima differ: on the H200, regional 11,11,10 was its best split and whole 8 x 4 the grid's)."""
@@ -201,11 +202,9 @@ EMBEDDING_SHARE = 0.1
 holds (``model.embedding_bytes``), with their gradients and AdamW's two moments (4x their bytes), are
 at least this share of a rank's usable memory: what every DDP rank replicates of them is then worth
 sharding (Llama-3's 128k x 4096 embedding and head: 16.8 GB of an 80 GB card)."""
-
 FIXED_SHARE = 0.5
 """A sharding is proposed when nothing unsharded fits and a rank's fixed part (parameters, gradients
 and optimizer state, unsharded) is at least this share of its usable memory."""
-
 FIT_FRACTION = 0.85
 """The least sharding proposed is the first whose predicted fixed part is below this share of the
 tightest rank's usable memory (the rest is left to activations); else the most."""
@@ -316,9 +315,7 @@ OPTIMIZER_SHARE_RANGE = (0.0, 1.0)
 LEVELS = {"off": 0, "embeddings": 1, "blocks": 2}
 """The order of the parameter shardings (more sharding, a higher level): what dominance compares, not a
 measurement."""
-
 DYNAMIC = 0
 """The micro-batch size of a graph compiled with a dynamic batch dimension."""
-
 REASON_CHARS = 160
 """A trial's reason on its console line is cut near this many characters (at a word boundary)."""

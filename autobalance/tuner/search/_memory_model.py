@@ -65,18 +65,14 @@ __all__ = ["ACTIVATION_BYTES_SCALE", "CLAMP_TOLERANCE", "DEFAULT_SAFETY_MARGIN",
 
 @dataclass(kw_only=True)
 class MemoryObservation:
-    """One rank's measured peak in one trial."""
+    """One rank's measured peak in one trial: its global rank, micro-batch, checkpointed blocks of
+    the model's ``num_layers`` and the trial's autocast dtype (one of ``DTYPES``)."""
 
     rank: int
-    """Global rank the peak was measured on."""
     micro_batch: int
-    """That rank's micro-batch size in the trial."""
     checkpointed: int
-    """Number of activation-checkpointed blocks on that rank."""
     num_layers: int
-    """Number of checkpointable blocks in the model."""
     dtype: str
-    """Autocast dtype of the trial (one of ``DTYPES``)."""
     peak_bytes: float
     """Measured peak in bytes; for an out-of-memory trial (``ok`` False), a lower bound."""
     ok: bool = True
@@ -114,15 +110,13 @@ class MemoryObservation:
 
 @dataclass(kw_only=True, eq=False)
 class DtypeFit:
-    """The fitted parameters of one dtype."""
+    """The fitted parameters of one dtype (the module docstring's ``fixed_r``, ``act_full``,
+    ``act_saved``)."""
 
     dtype: str
     fixed: list[float]
-    """Per rank, the bytes that do not scale with the micro-batch."""
     act_full: float
-    """Activation bytes of one sample with no block checkpointed."""
     act_saved: float
-    """Bytes per sample saved with every block checkpointed (linear in the share checkpointed)."""
     n_observations: int
     """Successful trials-ranks of this dtype the fit used."""
     identified: bool
@@ -143,10 +137,8 @@ class DtypeFit:
 
 @dataclass(kw_only=True)
 class MemoryModel:
-    """Per-rank, per-dtype linear peak-memory model with a self-correcting safety margin.
-
-    After each trial a tuner calls :meth:`correct` on the *previous* model for each new observation
-    (a wrong prediction widens the margin), then refits (:meth:`refit`)."""
+    """Per-rank, per-dtype linear peak-memory model with a self-correcting safety margin: after a
+    trial, :meth:`correct` the previous model with each new observation, then :meth:`refit`."""
 
     world_size: int
     safety_margin: float = DEFAULT_SAFETY_MARGIN
@@ -186,8 +178,15 @@ class MemoryModel:
         ok = [o for o in observations if o.ok]
         if ok and all(o.optimizer_bytes is not None and o.optimizer_total is not None for o in ok):
             model.optimizer_total = float(np.median([float(o.optimizer_total or 0.0) for o in ok]))
-            observations = [_without_state(o) for o in observations]
-        model.held_floor = _held_floor(observations, world_size)
+            observations = [o if o.optimizer_bytes is None  # fitted without the measured state
+                            else replace(o, peak_bytes=max(1.0, o.peak_bytes - o.optimizer_bytes))
+                            for o in observations]
+        # the floor: per rank the least held part measured on it, at least the parameters (else 0)
+        params = max((float(o.parameter_bytes) for o in observations if o.parameter_bytes),
+                     default=0.0)
+        held = [o for o in observations if o.held and o.ok]
+        model.held_floor = [max(min((o.peak_bytes for o in held if o.rank == r), default=0.0),
+                                params) for r in range(world_size)]
         by_dtype = {d: [o for o in observations if o.ok and o.dtype == d] for d in DTYPES}
         order = sorted((d for d in DTYPES if by_dtype[d]), key=lambda d: (
             -_data_rank(by_dtype[d], world_size), -len(by_dtype[d]), DTYPES.index(d)))
@@ -225,8 +224,7 @@ class MemoryModel:
     def is_fitted_for(self, dtype: str) -> bool:
         """True when ``dtype``'s own successful trials determine every parameter (no prior used)."""
         _check_dtype(dtype)
-        fit = self.fits.get(dtype)
-        return fit is not None and fit.identified
+        return dtype in self.fits and self.fits[dtype].identified
 
     def can_predict(self, dtype: str) -> bool:
         """True when :meth:`predict` works for ``dtype`` (own data or another dtype's as prior)."""
@@ -380,24 +378,6 @@ class MemoryModel:
         if not 0 <= rank < self.world_size:
             raise UsageError(f"rank={rank} is outside 0..{self.world_size - 1}; the model was "
                              f"built for world_size={self.world_size}.")
-
-
-def _without_state(obs: MemoryObservation) -> MemoryObservation:
-    """``obs`` with its measured optimizer state taken out of the peak (fitted without it)."""
-    if obs.optimizer_bytes is None:
-        return obs
-    return replace(obs, peak_bytes=max(1.0, obs.peak_bytes - obs.optimizer_bytes))
-
-
-def _held_floor(observations: Sequence[MemoryObservation], world_size: int) -> list[float]:
-    """Per rank: the least held part measured on it (state aside when taken out), at least the
-    parameters; 0 where neither was measured."""
-    params = max((float(o.parameter_bytes) for o in observations if o.parameter_bytes), default=0.0)
-    floor = []
-    for rank in range(world_size):
-        held = [o.peak_bytes for o in observations if o.held and o.ok and o.rank == rank]
-        floor.append(max(min(held) if held else 0.0, params))
-    return floor
 
 
 def _check_dtype(dtype: str) -> None:

@@ -64,8 +64,7 @@ class TrialFigures:
     not measured. With the peak, one eager trial gives the per-sample activations. GPU only: on CPU
     (the live-tensor tracker) studies fitted with it chose worse (tests/test_zero.py)."""
     compile: dict[str, Any] = field(default_factory=dict)
-    """Compiled trials: ``compile_s`` (slowest rank's first step), ``activation_budget_used`` (per
-    rank, as reported) and ``compile_cache`` (Inductor cache hits/misses over the ranks)."""
+    """Compiled trials' :func:`compile_figures`."""
 
     def usable(self, headroom: float) -> list[float]:
         return [c * (1.0 - headroom) for c in self.capacity]
@@ -95,15 +94,14 @@ class TrialFigures:
 
     def values(self, *, reference_step_s: float | None, weight_spread: float, weight_time: float,
                multi_objective: bool) -> list[float]:
-        spread = self.spread_fraction()
-        spread = 1.0 if spread is None or not self.measured else spread
-        if self.measured and reference_step_s:
-            time_norm = float(self.step_time_s) / reference_step_s  # type: ignore[arg-type]
-        else:
-            time_norm = INFEASIBLE_TIME
+        spread = self.spread_fraction() if self.measured else None
+        step = self.step_time_s if self.measured else None
+        time_norm = (INFEASIBLE_TIME if step is None or not reference_step_s
+                     else float(step) / reference_step_s)
+        values = [1.0 if spread is None else spread, time_norm]
         if multi_objective:
-            return [spread, time_norm]
-        return [objective_value(spread, time_norm, weight_spread=weight_spread, weight_time=weight_time)]
+            return values
+        return [objective_value(*values, weight_spread=weight_spread, weight_time=weight_time)]
 
     def user_attrs(self, headroom: float) -> dict[str, Any]:
         """The trial's user attributes. Scalars a user may plot in the dashboard (``step_time_ms``,
@@ -174,11 +172,9 @@ def rate_source(attrs: Mapping[str, Any]) -> str:
 def fix_exchange_rate(study: Any, *, reference_step_s: float | None, source: str, trial: int | None,
                       weight_spread: float, weight_time: float, world_size: int,
                       capacity_bytes: list[float] | None = None) -> None:
-    """Store the objective's exchange rate with the study (``StudyAttr.EXCHANGE_RATE``, and the
-    reference step as ``StudyAttr.REFERENCE``), once, before the search's first trial: every trial's
-    step time is divided by ``reference_step_s`` whichever trial runs first. ``reference_step_s``
-    None: nothing gave a step time before the search (the first trial that does fixes it, ``source``
-    ``first-measured``). ``capacity_bytes``: each rank's capacity the spread is a fraction of."""
+    """Store the objective's exchange rate with the study (``StudyAttr.EXCHANGE_RATE``, the reference
+    step as ``StudyAttr.REFERENCE``) once, before the search's first trial, so every trial's step time
+    is divided by the same ``reference_step_s`` (None: the first trial that gives one fixes it)."""
     if reference_step_s is not None:
         study.set_user_attr(StudyAttr.REFERENCE, float(reference_step_s))
     study.set_user_attr(StudyAttr.EXCHANGE_RATE, {
@@ -189,20 +185,17 @@ def fix_exchange_rate(study: Any, *, reference_step_s: float | None, source: str
 
 
 def rate_fixed(user_attrs: Mapping[str, Any]) -> bool:
-    """Whether the study's exchange rate was settled before the search (its reference step, or the
-    rule that the first step fixes it), or the study was stored before the rate was recorded and has
-    its reference step already."""
+    """Whether the study's exchange rate was settled before the search (or the study, stored before
+    the rate was recorded, has its reference step)."""
     return StudyAttr.EXCHANGE_RATE in user_attrs or user_attrs.get(StudyAttr.REFERENCE) is not None
 
 
 def penalised(values: list[float], constraints: list[float], *, feasible: bool, weight_spread: float,
               weight_time: float, multi_objective: bool) -> list[float]:
-    """The objective values Optuna stores. An infeasible trial's values carry its violation: at least
-    those of a trial with no measurement (spread 1, step time ``INFEASIBLE_TIME`` x the reference)
-    plus how far over its constraints it went. So no infeasible trial is ever better than a
-    feasible one in any view that ranks by value alone (optuna-dashboard's best trial, its Pareto
-    front, ``study.best_value`` of a study without constraints), and among infeasible ones, the
-    less over is the better (what a sampler that ignores constraints learns from)."""
+    """The objective values Optuna stores: an infeasible trial's are at least those of a trial with no
+    measurement (spread 1, step time ``INFEASIBLE_TIME`` x the reference) plus its violation. So no
+    infeasible trial beats a feasible one in a view that ranks by value alone (optuna-dashboard's best
+    trial and Pareto front), and a sampler that ignores constraints learns that less over is better."""
     if feasible:
         return list(values)
     violation = sum(max(0.0, float(c)) for c in constraints)
@@ -225,8 +218,7 @@ def _float(value: float | None) -> float | None:
 def figures_from_outcome(
     outcome: TrialOutcome, *, world_size: int, caps: list[int] | None, fallback_capacity: list[float] | None = None
 ) -> TrialFigures:
-    """A trial's figures from its ranks' reports (``caps``, else the reported device, else
-    ``fallback_capacity``: each rank's capacity)."""
+    """A trial's figures from its ranks' reports."""
     reports = [outcome.reports.get(r) for r in range(world_size)]
     good = [rep if rep is not None and rep.status == Status.OK else None for rep in reports]
     # an OOM rank's peak is a lower bound: kept for display and the memory model, not as a measurement

@@ -4,11 +4,8 @@ Every rank ``r`` is described by a linear peak ``fixed_r + per_sample_r(c_r) * m
 is its micro-batch and ``per_sample_r(c) = per_sample_r - saved_per_sample_r * c / num_layers``
 for ``c`` checkpointed blocks, and by a usable limit ``limit_r`` (capacity times one minus the
 headroom, divided by one plus the model's safety margin where a model is involved).
-
-* :func:`balanced_split` solves ``min max_r peak_r / limit_r`` over integer ``m_r >= 1`` summing
-  to the global micro-batch total, exactly (a greedy proven optimal; see its docstring).
-* :func:`choose_checkpointing` chooses checkpoint counts and the split together: minimum
-  step-time proxy first, then the smallest spread of peaks.
+:func:`balanced_split` minimises ``max_r peak_r / limit_r`` exactly; :func:`choose_checkpointing`
+chooses checkpoint counts and the split together.
 
 Ranks of different speeds (mixed GPUs, issue 33): rank ``r`` computes for
 ``speed_r * m_r * (1 + rho * c_r / L)``, ``speed_r`` its relative cost per sample (2.0: half as
@@ -20,6 +17,7 @@ Without ``speeds`` (or all equal) ``speed_r = 1``: the same plans.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -42,12 +40,8 @@ class SplitPlan:
     """One candidate: per-rank micro-batches and checkpoint counts with their predicted effect."""
 
     micro_batches: list[int]
-    """Micro-batch of each rank; they sum to the requested total."""
     checkpointed: list[int]
-    """Number of checkpointed blocks of each rank."""
-    num_layers: int
     predicted_peaks: list[float]
-    """Predicted peak bytes of each rank."""
     step_cost: float
     """Step-time proxy ``max_r speed_r * m_r * (1 + recompute_fraction * c_r / L)`` divided by
     ``total / W``: 1.0 is an even split of equal ranks without checkpointing."""
@@ -114,18 +108,15 @@ def choose_checkpointing(
     plans not dominated in (step cost, spread) are returned, at most ``max_plans``; ``[]`` when
     nothing fits.
 
-    Method: when there are at most ``exhaustive_limit`` (split, checkpoint-vector) combinations
-    (two ranks up to about 800 samples with 48 blocks), all of them are scored, so the result is
-    exact for every criterion, ``max_spread_bytes`` included. Otherwise a level sweep: the minimum
-    step cost ``C*`` is found exactly (binary search over the finite set of values
-    ``m * (1 + rho * c / L)`` with an exact capacity test); at each cost level ``C`` from ``C*``
-    upward (256 levels, more while no plan meets ``max_spread_bytes``), the split minimising the
-    largest relative peak under ``cost <= C`` is solved exactly (each rank checkpoints as much as
-    ``C`` allows), then every rank drops to the fewest checkpointed blocks that keep its peak at or
-    below that maximum, which lifts low peaks and narrows the spread. The sweep's first plan has
-    the exact minimum step cost; its spread criteria are best effort (it equalises peaks relative
-    to the limits, the spread is in bytes: the same for equal limits). Either way, ranks with less
-    free memory checkpoint more instead of only taking fewer samples.
+    Method: with at most ``exhaustive_limit`` (split, checkpoint-vector) combinations (two ranks
+    up to about 800 samples with 48 blocks) all are scored: exact for every criterion. Otherwise a
+    level sweep: the minimum step cost ``C*`` is found exactly (binary search over the finite set
+    of values ``m * (1 + rho * c / L)``); at each cost level ``C`` from ``C*`` upward (256 levels,
+    more while no plan meets ``max_spread_bytes``), the split minimising the largest relative peak
+    under ``cost <= C`` is solved exactly (each rank checkpoints as much as ``C`` allows), then
+    every rank drops to the fewest checkpointed blocks that keep its peak at or below that maximum,
+    narrowing the spread. The sweep's first plan has the exact minimum step cost; its spread
+    criteria are best effort (it equalises peaks relative to the limits, the spread is in bytes).
     """
     world = _check_ranks(total=total, fixed=fixed, per_sample=per_sample, limits=limits)
     _check_lengths(world, saved_per_sample=saved_per_sample, speeds=speeds)
@@ -178,9 +169,7 @@ class _Space:
     counts: np.ndarray
     num_layers: int
     rho: float
-    """Recompute fraction."""
     speed: np.ndarray
-    """Relative cost per sample (ones: equally fast ranks)."""
 
     def __post_init__(self) -> None:
         self.world = len(self.fixed)
@@ -207,8 +196,7 @@ class _Space:
         cost = max(m * (1.0 + self.rho * c / self.num_layers) * float(s)
                    for m, c, s in zip(split, checkpointed, self.speed, strict=True))
         return SplitPlan(micro_batches=list(split), checkpointed=checkpointed,
-                         num_layers=self.num_layers, predicted_peaks=peaks,
-                         step_cost=cost / (self.total / self.world),
+                         predicted_peaks=peaks, step_cost=cost / (self.total / self.world),
                          spread_bytes=max(peaks) - min(peaks))
 
 
@@ -230,13 +218,10 @@ def _plan_at_level(space: _Space, level: float) -> SplitPlan | None:
 
 
 def _compositions(total: int, world: int) -> Iterator[tuple[int, ...]]:
-    """Every split of ``total`` into ``world`` parts >= 1."""
-    if world == 1:
-        yield (total,)
-        return
-    for first in range(1, total - world + 2):
-        for rest in _compositions(total - first, world - 1):
-            yield (first, *rest)
+    """Every split of ``total`` into ``world`` parts >= 1 (lexicographic): the parts between
+    ``world - 1`` cut points."""
+    for cuts in itertools.combinations(range(1, total), world - 1):
+        yield tuple(b - a for a, b in zip((0, *cuts), (*cuts, total), strict=True))
 
 
 def _exhaustive_plans(space: _Space) -> list[SplitPlan]:

@@ -79,13 +79,11 @@ class SearchSpace:
     """Dimensions derived from the job (world size, global batch, number of blocks)."""
 
     world_size: int
-    """Ranks in a trial."""
     global_batch: int
     """Samples per optimizer step, fixed for every trial."""
     num_layers: int
     """Blocks that can be checkpointed (0: checkpointing is not searched)."""
     dtypes: list[str]
-    """AMP dtypes searched."""
     accumulations: list[int]
     """Accumulation counts with at least one sample per rank in every micro-step (that also divide
     the global batch without ``any_split``)."""
@@ -221,9 +219,7 @@ class SearchSpace:
             rest.update(param_sharding=fsdp, keep_gathered=[g for g in keep if fsdp == "blocks" or g == "embeddings"],
                         optimizer_sharding="off", optimizer_shares=None)
         if self.fixed_split:  # the script's own split, as it is
-            micro, samples = self.kept_split(acc)
-            return BalanceConfig(micro_batches=micro, accumulation=acc, global_batch=self.global_batch,
-                                 rank_samples=samples, **rest)
+            return self.config_for(self.kept_split(acc)[0], acc, **rest)
         if self.any_split:
             return BalanceConfig.any_split(
                 rank_samples=split_at_least(self.global_batch, shares, acc), accumulation=acc, **rest)
@@ -234,10 +230,9 @@ class SearchSpace:
         self, micro_batches: list[int], accumulation: int, cost: list[float] | None = None, **rest: Any
     ) -> BalanceConfig:
         """The configuration whose largest micro-batch per rank is ``micro_batches`` (a solver's
-        answer for ``accumulation`` micro-steps): with ``any_split`` the ranks give up the samples
-        beyond the global batch (the one with the highest ``samples * cost`` first); without it
-        ``sum(micro_batches) * accumulation`` must be the global batch. With a fixed split, the kept
-        micro-batches give the kept configuration (any others: one :meth:`contains` rejects)."""
+        answer): with ``any_split`` the ranks give up the samples beyond the global batch (the
+        highest ``samples * cost`` first). With a fixed split, only the kept micro-batches give a
+        configuration :meth:`contains` accepts."""
         if self.fixed_split:
             micro, samples = self.kept_split(accumulation)
             if list(micro_batches) == micro:
@@ -251,8 +246,7 @@ class SearchSpace:
 
     def micro_total(self, accumulation: int) -> int:
         """The sum of the ranks' largest micro-batches that holds the global batch in
-        ``accumulation`` micro-steps (what a solver splits over the ranks); with a fixed split, the
-        kept micro-batches' sum."""
+        ``accumulation`` micro-steps (what a solver splits over the ranks)."""
         if self.fixed_split and accumulation in self.accumulations:
             return sum(self.kept_split(accumulation)[0])
         if self.any_split:
@@ -271,15 +265,14 @@ class SearchSpace:
             params["compile"] = config.compile
             if len(self.compile_scopes) > 1 and config.compile != "off":
                 params["compile_scope"] = config.compile_scope
-        if config.compile == "off":
-            if self.num_layers > 0:
-                for r, blocks in enumerate(config.checkpoint):
-                    params[f"ckpt_r{r}"] = min(self.num_layers, len(blocks))
-        else:
-            for r in range(self.world_size):
-                budget = config.activation_budget[r] if config.activation_budget else 1.0
-                budget = round(round(budget / BUDGET_STEP) * BUDGET_STEP, 3)
+        if config.compile != "off":
+            budgets = config.activation_budget or [1.0] * self.world_size
+            for r in range(self.world_size):  # on the budget grid
+                budget = round(round(budgets[r] / BUDGET_STEP) * BUDGET_STEP, 3)
                 params[f"budget_r{r}"] = _clip(budget, BUDGET_RANGE)
+        elif self.num_layers > 0:
+            for r, blocks in enumerate(config.checkpoint):
+                params[f"ckpt_r{r}"] = min(self.num_layers, len(blocks))
         if "zero1" in self.shardings:
             params["optimizer_sharding"] = config.optimizer_sharding
             zero = config.sharding_shares()
