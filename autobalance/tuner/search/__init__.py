@@ -1,6 +1,6 @@
-"""The search: what the study looks for and how it looks; one concern per module
-(``docs/architecture.md`` names each). Nothing here launches a trial; the study's running side
-(``autobalance.tuner``) uses these."""
+"""The search: what the study looks for and how; one concern per module (``docs/architecture.md``
+names each). Nothing here launches a trial: the study's running side (``autobalance.tuner``)
+does."""
 
 from __future__ import annotations
 

@@ -56,23 +56,24 @@ micro-step sizes (compiled with a dynamic batch dimension: 5,5,5,5,4,4,4 ran 255
 ran 159 ms) is proposed again only when one measured within this of the best."""
 RAISE_CHANGE_MARGIN = 1.0
 """``raise-budget`` keeps a trial's measured peak plus the compiled model's predicted change counted
-``1 + this`` times within the usable memory (the measured part is known; the prediction is what errs):
-on the H200, regional 8 x 4 with the loss outside peaked 14.23 GiB at 0.5, 15.21 at 0.7 and 15.21 at
-0.85, so a line through two budgets errs by up to the whole change (a margin of the usable memory
-instead never raised a peak already within 3 % of it: the replay's second machine, 8 x 4 at 0.65,
-27.7 of 28.5 GiB, 17 % faster at 0.85 and 27.96). Where the doubled change leaves no room, it takes one
-step of the budget grid above the split's highest measured budget, by the change per step that split's
-own budgets measured (one budget measured: the model's change counted once); a trial over the usable
-memory caps the split's budget (the second machine's peaks at 0.7 and 0.85 are equal, regional 8 x 4;
-the H200 too, 28.40 GiB at both: a line through other splits' budgets does not show it)."""
+``1 + this`` times within the usable memory (the measured part is known; the prediction is what
+errs): on the H200, regional 8 x 4 with the loss outside peaked 14.23 GiB at 0.5, 15.21 at 0.7 and
+15.21 at 0.85, so a line through two budgets errs by up to the whole change (a margin of the usable
+memory instead never raised a peak already within 3 % of it: the replay's second machine, 8 x 4 at
+0.65, 27.7 of 28.5 GiB, 17 % faster at 0.85 and 27.96). Where the doubled change leaves no room, it
+takes one step of the budget grid above the split's highest measured budget, by the change per step
+that split's own budgets measured (one budget measured: the model's change counted once); a trial
+over the usable memory caps the split's budget (the second machine's peaks at 0.7 and 0.85 are
+equal, regional 8 x 4; the H200 too, 28.40 GiB at both: a line through other splits' budgets does
+not show it)."""
 TRANSFER_WITHIN = 1.15
 """``scope-probe`` runs a measured split in the other scope only while it is within this of the fastest
 (the single-step noise of :data:`SAME_WITHIN`): a slow split's compile in the other scope (regional
 4 x 8 at 1.0, 339 ms against 8 x 4's 182 in the replay) does not pay for itself."""
 BUDGET_CEILING = 1.0
-"""``raise-budget`` proposes budgets up to this (the partitioner's default: it keeps what eager keeps),
-in steps of :data:`BUDGET_STEP`. No phase lowers a budget: at one rank a lower budget at the same split
-only recomputes more (in the replay such trials won only when noise favoured them)."""
+"""``raise-budget`` proposes budgets up to this (the partitioner's default: it keeps what eager
+keeps), in steps of :data:`BUDGET_STEP`. No phase lowers a budget: at one rank a lower budget at the
+same split only recomputes more (in the replay such trials won only when noise favoured them)."""
 LOW_BUDGET = 0.3
 """Budgets below this are proposed only where a higher one was measured at the same micro-batch and
 scope: memory is not monotone in low budgets (pytorch/pytorch#197838; on the H200 whole-model 8 x 4
@@ -145,8 +146,7 @@ REGIONAL_COMPILE_SHARE = (0.22, 0.30)
 """A regional compile's time as a share of the whole-model compile of the same configuration (low,
 high): one H200, the ~270M GPT, the product's runtime, 0.22-0.30 at equal points
 (``benchmarks/2026-12-04-h200``). A scope the study has not compiled is priced from the other one
-at the end of the range that makes it dearer: a whole-model compile as the regional one / 0.22, a
-regional one as the whole-model one x 0.30."""
+at the end of the range that makes it dearer (whole = regional / 0.22, regional = whole x 0.30)."""
 FROM_CACHE_SHARE = 0.4
 """A compile from the study's Inductor cache in a new process, as a share of what the same graphs took
 cold, where the study measured no cache hit (``compile_times``'s prior and verification's
@@ -224,17 +224,18 @@ sample: the median's standard error is 1.2533 sigma / sqrt(n), and the IQR is 1.
 :data:`LEADER_NOISE_FLOOR`."""
 LEADER_NOISE_SIGMAS = 2.0
 """A leader is within the measured noise of the best when their step times differ by less than this
-many standard errors of the difference (:data:`LEADER_MEDIAN_SE`): at 2, a difference the noise alone
-would produce 95 % of the time."""
+many standard errors of the difference (:data:`LEADER_MEDIAN_SE`): at 2, a difference the noise
+alone would produce 95 % of the time."""
 LEADERS_MAX = 3
 """At most this many leaders (the best and those within its noise) are re-measured before saving:
 each costs its runs' time (per run a trial's start-up, its compile from the study's cache and its
 steps), so 3 leaders at 2 runs is already 6 runs; 2 is the least that decides anything."""
 LEADER_RUNS = (3, 2, 1)
-"""More runs of each leader, interleaved (A, B, A, B, ...), the most first, each leader's steps pooled
-with its own: with 3 more runs no single run's drift (:data:`LEADER_NOISE_FLOOR`) decides; 1 is the
-least that measures the leaders again side by side in the same worker state. The most runs (then leaders) the time left holds, verification's reserve kept, are made; none
-when it holds not one more run of the first two, and the time budget keeps that least plan free."""
+"""More runs of each leader, interleaved (A, B, A, B, ...), the most first, each leader's steps
+pooled with its own: with 3 more runs no single run's drift (:data:`LEADER_NOISE_FLOOR`) decides; 1
+is the least that measures the leaders again side by side in the same worker state. The most runs
+(then leaders) the time left holds, verification's reserve kept, are made; none when it holds not
+one more run of the first two, and the time budget keeps that least plan free."""
 
 # ---------------------------------------------------------------------- compiled step-time priors (``_timing.CompiledTimeModel``)
 MICRO_STEP_PRIOR: dict[str, float] = {"reduce-overhead": 0.18}
@@ -257,7 +258,8 @@ eager one): 0 .. 2 in steps of 0.05 (the H200's CUDA graphs measured 0.18)."""
 ACTIVATION_BYTES_SCALE: dict[str, float] = {"fp32": 1.0, "bf16": 0.5, "fp16": 0.5}
 """Prior: per-sample activation bytes of each dtype relative to fp32 (autocast halves them). A dtype
 without enough trials of its own borrows the best-measured dtype's per-sample terms scaled by their
-ratio, and its fixed part unchanged (autocast keeps fp32 parameters, gradients and optimizer state)."""
+ratio, and its fixed part unchanged (autocast keeps fp32 parameters, gradients and optimizer
+state)."""
 PRIOR_CHECKPOINT_SAVING = 0.7
 """Prior: the share of the per-sample activations saved with every block checkpointed, while no
 measured dtype has seen checkpointing vary (embeddings, logits and block inputs stay: below 1)."""

@@ -58,8 +58,7 @@ from autobalance.tuner.search._constants import (
 from autobalance.tuner.search._constants import CONFIDENT_TOL as _CONFIDENT_TOL
 from autobalance.tuner.search._constants import RANK_TOL as _RANK_TOL
 
-__all__ = ["ACTIVATION_BYTES_SCALE", "CLAMP_TOLERANCE", "DEFAULT_SAFETY_MARGIN", "MAX_MARGIN",
-           "PRIOR_CHECKPOINT_SAVING", "WIDEN_FACTOR", "DtypeFit", "MemoryModel",
+__all__ = ["CLAMP_TOLERANCE", "DEFAULT_SAFETY_MARGIN", "MAX_MARGIN", "WIDEN_FACTOR", "MemoryModel",
            "MemoryObservation"]
 
 
@@ -81,8 +80,7 @@ class MemoryObservation:
     optimizer_total: float | None = None
     """The trial's whole optimizer state, all ranks together (None: not measured)."""
     held: bool = False
-    """The rank's memory apart from activations, measured directly (``micro_batch`` 0,
-    ``TrialAttr.HELD_GIB``)."""
+    """What the rank holds apart from activations, measured directly (``micro_batch`` 0)."""
     parameter_bytes: float | None = None
     """The model's parameter bytes (``TrialAttr.PARAMETER_BYTES``; None: not reported): a floor."""
 
@@ -151,8 +149,7 @@ class MemoryModel:
     optimizer_total: float | None = None
     """``S``, the whole optimizer state in bytes (module docstring); None: in the fixed bytes."""
     held_floor: list[float] = field(default_factory=list)
-    """Per rank, the least it holds apart from activations, optimizer state aside when ``S`` is
-    known; empty: the floor is zero."""
+    """Per rank, the floor apart from the optimizer state (module docstring); empty: zero."""
 
     def __post_init__(self) -> None:
         if not is_int(self.world_size) or self.world_size < 1:
@@ -165,12 +162,9 @@ class MemoryModel:
     @classmethod
     def fit(cls, observations: Sequence[MemoryObservation], *, world_size: int,
             safety_margin: float = DEFAULT_SAFETY_MARGIN) -> MemoryModel:
-        """Least-squares fit per dtype on the successful observations (prior-completed).
-
-        Every observation the fitted model under-predicts by more than the margin then widens it
-        (:meth:`correct`), except one of a dtype with no successful observation of its own (an
-        fp32 baseline that ran out of memory, predicted from bf16): the prior missed, not the
-        fit."""
+        """Least-squares fit per dtype on the successful observations (prior-completed); then each
+        observation corrects the margin (:meth:`correct`), except one of a dtype with no successful
+        observation of its own (an fp32 baseline OOM predicted from bf16: the prior missed)."""
         model = cls(world_size=world_size, safety_margin=safety_margin)
         for obs in observations:
             model._check_rank(obs.rank)
@@ -248,8 +242,7 @@ class MemoryModel:
         return float(x @ fit.theta) + self.optimizer_bytes(optimizer_share)
 
     def floor_bytes(self, rank: int, optimizer_share: float | None = None) -> float:
-        """The least ``rank`` holds: its measured held part (else the parameters), plus the
-        optimizer state kept."""
+        """The least ``rank`` holds (:attr:`held_floor`) plus the optimizer state it keeps."""
         self._check_rank(rank)
         held = self.held_floor[rank] if rank < len(self.held_floor) else 0.0
         return held + self.optimizer_bytes(optimizer_share)
@@ -325,14 +318,11 @@ class MemoryModel:
         return float(np.mean([abs(self._predict_obs(o) - o.peak_bytes) / o.peak_bytes for o in ok]))
 
     def correct(self, observation: MemoryObservation, *, limit: float | None = None) -> bool:
-        """Widen the safety margin when this observation shows an under-prediction beyond it; True
-        if widened.
-
-        Rule: ``e = measured / predicted - 1`` where, for an out-of-memory trial, ``measured`` is
-        the lower bound ``max(peak_bytes, limit)``. If ``e > safety_margin`` (a predicted-feasible
-        configuration OOMed, or a peak came in above the margin), the margin becomes
-        ``min(max_margin, WIDEN_FACTOR * e)``. Over-predictions change nothing (the next refit fixes
-        them); nor does a dtype the model cannot predict yet."""
+        """Widen the safety margin on an under-prediction beyond it; True if widened. With
+        ``e = measured / predicted - 1`` (an out-of-memory trial measured at least
+        ``max(peak_bytes, limit)``), ``e > safety_margin`` makes the margin
+        ``min(max_margin, WIDEN_FACTOR * e)``. Over-predictions change nothing (the next refit
+        fixes them); nor does a dtype the model cannot predict yet."""
         self._check_rank(observation.rank)
         if not self.can_predict(observation.dtype):
             return False

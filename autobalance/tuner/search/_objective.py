@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from autobalance._files import is_int
 from autobalance.launcher import TrialOutcome
 from autobalance.protocol import (
     GIB,
@@ -122,8 +123,8 @@ class TrialFigures:
 
         spread_b = self.spread_bytes() if self.measured else None  # lower bounds or predictions: no spread
         spread_f = self.spread_fraction() if self.measured else None
-        per_rank = {f"rank{r}": f"no measurement (cap {memory_text(c / GIB)})" if p is None
-                    else f"peak {memory_text(p / GIB)} of {memory_text(c / GIB)} ({100 * p / c:.1f}%)"
+        per_rank = {f"rank{r}": f"no measurement (cap {memory_text(c / GIB)})" if p is None else
+                    f"peak {memory_text(p / GIB)} of {memory_text(c / GIB)} ({100 * p / c:.1f}%)"
                     for r, (p, c) in enumerate(zip(self.peak_device, self.capacity, strict=True))}
         plottable: dict[str, Any] = {}
         if self.measured:  # an OOM rank's peak is a lower bound, a predicted one a prediction: not plotted
@@ -172,9 +173,9 @@ def rate_source(attrs: Mapping[str, Any]) -> str:
 def fix_exchange_rate(study: Any, *, reference_step_s: float | None, source: str, trial: int | None,
                       weight_spread: float, weight_time: float, world_size: int,
                       capacity_bytes: list[float] | None = None) -> None:
-    """Store the objective's exchange rate with the study (``StudyAttr.EXCHANGE_RATE``, the reference
-    step as ``StudyAttr.REFERENCE``) once, before the search's first trial, so every trial's step time
-    is divided by the same ``reference_step_s`` (None: the first trial that gives one fixes it)."""
+    """Store the objective's exchange rate with the study (``StudyAttr.EXCHANGE_RATE``, the
+    reference step as ``StudyAttr.REFERENCE``) once, before the search's first trial, so every
+    trial's step time is divided by one ``reference_step_s`` (None: the first trial's fixes it)."""
     if reference_step_s is not None:
         study.set_user_attr(StudyAttr.REFERENCE, float(reference_step_s))
     study.set_user_attr(StudyAttr.EXCHANGE_RATE, {
@@ -192,10 +193,11 @@ def rate_fixed(user_attrs: Mapping[str, Any]) -> bool:
 
 def penalised(values: list[float], constraints: list[float], *, feasible: bool, weight_spread: float,
               weight_time: float, multi_objective: bool) -> list[float]:
-    """The objective values Optuna stores: an infeasible trial's are at least those of a trial with no
-    measurement (spread 1, step time ``INFEASIBLE_TIME`` x the reference) plus its violation. So no
-    infeasible trial beats a feasible one in a view that ranks by value alone (optuna-dashboard's best
-    trial and Pareto front), and a sampler that ignores constraints learns that less over is better."""
+    """The objective values Optuna stores: an infeasible trial's are at least those of a trial with
+    no measurement (spread 1, step time ``INFEASIBLE_TIME`` x the reference) plus its violation. So
+    no infeasible trial beats a feasible one in a view that ranks by value alone (optuna-dashboard's
+    best trial and Pareto front), and a sampler ignoring constraints learns that less over is
+    better."""
     if feasible:
         return list(values)
     violation = sum(max(0.0, float(c)) for c in constraints)
@@ -221,7 +223,7 @@ def figures_from_outcome(
     """A trial's figures from its ranks' reports."""
     reports = [outcome.reports.get(r) for r in range(world_size)]
     good = [rep if rep is not None and rep.status == Status.OK else None for rep in reports]
-    # an OOM rank's peak is a lower bound: kept for display and the memory model, not as a measurement
+    # an OOM rank's peak is a lower bound: for display and the memory model, not as a measurement
     mems = [(rep.memory if rep is not None else None) or RankMemory() for rep in reports]
     devs = [(rep.device if rep is not None else None) or RankDevice() for rep in reports]
     times = [(rep.timing if rep is not None else None) or RankTiming() for rep in reports]
@@ -248,9 +250,8 @@ def figures_from_outcome(
     gb = ((first.config if first is not None else None) or {}).get("global_batch")
     if first is not None and first.samples_per_step:
         gb = first.samples_per_step  # partial steps count the samples they really used
-    param_bytes = max((int(b) for r in outcome.reports.values()
-                       for b in [(r.model or {}).get("parameter_bytes")]
-                       if isinstance(b, int) and not isinstance(b, bool)), default=None)
+    sizes = [(r.model or {}).get("parameter_bytes") for r in outcome.reports.values()]
+    param_bytes = max((int(b) for b in sizes if is_int(b)), default=None)
     wrapped = [bool(opt.get("wrapped")) for opt in opts]
     return TrialFigures(
         status=outcome.status, peak_device=[_float(m.peak_device) for m in mems],
@@ -280,7 +281,7 @@ def compile_figures(reports: dict[int, RankReport]) -> dict[str, Any]:
     cache: dict[str, int] = {}
     for r in compiled:
         for key, value in ((r.compile or {}).get("cache") or {}).items():
-            if isinstance(value, int) and not isinstance(value, bool):
+            if is_int(value):
                 cache[key] = cache.get(key, 0) + value
     ranks = sorted(reports)
     return {

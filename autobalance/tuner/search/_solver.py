@@ -30,9 +30,9 @@ from autobalance._files import is_int
 from autobalance.tuner.search._constants import DEFAULT_RECOMPUTE_FRACTION
 from autobalance.tuner.search._memory_model import MemoryModel
 
-__all__ = ["DEFAULT_RECOMPUTE_FRACTION", "SplitPlan", "balanced_split", "balanced_split_for",
-           "choose_checkpointing", "neighbours", "optimizer_shares", "plans_from_model",
-           "predict_config_feasible", "predict_feasible"]
+__all__ = ["SplitPlan", "balanced_split", "balanced_split_for", "choose_checkpointing",
+           "neighbours", "optimizer_shares", "plans_from_model", "predict_config_feasible",
+           "predict_feasible"]
 
 
 @dataclass(kw_only=True)
@@ -119,7 +119,7 @@ def choose_checkpointing(
     criteria are best effort (it equalises peaks relative to the limits, the spread is in bytes).
     """
     world = _check_ranks(total=total, fixed=fixed, per_sample=per_sample, limits=limits)
-    _check_lengths(world, saved_per_sample=saved_per_sample, speeds=speeds)
+    _check_lengths(world, saved_per_sample=saved_per_sample)
     if any(not 0 <= s <= p for s, p in zip(saved_per_sample, per_sample, strict=True)):
         raise UsageError(f"saved_per_sample={saved_per_sample} is not within [0, per_sample] per "
                          "rank; checkpointing saves at most the per-sample bytes.")
@@ -131,13 +131,14 @@ def choose_checkpointing(
                          "e.g. 1/3.")
     if max_plans < 1:
         raise UsageError(f"max_plans={max_plans} must be >= 1; use e.g. 5.")
-    if speeds is not None and not all(math.isfinite(float(s)) and float(s) > 0 for s in speeds):
-        raise UsageError(f"speeds={list(speeds)} has an entry <= 0 or not finite; pass relative "
-                         "costs per sample, e.g. [1.0, 2.0].")
     counts = sorted(set(range(num_layers + 1) if checkpoint_counts is None else checkpoint_counts))
     if not counts or counts[0] < 0 or counts[-1] > num_layers:
         raise UsageError(f"checkpoint_counts={list(checkpoint_counts or [])} is empty or outside "
                          f"0..{num_layers}; list allowed counts.")
+    _check_lengths(world, speeds=speeds)
+    if speeds is not None and not all(math.isfinite(float(s)) and float(s) > 0 for s in speeds):
+        raise UsageError(f"speeds={list(speeds)} has an entry <= 0 or not finite; pass relative "
+                         "costs per sample, e.g. [1.0, 2.0].")
     space = _Space(total=total, fixed=np.asarray(fixed, dtype=float),
                    per_sample=np.asarray(per_sample, dtype=float),
                    saved=np.asarray(saved_per_sample, dtype=float),
@@ -308,9 +309,8 @@ def predict_feasible(
     num_layers: int, dtype: str, limits: Sequence[float], margin: float | None = None,
     optimizer_shares: Sequence[float] | None = None,
 ) -> tuple[bool, list[float]]:
-    """Predicted peak of each rank, and whether every ``peak * (1 + margin) <= limit``
-    (``margin`` defaults to ``model.safety_margin``; ``optimizer_shares``: ``zero1``'s, None:
-    unsharded)."""
+    """Predicted peak of each rank, and whether every ``peak * (1 + margin) <= limit`` (``margin``
+    None: ``model.safety_margin``; ``optimizer_shares`` None: unsharded)."""
     _check_lengths(model.world_size, micro_batches=micro_batches, checkpointed=checkpointed,
                    limits=limits)
     margin = _margin(model, margin)
@@ -346,8 +346,7 @@ def balanced_split_for(
     return balanced_split(
         total=total, fixed=[model.fixed_bytes(r, dtype) for r in range(world)],
         per_sample=[max(0.0, model.per_sample_bytes(r, dtype, c, num_layers))
-                    for r, c in enumerate(checkpointed)],
-        limits=scaled)
+                    for r, c in enumerate(checkpointed)], limits=scaled)
 
 
 def plans_from_model(
@@ -357,9 +356,8 @@ def plans_from_model(
     max_plans: int = 5, speeds: Sequence[float] | None = None,
     optimizer_shares: Sequence[float] | None = None,
 ) -> list[SplitPlan]:
-    """:func:`choose_checkpointing` with the model's terms for ``dtype`` under
-    ``limits / (1 + margin)``; ``optimizer_shares``: each rank keeps that share of the optimizer
-    state (``zero1``; None: all)."""
+    """:func:`choose_checkpointing` with the model's terms for ``dtype`` under ``limits / (1 +
+    margin)``, each rank keeping its ``optimizer_shares`` of the optimizer state (None: all)."""
     world = model.world_size
     shares = [None] * world if optimizer_shares is None else list(optimizer_shares)
     full = [max(0.0, model.per_sample_bytes(r, dtype, 0, num_layers)) for r in range(world)]

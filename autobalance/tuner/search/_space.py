@@ -37,7 +37,7 @@ from autobalance.tuner.search._constants import (
 if TYPE_CHECKING:
     from autobalance.tuner._settings import TuneSettings
 
-__all__ = ["BUDGET_RANGE", "KEEP_CHOICES", "OPTIMIZER_SHARE_RANGE", "SHARE_RANGE", "SearchSpace", "compile_key",
+__all__ = ["BUDGET_RANGE", "BUDGET_STEP", "REGIONAL_KEY", "SearchSpace", "compile_key",
            "config_compile_key", "normalised_shares", "space_problem"]
 
 
@@ -97,8 +97,8 @@ class SearchSpace:
     """With ``fixed_split``: the script's own micro-batch per rank (``None``, in studies from before
     it was kept: the even split of the global batch)."""
     kept_rank_samples: list[int] | None = None
-    """With ``fixed_split``: the script's own samples per rank per step when its micro-batches differ
-    within a rank; ``None``: equal micro-batches."""
+    """With ``fixed_split``: the script's own samples per rank per step when its micro-batches
+    differ within a rank; ``None``: equal micro-batches."""
     any_split: bool = False
     """The shares split the global batch itself, per rank in micro-steps that differ by at most one
     (a prime global batch still has many forms); False (studies from before): they split
@@ -111,8 +111,8 @@ class SearchSpace:
     ``plan.optimizer`` on more than one rank; ``["off"]``: no parameter."""
     param_shardings: list[str] = field(default_factory=lambda: ["off"])
     """``param_sharding`` values searched (FSDP2, ``_sharding``; with more than ``"off"``, sharded
-    trials also sample ``keep_gathered``: the groups that keep their gathered weights from forward to
-    backward)."""
+    trials also sample ``keep_gathered``: the groups that keep their gathered weights from forward
+    to backward)."""
 
     @classmethod
     def build(
@@ -137,8 +137,7 @@ class SearchSpace:
         return cls(**data)
 
     def keep_split(self, own: BalanceConfig) -> None:
-        """Keep ``own``'s split and accumulation (the script's own configuration): every trial of
-        this space has exactly its micro-batches per rank (see :attr:`fixed_split`)."""
+        """Keep ``own``'s (the script's) split and accumulation in every trial (``fixed_split``)."""
         self.fixed_split = True
         self.accumulations = [own.accumulation]
         self.kept_micro_batches = list(own.micro_batches)
@@ -152,7 +151,8 @@ class SearchSpace:
         return list(self.kept_micro_batches), (None if self.kept_rank_samples is None else list(self.kept_rank_samples))
 
     def distributions(self) -> dict[str, BaseDistribution]:
-        d: dict[str, BaseDistribution] = {"accumulation": CategoricalDistribution(self.accumulations)}
+        d: dict[str, BaseDistribution] = {
+            "accumulation": CategoricalDistribution(self.accumulations)}
         ranks = range(self.world_size)
         if self.world_size > 1 and not self.fixed_split:
             d.update({f"share_r{r}": FloatDistribution(*SHARE_RANGE) for r in ranks})
@@ -163,7 +163,8 @@ class SearchSpace:
         if self.num_layers > 0 and "off" in self.compile_modes:
             d.update({f"ckpt_r{r}": IntDistribution(0, self.num_layers) for r in ranks})
         if any(m != "off" for m in self.compile_modes):
-            d.update({f"budget_r{r}": FloatDistribution(*BUDGET_RANGE, step=BUDGET_STEP) for r in ranks})
+            d.update({f"budget_r{r}": FloatDistribution(*BUDGET_RANGE, step=BUDGET_STEP)
+                      for r in ranks})
         if "zero1" in self.shardings:
             d["optimizer_sharding"] = CategoricalDistribution(self.shardings)
             d.update({f"oshare_r{r}": FloatDistribution(*OPTIMIZER_SHARE_RANGE) for r in ranks})
