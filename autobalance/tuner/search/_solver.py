@@ -17,6 +17,7 @@ Without ``speeds`` (or all equal) ``speed_r = 1``: the same plans.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections.abc import Iterator, Sequence
@@ -268,13 +269,7 @@ def _sweep_plans(space: _Space, *, max_spread_bytes: float | None,
 
     if not feasible(len(levels) - 1):
         return []
-    first, hi = 0, len(levels) - 1  # binary search for the first feasible level
-    while first < hi:
-        mid = (first + hi) // 2
-        if feasible(mid):
-            hi = mid
-        else:
-            first = mid + 1
+    first = bisect.bisect_left(range(len(levels) - 1), True, key=feasible)  # monotone in the level
     plans: list[SplitPlan] = []
     met = max_spread_bytes is None
     for index in range(first, min(len(levels), first + max_levels * 16)):
@@ -407,13 +402,12 @@ def optimizer_shares(*, base: Sequence[float], state: float,
 def neighbours(micro: list[int]) -> list[list[int]]:
     """Splits one sample away from ``micro`` (memory-balanced is not always fastest)."""
     out = []
-    for a in range(len(micro)):
-        for b in range(len(micro)):
-            if a != b and micro[a] > 1:
-                moved = list(micro)
-                moved[a] -= 1
-                moved[b] += 1
-                out.append(moved)
+    for a, b in itertools.permutations(range(len(micro)), 2):
+        if micro[a] > 1:
+            moved = list(micro)
+            moved[a] -= 1
+            moved[b] += 1
+            out.append(moved)
     return out
 
 
