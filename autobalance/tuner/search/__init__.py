@@ -1,6 +1,5 @@
-"""The search: what the study looks for and how; one concern per module (``docs/architecture.md``
-names each). Nothing here launches a trial: the study's running side (``autobalance.tuner``)
-does."""
+"""The search: what the study looks for and how, one concern per module (``docs/architecture.md``
+names each). Nothing here launches a trial: ``autobalance.tuner`` does."""
 
 from __future__ import annotations
 

@@ -32,8 +32,7 @@ KEEP_AT_FULL_BUDGET = {True: 0.75, False: 1.0}
 whether the loss is inside the compiled model (``plan.wrap(loss=...)``). Measured on one H200
 (``benchmarks/2026-12-04-h200``, the GPT of ``studies/gpt-1gpu.toml``, 9.58 GiB held, 0.97 GiB per
 sample eager): loss inside 0.63-0.73 (whole 8 x 4, regional 8 x 4 and 16 x 2); loss outside 0.97-1.01
-(its full-precision logits stay outside the graph). Used only for the first compiled trial: after it,
-the compiled model's own fit."""
+(its full-precision logits stay outside the graph); used until the compiled model is fitted."""
 FIT_MARGIN = 0.03
 """The first compiled trial's predicted peak stays this fraction below the usable memory."""
 GROW_MIN_BUDGET = 0.5
@@ -315,8 +314,7 @@ OPTIMIZER_SHARE_RANGE = (0.0, 1.0)
 
 # ---------------------------------------------------------------------- markers and presentation (``_sharding``, ``_timing``, ``tuner/_reporter``)
 LEVELS = {"off": 0, "embeddings": 1, "blocks": 2}
-"""The order of the parameter shardings (more sharding, a higher level): what dominance compares, not a
-measurement."""
+"""The parameter shardings' order (more sharding, higher): what dominance compares."""
 DYNAMIC = 0
 """The micro-batch size of a graph compiled with a dynamic batch dimension."""
 REASON_CHARS = 160

@@ -340,12 +340,10 @@ class MemoryModel:
         return True
 
     def _fit(self, dtype: str) -> DtypeFit:
-        _check_dtype(dtype)
-        fit = self.fits.get(dtype)
-        if fit is None:
+        if not self.can_predict(dtype):
             raise UsageError(f"dtype={dtype!r} has no fitted memory model; measure at least one "
                              "successful trial first.")
-        return fit
+        return self.fits[dtype]
 
     def _query(self, rank: int, micro_batch: int, checkpointed: int, num_layers: int) -> np.ndarray:
         self._check_rank(rank)

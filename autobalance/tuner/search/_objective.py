@@ -250,7 +250,7 @@ def figures_from_outcome(
     gb = ((first.config if first is not None else None) or {}).get("global_batch")
     if first is not None and first.samples_per_step:
         gb = first.samples_per_step  # partial steps count the samples they really used
-    sizes = [(r.model or {}).get("parameter_bytes") for r in outcome.reports.values()]
+    sizes: list[Any] = [(r.model or {}).get("parameter_bytes") for r in outcome.reports.values()]
     param_bytes = max((int(b) for b in sizes if is_int(b)), default=None)
     wrapped = [bool(opt.get("wrapped")) for opt in opts]
     return TrialFigures(
@@ -283,9 +283,8 @@ def compile_figures(reports: dict[int, RankReport]) -> dict[str, Any]:
         for key, value in ((r.compile or {}).get("cache") or {}).items():
             if is_int(value):
                 cache[key] = cache.get(key, 0) + value
-    ranks = sorted(reports)
     return {
         "compile_s": round(max(times), 3) if times else None,
-        "activation_budget_used": [reports[r].activation_budget for r in ranks],
+        "activation_budget_used": [reports[r].activation_budget for r in sorted(reports)],
         "compile_cache": cache,
     }

@@ -245,8 +245,8 @@ def _exhaustive_plans(space: _Space) -> list[SplitPlan]:
 def _split_front(
     space: _Space, split: tuple[int, ...], options: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
 ) -> list[SplitPlan]:
-    grids = np.meshgrid(*[np.arange(valid.size) for valid, _, _ in options], indexing="ij")
-    flat = [g.ravel() for g in grids]
+    axes = [np.arange(valid.size) for valid, _, _ in options]
+    flat = [g.ravel() for g in np.meshgrid(*axes, indexing="ij")]
     peaks = np.stack([opt[1][i] for opt, i in zip(options, flat, strict=True)])
     costs = np.stack([opt[2][i] for opt, i in zip(options, flat, strict=True)])
     counts = np.stack([space.counts[opt[0][i]] for opt, i in zip(options, flat, strict=True)])

@@ -144,8 +144,7 @@ class SearchSpace:
         self.kept_rank_samples = None if own.rank_samples is None else list(own.rank_samples)
 
     def kept_split(self, accumulation: int) -> tuple[list[int], list[int] | None]:
-        """With :attr:`fixed_split`: the kept micro-batches per rank and samples per rank (``None``:
-        equal micro-batches) for ``accumulation`` micro-steps."""
+        """A fixed split's micro-batches and samples per rank (None: equal micro-batches)."""
         if self.kept_micro_batches is None:  # a study from before the split was recorded: the even one
             return split_evenly(self.global_batch // accumulation, [1.0] * self.world_size), None
         return list(self.kept_micro_batches), (None if self.kept_rank_samples is None else list(self.kept_rank_samples))
