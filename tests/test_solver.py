@@ -320,15 +320,6 @@ def test_sweep_handles_many_ranks_quickly() -> None:
     assert best.step_cost < 1.2
 
 
-def test_plan_to_config() -> None:
-    plan = gpt_like(30)[0]
-    config = plan.to_config(dtype="bf16", accumulation=2)
-    assert isinstance(config, BalanceConfig)
-    assert config.global_batch == 64
-    assert [len(c) for c in config.checkpoint] == plan.checkpointed
-    config.validate_for(world_size=2, num_layers=24)
-
-
 def test_checkpointing_usage_errors() -> None:
     base = functools.partial(
         choose_checkpointing,

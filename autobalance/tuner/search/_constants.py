@@ -1,26 +1,11 @@
 """Every constant the search and the time budget decide by, each with the measurement it comes from.
 
-One home: the policy's phases, the advisor's pacing and vetoes, the compile and step-time priors,
-verification's price and the loop's stop rules read their numbers here (``tests/test_constants.py``
-fails on a numeric module constant elsewhere in ``autobalance/tuner``). The modules that use one
-re-export it under its old name, so ``from autobalance.tuner.search._timing import FROM_CACHE_SHARE``
-still works.
-
-Merged duplicates: the memory-model veto's margin is the models' default margin
-(``_memory_model.DEFAULT_SAFETY_MARGIN``, 0.05; the advisor's ``VETO_MARGIN`` was a copy), and
-``raise-budget`` steps the budget by the space's grid (``_space.BUDGET_STEP``, 0.05; the policy's
-``REFINE_STEP`` was a copy). The cached-compile prior is one number, :data:`FROM_CACHE_SHARE` (0.4):
-``compile_times`` priced a compile from the cache at 0.1 x a cold one before the study measured a hit,
-verification's forecast at 0.4 x; every H200 measurement of a compile from the study's cache in a new
-process is 0.18-0.40 of the cold one (below), none near 0.1, so the forecast's measured 0.40 is the
-prior of both. (``compile_times``'s cache-hit figure is not read by any decision, so the replay decides
-as before.)
-
-The memory models', the objective's and the search space's constants live here too (their modules
-import them under their old names); outside this module ``tests/test_constants.py`` allows only unit
-conversions (the settings' duration and byte units; ``GIB`` is the protocol's, ``protocol._units``) and
-the table of the memory the GPUs ``--memory-cap`` names report (``_settings`` is read by ``--help``
-without importing the search).
+``tests/test_constants.py`` fails on a numeric module constant elsewhere in ``autobalance/tuner``
+(unit conversions and the ``--memory-cap`` GPU table of ``_settings`` aside). The modules that use
+one re-export it under its old name (``from autobalance.tuner.search._timing import
+FROM_CACHE_SHARE`` still works). One number per rule: the memory-model veto's margin is
+:data:`DEFAULT_SAFETY_MARGIN`, ``raise-budget`` steps by :data:`BUDGET_STEP`, and both the cached
+compile's prior and verification's forecast use :data:`FROM_CACHE_SHARE`.
 """
 
 from __future__ import annotations
@@ -47,18 +32,18 @@ KEEP_AT_FULL_BUDGET = {True: 0.75, False: 1.0}
 whether the loss is inside the compiled model (``plan.wrap(loss=...)``). Measured on one H200
 (``benchmarks/2026-12-04-h200``, the GPT of ``studies/gpt-1gpu.toml``, 9.58 GiB held, 0.97 GiB per
 sample eager): loss inside 0.63-0.73 (whole 8 x 4, regional 8 x 4 and 16 x 2); loss outside 0.97-1.01
-(its full-precision logits stay outside the graph). Used only for the first compiled trial: after it,
-the compiled model's own fit."""
+(its full-precision logits stay outside the graph); used until the compiled model is fitted."""
 FIT_MARGIN = 0.03
 """The first compiled trial's predicted peak stays this fraction below the usable memory."""
 GROW_MIN_BUDGET = 0.5
-"""``compiled-grow`` takes one micro-step fewer only while the budget predicted to fit stays at or above
-this: on one H200 (``benchmarks/2026-12-04-h200``) a micro-step costs ~30 ms of launches whatever its
-size, so a larger micro-batch at budget 0.5 or more beat the smaller one at 1.0 (regional 16 x 2 at 0.5:
-128.9 ms, 8 x 4 at 1.0: 140.3 ms), and at 0.3 it no longer did (139.0 ms). Below it, ``grow-probe`` measures the split instead of trusting a
-time the models extrapolate (recomputation's cost per unit of budget ranged 0.1-0.7 of a step on the H200
-grids: regional 16 x 2 inside 122.6 ms at 1.0, 139.0 at 0.3; regional 8 x 4 outside 138.3 at 1.0, 185.8
-at 0.5), after the scope probe, where fewer micro-steps measured faster and could win."""
+"""``compiled-grow`` takes one micro-step fewer only while the budget predicted to fit stays at or
+above this: on one H200 (``benchmarks/2026-12-04-h200``) a micro-step costs ~30 ms of launches
+whatever its size, so a larger micro-batch at budget 0.5 or more beat the smaller one at 1.0
+(regional 16 x 2 at 0.5: 128.9 ms, 8 x 4 at 1.0: 140.3 ms), at 0.3 no longer (139.0 ms). Below it,
+``grow-probe`` measures the split rather than trust an extrapolated time (recomputation's cost per
+unit of budget ranged 0.1-0.7 of a step: regional 16 x 2 inside 122.6 ms at 1.0, 139.0 at 0.3;
+regional 8 x 4 outside 138.3 at 1.0, 185.8 at 0.5), after the scope probe, where fewer micro-steps
+measured faster and could win."""
 SCOPE_TRANSFERS = 2
 """``scope-probe`` runs the fastest this many measured compiled splits in the other scope (the scopes'
 optima differ: on the H200, regional 11,11,10 was its best split and whole 8 x 4 the grid's)."""
@@ -66,30 +51,28 @@ SAME_WITHIN = 0.03
 """Two measured step times this close (relative to the faster) are one within the noise: on one H200
 single steps of one configuration ranged about +-15 % (143-194 ms, regional 8 x 4), so two
 configurations 3 % apart are not separated by a median of 8-12 steps. A compiled split of two
-micro-step sizes (the runtime compiles it with a dynamic batch dimension: 5,5,5,5,4,4,4 ran 255-275 ms
-where 8 x 4 ran 159 ms) is proposed again only when one measured within this of the best."""
+micro-step sizes (compiled with a dynamic batch dimension: 5,5,5,5,4,4,4 ran 255-275 ms where 8 x 4
+ran 159 ms) is proposed again only when one measured within this of the best."""
 RAISE_CHANGE_MARGIN = 1.0
 """``raise-budget`` keeps a trial's measured peak plus the compiled model's predicted change counted
-``1 + this`` times within the usable memory (the measured part is known; the prediction is what errs):
-on the H200, regional 8 x 4 with the loss outside peaked 14.23 GiB at 0.5, 15.21 at 0.7 and 15.21 at 0.85,
-so a line through two budgets errs by up to the whole change. It replaced :data:`FIT_MARGIN` of the
-usable memory there, which kept a study whose measured peak was already within 3 % of the usable memory
-from ever raising (the second machine of ``benchmarks/replay_search.py``: 8 x 4 at 0.65, 27.7 of 28.5 GiB,
-never tried 0.85, 17 % faster at 27.96). Where the doubled change leaves no room, ``raise-budget`` takes one
-measured step of the budget grid above the highest budget measured at that split, by the change per step
-that split's own budgets measured (with one budget measured there, the model's change counted once); a
-trial over the usable memory caps the split's budget: the second machine's peaks at 0.7 and 0.85 are
-equal (regional 8 x 4; recorded on the H200 for that family too, 28.40 GiB at both), which a line through
-budgets measured at other splits does not show until trials at that split measure it."""
+``1 + this`` times within the usable memory (the measured part is known; the prediction is what
+errs): on the H200, regional 8 x 4 with the loss outside peaked 14.23 GiB at 0.5, 15.21 at 0.7 and
+15.21 at 0.85, so a line through two budgets errs by up to the whole change (a margin of the usable
+memory instead never raised a peak already within 3 % of it: the replay's second machine, 8 x 4 at
+0.65, 27.7 of 28.5 GiB, 17 % faster at 0.85 and 27.96). Where the doubled change leaves no room, it
+takes one step of the budget grid above the split's highest measured budget, by the change per step
+that split's own budgets measured (one budget measured: the model's change counted once); a trial
+over the usable memory caps the split's budget (the second machine's peaks at 0.7 and 0.85 are
+equal, regional 8 x 4; the H200 too, 28.40 GiB at both: a line through other splits' budgets does
+not show it)."""
 TRANSFER_WITHIN = 1.15
 """``scope-probe`` runs a measured split in the other scope only while it is within this of the fastest
-(one configuration's single steps ranged +-15 % on the H200): a slow split's compile in the other scope
-(regional 4 x 8 at 1.0, 339 ms against 8 x 4's 182 in the replay) does not pay for itself."""
+(the single-step noise of :data:`SAME_WITHIN`): a slow split's compile in the other scope (regional
+4 x 8 at 1.0, 339 ms against 8 x 4's 182 in the replay) does not pay for itself."""
 BUDGET_CEILING = 1.0
-"""``raise-budget`` proposes budgets up to this (the partitioner's default: it keeps what eager keeps),
-in steps of the space's budget grid (``_space.BUDGET_STEP``). No phase lowers a budget: at one rank a
-lower budget at the same split only recomputes more (the former ``refine`` phase did, and in the replay
-its trials were kept only when noise favoured them)."""
+"""``raise-budget`` proposes budgets up to this (the partitioner's default: it keeps what eager
+keeps), in steps of :data:`BUDGET_STEP`. No phase lowers a budget: at one rank a lower budget at the
+same split only recomputes more (in the replay such trials won only when noise favoured them)."""
 LOW_BUDGET = 0.3
 """Budgets below this are proposed only where a higher one was measured at the same micro-batch and
 scope: memory is not monotone in low budgets (pytorch/pytorch#197838; on the H200 whole-model 8 x 4
@@ -162,11 +145,10 @@ REGIONAL_COMPILE_SHARE = (0.22, 0.30)
 """A regional compile's time as a share of the whole-model compile of the same configuration (low,
 high): one H200, the ~270M GPT, the product's runtime, 0.22-0.30 at equal points
 (``benchmarks/2026-12-04-h200``). A scope the study has not compiled is priced from the other one
-at the end of the range that makes it dearer: a whole-model compile as the regional one / 0.22, a
-regional one as the whole-model one x 0.30."""
+at the end of the range that makes it dearer (whole = regional / 0.22, regional = whole x 0.30)."""
 FROM_CACHE_SHARE = 0.4
 """A compile from the study's Inductor cache in a new process, as a share of what the same graphs took
-cold, where the study measured no cache hit (both ``compile_times``'s prior and verification's
+cold, where the study measured no cache hit (``compile_times``'s prior and verification's
 forecast). One H200: ``h200c`` trial 4 compiled cold in 36.9 s; its verification's ``tuned`` run, from
 the study's cache, took 21.5 s with its read: less 1.0 s start-up and hand-over, 5.4 s of tensors and
 0.45 s of steps, 14.7 s (0.40); ``benchmarks/2026-12-03-h200b/compile_probe.json``: 8 x 4 default 28.2 s
@@ -219,11 +201,9 @@ EMBEDDING_SHARE = 0.1
 holds (``model.embedding_bytes``), with their gradients and AdamW's two moments (4x their bytes), are
 at least this share of a rank's usable memory: what every DDP rank replicates of them is then worth
 sharding (Llama-3's 128k x 4096 embedding and head: 16.8 GB of an 80 GB card)."""
-
 FIXED_SHARE = 0.5
 """A sharding is proposed when nothing unsharded fits and a rank's fixed part (parameters, gradients
 and optimizer state, unsharded) is at least this share of its usable memory."""
-
 FIT_FRACTION = 0.85
 """The least sharding proposed is the first whose predicted fixed part is below this share of the
 tightest rank's usable memory (the rest is left to activations); else the most."""
@@ -239,22 +219,22 @@ two configurations 3 % apart were not separable by a median of 8-12 steps). Acro
 configuration measured 177-239 ms, so the run-to-run drift is no smaller than this."""
 LEADER_MEDIAN_SE = 0.93
 """A median's standard error over ``n`` steps is about this times the steps' IQR / sqrt(n) (a normal
-sample: the median's standard error is 1.2533 sigma / sqrt(n), and the IQR is 1.349 sigma). With each
-trial's own IQR and step count this gives its figure's noise; the floor above applies when it is less."""
+sample: the median's standard error is 1.2533 sigma / sqrt(n), and the IQR is 1.349 sigma); at least
+:data:`LEADER_NOISE_FLOOR`."""
 LEADER_NOISE_SIGMAS = 2.0
 """A leader is within the measured noise of the best when their step times differ by less than this
-many standard errors of the difference (each trial's own, :data:`LEADER_MEDIAN_SE`; at least
-:data:`LEADER_NOISE_FLOOR`): at 2, a difference the noise alone would produce 95 % of the time."""
+many standard errors of the difference (:data:`LEADER_MEDIAN_SE`): at 2, a difference the noise
+alone would produce 95 % of the time."""
 LEADERS_MAX = 3
 """At most this many leaders (the best and those within its noise) are re-measured before saving:
 each costs its runs' time (per run a trial's start-up, its compile from the study's cache and its
 steps), so 3 leaders at 2 runs is already 6 runs; 2 is the least that decides anything."""
 LEADER_RUNS = (3, 2, 1)
-"""More runs of each leader, interleaved (A, B, A, B, ...), the most first, each leader's steps pooled
-with its own: with 3 more runs no single run's drift (177-239 ms for one configuration across a warm
-H200 study) decides; 1 is the least that measures the leaders again side by side in the same worker
-state. The most runs (then leaders) the time left holds, verification's reserve kept, are made; none
-when it holds not one more run of the first two, and the time budget keeps that least plan free."""
+"""More runs of each leader, interleaved (A, B, A, B, ...), the most first, each leader's steps
+pooled with its own: with 3 more runs no single run's drift (:data:`LEADER_NOISE_FLOOR`) decides; 1
+is the least that measures the leaders again side by side in the same worker state. The most runs
+(then leaders) the time left holds, verification's reserve kept, are made; none when it holds not
+one more run of the first two, and the time budget keeps that least plan free."""
 
 # ---------------------------------------------------------------------- compiled step-time priors (``_timing.CompiledTimeModel``)
 MICRO_STEP_PRIOR: dict[str, float] = {"reduce-overhead": 0.18}
@@ -275,23 +255,20 @@ eager one): 0 .. 2 in steps of 0.05 (the H200's CUDA graphs measured 0.18)."""
 
 # ---------------------------------------------------------------------- the memory model (``_memory_model``)
 ACTIVATION_BYTES_SCALE: dict[str, float] = {"fp32": 1.0, "bf16": 0.5, "fp16": 0.5}
-"""Prior: per-sample activation bytes of each dtype relative to fp32 (autocast halves them).
-
-A dtype without enough trials of its own borrows the per-sample terms of the best-measured dtype
-scaled by the ratio of these factors, and that dtype's fixed part unchanged (autocast keeps fp32
-parameters, gradients and optimizer state)."""
+"""Prior: per-sample activation bytes of each dtype relative to fp32 (autocast halves them). A dtype
+without enough trials of its own borrows the best-measured dtype's per-sample terms scaled by their
+ratio, and its fixed part unchanged (autocast keeps fp32 parameters, gradients and optimizer
+state)."""
 PRIOR_CHECKPOINT_SAVING = 0.7
-"""Prior: fraction of the per-sample activations saved when every block is checkpointed.
-
-Used only while no measured dtype has seen checkpointing vary (embeddings, logits and block
-inputs are not freed by checkpointing, hence below 1)."""
+"""Prior: the share of the per-sample activations saved with every block checkpointed, while no
+measured dtype has seen checkpointing vary (embeddings, logits and block inputs stay: below 1)."""
 DEFAULT_SAFETY_MARGIN = 0.05
 """Initial relative margin: a prediction is trusted as feasible if ``peak * (1 + margin) <= limit``."""
 MAX_MARGIN = 0.5
 """The margin never widens beyond this."""
 WIDEN_FACTOR = 1.5
 """On an under-prediction by ``e`` (relative) beyond the margin, the margin becomes ``WIDEN_FACTOR * e``
-(the eager and the compiled memory models; one constant, so no default can drift from another)."""
+(the eager and the compiled memory models)."""
 CLAMP_TOLERANCE = 0.01
 """A fitted line this far (relative) under the floor is still taken as possible: the floor is the least
 held part ever measured on the rank, and a fit through those same points may pass just under it."""
@@ -337,11 +314,8 @@ OPTIMIZER_SHARE_RANGE = (0.0, 1.0)
 
 # ---------------------------------------------------------------------- markers and presentation (``_sharding``, ``_timing``, ``tuner/_reporter``)
 LEVELS = {"off": 0, "embeddings": 1, "blocks": 2}
-"""The order of the parameter shardings (more sharding, a higher level): what dominance compares, not a
-measurement."""
-
+"""The parameter shardings' order (more sharding, higher): what dominance compares."""
 DYNAMIC = 0
 """The micro-batch size of a graph compiled with a dynamic batch dimension."""
-
 REASON_CHARS = 160
 """A trial's reason on its console line is cut near this many characters (at a word boundary)."""

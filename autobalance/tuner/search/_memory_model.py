@@ -5,45 +5,34 @@ For one dtype the peak of rank ``r`` is modelled as::
     peak_r = fixed_r + micro_batch * (act_full - act_saved * checkpointed / num_layers)
 
 ``fixed_r`` holds what does not scale with the batch (parameters, gradients, optimizer state,
-DDP buckets and any rank-0-only extras, which is why it is per rank); ``act_full`` is the
-activation memory of one sample without checkpointing and ``act_saved`` what checkpointing all
-``num_layers`` blocks saves per sample. The features ``[one-hot(rank), mb, -mb*c/L]`` are linear,
-so each dtype is fitted by least squares on its successful trials.
-
-When a dtype's own trials do not determine every parameter (too few points, every trial at the
-same micro-batch, never checkpointed, ...), the fit is the least-squares solution that is closest
-to a prior (see :data:`ACTIVATION_BYTES_SCALE` and :data:`PRIOR_CHECKPOINT_SAVING`): the data
-decides every direction it can, the prior only fills the directions the data cannot see, and
-predictions that depend on those directions are reported as low-confidence
-(:meth:`MemoryModel.is_confident`).
-
-Trials that ran out of memory (``ok=False``) are never fitted as equalities: their peak is only a
-lower bound. They feed the safety margin instead (:meth:`MemoryModel.correct`).
+DDP buckets, rank-0-only extras: hence per rank); ``act_full`` is one sample's activations without
+checkpointing and ``act_saved`` what checkpointing all ``num_layers`` blocks saves per sample. The
+features ``[one-hot(rank), mb, -mb*c/L]`` are linear: each dtype is fitted by least squares on its
+successful trials. Where they do not determine every parameter (too few points, one micro-batch,
+never checkpointed, ...), the fit is the least-squares solution closest to a prior
+(:data:`ACTIVATION_BYTES_SCALE`, :data:`PRIOR_CHECKPOINT_SAVING`): the prior only fills the
+directions the data cannot see, and predictions that depend on them are low-confidence
+(:meth:`MemoryModel.is_confident`). Out-of-memory trials (``ok=False``) are only lower bounds: they
+feed the safety margin (:meth:`MemoryModel.correct`), never the fit.
 
 Optimizer state (uneven ZeRO-1, issue 34). When every successful observation carries the rank's
-measured optimizer-state bytes ``o_r`` (``RankReport.optimizer.state_bytes``) and the whole state
-of its trial ``S_t`` (the sum over its ranks), the state is taken out of the fit and put back as a
-known term::
+measured optimizer-state bytes ``o_r`` and its trial's whole state ``S_t``, the state is taken out
+of the fit and put back as a known term::
 
     peak_r = fixed_r + o_r + micro_batch * (act_full - act_saved * checkpointed / num_layers)
     o_r    = S * q_r   with ``zero1`` shares q_r (sum 1),   o_r = S   unsharded
     S      = median over the observations of S_t
 
-so ``fixed_r`` is then what stays on rank ``r`` whatever the sharding (parameters, gradients, DDP
-buckets, rank-0 extras) and :meth:`MemoryModel.predict` takes ``optimizer_share`` (None: unsharded).
-``q_r`` is the share asked for; the partition by whole parameters lands within one parameter of it.
-Without those figures (reports from before, or a script that never steps through the plan)
+``fixed_r`` is then what stays on rank ``r`` whatever the sharding. Without those figures
 ``optimizer_total`` is None, the state stays inside ``fixed_r`` and a share cannot be predicted.
 
-The floor. A rank never holds less than what it keeps apart from activations (parameters,
-gradients, optimizer state, the script's extras): the least held part measured on that rank
-(``held`` observations, :attr:`MemoryObservation.held`), else the model's parameter bytes
-(:attr:`MemoryObservation.parameter_bytes`), plus its optimizer state. A least-squares line fitted
-through few points can cross it (a negative per-sample slope, a fixed part fitted below zero), so
+The floor. A rank never holds less than what it keeps apart from activations: the least held part
+measured on it (:attr:`MemoryObservation.held`), else the parameter bytes, plus its optimizer
+state. A line fitted through few points can cross it (a negative slope, a fixed part below zero):
 :meth:`MemoryModel.predict` never returns less than :meth:`MemoryModel.floor_bytes`, and
-:meth:`MemoryModel.clamped` says when it had to: such a prediction is impossible and the search
-proposes nothing from it. :meth:`MemoryModel.extrapolated` says when a prediction leaves what the
-data determines (the prior filled a direction, or the micro-batch lies outside the measured ones).
+:meth:`MemoryModel.clamped` says when it had to (the search proposes nothing from such a
+prediction). :meth:`MemoryModel.extrapolated` says when a prediction leaves what the data
+determines.
 """
 
 from __future__ import annotations
@@ -57,6 +46,7 @@ import numpy as np
 
 from autobalance._config import DTYPES, BalanceConfig
 from autobalance._errors import UsageError
+from autobalance._files import is_int, is_number
 from autobalance.tuner.search._constants import (
     ACTIVATION_BYTES_SCALE,
     CLAMP_TOLERANCE,
@@ -68,103 +58,63 @@ from autobalance.tuner.search._constants import (
 from autobalance.tuner.search._constants import CONFIDENT_TOL as _CONFIDENT_TOL
 from autobalance.tuner.search._constants import RANK_TOL as _RANK_TOL
 
-__all__ = ["ACTIVATION_BYTES_SCALE", "CLAMP_TOLERANCE", "DEFAULT_SAFETY_MARGIN", "MAX_MARGIN",
-           "PRIOR_CHECKPOINT_SAVING", "WIDEN_FACTOR", "DtypeFit", "MemoryModel", "MemoryObservation"]
+__all__ = ["CLAMP_TOLERANCE", "DEFAULT_SAFETY_MARGIN", "MAX_MARGIN", "WIDEN_FACTOR", "MemoryModel",
+           "MemoryObservation"]
 
 
 @dataclass(kw_only=True)
 class MemoryObservation:
-    """One rank's measured peak in one trial."""
+    """One rank's measured peak in one trial: its global rank, micro-batch, checkpointed blocks of
+    the model's ``num_layers`` and the trial's autocast dtype (one of ``DTYPES``)."""
 
     rank: int
-    """Global rank the peak was measured on."""
     micro_batch: int
-    """That rank's micro-batch size in the trial."""
     checkpointed: int
-    """Number of activation-checkpointed blocks on that rank."""
     num_layers: int
-    """Number of checkpointable blocks in the model."""
     dtype: str
-    """Autocast dtype of the trial (one of ``DTYPES``)."""
     peak_bytes: float
-    """Measured peak in bytes; for an out-of-memory trial, a lower bound of the true peak."""
+    """Measured peak in bytes; for an out-of-memory trial (``ok`` False), a lower bound."""
     ok: bool = True
-    """False when the trial ran out of memory (then ``peak_bytes`` is only a lower bound)."""
     optimizer_bytes: float | None = None
     """This rank's measured optimizer-state bytes in the trial (None: not measured)."""
     optimizer_total: float | None = None
     """The trial's whole optimizer state, all ranks together (None: not measured)."""
     held: bool = False
-    """An observation of what the rank holds apart from activations (``micro_batch`` 0: the fixed part
-    measured directly, ``TrialAttr.HELD_GIB``)."""
+    """What the rank holds apart from activations, measured directly (``micro_batch`` 0)."""
     parameter_bytes: float | None = None
-    """The model's parameter bytes as the trial reported them (``TrialAttr.PARAMETER_BYTES``; None: not
-    reported): every rank holds at least these (a floor of the predictions)."""
+    """The model's parameter bytes (``TrialAttr.PARAMETER_BYTES``; None: not reported): a floor."""
 
     def __post_init__(self) -> None:
         for name in ("rank", "micro_batch", "checkpointed", "num_layers"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise UsageError(
-                    f"MemoryObservation {name}={value!r} is not an integer; pass an int."
-                )
+            if not is_int(value):
+                raise UsageError(f"MemoryObservation {name}={value!r} is not an integer; pass one.")
         if self.rank < 0:
-            raise UsageError(
-                f"MemoryObservation rank={self.rank} is negative; use the global rank (>= 0)."
-            )
+            raise UsageError(f"MemoryObservation rank={self.rank} is negative; use the global one.")
         if self.micro_batch < 1 and not (self.held and self.micro_batch == 0 and self.ok):
             raise UsageError(
-                f"MemoryObservation micro_batch={self.micro_batch} is below 1; every rank trains >= 1 sample "
-                "(0 only with held=True: the memory a measured rank holds apart from activations)."
-            )
-        if self.num_layers < 1:
-            raise UsageError(
-                f"MemoryObservation num_layers={self.num_layers} is below 1; pass the model's block count."
-            )
-        if not 0 <= self.checkpointed <= self.num_layers:
-            raise UsageError(
-                f"MemoryObservation checkpointed={self.checkpointed} is outside 0..{self.num_layers}; "
-                "count the checkpointed blocks of that rank."
-            )
+                f"MemoryObservation micro_batch={self.micro_batch} is below 1; every rank trains "
+                ">= 1 sample (0 only with held=True: what a rank holds apart from activations).")
+        _check_checkpointed(self.checkpointed, self.num_layers)
         _check_dtype(self.dtype)
-        if isinstance(self.peak_bytes, bool) or not isinstance(self.peak_bytes, (int, float)):
-            raise UsageError(
-                f"MemoryObservation peak_bytes={self.peak_bytes!r} is not a number; pass bytes."
-            )
+        if not is_number(self.peak_bytes):
+            raise UsageError(f"MemoryObservation peak_bytes={self.peak_bytes!r} is not a number.")
         self.peak_bytes = float(self.peak_bytes)
-        if (
-            not math.isfinite(self.peak_bytes)
-            or self.peak_bytes < 0
-            or (self.ok and self.peak_bytes == 0)
-        ):
-            raise UsageError(
-                f"MemoryObservation peak_bytes={self.peak_bytes} is not a positive finite byte count; "
-                "pass the measured peak."
-            )
-
-    def features(self, world_size: int) -> np.ndarray:
-        """The linear features ``[one-hot(rank), mb, -mb * checkpointed / num_layers]``."""
-        return _features(
-            world_size=world_size,
-            rank=self.rank,
-            micro_batch=self.micro_batch,
-            checkpointed=self.checkpointed,
-            num_layers=self.num_layers,
-        )
+        peak = self.peak_bytes
+        if not math.isfinite(peak) or peak < 0 or (self.ok and peak == 0):
+            raise UsageError(f"MemoryObservation peak_bytes={peak} is not a positive finite byte "
+                             "count; pass the measured peak.")
 
 
 @dataclass(kw_only=True, eq=False)
 class DtypeFit:
-    """The fitted parameters of one dtype."""
+    """The fitted parameters of one dtype (the module docstring's ``fixed_r``, ``act_full``,
+    ``act_saved``)."""
 
     dtype: str
-    """The dtype these parameters belong to."""
     fixed: list[float]
-    """Per rank, the bytes that do not scale with the micro-batch."""
     act_full: float
-    """Activation bytes of one sample with no block checkpointed."""
     act_saved: float
-    """Bytes per sample saved when all blocks are checkpointed (linear in the checkpointed fraction)."""
     n_observations: int
     """Successful trials-ranks of this dtype the fit used."""
     identified: bool
@@ -174,10 +124,9 @@ class DtypeFit:
     scale: np.ndarray = field(repr=False)
     """Column scales: parameter ``j`` times ``scale[j]`` is its typical contribution in bytes."""
     unseen: np.ndarray = field(repr=False)
-    """Orthonormal basis (columns, scaled coordinates) of the directions the data did not determine."""
+    """Orthonormal basis (columns, scaled coordinates) of the directions the data did not fix."""
     micro_range: tuple[int, int] | None = None
-    """The smallest and largest micro-batch of this dtype's own observations (held ones count as 0);
-    None: none of its own (borrowed from another dtype)."""
+    """The least and largest micro-batch of this dtype's own observations (None: none, borrowed)."""
 
     @property
     def theta(self) -> np.ndarray:
@@ -186,117 +135,72 @@ class DtypeFit:
 
 @dataclass(kw_only=True)
 class MemoryModel:
-    """Per-rank, per-dtype linear peak-memory model with a self-correcting safety margin.
-
-    Typical use in a tuner: after each trial, call :meth:`correct` on the *previous* model for each
-    new observation (so a wrong prediction widens the margin), then refit with
-    ``MemoryModel.fit(all_observations, world_size=W, safety_margin=old.safety_margin)``.
-    """
+    """Per-rank, per-dtype linear peak-memory model with a self-correcting safety margin: after a
+    trial, :meth:`correct` the previous model with each new observation, then :meth:`refit`."""
 
     world_size: int
-    """Number of ranks of the job."""
     safety_margin: float = DEFAULT_SAFETY_MARGIN
-    """Relative margin: a prediction counts as feasible if ``peak * (1 + safety_margin) <= limit``."""
+    """A prediction counts as feasible if ``peak * (1 + safety_margin) <= limit``."""
     max_margin: float = MAX_MARGIN
-    """The margin never widens beyond this."""
-    widen_factor: float = WIDEN_FACTOR
-    """On an under-prediction by ``e`` (relative) beyond the margin, the margin becomes ``widen_factor * e``."""
     corrections: int = 0
     """How many times the margin was widened."""
     fits: dict[str, DtypeFit] = field(default_factory=dict)
     """Fitted parameters per dtype (dtypes without any usable data or prior are absent)."""
     optimizer_total: float | None = None
-    """``S``, the whole optimizer state in bytes, learned from the trials (see the module docstring);
-    None: not measured, the state is part of each rank's fixed bytes."""
+    """``S``, the whole optimizer state in bytes (module docstring); None: in the fixed bytes."""
     held_floor: list[float] = field(default_factory=list)
-    """Per rank, the least it holds apart from activations, optimizer state aside when ``S`` is
-    known (the module docstring's floor); empty: nothing known, the floor is zero."""
+    """Per rank, the floor apart from the optimizer state (module docstring); empty: zero."""
 
     def __post_init__(self) -> None:
-        if (
-            not isinstance(self.world_size, int)
-            or isinstance(self.world_size, bool)
-            or self.world_size < 1
-        ):
-            raise UsageError(
-                f"world_size={self.world_size!r} is not a positive integer; pass the rank count."
-            )
+        if not is_int(self.world_size) or self.world_size < 1:
+            raise UsageError(f"world_size={self.world_size!r} is not a positive integer; pass the "
+                             "rank count.")
         if not 0 <= self.safety_margin <= self.max_margin:
-            raise UsageError(
-                f"safety_margin={self.safety_margin} is outside [0, max_margin={self.max_margin}]; "
-                "use a small relative margin such as 0.05."
-            )
-        if self.widen_factor <= 1:
-            raise UsageError(f"widen_factor={self.widen_factor} is not above 1; use e.g. 1.5.")
-
-    # ----------------------------------------------------------------------------------- fitting
+            raise UsageError(f"safety_margin={self.safety_margin} is outside [0, max_margin="
+                             f"{self.max_margin}]; use a small relative margin such as 0.05.")
 
     @classmethod
-    def fit(
-        cls,
-        observations: Sequence[MemoryObservation],
-        *,
-        world_size: int,
-        safety_margin: float = DEFAULT_SAFETY_MARGIN,
-        max_margin: float = MAX_MARGIN,
-        widen_factor: float = WIDEN_FACTOR,
-    ) -> MemoryModel:
-        """Least-squares fit per dtype on the successful observations (prior-completed, see module doc).
-
-        Every observation, successful or not, that the fitted model under-predicts by more than the
-        margin then widens it (the rule of :meth:`correct`); exact data leaves it unchanged. An
-        observation of a dtype with no successful observation of its own (an fp32 baseline that ran
-        out of memory, predicted from bf16 through :data:`ACTIVATION_BYTES_SCALE`) does not: the prior
-        missed, not the fitted model.
-        """
-        model = cls(
-            world_size=world_size,
-            safety_margin=safety_margin,
-            max_margin=max_margin,
-            widen_factor=widen_factor,
-        )
+    def fit(cls, observations: Sequence[MemoryObservation], *, world_size: int,
+            safety_margin: float = DEFAULT_SAFETY_MARGIN) -> MemoryModel:
+        """Least-squares fit per dtype on the successful observations (prior-completed); then each
+        observation corrects the margin (:meth:`correct`), except one of a dtype with no successful
+        observation of its own (an fp32 baseline OOM predicted from bf16: the prior missed)."""
+        model = cls(world_size=world_size, safety_margin=safety_margin)
         for obs in observations:
             model._check_rank(obs.rank)
         measured = list(observations)  # the margin is checked against the peaks as measured
         ok = [o for o in observations if o.ok]
         if ok and all(o.optimizer_bytes is not None and o.optimizer_total is not None for o in ok):
             model.optimizer_total = float(np.median([float(o.optimizer_total or 0.0) for o in ok]))
-            observations = [_without_state(o) for o in observations]
-        model.held_floor = _held_floor(observations, world_size)
+            observations = [o if o.optimizer_bytes is None  # fitted without the measured state
+                            else replace(o, peak_bytes=max(1.0, o.peak_bytes - o.optimizer_bytes))
+                            for o in observations]
+        # the floor: per rank the least held part measured on it, at least the parameters (else 0)
+        params = max((float(o.parameter_bytes) for o in observations if o.parameter_bytes),
+                     default=0.0)
+        held = [o for o in observations if o.held and o.ok]
+        model.held_floor = [max(min((o.peak_bytes for o in held if o.rank == r), default=0.0),
+                                params) for r in range(world_size)]
         by_dtype = {d: [o for o in observations if o.ok and o.dtype == d] for d in DTYPES}
-        order = sorted(
-            (d for d in DTYPES if by_dtype[d]),
-            key=lambda d: (
-                -_data_rank(by_dtype[d], world_size),
-                -len(by_dtype[d]),
-                DTYPES.index(d),
-            ),
-        )
+        order = sorted((d for d in DTYPES if by_dtype[d]), key=lambda d: (
+            -_data_rank(by_dtype[d], world_size), -len(by_dtype[d]), DTYPES.index(d)))
         reference: DtypeFit | None = None
         for dtype in order:
-            fit = _fit_dtype(dtype, by_dtype[dtype], world_size=world_size, reference=reference)
-            model.fits[dtype] = fit
-            reference = reference or fit
+            model.fits[dtype] = _fit_dtype(dtype, by_dtype[dtype], world_size, reference)
+            reference = reference or model.fits[dtype]
         if reference is not None:
             for dtype in DTYPES:
                 if dtype not in model.fits:
-                    model.fits[dtype] = _fit_dtype(
-                        dtype, [], world_size=world_size, reference=reference
-                    )
+                    model.fits[dtype] = _fit_dtype(dtype, [], world_size, reference)
         for obs in measured:
-            if by_dtype[obs.dtype]:  # a dtype borrowed whole from another: its miss is the prior's, not the fit's
+            if by_dtype[obs.dtype]:  # a dtype borrowed whole from another: its miss is the prior's
                 model.correct(obs)
         return model
 
     def refit(self, observations: Sequence[MemoryObservation]) -> MemoryModel:
-        """:meth:`fit` on ``observations`` keeping this model's margin settings and correction count."""
-        model = MemoryModel.fit(
-            observations,
-            world_size=self.world_size,
-            safety_margin=self.safety_margin,
-            max_margin=self.max_margin,
-            widen_factor=self.widen_factor,
-        )
+        """:meth:`fit` on ``observations`` keeping this model's margin and correction count."""
+        model = MemoryModel.fit(observations, world_size=self.world_size,
+                                safety_margin=self.safety_margin)
         model.corrections += self.corrections
         return model
 
@@ -306,65 +210,58 @@ class MemoryModel:
         return self.optimizer_total is not None
 
     def optimizer_bytes(self, share: float | None) -> float:
-        """``S * share`` (``S`` unsharded, ``share`` None); 0 when ``S`` is unknown (it is in the fixed part)."""
+        """``S * share`` (``S`` unsharded, ``share`` None); 0: ``S`` unknown (in the fixed part)."""
         if self.optimizer_total is None:
             return 0.0
         return self.optimizer_total * (1.0 if share is None else share)
 
-    # -------------------------------------------------------------------------------- prediction
-
     def is_fitted_for(self, dtype: str) -> bool:
         """True when ``dtype``'s own successful trials determine every parameter (no prior used)."""
         _check_dtype(dtype)
-        fit = self.fits.get(dtype)
-        return fit is not None and fit.identified
+        return dtype in self.fits and self.fits[dtype].identified
 
     def can_predict(self, dtype: str) -> bool:
-        """True when :meth:`predict` works for ``dtype`` (own data or a prior from another dtype)."""
+        """True when :meth:`predict` works for ``dtype`` (own data or another dtype's as prior)."""
         _check_dtype(dtype)
         return dtype in self.fits
 
-    def predict(
-        self, *, rank: int, micro_batch: int, checkpointed: int, num_layers: int, dtype: str,
-        optimizer_share: float | None = None,
-    ) -> float:
-        """Predicted peak bytes of ``rank`` for that micro-batch, checkpoint count and dtype, keeping
-        ``optimizer_share`` of the optimizer state (None: all of it, unsharded); never below
-        :meth:`floor_bytes` (:meth:`clamped` says when the fitted line went below it)."""
+    def predict(self, *, rank: int, micro_batch: int, checkpointed: int, num_layers: int,
+                dtype: str, optimizer_share: float | None = None) -> float:
+        """Predicted peak bytes of ``rank``, keeping ``optimizer_share`` of the optimizer state
+        (None: all of it); never below :meth:`floor_bytes` (:meth:`clamped`: the line went
+        below)."""
         raw = self.fitted_line(rank=rank, micro_batch=micro_batch, checkpointed=checkpointed,
                                num_layers=num_layers, dtype=dtype, optimizer_share=optimizer_share)
         return max(raw, self.floor_bytes(rank, optimizer_share))
 
-    def fitted_line(
-        self, *, rank: int, micro_batch: int, checkpointed: int, num_layers: int, dtype: str,
-        optimizer_share: float | None = None,
-    ) -> float:
+    def fitted_line(self, *, rank: int, micro_batch: int, checkpointed: int, num_layers: int,
+                    dtype: str, optimizer_share: float | None = None) -> float:
         """The fitted line's value, unclamped (may fall below the floor, even below zero)."""
         fit = self._fit(dtype)
         x = self._query(rank, micro_batch, checkpointed, num_layers)
         return float(x @ fit.theta) + self.optimizer_bytes(optimizer_share)
 
     def floor_bytes(self, rank: int, optimizer_share: float | None = None) -> float:
-        """The least ``rank`` can hold: its measured held part (else the parameters), plus the state kept."""
+        """The least ``rank`` holds (:attr:`held_floor`) plus the optimizer state it keeps."""
         self._check_rank(rank)
         held = self.held_floor[rank] if rank < len(self.held_floor) else 0.0
         return held + self.optimizer_bytes(optimizer_share)
 
-    def clamped(
-        self, *, rank: int, micro_batch: int, checkpointed: int, num_layers: int, dtype: str,
-        optimizer_share: float | None = None,
-    ) -> bool:
-        """True when that prediction is impossible as fitted: the line falls below :meth:`floor_bytes`
-        (by more than :data:`CLAMP_TOLERANCE`) or to zero, or one more sample would take memory away (a negative per-sample term)."""
+    def clamped(self, *, rank: int, micro_batch: int, checkpointed: int, num_layers: int,
+                dtype: str, optimizer_share: float | None = None) -> bool:
+        """True when that prediction is impossible as fitted: the line falls to zero or below
+        :meth:`floor_bytes` (by more than :data:`CLAMP_TOLERANCE`), or the per-sample term is
+        negative."""
         raw = self.fitted_line(rank=rank, micro_batch=micro_batch, checkpointed=checkpointed,
                                num_layers=num_layers, dtype=dtype, optimizer_share=optimizer_share)
         if raw <= 0 or raw < self.floor_bytes(rank, optimizer_share) * (1.0 - CLAMP_TOLERANCE):
             return True
         return micro_batch > 0 and self.per_sample_bytes(rank, dtype, checkpointed, num_layers) < 0
 
-    def extrapolated(self, *, rank: int, micro_batch: int, checkpointed: int, num_layers: int, dtype: str) -> bool:
-        """True when that prediction goes beyond the data: it leans on the prior (:meth:`is_confident`
-        is False) or the micro-batch lies outside the range of the dtype's own measured ones."""
+    def extrapolated(self, *, rank: int, micro_batch: int, checkpointed: int, num_layers: int,
+                     dtype: str) -> bool:
+        """True when that prediction leans on the prior (not :meth:`is_confident`) or its
+        micro-batch lies outside the dtype's own measured ones."""
         fit = self._fit(dtype)
         if fit.micro_range is None or not fit.micro_range[0] <= micro_batch <= fit.micro_range[1]:
             return True
@@ -382,13 +279,13 @@ class MemoryModel:
 
     def _config_queries(self, config: BalanceConfig, num_layers: int) -> list[dict[str, Any]]:
         shares = config.sharding_shares()
-        return [dict(rank=r, micro_batch=m, checkpointed=len(config.checkpoint[r]), num_layers=num_layers,
-                     dtype=config.dtype, optimizer_share=None if shares is None else shares[r])
+        return [dict(rank=r, micro_batch=m, checkpointed=len(config.checkpoint[r]),
+                     num_layers=num_layers, dtype=config.dtype,
+                     optimizer_share=None if shares is None else shares[r])
                 for r, m in enumerate(config.micro_batches)]
 
-    def is_confident(
-        self, *, rank: int, micro_batch: int, checkpointed: int, num_layers: int, dtype: str
-    ) -> bool:
+    def is_confident(self, *, rank: int, micro_batch: int, checkpointed: int, num_layers: int,
+                     dtype: str) -> bool:
         """True when that prediction depends on measured data only, not on the prior."""
         fit = self._fit(dtype)
         xs = self._query(rank, micro_batch, checkpointed, num_layers) / fit.scale
@@ -404,95 +301,71 @@ class MemoryModel:
         return self._fit(dtype).fixed[rank] + self.optimizer_bytes(optimizer_share)
 
     def per_sample_bytes(self, rank: int, dtype: str, checkpointed: int, num_layers: int) -> float:
-        """Bytes one more sample adds to ``rank``'s peak with ``checkpointed`` of ``num_layers`` blocks
-        checkpointed (the same on every rank: the model is replicated)."""
+        """Bytes one more sample adds to ``rank``'s peak with ``checkpointed`` of ``num_layers``
+        blocks checkpointed (the same on every rank: the model is replicated)."""
         self._check_rank(rank)
         _check_checkpointed(checkpointed, num_layers)
         fit = self._fit(dtype)
         return fit.act_full - fit.act_saved * checkpointed / num_layers
 
     def holdout_error(self, observations: Sequence[MemoryObservation]) -> float:
-        """Mean relative error ``|predicted - measured| / measured`` over the successful observations
-        given (pass trials the model was not fitted on); out-of-memory ones are skipped."""
+        """Mean relative error ``|predicted - measured| / measured`` over the successful
+        observations given (trials the model was not fitted on); out-of-memory ones are skipped."""
         ok = [o for o in observations if o.ok]
         if not ok:
-            raise UsageError(
-                "holdout_error got no successful observation; pass measured trials that did not run out of memory."
-            )
-        errors = [abs(self._predict_obs(o) - o.peak_bytes) / o.peak_bytes for o in ok]
-        return float(np.mean(errors))
-
-    # -------------------------------------------------------------------------------- correction
+            raise UsageError("holdout_error got no successful observation; pass measured trials "
+                             "that did not run out of memory.")
+        return float(np.mean([abs(self._predict_obs(o) - o.peak_bytes) / o.peak_bytes for o in ok]))
 
     def correct(self, observation: MemoryObservation, *, limit: float | None = None) -> bool:
-        """Widen the safety margin when this observation shows an under-prediction beyond it
-        (:func:`widen_margin`); True if widened."""
-        return widen_margin(self, observation, limit=limit)
-
-    # ---------------------------------------------------------------------------------- helpers
+        """Widen the safety margin on an under-prediction beyond it; True if widened. With
+        ``e = measured / predicted - 1`` (an out-of-memory trial measured at least
+        ``max(peak_bytes, limit)``), ``e > safety_margin`` makes the margin
+        ``min(max_margin, WIDEN_FACTOR * e)``. Over-predictions change nothing (the next refit
+        fixes them); nor does a dtype the model cannot predict yet."""
+        self._check_rank(observation.rank)
+        if not self.can_predict(observation.dtype):
+            return False
+        predicted = self._predict_obs(observation)
+        measured = observation.peak_bytes
+        if not observation.ok and limit is not None:
+            measured = max(measured, float(limit))
+        if predicted <= 0:
+            return False
+        error = measured / predicted - 1.0
+        if error <= self.safety_margin or self.safety_margin >= self.max_margin:
+            return False
+        self.safety_margin = min(self.max_margin, WIDEN_FACTOR * error)
+        self.corrections += 1
+        return True
 
     def _fit(self, dtype: str) -> DtypeFit:
-        _check_dtype(dtype)
-        fit = self.fits.get(dtype)
-        if fit is None:
-            raise UsageError(
-                f"dtype={dtype!r} has no fitted memory model; measure at least one successful trial first."
-            )
-        return fit
+        if not self.can_predict(dtype):
+            raise UsageError(f"dtype={dtype!r} has no fitted memory model; measure at least one "
+                             "successful trial first.")
+        return self.fits[dtype]
 
     def _query(self, rank: int, micro_batch: int, checkpointed: int, num_layers: int) -> np.ndarray:
         self._check_rank(rank)
         if micro_batch < 0:
             raise UsageError(f"micro_batch={micro_batch} is negative; pass a sample count.")
         _check_checkpointed(checkpointed, num_layers)
-        return _features(
-            world_size=self.world_size,
-            rank=rank,
-            micro_batch=micro_batch,
-            checkpointed=checkpointed,
-            num_layers=num_layers,
-        )
+        return _features(self.world_size, rank, micro_batch, checkpointed, num_layers)
 
     def _predict_obs(self, obs: MemoryObservation) -> float:
-        base = self.predict(
-            rank=obs.rank,
-            micro_batch=obs.micro_batch,
-            checkpointed=obs.checkpointed,
-            num_layers=obs.num_layers,
-            dtype=obs.dtype,
-        ) - self.optimizer_bytes(None)
+        base = self.predict(rank=obs.rank, micro_batch=obs.micro_batch,
+                            checkpointed=obs.checkpointed, num_layers=obs.num_layers,
+                            dtype=obs.dtype) - self.optimizer_bytes(None)
         if self.optimizer_total is None:
             return base
         # the state this rank measured (an OOM before the first step measured none: the model's S)
-        return base + (obs.optimizer_bytes if obs.optimizer_bytes is not None else self.optimizer_total)
+        state = obs.optimizer_bytes
+        return base + (state if state is not None else self.optimizer_total)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
-            raise UsageError(
-                f"rank={rank} is outside 0..{self.world_size - 1}; the model was built for "
-                f"world_size={self.world_size}."
-            )
-
-
-# ------------------------------------------------------------------------------------ internals
-
-
-def _without_state(obs: MemoryObservation) -> MemoryObservation:
-    """``obs`` with its measured optimizer state taken out of the peak (fitted without it)."""
-    if obs.optimizer_bytes is None:
-        return obs
-    return replace(obs, peak_bytes=max(1.0, obs.peak_bytes - obs.optimizer_bytes))
-
-
-def _held_floor(observations: Sequence[MemoryObservation], world_size: int) -> list[float]:
-    """Per rank: the least held part measured on it (state aside when taken out), at least the
-    parameters; 0 where neither was measured."""
-    params = max((float(o.parameter_bytes) for o in observations if o.parameter_bytes), default=0.0)
-    floor = []
-    for rank in range(world_size):
-        held = [o.peak_bytes for o in observations if o.held and o.ok and o.rank == rank]
-        floor.append(max(min(held) if held else 0.0, params))
-    return floor
+            raise UsageError(f"rank={rank} is outside 0..{self.world_size - 1}; the model was "
+                             f"built for world_size={self.world_size}.")
 
 
 def _check_dtype(dtype: str) -> None:
@@ -504,14 +377,13 @@ def _check_checkpointed(checkpointed: int, num_layers: int) -> None:
     if num_layers < 1:
         raise UsageError(f"num_layers={num_layers} is below 1; pass the model's block count.")
     if not 0 <= checkpointed <= num_layers:
-        raise UsageError(
-            f"checkpointed={checkpointed} is outside 0..{num_layers}; count checkpointed blocks."
-        )
+        raise UsageError(f"checkpointed={checkpointed} is outside 0..{num_layers}; count "
+                         "checkpointed blocks.")
 
 
-def _features(
-    *, world_size: int, rank: int, micro_batch: int, checkpointed: int, num_layers: int
-) -> np.ndarray:
+def _features(world_size: int, rank: int, micro_batch: int, checkpointed: int,
+              num_layers: int) -> np.ndarray:
+    """The linear features ``[one-hot(rank), mb, -mb * checkpointed / num_layers]``."""
     x = np.zeros(world_size + 2)
     x[rank] = 1.0
     x[world_size] = micro_batch
@@ -519,14 +391,13 @@ def _features(
     return x
 
 
-def _design(
-    observations: Sequence[MemoryObservation], world_size: int
-) -> tuple[np.ndarray, np.ndarray]:
+def _design(observations: Sequence[MemoryObservation],
+            world_size: int) -> tuple[np.ndarray, np.ndarray]:
     if not observations:
         return np.zeros((0, world_size + 2)), np.zeros(0)
-    x = np.stack([o.features(world_size) for o in observations])
-    y = np.array([o.peak_bytes for o in observations])
-    return x, y
+    x = np.stack([_features(world_size, o.rank, o.micro_batch, o.checkpointed, o.num_layers)
+                  for o in observations])
+    return x, np.array([o.peak_bytes for o in observations])
 
 
 def _column_scale(x: np.ndarray, world_size: int) -> np.ndarray:
@@ -556,9 +427,8 @@ def _least_squares(xs: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return theta, vt[rank:].T
 
 
-def _prior(
-    dtype: str, world_size: int, reference: DtypeFit | None
-) -> tuple[np.ndarray, np.ndarray]:
+def _prior(dtype: str, world_size: int,
+           reference: DtypeFit | None) -> tuple[np.ndarray, np.ndarray]:
     """Prior as linear relations ``A @ theta ~= b`` (theta in bytes per feature unit)."""
     unknowns = world_size + 2
     if reference is not None:
@@ -573,69 +443,27 @@ def _prior(
     return a, np.zeros(world_size + 1)
 
 
-def _fit_dtype(
-    dtype: str,
-    observations: Sequence[MemoryObservation],
-    *,
-    world_size: int,
-    reference: DtypeFit | None,
-) -> DtypeFit:
+def _fit_dtype(dtype: str, observations: Sequence[MemoryObservation], world_size: int,
+               reference: DtypeFit | None) -> DtypeFit:
     """The least-squares solution closest (in bytes-scaled coordinates) to the prior."""
     x, y = _design(observations, world_size)
-    scale = (
-        _column_scale(x, world_size)
-        if len(x)
-        else (reference.scale.copy() if reference is not None else np.ones(world_size + 2))
-    )
+    if len(x):
+        scale = _column_scale(x, world_size)
+    else:
+        scale = reference.scale.copy() if reference is not None else np.ones(world_size + 2)
     theta_s, unseen = _least_squares(x / scale, y)
     used_reference = None
     if unseen.shape[1]:
         a, b = _prior(dtype, world_size, reference)
         row_scale = (np.abs(a) @ scale) / np.maximum(np.abs(a).sum(axis=1), 1e-300)
         a_s = (a / scale) * row_scale[:, None]
-        b_s = b * row_scale
-        z, *_ = np.linalg.lstsq(a_s @ unseen, b_s - a_s @ theta_s, rcond=None)
+        z, *_ = np.linalg.lstsq(a_s @ unseen, b * row_scale - a_s @ theta_s, rcond=None)
         theta_s = theta_s + unseen @ z
         used_reference = reference.dtype if reference is not None else None
     theta = theta_s / scale
     micro = [o.micro_batch for o in observations]
-    return DtypeFit(
-        dtype=dtype,
-        fixed=[float(v) for v in theta[:world_size]],
-        act_full=float(theta[world_size]),
-        act_saved=float(theta[world_size + 1]),
-        n_observations=len(observations),
-        identified=unseen.shape[1] == 0,
-        reference=used_reference,
-        scale=scale,
-        unseen=unseen,
-        micro_range=(min(micro), max(micro)) if micro else None,
-    )
-
-
-def widen_margin(model: MemoryModel, observation: MemoryObservation, *, limit: float | None = None) -> bool:
-    """Widen ``model``'s safety margin when this observation shows an under-prediction beyond it.
-
-    Rule: let ``e = measured / predicted - 1`` where, for an out-of-memory trial, ``measured``
-    is the lower bound ``max(peak_bytes, limit)`` (it needed more than the ``limit`` it ran
-    under, if given). If ``e > safety_margin`` (the margin would not have covered it: a
-    predicted-feasible configuration OOMed, or a peak came in higher than margin allows), the
-    margin becomes ``min(max_margin, widen_factor * e)``. Over-predictions do not change the
-    margin (a wider one could not fix them; the next refit does). Returns True if widened.
-    Does nothing (False) for a dtype the model cannot predict yet.
-    """
-    model._check_rank(observation.rank)
-    if not model.can_predict(observation.dtype):
-        return False
-    predicted = model._predict_obs(observation)
-    measured = observation.peak_bytes
-    if not observation.ok and limit is not None:
-        measured = max(measured, float(limit))
-    if predicted <= 0:
-        return False
-    error = measured / predicted - 1.0
-    if error <= model.safety_margin or model.safety_margin >= model.max_margin:
-        return False
-    model.safety_margin = min(model.max_margin, model.widen_factor * error)
-    model.corrections += 1
-    return True
+    return DtypeFit(dtype=dtype, fixed=[float(v) for v in theta[:world_size]],
+                    act_full=float(theta[world_size]), act_saved=float(theta[world_size + 1]),
+                    n_observations=len(observations), identified=unseen.shape[1] == 0,
+                    reference=used_reference, scale=scale, unseen=unseen,
+                    micro_range=(min(micro), max(micro)) if micro else None)

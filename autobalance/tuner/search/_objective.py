@@ -3,10 +3,11 @@ attributes shown in the dashboard."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from autobalance._files import is_int
 from autobalance.launcher import TrialOutcome
 from autobalance.protocol import (
     GIB,
@@ -22,9 +23,8 @@ from autobalance.protocol import (
 )
 from autobalance.tuner.search._constants import INFEASIBLE_TIME
 
-__all__ = ["INFEASIBLE_TIME", "TrialFigures", "compile_figures", "figures_from_outcome", "fix_exchange_rate", "penalised",
-           "rate_fixed", "rate_source", "spread_fraction"]
-
+__all__ = ["INFEASIBLE_TIME", "TrialFigures", "compile_figures", "figures_from_outcome",
+           "fix_exchange_rate", "penalised", "rate_fixed", "rate_source", "spread_fraction"]
 
 
 @dataclass(kw_only=True)
@@ -60,22 +60,20 @@ class TrialFigures:
     parameter_bytes: int | None = None
     """The model's parameter bytes (``RankReport.model``; None: not reported)."""
     held: list[float | None] = field(default_factory=list)
-    """Per rank: the bytes that do not scale with the micro-batch (parameters, gradients, optimizer
-    state, the script's extras, what is held outside PyTorch): the report's ``breakdown`` bytes
-    ``live_after_step`` (taken with the gradients set to None) plus ``gradients`` plus
-    ``outside_pytorch``; None: not measured. With the peak, one eager trial gives the per-sample
-    activations (the search policy's probe, and the memory model's observation at zero samples). GPU
-    only: on CPU (the live-tensor tracker) studies fitted with it chose worse (tests/test_zero.py)."""
+    """Per rank: the bytes that do not scale with the micro-batch, the report's ``breakdown`` bytes
+    ``live_after_step`` (gradients set to None) plus ``gradients`` plus ``outside_pytorch``; None:
+    not measured. With the peak, one eager trial gives the per-sample activations. GPU only: on CPU
+    (the live-tensor tracker) studies fitted with it chose worse (tests/test_zero.py)."""
     compile: dict[str, Any] = field(default_factory=dict)
-    """Compiled trials: ``compile_s`` (slowest rank's first step), ``activation_budget_used`` (per
-    rank, as reported) and ``compile_cache`` (Inductor cache hits/misses over the ranks)."""
+    """Compiled trials' :func:`compile_figures`."""
 
     def usable(self, headroom: float) -> list[float]:
         return [c * (1.0 - headroom) for c in self.capacity]
 
     @property
     def measured(self) -> bool:
-        return self.status == Status.OK and all(p is not None for p in self.peak_device) and self.step_time_s is not None
+        return (self.status == Status.OK and None not in self.peak_device
+                and self.step_time_s is not None)
 
     def spread_bytes(self) -> float | None:
         peaks = [p for p in self.peak_device if p is not None]
@@ -83,7 +81,7 @@ class TrialFigures:
 
     def spread_fraction(self) -> float | None:
         """max - min over ranks of peak / capacity (heterogeneous caps compare fairly)."""
-        if any(p is None for p in self.peak_device):
+        if None in self.peak_device:
             return None
         return spread_fraction([float(p) for p in self.peak_device if p is not None], self.capacity)
 
@@ -97,15 +95,14 @@ class TrialFigures:
 
     def values(self, *, reference_step_s: float | None, weight_spread: float, weight_time: float,
                multi_objective: bool) -> list[float]:
-        spread = self.spread_fraction()
-        spread = 1.0 if spread is None or not self.measured else spread
-        if self.measured and reference_step_s:
-            time_norm = float(self.step_time_s) / reference_step_s  # type: ignore[arg-type]
-        else:
-            time_norm = INFEASIBLE_TIME
+        spread = self.spread_fraction() if self.measured else None
+        step = self.step_time_s if self.measured else None
+        time_norm = (INFEASIBLE_TIME if step is None or not reference_step_s
+                     else float(step) / reference_step_s)
+        values = [1.0 if spread is None else spread, time_norm]
         if multi_objective:
-            return [spread, time_norm]
-        return [objective_value(spread, time_norm, weight_spread=weight_spread, weight_time=weight_time)]
+            return values
+        return [objective_value(*values, weight_spread=weight_spread, weight_time=weight_time)]
 
     def user_attrs(self, headroom: float) -> dict[str, Any]:
         """The trial's user attributes. Scalars a user may plot in the dashboard (``step_time_ms``,
@@ -115,12 +112,20 @@ class TrialFigures:
         def gib(values: list[float | None]) -> list[float | None]:
             return [None if v is None else round(v / GIB, 4) for v in values]
 
+        def listed(values: list[float | None], unit: Callable[[float], Any]) -> list[Any] | None:
+            """Per rank, absent when no rank reported one."""
+            if all(v is None for v in values):
+                return None
+            return [None if v is None else unit(v) for v in values]
+
+        def ms(seconds: float) -> float:
+            return round(1000 * seconds, 3)
+
         spread_b = self.spread_bytes() if self.measured else None  # lower bounds or predictions: no spread
         spread_f = self.spread_fraction() if self.measured else None
-        per_rank = {}
-        for r, (p, c) in enumerate(zip(self.peak_device, self.capacity, strict=True)):
-            per_rank[f"rank{r}"] = (f"peak {memory_text(p / GIB)} of {memory_text(c / GIB)} ({100 * p / c:.1f}%)"
-                                    if p is not None else f"no measurement (cap {memory_text(c / GIB)})")
+        per_rank = {f"rank{r}": f"no measurement (cap {memory_text(c / GIB)})" if p is None else
+                    f"peak {memory_text(p / GIB)} of {memory_text(c / GIB)} ({100 * p / c:.1f}%)"
+                    for r, (p, c) in enumerate(zip(self.peak_device, self.capacity, strict=True))}
         plottable: dict[str, Any] = {}
         if self.measured:  # an OOM rank's peak is a lower bound, a predicted one a prediction: not plotted
             peaks = [float(p) for p in self.peak_device if p is not None]
@@ -137,20 +142,18 @@ class TrialFigures:
             "usable_gib": gib(list(self.usable(headroom))),
             "spread_gib": None if spread_b is None else round(spread_b / GIB, 4),
             "spread_pct_of_capacity": None if spread_f is None else round(100 * spread_f, 3),
-            "step_time_ms": None if self.step_time_s is None else round(1000 * self.step_time_s, 3),
+            "step_time_ms": None if self.step_time_s is None else ms(self.step_time_s),
             "samples_per_s": None if self.samples_per_s is None else round(self.samples_per_s, 2),
             "startup_s": None if self.startup_s is None else round(self.startup_s, 2),
-            **({} if self.time_in_steps_s is None else {TrialAttr.TIME_IN_STEPS_S: round(self.time_in_steps_s, 4)}),
-            **({} if self.measured_steps is None else {"measured_steps": self.measured_steps}),
-            **({TrialAttr.BUSY_MS: [None if v is None else round(1000 * v, 3) for v in self.busy_s]}
-               if any(v is not None for v in self.busy_s) else {}),
-            **({TrialAttr.WAIT_MS: [None if v is None else round(1000 * v, 3) for v in self.wait_s]}
-               if any(v is not None for v in self.wait_s) else {}),
-            **({TrialAttr.OPTIMIZER_STATE_BYTES: [None if v is None else int(v) for v in self.optimizer_state]}
-               if any(v is not None for v in self.optimizer_state) else {}),
-            **({TrialAttr.OPTIMIZER_WRAPPED: True} if self.optimizer_wrapped else {}),
-            **({TrialAttr.PARAMETER_BYTES: self.parameter_bytes} if self.parameter_bytes else {}),
-            **({TrialAttr.HELD_GIB: gib(self.held)} if any(v is not None for v in self.held) else {}),
+            TrialAttr.TIME_IN_STEPS_S: None if self.time_in_steps_s is None
+            else round(self.time_in_steps_s, 4),
+            "measured_steps": self.measured_steps,
+            TrialAttr.BUSY_MS: listed(self.busy_s, ms),
+            TrialAttr.WAIT_MS: listed(self.wait_s, ms),
+            TrialAttr.OPTIMIZER_STATE_BYTES: listed(self.optimizer_state, int),
+            TrialAttr.OPTIMIZER_WRAPPED: True if self.optimizer_wrapped else None,
+            TrialAttr.PARAMETER_BYTES: self.parameter_bytes or None,
+            TrialAttr.HELD_GIB: listed(self.held, lambda v: round(v / GIB, 4)),
             "memory_constraint": round(self.memory_constraint(headroom), 5),
             **self.compile,
             **per_rank,
@@ -170,11 +173,9 @@ def rate_source(attrs: Mapping[str, Any]) -> str:
 def fix_exchange_rate(study: Any, *, reference_step_s: float | None, source: str, trial: int | None,
                       weight_spread: float, weight_time: float, world_size: int,
                       capacity_bytes: list[float] | None = None) -> None:
-    """Store the objective's exchange rate with the study (``StudyAttr.EXCHANGE_RATE``, and the
-    reference step as ``StudyAttr.REFERENCE``), once, before the search's first trial: every trial's
-    step time is divided by ``reference_step_s`` whichever trial runs first. ``reference_step_s``
-    None: nothing gave a step time before the search (the first trial that does fixes it, ``source``
-    ``first-measured``). ``capacity_bytes``: each rank's capacity the spread is a fraction of."""
+    """Store the objective's exchange rate with the study (``StudyAttr.EXCHANGE_RATE``, the
+    reference step as ``StudyAttr.REFERENCE``) once, before the search's first trial, so every
+    trial's step time is divided by one ``reference_step_s`` (None: the first trial's fixes it)."""
     if reference_step_s is not None:
         study.set_user_attr(StudyAttr.REFERENCE, float(reference_step_s))
     study.set_user_attr(StudyAttr.EXCHANGE_RATE, {
@@ -185,20 +186,18 @@ def fix_exchange_rate(study: Any, *, reference_step_s: float | None, source: str
 
 
 def rate_fixed(user_attrs: Mapping[str, Any]) -> bool:
-    """Whether the study's exchange rate was settled before the search (its reference step, or the
-    rule that the first step fixes it), or the study was stored before the rate was recorded and has
-    its reference step already."""
+    """Whether the study's exchange rate was settled before the search (or the study, stored before
+    the rate was recorded, has its reference step)."""
     return StudyAttr.EXCHANGE_RATE in user_attrs or user_attrs.get(StudyAttr.REFERENCE) is not None
 
 
 def penalised(values: list[float], constraints: list[float], *, feasible: bool, weight_spread: float,
               weight_time: float, multi_objective: bool) -> list[float]:
-    """The objective values Optuna stores. An infeasible trial's values carry its violation: at least
-    those of a trial with no measurement (spread 1, step time ``INFEASIBLE_TIME`` x the reference)
-    plus how far over its constraints it went. So no infeasible trial is ever better than a
-    feasible one in any view that ranks by value alone (optuna-dashboard's best trial, its Pareto
-    front, ``study.best_value`` of a study without constraints), and among infeasible ones, the
-    less over is the better (what a sampler that ignores constraints learns from)."""
+    """The objective values Optuna stores: an infeasible trial's are at least those of a trial with
+    no measurement (spread 1, step time ``INFEASIBLE_TIME`` x the reference) plus its violation. So
+    no infeasible trial beats a feasible one in a view that ranks by value alone (optuna-dashboard's
+    best trial and Pareto front), and a sampler ignoring constraints learns that less over is
+    better."""
     if feasible:
         return list(values)
     violation = sum(max(0.0, float(c)) for c in constraints)
@@ -221,69 +220,53 @@ def _float(value: float | None) -> float | None:
 def figures_from_outcome(
     outcome: TrialOutcome, *, world_size: int, caps: list[int] | None, fallback_capacity: list[float] | None = None
 ) -> TrialFigures:
-    peak_device: list[float | None] = []
-    alloc: list[float | None] = []
-    reserved: list[float | None] = []
-    outside: list[float | None] = []
-    capacity: list[float] = []
-    steps: list[float] = []
-    startup: list[float] = []
-    in_steps: list[float] = []
-    counts: list[int] = []
-    busy: list[float | None] = []
-    wait: list[float | None] = []
-    optimizer_state: list[float | None] = []
-    wrapped: list[bool] = []
+    """A trial's figures from its ranks' reports."""
+    reports = [outcome.reports.get(r) for r in range(world_size)]
+    good = [rep if rep is not None and rep.status == Status.OK else None for rep in reports]
+    # an OOM rank's peak is a lower bound: for display and the memory model, not as a measurement
+    mems = [(rep.memory if rep is not None else None) or RankMemory() for rep in reports]
+    devs = [(rep.device if rep is not None else None) or RankDevice() for rep in reports]
+    times = [(rep.timing if rep is not None else None) or RankTiming() for rep in reports]
+    opts = [(rep.optimizer if rep is not None else None) or {} for rep in reports]
+    capacity = [float((caps[r] if caps else None) or dev.cap_bytes or dev.capacity_bytes
+                      or (fallback_capacity[r] if fallback_capacity else None) or 2**40)
+                for r, dev in enumerate(devs)]
+    steps = [float(r.step_time_s) for r in good if r is not None and r.step_time_s is not None]
+    startup = [float(t.startup_s) for t in times if t.startup_s is not None]
+    in_steps = [float(t.steps_s) for t, rep in zip(times, good, strict=True)
+                if rep is not None and t.steps_s is not None]
+    counts = [int(r.measured_steps) for r in good if r is not None and r.measured_steps is not None]
     held: list[float | None] = []
-    reports = outcome.reports
-    for r in range(world_size):
-        rep = reports.get(r)
-        mem = rep.memory if rep is not None and rep.memory is not None else RankMemory()
-        ok = rep is not None and rep.status == Status.OK
-        # an OOM rank's peak is a lower bound: kept for display and the memory model, never as a measurement
-        peak_device.append(_float(mem.peak_device))
-        alloc.append(_float(mem.peak_allocated))
-        reserved.append(_float(mem.peak_reserved))
-        outside.append(_float(mem.outside_pytorch))
-        cap = caps[r] if caps else None
-        dev = rep.device if rep is not None and rep.device is not None else RankDevice()
-        fallback = fallback_capacity[r] if fallback_capacity else None
-        capacity.append(float(cap or dev.cap_bytes or dev.capacity_bytes or fallback or 2**40))
-        timing = rep.timing if rep is not None and rep.timing is not None else RankTiming()
-        if ok and rep is not None and rep.step_time_s is not None:
-            steps.append(float(rep.step_time_s))
-        if timing.startup_s is not None:
-            startup.append(float(timing.startup_s))
-        if ok and timing.steps_s is not None:
-            in_steps.append(float(timing.steps_s))
-        if ok and rep is not None and rep.measured_steps is not None:
-            counts.append(int(rep.measured_steps))
-        opt = (rep.optimizer if rep is not None else None) or {}
-        optimizer_state.append(_float(opt.get("state_bytes")) if ok else None)
+    for rep, mem, dev in zip(good, mems, devs, strict=True):
         parts = ((rep.breakdown if rep is not None else None) or {}).get("bytes") or {}
         after, grads = parts.get("live_after_step"), parts.get("gradients")
-        on_gpu = dev.type == "cuda"  # on CPU the live-tensor tracker's peaks include the optimizer step's
-        held.append(float(after) + float(grads if isinstance(grads, (int, float)) else 0) + float(mem.outside_pytorch or 0)
-                    if ok and on_gpu and isinstance(after, (int, float)) else None)  # transients: not a fixed part
-        wrapped.append(bool(opt.get("wrapped")))
-        busy.append(_float(rep.busy_time_s) if ok and rep is not None else None)
-        wait.append(_float(rep.allreduce_wait_s) if ok and rep is not None else None)
+        if rep is None or dev.type != "cuda" or not isinstance(after, (int, float)):
+            held.append(None)  # on CPU the live-tensor tracker's peaks include the optimizer step's
+            continue  # transients: not a fixed part
+        held.append(float(after) + float(grads if isinstance(grads, (int, float)) else 0)
+                    + float(mem.outside_pytorch or 0))
     step = max(steps) if len(steps) == world_size else None
-    first = next(iter(reports.values()), None)
+    first = next(iter(outcome.reports.values()), None)
     gb = ((first.config if first is not None else None) or {}).get("global_batch")
     if first is not None and first.samples_per_step:
         gb = first.samples_per_step  # partial steps count the samples they really used
-    param_bytes = max((int(b) for r in reports.values()
-                       for b in [(r.model or {}).get("parameter_bytes")]
-                       if isinstance(b, int) and not isinstance(b, bool)), default=None)
-
+    sizes: list[Any] = [(r.model or {}).get("parameter_bytes") for r in outcome.reports.values()]
+    param_bytes = max((int(b) for b in sizes if is_int(b)), default=None)
+    wrapped = [bool(opt.get("wrapped")) for opt in opts]
     return TrialFigures(
-        status=outcome.status, peak_device=peak_device, peak_allocated=alloc, peak_reserved=reserved,
-        outside_pytorch=outside, capacity=capacity, step_time_s=step,
-        samples_per_s=(gb / step) if (gb and step) else None, startup_s=max(startup) if startup else None,
+        status=outcome.status, peak_device=[_float(m.peak_device) for m in mems],
+        peak_allocated=[_float(m.peak_allocated) for m in mems],
+        peak_reserved=[_float(m.peak_reserved) for m in mems],
+        outside_pytorch=[_float(m.outside_pytorch) for m in mems], capacity=capacity,
+        step_time_s=step, samples_per_s=(gb / step) if (gb and step) else None,
+        startup_s=max(startup) if startup else None,
         time_in_steps_s=max(in_steps) if len(in_steps) == world_size else None,
         measured_steps=min(counts) if len(counts) == world_size else None,
-        busy_s=busy, wait_s=wait, optimizer_state=optimizer_state, optimizer_wrapped=bool(wrapped) and all(wrapped),
+        busy_s=[None if rep is None else _float(rep.busy_time_s) for rep in good],
+        wait_s=[None if rep is None else _float(rep.allreduce_wait_s) for rep in good],
+        optimizer_state=[None if rep is None else _float(opt.get("state_bytes"))
+                         for rep, opt in zip(good, opts, strict=True)],
+        optimizer_wrapped=bool(wrapped) and all(wrapped),
         parameter_bytes=param_bytes, compile=compile_figures(outcome.reports), held=held,
     )
 
@@ -298,11 +281,10 @@ def compile_figures(reports: dict[int, RankReport]) -> dict[str, Any]:
     cache: dict[str, int] = {}
     for r in compiled:
         for key, value in ((r.compile or {}).get("cache") or {}).items():
-            if isinstance(value, int) and not isinstance(value, bool):
+            if is_int(value):
                 cache[key] = cache.get(key, 0) + value
-    ranks = sorted(reports)
     return {
         "compile_s": round(max(times), 3) if times else None,
-        "activation_budget_used": [reports[r].activation_budget for r in ranks],
+        "activation_budget_used": [reports[r].activation_budget for r in sorted(reports)],
         "compile_cache": cache,
     }

@@ -1,17 +1,10 @@
 """The search space: per-rank shares of a fixed global batch, accumulation, per-rank
 checkpointing, AMP dtype and DDP bucket settings - parameterised so samplers can learn.
 
-With ``any_split`` (new studies), the shares split the global batch itself and every accumulation
-up to the limit is possible (each micro-step gives every rank a sample): a rank's share is split
-over the micro-steps in sizes that differ by at most one, so a prime global batch still has many
-forms. Without it (studies from before), the shares split ``global_batch / accumulation`` and the
-accumulation must divide the global batch.
-
 With compile searched, ``compile`` is sampled first and the recomputation dimensions are
 conditional on it: eager trials sample per-rank layer checkpointing (``ckpt_r{r}``), compiled
-trials a per-rank activation-memory budget (``budget_r{r}``, on a 0.05 grid so repeated budgets
-hit the Inductor cache) and no checkpointing. The two never apply together (no double
-recomputation; :class:`BalanceConfig` rejects that combination)."""
+trials a per-rank activation-memory budget (``budget_r{r}``, on the :data:`BUDGET_STEP` grid) and
+no checkpointing (:class:`BalanceConfig` rejects double recomputation)."""
 
 from __future__ import annotations
 
@@ -19,6 +12,12 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import optuna
+from optuna.distributions import (
+    BaseDistribution,
+    CategoricalDistribution,
+    FloatDistribution,
+    IntDistribution,
+)
 
 from autobalance._config import (
     CUDA_GRAPH_MODES,
@@ -38,22 +37,21 @@ from autobalance.tuner.search._constants import (
 if TYPE_CHECKING:
     from autobalance.tuner._settings import TuneSettings
 
-__all__ = ["BUDGET_RANGE", "KEEP_CHOICES", "OPTIMIZER_SHARE_RANGE", "SHARE_RANGE", "SearchSpace", "compile_key",
+__all__ = ["BUDGET_RANGE", "BUDGET_STEP", "REGIONAL_KEY", "SearchSpace", "compile_key",
            "config_compile_key", "normalised_shares", "space_problem"]
 
 
 KEEP_CHOICES: dict[str, list[str]] = {"none": [], "embeddings": ["embeddings"], "blocks": ["blocks"],
                                       "both": ["embeddings", "blocks"]}
-"""The ``keep_gathered`` parameter's values and the groups each keeps gathered (``blocks`` and ``both``
-keep the blocks only where the blocks are sharded)."""
+"""The ``keep_gathered`` parameter's values and the groups each keeps gathered (the blocks only
+where they are sharded)."""
 
 REGIONAL_KEY = "@regional"
 
 
 def compile_key(mode: str, scope: str = "whole") -> str:
-    """The compiled models' key for a compile mode at a scope: the mode itself for ``whole`` (as
-    before scopes existed), ``<mode>@regional`` for ``regional``: each scope has its own fits and
-    graphs (what one scope measured says little of the other: ``docs/compile.md``)."""
+    """The compiled models' key for a compile mode at a scope: the mode for ``whole``,
+    ``<mode>@regional`` for ``regional`` (each scope has its own fits and graphs)."""
     return mode if scope == "whole" or mode == "off" else mode + REGIONAL_KEY
 
 
@@ -81,44 +79,40 @@ class SearchSpace:
     """Dimensions derived from the job (world size, global batch, number of blocks)."""
 
     world_size: int
-    """Ranks in a trial."""
     global_batch: int
     """Samples per optimizer step, fixed for every trial."""
     num_layers: int
     """Blocks that can be checkpointed (0: checkpointing is not searched)."""
     dtypes: list[str]
-    """AMP dtypes searched."""
     accumulations: list[int]
     """Accumulation counts with at least one sample per rank in every micro-step (that also divide
     the global batch without ``any_split``)."""
     compile_modes: list[str] = field(default_factory=lambda: ["off"])
-    """``torch.compile`` modes searched; ``["off"]`` (also for studies from before compile was
-    searchable): no ``compile`` parameter at all."""
+    """``torch.compile`` modes searched; ``["off"]``: no ``compile`` parameter."""
     fixed_split: bool = False
     """The split stays the script's own (no ``share_r`` parameters): the model has batch-dependent
     layers whose train-mode step another split would change (``accumulations`` is then the script's
-    own count only; the split is :attr:`kept_micro_batches`)."""
+    own count only)."""
     kept_micro_batches: list[int] | None = None
-    """With ``fixed_split``: the script's own micro-batch per rank, even or not (``None``, in studies
-    from before it was kept: the even split of the global batch)."""
+    """With ``fixed_split``: the script's own micro-batch per rank (``None``, in studies from before
+    it was kept: the even split of the global batch)."""
     kept_rank_samples: list[int] | None = None
-    """With ``fixed_split``: the script's own samples per rank per step when its split is an any split
-    (micro-batches that differ within a rank); ``None``: equal micro-batches."""
+    """With ``fixed_split``: the script's own samples per rank per step when its micro-batches
+    differ within a rank; ``None``: equal micro-batches."""
     any_split: bool = False
-    """Any split of the global batch: per rank, any number of samples per step, in micro-steps
-    that differ by at most one (False, as in studies from before: equal micro-batches only)."""
+    """The shares split the global batch itself, per rank in micro-steps that differ by at most one
+    (a prime global batch still has many forms); False (studies from before): they split
+    ``global_batch / accumulation``, which the accumulation must divide."""
     compile_scopes: list[str] = field(default_factory=lambda: ["whole"])
-    """Compile scopes searched (``whole``, ``regional``); more than one: a ``compile_scope`` parameter
-    for compiled trials (studies from before scopes existed: ``["whole"]``)."""
+    """Compile scopes searched; more than one: a ``compile_scope`` parameter for compiled trials."""
     shardings: list[str] = field(default_factory=lambda: ["off"])
-    """``optimizer_sharding`` values searched: ``["off", "zero1"]`` when the script passes its optimizer
-    through ``plan.optimizer`` and there is more than one rank (then ``optimizer_sharding`` and, for
-    ``zero1``, per-rank ``oshare_r{r}`` weights normalised to the shares); ``["off"]``: no parameter."""
+    """``optimizer_sharding`` values searched: ``["off", "zero1"]`` (then per-rank ``oshare_r{r}``
+    weights for ``zero1``, :func:`normalised_shares`) when the script passes its optimizer through
+    ``plan.optimizer`` on more than one rank; ``["off"]``: no parameter."""
     param_shardings: list[str] = field(default_factory=lambda: ["off"])
-    """``param_sharding`` values searched (FSDP2, ``_sharding``): ``["off", "embeddings", "blocks"]``
-    where the baseline's embedding-like modules are large (then ``param_sharding`` and, for sharded
-    trials, ``keep_gathered``: which groups keep their gathered weights from forward to backward);
-    ``["off"]`` (studies from before too): no parameter."""
+    """``param_sharding`` values searched (FSDP2, ``_sharding``; with more than ``"off"``, sharded
+    trials also sample ``keep_gathered``: the groups that keep their gathered weights from forward
+    to backward)."""
 
     @classmethod
     def build(
@@ -143,47 +137,42 @@ class SearchSpace:
         return cls(**data)
 
     def keep_split(self, own: BalanceConfig) -> None:
-        """Keep ``own``'s split and accumulation (the script's own configuration): every trial of
-        this space has exactly its micro-batches per rank (see :attr:`fixed_split`)."""
+        """Keep ``own``'s (the script's) split and accumulation in every trial (``fixed_split``)."""
         self.fixed_split = True
         self.accumulations = [own.accumulation]
         self.kept_micro_batches = list(own.micro_batches)
         self.kept_rank_samples = None if own.rank_samples is None else list(own.rank_samples)
 
     def kept_split(self, accumulation: int) -> tuple[list[int], list[int] | None]:
-        """With :attr:`fixed_split`: the kept micro-batches per rank and samples per rank (``None``:
-        equal micro-batches) for ``accumulation`` micro-steps."""
+        """A fixed split's micro-batches and samples per rank (None: equal micro-batches)."""
         if self.kept_micro_batches is None:  # a study from before the split was recorded: the even one
             return split_evenly(self.global_batch // accumulation, [1.0] * self.world_size), None
         return list(self.kept_micro_batches), (None if self.kept_rank_samples is None else list(self.kept_rank_samples))
 
-    def distributions(self) -> dict[str, optuna.distributions.BaseDistribution]:
-        d: dict[str, optuna.distributions.BaseDistribution] = {
-            "accumulation": optuna.distributions.CategoricalDistribution(self.accumulations),
-        }
+    def distributions(self) -> dict[str, BaseDistribution]:
+        d: dict[str, BaseDistribution] = {
+            "accumulation": CategoricalDistribution(self.accumulations)}
+        ranks = range(self.world_size)
         if self.world_size > 1 and not self.fixed_split:
-            for r in range(self.world_size):
-                d[f"share_r{r}"] = optuna.distributions.FloatDistribution(*SHARE_RANGE)
+            d.update({f"share_r{r}": FloatDistribution(*SHARE_RANGE) for r in ranks})
         if self.compile_searched:
-            d["compile"] = optuna.distributions.CategoricalDistribution(self.compile_modes)
+            d["compile"] = CategoricalDistribution(self.compile_modes)
             if len(self.compile_scopes) > 1:
-                d["compile_scope"] = optuna.distributions.CategoricalDistribution(self.compile_scopes)
+                d["compile_scope"] = CategoricalDistribution(self.compile_scopes)
         if self.num_layers > 0 and "off" in self.compile_modes:
-            for r in range(self.world_size):
-                d[f"ckpt_r{r}"] = optuna.distributions.IntDistribution(0, self.num_layers)
+            d.update({f"ckpt_r{r}": IntDistribution(0, self.num_layers) for r in ranks})
         if any(m != "off" for m in self.compile_modes):
-            for r in range(self.world_size):
-                d[f"budget_r{r}"] = optuna.distributions.FloatDistribution(*BUDGET_RANGE, step=BUDGET_STEP)
+            d.update({f"budget_r{r}": FloatDistribution(*BUDGET_RANGE, step=BUDGET_STEP)
+                      for r in ranks})
         if "zero1" in self.shardings:
-            d["optimizer_sharding"] = optuna.distributions.CategoricalDistribution(self.shardings)
-            for r in range(self.world_size):
-                d[f"oshare_r{r}"] = optuna.distributions.FloatDistribution(*OPTIMIZER_SHARE_RANGE)
+            d["optimizer_sharding"] = CategoricalDistribution(self.shardings)
+            d.update({f"oshare_r{r}": FloatDistribution(*OPTIMIZER_SHARE_RANGE) for r in ranks})
         if len(self.param_shardings) > 1:
-            d["param_sharding"] = optuna.distributions.CategoricalDistribution(self.param_shardings)
-            d["keep_gathered"] = optuna.distributions.CategoricalDistribution(list(KEEP_CHOICES))
-        d["dtype"] = optuna.distributions.CategoricalDistribution(self.dtypes)
-        d["bucket_cap_mb"] = optuna.distributions.FloatDistribution(*BUCKET_RANGE_MB, log=True)
-        d["grad_as_bucket_view"] = optuna.distributions.CategoricalDistribution([False, True])
+            d["param_sharding"] = CategoricalDistribution(self.param_shardings)
+            d["keep_gathered"] = CategoricalDistribution(list(KEEP_CHOICES))
+        d["dtype"] = CategoricalDistribution(self.dtypes)
+        d["bucket_cap_mb"] = FloatDistribution(*BUCKET_RANGE_MB, log=True)
+        d["grad_as_bucket_view"] = CategoricalDistribution([False, True])
         return d
 
     def suggest(self, trial: optuna.Trial) -> BalanceConfig:
@@ -230,9 +219,7 @@ class SearchSpace:
             rest.update(param_sharding=fsdp, keep_gathered=[g for g in keep if fsdp == "blocks" or g == "embeddings"],
                         optimizer_sharding="off", optimizer_shares=None)
         if self.fixed_split:  # the script's own split, as it is
-            micro, samples = self.kept_split(acc)
-            return BalanceConfig(micro_batches=micro, accumulation=acc, global_batch=self.global_batch,
-                                 rank_samples=samples, **rest)
+            return self.config_for(self.kept_split(acc)[0], acc, **rest)
         if self.any_split:
             return BalanceConfig.any_split(
                 rank_samples=split_at_least(self.global_batch, shares, acc), accumulation=acc, **rest)
@@ -243,10 +230,9 @@ class SearchSpace:
         self, micro_batches: list[int], accumulation: int, cost: list[float] | None = None, **rest: Any
     ) -> BalanceConfig:
         """The configuration whose largest micro-batch per rank is ``micro_batches`` (a solver's
-        answer for ``accumulation`` micro-steps): with ``any_split`` the ranks give up the samples
-        beyond the global batch (the one with the highest ``samples * cost`` first); without it
-        ``sum(micro_batches) * accumulation`` must be the global batch. With a fixed split, the kept
-        micro-batches give the kept configuration (any others: one :meth:`contains` rejects)."""
+        answer): with ``any_split`` the ranks give up the samples beyond the global batch (the
+        highest ``samples * cost`` first). With a fixed split, only the kept micro-batches give a
+        configuration :meth:`contains` accepts."""
         if self.fixed_split:
             micro, samples = self.kept_split(accumulation)
             if list(micro_batches) == micro:
@@ -260,8 +246,7 @@ class SearchSpace:
 
     def micro_total(self, accumulation: int) -> int:
         """The sum of the ranks' largest micro-batches that holds the global batch in
-        ``accumulation`` micro-steps (what a solver splits over the ranks); with a fixed split, the
-        kept micro-batches' sum."""
+        ``accumulation`` micro-steps (what a solver splits over the ranks)."""
         if self.fixed_split and accumulation in self.accumulations:
             return sum(self.kept_split(accumulation)[0])
         if self.any_split:
@@ -275,33 +260,32 @@ class SearchSpace:
         params: dict[str, Any] = {"accumulation": config.accumulation}
         if self.world_size > 1 and not self.fixed_split:
             for r, n in enumerate(samples):
-                params[f"share_r{r}"] = min(SHARE_RANGE[1], max(SHARE_RANGE[0], n / top))
+                params[f"share_r{r}"] = _clip(n / top, SHARE_RANGE)
         if self.compile_searched:
             params["compile"] = config.compile
             if len(self.compile_scopes) > 1 and config.compile != "off":
                 params["compile_scope"] = config.compile_scope
-        if config.compile == "off":
-            if self.num_layers > 0:
-                for r, blocks in enumerate(config.checkpoint):
-                    params[f"ckpt_r{r}"] = min(self.num_layers, len(blocks))
-        else:
-            for r in range(self.world_size):
-                budget = config.activation_budget[r] if config.activation_budget else 1.0
-                budget = round(round(budget / BUDGET_STEP) * BUDGET_STEP, 3)
-                params[f"budget_r{r}"] = min(BUDGET_RANGE[1], max(BUDGET_RANGE[0], budget))
+        if config.compile != "off":
+            budgets = config.activation_budget or [1.0] * self.world_size
+            for r in range(self.world_size):  # on the budget grid
+                budget = round(round(budgets[r] / BUDGET_STEP) * BUDGET_STEP, 3)
+                params[f"budget_r{r}"] = _clip(budget, BUDGET_RANGE)
+        elif self.num_layers > 0:
+            for r, blocks in enumerate(config.checkpoint):
+                params[f"ckpt_r{r}"] = min(self.num_layers, len(blocks))
         if "zero1" in self.shardings:
             params["optimizer_sharding"] = config.optimizer_sharding
             zero = config.sharding_shares()
             if zero is not None:
                 heaviest = max(zero) or 1.0
                 for r, q in enumerate(zero):
-                    params[f"oshare_r{r}"] = min(OPTIMIZER_SHARE_RANGE[1], max(OPTIMIZER_SHARE_RANGE[0], q / heaviest))
+                    params[f"oshare_r{r}"] = _clip(q / heaviest, OPTIMIZER_SHARE_RANGE)
         if len(self.param_shardings) > 1:
             params["param_sharding"] = config.param_sharding
             if config.param_sharding != "off":
                 params["keep_gathered"] = next(k for k, v in KEEP_CHOICES.items() if v == config.keep_gathered)
         params["dtype"] = config.dtype
-        params["bucket_cap_mb"] = min(BUCKET_RANGE_MB[1], max(BUCKET_RANGE_MB[0], config.bucket_cap_mb))
+        params["bucket_cap_mb"] = _clip(config.bucket_cap_mb, BUCKET_RANGE_MB)
         params["grad_as_bucket_view"] = config.gradient_as_bucket_view
         return params
 
@@ -318,21 +302,22 @@ class SearchSpace:
                 and (self.any_split or self.fixed_split or config.equal_micro_batches))
 
 
-def _suggest(trial: optuna.Trial, name: str, dist: optuna.distributions.BaseDistribution) -> Any:
-    if isinstance(dist, optuna.distributions.CategoricalDistribution):
+def _clip(value: float, bounds: tuple[float, float]) -> float:
+    return min(bounds[1], max(bounds[0], value))
+
+
+def _suggest(trial: optuna.Trial, name: str, dist: BaseDistribution) -> Any:
+    if isinstance(dist, CategoricalDistribution):
         return trial.suggest_categorical(name, list(dist.choices))
-    if isinstance(dist, optuna.distributions.IntDistribution):
+    if isinstance(dist, IntDistribution):
         return trial.suggest_int(name, dist.low, dist.high, log=dist.log)
-    assert isinstance(dist, optuna.distributions.FloatDistribution)
+    assert isinstance(dist, FloatDistribution)
     return trial.suggest_float(name, dist.low, dist.high, step=dist.step, log=dist.log)
 
 
 def space_problem(settings: TuneSettings, space: SearchSpace) -> str | None:
     """An explicit ``--compile``/``--compile-mode`` that would change a continued study's space."""
-    if settings.compile is None:
-        return None
-    wanted = settings.compile_modes()
-    if wanted == space.compile_modes:
+    if settings.compile is None or settings.compile_modes() == space.compile_modes:
         return None
     return (f"--compile={settings.compile} --compile-mode={settings.compile_mode} (the study searches compile modes "
             f"{','.join(space.compile_modes)})")
