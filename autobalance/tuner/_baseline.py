@@ -4,7 +4,7 @@ it); its report defines the search space and the devices' capacity."""
 from __future__ import annotations
 
 import contextlib
-import threading
+import functools
 import time
 from typing import Any
 
@@ -26,7 +26,7 @@ from autobalance.protocol import (
     over_limit,
 )
 from autobalance.store import heartbeat_interval_s, study_id
-from autobalance.tuner._launching import TrialLauncher
+from autobalance.tuner._launching import TrialLauncher, beating
 from autobalance.tuner._recording import Recorder
 from autobalance.tuner._reporter import Reporter
 from autobalance.tuner._settings import TuneSettings
@@ -53,45 +53,34 @@ def baseline_once(study: optuna.Study, *, settings: TuneSettings, storage: optun
             reporter.note(f"Waiting for the baseline trial that {holder.get('owner', 'another worker')} runs.")
             waiting = True
         time.sleep(1.0)
-    stop = threading.Event()
-
-    def refresh() -> None:
-        while not stop.wait(min(3.0, heartbeat_interval_s() / 2)):
-            with contextlib.suppress(Exception):
-                claim.refresh()
-
-    beat = threading.Thread(target=refresh, daemon=True)
-    beat.start()
     try:
-        attrs = study.user_attrs  # recorded by another worker while this one took the claim?
-        if baseline_done(attrs):
-            return SearchSpace.from_dict(attrs[StudyAttr.SPACE])
-        if StudyAttr.BASELINE in attrs and StudyAttr.SPACE in attrs:  # the baseline ran, its reference did not
-            space = SearchSpace.from_dict(attrs[StudyAttr.SPACE])
-            own = study.trials[int(attrs[StudyAttr.BASELINE])].user_attrs.get(TrialAttr.CONFIG)
-            if own:
-                _fix_reference(study, space, BalanceConfig.from_dict(own), settings=settings, launcher=launcher,
-                               recorder=recorder, reporter=reporter)
+        with beating(claim.refresh, at_once=False):  # the claim kept fresh while this worker holds it
+            attrs = study.user_attrs  # recorded by another worker while this one took the claim?
+            if baseline_done(attrs):
+                return SearchSpace.from_dict(attrs[StudyAttr.SPACE])
+            fix = functools.partial(_fix_reference, study, settings=settings, launcher=launcher, recorder=recorder,
+                                    reporter=reporter)
+            if StudyAttr.BASELINE in attrs and StudyAttr.SPACE in attrs:  # ran, its reference did not
+                space = SearchSpace.from_dict(attrs[StudyAttr.SPACE])
+                own = study.trials[int(attrs[StudyAttr.BASELINE])].user_attrs.get(TrialAttr.CONFIG)
+                if own:
+                    fix(space, BalanceConfig.from_dict(own))
+                return space
+            number = len(study.get_trials(deepcopy=False))
+            reporter.start(number, None, baseline=True)
+            outcome = launcher.launch(study, number=number, config=None)
+            space, defaults = _space_from_baseline(study, outcome, settings)
+            for line in study.user_attrs.get(StudyAttr.SCRIPT_FACTS) or []:
+                reporter.note(line)  # the study's first lines: what shapes the search
+            study.enqueue_trial(space.params_from_config(defaults), user_attrs={TrialAttr.BASELINE: True})
+            frozen = recorder.record(study, study.ask(), defaults, outcome, baseline=True)
+            study.set_user_attr(StudyAttr.BASELINE, frozen.number)
+            reporter.finish(frozen, best_trial(study))
+            if note := baseline_fit_note(frozen.user_attrs, global_batch=defaults.global_batch):
+                reporter.note(note)
+            fix(space, defaults)
             return space
-        number = len(study.get_trials(deepcopy=False))
-        reporter.start(number, None, baseline=True)
-        outcome = launcher.launch(study, number=number, config=None)
-        space, defaults = _space_from_baseline(study, outcome, settings)
-        for line in study.user_attrs.get(StudyAttr.SCRIPT_FACTS) or []:
-            reporter.note(line)  # the study's first lines: what shapes the search
-        study.enqueue_trial(space.params_from_config(defaults), user_attrs={TrialAttr.BASELINE: True})
-        frozen = recorder.record(study, study.ask(), defaults, outcome, baseline=True)
-        study.set_user_attr(StudyAttr.BASELINE, frozen.number)
-        reporter.finish(frozen, best_trial(study))
-        note = baseline_fit_note(frozen.user_attrs, global_batch=defaults.global_batch)
-        if note:
-            reporter.note(note)
-        _fix_reference(study, space, defaults, settings=settings, launcher=launcher, recorder=recorder,
-                       reporter=reporter)
-        return space
     finally:
-        stop.set()
-        beat.join(timeout=5)
         claim.release()
 
 

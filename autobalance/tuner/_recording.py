@@ -60,6 +60,14 @@ def feasible(figures: TrialFigures, settings: TuneSettings, status: str) -> bool
     return status == Status.OK and figures.measured and all(c <= 0 for c in constraints(figures, settings))
 
 
+def _fail(study: optuna.Study, trial: optuna.Trial, status: Status, reason: str,
+          attrs: dict[str, Any] | None = None) -> None:
+    """Tell ``trial`` failed, with its status, reason and ``attrs``."""
+    for key, value in {TrialAttr.STATUS: status, TrialAttr.REASON: reason, **(attrs or {})}.items():
+        trial.set_user_attr(key, value)
+    study.tell(trial, state=TrialState.FAIL)
+
+
 class Recorder:
     """Tells the study what became of each trial; keeps the measured configurations for reuse."""
 
@@ -185,29 +193,22 @@ class Recorder:
         counted = sum(1 for t in study.get_trials(deepcopy=False) if t.number < trial.number and counts(t))
         if counted < total:
             return False
-        trial.set_user_attr(TrialAttr.STATUS, Status.SURPLUS)
-        trial.set_user_attr(TrialAttr.REASON, f"{total} trials were already counted when it was asked (another "
-                                              "worker took the last one); nothing was launched")
-        study.tell(trial, state=TrialState.FAIL)
+        _fail(study, trial, Status.SURPLUS, f"{total} trials were already counted when it was asked (another "
+                                            "worker took the last one); nothing was launched")
         return True
 
     def not_started(self, study: optuna.Study, trial: optuna.Trial, config: BalanceConfig, reason: str) -> None:
         """A proposal the time budget cannot hold with verification after it: failed, not counted
         (status ``surplus``: nothing launched), the loop stops asking."""
-        trial.set_user_attr(TrialAttr.STATUS, Status.SURPLUS)
-        trial.set_user_attr(TrialAttr.REASON, reason)
-        trial.set_user_attr(TrialAttr.CONFIG, config.to_dict())
-        study.tell(trial, state=TrialState.FAIL)
+        _fail(study, trial, Status.SURPLUS, reason, {TrialAttr.CONFIG: config.to_dict()})
 
     def interrupted(self, study: optuna.Study, trial: optuna.Trial, config: BalanceConfig, exc: BaseException) -> None:
         """Ctrl-C (or another slot's failure) killed the trial: failed, run again on the next start."""
         partial: TrialOutcome | None = getattr(exc, "outcome", None)
-        trial.set_user_attr(TrialAttr.STATUS, Status.INTERRUPTED)
-        trial.set_user_attr(TrialAttr.REASON, INTERRUPTED_REASON)
-        trial.set_user_attr(TrialAttr.CONFIG, config.to_dict())
+        attrs = {TrialAttr.CONFIG: config.to_dict()}
         if partial is not None:
-            trial.set_user_attr(TrialAttr.TRIAL_DIR, partial.trial_dir)
-        study.tell(trial, state=TrialState.FAIL)
+            attrs[TrialAttr.TRIAL_DIR] = partial.trial_dir
+        _fail(study, trial, Status.INTERRUPTED, INTERRUPTED_REASON, attrs)
 
     def unfinished(self, study: optuna.Study, trial: optuna.Trial, exc: BaseException) -> None:
         """Whatever stopped the tuner during a trial (Ctrl-C, a storage or launcher error), the trial
@@ -215,13 +216,9 @@ class Recorder:
         if storage_of(study).get_trial(trial_id(trial)).state != TrialState.RUNNING:
             return
         if isinstance(exc, KeyboardInterrupt):
-            trial.set_user_attr(TrialAttr.STATUS, Status.INTERRUPTED)
-            trial.set_user_attr(TrialAttr.REASON, INTERRUPTED_REASON)
+            _fail(study, trial, Status.INTERRUPTED, INTERRUPTED_REASON)
         else:
-            trial.set_user_attr(TrialAttr.STATUS, Status.CRASH)
-            trial.set_user_attr(TrialAttr.REASON,
-                                f"the tuner failed: {type(exc).__name__}: {mask_url(str(exc))[:250]}")
-        study.tell(trial, state=TrialState.FAIL)
+            _fail(study, trial, Status.CRASH, f"the tuner failed: {type(exc).__name__}: {mask_url(str(exc))[:250]}")
 
     def launch_settings(self, study: optuna.Study, *, cold: bool) -> None:
         """How this run starts the script (once it is accepted): what ``promote`` verifies with.
