@@ -39,7 +39,7 @@ __all__ = ["baseline_done", "baseline_fit_note", "baseline_once", "reference_con
 
 def baseline_once(study: optuna.Study, *, settings: TuneSettings, storage: optuna.storages.RDBStorage,
                   launcher: TrialLauncher, recorder: Recorder, reporter: Reporter) -> SearchSpace:
-    """Run the baseline, or wait while another worker on this study runs it (see ``_study``: several workers on one study)."""
+    """Run the baseline, or wait while another worker on this study runs it."""
     claim = BaselineClaim(storage, study_id(study, storage), owner=worker_id(), stale_after_s=3 * heartbeat_interval_s())
     waiting = False
     while True:
@@ -54,13 +54,13 @@ def baseline_once(study: optuna.Study, *, settings: TuneSettings, storage: optun
             waiting = True
         time.sleep(1.0)
     try:
-        with beating(claim.refresh, at_once=False):  # the claim kept fresh while this worker holds it
+        with beating(claim.refresh, at_once=False):  # the claim kept fresh while it is held
             attrs = study.user_attrs  # recorded by another worker while this one took the claim?
             if baseline_done(attrs):
                 return SearchSpace.from_dict(attrs[StudyAttr.SPACE])
-            fix = functools.partial(_fix_reference, study, settings=settings, launcher=launcher, recorder=recorder,
-                                    reporter=reporter)
-            if StudyAttr.BASELINE in attrs and StudyAttr.SPACE in attrs:  # ran, its reference did not
+            fix = functools.partial(_fix_reference, study, settings=settings, launcher=launcher,
+                                    recorder=recorder, reporter=reporter)
+            if StudyAttr.BASELINE in attrs and StudyAttr.SPACE in attrs:  # no reference run yet
                 space = SearchSpace.from_dict(attrs[StudyAttr.SPACE])
                 own = study.trials[int(attrs[StudyAttr.BASELINE])].user_attrs.get(TrialAttr.CONFIG)
                 if own:
@@ -72,7 +72,8 @@ def baseline_once(study: optuna.Study, *, settings: TuneSettings, storage: optun
             space, defaults = _space_from_baseline(study, outcome, settings)
             for line in study.user_attrs.get(StudyAttr.SCRIPT_FACTS) or []:
                 reporter.note(line)  # the study's first lines: what shapes the search
-            study.enqueue_trial(space.params_from_config(defaults), user_attrs={TrialAttr.BASELINE: True})
+            study.enqueue_trial(space.params_from_config(defaults),
+                                user_attrs={TrialAttr.BASELINE: True})
             frozen = recorder.record(study, study.ask(), defaults, outcome, baseline=True)
             study.set_user_attr(StudyAttr.BASELINE, frozen.number)
             reporter.finish(frozen, best_trial(study))
@@ -92,9 +93,8 @@ def baseline_done(attrs: dict[str, Any]) -> bool:
 
 def reference_configs(space: SearchSpace, own: BalanceConfig) -> list[BalanceConfig]:
     """The reference runs' configurations, tried in order until one gives a step time: the script's
-    own configuration (its dtype, buckets, sharding, eager) split evenly with every block checkpointed
-    at its own number of micro-steps, then at the most the space allows. Fixed by the baseline
-    alone, so every study of the script measures the same reference."""
+    own configuration (its dtype, buckets, sharding, eager) split evenly with every block
+    checkpointed at its own number of micro-steps, then at the most the space allows."""
     if "off" not in space.compile_modes:
         return []
     world = space.world_size
@@ -118,10 +118,9 @@ def reference_configs(space: SearchSpace, own: BalanceConfig) -> list[BalanceCon
 
 def _fix_reference(study: optuna.Study, space: SearchSpace, own: BalanceConfig, *, settings: TuneSettings,
                    launcher: TrialLauncher, recorder: Recorder, reporter: Reporter) -> None:
-    """Fix the objective's exchange rate before the search and print it: the baseline's step when it
-    gave one; else, on several ranks (where spread and step time trade), the step of the first
-    reference run (:func:`reference_configs`) that gives one, within ``--trials``; else the first trial
-    that will."""
+    """Fix the objective's exchange rate before the search and print it: the baseline's step; else,
+    on several ranks, the first reference run's (:func:`reference_configs`) that gives one within
+    ``--trials``; else the first trial's that will."""
     s = settings
     if study.user_attrs.get(StudyAttr.REFERENCE) is None and s.world_size > 1:
         for cfg in reference_configs(space, own):

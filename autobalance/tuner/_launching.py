@@ -39,8 +39,8 @@ from autobalance.tuner.search import (
     compile_env,
 )
 
-__all__ = ["AUTO_MEASURE_FACTOR", "AUTO_MEASURE_MAX_S", "Slot", "Stopped", "TrialLauncher", "beating",
-           "best_step_s", "plan_slots", "usable_cpus", "visible_gpus"]
+__all__ = ["AUTO_MEASURE_FACTOR", "AUTO_MEASURE_MAX_S", "Slot", "Stopped", "TrialLauncher",
+           "beating", "best_step_s", "plan_slots", "usable_cpus", "visible_gpus"]
 
 
 class Stopped(KeyboardInterrupt):
@@ -78,7 +78,7 @@ class TrialLauncher:
     def __init__(self, *, settings: TuneSettings, storage: optuna.storages.RDBStorage, reporter: Reporter,
                  stop: threading.Event | None = None, pool: WarmPool | None = None) -> None:
         """``pool``: a warm pool shared with other tuners of the same script (the caller closes it).
-        ``stop``: set when a slot failed or the tuner was interrupted: every running trial is killed."""
+        ``stop``: set when a slot failed or the tuner was interrupted: running trials are killed."""
         self.settings = settings
         self.storage = storage
         self.reporter = reporter
@@ -117,8 +117,7 @@ class TrialLauncher:
     def launch(self, study: optuna.Study, *, number: int, config: BalanceConfig | None,
                trial: optuna.Trial | None = None, again: bool = False) -> TrialOutcome:
         """Run one trial (``config`` None: the script's own configuration) and classify its end.
-        A trial given as ``trial`` beats its heartbeat and may be pruned; ``again``: its second run
-        (see :mod:`autobalance.tuner._remeasure`)."""
+        A ``trial`` beats its heartbeat and may be pruned; ``again``: a re-measure run."""
         s = self.settings
         name = f"trial-{number:04d}-{int(time.time())}" + ("-again" if again else "")
         trial_dir = os.path.abspath(os.path.join(s.runs_dir, s.study_name, name))
@@ -134,7 +133,8 @@ class TrialLauncher:
             env={**compile_env(s), **slot.env}, cpus=list(slot.cpus or []) or None,
         )
         # Pruning a warm trial kills the pool (restart: seconds); worth it only for long trials.
-        prune = s.prune_factor > 0 and (self.cold or s.nnodes > 1 or s.steps >= WARM_PRUNE_MIN_STEPS)
+        prune = s.prune_factor > 0 and (self.cold or s.nnodes > 1
+                                        or s.steps >= WARM_PRUNE_MIN_STEPS)
         pruner = _Pruner(trial, os.path.join(trial_dir, "progress.json"), best_step_s(study),
                          s.prune_factor) if prune and trial is not None else None
 
@@ -163,9 +163,7 @@ class TrialLauncher:
 
     def measure_s(self, study: optuna.Study) -> float:
         """How long the next trial measures: ``--measure-s``, or with ``auto`` on CUDA 7/3 of the
-        per-trial overhead as of the last recorded trial (:attr:`overhead`; so the steps take >= 70 %
-        of a trial), at most 2 s. Only this launcher's first launch, before anything was counted (the
-        baseline's), counts the study as it was opened."""
+        per-trial overhead (so the steps take >= 70 % of a trial), at most 2 s."""
         s = self.settings
         if not isinstance(s.measure_s, str):
             return float(s.measure_s)
@@ -177,8 +175,7 @@ class TrialLauncher:
         return 0.0 if overhead is None else min(AUTO_MEASURE_MAX_S, AUTO_MEASURE_FACTOR * overhead)
 
     def count_trials(self, study: optuna.Study) -> None:
-        """Bring :attr:`overhead` up to date with the study's trials: the trial loop calls it once per
-        recorded trial, and when it starts."""
+        """Bring :attr:`overhead` up to date with the study's trials (after each recorded trial)."""
         self.overhead.update(study.get_trials(deepcopy=False))
 
     def beat_now(self, trial: optuna.Trial) -> None:
@@ -225,8 +222,7 @@ class TrialLauncher:
         return pool
 
     def close_slot(self, slot: Slot) -> None:
-        """Close the slot's pool: called by the thread that (re)started it (its parent-death signal
-        follows that thread)."""
+        """Close the slot's pool, from the thread that started it (its parent-death signal)."""
         with self._lock:
             pool = self._slot_pools.pop(slot.index, None)
             if slot.index == 0 and self.owns_pool:
@@ -236,8 +232,7 @@ class TrialLauncher:
 
     def take_pool(self) -> WarmPool | None:
         """The study's own warm pool, handed to the caller (who closes it), when one slot ran the
-        trials: its workers were started by this thread. A slot thread's pool is closed by that
-        thread (its parent-death signal follows the thread), so several slots hand over none."""
+        trials on this thread (a slot thread's pool is closed by that thread)."""
         with self._lock:
             if not self.owns_pool or self._slots is None or len(self._slots) != 1 or self.pool is None:
                 return None
@@ -368,8 +363,7 @@ def plan_slots(*, device: str, nproc_per_node: int, nnodes: int, gpus_per_trial:
         env = {}
         if gpus_per_trial is not None and gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * gpus_per_trial:(i + 1) * gpus_per_trial])
-        pinned = None
-        if cpus_per_trial is not None and cpus is not None:
-            pinned = tuple(cpus[i * cpus_per_trial:(i + 1) * cpus_per_trial])
+        pinned = None if cpus_per_trial is None or cpus is None else tuple(
+            cpus[i * cpus_per_trial:(i + 1) * cpus_per_trial])
         slots.append(Slot(i, env, pinned))
     return slots

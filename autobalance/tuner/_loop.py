@@ -116,7 +116,8 @@ class TrialLoop:
                 with self.lock:
                     seen = self.recorder.seen(config)
                     if seen is not None:
-                        return self._settled(study, self.recorder.reuse(study, trial, seen), reused=True)
+                        frozen = self.recorder.reuse(study, trial, seen)
+                        return self._settled(study, frozen, reused=True)
                     prediction = self.advisor.predict_infeasible(study, config) if self.advisor is not None else None
                     if prediction is not None:
                         frozen = self.recorder.predicted(study, trial, config, prediction)
@@ -130,7 +131,8 @@ class TrialLoop:
                 claim, done = self.claim(study, trial, config)
                 if done is not None:
                     with self.lock:
-                        return self._settled(study, self.recorder.reuse(study, trial, done), reused=True)
+                        frozen = self.recorder.reuse(study, trial, done)
+                        return self._settled(study, frozen, reused=True)
                 # 3. Launch it: a torchrun job (warm pool, cold, or across nodes) that each rank reports on.
                 self.reporter.start(trial.number, config, why=proposal_line(trial.user_attrs))
                 try:
@@ -228,9 +230,10 @@ class TrialLoop:
         self.remeasure_leaders(study)
 
     def remeasure_leaders(self, study: optuna.Study) -> None:
-        """Before saving: the best trial and those within its measured noise run again, as many runs as
-        the time left holds with verification's reserve kept, and rank by their pooled steps
-        (``_remeasure.py``). Nothing on several nodes, with ``--remeasure off`` or once stopped."""
+        """Before saving: the best trial and those within its measured noise run again, as many
+        runs as the time left holds with verification's reserve kept, and rank by their pooled
+        steps (``_remeasure.py``). Nothing on several nodes, with ``--remeasure off`` or once
+        stopped."""
         s = self.settings
         if self.stop.is_set() or s.nnodes > 1 or not self.remeasure_on():
             return
@@ -249,8 +252,8 @@ class TrialLoop:
             return
         started = time.monotonic()
         record = remeasure_leaders(plan, launch=lambda t: self.launcher.launch(
-            study, number=t.number, config=BalanceConfig.from_dict(t.user_attrs[TrialAttr.CONFIG]), again=True),
-            objective=study.user_attrs.get(StudyAttr.OBJECTIVE) or {},
+            study, number=t.number, config=BalanceConfig.from_dict(t.user_attrs[TrialAttr.CONFIG]),
+            again=True), objective=study.user_attrs.get(StudyAttr.OBJECTIVE) or {},
             reference_s=study.user_attrs.get(StudyAttr.REFERENCE))
         self.leaders_s = time.monotonic() - started
         record["wall_s"] = round(self.leaders_s, 3)
@@ -302,13 +305,13 @@ class TrialLoop:
 
     # ------------------------------------------------------------------ the head of the loop: every stop rule
     def more_trials(self, study: optuna.Study) -> bool:
-        """The head of the loop, read before every ask (as Optuna reads its stop flag, ``n_trials`` and
-        ``timeout``): whether to ask for another trial. Every rule that ends the loop is here, in this
-        order, each with its reason in one line (:attr:`ended`):
+        """The head of the loop, read before every ask (as Optuna reads its stop flag, ``n_trials``
+        and ``timeout``): whether to ask for another trial. Every rule that ends the loop is here,
+        in this order, each with its reason in one line (:attr:`ended`):
 
         1. a trial's verdict stops the study (:meth:`check_stop`): raised here;
         2. the stop signal (a slot failed, or the tuner was interrupted): this slot stops;
-        3. the time budget (``TimeBudget.spent``, or a proposal found unaffordable): no trial starts;
+        3. the time budget (``TimeBudget.spent``, or a proposal was unaffordable): no trial starts;
         4. ``--trials`` counted trials: done, once other workers' running trials have finished (one
            may go stale and need a replacement; with the time budget spent they are not waited for).
 
@@ -322,7 +325,7 @@ class TrialLoop:
             if self.stop.is_set():
                 return self._end("stopped: a slot failed or the tuner was interrupted")
             fail_stale_trials(study, self.storage)
-            if self.budget.budget_s is not None:  # what the time budget keeps free, brought up to date
+            if self.budget.budget_s is not None:  # what the budget keeps free, brought up to date
                 self.budget.refresh(self.decision(study), time.monotonic())
             spent = self.budget.spent(time.monotonic())
             if counted_trials(study) < self.settings.trials:
@@ -350,7 +353,7 @@ class TrialLoop:
         return False
 
     def over_budget(self, study: optuna.Study, config: BalanceConfig) -> str | None:
-        """Why ``config`` is not launched under the time budget (``TimeBudget.unaffordable``), or None."""
+        """Why ``config`` is not launched under the time budget (``TimeBudget.unaffordable``)."""
         return self.budget.unaffordable(self.decision(study), config)
 
     def _budget_spent(self, study: optuna.Study) -> None:
@@ -395,13 +398,15 @@ class TrialLoop:
             done.set()
 
     def check_stop(self, study: optuna.Study, outcome: TrialOutcome) -> None:
-        """After a recorded trial: whether it stops the study (too many crashes in a row, or a script
-        error with ``--on-error stop`` or before any trial was measured); :meth:`more_trials` raises it."""
+        """After a recorded trial: whether it stops the study (too many crashes in a row, or a
+        script error with ``--on-error stop`` or before any trial was measured); kept for
+        :meth:`more_trials` to raise."""
         if outcome.status == Status.CRASH:
             self._crashes_in_a_row += 1
             if self._crashes_in_a_row >= MAX_CRASHES_IN_A_ROW:
                 self._halt = LaunchError(f"{self._crashes_in_a_row} trials in a row crashed (last: "
-                                         f"{outcome.reason}); stopping. Logs in {outcome.trial_dir}.")
+                                         f"{outcome.reason}); stopping. Logs in "
+                                         f"{outcome.trial_dir}.")
             return
         self._crashes_in_a_row = 0
         if outcome.status == Status.ERROR:

@@ -54,9 +54,8 @@ def constraints(figures: TrialFigures, settings: TuneSettings) -> list[float]:
 
 
 def feasible(figures: TrialFigures, settings: TuneSettings, status: str) -> bool:
-    """Whether a trial with these figures is feasible, so a candidate for the best (``protocol.is_feasible``
-    reads the same from a recorded trial): measured to the end and within every :func:`constraints`.
-    What the recorder tells and what the loop re-measures as "would become the best" both ask this."""
+    """Whether a trial with these figures is feasible (``protocol.is_feasible`` of a recorded
+    trial): measured to the end and within every :func:`constraints`."""
     return status == Status.OK and figures.measured and all(c <= 0 for c in constraints(figures, settings))
 
 
@@ -74,10 +73,8 @@ class Recorder:
     def __init__(self, *, settings: TuneSettings, storage: optuna.storages.RDBStorage) -> None:
         self.settings = settings
         self.storage = storage
-        self.measured: dict[str, FrozenTrial] = {}
-        """Trials that ran their configuration to a verdict, by configuration (JSON)."""
-        self.launched_here: list[int] = []
-        """Numbers of the trials this tuner launched and recorded (the baseline included)."""
+        self.measured: dict[str, FrozenTrial] = {}  # trials measured to a verdict, by configuration
+        self.launched_here: list[int] = []  # the trials this tuner launched, the baseline included
 
     def load(self, study: optuna.Study) -> None:
         self.measured = measured_configs(study)
@@ -88,8 +85,7 @@ class Recorder:
 
     # ------------------------------------------------------------------ a launched trial
     def figures(self, study: optuna.Study, outcome: TrialOutcome) -> TrialFigures:
-        """The trial's figures from its ranks' reports (per-rank peaks, capacity, the slowest rank's
-        step time): built once per outcome, here, and handed to :meth:`record`."""
+        """The trial's figures from its ranks' reports, built once per outcome."""
         s = self.settings
         cap = study.user_attrs.get(StudyAttr.CAPACITY)
         return figures_from_outcome(outcome, world_size=s.world_size, caps=s.caps_bytes(),
@@ -193,8 +189,9 @@ class Recorder:
         counted = sum(1 for t in study.get_trials(deepcopy=False) if t.number < trial.number and counts(t))
         if counted < total:
             return False
-        _fail(study, trial, Status.SURPLUS, f"{total} trials were already counted when it was asked (another "
-                                            "worker took the last one); nothing was launched")
+        _fail(study, trial, Status.SURPLUS, f"{total} trials were already counted when it was "
+                                            "asked (another worker took the last one); nothing was "
+                                            "launched")
         return True
 
     def not_started(self, study: optuna.Study, trial: optuna.Trial, config: BalanceConfig, reason: str) -> None:
@@ -205,7 +202,7 @@ class Recorder:
     def interrupted(self, study: optuna.Study, trial: optuna.Trial, config: BalanceConfig, exc: BaseException) -> None:
         """Ctrl-C (or another slot's failure) killed the trial: failed, run again on the next start."""
         partial: TrialOutcome | None = getattr(exc, "outcome", None)
-        attrs = {TrialAttr.CONFIG: config.to_dict()}
+        attrs: dict[str, Any] = {TrialAttr.CONFIG: config.to_dict()}
         if partial is not None:
             attrs[TrialAttr.TRIAL_DIR] = partial.trial_dir
         _fail(study, trial, Status.INTERRUPTED, INTERRUPTED_REASON, attrs)
@@ -218,7 +215,8 @@ class Recorder:
         if isinstance(exc, KeyboardInterrupt):
             _fail(study, trial, Status.INTERRUPTED, INTERRUPTED_REASON)
         else:
-            _fail(study, trial, Status.CRASH, f"the tuner failed: {type(exc).__name__}: {mask_url(str(exc))[:250]}")
+            why = f"the tuner failed: {type(exc).__name__}: {mask_url(str(exc))[:250]}"
+            _fail(study, trial, Status.CRASH, why)
 
     def launch_settings(self, study: optuna.Study, *, cold: bool) -> None:
         """How this run starts the script (once it is accepted): what ``promote`` verifies with.

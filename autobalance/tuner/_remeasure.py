@@ -50,13 +50,13 @@ from autobalance.tuner.search import (
     trial_s,
 )
 
-__all__ = ["DISPERSION_LIMIT", "STEP_TIMES_MS", "close_leaders", "dispersion", "leader_candidates", "leader_run_s",
-           "leaders_line", "least_plan", "merge_outcomes", "noise_band", "one_per_config", "plan_leaders",
-           "rank_steps", "remeasure_leaders", "remeasure_reason", "saved_spread", "spread_text"]
+__all__ = ["DISPERSION_LIMIT", "STEP_TIMES_MS", "close_leaders", "dispersion", "leader_candidates",
+           "leader_run_s", "leaders_line", "least_plan", "merge_outcomes", "noise_band",
+           "one_per_config", "plan_leaders", "rank_steps", "remeasure_leaders", "remeasure_reason",
+           "saved_spread", "spread_text"]
 
 STEP_TIMES_MS = "step_times_ms"
-"""Trial attribute: each rank's measured steps that its step time stands for (``protocol.timed_steps``),
-in ms; a trial measured twice holds both runs' steps."""
+"""Trial attribute: each rank's timed steps in ms (a trial measured twice: both runs')."""
 
 
 def _iqr(times: list[float]) -> float | None:
@@ -98,7 +98,8 @@ def remeasure_reason(outcome: TrialOutcome, *, step_time_s: float | None, would_
         return None
     spread = dispersion(outcome)
     if spread is not None and spread > DISPERSION_LIMIT:
-        return f"its measured steps' IQR is {100 * spread:.1f} % of their median (> {100 * DISPERSION_LIMIT:.0f} %)"
+        return (f"its measured steps' IQR is {100 * spread:.1f} % of their median "
+                f"(> {100 * DISPERSION_LIMIT:.0f} %)")
     if would_be_best:
         was = f"; the best so far {1000 * best_step_s:.1f} ms" if best_step_s is not None else ""
         return f"it would become the best ({1000 * step_time_s:.1f} ms{was}): confirmed by a second run"
@@ -144,7 +145,7 @@ def merge_outcomes(first: TrialOutcome, second: TrialOutcome, *, reason: str) ->
         times = [*own, *theirs]
         samples = [*_padded(rep.step_samples, len(own)), *_padded(other_samples, len(theirs))]
         timed, per_step = _timed(times, samples, rep)
-        global_batch = (rep.config or {}).get("global_batch")
+        global_batch: Any = (rep.config or {}).get("global_batch")
         step_samples, partial_steps = rep.step_samples, rep.partial_steps
         if rep.step_samples is not None or other_samples is not None:
             step_samples = [global_batch if n is None else n for n in samples]
@@ -153,8 +154,9 @@ def merge_outcomes(first: TrialOutcome, second: TrialOutcome, *, reason: str) ->
         step_time = statistics.median(timed) if timed else rep.step_time_s
         per_step = per_step or rep.samples_per_step or global_batch
         reports[rank] = dataclasses.replace(
-            rep, memory=RankMemory.from_dict(_max_numbers(_memory(rep), _memory(other))), step_times_s=times,
-            measured_steps=len(times), step_samples=step_samples, partial_steps=partial_steps,
+            rep, memory=RankMemory.from_dict(_max_numbers(_memory(rep), _memory(other))),
+            step_times_s=times, measured_steps=len(times), step_samples=step_samples,
+            partial_steps=partial_steps,
             step_time_s=step_time, step_time_iqr_s=_iqr(timed), samples_per_step=per_step,
             samples_per_s=(per_step / step_time) if per_step and step_time else None,
         )
@@ -173,11 +175,9 @@ def _slowest(outcome: TrialOutcome) -> float | None:
 
 
 # ---------------------------------------------------------------------- the leaders, before saving
-# Once the trial loop ends, the best trial and those within its measured noise (the leaders) run
-# again, interleaved in the same warm worker state (A, B, A, B, ...), their own steps and every
-# run's pooled, and they rank by the pooled figure (``StudyAttr.LEADERS``, read by
-# ``protocol.ranked_trials``): what is verified and saved is then the truly faster of two
-# configurations a single run each could not tell apart.
+# Once the loop ends, the best trial and those within its measured noise run again, interleaved
+# (A, B, A, B, ...), and rank by their pooled steps (``StudyAttr.LEADERS``): what is saved is then
+# the truly faster of two configurations a single run each could not tell apart.
 
 
 @dataclass(kw_only=True)
@@ -216,9 +216,8 @@ def _step_ms(t: Any) -> float | None:
 
 
 def close_leaders(ranked: Sequence[Any], *, limit: int = LEADERS_MAX) -> tuple[list[Any], str]:
-    """The best of ``ranked`` (candidates best first, one per configuration) and the next ones whose
-    step time is within the measured noise of the best's (:func:`noise_band`), at most ``limit``; and
-    why, in one line. One leader alone: nothing is close (the line says what the next one missed by)."""
+    """The best of ``ranked`` (candidates best first) and the next ones whose step time is within
+    the measured noise of the best's (:func:`noise_band`), at most ``limit``; and why (one line)."""
     best_ms = _step_ms(ranked[0]) if ranked else None
     if best_ms is None:
         return list(ranked[:1]), "no measured best trial"
@@ -230,29 +229,27 @@ def close_leaders(ranked: Sequence[Any], *, limit: int = LEADERS_MAX) -> tuple[l
             continue
         gap, band = (ms - best_ms) / best_ms, noise_band(best.user_attrs, t.user_attrs)
         if gap > band:
-            missed = (f": the next, trial {t.number} ({ms:.1f} ms), is {100 * gap:+.1f} % from the best's "
-                      f"{best_ms:.1f} ms, outside the measured noise ({100 * band:.1f} %)")
+            missed = (f": the next, trial {t.number} ({ms:.1f} ms), is {100 * gap:+.1f} % from the "
+                      f"best's {best_ms:.1f} ms, outside the measured noise ({100 * band:.1f} %)")
             break
         if len(leaders) >= limit:
             words.append(f"trial {t.number} within it too, left out (at most {limit} leaders)")
             break
         leaders.append(t)
         words.append(f"trial {t.number} {ms:.1f} ms ({100 * gap:+.1f} %, within {100 * band:.1f} %)")
+    the_best = f"the measured noise of the best (trial {best.number}, {best_ms:.1f} ms)"
     if len(leaders) < 2:
-        return leaders, (f"no other feasible trial is within the measured noise of the best (trial {best.number}, "
-                         f"{best_ms:.1f} ms){missed}")
-    return leaders, f"within the measured noise of the best (trial {best.number}, {best_ms:.1f} ms): " + "; ".join(words)
+        return leaders, f"no other feasible trial is within {the_best}{missed}"
+    return leaders, f"within {the_best}: " + "; ".join(words)
 
 
 def plan_leaders(leaders: Sequence[Any], *, run_s: Callable[[Any], float], time_left_s: float | None,
                  why: str) -> LeaderPlan:
     """How many of ``leaders`` to re-measure and how many more runs each (:data:`LEADER_RUNS`, the most
-    first; at the same runs, the most leaders): the most that ``time_left_s`` (after verification's
-    reserve; None: no time budget) holds, each run priced by ``run_s``. ``why``: :func:`close_leaders`'s
-    line. When the time holds fewer than all of them, the runs go to the leaders whose figures rest on
-    the fewest runs (the best, re-measured in the loop when it became the best, often already pools two),
-    in rank order among equals: a leader measured once, whose single run may be the unlucky one, is not
-    left out for one measured twice."""
+    first; at the same runs, the most leaders): the most that ``time_left_s`` (None: no budget)
+    holds, each run priced by ``run_s``. When it holds fewer than all, the runs go to the leaders
+    whose figures rest on the fewest runs (rank order among equals): a leader measured once, whose
+    single run may be the unlucky one, is not left out for one measured twice."""
     if len(leaders) < 2:
         return LeaderPlan(leaders=list(leaders), runs=0, reason=f"Leaders not re-measured: {why}.")
     by_evidence = sorted(leaders, key=lambda t: (runs_so_far(t), leaders.index(t)))
@@ -279,8 +276,7 @@ def plan_leaders(leaders: Sequence[Any], *, run_s: Callable[[Any], float], time_
 
 
 def step_spread(per_rank: Sequence[Sequence[float]]) -> dict[str, Any] | None:
-    """The slowest rank's steps (seconds, per rank): ``step_time_ms`` (their median), ``q1_ms``,
-    ``q3_ms``, ``steps``; None without steps."""
+    """The slowest rank's ``step_time_ms`` (median), ``q1_ms``, ``q3_ms``, ``steps`` (or None)."""
     ranked = [(statistics.median(times), list(times)) for times in per_rank if times]
     if not ranked:
         return None
@@ -296,31 +292,31 @@ def runs_so_far(trial: Any) -> int:
 
 
 def own_steps(trial: Any) -> tuple[list[list[float]], int]:
-    """A trial's own measured steps per rank (seconds; its ``step_times_ms``, none in a study recorded
-    before they were kept) and how many runs they come from (:func:`runs_so_far`)."""
+    """A trial's own measured steps per rank (seconds, ``step_times_ms``) and the runs they pool."""
     kept = trial.user_attrs.get(STEP_TIMES_MS)
     if not isinstance(kept, list) or not any(isinstance(r, list) and r for r in kept):
         return [], 0
-    return [[float(t) / 1000 for t in r] if isinstance(r, list) else [] for r in kept], runs_so_far(trial)
+    steps = [[float(t) / 1000 for t in r] if isinstance(r, list) else [] for r in kept]
+    return steps, runs_so_far(trial)
 
 
 def spread_text(entry: Mapping[str, Any]) -> str:
-    """``159.0 ms (IQR 152.0-166.0 ms over 24 steps, 3 runs)`` from a leader's record (or a trial's
-    figures in the same keys; ``iqr_pct`` when the quartiles are not known)."""
+    """``159.0 ms (IQR 152.0-166.0 ms over 24 steps, 3 runs)`` from :func:`saved_spread`'s keys."""
     if entry.get("q1_ms") is not None and entry.get("q3_ms") is not None:
         iqr = f"IQR {float(entry['q1_ms']):.1f}-{float(entry['q3_ms']):.1f} ms"
     elif entry.get("iqr_pct") is not None:
         iqr = f"IQR {float(entry['iqr_pct']):.1f} % of it"
     else:
         iqr = ""
-    head = " ".join(part for part in (iqr, f"over {entry['steps']} steps" if entry.get("steps") else "") if part)
+    head = (iqr + (f" over {entry['steps']} steps" if entry.get("steps") else "")).strip()
+    figure = f"{head}, " if head else ""
     runs = int(entry.get("runs") or 1)
-    return f"{float(entry['step_time_ms']):.1f} ms ({head + ', ' if head else ''}{runs} run{'s' if runs != 1 else ''})"
+    return f"{float(entry['step_time_ms']):.1f} ms ({figure}{runs} run{'s' if runs != 1 else ''})"
 
 
 def pooled_value(trial: Any, step_time_ms: float, objective: Mapping[str, Any], reference_s: float | None) -> float:
-    """``trial``'s objective value with its step time replaced by the pooled one (the memory terms as
-    measured): the weighted value plus the time weight x the step's change over the reference step."""
+    """``trial``'s objective value with its step time replaced by the pooled one: the weighted value
+    plus the time weight x the step's change over the reference step."""
     value = weighted_objective(trial.values, dict(objective))
     own = _step_ms(trial)
     if own is None or not reference_s:
@@ -330,11 +326,9 @@ def pooled_value(trial: Any, step_time_ms: float, objective: Mapping[str, Any], 
 
 def remeasure_leaders(plan: LeaderPlan, *, launch: Callable[[Any], TrialOutcome], objective: Mapping[str, Any],
                       reference_s: float | None) -> dict[str, Any]:
-    """Run ``plan`` (each launch a re-measure run of a leader trial, in :meth:`LeaderPlan.order`), pool
-    each leader's steps (its own, :func:`own_steps`, and every run's, rank by rank) and return the
-    :data:`StudyAttr.LEADERS` record: each leader's pooled figures and value (or why its re-run
-    failed), ``order`` best first by pooled value, and the plan's ``reason``. A leader whose run fails
-    is not run again."""
+    """Run ``plan``, pool each leader's steps (its own and every run's, rank by rank) and return the
+    :data:`StudyAttr.LEADERS` record: each leader's pooled figures and value (or why a run failed:
+    it is not run again), ``order`` best first by pooled value, and the plan's ``reason``."""
     runs: dict[int, list[TrialOutcome]] = {t.number: [] for t in plan.leaders}
     failed: dict[int, str] = {}
     for trial in plan.order():
@@ -355,16 +349,20 @@ def remeasure_leaders(plan: LeaderPlan, *, launch: Callable[[Any], TrialOutcome]
                 pooled.extend([] for _ in range(rank + 1 - len(pooled)))
                 pooled[rank].extend(rank_steps(rep))
         spread = step_spread(pooled)
-        entries[str(trial.number)] = {"failed": "no measured steps in its re-measure runs"} if spread is None else {
-            **spread, "runs": own_runs + len(runs[trial.number]), "new_runs": len(runs[trial.number]),
-            "trial_ms": _step_ms(trial), "value": pooled_value(trial, spread["step_time_ms"], objective, reference_s)}
+        if spread is None:
+            entries[str(trial.number)] = {"failed": "no measured steps in its re-measure runs"}
+            continue
+        new = len(runs[trial.number])
+        value = pooled_value(trial, spread["step_time_ms"], objective, reference_s)
+        entries[str(trial.number)] = {**spread, "runs": own_runs + new, "new_runs": new,
+                                      "trial_ms": _step_ms(trial), "value": value}
     order = sorted(runs, key=lambda n: (entries[str(n)].get("value", math.inf), n))
     return {"reason": plan.reason, "order": order, "runs": plan.runs, "trials": entries}
 
 
 def leaders_line(record: Mapping[str, Any], *, was: int | None, now: int | None = None) -> str:
-    """One line on the leaders' pooled figures, best first, and which one is now the best (``now``: the
-    study's best after the record, when known; else the first re-measured leader)."""
+    """One line on the leaders' pooled figures, best first, and which one is now the best (``now``,
+    else the first re-measured leader)."""
     order = list(record.get("order") or [])
     parts = []
     for n in order:
@@ -375,7 +373,8 @@ def leaders_line(record: Mapping[str, Any], *, was: int | None, now: int | None 
             one = f", measured before {entry['trial_ms']:.1f} ms" if entry.get("trial_ms") else ""
             parts.append(f"trial {n} {spread_text(entry)}{one}")
     first = now if now is not None else next(iter(order), None)
-    verdict = f"trial {first} stays the best" if first == was else f"trial {first} is now the best (was trial {was})"
+    verdict = (f"trial {first} stays the best" if first == was
+               else f"trial {first} is now the best (was trial {was})")
     return "Leaders pooled (interleaved runs): " + "; ".join(parts) + f": {verdict}."
 
 
@@ -388,22 +387,21 @@ def one_per_config(trials: Iterable[Any]) -> list[Any]:
 
 
 def leader_candidates(study: Any) -> list[Any]:
-    """The study's candidates for the best (``protocol.rank_trials``), one per configuration, without
-    those that failed verification (never saved) and before any leaders' pooled figure counts: as the
-    trials measured them."""
+    """The study's candidates for the best, one per configuration, as the trials measured them (no
+    pooled figure) and without those that failed verification (never saved)."""
 
     def failed(t: Any) -> bool:
         verdict = study.user_attrs.get(f"{StudyAttr.VERIFY_PREFIX}{t.number}")
         return isinstance(verdict, dict) and not verdict.get("passed")
 
-    ranked = rank_trials(study.get_trials(deepcopy=False), study.user_attrs.get(StudyAttr.OBJECTIVE, {}))
+    objective = study.user_attrs.get(StudyAttr.OBJECTIVE, {})
+    ranked = rank_trials(study.get_trials(deepcopy=False), objective)
     return one_per_config(t for t in ranked if not failed(t))
 
 
 def leader_run_s(trials: Sequence[Any], trial: Any, *, device: str) -> float:
-    """One re-measure run of ``trial``'s configuration: its own first run's start-up, steps and hand-over
-    (its time split) plus, compiled, a compile from the study's cache (``search._timing``); a trial
-    without a time split is priced as the study's next trial (``search._timing.trial_s``)."""
+    """One re-measure run of ``trial``: its own run's time split plus, compiled, a compile from the
+    study's cache; without a time split, priced as the study's next trial (``search._timing``)."""
     config = BalanceConfig.from_dict(trial.user_attrs[TrialAttr.CONFIG])
     split = trial.user_attrs.get(TrialAttr.TIME_SPLIT)
     if not isinstance(split, dict):
@@ -416,9 +414,8 @@ def leader_run_s(trials: Sequence[Any], trial: Any, *, device: str) -> float:
 
 
 def least_plan(study: Any, trials: Sequence[Any], *, device: str) -> tuple[list[Any], float]:
-    """The least leaders' plan now: the first two leaders and their :data:`LEADER_RUNS`' fewest runs'
-    time (:func:`leader_run_s`), which the time budget keeps free (with the larger of their
-    verifications); none and 0 when no trial is within the best's noise."""
+    """The least leaders' plan, which the time budget keeps free: the first two leaders and the time
+    of the fewest :data:`LEADER_RUNS`; none and 0 when no trial is within the best's noise."""
     leaders, _ = close_leaders(leader_candidates(study))
     if len(leaders) < 2:
         return [], 0.0
@@ -426,10 +423,8 @@ def least_plan(study: Any, trials: Sequence[Any], *, device: str) -> tuple[list[
 
 
 def saved_spread(study: Any, trial: Any) -> dict[str, Any] | None:
-    """The step time a saved trial stands on, with its spread: the leaders' pooled figures when it was
-    re-measured as one (:data:`StudyAttr.LEADERS`), else its own steps' (``step_times_ms``: the slowest
-    rank's median and quartiles), else its median and IQR %; ``runs`` and ``steps`` behind it. None
-    without a step time. What :func:`spread_text` writes and the saved record keeps."""
+    """The step time a saved trial stands on, with its spread, ``runs`` and ``steps``: the leaders'
+    pooled figures, else its own steps', else its median and IQR %; None without a step time."""
     record = study.user_attrs.get(StudyAttr.LEADERS) or {}
     entry = (record.get("trials") or {}).get(str(trial.number)) if isinstance(record, dict) else None
     if isinstance(entry, dict) and entry.get("step_time_ms") is not None:

@@ -31,8 +31,8 @@ from autobalance.tuner._reporter import write_notes
 from autobalance.tuner.search import MAX_CANDIDATES, cache_dir, compile_env
 from autobalance.verify import Failure, SharedRuns, Verification, Verifier, VerifyTarget
 
-__all__ = ["figures_of_trial", "promote_trial", "ranked_candidates", "run_verify_command", "save_trial",
-           "verify_for_saving"]
+__all__ = ["figures_of_trial", "promote_trial", "ranked_candidates", "run_verify_command",
+           "save_trial", "verify_for_saving"]
 
 
 # ---------------------------------------------------------------------- in the study
@@ -42,6 +42,10 @@ def _work_dir(runs_dir: str, study_name: str, label: str) -> str:
 
 def _config_of(trial: Any) -> BalanceConfig:
     return BalanceConfig.from_dict(trial.user_attrs[TrialAttr.CONFIG])
+
+
+def _has_config(trial: Any) -> bool:
+    return trial is not None and bool(trial.user_attrs.get(TrialAttr.CONFIG))
 
 
 def _verdict(study: Any, number: int | str) -> Any:
@@ -74,18 +78,20 @@ def verify_for_saving(*, settings: Any, study: Any, best: Any, baseline: Any, no
         notes.append("Verification skipped (multi-node study): run `autobalance verify` on one node before "
                      "training with the saved configuration.")
         return best
-    baseline_cfg = _config_of(baseline) if baseline is not None and baseline.user_attrs.get(TrialAttr.CONFIG) else None
+    baseline_cfg = _config_of(baseline) if _has_config(baseline) else None
     candidates = [best] + [t for t in ranked_candidates(study) if t.number != best.number]
     with SharedRuns(pool=pool) as shared:  # one pool and one run of each baseline for every candidate
 
-        def verify(trial: Any) -> Verification:  # with the tune run's script, ranks, device, Inductor cache
-            s = settings
-            target = VerifyTarget(script=s.script, script_args=list(s.script_args), nproc_per_node=s.nproc_per_node,
-                                  device=s.device, torchrun_args=list(s.torchrun_args), timeout_s=s.trial_timeout,
-                                  work_dir=os.path.abspath(_work_dir(s.runs_dir, s.study_name, f"trial{trial.number}")),
-                                  cold=s.cold, env=compile_env(s))
-            verdict = Verifier(target, note=note, allow_batch_dependent=allows_batch_dependent(study),
-                               shared=shared).verify(_config_of(trial), baseline=baseline_cfg)
+        def verify(trial: Any) -> Verification:  # the tune run's script, ranks, device, cache
+            s, label = settings, f"trial{trial.number}"
+            target = VerifyTarget(
+                script=s.script, script_args=list(s.script_args), nproc_per_node=s.nproc_per_node,
+                device=s.device, torchrun_args=list(s.torchrun_args), timeout_s=s.trial_timeout,
+                work_dir=os.path.abspath(_work_dir(s.runs_dir, s.study_name, label)), cold=s.cold,
+                env=compile_env(s))
+            verdict = Verifier(target, note=note, shared=shared,
+                               allow_batch_dependent=allows_batch_dependent(study)).verify(
+                _config_of(trial), baseline=baseline_cfg)
             _keep_verdict(study, trial.number, verdict)
             if verdict.passed and not verdict.skipped:
                 notes.append(f"Verified trial {trial.number}: {verdict.reason} ({verdict.wall_s:.0f} s).")
@@ -94,7 +100,7 @@ def verify_for_saving(*, settings: Any, study: Any, best: Any, baseline: Any, no
             return verdict
 
         tried = 0
-        split_failures = 0  # candidates whose split differs from the script's and whose fp32 math failed
+        split_failures = 0  # candidates whose split is not the script's and whose fp32 math failed
         for trial in candidates:
             if tried >= MAX_CANDIDATES:
                 break
@@ -224,8 +230,7 @@ _FIGURE_KEYS = ("peak_device_gib", "peak_reserved_gib", "peak_allocated_gib", "o
 def figures_of_trial(study: optuna.Study, trial: FrozenTrial) -> dict[str, Any]:
     figures: dict[str, Any] = {k: trial.user_attrs.get(k) for k in _FIGURE_KEYS}
     figures["values"] = trial.values
-    spread = saved_spread(study, trial)  # the step time with its spread (pooled when the leaders were re-measured)
-    if spread is not None:
+    if (spread := saved_spread(study, trial)) is not None:  # pooled when leaders were re-measured
         figures["step_time_spread"] = spread
     verdict = _verdict(study, trial.number)
     figures["verification"] = None if verdict is None else {
@@ -233,16 +238,17 @@ def figures_of_trial(study: optuna.Study, trial: FrozenTrial) -> dict[str, Any]:
     base_no = study.user_attrs.get(StudyAttr.BASELINE)
     if base_no is not None:
         base = study.trials[base_no]
-        figures["baseline"] = {k: base.user_attrs.get(k) for k in _FIGURE_KEYS}
-        figures["baseline"]["trial"] = base_no
-        if base.user_attrs.get(TrialAttr.STEP_TIME_MS) and trial.user_attrs.get(TrialAttr.STEP_TIME_MS):
-            figures["speedup_vs_baseline"] = round(base.user_attrs[TrialAttr.STEP_TIME_MS] / trial.user_attrs[TrialAttr.STEP_TIME_MS], 4)
+        figures["baseline"] = {k: base.user_attrs.get(k) for k in _FIGURE_KEYS} | {"trial": base_no}
+        base_ms = base.user_attrs.get(TrialAttr.STEP_TIME_MS)
+        ms = trial.user_attrs.get(TrialAttr.STEP_TIME_MS)
+        if base_ms and ms:
+            figures["speedup_vs_baseline"] = round(base_ms / ms, 4)
     return figures
 
 
-def fingerprint_of_study(study: optuna.Study, trial: FrozenTrial | None = None) -> Any:
+def fingerprint_of_study(study: optuna.Study, trial: FrozenTrial) -> Any:
     """The tuning job's hardware: devices (each rank's identity, which production maps the
-    configuration by), memory, versions; with ``trial``, each rank's busy ms per sample in it."""
+    configuration by), memory, versions, and each rank's busy ms per sample in ``trial``."""
     from autobalance.store import HardwareFingerprint
 
     objective = study.user_attrs.get(StudyAttr.OBJECTIVE, {})
@@ -252,22 +258,17 @@ def fingerprint_of_study(study: optuna.Study, trial: FrozenTrial | None = None) 
     capacity = [int(c) for c in study.user_attrs.get(StudyAttr.CAPACITY, [])] or [0] * world
     names = study.user_attrs.get(StudyAttr.DEVICE_NAMES) or []
     speeds: list[float | None] = []
-    busy = trial.user_attrs.get(TrialAttr.BUSY_MS) if trial is not None else None
-    if trial is not None and isinstance(busy, list) and len(busy) == world and TrialAttr.CONFIG in trial.user_attrs:
-        samples = BalanceConfig.from_dict(trial.user_attrs[TrialAttr.CONFIG]).samples_per_rank
+    busy = trial.user_attrs.get(TrialAttr.BUSY_MS)
+    if isinstance(busy, list) and len(busy) == world and TrialAttr.CONFIG in trial.user_attrs:
+        samples = _config_of(trial).samples_per_rank
         speeds = [None if b is None else round(b / n, 4) for b, n in zip(busy, samples, strict=True)]
     return HardwareFingerprint(
         device_names=[str(n) for n in names] if len(names) == world and all(names) else [],
-        ms_per_sample=speeds,
-        device_type=device.get("type", objective.get("device", "cpu")),
-        device_name=device.get("name", "unknown"),
-        capacity_bytes=capacity,
-        cap_bytes=list(caps),
-        world_size=world,
-        nnodes=int(objective.get("nnodes", 1)),
+        ms_per_sample=speeds, device_type=device.get("type", objective.get("device", "cpu")),
+        device_name=device.get("name", "unknown"), capacity_bytes=capacity, cap_bytes=list(caps),
+        world_size=world, nnodes=int(objective.get("nnodes", 1)),
         torch_version=str(study.user_attrs.get(StudyAttr.TORCH_VERSION) or ""),
-        cuda_version=study.user_attrs.get(StudyAttr.CUDA_VERSION),
-    )
+        cuda_version=study.user_attrs.get(StudyAttr.CUDA_VERSION))
 
 
 def save_trial(*, storage_url: str, study: optuna.Study, trial_number: int, action: str) -> Any:
@@ -277,14 +278,10 @@ def save_trial(*, storage_url: str, study: optuna.Study, trial_number: int, acti
     trial = _measured_trial(study, trial_number)
     with ConfigStore(url=storage_url) as store:
         return store.save(
-            study_name=study.study_name,
-            trial_number=trial_number,
-            config=_config_of(trial),
-            figures=figures_of_trial(study, trial),
-            fingerprint=fingerprint_of_study(study, trial),
+            study_name=study.study_name, trial_number=trial_number, config=_config_of(trial),
+            figures=figures_of_trial(study, trial), fingerprint=fingerprint_of_study(study, trial),
             script_sha256=str(study.user_attrs.get(StudyAttr.SCRIPT_SHA, "")),
-            saved_by=make_saved_by(action),
-        )
+            saved_by=make_saved_by(action))
 
 
 def promote_trial(*, storage_url: str, study: optuna.Study, trial_number: int, verify: bool = True,
@@ -332,7 +329,7 @@ def _verify_trial(study: optuna.Study, trial: FrozenTrial, *, script: str | None
                          "or --no-verify to save without verification.")
     base_no = study.user_attrs.get(StudyAttr.BASELINE)
     base = study.trials[base_no] if base_no is not None else None
-    baseline = _config_of(base) if base is not None and base.user_attrs.get(TrialAttr.CONFIG) else None
+    baseline = _config_of(base) if _has_config(base) else None
     config = _config_of(trial)
     runs_dir = str(launch.get("runs_dir") or "autobalance_runs")
     device = launch.get("device") or (study.user_attrs.get(StudyAttr.DEVICE) or {}).get("type") or "cpu"
