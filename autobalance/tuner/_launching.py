@@ -293,10 +293,8 @@ class Slot:
     """Where one concurrent trial runs."""
 
     index: int
-    env: dict[str, str] = field(default_factory=dict)
-    """Extra environment of the slot's trials (``CUDA_VISIBLE_DEVICES``)."""
-    cpus: tuple[int, ...] | None = None
-    """Cores the slot's trials are pinned to (None: not pinned)."""
+    env: dict[str, str] = field(default_factory=dict)  # its trials' CUDA_VISIBLE_DEVICES
+    cpus: tuple[int, ...] | None = None  # the cores its trials are pinned to (None: not pinned)
 
     def describe(self) -> str:
         parts = []

@@ -281,10 +281,9 @@ class TrialLoop:
                 self.launcher.close_slot(slot)
                 done.set()
 
-        threads = [threading.Thread(target=work, args=(slot, done), name=f"autobalance-slot-{slot.index}", daemon=True)
-                   for slot, done in zip(slots, finished, strict=True)]
-        for thread in threads:
-            thread.start()
+        for slot, done in zip(slots, finished, strict=True):
+            threading.Thread(target=work, args=(slot, done), name=f"autobalance-slot-{slot.index}",
+                             daemon=True).start()
         # Events, not Thread.join: a join interrupted by Ctrl-C can mark a running thread as stopped
         # (CPython < 3.13), and the tuner would then exit while a slot still records its trial.
         try:
@@ -364,17 +363,17 @@ class TrialLoop:
             self.budget.stopped = True
             left = (self.budget.deadline or 0.0) - time.monotonic()
             self.budget.left_at_stop = left
-        budget = describe_budget(self.budget.budget_s or 0.0)
-        if left > 0:  # stopped early: the time left holds no further trial with verification after it
-            self.reporter.note(
-                f"Time budget ({budget}): {left:.0f} s left after {counted_trials(study)} of {self.settings.trials} "
-                f"trials, kept for the next trial's {self.budget.next_trial_s:.0f} s and verification's predicted "
-                f"{self.budget.reserve_s:.0f} s ({self.budget.reserve_runs} one-step runs)"
-                + (f" and re-measuring the leaders' {self.budget.leaders_s:.0f} s" if self.budget.leaders_s > 0 else "")
-                + ": no new trial starts; running ones finish, then the best is verified and saved.")
+        b, budget = self.budget, f"Time budget ({describe_budget(self.budget.budget_s or 0.0)})"
+        trials = f"{counted_trials(study)} of {self.settings.trials} trials"
+        then = "no new trial starts; running ones finish, then the best is verified and saved."
+        if left <= 0:
+            self.reporter.note(f"{budget} spent after {trials}: {then}")
             return
-        self.reporter.note(f"Time budget ({budget}) spent after {counted_trials(study)} of {self.settings.trials} "
-                           "trials: no new trial starts; running ones finish, then the best is verified and saved.")
+        leaders = f" and re-measuring the leaders' {b.leaders_s:.0f} s" if b.leaders_s > 0 else ""
+        self.reporter.note(  # stopped early: the time left holds no further trial and verification
+            f"{budget}: {left:.0f} s left after {trials}, kept for the next trial's "
+            f"{b.next_trial_s:.0f} s and verification's predicted {b.reserve_s:.0f} s "
+            f"({b.reserve_runs} one-step runs){leaders}: {then}")
 
     @contextlib.contextmanager
     def measuring(self, config: BalanceConfig) -> Iterator[None]:

@@ -171,7 +171,7 @@ def merge_outcomes(first: TrialOutcome, second: TrialOutcome, *, reason: str) ->
 
 def _slowest(outcome: TrialOutcome) -> float | None:
     times = [rep.step_time_s for rep in outcome.reports.values()]
-    return max(float(t) for t in times if t is not None) if times and all(t is not None for t in times) else None
+    return max(float(t) for t in times if t is not None) if times and None not in times else None
 
 
 # ---------------------------------------------------------------------- the leaders, before saving
@@ -188,10 +188,6 @@ class LeaderPlan:
     leaders: list[Any]
     runs: int
     reason: str
-
-    def order(self) -> list[Any]:
-        """The launches, interleaved: A, B, C, A, B, C, ..."""
-        return [t for _ in range(self.runs) for t in self.leaders]
 
 
 def figure_noise(attrs: Mapping[str, Any]) -> float:
@@ -331,7 +327,7 @@ def remeasure_leaders(plan: LeaderPlan, *, launch: Callable[[Any], TrialOutcome]
     it is not run again), ``order`` best first by pooled value, and the plan's ``reason``."""
     runs: dict[int, list[TrialOutcome]] = {t.number: [] for t in plan.leaders}
     failed: dict[int, str] = {}
-    for trial in plan.order():
+    for trial in [t for _ in range(plan.runs) for t in plan.leaders]:  # A, B, C, A, B, C, ...
         if trial.number not in failed:
             outcome = launch(trial)
             if outcome.status == Status.OK:
