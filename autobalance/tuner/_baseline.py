@@ -206,26 +206,24 @@ def _space_from_baseline(study: optuna.Study, outcome: TrialOutcome,
         raise TrialScriptError(
             f"the baseline trial (the script's own configuration) failed: {outcome.reason}. "
             f"Fix the script; logs in {outcome.trial_dir}.", traceback_text=outcome.traceback,
-            rank=outcome.failing_rank,
-        )
+            rank=outcome.failing_rank)
     if rep is None:
         advice = ("Raise --trial-timeout." if outcome.status == Status.TIMEOUT else
                   "A trial measures a script that calls autobalance.plan() and trains through plan.wrap() and "
                   "plan.steps() (README, 'Adopt it').")
-        raise LaunchError(
-            f"the baseline trial (the script's own configuration) measured nothing: {outcome.reason}; logs in "
-            f"{outcome.trial_dir}. {advice}"
-        )
+        raise LaunchError(f"the baseline trial (the script's own configuration) measured nothing: "
+                          f"{outcome.reason}; logs in {outcome.trial_dir}. {advice}")
     defaults = BalanceConfig.from_dict(rep.defaults)
     device = _device(rep)
     dtypes = s.dtypes or (["fp32", "bf16", "fp16"] if device.type == "cuda" else ["fp32", "bf16"])
     if defaults.dtype not in dtypes:
         dtypes = [defaults.dtype, *dtypes]
+    blocks = int((rep.model or {}).get("num_blocks", 0))
     space = SearchSpace.build(world_size=s.world_size, global_batch=defaults.global_batch,
-                              num_layers=int((rep.model or {}).get("num_blocks", 0)), dtypes=dtypes,
+                              num_layers=blocks, dtypes=dtypes,
                               max_accumulation=max(s.max_accumulation, defaults.accumulation),
                               compile_modes=s.compile_modes(), any_split=s.split == "any",
-                              compile_scopes=s.compile_scopes(int((rep.model or {}).get("num_blocks", 0))))
+                              compile_scopes=s.compile_scopes(blocks))
     if defaults.accumulation not in space.accumulations:
         space.accumulations = sorted({*space.accumulations, defaults.accumulation})
     if s.world_size > 1 and any((r.optimizer or {}).get("wrapped") for r in outcome.reports.values()):
@@ -238,14 +236,12 @@ def _space_from_baseline(study: optuna.Study, outcome: TrialOutcome,
     sharding = ShardingFacts.from_model(rep.model, s.world_size)
     if sharding is not None and sharding.searched(min(s.caps_bytes() or capacity) * (1 - s.headroom)):
         space.param_shardings = ["off", "embeddings", "blocks"]  # large embedding-like modules: FSDP2 may pay
-    if s.device == "cuda" and s.caps_bytes():
-        too_big = [(r, c) for r, c in enumerate(s.caps_bytes() or []) if c > capacity[r]]
-        if too_big:
-            r, c = too_big[0]
-            raise UsageError(
-                f"--memory-cap-gib={c / 2**30:g} for rank {r} is larger than its card ({capacity[r] / 2**30:.1f} GiB); "
-                "use a smaller cap."
-            )
+    caps = s.caps_bytes() if s.device == "cuda" else None
+    too_big = [(r, c) for r, c in enumerate(caps or []) if c > capacity[r]]
+    if too_big:
+        r, c = too_big[0]
+        raise UsageError(f"--memory-cap-gib={c / 2**30:g} for rank {r} is larger than its card "
+                         f"({capacity[r] / 2**30:.1f} GiB); use a smaller cap.")
     study.set_user_attr(StudyAttr.SPACE, space.to_dict())
     study.set_user_attr(StudyAttr.SCRIPT_FACTS, facts)
     study.set_user_attr(StudyAttr.ALLOW_BATCH_DEPENDENT, s.allow_batch_dependent)

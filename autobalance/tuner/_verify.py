@@ -183,24 +183,21 @@ def run_verify_command(*, script: str, script_args: list[str], study_name: str |
 
         study = load_study(study_name=str(study_name), storage_url=storage)
         trials = study.get_trials(deepcopy=False)
-        if trial is not None:
-            if trial >= len(trials) or not trials[trial].user_attrs.get(TrialAttr.CONFIG):
-                raise UsageError(f"--trial={trial} is not a trial of {study_name!r} with a configuration; list them with "
-                                 f"`autobalance trials --study-name {study_name}`.")
-            chosen = trials[trial]
-        else:
-            found = best_trial(study)
-            if found is None:
-                raise UsageError(f"study {study_name!r} has no feasible trial yet; pass --trial N or run more trials.")
-            chosen = found
+        if trial is not None and (trial >= len(trials) or not _has_config(trials[trial])):
+            raise UsageError(f"--trial={trial} is not a trial of {study_name!r} with a "
+                             f"configuration; list them with `autobalance trials --study-name "
+                             f"{study_name}`.")
+        chosen = trials[trial] if trial is not None else best_trial(study)
+        if chosen is None:
+            raise UsageError(f"study {study_name!r} has no feasible trial yet; pass --trial N or "
+                             "run more trials.")
         config = _config_of(chosen)
         what = f"trial {chosen.number} of '{study_name}'"
         label = f"trial{chosen.number}"
         device = device or (study.user_attrs.get(StudyAttr.DEVICE) or {}).get("type")
         if config.compile != "off" and not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
-            env = {"TORCHINDUCTOR_CACHE_DIR": cache_dir(runs_dir, str(study_name)),  # the study's own cache
-                   "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
-                   "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
+            env = {"TORCHINDUCTOR_CACHE_DIR": cache_dir(runs_dir, str(study_name)),  # its own
+                   "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
     nproc = nproc_per_node or config.world_size
     if nproc != config.world_size:
         raise UsageError(f"--nproc-per-node={nproc} but {what} has {config.world_size} ranks; verify on one node "
