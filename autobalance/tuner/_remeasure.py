@@ -189,6 +189,10 @@ class LeaderPlan:
     runs: int
     reason: str
 
+    def order(self) -> list[Any]:
+        """The launches, interleaved: A, B, C, A, B, C, ..."""
+        return [t for _ in range(self.runs) for t in self.leaders]
+
 
 def figure_noise(attrs: Mapping[str, Any]) -> float:
     """The standard error of a trial's step figure as a fraction of it, from its own steps' spread
@@ -327,7 +331,7 @@ def remeasure_leaders(plan: LeaderPlan, *, launch: Callable[[Any], TrialOutcome]
     it is not run again), ``order`` best first by pooled value, and the plan's ``reason``."""
     runs: dict[int, list[TrialOutcome]] = {t.number: [] for t in plan.leaders}
     failed: dict[int, str] = {}
-    for trial in [t for _ in range(plan.runs) for t in plan.leaders]:  # A, B, C, A, B, C, ...
+    for trial in plan.order():
         if trial.number not in failed:
             outcome = launch(trial)
             if outcome.status == Status.OK:
