@@ -171,7 +171,7 @@ def test_a_trial_starts_only_when_the_reserve_still_holds_after_it(tmp_path: Pat
     loop = TrialLoop(settings=types.SimpleNamespace(verify=True, nnodes=1, device="cuda", remeasure="auto"),  # type: ignore[arg-type]
                      storage=None, launcher=types.SimpleNamespace(stop=None), recorder=None,  # type: ignore[arg-type]
                      reporter=None, advisor=None, budget=budget)  # type: ignore[arg-type]
-    loop._reserve(study)
+    budget.refresh(loop.decision(study), now)
     assert budget.leaders_s > 0  # h200c's two best are within the measured noise: their re-measure is kept free too
     left = round(budget.reserve_s + budget.leaders_s) + 20
     budget.started += left

@@ -4,7 +4,7 @@ it); its report defines the search space and the devices' capacity."""
 from __future__ import annotations
 
 import contextlib
-import threading
+import functools
 import time
 from typing import Any
 
@@ -26,7 +26,7 @@ from autobalance.protocol import (
     over_limit,
 )
 from autobalance.store import heartbeat_interval_s, study_id
-from autobalance.tuner._launching import TrialLauncher
+from autobalance.tuner._launching import TrialLauncher, beating
 from autobalance.tuner._recording import Recorder
 from autobalance.tuner._reporter import Reporter
 from autobalance.tuner._settings import TuneSettings
@@ -39,7 +39,7 @@ __all__ = ["baseline_done", "baseline_fit_note", "baseline_once", "reference_con
 
 def baseline_once(study: optuna.Study, *, settings: TuneSettings, storage: optuna.storages.RDBStorage,
                   launcher: TrialLauncher, recorder: Recorder, reporter: Reporter) -> SearchSpace:
-    """Run the baseline, or wait while another worker on this study runs it (see ``_study``: several workers on one study)."""
+    """Run the baseline, or wait while another worker on this study runs it."""
     claim = BaselineClaim(storage, study_id(study, storage), owner=worker_id(), stale_after_s=3 * heartbeat_interval_s())
     waiting = False
     while True:
@@ -53,45 +53,35 @@ def baseline_once(study: optuna.Study, *, settings: TuneSettings, storage: optun
             reporter.note(f"Waiting for the baseline trial that {holder.get('owner', 'another worker')} runs.")
             waiting = True
         time.sleep(1.0)
-    stop = threading.Event()
-
-    def refresh() -> None:
-        while not stop.wait(min(3.0, heartbeat_interval_s() / 2)):
-            with contextlib.suppress(Exception):
-                claim.refresh()
-
-    beat = threading.Thread(target=refresh, daemon=True)
-    beat.start()
     try:
-        attrs = study.user_attrs  # recorded by another worker while this one took the claim?
-        if baseline_done(attrs):
-            return SearchSpace.from_dict(attrs[StudyAttr.SPACE])
-        if StudyAttr.BASELINE in attrs and StudyAttr.SPACE in attrs:  # the baseline ran, its reference did not
-            space = SearchSpace.from_dict(attrs[StudyAttr.SPACE])
-            own = study.trials[int(attrs[StudyAttr.BASELINE])].user_attrs.get(TrialAttr.CONFIG)
-            if own:
-                _fix_reference(study, space, BalanceConfig.from_dict(own), settings=settings, launcher=launcher,
-                               recorder=recorder, reporter=reporter)
+        with beating(claim.refresh, at_once=False):  # the claim kept fresh while it is held
+            attrs = study.user_attrs  # recorded by another worker while this one took the claim?
+            if baseline_done(attrs):
+                return SearchSpace.from_dict(attrs[StudyAttr.SPACE])
+            fix = functools.partial(_fix_reference, study, settings=settings, launcher=launcher,
+                                    recorder=recorder, reporter=reporter)
+            if StudyAttr.BASELINE in attrs and StudyAttr.SPACE in attrs:  # no reference run yet
+                space = SearchSpace.from_dict(attrs[StudyAttr.SPACE])
+                own = study.trials[int(attrs[StudyAttr.BASELINE])].user_attrs.get(TrialAttr.CONFIG)
+                if own:
+                    fix(space, BalanceConfig.from_dict(own))
+                return space
+            number = len(study.get_trials(deepcopy=False))
+            reporter.start(number, None, baseline=True)
+            outcome = launcher.launch(study, number=number, config=None)
+            space, defaults = _space_from_baseline(study, outcome, settings)
+            for line in study.user_attrs.get(StudyAttr.SCRIPT_FACTS) or []:
+                reporter.note(line)  # the study's first lines: what shapes the search
+            study.enqueue_trial(space.params_from_config(defaults),
+                                user_attrs={TrialAttr.BASELINE: True})
+            frozen = recorder.record(study, study.ask(), defaults, outcome, baseline=True)
+            study.set_user_attr(StudyAttr.BASELINE, frozen.number)
+            reporter.finish(frozen, best_trial(study))
+            if note := baseline_fit_note(frozen.user_attrs, global_batch=defaults.global_batch):
+                reporter.note(note)
+            fix(space, defaults)
             return space
-        number = len(study.get_trials(deepcopy=False))
-        reporter.start(number, None, baseline=True)
-        outcome = launcher.launch(study, number=number, config=None)
-        space, defaults = _space_from_baseline(study, outcome, settings)
-        for line in study.user_attrs.get(StudyAttr.SCRIPT_FACTS) or []:
-            reporter.note(line)  # the study's first lines: what shapes the search
-        study.enqueue_trial(space.params_from_config(defaults), user_attrs={TrialAttr.BASELINE: True})
-        frozen = recorder.record(study, study.ask(), defaults, outcome, baseline=True)
-        study.set_user_attr(StudyAttr.BASELINE, frozen.number)
-        reporter.finish(frozen, best_trial(study))
-        note = baseline_fit_note(frozen.user_attrs, global_batch=defaults.global_batch)
-        if note:
-            reporter.note(note)
-        _fix_reference(study, space, defaults, settings=settings, launcher=launcher, recorder=recorder,
-                       reporter=reporter)
-        return space
     finally:
-        stop.set()
-        beat.join(timeout=5)
         claim.release()
 
 
@@ -103,9 +93,8 @@ def baseline_done(attrs: dict[str, Any]) -> bool:
 
 def reference_configs(space: SearchSpace, own: BalanceConfig) -> list[BalanceConfig]:
     """The reference runs' configurations, tried in order until one gives a step time: the script's
-    own configuration (its dtype, buckets, sharding, eager) split evenly with every block checkpointed
-    at its own number of micro-steps, then at the most the space allows. Fixed by the baseline
-    alone, so every study of the script measures the same reference."""
+    own configuration (its dtype, buckets, sharding, eager) split evenly with every block
+    checkpointed at its own number of micro-steps, then at the most the space allows."""
     if "off" not in space.compile_modes:
         return []
     world = space.world_size
@@ -129,10 +118,9 @@ def reference_configs(space: SearchSpace, own: BalanceConfig) -> list[BalanceCon
 
 def _fix_reference(study: optuna.Study, space: SearchSpace, own: BalanceConfig, *, settings: TuneSettings,
                    launcher: TrialLauncher, recorder: Recorder, reporter: Reporter) -> None:
-    """Fix the objective's exchange rate before the search and print it: the baseline's step when it
-    gave one; else, on several ranks (where spread and step time trade), the step of the first
-    reference run (:func:`reference_configs`) that gives one, within ``--trials``; else the first trial
-    that will."""
+    """Fix the objective's exchange rate before the search and print it: the baseline's step; else,
+    on several ranks, the first reference run's (:func:`reference_configs`) that gives one within
+    ``--trials``; else the first trial's that will."""
     s = settings
     if study.user_attrs.get(StudyAttr.REFERENCE) is None and s.world_size > 1:
         for cfg in reference_configs(space, own):
@@ -218,26 +206,24 @@ def _space_from_baseline(study: optuna.Study, outcome: TrialOutcome,
         raise TrialScriptError(
             f"the baseline trial (the script's own configuration) failed: {outcome.reason}. "
             f"Fix the script; logs in {outcome.trial_dir}.", traceback_text=outcome.traceback,
-            rank=outcome.failing_rank,
-        )
+            rank=outcome.failing_rank)
     if rep is None:
         advice = ("Raise --trial-timeout." if outcome.status == Status.TIMEOUT else
                   "A trial measures a script that calls autobalance.plan() and trains through plan.wrap() and "
                   "plan.steps() (README, 'Adopt it').")
-        raise LaunchError(
-            f"the baseline trial (the script's own configuration) measured nothing: {outcome.reason}; logs in "
-            f"{outcome.trial_dir}. {advice}"
-        )
+        raise LaunchError(f"the baseline trial (the script's own configuration) measured nothing: "
+                          f"{outcome.reason}; logs in {outcome.trial_dir}. {advice}")
     defaults = BalanceConfig.from_dict(rep.defaults)
     device = _device(rep)
     dtypes = s.dtypes or (["fp32", "bf16", "fp16"] if device.type == "cuda" else ["fp32", "bf16"])
     if defaults.dtype not in dtypes:
         dtypes = [defaults.dtype, *dtypes]
+    blocks = int((rep.model or {}).get("num_blocks", 0))
     space = SearchSpace.build(world_size=s.world_size, global_batch=defaults.global_batch,
-                              num_layers=int((rep.model or {}).get("num_blocks", 0)), dtypes=dtypes,
+                              num_layers=blocks, dtypes=dtypes,
                               max_accumulation=max(s.max_accumulation, defaults.accumulation),
                               compile_modes=s.compile_modes(), any_split=s.split == "any",
-                              compile_scopes=s.compile_scopes(int((rep.model or {}).get("num_blocks", 0))))
+                              compile_scopes=s.compile_scopes(blocks))
     if defaults.accumulation not in space.accumulations:
         space.accumulations = sorted({*space.accumulations, defaults.accumulation})
     if s.world_size > 1 and any((r.optimizer or {}).get("wrapped") for r in outcome.reports.values()):
@@ -250,14 +236,12 @@ def _space_from_baseline(study: optuna.Study, outcome: TrialOutcome,
     sharding = ShardingFacts.from_model(rep.model, s.world_size)
     if sharding is not None and sharding.searched(min(s.caps_bytes() or capacity) * (1 - s.headroom)):
         space.param_shardings = ["off", "embeddings", "blocks"]  # large embedding-like modules: FSDP2 may pay
-    if s.device == "cuda" and s.caps_bytes():
-        too_big = [(r, c) for r, c in enumerate(s.caps_bytes() or []) if c > capacity[r]]
-        if too_big:
-            r, c = too_big[0]
-            raise UsageError(
-                f"--memory-cap-gib={c / 2**30:g} for rank {r} is larger than its card ({capacity[r] / 2**30:.1f} GiB); "
-                "use a smaller cap."
-            )
+    caps = s.caps_bytes() if s.device == "cuda" else None
+    too_big = [(r, c) for r, c in enumerate(caps or []) if c > capacity[r]]
+    if too_big:
+        r, c = too_big[0]
+        raise UsageError(f"--memory-cap-gib={c / 2**30:g} for rank {r} is larger than its card "
+                         f"({capacity[r] / 2**30:.1f} GiB); use a smaller cap.")
     study.set_user_attr(StudyAttr.SPACE, space.to_dict())
     study.set_user_attr(StudyAttr.SCRIPT_FACTS, facts)
     study.set_user_attr(StudyAttr.ALLOW_BATCH_DEPENDENT, s.allow_batch_dependent)

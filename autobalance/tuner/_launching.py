@@ -1,30 +1,25 @@
 """Launching a trial: the slot it runs in, its warm pool (or a cold torchrun, or the multi-node
 hand-off), its heartbeat in the storage and early stopping (pruning).
 
-**Slots.** Several trials at once on one host: disjoint GPU sets (``--gpus-per-trial``) or CPU core sets
-(``--cpus-per-trial``), one *slot* per concurrent trial.
-
-Each slot is a tuner thread that asks Optuna for a trial, launches it on the slot's devices and
-tells the result (Optuna's storage serialises the asks and tells; the TPE sampler's constant liar
-treats the other slots' running trials as bad results so that concurrent asks spread out).
-
-* GPUs: slot ``i`` gets ``CUDA_VISIBLE_DEVICES`` = the ``i``-th group of K visible GPUs (the
-  entries of the tuner's own ``CUDA_VISIBLE_DEVICES`` when set, indices, UUIDs or MIG ids alike);
-  inside the trial local rank r uses the r-th of them.
-* CPU cores: slot ``i`` gets the ``i``-th group of K cores of the tuner's affinity mask; the
-  trial's torchrun is pinned to them with ``sched_setaffinity`` between fork and exec (every rank
-  inherits the mask), so nothing in the training script or the environment has to cooperate.
-* Rendezvous: one-node trials use ``torchrun --standalone``, which picks a free port per job, so
-  concurrent trials never share a rendezvous.
+**Slots.** Several trials at once on one host, one *slot* per concurrent trial: a tuner thread that
+asks Optuna (the TPE sampler's constant liar spreads concurrent asks) and launches on the slot's
+devices. With ``--gpus-per-trial`` K, slot ``i``'s ``CUDA_VISIBLE_DEVICES`` is the ``i``-th group of
+K visible GPUs (the tuner's own entries when set: indices, UUIDs or MIG ids alike); with
+``--cpus-per-trial`` K, its torchrun is pinned to the ``i``-th group of K cores of the tuner's
+affinity mask (``sched_setaffinity`` between fork and exec: every rank inherits it). One-node
+trials use ``torchrun --standalone`` (a free port per job): concurrent trials never share a
+rendezvous.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import optuna
@@ -44,13 +39,36 @@ from autobalance.tuner.search import (
     compile_env,
 )
 
-__all__ = ["AUTO_MEASURE_FACTOR", "AUTO_MEASURE_MAX_S", "Slot", "Stopped", "TrialLauncher", "best_step_s",
-           "plan_slots", "usable_cpus", "visible_gpus"]
+__all__ = ["AUTO_MEASURE_FACTOR", "AUTO_MEASURE_MAX_S", "Slot", "Stopped", "TrialLauncher",
+           "beating", "best_step_s", "plan_slots", "usable_cpus", "visible_gpus"]
 
 
 class Stopped(KeyboardInterrupt):
     """Raised in a slot's trial when another slot stopped the study (or the tuner was interrupted):
     the trial is killed and marked interrupted like on Ctrl-C."""
+
+
+@contextlib.contextmanager
+def beating(beat: Callable[[], object], *, at_once: bool = True) -> Iterator[None]:
+    """Call ``beat`` every few seconds (first at once unless ``at_once`` is False; its errors
+    ignored) on a thread while the block runs: a heartbeat in the storage."""
+    stop = threading.Event()
+
+    def run() -> None:
+        if at_once and not stop.is_set():
+            with contextlib.suppress(Exception):
+                beat()
+        while not stop.wait(min(3.0, heartbeat_interval_s() / 2)):
+            with contextlib.suppress(Exception):
+                beat()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=5)
 
 
 class TrialLauncher:
@@ -60,23 +78,17 @@ class TrialLauncher:
     def __init__(self, *, settings: TuneSettings, storage: optuna.storages.RDBStorage, reporter: Reporter,
                  stop: threading.Event | None = None, pool: WarmPool | None = None) -> None:
         """``pool``: a warm pool shared with other tuners of the same script (the caller closes it).
-        ``stop``: set when a slot failed or the tuner was interrupted (a new event when not given):
-        every running trial is killed (:class:`Stopped`)."""
+        ``stop``: set when a slot failed or the tuner was interrupted: running trials are killed."""
         self.settings = settings
         self.storage = storage
         self.reporter = reporter
         self.stop = stop if stop is not None else threading.Event()
         self.pool: WarmPool | None = pool
         self.owns_pool = pool is None
-        self.cold = settings.cold
-        """Whether trials run cold (one torchrun each): ``--cold``, or a script that cannot run warm
-        (found when the first pool would start; :attr:`cold_note` says why)."""
+        self.cold = settings.cold  # --cold, or a script that cannot run warm (cold_note says why)
         self.cold_note: str | None = None
-        self.trials_run = 0
-        """Trials launched (baseline included)."""
-        self.overhead = TrialOverhead()
-        """The per-trial overhead ``--measure-s auto`` reads; the trial loop counts each recorded trial
-        into it (:meth:`count_trials`)."""
+        self.trials_run = 0  # trials launched, the baseline included
+        self.overhead = TrialOverhead()  # what --measure-s auto reads (count_trials)
         self.coordinator: TrialCoordinator | None = None
         self._slots: list[Slot] | None = None
         self._slot_pools: dict[int, WarmPool] = {}
@@ -105,8 +117,7 @@ class TrialLauncher:
     def launch(self, study: optuna.Study, *, number: int, config: BalanceConfig | None,
                trial: optuna.Trial | None = None, again: bool = False) -> TrialOutcome:
         """Run one trial (``config`` None: the script's own configuration) and classify its end.
-        A trial given as ``trial`` beats its heartbeat and may be pruned; ``again``: its second run
-        (see :mod:`autobalance.tuner._remeasure`)."""
+        A ``trial`` beats its heartbeat and may be pruned; ``again``: a re-measure run."""
         s = self.settings
         name = f"trial-{number:04d}-{int(time.time())}" + ("-again" if again else "")
         trial_dir = os.path.abspath(os.path.join(s.runs_dir, s.study_name, name))
@@ -121,15 +132,11 @@ class TrialLauncher:
             timeout_s=s.trial_timeout, pg_timeout_s=int(max(30, min(300, s.trial_timeout / 2))),
             env={**compile_env(s), **slot.env}, cpus=list(slot.cpus or []) or None,
         )
-        stop_beat = threading.Event()
-        beat = None
-        if trial is not None:
-            beat = threading.Thread(target=self._heartbeat, args=(trial_id(trial), stop_beat), daemon=True)
-            beat.start()
         # Pruning a warm trial kills the pool (restart: seconds); worth it only for long trials.
-        prune = trial is not None and s.prune_factor > 0 and (self.cold or s.nnodes > 1 or s.steps >= WARM_PRUNE_MIN_STEPS)
-        pruner = _Pruner(trial=trial, trial_dir=trial_dir, best_step_s=best_step_s(study),
-                         factor=s.prune_factor) if prune and trial is not None else None
+        prune = s.prune_factor > 0 and (self.cold or s.nnodes > 1
+                                        or s.steps >= WARM_PRUNE_MIN_STEPS)
+        pruner = _Pruner(trial, os.path.join(trial_dir, "progress.json"), best_step_s(study),
+                         s.prune_factor) if prune and trial is not None else None
 
         def on_poll(elapsed: float) -> bool:
             if self.stop.is_set():  # another slot failed or the tuner was interrupted
@@ -138,27 +145,25 @@ class TrialLauncher:
             return pruner.should_stop() if pruner is not None else False
 
         started_at = time.time()
+        heartbeat = contextlib.nullcontext() if trial is None else beating(
+            functools.partial(self.storage.record_heartbeat, trial_id(trial)))
         try:
-            if s.nnodes > 1:
-                outcome = self._coordinator().run(launch, on_poll=on_poll)
-            elif (pool := self._pool(launch)) is not None:
-                outcome = pool.run(launch, on_poll=on_poll)
-            else:
-                outcome = run_trial(launch, on_poll=on_poll)
-            outcome.started_at = started_at
-            return outcome
+            with heartbeat:
+                if s.nnodes > 1:
+                    outcome = self._coordinator().run(launch, on_poll=on_poll)
+                elif (pool := self._pool(launch)) is not None:
+                    outcome = pool.run(launch, on_poll=on_poll)
+                else:
+                    outcome = run_trial(launch, on_poll=on_poll)
+                outcome.started_at = started_at
+                return outcome
         finally:
-            stop_beat.set()
-            if beat is not None:
-                beat.join(timeout=5)
             with self._lock:
                 self.trials_run += 1
 
     def measure_s(self, study: optuna.Study) -> float:
         """How long the next trial measures: ``--measure-s``, or with ``auto`` on CUDA 7/3 of the
-        per-trial overhead as of the last recorded trial (:attr:`overhead`; so the steps take >= 70 %
-        of a trial), at most 2 s. Only this launcher's first launch, before anything was counted (the
-        baseline's), counts the study as it was opened."""
+        per-trial overhead (so the steps take >= 70 % of a trial), at most 2 s."""
         s = self.settings
         if not isinstance(s.measure_s, str):
             return float(s.measure_s)
@@ -170,20 +175,13 @@ class TrialLauncher:
         return 0.0 if overhead is None else min(AUTO_MEASURE_MAX_S, AUTO_MEASURE_FACTOR * overhead)
 
     def count_trials(self, study: optuna.Study) -> None:
-        """Bring :attr:`overhead` up to date with the study's trials: the trial loop calls it once per
-        recorded trial, and when it starts."""
+        """Bring :attr:`overhead` up to date with the study's trials (after each recorded trial)."""
         self.overhead.update(study.get_trials(deepcopy=False))
 
     def beat_now(self, trial: optuna.Trial) -> None:
         """One heartbeat at once: a tuner killed before its trial starts leaves it stale, not running."""
         with contextlib.suppress(Exception):
             self.storage.record_heartbeat(trial_id(trial))
-
-    def _heartbeat(self, beat_id: int, stop: threading.Event) -> None:
-        while not stop.is_set():
-            with contextlib.suppress(Exception):
-                self.storage.record_heartbeat(beat_id)
-            stop.wait(min(3.0, heartbeat_interval_s() / 2))
 
     # ------------------------------------------------------------------ pools and the coordinator
     def _coordinator(self) -> TrialCoordinator:
@@ -224,8 +222,7 @@ class TrialLauncher:
         return pool
 
     def close_slot(self, slot: Slot) -> None:
-        """Close the slot's pool: called by the thread that (re)started it (its parent-death signal
-        follows that thread)."""
+        """Close the slot's pool, from the thread that started it (its parent-death signal)."""
         with self._lock:
             pool = self._slot_pools.pop(slot.index, None)
             if slot.index == 0 and self.owns_pool:
@@ -235,8 +232,7 @@ class TrialLauncher:
 
     def take_pool(self) -> WarmPool | None:
         """The study's own warm pool, handed to the caller (who closes it), when one slot ran the
-        trials: its workers were started by this thread. A slot thread's pool is closed by that
-        thread (its parent-death signal follows the thread), so several slots hand over none."""
+        trials on this thread (a slot thread's pool is closed by that thread)."""
         with self._lock:
             if not self.owns_pool or self._slots is None or len(self._slots) != 1 or self.pool is None:
                 return None
@@ -262,16 +258,16 @@ def best_step_s(study: optuna.Study) -> float | None:
     return float(step_ms) / 1000 if step_ms else None
 
 
+@dataclass
 class _Pruner:
     """Reports each measured step time as an intermediate value; asks to stop a hopeless trial."""
 
-    def __init__(self, *, trial: optuna.Trial, trial_dir: str, best_step_s: float | None, factor: float) -> None:
-        self.trial = trial
-        self.path = os.path.join(trial_dir, "progress.json")
-        self.best = best_step_s
-        self.factor = factor
-        self.reported = 0
-        self.stop = False
+    trial: optuna.Trial
+    path: str  # the trial's progress.json
+    best: float | None
+    factor: float
+    reported: int = 0
+    stop: bool = False
 
     def should_stop(self) -> bool:
         if self.stop or not os.path.exists(self.path):
@@ -297,10 +293,8 @@ class Slot:
     """Where one concurrent trial runs."""
 
     index: int
-    env: dict[str, str] = field(default_factory=dict)
-    """Extra environment of the slot's trials (``CUDA_VISIBLE_DEVICES``)."""
-    cpus: tuple[int, ...] | None = None
-    """Cores the slot's trials are pinned to (None: not pinned)."""
+    env: dict[str, str] = field(default_factory=dict)  # its trials' CUDA_VISIBLE_DEVICES
+    cpus: tuple[int, ...] | None = None  # the cores its trials are pinned to (None: not pinned)
 
     def describe(self) -> str:
         parts = []
@@ -367,8 +361,7 @@ def plan_slots(*, device: str, nproc_per_node: int, nnodes: int, gpus_per_trial:
         env = {}
         if gpus_per_trial is not None and gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * gpus_per_trial:(i + 1) * gpus_per_trial])
-        pinned = None
-        if cpus_per_trial is not None and cpus is not None:
-            pinned = tuple(cpus[i * cpus_per_trial:(i + 1) * cpus_per_trial])
+        pinned = None if cpus_per_trial is None or cpus is None else tuple(
+            cpus[i * cpus_per_trial:(i + 1) * cpus_per_trial])
         slots.append(Slot(i, env, pinned))
     return slots

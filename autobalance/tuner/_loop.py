@@ -1,14 +1,9 @@
-"""The trial loop. Read :meth:`TrialLoop.one_trial` top to bottom: it is what every trial of a study
-goes through - ask Optuna, settle it without launching when its result is known or predicted,
-launch it (and measure it again when one run is not to be trusted), record it.
-:meth:`TrialLoop.run` repeats it (on one thread, or one thread per slot) while
-:meth:`TrialLoop.more_trials`, the head of the loop, finds no stop rule met: every rule that ends
-the loop is read there, each with its reason in one line.
-
-The loop owns its state: the lock that serialises what the slots share, the stop signal, the
-trials it runs now, the configurations being measured, the crashes in a row. Its parts (launcher,
-recorder, reporter, advisor, time budget) are the :class:`~autobalance.tuner._tuner.Tuner`'s,
-handed over when the tuner builds it."""
+"""The trial loop. :meth:`TrialLoop.one_trial` is what every trial of a study goes through - ask
+Optuna, settle it without launching when its result is known or predicted, launch it (and measure
+it again when one run is not to be trusted), record it. :meth:`TrialLoop.run` repeats it (on one
+thread, or one per slot) while :meth:`TrialLoop.more_trials`, the head of the loop, finds no stop
+rule met. Its parts (launcher, recorder, reporter, advisor, time budget) are the
+:class:`~autobalance.tuner._tuner.Tuner`'s."""
 
 from __future__ import annotations
 
@@ -73,26 +68,20 @@ class TrialLoop:
         self.recorder = recorder
         self.reporter = reporter
         self.advisor = advisor
-        self.budget = budget
-        """``--time-budget``: the tuner's (started when its run started); the loop stops asking once it is spent."""
+        self.budget = budget  # --time-budget: the loop stops asking once it is spent
         if budget is not None:  # verification's runs are reserved only when the study's best is verified
             budget.verify = settings.verify and settings.nnodes <= 1
             if self.remeasure_on() and settings.nnodes <= 1:  # and the leaders' re-measure
                 budget.leaders = least_plan
         self.lock = threading.RLock()
-        self.stop = launcher.stop
-        """Set when a slot failed or the tuner was interrupted: every slot stops (its running trial is killed)."""
-        self.running_here: set[int] = set()
-        """Trial ids this loop runs now (other workers' running trials are waited for at the end)."""
-        self._in_flight: dict[str, threading.Event] = {}
+        self.stop = launcher.stop  # a slot failed or the tuner was interrupted: every slot stops
+        self.running_here: set[int] = set()  # trial ids this loop runs now
+        self._in_flight: dict[str, threading.Event] = {}  # the configurations being measured
         self._crashes_in_a_row = 0
-        self._halt: Exception | None = None
-        """A trial's verdict that stops the study (:meth:`check_stop`), raised at the head of the loop."""
-        self.ended: str | None = None
-        """Why the loop ended, in one line (the stop rule :meth:`more_trials` found met)."""
+        self._halt: Exception | None = None  # a trial's verdict that stops the study (check_stop)
+        self.ended: str | None = None  # why the loop ended: the stop rule more_trials found met
         self._decision: Decision | None = None
-        self.leaders_s = 0.0
-        """Seconds the leaders' re-measure took (:meth:`remeasure_leaders`)."""
+        self.leaders_s = 0.0  # seconds the leaders' re-measure took
 
     def decision(self, study: optuna.Study) -> Decision:
         """The decision of the next trial (``search.Decision``: the study read once, each model fitted
@@ -128,15 +117,11 @@ class TrialLoop:
                     seen = self.recorder.seen(config)
                     if seen is not None:
                         frozen = self.recorder.reuse(study, trial, seen)
-                        self.launcher.count_trials(study)
-                        self.reporter.finish(frozen, best_trial(study), reused=True)
-                        return
+                        return self._settled(study, frozen, reused=True)
                     prediction = self.advisor.predict_infeasible(study, config) if self.advisor is not None else None
                     if prediction is not None:
                         frozen = self.recorder.predicted(study, trial, config, prediction)
-                        self.launcher.count_trials(study)
-                        self.reporter.finish(frozen, best_trial(study), predicted=True)
-                        return
+                        return self._settled(study, frozen, predicted=True)
                     late = self.over_budget(study, config)  # the reserve must still hold after this trial
                     if late is not None:
                         self.recorder.not_started(study, trial, config, late)
@@ -147,9 +132,7 @@ class TrialLoop:
                 if done is not None:
                     with self.lock:
                         frozen = self.recorder.reuse(study, trial, done)
-                        self.launcher.count_trials(study)
-                        self.reporter.finish(frozen, best_trial(study), reused=True)
-                    return
+                        return self._settled(study, frozen, reused=True)
                 # 3. Launch it: a torchrun job (warm pool, cold, or across nodes) that each rank reports on.
                 self.reporter.start(trial.number, config, why=proposal_line(trial.user_attrs))
                 try:
@@ -183,6 +166,11 @@ class TrialLoop:
             with self.lock:
                 self.running_here.discard(trial_id(trial))
 
+    def _settled(self, study: optuna.Study, frozen: FrozenTrial, **how: bool) -> None:
+        """A trial recorded without launching (reused or predicted): counted and said."""
+        self.launcher.count_trials(study)
+        self.reporter.finish(frozen, best_trial(study), **how)
+
     def claim(self, study: optuna.Study, trial: optuna.Trial,
               config: BalanceConfig) -> tuple[RunningClaim, FrozenTrial | None]:
         """Claim ``config`` for ``trial`` across the workers on the study (``_workers.RunningClaim``):
@@ -211,9 +199,7 @@ class TrialLoop:
 
     def remeasure_reason(self, study: optuna.Study, outcome: TrialOutcome, figures: TrialFigures) -> str | None:
         """Why a measured trial runs once more (its steps spread, or it would become the best: feasible
-        as the recorder will tell it, spread limit included, and with a lower objective value than the
-        study's best trial, ``protocol.would_be_best``; see :mod:`autobalance.tuner._remeasure`), or None
-        (``--remeasure``: ``auto`` is on for CUDA)."""
+        as the recorder will tell it and ``protocol.would_be_best``), or None."""
         s = self.settings
         if outcome.status != Status.OK or not self.remeasure_on():
             return None
@@ -244,11 +230,10 @@ class TrialLoop:
         self.remeasure_leaders(study)
 
     def remeasure_leaders(self, study: optuna.Study) -> None:
-        """Before saving: the best trial and those within its measured noise run again, interleaved in
-        the same worker state, as many runs as the time left holds with verification's reserve kept,
-        and rank by their pooled steps (``_remeasure.py``: ``close_leaders``, ``plan_leaders``,
-        ``remeasure_leaders``; the record is :data:`StudyAttr.LEADERS`). Each decision is said with
-        its reason. Nothing on several nodes, with ``--remeasure off`` or once the study was stopped."""
+        """Before saving: the best trial and those within its measured noise run again, as many
+        runs as the time left holds with verification's reserve kept, and rank by their pooled
+        steps (``_remeasure.py``). Nothing on several nodes, with ``--remeasure off`` or once
+        stopped."""
         s = self.settings
         if self.stop.is_set() or s.nnodes > 1 or not self.remeasure_on():
             return
@@ -266,14 +251,10 @@ class TrialLoop:
         if plan.runs == 0:
             return
         started = time.monotonic()
-
-        def launch(trial: FrozenTrial) -> TrialOutcome:
-            config = BalanceConfig.from_dict(trial.user_attrs[TrialAttr.CONFIG])
-            return self.launcher.launch(study, number=trial.number, config=config, again=True)
-
-        objective = study.user_attrs.get(StudyAttr.OBJECTIVE) or {}
-        record = remeasure_leaders(plan, launch=launch, objective=objective,
-                                   reference_s=study.user_attrs.get(StudyAttr.REFERENCE))
+        record = remeasure_leaders(plan, launch=lambda t: self.launcher.launch(
+            study, number=t.number, config=BalanceConfig.from_dict(t.user_attrs[TrialAttr.CONFIG]),
+            again=True), objective=study.user_attrs.get(StudyAttr.OBJECTIVE) or {},
+            reference_s=study.user_attrs.get(StudyAttr.REFERENCE))
         self.leaders_s = time.monotonic() - started
         record["wall_s"] = round(self.leaders_s, 3)
         study.set_user_attr(StudyAttr.LEADERS, record)
@@ -300,10 +281,9 @@ class TrialLoop:
                 self.launcher.close_slot(slot)
                 done.set()
 
-        threads = [threading.Thread(target=work, args=(slot, done), name=f"autobalance-slot-{slot.index}", daemon=True)
-                   for slot, done in zip(slots, finished, strict=True)]
-        for thread in threads:
-            thread.start()
+        for slot, done in zip(slots, finished, strict=True):
+            threading.Thread(target=work, args=(slot, done), name=f"autobalance-slot-{slot.index}",
+                             daemon=True).start()
         # Events, not Thread.join: a join interrupted by Ctrl-C can mark a running thread as stopped
         # (CPython < 3.13), and the tuner would then exit while a slot still records its trial.
         try:
@@ -324,22 +304,18 @@ class TrialLoop:
 
     # ------------------------------------------------------------------ the head of the loop: every stop rule
     def more_trials(self, study: optuna.Study) -> bool:
-        """The head of the loop, read before every ask (as Optuna's ``_optimize.py`` reads its stop flag,
-        ``n_trials`` and ``timeout`` at the head of its loop): whether to ask for another trial. Every
-        rule that ends the trial loop is here, in this order, each with its reason in one line
-        (:attr:`ended`; the time budget's is also said, by the first slot to find it):
+        """The head of the loop, read before every ask (as Optuna reads its stop flag, ``n_trials``
+        and ``timeout``): whether to ask for another trial. Every rule that ends the loop is here,
+        in this order, each with its reason in one line (:attr:`ended`):
 
-        1. a trial's verdict stops the study (:meth:`check_stop`: too many crashes in a row, a script
-           error): raised here;
+        1. a trial's verdict stops the study (:meth:`check_stop`): raised here;
         2. the stop signal (a slot failed, or the tuner was interrupted): this slot stops;
-        3. the time budget (``TimeBudget.spent``: the time left holds no further trial with
-           verification after it, or a proposal was found unaffordable, ``TimeBudget.unaffordable``):
-           no new trial starts;
+        3. the time budget (``TimeBudget.spent``, or a proposal was unaffordable): no trial starts;
         4. ``--trials`` counted trials: done, once other workers' running trials have finished (one
            may go stale and need a replacement; with the time budget spent they are not waited for).
 
-        The models' veto limit (``MAX_PREDICTED_IN_A_ROW``) ends no loop: after that many vetoes in a
-        row the advisor lets the next proposal launch."""
+        The models' veto limit (``MAX_PREDICTED_IN_A_ROW``) ends no loop: the advisor then lets the
+        next proposal launch."""
         noted = False
         while True:
             if self._halt is not None:
@@ -348,7 +324,8 @@ class TrialLoop:
             if self.stop.is_set():
                 return self._end("stopped: a slot failed or the tuner was interrupted")
             fail_stale_trials(study, self.storage)
-            self._reserve(study)
+            if self.budget.budget_s is not None:  # what the budget keeps free, brought up to date
+                self.budget.refresh(self.decision(study), time.monotonic())
             spent = self.budget.spent(time.monotonic())
             if counted_trials(study) < self.settings.trials:
                 if not spent:
@@ -374,14 +351,8 @@ class TrialLoop:
                 self.ended = reason
         return False
 
-    def _reserve(self, study: optuna.Study) -> None:
-        """Update what the time budget keeps free (``TimeBudget.refresh``); nothing without a budget."""
-        if self.budget.budget_s is not None:
-            self.budget.refresh(self.decision(study), time.monotonic())
-
     def over_budget(self, study: optuna.Study, config: BalanceConfig) -> str | None:
-        """Why ``config`` is not launched under the time budget (None: it is): ``TimeBudget.unaffordable``
-        over this trial's decision."""
+        """Why ``config`` is not launched under the time budget (``TimeBudget.unaffordable``)."""
         return self.budget.unaffordable(self.decision(study), config)
 
     def _budget_spent(self, study: optuna.Study) -> None:
@@ -392,17 +363,17 @@ class TrialLoop:
             self.budget.stopped = True
             left = (self.budget.deadline or 0.0) - time.monotonic()
             self.budget.left_at_stop = left
-        budget = describe_budget(self.budget.budget_s or 0.0)
-        if left > 0:  # stopped early: the time left holds no further trial with verification after it
-            self.reporter.note(
-                f"Time budget ({budget}): {left:.0f} s left after {counted_trials(study)} of {self.settings.trials} "
-                f"trials, kept for the next trial's {self.budget.next_trial_s:.0f} s and verification's predicted "
-                f"{self.budget.reserve_s:.0f} s ({self.budget.reserve_runs} one-step runs)"
-                + (f" and re-measuring the leaders' {self.budget.leaders_s:.0f} s" if self.budget.leaders_s > 0 else "")
-                + ": no new trial starts; running ones finish, then the best is verified and saved.")
+        b, budget = self.budget, f"Time budget ({describe_budget(self.budget.budget_s or 0.0)})"
+        trials = f"{counted_trials(study)} of {self.settings.trials} trials"
+        then = "no new trial starts; running ones finish, then the best is verified and saved."
+        if left <= 0:
+            self.reporter.note(f"{budget} spent after {trials}: {then}")
             return
-        self.reporter.note(f"Time budget ({budget}) spent after {counted_trials(study)} of {self.settings.trials} "
-                           "trials: no new trial starts; running ones finish, then the best is verified and saved.")
+        leaders = f" and re-measuring the leaders' {b.leaders_s:.0f} s" if b.leaders_s > 0 else ""
+        self.reporter.note(  # stopped early: the time left holds no further trial and verification
+            f"{budget}: {left:.0f} s left after {trials}, kept for the next trial's "
+            f"{b.next_trial_s:.0f} s and verification's predicted {b.reserve_s:.0f} s "
+            f"({b.reserve_runs} one-step runs){leaders}: {then}")
 
     @contextlib.contextmanager
     def measuring(self, config: BalanceConfig) -> Iterator[None]:
@@ -426,16 +397,15 @@ class TrialLoop:
             done.set()
 
     def check_stop(self, study: optuna.Study, outcome: TrialOutcome) -> None:
-        """After a recorded trial: whether it stops the study (too many crashes in a row, or a script
-        error with ``--on-error stop`` or before any trial was measured). The verdict is kept; the
-        head of the loop (:meth:`more_trials`) raises it before the next ask."""
+        """After a recorded trial: whether it stops the study (too many crashes in a row, or a
+        script error with ``--on-error stop`` or before any trial was measured); kept for
+        :meth:`more_trials` to raise."""
         if outcome.status == Status.CRASH:
             self._crashes_in_a_row += 1
             if self._crashes_in_a_row >= MAX_CRASHES_IN_A_ROW:
-                self._halt = LaunchError(
-                    f"{self._crashes_in_a_row} trials in a row crashed (last: {outcome.reason}); "
-                    f"stopping. Logs in {outcome.trial_dir}."
-                )
+                self._halt = LaunchError(f"{self._crashes_in_a_row} trials in a row crashed (last: "
+                                         f"{outcome.reason}); stopping. Logs in "
+                                         f"{outcome.trial_dir}.")
             return
         self._crashes_in_a_row = 0
         if outcome.status == Status.ERROR:
@@ -444,5 +414,4 @@ class TrialLoop:
                 self._halt = TrialScriptError(
                     f"trial {study.trials[-1].number} failed in the training script: {outcome.reason}. "
                     f"Logs in {outcome.trial_dir}. (Use --on-error continue to skip such trials.)",
-                    traceback_text=outcome.traceback, rank=outcome.failing_rank,
-                )
+                    traceback_text=outcome.traceback, rank=outcome.failing_rank)

@@ -54,10 +54,17 @@ def constraints(figures: TrialFigures, settings: TuneSettings) -> list[float]:
 
 
 def feasible(figures: TrialFigures, settings: TuneSettings, status: str) -> bool:
-    """Whether a trial with these figures is feasible, so a candidate for the best (``protocol.is_feasible``
-    reads the same from a recorded trial): measured to the end and within every :func:`constraints`.
-    What the recorder tells and what the loop re-measures as "would become the best" both ask this."""
+    """Whether a trial with these figures is feasible (``protocol.is_feasible`` of a recorded
+    trial): measured to the end and within every :func:`constraints`."""
     return status == Status.OK and figures.measured and all(c <= 0 for c in constraints(figures, settings))
+
+
+def _fail(study: optuna.Study, trial: optuna.Trial, status: Status, reason: str,
+          attrs: dict[str, Any] | None = None) -> None:
+    """Tell ``trial`` failed, with its status, reason and ``attrs``."""
+    for key, value in {TrialAttr.STATUS: status, TrialAttr.REASON: reason, **(attrs or {})}.items():
+        trial.set_user_attr(key, value)
+    study.tell(trial, state=TrialState.FAIL)
 
 
 class Recorder:
@@ -66,10 +73,8 @@ class Recorder:
     def __init__(self, *, settings: TuneSettings, storage: optuna.storages.RDBStorage) -> None:
         self.settings = settings
         self.storage = storage
-        self.measured: dict[str, FrozenTrial] = {}
-        """Trials that ran their configuration to a verdict, by configuration (JSON)."""
-        self.launched_here: list[int] = []
-        """Numbers of the trials this tuner launched and recorded (the baseline included)."""
+        self.measured: dict[str, FrozenTrial] = {}  # trials measured to a verdict, by configuration
+        self.launched_here: list[int] = []  # the trials this tuner launched, the baseline included
 
     def load(self, study: optuna.Study) -> None:
         self.measured = measured_configs(study)
@@ -80,8 +85,7 @@ class Recorder:
 
     # ------------------------------------------------------------------ a launched trial
     def figures(self, study: optuna.Study, outcome: TrialOutcome) -> TrialFigures:
-        """The trial's figures from its ranks' reports (per-rank peaks, capacity, the slowest rank's
-        step time): built once per outcome, here, and handed to :meth:`record`."""
+        """The trial's figures from its ranks' reports, built once per outcome."""
         s = self.settings
         cap = study.user_attrs.get(StudyAttr.CAPACITY)
         return figures_from_outcome(outcome, world_size=s.world_size, caps=s.caps_bytes(),
@@ -185,29 +189,23 @@ class Recorder:
         counted = sum(1 for t in study.get_trials(deepcopy=False) if t.number < trial.number and counts(t))
         if counted < total:
             return False
-        trial.set_user_attr(TrialAttr.STATUS, Status.SURPLUS)
-        trial.set_user_attr(TrialAttr.REASON, f"{total} trials were already counted when it was asked (another "
-                                              "worker took the last one); nothing was launched")
-        study.tell(trial, state=TrialState.FAIL)
+        _fail(study, trial, Status.SURPLUS, f"{total} trials were already counted when it was "
+                                            "asked (another worker took the last one); nothing was "
+                                            "launched")
         return True
 
     def not_started(self, study: optuna.Study, trial: optuna.Trial, config: BalanceConfig, reason: str) -> None:
         """A proposal the time budget cannot hold with verification after it: failed, not counted
         (status ``surplus``: nothing launched), the loop stops asking."""
-        trial.set_user_attr(TrialAttr.STATUS, Status.SURPLUS)
-        trial.set_user_attr(TrialAttr.REASON, reason)
-        trial.set_user_attr(TrialAttr.CONFIG, config.to_dict())
-        study.tell(trial, state=TrialState.FAIL)
+        _fail(study, trial, Status.SURPLUS, reason, {TrialAttr.CONFIG: config.to_dict()})
 
     def interrupted(self, study: optuna.Study, trial: optuna.Trial, config: BalanceConfig, exc: BaseException) -> None:
         """Ctrl-C (or another slot's failure) killed the trial: failed, run again on the next start."""
         partial: TrialOutcome | None = getattr(exc, "outcome", None)
-        trial.set_user_attr(TrialAttr.STATUS, Status.INTERRUPTED)
-        trial.set_user_attr(TrialAttr.REASON, INTERRUPTED_REASON)
-        trial.set_user_attr(TrialAttr.CONFIG, config.to_dict())
+        attrs: dict[str, Any] = {TrialAttr.CONFIG: config.to_dict()}
         if partial is not None:
-            trial.set_user_attr(TrialAttr.TRIAL_DIR, partial.trial_dir)
-        study.tell(trial, state=TrialState.FAIL)
+            attrs[TrialAttr.TRIAL_DIR] = partial.trial_dir
+        _fail(study, trial, Status.INTERRUPTED, INTERRUPTED_REASON, attrs)
 
     def unfinished(self, study: optuna.Study, trial: optuna.Trial, exc: BaseException) -> None:
         """Whatever stopped the tuner during a trial (Ctrl-C, a storage or launcher error), the trial
@@ -215,13 +213,10 @@ class Recorder:
         if storage_of(study).get_trial(trial_id(trial)).state != TrialState.RUNNING:
             return
         if isinstance(exc, KeyboardInterrupt):
-            trial.set_user_attr(TrialAttr.STATUS, Status.INTERRUPTED)
-            trial.set_user_attr(TrialAttr.REASON, INTERRUPTED_REASON)
+            _fail(study, trial, Status.INTERRUPTED, INTERRUPTED_REASON)
         else:
-            trial.set_user_attr(TrialAttr.STATUS, Status.CRASH)
-            trial.set_user_attr(TrialAttr.REASON,
-                                f"the tuner failed: {type(exc).__name__}: {mask_url(str(exc))[:250]}")
-        study.tell(trial, state=TrialState.FAIL)
+            why = f"the tuner failed: {type(exc).__name__}: {mask_url(str(exc))[:250]}"
+            _fail(study, trial, Status.CRASH, why)
 
     def launch_settings(self, study: optuna.Study, *, cold: bool) -> None:
         """How this run starts the script (once it is accepted): what ``promote`` verifies with.

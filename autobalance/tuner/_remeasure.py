@@ -2,19 +2,17 @@
 
 A rank's step time is the median of its measured steps; a trial's is the slowest rank's. On one
 H200 one configuration measured 177-239 ms across a warm study: more than most differences the
-search ranks. Each rank reports its steps' spread (``step_time_iqr_s``: interquartile range); the
-tuner runs a measured trial once more when
+search ranks. The tuner runs a measured trial once more when
 
 - its spread is high: the IQR of a rank's measured steps exceeds :data:`DISPERSION_LIMIT` of its
   median (something disturbed the steps: another process, a clock change, garbage collection), or
-- it is about to become the best: feasible and with a lower objective value than the study's best
-  trial (``protocol.would_be_best``; a lucky measurement would otherwise steer the rest of the
-  search and be what is saved).
+- it is about to become the best (``protocol.would_be_best``; a lucky measurement would otherwise
+  steer the rest of the search and be what is saved).
 
 The two runs are merged (:func:`merge_outcomes`): each rank's measured steps pooled, its step time
-the median of those it stands for (the full steps when any was measured: a partial step at the
-end of an epoch does less work); memory figures the larger of the two (a configuration that needed more once can need
-it again). A second run that fails (an OOM the first run escaped) is the trial's outcome.
+the median of those it stands for; memory figures the larger of the two (a configuration that
+needed more once can need it again). A second run that fails (an OOM the first run escaped) is the
+trial's outcome.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ import dataclasses
 import json
 import math
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,13 +50,13 @@ from autobalance.tuner.search import (
     trial_s,
 )
 
-__all__ = ["DISPERSION_LIMIT", "STEP_TIMES_MS", "LeaderPlan", "close_leaders", "dispersion", "figure_noise",
-           "leaders_line", "merge_outcomes", "noise_band", "own_steps", "plan_leaders", "pooled_value",
-           "rank_steps", "remeasure_leaders", "remeasure_reason", "runs_so_far", "spread_text", "step_spread"]
+__all__ = ["DISPERSION_LIMIT", "STEP_TIMES_MS", "close_leaders", "dispersion", "leader_candidates",
+           "leader_run_s", "leaders_line", "least_plan", "merge_outcomes", "noise_band",
+           "one_per_config", "plan_leaders", "rank_steps", "remeasure_leaders", "remeasure_reason",
+           "saved_spread", "spread_text"]
 
 STEP_TIMES_MS = "step_times_ms"
-"""Trial attribute: each rank's measured steps that its step time stands for (``protocol.timed_steps``),
-in ms; a trial measured twice holds both runs' steps."""
+"""Trial attribute: each rank's timed steps in ms (a trial measured twice: both runs')."""
 
 
 def _iqr(times: list[float]) -> float | None:
@@ -70,46 +68,38 @@ def _iqr(times: list[float]) -> float | None:
 
 def _timed(times: list[float], samples: list[Any] | None, rep: RankReport) -> tuple[list[float], float | None]:
     """The steps a rank's step time stands for (its full steps when any was measured: a partial
-    step does less work) and their samples per step; see :func:`~autobalance.protocol.timed_steps`."""
-    global_batch = _global_batch(rep)
+    step does less work) and their samples per step (``protocol.timed_steps``)."""
+    global_batch = (rep.config or {}).get("global_batch")
     return timed_steps(times, samples, global_batch if isinstance(global_batch, int) else None)
 
 
-def _global_batch(rep: RankReport) -> Any:
-    """The global batch of the configuration the rank applied (as it reported it; None: not reported)."""
-    return (rep.config or {}).get("global_batch")
-
-
 def rank_steps(rep: RankReport) -> list[float]:
-    """A rank report's timed steps in seconds (the full steps when any was measured: :func:`_timed`)."""
+    """A rank report's timed steps in seconds (:func:`_timed`)."""
     return _timed([float(t) for t in rep.step_times_s or []], rep.step_samples, rep)[0]
 
 
 def dispersion(outcome: TrialOutcome) -> float | None:
-    """Largest IQR / median over the ranks' measured steps (those the step time stands for: a
-    partial step is not spread); None without measured steps."""
+    """Largest IQR / median over the ranks' timed steps (a partial step is not spread); None without
+    measured steps."""
     worst: float | None = None
     for rep in outcome.reports.values():
-        times, _ = _timed([float(t) for t in rep.step_times_s or []], rep.step_samples, rep)
+        times = rank_steps(rep)
         iqr = _iqr(times)
-        if iqr is None:
-            continue
-        median = statistics.median(times)
-        if median > 0:
+        if iqr is not None and (median := statistics.median(times)) > 0:
             worst = max(worst or 0.0, iqr / median)
     return worst
 
 
 def remeasure_reason(outcome: TrialOutcome, *, step_time_s: float | None, would_be_best: bool,
-                     best_step_s: float | None = None, limit: float = DISPERSION_LIMIT) -> str | None:
+                     best_step_s: float | None = None) -> str | None:
     """Why ``outcome`` (already measured once) must be measured again, or None. ``would_be_best``:
-    feasible and better than the study's best trial (``protocol.would_be_best``); ``best_step_s``
-    that trial's step time, for the sentence."""
+    feasible and better than the study's best trial; ``best_step_s`` that trial's step time."""
     if outcome.status != Status.OK or step_time_s is None:
         return None
     spread = dispersion(outcome)
-    if spread is not None and spread > limit:
-        return f"its measured steps' IQR is {100 * spread:.1f} % of their median (> {100 * limit:.0f} %)"
+    if spread is not None and spread > DISPERSION_LIMIT:
+        return (f"its measured steps' IQR is {100 * spread:.1f} % of their median "
+                f"(> {100 * DISPERSION_LIMIT:.0f} %)")
     if would_be_best:
         was = f"; the best so far {1000 * best_step_s:.1f} ms" if best_step_s is not None else ""
         return f"it would become the best ({1000 * step_time_s:.1f} ms{was}): confirmed by a second run"
@@ -150,25 +140,24 @@ def merge_outcomes(first: TrialOutcome, second: TrialOutcome, *, reason: str) ->
     reports: dict[int, RankReport] = {}
     for rank, rep in first.reports.items():
         other = second.reports.get(rank)
+        other_samples = other.step_samples if other else None
         own, theirs = list(rep.step_times_s or []), list((other.step_times_s if other else None) or [])
         times = [*own, *theirs]
-        other_samples = other.step_samples if other else None
         samples = [*_padded(rep.step_samples, len(own)), *_padded(other_samples, len(theirs))]
         timed, per_step = _timed(times, samples, rep)
-        memory = _max_numbers(_memory(rep), _memory(other))
+        global_batch: Any = (rep.config or {}).get("global_batch")
         step_samples, partial_steps = rep.step_samples, rep.partial_steps
         if rep.step_samples is not None or other_samples is not None:
-            global_batch = _global_batch(rep)
             step_samples = [global_batch if n is None else n for n in samples]
             partial_steps = sum(1 for n in samples if n is not None and isinstance(global_batch, int)
                                 and n < global_batch)
-        # the median of the steps both runs' step times stand for (their full steps when any was measured)
         step_time = statistics.median(timed) if timed else rep.step_time_s
-        per_step = per_step or rep.samples_per_step or _global_batch(rep)
+        per_step = per_step or rep.samples_per_step or global_batch
         reports[rank] = dataclasses.replace(
-            rep, memory=RankMemory.from_dict(memory), step_times_s=times, measured_steps=len(times),
-            step_samples=step_samples, partial_steps=partial_steps, step_time_s=step_time,
-            step_time_iqr_s=_iqr(timed), samples_per_step=per_step,
+            rep, memory=RankMemory.from_dict(_max_numbers(_memory(rep), _memory(other))),
+            step_times_s=times, measured_steps=len(times), step_samples=step_samples,
+            partial_steps=partial_steps,
+            step_time_s=step_time, step_time_iqr_s=_iqr(timed), samples_per_step=per_step,
             samples_per_s=(per_step / step_time) if per_step and step_time else None,
         )
     merged = copy.copy(first)
@@ -182,28 +171,23 @@ def merge_outcomes(first: TrialOutcome, second: TrialOutcome, *, reason: str) ->
 
 def _slowest(outcome: TrialOutcome) -> float | None:
     times = [rep.step_time_s for rep in outcome.reports.values()]
-    return max(float(t) for t in times if t is not None) if times and all(t is not None for t in times) else None
+    return max(float(t) for t in times if t is not None) if times and None not in times else None
 
 
 # ---------------------------------------------------------------------- the leaders, before saving
-# Once the trial loop ends, the best trial and those within its measured noise (the leaders) run
-# again, interleaved in the same warm worker state (A, B, A, B, ...: each run a re-measure launch, as
-# above), each one's steps pooled over those runs, and they rank by the pooled figure
-# (``StudyAttr.LEADERS``, read by ``protocol.ranked_trials``): what is verified and saved is then the
-# truly faster of two configurations a single run each could not tell apart. The trial's own steps
-# are pooled too (a lucky run made it a leader more often than not, but the new runs outweigh it).
+# Once the loop ends, the best trial and those within its measured noise run again, interleaved
+# (A, B, A, B, ...), and rank by their pooled steps (``StudyAttr.LEADERS``): what is saved is then
+# the truly faster of two configurations a single run each could not tell apart.
 
 
 @dataclass(kw_only=True)
 class LeaderPlan:
-    """What the leaders' re-measure will do (``runs`` 0: nothing, ``reason`` says why)."""
+    """The leader trials to re-measure (best first), ``runs`` of each, interleaved (0: nothing), and
+    ``reason``: why, in one line."""
 
     leaders: list[Any]
-    """The leader trials, best first (as ranked before the re-measure)."""
     runs: int
-    """Runs of each leader, interleaved."""
     reason: str
-    """Why these leaders and this many runs, or why none, in one line."""
 
     def order(self) -> list[Any]:
         """The launches, interleaved: A, B, C, A, B, C, ..."""
@@ -232,13 +216,12 @@ def _step_ms(t: Any) -> float | None:
 
 
 def close_leaders(ranked: Sequence[Any], *, limit: int = LEADERS_MAX) -> tuple[list[Any], str]:
-    """The best of ``ranked`` (candidates best first, one per configuration) and the next ones whose
-    step time is within the measured noise of the best's (:func:`noise_band`), at most ``limit``; and
-    why, in one line. One leader alone: nothing is close (the line says what the next one missed by)."""
-    if not ranked or _step_ms(ranked[0]) is None:
+    """The best of ``ranked`` (candidates best first) and the next ones whose step time is within
+    the measured noise of the best's (:func:`noise_band`), at most ``limit``; and why (one line)."""
+    best_ms = _step_ms(ranked[0]) if ranked else None
+    if best_ms is None:
         return list(ranked[:1]), "no measured best trial"
     best = ranked[0]
-    best_ms = float(_step_ms(best) or 0.0)
     leaders, words, missed = [best], [], ""
     for t in ranked[1:]:
         ms = _step_ms(t)
@@ -246,29 +229,27 @@ def close_leaders(ranked: Sequence[Any], *, limit: int = LEADERS_MAX) -> tuple[l
             continue
         gap, band = (ms - best_ms) / best_ms, noise_band(best.user_attrs, t.user_attrs)
         if gap > band:
-            missed = (f"the next, trial {t.number} ({ms:.1f} ms), is {100 * gap:+.1f} % from the best's {best_ms:.1f} ms, "
-                      f"outside the measured noise ({100 * band:.1f} %)")
+            missed = (f": the next, trial {t.number} ({ms:.1f} ms), is {100 * gap:+.1f} % from the "
+                      f"best's {best_ms:.1f} ms, outside the measured noise ({100 * band:.1f} %)")
             break
         if len(leaders) >= limit:
             words.append(f"trial {t.number} within it too, left out (at most {limit} leaders)")
             break
         leaders.append(t)
         words.append(f"trial {t.number} {ms:.1f} ms ({100 * gap:+.1f} %, within {100 * band:.1f} %)")
+    the_best = f"the measured noise of the best (trial {best.number}, {best_ms:.1f} ms)"
     if len(leaders) < 2:
-        return leaders, f"no other feasible trial is within the measured noise of the best (trial {best.number}, " \
-                        f"{best_ms:.1f} ms)" + (f": {missed}" if missed else "")
-    return leaders, f"within the measured noise of the best (trial {best.number}, {best_ms:.1f} ms): " + "; ".join(words)
+        return leaders, f"no other feasible trial is within {the_best}{missed}"
+    return leaders, f"within {the_best}: " + "; ".join(words)
 
 
 def plan_leaders(leaders: Sequence[Any], *, run_s: Callable[[Any], float], time_left_s: float | None,
                  why: str) -> LeaderPlan:
     """How many of ``leaders`` to re-measure and how many more runs each (:data:`LEADER_RUNS`, the most
-    first; at the same runs, the most leaders): the most that ``time_left_s`` (after verification's
-    reserve; None: no time budget) holds, each run priced by ``run_s``. ``why``: :func:`close_leaders`'s
-    line. When the time holds fewer than all of them, the runs go to the leaders whose figures rest on
-    the fewest runs (the best, re-measured in the loop when it became the best, often already pools two),
-    in rank order among equals: each figure then ends on as many runs as the time allows, and a leader
-    measured once, whose single run may be the unlucky one, is not left out for one measured twice."""
+    first; at the same runs, the most leaders): the most that ``time_left_s`` (None: no budget)
+    holds, each run priced by ``run_s``. When it holds fewer than all, the runs go to the leaders
+    whose figures rest on the fewest runs (rank order among equals): a leader measured once, whose
+    single run may be the unlucky one, is not left out for one measured twice."""
     if len(leaders) < 2:
         return LeaderPlan(leaders=list(leaders), runs=0, reason=f"Leaders not re-measured: {why}.")
     by_evidence = sorted(leaders, key=lambda t: (runs_so_far(t), leaders.index(t)))
@@ -295,8 +276,7 @@ def plan_leaders(leaders: Sequence[Any], *, run_s: Callable[[Any], float], time_
 
 
 def step_spread(per_rank: Sequence[Sequence[float]]) -> dict[str, Any] | None:
-    """The slowest rank's steps (seconds, per rank): ``step_time_ms`` (their median), ``q1_ms``,
-    ``q3_ms``, ``steps``; None without steps."""
+    """The slowest rank's ``step_time_ms`` (median), ``q1_ms``, ``q3_ms``, ``steps`` (or None)."""
     ranked = [(statistics.median(times), list(times)) for times in per_rank if times]
     if not ranked:
         return None
@@ -312,9 +292,7 @@ def runs_so_far(trial: Any) -> int:
 
 
 def own_steps(trial: Any) -> tuple[list[list[float]], int]:
-    """A trial's own measured steps per rank (seconds; its ``step_times_ms``, none in a study recorded
-    before they were kept) and how many runs they come from (2 when it was re-measured)."""
-
+    """A trial's own measured steps per rank (seconds, ``step_times_ms``) and the runs they pool."""
     kept = trial.user_attrs.get(STEP_TIMES_MS)
     if not isinstance(kept, list) or not any(isinstance(r, list) and r for r in kept):
         return [], 0
@@ -323,24 +301,22 @@ def own_steps(trial: Any) -> tuple[list[list[float]], int]:
 
 
 def spread_text(entry: Mapping[str, Any]) -> str:
-    """``159.0 ms (IQR 152.0-166.0 ms over 24 steps, 3 runs)`` from a leader's record (or a trial's
-    figures in the same keys; ``iqr_pct`` when the quartiles are not known)."""
-    ms = float(entry["step_time_ms"])
-    runs = int(entry.get("runs") or 1)
-    steps = entry.get("steps")
-    over = f" over {steps} steps" if steps else ""
+    """``159.0 ms (IQR 152.0-166.0 ms over 24 steps, 3 runs)`` from :func:`saved_spread`'s keys."""
     if entry.get("q1_ms") is not None and entry.get("q3_ms") is not None:
         iqr = f"IQR {float(entry['q1_ms']):.1f}-{float(entry['q3_ms']):.1f} ms"
     elif entry.get("iqr_pct") is not None:
         iqr = f"IQR {float(entry['iqr_pct']):.1f} % of it"
     else:
-        return f"{ms:.1f} ms ({over.strip() + ', ' if over else ''}{runs} run{'s' if runs != 1 else ''})"
-    return f"{ms:.1f} ms ({iqr}{over}, {runs} run{'s' if runs != 1 else ''})"
+        iqr = ""
+    head = (iqr + (f" over {entry['steps']} steps" if entry.get("steps") else "")).strip()
+    figure = f"{head}, " if head else ""
+    runs = int(entry.get("runs") or 1)
+    return f"{float(entry['step_time_ms']):.1f} ms ({figure}{runs} run{'s' if runs != 1 else ''})"
 
 
 def pooled_value(trial: Any, step_time_ms: float, objective: Mapping[str, Any], reference_s: float | None) -> float:
-    """``trial``'s objective value with its step time replaced by the pooled one (the memory terms as
-    measured): the weighted value plus the time weight x the step's change over the reference step."""
+    """``trial``'s objective value with its step time replaced by the pooled one: the weighted value
+    plus the time weight x the step's change over the reference step."""
     value = weighted_objective(trial.values, dict(objective))
     own = _step_ms(trial)
     if own is None or not reference_s:
@@ -350,23 +326,18 @@ def pooled_value(trial: Any, step_time_ms: float, objective: Mapping[str, Any], 
 
 def remeasure_leaders(plan: LeaderPlan, *, launch: Callable[[Any], TrialOutcome], objective: Mapping[str, Any],
                       reference_s: float | None) -> dict[str, Any]:
-    """Run ``plan`` (each launch a re-measure run of a leader trial, in :meth:`LeaderPlan.order`), pool
-    each leader's steps (its own, :func:`own_steps`, and every run's, rank by rank) and return the
-    :data:`StudyAttr.LEADERS` record: each leader's pooled figures and value (or why its re-run
-    failed), ``order`` best first by pooled value, and the plan's ``reason``. A leader whose run fails
-    is not run again."""
-
+    """Run ``plan``, pool each leader's steps (its own and every run's, rank by rank) and return the
+    :data:`StudyAttr.LEADERS` record: each leader's pooled figures and value (or why a run failed:
+    it is not run again), ``order`` best first by pooled value, and the plan's ``reason``."""
     runs: dict[int, list[TrialOutcome]] = {t.number: [] for t in plan.leaders}
     failed: dict[int, str] = {}
     for trial in plan.order():
-        if trial.number in failed:
-            continue
-        outcome = launch(trial)
-        if outcome.status != Status.OK:
-            failed[trial.number] = f"a re-measure run ended {outcome.status}: {outcome.reason}"
-            runs[trial.number] = []
-            continue
-        runs[trial.number].append(outcome)
+        if trial.number not in failed:
+            outcome = launch(trial)
+            if outcome.status == Status.OK:
+                runs[trial.number].append(outcome)
+            else:
+                failed[trial.number] = f"a re-measure run ended {outcome.status}: {outcome.reason}"
     entries: dict[str, dict[str, Any]] = {}
     for trial in plan.leaders:
         if trial.number in failed:
@@ -375,59 +346,62 @@ def remeasure_leaders(plan: LeaderPlan, *, launch: Callable[[Any], TrialOutcome]
         pooled, own_runs = own_steps(trial)
         for outcome in runs[trial.number]:  # each rank's steps of every run, pooled
             for rank, rep in outcome.reports.items():
-                while len(pooled) <= rank:
-                    pooled.append([])
+                pooled.extend([] for _ in range(rank + 1 - len(pooled)))
                 pooled[rank].extend(rank_steps(rep))
         spread = step_spread(pooled)
         if spread is None:
             entries[str(trial.number)] = {"failed": "no measured steps in its re-measure runs"}
             continue
-        entries[str(trial.number)] = {**spread, "runs": own_runs + len(runs[trial.number]),
-                                      "new_runs": len(runs[trial.number]), "trial_ms": _step_ms(trial),
-                                      "value": pooled_value(trial, spread["step_time_ms"], objective, reference_s)}
-    order = sorted((n for n in runs), key=lambda n: (entries[str(n)].get("value", math.inf), n))
+        new = len(runs[trial.number])
+        value = pooled_value(trial, spread["step_time_ms"], objective, reference_s)
+        entries[str(trial.number)] = {**spread, "runs": own_runs + new, "new_runs": new,
+                                      "trial_ms": _step_ms(trial), "value": value}
+    order = sorted(runs, key=lambda n: (entries[str(n)].get("value", math.inf), n))
     return {"reason": plan.reason, "order": order, "runs": plan.runs, "trials": entries}
 
 
 def leaders_line(record: Mapping[str, Any], *, was: int | None, now: int | None = None) -> str:
-    """One line on the leaders' pooled figures, best first, and which one is now the best (``now``: the
-    study's best after the record, when known; else the first re-measured leader)."""
+    """One line on the leaders' pooled figures, best first, and which one is now the best (``now``,
+    else the first re-measured leader)."""
+    order = list(record.get("order") or [])
     parts = []
-    for n in record.get("order") or []:
+    for n in order:
         entry = (record.get("trials") or {}).get(str(n)) or {}
         if entry.get("failed"):
             parts.append(f"trial {n}: {entry['failed']}")
         else:
             one = f", measured before {entry['trial_ms']:.1f} ms" if entry.get("trial_ms") else ""
             parts.append(f"trial {n} {spread_text(entry)}{one}")
-    order = list(record.get("order") or [])
-    first = now if now is not None else (order[0] if order else None)
+    first = now if now is not None else next(iter(order), None)
     verdict = (f"trial {first} stays the best" if first == was
                else f"trial {first} is now the best (was trial {was})")
     return "Leaders pooled (interleaved runs): " + "; ".join(parts) + f": {verdict}."
 
 
+def one_per_config(trials: Iterable[Any]) -> list[Any]:
+    """The first of ``trials`` with each configuration, in their order."""
+    first: dict[str, Any] = {}
+    for t in trials:
+        first.setdefault(json.dumps(t.user_attrs.get(TrialAttr.CONFIG), sort_keys=True), t)
+    return list(first.values())
+
+
 def leader_candidates(study: Any) -> list[Any]:
-    """The study's candidates for the best (``protocol.ranked_trials``), one per configuration, without
-    those that failed verification (never saved) and before any leaders' pooled figure counts: as the
-    trials measured them."""
-    seen: set[str] = set()
-    out = []
-    trials = study.get_trials(deepcopy=False)
-    for t in rank_trials(trials, study.user_attrs.get(StudyAttr.OBJECTIVE, {})):
+    """The study's candidates for the best, one per configuration, as the trials measured them (no
+    pooled figure) and without those that failed verification (never saved)."""
+
+    def failed(t: Any) -> bool:
         verdict = study.user_attrs.get(f"{StudyAttr.VERIFY_PREFIX}{t.number}")
-        key = json.dumps(t.user_attrs.get(TrialAttr.CONFIG), sort_keys=True)
-        if key in seen or (isinstance(verdict, dict) and not verdict.get("passed")):
-            continue
-        seen.add(key)
-        out.append(t)
-    return out
+        return isinstance(verdict, dict) and not verdict.get("passed")
+
+    objective = study.user_attrs.get(StudyAttr.OBJECTIVE, {})
+    ranked = rank_trials(study.get_trials(deepcopy=False), objective)
+    return one_per_config(t for t in ranked if not failed(t))
 
 
 def leader_run_s(trials: Sequence[Any], trial: Any, *, device: str) -> float:
-    """One re-measure run of ``trial``'s configuration: its own first run's start-up, steps and hand-over
-    (its time split) plus, compiled, a compile from the study's cache (``search._timing``); a trial
-    without a time split is priced as the study's next trial (``search._timing.trial_s``)."""
+    """One re-measure run of ``trial``: its own run's time split plus, compiled, a compile from the
+    study's cache; without a time split, priced as the study's next trial (``search._timing``)."""
     config = BalanceConfig.from_dict(trial.user_attrs[TrialAttr.CONFIG])
     split = trial.user_attrs.get(TrialAttr.TIME_SPLIT)
     if not isinstance(split, dict):
@@ -440,9 +414,8 @@ def leader_run_s(trials: Sequence[Any], trial: Any, *, device: str) -> float:
 
 
 def least_plan(study: Any, trials: Sequence[Any], *, device: str) -> tuple[list[Any], float]:
-    """The least leaders' plan now: the first two leaders and their :data:`LEADER_RUNS`' fewest runs'
-    time (:func:`leader_run_s`), which the time budget keeps free (with the larger of their
-    verifications); none and 0 when no trial is within the best's noise."""
+    """The least leaders' plan, which the time budget keeps free: the first two leaders and the time
+    of the fewest :data:`LEADER_RUNS`; none and 0 when no trial is within the best's noise."""
     leaders, _ = close_leaders(leader_candidates(study))
     if len(leaders) < 2:
         return [], 0.0
@@ -450,10 +423,8 @@ def least_plan(study: Any, trials: Sequence[Any], *, device: str) -> tuple[list[
 
 
 def saved_spread(study: Any, trial: Any) -> dict[str, Any] | None:
-    """The step time a saved trial stands on, with its spread: the leaders' pooled figures when it was
-    re-measured as one (:data:`StudyAttr.LEADERS`), else its own steps' (``step_times_ms``: the slowest
-    rank's median and quartiles), else its median and IQR %; ``runs`` and ``steps`` behind it. None
-    without a step time. What :func:`spread_text` writes and the saved record keeps."""
+    """The step time a saved trial stands on, with its spread, ``runs`` and ``steps``: the leaders'
+    pooled figures, else its own steps', else its median and IQR %; None without a step time."""
     record = study.user_attrs.get(StudyAttr.LEADERS) or {}
     entry = (record.get("trials") or {}).get(str(trial.number)) if isinstance(record, dict) else None
     if isinstance(entry, dict) and entry.get("step_time_ms") is not None:

@@ -26,49 +26,46 @@ from autobalance.protocol import (
     best_trial,
     ranked_trials,
 )
-from autobalance.tuner._remeasure import saved_spread
+from autobalance.tuner._remeasure import one_per_config, saved_spread
 from autobalance.tuner._reporter import write_notes
-from autobalance.tuner.search import MAX_CANDIDATES
+from autobalance.tuner.search import MAX_CANDIDATES, cache_dir, compile_env
 from autobalance.verify import Failure, SharedRuns, Verification, Verifier, VerifyTarget
 
-__all__ = ["MAX_CANDIDATES", "allows_batch_dependent", "figures_of_trial", "fingerprint_of_study", "promote_trial",
-           "ranked_candidates", "run_verify_command", "save_trial", "target_for", "verify_for_saving"]
+__all__ = ["figures_of_trial", "promote_trial", "ranked_candidates", "run_verify_command",
+           "save_trial", "verify_for_saving"]
 
 
 # ---------------------------------------------------------------------- in the study
-ATTR_VERIFY_PREFIX = StudyAttr.VERIFY_PREFIX
-"""Study attribute ``autobalance:verify:<trial number>``: that trial's :meth:`Verification.to_dict`."""
-ATTR_ALLOW_BATCH_DEPENDENT = StudyAttr.ALLOW_BATCH_DEPENDENT
-"""Study attribute: True when the study was tuned with ``--allow-batch-dependent`` (its configurations
-may change the train-mode step of batch-dependent layers, and are verified in eval mode)."""
+def _work_dir(runs_dir: str, study_name: str, label: str) -> str:
+    return os.path.join(runs_dir, study_name, f"verify-{label}-{int(time.time())}")
 
 
-def target_for(settings: Any, *, label: str) -> VerifyTarget:
-    """The verification runs of a tune run's study (its script, ranks, device, Inductor cache)."""
-    from autobalance.tuner.search import compile_env
+def _config_of(trial: Any) -> BalanceConfig:
+    return BalanceConfig.from_dict(trial.user_attrs[TrialAttr.CONFIG])
 
-    work = os.path.abspath(os.path.join(settings.runs_dir, settings.study_name, f"verify-{label}-{int(time.time())}"))
-    return VerifyTarget(script=settings.script, script_args=list(settings.script_args),
-                        nproc_per_node=settings.nproc_per_node, device=settings.device,
-                        torchrun_args=list(settings.torchrun_args), timeout_s=settings.trial_timeout, work_dir=work,
-                        cold=settings.cold, env=compile_env(settings))
+
+def _has_config(trial: Any) -> bool:
+    return trial is not None and bool(trial.user_attrs.get(TrialAttr.CONFIG))
+
+
+def _verdict(study: Any, number: int | str) -> Any:
+    """Trial ``number``'s verdict kept in the study (:meth:`Verification.to_dict`), or None."""
+    return study.user_attrs.get(f"{StudyAttr.VERIFY_PREFIX}{number}")
+
+
+def _keep_verdict(study: Any, number: int | str, verdict: Verification) -> None:
+    study.set_user_attr(f"{StudyAttr.VERIFY_PREFIX}{number}", verdict.to_dict())
+    write_notes(study)  # the best trial's dashboard note gives the verdict
 
 
 def allows_batch_dependent(study: Any) -> bool:
     """Whether ``study`` was tuned allowing changes to batch-dependent layers (``--allow-batch-dependent``)."""
-    return bool(study.user_attrs.get(ATTR_ALLOW_BATCH_DEPENDENT, False))
+    return bool(study.user_attrs.get(StudyAttr.ALLOW_BATCH_DEPENDENT, False))
 
 
 def ranked_candidates(study: Any) -> list[Any]:
     """The candidates for the best (``protocol.ranked_trials``: one meaning of best), one per configuration."""
-    seen: set[str] = set()
-    out = []
-    for t in ranked_trials(study):
-        key = json.dumps(t.user_attrs.get(TrialAttr.CONFIG), sort_keys=True)
-        if key not in seen:
-            seen.add(key)
-            out.append(t)
-    return out
+    return one_per_config(ranked_trials(study))
 
 
 def verify_for_saving(*, settings: Any, study: Any, best: Any, baseline: Any, notes: list[str],
@@ -81,19 +78,21 @@ def verify_for_saving(*, settings: Any, study: Any, best: Any, baseline: Any, no
         notes.append("Verification skipped (multi-node study): run `autobalance verify` on one node before "
                      "training with the saved configuration.")
         return best
-    baseline_cfg = None
-    if baseline is not None and baseline.user_attrs.get(TrialAttr.CONFIG):
-        baseline_cfg = BalanceConfig.from_dict(baseline.user_attrs[TrialAttr.CONFIG])
+    baseline_cfg = _config_of(baseline) if _has_config(baseline) else None
     candidates = [best] + [t for t in ranked_candidates(study) if t.number != best.number]
     with SharedRuns(pool=pool) as shared:  # one pool and one run of each baseline for every candidate
 
-        def verify(trial: Any) -> Verification:
-            config = BalanceConfig.from_dict(trial.user_attrs[TrialAttr.CONFIG])
-            verdict = Verifier(target_for(settings, label=f"trial{trial.number}"), note=note,
-                               allow_batch_dependent=allows_batch_dependent(study), shared=shared).verify(
-                config, baseline=baseline_cfg)
-            study.set_user_attr(f"{ATTR_VERIFY_PREFIX}{trial.number}", verdict.to_dict())
-            write_notes(study)  # the best trial's dashboard note gives the verdict
+        def verify(trial: Any) -> Verification:  # the tune run's script, ranks, device, cache
+            s, label = settings, f"trial{trial.number}"
+            target = VerifyTarget(
+                script=s.script, script_args=list(s.script_args), nproc_per_node=s.nproc_per_node,
+                device=s.device, torchrun_args=list(s.torchrun_args), timeout_s=s.trial_timeout,
+                work_dir=os.path.abspath(_work_dir(s.runs_dir, s.study_name, label)), cold=s.cold,
+                env=compile_env(s))
+            verdict = Verifier(target, note=note, shared=shared,
+                               allow_batch_dependent=allows_batch_dependent(study)).verify(
+                _config_of(trial), baseline=baseline_cfg)
+            _keep_verdict(study, trial.number, verdict)
             if verdict.passed and not verdict.skipped:
                 notes.append(f"Verified trial {trial.number}: {verdict.reason} ({verdict.wall_s:.0f} s).")
             elif not verdict.passed:
@@ -101,12 +100,11 @@ def verify_for_saving(*, settings: Any, study: Any, best: Any, baseline: Any, no
             return verdict
 
         tried = 0
-        split_failures = 0
-        """Candidates whose split differs from the script's and whose fp32 math failed far above the floor."""
+        split_failures = 0  # candidates whose split is not the script's and whose fp32 math failed
         for trial in candidates:
             if tried >= MAX_CANDIDATES:
                 break
-            previous = study.user_attrs.get(f"{ATTR_VERIFY_PREFIX}{trial.number}")
+            previous = _verdict(study, trial.number)
             if previous is not None and not previous.get("passed"):
                 continue  # failed before: never saved
             if previous is not None:
@@ -123,7 +121,7 @@ def verify_for_saving(*, settings: Any, study: Any, best: Any, baseline: Any, no
         # every candidate's split changed the step: a term over the micro-batch (a balancing loss, a
         # batch statistic autobalance cannot see) - keep the script's own split, as for BatchNorm
         kept = [t for t in ranked_candidates(study) if same_split(_config_of(t), baseline_cfg)
-                and study.user_attrs.get(f"{ATTR_VERIFY_PREFIX}{t.number}") is None]
+                and _verdict(study, t.number) is None]
         if not kept:
             notes.append("Every verified split changed the fp32 step far above rounding, and no feasible trial keeps "
                          f"the script's own split ({baseline_cfg.split_text()}): tune again with the split fixed.")
@@ -134,18 +132,13 @@ def verify_for_saving(*, settings: Any, study: Any, best: Any, baseline: Any, no
                      "load-balancing loss); kept the script's own split "
                      f"({baseline_cfg.split_text()}) with the best other settings (trial {trial.number}), as for "
                      "BatchNorm.")
-        verdict = verify(trial)
-        return trial if verdict.passed else None
+        return trial if verify(trial).passed else None
 
 
 def same_split(a: BalanceConfig, b: BalanceConfig) -> bool:
     """Whether ``a`` and ``b`` give every rank the same micro-batches (sizes, accumulation)."""
     return a.world_size == b.world_size and all(a.micro_step_sizes(r) == b.micro_step_sizes(r)
                                                 for r in range(a.world_size))
-
-
-def _config_of(trial: Any) -> BalanceConfig:
-    return BalanceConfig.from_dict(trial.user_attrs[TrialAttr.CONFIG])
 
 
 # ---------------------------------------------------------------------- the command
@@ -187,27 +180,24 @@ def run_verify_command(*, script: str, script_args: list[str], study_name: str |
         label = "file"
     else:
         from autobalance.store import load_study
-        from autobalance.tuner.search import cache_dir
+
         study = load_study(study_name=str(study_name), storage_url=storage)
         trials = study.get_trials(deepcopy=False)
-        if trial is not None:
-            if trial >= len(trials) or not trials[trial].user_attrs.get(TrialAttr.CONFIG):
-                raise UsageError(f"--trial={trial} is not a trial of {study_name!r} with a configuration; list them with "
-                                 f"`autobalance trials --study-name {study_name}`.")
-            chosen = trials[trial]
-        else:
-            found = best_trial(study)
-            if found is None:
-                raise UsageError(f"study {study_name!r} has no feasible trial yet; pass --trial N or run more trials.")
-            chosen = found
-        config = BalanceConfig.from_dict(chosen.user_attrs[TrialAttr.CONFIG])
+        if trial is not None and (trial >= len(trials) or not _has_config(trials[trial])):
+            raise UsageError(f"--trial={trial} is not a trial of {study_name!r} with a "
+                             f"configuration; list them with `autobalance trials --study-name "
+                             f"{study_name}`.")
+        chosen = trials[trial] if trial is not None else best_trial(study)
+        if chosen is None:
+            raise UsageError(f"study {study_name!r} has no feasible trial yet; pass --trial N or "
+                             "run more trials.")
+        config = _config_of(chosen)
         what = f"trial {chosen.number} of '{study_name}'"
         label = f"trial{chosen.number}"
         device = device or (study.user_attrs.get(StudyAttr.DEVICE) or {}).get("type")
         if config.compile != "off" and not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
-            env = {"TORCHINDUCTOR_CACHE_DIR": cache_dir(runs_dir, str(study_name)),  # the study's own cache
-                   "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
-                   "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
+            env = {"TORCHINDUCTOR_CACHE_DIR": cache_dir(runs_dir, str(study_name)),  # its own
+                   "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
     nproc = nproc_per_node or config.world_size
     if nproc != config.world_size:
         raise UsageError(f"--nproc-per-node={nproc} but {what} has {config.world_size} ranks; verify on one node "
@@ -218,15 +208,13 @@ def run_verify_command(*, script: str, script_args: list[str], study_name: str |
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda"):
         raise UsageError(f"--device={device!r} is unknown; use cpu or cuda.")
-    name = study_name or "verify"
-    work = os.path.abspath(os.path.join(runs_dir, name, f"verify-{label}-{int(time.time())}"))
+    work = os.path.abspath(_work_dir(runs_dir, study_name or "verify", label))
     target = VerifyTarget(script=script, script_args=script_args, nproc_per_node=nproc, device=device,
                           timeout_s=trial_timeout, work_dir=work, cold=cold, env=env)
     allow = allows_batch_dependent(study) if study is not None else False
     verdict = Verifier(target, note=note, allow_batch_dependent=allow).verify(config)  # always run, even the script's own
     if study is not None:
-        study.set_user_attr(f"{ATTR_VERIFY_PREFIX}{label[len('trial'):]}", verdict.to_dict())
-        write_notes(study)
+        _keep_verdict(study, label[len("trial"):], verdict)
     return verdict, config, what
 
 
@@ -239,25 +227,25 @@ _FIGURE_KEYS = ("peak_device_gib", "peak_reserved_gib", "peak_allocated_gib", "o
 def figures_of_trial(study: optuna.Study, trial: FrozenTrial) -> dict[str, Any]:
     figures: dict[str, Any] = {k: trial.user_attrs.get(k) for k in _FIGURE_KEYS}
     figures["values"] = trial.values
-    spread = saved_spread(study, trial)  # the step time with its spread (pooled when the leaders were re-measured)
-    if spread is not None:
+    if (spread := saved_spread(study, trial)) is not None:  # pooled when leaders were re-measured
         figures["step_time_spread"] = spread
-    verdict = study.user_attrs.get(f"{StudyAttr.VERIFY_PREFIX}{trial.number}")
+    verdict = _verdict(study, trial.number)
     figures["verification"] = None if verdict is None else {
         k: verdict.get(k) for k in ("passed", "reason", "skipped")}
     base_no = study.user_attrs.get(StudyAttr.BASELINE)
     if base_no is not None:
         base = study.trials[base_no]
-        figures["baseline"] = {k: base.user_attrs.get(k) for k in _FIGURE_KEYS}
-        figures["baseline"]["trial"] = base_no
-        if base.user_attrs.get(TrialAttr.STEP_TIME_MS) and trial.user_attrs.get(TrialAttr.STEP_TIME_MS):
-            figures["speedup_vs_baseline"] = round(base.user_attrs[TrialAttr.STEP_TIME_MS] / trial.user_attrs[TrialAttr.STEP_TIME_MS], 4)
+        figures["baseline"] = {k: base.user_attrs.get(k) for k in _FIGURE_KEYS} | {"trial": base_no}
+        base_ms = base.user_attrs.get(TrialAttr.STEP_TIME_MS)
+        ms = trial.user_attrs.get(TrialAttr.STEP_TIME_MS)
+        if base_ms and ms:
+            figures["speedup_vs_baseline"] = round(base_ms / ms, 4)
     return figures
 
 
-def fingerprint_of_study(study: optuna.Study, trial: FrozenTrial | None = None) -> Any:
+def fingerprint_of_study(study: optuna.Study, trial: FrozenTrial) -> Any:
     """The tuning job's hardware: devices (each rank's identity, which production maps the
-    configuration by), memory, versions; with ``trial``, each rank's busy ms per sample in it."""
+    configuration by), memory, versions, and each rank's busy ms per sample in ``trial``."""
     from autobalance.store import HardwareFingerprint
 
     objective = study.user_attrs.get(StudyAttr.OBJECTIVE, {})
@@ -267,22 +255,17 @@ def fingerprint_of_study(study: optuna.Study, trial: FrozenTrial | None = None) 
     capacity = [int(c) for c in study.user_attrs.get(StudyAttr.CAPACITY, [])] or [0] * world
     names = study.user_attrs.get(StudyAttr.DEVICE_NAMES) or []
     speeds: list[float | None] = []
-    busy = trial.user_attrs.get(TrialAttr.BUSY_MS) if trial is not None else None
-    if trial is not None and isinstance(busy, list) and len(busy) == world and TrialAttr.CONFIG in trial.user_attrs:
-        samples = BalanceConfig.from_dict(trial.user_attrs[TrialAttr.CONFIG]).samples_per_rank
+    busy = trial.user_attrs.get(TrialAttr.BUSY_MS)
+    if isinstance(busy, list) and len(busy) == world and TrialAttr.CONFIG in trial.user_attrs:
+        samples = _config_of(trial).samples_per_rank
         speeds = [None if b is None else round(b / n, 4) for b, n in zip(busy, samples, strict=True)]
     return HardwareFingerprint(
         device_names=[str(n) for n in names] if len(names) == world and all(names) else [],
-        ms_per_sample=speeds,
-        device_type=device.get("type", objective.get("device", "cpu")),
-        device_name=device.get("name", "unknown"),
-        capacity_bytes=capacity,
-        cap_bytes=list(caps),
-        world_size=world,
-        nnodes=int(objective.get("nnodes", 1)),
+        ms_per_sample=speeds, device_type=device.get("type", objective.get("device", "cpu")),
+        device_name=device.get("name", "unknown"), capacity_bytes=capacity, cap_bytes=list(caps),
+        world_size=world, nnodes=int(objective.get("nnodes", 1)),
         torch_version=str(study.user_attrs.get(StudyAttr.TORCH_VERSION) or ""),
-        cuda_version=study.user_attrs.get(StudyAttr.CUDA_VERSION),
-    )
+        cuda_version=study.user_attrs.get(StudyAttr.CUDA_VERSION))
 
 
 def save_trial(*, storage_url: str, study: optuna.Study, trial_number: int, action: str) -> Any:
@@ -292,14 +275,10 @@ def save_trial(*, storage_url: str, study: optuna.Study, trial_number: int, acti
     trial = _measured_trial(study, trial_number)
     with ConfigStore(url=storage_url) as store:
         return store.save(
-            study_name=study.study_name,
-            trial_number=trial_number,
-            config=BalanceConfig.from_dict(trial.user_attrs[TrialAttr.CONFIG]),
-            figures=figures_of_trial(study, trial),
-            fingerprint=fingerprint_of_study(study, trial),
+            study_name=study.study_name, trial_number=trial_number, config=_config_of(trial),
+            figures=figures_of_trial(study, trial), fingerprint=fingerprint_of_study(study, trial),
             script_sha256=str(study.user_attrs.get(StudyAttr.SCRIPT_SHA, "")),
-            saved_by=make_saved_by(action),
-        )
+            saved_by=make_saved_by(action))
 
 
 def promote_trial(*, storage_url: str, study: optuna.Study, trial_number: int, verify: bool = True,
@@ -310,7 +289,7 @@ def promote_trial(*, storage_url: str, study: optuna.Study, trial_number: int, v
     not verified yet). ``script``/``script_args`` default to how the study's latest ``tune`` ran it.
     Returns the SavedConfig and one line on the verification."""
     trial = _measured_trial(study, trial_number)
-    previous = study.user_attrs.get(f"{StudyAttr.VERIFY_PREFIX}{trial_number}")
+    previous = _verdict(study, trial_number)
     if previous is not None and not previous.get("passed"):
         raise VerificationError(
             f"trial {trial_number} of {study.study_name!r} failed verification ({previous.get('reason')}); a configuration "
@@ -323,8 +302,7 @@ def promote_trial(*, storage_url: str, study: optuna.Study, trial_number: int, v
         line = "not verified (--no-verify)"
     else:
         verdict = _verify_trial(study, trial, script=script, script_args=script_args, note=note)
-        study.set_user_attr(f"{StudyAttr.VERIFY_PREFIX}{trial_number}", verdict.to_dict())
-        write_notes(study)
+        _keep_verdict(study, trial_number, verdict)
         if not verdict.passed:
             raise VerificationError(f"trial {trial_number} of {study.study_name!r} failed verification: {verdict.reason}; "
                                     "it is not saved. Promote another trial.")
@@ -335,8 +313,6 @@ def promote_trial(*, storage_url: str, study: optuna.Study, trial_number: int, v
 
 def _verify_trial(study: optuna.Study, trial: FrozenTrial, *, script: str | None, script_args: list[str] | None,
                   note: Callable[[str], None] | None) -> Any:
-    from autobalance.verify import Verifier, VerifyTarget
-
     launch = dict(study.user_attrs.get(StudyAttr.LAUNCH) or {})
     script = script or launch.get("script")
     if not script:
@@ -349,17 +325,16 @@ def _verify_trial(study: optuna.Study, trial: FrozenTrial, *, script: str | None
         raise UsageError(f"--script={script!r} differs from the script the study tuned (sha256); pass that script, "
                          "or --no-verify to save without verification.")
     base_no = study.user_attrs.get(StudyAttr.BASELINE)
-    baseline = None
-    if base_no is not None and study.trials[base_no].user_attrs.get(TrialAttr.CONFIG):
-        baseline = BalanceConfig.from_dict(study.trials[base_no].user_attrs[TrialAttr.CONFIG])
-    config = BalanceConfig.from_dict(trial.user_attrs[TrialAttr.CONFIG])
+    base = study.trials[base_no] if base_no is not None else None
+    baseline = _config_of(base) if _has_config(base) else None
+    config = _config_of(trial)
     runs_dir = str(launch.get("runs_dir") or "autobalance_runs")
     device = launch.get("device") or (study.user_attrs.get(StudyAttr.DEVICE) or {}).get("type") or "cpu"
     target = VerifyTarget(
         script=script, script_args=list(script_args if script_args is not None else launch.get("script_args") or []),
         nproc_per_node=int(launch.get("nproc_per_node") or config.world_size), device=str(device),
         torchrun_args=list(launch.get("torchrun_args") or []), timeout_s=float(launch.get("trial_timeout") or 300),
-        work_dir=os.path.join(runs_dir, study.study_name, f"verify-trial{trial.number}-{int(time.time())}"),
+        work_dir=_work_dir(runs_dir, study.study_name, f"trial{trial.number}"),
         cold=bool(launch.get("cold", False)), env=dict(launch.get("compile_env") or {}))
     return Verifier(target, note=note, allow_batch_dependent=allows_batch_dependent(study)).verify(config, baseline=baseline)
 
