@@ -16,7 +16,7 @@ from autobalance import BalanceConfig
 from autobalance.protocol import Status
 from autobalance.tuner.search import Decision, SearchSpace, TrialHistory, compile_times
 from autobalance.tuner.search._constants import REGIONAL_COMPILE_SHARE
-from autobalance.tuner.search._policy import FIT_MARGIN, Record, SearchPolicy
+from autobalance.tuner.search._policy import FIT_MARGIN, Record, SearchPolicy, proposal_line
 
 USABLE = 15.2
 
@@ -176,7 +176,8 @@ def test_a_proposal_the_time_budget_cannot_hold_gives_way_to_the_next_phase() ->
     first = SearchPolicy(space=_space(), models=models).next(_history(best))
     # the budget raised in the measured scope (a cheap compile) before the other scope is probed
     assert first is not None and first.phase == "raise-budget" and first.config == raised
-    assert first.predicted_ms == 140.0 and first.prediction_text().startswith("140 ms, ")  # a time and a peak
+    assert first.predicted_ms == 140.0  # a time and a peak
+    assert proposal_line(first.user_attrs()).startswith("raise-budget: 140 ms, ")
     models.refuse = {raised.to_json()}
     then = SearchPolicy(space=_space(), models=models).next(_history(best))
     assert then is not None and then.phase == "scope-probe"
