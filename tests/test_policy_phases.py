@@ -99,7 +99,7 @@ class _Models:
 
 
 def _history(*records: Record) -> TrialHistory:
-    return TrialHistory(records=list(records), usable_gib=[USABLE], device="cuda", loss_in_model=False)
+    return TrialHistory(records=list(records), usable_gib=[USABLE], loss_in_model=False)
 
 
 def test_raise_budget_goes_to_the_largest_budget_whose_measured_peak_plus_the_change_fits() -> None:

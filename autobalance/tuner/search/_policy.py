@@ -1,12 +1,9 @@
 """The search policy: where the next trial is chosen.
 
-:meth:`SearchPolicy.next` reads the study once as a :class:`TrialHistory` (other workers' running
-trials included, so parallel tuners do not propose what another is measuring) and walks its phases in
-order: the first that applies proposes the next trial as a :class:`Proposal`; one the time budget
-cannot hold gives way to the next phase's. :class:`ModelAdvisor` enqueues it, so the study stays a
-plain Optuna study (dashboard, resume, several workers); when no phase proposes, the trial is the
-sampler's. Every trial line and the dashboard show the phase and its prediction. The constants named
-below live in ``_constants``, each with the measurement it comes from.
+:meth:`SearchPolicy.next` walks the phases over a :class:`TrialHistory` (running trials included:
+parallel tuners do not propose what another measures); the first that proposes a trial the time budget
+holds wins; :class:`ModelAdvisor` enqueues it (a plain Optuna study: dashboard, resume, several
+workers). The constants named below live in ``_constants``, with the measurements they come from.
 
 | phase | applies when | proposes |
 |---|---|---|
@@ -124,7 +121,6 @@ class Record:
     step_ms: float | None = None
     feasible: bool = False
     reused: bool = False
-    phase: str | None = None
 
     @property
     def measured(self) -> bool:
@@ -143,13 +139,12 @@ class TrialHistory:
     records: list[Record]
     usable_gib: list[float]
     """Per rank, the memory a trial may use (cap x (1 - headroom))."""
-    device: str
     loss_in_model: bool | None = None
     """The baseline's report: the loss computed inside the wrapped model (None: not reported)."""
 
     @classmethod
     def from_trials(cls, trials: Sequence[FrozenTrial], *, space: SearchSpace, usable: list[float] | None,
-                    device: str, model_facts: dict[str, Any] | None = None) -> TrialHistory:
+                    model_facts: dict[str, Any] | None = None) -> TrialHistory:
         records = []
         for t in trials:
             a = t.user_attrs
@@ -167,10 +162,9 @@ class TrialHistory:
                 number=t.number, config=cfg, status=None if running else a.get(TrialAttr.STATUS),
                 running=running, peaks_gib=list(a.get(TrialAttr.PEAK_DEVICE_GIB) or []),
                 held_gib=list(a.get(TrialAttr.HELD_GIB) or []), step_ms=a.get(TrialAttr.STEP_TIME_MS),
-                feasible=bool(a.get(TrialAttr.FEASIBLE)), reused=a.get(TrialAttr.REUSED_FROM) is not None,
-                phase=a.get(TrialAttr.PROPOSAL_PHASE)))
+                feasible=bool(a.get(TrialAttr.FEASIBLE)), reused=a.get(TrialAttr.REUSED_FROM) is not None))
         loss = (model_facts or {}).get("loss_in_model")
-        return cls(records=records, usable_gib=[u / GIB for u in (usable or [])], device=device,
+        return cls(records=records, usable_gib=[u / GIB for u in (usable or [])],
                    loss_in_model=loss if isinstance(loss, bool) else None)
 
     def tried(self) -> set[str]:
@@ -259,15 +253,12 @@ class TrialHistory:
             r.status == Status.OOM or (bool(self.usable_gib) and any(
                 p is not None and p > u for p, u in zip(r.peaks_gib, self.usable_gib, strict=False))))]
 
-    def slower_with_more_steps(self, base: Record) -> Record | None:
-        """The fastest feasible trial of ``base``'s compile key and dtype with more micro-steps that
-        ran slower than ``base`` beyond :data:`SAME_WITHIN` (None: none)."""
-        cfg = base.config
-        if cfg is None or base.step_ms is None:
-            return None
-        out = [r for r, c in self._keyed(cfg) if r.feasible and r.step_ms is not None
-               and c.accumulation > cfg.accumulation and float(r.step_ms) > float(base.step_ms) * (1.0 + SAME_WITHIN)]
-        return min(out, key=lambda r: float(r.step_ms or 0.0)) if out else None
+    def slower_with_more_steps(self, cfg: BalanceConfig, ms: float) -> tuple[Record, BalanceConfig] | None:
+        """The fastest feasible trial of ``cfg``'s compile key and dtype with more micro-steps that ran
+        slower than ``ms`` beyond :data:`SAME_WITHIN` (None: none)."""
+        out = [(r, c) for r, c in self._keyed(cfg) if r.feasible and r.step_ms is not None
+               and c.accumulation > cfg.accumulation and float(r.step_ms) > ms * (1.0 + SAME_WITHIN)]
+        return min(out, key=lambda o: float(o[0].step_ms or 0.0)) if out else None
 
     def lowest_budget(self, config: BalanceConfig) -> float:
         """The lowest budget measured in ``config``'s compile key and dtype, any split (at most 1.0)."""
@@ -379,14 +370,12 @@ class SearchPolicy:
         tried = history.tried()
         for phase in PHASES:
             proposal = phase(self, history)
-            if proposal is None or proposal.config is None:
-                if proposal is not None:
-                    return proposal
+            cfg = None if proposal is None else proposal.config
+            if proposal is None or (cfg is not None and (cfg.to_json() in tried
+                                                        or self.models.unaffordable(cfg) is not None)):
                 continue
-            if proposal.config.to_json() in tried or self.models.unaffordable(proposal.config) is not None:
-                continue
-            if proposal.predicted_ms is None:  # every line says its time too
-                proposal = dataclasses.replace(proposal, predicted_ms=self.models.predicted_ms(proposal.config))
+            if cfg is not None and proposal.predicted_ms is None:  # every line says its time too
+                proposal = dataclasses.replace(proposal, predicted_ms=self.models.predicted_ms(cfg))
             return proposal
         return None
 
@@ -512,10 +501,24 @@ class SearchPolicy:
         ran = history.compiled_splits()
         measured = history.measured_scopes()
         fastest = history.fast_compiled()
-        for scope in self.space.compile_scopes:  # a scope not measured yet: where it most likely wins
-            first = None if scope in measured else self._scope_start(fastest, scope, ran)
-            if first is not None:
-                return first
+        for scope in [s for s in self.space.compile_scopes if s not in measured]:  # where it most likely wins
+            base = next((r for r in fastest if r.config is not None and r.config.compile_scope != scope), None)
+            if base is None or base.config is None:
+                continue
+            src = base.config
+            measured_at = list(src.activation_budget or [1.0] * src.world_size)
+            fits = self.models.largest_budgets(src) or measured_at
+            budgets = [max(f, b) for f, b in zip(fits, measured_at, strict=True)]
+            fitted = _with(src, activation_budget=budgets)
+            other = _with(fitted, compile_scope=scope)
+            if (not self.space.contains(other) or _split(other) in ran
+                    or not self.models.time_holds_compile(scope)):
+                continue
+            return Proposal(config=other, phase="scope-probe", predicted_peak_gib=self.models.compiled_peaks(fitted),
+                            reason=(
+                f"the first {scope} trial: the best split measured in {src.compile_scope} (trial {base.number}, "
+                f"{src.accumulation} micro-steps) at the largest budget predicted to fit there ({min(budgets):g}): "
+                "one compile measures whether that scope wins for this script"))
         top = float(fastest[0].step_ms or 0.0) if fastest else 0.0
         for source in fastest[:SCOPE_TRANSFERS]:
             if float(source.step_ms or 0.0) > top * TRANSFER_WITHIN:
@@ -538,26 +541,6 @@ class SearchPolicy:
                        "scopes' optima differ)")))
         return None
 
-    def _scope_start(self, fastest: list[Record], scope: str, ran: set[tuple[str, str]]) -> Proposal | None:
-        """The first trial of ``scope`` (module doc); None: no such split, or it ran in ``scope``."""
-        base = next((r for r in fastest if r.config is not None and r.config.compile_scope != scope), None)
-        if base is None or base.config is None:
-            return None
-        cfg = base.config
-        measured_at = list(cfg.activation_budget or [1.0] * cfg.world_size)
-        fits = self.models.largest_budgets(cfg) or measured_at
-        budgets = [max(f, b) for f, b in zip(fits, measured_at, strict=True)]
-        source = _with(cfg, activation_budget=budgets)
-        other = _with(source, compile_scope=scope)
-        if (not self.space.contains(other) or _split(other) in ran
-                or not self.models.time_holds_compile(scope)):
-            return None
-        return Proposal(config=other, phase="scope-probe", predicted_peak_gib=self.models.compiled_peaks(source),
-                        reason=(
-            f"the first {scope} trial: the best split measured in {cfg.compile_scope} (trial {base.number}, "
-            f"{cfg.accumulation} micro-steps) at the largest budget predicted to fit there ({min(budgets):g}): "
-            "one compile measures whether that scope wins for this script"))
-
     def grow_probe(self, history: TrialHistory) -> Proposal | None:
         """Where fewer micro-steps measured faster in a scope (module doc): whether a larger micro-batch
         at a low budget beats a smaller one at a higher budget is the recomputation's cost, which no
@@ -574,17 +557,20 @@ class SearchPolicy:
             if cfg is None or base.step_ms is None or (config_compile_key(cfg), cfg.dtype) in seen:
                 continue
             seen.add((config_compile_key(cfg), cfg.dtype))  # the fastest of each scope and dtype
-            slower = history.slower_with_more_steps(base)
-            if slower is None:
+            base_ms = float(base.step_ms)
+            found = history.slower_with_more_steps(cfg, base_ms)
+            if found is None:
                 continue  # no measured evidence that fewer micro-steps pay in this scope
+            slower, more = found  # the cost per micro-step they measured: a line, nothing recomputed
+            per_step = (float(slower.step_ms or 0.0) - base_ms) / (more.accumulation - cfg.accumulation)
             for template in self._fewer_steps(cfg, two_sizes):
                 if _split(template) in ran:
                     break  # that split was tried: growing from it is ``compiled-grow``'s and ``raise-budget``'s
                 fits = self.models.largest_budgets(template)
                 if fits is not None and min(fits) >= GROW_MIN_BUDGET:
                     break  # ``compiled-grow`` proposes it
-                bound = _micro_step_trend(base, slower, template.accumulation)  # nothing recomputed
-                if bound is None or bound >= float(best.step_ms):
+                bound = base_ms - per_step * (cfg.accumulation - template.accumulation)
+                if bound >= float(best.step_ms):
                     break
                 if fits is None and history.lowest_budget(template) <= LOW_BUDGET + 1e-9:
                     break  # the model's "no budget" rests on a budget measured that low: not a prior
@@ -602,8 +588,8 @@ class SearchPolicy:
                 return Proposal(config=grown, phase="grow-probe", predicted_peak_gib=self.models.compiled_peaks(grown),
                                 extra={"proposal_extrapolated": True}, reason=(
                     f"a measured step: fewer micro-steps in {cfg.compile_scope} {cfg.dtype} ({cfg.accumulation} -> "
-                    f"{template.accumulation}, from trial {base.number}, {float(base.step_ms):.0f} ms; trial "
-                    f"{slower.number} with {slower.config.accumulation if slower.config else '?'} ran "
+                    f"{template.accumulation}, from trial {base.number}, {base_ms:.0f} ms; trial "
+                    f"{slower.number} with {more.accumulation} ran "
                     f"{float(slower.step_ms or 0.0):.0f} ms) at {where}: without recomputation the measured cost per "
                     f"micro-step puts it at {bound:.0f} ms, against the best measured {float(best.step_ms):.0f} ms; "
                     "what recomputing costs at that budget no trial measured"))
@@ -670,18 +656,6 @@ def _even_config(space: SearchSpace, acc: int, *, dtype: str, compile: str,
     return cfg if space.contains(cfg) else None
 
 
-def _micro_step_trend(base: Record, slower: Record, acc: int) -> float | None:
-    """``base``'s measured step with ``acc`` micro-steps, at the cost per micro-step that ``base`` and
-    ``slower`` (more micro-steps) measured: a line through two measurements, nothing recomputed."""
-    if base.config is None or slower.config is None or base.step_ms is None or slower.step_ms is None:
-        return None
-    steps = slower.config.accumulation - base.config.accumulation
-    if steps <= 0:
-        return None
-    per_step = (float(slower.step_ms) - float(base.step_ms)) / steps
-    return float(base.step_ms) - per_step * (base.config.accumulation - acc)
-
-
 # ---------------------------------------------------------------------- the phases over the models' proposals
 def explore_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
     """The sampler's trial every :data:`SAMPLER_EVERY`-th ask: on CPU always (it explores what the
@@ -707,7 +681,6 @@ def model_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
     candidates = models.scored_candidates(study)
     if not candidates:
         return None
-    tried = history.tried() | models.proposed
     if not models.time_holds_compile():  # no new graph that the time budget cannot hold
         candidates = [c for c in candidates if c.new_graphs == 0]
     elif models.decision_for(study).compile_limited:  # nor one of a scope whose compile it cannot hold
@@ -725,7 +698,8 @@ def model_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
             candidates = even
     # a time predicted outside the step-time model's support is no reason to propose: those rank last
     inside = {id(c) for c in candidates if history.time_supported(c.config)}
-    candidates.sort(key=lambda c: id(c) not in inside)
+    candidates = sorted(candidates, key=lambda c: id(c) not in inside)
+    tried = history.tried() | models.proposed
     fresh = [c for c in candidates if c.config.to_json() not in tried and history.low_budget_ok(c.config)
              and (c.config.compile == "off" or c.config.compile_scope in scopes)]
     best = best_value(study)
@@ -734,20 +708,17 @@ def model_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
     if not fresh or fresh[0].score > WORTH * candidates[0].score:
         return None
     pick, note = fresh[0], None
-    if pick.source == "compiled-model" and _eager_first(models, study, pick.config.dtype) and (
-            history.eager_probe() is None):
+    if (pick.source == "compiled-model" and _eager_first(models, study, pick.config.dtype)
+            and history.eager_probe() is None):
         eager = [c for c in fresh if c.source == "memory-model" and c.config.dtype == pick.config.dtype]
         if eager:  # a few seconds that teach the compiled model its fixed part before a compile
             pick, note = eager[0], "eager first: teaches the memory model before compiling"
-    extra: dict[str, Any] = {}
-    if pick.source == "compiled-model":
-        extra["proposal_new_graphs"] = pick.new_graphs
+    compiled = pick.source == "compiled-model"
+    extra: dict[str, Any] = {"proposal_new_graphs": pick.new_graphs} if compiled else {}
     if pick.extrapolated or id(pick) not in inside:
         extra["proposal_extrapolated"] = True
-    reason = note or ("the compiled model's best configuration predicted to fit" if pick.source == "compiled-model"
-                      else "the memory model's best configuration predicted to fit")
-    if models.dtype_note and not note:
-        reason += f" ({models.dtype_note})"
+    reason = note or (f"the {'compiled' if compiled else 'memory'} model's best configuration predicted to fit"
+                      + (f" ({models.dtype_note})" if models.dtype_note else ""))
     return Proposal(config=pick.config, phase=pick.source, reason=reason, predicted_ms=pick.step_ms,
                     predicted_peak_gib=[p / GIB for p in pick.peaks], extra=extra)
 
@@ -758,8 +729,8 @@ def _eager_first(models: SearchModels, study: optuna.Study, dtype: str) -> bool:
         return False
     eager = sum(1 for t in study.get_trials(deepcopy=False)
                 if t.user_attrs.get(TrialAttr.STATUS) == Status.OK and t.user_attrs.get(TrialAttr.REUSED_FROM) is None
-                and (t.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile", "off") == "off"
-                and (t.user_attrs.get(TrialAttr.CONFIG) or {}).get("dtype") == dtype)
+                and (c := t.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile", "off") == "off"
+                and c.get("dtype") == dtype)
     return eager < EAGER_FIRST
 
 
@@ -782,9 +753,8 @@ def cuda_graphs_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal |
         best_ms = float(top.user_attrs.get(TrialAttr.STEP_TIME_MS) or 0.0)
         close = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
                  if t.user_attrs.get(TrialAttr.FEASIBLE) and t.user_attrs.get(TrialAttr.STEP_TIME_MS)
-                 and (t.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile") == "default"
-                 and (t.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile_scope", "whole") == "whole"
-                 and float(t.user_attrs[TrialAttr.STEP_TIME_MS]) <= 1.02 * best_ms]
+                 and (c := t.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile") == "default"
+                 and c.get("compile_scope", "whole") == "whole" and float(t.user_attrs[TrialAttr.STEP_TIME_MS]) <= 1.02 * best_ms]
         if not close:
             return None
         top = min(close, key=lambda t: float(t.user_attrs[TrialAttr.STEP_TIME_MS]))
@@ -887,12 +857,9 @@ class ModelAdvisor:
         self.settings = settings
         self.models = SearchModels(space=space, settings=settings)
         self.policy = SearchPolicy(space=space, models=self.models)
-        self._predicted_in_a_row = 0
-
-    @property
-    def errors(self) -> ModelErrors:
+        self.errors: ModelErrors = self.models.errors
         """The fits the search fell back from (saved in the study after each call that fits)."""
-        return self.models.errors
+        self._predicted_in_a_row = 0
 
     @saves_errors
     def before_ask(self, study: optuna.Study, decision: Decision | None = None) -> None:
@@ -908,16 +875,13 @@ class ModelAdvisor:
         view = decision.study
         history = TrialHistory.from_trials(
             view.get_trials(deepcopy=False), space=self.space, usable=self.models.usable(view),
-            device=self.settings.device, model_facts=view.user_attrs.get(StudyAttr.MODEL))
+            model_facts=view.user_attrs.get(StudyAttr.MODEL))
         proposal = self.policy.next(history)
-        if proposal is None:
-            return
-        if proposal.config is None:  # the sampler's trial, some parameters pinned
-            if proposal.fixed:
-                study.enqueue_trial(proposal.fixed, user_attrs=proposal.user_attrs())
-            return
-        self.models.proposed.add(proposal.config.to_json())
-        study.enqueue_trial(self.space.params_from_config(proposal.config), user_attrs=proposal.user_attrs())
+        if proposal is not None and proposal.config is not None:
+            self.models.proposed.add(proposal.config.to_json())
+            study.enqueue_trial(self.space.params_from_config(proposal.config), user_attrs=proposal.user_attrs())
+        elif proposal is not None and proposal.fixed:  # the sampler's trial, some parameters pinned
+            study.enqueue_trial(proposal.fixed, user_attrs=proposal.user_attrs())
 
     @saves_errors
     def holdout_error(self, study: optuna.Study) -> float | None:
