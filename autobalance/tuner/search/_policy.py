@@ -11,7 +11,7 @@ workers). The constants named below live in ``_constants``, with the measurement
 | ``compiled-start`` | GPU, compile searched, nothing compiled yet, the probe measured | the cheapest scope (``regional`` when searched), the first half dtype, budget 1.0, the largest micro-batch predicted to fit (:func:`first_compiled_micro_batch`) among splits of one micro-step size per rank (:func:`one_size`; two sizes only where the space holds none), fewest micro-steps |
 | ``explore`` | every :data:`SAMPLER_EVERY`-th ask: on CPU always, on a GPU once the models' proposals stopped improving | the sampler's trial (a dtype held back pinned; eager when no compile fits in the time left) |
 | ``compiled-grow`` | a compiled trial fitted, and a split of fewer micro-steps (same scope and dtype) was never tried | from the best compiled trial, the next split of one size per rank whose largest budget predicted to fit is at least :data:`GROW_MIN_BUDGET`, at that budget; once two sizes measured competitive, every split: the fewest micro-steps predicted to fit at 1.0, else one fewer |
-| ``raise-budget`` | one rank; the best compiled trial ran below budget 1.0 | that trial at the largest higher budget where its measured peak plus the compiled model's change counted 1 + :data:`RAISE_CHANGE_MARGIN` times stays usable, below any budget that did not fit at that split: the step's time falls steeply with the budget (regional 8 x 4, loss outside, on the H200: 185.8 ms at 0.5, 172.5 at 0.7, 143.3 at 0.85); where only the doubled change leaves no room, one measured budget step (:func:`_budget_step`) |
+| ``raise-budget`` | one rank; the best compiled trial ran below budget 1.0 | that trial at the largest higher budget where its measured peak plus the compiled model's change counted 1 + :data:`RAISE_CHANGE_MARGIN` times stays usable, below any budget that did not fit at that split: the step's time falls steeply with the budget (regional 8 x 4, loss outside, on the H200: 185.8 ms at 0.5, 172.5 at 0.7, 143.3 at 0.85); where only the doubled change leaves no room, one measured budget step (``_budget_step``) |
 | ``scope-probe`` | growing stopped; a searched scope never ran, or one of the :data:`SCOPE_TRANSFERS` fastest compiled splits (within :data:`TRANSFER_WITHIN`) never ran in another searched scope; the time budget holds that compile | a scope's first trial: the best split measured in another scope at the largest budget per rank predicted to fit, never below the one it ran at (what fitted in one scope is the best evidence for the other: the kept fractions at 1.0 measured 0.63-0.73 in both); then each fast configuration in the other scope, budget unchanged |
 | ``grow-probe`` | growing, raising and the scope probe propose nothing; in a scope, fewer micro-steps measured faster beyond :data:`SAME_WITHIN`; the next split never ran there and fits only below :data:`GROW_MIN_BUDGET` or at no budget | a measured step: that split at the largest budget predicted to fit, else at :data:`LOW_BUDGET`, where the cost per micro-step the two trials measured puts it without recomputation under the best measured step (the recomputation's cost there is outside every model's support: one trial measures it) |
 | ``cuda-graphs`` | ``--compile-mode auto``, the best trial is a default-mode compiled one, graphs untried, time holds a compile | the best configuration with CUDA graphs: one compile measures whether they pay (``_models.graph_probe``) |
@@ -83,12 +83,13 @@ if TYPE_CHECKING:
     from autobalance.tuner.search._objective import TrialFigures
 
 __all__ = ["FIT_MARGIN", "KEEP_AT_FULL_BUDGET", "LOW_BUDGET", "ModelAdvisor", "Proposal", "Record",
-           "SearchPolicy", "TrialHistory", "first_compiled_micro_batch", "one_size", "proposal_line"]
+           "SearchPolicy", "TrialHistory", "first_compiled_micro_batch", "one_size",
+           "proposal_line"]
 
 
 def one_size(config: BalanceConfig) -> bool:
-    """Whether each rank's micro-steps are of one size: compiled, a static batch dimension; two sizes
-    compile it dynamic, much slower (:data:`SAME_WITHIN`)."""
+    """Whether each rank's micro-steps are of one size: compiled, a static batch dimension; two
+    sizes compile it dynamic, much slower (:data:`SAME_WITHIN`)."""
     return all(len(set(config.micro_step_sizes(r))) == 1 for r in range(config.world_size))
 
 
@@ -143,26 +144,27 @@ class TrialHistory:
     """The baseline's report: the loss computed inside the wrapped model (None: not reported)."""
 
     @classmethod
-    def from_trials(cls, trials: Sequence[FrozenTrial], *, space: SearchSpace, usable: list[float] | None,
+    def from_trials(cls, trials: Sequence[FrozenTrial], *, space: SearchSpace,
+                    usable: list[float] | None,
                     model_facts: dict[str, Any] | None = None) -> TrialHistory:
         records = []
         for t in trials:
             a = t.user_attrs
             running = t.state in (TrialState.RUNNING, TrialState.WAITING)
             cfg: BalanceConfig | None = None
-            raw = a.get(TrialAttr.CONFIG)
             try:
-                if raw:
-                    cfg = BalanceConfig.from_dict(raw)
+                if a.get(TrialAttr.CONFIG):
+                    cfg = BalanceConfig.from_dict(a[TrialAttr.CONFIG])
                 elif running and t.params:  # another worker's trial being measured: what it runs
                     cfg = space.config_from_params(t.params)
-            except (ConfigError, KeyError, TypeError, ValueError):  # damaged attributes, partial params
+            except (ConfigError, KeyError, TypeError, ValueError):  # damaged, partial params
                 cfg = None
             records.append(Record(
                 number=t.number, config=cfg, status=None if running else a.get(TrialAttr.STATUS),
                 running=running, peaks_gib=list(a.get(TrialAttr.PEAK_DEVICE_GIB) or []),
-                held_gib=list(a.get(TrialAttr.HELD_GIB) or []), step_ms=a.get(TrialAttr.STEP_TIME_MS),
-                feasible=bool(a.get(TrialAttr.FEASIBLE)), reused=a.get(TrialAttr.REUSED_FROM) is not None))
+                held_gib=list(a.get(TrialAttr.HELD_GIB) or []),
+                step_ms=a.get(TrialAttr.STEP_TIME_MS), feasible=bool(a.get(TrialAttr.FEASIBLE)),
+                reused=a.get(TrialAttr.REUSED_FROM) is not None))
         loss = (model_facts or {}).get("loss_in_model")
         return cls(records=records, usable_gib=[u / GIB for u in (usable or [])],
                    loss_in_model=loss if isinstance(loss, bool) else None)
@@ -173,7 +175,8 @@ class TrialHistory:
 
     def compiled_tried(self) -> list[Record]:
         """Compiled trials launched, running or waiting (reused and predicted ones left out)."""
-        return [r for r in self.records if r.compiled and (r.running or r.measured or r.status == Status.OOM)]
+        return [r for r in self.records
+                if r.compiled and (r.running or r.measured or r.status == Status.OOM)]
 
     def half_eager(self) -> list[tuple[Record, BalanceConfig]]:
         """The half-precision eager trials without checkpointing that ran to the end here."""
@@ -195,41 +198,35 @@ class TrialHistory:
 
     def fastest_compiled(self) -> list[Record]:
         """The feasible compiled trials measured here, fastest first."""
-        ok = [r for r in self.records if r.measured and r.compiled and r.feasible and r.step_ms is not None]
-        return sorted(ok, key=lambda r: float(r.step_ms or 0.0))
+        return sorted((r for r in self.records
+                       if r.measured and r.compiled and r.feasible and r.step_ms is not None),
+                      key=lambda r: float(r.step_ms or 0.0))
 
     def best_compiled(self) -> Record | None:
         return next(iter(self.fastest_compiled()), None)
 
     def two_sizes_compete(self) -> bool:
         """Whether a compiled split of two micro-step sizes in a rank was measured here within
-        :data:`SAME_WITHIN` of the best compiled trial (then such splits are proposed like any other)."""
+        :data:`SAME_WITHIN` of the best compiled trial (then such splits are proposed too)."""
         fastest = self.fastest_compiled()
-        return any(r.config is not None and not one_size(r.config)
-                   and float(r.step_ms or 0.0) <= float(fastest[0].step_ms or 0.0) * (1.0 + SAME_WITHIN)
-                   for r in fastest)
+        return any(r.config is not None and not one_size(r.config) and float(r.step_ms or 0.0)
+                   <= float(fastest[0].step_ms or 0.0) * (1.0 + SAME_WITHIN) for r in fastest)
 
-    def fast_compiled(self) -> list[Record]:
-        """:meth:`fastest_compiled`, of one micro-step size per rank unless two sizes compete."""
-        fastest = self.fastest_compiled()
-        if self.two_sizes_compete():
-            return fastest
-        return [r for r in fastest if r.config is not None and one_size(r.config)]
-
-    def _keyed(self, config: BalanceConfig) -> list[tuple[Record, BalanceConfig]]:
+    def keyed(self, config: BalanceConfig) -> list[tuple[Record, BalanceConfig]]:
         """The compiled trials measured here in ``config``'s compile key and dtype."""
         key = config_compile_key(config)
         return [(r, c) for r in self.records if (c := r.config) is not None and r.measured
                 and c.compile != "off" and config_compile_key(c) == key and c.dtype == config.dtype]
 
     def time_supported(self, config: BalanceConfig) -> bool:
-        """Whether the step-time model's prediction for ``config`` lies inside what it was fitted on:
-        eager always; compiled, its lowest budget at or above the lowest measured ok in its compile key
-        and dtype (below, the recomputation term is extrapolated: 44 ms predicted at budget 0.3 from
-        trials at 0.55-1.0 for a configuration that ran 164 ms), its largest micro-batch within theirs."""
+        """Whether the step-time model's prediction for ``config`` lies inside what it was fitted
+        on: eager always; compiled, its lowest budget at or above the lowest measured in its
+        compile key and dtype (below, the recomputation term is extrapolated: 44 ms predicted at
+        budget 0.3 from trials at 0.55-1.0 for a configuration that ran 164 ms), its micro-batch
+        within theirs."""
         if config.compile == "off":
             return True
-        ok = [c for r, c in self._keyed(config) if r.status == Status.OK and r.step_ms is not None]
+        ok = [c for r, c in self.keyed(config) if r.status == Status.OK and r.step_ms is not None]
         if not ok:
             return False
         micros = [max(c.micro_batches) for c in ok]
@@ -243,34 +240,16 @@ class TrialHistory:
 
     def measured_scopes(self) -> set[str]:
         """The compile scopes of the compiled trials that ran to the end here."""
-        return {r.config.compile_scope for r in self.records
-                if r.measured and r.status == Status.OK and r.config is not None and r.config.compile != "off"}
-
-    def over_budgets(self, config: BalanceConfig) -> list[float]:
-        """Budgets at which ``config``'s split (compile key, dtype, micro-batches) ran out of memory or
-        over the usable memory: a higher budget keeps at least as much (where it is not low)."""
-        return [_low(c) for r, c in self._keyed(config) if _split(c) == _split(config) and (
-            r.status == Status.OOM or (bool(self.usable_gib) and any(
-                p is not None and p > u for p, u in zip(r.peaks_gib, self.usable_gib, strict=False))))]
-
-    def slower_with_more_steps(self, cfg: BalanceConfig, ms: float) -> tuple[Record, BalanceConfig] | None:
-        """The fastest feasible trial of ``cfg``'s compile key and dtype with more micro-steps that ran
-        slower than ``ms`` beyond :data:`SAME_WITHIN` (None: none)."""
-        out = [(r, c) for r, c in self._keyed(cfg) if r.feasible and r.step_ms is not None
-               and c.accumulation > cfg.accumulation and float(r.step_ms) > ms * (1.0 + SAME_WITHIN)]
-        return min(out, key=lambda o: float(o[0].step_ms or 0.0)) if out else None
-
-    def lowest_budget(self, config: BalanceConfig) -> float:
-        """The lowest budget measured in ``config``'s compile key and dtype, any split (at most 1.0)."""
-        return min([1.0, *(_low(c) for _, c in self._keyed(config))])
+        return {r.config.compile_scope for r in self.records if r.measured
+                and r.status == Status.OK and r.config is not None and r.config.compile != "off"}
 
     def budget_ladder(self, config: BalanceConfig) -> list[tuple[float, float, float]]:
-        """``config``'s split (one rank) as measured to fit here: ``(budget, peak GiB, step ms)`` per
-        budget, ascending (a budget measured twice: its later trial)."""
+        """``config``'s split (one rank) as measured to fit here: ``(budget, peak GiB, step ms)``
+        per budget, ascending (a budget measured twice: its later trial)."""
         out: dict[float, tuple[float, float, float]] = {}
-        for r, c in self._keyed(config):
-            if (r.feasible and r.step_ms is not None and _split(c) == _split(config) and r.peaks_gib
-                    and r.peaks_gib[0] is not None):
+        for r, c in self.keyed(config):
+            if (r.feasible and r.step_ms is not None and _split(c) == _split(config)
+                    and r.peaks_gib and r.peaks_gib[0] is not None):
                 b = round(_low(c), 6)
                 out[b] = (b, float(r.peaks_gib[0]), float(r.step_ms))
         return [out[b] for b in sorted(out)]
@@ -281,16 +260,18 @@ class TrialHistory:
         ladder = self.budget_ladder(config)
         if len(ladder) < 2:
             return None
-        return max(max(0.0, (p1 - p0) / (b1 - b0)) for (b0, p0, _), (b1, p1, _) in itertools.pairwise(ladder))
+        return max(max(0.0, (p1 - p0) / (b1 - b0))
+                   for (b0, p0, _), (b1, p1, _) in itertools.pairwise(ladder))
 
     def low_budget_ok(self, config: BalanceConfig) -> bool:
-        """A budget below :data:`LOW_BUDGET` only where a higher one was measured at that micro-batch
-        (largest on any rank) and compile key."""
+        """A budget below :data:`LOW_BUDGET` only where a higher one was measured at that
+        micro-batch (largest on any rank) and compile key."""
         if config.compile == "off" or _low(config) >= LOW_BUDGET:
             return True
         key, m = config_compile_key(config), max(config.micro_batches)
-        return any(_low(c) >= LOW_BUDGET for r in self.records if (c := r.config) is not None and r.measured
-                   and c.compile != "off" and config_compile_key(c) == key and max(c.micro_batches) == m)
+        return any(_low(c) >= LOW_BUDGET for r in self.records
+                   if (c := r.config) is not None and r.measured and c.compile != "off"
+                   and config_compile_key(c) == key and max(c.micro_batches) == m)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -304,13 +285,13 @@ class Proposal:
     predicted_ms: float | None = None
     predicted_peak_gib: list[float] | None = None
     fixed: dict[str, Any] = field(default_factory=dict)
-    """For the sampler's trial: parameters pinned (a dtype held back, eager when no compile fits in time)."""
+    """The sampler's trial's pinned parameters (a dtype held back, eager when no compile fits)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """More attributes the trial records (``proposal_new_graphs``, ...)."""
 
     def user_attrs(self) -> dict[str, Any]:
-        attrs: dict[str, Any] = {TrialAttr.PROPOSAL_PHASE: self.phase, TrialAttr.PROPOSAL_REASON: self.reason,
-                                 **self.extra}
+        attrs: dict[str, Any] = {TrialAttr.PROPOSAL_PHASE: self.phase,
+                                 TrialAttr.PROPOSAL_REASON: self.reason, **self.extra}
         if self.config is not None:
             attrs["proposed_config"] = self.config.to_dict()
         if self.predicted_ms is not None:
@@ -322,8 +303,8 @@ class Proposal:
 
 def proposal_line(attrs: dict[str, Any]) -> str:
     """A trial's phase and prediction as its console line shows them, from its attributes:
-    ``compiled-grow: 13.6 GiB predicted``, ``compiled-model: 169 ms, 12.6 GiB predicted``, ``sampler``
-    (empty: nobody proposed it, as for a trial from before the policy)."""
+    ``compiled-grow: 13.6 GiB predicted``, ``compiled-model: 169 ms, 12.6 GiB predicted``,
+    ``sampler`` (empty: nobody proposed it, as for a trial from before the policy)."""
     phase = attrs.get(TrialAttr.PROPOSAL_PHASE)
     if not phase:
         return ""
@@ -340,17 +321,14 @@ def proposal_line(attrs: dict[str, Any]) -> str:
 
 def first_compiled_micro_batch(*, held_gib: float, act_gib: float, usable_gib: float, keep: float,
                                candidates: Sequence[int]) -> int | None:
-    """The largest of ``candidates`` whose predicted peak at budget 1.0, ``held + m * act * keep``,
-    stays :data:`FIT_MARGIN` below ``usable``; None: none does."""
+    """The largest of ``candidates`` whose predicted peak at budget 1.0, ``held + m * act *
+    keep``, stays :data:`FIT_MARGIN` below ``usable``; None: none does."""
     limit = usable_gib * (1.0 - FIT_MARGIN)
     return max((m for m in candidates if held_gib + m * act_gib * keep <= limit), default=None)
 
 
-Phase = Callable[["SearchPolicy", TrialHistory], "Proposal | None"]
-
-
 class SearchPolicy:
-    """The ordered phases (module doc) over the models of the decision in progress (``_models.SearchModels``)."""
+    """The ordered phases (module doc) over the models of the decision in progress."""
 
     def __init__(self, *, space: SearchSpace, models: SearchModels) -> None:
         self.space = space
@@ -361,50 +339,70 @@ class SearchPolicy:
         return self.models.settings.device == "cuda" and self.space.compile_searched
 
     def half_dtypes(self) -> list[str]:
-        """The half dtypes the first trials may use (``_models.proposable_dtypes``' order, bf16 first)."""
+        """The half dtypes the first trials may use (``_models.proposable_dtypes``' order)."""
         return [d for d in self.models.allowed_dtypes_now() if d in HALF_DTYPES]
 
     def next(self, history: TrialHistory) -> Proposal | None:
-        """The first phase's proposal that is new (not tried, not running elsewhere) and that the time
-        budget holds (its compile and verification's reserve after it); None: the sampler's trial."""
+        """The first phase's proposal that is new (not tried, not running elsewhere) and that the
+        time budget holds (its compile and verification's reserve after it); None: the sampler's."""
         tried = history.tried()
         for phase in PHASES:
             proposal = phase(self, history)
             cfg = None if proposal is None else proposal.config
-            if proposal is None or (cfg is not None and (cfg.to_json() in tried
-                                                        or self.models.unaffordable(cfg) is not None)):
+            if proposal is None or (cfg is not None and (
+                    cfg.to_json() in tried or self.models.unaffordable(cfg) is not None)):
                 continue
             if cfg is not None and proposal.predicted_ms is None:  # every line says its time too
                 proposal = dataclasses.replace(proposal, predicted_ms=self.models.predicted_ms(cfg))
             return proposal
         return None
 
+    def _even(self, acc: int, *, dtype: str, compile: str,
+              scope: str = "whole") -> BalanceConfig | None:
+        """The even split of ``acc`` micro-steps, nothing checkpointed, budget 1.0 when compiled."""
+        world = self.space.world_size
+        total = self.space.micro_total(acc)
+        if total < world:
+            return None
+        rest: dict[str, Any] = {"checkpoint": [[] for _ in range(world)], "dtype": dtype,
+                                "bucket_cap_mb": 25.0, "gradient_as_bucket_view": True,
+                                "compile": compile}
+        if compile != "off":
+            rest.update(compile_scope=scope, activation_budget=[1.0] * world)
+        try:
+            cfg = self.space.config_for(split_evenly(total, [1.0] * world), acc, None, **rest)
+        except (ConfigError, UsageError, ValueError):  # a split this space cannot hold
+            return None
+        return cfg if self.space.contains(cfg) else None
+
     def _fewer_steps(self, cfg: BalanceConfig, two_sizes: bool) -> Iterator[BalanceConfig]:
-        """The even splits of fewer micro-steps than ``cfg`` in its compile mode, scope and dtype, one
-        fewer first; of one size per rank unless ``two_sizes`` (two sizes compile dynamic: slow)."""
-        for acc in sorted((a for a in self.space.accumulations if a < cfg.accumulation), reverse=True):
-            template = _even_config(self.space, acc, dtype=cfg.dtype, compile=cfg.compile, scope=cfg.compile_scope)
+        """The even splits of fewer micro-steps than ``cfg`` in its compile mode, scope and dtype,
+        one fewer first; of one size per rank unless ``two_sizes`` (two compile dynamic: slow)."""
+        for acc in sorted((a for a in self.space.accumulations if a < cfg.accumulation),
+                          reverse=True):
+            template = self._even(acc, dtype=cfg.dtype, compile=cfg.compile,
+                                  scope=cfg.compile_scope)
             if template is not None and (two_sizes or one_size(template)):
                 yield template
 
     # ------------------------------------------------------------------ phases
     def probe(self, history: TrialHistory) -> Proposal | None:
-        if (not self.on_gpu_compiling or "off" not in self.space.compile_modes or history.compiled_tried()
-                or history.half_eager()):
+        if (not self.on_gpu_compiling or "off" not in self.space.compile_modes
+                or history.compiled_tried() or history.half_eager()):
             return None
         dtypes = self.half_dtypes()
         if not dtypes:
             return None
         tried = history.tried()
-        cfg = next((c for a in sorted(self.space.accumulations, reverse=True)  # the smallest micro-batch
-                    if (c := _even_config(self.space, a, dtype=dtypes[0], compile="off")) is not None
+        cfg = next((c for a in sorted(self.space.accumulations, reverse=True)  # smallest micro
+                    if (c := self._even(a, dtype=dtypes[0], compile="off")) is not None
                     and c.to_json() not in tried), None)
         if cfg is None:
             return None
         return Proposal(config=cfg, phase="probe", reason=(
-            f"eager {dtypes[0]} at the smallest micro-batch ({max(cfg.micro_batches)} x {cfg.accumulation}), "
-            "nothing checkpointed: measures the memory held apart from activations and the activations "
-            "per sample in seconds, before any compile"))
+            f"eager {dtypes[0]} at the smallest micro-batch ({max(cfg.micro_batches)} x "
+            f"{cfg.accumulation}), nothing checkpointed: measures the memory held apart from "
+            "activations and the activations per sample in seconds, before any compile"))
 
     def compiled_start(self, history: TrialHistory) -> Proposal | None:
         if not self.on_gpu_compiling or history.compiled_tried():
@@ -418,7 +416,7 @@ class SearchPolicy:
         scope = "regional" if "regional" in self.space.compile_scopes else "whole"
         mode = next(m for m in self.space.compile_modes if m != "off")
         splits = [c for acc in sorted(self.space.accumulations)
-                  if (c := _even_config(self.space, acc, dtype=dtypes[0], compile=mode, scope=scope)) is not None]
+                  if (c := self._even(acc, dtype=dtypes[0], compile=mode, scope=scope)) is not None]
         even = [c for c in splits if one_size(c)]
         by_micro: dict[int, BalanceConfig] = {}
         for cfg in even or splits:  # fewest micro-steps first: one per largest micro-batch
@@ -431,11 +429,13 @@ class SearchPolicy:
         if m is None:
             m = min(by_micro)
         cfg = by_micro[m]
-        return Proposal(config=cfg, phase="compiled-start", predicted_peak_gib=[held + m * act * keep], reason=(
-            f"the first compiled trial: {scope} (the cheapest to compile), {cfg.dtype}, budget 1.0, the "
-            f"largest micro-batch {'of micro-steps of one size ' if even else ''}predicted to fit ({m}: "
-            f"{memory_text(held)} held + {m} x {memory_text(act)} x {keep:g} kept at budget 1.0 <= "
-            f"{memory_text(usable)} usable)"))
+        one = "of micro-steps of one size " if even else ""
+        return Proposal(config=cfg, phase="compiled-start",
+                        predicted_peak_gib=[held + m * act * keep], reason=(
+            f"the first compiled trial: {scope} (the cheapest to compile), {cfg.dtype}, budget "
+            f"1.0, the largest micro-batch {one}predicted to fit ({m}: {memory_text(held)} held + "
+            f"{m} x {memory_text(act)} x {keep:g} kept at budget 1.0 <= {memory_text(usable)} "
+            "usable)"))
 
     def compiled_grow(self, history: TrialHistory) -> Proposal | None:
         base = history.best_compiled()
@@ -445,33 +445,43 @@ class SearchPolicy:
         ran = history.compiled_splits()
         two_sizes = history.two_sizes_compete()
         options = [(t, fits) for t in self._fewer_steps(cfg, two_sizes) if _split(t) not in ran
-                   and (fits := self.models.largest_budgets(t)) is not None and min(fits) >= GROW_MIN_BUDGET]
+                   and (fits := self.models.largest_budgets(t)) is not None
+                   and min(fits) >= GROW_MIN_BUDGET]
         if not options:
             return None
-        full = [o for o in options if min(o[1]) >= 1.0]  # fitting at the full budget: straight to the fewest
-        # of one size per rank, the next split already doubles the micro-batch (32: 4 x 8, 8 x 4, 16 x 2):
-        # one at a time, as far as the memory model reaches from what was measured (4 x 8 at 1.0 alone put
-        # 16 x 2 at 1.0 within the usable memory; it peaked 20.9 GiB of 15.2)
-        template, fits = min(full, key=lambda o: o[0].accumulation) if full and two_sizes else options[0]
+        # fitting at the full budget: straight to the fewest; of one size per rank, the next split
+        # already doubles the micro-batch (32: 4 x 8, 8 x 4, 16 x 2): one at a time, as far as the
+        # memory model reaches from what was measured (4 x 8 at 1.0 alone put 16 x 2 at 1.0 within
+        # the usable memory; it peaked 20.9 GiB of 15.2)
+        full = [o for o in options if min(o[1]) >= 1.0]
+        template, fits = (min(full, key=lambda o: o[0].accumulation) if full and two_sizes
+                          else options[0])
         grown = _with(template, activation_budget=fits, bucket_cap_mb=cfg.bucket_cap_mb,
                       gradient_as_bucket_view=cfg.gradient_as_bucket_view)
-        return Proposal(config=grown, phase="compiled-grow", predicted_peak_gib=self.models.compiled_peaks(grown),
-                        reason=(
-            f"fewer micro-steps in {cfg.compile_scope} {cfg.dtype} ({cfg.accumulation} -> {template.accumulation}, "
-            f"from trial {base.number}) at the largest budget predicted to fit ({min(fits):g} >= "
-            f"{GROW_MIN_BUDGET:g}): a micro-step's launches cost the same whatever its size"))
+        return Proposal(config=grown, phase="compiled-grow",
+                        predicted_peak_gib=self.models.compiled_peaks(grown), reason=(
+            f"fewer micro-steps in {cfg.compile_scope} {cfg.dtype} ({cfg.accumulation} -> "
+            f"{template.accumulation}, from trial {base.number}) at the largest budget predicted "
+            f"to fit ({min(fits):g} >= {GROW_MIN_BUDGET:g}): a micro-step's launches cost the same "
+            "whatever its size"))
 
     def raise_budget(self, history: TrialHistory) -> Proposal | None:
         base = history.best_compiled()
-        if base is None or base.config is None or base.config.world_size != 1 or not history.usable_gib:
+        if (base is None or base.config is None or base.config.world_size != 1
+                or not history.usable_gib):
             return None  # several ranks: the model phase moves each rank's budget
         cfg = base.config
         b = (cfg.activation_budget or [1.0])[0]
         peak = base.peaks_gib[0] if base.peaks_gib else None
         if b >= BUDGET_CEILING or peak is None:
             return None
-        ceiling = min([BUDGET_CEILING + 1e-9, *history.over_budgets(cfg)])
-        limit = history.usable_gib[0]  # the measured peak is known: the margin is on the predicted change
+        # below any budget that ran out of memory or over the usable memory at this split: a higher
+        # budget keeps at least as much (where it is not low)
+        ceiling = min([BUDGET_CEILING + 1e-9, *(
+            _low(c) for r, c in history.keyed(cfg) if _split(c) == _split(cfg) and (
+                r.status == Status.OOM or any(p is not None and p > u for p, u in zip(
+                    r.peaks_gib, history.usable_gib, strict=False))))])
+        limit = history.usable_gib[0]  # the measured peak is known: the margin is on the change
         pick: tuple[float, float] | None = None
         slope = history.ladder_slope(cfg)  # GiB per unit of budget the split's own budgets measured
         nb = round(b + BUDGET_STEP, 3)
@@ -479,20 +489,23 @@ class SearchPolicy:
             change = self.models.peak_change(cfg, nb)
             if change is None:
                 break
-            # never less than the split's own measurements show: the model's curve is shared by every split
-            # (a trial over the memory at another micro-batch lifts it at every budget above)
+            # never less than the split's own measurements show: the model's curve is shared by
+            # every split (a trial over the memory at another micro-batch lifts it at every budget)
             grow = max(change[0], 0.0, (slope or 0.0) * (nb - b))
             if float(peak) + grow * (1.0 + RAISE_CHANGE_MARGIN) > limit:
                 break
             pick = (nb, float(peak) + grow)
             nb = round(nb + BUDGET_STEP, 3)
-        if pick is not None and (other := _with(cfg, activation_budget=[pick[0]])).to_json() not in history.tried():
-            return Proposal(config=other, phase="raise-budget", predicted_peak_gib=[pick[1]], reason=(
-                f"the best compiled trial ({base.number}) at budget {pick[0]:g} instead of {b:g}: its measured "
-                f"{memory_text(float(peak))} plus the compiled model's change"
-                + (" (no less than the split's own measured budgets showed)" if slope is not None else "")
-                + f" counted {1.0 + RAISE_CHANGE_MARGIN:g}x stays below {memory_text(limit)} usable; "
-                "less recomputed"))
+        raised = None if pick is None else _with(cfg, activation_budget=[pick[0]])
+        if pick is not None and raised is not None and raised.to_json() not in history.tried():
+            return Proposal(config=raised, phase="raise-budget", predicted_peak_gib=[pick[1]],
+                            reason=(
+                f"the best compiled trial ({base.number}) at budget {pick[0]:g} instead of {b:g}: "
+                f"its measured {memory_text(float(peak))} plus the compiled model's change"
+                + (" (no less than the split's own measured budgets showed)" if slope is not None
+                   else "")
+                + f" counted {1.0 + RAISE_CHANGE_MARGIN:g}x stays below {memory_text(limit)} "
+                "usable; less recomputed"))
         return _budget_step(self.models, history, base, limit=limit, ceiling=ceiling)
 
     def scope_probe(self, history: TrialHistory) -> Proposal | None:
@@ -500,9 +513,12 @@ class SearchPolicy:
             return None
         ran = history.compiled_splits()
         measured = history.measured_scopes()
-        fastest = history.fast_compiled()
-        for scope in [s for s in self.space.compile_scopes if s not in measured]:  # where it most likely wins
-            base = next((r for r in fastest if r.config is not None and r.config.compile_scope != scope), None)
+        fastest = history.fastest_compiled()
+        if not history.two_sizes_compete():  # two sizes compile dynamic: slow unless measured not
+            fastest = [r for r in fastest if r.config is not None and one_size(r.config)]
+        for scope in [s for s in self.space.compile_scopes if s not in measured]:  # a new scope
+            base = next((r for r in fastest
+                         if r.config is not None and r.config.compile_scope != scope), None)
             if base is None or base.config is None:
                 continue
             src = base.config
@@ -514,11 +530,12 @@ class SearchPolicy:
             if (not self.space.contains(other) or _split(other) in ran
                     or not self.models.time_holds_compile(scope)):
                 continue
-            return Proposal(config=other, phase="scope-probe", predicted_peak_gib=self.models.compiled_peaks(fitted),
-                            reason=(
-                f"the first {scope} trial: the best split measured in {src.compile_scope} (trial {base.number}, "
-                f"{src.accumulation} micro-steps) at the largest budget predicted to fit there ({min(budgets):g}): "
-                "one compile measures whether that scope wins for this script"))
+            return Proposal(config=other, phase="scope-probe",
+                            predicted_peak_gib=self.models.compiled_peaks(fitted), reason=(
+                f"the first {scope} trial: the best split measured in {src.compile_scope} (trial "
+                f"{base.number}, {src.accumulation} micro-steps) at the largest budget predicted "
+                f"to fit there ({min(budgets):g}): one compile measures whether that scope wins "
+                "for this script"))
         top = float(fastest[0].step_ms or 0.0) if fastest else 0.0
         for source in fastest[:SCOPE_TRANSFERS]:
             if float(source.step_ms or 0.0) > top * TRANSFER_WITHIN:
@@ -533,19 +550,20 @@ class SearchPolicy:
                 if not self.models.time_holds_compile(scope):
                     return None
                 new_scope = scope not in measured
-                return Proposal(config=other, phase="scope-probe", predicted_peak_gib=None if new_scope else
-                                self.models.compiled_peaks(other), reason=(
+                return Proposal(config=other, phase="scope-probe", predicted_peak_gib=None
+                                if new_scope else self.models.compiled_peaks(other), reason=(
                     f"trial {source.number} compiled {scope} instead of {cfg.compile_scope}: "
-                    + ("one compile measures whether that scope wins for this script" if new_scope else
-                       "one of the fastest configurations measured in the other scope, as it fitted there (the "
-                       "scopes' optima differ)")))
+                    + ("one compile measures whether that scope wins for this script" if new_scope
+                       else "one of the fastest configurations measured in the other scope, as it "
+                       "fitted there (the scopes' optima differ)")))
         return None
 
     def grow_probe(self, history: TrialHistory) -> Proposal | None:
-        """Where fewer micro-steps measured faster in a scope (module doc): whether a larger micro-batch
-        at a low budget beats a smaller one at a higher budget is the recomputation's cost, which no
-        trial measured there (on the H200 it ranged 0.1-0.7 of a step): a prediction outside the model's
-        support is no reason to propose, nor not to, so one trial measures it where it can win."""
+        """Where fewer micro-steps measured faster in a scope (module doc): whether a larger
+        micro-batch at a low budget beats a smaller one at a higher budget is the recomputation's
+        cost, which no trial measured there (on the H200 it ranged 0.1-0.7 of a step): outside
+        the models' support, no reason to propose nor not to: one trial measures it where it can
+        win."""
         best = history.best_compiled()
         if best is None or best.step_ms is None:
             return None
@@ -558,52 +576,59 @@ class SearchPolicy:
                 continue
             seen.add((config_compile_key(cfg), cfg.dtype))  # the fastest of each scope and dtype
             base_ms = float(base.step_ms)
-            found = history.slower_with_more_steps(cfg, base_ms)
-            if found is None:
+            keyed = history.keyed(cfg)
+            slower_ones = [(r, c) for r, c in keyed if r.feasible and r.step_ms is not None
+                           and c.accumulation > cfg.accumulation
+                           and float(r.step_ms) > base_ms * (1.0 + SAME_WITHIN)]
+            if not slower_ones:
                 continue  # no measured evidence that fewer micro-steps pay in this scope
-            slower, more = found  # the cost per micro-step they measured: a line, nothing recomputed
-            per_step = (float(slower.step_ms or 0.0) - base_ms) / (more.accumulation - cfg.accumulation)
+            slower, more = min(slower_ones, key=lambda o: float(o[0].step_ms or 0.0))
+            # the cost per micro-step the two measured: a line through them, nothing recomputed
+            per_step = ((float(slower.step_ms or 0.0) - base_ms)
+                        / (more.accumulation - cfg.accumulation))
             for template in self._fewer_steps(cfg, two_sizes):
                 if _split(template) in ran:
-                    break  # that split was tried: growing from it is ``compiled-grow``'s and ``raise-budget``'s
+                    break  # tried: growing from it is ``compiled-grow``'s and ``raise-budget``'s
                 fits = self.models.largest_budgets(template)
                 if fits is not None and min(fits) >= GROW_MIN_BUDGET:
                     break  # ``compiled-grow`` proposes it
                 bound = base_ms - per_step * (cfg.accumulation - template.accumulation)
                 if bound >= float(best.step_ms):
                     break
-                if fits is None and history.lowest_budget(template) <= LOW_BUDGET + 1e-9:
-                    break  # the model's "no budget" rests on a budget measured that low: not a prior
+                if fits is None and min([1.0, *(_low(c) for _, c in keyed)]) <= LOW_BUDGET + 1e-9:
+                    break  # the model's "no budget" rests on a budget measured that low: no prior
                 if fits is not None and min(fits) < LOW_BUDGET:
-                    break  # it fits only where memory is not monotone in the budget (``LOW_BUDGET``)
+                    break  # it fits only where memory is not monotone in the budget
                 low = min(fits) if fits is not None else LOW_BUDGET
                 grown = _with(template, activation_budget=[low] * template.world_size,
-                              bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=cfg.gradient_as_bucket_view)
+                              bucket_cap_mb=cfg.bucket_cap_mb,
+                              gradient_as_bucket_view=cfg.gradient_as_bucket_view)
                 if not self.space.contains(grown):
                     break
-                where = (f"the largest budget the compiled model predicts to fit ({low:g} < {GROW_MIN_BUDGET:g})"
-                         if fits is not None else
-                         f"{LOW_BUDGET:g}, the least memory proposed unmeasured (the compiled model places it at no "
-                         "budget from a curve it never measured that low)")
-                return Proposal(config=grown, phase="grow-probe", predicted_peak_gib=self.models.compiled_peaks(grown),
+                where = (f"the largest budget the compiled model predicts to fit ({low:g} < "
+                         f"{GROW_MIN_BUDGET:g})" if fits is not None else
+                         f"{LOW_BUDGET:g}, the least memory proposed unmeasured (the compiled "
+                         "model places it at no budget from a curve it never measured that low)")
+                return Proposal(config=grown, phase="grow-probe",
+                                predicted_peak_gib=self.models.compiled_peaks(grown),
                                 extra={"proposal_extrapolated": True}, reason=(
-                    f"a measured step: fewer micro-steps in {cfg.compile_scope} {cfg.dtype} ({cfg.accumulation} -> "
-                    f"{template.accumulation}, from trial {base.number}, {base_ms:.0f} ms; trial "
-                    f"{slower.number} with {more.accumulation} ran "
-                    f"{float(slower.step_ms or 0.0):.0f} ms) at {where}: without recomputation the measured cost per "
-                    f"micro-step puts it at {bound:.0f} ms, against the best measured {float(best.step_ms):.0f} ms; "
-                    "what recomputing costs at that budget no trial measured"))
+                    f"a measured step: fewer micro-steps in {cfg.compile_scope} {cfg.dtype} "
+                    f"({cfg.accumulation} -> {template.accumulation}, from trial {base.number}, "
+                    f"{base_ms:.0f} ms; trial {slower.number} with {more.accumulation} ran "
+                    f"{float(slower.step_ms or 0.0):.0f} ms) at {where}: without recomputation the "
+                    f"measured cost per micro-step puts it at {bound:.0f} ms, against the best "
+                    f"measured {float(best.step_ms):.0f} ms; what recomputing costs at that budget "
+                    "no trial measured"))
         return None
 
 
 # ---------------------------------------------------------------------- the policy's helpers
 def _budget_step(models: SearchModels, history: TrialHistory, base: Record, *, limit: float,
                  ceiling: float) -> Proposal | None:
-    """``raise-budget``'s measured step (:data:`RAISE_CHANGE_MARGIN`): one budget step above the highest
-    budget measured to fit at the best trial's split, unless that one ran slower than the best beyond
-    :data:`SAME_WITHIN` (the direction measured against it), while its measured peak plus the change of
-    one step fits - the largest per step the split's own budgets measured, else (one measured there)
-    the compiled model's central prediction. When it does not fit, it caps the split's budget."""
+    """``raise-budget``'s measured step (:data:`RAISE_CHANGE_MARGIN`): one budget step above the
+    highest budget measured to fit at the best trial's split, unless that one ran slower than the
+    best beyond :data:`SAME_WITHIN`, while its measured peak plus the change of one step fits: the
+    largest per step the split's own budgets measured, else the compiled model's prediction."""
     cfg = base.config
     if cfg is None or base.step_ms is None:
         return None
@@ -619,8 +644,8 @@ def _budget_step(models: SearchModels, history: TrialHistory, base: Record, *, l
     slope = history.ladder_slope(cfg)
     if slope is not None:
         step = slope * BUDGET_STEP
-        source = (f"the largest change per step its {len(ladder)} measured budgets at this split showed "
-                  f"({step:+.2f} GiB)")
+        source = (f"the largest change per step its {len(ladder)} measured budgets at this split "
+                  f"showed ({step:+.2f} GiB)")
     else:
         change = models.peak_change(_with(cfg, activation_budget=[top_b]), nb)
         if change is None:
@@ -631,32 +656,15 @@ def _budget_step(models: SearchModels, history: TrialHistory, base: Record, *, l
         return None
     return Proposal(config=_with(cfg, activation_budget=[nb]), phase="raise-budget",
                     predicted_peak_gib=[top_peak + step], reason=(
-        f"a measured step: trial {base.number}'s split at budget {nb:g}, one step above {top_b:g} (measured "
-        f"{memory_text(top_peak)}, {top_ms:.0f} ms); {memory_text(top_peak)} plus {source} stays below "
-        f"{memory_text(limit)} usable, where the model's change counted {1.0 + RAISE_CHANGE_MARGIN:g}x does not: "
-        "one trial measures the peak there (the partitioner's memory rises in plateaus that a line through "
-        "budgets measured at other splits does not see)"))
+        f"a measured step: trial {base.number}'s split at budget {nb:g}, one step above {top_b:g} "
+        f"(measured {memory_text(top_peak)}, {top_ms:.0f} ms); {memory_text(top_peak)} plus "
+        f"{source} stays below {memory_text(limit)} usable, where the model's change counted "
+        f"{1.0 + RAISE_CHANGE_MARGIN:g}x does not: one trial measures the peak there (the "
+        "partitioner's memory rises in plateaus that a line through budgets measured at other "
+        "splits does not see)"))
 
 
-def _even_config(space: SearchSpace, acc: int, *, dtype: str, compile: str,
-                 scope: str = "whole") -> BalanceConfig | None:
-    """The even split of ``acc`` micro-steps, nothing checkpointed, budget 1.0 when compiled."""
-    world = space.world_size
-    total = space.micro_total(acc)
-    if total < world:
-        return None
-    rest: dict[str, Any] = {"checkpoint": [[] for _ in range(world)], "dtype": dtype, "bucket_cap_mb": 25.0,
-                            "gradient_as_bucket_view": True, "compile": compile}
-    if compile != "off":
-        rest.update(compile_scope=scope, activation_budget=[1.0] * world)
-    try:
-        cfg = space.config_for(split_evenly(total, [1.0] * world), acc, None, **rest)
-    except (ConfigError, UsageError, ValueError):  # a split this space cannot hold
-        return None
-    return cfg if space.contains(cfg) else None
-
-
-# ---------------------------------------------------------------------- the phases over the models' proposals
+# ---------------------------------------------------------------------- the phases over the models
 def explore_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
     """The sampler's trial every :data:`SAMPLER_EVERY`-th ask: on CPU always (it explores what the
     models do not: bucket sizes, dtypes they cannot predict yet), on a GPU only once the models'
@@ -666,118 +674,129 @@ def explore_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | Non
     cpu = models.settings.device != "cuda"
     if models.asks % SAMPLER_EVERY == 0 and (cpu or proposals_stalled(
             study.get_trials(deepcopy=False), study.user_attrs.get(StudyAttr.OBJECTIVE, {}))):
-        return sampler_proposal(models, "explore: " + ("every third trial on CPU" if cpu
-                                                     else "the models' proposals stopped improving"))
+        return sampler_proposal(models, "explore: " + (
+            "every third trial on CPU" if cpu else "the models' proposals stopped improving"))
     return None
 
 
 def model_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
-    """The models' best new candidate (module doc), when it is worth a trial (:data:`WORTH`): under a
-    time budget a compile must fit in the time left and promise a gain; a compile scope only once a
-    trial of it was measured (the scope probe brings in another: no borrowing across scopes); an eager
-    candidate first while the compiled model has too few eager trials of its dtype (:data:`EAGER_FIRST`)."""
+    """The models' best new candidate (module doc), when it is worth a trial (:data:`WORTH`):
+    under a time budget a compile must fit in the time left and promise a gain; a compile scope
+    only once a trial of it was measured (the scope probe brings in another); an eager candidate
+    first while the compiled model has too few eager trials of its dtype (:data:`EAGER_FIRST`)."""
     models = policy.models
     study = models.study
     candidates = models.scored_candidates(study)
     if not candidates:
         return None
+    limited = models.decision_for(study).compile_limited
     if not models.time_holds_compile():  # no new graph that the time budget cannot hold
         candidates = [c for c in candidates if c.new_graphs == 0]
-    elif models.decision_for(study).compile_limited:  # nor one of a scope whose compile it cannot hold
-        dear = {scope for scope in models.space.compile_scopes if not models.time_holds_compile(scope)}
+    elif limited:  # nor one of a scope whose compile it cannot hold
+        dear = {s for s in models.space.compile_scopes if not models.time_holds_compile(s)}
         candidates = [c for c in candidates if c.new_graphs == 0 or c.config.compile == "off"
                       or c.config.compile_scope not in dear]
-    scopes = history.measured_scopes() or {models.space.compile_scopes[-1]}  # regional first when searched
-    if models.settings.device == "cuda" and history.best_compiled() is not None and not _eager_timed(history):
-        # an eager proposal against a compiled best needs an eager time model of its own (three measured
-        # eager splits): with fewer it is proportional and ranks launch-bound small micro-batches too well
+    scopes = history.measured_scopes() or {models.space.compile_scopes[-1]}  # regional first
+    if (models.settings.device == "cuda" and history.best_compiled() is not None
+            and not _eager_timed(history)):
+        # an eager proposal against a compiled best needs an eager time model of its own (three
+        # measured eager splits): with fewer it is proportional and ranks launch-bound small
+        # micro-batches too well
         candidates = [c for c in candidates if c.config.compile != "off"]
-    if not history.two_sizes_compete():  # compiled: one micro-step size per rank (``one_size``) where any fits
+    if not history.two_sizes_compete():  # compiled: one micro-step size per rank where any fits
         even = [c for c in candidates if c.config.compile == "off" or one_size(c.config)]
-        if any(c.config.compile != "off" for c in even) or not any(c.config.compile != "off" for c in candidates):
+        if any(c.config.compile != "off" for c in even):
             candidates = even
-    # a time predicted outside the step-time model's support is no reason to propose: those rank last
+    # a time predicted outside the step-time model's support is no reason to propose: ranked last
     inside = {id(c) for c in candidates if history.time_supported(c.config)}
     candidates = sorted(candidates, key=lambda c: id(c) not in inside)
     tried = history.tried() | models.proposed
-    fresh = [c for c in candidates if c.config.to_json() not in tried and history.low_budget_ok(c.config)
+    fresh = [c for c in candidates if c.config.to_json() not in tried
+             and history.low_budget_ok(c.config)
              and (c.config.compile == "off" or c.config.compile_scope in scopes)]
     best = best_value(study)
-    if models.decision_for(study).compile_limited and best is not None:  # a compile must promise a gain
+    if limited and best is not None:  # under a time budget a compile must promise a gain
         fresh = [c for c in fresh if c.new_graphs == 0 or c.score < best]
     if not fresh or fresh[0].score > WORTH * candidates[0].score:
         return None
     pick, note = fresh[0], None
     if (pick.source == "compiled-model" and _eager_first(models, study, pick.config.dtype)
             and history.eager_probe() is None):
-        eager = [c for c in fresh if c.source == "memory-model" and c.config.dtype == pick.config.dtype]
+        eager = [c for c in fresh
+                 if c.source == "memory-model" and c.config.dtype == pick.config.dtype]
         if eager:  # a few seconds that teach the compiled model its fixed part before a compile
             pick, note = eager[0], "eager first: teaches the memory model before compiling"
     compiled = pick.source == "compiled-model"
     extra: dict[str, Any] = {"proposal_new_graphs": pick.new_graphs} if compiled else {}
     if pick.extrapolated or id(pick) not in inside:
         extra["proposal_extrapolated"] = True
-    reason = note or (f"the {'compiled' if compiled else 'memory'} model's best configuration predicted to fit"
-                      + (f" ({models.dtype_note})" if models.dtype_note else ""))
+    reason = note or (
+        f"the {'compiled' if compiled else 'memory'} model's best configuration predicted to fit"
+        + (f" ({models.dtype_note})" if models.dtype_note else ""))
     return Proposal(config=pick.config, phase=pick.source, reason=reason, predicted_ms=pick.step_ms,
                     predicted_peak_gib=[p / GIB for p in pick.peaks], extra=extra)
 
 
 def _eager_first(models: SearchModels, study: optuna.Study, dtype: str) -> bool:
     """Whether ``dtype``'s compiled proposals wait for more eager trials (:data:`EAGER_FIRST`)."""
-    if "off" not in models.space.compile_modes or models.model is None or models.model.is_fitted_for(dtype):
+    if ("off" not in models.space.compile_modes or models.model is None
+            or models.model.is_fitted_for(dtype)):
         return False
     eager = sum(1 for t in study.get_trials(deepcopy=False)
-                if t.user_attrs.get(TrialAttr.STATUS) == Status.OK and t.user_attrs.get(TrialAttr.REUSED_FROM) is None
+                if t.user_attrs.get(TrialAttr.STATUS) == Status.OK
+                and t.user_attrs.get(TrialAttr.REUSED_FROM) is None
                 and (c := t.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile", "off") == "off"
                 and c.get("dtype") == dtype)
     return eager < EAGER_FIRST
 
 
 def _eager_timed(history: TrialHistory) -> bool:
-    """Whether three distinct eager splits were measured (the eager time model's fixed terms are then seen)."""
-    return len({json.dumps([r.config.accumulation, r.config.micro_batches]) for r in history.records
-                if r.measured and r.status == Status.OK and r.config is not None and r.config.compile == "off"}) >= 3
+    """Whether three distinct eager splits were measured (the eager time model's fixed terms)."""
+    return len({json.dumps([c.accumulation, c.micro_batches]) for r in history.records
+                if (c := r.config) is not None and r.measured and r.status == Status.OK
+                and c.compile == "off"}) >= 3
 
 
 def cuda_graphs_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
-    """The CUDA-graph probe (:func:`graph_probe`) when the time budget holds a compile, at the best
-    trial when it is a default-mode compiled one (where the default mode's optimum is)."""
+    """The CUDA-graph probe (:func:`graph_probe`) when the time budget holds a compile, at the
+    best trial, or the best whole-model one (graphs capture the whole model) within 2 % of it."""
     models = policy.models
     study = models.study
     top = best_trial(study)
     if not models.time_holds_compile() or top is None:
         return None
     if (top.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile_scope", "whole") != "whole":
-        # CUDA graphs capture the whole model: probed at the best whole-model trial within 2 % of the best
         best_ms = float(top.user_attrs.get(TrialAttr.STEP_TIME_MS) or 0.0)
         close = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-                 if t.user_attrs.get(TrialAttr.FEASIBLE) and t.user_attrs.get(TrialAttr.STEP_TIME_MS)
+                 if t.user_attrs.get(TrialAttr.FEASIBLE)
+                 and t.user_attrs.get(TrialAttr.STEP_TIME_MS)
                  and (c := t.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile") == "default"
-                 and c.get("compile_scope", "whole") == "whole" and float(t.user_attrs[TrialAttr.STEP_TIME_MS]) <= 1.02 * best_ms]
+                 and c.get("compile_scope", "whole") == "whole"
+                 and float(t.user_attrs[TrialAttr.STEP_TIME_MS]) <= 1.02 * best_ms]
         if not close:
             return None
         top = min(close, key=lambda t: float(t.user_attrs[TrialAttr.STEP_TIME_MS]))
-    probe = graph_probe(study.get_trials(deepcopy=False), best=top, modes=models.space.compile_modes,
-                        dtypes=models.allowed_dtypes(study))
+    probe = graph_probe(study.get_trials(deepcopy=False), best=top,
+                        modes=models.space.compile_modes, dtypes=models.allowed_dtypes(study))
     if probe is None or probe.to_json() in models.proposed or not models.space.contains(probe):
         return None
     return Proposal(config=probe, phase="cuda-graphs", reason=(
-        f"CUDA graphs ({probe.compile}) at the best default-mode compiled configuration: one compile "
-        "measures whether they pay for this script"))
+        f"CUDA graphs ({probe.compile}) at the best default-mode compiled configuration: one "
+        "compile measures whether they pay for this script"))
 
 
 def fallbacks_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
-    """When no phase proposes: parameter sharding where a rank's fixed part is large and nothing fits
-    (``_sharding``); the least memory the priors know while nothing fits (on a GPU); else the sampler."""
+    """When no phase proposes: parameter sharding where a rank's fixed part is large and nothing
+    fits (``_sharding``); the least memory the priors know while nothing fits (on a GPU); else
+    the sampler."""
     models = policy.models
     study = models.study
     if len(models.space.param_shardings) > 1:  # searched
         found = sharding_proposal(
             study.get_trials(deepcopy=False), space_shardings=models.space.param_shardings,
             model_facts=study.user_attrs.get(StudyAttr.MODEL), world_size=models.space.world_size,
-            usable=models.usable(study), unsharded=models.model, tried=history.tried() | models.proposed,
-            num_layers=models.space.num_layers)
+            usable=models.usable(study), unsharded=models.model,
+            tried=history.tried() | models.proposed, num_layers=models.space.num_layers)
         if found is not None:  # the fixed part only (in the reason): no peak predicted
             return Proposal(config=found[0], phase="shard", reason=found[1])
     if models.settings.device == "cuda" and not any(r.status == Status.OK for r in history.records):
@@ -786,13 +805,14 @@ def fallbacks_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | N
             return Proposal(config=probe, phase="prior", reason=(
                 "nothing measured fits yet: the least memory the priors know, in "
                 f"{probe.dtype} ({models.dtype_note or 'the dtype prior on a GPU'})"))
-    return sampler_proposal(models, "the sampler's trial: the models propose nothing new worth a trial")
+    return sampler_proposal(models, "the sampler's trial: the models propose nothing new worth a "
+                                    "trial")
 
 
 def _probe(models: SearchModels, study: optuna.Study) -> BalanceConfig | None:
     """With nothing measured that fits: the least-memory configuration of the first allowed dtype
-    (every block checkpointed; compiled only: the smallest budget), at the baseline's accumulation,
-    then at the largest; None once both were tried."""
+    (every block checkpointed; compiled only: the smallest budget), at the baseline's
+    accumulation, then at the largest; None once both were tried."""
     trials = study.get_trials(deepcopy=False)
     if any(t.user_attrs.get(TrialAttr.STATUS) == Status.OK for t in trials):
         return None
@@ -822,8 +842,8 @@ def _probe(models: SearchModels, study: optuna.Study) -> BalanceConfig | None:
 
 
 def sampler_proposal(models: SearchModels, why: str) -> Proposal:
-    """The sampler's trial: eager when the time budget holds no compile; while some dtype is held back,
-    in the best trial's dtype (when allowed) or the first allowed one."""
+    """The sampler's trial: eager when the time budget holds no compile; while some dtype is held
+    back, in the best trial's dtype (when allowed) or the first allowed one."""
     study = models.study
     fixed: dict[str, Any] = {}
     notes = [why]
@@ -835,22 +855,24 @@ def sampler_proposal(models: SearchModels, why: str) -> Proposal:
         allowed = models.allowed_dtypes(study, timing if timing.k else None)
         if allowed and len(allowed) < len(models.space.dtypes):
             best = best_trial(study)
-            dtype = (best.user_attrs.get(TrialAttr.CONFIG) or {}).get("dtype") if best is not None else None
+            dtype = (None if best is None
+                     else (best.user_attrs.get(TrialAttr.CONFIG) or {}).get("dtype"))
             fixed["dtype"] = dtype if dtype in allowed else allowed[0]
             notes.append(f"in {fixed['dtype']}: {models.dtype_note}")
     return Proposal(config=None, phase="sampler", reason="; ".join(notes), fixed=fixed)
 
 
-PHASES: list[Phase] = [SearchPolicy.probe, SearchPolicy.compiled_start, explore_phase, SearchPolicy.compiled_grow,
-                       SearchPolicy.raise_budget, SearchPolicy.scope_probe, SearchPolicy.grow_probe,
-                       cuda_graphs_phase, model_phase, fallbacks_phase]
+PHASES: list[Callable[[SearchPolicy, TrialHistory], Proposal | None]] = [
+    SearchPolicy.probe, SearchPolicy.compiled_start, explore_phase, SearchPolicy.compiled_grow,
+    SearchPolicy.raise_budget, SearchPolicy.scope_probe, SearchPolicy.grow_probe, cuda_graphs_phase,
+    model_phase, fallbacks_phase]
 """The phases in the order they are asked (module doc)."""
 
 
-# ---------------------------------------------------------------------- the glue to Optuna (module doc)
+# ---------------------------------------------------------------------- the glue to Optuna
 class ModelAdvisor:
-    """Enqueues the policy's proposals, vetoes predicted OOMs (``_dominance``), and lets the models
-    learn from each trial (``_models``)."""
+    """Enqueues the policy's proposals, vetoes predicted OOMs (``_dominance``), and lets the
+    models learn from each trial (``_models``)."""
 
     def __init__(self, *, space: SearchSpace, settings: TuneSettings) -> None:
         self.space = space
@@ -864,9 +886,11 @@ class ModelAdvisor:
     @saves_errors
     def before_ask(self, study: optuna.Study, decision: Decision | None = None) -> None:
         """Enqueue the policy's next proposal when nothing is waiting (no proposal: the sampler's
-        trial). ``decision``: the loop's (the study read once, each model fitted once); None: its own."""
+        trial). ``decision``: the loop's (the study read once, each model fitted once); None: its
+        own."""
         if decision is None:
-            decision = Decision(study, num_layers=self.space.num_layers, device=self.settings.device)
+            decision = Decision(study, num_layers=self.space.num_layers,
+                                device=self.settings.device)
         decision.errors = self.errors
         self.models.decision = decision  # the veto of the trial asked reads it too
         if study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
@@ -879,8 +903,9 @@ class ModelAdvisor:
         proposal = self.policy.next(history)
         if proposal is not None and proposal.config is not None:
             self.models.proposed.add(proposal.config.to_json())
-            study.enqueue_trial(self.space.params_from_config(proposal.config), user_attrs=proposal.user_attrs())
-        elif proposal is not None and proposal.fixed:  # the sampler's trial, some parameters pinned
+            study.enqueue_trial(self.space.params_from_config(proposal.config),
+                                user_attrs=proposal.user_attrs())
+        elif proposal is not None and proposal.fixed:  # the sampler's trial, parameters pinned
             study.enqueue_trial(proposal.fixed, user_attrs=proposal.user_attrs())
 
     @saves_errors
@@ -895,7 +920,7 @@ class ModelAdvisor:
     def predict_infeasible(self, study: optuna.Study,
                            config: BalanceConfig) -> tuple[TrialFigures, dict[str, Any]] | None:
         """Figures for a config that will not fit (``_dominance``); None to launch it. After
-        :data:`MAX_PREDICTED_IN_A_ROW` vetoes in a row the next is launched whatever the models say."""
+        :data:`MAX_PREDICTED_IN_A_ROW` vetoes in a row the next is launched whatever they say."""
         usable = self.models.usable(study)
         if usable is None or self._predicted_in_a_row >= MAX_PREDICTED_IN_A_ROW:
             return None
@@ -908,7 +933,7 @@ class ModelAdvisor:
             model = self.models.refit(study)
             if model is None:
                 return None
-            compiled = None  # compiled memory follows the budget: the compiled model's measured bounds
+            compiled = None  # compiled memory follows the budget: the compiled model's bounds
             if config.compile != "off":
                 compiled = self.models.compiled or self.models.compiled_for(study, model)
             verdict = model_veto(model, compiled, config, usable=usable, headroom=headroom,
