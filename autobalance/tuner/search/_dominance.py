@@ -1,8 +1,8 @@
-"""What cannot fit, said before launching (the vetoes; the advisor records them as ``predicted_oom``).
+"""What cannot fit, said before launching (the vetoes; recorded as ``predicted_oom``).
 
-Dominance, model-free (monotonicity only): a configuration that needs at least as much memory, on some
-rank, as a launched trial that did not fit there will not fit either (:func:`dominating_over_cap`). The
-memory models where they are confident (:func:`model_veto`)."""
+Dominance, model-free (monotonicity only): a configuration that needs at least as much memory, on
+some rank, as a launched trial that did not fit there will not fit either
+(:func:`dominating_over_cap`). The memory models where they are confident (:func:`model_veto`)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def activation_budget(cfg: dict[str, Any], rank: int) -> float:
 
 def _ranks_over_cap(t: FrozenTrial) -> list[int] | None:
     """Ranks whose memory did not fit in trial ``t``; [] when it fit; None when it ran out of memory
-    but the rank is unknown (then only a configuration that dominates it on every rank is implied)."""
+    but the rank is unknown (then only a configuration dominating it on every rank is implied)."""
     peaks = t.user_attrs.get(TrialAttr.PEAK_DEVICE_GIB) or []
     usable = t.user_attrs.get(TrialAttr.USABLE_GIB) or []
     over = {r for r, (p, u) in enumerate(zip(peaks, usable, strict=False))
@@ -50,37 +50,31 @@ def _ranks_over_cap(t: FrozenTrial) -> list[int] | None:
 
 
 def _needs_at_least(cfg: dict[str, Any], other: dict[str, Any], rank: int) -> bool:
-    """Rank ``rank`` of ``cfg`` holds at least the memory it held under ``other``: same dtype, compile
-    mode and scope, a micro-batch no smaller, no more recomputation (fewer blocks checkpointed, a
-    compile budget no smaller), buckets no smaller, not views where ``other`` used none, at least its
-    optimizer state and parameters. Accumulation does not change a rank's peak."""
+    """Rank ``rank`` of ``cfg`` holds at least the memory it held under ``other``: same dtype,
+    compile mode and scope, a micro-batch no smaller, no more recomputation (fewer blocks
+    checkpointed, a compile budget no smaller), buckets no smaller, not views where ``other`` used
+    none, at least its optimizer state, no more parameters sharded (off < embeddings < blocks; at
+    one level, at least the groups ``other`` keeps gathered). Accumulation changes no peak."""
     if (cfg["dtype"] != other["dtype"] or cfg.get("compile", "off") != other.get("compile", "off")
             or cfg.get("compile_scope", "whole") != other.get("compile_scope", "whole")):
         return False
+    mine = sharding_level(cfg.get("param_sharding", "off"))
+    theirs = sharding_level(other.get("param_sharding", "off"))
     return (cfg["micro_batches"][rank] >= other["micro_batches"][rank]
             and len(cfg["checkpoint"][rank]) <= len(other["checkpoint"][rank])
             and activation_budget(cfg, rank) >= activation_budget(other, rank)
             and float(cfg["bucket_cap_mb"]) >= float(other["bucket_cap_mb"])
             and (not cfg["gradient_as_bucket_view"] or bool(other["gradient_as_bucket_view"]))
             and _holds_state_of(cfg, other, rank)
-            and _holds_parameters_of(cfg, other))
-
-
-def _holds_parameters_of(cfg: dict[str, Any], other: dict[str, Any]) -> bool:
-    """``cfg`` shards no more parameters than ``other`` (off < embeddings < blocks; at the same
-    sharding, it keeps at least the groups ``other`` keeps gathered)."""
-    mine = sharding_level(cfg.get("param_sharding", "off"))
-    theirs = sharding_level(other.get("param_sharding", "off"))
-    if mine != theirs:
-        return mine < theirs
-    return set(cfg.get("keep_gathered", [])) >= set(other.get("keep_gathered", []))
+            and (mine < theirs if mine != theirs
+                 else set(cfg.get("keep_gathered", [])) >= set(other.get("keep_gathered", []))))
 
 
 def _holds_state_of(cfg: dict[str, Any], other: dict[str, Any], rank: int) -> bool:
-    """Rank ``rank``'s run of the optimizer state (cumulative fractions of the parameter bytes; all of
-    it unsharded) encloses the one it had under ``other``. The partition (``runtime._zero.partition``)
-    is monotone in the cumulative shares, so it owns every parameter that one owns (a larger share
-    alone does not, from three ranks on)."""
+    """Rank ``rank``'s run of the optimizer state (cumulative fractions of the parameter bytes;
+    all of it unsharded) encloses the one it had under ``other``. The partition
+    (``runtime._zero.partition``) is monotone in the cumulative shares, so it owns every parameter
+    that one owns (a larger share alone does not, from three ranks on)."""
     def run(c: dict[str, Any]) -> tuple[float, float]:
         if c.get("optimizer_sharding", "off") == "off":
             return 0.0, 1.0
@@ -93,8 +87,8 @@ def _holds_state_of(cfg: dict[str, Any], other: dict[str, Any], rank: int) -> bo
 
 def dominating_over_cap(trials: list[FrozenTrial],
                         config: BalanceConfig) -> tuple[FrozenTrial, int] | None:
-    """A launched trial that did not fit on some rank where ``config`` needs at least as much memory,
-    with that rank; None when there is none. Model-free, so it covers compiled configurations too."""
+    """A launched trial that did not fit on some rank where ``config`` needs at least as much
+    memory, with that rank; None when there is none. Model-free: it covers compiled ones too."""
     cfg = config.to_dict()
     for t in trials:
         other = t.user_attrs.get(TrialAttr.CONFIG)
@@ -119,21 +113,23 @@ def _predicted_oom(peaks: list[float | None], *, usable: list[float], headroom: 
     """The figures and attributes of a trial recorded as ``predicted_oom`` without launching;
     ``attrs``: who predicted it and why."""
     n = len(peaks)
-    figures = TrialFigures(status=Status.PREDICTED_OOM, peak_device=peaks, peak_allocated=[None] * n,
-                           peak_reserved=[None] * n, outside_pytorch=[None] * n,
+    figures = TrialFigures(status=Status.PREDICTED_OOM, peak_device=peaks,
+                           peak_allocated=[None] * n, peak_reserved=[None] * n,
+                           outside_pytorch=[None] * n,
                            capacity=[u / (1.0 - headroom) for u in usable], step_time_s=None,
                            samples_per_s=None, startup_s=None)
-    return figures, {**figures.user_attrs(headroom), "status": Status.PREDICTED_OOM, "predicted": True,
-                     **attrs, "baseline": False}
+    return figures, {**figures.user_attrs(headroom), "status": Status.PREDICTED_OOM,
+                     "predicted": True, **attrs, "baseline": False}
 
 
-def model_veto(model: MemoryModel, compiled: CompiledMemoryModel | None, config: BalanceConfig, *,
-               usable: list[float], headroom: float, num_layers: int) -> Veto | bool | None:
-    """The memory models' verdict on ``config``: its ``predicted_oom`` figures and attributes when a
-    rank will not fit, True when it is predicted to fit, None when the models cannot say."""
+def model_veto(model: MemoryModel, compiled: CompiledMemoryModel | None, config: BalanceConfig,
+               *, usable: list[float], headroom: float, num_layers: int) -> Veto | bool | None:
+    """The memory models' verdict on ``config``: its ``predicted_oom`` figures and attributes when
+    a rank will not fit, True when it is predicted to fit, None when the models cannot say."""
     layers = max(1, num_layers)
     if config.compile != "off":
-        return _compiled_veto(model, compiled, config, usable=usable, headroom=headroom, layers=layers)
+        return _compiled_veto(model, compiled, config, usable=usable, headroom=headroom,
+                              layers=layers)
     if config.param_sharding != "off":  # the model is of unsharded memory (dominance still vetoes)
         return None
     if not model.can_predict(config.dtype) or not all(
@@ -157,22 +153,24 @@ def model_veto(model: MemoryModel, compiled: CompiledMemoryModel | None, config:
                 f"> usable {memory_text(usable[worst] / GIB)}"))
 
 
-def _compiled_veto(model: MemoryModel, compiled: CompiledMemoryModel | None, config: BalanceConfig,
-                   *, usable: list[float], headroom: float, layers: int) -> Veto | bool | None:
-    """A compiled configuration that the pair's measured budgets prove cannot fit on some rank (whose
-    eager fixed part the memory model is sure of): its figures; True: no rank is over; None: no model."""
+def _compiled_veto(model: MemoryModel, compiled: CompiledMemoryModel | None,
+                   config: BalanceConfig, *, usable: list[float], headroom: float,
+                   layers: int) -> Veto | bool | None:
+    """A compiled configuration that the pair's measured budgets prove cannot fit on some rank
+    (whose eager fixed part the memory model is sure of): its figures; True: no rank is over;
+    None: no model."""
     if compiled is None or not model.can_predict(config.dtype):
         return None
     budgets = config.activation_budget or [1.0] * config.world_size
-    key = config_compile_key(config)
     own = config.sharding_shares()  # zero1: each rank's share of the state (None: unsharded)
     shares: list[float | None] = [None] * config.world_size if own is None else list(own)
     for rank, (m, b) in enumerate(zip(config.micro_batches, budgets, strict=True)):
         if not model.is_confident(rank=rank, micro_batch=m, checkpointed=0, num_layers=layers,
                                   dtype=config.dtype):
             continue
-        common: dict[str, Any] = {"rank": rank, "micro_batch": m, "dtype": config.dtype, "mode": key,
-                  "limit": usable[rank], "optimizer_share": shares[rank]}
+        common: dict[str, Any] = {"rank": rank, "micro_batch": m, "dtype": config.dtype,
+                                  "mode": config_compile_key(config), "limit": usable[rank],
+                                  "optimizer_share": shares[rank]}
         low = compiled.surely_over(budget=b, **common)
         why = "the compiled model's measured budgets put"
         if low is None:  # not even the least any budget keeps fits (a tiny budget does not save it)
@@ -192,17 +190,17 @@ def _compiled_veto(model: MemoryModel, compiled: CompiledMemoryModel | None, con
 
 def dominance_veto(config: BalanceConfig, trial: FrozenTrial, rank: int, *, usable: list[float],
                    headroom: float) -> Veto:
-    """The figures of ``config``, dominated on ``rank`` by launched ``trial`` that did not fit there."""
+    """The figures of ``config``, dominated on ``rank`` by launched ``trial`` that did not fit."""
     seen = (trial.user_attrs.get(TrialAttr.PEAK_DEVICE_GIB) or [None] * config.world_size)[rank]
     other = trial.user_attrs[TrialAttr.CONFIG]
     what = (f"budget {activation_budget(other, rank):g}" if other.get("compile", "off") != "off"
             else f"{len(other['checkpoint'][rank])} checkpointed blocks")
     peak = None if seen is None else float(seen) * GIB  # a lower bound: it needs at least that
     return _predicted_oom(
-        [peak if r == rank else None for r in range(len(usable))], usable=usable, headroom=headroom,
-        predicted_by="dominance", dominated_by=trial.number,
+        [peak if r == rank else None for r in range(len(usable))], usable=usable,
+        headroom=headroom, predicted_by="dominance", dominated_by=trial.number,
         reason=(f"not launched: trial {trial.number} exceeded rank {rank}'s usable memory "
                 f"({memory_text(usable[rank] / GIB)}) with micro-batch "
-                f"{other['micro_batches'][rank]}, {what}; this configuration needs at least as much "
-                "there (same dtype and compile mode, no smaller micro-batch, no more recomputation, "
-                "no smaller bucket)"))
+                f"{other['micro_batches'][rank]}, {what}; this configuration needs at least as "
+                "much there (same dtype and compile mode, no smaller micro-batch, no more "
+                "recomputation, no smaller bucket)"))

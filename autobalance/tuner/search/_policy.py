@@ -219,11 +219,9 @@ class TrialHistory:
                 and c.compile != "off" and config_compile_key(c) == key and c.dtype == config.dtype]
 
     def time_supported(self, config: BalanceConfig) -> bool:
-        """Whether the step-time model's prediction for ``config`` lies inside what it was fitted
-        on: eager always; compiled, its lowest budget at or above the lowest measured in its
-        compile key and dtype (below, the recomputation term is extrapolated: 44 ms predicted at
-        budget 0.3 from trials at 0.55-1.0 for a configuration that ran 164 ms), its micro-batch
-        within theirs."""
+        """Whether the step-time model was fitted where ``config`` lies: eager always; compiled, no
+        budget below and no micro-batch outside those measured in its compile key and dtype (below,
+        44 ms was predicted at budget 0.3 from trials at 0.55-1.0 for one that ran 164 ms)."""
         if config.compile == "off":
             return True
         ok = [c for r, c in self.keyed(config) if r.status == Status.OK and r.step_ms is not None]
@@ -338,10 +336,6 @@ class SearchPolicy:
     def on_gpu_compiling(self) -> bool:
         return self.models.settings.device == "cuda" and self.space.compile_searched
 
-    def half_dtypes(self) -> list[str]:
-        """The half dtypes the first trials may use (``_models.proposable_dtypes``' order)."""
-        return [d for d in self.models.allowed_dtypes_now() if d in HALF_DTYPES]
-
     def next(self, history: TrialHistory) -> Proposal | None:
         """The first phase's proposal that is new (not tried, not running elsewhere) and that the
         time budget holds (its compile and verification's reserve after it); None: the sampler's."""
@@ -390,7 +384,7 @@ class SearchPolicy:
         if (not self.on_gpu_compiling or "off" not in self.space.compile_modes
                 or history.compiled_tried() or history.half_eager()):
             return None
-        dtypes = self.half_dtypes()
+        dtypes = [d for d in self.models.allowed_dtypes_now() if d in HALF_DTYPES]
         if not dtypes:
             return None
         tried = history.tried()
@@ -408,7 +402,7 @@ class SearchPolicy:
         if not self.on_gpu_compiling or history.compiled_tried():
             return None
         probe = history.eager_probe() or self.models.eager_estimate()
-        dtypes = self.half_dtypes()
+        dtypes = [d for d in self.models.allowed_dtypes_now() if d in HALF_DTYPES]
         if probe is None or not dtypes or not history.usable_gib:
             return None
         _, held, act = probe
@@ -418,9 +412,8 @@ class SearchPolicy:
         splits = [c for acc in sorted(self.space.accumulations)
                   if (c := self._even(acc, dtype=dtypes[0], compile=mode, scope=scope)) is not None]
         even = [c for c in splits if one_size(c)]
-        by_micro: dict[int, BalanceConfig] = {}
-        for cfg in even or splits:  # fewest micro-steps first: one per largest micro-batch
-            by_micro.setdefault(max(cfg.micro_batches), cfg)
+        # one per largest micro-batch, of the fewest micro-steps (reversed: the first one wins)
+        by_micro = {max(c.micro_batches): c for c in reversed(even or splits)}
         if not by_micro:
             return None
         usable = min(history.usable_gib)
@@ -559,11 +552,7 @@ class SearchPolicy:
         return None
 
     def grow_probe(self, history: TrialHistory) -> Proposal | None:
-        """Where fewer micro-steps measured faster in a scope (module doc): whether a larger
-        micro-batch at a low budget beats a smaller one at a higher budget is the recomputation's
-        cost, which no trial measured there (on the H200 it ranged 0.1-0.7 of a step): outside
-        the models' support, no reason to propose nor not to: one trial measures it where it can
-        win."""
+        """Module doc; why one trial measures it: :data:`GROW_MIN_BUDGET`."""
         best = history.best_compiled()
         if best is None or best.step_ms is None:
             return None
@@ -625,10 +614,8 @@ class SearchPolicy:
 # ---------------------------------------------------------------------- the policy's helpers
 def _budget_step(models: SearchModels, history: TrialHistory, base: Record, *, limit: float,
                  ceiling: float) -> Proposal | None:
-    """``raise-budget``'s measured step (:data:`RAISE_CHANGE_MARGIN`): one budget step above the
-    highest budget measured to fit at the best trial's split, unless that one ran slower than the
-    best beyond :data:`SAME_WITHIN`, while its measured peak plus the change of one step fits: the
-    largest per step the split's own budgets measured, else the compiled model's prediction."""
+    """``raise-budget``'s measured step where the doubled change leaves no room
+    (:data:`RAISE_CHANGE_MARGIN`); not above a budget measured slower beyond :data:`SAME_WITHIN`."""
     cfg = base.config
     if cfg is None or base.step_ms is None:
         return None
@@ -666,9 +653,8 @@ def _budget_step(models: SearchModels, history: TrialHistory, base: Record, *, l
 
 # ---------------------------------------------------------------------- the phases over the models
 def explore_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
-    """The sampler's trial every :data:`SAMPLER_EVERY`-th ask: on CPU always (it explores what the
-    models do not: bucket sizes, dtypes they cannot predict yet), on a GPU only once the models'
-    proposals stopped improving (``_models.proposals_stalled``)."""
+    """The sampler's trial every :data:`SAMPLER_EVERY`-th ask: on CPU always (bucket sizes, dtypes
+    the models cannot predict yet), on a GPU once their proposals stalled."""
     models = policy.models
     study = models.study
     cpu = models.settings.device != "cuda"
@@ -680,10 +666,9 @@ def explore_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | Non
 
 
 def model_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
-    """The models' best new candidate (module doc), when it is worth a trial (:data:`WORTH`):
-    under a time budget a compile must fit in the time left and promise a gain; a compile scope
-    only once a trial of it was measured (the scope probe brings in another); an eager candidate
-    first while the compiled model has too few eager trials of its dtype (:data:`EAGER_FIRST`)."""
+    """The models' best new candidate (module doc) worth a trial (:data:`WORTH`): a compile the
+    time left holds, a measured scope (the scope probe brings in another), eager first while the
+    compiled model has too few eager trials of its dtype (:data:`EAGER_FIRST`)."""
     models = policy.models
     study = models.study
     candidates = models.scored_candidates(study)
@@ -786,9 +771,7 @@ def cuda_graphs_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal |
 
 
 def fallbacks_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
-    """When no phase proposes: parameter sharding where a rank's fixed part is large and nothing
-    fits (``_sharding``); the least memory the priors know while nothing fits (on a GPU); else
-    the sampler."""
+    """When no phase proposes: ``shard``, ``prior``, else the sampler (module doc)."""
     models = policy.models
     study = models.study
     if len(models.space.param_shardings) > 1:  # searched
@@ -810,9 +793,8 @@ def fallbacks_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | N
 
 
 def _probe(models: SearchModels, study: optuna.Study) -> BalanceConfig | None:
-    """With nothing measured that fits: the least-memory configuration of the first allowed dtype
-    (every block checkpointed; compiled only: the smallest budget), at the baseline's
-    accumulation, then at the largest; None once both were tried."""
+    """The least memory of the first allowed dtype while nothing fits (every block checkpointed,
+    else the smallest budget), at the baseline's accumulation, then the largest; None: tried."""
     trials = study.get_trials(deepcopy=False)
     if any(t.user_attrs.get(TrialAttr.STATUS) == Status.OK for t in trials):
         return None
@@ -885,9 +867,8 @@ class ModelAdvisor:
 
     @saves_errors
     def before_ask(self, study: optuna.Study, decision: Decision | None = None) -> None:
-        """Enqueue the policy's next proposal when nothing is waiting (no proposal: the sampler's
-        trial). ``decision``: the loop's (the study read once, each model fitted once); None: its
-        own."""
+        """Enqueue the policy's next proposal when nothing is waiting. ``decision``: the loop's
+        (the study read once, each model fitted once); None: one of its own."""
         if decision is None:
             decision = Decision(study, num_layers=self.space.num_layers,
                                 device=self.settings.device)
@@ -927,17 +908,16 @@ class ModelAdvisor:
         headroom = self.settings.headroom
         dominated = dominating_over_cap(study.get_trials(deepcopy=False), config)
         if dominated is not None:
-            verdict: tuple[TrialFigures, dict[str, Any]] | bool | None = dominance_veto(
-                config, *dominated, usable=usable, headroom=headroom)
-        else:
-            model = self.models.refit(study)
-            if model is None:
-                return None
-            compiled = None  # compiled memory follows the budget: the compiled model's bounds
-            if config.compile != "off":
-                compiled = self.models.compiled or self.models.compiled_for(study, model)
-            verdict = model_veto(model, compiled, config, usable=usable, headroom=headroom,
-                                 num_layers=self.space.num_layers)
+            self._predicted_in_a_row += 1
+            return dominance_veto(config, *dominated, usable=usable, headroom=headroom)
+        model = self.models.refit(study)
+        if model is None:
+            return None
+        compiled = None  # compiled memory follows the budget: the compiled model's bounds
+        if config.compile != "off":
+            compiled = self.models.compiled or self.models.compiled_for(study, model)
+        verdict = model_veto(model, compiled, config, usable=usable, headroom=headroom,
+                             num_layers=self.space.num_layers)
         if not isinstance(verdict, tuple):  # True: predicted to fit; None: the models cannot say
             if verdict:
                 self._predicted_in_a_row = 0
