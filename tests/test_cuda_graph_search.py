@@ -169,7 +169,7 @@ def _auto_study(tmp_path, graph_ms: float | None):
 
 
 def _history(advisor: ModelAdvisor, study: optuna.Study) -> TrialHistory:
-    return TrialHistory.from_trials(study.get_trials(), space=advisor.space, usable=[USABLE * GIB], device="cuda")
+    return TrialHistory.from_trials(study.get_trials(), space=advisor.space, usable=[USABLE * GIB])
 
 
 def test_cuda_graphs_are_first_measured_at_the_best_default_mode_configuration(tmp_path):

@@ -16,7 +16,7 @@ from autobalance import BalanceConfig
 from autobalance.protocol import Status
 from autobalance.tuner.search import Decision, SearchSpace, TrialHistory, compile_times
 from autobalance.tuner.search._constants import REGIONAL_COMPILE_SHARE
-from autobalance.tuner.search._policy import FIT_MARGIN, Record, SearchPolicy
+from autobalance.tuner.search._policy import FIT_MARGIN, Record, SearchPolicy, proposal_line
 
 USABLE = 15.2
 
@@ -99,7 +99,7 @@ class _Models:
 
 
 def _history(*records: Record) -> TrialHistory:
-    return TrialHistory(records=list(records), usable_gib=[USABLE], device="cuda", loss_in_model=False)
+    return TrialHistory(records=list(records), usable_gib=[USABLE], loss_in_model=False)
 
 
 def test_raise_budget_goes_to_the_largest_budget_whose_measured_peak_plus_the_change_fits() -> None:
@@ -176,7 +176,8 @@ def test_a_proposal_the_time_budget_cannot_hold_gives_way_to_the_next_phase() ->
     first = SearchPolicy(space=_space(), models=models).next(_history(best))
     # the budget raised in the measured scope (a cheap compile) before the other scope is probed
     assert first is not None and first.phase == "raise-budget" and first.config == raised
-    assert first.predicted_ms == 140.0 and first.prediction_text().startswith("140 ms, ")  # a time and a peak
+    assert first.predicted_ms == 140.0  # a time and a peak
+    assert proposal_line(first.user_attrs()).startswith("raise-budget: 140 ms, ")
     models.refuse = {raised.to_json()}
     then = SearchPolicy(space=_space(), models=models).next(_history(best))
     assert then is not None and then.phase == "scope-probe"

@@ -111,8 +111,7 @@ def test_the_history_counts_another_workers_running_trial(tmp_path: Path) -> Non
     study.enqueue_trial(space.params_from_config(cfg))
     running = study.ask()  # another worker's trial, being measured: no attributes yet
     space.suggest(running)
-    history = TrialHistory.from_trials(study.get_trials(deepcopy=False), space=space, usable=[15.2 * 2**30],
-                                       device="cuda")
+    history = TrialHistory.from_trials(study.get_trials(deepcopy=False), space=space, usable=[15.2 * 2**30])
     assert history.records[0].running and history.records[0].config == cfg
     assert cfg.to_json() in history.tried()
     assert history.compiled_tried() and history.compiled_tried()[0].config == cfg

@@ -1,9 +1,8 @@
-"""What cannot fit, said before launching (the vetoes; the advisor records them as ``predicted_oom``).
+"""What cannot fit, said before launching (the vetoes; recorded as ``predicted_oom``).
 
-Dominance: a configuration that needs at least as much memory, on some rank, as a launched trial that
-did not fit there will not fit either - model-free (monotonicity only: :func:`dominating_over_cap`,
-:func:`dominance_veto`). The memory models' verdict where they are confident (:func:`model_veto`:
-the eager memory model at the default margin, the compiled model's measured budget bounds)."""
+Dominance, model-free (monotonicity only): a configuration that needs at least as much memory, on
+some rank, as a launched trial that did not fit there will not fit either
+(:func:`dominating_over_cap`). The memory models where they are confident (:func:`model_veto`)."""
 
 from __future__ import annotations
 
@@ -24,8 +23,9 @@ if TYPE_CHECKING:
     from autobalance.tuner.search._compiled_model import CompiledMemoryModel
     from autobalance.tuner.search._memory_model import MemoryModel
 
-__all__ = ["activation_budget", "compiled_veto", "dominance_veto", "dominating_over_cap", "model_veto", "predicted_oom"]
+__all__ = ["activation_budget", "dominance_veto", "dominating_over_cap", "model_veto"]
 
+Veto = tuple[TrialFigures, dict[str, Any]]
 
 
 def activation_budget(cfg: dict[str, Any], rank: int) -> float:
@@ -36,10 +36,11 @@ def activation_budget(cfg: dict[str, Any], rank: int) -> float:
 
 def _ranks_over_cap(t: FrozenTrial) -> list[int] | None:
     """Ranks whose memory did not fit in trial ``t``; [] when it fit; None when it ran out of memory
-    but the rank is unknown (then only a configuration that dominates it on every rank is implied)."""
+    but the rank is unknown (then only a configuration dominating it on every rank is implied)."""
     peaks = t.user_attrs.get(TrialAttr.PEAK_DEVICE_GIB) or []
     usable = t.user_attrs.get(TrialAttr.USABLE_GIB) or []
-    over = {r for r, (p, u) in enumerate(zip(peaks, usable, strict=False)) if p is not None and u and p > u}
+    over = {r for r, (p, u) in enumerate(zip(peaks, usable, strict=False))
+            if p is not None and u and p > u}
     if t.user_attrs.get(TrialAttr.STATUS) == Status.OOM:
         if t.user_attrs.get(TrialAttr.FAILING_RANK) is not None:
             over.add(int(t.user_attrs[TrialAttr.FAILING_RANK]))
@@ -49,63 +50,52 @@ def _ranks_over_cap(t: FrozenTrial) -> list[int] | None:
 
 
 def _needs_at_least(cfg: dict[str, Any], other: dict[str, Any], rank: int) -> bool:
-    """Rank ``rank`` of ``cfg`` holds at least the memory it held under ``other``: same dtype and
-    compile mode and scope, a micro-batch no smaller, no more recomputation (checkpointing the first N blocks,
-    or a compile budget: a larger budget keeps more activations), buckets no smaller, not views
-    where ``other`` used views, and at least ``other``'s optimizer state (``zero1``: its run of the
-    parameters contains ``other``'s; unsharded: all of it). Accumulation does not change a rank's peak."""
+    """Rank ``rank`` of ``cfg`` holds at least the memory it held under ``other``: same dtype,
+    compile mode and scope, a micro-batch no smaller, no more recomputation (fewer blocks
+    checkpointed, a compile budget no smaller), buckets no smaller, not views where ``other`` used
+    none, at least its optimizer state, no more parameters sharded (off < embeddings < blocks; at
+    one level, at least the groups ``other`` keeps gathered). Accumulation changes no peak."""
     if (cfg["dtype"] != other["dtype"] or cfg.get("compile", "off") != other.get("compile", "off")
             or cfg.get("compile_scope", "whole") != other.get("compile_scope", "whole")):
         return False
+    mine = sharding_level(cfg.get("param_sharding", "off"))
+    theirs = sharding_level(other.get("param_sharding", "off"))
     return (cfg["micro_batches"][rank] >= other["micro_batches"][rank]
             and len(cfg["checkpoint"][rank]) <= len(other["checkpoint"][rank])
             and activation_budget(cfg, rank) >= activation_budget(other, rank)
             and float(cfg["bucket_cap_mb"]) >= float(other["bucket_cap_mb"])
             and (not cfg["gradient_as_bucket_view"] or bool(other["gradient_as_bucket_view"]))
             and _holds_state_of(cfg, other, rank)
-            and _holds_parameters_of(cfg, other))
-
-
-def _holds_parameters_of(cfg: dict[str, Any], other: dict[str, Any]) -> bool:
-    """``cfg`` shards no more parameters than ``other`` (off < embeddings < blocks; at the same sharding,
-    keeping at least the groups ``other`` keeps gathered): each rank holds at least as much of them."""
-    mine, theirs = sharding_level(cfg.get("param_sharding", "off")), sharding_level(other.get("param_sharding", "off"))
-    if mine != theirs:
-        return mine < theirs
-    return set(cfg.get("keep_gathered", [])) >= set(other.get("keep_gathered", []))
-
-
-def _state_run(cfg: dict[str, Any], rank: int) -> tuple[float, float]:
-    """Rank ``rank``'s run of the optimizer state in ``cfg``, as cumulative fractions of the parameter
-    bytes: ``(sum(q[:r]), sum(q[:r+1]))`` of its ``zero1`` shares (even when not given); ``(0, 1)``
-    unsharded (the whole state)."""
-    if cfg.get("optimizer_sharding", "off") == "off":
-        return 0.0, 1.0
-    world = len(cfg["micro_batches"])
-    shares = cfg.get("optimizer_shares") or [1.0 / world] * world
-    return float(sum(shares[:rank])), float(sum(shares[:rank + 1]))
+            and (mine < theirs if mine != theirs
+                 else set(cfg.get("keep_gathered", [])) >= set(other.get("keep_gathered", []))))
 
 
 def _holds_state_of(cfg: dict[str, Any], other: dict[str, Any], rank: int) -> bool:
-    """Rank ``rank`` keeps at least the optimizer state it kept under ``other``: its run of the
-    parameters contains ``other``'s. The partition (``runtime._zero.partition``) puts each boundary at
-    the whole parameter closest to its cumulative share, monotone in it, so a run whose cumulative
-    bounds enclose another's owns every parameter that one owns (a larger share alone does not: with
-    three ranks or more the run may lie elsewhere in the parameter order)."""
-    low, high = _state_run(cfg, rank)
-    other_low, other_high = _state_run(other, rank)
+    """Rank ``rank``'s run of the optimizer state (cumulative fractions of the parameter bytes;
+    all of it unsharded) encloses the one it had under ``other``. The partition
+    (``runtime._zero.partition``) is monotone in the cumulative shares, so it owns every parameter
+    that one owns (a larger share alone does not, from three ranks on)."""
+    def run(c: dict[str, Any]) -> tuple[float, float]:
+        if c.get("optimizer_sharding", "off") == "off":
+            return 0.0, 1.0
+        world = len(c["micro_batches"])
+        shares = c.get("optimizer_shares") or [1.0 / world] * world
+        return float(sum(shares[:rank])), float(sum(shares[:rank + 1]))
+    (low, high), (other_low, other_high) = run(cfg), run(other)
     return low <= other_low + SHARE_TOL and high >= other_high - SHARE_TOL
 
 
-def dominating_over_cap(trials: list[FrozenTrial], config: BalanceConfig) -> tuple[FrozenTrial, int] | None:
-    """A launched trial that did not fit on some rank where ``config`` needs at least as much memory
-    (so ``config`` will not fit either), with that rank; None when there is none. Model-free: it
-    needs only monotonicity, so it covers compiled configurations, which the memory model does not."""
+def dominating_over_cap(trials: list[FrozenTrial],
+                        config: BalanceConfig) -> tuple[FrozenTrial, int] | None:
+    """A launched trial that did not fit on some rank where ``config`` needs at least as much
+    memory, with that rank; None when there is none. Model-free: it covers compiled ones too."""
     cfg = config.to_dict()
     for t in trials:
         other = t.user_attrs.get(TrialAttr.CONFIG)
-        if (t.state != TrialState.COMPLETE or t.user_attrs.get(TrialAttr.STATUS) not in MEASURED_STATUSES or not other
-                or t.user_attrs.get(TrialAttr.REUSED_FROM) is not None or len(other["micro_batches"]) != config.world_size):
+        if (t.state != TrialState.COMPLETE or not other
+                or t.user_attrs.get(TrialAttr.STATUS) not in MEASURED_STATUSES
+                or t.user_attrs.get(TrialAttr.REUSED_FROM) is not None
+                or len(other["micro_batches"]) != config.world_size):
             continue
         over = _ranks_over_cap(t)
         if over is None:
@@ -118,107 +108,99 @@ def dominating_over_cap(trials: list[FrozenTrial], config: BalanceConfig) -> tup
     return None
 
 
-def predicted_oom(*, headroom: float, usable: list[float], rank: int, peak: float | None,
-                  attrs: dict[str, Any]) -> tuple[TrialFigures, dict[str, Any]]:
-    """The figures and attributes of a trial recorded as ``predicted_oom`` without launching: rank
-    ``rank`` is known to need at least ``peak`` bytes; ``attrs`` say who predicted it and why."""
-    peaks: list[float | None] = [None] * len(usable)
-    peaks[rank] = peak
-    figures = TrialFigures(status=Status.PREDICTED_OOM, peak_device=peaks, peak_allocated=[None] * len(peaks),
-                           peak_reserved=[None] * len(peaks), outside_pytorch=[None] * len(peaks),
-                           capacity=[u / (1.0 - headroom) for u in usable], step_time_s=None, samples_per_s=None,
-                           startup_s=None)
-    return figures, {**figures.user_attrs(headroom), "status": Status.PREDICTED_OOM, "predicted": True, **attrs,
-                     "baseline": False}
+def _predicted_oom(peaks: list[float | None], *, usable: list[float], headroom: float,
+                   **attrs: Any) -> Veto:
+    """The figures and attributes of a trial recorded as ``predicted_oom`` without launching;
+    ``attrs``: who predicted it and why."""
+    n = len(peaks)
+    figures = TrialFigures(status=Status.PREDICTED_OOM, peak_device=peaks,
+                           peak_allocated=[None] * n, peak_reserved=[None] * n,
+                           outside_pytorch=[None] * n,
+                           capacity=[u / (1.0 - headroom) for u in usable], step_time_s=None,
+                           samples_per_s=None, startup_s=None)
+    return figures, {**figures.user_attrs(headroom), "status": Status.PREDICTED_OOM,
+                     "predicted": True, **attrs, "baseline": False}
 
 
-def model_veto(model: MemoryModel, compiled: CompiledMemoryModel | None, config: BalanceConfig, *,
-               usable: list[float], headroom: float, num_layers: int) -> tuple[TrialFigures, dict[str, Any]] | bool | None:
-    """The memory models' verdict on ``config``: its ``predicted_oom`` figures and attributes when a
-    rank will not fit, True when it is predicted to fit, None when the models cannot say (a dtype or
-    a split they are not confident of). Compiled: the compiled model's measured bounds
-    (:func:`compiled_veto`)."""
+def model_veto(model: MemoryModel, compiled: CompiledMemoryModel | None, config: BalanceConfig,
+               *, usable: list[float], headroom: float, num_layers: int) -> Veto | bool | None:
+    """The memory models' verdict on ``config``: its ``predicted_oom`` figures and attributes when
+    a rank will not fit, True when it is predicted to fit, None when the models cannot say."""
+    layers = max(1, num_layers)
     if config.compile != "off":
-        return compiled_veto(model, compiled, config, usable=usable, headroom=headroom, num_layers=num_layers)
-    if config.param_sharding != "off":  # the model is of unsharded memory: launched (dominance still vetoes)
+        return _compiled_veto(model, compiled, config, usable=usable, headroom=headroom,
+                              layers=layers)
+    if config.param_sharding != "off":  # the model is of unsharded memory (dominance still vetoes)
         return None
-    counts = [len(c) for c in config.checkpoint]
     if not model.can_predict(config.dtype) or not all(
-        model.is_confident(rank=r, micro_batch=m, checkpointed=c, num_layers=max(1, num_layers),
+        model.is_confident(rank=r, micro_batch=m, checkpointed=len(c), num_layers=layers,
                            dtype=config.dtype)
-        for r, (m, c) in enumerate(zip(config.micro_batches, counts, strict=True))
+        for r, (m, c) in enumerate(zip(config.micro_batches, config.checkpoint, strict=True))
     ):
         return None
-    # the veto judges at the default margin, not the self-widened one the proposals use: a widened margin
-    # (up to 50 %) vetoed configurations that fit (issue 41: predicted 9.28 MiB +50 % > 12.2 MiB usable,
-    # measured 9.2-10.0 MiB); proposing stays conservative, not launching needs the central estimate over
-    feasible, peaks = predict_config_feasible(model, config, num_layers=max(1, num_layers),
-                                              limits=usable, margin=DEFAULT_SAFETY_MARGIN)
+    # judged at the default margin, not the self-widened one the proposals use: a widened margin
+    # (up to 50 %) vetoed configurations that fit (issue 41: predicted 9.28 MiB +50 % > 12.2 MiB
+    # usable, measured 9.2-10.0 MiB)
+    feasible, peaks = predict_config_feasible(model, config, num_layers=layers, limits=usable,
+                                              margin=DEFAULT_SAFETY_MARGIN)
     if feasible:
         return True
-    capacity = [u / (1.0 - headroom) for u in usable]
     worst = max(range(len(peaks)), key=lambda r: peaks[r] / usable[r])
-    figures = TrialFigures(status=Status.PREDICTED_OOM, peak_device=list(peaks), peak_allocated=[None] * len(peaks),
-                           peak_reserved=[None] * len(peaks), outside_pytorch=[None] * len(peaks),
-                           capacity=capacity, step_time_s=None, samples_per_s=None, startup_s=None)
-    attrs = {
-        **figures.user_attrs(headroom),
-        "status": Status.PREDICTED_OOM,
-        "predicted": True,
-        "predicted_by": "memory-model",
-        "reason": (f"not launched: the memory model predicts rank {worst} at {memory_text(peaks[worst] / GIB)} "
-                   f"(+{100 * DEFAULT_SAFETY_MARGIN:.0f}% margin) > usable {memory_text(usable[worst] / GIB)}"),
-        "baseline": False,
-    }
-    return figures, attrs
+    return _predicted_oom(
+        list(peaks), usable=usable, headroom=headroom, predicted_by="memory-model",
+        reason=(f"not launched: the memory model predicts rank {worst} at "
+                f"{memory_text(peaks[worst] / GIB)} (+{100 * DEFAULT_SAFETY_MARGIN:.0f}% margin) "
+                f"> usable {memory_text(usable[worst] / GIB)}"))
 
 
-def compiled_veto(model: MemoryModel, compiled: CompiledMemoryModel | None, config: BalanceConfig, *,
-                  usable: list[float], headroom: float, num_layers: int) -> tuple[TrialFigures, dict[str, Any]] | bool | None:
-    """A compiled configuration that the pair's measured budgets prove cannot fit on some rank (whose
-    eager fixed part the memory model is sure of): its figures; True: no rank is over; None: no model."""
+def _compiled_veto(model: MemoryModel, compiled: CompiledMemoryModel | None,
+                   config: BalanceConfig, *, usable: list[float], headroom: float,
+                   layers: int) -> Veto | bool | None:
+    """A compiled configuration that the pair's measured budgets prove cannot fit on some rank
+    (whose eager fixed part the memory model is sure of): its figures; True: no rank is over;
+    None: no model."""
     if compiled is None or not model.can_predict(config.dtype):
         return None
     budgets = config.activation_budget or [1.0] * config.world_size
-    key = config_compile_key(config)
-    layers = max(1, num_layers)
     own = config.sharding_shares()  # zero1: each rank's share of the state (None: unsharded)
     shares: list[float | None] = [None] * config.world_size if own is None else list(own)
     for rank, (m, b) in enumerate(zip(config.micro_batches, budgets, strict=True)):
-        if not model.is_confident(rank=rank, micro_batch=m, checkpointed=0, num_layers=layers, dtype=config.dtype):
+        if not model.is_confident(rank=rank, micro_batch=m, checkpointed=0, num_layers=layers,
+                                  dtype=config.dtype):
             continue
-        low = compiled.surely_over(rank=rank, micro_batch=m, budget=b, dtype=config.dtype, mode=key,
-                                   limit=usable[rank], optimizer_share=shares[rank])
+        common: dict[str, Any] = {"rank": rank, "micro_batch": m, "dtype": config.dtype,
+                                  "mode": config_compile_key(config), "limit": usable[rank],
+                                  "optimizer_share": shares[rank]}
+        low = compiled.surely_over(budget=b, **common)
         why = "the compiled model's measured budgets put"
         if low is None:  # not even the least any budget keeps fits (a tiny budget does not save it)
-            low = compiled.over_at_any_budget(rank=rank, micro_batch=m, dtype=config.dtype, mode=key,
-                                              limit=usable[rank], optimizer_share=shares[rank])
+            low = compiled.over_at_any_budget(**common)
             why = "at any budget the compiled model predicts"
         if low is None:
             continue
-        return predicted_oom(headroom=headroom, usable=usable, rank=rank, peak=low, attrs={
-            "predicted_by": "compiled-model",
-            "reason": (f"not launched (not compiled): {why} rank {rank} at "
-                       f"least at {memory_text(low / GIB)} with micro-batch {m}, budget {b:g} "
-                       f"(+{100 * compiled.safety_margin:.0f}% margin) > usable {memory_text(usable[rank] / GIB)}"),
-        })
+        return _predicted_oom(
+            [low if r == rank else None for r in range(len(usable))], usable=usable,
+            headroom=headroom, predicted_by="compiled-model",
+            reason=(f"not launched (not compiled): {why} rank {rank} at least at "
+                    f"{memory_text(low / GIB)} with micro-batch {m}, budget {b:g} "
+                    f"(+{100 * compiled.safety_margin:.0f}% margin) "
+                    f"> usable {memory_text(usable[rank] / GIB)}"))
     return True
 
 
 def dominance_veto(config: BalanceConfig, trial: FrozenTrial, rank: int, *, usable: list[float],
-                   headroom: float) -> tuple[TrialFigures, dict[str, Any]]:
-    """The figures of ``config``, dominated on ``rank`` by launched ``trial`` that did not fit there."""
+                   headroom: float) -> Veto:
+    """The figures of ``config``, dominated on ``rank`` by launched ``trial`` that did not fit."""
     seen = (trial.user_attrs.get(TrialAttr.PEAK_DEVICE_GIB) or [None] * config.world_size)[rank]
     other = trial.user_attrs[TrialAttr.CONFIG]
     what = (f"budget {activation_budget(other, rank):g}" if other.get("compile", "off") != "off"
             else f"{len(other['checkpoint'][rank])} checkpointed blocks")
-    return predicted_oom(  # the peak is a lower bound: this one needs at least what that trial saw
-        headroom=headroom, usable=usable, rank=rank, peak=None if seen is None else float(seen) * GIB,
-        attrs={
-            "predicted_by": "dominance",
-            "dominated_by": trial.number,
-            "reason": (f"not launched: trial {trial.number} exceeded rank {rank}'s usable memory "
-                       f"({memory_text(usable[rank] / GIB)}) with micro-batch {other['micro_batches'][rank]}, {what}; this "
-                       "configuration needs at least as much there (same dtype and compile mode, no smaller "
-                       "micro-batch, no more recomputation, no smaller bucket)"),
-        })
+    peak = None if seen is None else float(seen) * GIB  # a lower bound: it needs at least that
+    return _predicted_oom(
+        [peak if r == rank else None for r in range(len(usable))], usable=usable,
+        headroom=headroom, predicted_by="dominance", dominated_by=trial.number,
+        reason=(f"not launched: trial {trial.number} exceeded rank {rank}'s usable memory "
+                f"({memory_text(usable[rank] / GIB)}) with micro-batch "
+                f"{other['micro_batches'][rank]}, {what}; this configuration needs at least as "
+                "much there (same dtype and compile mode, no smaller micro-batch, no more "
+                "recomputation, no smaller bucket)"))
