@@ -46,17 +46,18 @@ from autobalance.protocol import (
 )
 from autobalance.tuner._remeasure import STEP_TIMES_MS, rank_steps
 from autobalance.tuner._reporter import Advisor
-from autobalance.tuner._time_spent import TIME_PARTS, per_trial_overhead_s, time_lines, time_spent
+from autobalance.tuner._study import NOT_COUNTED
+from autobalance.tuner._time_spent import TIME_PARTS, time_lines, time_spent
 from autobalance.tuner.search import (
     SearchSpace,
     compile_notes,
     model_errors_line,
+    per_trial_overhead_s,
     typical_compile_s,
 )
 
-__all__ = ["ATTR_SCRIPT_FACTS", "TuneResult", "baseline_won", "batch_dependent_layers",
-           "keep_split", "measurement_attrs", "measurement_summary", "name_blocks", "per_trial_overhead_s",
-           "rerun_hint", "script_facts", "summarise", "summary_facts", "what_was_tried"]
+__all__ = ["TuneResult", "baseline_won", "keep_split", "measurement_attrs", "measurement_summary",
+           "record_time_spent", "script_facts", "summarise", "summary_facts"]
 
 
 @dataclass(kw_only=True)
@@ -90,8 +91,13 @@ class TuneResult:
         return time_lines(self.time_spent)
 
     def rerun_hint(self) -> str | None:
-        """The line for a run that had nothing to do (see :func:`rerun_hint`); None otherwise."""
-        return rerun_hint(already=self.already, of=self.of) if self.trials_run == 0 else None
+        """The line for a run that had nothing to do: the study already counted ``of`` trials
+        (``--trials`` is the study's total, not this run's), and how to run more; None otherwise."""
+        if self.trials_run != 0 or self.of <= 0 or self.already < self.of:
+            return None
+        return (f"Nothing to run: the study already has {self.already} trial(s) and --trials {self.of} is the "
+                f"study's total, not this run's; --trials {self.already + 10} runs 10 more. The figures below "
+                "are from its earlier runs.")
 
 
 def _idle(result: TuneResult) -> bool:
@@ -101,21 +107,11 @@ def _idle(result: TuneResult) -> bool:
     return result.trials_run == 0 and not spent.get("verified") and not spent.get("stopped_by_budget")
 
 
-def rerun_hint(*, already: int, of: int, more: int = 10) -> str | None:
-    """The line for a run that had nothing to do: the study already counted ``of`` trials (``--trials``
-    is the study's total, not this run's), and how to run ``more``. None when trials were left to run."""
-    if of <= 0 or already < of:
-        return None
-    return (f"Nothing to run: the study already has {already} trial(s) and --trials {of} is the study's total, not "
-            f"this run's; --trials {already + more} runs {more} more. The figures below are from its earlier runs.")
-
-
 def what_was_tried(trials: list[FrozenTrial], *, baseline: int) -> str:
     """The other configurations a study measured, in words: how many, and what varied among them
     (splits, accumulation, checkpointing, dtypes, buckets, compile, optimizer sharding)."""
     configs = [t.user_attrs.get(TrialAttr.CONFIG) or {} for t in trials
-               if t.number != baseline and t.user_attrs.get(TrialAttr.STATUS) not in (None, Status.STALE, Status.SURPLUS,
-                                                                                       Status.INTERRUPTED)]
+               if t.number != baseline and t.user_attrs.get(TrialAttr.STATUS) not in NOT_COUNTED]
     if not configs:
         return "no other configuration measured"
 
@@ -243,15 +239,9 @@ def measurement_attrs(outcome: TrialOutcome, *, world_size: int) -> dict[str, An
     if any(v is not None for v in first):
         attrs["compile_peak_gib"] = [_gib(v) for v in first]
         attrs["steady_peak_gib"] = [_gib(v) for v in steady]
-    spreads = []
-    for rep in reports:
-        if rep is None:
-            continue
-        iqr, times = rep.step_time_iqr_s, rep.step_times_s or []
-        if iqr is not None and times:
-            median = statistics.median(float(t) for t in times)
-            if median > 0:
-                spreads.append(100 * float(iqr) / median)
+    medians = [(float(rep.step_time_iqr_s), statistics.median(float(t) for t in rep.step_times_s))
+               for rep in reports if rep is not None and rep.step_time_iqr_s is not None and rep.step_times_s]
+    spreads = [100 * iqr / median for iqr, median in medians if median > 0]
     if spreads and len(spreads) == world_size:
         attrs["step_time_iqr_pct"] = round(max(spreads), 2)
     steps = [rank_steps(rep) if rep is not None else [] for rep in reports]
@@ -303,15 +293,10 @@ def measurement_summary(attrs: list[dict[str, Any]]) -> list[str]:
 
 
 # -------------------------------------------------- the script's facts, from the baseline's report
-ATTR_SCRIPT_FACTS = StudyAttr.SCRIPT_FACTS
-"""Study attribute: the lines of :func:`script_facts` for the baseline (shown again in the summary)."""
-
-
 def batch_dependent_layers(report: RankReport) -> list[str]:
     """``"path (Type)"`` of the batch-dependent layers the baseline found (BatchNorm and its kind,
     modules whose forward wrote their buffers)."""
-    layers = (report.model or {}).get("batch_dependent") or []
-    return [str(x) for x in layers]
+    return [str(x) for x in (report.model or {}).get("batch_dependent") or []]
 
 
 def _shown(layers: list[str]) -> str:
@@ -374,5 +359,5 @@ def script_facts(report: RankReport, *, kept_split: bool, allow: bool, split: st
 def summary_facts(study_attrs: dict[str, Any]) -> list[str]:
     """The facts the study's summary repeats: what limits the search (no blocks, a kept split, a
     dataset smaller than one global batch); the line naming the blocks found is said once, at the start."""
-    facts = study_attrs.get(ATTR_SCRIPT_FACTS) or []
+    facts = study_attrs.get(StudyAttr.SCRIPT_FACTS) or []
     return [str(line) for line in facts if not str(line).startswith("Blocks: ")]
