@@ -73,7 +73,8 @@ def save_best(*, settings: TuneSettings, result: TuneResult, note: Callable[[str
         finally:
             if _verdicts(study) != before:  # a verdict kept from an earlier run is not this run's work
                 record_time_spent(study, result, verify_s=time.monotonic() - started)
-    rejected = sorted(int(key[len(StudyAttr.VERIFY_PREFIX):]) for key, verdict in _verdicts(study).items()
+    rejected = sorted(int(key.removeprefix(StudyAttr.VERIFY_PREFIX))
+                      for key, verdict in _verdicts(study).items()
                       if isinstance(verdict, dict) and not verdict.get("passed"))
     if chosen is None:
         return Saving(rejected=rejected)
@@ -120,7 +121,8 @@ def nothing_feasible(study: Any) -> str:
     """Why a study has no feasible trial, counted by cause, and what to change; e.g. "of 3 trials, 3
     ran but left less than the headroom free (...). Try --headroom 0 ..." """
     counted = [t for t in study.get_trials(deepcopy=False)
-               if t.state.name in ("COMPLETE", "FAIL", "PRUNED") and t.user_attrs.get(TrialAttr.STATUS) not in NOT_COUNTED]
+               if t.state.name in ("COMPLETE", "FAIL", "PRUNED")
+               and t.user_attrs.get(TrialAttr.STATUS) not in NOT_COUNTED]
     if not counted:
         return "no trial finished. Run the command again to start the study."
     why = Counter(_why_infeasible(t) for t in counted)
@@ -128,9 +130,10 @@ def nothing_feasible(study: Any) -> str:
     headroom = objective.get("headroom")
     shown = f" {headroom:g}" if isinstance(headroom, (int, float)) else ""
     words = {  # each cause: what its trials did, and what to change (None: nothing but more trials)
-        "headroom": (f"ran but left less than the headroom free (peak above capacity x (1 - --headroom{shown}))",
-                     "a smaller --headroom (e.g. 0)"),
-        "over": ("ran but peaked above the memory cap (judged, not enforced)", "a larger --memory-cap-gib"),
+        "headroom": ("ran but left less than the headroom free (peak above capacity x (1 - "
+                     f"--headroom{shown}))", "a smaller --headroom (e.g. 0)"),
+        "over": ("ran but peaked above the memory cap (judged, not enforced)",
+                 "a larger --memory-cap-gib"),
         "spread": ("ran but their spread was above --max-spread-gib", "a larger --max-spread-gib"),
         "oom": ("ran out of memory (or were predicted to)", "a larger --memory-cap-gib"),
         "pruned": ("were stopped early as slower than the best", None),
@@ -138,7 +141,8 @@ def nothing_feasible(study: Any) -> str:
                    "a look at the failed trials' reasons"),
     }
     parts = [f"{n} {words[k][0]}" for k, n in why.most_common()]
-    todo = [*dict.fromkeys(fix for k, _ in why.most_common() if (fix := words[k][1])), "more --trials"]
+    fixes = [fix for k, _ in why.most_common() if (fix := words[k][1])]
+    todo = [*dict.fromkeys(fixes), "more --trials"]
     advice = todo[0] if len(todo) == 1 else f"{', '.join(todo[:-1])} or {todo[-1]}"
     return f"of {len(counted)} trial(s), {'; '.join(parts)}. Try {advice}."
 

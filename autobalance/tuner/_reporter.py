@@ -1,15 +1,17 @@
 """Progress of a study on the terminal: one line per trial plus a live bar.
 
-**Notes.** A trial's ``outcome`` in words, and optuna-dashboard notes on the study and its trials:
-the study's note and the best trial's say why it won; a trial that ran out of memory, went over the
-limit or was predicted to says so in one line at the top of its page. Notes are Markdown kept in the
-study's system attributes (optuna-dashboard's format); a note a person wrote in the dashboard is never
-overwritten: autobalance only rewrites notes that carry its own last line (:data:`SIGNATURE`).
+**Notes.** A trial's ``outcome`` in words, and optuna-dashboard notes on the study and its
+trials: the study's note and the best trial's say why it won; a trial that ran out of memory, went
+over the limit or was predicted to says so in one line at the top of its page. Notes are Markdown
+kept in the study's system attributes (optuna-dashboard's format); a note a person wrote in the
+dashboard is never overwritten: autobalance only rewrites notes that carry its own last line
+(:data:`SIGNATURE`).
 
-**Roles.** What the trial loop needs of the parts it is handed: the console (:class:`Reporter`), the
-search's advisor (:class:`Advisor`) and the multi-node coordinator (:class:`TrialCoordinator`). Each is
-a ``typing.Protocol``: ``RichReporter``, ``ModelAdvisor`` and ``launcher.Coordinator`` satisfy them
-without naming them, and a test or another front end may hand in anything that has these methods.
+**Roles.** What the trial loop needs of the parts it is handed: the console (:class:`Reporter`),
+the search's advisor (:class:`Advisor`) and the multi-node coordinator
+(:class:`TrialCoordinator`). Each is a ``typing.Protocol``: ``RichReporter``, ``ModelAdvisor`` and
+``launcher.Coordinator`` satisfy them without naming them, and a test or another front end may
+hand in anything that has these methods.
 """
 
 from __future__ import annotations
@@ -46,9 +48,9 @@ if TYPE_CHECKING:
     from autobalance.launcher import TrialLaunch, TrialOutcome
     from autobalance.tuner.search import Decision, TrialFigures
 
-__all__ = ["REASON_CHARS", "SIGNATURE", "Advisor", "NullReporter", "Reporter", "RichReporter", "TrialCoordinator",
-           "cap_line", "clip_words", "outcome_lines", "short_figures", "time_left_text", "trial_outcome",
-           "write_notes"]
+__all__ = ["REASON_CHARS", "SIGNATURE", "Advisor", "NullReporter", "Reporter", "RichReporter",
+           "TrialCoordinator", "cap_line", "clip_words", "outcome_lines", "short_figures",
+           "time_left_text", "trial_outcome", "write_notes"]
 
 _STYLE = {Status.OK: "green", Status.OOM: "red", Status.TIMEOUT: "red", Status.ERROR: "bold red",
           Status.CRASH: "yellow", Status.PREDICTED_OOM: "magenta", Status.INTERRUPTED: "yellow"}
@@ -181,15 +183,18 @@ class RichReporter:
         extra = f" (same config as trial {a.get('reused_from')}, not re-run)" if reused else ""
         if predicted:
             extra = (f" (implied by trial {a.get('dominated_by')}, not launched)"
-                     if a.get(TrialAttr.PREDICTED_BY) == "dominance" else " (predicted by the memory model, not launched)")
+                     if a.get(TrialAttr.PREDICTED_BY) == "dominance"
+                     else " (predicted by the memory model, not launched)")
         full = "" if status == Status.OK else " ".join(str(a.get("reason", "")).split())
         shown_reason = clip_words(full)
         reason = f"  [dim]{escape(shown_reason)}[/]" if shown_reason else ""
         over = over_limit(a)  # ran to the end, infeasible all the same: not a plain "ok"
-        shown = f"[{_STYLE.get(status, 'white')}]{status}[/]" if over is None else f"[red]{status}, {escape(over)}[/]"
+        shown = (f"[{_STYLE.get(status, 'white')}]{status}[/]" if over is None
+                 else f"[red]{status}, {escape(over)}[/]")
+        figures = escape(short_figures(trial))
         with self._lock:
             self._running.pop(trial.number, None)
-            self.console.print(f"  trial {trial.number} {shown}{escape(extra)}  {escape(short_figures(trial))}{reason}")
+            self.console.print(f"  trial {trial.number} {shown}{escape(extra)}  {figures}{reason}")
             if shown_reason != full and not self._clipped:  # once: where the whole reason is
                 self._clipped = True
                 name = f" --study-name {self._study_name}" if self._study_name else ""
@@ -200,7 +205,8 @@ class RichReporter:
                 self._best_text = f"best #{best.number}: {b.get('step_time_ms', 0):.1f} ms" + (
                     f", spread {memory_text(b.get('spread_gib', 0))}" if trial_ranks(b) > 1 else "")
             if self._progress is not None and not predicted:
-                self._progress.update(self._task, advance=0 if reused else 1, description=self._best_text)
+                self._progress.update(self._task, advance=0 if reused else 1,
+                                      description=self._best_text)
 
     def note(self, text: str) -> None:
         with self._lock:
@@ -330,13 +336,14 @@ def write_notes(study: Any) -> int:
 
 # ------------------------------------------------------ the parts the loop is handed, as Protocols
 class Reporter(Protocol):
-    """The console of a ``tune`` run: told when the study begins, each trial starts, runs and ends (its
-    methods do nothing: :class:`NullReporter` is this protocol as a class)."""
+    """The console of a ``tune`` run: told when the study begins, each trial starts, runs and ends
+    (its methods do nothing: :class:`NullReporter` is this protocol as a class)."""
 
     def begin(self, settings: TuneSettings, *, already: int, deadline: float | None = None) -> None:
         return None
 
-    def start(self, number: int, config: BalanceConfig | None, *, baseline: bool = False, why: str = "") -> None:
+    def start(self, number: int, config: BalanceConfig | None, *, baseline: bool = False,
+              why: str = "") -> None:
         return None
 
     def tick(self, number: int, elapsed: float) -> None:

@@ -26,8 +26,8 @@ from autobalance._errors import StorageError, UsageError
 from autobalance._files import is_int, is_number
 
 __all__ = ["CHOICES", "GPU_MEMORY_GIB", "SettingDoc", "TuneSettings", "check_caps", "check_gpus",
-           "default_device", "load_toml", "memory_cap_text", "parse_duration", "parse_memory_cap", "preflight",
-           "setting_docs", "setting_types"]
+           "default_device", "load_toml", "memory_cap_text", "parse_duration", "parse_memory_cap",
+           "preflight", "setting_docs", "setting_types"]
 
 
 @dataclass(kw_only=True)
@@ -203,11 +203,12 @@ class TuneSettings:
         if self.max_spread_gib is not None and self.max_spread_gib < 0:
             raise UsageError(f"--max-spread-gib={self.max_spread_gib:g} is negative; use GiB >= 0.")
         self._check_choice("sampler", "strategy", "on_error")
-        if self.dtypes is not None and (not self.dtypes or any(d not in DTYPES for d in self.dtypes)):
-            raise UsageError(f"--dtypes={','.join(self.dtypes)!r} is invalid; choose from {', '.join(DTYPES)}.")
+        if self.dtypes is not None and (not self.dtypes or set(self.dtypes) - set(DTYPES)):
+            raise UsageError(f"--dtypes={','.join(self.dtypes)!r} is invalid; choose from "
+                             f"{', '.join(DTYPES)}.")
         self._positive("max_accumulation")
         self._check_choice("split", *(("compile",) if self.compile is not None else ()))
-        if (self.compile_mode not in COMPILE_MODES and self.compile_mode != "auto") or self.compile_mode == "off":
+        if self.compile_mode not in (*COMPILE_MODES, "auto") or self.compile_mode == "off":
             raise UsageError(
                 f"--compile-mode={self.compile_mode!r} is unknown; use one of auto, "
                 f"{', '.join(COMPILE_MODES[1:])} (turn compile off with --compile off)."
@@ -235,8 +236,11 @@ class TuneSettings:
                 )
             if any(c <= 0 for c in self.memory_cap_gib):
                 raise UsageError(f"--memory-cap-gib={self.memory_cap_gib} has a non-positive value; use GiB > 0.")
-        if not self.study_name:
-            self.study_name = default_study_name(self.script)
+        if not self.study_name:  # the script's directory and name
+            path = os.path.abspath(self.script)
+            parent = os.path.basename(os.path.dirname(path))
+            stem = os.path.splitext(os.path.basename(path))[0]
+            self.study_name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{parent}-{stem}" if parent else stem)
         if not re.fullmatch(r"[A-Za-z0-9_.:@+-]{1,200}", self.study_name):
             raise UsageError(
                 f"--study-name={self.study_name!r} has unsupported characters; use letters, digits and _ . - : @ +."
@@ -250,12 +254,13 @@ class TuneSettings:
                 raise UsageError(f"{_flag(name)}={value} must be at least 1.")
 
     def _check_choice(self, *names: str) -> None:
-        """A choice setting outside its ``Literal`` is a :class:`UsageError` naming the flag and the choices."""
+        """A value outside its ``Literal``: a :class:`UsageError` naming the flag and choices."""
         for name in names:
             value, choices = getattr(self, name), CHOICES[name]
             if value not in choices:
-                words = (", ".join(choices[:-1]) + " or " + choices[-1]
-                         if name in ("device", "remeasure", "cap_mode", "on_error") else "one of " + ", ".join(choices))
+                words = ("one of " + ", ".join(choices)
+                         if name not in ("device", "remeasure", "cap_mode", "on_error")
+                         else ", ".join(choices[:-1]) + " or " + choices[-1])
                 raise UsageError(f"{_flag(name)}={value!r} is unknown; use {words}.")
 
     @property
@@ -268,12 +273,13 @@ class TuneSettings:
         return self.nproc_per_node * self.nnodes
 
     def compile_modes(self) -> list[str]:
-        """The compile modes this run searches (see ``compile``): ``--compile-mode auto`` is ``default``,
-        with ``reduce-overhead`` too on a GPU at world size 1 (CUDA graphs; in DDP they would capture
-        the gradient all-reduce)."""
+        """The compile modes this run searches (see ``compile``): ``--compile-mode auto`` is
+        ``default``, with ``reduce-overhead`` too on a GPU at world size 1 (CUDA graphs; in DDP they
+        would capture the gradient all-reduce)."""
         modes = [self.compile_mode]
         if self.compile_mode == "auto":
-            modes = ["default", *CUDA_GRAPH_MODES] if self.device == "cuda" and self.world_size == 1 else ["default"]
+            graphs = self.device == "cuda" and self.world_size == 1
+            modes = ["default", *CUDA_GRAPH_MODES] if graphs else ["default"]
         resolved = self.compile or ("search" if self.device == "cuda" else "off")
         return {"off": ["off"], "on": modes, "search": ["off", *modes]}[resolved]
 
@@ -313,10 +319,11 @@ def _flag(name: str) -> str:
 
 CHOICES: dict[str, tuple[str, ...]] = {
     name: choices for name, hint in get_type_hints(TuneSettings).items()
-    if (choices := next((get_args(a) for a in (hint, *get_args(hint)) if get_origin(a) is Literal), ()))
+    if (choices := next((get_args(a) for a in (hint, *get_args(hint)) if get_origin(a) is Literal),
+                        ()))
 }
-"""The choices of each choice setting, from its ``Literal`` type (alone or in a union with None): what
-``TuneSettings`` accepts and the command line shows (``None`` is not a choice on the command line)."""
+"""The choices of each choice setting, from its ``Literal`` type (alone or in a union with None):
+what ``TuneSettings`` accepts and the command line shows (``None`` is not a choice there)."""
 
 
 def setting_types() -> dict[str, str]:
@@ -329,11 +336,11 @@ def setting_types() -> dict[str, str]:
 
 @dataclass(frozen=True, kw_only=True)
 class SettingDoc:
-    """What the command line and the docs say about one :class:`TuneSettings` field: its ``name`` (the
-    study TOML key too), ``help`` (its docstring as plain text, without the ``(default: ...)`` clause),
-    ``text`` (the same with its ````code```` marks kept: a renderer may turn field names into flags),
-    ``default`` as shown to a user (the docstring's ``(default: ...)`` text when the value alone says
-    nothing) and ``value`` (the default itself; ``MISSING`` for a required field)."""
+    """What the command line and the docs say about one :class:`TuneSettings` field: its ``name``
+    (the study TOML key too), ``help`` (its docstring as plain text, without the ``(default: ...)``
+    clause), ``text`` (the same with its ````code```` marks kept: a renderer may turn field names
+    into flags), ``default`` as shown to a user (the docstring's ``(default: ...)`` text when the
+    value alone says nothing) and ``value`` (the default itself; ``MISSING``: a required field)."""
 
     name: str
     help: str
@@ -353,9 +360,11 @@ def setting_docs() -> dict[str, SettingDoc]:
     A field whose default is None, "" or empty must say what that means with ``(default: ...)`` in
     its docstring; any other field shows its default value."""
     body = ast.parse(inspect.getsource(TuneSettings)).body[0].body  # type: ignore[attr-defined]
-    docs = {stmt.target.id: " ".join(doc.value.value.split()) for stmt, doc in itertools.pairwise(body)
-            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(doc, ast.Expr)
-            and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)}
+    docs = {stmt.target.id: " ".join(doc.value.value.split())
+            for stmt, doc in itertools.pairwise(body)
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+            and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+            and isinstance(doc.value.value, str)}
     out: dict[str, SettingDoc] = {}
     for f in fields(TuneSettings):
         text = docs.get(f.name)
@@ -412,28 +421,20 @@ def parse_duration(name: str, value: float | str | None) -> float | None:
     return seconds
 
 
-def _toml_type_problem(annotation: str, value: Any) -> str | None:
-    """What ``value`` should have been for a field annotated ``annotation`` (None: it fits)."""
-    checks: dict[str, tuple[str, Callable[[Any], bool]]] = {
-        "float | str | None": ('a number of seconds or a duration such as "10m"',  # TuneSettings reads the text
-                               lambda v: is_number(v) or isinstance(v, str)),
-        "int": ("a whole number", is_int),
-        "float": ("a number", is_number),
-        "float | str": ('a number or "auto"', lambda v: is_number(v) or v == "auto"),
-        "str": ("a string", lambda v: isinstance(v, str)),
-        "bool": ("true or false", lambda v: isinstance(v, bool)),
-        "list[str]": ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
-        "list[float]": ("a number or a list of numbers", lambda v: isinstance(v, list) and all(is_number(x) for x in v)),
-    }
-    description, ok = checks.get(annotation) or checks.get(annotation.replace(" | None", ""), ("", lambda v: True))
-    return None if ok(value) else description
-
-
-def default_study_name(script: str) -> str:
-    path = os.path.abspath(script)
-    parent = os.path.basename(os.path.dirname(path))
-    stem = os.path.splitext(os.path.basename(path))[0]
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", f"{parent}-{stem}" if parent else stem)
+_TOML_KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    # a duration: TuneSettings reads its text
+    "float | str | None": ('a number of seconds or a duration such as "10m"',
+                           lambda v: is_number(v) or isinstance(v, str)),
+    "int": ("a whole number", is_int),
+    "float": ("a number", is_number),
+    "float | str": ('a number or "auto"', lambda v: is_number(v) or v == "auto"),
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "list[str]": ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
+    "list[float]": ("a number or a list of numbers", lambda v: isinstance(v, list) and all(is_number(x) for x in v)),
+}
+"""What a study TOML's value must be, by the field's annotation (``| None`` dropped unless listed:
+every annotation of :class:`TuneSettings` has its kind here)."""
 
 
 def load_toml(path: str) -> dict[str, Any]:
@@ -456,8 +457,9 @@ def load_toml(path: str) -> dict[str, Any]:
             values[name] = [values[name]]
     annotations = setting_types()
     for name, value in values.items():
-        expected = _toml_type_problem(annotations[name], value)
-        if expected is not None:
+        kind = annotations[name]
+        expected, ok = _TOML_KINDS.get(kind) or _TOML_KINDS[kind.replace(" | None", "")]
+        if not ok(value):
             raise UsageError(f"--config={path!r} has {name} = {value!r}, which is not {expected}; fix that key.")
         if annotations[name].startswith("float") and is_number(value):
             values[name] = float(value)
@@ -465,7 +467,8 @@ def load_toml(path: str) -> dict[str, Any]:
             values[name] = [float(v) for v in value]
     script = values.get("script")
     if script is not None and not os.path.isabs(script) and not os.path.exists(script):
-        values["script"] = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), script))
+        values["script"] = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)),
+                                                         script))
     return values
 
 
@@ -480,6 +483,7 @@ train on never exceeds it."""
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]i?B|[KMGT]|B)?\s*", re.IGNORECASE)
 _UNIT_BYTES = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+               "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
                "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 
 
@@ -505,9 +509,7 @@ def parse_memory_cap(flag: str, items: list[str]) -> list[float]:
         text = str(item).strip()
         match = _SIZE.fullmatch(text)
         if match is not None and match[2]:
-            unit = match[2].lower()
-            unit = {"k": "kib", "m": "mib", "g": "gib", "t": "tib"}.get(unit, unit)
-            gib = float(match[1]) * _UNIT_BYTES[unit] / 2**30
+            gib = float(match[1]) * _UNIT_BYTES[match[2].lower()] / 2**30
         elif _gpu_key(text) in _GPU_KEYS:
             gib = GPU_MEMORY_GIB[_GPU_KEYS[_gpu_key(text)]]
         elif match is not None:
@@ -542,10 +544,12 @@ def memory_cap_text(gib: float) -> str:
 # --------------------------------- preflight: the settings against this host, before anything runs
 @contextlib.contextmanager
 def preflight(settings: TuneSettings) -> Iterator[None]:
-    """Check ``--nproc-per-node`` and ``--memory-cap-gib`` against this host's GPUs (or memory) and the
-    storage (``settings.storage`` becomes the checked URL), create ``--runs-dir``; on leaving, remove
-    the directories created that are still empty (a study refused before any trial leaves nothing
-    behind)."""
+    """Check ``--nproc-per-node`` and ``--memory-cap-gib`` against this host's GPUs (or memory),
+    create ``--runs-dir`` and prove it writable, check the storage (``settings.storage`` becomes the
+    checked URL); on leaving, remove the directories created that are still empty (a study refused
+    before any trial leaves nothing behind)."""
+    from autobalance.store import check_storage, open_storage
+
     s = settings
     visible = 0
     if s.device == "cuda":
@@ -554,13 +558,41 @@ def preflight(settings: TuneSettings) -> Iterator[None]:
         visible = torch.cuda.device_count()
     check_gpus(device=s.device, nproc_per_node=s.nproc_per_node, visible=visible)
     if s.caps_bytes():
-        check_caps(caps_bytes=s.caps_bytes(), capacities=local_capacities(s.device, s.nproc_per_node), device=s.device)
-    created = prepare_runs_dir(s.runs_dir)
+        capacities = [os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")] * s.nproc_per_node
+        if s.device == "cuda":
+            capacities = [int(torch.cuda.get_device_properties(i).total_memory)
+                          for i in range(min(s.nproc_per_node, visible))]
+        check_caps(caps_bytes=s.caps_bytes(), capacities=capacities, device=s.device)
+    target = os.path.abspath(s.runs_dir)
+    missing, parent = [], target
+    while not os.path.isdir(parent) and os.path.dirname(parent) != parent:
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    created: list[str] = []
     try:
-        check_study_storage(s)
+        try:
+            for d in reversed(missing):
+                os.mkdir(d)
+                created.append(d)
+            fd, probe = tempfile.mkstemp(prefix=".autobalance-probe-", dir=target)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            raise UsageError(
+                f"--runs-dir={s.runs_dir!r} is not writable ({exc.strerror or exc}); pass a "
+                "writable directory for the trials' reports and logs."
+            ) from None
+        try:
+            s.storage = check_storage(s.storage)
+            open_storage(s.storage)
+        except StorageError as exc:
+            message = str(exc) if str(exc).startswith("--storage") else f"--storage: {exc}"
+            raise type(exc)(message) from None
         yield
     finally:
-        remove_dirs(created)
+        for d in reversed(created):  # deepest first, those still empty only
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
 
 
 def check_gpus(*, device: str, nproc_per_node: int, visible: int) -> None:
@@ -585,56 +617,3 @@ def check_caps(*, caps_bytes: list[int] | None, capacities: list[int], device: s
                 f"--memory-cap-gib={cap / 2**30:g} for rank {rank} is larger than {card} "
                 f"({capacity / 2**30:.1f} GiB); use at most {capacity / 2**30:.1f}."
             )
-
-
-def local_capacities(device: str, nproc_per_node: int) -> list[int]:
-    """Capacity in bytes of the device of each local rank (CPU: physical memory)."""
-    if device == "cuda":
-        import torch
-
-        count = torch.cuda.device_count()
-        return [int(torch.cuda.get_device_properties(i).total_memory) for i in range(min(nproc_per_node, count))]
-    return [int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))] * nproc_per_node
-
-
-def prepare_runs_dir(path: str) -> list[str]:
-    """Create ``--runs-dir`` and prove it is writable; returns the directories created (for cleanup)."""
-    target = os.path.abspath(path)
-    missing, parent = [], target
-    while not os.path.isdir(parent) and os.path.dirname(parent) != parent:
-        missing.append(parent)
-        parent = os.path.dirname(parent)
-    created: list[str] = []
-    try:
-        for d in reversed(missing):
-            os.mkdir(d)
-            created.append(d)
-        fd, probe = tempfile.mkstemp(prefix=".autobalance-probe-", dir=target)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        remove_dirs(created)
-        raise UsageError(
-            f"--runs-dir={path!r} is not writable ({exc.strerror or exc}); pass a writable directory for the "
-            "trials' reports and logs."
-        ) from None
-    return created
-
-
-def remove_dirs(created: list[str]) -> None:
-    """Remove the directories :func:`prepare_runs_dir` created, deepest first, those still empty only."""
-    for d in reversed(created):
-        with contextlib.suppress(OSError):
-            os.rmdir(d)
-
-
-def check_study_storage(settings: TuneSettings) -> None:
-    """Fail before any trial when the storage is unusable; ``settings.storage`` becomes the checked URL."""
-    from autobalance.store import check_storage, open_storage
-
-    try:
-        settings.storage = check_storage(settings.storage)
-        open_storage(settings.storage)
-    except StorageError as exc:
-        message = str(exc) if str(exc).startswith("--storage") else f"--storage: {exc}"
-        raise type(exc)(message) from None

@@ -1,24 +1,14 @@
 """The study: the sampler, opening (or continuing) a study with the same objective and search
 space, and which trials count towards ``--trials``.
 
-**Workers.** Several tuner processes on one study: one baseline, stale trials, no trial beyond the total.
-
-Any number of ``autobalance tune`` processes may work on one study (same ``--storage`` and
-``--study-name``), on one host or many. What keeps them consistent:
-
-* **One baseline.** The baseline trial measures the script's own configuration and defines the
-  search space. The first worker takes a claim (a row in Optuna's ``study_system_attributes``
-  whose unique key makes the insert atomic on SQLite and PostgreSQL alike) and runs it; the others
-  wait until it is recorded. A claim whose owner stops refreshing it (killed) is taken over.
-* **Stale trials.** A RUNNING trial whose heartbeat stopped (its tuner was killed) is marked
-  FAIL with status ``stale`` and is not counted, so the study runs another trial in its place.
-* **One launch per configuration.** A worker launches a configuration only under its claim (a row
-  per configuration, :class:`RunningClaim`, atomic like the baseline's); a worker that finds another
-  worker's trial holding it waits for that trial and reuses its result. A claim whose trial is no
-  longer running (finished, or failed as stale when its tuner died) is taken over.
-* **No surplus.** Two workers may ask for the last trial at the same moment. Trial numbers are
-  unique and increasing, so a trial that finds ``--trials`` counted trials numbered before it
-  is failed at once with status ``surplus`` (not counted, nothing launched).
+**Workers.** Any number of ``autobalance tune`` processes may work on one study (same
+``--storage`` and ``--study-name``, one host or many; ``docs/reliability.md``, section 6): one
+baseline (:class:`BaselineClaim`; a claim whose owner stops refreshing it is taken over), stale
+trials failed and run again (:func:`fail_stale_trials`), no trial beyond the total (``surplus``),
+and one launch per configuration (:class:`RunningClaim`: a worker that finds another worker's trial
+holding it waits for that trial and reuses its result; a claim whose trial is no longer running is
+taken over). A claim is a row of Optuna's ``study_system_attributes`` whose unique key makes its
+insert atomic on SQLite and PostgreSQL alike.
 """
 
 from __future__ import annotations
@@ -49,8 +39,8 @@ from autobalance.store import (
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner.search import SearchSpace, space_problem
 
-__all__ = ["NOT_COUNTED", "BaselineClaim", "RunningClaim", "check_space", "counted_trials", "counts",
-           "fail_stale_trials", "measured_configs", "open_study", "worker_id"]
+__all__ = ["NOT_COUNTED", "BaselineClaim", "RunningClaim", "check_space", "counted_trials",
+           "counts", "fail_stale_trials", "measured_configs", "open_study", "worker_id"]
 
 
 def make_sampler(settings: TuneSettings, *, n_trials: int) -> optuna.samplers.BaseSampler:
@@ -68,14 +58,6 @@ def make_sampler(settings: TuneSettings, *, n_trials: int) -> optuna.samplers.Ba
         )
 
 
-def objective_settings(s: TuneSettings) -> dict[str, Any]:
-    """What a continued study must keep (stored once as :attr:`StudyAttr.OBJECTIVE`)."""
-    return {"weight_spread": s.weight_spread, "weight_time": s.weight_time, "headroom": s.headroom,
-            "multi_objective": s.multi_objective, "caps_bytes": s.caps_bytes(), "device": s.device,
-            "world_size": s.world_size, "nnodes": s.nnodes, "cap_mode": s.cap_mode,
-            "max_spread_gib": s.max_spread_gib}
-
-
 def open_study(s: TuneSettings, storage: optuna.storages.RDBStorage) -> optuna.Study:
     """Create the study, or load it when its objective matches; stale trials of dead workers are failed."""
     directions: list[Any] = ["minimize", "minimize"] if s.multi_objective else ["minimize"]
@@ -89,7 +71,10 @@ def open_study(s: TuneSettings, storage: optuna.storages.RDBStorage) -> optuna.S
             f"{len(directions)} ({'--multi-objective' if s.multi_objective else 'single objective'}); "
             "use the same setting or a new --study-name."
         )
-    objective = objective_settings(s)
+    objective = {"weight_spread": s.weight_spread, "weight_time": s.weight_time, "headroom": s.headroom,
+                 "multi_objective": s.multi_objective, "caps_bytes": s.caps_bytes(), "device": s.device,
+                 "world_size": s.world_size, "nnodes": s.nnodes, "cap_mode": s.cap_mode,
+                 "max_spread_gib": s.max_spread_gib}  # what a continued study must keep
     stored = study.user_attrs.get(StudyAttr.OBJECTIVE)
     if stored is None:
         study.set_user_attr(StudyAttr.OBJECTIVE, objective)
@@ -160,8 +145,7 @@ def worker_id() -> str:
 
 
 class _Claim:
-    """A row of the study's system attributes under ``key``: its insert is atomic (unique key, SQLite
-    and PostgreSQL alike), so of two workers that claim it at once exactly one gets it."""
+    """A row of the study's system attributes under ``key``, inserted atomically (see above)."""
 
     def __init__(self, storage: optuna.storages.RDBStorage, study_id: int, key: str) -> None:
         self.storage = storage
@@ -184,8 +168,9 @@ class _Claim:
 
         try:
             with self.storage.engine.begin() as conn:
-                conn.execute(insert(study_system_attr_table()).values(study_id=self.study_id, key=self.key,
-                                                                      value_json=value))
+                table = study_system_attr_table()
+                conn.execute(insert(table).values(study_id=self.study_id, key=self.key,
+                                                  value_json=value))
         except IntegrityError:
             return False
         return True
@@ -255,7 +240,8 @@ class BaselineClaim(_Claim):
         value = json.dumps({"owner": self.owner, "at": time.time()})
         with self.storage.engine.begin() as conn:
             done = conn.execute(update(table).where(
-                table.c.study_id == self.study_id, table.c.key == self.key, table.c.value_json == self._value,
+                table.c.study_id == self.study_id, table.c.key == self.key,
+                table.c.value_json == self._value,
             ).values(value_json=value)).rowcount
         if done:
             self._value = value
@@ -292,7 +278,7 @@ class RunningClaim(_Claim):
             if running:
                 return int(holder)
             self._delete(raw)  # only that finished holder's claim
-        if not self._insert(json.dumps(self.trial_id)):  # another worker claimed it between the read and the insert
+        if not self._insert(json.dumps(self.trial_id)):  # another worker claimed it since the read
             row = self._row()
             return int(json.loads(row)) if row is not None else self.try_acquire()
         self.held = True

@@ -1,24 +1,18 @@
 """What a finished ``tune`` says: the result, and the notes under the table (predicted and pruned
 trials, the steps' share of the wall time, compilation, the memory model's error).
 
-**How each trial was measured**, as trial attributes and as lines of the study summary.
+**How each trial was measured** (``docs/warm.md``), as trial attributes and as lines of the
+study summary: the compiling step's and the steady peaks (``compile_peak_gib``,
+``steady_peak_gib``), the steps' spread (``step_time_iqr_pct``; ``remeasured``), and a warm
+trial's carry-over (:mod:`autobalance.runtime._carryover`): ``warm_pool_trial`` (1 = a fresh
+worker), ``warm_fresh_outside_gib`` (what a fresh worker held outside PyTorch, per rank),
+``warm_inherited_outside_gib`` (what this trial's worker held over its reference: charged to the
+trial, never discounted), ``warm_recycled`` (why the pool was restarted after it).
 
-- the compiling step apart from the steady state: ``compile_peak_gib`` and ``steady_peak_gib`` per
-  rank (a compiled trial's peak device memory in its first, compiling, step and in the steps
-  after); the memory constraint judges ``peak_device_gib``, the larger of the two;
-- the steps' spread: ``step_time_iqr_pct`` (the worst rank's interquartile range of its measured
-  steps, % of its median) next to ``measured_steps``; ``remeasured`` for a trial measured twice;
-- a warm trial's carry-over (see :mod:`autobalance.runtime._carryover`): ``warm_pool_trial`` (its
-  place in its worker's life, 1 = a fresh worker), ``warm_fresh_outside_gib`` (what a fresh worker
-  held outside PyTorch, per rank), ``warm_inherited_outside_gib`` (what this trial's worker held
-  over its reference when the trial started: charged to the trial, never discounted) and
-  ``warm_recycled`` (why the pool was restarted after it).
-
-**The script's facts**: what the baseline trial's report says about the script that shapes the study, in words: its
-repeated blocks (none found: checkpointing is not searched), batch-dependent layers (the split
-stays the script's own), a dataset smaller than one global batch (every step is a partial step).
-
-The study prints these lines first, before any other trial runs.
+**The script's facts**: what the baseline's report says about the script that shapes the study,
+in words: its repeated blocks (none found: checkpointing is not searched), batch-dependent layers
+(the split stays the script's own), a dataset smaller than one global batch (every step is a
+partial step). The study prints these lines first, before any other trial runs.
 """
 
 from __future__ import annotations
@@ -86,18 +80,17 @@ class TuneResult:
     def time_lines(self) -> list[str]:
         """Where the run's time went, and whether its time budget stopped it; nothing when this run
         launched no trial and verified nothing (its time would read as the study's work)."""
-        if _idle(self):
-            return []
-        return time_lines(self.time_spent)
+        return [] if _idle(self) else time_lines(self.time_spent)
 
     def rerun_hint(self) -> str | None:
         """The line for a run that had nothing to do: the study already counted ``of`` trials
         (``--trials`` is the study's total, not this run's), and how to run more; None otherwise."""
         if self.trials_run != 0 or self.of <= 0 or self.already < self.of:
             return None
-        return (f"Nothing to run: the study already has {self.already} trial(s) and --trials {self.of} is the "
-                f"study's total, not this run's; --trials {self.already + 10} runs 10 more. The figures below "
-                "are from its earlier runs.")
+        more = self.already + 10
+        return (f"Nothing to run: the study already has {self.already} trial(s) and --trials "
+                f"{self.of} is the study's total, not this run's; --trials {more} runs 10 more. "
+                "The figures below are from its earlier runs.")
 
 
 def _idle(result: TuneResult) -> bool:
@@ -240,7 +233,8 @@ def measurement_attrs(outcome: TrialOutcome, *, world_size: int) -> dict[str, An
         attrs["compile_peak_gib"] = [_gib(v) for v in first]
         attrs["steady_peak_gib"] = [_gib(v) for v in steady]
     medians = [(float(rep.step_time_iqr_s), statistics.median(float(t) for t in rep.step_times_s))
-               for rep in reports if rep is not None and rep.step_time_iqr_s is not None and rep.step_times_s]
+               for rep in reports
+               if rep is not None and rep.step_time_iqr_s is not None and rep.step_times_s]
     spreads = [100 * iqr / median for iqr, median in medians if median > 0]
     if spreads and len(spreads) == world_size:
         attrs["step_time_iqr_pct"] = round(max(spreads), 2)

@@ -18,11 +18,13 @@ from typing import Any
 
 from optuna.trial import FrozenTrial
 
+from autobalance._files import is_number
 from autobalance.launcher import TrialOutcome
 from autobalance.protocol import RankTiming, TrialAttr
 from autobalance.tuner.search import per_trial_overhead_s
 
-__all__ = ["TIME_PARTS", "TrialOverhead", "describe_budget", "time_lines", "time_spent", "trial_time_split"]
+__all__ = ["TIME_PARTS", "TrialOverhead", "describe_budget", "time_lines", "time_spent",
+           "trial_time_split"]
 
 TIME_PARTS = ("compile", "startup", "steps", "remeasure", "verify")
 """The parts of a run's wall time besides ``other``, in the order the summary names them."""
@@ -38,7 +40,7 @@ def _epoch(text: Any) -> float | None:
 
 
 def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    return float(value) if is_number(value) else None
 
 
 def trial_time_split(outcome: TrialOutcome) -> dict[str, float]:
@@ -85,11 +87,11 @@ def time_spent(trials: list[FrozenTrial], numbers: set[int]) -> dict[str, float]
 
 
 class TrialOverhead:
-    """The per-trial overhead (:func:`per_trial_overhead_s`) over the study's trials as of the last
-    one recorded, what ``--measure-s auto`` sizes a launch's measurement by: ``seconds`` (None before
-    any launched ``ok`` trial), and whether the trial loop has ``counted`` them (:meth:`update`, once
-    per recorded trial and when it starts; before it, a launch counts the study as it was opened;
-    another worker's trials count from this loop's next recorded trial on)."""
+    """The per-trial overhead (:func:`per_trial_overhead_s`) over the study's trials as of the
+    last one recorded, what ``--measure-s auto`` sizes a launch's measurement by: ``seconds``
+    (None before any launched ``ok`` trial), and whether the trial loop has ``counted`` them
+    (:meth:`update`, once per recorded trial and when it starts; before it, a launch counts the
+    study as it was opened; another worker's trials count from this loop's next recorded one on)."""
 
     def __init__(self) -> None:
         self.seconds: float | None = None

@@ -26,12 +26,9 @@ __all__ = ["Tuner"]
 
 
 class Tuner:
-    """Runs ``settings.trials`` trials of one study (continuing an existing one).
-
-    Its parts: the :class:`TrialLauncher` (slots, warm pools, heartbeats), the :class:`Recorder`
-    (what is told to the study), the advisor (``--strategy model``: proposals and predictions), the
-    time budget; :meth:`trial_loop` hands them to the :class:`TrialLoop`, which owns the loop's
-    state (its lock, the stop signal, the trials running now)."""
+    """Runs ``settings.trials`` trials of one study (continuing an existing one). Its parts (the
+    :class:`TrialLauncher`, the :class:`Recorder`, the advisor, the time budget) are handed to the
+    :class:`TrialLoop` (:meth:`trial_loop`), which owns the loop's state."""
 
     counted_trials = staticmethod(counted_trials)
 
@@ -89,7 +86,8 @@ class Tuner:
         finally:
             self.close()
         base_no = study.user_attrs.get(StudyAttr.BASELINE)
-        result = TuneResult(study_name=s.study_name, storage=mask_url(s.storage), trials_run=self.launcher.trials_run,
+        result = TuneResult(study_name=s.study_name, storage=mask_url(s.storage),
+                            trials_run=self.launcher.trials_run,
                             baseline=study.trials[base_no] if base_no is not None else None,
                             best=best_trial(study), wall_s=time.monotonic() - start, already=already, of=s.trials)
         result.time_spent = {"slots": len(self.launcher.slots()), "budget_s": s.time_budget_s,
