@@ -14,6 +14,7 @@ The time budget keeps verification's predicted time free (:class:`TimeBudget`, `
 from __future__ import annotations
 
 import datetime
+from dataclasses import dataclass
 from typing import Any
 
 from optuna.trial import FrozenTrial
@@ -86,6 +87,7 @@ def time_spent(trials: list[FrozenTrial], numbers: set[int]) -> dict[str, float]
     return {k: round(v, 3) for k, v in total.items()}
 
 
+@dataclass
 class TrialOverhead:
     """The per-trial overhead (:func:`per_trial_overhead_s`) over the study's trials as of the
     last one recorded, what ``--measure-s auto`` sizes a launch's measurement by: ``seconds``
@@ -93,9 +95,8 @@ class TrialOverhead:
     (:meth:`update`, once per recorded trial and when it starts; before it, a launch counts the
     study as it was opened; another worker's trials count from this loop's next recorded one on)."""
 
-    def __init__(self) -> None:
-        self.seconds: float | None = None
-        self.counted = False
+    seconds: float | None = None
+    counted: bool = False
 
     def update(self, trials: list[FrozenTrial]) -> float | None:
         """Count ``trials`` (the study's, in order); the overhead over them."""
