@@ -22,14 +22,13 @@ __all__ = ["Saving", "best_so_far", "nothing_feasible", "save_best"]
 
 @dataclass(kw_only=True)
 class Saving:
-    """What :func:`save_best` did."""
+    """What :func:`save_best` did: the ``trial`` saved as the study's best configuration (None:
+    nothing saved), the trials ``rejected`` by verification (in this run or an earlier one: never
+    saved) and, when the study has no feasible trial, what its trials ran into and what to change."""
 
     trial: int | None = None
-    """The trial saved as the study's best configuration (None: nothing saved)."""
     rejected: list[int] = field(default_factory=list)
-    """Trials that failed verification (in this run or an earlier one): never saved."""
     nothing_feasible: str = ""
-    """When the study has no feasible trial: what its trials ran into and what to change."""
 
     def check(self) -> None:
         """Raise :class:`~autobalance._errors.VerificationError` when every candidate failed verification
