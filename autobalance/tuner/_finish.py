@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from autobalance.protocol import Status, StudyAttr, TrialAttr, best_trial
 from autobalance.tuner._remeasure import saved_spread, spread_text
 from autobalance.tuner._settings import TuneSettings
+from autobalance.tuner._study import NOT_COUNTED
 from autobalance.tuner._summary import TuneResult, baseline_won, record_time_spent
 
 if TYPE_CHECKING:
@@ -21,24 +22,18 @@ __all__ = ["Saving", "best_so_far", "nothing_feasible", "save_best"]
 
 @dataclass(kw_only=True)
 class Saving:
-    """What :func:`save_best` did."""
+    """What :func:`save_best` did: the ``trial`` saved as the study's best configuration (None:
+    nothing saved), the trials ``rejected`` by verification (in this run or an earlier one: never
+    saved) and, when the study has no feasible trial, what its trials ran into and what to change."""
 
     trial: int | None = None
-    """The trial saved as the study's best configuration (None: nothing saved)."""
     rejected: list[int] = field(default_factory=list)
-    """Trials that failed verification (in this run or an earlier one): never saved."""
     nothing_feasible: str = ""
-    """When the study has no feasible trial: what its trials ran into and what to change."""
-
-    @property
-    def rejected_all(self) -> bool:
-        """Nothing was saved because every candidate failed verification."""
-        return self.trial is None and bool(self.rejected)
 
     def check(self) -> None:
         """Raise :class:`~autobalance._errors.VerificationError` when every candidate failed verification
         (nothing saved: ``tune`` is then not a success)."""
-        if not self.rejected_all:
+        if self.trial is not None or not self.rejected:
             return
         from autobalance._errors import VerificationError
 
@@ -77,10 +72,9 @@ def save_best(*, settings: TuneSettings, result: TuneResult, note: Callable[[str
         finally:
             if _verdicts(study) != before:  # a verdict kept from an earlier run is not this run's work
                 record_time_spent(study, result, verify_s=time.monotonic() - started)
-    verdicts = study.user_attrs
-    prefix = StudyAttr.VERIFY_PREFIX
-    rejected = sorted(int(key[len(prefix):]) for key, verdict in verdicts.items()
-                      if key.startswith(prefix) and isinstance(verdict, dict) and not verdict.get("passed"))
+    rejected = sorted(int(key.removeprefix(StudyAttr.VERIFY_PREFIX))
+                      for key, verdict in _verdicts(study).items()
+                      if isinstance(verdict, dict) and not verdict.get("passed"))
     if chosen is None:
         return Saving(rejected=rejected)
     if chosen.number != result.best.number:
@@ -99,8 +93,7 @@ def save_best(*, settings: TuneSettings, result: TuneResult, note: Callable[[str
 
 def _verdicts(study: Any) -> dict[str, Any]:
     """The study's verification verdicts (study attributes), by trial."""
-    prefix = StudyAttr.VERIFY_PREFIX
-    return {k: v for k, v in study.user_attrs.items() if k.startswith(prefix)}
+    return {k: v for k, v in study.user_attrs.items() if k.startswith(StudyAttr.VERIFY_PREFIX)}
 
 
 def _why_infeasible(trial: Any) -> str:
@@ -127,31 +120,28 @@ def nothing_feasible(study: Any) -> str:
     """Why a study has no feasible trial, counted by cause, and what to change; e.g. "of 3 trials, 3
     ran but left less than the headroom free (...). Try --headroom 0 ..." """
     counted = [t for t in study.get_trials(deepcopy=False)
-               if t.state.name in ("COMPLETE", "FAIL", "PRUNED") and t.user_attrs.get(TrialAttr.STATUS)
-               not in (None, Status.INTERRUPTED, Status.STALE, Status.SURPLUS)]
+               if t.state.name in ("COMPLETE", "FAIL", "PRUNED")
+               and t.user_attrs.get(TrialAttr.STATUS) not in NOT_COUNTED]
     if not counted:
         return "no trial finished. Run the command again to start the study."
     why = Counter(_why_infeasible(t) for t in counted)
     objective = study.user_attrs.get(StudyAttr.OBJECTIVE) or {}
     headroom = objective.get("headroom")
-    words = {
-        "headroom": "ran but left less than the headroom free (peak above capacity x (1 - --headroom"
-                    + (f" {headroom:g}" if isinstance(headroom, (int, float)) else "") + "))",
-        "over": "ran but peaked above the memory cap (judged, not enforced)",
-        "spread": "ran but their spread was above --max-spread-gib",
-        "oom": "ran out of memory (or were predicted to)",
-        "pruned": "were stopped early as slower than the best",
-        "failed": "failed (timeout, crash or script error; see `autobalance trials`)",
+    shown = f" {headroom:g}" if isinstance(headroom, (int, float)) else ""
+    words = {  # each cause: what its trials did, and what to change (None: nothing but more trials)
+        "headroom": ("ran but left less than the headroom free (peak above capacity x (1 - "
+                     f"--headroom{shown}))", "a smaller --headroom (e.g. 0)"),
+        "over": ("ran but peaked above the memory cap (judged, not enforced)",
+                 "a larger --memory-cap-gib"),
+        "spread": ("ran but their spread was above --max-spread-gib", "a larger --max-spread-gib"),
+        "oom": ("ran out of memory (or were predicted to)", "a larger --memory-cap-gib"),
+        "pruned": ("were stopped early as slower than the best", None),
+        "failed": ("failed (timeout, crash or script error; see `autobalance trials`)",
+                   "a look at the failed trials' reasons"),
     }
-    fixes = {
-        "headroom": "a smaller --headroom (e.g. 0)",
-        "over": "a larger --memory-cap-gib",
-        "spread": "a larger --max-spread-gib",
-        "oom": "a larger --memory-cap-gib",
-        "failed": "a look at the failed trials' reasons",
-    }
-    parts = [f"{n} {words[k]}" for k, n in why.most_common()]
-    todo = [*dict.fromkeys(fixes[k] for k, _ in why.most_common() if k in fixes), "more --trials"]
+    parts = [f"{n} {words[k][0]}" for k, n in why.most_common()]
+    fixes = [fix for k, _ in why.most_common() if (fix := words[k][1])]
+    todo = [*dict.fromkeys(fixes), "more --trials"]
     advice = todo[0] if len(todo) == 1 else f"{', '.join(todo[:-1])} or {todo[-1]}"
     return f"of {len(counted)} trial(s), {'; '.join(parts)}. Try {advice}."
 

@@ -1,21 +1,22 @@
 """Progress of a study on the terminal: one line per trial plus a live bar.
 
-**Notes.** A trial's ``outcome`` in words, and optuna-dashboard notes on the study and its trials: the study's note and the best trial's say
-why it won (faster trials excluded and why, headroom, verification); a trial that ran out of
-memory, went over the limit or was predicted to says so in one line at the top of its page.
+**Notes.** A trial's ``outcome`` in words, and optuna-dashboard notes on the study and its
+trials: the study's note and the best trial's say why it won; a trial that ran out of memory, went
+over the limit or was predicted to says so in one line at the top of its page. Notes are Markdown
+kept in the study's system attributes (optuna-dashboard's format); a note a person wrote in the
+dashboard is never overwritten: autobalance only rewrites notes that carry its own last line
+(:data:`SIGNATURE`).
 
-Notes are Markdown kept in the study's system attributes (optuna-dashboard's format). A note a
-person wrote in the dashboard is never overwritten: autobalance only rewrites notes that carry
-its own last line (:data:`SIGNATURE`).
-
-**Roles.** What the trial loop needs of the parts it is handed: the console (:class:`Reporter`), the search's
-advisor (:class:`Advisor`) and the multi-node coordinator (:class:`TrialCoordinator`). Each is a
-``typing.Protocol``: ``RichReporter``, ``ModelAdvisor`` and ``launcher.Coordinator`` satisfy them
-without naming them, and a test or another front end may hand in anything that has these methods.
+**Roles.** What the trial loop needs of the parts it is handed: the console (:class:`Reporter`),
+the search's advisor (:class:`Advisor`) and the multi-node coordinator
+(:class:`TrialCoordinator`). Each is a ``typing.Protocol``: ``RichReporter``, ``ModelAdvisor`` and
+``launcher.Coordinator`` satisfy them without naming them, and a test or another front end may
+hand in anything that has these methods.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import warnings
@@ -43,15 +44,12 @@ from autobalance.tuner.search import REASON_CHARS
 
 if TYPE_CHECKING:
     import optuna
-    from optuna.trial import FrozenTrial
 
-    from autobalance._config import BalanceConfig
     from autobalance.launcher import TrialLaunch, TrialOutcome
-    from autobalance.tuner._settings import TuneSettings
     from autobalance.tuner.search import Decision, TrialFigures
 
-__all__ = ["REASON_CHARS", "SIGNATURE", "Advisor", "NullReporter", "Reporter", "RichReporter", "TimeLeftColumn",
-           "TrialCoordinator", "cap_line", "clip_words", "note_for", "outcome_lines", "short_figures",
+__all__ = ["REASON_CHARS", "SIGNATURE", "Advisor", "NullReporter", "Reporter", "RichReporter",
+           "TrialCoordinator", "cap_line", "clip_words", "outcome_lines", "short_figures",
            "time_left_text", "trial_outcome", "write_notes"]
 
 _STYLE = {Status.OK: "green", Status.OOM: "red", Status.TIMEOUT: "red", Status.ERROR: "bold red",
@@ -121,8 +119,7 @@ def time_left_text(seconds: float) -> str:
     """``12:30 left``, ``1:02:03 left``; ``budget spent, finishing`` at or below zero."""
     if seconds <= 0:
         return "budget spent, finishing"
-    whole = int(seconds)
-    hours, rest = divmod(whole, 3600)
+    hours, rest = divmod(int(seconds), 3600)
     minutes, secs = divmod(rest, 60)
     return (f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}") + " left"
 
@@ -134,8 +131,6 @@ class RichReporter:
         self.console = console or Console(stderr=True)
         self._progress: Progress | None = None
         self._task: Any = None
-        self._total = 0
-        self._t0 = time.monotonic()
         self._best_text = "best: -"
         self._lock = threading.RLock()
         self._running: dict[int, float] = {}
@@ -145,7 +140,6 @@ class RichReporter:
 
     def begin(self, settings: TuneSettings, *, already: int, deadline: float | None = None) -> None:
         """``deadline``: when the time budget ends (``time.monotonic()``; None: no budget)."""
-        self._total = settings.trials
         self._deadline = deadline
         self._study_name = settings.study_name
         budget = "" if settings.time_budget_s is None else f"  time budget {describe_budget(settings.time_budget_s)}"
@@ -184,33 +178,35 @@ class RichReporter:
 
     def finish(self, trial: FrozenTrial, best: FrozenTrial | None, *, reused: bool = False,
                predicted: bool = False) -> None:
-        with self._lock:
-            self._running.pop(trial.number, None)
-            self._finish(trial, best, reused=reused, predicted=predicted)
-
-    def _finish(self, trial: FrozenTrial, best: FrozenTrial | None, *, reused: bool, predicted: bool) -> None:
-        status = trial.user_attrs.get(TrialAttr.STATUS, "?")
-        style = _STYLE.get(status, "white")
-        extra = f" (same config as trial {trial.user_attrs.get('reused_from')}, not re-run)" if reused else ""
+        a = trial.user_attrs
+        status = a.get(TrialAttr.STATUS, "?")
+        extra = f" (same config as trial {a.get('reused_from')}, not re-run)" if reused else ""
         if predicted:
-            extra = (f" (implied by trial {trial.user_attrs.get('dominated_by')}, not launched)"
-                     if trial.user_attrs.get(TrialAttr.PREDICTED_BY) == "dominance" else
-                     " (predicted by the memory model, not launched)")
-        full = "" if status == Status.OK else " ".join(str(trial.user_attrs.get("reason", "")).split())
+            extra = (f" (implied by trial {a.get('dominated_by')}, not launched)"
+                     if a.get(TrialAttr.PREDICTED_BY) == "dominance"
+                     else " (predicted by the memory model, not launched)")
+        full = "" if status == Status.OK else " ".join(str(a.get("reason", "")).split())
         shown_reason = clip_words(full)
         reason = f"  [dim]{escape(shown_reason)}[/]" if shown_reason else ""
-        over = over_limit(trial.user_attrs)  # ran to the end, infeasible all the same: not a plain "ok"
-        shown = f"[{style}]{status}[/]" if over is None else f"[red]{status}, {escape(over)}[/]"
-        self.console.print(f"  trial {trial.number} {shown}{escape(extra)}  {escape(short_figures(trial))}{reason}")
-        if shown_reason != full and not self._clipped:  # once: where the whole reason is
-            self._clipped = True
-            name = f" --study-name {self._study_name}" if self._study_name else ""
-            self.console.print(f"  [dim]{escape(f'(a reason cut with ... reads whole in `autobalance trials{name}`)')}[/]")
-        if best is not None:
-            self._best_text = f"best #{best.number}: {best.user_attrs.get('step_time_ms', 0):.1f} ms" + (
-                f", spread {memory_text(best.user_attrs.get('spread_gib', 0))}" if trial_ranks(best.user_attrs) > 1 else "")
-        if self._progress is not None and not predicted:
-            self._progress.update(self._task, advance=0 if reused else 1, description=self._best_text)
+        over = over_limit(a)  # ran to the end, infeasible all the same: not a plain "ok"
+        shown = (f"[{_STYLE.get(status, 'white')}]{status}[/]" if over is None
+                 else f"[red]{status}, {escape(over)}[/]")
+        figures = escape(short_figures(trial))
+        with self._lock:
+            self._running.pop(trial.number, None)
+            self.console.print(f"  trial {trial.number} {shown}{escape(extra)}  {figures}{reason}")
+            if shown_reason != full and not self._clipped:  # once: where the whole reason is
+                self._clipped = True
+                name = f" --study-name {self._study_name}" if self._study_name else ""
+                where = f"(a reason cut with ... reads whole in `autobalance trials{name}`)"
+                self.console.print(f"  [dim]{escape(where)}[/]")
+            if best is not None:
+                b = best.user_attrs
+                self._best_text = f"best #{best.number}: {b.get('step_time_ms', 0):.1f} ms" + (
+                    f", spread {memory_text(b.get('spread_gib', 0))}" if trial_ranks(b) > 1 else "")
+            if self._progress is not None and not predicted:
+                self._progress.update(self._task, advance=0 if reused else 1,
+                                      description=self._best_text)
 
     def note(self, text: str) -> None:
         with self._lock:
@@ -246,18 +242,10 @@ _KIND_ORDER = ("ok", "over limit", "OOM", "predicted OOM")
 
 def _numbers(numbers: list[int]) -> str:
     """``#1, #3–#7, #9``: runs of three or more consecutive trials as a range."""
-    numbers = sorted(set(numbers))
     parts: list[str] = []
-    i = 0
-    while i < len(numbers):
-        j = i
-        while j + 1 < len(numbers) and numbers[j + 1] == numbers[j] + 1:
-            j += 1
-        if j - i >= 2:
-            parts.append(f"#{numbers[i]}–#{numbers[j]}")
-        else:
-            parts.extend(f"#{n}" for n in numbers[i:j + 1])
-        i = j + 1
+    for _, pairs in itertools.groupby(enumerate(sorted(set(numbers))), lambda p: p[1] - p[0]):
+        run = [n for _, n in pairs]
+        parts += [f"#{run[0]}–#{run[-1]}"] if len(run) >= 3 else [f"#{n}" for n in run]
     return ", ".join(parts)
 
 
@@ -348,25 +336,29 @@ def write_notes(study: Any) -> int:
 
 # ------------------------------------------------------ the parts the loop is handed, as Protocols
 class Reporter(Protocol):
-    """The console of a ``tune`` run: told when the study begins, each trial starts, runs and ends."""
+    """The console of a ``tune`` run: told when the study begins, each trial starts, runs and ends
+    (its methods do nothing: :class:`NullReporter` is this protocol as a class)."""
 
-    def begin(self, settings: TuneSettings, *, already: int, deadline: float | None = None) -> None: ...
-    def start(self, number: int, config: BalanceConfig | None, *, baseline: bool = False, why: str = "") -> None: ...
-    def tick(self, number: int, elapsed: float) -> None: ...
-    def note(self, text: str) -> None: ...
+    def begin(self, settings: TuneSettings, *, already: int, deadline: float | None = None) -> None:
+        return None
+
+    def start(self, number: int, config: BalanceConfig | None, *, baseline: bool = False,
+              why: str = "") -> None:
+        return None
+
+    def tick(self, number: int, elapsed: float) -> None:
+        return None
+
+    def note(self, text: str) -> None:
+        return None
+
     def finish(self, trial: FrozenTrial, best: FrozenTrial | None, *, reused: bool = False,
-               predicted: bool = False) -> None: ...
+               predicted: bool = False) -> None:
+        return None
 
 
-class NullReporter:
+class NullReporter(Reporter):
     """A :class:`Reporter` that says nothing (a ``Tuner`` handed none)."""
-
-    def begin(self, settings: TuneSettings, *, already: int, deadline: float | None = None) -> None: ...
-    def start(self, number: int, config: BalanceConfig | None, *, baseline: bool = False, why: str = "") -> None: ...
-    def tick(self, number: int, elapsed: float) -> None: ...
-    def note(self, text: str) -> None: ...
-    def finish(self, trial: FrozenTrial, best: FrozenTrial | None, *, reused: bool = False,
-               predicted: bool = False) -> None: ...
 
 
 class Advisor(Protocol):

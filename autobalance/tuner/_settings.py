@@ -17,7 +17,7 @@ import os
 import re
 import tempfile
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
@@ -25,25 +25,9 @@ from autobalance._config import COMPILE_MODES, CUDA_GRAPH_MODES, DTYPES
 from autobalance._errors import StorageError, UsageError
 from autobalance._files import is_int, is_number
 
-__all__ = ["CHOICES", "COMPILE_CHOICES", "GPU_MEMORY_GIB", "SAMPLERS", "SPLITS", "STRATEGIES", "SettingDoc",
-           "TuneSettings", "check_caps", "check_gpus", "compile_modes", "default_device", "default_study_name",
-           "load_toml", "local_capacities", "memory_cap_text", "parse_duration", "parse_memory_cap", "preflight",
-           "prepare_runs_dir", "remove_dirs", "setting_docs", "setting_types"]
-
-Device = Literal["cpu", "cuda", "auto"]
-Remeasure = Literal["auto", "on", "off"]
-CapMode = Literal["enforce", "judge"]
-Strategy = Literal["model", "optuna"]
-Sampler = Literal["tpe", "gp", "random", "nsga2"]
-Split = Literal["any", "equal"]
-OnError = Literal["stop", "continue"]
-CompileChoice = Literal["off", "on", "search"]
-CompileScopeChoice = Literal["search", "whole", "regional"]
-
-SAMPLERS: tuple[str, ...] = get_args(Sampler)
-STRATEGIES: tuple[str, ...] = get_args(Strategy)
-COMPILE_CHOICES: tuple[str, ...] = get_args(CompileChoice)
-SPLITS: tuple[str, ...] = get_args(Split)
+__all__ = ["CHOICES", "GPU_MEMORY_GIB", "SettingDoc", "TuneSettings", "check_caps", "check_gpus",
+           "default_device", "load_toml", "memory_cap_text", "parse_duration", "parse_memory_cap",
+           "preflight", "setting_docs", "setting_types"]
 
 
 @dataclass(kw_only=True)
@@ -67,7 +51,7 @@ class TuneSettings:
     """``HOST:PORT`` of the rendezvous for multi-node trials (default: none)."""
     torchrun_args: list[str] = field(default_factory=list)
     """Extra torchrun options, passed through (default: none)."""
-    device: Device = "auto"
+    device: Literal["cpu", "cuda", "auto"] = "auto"
     """``cpu``, ``cuda`` or ``auto`` (cuda when a GPU is visible, else cpu)."""
     global_batch: int | None = None
     """Samples per optimizer step (default: the script's own)."""
@@ -82,7 +66,7 @@ class TuneSettings:
     most 2 s; on CPU, 0."""
     max_steps: int = 50
     """Upper bound on measured steps per trial when ``measure_s`` lengthens the measurement."""
-    remeasure: Remeasure = "auto"
+    remeasure: Literal["auto", "on", "off"] = "auto"
     """Run a trial a second time (steps pooled) when its steps spread (IQR > 5 % of the median) or it
     would become the best: ``on``, ``off``, or ``auto`` (on CUDA on; on CPU off, where step times of a
     shared machine are noise and a second run only doubles the study)."""
@@ -109,7 +93,7 @@ class TuneSettings:
     memory_cap_gib: list[float] | None = None
     """The same cap in plain GiB (``0.06`` is 61.4 MiB): one value for every rank or one per rank
     (default: the card's capacity; on CPU the host's memory)."""
-    cap_mode: CapMode = "enforce"
+    cap_mode: Literal["enforce", "judge"] = "enforce"
     """``enforce``: ranks run under the cap (allocator fraction / CPU budget) and really OOM;
     ``judge``: ranks run uncapped and a peak above the cap is judged infeasible (no OOM, no restarts)."""
     headroom: float = 0.05
@@ -123,9 +107,9 @@ class TuneSettings:
     counts in the objective)."""
     multi_objective: bool = False
     """Spread and step time as two objectives (a Pareto front) instead of a weighted sum."""
-    strategy: Strategy = "model"
+    strategy: Literal["model", "optuna"] = "model"
     """``model``: memory-model-guided search (balanced splits, predicted OOMs skipped); ``optuna``: the sampler alone."""
-    sampler: Sampler = "tpe"
+    sampler: Literal["tpe", "gp", "random", "nsga2"] = "tpe"
     """Optuna sampler: tpe, gp, random or nsga2."""
     seed: int | None = None
     """Sampler seed, for reproducible studies (default: none, a fresh seed each run)."""
@@ -133,11 +117,11 @@ class TuneSettings:
     """AMP dtypes to search (default: all the device supports)."""
     max_accumulation: int = 8
     """Largest gradient-accumulation count searched."""
-    split: Split = "any"
+    split: Literal["any", "equal"] = "any"
     """How a rank's samples of a step may be split over its micro-steps: ``any`` (any global batch
     and accumulation; micro-batches differ by at most one, e.g. 32 = 6,6,5,5,5,5) or ``equal``
     (equal micro-batches only: the accumulation divides the global batch)."""
-    on_error: OnError = "stop"
+    on_error: Literal["stop", "continue"] = "stop"
     """After successful trials, a script error: ``stop`` the study or ``continue`` (mark it failed)."""
     cold: bool = False
     """One torchrun job per trial instead of the warm worker pool (always cold for multi-node trials)."""
@@ -145,7 +129,7 @@ class TuneSettings:
     """Stop a trial once its median measured step is this many times the best trial's step time (0: never)."""
     runs_dir: str = "autobalance_runs"
     """Where trial directories (reports, logs) are kept."""
-    compile: CompileChoice | None = None
+    compile: Literal["off", "on", "search"] | None = None
     """``torch.compile`` in the search: ``off`` (eager only), ``on`` (every trial compiled, with a
     per-rank activation budget), ``search`` (both) (default: ``search`` on CUDA, ``off`` on CPU). On
     CPU a compile costs tens of seconds per configuration and rarely pays off."""
@@ -155,7 +139,7 @@ class TuneSettings:
     size 1 CUDA graphs too, measured once against the study's best default-mode trial and proposed
     further only where they pay (``tuner/search/_models.py``: ``graph_probe``; not the default until GPU studies
     show it pays, ``docs/compile.md``)."""
-    compile_scope: CompileScopeChoice = "search"
+    compile_scope: Literal["search", "whole", "regional"] = "search"
     """What compiled trials compile: ``whole`` (the model as one region), ``regional`` (each repeated
     block on its own, identical blocks sharing one compile, plus the loss ``plan.wrap(loss=...)`` owns:
     about a third of the compile time) or ``search`` (both, when the model has repeated blocks;
@@ -181,10 +165,7 @@ class TuneSettings:
             raise UsageError(f"SCRIPT={self.script!r} does not exist; check the path.")
         if self.about is not None and (not isinstance(self.about, str) or "\n" in self.about or len(self.about) > 300):
             raise UsageError(f"--about={str(self.about)[:60]!r}... is not one line of at most 300 characters; shorten it.")
-        _positive("--trials", self.trials)
-        _positive("--nproc-per-node", self.nproc_per_node)
-        _positive("--nnodes", self.nnodes)
-        _positive("--steps", self.steps)
+        self._positive("trials", "nproc_per_node", "nnodes", "steps")
         if isinstance(self.measure_s, str) and self.measure_s != "auto":
             try:
                 self.measure_s = float(self.measure_s)
@@ -194,7 +175,7 @@ class TuneSettings:
         if not isinstance(self.measure_s, str) and not (0 <= float(self.measure_s) < 3600):
             raise UsageError(f"--measure-s={self.measure_s!r} must be between 0 and 3600 seconds; use e.g. 1.5, 0 "
                              "(off) or auto.")
-        _positive("--max-steps", self.max_steps)
+        self._positive("max_steps")
         self._check_choice("remeasure")
         if self.max_steps < self.steps:
             raise UsageError(f"--max-steps={self.max_steps} is below --steps={self.steps}; raise it to at least "
@@ -221,19 +202,15 @@ class TuneSettings:
         self._check_choice("cap_mode")
         if self.max_spread_gib is not None and self.max_spread_gib < 0:
             raise UsageError(f"--max-spread-gib={self.max_spread_gib:g} is negative; use GiB >= 0.")
-        for name in ("sampler", "strategy", "on_error"):
-            self._check_choice(name)
-        if self.dtypes is not None:
-            bad = [d for d in self.dtypes if d not in DTYPES]
-            if bad or not self.dtypes:
-                raise UsageError(f"--dtypes={','.join(self.dtypes)!r} is invalid; choose from {', '.join(DTYPES)}.")
-        _positive("--max-accumulation", self.max_accumulation)
-        self._check_choice("split")
-        if self.compile is not None:
-            self._check_choice("compile")
-        if (self.compile_mode not in COMPILE_MODES and self.compile_mode != AUTO_MODE) or self.compile_mode == "off":
+        self._check_choice("sampler", "strategy", "on_error")
+        if self.dtypes is not None and (not self.dtypes or set(self.dtypes) - set(DTYPES)):
+            raise UsageError(f"--dtypes={','.join(self.dtypes)!r} is invalid; choose from "
+                             f"{', '.join(DTYPES)}.")
+        self._positive("max_accumulation")
+        self._check_choice("split", *(("compile",) if self.compile is not None else ()))
+        if self.compile_mode not in (*COMPILE_MODES, "auto") or self.compile_mode == "off":
             raise UsageError(
-                f"--compile-mode={self.compile_mode!r} is unknown; use one of {AUTO_MODE}, "
+                f"--compile-mode={self.compile_mode!r} is unknown; use one of auto, "
                 f"{', '.join(COMPILE_MODES[1:])} (turn compile off with --compile off)."
             )
         if self.compile_mode in CUDA_GRAPH_MODES and self.world_size > 1 and self.compile != "off":
@@ -241,9 +218,7 @@ class TuneSettings:
                 f"--compile-mode={self.compile_mode} with {self.world_size} ranks: CUDA graphs run at world size 1 "
                 "only (docs/compile.md); use --compile-mode default, or --nproc-per-node 1."
             )
-        for name, value in (("--gpus-per-trial", self.gpus_per_trial), ("--cpus-per-trial", self.cpus_per_trial)):
-            if value is not None:
-                _positive(name, value)
+        self._positive("gpus_per_trial", "cpus_per_trial")
         if self.prune_factor != 0 and self.prune_factor < 1:
             raise UsageError(f"--prune-factor={self.prune_factor:g} must be 0 (off) or at least 1; e.g. 1.5.")
         if self.memory_cap is not None:
@@ -261,20 +236,32 @@ class TuneSettings:
                 )
             if any(c <= 0 for c in self.memory_cap_gib):
                 raise UsageError(f"--memory-cap-gib={self.memory_cap_gib} has a non-positive value; use GiB > 0.")
-        if not self.study_name:
-            self.study_name = default_study_name(self.script)
+        if not self.study_name:  # the script's directory and name
+            path = os.path.abspath(self.script)
+            parent = os.path.basename(os.path.dirname(path))
+            stem = os.path.splitext(os.path.basename(path))[0]
+            self.study_name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{parent}-{stem}" if parent else stem)
         if not re.fullmatch(r"[A-Za-z0-9_.:@+-]{1,200}", self.study_name):
             raise UsageError(
                 f"--study-name={self.study_name!r} has unsupported characters; use letters, digits and _ . - : @ +."
             )
 
-    def _check_choice(self, name: str) -> None:
-        """A choice setting outside its ``Literal`` is a :class:`UsageError` naming the flag and the choices."""
-        value = getattr(self, name)
-        choices = CHOICES[name]
-        if value not in choices:
-            flag = "--" + name.replace("_", "-")
-            raise UsageError(f"{flag}={value!r} is unknown; use {_CHOICE_WORDS[name](choices)}.")
+    def _positive(self, *names: str) -> None:
+        """A count below 1 is a :class:`UsageError` naming the flag (None: not given)."""
+        for name in names:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise UsageError(f"{_flag(name)}={value} must be at least 1.")
+
+    def _check_choice(self, *names: str) -> None:
+        """A value outside its ``Literal``: a :class:`UsageError` naming the flag and choices."""
+        for name in names:
+            value, choices = getattr(self, name), CHOICES[name]
+            if value not in choices:
+                words = ("one of " + ", ".join(choices)
+                         if name not in ("device", "remeasure", "cap_mode", "on_error")
+                         else ", ".join(choices[:-1]) + " or " + choices[-1])
+                raise UsageError(f"{_flag(name)}={value!r} is unknown; use {words}.")
 
     @property
     def time_budget_s(self) -> float | None:
@@ -286,15 +273,22 @@ class TuneSettings:
         return self.nproc_per_node * self.nnodes
 
     def compile_modes(self) -> list[str]:
-        """The compile modes this run searches (see ``compile``)."""
-        return compile_modes(self.compile, self.compile_mode, self.device, world_size=self.world_size)
+        """The compile modes this run searches (see ``compile``): ``--compile-mode auto`` is
+        ``default``, with ``reduce-overhead`` too on a GPU at world size 1 (CUDA graphs; in DDP they
+        would capture the gradient all-reduce)."""
+        modes = [self.compile_mode]
+        if self.compile_mode == "auto":
+            graphs = self.device == "cuda" and self.world_size == 1
+            modes = ["default", *CUDA_GRAPH_MODES] if graphs else ["default"]
+        resolved = self.compile or ("search" if self.device == "cuda" else "off")
+        return {"off": ["off"], "on": modes, "search": ["off", *modes]}[resolved]
 
     def compile_scopes(self, num_blocks: int) -> list[str]:
         """The compile scopes this run searches for a model with ``num_blocks`` repeated blocks
         (``regional`` needs blocks to compile)."""
-        if self.compile_scope == "search":
-            return ["whole", "regional"] if num_blocks > 0 else ["whole"]
-        return [self.compile_scope] if num_blocks > 0 or self.compile_scope == "whole" else ["whole"]
+        if num_blocks == 0:
+            return ["whole"]
+        return ["whole", "regional"] if self.compile_scope == "search" else [self.compile_scope]
 
     def caps_bytes(self) -> list[int] | None:
         if self.memory_cap_gib is None:
@@ -319,18 +313,17 @@ class TuneSettings:
         return cls(**values)
 
 
-def _literal_choices(hint: Any) -> tuple[str, ...]:
-    """The values of a ``Literal`` type, alone or in a union with None (``()``: not a choice)."""
-    if get_origin(hint) is Literal:
-        return get_args(hint)
-    return next((get_args(a) for a in get_args(hint) if get_origin(a) is Literal), ())
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
-    name: choices for name, hint in get_type_hints(TuneSettings).items() if (choices := _literal_choices(hint))
+    name: choices for name, hint in get_type_hints(TuneSettings).items()
+    if (choices := next((get_args(a) for a in (hint, *get_args(hint)) if get_origin(a) is Literal),
+                        ()))
 }
-"""The choices of each choice setting, from its ``Literal`` type: what ``TuneSettings`` accepts and the
-command line shows (``None``, where a field's type allows it, is not a choice on the command line)."""
+"""The choices of each choice setting, from its ``Literal`` type (alone or in a union with None):
+what ``TuneSettings`` accepts and the command line shows (``None`` is not a choice there)."""
 
 
 def setting_types() -> dict[str, str]:
@@ -341,34 +334,19 @@ def setting_types() -> dict[str, str]:
             for f in fields(TuneSettings)}
 
 
-def _either(choices: tuple[str, ...]) -> str:
-    return ", ".join(choices[:-1]) + " or " + choices[-1]
-
-
-def _one_of(choices: tuple[str, ...]) -> str:
-    return "one of " + ", ".join(choices)
-
-
-_CHOICE_WORDS = {"device": _either, "remeasure": _either, "cap_mode": _either, "on_error": _either,
-                 "sampler": _one_of, "strategy": _one_of, "split": _one_of, "compile": _one_of}
-"""How each choice setting's error message lists its choices."""
-
-
 @dataclass(frozen=True, kw_only=True)
 class SettingDoc:
-    """What the command line and the docs say about one :class:`TuneSettings` field."""
+    """What the command line and the docs say about one :class:`TuneSettings` field: its ``name``
+    (the study TOML key too), ``help`` (its docstring as plain text, without the ``(default: ...)``
+    clause), ``text`` (the same with its ````code```` marks kept: a renderer may turn field names
+    into flags), ``default`` as shown to a user (the docstring's ``(default: ...)`` text when the
+    value alone says nothing) and ``value`` (the default itself; ``MISSING``: a required field)."""
 
     name: str
-    """The field (also the study TOML key; dashes or underscores)."""
     help: str
-    """The field's docstring as plain text, without its ``(default: ...)`` clause."""
     text: str
-    """The same with its reStructuredText ````code```` marks kept (a renderer may turn field names into flags)."""
     default: str
-    """The default as shown to a user: the field's default value, or the docstring's
-    ``(default: ...)`` text when the value alone says nothing (None, "", an empty list)."""
     value: Any
-    """The default value itself (``MISSING`` for a required field)."""
 
 
 _DEFAULT_CLAUSE = re.compile(r"\s*\(default: ([^()]*)\)")
@@ -381,14 +359,12 @@ def setting_docs() -> dict[str, SettingDoc]:
 
     A field whose default is None, "" or empty must say what that means with ``(default: ...)`` in
     its docstring; any other field shows its default value."""
-    tree = ast.parse(inspect.getsource(TuneSettings))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for stmt, following in itertools.pairwise(body):
-        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
-                and isinstance(following.value.value, str)):
-            docs[stmt.target.id] = " ".join(following.value.value.split())
+    body = ast.parse(inspect.getsource(TuneSettings)).body[0].body  # type: ignore[attr-defined]
+    docs = {stmt.target.id: " ".join(doc.value.value.split())
+            for stmt, doc in itertools.pairwise(body)
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+            and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+            and isinstance(doc.value.value, str)}
     out: dict[str, SettingDoc] = {}
     for f in fields(TuneSettings):
         text = docs.get(f.name)
@@ -425,22 +401,6 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-AUTO_MODE = "auto"
-"""``--compile-mode auto``: the modes of :func:`compile_modes`."""
-
-
-def compile_modes(choice: str | None, mode: str, device: str, *, world_size: int = 1) -> list[str]:
-    """``--compile`` (None: the device's default) as the list of modes searched; ``--compile-mode
-    auto`` is ``default``, with ``reduce-overhead`` too on a GPU at world size 1 (CUDA graphs; in DDP
-    they would capture the gradient all-reduce)."""
-    resolved = choice or ("search" if device == "cuda" else "off")
-    if mode == AUTO_MODE:
-        modes = ["default", *CUDA_GRAPH_MODES] if device == "cuda" and world_size == 1 else ["default"]
-    else:
-        modes = [mode]
-    return {"off": ["off"], "on": modes, "search": ["off", *modes]}[resolved]
-
-
 _DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(s|sec|m|min|h)?\s*", re.IGNORECASE)
 _UNIT_S = {None: 1.0, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
 
@@ -450,48 +410,31 @@ def parse_duration(name: str, value: float | str | None) -> float | None:
     text), or ``off`` / ``none`` (None: no limit); a bad value is a :class:`UsageError` naming ``name``."""
     if value is None or (isinstance(value, str) and value.strip().lower() in ("off", "none")):
         return None
-    seconds: float | None = None
+    seconds = math.nan
     if is_number(value):
         seconds = float(value)  # type: ignore[arg-type]
     elif isinstance(value, str) and (match := _DURATION.fullmatch(value)):
-        unit = match[2].lower() if match[2] else None
-        seconds = float(match[1]) * _UNIT_S[unit]
-    if seconds is None or not math.isfinite(seconds) or seconds <= 0:
+        seconds = float(match[1]) * _UNIT_S[match[2].lower() if match[2] else None]
+    if not math.isfinite(seconds) or seconds <= 0:
         raise UsageError(f"{name}={value!r} is not a positive duration; use e.g. 90s, 10m, 1.5h or plain seconds "
                          "(off: no limit).")
     return seconds
 
 
-def _positive(name: str, value: int) -> None:
-    if value < 1:
-        raise UsageError(f"{name}={value} must be at least 1.")
-
-
-def _toml_type_problem(annotation: str, value: Any) -> str | None:
-    """What ``value`` should have been for a field annotated ``annotation`` (None: it fits)."""
-    if annotation == "float | str | None":  # a duration: its text is checked by TuneSettings
-        return None if is_number(value) or isinstance(value, str) else 'a number of seconds or a duration such as "10m"'
-    kind = annotation.replace(" | None", "")
-    checks: dict[str, tuple[str, Any]] = {
-        "int": ("a whole number", is_int),
-        "float": ("a number", is_number),
-        "float | str": ('a number or "auto"', lambda v: is_number(v) or v == "auto"),
-        "str": ("a string", lambda v: isinstance(v, str)),
-        "bool": ("true or false", lambda v: isinstance(v, bool)),
-        "list[str]": ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
-        "list[float]": ("a number or a list of numbers", lambda v: isinstance(v, list) and all(is_number(x) for x in v)),
-    }
-    if kind not in checks:
-        return None
-    description, ok = checks[kind]
-    return None if ok(value) else description
-
-
-def default_study_name(script: str) -> str:
-    path = os.path.abspath(script)
-    parent = os.path.basename(os.path.dirname(path))
-    stem = os.path.splitext(os.path.basename(path))[0]
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", f"{parent}-{stem}" if parent else stem)
+_TOML_KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    # a duration: TuneSettings reads its text
+    "float | str | None": ('a number of seconds or a duration such as "10m"',
+                           lambda v: is_number(v) or isinstance(v, str)),
+    "int": ("a whole number", is_int),
+    "float": ("a number", is_number),
+    "float | str": ('a number or "auto"', lambda v: is_number(v) or v == "auto"),
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "list[str]": ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
+    "list[float]": ("a number or a list of numbers", lambda v: isinstance(v, list) and all(is_number(x) for x in v)),
+}
+"""What a study TOML's value must be, by the field's annotation (``| None`` dropped unless listed:
+every annotation of :class:`TuneSettings` has its kind here)."""
 
 
 def load_toml(path: str) -> dict[str, Any]:
@@ -505,29 +448,27 @@ def load_toml(path: str) -> dict[str, Any]:
         raise UsageError(f"--config={path!r} is malformed TOML: {exc}; fix that line.") from None
     section = data.get("tune", data)
     known = {f.name for f in fields(TuneSettings)}
-    values: dict[str, Any] = {}
-    for key, value in section.items():
-        name = key.replace("-", "_")
-        if name not in known:
+    for key in section:
+        if key.replace("-", "_") not in known:
             raise UsageError(f"--config={path!r} has unknown key {key!r}; known keys: {', '.join(sorted(known))}.")
-        values[name] = value
+    values: dict[str, Any] = {key.replace("-", "_"): value for key, value in section.items()}
     for name in ("memory_cap_gib", "memory_cap"):
         if name in values and not isinstance(values[name], list):
             values[name] = [values[name]]
     annotations = setting_types()
     for name, value in values.items():
-        expected = _toml_type_problem(annotations[name], value)
-        if expected is not None:
+        kind = annotations[name]
+        expected, ok = _TOML_KINDS.get(kind) or _TOML_KINDS[kind.replace(" | None", "")]
+        if not ok(value):
             raise UsageError(f"--config={path!r} has {name} = {value!r}, which is not {expected}; fix that key.")
         if annotations[name].startswith("float") and is_number(value):
             values[name] = float(value)
         elif annotations[name].startswith("list[float]"):
             values[name] = [float(v) for v in value]
-    if "script" in values:
-        base = os.path.dirname(os.path.abspath(path))
-        candidate = values["script"]
-        if not os.path.isabs(candidate) and not os.path.exists(candidate):
-            values["script"] = os.path.normpath(os.path.join(base, candidate))
+    script = values.get("script")
+    if script is not None and not os.path.isabs(script) and not os.path.exists(script):
+        values["script"] = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)),
+                                                         script))
     return values
 
 
@@ -542,6 +483,7 @@ train on never exceeds it."""
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]i?B|[KMGT]|B)?\s*", re.IGNORECASE)
 _UNIT_BYTES = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+               "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
                "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 
 
@@ -567,9 +509,7 @@ def parse_memory_cap(flag: str, items: list[str]) -> list[float]:
         text = str(item).strip()
         match = _SIZE.fullmatch(text)
         if match is not None and match[2]:
-            unit = match[2].lower()
-            unit = {"k": "kib", "m": "mib", "g": "gib", "t": "tib"}.get(unit, unit)
-            gib = float(match[1]) * _UNIT_BYTES[unit] / 2**30
+            gib = float(match[1]) * _UNIT_BYTES[match[2].lower()] / 2**30
         elif _gpu_key(text) in _GPU_KEYS:
             gib = GPU_MEMORY_GIB[_GPU_KEYS[_gpu_key(text)]]
         elif match is not None:
@@ -604,29 +544,55 @@ def memory_cap_text(gib: float) -> str:
 # --------------------------------- preflight: the settings against this host, before anything runs
 @contextlib.contextmanager
 def preflight(settings: TuneSettings) -> Iterator[None]:
-    """Check the host and the storage (``settings.storage`` becomes the checked URL), create
-    ``--runs-dir``; on leaving, remove the directories created that are still empty (a study refused
+    """Check ``--nproc-per-node`` and ``--memory-cap-gib`` against this host's GPUs (or memory),
+    create ``--runs-dir`` and prove it writable, check the storage (``settings.storage`` becomes the
+    checked URL); on leaving, remove the directories created that are still empty (a study refused
     before any trial leaves nothing behind)."""
-    check_host(settings)
-    created = prepare_runs_dir(settings.runs_dir)
-    try:
-        check_study_storage(settings)
-        yield
-    finally:
-        remove_dirs(created)
+    from autobalance.store import check_storage, open_storage
 
-
-def check_host(settings: TuneSettings) -> None:
-    """``--nproc-per-node`` and ``--memory-cap-gib`` against this host's GPUs (or memory)."""
+    s = settings
     visible = 0
-    if settings.device == "cuda":
+    if s.device == "cuda":
         import torch
 
         visible = torch.cuda.device_count()
-    check_gpus(device=settings.device, nproc_per_node=settings.nproc_per_node, visible=visible)
-    if settings.caps_bytes():
-        check_caps(caps_bytes=settings.caps_bytes(), capacities=local_capacities(settings.device, settings.nproc_per_node),
-                   device=settings.device)
+    check_gpus(device=s.device, nproc_per_node=s.nproc_per_node, visible=visible)
+    if s.caps_bytes():
+        capacities = [os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")] * s.nproc_per_node
+        if s.device == "cuda":
+            capacities = [int(torch.cuda.get_device_properties(i).total_memory)
+                          for i in range(min(s.nproc_per_node, visible))]
+        check_caps(caps_bytes=s.caps_bytes(), capacities=capacities, device=s.device)
+    target = os.path.abspath(s.runs_dir)
+    missing, parent = [], target
+    while not os.path.isdir(parent) and os.path.dirname(parent) != parent:
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    created: list[str] = []
+    try:
+        try:
+            for d in reversed(missing):
+                os.mkdir(d)
+                created.append(d)
+            fd, probe = tempfile.mkstemp(prefix=".autobalance-probe-", dir=target)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            raise UsageError(
+                f"--runs-dir={s.runs_dir!r} is not writable ({exc.strerror or exc}); pass a "
+                "writable directory for the trials' reports and logs."
+            ) from None
+        try:
+            s.storage = check_storage(s.storage)
+            open_storage(s.storage)
+        except StorageError as exc:
+            message = str(exc) if str(exc).startswith("--storage") else f"--storage: {exc}"
+            raise type(exc)(message) from None
+        yield
+    finally:
+        for d in reversed(created):  # deepest first, those still empty only
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
 
 
 def check_gpus(*, device: str, nproc_per_node: int, visible: int) -> None:
@@ -651,57 +617,3 @@ def check_caps(*, caps_bytes: list[int] | None, capacities: list[int], device: s
                 f"--memory-cap-gib={cap / 2**30:g} for rank {rank} is larger than {card} "
                 f"({capacity / 2**30:.1f} GiB); use at most {capacity / 2**30:.1f}."
             )
-
-
-def local_capacities(device: str, nproc_per_node: int) -> list[int]:
-    """Capacity in bytes of the device of each local rank (CPU: physical memory)."""
-    if device == "cuda":
-        import torch
-
-        count = torch.cuda.device_count()
-        return [int(torch.cuda.get_device_properties(i).total_memory) for i in range(min(nproc_per_node, count))]
-    return [int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))] * nproc_per_node
-
-
-def prepare_runs_dir(path: str) -> list[str]:
-    """Create ``--runs-dir`` and prove it is writable; returns the directories created (for cleanup)."""
-    created: list[str] = []
-    target = os.path.abspath(path)
-    missing: list[str] = []
-    probe_dir = target
-    while not os.path.isdir(probe_dir) and os.path.dirname(probe_dir) != probe_dir:
-        missing.append(probe_dir)
-        probe_dir = os.path.dirname(probe_dir)
-    try:
-        for d in reversed(missing):
-            os.mkdir(d)
-            created.append(d)
-        fd, probe = tempfile.mkstemp(prefix=".autobalance-probe-", dir=target)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        remove_dirs(created)
-        raise UsageError(
-            f"--runs-dir={path!r} is not writable ({exc.strerror or exc}); pass a writable directory for the "
-            "trials' reports and logs."
-        ) from None
-    return created
-
-
-def remove_dirs(created: list[str]) -> None:
-    """Remove the directories :func:`prepare_runs_dir` created, deepest first, those still empty only."""
-    for d in reversed(created):
-        with contextlib.suppress(OSError):
-            os.rmdir(d)
-
-
-def check_study_storage(settings: TuneSettings) -> None:
-    """Fail before any trial when the storage is unusable; ``settings.storage`` becomes the checked URL."""
-    from autobalance.store import check_storage, open_storage
-
-    try:
-        settings.storage = check_storage(settings.storage)
-        open_storage(settings.storage)
-    except StorageError as exc:
-        message = str(exc) if str(exc).startswith("--storage") else f"--storage: {exc}"
-        raise type(exc)(message) from None

@@ -1,24 +1,14 @@
 """The study: the sampler, opening (or continuing) a study with the same objective and search
 space, and which trials count towards ``--trials``.
 
-**Workers.** Several tuner processes on one study: one baseline, stale trials, no trial beyond the total.
-
-Any number of ``autobalance tune`` processes may work on one study (same ``--storage`` and
-``--study-name``), on one host or many. What keeps them consistent:
-
-* **One baseline.** The baseline trial measures the script's own configuration and defines the
-  search space. The first worker takes a claim (a row in Optuna's ``study_system_attributes``
-  whose unique key makes the insert atomic on SQLite and PostgreSQL alike) and runs it; the others
-  wait until it is recorded. A claim whose owner stops refreshing it (killed) is taken over.
-* **Stale trials.** A RUNNING trial whose heartbeat stopped (its tuner was killed) is marked
-  FAIL with status ``stale`` and is not counted, so the study runs another trial in its place.
-* **One launch per configuration.** A worker launches a configuration only under its claim (a row
-  per configuration, :class:`RunningClaim`, atomic like the baseline's); a worker that finds another
-  worker's trial holding it waits for that trial and reuses its result. A claim whose trial is no
-  longer running (finished, or failed as stale when its tuner died) is taken over.
-* **No surplus.** Two workers may ask for the last trial at the same moment. Trial numbers are
-  unique and increasing, so a trial that finds ``--trials`` counted trials numbered before it
-  is failed at once with status ``surplus`` (not counted, nothing launched).
+**Workers.** Any number of ``autobalance tune`` processes may work on one study (same
+``--storage`` and ``--study-name``, one host or many; ``docs/reliability.md``, section 6): one
+baseline (:class:`BaselineClaim`; a claim whose owner stops refreshing it is taken over), stale
+trials failed and run again (:func:`fail_stale_trials`), no trial beyond the total (``surplus``),
+and one launch per configuration (:class:`RunningClaim`: a worker that finds another worker's trial
+holding it waits for that trial and reuses its result; a claim whose trial is no longer running is
+taken over). A claim is a row of Optuna's ``study_system_attributes`` whose unique key makes its
+insert atomic on SQLite and PostgreSQL alike.
 """
 
 from __future__ import annotations
@@ -49,8 +39,8 @@ from autobalance.store import (
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner.search import SearchSpace, space_problem
 
-__all__ = ["CLAIM_KEY", "NOT_COUNTED", "BaselineClaim", "RunningClaim", "check_space", "counted_trials", "counts",
-           "fail_stale_trials", "make_sampler", "measured_configs", "open_study", "worker_id"]
+__all__ = ["NOT_COUNTED", "BaselineClaim", "RunningClaim", "check_space", "counted_trials",
+           "counts", "fail_stale_trials", "measured_configs", "open_study", "worker_id"]
 
 
 def make_sampler(settings: TuneSettings, *, n_trials: int) -> optuna.samplers.BaseSampler:
@@ -68,14 +58,6 @@ def make_sampler(settings: TuneSettings, *, n_trials: int) -> optuna.samplers.Ba
         )
 
 
-def objective_settings(s: TuneSettings) -> dict[str, Any]:
-    """What a continued study must keep (stored once as :attr:`StudyAttr.OBJECTIVE`)."""
-    return {"weight_spread": s.weight_spread, "weight_time": s.weight_time, "headroom": s.headroom,
-            "multi_objective": s.multi_objective, "caps_bytes": s.caps_bytes(), "device": s.device,
-            "world_size": s.world_size, "nnodes": s.nnodes, "cap_mode": s.cap_mode,
-            "max_spread_gib": s.max_spread_gib}
-
-
 def open_study(s: TuneSettings, storage: optuna.storages.RDBStorage) -> optuna.Study:
     """Create the study, or load it when its objective matches; stale trials of dead workers are failed."""
     directions: list[Any] = ["minimize", "minimize"] if s.multi_objective else ["minimize"]
@@ -89,7 +71,10 @@ def open_study(s: TuneSettings, storage: optuna.storages.RDBStorage) -> optuna.S
             f"{len(directions)} ({'--multi-objective' if s.multi_objective else 'single objective'}); "
             "use the same setting or a new --study-name."
         )
-    objective = objective_settings(s)
+    objective = {"weight_spread": s.weight_spread, "weight_time": s.weight_time, "headroom": s.headroom,
+                 "multi_objective": s.multi_objective, "caps_bytes": s.caps_bytes(), "device": s.device,
+                 "world_size": s.world_size, "nnodes": s.nnodes, "cap_mode": s.cap_mode,
+                 "max_spread_gib": s.max_spread_gib}  # what a continued study must keep
     stored = study.user_attrs.get(StudyAttr.OBJECTIVE)
     if stored is None:
         study.set_user_attr(StudyAttr.OBJECTIVE, objective)
@@ -151,7 +136,6 @@ def counted_trials(study: optuna.Study) -> int:
 
 
 # -------------------------------------------------------------------- several workers on one study
-CLAIM_KEY = StudyAttr.BASELINE_CLAIM
 NOT_COUNTED = (None, Status.INTERRUPTED, Status.STALE, Status.SURPLUS)
 """Statuses of FAIL trials that do not count towards ``--trials`` (they are run again)."""
 
@@ -160,26 +144,56 @@ def worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
-class BaselineClaim:
-    """Who runs the baseline of a study: an atomic claim in the study's system attributes."""
+class _Claim:
+    """A row of the study's system attributes under ``key``, inserted atomically (see above)."""
 
-    def __init__(self, storage: optuna.storages.RDBStorage, study_id: int, *, owner: str,
-                 stale_after_s: float) -> None:
+    def __init__(self, storage: optuna.storages.RDBStorage, study_id: int, key: str) -> None:
         self.storage = storage
         self.study_id = study_id
-        self.owner = owner
-        self.stale_after_s = stale_after_s
-        self._value: str | None = None
+        self.key = key
 
     def _row(self) -> str | None:
         from sqlalchemy import select
 
         table = study_system_attr_table()
         with self.storage.engine.connect() as conn:
-            row = conn.execute(
-                select(table.c.value_json).where(table.c.study_id == self.study_id, table.c.key == CLAIM_KEY)
-            ).first()
+            row = conn.execute(select(table.c.value_json).where(table.c.study_id == self.study_id,
+                                                                table.c.key == self.key)).first()
         return None if row is None else str(row[0])
+
+    def _insert(self, value: str) -> bool:
+        """Take the row; False when another worker holds it."""
+        from sqlalchemy import insert
+        from sqlalchemy.exc import IntegrityError
+
+        try:
+            with self.storage.engine.begin() as conn:
+                table = study_system_attr_table()
+                conn.execute(insert(table).values(study_id=self.study_id, key=self.key,
+                                                  value_json=value))
+        except IntegrityError:
+            return False
+        return True
+
+    def _delete(self, value: str) -> None:
+        """Compare-and-delete: the row only while it holds ``value``."""
+        from sqlalchemy import delete
+
+        table = study_system_attr_table()
+        with self.storage.engine.begin() as conn:
+            conn.execute(delete(table).where(table.c.study_id == self.study_id, table.c.key == self.key,
+                                             table.c.value_json == value))
+
+
+class BaselineClaim(_Claim):
+    """Who runs the baseline of a study (see the module docstring)."""
+
+    def __init__(self, storage: optuna.storages.RDBStorage, study_id: int, *, owner: str,
+                 stale_after_s: float) -> None:
+        super().__init__(storage, study_id, StudyAttr.BASELINE_CLAIM)
+        self.owner = owner
+        self.stale_after_s = stale_after_s
+        self._value: str | None = None
 
     def holder(self) -> dict[str, Any] | None:
         raw = self._row()
@@ -202,10 +216,6 @@ class BaselineClaim:
 
     def try_acquire(self) -> bool:
         """Take the claim (or a stale one); True when this worker now owns it."""
-        from sqlalchemy import delete, insert
-        from sqlalchemy.exc import IntegrityError
-
-        table = study_system_attr_table()
         raw = self._row()
         if raw is not None:
             current = self.holder() or {}
@@ -213,14 +223,9 @@ class BaselineClaim:
                 return True
             if not self._stale(current):
                 return False
-            with self.storage.engine.begin() as conn:  # compare-and-delete: only that stale claim
-                conn.execute(delete(table).where(table.c.study_id == self.study_id, table.c.key == CLAIM_KEY,
-                                                 table.c.value_json == raw))
+            self._delete(raw)
         value = json.dumps({"owner": self.owner, "at": time.time()})
-        try:
-            with self.storage.engine.begin() as conn:
-                conn.execute(insert(table).values(study_id=self.study_id, key=CLAIM_KEY, value_json=value))
-        except IntegrityError:
+        if not self._insert(value):
             return False
         self._value = value
         return True
@@ -235,53 +240,31 @@ class BaselineClaim:
         value = json.dumps({"owner": self.owner, "at": time.time()})
         with self.storage.engine.begin() as conn:
             done = conn.execute(update(table).where(
-                table.c.study_id == self.study_id, table.c.key == CLAIM_KEY, table.c.value_json == self._value,
+                table.c.study_id == self.study_id, table.c.key == self.key,
+                table.c.value_json == self._value,
             ).values(value_json=value)).rowcount
         if done:
             self._value = value
 
     def release(self) -> None:
-        from sqlalchemy import delete
-
-        if self._value is None:
-            return
-        table = study_system_attr_table()
-        with contextlib.suppress(Exception), self.storage.engine.begin() as conn:
-            conn.execute(delete(table).where(table.c.study_id == self.study_id, table.c.key == CLAIM_KEY,
-                                             table.c.value_json == self._value))
-        self._value = None
+        if self._value is not None:
+            with contextlib.suppress(Exception):
+                self._delete(self._value)
+            self._value = None
 
 
-class RunningClaim:
-    """Which trial launches one configuration now (several workers on one study): a row in the
-    study's system attributes keyed by the configuration, holding the trial's id. The insert is
-    atomic (unique key, SQLite and PostgreSQL alike), so of two workers that propose the same
-    configuration at once exactly one launches it. A claim whose trial is no longer RUNNING (recorded,
-    or failed as stale: its tuner died and stopped its heartbeat) is taken over; the holder releases
-    it once its trial is recorded."""
+class RunningClaim(_Claim):
+    """Which trial launches one configuration now (see the module docstring): a row keyed by the
+    configuration, holding the trial's id; the holder releases it once its trial is recorded."""
 
     def __init__(self, storage: optuna.storages.RDBStorage, study_id: int, *, config_json: str, trial_id: int) -> None:
-        self.storage = storage
-        self.study_id = study_id
-        self.key = StudyAttr.RUNNING_CLAIM_PREFIX + hashlib.sha1(config_json.encode()).hexdigest()
+        key = StudyAttr.RUNNING_CLAIM_PREFIX + hashlib.sha1(config_json.encode()).hexdigest()
+        super().__init__(storage, study_id, key)
         self.trial_id = trial_id
         self.held = False
 
-    def _row(self) -> str | None:
-        from sqlalchemy import select
-
-        table = study_system_attr_table()
-        with self.storage.engine.connect() as conn:
-            row = conn.execute(select(table.c.value_json).where(table.c.study_id == self.study_id,
-                                                                table.c.key == self.key)).first()
-        return None if row is None else str(row[0])
-
     def try_acquire(self) -> int | None:
         """Take the claim: None when this trial holds it now, else the id of the trial that does."""
-        from sqlalchemy import delete, insert
-        from sqlalchemy.exc import IntegrityError
-
-        table = study_system_attr_table()
         raw = self._row()
         if raw is not None:
             holder = json.loads(raw)
@@ -294,29 +277,18 @@ class RunningClaim:
                 running = False
             if running:
                 return int(holder)
-            with self.storage.engine.begin() as conn:  # compare-and-delete: only that finished holder's claim
-                conn.execute(delete(table).where(table.c.study_id == self.study_id, table.c.key == self.key,
-                                                 table.c.value_json == raw))
-        try:
-            with self.storage.engine.begin() as conn:
-                conn.execute(insert(table).values(study_id=self.study_id, key=self.key,
-                                                  value_json=json.dumps(self.trial_id)))
-        except IntegrityError:  # another worker claimed it between the read and the insert
+            self._delete(raw)  # only that finished holder's claim
+        if not self._insert(json.dumps(self.trial_id)):  # another worker claimed it since the read
             row = self._row()
             return int(json.loads(row)) if row is not None else self.try_acquire()
         self.held = True
         return None
 
     def release(self) -> None:
-        from sqlalchemy import delete
-
-        if not self.held:
-            return
-        table = study_system_attr_table()
-        with contextlib.suppress(Exception), self.storage.engine.begin() as conn:
-            conn.execute(delete(table).where(table.c.study_id == self.study_id, table.c.key == self.key,
-                                             table.c.value_json == json.dumps(self.trial_id)))
-        self.held = False
+        if self.held:
+            with contextlib.suppress(Exception):
+                self._delete(json.dumps(self.trial_id))
+            self.held = False
 
 
 def _silent_trial_ids(study: optuna.Study, storage: optuna.storages.RDBStorage, grace_s: float) -> list[int]:

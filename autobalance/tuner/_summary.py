@@ -1,24 +1,18 @@
 """What a finished ``tune`` says: the result, and the notes under the table (predicted and pruned
 trials, the steps' share of the wall time, compilation, the memory model's error).
 
-**How each trial was measured**, as trial attributes and as lines of the study summary.
+**How each trial was measured** (``docs/warm.md``), as trial attributes and as lines of the
+study summary: the compiling step's and the steady peaks (``compile_peak_gib``,
+``steady_peak_gib``), the steps' spread (``step_time_iqr_pct``; ``remeasured``), and a warm
+trial's carry-over (:mod:`autobalance.runtime._carryover`): ``warm_pool_trial`` (1 = a fresh
+worker), ``warm_fresh_outside_gib`` (what a fresh worker held outside PyTorch, per rank),
+``warm_inherited_outside_gib`` (what this trial's worker held over its reference: charged to the
+trial, never discounted), ``warm_recycled`` (why the pool was restarted after it).
 
-- the compiling step apart from the steady state: ``compile_peak_gib`` and ``steady_peak_gib`` per
-  rank (a compiled trial's peak device memory in its first, compiling, step and in the steps
-  after); the memory constraint judges ``peak_device_gib``, the larger of the two;
-- the steps' spread: ``step_time_iqr_pct`` (the worst rank's interquartile range of its measured
-  steps, % of its median) next to ``measured_steps``; ``remeasured`` for a trial measured twice;
-- a warm trial's carry-over (see :mod:`autobalance.runtime._carryover`): ``warm_pool_trial`` (its
-  place in its worker's life, 1 = a fresh worker), ``warm_fresh_outside_gib`` (what a fresh worker
-  held outside PyTorch, per rank), ``warm_inherited_outside_gib`` (what this trial's worker held
-  over its reference when the trial started: charged to the trial, never discounted) and
-  ``warm_recycled`` (why the pool was restarted after it).
-
-**The script's facts**: what the baseline trial's report says about the script that shapes the study, in words: its
-repeated blocks (none found: checkpointing is not searched), batch-dependent layers (the split
-stays the script's own), a dataset smaller than one global batch (every step is a partial step).
-
-The study prints these lines first, before any other trial runs.
+**The script's facts**: what the baseline's report says about the script that shapes the study,
+in words: its repeated blocks (none found: checkpointing is not searched), batch-dependent layers
+(the split stays the script's own), a dataset smaller than one global batch (every step is a
+partial step). The study prints these lines first, before any other trial runs.
 """
 
 from __future__ import annotations
@@ -46,17 +40,18 @@ from autobalance.protocol import (
 )
 from autobalance.tuner._remeasure import STEP_TIMES_MS, rank_steps
 from autobalance.tuner._reporter import Advisor
-from autobalance.tuner._time_spent import TIME_PARTS, per_trial_overhead_s, time_lines, time_spent
+from autobalance.tuner._study import NOT_COUNTED
+from autobalance.tuner._time_spent import TIME_PARTS, time_lines, time_spent
 from autobalance.tuner.search import (
     SearchSpace,
     compile_notes,
     model_errors_line,
+    per_trial_overhead_s,
     typical_compile_s,
 )
 
-__all__ = ["ATTR_SCRIPT_FACTS", "TuneResult", "baseline_won", "batch_dependent_layers",
-           "keep_split", "measurement_attrs", "measurement_summary", "name_blocks", "per_trial_overhead_s",
-           "rerun_hint", "script_facts", "summarise", "summary_facts", "what_was_tried"]
+__all__ = ["TuneResult", "baseline_won", "keep_split", "measurement_attrs", "measurement_summary",
+           "record_time_spent", "script_facts", "summarise", "summary_facts"]
 
 
 @dataclass(kw_only=True)
@@ -85,13 +80,17 @@ class TuneResult:
     def time_lines(self) -> list[str]:
         """Where the run's time went, and whether its time budget stopped it; nothing when this run
         launched no trial and verified nothing (its time would read as the study's work)."""
-        if _idle(self):
-            return []
-        return time_lines(self.time_spent)
+        return [] if _idle(self) else time_lines(self.time_spent)
 
     def rerun_hint(self) -> str | None:
-        """The line for a run that had nothing to do (see :func:`rerun_hint`); None otherwise."""
-        return rerun_hint(already=self.already, of=self.of) if self.trials_run == 0 else None
+        """The line for a run that had nothing to do: the study already counted ``of`` trials
+        (``--trials`` is the study's total, not this run's), and how to run more; None otherwise."""
+        if self.trials_run != 0 or self.of <= 0 or self.already < self.of:
+            return None
+        more = self.already + 10
+        return (f"Nothing to run: the study already has {self.already} trial(s) and --trials "
+                f"{self.of} is the study's total, not this run's; --trials {more} runs 10 more. "
+                "The figures below are from its earlier runs.")
 
 
 def _idle(result: TuneResult) -> bool:
@@ -101,21 +100,11 @@ def _idle(result: TuneResult) -> bool:
     return result.trials_run == 0 and not spent.get("verified") and not spent.get("stopped_by_budget")
 
 
-def rerun_hint(*, already: int, of: int, more: int = 10) -> str | None:
-    """The line for a run that had nothing to do: the study already counted ``of`` trials (``--trials``
-    is the study's total, not this run's), and how to run ``more``. None when trials were left to run."""
-    if of <= 0 or already < of:
-        return None
-    return (f"Nothing to run: the study already has {already} trial(s) and --trials {of} is the study's total, not "
-            f"this run's; --trials {already + more} runs {more} more. The figures below are from its earlier runs.")
-
-
 def what_was_tried(trials: list[FrozenTrial], *, baseline: int) -> str:
     """The other configurations a study measured, in words: how many, and what varied among them
     (splits, accumulation, checkpointing, dtypes, buckets, compile, optimizer sharding)."""
     configs = [t.user_attrs.get(TrialAttr.CONFIG) or {} for t in trials
-               if t.number != baseline and t.user_attrs.get(TrialAttr.STATUS) not in (None, Status.STALE, Status.SURPLUS,
-                                                                                       Status.INTERRUPTED)]
+               if t.number != baseline and t.user_attrs.get(TrialAttr.STATUS) not in NOT_COUNTED]
     if not configs:
         return "no other configuration measured"
 
@@ -243,15 +232,10 @@ def measurement_attrs(outcome: TrialOutcome, *, world_size: int) -> dict[str, An
     if any(v is not None for v in first):
         attrs["compile_peak_gib"] = [_gib(v) for v in first]
         attrs["steady_peak_gib"] = [_gib(v) for v in steady]
-    spreads = []
-    for rep in reports:
-        if rep is None:
-            continue
-        iqr, times = rep.step_time_iqr_s, rep.step_times_s or []
-        if iqr is not None and times:
-            median = statistics.median(float(t) for t in times)
-            if median > 0:
-                spreads.append(100 * float(iqr) / median)
+    medians = [(float(rep.step_time_iqr_s), statistics.median(float(t) for t in rep.step_times_s))
+               for rep in reports
+               if rep is not None and rep.step_time_iqr_s is not None and rep.step_times_s]
+    spreads = [100 * iqr / median for iqr, median in medians if median > 0]
     if spreads and len(spreads) == world_size:
         attrs["step_time_iqr_pct"] = round(max(spreads), 2)
     steps = [rank_steps(rep) if rep is not None else [] for rep in reports]
@@ -303,15 +287,10 @@ def measurement_summary(attrs: list[dict[str, Any]]) -> list[str]:
 
 
 # -------------------------------------------------- the script's facts, from the baseline's report
-ATTR_SCRIPT_FACTS = StudyAttr.SCRIPT_FACTS
-"""Study attribute: the lines of :func:`script_facts` for the baseline (shown again in the summary)."""
-
-
 def batch_dependent_layers(report: RankReport) -> list[str]:
     """``"path (Type)"`` of the batch-dependent layers the baseline found (BatchNorm and its kind,
     modules whose forward wrote their buffers)."""
-    layers = (report.model or {}).get("batch_dependent") or []
-    return [str(x) for x in layers]
+    return [str(x) for x in (report.model or {}).get("batch_dependent") or []]
 
 
 def _shown(layers: list[str]) -> str:
@@ -374,5 +353,5 @@ def script_facts(report: RankReport, *, kept_split: bool, allow: bool, split: st
 def summary_facts(study_attrs: dict[str, Any]) -> list[str]:
     """The facts the study's summary repeats: what limits the search (no blocks, a kept split, a
     dataset smaller than one global batch); the line naming the blocks found is said once, at the start."""
-    facts = study_attrs.get(ATTR_SCRIPT_FACTS) or []
+    facts = study_attrs.get(StudyAttr.SCRIPT_FACTS) or []
     return [str(line) for line in facts if not str(line).startswith("Blocks: ")]

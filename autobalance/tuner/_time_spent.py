@@ -14,19 +14,18 @@ The time budget keeps verification's predicted time free (:class:`TimeBudget`, `
 from __future__ import annotations
 
 import datetime
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from optuna.trial import FrozenTrial
 
+from autobalance._files import is_number
 from autobalance.launcher import TrialOutcome
 from autobalance.protocol import RankTiming, TrialAttr
 from autobalance.tuner.search import per_trial_overhead_s
 
-if TYPE_CHECKING:
-    pass
-
-__all__ = ["TIME_PARTS", "TrialOverhead", "describe_budget", "per_trial_overhead_s", "time_lines",
-           "time_spent", "trial_time_split"]
+__all__ = ["TIME_PARTS", "TrialOverhead", "describe_budget", "time_lines", "time_spent",
+           "trial_time_split"]
 
 TIME_PARTS = ("compile", "startup", "steps", "remeasure", "verify")
 """The parts of a run's wall time besides ``other``, in the order the summary names them."""
@@ -42,7 +41,7 @@ def _epoch(text: Any) -> float | None:
 
 
 def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    return float(value) if is_number(value) else None
 
 
 def trial_time_split(outcome: TrialOutcome) -> dict[str, float]:
@@ -88,18 +87,16 @@ def time_spent(trials: list[FrozenTrial], numbers: set[int]) -> dict[str, float]
     return {k: round(v, 3) for k, v in total.items()}
 
 
+@dataclass
 class TrialOverhead:
-    """The per-trial overhead (:func:`per_trial_overhead_s`) over the study's trials as of the last
-    one recorded: what ``--measure-s auto`` sizes a launch's measurement by, so that a launch reads a
-    figure, not the study. The trial loop updates it (:meth:`update`) once per recorded trial and when it
-    starts (the baseline's and a resumed study's trials); another worker's trials on the same study
-    count from this loop's next recorded trial on."""
+    """The per-trial overhead (:func:`per_trial_overhead_s`) over the study's trials as of the
+    last one recorded, what ``--measure-s auto`` sizes a launch's measurement by: ``seconds``
+    (None before any launched ``ok`` trial), and whether the trial loop has ``counted`` them
+    (:meth:`update`, once per recorded trial and when it starts; before it, a launch counts the
+    study as it was opened; another worker's trials count from this loop's next recorded one on)."""
 
-    def __init__(self) -> None:
-        self.seconds: float | None = None
-        """The overhead in seconds; None before any launched ``ok`` trial."""
-        self.counted = False
-        """Whether :meth:`update` has run (before it, a launch counts the study as it was opened)."""
+    seconds: float | None = None
+    counted: bool = False
 
     def update(self, trials: list[FrozenTrial]) -> float | None:
         """Count ``trials`` (the study's, in order); the overhead over them."""

@@ -14,25 +14,21 @@ from autobalance.protocol import StudyAttr, best_trial, exchange_rate_text
 from autobalance.store import mask_url, open_storage
 from autobalance.tuner._baseline import baseline_done, baseline_once
 from autobalance.tuner._launching import TrialLauncher
-from autobalance.tuner._loop import MAX_CRASHES_IN_A_ROW, TrialLoop
+from autobalance.tuner._loop import TrialLoop
 from autobalance.tuner._recording import Recorder
 from autobalance.tuner._reporter import Advisor, NullReporter, Reporter
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner._study import check_space, counted_trials, open_study
 from autobalance.tuner._summary import TuneResult, summarise
-from autobalance.tuner.search import SearchSpace, TimeBudget
+from autobalance.tuner.search import ModelAdvisor, SearchSpace, TimeBudget
 
-__all__ = ["MAX_CRASHES_IN_A_ROW", "Tuner"]
-
+__all__ = ["Tuner"]
 
 
 class Tuner:
-    """Runs ``settings.trials`` trials of one study (continuing an existing one).
-
-    Its parts: the :class:`TrialLauncher` (slots, warm pools, heartbeats), the :class:`Recorder`
-    (what is told to the study), the advisor (``--strategy model``: proposals and predictions), the
-    time budget; :meth:`trial_loop` hands them to the :class:`TrialLoop`, which owns the loop's
-    state (its lock, the stop signal, the trials running now)."""
+    """Runs ``settings.trials`` trials of one study (continuing an existing one). Its parts (the
+    :class:`TrialLauncher`, the :class:`Recorder`, the advisor, the time budget) are handed to the
+    :class:`TrialLoop` (:meth:`trial_loop`), which owns the loop's state."""
 
     counted_trials = staticmethod(counted_trials)
 
@@ -52,10 +48,6 @@ class Tuner:
         self.advisor: Advisor | None = None
         self.budget = TimeBudget(budget_s=settings.time_budget_s, started=time.monotonic())
         """``--time-budget``: started again by :meth:`run`."""
-
-    @property
-    def trials_run(self) -> int:
-        return self.launcher.trials_run
 
     def run(self) -> TuneResult:
         s = self.settings
@@ -87,14 +79,15 @@ class Tuner:
                     raise
             self.recorder.launch_settings(study, cold=self.launcher.cold)
             if self.advisor is None and s.strategy == "model":
-                self.advisor = _make_advisor(space=space, settings=s)
+                self.advisor = ModelAdvisor(space=space, settings=s)
             loop = self.trial_loop()
             loop.run(study, space)
             leaders_s = loop.leaders_s
         finally:
             self.close()
         base_no = study.user_attrs.get(StudyAttr.BASELINE)
-        result = TuneResult(study_name=s.study_name, storage=mask_url(s.storage), trials_run=self.trials_run,
+        result = TuneResult(study_name=s.study_name, storage=mask_url(s.storage),
+                            trials_run=self.launcher.trials_run,
                             baseline=study.trials[base_no] if base_no is not None else None,
                             best=best_trial(study), wall_s=time.monotonic() - start, already=already, of=s.trials)
         result.time_spent = {"slots": len(self.launcher.slots()), "budget_s": s.time_budget_s,
@@ -136,12 +129,3 @@ def _drop_if_empty(study: optuna.Study, storage: optuna.storages.BaseStorage) ->
     with contextlib.suppress(Exception):  # the baseline's own error is what the user must see
         if not study.get_trials(deepcopy=False):
             optuna.delete_study(study_name=study.study_name, storage=storage)
-
-
-def _make_advisor(*, space: SearchSpace, settings: TuneSettings) -> Advisor | None:
-    try:
-        from autobalance.tuner.search import ModelAdvisor
-    except ImportError:
-        return None
-    return ModelAdvisor(space=space, settings=settings)
-
