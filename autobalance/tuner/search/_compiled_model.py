@@ -43,8 +43,8 @@ from autobalance.tuner.search._memory_model import (
     CLAMP_TOLERANCE,
     DEFAULT_SAFETY_MARGIN,
     MAX_MARGIN,
-    WIDEN_FACTOR,
     MemoryModel,
+    widen_margin,
 )
 from autobalance.tuner.search._space import (
     BUDGET_RANGE,
@@ -195,9 +195,6 @@ class CompiledMemoryModel:
         pooled = self.pooled_by_scope.get(mode.endswith(REGIONAL_KEY))
         return pooled if pooled is not None else BudgetCurve(budgets=[], fractions=[], exact=[], borrowed=True)
 
-    def can_predict(self, dtype: str) -> bool:
-        return self.eager.can_predict(dtype)
-
     def _line(self, rank: int, m: int, dtype: str, share: float | None, fraction: float) -> float:
         """``fixed_r + S * q + m * act_r * fraction``."""
         return self.eager.fixed_bytes(rank, dtype, share) + m * self.unit(rank, dtype) * fraction
@@ -246,14 +243,23 @@ class CompiledMemoryModel:
         ranks = zip(config.micro_batches, budgets, shares, strict=True)
         return [(r, m, float(b), q) for r, (m, b, q) in enumerate(ranks)]
 
+    def sample_bound(self, rank: int, dtype: str, mode: str, budget: float) -> float:
+        """One sample's activations at ``budget`` with their extra margin, ``act_r * f(b) * (1 + extra)``."""
+        curve = self.curve(dtype, mode)
+        return self.unit(rank, dtype) * curve.estimate(budget) * (1.0 + curve.extra_margin(budget))
+
+    def bound(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str,
+              optimizer_share: float | None = None) -> float:
+        """``fixed_r(q) + m * sample_bound``: the peak :meth:`fits` weighs, before the floor and margin."""
+        return (self.eager.fixed_bytes(rank, dtype, optimizer_share)
+                + micro_batch * self.sample_bound(rank, dtype, mode, budget))
+
     def fits(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str, limit: float,
              optimizer_share: float | None = None) -> bool:
         """Predicted to fit under ``limit``: the activation part with its extra margin, times ``1 +
         safety_margin``; never on an impossible (:meth:`rank_clamped`) prediction."""
-        curve = self.curve(dtype, mode)
-        act = micro_batch * self.unit(rank, dtype) * curve.estimate(budget) * (1.0 + curve.extra_margin(budget))
-        peak = max(self.eager.fixed_bytes(rank, dtype, optimizer_share) + act,
-                   self.eager.floor_bytes(rank, optimizer_share))
+        peak = max(self.bound(rank=rank, micro_batch=micro_batch, budget=budget, dtype=dtype, mode=mode,
+                              optimizer_share=optimizer_share), self.eager.floor_bytes(rank, optimizer_share))
         return peak * (1.0 + self.safety_margin) <= limit and not self.rank_clamped(
             rank=rank, micro_batch=micro_batch, budget=budget, dtype=dtype, mode=mode, optimizer_share=optimizer_share)
 
@@ -302,18 +308,11 @@ class CompiledMemoryModel:
 
     def correct(self, observation: CompiledObservation) -> bool:
         """Widen the safety margin when this (new) observation was under-predicted beyond it (the
-        eager model's rule, ``_memory_model.widen_margin``)."""
-        if not self.can_predict(observation.dtype):
+        eager model's rule, :func:`widen_margin`)."""
+        if not self.eager.can_predict(observation.dtype):
             return False
-        predicted = self._predict_obs(observation)
-        if predicted <= 0:
-            return False
-        error = observation.peak_bytes / predicted - 1.0
-        if error <= self.safety_margin or self.safety_margin >= MAX_MARGIN:
-            return False
-        self.safety_margin = min(MAX_MARGIN, WIDEN_FACTOR * error)
-        self.corrections += 1
-        return True
+        return widen_margin(self, measured=observation.peak_bytes, predicted=self._predict_obs(observation),
+                            max_margin=MAX_MARGIN)
 
 
 def compiled_observations(trials: Sequence[FrozenTrial]) -> list[CompiledObservation]:

@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -58,8 +58,29 @@ from autobalance.tuner.search._constants import (
 from autobalance.tuner.search._constants import CONFIDENT_TOL as _CONFIDENT_TOL
 from autobalance.tuner.search._constants import RANK_TOL as _RANK_TOL
 
-__all__ = ["CLAMP_TOLERANCE", "DEFAULT_SAFETY_MARGIN", "MAX_MARGIN", "WIDEN_FACTOR", "MemoryModel",
-           "MemoryObservation"]
+__all__ = ["CLAMP_TOLERANCE", "DEFAULT_SAFETY_MARGIN", "MAX_MARGIN", "MemoryModel", "MemoryObservation",
+           "widen_margin"]
+
+
+class Margined(Protocol):
+    """A model with a self-correcting safety margin."""
+
+    safety_margin: float
+    corrections: int
+
+
+def widen_margin(model: Margined, *, measured: float, predicted: float, max_margin: float) -> bool:
+    """Widen ``model``'s margin on an under-prediction beyond it; True if widened. With ``e =
+    measured / predicted - 1``, ``e > safety_margin`` makes the margin ``min(max_margin,
+    WIDEN_FACTOR * e)``. Over-predictions change nothing (the next refit fixes them)."""
+    if predicted <= 0:
+        return False
+    error = measured / predicted - 1.0
+    if error <= model.safety_margin or model.safety_margin >= max_margin:
+        return False
+    model.safety_margin = min(max_margin, WIDEN_FACTOR * error)
+    model.corrections += 1
+    return True
 
 
 @dataclass(kw_only=True)
@@ -318,11 +339,8 @@ class MemoryModel:
         return float(np.mean([abs(self._predict_obs(o) - o.peak_bytes) / o.peak_bytes for o in ok]))
 
     def correct(self, observation: MemoryObservation, *, limit: float | None = None) -> bool:
-        """Widen the safety margin on an under-prediction beyond it; True if widened. With
-        ``e = measured / predicted - 1`` (an out-of-memory trial measured at least
-        ``max(peak_bytes, limit)``), ``e > safety_margin`` makes the margin
-        ``min(max_margin, WIDEN_FACTOR * e)``. Over-predictions change nothing (the next refit
-        fixes them); nor does a dtype the model cannot predict yet."""
+        """:func:`widen_margin` on this observation (an out-of-memory trial measured at least
+        ``max(peak_bytes, limit)``); a dtype the model cannot predict yet changes nothing."""
         self._check_rank(observation.rank)
         if not self.can_predict(observation.dtype):
             return False
@@ -330,14 +348,7 @@ class MemoryModel:
         measured = observation.peak_bytes
         if not observation.ok and limit is not None:
             measured = max(measured, float(limit))
-        if predicted <= 0:
-            return False
-        error = measured / predicted - 1.0
-        if error <= self.safety_margin or self.safety_margin >= self.max_margin:
-            return False
-        self.safety_margin = min(self.max_margin, WIDEN_FACTOR * error)
-        self.corrections += 1
-        return True
+        return widen_margin(self, measured=measured, predicted=predicted, max_margin=self.max_margin)
 
     def _fit(self, dtype: str) -> DtypeFit:
         if not self.can_predict(dtype):
