@@ -37,15 +37,15 @@ from optuna.trial import FrozenTrial, TrialState
 from autobalance._config import BalanceConfig
 from autobalance._errors import UsageError
 from autobalance.protocol import GIB, Status, TrialAttr
-from autobalance.tuner.search._constants import FLOOR_PRIOR, LOW_BUDGET_FLOOR, UNMEASURED_MARGIN
-from autobalance.tuner.search._constants import MIN_SAMPLE_BYTES as _TINY
-from autobalance.tuner.search._memory_model import (
-    CLAMP_TOLERANCE,
+from autobalance.tuner.search._constants import (
     DEFAULT_SAFETY_MARGIN,
+    FLOOR_PRIOR,
+    LOW_BUDGET_FLOOR,
     MAX_MARGIN,
-    MemoryModel,
-    widen_margin,
+    UNMEASURED_MARGIN,
 )
+from autobalance.tuner.search._constants import MIN_SAMPLE_BYTES as _TINY
+from autobalance.tuner.search._memory_model import MemoryModel, below_floor, widen_margin
 from autobalance.tuner.search._space import (
     BUDGET_RANGE,
     BUDGET_STEP,
@@ -222,7 +222,7 @@ class CompiledMemoryModel:
             return True
         f = self.curve(dtype, mode).estimate(budget)
         line = self._line(rank, micro_batch, dtype, optimizer_share, f)
-        return line <= 0 or line < self.eager.floor_bytes(rank, optimizer_share) * (1.0 - CLAMP_TOLERANCE)
+        return below_floor(line, self.eager.floor_bytes(rank, optimizer_share))
 
     def extrapolated(self, config: BalanceConfig) -> bool:
         """True when a rank's prediction goes beyond the data: a budget outside the pair's own measured

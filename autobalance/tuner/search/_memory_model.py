@@ -58,8 +58,7 @@ from autobalance.tuner.search._constants import (
 from autobalance.tuner.search._constants import CONFIDENT_TOL as _CONFIDENT_TOL
 from autobalance.tuner.search._constants import RANK_TOL as _RANK_TOL
 
-__all__ = ["CLAMP_TOLERANCE", "DEFAULT_SAFETY_MARGIN", "MAX_MARGIN", "MemoryModel", "MemoryObservation",
-           "widen_margin"]
+__all__ = ["DEFAULT_SAFETY_MARGIN", "MemoryModel", "MemoryObservation", "below_floor", "widen_margin"]
 
 
 class Margined(Protocol):
@@ -81,6 +80,11 @@ def widen_margin(model: Margined, *, measured: float, predicted: float, max_marg
     model.safety_margin = min(max_margin, WIDEN_FACTOR * error)
     model.corrections += 1
     return True
+
+
+def below_floor(line: float, floor: float) -> bool:
+    """A fitted line impossible as a peak: at or below zero, or :data:`CLAMP_TOLERANCE` under ``floor``."""
+    return line <= 0 or line < floor * (1.0 - CLAMP_TOLERANCE)
 
 
 @dataclass(kw_only=True)
@@ -275,7 +279,7 @@ class MemoryModel:
         negative."""
         raw = self.fitted_line(rank=rank, micro_batch=micro_batch, checkpointed=checkpointed,
                                num_layers=num_layers, dtype=dtype, optimizer_share=optimizer_share)
-        if raw <= 0 or raw < self.floor_bytes(rank, optimizer_share) * (1.0 - CLAMP_TOLERANCE):
+        if below_floor(raw, self.floor_bytes(rank, optimizer_share)):
             return True
         return micro_batch > 0 and self.per_sample_bytes(rank, dtype, checkpointed, num_layers) < 0
 

@@ -250,13 +250,9 @@ class SearchModels:
         if compiled is None or usable is None or not model or not model.can_predict(config.dtype):
             return None
         key = config_compile_key(config)
-        out = []
-        for rank, m in enumerate(config.micro_batches):
-            b = compiled.largest_budget(rank=rank, micro_batch=m, dtype=config.dtype, mode=key, limit=usable[rank])
-            if b is None:
-                return None
-            out.append(float(b))
-        return out
+        budgets = [compiled.largest_budget(rank=r, micro_batch=m, dtype=config.dtype, mode=key, limit=usable[r])
+                   for r, m in enumerate(config.micro_batches)]
+        return None if any(b is None for b in budgets) else [float(b) for b in budgets if b is not None]
 
     def eager_estimate(self) -> tuple[None, float, float] | None:
         """``(None, held GiB, activations GiB per sample)`` of the fullest rank in the first half
