@@ -31,12 +31,13 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
+from typing import Any
 
 from optuna.trial import FrozenTrial, TrialState
 
 from autobalance._config import BalanceConfig
 from autobalance._errors import UsageError
-from autobalance.protocol import GIB, Status, TrialAttr
+from autobalance.protocol import GIB, MEASURED_STATUSES, Status, TrialAttr
 from autobalance.tuner.search._constants import (
     DEFAULT_SAFETY_MARGIN,
     FLOOR_PRIOR,
@@ -54,7 +55,7 @@ from autobalance.tuner.search._space import (
 )
 
 __all__ = ["FLOOR_PRIOR", "LOW_BUDGET_FLOOR", "UNMEASURED_MARGIN", "BudgetCurve", "CompiledMemoryModel",
-           "CompiledObservation", "budget_grid", "compiled_observations"]
+           "CompiledObservation", "budget_grid", "compiled_observations", "measured_peaks"]
 
 
 def budget_grid() -> list[float]:
@@ -315,18 +316,25 @@ class CompiledMemoryModel:
                             max_margin=MAX_MARGIN)
 
 
+def measured_peaks(t: FrozenTrial, *, compiled: bool) -> tuple[dict[str, Any], list[Any]] | None:
+    """``(config, peaks)`` of a trial of its own (not reused), ok or OOM, compiled as asked; else None."""
+    a = t.user_attrs
+    cfg, peaks = a.get(TrialAttr.CONFIG), a.get(TrialAttr.PEAK_DEVICE_GIB) or []
+    if (t.state != TrialState.COMPLETE or a.get(TrialAttr.STATUS) not in MEASURED_STATUSES or not cfg
+            or a.get(TrialAttr.REUSED_FROM) is not None or (cfg.get("compile", "off") != "off") != compiled
+            or len(peaks) != len(cfg["micro_batches"])):
+        return None
+    return cfg, peaks
+
+
 def compiled_observations(trials: Sequence[FrozenTrial]) -> list[CompiledObservation]:
     """Every rank of each measured compiled trial, and the failing rank of each that ran out of
     memory (a lower bound: at least its capacity). Reused trials are no new evidence."""
     out: list[CompiledObservation] = []
     for t in trials:
-        a = t.user_attrs
-        cfg, status = a.get(TrialAttr.CONFIG), a.get(TrialAttr.STATUS)
-        peaks = a.get(TrialAttr.PEAK_DEVICE_GIB) or []
-        if (t.state != TrialState.COMPLETE or status not in (Status.OK, Status.OOM) or not cfg
-                or cfg.get("compile", "off") == "off" or a.get(TrialAttr.REUSED_FROM) is not None
-                or len(peaks) != len(cfg["micro_batches"])):
+        if (found := measured_peaks(t, compiled=True)) is None:
             continue
+        a, (cfg, peaks), status = t.user_attrs, found, t.user_attrs[TrialAttr.STATUS]
         if status == Status.OK:
             ranks = [(r, float(p) * GIB) for r, p in enumerate(peaks) if p is not None and p > 0]
         elif (failing := a.get(TrialAttr.FAILING_RANK)) is not None:

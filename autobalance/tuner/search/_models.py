@@ -34,7 +34,11 @@ from autobalance.protocol import (
     weighted_objective,
 )
 from autobalance.tuner._settings import TuneSettings
-from autobalance.tuner.search._compiled_model import CompiledMemoryModel, compiled_observations
+from autobalance.tuner.search._compiled_model import (
+    CompiledMemoryModel,
+    compiled_observations,
+    measured_peaks,
+)
 from autobalance.tuner.search._constants import (
     CACHE_TIE,
     GRAPH_GAIN,
@@ -535,15 +539,10 @@ def observations_from_trials(trials: list[FrozenTrial], *, num_layers: int,
     implies: its peaks (and held memory) plus what it saved on each rank, holding the whole state."""
     obs: list[MemoryObservation] = []
     for t in trials:
-        attrs = t.user_attrs
-        status = attrs.get(TrialAttr.STATUS)
-        if (t.state != TrialState.COMPLETE or status not in (Status.OK, Status.OOM)
-                or attrs.get(TrialAttr.REUSED_FROM) is not None):
+        # the model is of eager memory; compiled trials follow their budget instead
+        if (found := measured_peaks(t, compiled=False)) is None:
             continue
-        cfg = attrs.get(TrialAttr.CONFIG)
-        peaks = attrs.get(TrialAttr.PEAK_DEVICE_GIB) or []
-        if not cfg or len(peaks) != len(cfg["micro_batches"]) or cfg.get("compile", "off") != "off":
-            continue  # the model is of eager memory; compiled trials follow their budget instead
+        attrs, (cfg, peaks), status = t.user_attrs, found, t.user_attrs[TrialAttr.STATUS]
         lift = [0.0] * len(peaks)
         state = attrs.get(TrialAttr.OPTIMIZER_STATE_BYTES) or []
         if cfg.get("param_sharding", "off") != "off":
