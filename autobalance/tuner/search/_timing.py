@@ -232,11 +232,11 @@ class StepTimeModel:
                 upper[g_at] = 1e-12
             return least_squares(residuals, np.clip(start, lower, upper), bounds=(lower, upper)).x
 
-        x = attempt(errors, "step time", solve, [], 0)
-        model.a, model.b, model.g, model.k = _unpack(np.asarray(x0) if x is None else x, dtypes, full)
+        fitted = attempt(errors, "step time", solve, [], 0)
+        model.a, model.b, model.g, model.k = _unpack(np.asarray(x0) if fitted is None else fitted, dtypes, full)
         busy = _busy_rows(trials)
         # mixed devices: the same terms with a speed per rank, fitted to the busy times too
-        x = attempt(errors, "step time (per-rank speeds)", solve, busy, len(busy[0][1])) if busy else None
+        x: Any = attempt(errors, "step time (per-rank speeds)", solve, busy, len(busy[0][1])) if busy else None
         w = [] if x is None else [float(v) for v in x[n:]]
         # speeds scaled so the slowest rank is 1.0 (g and k the other way); none if equally fast
         if w and not (max(w) <= 0 or max(w) / max(min(w), 1e-12) < EQUAL_SPEED_BAND):
