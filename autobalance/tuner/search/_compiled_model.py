@@ -209,9 +209,8 @@ class CompiledMemoryModel:
         return max(line, self.eager.floor_bytes(rank, optimizer_share))
 
     def clamped(self, config: BalanceConfig) -> bool:
-        """True when a rank's prediction is impossible as fitted: below what it holds apart from
-        activations (:data:`CLAMP_TOLERANCE` under the eager floor), or built on an eager per-sample
-        term at or below zero. The search proposes nothing from it."""
+        """True when a rank's prediction is impossible as fitted (:func:`below_floor` of the eager
+        floor) or built on an eager per-sample term at or below zero: the search proposes nothing."""
         return any(self.rank_clamped(rank=r, micro_batch=m, budget=b, dtype=config.dtype,
                                      mode=config_compile_key(config), optimizer_share=q)
                    for r, m, b, q in self._ranks(config))
@@ -257,8 +256,8 @@ class CompiledMemoryModel:
 
     def fits(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str, limit: float,
              optimizer_share: float | None = None) -> bool:
-        """Predicted to fit under ``limit``: the activation part with its extra margin, times ``1 +
-        safety_margin``; never on an impossible (:meth:`rank_clamped`) prediction."""
+        """:meth:`bound` (at least the eager floor) times ``1 + safety_margin`` under ``limit``, never
+        on an impossible (:meth:`rank_clamped`) prediction."""
         peak = max(self.bound(rank=rank, micro_batch=micro_batch, budget=budget, dtype=dtype, mode=mode,
                               optimizer_share=optimizer_share), self.eager.floor_bytes(rank, optimizer_share))
         return peak * (1.0 + self.safety_margin) <= limit and not self.rank_clamped(
@@ -308,8 +307,7 @@ class CompiledMemoryModel:
         return sum(abs(self._predict_obs(o) - o.peak_bytes) / o.peak_bytes for o in ok) / len(ok)
 
     def correct(self, observation: CompiledObservation) -> bool:
-        """Widen the safety margin when this (new) observation was under-predicted beyond it (the
-        eager model's rule, :func:`widen_margin`)."""
+        """:func:`widen_margin` (the eager model's rule) on this new observation."""
         if not self.eager.can_predict(observation.dtype):
             return False
         return widen_margin(self, measured=observation.peak_bytes, predicted=self._predict_obs(observation),

@@ -253,8 +253,7 @@ class MemoryModel:
     def predict(self, *, rank: int, micro_batch: int, checkpointed: int, num_layers: int,
                 dtype: str, optimizer_share: float | None = None) -> float:
         """Predicted peak bytes of ``rank``, keeping ``optimizer_share`` of the optimizer state
-        (None: all of it); never below :meth:`floor_bytes` (:meth:`clamped`: the line went
-        below)."""
+        (None: all of it); never below :meth:`floor_bytes`."""
         raw = self.fitted_line(rank=rank, micro_batch=micro_batch, checkpointed=checkpointed,
                                num_layers=num_layers, dtype=dtype, optimizer_share=optimizer_share)
         return max(raw, self.floor_bytes(rank, optimizer_share))
@@ -274,9 +273,8 @@ class MemoryModel:
 
     def clamped(self, *, rank: int, micro_batch: int, checkpointed: int, num_layers: int,
                 dtype: str, optimizer_share: float | None = None) -> bool:
-        """True when that prediction is impossible as fitted: the line falls to zero or below
-        :meth:`floor_bytes` (by more than :data:`CLAMP_TOLERANCE`), or the per-sample term is
-        negative."""
+        """True when that prediction is impossible as fitted (:func:`below_floor` of
+        :meth:`floor_bytes`) or its per-sample term is negative."""
         raw = self.fitted_line(rank=rank, micro_batch=micro_batch, checkpointed=checkpointed,
                                num_layers=num_layers, dtype=dtype, optimizer_share=optimizer_share)
         if below_floor(raw, self.floor_bytes(rank, optimizer_share)):
