@@ -270,21 +270,20 @@ def test_the_verification_forecast_comes_from_the_studys_own_trials():
     # (here all); the per-run start-up leaves the pool start out. A fresh worker costs the whole
     # start-up of a trial that started one (21 s: was the pool's 18 s alone, with the script's set-up
     # in the new worker averaged into every run's start-up instead: issue 41)
-    from autobalance.tuner.search._timing import restarts, verification_runs, worker_start_s
+    from autobalance.tuner.search._timing import run_prices, worker_start_s
 
     recycled = {TrialAttr.WARM_RECYCLED: "a compiled trial left 468 MiB outside PyTorch"}
     pooled = [*trials[:2], ran(2, comp, 120.0, {**split, "startup": 21.0, "compile": 40.0}, compile_s=40.0,
                                compile_cache={"fx_graph_misses": 2}, pool_start_s=18.0, **recycled)]
     assert worker_start_s(pooled) == 21.0 and worker_start_s(trials) == 0.0
-    assert restarts(pooled, verification_runs(own, eager)) == 1
-    assert restarts(pooled, verification_runs(own, comp)) == 1 + 2  # tuned, tuned-dropout: compiled, not last
-    assert restarts(pooled[:2], verification_runs(own, eager)) == 0  # the latest trial ran eager
+    assert run_prices(pooled).first_fresh and run_prices(pooled).recycle_share == 1.0
+    assert run_prices(pooled[:2]).fresh_s == 0.0 and not run_prices(pooled[:2]).first_fresh  # the latest ran eager
     again = forecast_verification(pooled, baseline=own, best=pooled[1], num_layers=16, device="cuda")
     assert again.seconds - got.seconds == pytest.approx(21.0)  # 21.5 - 18 = 3.5: the per-run start-up as before
     # a compiled trial whose worker went on (h200c's trials 4 and 10): no fresh worker (was 1 + 2: issue 41)
     kept = [*trials[:2], ran(2, comp, 120.0, {**split, "startup": 21.0, "compile": 40.0}, compile_s=40.0,
                              compile_cache={"fx_graph_misses": 2}, pool_start_s=18.0)]
-    assert restarts(kept, verification_runs(own, eager)) == 0 and restarts(kept, verification_runs(own, comp)) == 0
+    assert not run_prices(kept).first_fresh and run_prices(kept).recycle_share == 0.0
     # the dropout runs: not launched for a model the trials reported without dropout
     none = [ran(t.number, BalanceConfig.from_dict(t.user_attrs["config"]), t.user_attrs["step_time_ms"],
                 t.user_attrs[TrialAttr.TIME_SPLIT], **{TrialAttr.DROPOUT_MODULES: 0}) for t in trials]

@@ -9,6 +9,7 @@ __all__ = [
     "FAILED_STATUSES",
     "INFEASIBLE_STATUSES",
     "MEASURED_STATUSES",
+    "NOT_COUNTED",
     "OOM_MARKERS",
     "OUTCOME_STATUSES",
     "PEER_FAILURE_MARKERS",
@@ -67,6 +68,9 @@ TOLD_STATUSES = (Status.OK, *INFEASIBLE_STATUSES)
 
 FAILED_STATUSES = (Status.TIMEOUT, Status.ERROR, Status.CRASH)
 """Trials shown as failed (not merely over the memory limit) in the report."""
+
+NOT_COUNTED = (None, Status.INTERRUPTED, Status.STALE, Status.SURPLUS)
+"""Statuses of FAIL trials that do not count towards ``--trials`` (they are run again)."""
 
 OOM_MARKERS = ("OutOfMemoryError", "out of memory", "DefaultCPUAllocator: can't allocate")
 """Text of an out-of-memory error (CUDA's allocator, the CPU allocator), matched case-insensitively."""

@@ -31,21 +31,22 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
+from typing import Any
 
 from optuna.trial import FrozenTrial, TrialState
 
 from autobalance._config import BalanceConfig
 from autobalance._errors import UsageError
-from autobalance.protocol import GIB, Status, TrialAttr
-from autobalance.tuner.search._constants import FLOOR_PRIOR, LOW_BUDGET_FLOOR, UNMEASURED_MARGIN
-from autobalance.tuner.search._constants import MIN_SAMPLE_BYTES as _TINY
-from autobalance.tuner.search._memory_model import (
-    CLAMP_TOLERANCE,
+from autobalance.protocol import GIB, MEASURED_STATUSES, Status, TrialAttr
+from autobalance.tuner.search._constants import (
     DEFAULT_SAFETY_MARGIN,
+    FLOOR_PRIOR,
+    LOW_BUDGET_FLOOR,
     MAX_MARGIN,
-    WIDEN_FACTOR,
-    MemoryModel,
+    UNMEASURED_MARGIN,
 )
+from autobalance.tuner.search._constants import MIN_SAMPLE_BYTES as _TINY
+from autobalance.tuner.search._memory_model import MemoryModel, below_floor, widen_margin
 from autobalance.tuner.search._space import (
     BUDGET_RANGE,
     BUDGET_STEP,
@@ -54,7 +55,7 @@ from autobalance.tuner.search._space import (
 )
 
 __all__ = ["FLOOR_PRIOR", "LOW_BUDGET_FLOOR", "UNMEASURED_MARGIN", "BudgetCurve", "CompiledMemoryModel",
-           "CompiledObservation", "budget_grid", "compiled_observations"]
+           "CompiledObservation", "budget_grid", "compiled_observations", "measured_peaks"]
 
 
 def budget_grid() -> list[float]:
@@ -195,9 +196,6 @@ class CompiledMemoryModel:
         pooled = self.pooled_by_scope.get(mode.endswith(REGIONAL_KEY))
         return pooled if pooled is not None else BudgetCurve(budgets=[], fractions=[], exact=[], borrowed=True)
 
-    def can_predict(self, dtype: str) -> bool:
-        return self.eager.can_predict(dtype)
-
     def _line(self, rank: int, m: int, dtype: str, share: float | None, fraction: float) -> float:
         """``fixed_r + S * q + m * act_r * fraction``."""
         return self.eager.fixed_bytes(rank, dtype, share) + m * self.unit(rank, dtype) * fraction
@@ -211,9 +209,8 @@ class CompiledMemoryModel:
         return max(line, self.eager.floor_bytes(rank, optimizer_share))
 
     def clamped(self, config: BalanceConfig) -> bool:
-        """True when a rank's prediction is impossible as fitted: below what it holds apart from
-        activations (:data:`CLAMP_TOLERANCE` under the eager floor), or built on an eager per-sample
-        term at or below zero. The search proposes nothing from it."""
+        """True when a rank's prediction is impossible as fitted (:func:`below_floor` of the eager
+        floor) or built on an eager per-sample term at or below zero: the search proposes nothing."""
         return any(self.rank_clamped(rank=r, micro_batch=m, budget=b, dtype=config.dtype,
                                      mode=config_compile_key(config), optimizer_share=q)
                    for r, m, b, q in self._ranks(config))
@@ -225,7 +222,7 @@ class CompiledMemoryModel:
             return True
         f = self.curve(dtype, mode).estimate(budget)
         line = self._line(rank, micro_batch, dtype, optimizer_share, f)
-        return line <= 0 or line < self.eager.floor_bytes(rank, optimizer_share) * (1.0 - CLAMP_TOLERANCE)
+        return below_floor(line, self.eager.floor_bytes(rank, optimizer_share))
 
     def extrapolated(self, config: BalanceConfig) -> bool:
         """True when a rank's prediction goes beyond the data: a budget outside the pair's own measured
@@ -246,14 +243,23 @@ class CompiledMemoryModel:
         ranks = zip(config.micro_batches, budgets, shares, strict=True)
         return [(r, m, float(b), q) for r, (m, b, q) in enumerate(ranks)]
 
+    def sample_bound(self, rank: int, dtype: str, mode: str, budget: float) -> float:
+        """One sample's activations at ``budget`` with their extra margin, ``act_r * f(b) * (1 + extra)``."""
+        curve = self.curve(dtype, mode)
+        return self.unit(rank, dtype) * curve.estimate(budget) * (1.0 + curve.extra_margin(budget))
+
+    def bound(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str,
+              optimizer_share: float | None = None) -> float:
+        """``fixed_r(q) + m * sample_bound``: the peak :meth:`fits` weighs, before the floor and margin."""
+        return (self.eager.fixed_bytes(rank, dtype, optimizer_share)
+                + micro_batch * self.sample_bound(rank, dtype, mode, budget))
+
     def fits(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str, limit: float,
              optimizer_share: float | None = None) -> bool:
-        """Predicted to fit under ``limit``: the activation part with its extra margin, times ``1 +
-        safety_margin``; never on an impossible (:meth:`rank_clamped`) prediction."""
-        curve = self.curve(dtype, mode)
-        act = micro_batch * self.unit(rank, dtype) * curve.estimate(budget) * (1.0 + curve.extra_margin(budget))
-        peak = max(self.eager.fixed_bytes(rank, dtype, optimizer_share) + act,
-                   self.eager.floor_bytes(rank, optimizer_share))
+        """:meth:`bound` (at least the eager floor) times ``1 + safety_margin`` under ``limit``, never
+        on an impossible (:meth:`rank_clamped`) prediction."""
+        peak = max(self.bound(rank=rank, micro_batch=micro_batch, budget=budget, dtype=dtype, mode=mode,
+                              optimizer_share=optimizer_share), self.eager.floor_bytes(rank, optimizer_share))
         return peak * (1.0 + self.safety_margin) <= limit and not self.rank_clamped(
             rank=rank, micro_batch=micro_batch, budget=budget, dtype=dtype, mode=mode, optimizer_share=optimizer_share)
 
@@ -301,19 +307,22 @@ class CompiledMemoryModel:
         return sum(abs(self._predict_obs(o) - o.peak_bytes) / o.peak_bytes for o in ok) / len(ok)
 
     def correct(self, observation: CompiledObservation) -> bool:
-        """Widen the safety margin when this (new) observation was under-predicted beyond it (the
-        eager model's rule, ``_memory_model.widen_margin``)."""
-        if not self.can_predict(observation.dtype):
+        """:func:`widen_margin` (the eager model's rule) on this new observation."""
+        if not self.eager.can_predict(observation.dtype):
             return False
-        predicted = self._predict_obs(observation)
-        if predicted <= 0:
-            return False
-        error = observation.peak_bytes / predicted - 1.0
-        if error <= self.safety_margin or self.safety_margin >= MAX_MARGIN:
-            return False
-        self.safety_margin = min(MAX_MARGIN, WIDEN_FACTOR * error)
-        self.corrections += 1
-        return True
+        return widen_margin(self, measured=observation.peak_bytes, predicted=self._predict_obs(observation),
+                            max_margin=MAX_MARGIN)
+
+
+def measured_peaks(t: FrozenTrial, *, compiled: bool) -> tuple[dict[str, Any], list[Any]] | None:
+    """``(config, peaks)`` of a trial of its own (not reused), ok or OOM, compiled as asked; else None."""
+    a = t.user_attrs
+    cfg, peaks = a.get(TrialAttr.CONFIG), a.get(TrialAttr.PEAK_DEVICE_GIB) or []
+    if (t.state != TrialState.COMPLETE or a.get(TrialAttr.STATUS) not in MEASURED_STATUSES or not cfg
+            or a.get(TrialAttr.REUSED_FROM) is not None or (cfg.get("compile", "off") != "off") != compiled
+            or len(peaks) != len(cfg["micro_batches"])):
+        return None
+    return cfg, peaks
 
 
 def compiled_observations(trials: Sequence[FrozenTrial]) -> list[CompiledObservation]:
@@ -321,13 +330,9 @@ def compiled_observations(trials: Sequence[FrozenTrial]) -> list[CompiledObserva
     memory (a lower bound: at least its capacity). Reused trials are no new evidence."""
     out: list[CompiledObservation] = []
     for t in trials:
-        a = t.user_attrs
-        cfg, status = a.get(TrialAttr.CONFIG), a.get(TrialAttr.STATUS)
-        peaks = a.get(TrialAttr.PEAK_DEVICE_GIB) or []
-        if (t.state != TrialState.COMPLETE or status not in (Status.OK, Status.OOM) or not cfg
-                or cfg.get("compile", "off") == "off" or a.get(TrialAttr.REUSED_FROM) is not None
-                or len(peaks) != len(cfg["micro_batches"])):
+        if (found := measured_peaks(t, compiled=True)) is None:
             continue
+        a, (cfg, peaks), status = t.user_attrs, found, t.user_attrs[TrialAttr.STATUS]
         if status == Status.OK:
             ranks = [(r, float(p) * GIB) for r, p in enumerate(peaks) if p is not None and p > 0]
         elif (failing := a.get(TrialAttr.FAILING_RANK)) is not None:

@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -58,8 +58,33 @@ from autobalance.tuner.search._constants import (
 from autobalance.tuner.search._constants import CONFIDENT_TOL as _CONFIDENT_TOL
 from autobalance.tuner.search._constants import RANK_TOL as _RANK_TOL
 
-__all__ = ["CLAMP_TOLERANCE", "DEFAULT_SAFETY_MARGIN", "MAX_MARGIN", "WIDEN_FACTOR", "MemoryModel",
-           "MemoryObservation"]
+__all__ = ["DEFAULT_SAFETY_MARGIN", "MemoryModel", "MemoryObservation", "below_floor", "widen_margin"]
+
+
+class Margined(Protocol):
+    """A model with a self-correcting safety margin."""
+
+    safety_margin: float
+    corrections: int
+
+
+def widen_margin(model: Margined, *, measured: float, predicted: float, max_margin: float) -> bool:
+    """Widen ``model``'s margin on an under-prediction beyond it; True if widened. With ``e =
+    measured / predicted - 1``, ``e > safety_margin`` makes the margin ``min(max_margin,
+    WIDEN_FACTOR * e)``. Over-predictions change nothing (the next refit fixes them)."""
+    if predicted <= 0:
+        return False
+    error = measured / predicted - 1.0
+    if error <= model.safety_margin or model.safety_margin >= max_margin:
+        return False
+    model.safety_margin = min(max_margin, WIDEN_FACTOR * error)
+    model.corrections += 1
+    return True
+
+
+def below_floor(line: float, floor: float) -> bool:
+    """A fitted line impossible as a peak: at or below zero, or :data:`CLAMP_TOLERANCE` under ``floor``."""
+    return line <= 0 or line < floor * (1.0 - CLAMP_TOLERANCE)
 
 
 @dataclass(kw_only=True)
@@ -228,8 +253,7 @@ class MemoryModel:
     def predict(self, *, rank: int, micro_batch: int, checkpointed: int, num_layers: int,
                 dtype: str, optimizer_share: float | None = None) -> float:
         """Predicted peak bytes of ``rank``, keeping ``optimizer_share`` of the optimizer state
-        (None: all of it); never below :meth:`floor_bytes` (:meth:`clamped`: the line went
-        below)."""
+        (None: all of it); never below :meth:`floor_bytes`."""
         raw = self.fitted_line(rank=rank, micro_batch=micro_batch, checkpointed=checkpointed,
                                num_layers=num_layers, dtype=dtype, optimizer_share=optimizer_share)
         return max(raw, self.floor_bytes(rank, optimizer_share))
@@ -249,12 +273,11 @@ class MemoryModel:
 
     def clamped(self, *, rank: int, micro_batch: int, checkpointed: int, num_layers: int,
                 dtype: str, optimizer_share: float | None = None) -> bool:
-        """True when that prediction is impossible as fitted: the line falls to zero or below
-        :meth:`floor_bytes` (by more than :data:`CLAMP_TOLERANCE`), or the per-sample term is
-        negative."""
+        """True when that prediction is impossible as fitted (:func:`below_floor` of
+        :meth:`floor_bytes`) or its per-sample term is negative."""
         raw = self.fitted_line(rank=rank, micro_batch=micro_batch, checkpointed=checkpointed,
                                num_layers=num_layers, dtype=dtype, optimizer_share=optimizer_share)
-        if raw <= 0 or raw < self.floor_bytes(rank, optimizer_share) * (1.0 - CLAMP_TOLERANCE):
+        if below_floor(raw, self.floor_bytes(rank, optimizer_share)):
             return True
         return micro_batch > 0 and self.per_sample_bytes(rank, dtype, checkpointed, num_layers) < 0
 
@@ -318,11 +341,8 @@ class MemoryModel:
         return float(np.mean([abs(self._predict_obs(o) - o.peak_bytes) / o.peak_bytes for o in ok]))
 
     def correct(self, observation: MemoryObservation, *, limit: float | None = None) -> bool:
-        """Widen the safety margin on an under-prediction beyond it; True if widened. With
-        ``e = measured / predicted - 1`` (an out-of-memory trial measured at least
-        ``max(peak_bytes, limit)``), ``e > safety_margin`` makes the margin
-        ``min(max_margin, WIDEN_FACTOR * e)``. Over-predictions change nothing (the next refit
-        fixes them); nor does a dtype the model cannot predict yet."""
+        """:func:`widen_margin` on this observation (an out-of-memory trial measured at least
+        ``max(peak_bytes, limit)``); a dtype the model cannot predict yet changes nothing."""
         self._check_rank(observation.rank)
         if not self.can_predict(observation.dtype):
             return False
@@ -330,14 +350,7 @@ class MemoryModel:
         measured = observation.peak_bytes
         if not observation.ok and limit is not None:
             measured = max(measured, float(limit))
-        if predicted <= 0:
-            return False
-        error = measured / predicted - 1.0
-        if error <= self.safety_margin or self.safety_margin >= self.max_margin:
-            return False
-        self.safety_margin = min(self.max_margin, WIDEN_FACTOR * error)
-        self.corrections += 1
-        return True
+        return widen_margin(self, measured=measured, predicted=predicted, max_margin=self.max_margin)
 
     def _fit(self, dtype: str) -> DtypeFit:
         if not self.can_predict(dtype):

@@ -23,7 +23,9 @@ from optuna.trial import FrozenTrial, TrialState
 from autobalance._config import CUDA_GRAPH_MODES, BalanceConfig, split_evenly
 from autobalance._errors import ConfigError, UsageError
 from autobalance.protocol import (
+    FAILED_STATUSES,
     GIB,
+    NOT_COUNTED,
     Status,
     StudyAttr,
     TrialAttr,
@@ -32,7 +34,11 @@ from autobalance.protocol import (
     weighted_objective,
 )
 from autobalance.tuner._settings import TuneSettings
-from autobalance.tuner.search._compiled_model import CompiledMemoryModel, compiled_observations
+from autobalance.tuner.search._compiled_model import (
+    CompiledMemoryModel,
+    compiled_observations,
+    measured_peaks,
+)
 from autobalance.tuner.search._constants import (
     CACHE_TIE,
     GRAPH_GAIN,
@@ -248,13 +254,9 @@ class SearchModels:
         if compiled is None or usable is None or not model or not model.can_predict(config.dtype):
             return None
         key = config_compile_key(config)
-        out = []
-        for rank, m in enumerate(config.micro_batches):
-            b = compiled.largest_budget(rank=rank, micro_batch=m, dtype=config.dtype, mode=key, limit=usable[rank])
-            if b is None:
-                return None
-            out.append(float(b))
-        return out
+        budgets = [compiled.largest_budget(rank=r, micro_batch=m, dtype=config.dtype, mode=key, limit=usable[r])
+                   for r, m in enumerate(config.micro_batches)]
+        return None if any(b is None for b in budgets) else [float(b) for b in budgets if b is not None]
 
     def eager_estimate(self) -> tuple[None, float, float] | None:
         """``(None, held GiB, activations GiB per sample)`` of the fullest rank in the first half
@@ -283,7 +285,7 @@ class SearchModels:
         """The decision's compiled model (fitted once per decision) if it predicts ``dtype``."""
         compiled = self.decision_for(self.study).fitted(
             "compiled-now", lambda: self.compiled_for(self.study, self.refit(self.study)))
-        return compiled if compiled is not None and compiled.can_predict(dtype) else None
+        return compiled if compiled is not None and compiled.eager.can_predict(dtype) else None
 
     def peak_change(self, config: BalanceConfig, budget: float) -> list[float] | None:
         """Per rank, the compiled model's change of the peak (GiB, no margins) from ``config``'s budgets
@@ -419,15 +421,13 @@ HALF_DTYPES = ("bf16", "fp16")
 """Half-precision dtypes, in the order they are measured first."""
 MODEL_SOURCES = ("memory-model", "compiled-model")
 """``proposed_by`` of the models' proposals."""
-_FAILED = (Status.ERROR, Status.CRASH, Status.TIMEOUT)
 
 
 def _launched(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
     """Finished trials that ran their configuration (not predicted, not reused), by number."""
     return sorted((t for t in trials if t.state in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
                    and t.user_attrs.get(TrialAttr.CONFIG)
-                   and t.user_attrs.get(TrialAttr.STATUS) not in (None, Status.PREDICTED_OOM, Status.INTERRUPTED,
-                                                                  Status.STALE, Status.SURPLUS)
+                   and t.user_attrs.get(TrialAttr.STATUS) not in (*NOT_COUNTED, Status.PREDICTED_OOM)
                    and t.user_attrs.get(TrialAttr.REUSED_FROM) is None), key=lambda t: t.number)
 
 
@@ -446,7 +446,7 @@ def proposable_dtypes(*, space: SearchSpace, device: str, trials: Sequence[Froze
     ran = [(str(a[TrialAttr.CONFIG].get("dtype")), str(a.get(TrialAttr.STATUS)))
            for a in [t.user_attrs for t in _launched(trials)]]
     measured = {d for d, status in ran if status in (Status.OK, Status.PRUNED)}
-    failed = {d for d, status in ran if status in _FAILED} - measured  # failed, never measured
+    failed = {d for d, status in ran if status in FAILED_STATUSES} - measured  # failed, never measured
     first = half[0]
     allowed = {first}
     why = f"{first} first (the dtype prior on a GPU)"
@@ -539,15 +539,10 @@ def observations_from_trials(trials: list[FrozenTrial], *, num_layers: int,
     implies: its peaks (and held memory) plus what it saved on each rank, holding the whole state."""
     obs: list[MemoryObservation] = []
     for t in trials:
-        attrs = t.user_attrs
-        status = attrs.get(TrialAttr.STATUS)
-        if (t.state != TrialState.COMPLETE or status not in (Status.OK, Status.OOM)
-                or attrs.get(TrialAttr.REUSED_FROM) is not None):
+        # the model is of eager memory; compiled trials follow their budget instead
+        if (found := measured_peaks(t, compiled=False)) is None:
             continue
-        cfg = attrs.get(TrialAttr.CONFIG)
-        peaks = attrs.get(TrialAttr.PEAK_DEVICE_GIB) or []
-        if not cfg or len(peaks) != len(cfg["micro_batches"]) or cfg.get("compile", "off") != "off":
-            continue  # the model is of eager memory; compiled trials follow their budget instead
+        attrs, (cfg, peaks), status = t.user_attrs, found, t.user_attrs[TrialAttr.STATUS]
         lift = [0.0] * len(peaks)
         state = attrs.get(TrialAttr.OPTIMIZER_STATE_BYTES) or []
         if cfg.get("param_sharding", "off") != "off":
@@ -625,7 +620,7 @@ def compiled_holdout_error(study: optuna.Study, *, space: SearchSpace,
         if not train or not test:
             continue
         model = CompiledMemoryModel.fit(train, eager=eager, num_layers=space.num_layers)
-        if all(model.can_predict(o.dtype) for o in test):
+        if all(eager.can_predict(o.dtype) for o in test):
             held_out.append(model.holdout_error(test))
     return (sum(held_out) / len(held_out), len(held_out)) if held_out else None
 
@@ -713,9 +708,7 @@ def compiled_candidates(
 
     def zero_shares(micro: list[int], dtype: str, mode: str) -> list[float]:
         """The state water-filled over the ranks' compiled bounds without it at budget 1.0."""
-        curve = memory.curve(dtype, mode)
-        act = curve.estimate(1.0) * (1.0 + curve.extra_margin(1.0))
-        base = [memory.eager.fixed_bytes(r, dtype, 0.0) + m * memory.unit(r, dtype) * act
+        base = [memory.bound(rank=r, micro_batch=m, budget=1.0, dtype=dtype, mode=mode, optimizer_share=0.0)
                 for r, m in enumerate(micro)]
         return normalised_shares(optimizer_shares(base=base, state=state, limits=usable))
 
@@ -766,7 +759,7 @@ def compiled_candidates(
     k = eager_timing.k  # the eager cost per sample by dtype
     for dtype in space.dtypes:
         slow = dtype in k and len(k) > 1 and k[dtype] > SLOW_DTYPE * min(k.values())
-        if slow or not memory.can_predict(dtype):
+        if slow or not memory.eager.can_predict(dtype):
             continue
         for key in modes:
             mode = key[0]
@@ -795,11 +788,9 @@ def _splits(memory: CompiledMemoryModel, *, total: int, dtype: str, mode: str, u
     their one-sample neighbours; with ``shares``, the peaks of ``zero1`` with those shares (each rank's
     fixed part ``fixed_r(q_r)``), else unsharded."""
     bases = [split_evenly(total, [1.0] * world)]
-    curve = memory.curve(dtype, mode)
     fixed = [memory.eager.fixed_bytes(r, dtype, None if shares is None else shares[r]) for r in range(world)]
     for budget in (1.0, 0.5, 0.05):
-        per_sample = [memory.unit(r, dtype) * curve.estimate(budget) * (1.0 + curve.extra_margin(budget))
-                      for r in range(world)]
+        per_sample = [memory.sample_bound(r, dtype, mode, budget) for r in range(world)]
         limits = [u / (1.0 + memory.safety_margin) for u in usable]
         split = attempt(errors, "compiled search", balanced_split, total=total, fixed=fixed,
                         per_sample=per_sample, limits=limits)

@@ -71,7 +71,7 @@ from autobalance.tuner.search._constants import (
     RHO_GRID,
     SHARDING_TIME_PRIOR,
 )
-from autobalance.tuner.search._model_errors import FIT_ERRORS, ModelErrors, caught
+from autobalance.tuner.search._model_errors import ModelErrors, attempt
 from autobalance.tuner.search._space import REGIONAL_KEY, config_compile_key
 from autobalance.verify import run_key
 
@@ -84,7 +84,7 @@ __all__ = ["COMPARE_S_PER_GB", "DYNAMIC", "FIRST_STEP_FACTOR", "FROM_CACHE_SHARE
            "MICRO_STEP_PRIOR", "RECOMPUTE_PRIOR", "RESERVE_MARGIN", "CompiledTimeModel",
            "StepTimeModel", "TimeBudget", "cache_dir", "compile_env", "compile_notes",
            "compile_times", "compiled_graphs", "forecast_verification", "from_cache_s",
-           "graph_keys", "next_trial_s", "per_trial_overhead_s", "restarts", "trial_s",
+           "graph_keys", "next_trial_s", "per_trial_overhead_s", "trial_s",
            "typical_compile_s", "verification_runs", "worker_start_s"]
 
 
@@ -130,8 +130,6 @@ class StepTimeModel:
     """Each rank's relative cost per sample (1.0: the slowest rank); None: equally fast ranks
     (within :data:`EQUAL_SPEED_BAND`) or no busy times measured."""
     sharding: dict[str, float] = field(default_factory=lambda: dict(SHARDING_TIME_PRIOR))
-    sharding_measured: list[str] = field(default_factory=list)
-    """The shardings whose factor comes from the study's own trials (the others: the prior)."""
 
     @property
     def rho(self) -> float:
@@ -234,18 +232,11 @@ class StepTimeModel:
                 upper[g_at] = 1e-12
             return least_squares(residuals, np.clip(start, lower, upper), bounds=(lower, upper)).x
 
-        try:
-            x = solve([], 0)
-        except FIT_ERRORS as exc:
-            caught(errors, "step time", exc)
-            x = np.asarray(x0)
-        model.a, model.b, model.g, model.k = _unpack(x, dtypes, full)
+        fitted = attempt(errors, "step time", solve, [], 0)
+        model.a, model.b, model.g, model.k = _unpack(np.asarray(x0) if fitted is None else fitted, dtypes, full)
         busy = _busy_rows(trials)
-        try:  # mixed devices: the same terms with a speed per rank, fitted to the busy times too
-            x = solve(busy, len(busy[0][1])) if busy else None
-        except FIT_ERRORS as exc:
-            caught(errors, "step time (per-rank speeds)", exc)
-            x = None
+        # mixed devices: the same terms with a speed per rank, fitted to the busy times too
+        x: Any = attempt(errors, "step time (per-rank speeds)", solve, busy, len(busy[0][1])) if busy else None
         w = [] if x is None else [float(v) for v in x[n:]]
         # speeds scaled so the slowest rank is 1.0 (g and k the other way); none if equally fast
         if w and not (max(w) <= 0 or max(w) / max(min(w), 1e-12) < EQUAL_SPEED_BAND):
@@ -262,7 +253,6 @@ class StepTimeModel:
                 ratios.setdefault(cfg["param_sharding"], []).append(ms / base)
         for mode, values in sorted(ratios.items()):
             model.sharding[mode] = float(np.median(values))
-            model.sharding_measured.append(mode)
         return model
 
 
@@ -744,14 +734,6 @@ def run_prices(trials: Sequence[FrozenTrial]) -> RunPrices:
     share = (sum(1 for t in compiled if t.user_attrs.get(TrialAttr.WARM_RECYCLED)) / len(compiled) if compiled
              else 1.0)
     return RunPrices(start_s=start, fresh_s=worker_start_s(trials), first_fresh=first_fresh, recycle_share=share)
-
-
-def restarts(trials: Sequence[FrozenTrial], runs: Sequence[tuple[str, BalanceConfig, bool]]) -> float:
-    """Fresh workers the verification runs are expected to start (module doc)."""
-    prices = run_prices(trials)
-    if prices.fresh_s <= 0 and not any(_warm(t) for t in _launched(trials)):
-        return 0.0
-    return int(prices.first_fresh) + prices.recycle_share * sum(1 for _, cfg, _ in runs[:-1] if cfg.compile != "off")
 
 
 def forecast_verification(trials: Sequence[FrozenTrial], *, baseline: BalanceConfig | None, best: FrozenTrial | None,
