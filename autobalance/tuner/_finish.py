@@ -8,10 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from autobalance.protocol import Status, StudyAttr, TrialAttr, best_trial
+from autobalance.protocol import NOT_COUNTED, Status, StudyAttr, TrialAttr, best_trial
 from autobalance.tuner._remeasure import saved_spread, spread_text
 from autobalance.tuner._settings import TuneSettings
-from autobalance.tuner._study import NOT_COUNTED
 from autobalance.tuner._summary import TuneResult, baseline_won, record_time_spent
 
 if TYPE_CHECKING:

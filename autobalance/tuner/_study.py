@@ -28,7 +28,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from autobalance._errors import UsageError
-from autobalance.protocol import MEASURED_STATUSES, Status, StudyAttr, TrialAttr
+from autobalance.protocol import MEASURED_STATUSES, NOT_COUNTED, Status, StudyAttr, TrialAttr
 from autobalance.store import (
     heartbeat_table,
     stale_trial_ids,
@@ -39,7 +39,7 @@ from autobalance.store import (
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner.search import SearchSpace, space_problem
 
-__all__ = ["NOT_COUNTED", "BaselineClaim", "RunningClaim", "check_space", "counted_trials",
+__all__ = ["BaselineClaim", "RunningClaim", "check_space", "counted_trials",
            "counts", "fail_stale_trials", "measured_configs", "open_study", "worker_id"]
 
 
@@ -136,9 +136,6 @@ def counted_trials(study: optuna.Study) -> int:
 
 
 # -------------------------------------------------------------------- several workers on one study
-NOT_COUNTED = (None, Status.INTERRUPTED, Status.STALE, Status.SURPLUS)
-"""Statuses of FAIL trials that do not count towards ``--trials`` (they are run again)."""
-
 
 def worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"

@@ -30,6 +30,7 @@ from autobalance._config import BalanceConfig
 from autobalance.launcher import TrialOutcome
 from autobalance.protocol import (
     GIB,
+    NOT_COUNTED,
     RankMemory,
     RankReport,
     Status,
@@ -40,7 +41,6 @@ from autobalance.protocol import (
 )
 from autobalance.tuner._remeasure import STEP_TIMES_MS, rank_steps
 from autobalance.tuner._reporter import Advisor
-from autobalance.tuner._study import NOT_COUNTED
 from autobalance.tuner._time_spent import TIME_PARTS, time_lines, time_spent
 from autobalance.tuner.search import (
     SearchSpace,
