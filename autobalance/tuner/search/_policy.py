@@ -83,8 +83,7 @@ if TYPE_CHECKING:
     from autobalance.tuner.search._objective import TrialFigures
 
 __all__ = ["FIT_MARGIN", "KEEP_AT_FULL_BUDGET", "LOW_BUDGET", "ModelAdvisor", "Proposal", "Record",
-           "SearchPolicy", "TrialHistory", "first_compiled_micro_batch", "one_size",
-           "proposal_line"]
+           "SearchPolicy", "TrialHistory", "first_compiled_micro_batch", "one_size", "proposal_line"]
 
 
 def one_size(config: BalanceConfig) -> bool:
@@ -159,8 +158,9 @@ class TrialHistory:
             except (ConfigError, KeyError, TypeError, ValueError):  # damaged, partial params
                 cfg = None
             records.append(Record(
-                number=t.number, config=cfg, status=None if running else a.get(TrialAttr.STATUS), running=running,
-                peaks_gib=list(a.get(TrialAttr.PEAK_DEVICE_GIB) or []), held_gib=list(a.get(TrialAttr.HELD_GIB) or []),
+                number=t.number, config=cfg, status=None if running else a.get(TrialAttr.STATUS),
+                running=running, peaks_gib=list(a.get(TrialAttr.PEAK_DEVICE_GIB) or []),
+                held_gib=list(a.get(TrialAttr.HELD_GIB) or []),
                 step_ms=a.get(TrialAttr.STEP_TIME_MS), feasible=bool(a.get(TrialAttr.FEASIBLE)),
                 reused=a.get(TrialAttr.REUSED_FROM) is not None))
         loss = (model_facts or {}).get("loss_in_model")
@@ -188,14 +188,11 @@ class TrialHistory:
     def eager_probe(self) -> tuple[Record, float, float] | None:
         """``(record, held GiB, activations GiB per sample)`` of the fullest rank of a
         :meth:`half_eager` trial; None before one."""
-        best: tuple[Record, float, float] | None = None
-        for r, cfg in self.half_eager():
-            for rank, (peak, held) in enumerate(zip(r.peaks_gib, r.held_gib, strict=False)):
-                if peak is None or held is None or peak <= held:
-                    continue
-                if best is None or held > best[1]:
-                    best = (r, float(held), (float(peak) - float(held)) / cfg.micro_batches[rank])
-        return best
+        found = [(r, float(held), (float(peak) - float(held)) / cfg.micro_batches[rank])
+                 for r, cfg in self.half_eager()
+                 for rank, (peak, held) in enumerate(zip(r.peaks_gib, r.held_gib, strict=False))
+                 if peak is not None and held is not None and peak > held]
+        return max(found, key=lambda f: f[1], default=None)
 
     def fastest_compiled(self) -> list[Record]:
         """The feasible compiled trials measured here, fastest first."""
@@ -234,7 +231,7 @@ class TrialHistory:
 
     def compiled_splits(self) -> set[tuple[str, str]]:
         """:func:`_split` of every compiled trial launched, running or predicted."""
-        return {_split(r.config) for r in self.records if r.config is not None and r.compiled and not r.reused}
+        return {_split(r.config) for r in self.records if r.config and r.compiled and not r.reused}
 
     def measured_scopes(self) -> set[str]:
         """The compile scopes of the compiled trials that ran to the end here."""
@@ -624,8 +621,7 @@ class SearchPolicy:
 def explore_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
     """The sampler's trial every :data:`SAMPLER_EVERY`-th ask: on CPU always (bucket sizes, dtypes
     the models cannot predict yet), on a GPU once their proposals stalled."""
-    models = policy.models
-    study = models.study
+    models, study = policy.models, policy.models.study
     cpu = models.settings.device != "cuda"
     if models.asks % SAMPLER_EVERY == 0 and (cpu or proposals_stalled(
             study.get_trials(deepcopy=False), study.user_attrs.get(StudyAttr.OBJECTIVE, {}))):
@@ -638,8 +634,7 @@ def model_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
     """The models' best new candidate (module doc) worth a trial (:data:`WORTH`): a compile the
     time left holds, a measured scope (the scope probe brings in another), eager first while the
     compiled model has too few eager trials of its dtype (:data:`EAGER_FIRST`)."""
-    models = policy.models
-    study = models.study
+    models, study = policy.models, policy.models.study
     candidates = models.scored_candidates(study)
     if not candidates:
         return None
@@ -653,9 +648,8 @@ def model_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
     scopes = history.measured_scopes() or {models.space.compile_scopes[-1]}  # regional first
     eager_splits = {(c.accumulation, tuple(c.micro_batches)) for _, c in history.ran(compiled=False, ok=True)}
     if models.settings.device == "cuda" and history.best_compiled() is not None and len(eager_splits) < 3:
-        # an eager proposal against a compiled best needs an eager time model of its own (three
-        # measured eager splits): with fewer it is proportional and ranks launch-bound small
-        # micro-batches too well
+        # an eager proposal against a compiled best needs an eager time model of its own (three measured
+        # eager splits): with fewer it is proportional and ranks launch-bound small micro-batches too well
         candidates = [c for c in candidates if c.config.compile != "off"]
     if not history.two_sizes_compete():  # compiled: one micro-step size per rank where any fits
         even = [c for c in candidates if c.config.compile == "off" or one_size(c.config)]
@@ -665,8 +659,7 @@ def model_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
     inside = {id(c) for c in candidates if history.time_supported(c.config)}
     candidates = sorted(candidates, key=lambda c: id(c) not in inside)
     tried = history.tried() | models.proposed
-    fresh = [c for c in candidates if c.config.to_json() not in tried
-             and history.low_budget_ok(c.config)
+    fresh = [c for c in candidates if c.config.to_json() not in tried and history.low_budget_ok(c.config)
              and (c.config.compile == "off" or c.config.compile_scope in scopes)]
     best = best_value(study)
     if limited and best is not None:  # under a time budget a compile must promise a gain
@@ -674,69 +667,58 @@ def model_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
     if not fresh or fresh[0].score > WORTH * candidates[0].score:
         return None
     pick, note = fresh[0], None
-    if (pick.source == "compiled-model" and _eager_first(models, history, pick.config.dtype)
-            and history.eager_probe() is None):
-        eager = [c for c in fresh if c.source == "memory-model" and c.config.dtype == pick.config.dtype]
+    dtype, model = pick.config.dtype, models.model
+    if (pick.source == "compiled-model" and "off" in models.space.compile_modes and model is not None
+            and not model.is_fitted_for(dtype) and history.eager_probe() is None
+            and sum(c.dtype == dtype for _, c in history.ran(compiled=False, ok=True)) < EAGER_FIRST):
+        eager = [c for c in fresh if c.source == "memory-model" and c.config.dtype == dtype]
         if eager:  # a few seconds that teach the compiled model its fixed part before a compile
             pick, note = eager[0], "eager first: teaches the memory model before compiling"
     compiled = pick.source == "compiled-model"
     extra: dict[str, Any] = {"proposal_new_graphs": pick.new_graphs} if compiled else {}
     if pick.extrapolated or id(pick) not in inside:
         extra["proposal_extrapolated"] = True
-    reason = note or (
-        f"the {'compiled' if compiled else 'memory'} model's best configuration predicted to fit"
-        + (f" ({models.dtype_note})" if models.dtype_note else ""))
+    reason = note or (f"the {'compiled' if compiled else 'memory'} model's best configuration predicted to "
+                      "fit" + (f" ({models.dtype_note})" if models.dtype_note else ""))
     return Proposal(config=pick.config, phase=pick.source, reason=reason, predicted_ms=pick.step_ms,
                     predicted_peak_gib=[p / GIB for p in pick.peaks], extra=extra)
-
-
-def _eager_first(models: SearchModels, history: TrialHistory, dtype: str) -> bool:
-    """Whether ``dtype``'s compiled proposals wait for more eager trials (:data:`EAGER_FIRST`)."""
-    if "off" not in models.space.compile_modes or models.model is None or models.model.is_fitted_for(dtype):
-        return False
-    eager = [r for r in history.records if r.status == Status.OK and not r.reused
-             and r.config is not None and r.config.compile == "off" and r.config.dtype == dtype]
-    return len(eager) < EAGER_FIRST
 
 
 def cuda_graphs_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
     """The CUDA-graph probe (:func:`graph_probe`) when the time budget holds a compile, at the
     best trial, or the best whole-model one (graphs capture the whole model) within 2 % of it."""
-    models = policy.models
-    study = models.study
+    models, study = policy.models, policy.models.study
     top = best_trial(study)
     if not models.time_holds_compile() or top is None:
         return None
     if (top.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile_scope", "whole") != "whole":
         best_ms = float(top.user_attrs.get(TrialAttr.STEP_TIME_MS) or 0.0)
-        close = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-                 if t.user_attrs.get(TrialAttr.FEASIBLE)
-                 and t.user_attrs.get(TrialAttr.STEP_TIME_MS)
-                 and (c := t.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile") == "default"
-                 and c.get("compile_scope", "whole") == "whole"
-                 and float(t.user_attrs[TrialAttr.STEP_TIME_MS]) <= 1.02 * best_ms]
-        if not close:
-            return None
-        top = min(close, key=lambda t: float(t.user_attrs[TrialAttr.STEP_TIME_MS]))
-    probe = graph_probe(study.get_trials(deepcopy=False), best=top,
-                        modes=models.space.compile_modes, dtypes=models.allowed_dtypes(study))
+        top = min((t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                   if t.user_attrs.get(TrialAttr.FEASIBLE) and t.user_attrs.get(TrialAttr.STEP_TIME_MS)
+                   and (c := t.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile") == "default"
+                   and c.get("compile_scope", "whole") == "whole"
+                   and float(t.user_attrs[TrialAttr.STEP_TIME_MS]) <= 1.02 * best_ms),
+                  key=lambda t: float(t.user_attrs[TrialAttr.STEP_TIME_MS]), default=None)
+    if top is None:
+        return None
+    probe = graph_probe(study.get_trials(deepcopy=False), best=top, modes=models.space.compile_modes,
+                        dtypes=models.allowed_dtypes(study))
     if probe is None or probe.to_json() in models.proposed or not models.space.contains(probe):
         return None
     return Proposal(config=probe, phase="cuda-graphs", reason=(
-        f"CUDA graphs ({probe.compile}) at the best default-mode compiled configuration: one "
-        "compile measures whether they pay for this script"))
+        f"CUDA graphs ({probe.compile}) at the best default-mode compiled configuration: one compile "
+        "measures whether they pay for this script"))
 
 
 def fallbacks_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
     """When no phase proposes: ``shard``, ``prior``, else the sampler (module doc)."""
-    models = policy.models
-    study = models.study
+    models, study = policy.models, policy.models.study
     if len(models.space.param_shardings) > 1:  # searched
         found = sharding_proposal(
             study.get_trials(deepcopy=False), space_shardings=models.space.param_shardings,
             model_facts=study.user_attrs.get(StudyAttr.MODEL), world_size=models.space.world_size,
-            usable=models.usable(study), unsharded=models.model,
-            tried=history.tried() | models.proposed, num_layers=models.space.num_layers)
+            usable=models.usable(study), unsharded=models.model, tried=history.tried() | models.proposed,
+            num_layers=models.space.num_layers)
         if found is not None:  # the fixed part only (in the reason): no peak predicted
             return Proposal(config=found[0], phase="shard", reason=found[1])
     if (models.settings.device == "cuda" and not any(r.status == Status.OK for r in history.records)
@@ -780,8 +762,7 @@ def sampler_proposal(models: SearchModels, why: str) -> Proposal:
         allowed = models.allowed_dtypes(study, timing if timing.k else None)
         if allowed and len(allowed) < len(models.space.dtypes):
             best = best_trial(study)
-            dtype = (None if best is None
-                     else (best.user_attrs.get(TrialAttr.CONFIG) or {}).get("dtype"))
+            dtype = None if best is None else (best.user_attrs.get(TrialAttr.CONFIG) or {}).get("dtype")
             fixed["dtype"] = dtype if dtype in allowed else allowed[0]
             notes.append(f"in {fixed['dtype']}: {models.dtype_note}")
     return Proposal(config=None, phase="sampler", reason="; ".join(notes), fixed=fixed)
@@ -813,8 +794,7 @@ class ModelAdvisor:
         """Enqueue the policy's next proposal when nothing is waiting. ``decision``: the loop's
         (the study read once, each model fitted once); None: one of its own."""
         if decision is None:
-            decision = Decision(study, num_layers=self.space.num_layers,
-                                device=self.settings.device)
+            decision = Decision(study, num_layers=self.space.num_layers, device=self.settings.device)
         decision.errors = self.errors
         self.models.decision = decision  # the veto of the trial asked reads it too
         if study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
