@@ -231,7 +231,7 @@ class TrialHistory:
 
     def compiled_splits(self) -> set[tuple[str, str]]:
         """:func:`_split` of every compiled trial launched, running or predicted."""
-        return {_split(r.config) for r in self.records if r.config and r.compiled and not r.reused}
+        return {_split(r.config) for r in self.records if r.config is not None and r.compiled and not r.reused}
 
     def measured_scopes(self) -> set[str]:
         """The compile scopes of the compiled trials that ran to the end here."""
@@ -298,11 +298,8 @@ def proposal_line(attrs: dict[str, Any]) -> str:
     phase = attrs.get(TrialAttr.PROPOSAL_PHASE)
     if not phase:
         return ""
-    parts = []
-    ms = attrs.get("proposal_step_ms")
-    if isinstance(ms, (int, float)):
-        parts.append(f"{ms:.0f} ms")
-    peaks = attrs.get("proposal_peak_gib")
+    ms, peaks = attrs.get("proposal_step_ms"), attrs.get("proposal_peak_gib")
+    parts = [f"{ms:.0f} ms"] if isinstance(ms, (int, float)) else []
     if isinstance(peaks, list) and peaks and all(isinstance(p, (int, float)) for p in peaks):
         parts.append(memory_text(max(peaks)))
     extrapolated = " (extrapolated)" if attrs.get("proposal_extrapolated") and parts else ""
@@ -324,10 +321,6 @@ class SearchPolicy:
         self.space = space
         self.models = models
 
-    @property
-    def on_gpu_compiling(self) -> bool:
-        return self.models.settings.device == "cuda" and self.space.compile_searched
-
     def next(self, history: TrialHistory) -> Proposal | None:
         """The first phase's proposal that is new (not tried, not running elsewhere) and that the
         time budget holds (its compile and verification's reserve after it); None: the sampler's."""
@@ -343,16 +336,23 @@ class SearchPolicy:
             return proposal
         return None
 
-    def _even(self, acc: int, *, dtype: str, compile: str, scope: str = "whole") -> BalanceConfig | None:
-        """The even split of ``acc`` micro-steps, nothing checkpointed, budget 1.0 when compiled."""
+    @property
+    def on_gpu_compiling(self) -> bool:
+        return self.models.settings.device == "cuda" and self.space.compile_searched
+
+    def _even(self, acc: int, *, dtype: str, compile: str, scope: str = "whole", checkpointed: int = 0,
+              budget: float = 1.0, bucket_cap_mb: float = 25.0, view: bool = True) -> BalanceConfig | None:
+        """The even split of ``acc`` micro-steps, ``checkpointed`` blocks checkpointed, ``budget`` when
+        compiled (by default: nothing checkpointed, 1.0, DDP's buckets)."""
         world = self.space.world_size
         total = self.space.micro_total(acc)
         if total < world:
             return None
-        rest: dict[str, Any] = {"checkpoint": [[] for _ in range(world)], "dtype": dtype, "compile": compile,
-                                "bucket_cap_mb": 25.0, "gradient_as_bucket_view": True}
+        rest: dict[str, Any] = {"dtype": dtype, "compile": compile, "bucket_cap_mb": bucket_cap_mb,
+                                "gradient_as_bucket_view": view,
+                                "checkpoint": [list(range(checkpointed)) for _ in range(world)]}
         if compile != "off":
-            rest.update(compile_scope=scope, activation_budget=[1.0] * world)
+            rest.update(compile_scope=scope, activation_budget=[budget] * world)
         try:
             cfg = self.space.config_for(split_evenly(total, [1.0] * world), acc, None, **rest)
         except (ConfigError, UsageError, ValueError):  # a split this space cannot hold
@@ -373,8 +373,8 @@ class SearchPolicy:
 
     # ------------------------------------------------------------------ phases
     def probe(self, history: TrialHistory) -> Proposal | None:
-        if (not self.on_gpu_compiling or "off" not in self.space.compile_modes
-                or history.compiled_tried() or history.half_eager() or (half := self._half_dtype()) is None):
+        if (not self.on_gpu_compiling or "off" not in self.space.compile_modes or history.compiled_tried()
+                or history.half_eager() or (half := self._half_dtype()) is None):
             return None
         tried = history.tried()
         evens = (self._even(a, dtype=half, compile="off") for a in sorted(self.space.accumulations)[::-1])
@@ -404,9 +404,7 @@ class SearchPolicy:
             return None
         usable = min(history.usable_gib)
         m = first_compiled_micro_batch(held_gib=held, act_gib=act, usable_gib=usable, keep=keep,
-                                       candidates=list(by_micro))
-        if m is None:
-            m = min(by_micro)
+                                       candidates=list(by_micro)) or min(by_micro)
         cfg = by_micro[m]
         one = "of micro-steps of one size " if even else ""
         return Proposal(config=cfg, phase="compiled-start", predicted_peak_gib=[held + m * act * keep],
@@ -519,7 +517,7 @@ class SearchPolicy:
         if not history.two_sizes_compete():  # two sizes compile dynamic: slow unless measured not
             fastest = [r for r in fastest if r.config is not None and one_size(r.config)]
         for scope in [s for s in self.space.compile_scopes if s not in measured]:  # a new scope
-            base = next((r for r in fastest if r.config and r.config.compile_scope != scope), None)
+            base = next((r for r in fastest if r.config is not None and r.config.compile_scope != scope), None)
             if base is None or base.config is None:
                 continue
             src = base.config
@@ -729,19 +727,14 @@ def fallbacks_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | N
         own = next((t.user_attrs.get(TrialAttr.CONFIG) or {} for t in study.get_trials(deepcopy=False)
                     if t.number == number), {})
         space = models.space
-        world = space.world_size
         mode = "off" if "off" in space.compile_modes else space.compile_modes[0]
-        layers = space.num_layers if mode == "off" else 0
-        for acc in dict.fromkeys([int(own.get("accumulation") or 1), max(space.accumulations)]):
-            if acc not in space.accumulations:
-                continue
-            probe = space.config_for(
-                split_evenly(space.micro_total(acc), [1.0] * world), acc, None,
-                checkpoint=[list(range(layers)) for _ in range(world)], dtype=allowed[0],
-                bucket_cap_mb=float(own.get("bucket_cap_mb") or 25.0),
-                gradient_as_bucket_view=bool(own.get("gradient_as_bucket_view", True)), compile=mode,
-                activation_budget=None if mode == "off" else [BUDGET_RANGE[0]] * world)
-            if space.contains(probe) and probe.to_json() not in history.tried() | models.proposed:
+        accs = dict.fromkeys([int(own.get("accumulation") or 1), max(space.accumulations)])
+        for acc in (a for a in accs if a in space.accumulations):
+            probe = policy._even(acc, dtype=allowed[0], compile=mode, budget=BUDGET_RANGE[0],
+                                 checkpointed=space.num_layers if mode == "off" else 0,
+                                 bucket_cap_mb=float(own.get("bucket_cap_mb") or 25.0),
+                                 view=bool(own.get("gradient_as_bucket_view", True)))
+            if probe is not None and probe.to_json() not in history.tried() | models.proposed:
                 return Proposal(config=probe, phase="prior", reason=(
                     "nothing measured fits yet: the least memory the priors know, in "
                     f"{probe.dtype} ({models.dtype_note or 'the dtype prior on a GPU'})"))
