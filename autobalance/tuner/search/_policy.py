@@ -1,9 +1,9 @@
 """The search policy: where the next trial is chosen.
 
-:meth:`SearchPolicy.next` walks the phases over a :class:`TrialHistory` (running trials included:
-parallel tuners do not propose what another measures); the first that proposes a trial the time budget
-holds wins; :class:`ModelAdvisor` enqueues it (a plain Optuna study: dashboard, resume, several
-workers). The constants named below live in ``_constants``, with the measurements they come from.
+:meth:`SearchPolicy.next` walks the phases over a :class:`TrialHistory` (running trials included: parallel
+tuners do not propose what another measures); the first that proposes a trial the time budget holds wins;
+:class:`ModelAdvisor` enqueues it (a plain Optuna study: dashboard, resume, several workers). The constants
+named below live in ``_constants``, with the measurements they come from.
 
 | phase | applies when | proposes |
 |---|---|---|
@@ -580,38 +580,35 @@ class SearchPolicy:
             slower_ms = float(slower.step_ms or 0.0)
             # the cost per micro-step the two measured: a line through them, nothing recomputed
             per_step = (slower_ms - base_ms) / (more.accumulation - cfg.accumulation)
-            for template in self._fewer_steps(cfg, two_sizes):
-                if _split(template) in ran:
-                    break  # tried: growing from it is ``compiled-grow``'s and ``raise-budget``'s
-                fits = self.models.largest_budgets(template)
-                if fits is not None and min(fits) >= GROW_MIN_BUDGET:
-                    break  # ``compiled-grow`` proposes it
-                bound = base_ms - per_step * (cfg.accumulation - template.accumulation)
-                if bound >= float(best.step_ms):
-                    break
-                if fits is None and min([1.0, *(_low(c) for _, c in keyed)]) <= LOW_BUDGET + 1e-9:
-                    break  # the model's "no budget" rests on a budget measured that low: no prior
-                if fits is not None and min(fits) < LOW_BUDGET:
-                    break  # it fits only where memory is not monotone in the budget
-                low = min(fits) if fits is not None else LOW_BUDGET
-                grown = _with(template, activation_budget=[low] * template.world_size,
-                              bucket_cap_mb=cfg.bucket_cap_mb,
-                              gradient_as_bucket_view=cfg.gradient_as_bucket_view)
-                if not self.space.contains(grown):
-                    break
-                where = (f"the largest budget the compiled model predicts to fit ({low:g} < "
-                         f"{GROW_MIN_BUDGET:g})" if fits is not None else
-                         f"{LOW_BUDGET:g}, the least memory proposed unmeasured (the compiled "
-                         "model places it at no budget from a curve it never measured that low)")
-                return Proposal(config=grown, phase="grow-probe",
-                                predicted_peak_gib=self.models.compiled_peaks(grown),
-                                extra={"proposal_extrapolated": True}, reason=(
-                    f"a measured step: fewer micro-steps in {cfg.compile_scope} {cfg.dtype} "
-                    f"({cfg.accumulation} -> {template.accumulation}, from trial {base.number}, "
-                    f"{base_ms:.0f} ms; trial {slower.number} with {more.accumulation} ran {slower_ms:.0f} "
-                    f"ms) at {where}: without recomputation the measured cost per micro-step puts it at "
-                    f"{bound:.0f} ms, against the best measured {float(best.step_ms):.0f} ms; what "
-                    "recomputing costs at that budget no trial measured"))
+            template = next(self._fewer_steps(cfg, two_sizes), None)  # the next split only
+            if template is None or _split(template) in ran:
+                continue  # tried: growing from it is ``compiled-grow``'s and ``raise-budget``'s
+            fits = self.models.largest_budgets(template)
+            if fits is not None and min(fits) >= GROW_MIN_BUDGET:
+                continue  # ``compiled-grow`` proposes it
+            bound = base_ms - per_step * (cfg.accumulation - template.accumulation)
+            if bound >= float(best.step_ms):
+                continue
+            if fits is None and min([1.0, *(_low(c) for _, c in keyed)]) <= LOW_BUDGET + 1e-9:
+                continue  # the model's "no budget" rests on a budget measured that low: no prior
+            if fits is not None and min(fits) < LOW_BUDGET:
+                continue  # it fits only where memory is not monotone in the budget
+            low = min(fits) if fits is not None else LOW_BUDGET
+            grown = _with(template, activation_budget=[low] * template.world_size,
+                          bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=cfg.gradient_as_bucket_view)
+            if not self.space.contains(grown):
+                continue
+            where = (f"the largest budget the compiled model predicts to fit ({low:g} < {GROW_MIN_BUDGET:g})"
+                     if fits is not None else f"{LOW_BUDGET:g}, the least memory proposed unmeasured (the "
+                     "compiled model places it at no budget from a curve it never measured that low)")
+            return Proposal(config=grown, phase="grow-probe", extra={"proposal_extrapolated": True},
+                            predicted_peak_gib=self.models.compiled_peaks(grown), reason=(
+                f"a measured step: fewer micro-steps in {cfg.compile_scope} {cfg.dtype} ({cfg.accumulation} "
+                f"-> {template.accumulation}, from trial {base.number}, {base_ms:.0f} ms; trial "
+                f"{slower.number} with {more.accumulation} ran {slower_ms:.0f} ms) at {where}: without "
+                f"recomputation the measured cost per micro-step puts it at {bound:.0f} ms, against the best "
+                f"measured {float(best.step_ms):.0f} ms; what recomputing costs at that budget no trial "
+                "measured"))
         return None
 
 
