@@ -96,13 +96,11 @@ def dominating_over_cap(trials: list[FrozenTrial], config: BalanceConfig) -> tup
                 or len(other["micro_batches"]) != config.world_size):
             continue
         over = _ranks_over_cap(t)
-        if over is None:
-            if all(_needs_at_least(cfg, other, r) for r in range(config.world_size)):
-                return t, int(t.user_attrs.get(TrialAttr.FAILING_RANK) or 0)
-            continue
-        for r in over:
-            if _needs_at_least(cfg, other, r):
-                return t, r
+        if over is None and all(_needs_at_least(cfg, other, r) for r in range(config.world_size)):
+            return t, int(t.user_attrs.get(TrialAttr.FAILING_RANK) or 0)
+        rank = next((r for r in over or [] if _needs_at_least(cfg, other, r)), None)
+        if rank is not None:
+            return t, rank
     return None
 
 
