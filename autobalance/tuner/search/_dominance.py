@@ -39,8 +39,7 @@ def _ranks_over_cap(t: FrozenTrial) -> list[int] | None:
     but the rank is unknown (then only a configuration dominating it on every rank is implied)."""
     peaks = t.user_attrs.get(TrialAttr.PEAK_DEVICE_GIB) or []
     usable = t.user_attrs.get(TrialAttr.USABLE_GIB) or []
-    over = {r for r, (p, u) in enumerate(zip(peaks, usable, strict=False))
-            if p is not None and u and p > u}
+    over = {r for r, (p, u) in enumerate(zip(peaks, usable, strict=False)) if p is not None and u and p > u}
     if t.user_attrs.get(TrialAttr.STATUS) == Status.OOM:
         if t.user_attrs.get(TrialAttr.FAILING_RANK) is not None:
             over.add(int(t.user_attrs[TrialAttr.FAILING_RANK]))
@@ -85,8 +84,7 @@ def _holds_state_of(cfg: dict[str, Any], other: dict[str, Any], rank: int) -> bo
     return low <= other_low + SHARE_TOL and high >= other_high - SHARE_TOL
 
 
-def dominating_over_cap(trials: list[FrozenTrial],
-                        config: BalanceConfig) -> tuple[FrozenTrial, int] | None:
+def dominating_over_cap(trials: list[FrozenTrial], config: BalanceConfig) -> tuple[FrozenTrial, int] | None:
     """A launched trial that did not fit on some rank where ``config`` needs at least as much
     memory, with that rank; None when there is none. Model-free: it covers compiled ones too."""
     cfg = config.to_dict()
@@ -98,45 +96,64 @@ def dominating_over_cap(trials: list[FrozenTrial],
                 or len(other["micro_batches"]) != config.world_size):
             continue
         over = _ranks_over_cap(t)
-        if over is None:
-            if all(_needs_at_least(cfg, other, r) for r in range(config.world_size)):
-                return t, int(t.user_attrs.get(TrialAttr.FAILING_RANK) or 0)
-            continue
-        for r in over:
-            if _needs_at_least(cfg, other, r):
-                return t, r
+        if over is None and all(_needs_at_least(cfg, other, r) for r in range(config.world_size)):
+            return t, int(t.user_attrs.get(TrialAttr.FAILING_RANK) or 0)
+        rank = next((r for r in over or [] if _needs_at_least(cfg, other, r)), None)
+        if rank is not None:
+            return t, rank
     return None
 
 
-def _predicted_oom(peaks: list[float | None], *, usable: list[float], headroom: float,
-                   **attrs: Any) -> Veto:
+def _predicted_oom(peaks: list[float | None], *, usable: list[float], headroom: float, **attrs: Any) -> Veto:
     """The figures and attributes of a trial recorded as ``predicted_oom`` without launching;
     ``attrs``: who predicted it and why."""
     n = len(peaks)
-    figures = TrialFigures(status=Status.PREDICTED_OOM, peak_device=peaks,
-                           peak_allocated=[None] * n, peak_reserved=[None] * n,
-                           outside_pytorch=[None] * n,
-                           capacity=[u / (1.0 - headroom) for u in usable], step_time_s=None,
-                           samples_per_s=None, startup_s=None)
-    return figures, {**figures.user_attrs(headroom), "status": Status.PREDICTED_OOM,
-                     "predicted": True, **attrs, "baseline": False}
+    figures = TrialFigures(status=Status.PREDICTED_OOM, peak_device=peaks, peak_allocated=[None] * n,
+                           peak_reserved=[None] * n, outside_pytorch=[None] * n, step_time_s=None,
+                           capacity=[u / (1.0 - headroom) for u in usable], samples_per_s=None,
+                           startup_s=None)
+    return figures, {**figures.user_attrs(headroom), "status": Status.PREDICTED_OOM, "predicted": True,
+                     **attrs, "baseline": False}
 
 
-def model_veto(model: MemoryModel, compiled: CompiledMemoryModel | None, config: BalanceConfig,
-               *, usable: list[float], headroom: float, num_layers: int) -> Veto | bool | None:
+def model_veto(model: MemoryModel, compiled: CompiledMemoryModel | None, config: BalanceConfig, *,
+               usable: list[float], headroom: float, num_layers: int) -> Veto | bool | None:
     """The memory models' verdict on ``config``: its ``predicted_oom`` figures and attributes when
-    a rank will not fit, True when it is predicted to fit, None when the models cannot say."""
+    a rank will not fit, True when it is predicted to fit, None when the models cannot say. Compiled:
+    a rank (whose eager fixed part the memory model is sure of) that the compiled model's measured
+    budgets prove cannot fit."""
     layers = max(1, num_layers)
     if config.compile != "off":
-        return _compiled_veto(model, compiled, config, usable=usable, headroom=headroom,
-                              layers=layers)
+        if compiled is None or not model.can_predict(config.dtype):
+            return None
+        budgets = config.activation_budget or [1.0] * config.world_size
+        own = config.sharding_shares()  # zero1: each rank's share of the state (None: unsharded)
+        shares: list[float | None] = [None] * config.world_size if own is None else list(own)
+        for rank, (m, b) in enumerate(zip(config.micro_batches, budgets, strict=True)):
+            common: dict[str, Any] = {"rank": rank, "micro_batch": m, "dtype": config.dtype}
+            if not model.is_confident(**common, checkpointed=0, num_layers=layers):
+                continue
+            common.update(mode=config_compile_key(config), limit=usable[rank], optimizer_share=shares[rank])
+            low = compiled.surely_over(budget=b, **common)
+            why = "the compiled model's measured budgets put"
+            if low is None:  # not even the least any budget keeps fits (a tiny budget does not save it)
+                low = compiled.over_at_any_budget(**common)
+                why = "at any budget the compiled model predicts"
+            if low is None:
+                continue
+            return _predicted_oom(
+                [low if r == rank else None for r in range(len(usable))], usable=usable, headroom=headroom,
+                predicted_by="compiled-model", reason=(
+                    f"not launched (not compiled): {why} rank {rank} at least at {memory_text(low / GIB)} "
+                    f"with micro-batch {m}, budget {b:g} (+{100 * compiled.safety_margin:.0f}% margin) > usable "
+                    f"{memory_text(usable[rank] / GIB)}"))
+        return True
     if config.param_sharding != "off":  # the model is of unsharded memory (dominance still vetoes)
         return None
     if not model.can_predict(config.dtype) or not all(
-        model.is_confident(rank=r, micro_batch=m, checkpointed=len(c), num_layers=layers,
-                           dtype=config.dtype)
-        for r, (m, c) in enumerate(zip(config.micro_batches, config.checkpoint, strict=True))
-    ):
+            model.is_confident(rank=r, micro_batch=m, checkpointed=len(c), num_layers=layers,
+                               dtype=config.dtype)
+            for r, (m, c) in enumerate(zip(config.micro_batches, config.checkpoint, strict=True))):
         return None
     # judged at the default margin, not the self-widened one the proposals use: a widened margin
     # (up to 50 %) vetoed configurations that fit (issue 41: predicted 9.28 MiB +50 % > 12.2 MiB
@@ -146,46 +163,9 @@ def model_veto(model: MemoryModel, compiled: CompiledMemoryModel | None, config:
     if feasible:
         return True
     worst = max(range(len(peaks)), key=lambda r: peaks[r] / usable[r])
-    return _predicted_oom(
-        list(peaks), usable=usable, headroom=headroom, predicted_by="memory-model",
-        reason=(f"not launched: the memory model predicts rank {worst} at "
-                f"{memory_text(peaks[worst] / GIB)} (+{100 * DEFAULT_SAFETY_MARGIN:.0f}% margin) "
-                f"> usable {memory_text(usable[worst] / GIB)}"))
-
-
-def _compiled_veto(model: MemoryModel, compiled: CompiledMemoryModel | None,
-                   config: BalanceConfig, *, usable: list[float], headroom: float,
-                   layers: int) -> Veto | bool | None:
-    """A compiled configuration that the pair's measured budgets prove cannot fit on some rank
-    (whose eager fixed part the memory model is sure of): its figures; True: no rank is over;
-    None: no model."""
-    if compiled is None or not model.can_predict(config.dtype):
-        return None
-    budgets = config.activation_budget or [1.0] * config.world_size
-    own = config.sharding_shares()  # zero1: each rank's share of the state (None: unsharded)
-    shares: list[float | None] = [None] * config.world_size if own is None else list(own)
-    for rank, (m, b) in enumerate(zip(config.micro_batches, budgets, strict=True)):
-        if not model.is_confident(rank=rank, micro_batch=m, checkpointed=0, num_layers=layers,
-                                  dtype=config.dtype):
-            continue
-        common: dict[str, Any] = {"rank": rank, "micro_batch": m, "dtype": config.dtype,
-                                  "mode": config_compile_key(config), "limit": usable[rank],
-                                  "optimizer_share": shares[rank]}
-        low = compiled.surely_over(budget=b, **common)
-        why = "the compiled model's measured budgets put"
-        if low is None:  # not even the least any budget keeps fits (a tiny budget does not save it)
-            low = compiled.over_at_any_budget(**common)
-            why = "at any budget the compiled model predicts"
-        if low is None:
-            continue
-        return _predicted_oom(
-            [low if r == rank else None for r in range(len(usable))], usable=usable,
-            headroom=headroom, predicted_by="compiled-model",
-            reason=(f"not launched (not compiled): {why} rank {rank} at least at "
-                    f"{memory_text(low / GIB)} with micro-batch {m}, budget {b:g} "
-                    f"(+{100 * compiled.safety_margin:.0f}% margin) "
-                    f"> usable {memory_text(usable[rank] / GIB)}"))
-    return True
+    return _predicted_oom(list(peaks), usable=usable, headroom=headroom, predicted_by="memory-model", reason=(
+        f"not launched: the memory model predicts rank {worst} at {memory_text(peaks[worst] / GIB)} "
+        f"(+{100 * DEFAULT_SAFETY_MARGIN:.0f}% margin) > usable {memory_text(usable[worst] / GIB)}"))
 
 
 def dominance_veto(config: BalanceConfig, trial: FrozenTrial, rank: int, *, usable: list[float],
@@ -197,10 +177,9 @@ def dominance_veto(config: BalanceConfig, trial: FrozenTrial, rank: int, *, usab
             else f"{len(other['checkpoint'][rank])} checkpointed blocks")
     peak = None if seen is None else float(seen) * GIB  # a lower bound: it needs at least that
     return _predicted_oom(
-        [peak if r == rank else None for r in range(len(usable))], usable=usable,
-        headroom=headroom, predicted_by="dominance", dominated_by=trial.number,
-        reason=(f"not launched: trial {trial.number} exceeded rank {rank}'s usable memory "
-                f"({memory_text(usable[rank] / GIB)}) with micro-batch "
-                f"{other['micro_batches'][rank]}, {what}; this configuration needs at least as "
-                "much there (same dtype and compile mode, no smaller micro-batch, no more "
-                "recomputation, no smaller bucket)"))
+        [peak if r == rank else None for r in range(len(usable))], usable=usable, headroom=headroom,
+        predicted_by="dominance", dominated_by=trial.number, reason=(
+            f"not launched: trial {trial.number} exceeded rank {rank}'s usable memory "
+            f"({memory_text(usable[rank] / GIB)}) with micro-batch {other['micro_batches'][rank]}, {what}; "
+            "this configuration needs at least as much there (same dtype and compile mode, no smaller "
+            "micro-batch, no more recomputation, no smaller bucket)"))

@@ -1,9 +1,9 @@
 """The search policy: where the next trial is chosen.
 
-:meth:`SearchPolicy.next` walks the phases over a :class:`TrialHistory` (running trials included:
-parallel tuners do not propose what another measures); the first that proposes a trial the time budget
-holds wins; :class:`ModelAdvisor` enqueues it (a plain Optuna study: dashboard, resume, several
-workers). The constants named below live in ``_constants``, with the measurements they come from.
+:meth:`SearchPolicy.next` walks the phases over a :class:`TrialHistory` (running trials included: parallel
+tuners do not propose what another measures); the first that proposes a trial the time budget holds wins;
+:class:`ModelAdvisor` enqueues it (a plain Optuna study: dashboard, resume, several workers). The constants
+named below live in ``_constants``, with the measurements they come from.
 
 | phase | applies when | proposes |
 |---|---|---|
@@ -83,8 +83,7 @@ if TYPE_CHECKING:
     from autobalance.tuner.search._objective import TrialFigures
 
 __all__ = ["FIT_MARGIN", "KEEP_AT_FULL_BUDGET", "LOW_BUDGET", "ModelAdvisor", "Proposal", "Record",
-           "SearchPolicy", "TrialHistory", "first_compiled_micro_batch", "one_size",
-           "proposal_line"]
+           "SearchPolicy", "TrialHistory", "first_compiled_micro_batch", "one_size", "proposal_line"]
 
 
 def one_size(config: BalanceConfig) -> bool:
@@ -144,8 +143,7 @@ class TrialHistory:
     """The baseline's report: the loss computed inside the wrapped model (None: not reported)."""
 
     @classmethod
-    def from_trials(cls, trials: Sequence[FrozenTrial], *, space: SearchSpace,
-                    usable: list[float] | None,
+    def from_trials(cls, trials: Sequence[FrozenTrial], *, space: SearchSpace, usable: list[float] | None,
                     model_facts: dict[str, Any] | None = None) -> TrialHistory:
         records = []
         for t in trials:
@@ -175,31 +173,30 @@ class TrialHistory:
 
     def compiled_tried(self) -> list[Record]:
         """Compiled trials launched, running or waiting (reused and predicted ones left out)."""
-        return [r for r in self.records
-                if r.compiled and (r.running or r.measured or r.status == Status.OOM)]
+        return [r for r in self.records if r.compiled and (r.running or r.measured or r.status == Status.OOM)]
+
+    def ran(self, *, compiled: bool, ok: bool = False) -> list[tuple[Record, BalanceConfig]]:
+        """The trials measured here (``ok``: that ran to the end), compiled or eager, with their configs."""
+        return [(r, c) for r in self.records if (c := r.config) is not None and r.measured
+                and (c.compile != "off") == compiled and (not ok or r.status == Status.OK)]
 
     def half_eager(self) -> list[tuple[Record, BalanceConfig]]:
         """The half-precision eager trials without checkpointing that ran to the end here."""
-        return [(r, c) for r in self.records if (c := r.config) is not None and r.measured
-                and r.status == Status.OK and c.compile == "off" and c.dtype in HALF_DTYPES
-                and not any(c.checkpoint)]
+        return [(r, c) for r, c in self.ran(compiled=False, ok=True)
+                if c.dtype in HALF_DTYPES and not any(c.checkpoint)]
 
     def eager_probe(self) -> tuple[Record, float, float] | None:
         """``(record, held GiB, activations GiB per sample)`` of the fullest rank of a
         :meth:`half_eager` trial; None before one."""
-        best: tuple[Record, float, float] | None = None
-        for r, cfg in self.half_eager():
-            for rank, (peak, held) in enumerate(zip(r.peaks_gib, r.held_gib, strict=False)):
-                if peak is None or held is None or peak <= held:
-                    continue
-                if best is None or held > best[1]:
-                    best = (r, float(held), (float(peak) - float(held)) / cfg.micro_batches[rank])
-        return best
+        found = [(r, float(held), (float(peak) - float(held)) / cfg.micro_batches[rank])
+                 for r, cfg in self.half_eager()
+                 for rank, (peak, held) in enumerate(zip(r.peaks_gib, r.held_gib, strict=False))
+                 if peak is not None and held is not None and peak > held]
+        return max(found, key=lambda f: f[1], default=None)
 
     def fastest_compiled(self) -> list[Record]:
         """The feasible compiled trials measured here, fastest first."""
-        return sorted((r for r in self.records
-                       if r.measured and r.compiled and r.feasible and r.step_ms is not None),
+        return sorted((r for r, _ in self.ran(compiled=True) if r.feasible and r.step_ms is not None),
                       key=lambda r: float(r.step_ms or 0.0))
 
     def best_compiled(self) -> Record | None:
@@ -209,14 +206,15 @@ class TrialHistory:
         """Whether a compiled split of two micro-step sizes in a rank was measured here within
         :data:`SAME_WITHIN` of the best compiled trial (then such splits are proposed too)."""
         fastest = self.fastest_compiled()
-        return any(r.config is not None and not one_size(r.config) and float(r.step_ms or 0.0)
-                   <= float(fastest[0].step_ms or 0.0) * (1.0 + SAME_WITHIN) for r in fastest)
+        return any(r.config is not None and not one_size(r.config)
+                   and float(r.step_ms or 0.0) <= float(fastest[0].step_ms or 0.0) * (1.0 + SAME_WITHIN)
+                   for r in fastest)
 
     def keyed(self, config: BalanceConfig) -> list[tuple[Record, BalanceConfig]]:
         """The compiled trials measured here in ``config``'s compile key and dtype."""
         key = config_compile_key(config)
-        return [(r, c) for r in self.records if (c := r.config) is not None and r.measured
-                and c.compile != "off" and config_compile_key(c) == key and c.dtype == config.dtype]
+        return [(r, c) for r, c in self.ran(compiled=True)
+                if config_compile_key(c) == key and c.dtype == config.dtype]
 
     def time_supported(self, config: BalanceConfig) -> bool:
         """Whether the step-time model was fitted where ``config`` lies: eager always; compiled, no
@@ -233,13 +231,11 @@ class TrialHistory:
 
     def compiled_splits(self) -> set[tuple[str, str]]:
         """:func:`_split` of every compiled trial launched, running or predicted."""
-        return {_split(r.config) for r in self.records
-                if r.config is not None and r.config.compile != "off" and not r.reused}
+        return {_split(r.config) for r in self.records if r.config is not None and r.compiled and not r.reused}
 
     def measured_scopes(self) -> set[str]:
         """The compile scopes of the compiled trials that ran to the end here."""
-        return {r.config.compile_scope for r in self.records if r.measured
-                and r.status == Status.OK and r.config is not None and r.config.compile != "off"}
+        return {c.compile_scope for _, c in self.ran(compiled=True, ok=True)}
 
     def budget_ladder(self, config: BalanceConfig) -> list[tuple[float, float, float]]:
         """``config``'s split (one rank) as measured to fit here: ``(budget, peak GiB, step ms)``
@@ -255,11 +251,8 @@ class TrialHistory:
     def ladder_slope(self, config: BalanceConfig) -> float | None:
         """The largest rise of the measured peak per unit of budget between two budgets of
         :meth:`budget_ladder`, GiB; None: fewer than two measured there."""
-        ladder = self.budget_ladder(config)
-        if len(ladder) < 2:
-            return None
-        return max(max(0.0, (p1 - p0) / (b1 - b0))
-                   for (b0, p0, _), (b1, p1, _) in itertools.pairwise(ladder))
+        pairs = list(itertools.pairwise(self.budget_ladder(config)))
+        return max((max(0.0, (p1 - p0) / (b1 - b0)) for (b0, p0, _), (b1, p1, _) in pairs), default=None)
 
     def low_budget_ok(self, config: BalanceConfig) -> bool:
         """A budget below :data:`LOW_BUDGET` only where a higher one was measured at that
@@ -267,9 +260,8 @@ class TrialHistory:
         if config.compile == "off" or _low(config) >= LOW_BUDGET:
             return True
         key, m = config_compile_key(config), max(config.micro_batches)
-        return any(_low(c) >= LOW_BUDGET for r in self.records
-                   if (c := r.config) is not None and r.measured and c.compile != "off"
-                   and config_compile_key(c) == key and max(c.micro_batches) == m)
+        return any(_low(c) >= LOW_BUDGET for _, c in self.ran(compiled=True)
+                   if config_compile_key(c) == key and max(c.micro_batches) == m)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -306,11 +298,8 @@ def proposal_line(attrs: dict[str, Any]) -> str:
     phase = attrs.get(TrialAttr.PROPOSAL_PHASE)
     if not phase:
         return ""
-    parts = []
-    ms = attrs.get("proposal_step_ms")
-    if isinstance(ms, (int, float)):
-        parts.append(f"{ms:.0f} ms")
-    peaks = attrs.get("proposal_peak_gib")
+    ms, peaks = attrs.get("proposal_step_ms"), attrs.get("proposal_peak_gib")
+    parts = [f"{ms:.0f} ms"] if isinstance(ms, (int, float)) else []
     if isinstance(peaks, list) and peaks and all(isinstance(p, (int, float)) for p in peaks):
         parts.append(memory_text(max(peaks)))
     extrapolated = " (extrapolated)" if attrs.get("proposal_extrapolated") and parts else ""
@@ -332,10 +321,6 @@ class SearchPolicy:
         self.space = space
         self.models = models
 
-    @property
-    def on_gpu_compiling(self) -> bool:
-        return self.models.settings.device == "cuda" and self.space.compile_searched
-
     def next(self, history: TrialHistory) -> Proposal | None:
         """The first phase's proposal that is new (not tried, not running elsewhere) and that the
         time budget holds (its compile and verification's reserve after it); None: the sampler's."""
@@ -351,18 +336,23 @@ class SearchPolicy:
             return proposal
         return None
 
-    def _even(self, acc: int, *, dtype: str, compile: str,
-              scope: str = "whole") -> BalanceConfig | None:
-        """The even split of ``acc`` micro-steps, nothing checkpointed, budget 1.0 when compiled."""
+    @property
+    def on_gpu_compiling(self) -> bool:
+        return self.models.settings.device == "cuda" and self.space.compile_searched
+
+    def _even(self, acc: int, *, dtype: str, compile: str, scope: str = "whole", checkpointed: int = 0,
+              budget: float = 1.0, bucket_cap_mb: float = 25.0, view: bool = True) -> BalanceConfig | None:
+        """The even split of ``acc`` micro-steps, ``checkpointed`` blocks checkpointed, ``budget`` when
+        compiled (by default: nothing checkpointed, 1.0, DDP's buckets)."""
         world = self.space.world_size
         total = self.space.micro_total(acc)
         if total < world:
             return None
-        rest: dict[str, Any] = {"checkpoint": [[] for _ in range(world)], "dtype": dtype,
-                                "bucket_cap_mb": 25.0, "gradient_as_bucket_view": True,
-                                "compile": compile}
+        rest: dict[str, Any] = {"dtype": dtype, "compile": compile, "bucket_cap_mb": bucket_cap_mb,
+                                "gradient_as_bucket_view": view,
+                                "checkpoint": [list(range(checkpointed)) for _ in range(world)]}
         if compile != "off":
-            rest.update(compile_scope=scope, activation_budget=[1.0] * world)
+            rest.update(compile_scope=scope, activation_budget=[budget] * world)
         try:
             cfg = self.space.config_for(split_evenly(total, [1.0] * world), acc, None, **rest)
         except (ConfigError, UsageError, ValueError):  # a split this space cannot hold
@@ -372,45 +362,41 @@ class SearchPolicy:
     def _fewer_steps(self, cfg: BalanceConfig, two_sizes: bool) -> Iterator[BalanceConfig]:
         """The even splits of fewer micro-steps than ``cfg`` in its compile mode, scope and dtype,
         one fewer first; of one size per rank unless ``two_sizes`` (two compile dynamic: slow)."""
-        for acc in sorted((a for a in self.space.accumulations if a < cfg.accumulation),
-                          reverse=True):
-            template = self._even(acc, dtype=cfg.dtype, compile=cfg.compile,
-                                  scope=cfg.compile_scope)
+        for acc in sorted((a for a in self.space.accumulations if a < cfg.accumulation), reverse=True):
+            template = self._even(acc, dtype=cfg.dtype, compile=cfg.compile, scope=cfg.compile_scope)
             if template is not None and (two_sizes or one_size(template)):
                 yield template
 
+    def _half_dtype(self) -> str | None:
+        """The first half-precision dtype the models may propose now."""
+        return next((d for d in self.models.allowed_dtypes_now() if d in HALF_DTYPES), None)
+
     # ------------------------------------------------------------------ phases
     def probe(self, history: TrialHistory) -> Proposal | None:
-        if (not self.on_gpu_compiling or "off" not in self.space.compile_modes
-                or history.compiled_tried() or history.half_eager()):
-            return None
-        dtypes = [d for d in self.models.allowed_dtypes_now() if d in HALF_DTYPES]
-        if not dtypes:
+        if (not self.on_gpu_compiling or "off" not in self.space.compile_modes or history.compiled_tried()
+                or history.half_eager() or (half := self._half_dtype()) is None):
             return None
         tried = history.tried()
-        cfg = next((c for a in sorted(self.space.accumulations, reverse=True)  # smallest micro
-                    if (c := self._even(a, dtype=dtypes[0], compile="off")) is not None
-                    and c.to_json() not in tried), None)
-        if cfg is None:
-            return None
-        return Proposal(config=cfg, phase="probe", reason=(
-            f"eager {dtypes[0]} at the smallest micro-batch ({max(cfg.micro_batches)} x "
-            f"{cfg.accumulation}), nothing checkpointed: measures the memory held apart from "
-            "activations and the activations per sample in seconds, before any compile"))
+        evens = (self._even(a, dtype=half, compile="off") for a in sorted(self.space.accumulations)[::-1])
+        cfg = next((c for c in evens if c is not None and c.to_json() not in tried), None)  # smallest micro
+        return None if cfg is None else Proposal(config=cfg, phase="probe", reason=(
+            f"eager {half} at the smallest micro-batch ({max(cfg.micro_batches)} x {cfg.accumulation}), "
+            "nothing checkpointed: measures the memory held apart from activations and the activations per "
+            "sample in seconds, before any compile"))
 
     def compiled_start(self, history: TrialHistory) -> Proposal | None:
         if not self.on_gpu_compiling or history.compiled_tried():
             return None
         probe = history.eager_probe() or self.models.eager_estimate()
-        dtypes = [d for d in self.models.allowed_dtypes_now() if d in HALF_DTYPES]
-        if probe is None or not dtypes or not history.usable_gib:
+        half = self._half_dtype()
+        if probe is None or half is None or not history.usable_gib:
             return None
         _, held, act = probe
         keep = KEEP_AT_FULL_BUDGET[history.loss_in_model is not False]
         scope = "regional" if "regional" in self.space.compile_scopes else "whole"
         mode = next(m for m in self.space.compile_modes if m != "off")
         splits = [c for acc in sorted(self.space.accumulations)
-                  if (c := self._even(acc, dtype=dtypes[0], compile=mode, scope=scope)) is not None]
+                  if (c := self._even(acc, dtype=half, compile=mode, scope=scope)) is not None]
         even = [c for c in splits if one_size(c)]
         # one per largest micro-batch, of the fewest micro-steps (reversed: the first one wins)
         by_micro = {max(c.micro_batches): c for c in reversed(even or splits)}
@@ -418,17 +404,14 @@ class SearchPolicy:
             return None
         usable = min(history.usable_gib)
         m = first_compiled_micro_batch(held_gib=held, act_gib=act, usable_gib=usable, keep=keep,
-                                       candidates=list(by_micro))
-        if m is None:
-            m = min(by_micro)
+                                       candidates=list(by_micro)) or min(by_micro)
         cfg = by_micro[m]
         one = "of micro-steps of one size " if even else ""
-        return Proposal(config=cfg, phase="compiled-start",
-                        predicted_peak_gib=[held + m * act * keep], reason=(
-            f"the first compiled trial: {scope} (the cheapest to compile), {cfg.dtype}, budget "
-            f"1.0, the largest micro-batch {one}predicted to fit ({m}: {memory_text(held)} held + "
-            f"{m} x {memory_text(act)} x {keep:g} kept at budget 1.0 <= {memory_text(usable)} "
-            "usable)"))
+        return Proposal(config=cfg, phase="compiled-start", predicted_peak_gib=[held + m * act * keep],
+                        reason=(
+            f"the first compiled trial: {scope} (the cheapest to compile), {cfg.dtype}, budget 1.0, the "
+            f"largest micro-batch {one}predicted to fit ({m}: {memory_text(held)} held + {m} x "
+            f"{memory_text(act)} x {keep:g} kept at budget 1.0 <= {memory_text(usable)} usable)"))
 
     def compiled_grow(self, history: TrialHistory) -> Proposal | None:
         base = history.best_compiled()
@@ -438,8 +421,7 @@ class SearchPolicy:
         ran = history.compiled_splits()
         two_sizes = history.two_sizes_compete()
         options = [(t, fits) for t in self._fewer_steps(cfg, two_sizes) if _split(t) not in ran
-                   and (fits := self.models.largest_budgets(t)) is not None
-                   and min(fits) >= GROW_MIN_BUDGET]
+                   and (fits := self.models.largest_budgets(t)) is not None and min(fits) >= GROW_MIN_BUDGET]
         if not options:
             return None
         # fitting at the full budget: straight to the fewest; of one size per rank, the next split
@@ -447,21 +429,19 @@ class SearchPolicy:
         # memory model reaches from what was measured (4 x 8 at 1.0 alone put 16 x 2 at 1.0 within
         # the usable memory; it peaked 20.9 GiB of 15.2)
         full = [o for o in options if min(o[1]) >= 1.0]
-        template, fits = (min(full, key=lambda o: o[0].accumulation) if full and two_sizes
-                          else options[0])
+        template, fits = min(full, key=lambda o: o[0].accumulation) if full and two_sizes else options[0]
         grown = _with(template, activation_budget=fits, bucket_cap_mb=cfg.bucket_cap_mb,
                       gradient_as_bucket_view=cfg.gradient_as_bucket_view)
         return Proposal(config=grown, phase="compiled-grow",
                         predicted_peak_gib=self.models.compiled_peaks(grown), reason=(
             f"fewer micro-steps in {cfg.compile_scope} {cfg.dtype} ({cfg.accumulation} -> "
-            f"{template.accumulation}, from trial {base.number}) at the largest budget predicted "
-            f"to fit ({min(fits):g} >= {GROW_MIN_BUDGET:g}): a micro-step's launches cost the same "
-            "whatever its size"))
+            f"{template.accumulation}, from trial {base.number}) at the largest budget predicted to fit "
+            f"({min(fits):g} >= {GROW_MIN_BUDGET:g}): a micro-step's launches cost the same whatever its "
+            "size"))
 
     def raise_budget(self, history: TrialHistory) -> Proposal | None:
         base = history.best_compiled()
-        if (base is None or base.config is None or base.config.world_size != 1
-                or not history.usable_gib):
+        if base is None or base.config is None or base.config.world_size != 1 or not history.usable_gib:
             return None  # several ranks: the model phase moves each rank's budget
         cfg = base.config
         b = (cfg.activation_budget or [1.0])[0]
@@ -478,10 +458,7 @@ class SearchPolicy:
         pick: tuple[float, float] | None = None
         slope = history.ladder_slope(cfg)  # GiB per unit of budget the split's own budgets measured
         nb = round(b + BUDGET_STEP, 3)
-        while nb < ceiling:
-            change = self.models.peak_change(cfg, nb)
-            if change is None:
-                break
+        while nb < ceiling and (change := self.models.peak_change(cfg, nb)) is not None:
             # never less than the split's own measurements show: the model's curve is shared by
             # every split (a trial over the memory at another micro-batch lifts it at every budget)
             grow = max(change[0], 0.0, (slope or 0.0) * (nb - b))
@@ -491,15 +468,45 @@ class SearchPolicy:
             nb = round(nb + BUDGET_STEP, 3)
         raised = None if pick is None else _with(cfg, activation_budget=[pick[0]])
         if pick is not None and raised is not None and raised.to_json() not in history.tried():
-            return Proposal(config=raised, phase="raise-budget", predicted_peak_gib=[pick[1]],
-                            reason=(
-                f"the best compiled trial ({base.number}) at budget {pick[0]:g} instead of {b:g}: "
-                f"its measured {memory_text(float(peak))} plus the compiled model's change"
-                + (" (no less than the split's own measured budgets showed)" if slope is not None
-                   else "")
-                + f" counted {1.0 + RAISE_CHANGE_MARGIN:g}x stays below {memory_text(limit)} "
-                "usable; less recomputed"))
-        return _budget_step(self.models, history, base, limit=limit, ceiling=ceiling)
+            own = " (no less than the split's own measured budgets showed)" if slope is not None else ""
+            return Proposal(config=raised, phase="raise-budget", predicted_peak_gib=[pick[1]], reason=(
+                f"the best compiled trial ({base.number}) at budget {pick[0]:g} instead of {b:g}: its "
+                f"measured {memory_text(float(peak))} plus the compiled model's change{own} counted "
+                f"{1.0 + RAISE_CHANGE_MARGIN:g}x stays below {memory_text(limit)} usable; less recomputed"))
+        return self._budget_step(history, base, limit=limit, ceiling=ceiling)
+
+    def _budget_step(self, history: TrialHistory, base: Record, *, limit: float,
+                     ceiling: float) -> Proposal | None:
+        """``raise-budget``'s measured step where the doubled change leaves no room
+        (:data:`RAISE_CHANGE_MARGIN`); not above a budget measured slower beyond :data:`SAME_WITHIN`."""
+        cfg = base.config
+        ladder = [] if cfg is None or base.step_ms is None else history.budget_ladder(cfg)
+        if cfg is None or not ladder:
+            return None
+        top_b, top_peak, top_ms = ladder[-1]
+        nb = round(top_b + BUDGET_STEP, 3)
+        if top_ms > float(base.step_ms or 0.0) * (1.0 + SAME_WITHIN) or nb >= ceiling:
+            return None
+        slope = history.ladder_slope(cfg)
+        if slope is not None:
+            step = slope * BUDGET_STEP
+            source = (f"the largest change per step its {len(ladder)} measured budgets at this split showed "
+                      f"({step:+.2f} GiB)")
+        else:
+            change = self.models.peak_change(_with(cfg, activation_budget=[top_b]), nb)
+            if change is None:
+                return None
+            step = max(change[0], 0.0)
+            source = f"the compiled model's change ({step:+.2f} GiB, counted once)"
+        if top_peak + step > limit:
+            return None
+        return Proposal(config=_with(cfg, activation_budget=[nb]), phase="raise-budget",
+                        predicted_peak_gib=[top_peak + step], reason=(
+            f"a measured step: trial {base.number}'s split at budget {nb:g}, one step above {top_b:g} "
+            f"(measured {memory_text(top_peak)}, {top_ms:.0f} ms); {memory_text(top_peak)} plus {source} "
+            f"stays below {memory_text(limit)} usable, where the model's change counted "
+            f"{1.0 + RAISE_CHANGE_MARGIN:g}x does not: one trial measures the peak there (the partitioner's "
+            "memory rises in plateaus that a line through budgets measured at other splits does not see)"))
 
     def scope_probe(self, history: TrialHistory) -> Proposal | None:
         if len(self.space.compile_scopes) < 2:
@@ -510,8 +517,7 @@ class SearchPolicy:
         if not history.two_sizes_compete():  # two sizes compile dynamic: slow unless measured not
             fastest = [r for r in fastest if r.config is not None and one_size(r.config)]
         for scope in [s for s in self.space.compile_scopes if s not in measured]:  # a new scope
-            base = next((r for r in fastest
-                         if r.config is not None and r.config.compile_scope != scope), None)
+            base = next((r for r in fastest if r.config is not None and r.config.compile_scope != scope), None)
             if base is None or base.config is None:
                 continue
             src = base.config
@@ -526,9 +532,8 @@ class SearchPolicy:
             return Proposal(config=other, phase="scope-probe",
                             predicted_peak_gib=self.models.compiled_peaks(fitted), reason=(
                 f"the first {scope} trial: the best split measured in {src.compile_scope} (trial "
-                f"{base.number}, {src.accumulation} micro-steps) at the largest budget predicted "
-                f"to fit there ({min(budgets):g}): one compile measures whether that scope wins "
-                "for this script"))
+                f"{base.number}, {src.accumulation} micro-steps) at the largest budget predicted to fit "
+                f"there ({min(budgets):g}): one compile measures whether that scope wins for this script"))
         top = float(fastest[0].step_ms or 0.0) if fastest else 0.0
         for source in fastest[:SCOPE_TRANSFERS]:
             if float(source.step_ms or 0.0) > top * TRANSFER_WITHIN:
@@ -572,91 +577,46 @@ class SearchPolicy:
             if not slower_ones:
                 continue  # no measured evidence that fewer micro-steps pay in this scope
             slower, more = min(slower_ones, key=lambda o: float(o[0].step_ms or 0.0))
+            slower_ms = float(slower.step_ms or 0.0)
             # the cost per micro-step the two measured: a line through them, nothing recomputed
-            per_step = ((float(slower.step_ms or 0.0) - base_ms)
-                        / (more.accumulation - cfg.accumulation))
-            for template in self._fewer_steps(cfg, two_sizes):
-                if _split(template) in ran:
-                    break  # tried: growing from it is ``compiled-grow``'s and ``raise-budget``'s
-                fits = self.models.largest_budgets(template)
-                if fits is not None and min(fits) >= GROW_MIN_BUDGET:
-                    break  # ``compiled-grow`` proposes it
-                bound = base_ms - per_step * (cfg.accumulation - template.accumulation)
-                if bound >= float(best.step_ms):
-                    break
-                if fits is None and min([1.0, *(_low(c) for _, c in keyed)]) <= LOW_BUDGET + 1e-9:
-                    break  # the model's "no budget" rests on a budget measured that low: no prior
-                if fits is not None and min(fits) < LOW_BUDGET:
-                    break  # it fits only where memory is not monotone in the budget
-                low = min(fits) if fits is not None else LOW_BUDGET
-                grown = _with(template, activation_budget=[low] * template.world_size,
-                              bucket_cap_mb=cfg.bucket_cap_mb,
-                              gradient_as_bucket_view=cfg.gradient_as_bucket_view)
-                if not self.space.contains(grown):
-                    break
-                where = (f"the largest budget the compiled model predicts to fit ({low:g} < "
-                         f"{GROW_MIN_BUDGET:g})" if fits is not None else
-                         f"{LOW_BUDGET:g}, the least memory proposed unmeasured (the compiled "
-                         "model places it at no budget from a curve it never measured that low)")
-                return Proposal(config=grown, phase="grow-probe",
-                                predicted_peak_gib=self.models.compiled_peaks(grown),
-                                extra={"proposal_extrapolated": True}, reason=(
-                    f"a measured step: fewer micro-steps in {cfg.compile_scope} {cfg.dtype} "
-                    f"({cfg.accumulation} -> {template.accumulation}, from trial {base.number}, "
-                    f"{base_ms:.0f} ms; trial {slower.number} with {more.accumulation} ran "
-                    f"{float(slower.step_ms or 0.0):.0f} ms) at {where}: without recomputation the "
-                    f"measured cost per micro-step puts it at {bound:.0f} ms, against the best "
-                    f"measured {float(best.step_ms):.0f} ms; what recomputing costs at that budget "
-                    "no trial measured"))
+            per_step = (slower_ms - base_ms) / (more.accumulation - cfg.accumulation)
+            template = next(self._fewer_steps(cfg, two_sizes), None)  # the next split only
+            if template is None or _split(template) in ran:
+                continue  # tried: growing from it is ``compiled-grow``'s and ``raise-budget``'s
+            fits = self.models.largest_budgets(template)
+            if fits is not None and min(fits) >= GROW_MIN_BUDGET:
+                continue  # ``compiled-grow`` proposes it
+            bound = base_ms - per_step * (cfg.accumulation - template.accumulation)
+            if bound >= float(best.step_ms):
+                continue
+            if fits is None and min([1.0, *(_low(c) for _, c in keyed)]) <= LOW_BUDGET + 1e-9:
+                continue  # the model's "no budget" rests on a budget measured that low: no prior
+            if fits is not None and min(fits) < LOW_BUDGET:
+                continue  # it fits only where memory is not monotone in the budget
+            low = min(fits) if fits is not None else LOW_BUDGET
+            grown = _with(template, activation_budget=[low] * template.world_size,
+                          bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=cfg.gradient_as_bucket_view)
+            if not self.space.contains(grown):
+                continue
+            where = (f"the largest budget the compiled model predicts to fit ({low:g} < {GROW_MIN_BUDGET:g})"
+                     if fits is not None else f"{LOW_BUDGET:g}, the least memory proposed unmeasured (the "
+                     "compiled model places it at no budget from a curve it never measured that low)")
+            return Proposal(config=grown, phase="grow-probe", extra={"proposal_extrapolated": True},
+                            predicted_peak_gib=self.models.compiled_peaks(grown), reason=(
+                f"a measured step: fewer micro-steps in {cfg.compile_scope} {cfg.dtype} ({cfg.accumulation} "
+                f"-> {template.accumulation}, from trial {base.number}, {base_ms:.0f} ms; trial "
+                f"{slower.number} with {more.accumulation} ran {slower_ms:.0f} ms) at {where}: without "
+                f"recomputation the measured cost per micro-step puts it at {bound:.0f} ms, against the best "
+                f"measured {float(best.step_ms):.0f} ms; what recomputing costs at that budget no trial "
+                "measured"))
         return None
-
-
-# ---------------------------------------------------------------------- the policy's helpers
-def _budget_step(models: SearchModels, history: TrialHistory, base: Record, *, limit: float,
-                 ceiling: float) -> Proposal | None:
-    """``raise-budget``'s measured step where the doubled change leaves no room
-    (:data:`RAISE_CHANGE_MARGIN`); not above a budget measured slower beyond :data:`SAME_WITHIN`."""
-    cfg = base.config
-    if cfg is None or base.step_ms is None:
-        return None
-    ladder = history.budget_ladder(cfg)
-    if not ladder:
-        return None
-    top_b, top_peak, top_ms = ladder[-1]
-    if top_ms > float(base.step_ms) * (1.0 + SAME_WITHIN):
-        return None
-    nb = round(top_b + BUDGET_STEP, 3)
-    if nb >= ceiling:
-        return None
-    slope = history.ladder_slope(cfg)
-    if slope is not None:
-        step = slope * BUDGET_STEP
-        source = (f"the largest change per step its {len(ladder)} measured budgets at this split "
-                  f"showed ({step:+.2f} GiB)")
-    else:
-        change = models.peak_change(_with(cfg, activation_budget=[top_b]), nb)
-        if change is None:
-            return None
-        step = max(change[0], 0.0)
-        source = f"the compiled model's change ({step:+.2f} GiB, counted once)"
-    if top_peak + step > limit:
-        return None
-    return Proposal(config=_with(cfg, activation_budget=[nb]), phase="raise-budget",
-                    predicted_peak_gib=[top_peak + step], reason=(
-        f"a measured step: trial {base.number}'s split at budget {nb:g}, one step above {top_b:g} "
-        f"(measured {memory_text(top_peak)}, {top_ms:.0f} ms); {memory_text(top_peak)} plus "
-        f"{source} stays below {memory_text(limit)} usable, where the model's change counted "
-        f"{1.0 + RAISE_CHANGE_MARGIN:g}x does not: one trial measures the peak there (the "
-        "partitioner's memory rises in plateaus that a line through budgets measured at other "
-        "splits does not see)"))
 
 
 # ---------------------------------------------------------------------- the phases over the models
 def explore_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
     """The sampler's trial every :data:`SAMPLER_EVERY`-th ask: on CPU always (bucket sizes, dtypes
     the models cannot predict yet), on a GPU once their proposals stalled."""
-    models = policy.models
-    study = models.study
+    models, study = policy.models, policy.models.study
     cpu = models.settings.device != "cuda"
     if models.asks % SAMPLER_EVERY == 0 and (cpu or proposals_stalled(
             study.get_trials(deepcopy=False), study.user_attrs.get(StudyAttr.OBJECTIVE, {}))):
@@ -669,8 +629,7 @@ def model_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
     """The models' best new candidate (module doc) worth a trial (:data:`WORTH`): a compile the
     time left holds, a measured scope (the scope probe brings in another), eager first while the
     compiled model has too few eager trials of its dtype (:data:`EAGER_FIRST`)."""
-    models = policy.models
-    study = models.study
+    models, study = policy.models, policy.models.study
     candidates = models.scored_candidates(study)
     if not candidates:
         return None
@@ -682,11 +641,10 @@ def model_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
         candidates = [c for c in candidates if c.new_graphs == 0 or c.config.compile == "off"
                       or c.config.compile_scope not in dear]
     scopes = history.measured_scopes() or {models.space.compile_scopes[-1]}  # regional first
-    if (models.settings.device == "cuda" and history.best_compiled() is not None
-            and not _eager_timed(history)):
-        # an eager proposal against a compiled best needs an eager time model of its own (three
-        # measured eager splits): with fewer it is proportional and ranks launch-bound small
-        # micro-batches too well
+    eager_splits = {(c.accumulation, tuple(c.micro_batches)) for _, c in history.ran(compiled=False, ok=True)}
+    if models.settings.device == "cuda" and history.best_compiled() is not None and len(eager_splits) < 3:
+        # an eager proposal against a compiled best needs an eager time model of its own (three measured
+        # eager splits): with fewer it is proportional and ranks launch-bound small micro-batches too well
         candidates = [c for c in candidates if c.config.compile != "off"]
     if not history.two_sizes_compete():  # compiled: one micro-step size per rank where any fits
         even = [c for c in candidates if c.config.compile == "off" or one_size(c.config)]
@@ -696,8 +654,7 @@ def model_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
     inside = {id(c) for c in candidates if history.time_supported(c.config)}
     candidates = sorted(candidates, key=lambda c: id(c) not in inside)
     tried = history.tried() | models.proposed
-    fresh = [c for c in candidates if c.config.to_json() not in tried
-             and history.low_budget_ok(c.config)
+    fresh = [c for c in candidates if c.config.to_json() not in tried and history.low_budget_ok(c.config)
              and (c.config.compile == "off" or c.config.compile_scope in scopes)]
     best = best_value(study)
     if limited and best is not None:  # under a time budget a compile must promise a gain
@@ -705,122 +662,80 @@ def model_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
     if not fresh or fresh[0].score > WORTH * candidates[0].score:
         return None
     pick, note = fresh[0], None
-    if (pick.source == "compiled-model" and _eager_first(models, study, pick.config.dtype)
-            and history.eager_probe() is None):
-        eager = [c for c in fresh
-                 if c.source == "memory-model" and c.config.dtype == pick.config.dtype]
+    dtype, model = pick.config.dtype, models.model
+    if (pick.source == "compiled-model" and "off" in models.space.compile_modes and model is not None
+            and not model.is_fitted_for(dtype) and history.eager_probe() is None
+            and sum(c.dtype == dtype for _, c in history.ran(compiled=False, ok=True)) < EAGER_FIRST):
+        eager = [c for c in fresh if c.source == "memory-model" and c.config.dtype == dtype]
         if eager:  # a few seconds that teach the compiled model its fixed part before a compile
             pick, note = eager[0], "eager first: teaches the memory model before compiling"
     compiled = pick.source == "compiled-model"
     extra: dict[str, Any] = {"proposal_new_graphs": pick.new_graphs} if compiled else {}
     if pick.extrapolated or id(pick) not in inside:
         extra["proposal_extrapolated"] = True
-    reason = note or (
-        f"the {'compiled' if compiled else 'memory'} model's best configuration predicted to fit"
-        + (f" ({models.dtype_note})" if models.dtype_note else ""))
+    reason = note or (f"the {'compiled' if compiled else 'memory'} model's best configuration predicted to "
+                      "fit" + (f" ({models.dtype_note})" if models.dtype_note else ""))
     return Proposal(config=pick.config, phase=pick.source, reason=reason, predicted_ms=pick.step_ms,
                     predicted_peak_gib=[p / GIB for p in pick.peaks], extra=extra)
-
-
-def _eager_first(models: SearchModels, study: optuna.Study, dtype: str) -> bool:
-    """Whether ``dtype``'s compiled proposals wait for more eager trials (:data:`EAGER_FIRST`)."""
-    if ("off" not in models.space.compile_modes or models.model is None
-            or models.model.is_fitted_for(dtype)):
-        return False
-    eager = sum(1 for t in study.get_trials(deepcopy=False)
-                if t.user_attrs.get(TrialAttr.STATUS) == Status.OK
-                and t.user_attrs.get(TrialAttr.REUSED_FROM) is None
-                and (c := t.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile", "off") == "off"
-                and c.get("dtype") == dtype)
-    return eager < EAGER_FIRST
-
-
-def _eager_timed(history: TrialHistory) -> bool:
-    """Whether three distinct eager splits were measured (the eager time model's fixed terms)."""
-    return len({json.dumps([c.accumulation, c.micro_batches]) for r in history.records
-                if (c := r.config) is not None and r.measured and r.status == Status.OK
-                and c.compile == "off"}) >= 3
 
 
 def cuda_graphs_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
     """The CUDA-graph probe (:func:`graph_probe`) when the time budget holds a compile, at the
     best trial, or the best whole-model one (graphs capture the whole model) within 2 % of it."""
-    models = policy.models
-    study = models.study
+    models, study = policy.models, policy.models.study
     top = best_trial(study)
     if not models.time_holds_compile() or top is None:
         return None
     if (top.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile_scope", "whole") != "whole":
         best_ms = float(top.user_attrs.get(TrialAttr.STEP_TIME_MS) or 0.0)
-        close = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-                 if t.user_attrs.get(TrialAttr.FEASIBLE)
-                 and t.user_attrs.get(TrialAttr.STEP_TIME_MS)
-                 and (c := t.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile") == "default"
-                 and c.get("compile_scope", "whole") == "whole"
-                 and float(t.user_attrs[TrialAttr.STEP_TIME_MS]) <= 1.02 * best_ms]
-        if not close:
-            return None
-        top = min(close, key=lambda t: float(t.user_attrs[TrialAttr.STEP_TIME_MS]))
-    probe = graph_probe(study.get_trials(deepcopy=False), best=top,
-                        modes=models.space.compile_modes, dtypes=models.allowed_dtypes(study))
+        top = min((t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                   if t.user_attrs.get(TrialAttr.FEASIBLE) and t.user_attrs.get(TrialAttr.STEP_TIME_MS)
+                   and (c := t.user_attrs.get(TrialAttr.CONFIG) or {}).get("compile") == "default"
+                   and c.get("compile_scope", "whole") == "whole"
+                   and float(t.user_attrs[TrialAttr.STEP_TIME_MS]) <= 1.02 * best_ms),
+                  key=lambda t: float(t.user_attrs[TrialAttr.STEP_TIME_MS]), default=None)
+    if top is None:
+        return None
+    probe = graph_probe(study.get_trials(deepcopy=False), best=top, modes=models.space.compile_modes,
+                        dtypes=models.allowed_dtypes(study))
     if probe is None or probe.to_json() in models.proposed or not models.space.contains(probe):
         return None
     return Proposal(config=probe, phase="cuda-graphs", reason=(
-        f"CUDA graphs ({probe.compile}) at the best default-mode compiled configuration: one "
-        "compile measures whether they pay for this script"))
+        f"CUDA graphs ({probe.compile}) at the best default-mode compiled configuration: one compile "
+        "measures whether they pay for this script"))
 
 
 def fallbacks_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
     """When no phase proposes: ``shard``, ``prior``, else the sampler (module doc)."""
-    models = policy.models
-    study = models.study
+    models, study = policy.models, policy.models.study
     if len(models.space.param_shardings) > 1:  # searched
         found = sharding_proposal(
             study.get_trials(deepcopy=False), space_shardings=models.space.param_shardings,
             model_facts=study.user_attrs.get(StudyAttr.MODEL), world_size=models.space.world_size,
-            usable=models.usable(study), unsharded=models.model,
-            tried=history.tried() | models.proposed, num_layers=models.space.num_layers)
+            usable=models.usable(study), unsharded=models.model, tried=history.tried() | models.proposed,
+            num_layers=models.space.num_layers)
         if found is not None:  # the fixed part only (in the reason): no peak predicted
             return Proposal(config=found[0], phase="shard", reason=found[1])
-    if models.settings.device == "cuda" and not any(r.status == Status.OK for r in history.records):
-        probe = _probe(models, study)
-        if probe is not None:
-            return Proposal(config=probe, phase="prior", reason=(
-                "nothing measured fits yet: the least memory the priors know, in "
-                f"{probe.dtype} ({models.dtype_note or 'the dtype prior on a GPU'})"))
-    return sampler_proposal(models, "the sampler's trial: the models propose nothing new worth a "
-                                    "trial")
-
-
-def _probe(models: SearchModels, study: optuna.Study) -> BalanceConfig | None:
-    """The least memory of the first allowed dtype while nothing fits (every block checkpointed,
-    else the smallest budget), at the baseline's accumulation, then the largest; None: tried."""
-    trials = study.get_trials(deepcopy=False)
-    if any(t.user_attrs.get(TrialAttr.STATUS) == Status.OK for t in trials):
-        return None
-    allowed = models.allowed_dtypes(study)
-    if not allowed:
-        return None
-    number = study.user_attrs.get(StudyAttr.BASELINE)
-    own = next((t.user_attrs.get(TrialAttr.CONFIG) or {} for t in trials if t.number == number), {})
-    tried = {json.dumps(t.user_attrs.get(TrialAttr.CONFIG), sort_keys=True)
-             for t in trials if t.user_attrs.get(TrialAttr.CONFIG)} | models.proposed
-    space = models.space
-    world = space.world_size
-    mode = "off" if "off" in space.compile_modes else space.compile_modes[0]
-    layers = space.num_layers if mode == "off" else 0
-    for acc in dict.fromkeys([int(own.get("accumulation") or 1), max(space.accumulations)]):
-        if acc not in space.accumulations:
-            continue
-        cfg = space.config_for(
-            split_evenly(space.micro_total(acc), [1.0] * world), acc, None,
-            checkpoint=[list(range(layers)) for _ in range(world)], dtype=allowed[0],
-            bucket_cap_mb=float(own.get("bucket_cap_mb") or 25.0),
-            gradient_as_bucket_view=bool(own.get("gradient_as_bucket_view", True)), compile=mode,
-            activation_budget=None if mode == "off" else [BUDGET_RANGE[0]] * world)
-        if space.contains(cfg) and cfg.to_json() not in tried:
-            return cfg
-    return None
+    if (models.settings.device == "cuda" and not any(r.status == Status.OK for r in history.records)
+            and (allowed := models.allowed_dtypes(study))):
+        # the least memory of the first allowed dtype while nothing fits (every block checkpointed, else
+        # the smallest budget), at the baseline's accumulation, then the largest
+        number = study.user_attrs.get(StudyAttr.BASELINE)
+        own = next((t.user_attrs.get(TrialAttr.CONFIG) or {} for t in study.get_trials(deepcopy=False)
+                    if t.number == number), {})
+        space = models.space
+        mode = "off" if "off" in space.compile_modes else space.compile_modes[0]
+        accs = dict.fromkeys([int(own.get("accumulation") or 1), max(space.accumulations)])
+        for acc in (a for a in accs if a in space.accumulations):
+            probe = policy._even(acc, dtype=allowed[0], compile=mode, budget=BUDGET_RANGE[0],
+                                 checkpointed=space.num_layers if mode == "off" else 0,
+                                 bucket_cap_mb=float(own.get("bucket_cap_mb") or 25.0),
+                                 view=bool(own.get("gradient_as_bucket_view", True)))
+            if probe is not None and probe.to_json() not in history.tried() | models.proposed:
+                return Proposal(config=probe, phase="prior", reason=(
+                    "nothing measured fits yet: the least memory the priors know, in "
+                    f"{probe.dtype} ({models.dtype_note or 'the dtype prior on a GPU'})"))
+    return sampler_proposal(models, "the sampler's trial: the models propose nothing new worth a trial")
 
 
 def sampler_proposal(models: SearchModels, why: str) -> Proposal:
@@ -837,8 +752,7 @@ def sampler_proposal(models: SearchModels, why: str) -> Proposal:
         allowed = models.allowed_dtypes(study, timing if timing.k else None)
         if allowed and len(allowed) < len(models.space.dtypes):
             best = best_trial(study)
-            dtype = (None if best is None
-                     else (best.user_attrs.get(TrialAttr.CONFIG) or {}).get("dtype"))
+            dtype = None if best is None else (best.user_attrs.get(TrialAttr.CONFIG) or {}).get("dtype")
             fixed["dtype"] = dtype if dtype in allowed else allowed[0]
             notes.append(f"in {fixed['dtype']}: {models.dtype_note}")
     return Proposal(config=None, phase="sampler", reason="; ".join(notes), fixed=fixed)
@@ -870,8 +784,7 @@ class ModelAdvisor:
         """Enqueue the policy's next proposal when nothing is waiting. ``decision``: the loop's
         (the study read once, each model fitted once); None: one of its own."""
         if decision is None:
-            decision = Decision(study, num_layers=self.space.num_layers,
-                                device=self.settings.device)
+            decision = Decision(study, num_layers=self.space.num_layers, device=self.settings.device)
         decision.errors = self.errors
         self.models.decision = decision  # the veto of the trial asked reads it too
         if study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
