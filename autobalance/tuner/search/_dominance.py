@@ -49,16 +49,12 @@ def _ranks_over_cap(t: FrozenTrial) -> list[int] | None:
 
 
 def _needs_at_least(cfg: dict[str, Any], other: dict[str, Any], rank: int) -> bool:
-    """Rank ``rank`` of ``cfg`` holds at least the memory it held under ``other``: same dtype,
-    compile mode and scope, a micro-batch no smaller, no more recomputation (fewer blocks
-    checkpointed, a compile budget no smaller), buckets no smaller, not views where ``other`` used
-    none, at least its optimizer state, no more parameters sharded (off < embeddings < blocks; at
-    one level, at least the groups ``other`` keeps gathered). Accumulation changes no peak."""
+    """Rank ``rank`` of ``cfg`` holds at least the memory it held under ``other``: every term below no
+    smaller (at one sharding level, at least the groups ``other`` keeps gathered). Accumulation changes no peak."""
     if (cfg["dtype"] != other["dtype"] or cfg.get("compile", "off") != other.get("compile", "off")
             or cfg.get("compile_scope", "whole") != other.get("compile_scope", "whole")):
         return False
-    mine = sharding_level(cfg.get("param_sharding", "off"))
-    theirs = sharding_level(other.get("param_sharding", "off"))
+    mine, theirs = (sharding_level(c.get("param_sharding", "off")) for c in (cfg, other))
     return (cfg["micro_batches"][rank] >= other["micro_batches"][rank]
             and len(cfg["checkpoint"][rank]) <= len(other["checkpoint"][rank])
             and activation_budget(cfg, rank) >= activation_budget(other, rank)
@@ -70,10 +66,9 @@ def _needs_at_least(cfg: dict[str, Any], other: dict[str, Any], rank: int) -> bo
 
 
 def _holds_state_of(cfg: dict[str, Any], other: dict[str, Any], rank: int) -> bool:
-    """Rank ``rank``'s run of the optimizer state (cumulative fractions of the parameter bytes;
-    all of it unsharded) encloses the one it had under ``other``. The partition
-    (``runtime._zero.partition``) is monotone in the cumulative shares, so it owns every parameter
-    that one owns (a larger share alone does not, from three ranks on)."""
+    """Rank ``rank``'s run of the optimizer state (cumulative fractions; all of it unsharded) encloses its run
+    under ``other``: the partition (``runtime._zero.partition``) is monotone in the cumulative shares, so it owns
+    every parameter that one owns (a larger share alone does not, from three ranks on)."""
     def run(c: dict[str, Any]) -> tuple[float, float]:
         if c.get("optimizer_sharding", "off") == "off":
             return 0.0, 1.0
@@ -105,30 +100,27 @@ def dominating_over_cap(trials: list[FrozenTrial], config: BalanceConfig) -> tup
 
 
 def _predicted_oom(peaks: list[float | None], *, usable: list[float], headroom: float, **attrs: Any) -> Veto:
-    """The figures and attributes of a trial recorded as ``predicted_oom`` without launching;
-    ``attrs``: who predicted it and why."""
+    """A trial recorded as ``predicted_oom`` without launching; ``attrs``: who predicted it and why."""
     n = len(peaks)
     figures = TrialFigures(status=Status.PREDICTED_OOM, peak_device=peaks, peak_allocated=[None] * n,
                            peak_reserved=[None] * n, outside_pytorch=[None] * n, step_time_s=None,
-                           capacity=[u / (1.0 - headroom) for u in usable], samples_per_s=None,
-                           startup_s=None)
+                           samples_per_s=None, startup_s=None, capacity=[u / (1.0 - headroom) for u in usable])
     return figures, {**figures.user_attrs(headroom), "status": Status.PREDICTED_OOM, "predicted": True,
                      **attrs, "baseline": False}
 
 
 def model_veto(model: MemoryModel, compiled: CompiledMemoryModel | None, config: BalanceConfig, *,
                usable: list[float], headroom: float, num_layers: int) -> Veto | bool | None:
-    """The memory models' verdict on ``config``: its ``predicted_oom`` figures and attributes when
-    a rank will not fit, True when it is predicted to fit, None when the models cannot say. Compiled:
-    a rank (whose eager fixed part the memory model is sure of) that the compiled model's measured
-    budgets prove cannot fit."""
+    """The memory models' verdict on ``config``: its ``predicted_oom`` figures when a rank will not fit, True when
+    it is predicted to fit, None when they cannot say. Compiled: a rank (whose eager fixed part the memory model
+    is sure of) that the compiled model's measured budgets prove cannot fit."""
     layers = max(1, num_layers)
     if config.compile != "off":
         if compiled is None or not model.can_predict(config.dtype):
             return None
         budgets = config.activation_budget or [1.0] * config.world_size
-        own = config.sharding_shares()  # zero1: each rank's share of the state (None: unsharded)
-        shares: list[float | None] = [None] * config.world_size if own is None else list(own)
+        # zero1: each rank's share of the state (None: unsharded)
+        shares: list[float | None] = list(config.sharding_shares() or [None] * config.world_size)
         for rank, (m, b) in enumerate(zip(config.micro_batches, budgets, strict=True)):
             common: dict[str, Any] = {"rank": rank, "micro_batch": m, "dtype": config.dtype}
             if not model.is_confident(**common, checkpointed=0, num_layers=layers):
@@ -151,13 +143,11 @@ def model_veto(model: MemoryModel, compiled: CompiledMemoryModel | None, config:
     if config.param_sharding != "off":  # the model is of unsharded memory (dominance still vetoes)
         return None
     if not model.can_predict(config.dtype) or not all(
-            model.is_confident(rank=r, micro_batch=m, checkpointed=len(c), num_layers=layers,
-                               dtype=config.dtype)
+            model.is_confident(rank=r, micro_batch=m, checkpointed=len(c), num_layers=layers, dtype=config.dtype)
             for r, (m, c) in enumerate(zip(config.micro_batches, config.checkpoint, strict=True))):
         return None
-    # judged at the default margin, not the self-widened one the proposals use: a widened margin
-    # (up to 50 %) vetoed configurations that fit (issue 41: predicted 9.28 MiB +50 % > 12.2 MiB
-    # usable, measured 9.2-10.0 MiB)
+    # at the default margin, not the self-widened one the proposals use: a widened margin (up to 50 %) vetoed
+    # configurations that fit (issue 41: predicted 9.28 MiB +50 % > 12.2 MiB usable, measured 9.2-10.0 MiB)
     feasible, peaks = predict_config_feasible(model, config, num_layers=layers, limits=usable,
                                               margin=DEFAULT_SAFETY_MARGIN)
     if feasible:

@@ -87,8 +87,7 @@ __all__ = ["FIT_MARGIN", "KEEP_AT_FULL_BUDGET", "LOW_BUDGET", "ModelAdvisor", "P
 
 
 def one_size(config: BalanceConfig) -> bool:
-    """Whether each rank's micro-steps are of one size: compiled, a static batch dimension; two
-    sizes compile it dynamic, much slower (:data:`SAME_WITHIN`)."""
+    """Whether each rank's micro-steps are of one size (two compile a dynamic batch dimension: slow)."""
     return all(len(set(config.micro_step_sizes(r))) == 1 for r in range(config.world_size))
 
 
@@ -186,8 +185,7 @@ class TrialHistory:
                 if c.dtype in HALF_DTYPES and not any(c.checkpoint)]
 
     def eager_probe(self) -> tuple[Record, float, float] | None:
-        """``(record, held GiB, activations GiB per sample)`` of the fullest rank of a
-        :meth:`half_eager` trial; None before one."""
+        """``(record, held GiB, activations GiB per sample)`` of a :meth:`half_eager` trial's fullest rank."""
         found = [(r, float(held), (float(peak) - float(held)) / cfg.micro_batches[rank])
                  for r, cfg in self.half_eager()
                  for rank, (peak, held) in enumerate(zip(r.peaks_gib, r.held_gib, strict=False))
@@ -203,8 +201,7 @@ class TrialHistory:
         return next(iter(self.fastest_compiled()), None)
 
     def two_sizes_compete(self) -> bool:
-        """Whether a compiled split of two micro-step sizes in a rank was measured here within
-        :data:`SAME_WITHIN` of the best compiled trial (then such splits are proposed too)."""
+        """Whether a split of two micro-step sizes in a rank measured within :data:`SAME_WITHIN` of the best."""
         fastest = self.fastest_compiled()
         return any(r.config is not None and not one_size(r.config)
                    and float(r.step_ms or 0.0) <= float(fastest[0].step_ms or 0.0) * (1.0 + SAME_WITHIN)
@@ -217,9 +214,9 @@ class TrialHistory:
                 if config_compile_key(c) == key and c.dtype == config.dtype]
 
     def time_supported(self, config: BalanceConfig) -> bool:
-        """Whether the step-time model was fitted where ``config`` lies: eager always; compiled, no
-        budget below and no micro-batch outside those measured in its compile key and dtype (below,
-        44 ms was predicted at budget 0.3 from trials at 0.55-1.0 for one that ran 164 ms)."""
+        """Whether the step-time model was fitted where ``config`` lies: compiled, no budget below and no
+        micro-batch outside those measured in its compile key and dtype (44 ms predicted at budget 0.3 from
+        trials at 0.55-1.0 for one that ran 164 ms)."""
         if config.compile == "off":
             return True
         ok = [c for r, c in self.keyed(config) if r.status == Status.OK and r.step_ms is not None]
@@ -238,8 +235,7 @@ class TrialHistory:
         return {c.compile_scope for _, c in self.ran(compiled=True, ok=True)}
 
     def budget_ladder(self, config: BalanceConfig) -> list[tuple[float, float, float]]:
-        """``config``'s split (one rank) as measured to fit here: ``(budget, peak GiB, step ms)``
-        per budget, ascending (a budget measured twice: its later trial)."""
+        """``config``'s split (one rank) measured to fit here: ``(budget, peak GiB, step ms)``, ascending."""
         out: dict[float, tuple[float, float, float]] = {}
         for r, c in self.keyed(config):
             if (r.feasible and r.step_ms is not None and _split(c) == _split(config)
@@ -249,14 +245,12 @@ class TrialHistory:
         return [out[b] for b in sorted(out)]
 
     def ladder_slope(self, config: BalanceConfig) -> float | None:
-        """The largest rise of the measured peak per unit of budget between two budgets of
-        :meth:`budget_ladder`, GiB; None: fewer than two measured there."""
-        pairs = list(itertools.pairwise(self.budget_ladder(config)))
-        return max((max(0.0, (p1 - p0) / (b1 - b0)) for (b0, p0, _), (b1, p1, _) in pairs), default=None)
+        """The largest rise of the peak per unit of budget in :meth:`budget_ladder`, GiB; None: below two."""
+        return max((max(0.0, (p1 - p0) / (b1 - b0))
+                    for (b0, p0, _), (b1, p1, _) in itertools.pairwise(self.budget_ladder(config))), default=None)
 
     def low_budget_ok(self, config: BalanceConfig) -> bool:
-        """A budget below :data:`LOW_BUDGET` only where a higher one was measured at that
-        micro-batch (largest on any rank) and compile key."""
+        """A budget below :data:`LOW_BUDGET` only where a higher one was measured at that micro-batch and key."""
         if config.compile == "off" or _low(config) >= LOW_BUDGET:
             return True
         key, m = config_compile_key(config), max(config.micro_batches)
@@ -292,9 +286,8 @@ class Proposal:
 
 
 def proposal_line(attrs: dict[str, Any]) -> str:
-    """A trial's phase and prediction as its console line shows them, from its attributes:
-    ``compiled-grow: 13.6 GiB predicted``, ``compiled-model: 169 ms, 12.6 GiB predicted``,
-    ``sampler`` (empty: nobody proposed it, as for a trial from before the policy)."""
+    """A trial's phase and prediction on its console line: ``compiled-model: 169 ms, 12.6 GiB predicted``,
+    ``sampler`` (empty: nobody proposed it)."""
     phase = attrs.get(TrialAttr.PROPOSAL_PHASE)
     if not phase:
         return ""
@@ -308,8 +301,8 @@ def proposal_line(attrs: dict[str, Any]) -> str:
 
 def first_compiled_micro_batch(*, held_gib: float, act_gib: float, usable_gib: float, keep: float,
                                candidates: Sequence[int]) -> int | None:
-    """The largest of ``candidates`` whose predicted peak at budget 1.0, ``held + m * act *
-    keep``, stays :data:`FIT_MARGIN` below ``usable``; None: none does."""
+    """The largest of ``candidates`` whose peak at budget 1.0, ``held + m * act * keep``, stays :data:`FIT_MARGIN`
+    below ``usable``; None: none does."""
     limit = usable_gib * (1.0 - FIT_MARGIN)
     return max((m for m in candidates if held_gib + m * act_gib * keep <= limit), default=None)
 
@@ -322,8 +315,8 @@ class SearchPolicy:
         self.models = models
 
     def next(self, history: TrialHistory) -> Proposal | None:
-        """The first phase's proposal that is new (not tried, not running elsewhere) and that the
-        time budget holds (its compile and verification's reserve after it); None: the sampler's."""
+        """The first phase's proposal that is new (not tried, not running elsewhere) and that the time budget holds
+        (its compile and verification's reserve after it); None: the sampler's."""
         tried = history.tried()
         for phase in PHASES:
             proposal = phase(self, history)
@@ -342,10 +335,8 @@ class SearchPolicy:
 
     def _even(self, acc: int, *, dtype: str, compile: str, scope: str = "whole", checkpointed: int = 0,
               budget: float = 1.0, bucket_cap_mb: float = 25.0, view: bool = True) -> BalanceConfig | None:
-        """The even split of ``acc`` micro-steps, ``checkpointed`` blocks checkpointed, ``budget`` when
-        compiled (by default: nothing checkpointed, 1.0, DDP's buckets)."""
-        world = self.space.world_size
-        total = self.space.micro_total(acc)
+        """The even split of ``acc`` micro-steps, ``checkpointed`` blocks checkpointed, ``budget`` compiled."""
+        world, total = self.space.world_size, self.space.micro_total(acc)
         if total < world:
             return None
         rest: dict[str, Any] = {"dtype": dtype, "compile": compile, "bucket_cap_mb": bucket_cap_mb,
@@ -360,8 +351,8 @@ class SearchPolicy:
         return cfg if self.space.contains(cfg) else None
 
     def _fewer_steps(self, cfg: BalanceConfig, two_sizes: bool) -> Iterator[BalanceConfig]:
-        """The even splits of fewer micro-steps than ``cfg`` in its compile mode, scope and dtype,
-        one fewer first; of one size per rank unless ``two_sizes`` (two compile dynamic: slow)."""
+        """The even splits of fewer micro-steps than ``cfg`` in its compile key and dtype, one fewer first; of one
+        size per rank unless ``two_sizes``."""
         for acc in sorted((a for a in self.space.accumulations if a < cfg.accumulation), reverse=True):
             template = self._even(acc, dtype=cfg.dtype, compile=cfg.compile, scope=cfg.compile_scope)
             if template is not None and (two_sizes or one_size(template)):
@@ -407,8 +398,7 @@ class SearchPolicy:
                                        candidates=list(by_micro)) or min(by_micro)
         cfg = by_micro[m]
         one = "of micro-steps of one size " if even else ""
-        return Proposal(config=cfg, phase="compiled-start", predicted_peak_gib=[held + m * act * keep],
-                        reason=(
+        return Proposal(config=cfg, phase="compiled-start", predicted_peak_gib=[held + m * act * keep], reason=(
             f"the first compiled trial: {scope} (the cheapest to compile), {cfg.dtype}, budget 1.0, the "
             f"largest micro-batch {one}predicted to fit ({m}: {memory_text(held)} held + {m} x "
             f"{memory_text(act)} x {keep:g} kept at budget 1.0 <= {memory_text(usable)} usable)"))
@@ -424,10 +414,9 @@ class SearchPolicy:
                    and (fits := self.models.largest_budgets(t)) is not None and min(fits) >= GROW_MIN_BUDGET]
         if not options:
             return None
-        # fitting at the full budget: straight to the fewest; of one size per rank, the next split
-        # already doubles the micro-batch (32: 4 x 8, 8 x 4, 16 x 2): one at a time, as far as the
-        # memory model reaches from what was measured (4 x 8 at 1.0 alone put 16 x 2 at 1.0 within
-        # the usable memory; it peaked 20.9 GiB of 15.2)
+        # fitting at the full budget: straight to the fewest; of one size per rank, the next split already doubles
+        # the micro-batch (32: 4 x 8, 8 x 4, 16 x 2): one at a time, as far as the memory model reaches from what
+        # was measured (4 x 8 at 1.0 alone put 16 x 2 at 1.0 within the usable memory; it peaked 20.9 GiB of 15.2)
         full = [o for o in options if min(o[1]) >= 1.0]
         template, fits = min(full, key=lambda o: o[0].accumulation) if full and two_sizes else options[0]
         grown = _with(template, activation_budget=fits, bucket_cap_mb=cfg.bucket_cap_mb,
@@ -448,46 +437,41 @@ class SearchPolicy:
         peak = base.peaks_gib[0] if base.peaks_gib else None
         if b >= BUDGET_CEILING or peak is None:
             return None
-        # below any budget that ran out of memory or over the usable memory at this split: a higher
-        # budget keeps at least as much (where it is not low)
+        # below any budget that ran out of memory or over the usable memory at this split: a higher budget keeps
+        # at least as much (where it is not low)
         ceiling = min([BUDGET_CEILING + 1e-9, *(
-            _low(c) for r, c in history.keyed(cfg) if _split(c) == _split(cfg) and (
-                r.status == Status.OOM or any(p is not None and p > u for p, u in zip(
-                    r.peaks_gib, history.usable_gib, strict=False))))])
+            _low(c) for r, c in history.keyed(cfg) if _split(c) == _split(cfg) and (r.status == Status.OOM or any(
+                p is not None and p > u for p, u in zip(r.peaks_gib, history.usable_gib, strict=False))))])
         limit = history.usable_gib[0]  # the measured peak is known: the margin is on the change
         pick: tuple[float, float] | None = None
         slope = history.ladder_slope(cfg)  # GiB per unit of budget the split's own budgets measured
         nb = round(b + BUDGET_STEP, 3)
         while nb < ceiling and (change := self.models.peak_change(cfg, nb)) is not None:
-            # never less than the split's own measurements show: the model's curve is shared by
-            # every split (a trial over the memory at another micro-batch lifts it at every budget)
+            # never less than the split's own measurements show: the model's curve is shared by every split (a
+            # trial over the memory at another micro-batch lifts it at every budget)
             grow = max(change[0], 0.0, (slope or 0.0) * (nb - b))
             if float(peak) + grow * (1.0 + RAISE_CHANGE_MARGIN) > limit:
                 break
             pick = (nb, float(peak) + grow)
             nb = round(nb + BUDGET_STEP, 3)
-        raised = None if pick is None else _with(cfg, activation_budget=[pick[0]])
-        if pick is not None and raised is not None and raised.to_json() not in history.tried():
+        if pick is not None and (raised := _with(cfg, activation_budget=[pick[0]])).to_json() not in history.tried():
             own = " (no less than the split's own measured budgets showed)" if slope is not None else ""
             return Proposal(config=raised, phase="raise-budget", predicted_peak_gib=[pick[1]], reason=(
                 f"the best compiled trial ({base.number}) at budget {pick[0]:g} instead of {b:g}: its "
                 f"measured {memory_text(float(peak))} plus the compiled model's change{own} counted "
                 f"{1.0 + RAISE_CHANGE_MARGIN:g}x stays below {memory_text(limit)} usable; less recomputed"))
-        return self._budget_step(history, base, limit=limit, ceiling=ceiling)
+        return self._budget_step(history, base, cfg, limit=limit, ceiling=ceiling, slope=slope)
 
-    def _budget_step(self, history: TrialHistory, base: Record, *, limit: float,
-                     ceiling: float) -> Proposal | None:
-        """``raise-budget``'s measured step where the doubled change leaves no room
-        (:data:`RAISE_CHANGE_MARGIN`); not above a budget measured slower beyond :data:`SAME_WITHIN`."""
-        cfg = base.config
-        ladder = [] if cfg is None or base.step_ms is None else history.budget_ladder(cfg)
-        if cfg is None or not ladder:
+    def _budget_step(self, history: TrialHistory, base: Record, cfg: BalanceConfig, *, limit: float,
+                     ceiling: float, slope: float | None) -> Proposal | None:
+        """``raise-budget``'s measured step; not above a budget measured slower beyond :data:`SAME_WITHIN`."""
+        ladder = history.budget_ladder(cfg)
+        if not ladder:
             return None
         top_b, top_peak, top_ms = ladder[-1]
         nb = round(top_b + BUDGET_STEP, 3)
         if top_ms > float(base.step_ms or 0.0) * (1.0 + SAME_WITHIN) or nb >= ceiling:
             return None
-        slope = history.ladder_slope(cfg)
         if slope is not None:
             step = slope * BUDGET_STEP
             source = (f"the largest change per step its {len(ladder)} measured budgets at this split showed "
@@ -526,8 +510,7 @@ class SearchPolicy:
             budgets = [max(f, b) for f, b in zip(fits, measured_at, strict=True)]
             fitted = _with(src, activation_budget=budgets)
             other = _with(fitted, compile_scope=scope)
-            if (not self.space.contains(other) or _split(other) in ran
-                    or not self.models.time_holds_compile(scope)):
+            if not self.space.contains(other) or _split(other) in ran or not self.models.time_holds_compile(scope):
                 continue
             return Proposal(config=other, phase="scope-probe",
                             predicted_peak_gib=self.models.compiled_peaks(fitted), reason=(
@@ -572,8 +555,7 @@ class SearchPolicy:
             base_ms = float(base.step_ms)
             keyed = history.keyed(cfg)
             slower_ones = [(r, c) for r, c in keyed if r.feasible and r.step_ms is not None
-                           and c.accumulation > cfg.accumulation
-                           and float(r.step_ms) > base_ms * (1.0 + SAME_WITHIN)]
+                           and c.accumulation > cfg.accumulation and float(r.step_ms) > base_ms * (1 + SAME_WITHIN)]
             if not slower_ones:
                 continue  # no measured evidence that fewer micro-steps pay in this scope
             slower, more = min(slower_ones, key=lambda o: float(o[0].step_ms or 0.0))
@@ -614,8 +596,7 @@ class SearchPolicy:
 
 # ---------------------------------------------------------------------- the phases over the models
 def explore_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
-    """The sampler's trial every :data:`SAMPLER_EVERY`-th ask: on CPU always (bucket sizes, dtypes
-    the models cannot predict yet), on a GPU once their proposals stalled."""
+    """``explore`` (module doc): on CPU for bucket sizes and dtypes the models cannot predict yet."""
     models, study = policy.models, policy.models.study
     cpu = models.settings.device != "cuda"
     if models.asks % SAMPLER_EVERY == 0 and (cpu or proposals_stalled(
@@ -626,9 +607,8 @@ def explore_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | Non
 
 
 def model_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
-    """The models' best new candidate (module doc) worth a trial (:data:`WORTH`): a compile the
-    time left holds, a measured scope (the scope probe brings in another), eager first while the
-    compiled model has too few eager trials of its dtype (:data:`EAGER_FIRST`)."""
+    """``model`` (module doc): worth a trial (:data:`WORTH`), in a measured scope, a compile the time left holds;
+    eager first while the compiled model has too few eager trials of its dtype (:data:`EAGER_FIRST`)."""
     models, study = policy.models, policy.models.study
     candidates = models.scored_candidates(study)
     if not candidates:
@@ -680,8 +660,7 @@ def model_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
 
 
 def cuda_graphs_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
-    """The CUDA-graph probe (:func:`graph_probe`) when the time budget holds a compile, at the
-    best trial, or the best whole-model one (graphs capture the whole model) within 2 % of it."""
+    """``cuda-graphs`` (module doc), at the best trial or the best whole-model one within 2 % of it."""
     models, study = policy.models, policy.models.study
     top = best_trial(study)
     if not models.time_holds_compile() or top is None:
@@ -739,8 +718,7 @@ def fallbacks_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | N
 
 
 def sampler_proposal(models: SearchModels, why: str) -> Proposal:
-    """The sampler's trial: eager when the time budget holds no compile; while some dtype is held
-    back, in the best trial's dtype (when allowed) or the first allowed one."""
+    """The sampler's trial; a dtype held back: in the best trial's dtype (when allowed) or the first allowed."""
     study = models.study
     fixed: dict[str, Any] = {}
     notes = [why]
@@ -767,8 +745,7 @@ PHASES: list[Callable[[SearchPolicy, TrialHistory], Proposal | None]] = [
 
 # ---------------------------------------------------------------------- the glue to Optuna
 class ModelAdvisor:
-    """Enqueues the policy's proposals, vetoes predicted OOMs (``_dominance``), and lets the
-    models learn from each trial (``_models``)."""
+    """Enqueues the policy's proposals, vetoes predicted OOMs (``_dominance``), lets the models learn."""
 
     def __init__(self, *, space: SearchSpace, settings: TuneSettings) -> None:
         self.space = space
@@ -781,8 +758,7 @@ class ModelAdvisor:
 
     @saves_errors
     def before_ask(self, study: optuna.Study, decision: Decision | None = None) -> None:
-        """Enqueue the policy's next proposal when nothing is waiting. ``decision``: the loop's
-        (the study read once, each model fitted once); None: one of its own."""
+        """Enqueue the policy's next proposal when nothing is waiting. ``decision``: None: one of its own."""
         if decision is None:
             decision = Decision(study, num_layers=self.space.num_layers, device=self.settings.device)
         decision.errors = self.errors
@@ -797,8 +773,7 @@ class ModelAdvisor:
         proposal = self.policy.next(history)
         if proposal is not None and proposal.config is not None:
             self.models.proposed.add(proposal.config.to_json())
-            study.enqueue_trial(self.space.params_from_config(proposal.config),
-                                user_attrs=proposal.user_attrs())
+            study.enqueue_trial(self.space.params_from_config(proposal.config), user_attrs=proposal.user_attrs())
         elif proposal is not None and proposal.fixed:  # the sampler's trial, parameters pinned
             study.enqueue_trial(proposal.fixed, user_attrs=proposal.user_attrs())
 
@@ -813,14 +788,13 @@ class ModelAdvisor:
     @saves_errors
     def predict_infeasible(self, study: optuna.Study,
                            config: BalanceConfig) -> tuple[TrialFigures, dict[str, Any]] | None:
-        """Figures for a config that will not fit (``_dominance``); None to launch it. After
-        :data:`MAX_PREDICTED_IN_A_ROW` vetoes in a row the next is launched whatever they say."""
+        """Figures for a config that will not fit (``_dominance``); None to launch it (always after
+        :data:`MAX_PREDICTED_IN_A_ROW` vetoes in a row)."""
         usable = self.models.usable(study)
         if usable is None or self._predicted_in_a_row >= MAX_PREDICTED_IN_A_ROW:
             return None
         headroom = self.settings.headroom
-        dominated = dominating_over_cap(study.get_trials(deepcopy=False), config)
-        if dominated is not None:
+        if (dominated := dominating_over_cap(study.get_trials(deepcopy=False), config)) is not None:
             self._predicted_in_a_row += 1
             return dominance_veto(config, *dominated, usable=usable, headroom=headroom)
         model = self.models.refit(study)
