@@ -51,11 +51,10 @@ def _ranks_over_cap(t: FrozenTrial) -> list[int] | None:
 def _needs_at_least(cfg: dict[str, Any], other: dict[str, Any], rank: int) -> bool:
     """Rank ``rank`` of ``cfg`` holds at least the memory it held under ``other``: every term below no
     smaller (at one sharding level, at least the groups ``other`` keeps gathered). Accumulation changes no peak."""
-    if (cfg["dtype"] != other["dtype"] or cfg.get("compile", "off") != other.get("compile", "off")
-            or cfg.get("compile_scope", "whole") != other.get("compile_scope", "whole")):
-        return False
     mine, theirs = (sharding_level(c.get("param_sharding", "off")) for c in (cfg, other))
-    return (cfg["micro_batches"][rank] >= other["micro_batches"][rank]
+    return (cfg["dtype"] == other["dtype"] and cfg.get("compile", "off") == other.get("compile", "off")
+            and cfg.get("compile_scope", "whole") == other.get("compile_scope", "whole")
+            and cfg["micro_batches"][rank] >= other["micro_batches"][rank]
             and len(cfg["checkpoint"][rank]) <= len(other["checkpoint"][rank])
             and activation_budget(cfg, rank) >= activation_budget(other, rank)
             and float(cfg["bucket_cap_mb"]) >= float(other["bucket_cap_mb"])
@@ -93,8 +92,7 @@ def dominating_over_cap(trials: list[FrozenTrial], config: BalanceConfig) -> tup
         over = _ranks_over_cap(t)
         if over is None and all(_needs_at_least(cfg, other, r) for r in range(config.world_size)):
             return t, int(t.user_attrs.get(TrialAttr.FAILING_RANK) or 0)
-        rank = next((r for r in over or [] if _needs_at_least(cfg, other, r)), None)
-        if rank is not None:
+        if (rank := next((r for r in over or [] if _needs_at_least(cfg, other, r)), None)) is not None:
             return t, rank
     return None
 
@@ -126,11 +124,9 @@ def model_veto(model: MemoryModel, compiled: CompiledMemoryModel | None, config:
             if not model.is_confident(**common, checkpointed=0, num_layers=layers):
                 continue
             common.update(mode=config_compile_key(config), limit=usable[rank], optimizer_share=shares[rank])
-            low = compiled.surely_over(budget=b, **common)
-            why = "the compiled model's measured budgets put"
+            low, why = compiled.surely_over(budget=b, **common), "the compiled model's measured budgets put"
             if low is None:  # not even the least any budget keeps fits (a tiny budget does not save it)
-                low = compiled.over_at_any_budget(**common)
-                why = "at any budget the compiled model predicts"
+                low, why = compiled.over_at_any_budget(**common), "at any budget the compiled model predicts"
             if low is None:
                 continue
             return _predicted_oom(

@@ -110,10 +110,8 @@ class Record:
     """One trial as the policy reads it."""
 
     number: int
-    config: BalanceConfig | None
-    """Its configuration (for a running trial: from its parameters; None: not known)."""
-    status: str | None
-    """Its :class:`Status` (None: running or waiting)."""
+    config: BalanceConfig | None  # a running trial's from its parameters; None: not known
+    status: str | None  # None: running or waiting
     running: bool
     peaks_gib: list[float | None] = field(default_factory=list)
     held_gib: list[float | None] = field(default_factory=list)
@@ -136,8 +134,7 @@ class TrialHistory:
     """The study's trials, read once per decision."""
 
     records: list[Record]
-    usable_gib: list[float]
-    """Per rank, the memory a trial may use (cap x (1 - headroom))."""
+    usable_gib: list[float]  # per rank, the memory a trial may use (cap x (1 - headroom))
     loss_in_model: bool | None = None
     """The baseline's report: the loss computed inside the wrapped model (None: not reported)."""
 
@@ -157,10 +154,9 @@ class TrialHistory:
             except (ConfigError, KeyError, TypeError, ValueError):  # damaged, partial params
                 cfg = None
             records.append(Record(
-                number=t.number, config=cfg, status=None if running else a.get(TrialAttr.STATUS),
-                running=running, peaks_gib=list(a.get(TrialAttr.PEAK_DEVICE_GIB) or []),
-                held_gib=list(a.get(TrialAttr.HELD_GIB) or []),
-                step_ms=a.get(TrialAttr.STEP_TIME_MS), feasible=bool(a.get(TrialAttr.FEASIBLE)),
+                number=t.number, config=cfg, status=None if running else a.get(TrialAttr.STATUS), running=running,
+                peaks_gib=list(a.get(TrialAttr.PEAK_DEVICE_GIB) or []), step_ms=a.get(TrialAttr.STEP_TIME_MS),
+                held_gib=list(a.get(TrialAttr.HELD_GIB) or []), feasible=bool(a.get(TrialAttr.FEASIBLE)),
                 reused=a.get(TrialAttr.REUSED_FROM) is not None))
         loss = (model_facts or {}).get("loss_in_model")
         return cls(records=records, usable_gib=[u / GIB for u in (usable or [])],
@@ -263,13 +259,12 @@ class Proposal:
     """The next trial: what to run, which phase chose it, why, and what it is predicted to do."""
 
     config: BalanceConfig | None
-    """None: the sampler's trial (``fixed`` may pin some of its parameters)."""
+    """None: the sampler's, ``fixed`` its pinned parameters (a dtype held back; eager when no compile fits)."""
     phase: str
     reason: str
     predicted_ms: float | None = None
     predicted_peak_gib: list[float] | None = None
     fixed: dict[str, Any] = field(default_factory=dict)
-    """The sampler's trial's pinned parameters (a dtype held back, eager when no compile fits)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """More attributes the trial records (``proposal_new_graphs``, ...)."""
 
@@ -405,9 +400,8 @@ class SearchPolicy:
 
     def compiled_grow(self, history: TrialHistory) -> Proposal | None:
         base = history.best_compiled()
-        if base is None or base.config is None:
+        if base is None or (cfg := base.config) is None:
             return None
-        cfg = base.config
         ran = history.compiled_splits()
         two_sizes = history.two_sizes_compete()
         options = [(t, fits) for t in self._fewer_steps(cfg, two_sizes) if _split(t) not in ran
@@ -430,9 +424,8 @@ class SearchPolicy:
 
     def raise_budget(self, history: TrialHistory) -> Proposal | None:
         base = history.best_compiled()
-        if base is None or base.config is None or base.config.world_size != 1 or not history.usable_gib:
+        if base is None or (cfg := base.config) is None or cfg.world_size != 1 or not history.usable_gib:
             return None  # several ranks: the model phase moves each rank's budget
-        cfg = base.config
         b = (cfg.activation_budget or [1.0])[0]
         peak = base.peaks_gib[0] if base.peaks_gib else None
         if b >= BUDGET_CEILING or peak is None:
@@ -502,9 +495,8 @@ class SearchPolicy:
             fastest = [r for r in fastest if r.config is not None and one_size(r.config)]
         for scope in [s for s in self.space.compile_scopes if s not in measured]:  # a new scope
             base = next((r for r in fastest if r.config is not None and r.config.compile_scope != scope), None)
-            if base is None or base.config is None:
+            if base is None or (src := base.config) is None:
                 continue
-            src = base.config
             measured_at = list(src.activation_budget or [1.0] * src.world_size)
             fits = self.models.largest_budgets(src) or measured_at
             budgets = [max(f, b) for f, b in zip(fits, measured_at, strict=True)]
@@ -566,15 +558,13 @@ class SearchPolicy:
             if template is None or _split(template) in ran:
                 continue  # tried: growing from it is ``compiled-grow``'s and ``raise-budget``'s
             fits = self.models.largest_budgets(template)
-            if fits is not None and min(fits) >= GROW_MIN_BUDGET:
-                continue  # ``compiled-grow`` proposes it
+            if fits is not None and not LOW_BUDGET <= min(fits) < GROW_MIN_BUDGET:
+                continue  # above: ``compiled-grow`` proposes it; below, memory is not monotone in the budget
             bound = base_ms - per_step * (cfg.accumulation - template.accumulation)
             if bound >= float(best.step_ms):
                 continue
             if fits is None and min([1.0, *(_low(c) for _, c in keyed)]) <= LOW_BUDGET + 1e-9:
                 continue  # the model's "no budget" rests on a budget measured that low: no prior
-            if fits is not None and min(fits) < LOW_BUDGET:
-                continue  # it fits only where memory is not monotone in the budget
             low = min(fits) if fits is not None else LOW_BUDGET
             grown = _with(template, activation_budget=[low] * template.world_size,
                           bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=cfg.gradient_as_bucket_view)
@@ -636,8 +626,7 @@ def model_phase(policy: SearchPolicy, history: TrialHistory) -> Proposal | None:
     tried = history.tried() | models.proposed
     fresh = [c for c in candidates if c.config.to_json() not in tried and history.low_budget_ok(c.config)
              and (c.config.compile == "off" or c.config.compile_scope in scopes)]
-    best = best_value(study)
-    if limited and best is not None:  # under a time budget a compile must promise a gain
+    if limited and (best := best_value(study)) is not None:  # under a time budget a compile must promise a gain
         fresh = [c for c in fresh if c.new_graphs == 0 or c.score < best]
     if not fresh or fresh[0].score > WORTH * candidates[0].score:
         return None
@@ -752,8 +741,7 @@ class ModelAdvisor:
         self.settings = settings
         self.models = SearchModels(space=space, settings=settings)
         self.policy = SearchPolicy(space=space, models=self.models)
-        self.errors: ModelErrors = self.models.errors
-        """The fits the search fell back from (saved in the study after each call that fits)."""
+        self.errors: ModelErrors = self.models.errors  # the fits the search fell back from (saved in the study)
         self._predicted_in_a_row = 0
 
     @saves_errors
