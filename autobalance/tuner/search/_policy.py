@@ -324,10 +324,6 @@ class SearchPolicy:
             return proposal
         return None
 
-    @property
-    def on_gpu_compiling(self) -> bool:
-        return self.models.settings.device == "cuda" and self.space.compile_searched
-
     def _even(self, acc: int, *, dtype: str, compile: str, scope: str = "whole", checkpointed: int = 0,
               budget: float = 1.0, bucket_cap_mb: float = 25.0, view: bool = True) -> BalanceConfig | None:
         """The even split of ``acc`` micro-steps, ``checkpointed`` blocks checkpointed, ``budget`` compiled."""
@@ -359,8 +355,9 @@ class SearchPolicy:
 
     # ------------------------------------------------------------------ phases
     def probe(self, history: TrialHistory) -> Proposal | None:
-        if (not self.on_gpu_compiling or "off" not in self.space.compile_modes or history.compiled_tried()
-                or history.half_eager() or (half := self._half_dtype()) is None):
+        if (self.models.settings.device != "cuda" or not self.space.compile_searched
+                or "off" not in self.space.compile_modes or history.compiled_tried() or history.half_eager()
+                or (half := self._half_dtype()) is None):
             return None
         tried = history.tried()
         evens = (self._even(a, dtype=half, compile="off") for a in sorted(self.space.accumulations)[::-1])
@@ -371,7 +368,7 @@ class SearchPolicy:
             "sample in seconds, before any compile"))
 
     def compiled_start(self, history: TrialHistory) -> Proposal | None:
-        if not self.on_gpu_compiling or history.compiled_tried():
+        if self.models.settings.device != "cuda" or not self.space.compile_searched or history.compiled_tried():
             return None
         probe = history.eager_probe() or self.models.eager_estimate()
         half = self._half_dtype()
