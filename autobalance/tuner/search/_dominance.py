@@ -117,8 +117,8 @@ def model_veto(model: MemoryModel, compiled: CompiledMemoryModel | None, config:
         if compiled is None or not model.can_predict(config.dtype):
             return None
         budgets = config.activation_budget or [1.0] * config.world_size
-        # zero1: each rank's share of the state (None: unsharded)
-        shares: list[float | None] = list(config.sharding_shares() or [None] * config.world_size)
+        own = config.sharding_shares()  # zero1: each rank's share of the state (None: unsharded)
+        shares: list[float | None] = [None] * config.world_size if own is None else list(own)
         for rank, (m, b) in enumerate(zip(config.micro_batches, budgets, strict=True)):
             common: dict[str, Any] = {"rank": rank, "micro_batch": m, "dtype": config.dtype}
             if not model.is_confident(**common, checkpointed=0, num_layers=layers):
