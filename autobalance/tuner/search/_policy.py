@@ -92,7 +92,6 @@ def one_size(config: BalanceConfig) -> bool:
 
 
 def _low(config: BalanceConfig) -> float:
-    """``config``'s lowest compile budget (1.0: none set)."""
     return min(config.activation_budget or [1.0])
 
 
@@ -342,15 +341,14 @@ class SearchPolicy:
         return cfg if self.space.contains(cfg) else None
 
     def _fewer_steps(self, cfg: BalanceConfig, two_sizes: bool) -> Iterator[BalanceConfig]:
-        """The even splits of fewer micro-steps than ``cfg`` in its compile key and dtype, one fewer first; of one
-        size per rank unless ``two_sizes``."""
+        """Even splits of fewer micro-steps than ``cfg`` (one fewer first), its key and dtype; one size a rank
+        unless ``two_sizes``."""
         for acc in sorted((a for a in self.space.accumulations if a < cfg.accumulation), reverse=True):
             template = self._even(acc, dtype=cfg.dtype, compile=cfg.compile, scope=cfg.compile_scope)
             if template is not None and (two_sizes or one_size(template)):
                 yield template
 
     def _half_dtype(self) -> str | None:
-        """The first half-precision dtype the models may propose now."""
         return next((d for d in self.models.allowed_dtypes_now() if d in HALF_DTYPES), None)
 
     # ------------------------------------------------------------------ phases
