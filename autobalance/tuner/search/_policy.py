@@ -397,8 +397,7 @@ class SearchPolicy:
         base = history.best_compiled()
         if base is None or (cfg := base.config) is None:
             return None
-        ran = history.compiled_splits()
-        two_sizes = history.two_sizes_compete()
+        ran, two_sizes = history.compiled_splits(), history.two_sizes_compete()
         options = [(t, fits) for t in self._fewer_steps(cfg, two_sizes) if _split(t) not in ran
                    and (fits := self.models.largest_budgets(t)) is not None and min(fits) >= GROW_MIN_BUDGET]
         if not options:
@@ -483,9 +482,7 @@ class SearchPolicy:
     def scope_probe(self, history: TrialHistory) -> Proposal | None:
         if len(self.space.compile_scopes) < 2:
             return None
-        ran = history.compiled_splits()
-        measured = history.measured_scopes()
-        fastest = history.fastest_compiled()
+        ran, measured, fastest = history.compiled_splits(), history.measured_scopes(), history.fastest_compiled()
         if not history.two_sizes_compete():  # two sizes compile dynamic: slow unless measured not
             fastest = [r for r in fastest if r.config is not None and one_size(r.config)]
         for scope in [s for s in self.space.compile_scopes if s not in measured]:  # a new scope
@@ -531,8 +528,7 @@ class SearchPolicy:
         best = history.best_compiled()
         if best is None or best.step_ms is None:
             return None
-        ran = history.compiled_splits()
-        two_sizes = history.two_sizes_compete()
+        ran, two_sizes = history.compiled_splits(), history.two_sizes_compete()
         seen: set[tuple[str, str]] = set()
         for base in history.fastest_compiled():
             cfg = base.config
@@ -780,8 +776,7 @@ class ModelAdvisor:
         if (dominated := dominating_over_cap(study.get_trials(deepcopy=False), config)) is not None:
             self._predicted_in_a_row += 1
             return dominance_veto(config, *dominated, usable=usable, headroom=headroom)
-        model = self.models.refit(study)
-        if model is None:
+        if (model := self.models.refit(study)) is None:
             return None
         compiled = None  # compiled memory follows the budget: the compiled model's bounds
         if config.compile != "off":
