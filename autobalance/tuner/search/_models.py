@@ -690,13 +690,11 @@ def compiled_candidates(
         return next((b for b in ready if timing.recompute_factor(dtype, mode, b) <= tie), top)
 
     def zero_shares(micro: list[int], dtype: str, mode: str) -> list[float]:
-        """The state water-filled over the ranks' compiled bounds without it at budget 1.0."""
         base = [memory.bound(rank=r, micro_batch=m, budget=1.0, dtype=dtype, mode=mode, optimizer_share=0.0)
                 for r, m in enumerate(micro)]
         return normalised_shares(optimizer_shares(base=base, state=state, limits=usable))
 
     def fixed_shares(dtype: str) -> list[float]:
-        """zero1: the state placed by the fixed parts alone, to balance the splits with."""
         base = [memory.eager.fixed_bytes(r, dtype, 0.0) for r in range(world)]
         return optimizer_shares(base=base, state=state, limits=usable)
 
