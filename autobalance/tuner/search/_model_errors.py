@@ -18,7 +18,7 @@ from autobalance._errors import UsageError
 from autobalance.protocol import StudyAttr
 from autobalance.tuner.search._constants import MAX_ERROR_TEXT, MAX_KEPT_ERRORS
 
-__all__ = ["FIT_ERRORS", "MAX_KEPT_ERRORS", "ModelErrors", "attempt", "caught", "model_errors_line"]
+__all__ = ["FIT_ERRORS", "MAX_KEPT_ERRORS", "ModelErrors", "attempt", "model_errors_line"]
 
 FIT_ERRORS: tuple[type[Exception], ...] = (np.linalg.LinAlgError, ValueError, ArithmeticError, UsageError)
 """What a fit or a solver raises on data it cannot use: ``LinAlgError`` (an SVD or least squares
@@ -50,19 +50,14 @@ class ModelErrors:
         self.pending = []
 
 
-def caught(errors: ModelErrors | None, where: str, exc: BaseException) -> None:
-    """:meth:`ModelErrors.caught` when there is a collector (a fit run outside a study has none)."""
-    if errors is not None:
-        errors.caught(where, exc)
-
-
 def attempt(errors: ModelErrors | None, where: str, fit: Callable[_P, _T], /,
             *args: _P.args, **kwargs: _P.kwargs) -> _T | None:
-    """``fit(*args, **kwargs)``, or None after one of :data:`FIT_ERRORS` (noted in ``errors``)."""
+    """``fit(*args, **kwargs)``, or None after one of :data:`FIT_ERRORS` (noted in ``errors``, if any)."""
     try:
         return fit(*args, **kwargs)
     except FIT_ERRORS as exc:
-        caught(errors, where, exc)
+        if errors is not None:
+            errors.caught(where, exc)
         return None
 
 

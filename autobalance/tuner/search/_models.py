@@ -142,13 +142,11 @@ class SearchModels:
     def _refit(self, study: optuna.Study) -> MemoryModel | None:
         trials = study.get_trials(deepcopy=False)
         obs = observations_from_trials(trials, num_layers=self.space.num_layers)
-        self.savings = None
-        if len(self.space.param_shardings) > 1:  # sharded trials join as their unsharded peaks
-            self.savings = study_savings(trials, model_facts=study.user_attrs.get(StudyAttr.MODEL),
-                                         world_size=self.space.world_size, num_layers=self.space.num_layers,
-                                         unsharded=self._fit(obs))
-            if self.savings is not None:
-                obs = observations_from_trials(trials, num_layers=self.space.num_layers, savings=self.savings)
+        self.savings = None if len(self.space.param_shardings) < 2 else study_savings(
+            trials, model_facts=study.user_attrs.get(StudyAttr.MODEL), world_size=self.space.world_size,
+            num_layers=self.space.num_layers, unsharded=self._fit(obs))
+        if self.savings is not None:  # sharded trials join as their unsharded peaks
+            obs = observations_from_trials(trials, num_layers=self.space.num_layers, savings=self.savings)
         model = self._fit(obs)
         if model is not None:
             self._margin = model.safety_margin
@@ -176,8 +174,7 @@ class SearchModels:
             return []
         trials = study.get_trials(deepcopy=False)
         timing = self.decision_for(study).step_time
-        ref = study.user_attrs.get(StudyAttr.REFERENCE)
-        reference = 1000 * float(ref) if ref else None
+        reference = 1000 * float(ref) if (ref := study.user_attrs.get(StudyAttr.REFERENCE)) else None
         capacity = [u / (1.0 - self.settings.headroom) for u in usable]
         best = best_trial(study)  # its buckets, else DDP's defaults
         cfg = (best.user_attrs[TrialAttr.CONFIG] if best is not None
@@ -194,17 +191,15 @@ class SearchModels:
             max_spread=max_spread, score=score, errors=self.errors, savings=self.savings)
         compiled = self.compiled_for(study, model)
         if compiled is not None:
-            compiled_timing = self.decision_for(study).compiled_time
-            found = compiled_candidates(space=self.space, trials=trials, memory=compiled, timing=compiled_timing,
-                                        eager_timing=timing, usable=usable, bucket=bucket, view=view,
-                                        max_spread=max_spread, score=score, errors=self.errors)
+            found = compiled_candidates(space=self.space, trials=trials, memory=compiled, eager_timing=timing,
+                                        timing=self.decision_for(study).compiled_time, usable=usable, bucket=bucket,
+                                        view=view, max_spread=max_spread, score=score, errors=self.errors)
             # CUDA graphs only where a probe paid (graph_probe), under --compile-mode auto
             probed = "default" in self.space.compile_modes
             pays = {d: graphs_verdict(trials, d) == "pays" for d in self.space.dtypes} if probed else {}
             out += [c for c in found if not probed or c.config.compile not in CUDA_GRAPH_MODES
                     or pays.get(c.config.dtype, False)]
-        allowed = self.allowed_dtypes(study, timing)
-        return cache_order([c for c in out if c.config.dtype in allowed])
+        return cache_order([c for c in out if c.config.dtype in self.allowed_dtypes(study, timing)])
 
     def allowed_dtypes(self, study: optuna.Study, timing: StepTimeModel | None = None) -> list[str]:
         """The dtypes the models may propose now (:func:`proposable_dtypes`); sets :attr:`dtype_note`."""
@@ -215,8 +210,7 @@ class SearchModels:
         return allowed
 
     def compiled_for(self, study: optuna.Study, model: MemoryModel | None) -> CompiledMemoryModel | None:
-        """The compiled model refitted on the study's compiled trials (None: compile not searched,
-        or no eager model yet to build it on)."""
+        """The compiled model on the study's compiled trials (None: compile not searched, or no ``model``)."""
         if model is None or not self.space.compile_searched:
             return None
         margin = max(model.safety_margin, self._compiled_margin or 0.0)
@@ -226,13 +220,11 @@ class SearchModels:
         return self.compiled
 
     def decision_for(self, study: optuna.Study) -> Decision:
-        """The decision in progress when ``study`` is its view, else a decision of its own (a call
-        outside :meth:`before_ask`)."""
+        """The decision in progress when ``study`` is its view, else one of its own (outside ``before_ask``)."""
         return self._current(study) or Decision(study, num_layers=self.space.num_layers, device=self.settings.device,
                                                 errors=self.errors)
 
     def _current(self, study: optuna.Study) -> Decision | None:
-        """The decision in progress if ``study`` is its study or its view of it (None: no decision)."""
         decision = self.decision
         return decision if decision is not None and (study is decision.study or study is decision.source) else None
 
@@ -356,11 +348,9 @@ def finished_key(trials: Sequence[FrozenTrial]) -> tuple[tuple[int, int], ...]:
 
 
 class Decision:
-    """One choice of the next trial: the study read once (:class:`StudySnapshot`; before, ~35 reads
-    of all trials per trial in a 10-minute replay, each a storage query) and each model fitted from
-    it at most once (:meth:`fitted`), however many phases, vetoes and budget checks ask. The loop
-    rebuilds it only when a trial finished since (``TrialLoop.decision``); nothing changes the
-    trials while the advisor decides (it enqueues its proposal after)."""
+    """One choice of the next trial: the study read once (:class:`StudySnapshot`; uncached, ~35 storage
+    reads of all trials per trial in a 10-minute replay) and each model fitted from it at most once
+    (:meth:`fitted`). The loop rebuilds it only when a trial finished since (``TrialLoop.decision``)."""
 
     def __init__(self, study: optuna.Study, *, num_layers: int, device: str, errors: ModelErrors | None = None,
                  budget: TimeBudget | None = None, clock: Callable[[], float] = time.monotonic) -> None:
@@ -374,7 +364,6 @@ class Decision:
         self.errors = errors
         """Where a time model's fit notes what it fell back from (None: nowhere)."""
         self.budget = budget
-        """``--time-budget`` (None: no budget)."""
         self.clock = clock
         """The time now (the replay's simulated clock)."""
         self._fits: dict[Hashable, Any] = {}
@@ -419,8 +408,6 @@ class Decision:
 # ------------------------------ which dtypes the models may propose, and when the sampler explores
 HALF_DTYPES = ("bf16", "fp16")
 """Half-precision dtypes, in the order they are measured first."""
-MODEL_SOURCES = ("memory-model", "compiled-model")
-"""``proposed_by`` of the models' proposals."""
 
 
 def _launched(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
@@ -455,8 +442,7 @@ def proposable_dtypes(*, space: SearchSpace, device: str, trials: Sequence[Froze
         why = "half precision first (fp32 without TF32 costs about twice bf16 on a GPU)"
     if "fp32" in space.dtypes:
         k = per_sample_ms or {}
-        faster = ("fp32" in k and any(d in k for d in half)
-                  and all(k["fp32"] < k[d] for d in half if d in k))
+        faster = "fp32" in k and any(d in k for d in half) and all(k["fp32"] < k[d] for d in half if d in k)
         if all(d in failed for d in half) or faster or ((tf32 or asked) and len(allowed) > 1):
             allowed.add("fp32")
     out = [d for d in space.dtypes if d in allowed]
@@ -472,7 +458,7 @@ def proposals_stalled(trials: Sequence[FrozenTrial], objective: dict[str, Any]) 
     for t in _launched(trials):
         values = t.values if t.state == TrialState.COMPLETE else None
         value = weighted_objective(values, objective) if values else math.inf
-        if t.user_attrs.get("proposed_by") in MODEL_SOURCES:
+        if t.user_attrs.get("proposed_by") in ("memory-model", "compiled-model"):  # the models' proposals
             improved = value < best - IMPROVES * abs(best) if math.isfinite(best) else math.isfinite(value)
             misses = 0 if improved else misses + 1
         best = min(best, value)
@@ -497,10 +483,8 @@ def graphs_verdict(trials: Sequence[FrozenTrial], dtype: str) -> GraphVerdict:
             measured[config.to_json()] = (config, float(ms))
     verdict: GraphVerdict = "untried"
     for cfg, ms in measured.values():
-        if cfg.compile not in CUDA_GRAPH_MODES or cfg.dtype != dtype:
-            continue
-        twin = measured.get(dataclasses.replace(cfg, compile="default").to_json())
-        if twin is None:
+        if (cfg.compile not in CUDA_GRAPH_MODES or cfg.dtype != dtype
+                or (twin := measured.get(dataclasses.replace(cfg, compile="default").to_json())) is None):
             continue
         if ms <= (1.0 - GRAPH_GAIN) * twin[1]:
             return "pays"
@@ -696,7 +680,6 @@ def compiled_candidates(
 
     @functools.cache
     def budget_for(rank: int, m: int, dtype: str, mode: str, share: float | None) -> float | None:
-        """The largest budget predicted to fit, or a smaller one compiled already (CACHE_TIE)."""
         top = memory.largest_budget(rank=rank, micro_batch=m, dtype=dtype, mode=mode,
                                     limit=usable[rank], optimizer_share=share)
         if top is None:
@@ -707,23 +690,19 @@ def compiled_candidates(
         return next((b for b in ready if timing.recompute_factor(dtype, mode, b) <= tie), top)
 
     def zero_shares(micro: list[int], dtype: str, mode: str) -> list[float]:
-        """The state water-filled over the ranks' compiled bounds without it at budget 1.0."""
         base = [memory.bound(rank=r, micro_batch=m, budget=1.0, dtype=dtype, mode=mode, optimizer_share=0.0)
                 for r, m in enumerate(micro)]
         return normalised_shares(optimizer_shares(base=base, state=state, limits=usable))
 
     def fixed_shares(dtype: str) -> list[float]:
-        """zero1: the state placed by the fixed parts alone, to balance the splits with."""
         base = [memory.eager.fixed_bytes(r, dtype, 0.0) for r in range(world)]
         return optimizer_shares(base=base, state=state, limits=usable)
 
     def consider(micro: list[int], acc: int, dtype: str, target: tuple[str, str, str], zero: bool) -> None:
         mode, compile_mode, scope = target
-        placed = None
-        if zero:
-            placed = attempt(errors, "compiled search", zero_shares, micro, dtype, mode)
-            if placed is None:
-                return
+        placed = attempt(errors, "compiled search", zero_shares, micro, dtype, mode) if zero else None
+        if zero and placed is None:
+            return
         shares: list[float | None] = list(placed) if placed is not None else [None] * world
         budgets = [budget_for(r, m, dtype, mode, q) for r, (m, q) in enumerate(zip(micro, shares, strict=True))]
         if any(b is None for b in budgets):
@@ -750,11 +729,10 @@ def compiled_candidates(
             return
         ms = timing.predict(cfg)
         value = None if ms is None else score(cfg, peaks, ms)
-        if value is None:
-            return
-        out.append(Candidate(score=value, config=cfg, peaks=peaks, step_ms=ms,
-                             new_graphs=len(graph_keys(cfg.to_dict()) - done), source="compiled-model",
-                             extrapolated=memory.extrapolated(cfg)))
+        if value is not None:
+            out.append(Candidate(score=value, config=cfg, peaks=peaks, step_ms=ms, source="compiled-model",
+                                 new_graphs=len(graph_keys(cfg.to_dict()) - done),
+                                 extrapolated=memory.extrapolated(cfg)))
 
     k = eager_timing.k  # the eager cost per sample by dtype
     for dtype in space.dtypes:
@@ -849,13 +827,11 @@ def eager_candidates(*, space: SearchSpace, model: MemoryModel, timing: StepTime
             out.append(Candidate(score=value, config=cfg, peaks=peaks, step_ms=ms,
                                  extrapolated=model.config_extrapolated(cfg, num_layers=layers)))
 
-    def plans(total: int, dtype: str, limits: list[float],
-              shares: list[float] | None = None) -> list[SplitPlan]:
-        return attempt(errors, "eager search", plans_from_model, model, total=total,
-                       num_layers=layers, dtype=dtype, limits=limits, max_plans=5,
-                       recompute_fraction=timing.rho, max_spread_bytes=max_spread,
-                       checkpoint_counts=None if space.num_layers > 0 else [0],
-                       speeds=timing.speeds, optimizer_shares=shares) or []
+    def plans(total: int, dtype: str, limits: list[float], shares: list[float] | None = None) -> list[SplitPlan]:
+        return attempt(errors, "eager search", plans_from_model, model, total=total, num_layers=layers, dtype=dtype,
+                       limits=limits, max_plans=5, recompute_fraction=timing.rho, max_spread_bytes=max_spread,
+                       checkpoint_counts=None if space.num_layers > 0 else [0], speeds=timing.speeds,
+                       optimizer_shares=shares) or []
 
     sharded = [m for m in space.param_shardings if m != "off"] if savings is not None else []
     zero1 = "zero1" in space.shardings and model.can_shard
@@ -867,16 +843,14 @@ def eager_candidates(*, space: SearchSpace, model: MemoryModel, timing: StepTime
         saved = [0.0] * world  # per rank, what the parameter sharding saves
         if mode != "off" and savings is not None:
             probe = BalanceConfig.from_dict({"micro_batches": [1] * world, "accumulation": acc,
-                                             "global_batch": world * acc, "dtype": dtype,
-                                             "param_sharding": mode})
+                                             "global_batch": world * acc, "dtype": dtype, "param_sharding": mode})
             saved = [savings.saving(probe, r) for r in range(world)]
         usable_now = [u + s for u, s in zip(usable, saved, strict=True)]
         for plan in plans(total, dtype, usable_now):
             consider(plan.micro_batches, plan.checkpointed, dtype, acc, mode, saved)
         if shard:  # the same plans, the state placed where memory is left (less on rank 0's extras)
-            fixed0 = [model.fixed_bytes(r, dtype, 0.0) for r in range(world)]
-            first = optimizer_shares(base=fixed0, state=model.optimizer_bytes(None),
-                                     limits=usable_now)
+            first = optimizer_shares(base=[model.fixed_bytes(r, dtype, 0.0) for r in range(world)],
+                                     state=model.optimizer_bytes(None), limits=usable_now)
             for plan in plans(total, dtype, usable_now, first):
                 consider(plan.micro_batches, plan.checkpointed, dtype, acc, mode, saved, zero=True)
         even = attempt(errors, "eager search", balanced_split_for, model, total=total,

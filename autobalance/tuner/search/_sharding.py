@@ -12,11 +12,9 @@ the unsharded gradients accumulate until the last micro-step, so ``G_s = 0``. ``
 the groups whose gathered weights are kept from forward to backward (``keep_gathered``). Measured on
 CPU (``tests/test_fsdp.py``): live-tensor peaks fall by this within 10 %.
 
-The eager memory model is of unsharded memory. Once a sharded trial ran and that model predicts its
-split, the saving is learned (:class:`SavingModel`: per rank, the median of the unsharded prediction
-minus the measured peak over that sharding's trials). Sharded trials then join the fit as the
-unsharded peaks they imply (``_models.observations_from_trials``), and the eager proposals include
-sharded splits, their peaks the model's less the saving (``_models.eager_candidates``).
+Once a sharded trial ran and the (unsharded) eager memory model predicts its split, the saving is
+learned (:class:`SavingModel`: per rank, the median of the prediction minus the measured peak), and
+sharded trials join that model's fit as the unsharded peaks they imply (``_models``).
 """
 
 from __future__ import annotations
@@ -84,12 +82,6 @@ class ShardingFacts:
             return max(self.largest_embedding, self.block_bytes, root)
         return 0.0
 
-    def kept_bytes(self, config: BalanceConfig) -> float:
-        """The bytes of the groups whose gathered weights stay from forward to backward."""
-        keep = config.keep_gathered
-        return ((self.embedding_bytes if "embeddings" in keep else 0.0)
-                + (self.num_blocks * self.block_bytes if "blocks" in keep else 0.0))
-
     def predicted_saving(self, config: BalanceConfig, *, state_total: float | None) -> float:
         """What ``config``'s sharding saves on each rank by the formula of the module docstring
         (``state_total`` None: AdamW's two fp32 moments, twice the parameters)."""
@@ -100,7 +92,10 @@ class ShardingFacts:
         frac = 1.0 - 1.0 / self.world_size
         state = (2.0 * self.param_bytes if state_total is None else state_total) * shard / self.param_bytes
         grads = shard if config.accumulation == 1 else 0.0
-        return frac * (shard + grads + state) - self.largest_unit(mode) - frac * self.kept_bytes(config)
+        keep = config.keep_gathered
+        kept = ((self.embedding_bytes if "embeddings" in keep else 0.0)
+                + (self.num_blocks * self.block_bytes if "blocks" in keep else 0.0))
+        return frac * (shard + grads + state) - self.largest_unit(mode) - frac * kept
 
 
 def _sharding_key(config: BalanceConfig) -> str:
@@ -229,8 +224,8 @@ def sharding_proposal(trials: Sequence[FrozenTrial], *, space_shardings: Sequenc
     else:  # weights, gradients and state, each whole on every rank
         fixed = [2.0 * facts.param_bytes + (2.0 * facts.param_bytes if state is None else state)] * world_size
     savings = SavingModel.fit(done, facts=facts, unsharded=unsharded, num_layers=num_layers, state_total=state)
-    found = sharding_proposal_config(space_shardings=space_shardings, baseline=base, usable=usable,
-                                     fixed=fixed, any_fits=any_fits, tried=tried, savings=savings)
+    found = sharding_proposal_config(space_shardings=space_shardings, baseline=base, usable=usable, fixed=fixed,
+                                     any_fits=any_fits, tried=tried, savings=savings)
     if found is None:
         return None
     cfg, why = found
