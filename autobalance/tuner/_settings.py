@@ -186,54 +186,42 @@ class TuneSettings:
             self.device = default_device()  # type: ignore[assignment]
         self._check_choice("device")
         if self.global_batch is not None and self.global_batch < self.world_size:
-            raise UsageError(
-                f"--global-batch={self.global_batch} is smaller than the {self.world_size} ranks; "
-                f"use at least {self.world_size} (one sample per rank)."
-            )
+            raise UsageError(f"--global-batch={self.global_batch} is smaller than the {self.world_size} ranks; "
+                             f"use at least {self.world_size} (one sample per rank).")
         if self.trial_timeout <= 0:
             raise UsageError(f"--trial-timeout={self.trial_timeout:g} must be positive; e.g. 300.")
         self.time_budget = parse_duration("--time-budget", self.time_budget)
         if not 0 <= self.headroom < 1:
             raise UsageError(f"--headroom={self.headroom:g} is out of range; use a fraction in [0, 1), e.g. 0.05.")
         if self.weight_spread < 0 or self.weight_time < 0 or self.weight_spread + self.weight_time == 0:
-            raise UsageError(
-                f"--weight-spread={self.weight_spread:g} / --weight-time={self.weight_time:g} must be >= 0 and not both 0."
-            )
+            raise UsageError(f"--weight-spread={self.weight_spread:g} / --weight-time={self.weight_time:g} "
+                             "must be >= 0 and not both 0.")
         self._check_choice("cap_mode")
         if self.max_spread_gib is not None and self.max_spread_gib < 0:
             raise UsageError(f"--max-spread-gib={self.max_spread_gib:g} is negative; use GiB >= 0.")
         self._check_choice("sampler", "strategy", "on_error")
         if self.dtypes is not None and (not self.dtypes or set(self.dtypes) - set(DTYPES)):
-            raise UsageError(f"--dtypes={','.join(self.dtypes)!r} is invalid; choose from "
-                             f"{', '.join(DTYPES)}.")
+            raise UsageError(f"--dtypes={','.join(self.dtypes)!r} is invalid; choose from {', '.join(DTYPES)}.")
         self._positive("max_accumulation")
         self._check_choice("split", *(("compile",) if self.compile is not None else ()))
         if self.compile_mode not in (*COMPILE_MODES, "auto") or self.compile_mode == "off":
-            raise UsageError(
-                f"--compile-mode={self.compile_mode!r} is unknown; use one of auto, "
-                f"{', '.join(COMPILE_MODES[1:])} (turn compile off with --compile off)."
-            )
+            raise UsageError(f"--compile-mode={self.compile_mode!r} is unknown; use one of auto, "
+                             f"{', '.join(COMPILE_MODES[1:])} (turn compile off with --compile off).")
         if self.compile_mode in CUDA_GRAPH_MODES and self.world_size > 1 and self.compile != "off":
-            raise UsageError(
-                f"--compile-mode={self.compile_mode} with {self.world_size} ranks: CUDA graphs run at world size 1 "
-                "only (docs/compile.md); use --compile-mode default, or --nproc-per-node 1."
-            )
+            raise UsageError(f"--compile-mode={self.compile_mode} with {self.world_size} ranks: CUDA graphs run at world "
+                             "size 1 only (docs/compile.md); use --compile-mode default, or --nproc-per-node 1.")
         self._positive("gpus_per_trial", "cpus_per_trial")
         if self.prune_factor != 0 and self.prune_factor < 1:
             raise UsageError(f"--prune-factor={self.prune_factor:g} must be 0 (off) or at least 1; e.g. 1.5.")
         if self.memory_cap is not None:
             if self.memory_cap_gib is not None:
-                raise UsageError(
-                    f"--memory-cap={','.join(self.memory_cap)} and --memory-cap-gib="
-                    f"{','.join(f'{c:g}' for c in self.memory_cap_gib)} both given; keep one of them."
-                )
+                raise UsageError(f"--memory-cap={','.join(self.memory_cap)} and --memory-cap-gib="
+                                 f"{','.join(f'{c:g}' for c in self.memory_cap_gib)} both given; keep one of them.")
             self.memory_cap_gib = parse_memory_cap("--memory-cap", self.memory_cap)
         if self.memory_cap_gib is not None:
             if len(self.memory_cap_gib) not in (1, self.world_size):
-                raise UsageError(
-                    f"--memory-cap-gib has {len(self.memory_cap_gib)} values for {self.world_size} ranks; "
-                    "give one value for all ranks or one per rank."
-                )
+                raise UsageError(f"--memory-cap-gib has {len(self.memory_cap_gib)} values for {self.world_size} ranks; "
+                                 "give one value for all ranks or one per rank.")
             if any(c <= 0 for c in self.memory_cap_gib):
                 raise UsageError(f"--memory-cap-gib={self.memory_cap_gib} has a non-positive value; use GiB > 0.")
         if not self.study_name:  # the script's directory and name
@@ -242,30 +230,25 @@ class TuneSettings:
             stem = os.path.splitext(os.path.basename(path))[0]
             self.study_name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{parent}-{stem}" if parent else stem)
         if not re.fullmatch(r"[A-Za-z0-9_.:@+-]{1,200}", self.study_name):
-            raise UsageError(
-                f"--study-name={self.study_name!r} has unsupported characters; use letters, digits and _ . - : @ +."
-            )
+            raise UsageError(f"--study-name={self.study_name!r} has unsupported characters; use letters, digits "
+                             "and _ . - : @ +.")
 
     def _positive(self, *names: str) -> None:
-        """A count below 1 is a :class:`UsageError` naming the flag (None: not given)."""
-        for name in names:
+        for name in names:  # None: not given
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UsageError(f"{_flag(name)}={value} must be at least 1.")
 
     def _check_choice(self, *names: str) -> None:
-        """A value outside its ``Literal``: a :class:`UsageError` naming the flag and choices."""
         for name in names:
             value, choices = getattr(self, name), CHOICES[name]
             if value not in choices:
-                words = ("one of " + ", ".join(choices)
-                         if name not in ("device", "remeasure", "cap_mode", "on_error")
+                words = ("one of " + ", ".join(choices) if name not in ("device", "remeasure", "cap_mode", "on_error")
                          else ", ".join(choices[:-1]) + " or " + choices[-1])
                 raise UsageError(f"{_flag(name)}={value!r} is unknown; use {words}.")
 
     @property
     def time_budget_s(self) -> float | None:
-        """``time_budget`` in seconds (None: no limit)."""
         return None if self.time_budget is None else float(self.time_budget)
 
     @property
@@ -306,10 +289,8 @@ class TuneSettings:
             values.pop("memory_cap_gib", None)
         values.update(given)
         if not values.get("script"):
-            raise UsageError(
-                "SCRIPT is missing; pass the training script (autobalance tune train.py ...) or a study "
-                "TOML that names it (--config studies/NAME.toml with script = \"...\")."
-            )
+            raise UsageError("SCRIPT is missing; pass the training script (autobalance tune train.py ...) or a study "
+                             "TOML that names it (--config studies/NAME.toml with script = \"...\").")
         return cls(**values)
 
 
@@ -319,8 +300,7 @@ def _flag(name: str) -> str:
 
 CHOICES: dict[str, tuple[str, ...]] = {
     name: choices for name, hint in get_type_hints(TuneSettings).items()
-    if (choices := next((get_args(a) for a in (hint, *get_args(hint)) if get_origin(a) is Literal),
-                        ()))
+    if (choices := next((get_args(a) for a in (hint, *get_args(hint)) if get_origin(a) is Literal), ()))
 }
 """The choices of each choice setting, from its ``Literal`` type (alone or in a union with None):
 what ``TuneSettings`` accepts and the command line shows (``None`` is not a choice there)."""
@@ -372,8 +352,7 @@ def setting_docs() -> dict[str, SettingDoc]:
             raise AssertionError(f"TuneSettings.{f.name} has no docstring")
         value: Any = f.default if f.default is not MISSING else (
             f.default_factory() if f.default_factory is not MISSING else MISSING)
-        clause = _DEFAULT_CLAUSE.search(text)
-        kept = _DEFAULT_CLAUSE.sub("", text)
+        clause, kept = _DEFAULT_CLAUSE.search(text), _DEFAULT_CLAUSE.sub("", text)
         if clause is not None:
             default = clause.group(1).replace("``", "")
         elif value is MISSING or value is None or value == "" or value == []:
@@ -467,8 +446,7 @@ def load_toml(path: str) -> dict[str, Any]:
             values[name] = [float(v) for v in value]
     script = values.get("script")
     if script is not None and not os.path.isabs(script) and not os.path.exists(script):
-        values["script"] = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)),
-                                                         script))
+        values["script"] = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), script))
     return values
 
 
@@ -489,8 +467,7 @@ _UNIT_BYTES = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 
 def _gpu_key(text: str) -> str:
     """``A100-40GB``, ``a100 40gb``, ``A100_40``: one key (letters and digits, no trailing GB)."""
-    key = re.sub(r"[^a-z0-9]", "", text.lower())
-    return re.sub(r"(?<=\d)gb$", "", key)
+    return re.sub(r"(?<=\d)gb$", "", re.sub(r"[^a-z0-9]", "", text.lower()))
 
 
 _GPU_ALIASES = {"H100": "H100-80GB", "H200-141GB": "H200", "B200-180GB": "B200", "B200-192GB": "B200",
@@ -520,6 +497,7 @@ def parse_memory_cap(flag: str, items: list[str]) -> list[float]:
             known = ", ".join(family or GPU_MEMORY_GIB)
             raise UsageError(f"{flag}={text!r} is not a size or a GPU this table knows; use e.g. 20GiB, 60MiB or "
                              f"one of {known}.")
+
         if not (math.isfinite(gib) and gib > 0):
             raise UsageError(f"{flag}={text!r} is not a positive size; use e.g. 20GiB or 60MiB.")
         caps.append(gib)
@@ -556,7 +534,8 @@ def preflight(settings: TuneSettings) -> Iterator[None]:
         import torch
 
         visible = torch.cuda.device_count()
-    check_gpus(device=s.device, nproc_per_node=s.nproc_per_node, visible=visible)
+    check_gpus(
+device=s.device, nproc_per_node=s.nproc_per_node, visible=visible)
     if s.caps_bytes():
         capacities = [os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")] * s.nproc_per_node
         if s.device == "cuda":
@@ -578,10 +557,8 @@ def preflight(settings: TuneSettings) -> Iterator[None]:
             os.close(fd)
             os.unlink(probe)
         except OSError as exc:
-            raise UsageError(
-                f"--runs-dir={s.runs_dir!r} is not writable ({exc.strerror or exc}); pass a "
-                "writable directory for the trials' reports and logs."
-            ) from None
+            raise UsageError(f"--runs-dir={s.runs_dir!r} is not writable ({exc.strerror or exc}); pass a "
+                             "writable directory for the trials' reports and logs.") from None
         try:
             s.storage = check_storage(s.storage)
             open_storage(s.storage)
@@ -602,10 +579,8 @@ def check_gpus(*, device: str, nproc_per_node: int, visible: int) -> None:
     if visible == 0:
         raise UsageError("--device=cuda but no CUDA device is visible; use --device cpu.")
     if nproc_per_node > visible:
-        raise UsageError(
-            f"--nproc-per-node={nproc_per_node} is larger than the {visible} visible GPU(s); "
-            f"use at most {visible} or check CUDA_VISIBLE_DEVICES."
-        )
+        raise UsageError(f"--nproc-per-node={nproc_per_node} is larger than the {visible} visible GPU(s); "
+                         f"use at most {visible} or check CUDA_VISIBLE_DEVICES.")
 
 
 def check_caps(*, caps_bytes: list[int] | None, capacities: list[int], device: str) -> None:
@@ -613,7 +588,5 @@ def check_caps(*, caps_bytes: list[int] | None, capacities: list[int], device: s
     for rank, (cap, capacity) in enumerate(zip(caps_bytes or [], capacities, strict=False)):
         if cap > capacity:
             card = "its card" if device == "cuda" else "this host's memory"
-            raise UsageError(
-                f"--memory-cap-gib={cap / 2**30:g} for rank {rank} is larger than {card} "
-                f"({capacity / 2**30:.1f} GiB); use at most {capacity / 2**30:.1f}."
-            )
+            raise UsageError(f"--memory-cap-gib={cap / 2**30:g} for rank {rank} is larger than {card} "
+                             f"({capacity / 2**30:.1f} GiB); use at most {capacity / 2**30:.1f}.")
