@@ -71,8 +71,7 @@ def save_best(*, settings: TuneSettings, result: TuneResult, note: Callable[[str
         finally:
             if _verdicts(study) != before:  # a verdict kept from an earlier run is not this run's work
                 record_time_spent(study, result, verify_s=time.monotonic() - started)
-    rejected = sorted(int(key.removeprefix(StudyAttr.VERIFY_PREFIX))
-                      for key, verdict in _verdicts(study).items()
+    rejected = sorted(int(key.removeprefix(StudyAttr.VERIFY_PREFIX)) for key, verdict in _verdicts(study).items()
                       if isinstance(verdict, dict) and not verdict.get("passed"))
     if chosen is None:
         return Saving(rejected=rejected)
@@ -124,14 +123,13 @@ def nothing_feasible(study: Any) -> str:
     if not counted:
         return "no trial finished. Run the command again to start the study."
     why = Counter(_why_infeasible(t) for t in counted)
-    objective = study.user_attrs.get(StudyAttr.OBJECTIVE) or {}
-    headroom = objective.get("headroom")
+    headroom = (study.user_attrs.get(StudyAttr.OBJECTIVE) or {}).get("headroom")
+
     shown = f" {headroom:g}" if isinstance(headroom, (int, float)) else ""
     words = {  # each cause: what its trials did, and what to change (None: nothing but more trials)
         "headroom": ("ran but left less than the headroom free (peak above capacity x (1 - "
                      f"--headroom{shown}))", "a smaller --headroom (e.g. 0)"),
-        "over": ("ran but peaked above the memory cap (judged, not enforced)",
-                 "a larger --memory-cap-gib"),
+        "over": ("ran but peaked above the memory cap (judged, not enforced)", "a larger --memory-cap-gib"),
         "spread": ("ran but their spread was above --max-spread-gib", "a larger --max-spread-gib"),
         "oom": ("ran out of memory (or were predicted to)", "a larger --memory-cap-gib"),
         "pruned": ("were stopped early as slower than the best", None),

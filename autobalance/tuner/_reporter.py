@@ -149,8 +149,7 @@ class RichReporter:
             + (f" (all {already} done before: nothing to run; --trials {already + 10} runs 10 more)"
                if already >= settings.trials else f" ({already} done before)" if already else "") + budget
         )
-        cap = cap_line(settings)
-        if cap:
+        if cap := cap_line(settings):
             self.console.print(escape(cap))
         if settings.about:
             self.console.print(f"[bold]{escape(settings.about)}[/]")
@@ -189,12 +188,10 @@ class RichReporter:
         shown_reason = clip_words(full)
         reason = f"  [dim]{escape(shown_reason)}[/]" if shown_reason else ""
         over = over_limit(a)  # ran to the end, infeasible all the same: not a plain "ok"
-        shown = (f"[{_STYLE.get(status, 'white')}]{status}[/]" if over is None
-                 else f"[red]{status}, {escape(over)}[/]")
-        figures = escape(short_figures(trial))
+        shown = f"[{_STYLE.get(status, 'white')}]{status}[/]" if over is None else f"[red]{status}, {escape(over)}[/]"
         with self._lock:
             self._running.pop(trial.number, None)
-            self.console.print(f"  trial {trial.number} {shown}{escape(extra)}  {figures}{reason}")
+            self.console.print(f"  trial {trial.number} {shown}{escape(extra)}  {escape(short_figures(trial))}{reason}")
             if shown_reason != full and not self._clipped:  # once: where the whole reason is
                 self._clipped = True
                 name = f" --study-name {self._study_name}" if self._study_name else ""
@@ -205,8 +202,7 @@ class RichReporter:
                 self._best_text = f"best #{best.number}: {b.get('step_time_ms', 0):.1f} ms" + (
                     f", spread {memory_text(b.get('spread_gib', 0))}" if trial_ranks(b) > 1 else "")
             if self._progress is not None and not predicted:
-                self._progress.update(self._task, advance=0 if reused else 1,
-                                      description=self._best_text)
+                self._progress.update(self._task, advance=0 if reused else 1, description=self._best_text)
 
     def note(self, text: str) -> None:
         with self._lock:
@@ -325,8 +321,7 @@ def write_notes(study: Any) -> int:
             current = get_note_from_system_attrs(system, note_trial)
             if current["body"] == body or (current["body"] and not current["body"].endswith(SIGNATURE)):
                 continue  # unchanged, or a person's own note
-            save_note_with_version(storage, sid, note_trial, int(system.get(note_ver_key(note_trial), 0)) + 1,
-                                   body)
+            save_note_with_version(storage, sid, note_trial, int(system.get(note_ver_key(note_trial), 0)) + 1, body)
             written += 1
         return written
     except Exception as exc:  # notes are a courtesy: never fail a study over them
@@ -342,8 +337,7 @@ class Reporter(Protocol):
     def begin(self, settings: TuneSettings, *, already: int, deadline: float | None = None) -> None:
         return None
 
-    def start(self, number: int, config: BalanceConfig | None, *, baseline: bool = False,
-              why: str = "") -> None:
+    def start(self, number: int, config: BalanceConfig | None, *, baseline: bool = False, why: str = "") -> None:
         return None
 
     def tick(self, number: int, elapsed: float) -> None:

@@ -316,13 +316,11 @@ def setting_types() -> dict[str, str]:
 
 @dataclass(frozen=True, kw_only=True)
 class SettingDoc:
-    """What the command line and the docs say about one :class:`TuneSettings` field: its ``name``
-    (the study TOML key too), ``help`` (its docstring as plain text, without the ``(default: ...)``
-    clause), ``text`` (the same with its ````code```` marks kept: a renderer may turn field names
-    into flags), ``default`` as shown to a user (the docstring's ``(default: ...)`` text when the
-    value alone says nothing) and ``value`` (the default itself; ``MISSING``: a required field)."""
+    """What the command line says about one :class:`TuneSettings` field: ``help`` (its docstring as plain
+    text, without the ``(default: ...)`` clause), ``text`` (the same with its ````code```` marks kept: a
+    renderer may turn field names into flags), ``default`` as shown to a user (the docstring's ``(default:
+    ...)`` text when the value alone says nothing) and ``value`` (the default itself; ``MISSING``: required)."""
 
-    name: str
     help: str
     text: str
     default: str
@@ -359,7 +357,7 @@ def setting_docs() -> dict[str, SettingDoc]:
             raise AssertionError(f"TuneSettings.{f.name}: say what its empty default means with (default: ...)")
         else:
             default = _show(value)
-        out[f.name] = SettingDoc(name=f.name, help=kept.replace("``", ""), text=kept, default=default, value=value)
+        out[f.name] = SettingDoc(help=kept.replace("``", ""), text=kept, default=default, value=value)
     return out
 
 
@@ -509,14 +507,13 @@ def parse_memory_cap(flag: str, items: list[str]) -> list[float]:
 def memory_cap_text(gib: float) -> str:
     """A cap as ``--memory-cap`` takes it, in the unit its size calls for: ``20GiB``, ``61.4MiB``, ``512KiB``
     (three significant digits, rounded up so the cap is never smaller than ``gib``)."""
-    for unit, scale in (("GiB", 1.0), ("MiB", 2.0**-10), ("KiB", 2.0**-20)):
-        if gib >= scale or unit == "KiB":
-            value = gib / scale
-            digits = max(0, 2 - math.floor(math.log10(value))) if value > 0 else 0
-            step = 10.0 ** -digits
-            rounded = math.ceil(value / step - 1e-9) * step
-            return f"{rounded:.{digits}f}".rstrip("0").rstrip(".") + unit
-    raise AssertionError("unreachable")
+    unit, scale = next(((u, s) for u, s in (("GiB", 1.0), ("MiB", 2.0**-10)) if gib >= s), ("KiB", 2.0**-20))
+    value = gib / scale
+    digits = max(0, 2 - math.floor(math.log10(value))) if value > 0 else 0
+    step = 10.0 ** -digits
+    rounded = math.ceil(value / step - 1e-9) * step
+    return f"{rounded:.{digits}f}".rstrip("0").rstrip(".") + unit
+
 
 
 # --------------------------------- preflight: the settings against this host, before anything runs

@@ -94,8 +94,7 @@ class TuneResult:
 
 
 def _idle(result: TuneResult) -> bool:
-    """This run launched no trial, verified nothing and was not stopped by its time budget: it had
-    nothing to do (its few milliseconds are not the study's work)."""
+    """This run had nothing to do: no trial launched, nothing verified, not stopped by its time budget."""
     spent = result.time_spent
     return result.trials_run == 0 and not spent.get("verified") and not spent.get("stopped_by_budget")
 
@@ -233,8 +232,8 @@ def measurement_attrs(outcome: TrialOutcome, *, world_size: int) -> dict[str, An
         attrs["compile_peak_gib"] = [_gib(v) for v in first]
         attrs["steady_peak_gib"] = [_gib(v) for v in steady]
     medians = [(float(rep.step_time_iqr_s), statistics.median(float(t) for t in rep.step_times_s))
-               for rep in reports
-               if rep is not None and rep.step_time_iqr_s is not None and rep.step_times_s]
+               for rep in reports if rep is not None and rep.step_time_iqr_s is not None and rep.step_times_s]
+
     spreads = [100 * iqr / median for iqr, median in medians if median > 0]
     if spreads and len(spreads) == world_size:
         attrs["step_time_iqr_pct"] = round(max(spreads), 2)

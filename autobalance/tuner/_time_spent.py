@@ -89,11 +89,11 @@ def time_spent(trials: list[FrozenTrial], numbers: set[int]) -> dict[str, float]
 
 @dataclass
 class TrialOverhead:
-    """The per-trial overhead (:func:`per_trial_overhead_s`) over the study's trials as of the
-    last one recorded, what ``--measure-s auto`` sizes a launch's measurement by: ``seconds``
-    (None before any launched ``ok`` trial), and whether the trial loop has ``counted`` them
-    (:meth:`update`, once per recorded trial and when it starts; before it, a launch counts the
-    study as it was opened; another worker's trials count from this loop's next recorded one on)."""
+    """The per-trial overhead (:func:`per_trial_overhead_s`) as of the last trial recorded, what ``--measure-s
+    auto`` sizes a launch by: ``seconds`` (None before any launched ``ok`` trial), and whether the loop has
+    ``counted`` the trials (:meth:`update`, per recorded trial and when it starts; before it, a launch counts
+    the study as opened; another worker's trials count from this loop's next recorded one on)."""
+
 
     seconds: float | None = None
     counted: bool = False
