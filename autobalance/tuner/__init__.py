@@ -1,11 +1,10 @@
 """The tuner: an Optuna study whose trials are real torchrun jobs.
 
-Running the study: ``_tuner`` (the :class:`Tuner`), ``_loop`` (the trial loop), ``_launching``
-(slots, warm pools, heartbeats), ``_recording`` (what is told to the study), ``_baseline``,
-``_study`` (opening and counting, several workers on one study), ``_summary``, ``_settings`` (the
-settings, and the preflight checks before anything runs), ``_reporter`` (the console, each trial's
-outcome in words), ``_verify`` (verify and save).
-The search: ``_space``, ``_objective``, ``_memory_model``, ``_solver``, ``_models``, ``_policy``, ``_timing``.
+Running the study: ``_tuner`` (the :class:`Tuner`), ``_loop`` (the trial loop), ``_launching`` (slots, warm pools,
+heartbeats), ``_recording`` (what is told to the study), ``_baseline``, ``_study`` (opening and counting, several
+workers on one study), ``_summary``, ``_settings`` (the settings, and the preflight checks before anything runs),
+``_reporter`` (the console, each trial's outcome in words), ``_verify`` (verify and save). The search: ``_space``,
+``_objective``, ``_memory_model``, ``_solver``, ``_models``, ``_policy``, ``_timing``.
 """
 
 from __future__ import annotations

@@ -50,11 +50,10 @@ class Saving:
 
 def save_best(*, settings: TuneSettings, result: TuneResult, note: Callable[[str], None] | None = None,
               pool: WarmPool | None = None) -> Saving:
-    """Verify ``result.best`` (unless ``settings.verify`` is off) and save it to the store; when it
-    fails, the next best that passes is saved instead. Updates ``result`` (``best``, ``saved``,
-    ``notes``) for the summary and returns what was saved and what was rejected. ``pool``: the
-    study's warm pool, kept by the tuner (:attr:`Tuner.kept_pool`; the caller closes it): the
-    verification runs in its workers."""
+    """Verify ``result.best`` (unless ``settings.verify`` is off) and save it to the store; when it fails, the
+    next best that passes is saved instead. Updates ``result`` (``best``, ``saved``, ``notes``) for the summary
+    and returns what was saved and what was rejected. ``pool``: the study's warm pool, kept by the tuner
+    (:attr:`Tuner.kept_pool`; the caller closes it): the verification runs in its workers."""
     from autobalance.store import load_study
     from autobalance.tuner._verify import save_trial, verify_for_saving
 
@@ -124,7 +123,6 @@ def nothing_feasible(study: Any) -> str:
         return "no trial finished. Run the command again to start the study."
     why = Counter(_why_infeasible(t) for t in counted)
     headroom = (study.user_attrs.get(StudyAttr.OBJECTIVE) or {}).get("headroom")
-
     shown = f" {headroom:g}" if isinstance(headroom, (int, float)) else ""
     words = {  # each cause: what its trials did, and what to change (None: nothing but more trials)
         "headroom": ("ran but left less than the headroom free (peak above capacity x (1 - "

@@ -1,17 +1,15 @@
 """Progress of a study on the terminal: one line per trial plus a live bar.
 
-**Notes.** A trial's ``outcome`` in words, and optuna-dashboard notes on the study and its
-trials: the study's note and the best trial's say why it won; a trial that ran out of memory, went
-over the limit or was predicted to says so in one line at the top of its page. Notes are Markdown
-kept in the study's system attributes (optuna-dashboard's format); a note a person wrote in the
-dashboard is never overwritten: autobalance only rewrites notes that carry its own last line
-(:data:`SIGNATURE`).
+**Notes.** A trial's ``outcome`` in words, and optuna-dashboard notes on the study and its trials: the study's note
+and the best trial's say why it won; a trial that ran out of memory, went over the limit or was predicted to says
+so in one line at the top of its page. Notes are Markdown kept in the study's system attributes (optuna-dashboard's
+format); a note a person wrote in the dashboard is never overwritten: autobalance only rewrites notes that carry
+its own last line (:data:`SIGNATURE`).
 
-**Roles.** What the trial loop needs of the parts it is handed: the console (:class:`Reporter`),
-the search's advisor (:class:`Advisor`) and the multi-node coordinator
-(:class:`TrialCoordinator`). Each is a ``typing.Protocol``: ``RichReporter``, ``ModelAdvisor`` and
-``launcher.Coordinator`` satisfy them without naming them, and a test or another front end may
-hand in anything that has these methods.
+**Roles.** What the trial loop needs of the parts it is handed: the console (:class:`Reporter`), the search's
+advisor (:class:`Advisor`) and the multi-node coordinator (:class:`TrialCoordinator`). Each is a
+``typing.Protocol``: ``RichReporter``, ``ModelAdvisor`` and ``launcher.Coordinator`` satisfy them without naming
+them, and a test or another front end may hand in anything that has these methods.
 """
 
 from __future__ import annotations
@@ -57,9 +55,8 @@ _STYLE = {Status.OK: "green", Status.OOM: "red", Status.TIMEOUT: "red", Status.E
 
 
 def clip_words(text: str, limit: int = REASON_CHARS) -> str:
-    """``text`` on one line, whole when it fits in ``limit`` characters; else cut at the last word
-    boundary before ``limit`` and ended with ``...``, never inside a word (a single word longer than
-    ``limit`` is kept whole)."""
+    """``text`` on one line, whole when it fits in ``limit`` characters; else cut at the last word boundary
+    before ``limit`` and ended with ``...`` (a single word longer than ``limit`` is kept whole)."""
     text = " ".join(str(text).split())
     if len(text) <= limit:
         return text
@@ -246,10 +243,9 @@ def _numbers(numbers: list[int]) -> str:
 
 
 def outcome_lines(rows: list[Any]) -> list[str]:
-    """Every trial's outcome, grouped (optuna-dashboard badges every trial "Complete"): one line per
-    outcome, ``ok`` first, then over the limit, OOM and predicted, each with the failing rank, then
-    anything else (timeout, error, pruned, ...). ``OOM (rank 1): #4, #6``; a reused measurement counts
-    as its outcome (``ok: #1, #9 (as #1)``). Short for 50+ trials: consecutive numbers make a range."""
+    """Every trial's outcome, grouped (optuna-dashboard badges every trial "Complete"): one line per outcome,
+    ``ok`` first, then over the limit, OOM, predicted, then anything else (timeout, error, pruned, ...).
+    ``OOM (rank 1): #4, #6``; a reused measurement counts as its outcome (``ok: #1, #9 (as #1)``)."""
     groups: dict[str, list[int]] = {}
     reused: dict[str, list[str]] = {}
     for row in rows:

@@ -35,8 +35,7 @@ class TuneSettings:
     """Everything ``autobalance tune`` needs; validated on construction."""
 
     script: str
-    """The training script, which calls ``autobalance.plan`` (default: the ``script`` key of the study
-    TOML)."""
+    """The training script, which calls ``autobalance.plan`` (default: the ``script`` key of the study TOML)."""
     script_args: list[str] = field(default_factory=list)
     """Arguments for the script (default: none)."""
     trials: int = 20
@@ -60,10 +59,9 @@ class TuneSettings:
     warmup: int = 1
     """Warm-up optimizer steps per trial (not timed)."""
     measure_s: float | str = "auto"
-    """Measure each trial for about this many seconds (at least ``steps``, at most ``max_steps``
-    measured steps); 0: exactly ``steps``. ``auto``: on CUDA, 7/3 of the study's per-trial overhead
-    so far (start-up and hand-over outside the steps: the steps then take >= 70 % of a trial), at
-    most 2 s; on CPU, 0."""
+    """Measure each trial for about this many seconds (at least ``steps``, at most ``max_steps`` measured steps);
+    0: exactly ``steps``. ``auto``: on CUDA, 7/3 of the study's per-trial overhead so far (start-up and hand-over
+    outside the steps: the steps then take >= 70 % of a trial), at most 2 s; on CPU, 0."""
     max_steps: int = 50
     """Upper bound on measured steps per trial when ``measure_s`` lengthens the measurement."""
     remeasure: Literal["auto", "on", "off"] = "auto"
@@ -77,19 +75,17 @@ class TuneSettings:
     trial_timeout: float = 300.0
     """Hard wall-clock limit per trial in seconds (start-up included)."""
     time_budget: float | str | None = None
-    """Wall-clock budget of this run of the study, verification included: ``90s``, ``10m``, ``1.5h`` or
-    seconds. A trial starts only while the time left holds the next trial (the median one so far) and
-    the best trial's verification as predicted from the study's own trials; running trials finish
-    (``trial_timeout`` still applies), then the best is verified and saved as usual (default: none,
-    no limit)."""
+    """Wall-clock budget of this run of the study, verification included: ``90s``, ``10m``, ``1.5h`` or seconds. A
+    trial starts only while the time left holds the next trial (the median one so far) and the best trial's
+    verification as predicted from the study's own trials; running trials finish (``trial_timeout`` still applies),
+    then the best is verified and saved as usual (default: none, no limit)."""
     about: str | None = None
     """One line printed under the study's first lines: what the study is about to show, said by a
     study TOML for whoever runs it (default: none)."""
     memory_cap: list[str] | None = None
-    """Emulated capacity per rank, in the units you think in: a size (``20GiB``, ``60MiB``; GB and MB
-    are powers of ten) or a GPU model whose memory is known (``A100-40GB``, ``H100-80GB``, ``L4`` ...):
-    one for every rank or one per rank. Leave it out on the card you will train on (default: the card's
-    capacity; on CPU the host's memory)."""
+    """Emulated capacity per rank, in the units you think in: a size (``20GiB``, ``60MiB``; GB and MB are powers of
+    ten) or a GPU model whose memory is known (``A100-40GB``, ``H100-80GB``, ``L4`` ...): one for every rank or one
+    per rank. Leave it out on the card you will train on (default: the card's capacity; on CPU the host's memory)."""
     memory_cap_gib: list[float] | None = None
     """The same cap in plain GiB (``0.06`` is 61.4 MiB): one value for every rank or one per rank
     (default: the card's capacity; on CPU the host's memory)."""
@@ -453,9 +449,8 @@ GPU_MEMORY_GIB: dict[str, float] = {
     "RTX3090": 23.6, "RTX4090": 23.6, "RTX-A6000": 47.5, "L40S": 44.3, "A100-40GB": 39.3,
     "A100-80GB": 79.1, "H100-80GB": 79.1, "H100-94GB": 93.0, "H200": 139.8, "B200": 178.0,
 }
-"""GPUs ``--memory-cap`` knows by name: about the memory CUDA reports on each (``total_memory``, a
-little under the size the card is sold by, rounded down), in GiB, so a cap named after the card you
-train on never exceeds it."""
+"""GPUs ``--memory-cap`` knows by name: about the memory CUDA reports on each (``total_memory``, a little under the
+size the card is sold by, rounded down), in GiB, so a cap named after the card you train on never exceeds it."""
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]i?B|[KMGT]|B)?\s*", re.IGNORECASE)
 _UNIT_BYTES = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
@@ -495,7 +490,6 @@ def parse_memory_cap(flag: str, items: list[str]) -> list[float]:
             known = ", ".join(family or GPU_MEMORY_GIB)
             raise UsageError(f"{flag}={text!r} is not a size or a GPU this table knows; use e.g. 20GiB, 60MiB or "
                              f"one of {known}.")
-
         if not (math.isfinite(gib) and gib > 0):
             raise UsageError(f"{flag}={text!r} is not a positive size; use e.g. 20GiB or 60MiB.")
         caps.append(gib)
@@ -515,7 +509,6 @@ def memory_cap_text(gib: float) -> str:
     return f"{rounded:.{digits}f}".rstrip("0").rstrip(".") + unit
 
 
-
 # --------------------------------- preflight: the settings against this host, before anything runs
 @contextlib.contextmanager
 def preflight(settings: TuneSettings) -> Iterator[None]:
@@ -531,8 +524,7 @@ def preflight(settings: TuneSettings) -> Iterator[None]:
         import torch
 
         visible = torch.cuda.device_count()
-    check_gpus(
-device=s.device, nproc_per_node=s.nproc_per_node, visible=visible)
+    check_gpus(device=s.device, nproc_per_node=s.nproc_per_node, visible=visible)
     if s.caps_bytes():
         capacities = [os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")] * s.nproc_per_node
         if s.device == "cuda":

@@ -1,14 +1,13 @@
-"""The study: the sampler, opening (or continuing) a study with the same objective and search
-space, and which trials count towards ``--trials``.
+"""The study: the sampler, opening (or continuing) a study with the same objective and search space, and which
+trials count towards ``--trials``.
 
-**Workers.** Any number of ``autobalance tune`` processes may work on one study (same
-``--storage`` and ``--study-name``, one host or many; ``docs/reliability.md``, section 6): one
-baseline (:class:`BaselineClaim`; a claim whose owner stops refreshing it is taken over), stale
-trials failed and run again (:func:`fail_stale_trials`), no trial beyond the total (``surplus``),
-and one launch per configuration (:class:`RunningClaim`: a worker that finds another worker's trial
-holding it waits for that trial and reuses its result; a claim whose trial is no longer running is
-taken over). A claim is a row of Optuna's ``study_system_attributes`` whose unique key makes its
-insert atomic on SQLite and PostgreSQL alike.
+**Workers.** Any number of ``autobalance tune`` processes may work on one study (same ``--storage`` and
+``--study-name``, one host or many; ``docs/reliability.md``, section 6): one baseline (:class:`BaselineClaim`; a
+claim whose owner stops refreshing it is taken over), stale trials failed and run again
+(:func:`fail_stale_trials`), no trial beyond the total (``surplus``), and one launch per configuration
+(:class:`RunningClaim`: a worker that finds another worker's trial holding it waits for that trial and reuses its
+result; a claim whose trial is no longer running is taken over). A claim is a row of Optuna's
+``study_system_attributes`` whose unique key makes its insert atomic on SQLite and PostgreSQL alike.
 """
 
 from __future__ import annotations
@@ -228,7 +227,6 @@ class BaselineClaim(_Claim):
             done = conn.execute(update(table).where(table.c.study_id == self.study_id, table.c.key == self.key,
                                                     table.c.value_json == self._value)
                                 .values(value_json=value)).rowcount
-
         if done:
             self._value = value
 
@@ -301,8 +299,7 @@ def fail_stale_trials(study: optuna.Study, storage: optuna.storages.RDBStorage) 
     failed: list[int] = []
     with contextlib.suppress(Exception):
         grace = storage.grace_period or 2 * storage.heartbeat_interval
-        stale_ids = stale_trial_ids(storage, study_id(study, storage)) + _silent_trial_ids(study, storage, grace)
-        for stale in stale_ids:
+        for stale in stale_trial_ids(storage, study_id(study, storage)) + _silent_trial_ids(study, storage, grace):
             try:
                 storage.set_trial_user_attr(stale, TrialAttr.STATUS, Status.STALE)
                 storage.set_trial_user_attr(stale, "reason", "its tuner stopped without finishing it (killed?): "

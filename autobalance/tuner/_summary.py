@@ -1,18 +1,17 @@
-"""What a finished ``tune`` says: the result, and the notes under the table (predicted and pruned
-trials, the steps' share of the wall time, compilation, the memory model's error).
+"""What a finished ``tune`` says: the result, and the notes under the table (predicted and pruned trials, the
+steps' share of the wall time, compilation, the memory model's error).
 
-**How each trial was measured** (``docs/warm.md``), as trial attributes and as lines of the
-study summary: the compiling step's and the steady peaks (``compile_peak_gib``,
-``steady_peak_gib``), the steps' spread (``step_time_iqr_pct``; ``remeasured``), and a warm
-trial's carry-over (:mod:`autobalance.runtime._carryover`): ``warm_pool_trial`` (1 = a fresh
-worker), ``warm_fresh_outside_gib`` (what a fresh worker held outside PyTorch, per rank),
-``warm_inherited_outside_gib`` (what this trial's worker held over its reference: charged to the
-trial, never discounted), ``warm_recycled`` (why the pool was restarted after it).
+**How each trial was measured** (``docs/warm.md``), as trial attributes and as lines of the study summary: the
+compiling step's and the steady peaks (``compile_peak_gib``, ``steady_peak_gib``), the steps' spread
+(``step_time_iqr_pct``; ``remeasured``), and a warm trial's carry-over (:mod:`autobalance.runtime._carryover`):
+``warm_pool_trial`` (1 = a fresh worker), ``warm_fresh_outside_gib`` (what a fresh worker held outside PyTorch, per
+rank), ``warm_inherited_outside_gib`` (what this trial's worker held over its reference: charged to the trial,
+never discounted), ``warm_recycled`` (why the pool was restarted after it).
 
-**The script's facts**: what the baseline's report says about the script that shapes the study,
-in words: its repeated blocks (none found: checkpointing is not searched), batch-dependent layers
-(the split stays the script's own), a dataset smaller than one global batch (every step is a
-partial step). The study prints these lines first, before any other trial runs.
+**The script's facts**: what the baseline's report says about the script that shapes the study, in words: its
+repeated blocks (none found: checkpointing is not searched), batch-dependent layers (the split stays the script's
+own), a dataset smaller than one global batch (every step is a partial step). The study prints these lines first,
+before any other trial runs.
 """
 
 from __future__ import annotations
@@ -233,7 +232,6 @@ def measurement_attrs(outcome: TrialOutcome, *, world_size: int) -> dict[str, An
         attrs["steady_peak_gib"] = [_gib(v) for v in steady]
     medians = [(float(rep.step_time_iqr_s), statistics.median(float(t) for t in rep.step_times_s))
                for rep in reports if rep is not None and rep.step_time_iqr_s is not None and rep.step_times_s]
-
     spreads = [100 * iqr / median for iqr, median in medians if median > 0]
     if spreads and len(spreads) == world_size:
         attrs["step_time_iqr_pct"] = round(max(spreads), 2)

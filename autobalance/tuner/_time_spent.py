@@ -1,14 +1,13 @@
 """Where a ``tune`` run's wall time went, and its time budget (``--time-budget``).
 
-Each launched trial records its wall time by part (:data:`TrialAttr.TIME_SPLIT`): from the launch
-to the slowest rank's first step (``startup``: torchrun, imports, the script's set-up, a warm pool's
-start), ``compile`` (the compiling step), ``steps`` (warm-up and measured), ``remeasure`` (a second
-run) and ``other`` (the report and the hand-over after the last step). The first step's moment comes
-from each rank's report (written at ``written_at``, ``timing.wall_s`` after the rank's plan began,
-whose first step came ``timing.startup_s`` after that); a trial that never reached a step spent its
-whole run starting up. The run's time is then the sum over the trials it launched, plus
-verification, plus the rest (the tuner itself: sampling, recording, predictions without launching).
-The time budget keeps verification's predicted time free (:class:`TimeBudget`, ``search/_timing.py``).
+Each launched trial records its wall time by part (:data:`TrialAttr.TIME_SPLIT`): from the launch to the slowest
+rank's first step (``startup``: torchrun, imports, the script's set-up, a warm pool's start), ``compile`` (the
+compiling step), ``steps`` (warm-up and measured), ``remeasure`` (a second run) and ``other`` (the report and the
+hand-over after the last step). The first step's moment comes from each rank's report (written at ``written_at``,
+``timing.wall_s`` after the rank's plan began, whose first step came ``timing.startup_s`` after that); a trial that
+never reached a step spent its whole run starting up. The run's time is then the sum over the trials it launched,
+plus verification, plus the rest (the tuner itself: sampling, recording, predictions without launching). The time
+budget keeps verification's predicted time free (:class:`TimeBudget`, ``search/_timing.py``).
 """
 
 from __future__ import annotations
@@ -93,7 +92,6 @@ class TrialOverhead:
     auto`` sizes a launch by: ``seconds`` (None before any launched ``ok`` trial), and whether the loop has
     ``counted`` the trials (:meth:`update`, per recorded trial and when it starts; before it, a launch counts
     the study as opened; another worker's trials count from this loop's next recorded one on)."""
-
 
     seconds: float | None = None
     counted: bool = False

@@ -34,10 +34,9 @@ class Tuner:
 
     def __init__(self, *, settings: TuneSettings, reporter: Reporter | None = None, pool: WarmPool | None = None,
                  keep_pool: bool = False) -> None:
-        """``pool``: a warm pool shared with other tuners of the same script (the caller closes it).
-        ``keep_pool``: leave the study's own warm pool running when :meth:`run` ends, as
-        :attr:`kept_pool`, for the verification that follows (the caller closes it with
-        :meth:`close_kept_pool`)."""
+        """``pool``: a warm pool shared with other tuners of the same script (the caller closes it). ``keep_pool``:
+        leave the study's own warm pool running when :meth:`run` ends, as :attr:`kept_pool`, for the verification
+        that follows (the caller closes it with :meth:`close_kept_pool`)."""
         self.settings = settings
         self.keep_pool = keep_pool
         self.kept_pool: WarmPool | None = None
@@ -114,7 +113,6 @@ class Tuner:
 
 def _exists(storage: optuna.storages.BaseStorage, name: str) -> bool:
     try:
-
         storage.get_study_id_from_name(name)
     except KeyError:
         return False
