@@ -82,8 +82,7 @@ def save_best(*, settings: TuneSettings, result: TuneResult, note: Callable[[str
     if result.baseline is not None and chosen.number == result.baseline.number:
         result.notes.append(baseline_won(study, baseline=chosen.number, study_name=settings.study_name))
     else:
-        spread = saved_spread(study, chosen)
-        figure = f": {spread_text(spread)}" if spread is not None else ""
+        figure = f": {spread_text(spread)}" if (spread := saved_spread(study, chosen)) is not None else ""
         result.notes.append(f"Saved trial {chosen.number} as the best configuration of '{settings.study_name}'{figure}.")
     return Saving(trial=chosen.number, rejected=rejected)
 

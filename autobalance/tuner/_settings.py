@@ -257,8 +257,7 @@ class TuneSettings:
         would capture the gradient all-reduce)."""
         modes = [self.compile_mode]
         if self.compile_mode == "auto":
-            graphs = self.device == "cuda" and self.world_size == 1
-            modes = ["default", *CUDA_GRAPH_MODES] if graphs else ["default"]
+            modes = ["default", *CUDA_GRAPH_MODES] if self.device == "cuda" and self.world_size == 1 else ["default"]
         resolved = self.compile or ("search" if self.device == "cuda" else "off")
         return {"off": ["off"], "on": modes, "search": ["off", *modes]}[resolved]
 
@@ -341,8 +340,7 @@ def setting_docs() -> dict[str, SettingDoc]:
             and isinstance(doc.value.value, str)}
     out: dict[str, SettingDoc] = {}
     for f in fields(TuneSettings):
-        text = docs.get(f.name)
-        if text is None:
+        if (text := docs.get(f.name)) is None:
             raise AssertionError(f"TuneSettings.{f.name} has no docstring")
         value: Any = f.default if f.default is not MISSING else (
             f.default_factory() if f.default_factory is not MISSING else MISSING)
@@ -420,23 +418,22 @@ def load_toml(path: str) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"--config={path!r} is malformed TOML: {exc}; fix that line.") from None
     section = data.get("tune", data)
-    known = {f.name for f in fields(TuneSettings)}
+    annotations = setting_types()
     for key in section:
-        if key.replace("-", "_") not in known:
-            raise UsageError(f"--config={path!r} has unknown key {key!r}; known keys: {', '.join(sorted(known))}.")
+        if key.replace("-", "_") not in annotations:
+            raise UsageError(f"--config={path!r} has unknown key {key!r}; known keys: {', '.join(sorted(annotations))}.")
     values: dict[str, Any] = {key.replace("-", "_"): value for key, value in section.items()}
     for name in ("memory_cap_gib", "memory_cap"):
         if name in values and not isinstance(values[name], list):
             values[name] = [values[name]]
-    annotations = setting_types()
     for name, value in values.items():
         kind = annotations[name]
         expected, ok = _TOML_KINDS.get(kind) or _TOML_KINDS[kind.replace(" | None", "")]
         if not ok(value):
             raise UsageError(f"--config={path!r} has {name} = {value!r}, which is not {expected}; fix that key.")
-        if annotations[name].startswith("float") and is_number(value):
+        if kind.startswith("float") and is_number(value):
             values[name] = float(value)
-        elif annotations[name].startswith("list[float]"):
+        elif kind.startswith("list[float]"):
             values[name] = [float(v) for v in value]
     script = values.get("script")
     if script is not None and not os.path.isabs(script) and not os.path.exists(script):

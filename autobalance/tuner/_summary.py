@@ -70,7 +70,6 @@ class TuneResult:
     notes: list[str] = field(default_factory=list)
     time_spent: dict[str, Any] = field(default_factory=dict)
     """How this run spent its wall time and its time budget (see :data:`StudyAttr.TIME_SPENT`)."""
-
     already: int = 0
     """Trials the study had counted before this run (``--trials`` is the study's total)."""
     of: int = 0
@@ -180,18 +179,15 @@ def summarise(study: optuna.Study, result: TuneResult, *, cold_note: str | None,
         study.set_user_attr(StudyAttr.COMPILE_TOTAL, round(compile_total, 3))
         result.notes.extend(compile_lines)
     if advisor is not None:
-        error = advisor.holdout_error(study)
-        if error is not None:
+        if (error := advisor.holdout_error(study)) is not None:
             study.set_user_attr(StudyAttr.MEMORY_MODEL_ERROR, error)
             result.notes.append(f"Memory model: {100 * error:.1f}% mean error predicting held-out trials' per-rank peaks.")
-        compiled = advisor.compiled_holdout_error(study)
-        if compiled is not None:
+        if (compiled := advisor.compiled_holdout_error(study)) is not None:
             study.set_user_attr(StudyAttr.COMPILED_MODEL_ERROR, compiled[0])
             result.notes.append(f"Compiled model: {100 * compiled[0]:.1f}% mean error predicting held-out compiled "
                                 f"trials' per-rank peaks ({compiled[1]} trial(s)).")
-    failed_fits = model_errors_line(study.user_attrs.get(StudyAttr.MODEL_ERRORS))
-    if failed_fits is not None:  # fits the search fell back from (tuner/search/_model_errors.py)
-        result.notes.append(failed_fits)
+    if (failed_fits := model_errors_line(study.user_attrs.get(StudyAttr.MODEL_ERRORS))) is not None:
+        result.notes.append(failed_fits)  # fits the search fell back from (tuner/search/_model_errors.py)
 
 
 def record_time_spent(study: optuna.Study, result: TuneResult, *, launched_here: set[int] | None = None,
