@@ -46,9 +46,9 @@ if TYPE_CHECKING:
     from autobalance.launcher import TrialLaunch, TrialOutcome
     from autobalance.tuner.search import Decision, TrialFigures
 
-__all__ = ["REASON_CHARS", "SIGNATURE", "Advisor", "NullReporter", "Reporter", "RichReporter",
-           "TrialCoordinator", "cap_line", "clip_words", "outcome_lines", "short_figures",
-           "time_left_text", "trial_outcome", "write_notes"]
+__all__ = ["REASON_CHARS", "SIGNATURE", "Advisor", "NullReporter", "Reporter", "RichReporter", "TrialCoordinator",
+           "cap_line", "clip_words", "outcome_lines", "short_figures", "time_left_text", "trial_outcome",
+           "write_notes"]
 
 _STYLE = {Status.OK: "green", Status.OOM: "red", Status.TIMEOUT: "red", Status.ERROR: "bold red",
           Status.CRASH: "yellow", Status.PREDICTED_OOM: "magenta", Status.INTERRUPTED: "yellow"}

@@ -25,9 +25,8 @@ from autobalance._config import COMPILE_MODES, CUDA_GRAPH_MODES, DTYPES
 from autobalance._errors import StorageError, UsageError
 from autobalance._files import is_int, is_number
 
-__all__ = ["CHOICES", "GPU_MEMORY_GIB", "SettingDoc", "TuneSettings", "check_caps", "check_gpus",
-           "default_device", "load_toml", "memory_cap_text", "parse_duration", "parse_memory_cap",
-           "preflight", "setting_docs", "setting_types"]
+__all__ = ["CHOICES", "GPU_MEMORY_GIB", "SettingDoc", "TuneSettings", "check_caps", "check_gpus", "default_device",
+           "load_toml", "memory_cap_text", "parse_memory_cap", "preflight", "setting_docs", "setting_types"]
 
 
 @dataclass(kw_only=True)
@@ -327,11 +326,8 @@ _DEFAULT_CLAUSE = re.compile(r"\s*\(default: ([^()]*)\)")
 
 @functools.lru_cache(maxsize=1)
 def setting_docs() -> dict[str, SettingDoc]:
-    """Help and default of every :class:`TuneSettings` field, read from the field docstrings in this
-    module's source, so flags, TOML keys and docs are derived from one place and cannot drift.
-
-    A field whose default is None, "" or empty must say what that means with ``(default: ...)`` in
-    its docstring; any other field shows its default value."""
+    """Help and default of every :class:`TuneSettings` field, read from its docstring in this module's source, so
+    flags, TOML keys and docs derive from one place; an empty default (None, "", []) must say ``(default: ...)``."""
     body = ast.parse(inspect.getsource(TuneSettings)).body[0].body  # type: ignore[attr-defined]
     docs = {stmt.target.id: " ".join(doc.value.value.split())
             for stmt, doc in itertools.pairwise(body)

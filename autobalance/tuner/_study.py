@@ -38,8 +38,8 @@ from autobalance.store import (
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner.search import SearchSpace, space_problem
 
-__all__ = ["BaselineClaim", "RunningClaim", "check_space", "counted_trials",
-           "counts", "fail_stale_trials", "measured_configs", "open_study", "worker_id"]
+__all__ = ["BaselineClaim", "RunningClaim", "check_space", "counted_trials", "counts", "fail_stale_trials",
+           "measured_configs", "open_study", "worker_id"]
 
 
 def make_sampler(settings: TuneSettings, *, n_trials: int) -> optuna.samplers.BaseSampler:

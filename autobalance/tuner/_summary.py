@@ -344,7 +344,6 @@ def script_facts(report: RankReport, *, kept_split: bool, allow: bool, split: st
 
 
 def summary_facts(study_attrs: dict[str, Any]) -> list[str]:
-    """The facts the study's summary repeats: what limits the search (no blocks, a kept split, a
-    dataset smaller than one global batch); the line naming the blocks found is said once, at the start."""
+    """The script's facts the study's summary repeats: all but the ``Blocks:`` line, said once at the start."""
     facts = study_attrs.get(StudyAttr.SCRIPT_FACTS) or []
     return [str(line) for line in facts if not str(line).startswith("Blocks: ")]

@@ -23,8 +23,7 @@ from autobalance.launcher import TrialOutcome
 from autobalance.protocol import RankTiming, TrialAttr
 from autobalance.tuner.search import per_trial_overhead_s
 
-__all__ = ["TIME_PARTS", "TrialOverhead", "describe_budget", "time_lines", "time_spent",
-           "trial_time_split"]
+__all__ = ["TIME_PARTS", "TrialOverhead", "describe_budget", "time_lines", "time_spent", "trial_time_split"]
 
 TIME_PARTS = ("compile", "startup", "steps", "remeasure", "verify")
 """The parts of a run's wall time besides ``other``, in the order the summary names them."""
