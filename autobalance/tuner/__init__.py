@@ -1,11 +1,10 @@
 """The tuner: an Optuna study whose trials are real torchrun jobs.
 
-Running the study: ``_tuner`` (the :class:`Tuner`), ``_loop`` (the trial loop), ``_launching``
-(slots, warm pools, heartbeats), ``_recording`` (what is told to the study), ``_baseline``,
-``_study`` (opening and counting, several workers on one study), ``_summary``, ``_settings`` (the
-settings, and the preflight checks before anything runs), ``_reporter`` (the console, each trial's
-outcome in words), ``_verify`` (verify and save).
-The search: ``_space``, ``_objective``, ``_memory_model``, ``_solver``, ``_models``, ``_policy``, ``_timing``.
+Running the study: ``_tuner`` (the :class:`Tuner`), ``_loop`` (the trial loop), ``_launching`` (slots, warm pools,
+heartbeats), ``_recording`` (what is told to the study), ``_baseline``, ``_study`` (opening and counting, several
+workers on one study), ``_summary``, ``_settings`` (the settings, and the preflight checks before anything runs),
+``_reporter`` (the console, each trial's outcome in words), ``_verify`` (verify and save). The search: ``_space``,
+``_objective``, ``_memory_model``, ``_solver``, ``_models``, ``_policy``, ``_timing``.
 """
 
 from __future__ import annotations
@@ -41,10 +40,9 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "autobalance.tuner._finish": ("best_so_far", "nothing_feasible", "save_best"),
     "autobalance.tuner._remeasure": ("spread_text",),
     "autobalance.tuner._reporter": ("RichReporter",),
-    "autobalance.tuner._settings": ("CHOICES", "TuneSettings", "check_caps", "check_gpus",
-                                    "default_device", "load_toml", "memory_cap_text",
-                                    "parse_memory_cap", "preflight", "setting_docs",
-                                    "setting_types"),
+    "autobalance.tuner._settings": ("CHOICES", "TuneSettings", "check_caps", "check_gpus", "default_device",
+                                    "load_toml", "memory_cap_text", "parse_memory_cap", "preflight",
+                                    "setting_docs", "setting_types"),
     "autobalance.tuner._summary": ("TuneResult",),
     "autobalance.tuner._tuner": ("Tuner",),
     "autobalance.tuner._verify": ("promote_trial", "run_verify_command"),
@@ -64,8 +62,7 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__all__ = ["CHOICES", "RichReporter", "SearchSpace", "TrialFigures", "TuneResult", "TuneSettings",
-           "Tuner", "best_so_far", "best_trial", "check_caps", "check_gpus", "default_device",
-           "is_feasible", "load_toml", "memory_cap_text", "nothing_feasible", "parse_memory_cap",
-           "preflight", "promote_trial", "run_verify_command", "save_best", "setting_docs",
-           "setting_types", "spread_text"]
+__all__ = ["CHOICES", "RichReporter", "SearchSpace", "TrialFigures", "TuneResult", "TuneSettings", "Tuner",
+           "best_so_far", "best_trial", "check_caps", "check_gpus", "default_device", "is_feasible", "load_toml",
+           "memory_cap_text", "nothing_feasible", "parse_memory_cap", "preflight", "promote_trial",
+           "run_verify_command", "save_best", "setting_docs", "setting_types", "spread_text"]

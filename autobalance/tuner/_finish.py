@@ -50,11 +50,10 @@ class Saving:
 
 def save_best(*, settings: TuneSettings, result: TuneResult, note: Callable[[str], None] | None = None,
               pool: WarmPool | None = None) -> Saving:
-    """Verify ``result.best`` (unless ``settings.verify`` is off) and save it to the store; when it
-    fails, the next best that passes is saved instead. Updates ``result`` (``best``, ``saved``,
-    ``notes``) for the summary and returns what was saved and what was rejected. ``pool``: the
-    study's warm pool, kept by the tuner (:attr:`Tuner.kept_pool`; the caller closes it): the
-    verification runs in its workers."""
+    """Verify ``result.best`` (unless ``settings.verify`` is off) and save it to the store; when it fails, the
+    next best that passes is saved instead. Updates ``result`` (``best``, ``saved``, ``notes``) for the summary
+    and returns what was saved and what was rejected. ``pool``: the study's warm pool, kept by the tuner
+    (:attr:`Tuner.kept_pool`; the caller closes it): the verification runs in its workers."""
     from autobalance.store import load_study
     from autobalance.tuner._verify import save_trial, verify_for_saving
 
@@ -71,8 +70,7 @@ def save_best(*, settings: TuneSettings, result: TuneResult, note: Callable[[str
         finally:
             if _verdicts(study) != before:  # a verdict kept from an earlier run is not this run's work
                 record_time_spent(study, result, verify_s=time.monotonic() - started)
-    rejected = sorted(int(key.removeprefix(StudyAttr.VERIFY_PREFIX))
-                      for key, verdict in _verdicts(study).items()
+    rejected = sorted(int(key.removeprefix(StudyAttr.VERIFY_PREFIX)) for key, verdict in _verdicts(study).items()
                       if isinstance(verdict, dict) and not verdict.get("passed"))
     if chosen is None:
         return Saving(rejected=rejected)
@@ -84,8 +82,7 @@ def save_best(*, settings: TuneSettings, result: TuneResult, note: Callable[[str
     if result.baseline is not None and chosen.number == result.baseline.number:
         result.notes.append(baseline_won(study, baseline=chosen.number, study_name=settings.study_name))
     else:
-        spread = saved_spread(study, chosen)
-        figure = f": {spread_text(spread)}" if spread is not None else ""
+        figure = f": {spread_text(spread)}" if (spread := saved_spread(study, chosen)) is not None else ""
         result.notes.append(f"Saved trial {chosen.number} as the best configuration of '{settings.study_name}'{figure}.")
     return Saving(trial=chosen.number, rejected=rejected)
 
@@ -124,14 +121,12 @@ def nothing_feasible(study: Any) -> str:
     if not counted:
         return "no trial finished. Run the command again to start the study."
     why = Counter(_why_infeasible(t) for t in counted)
-    objective = study.user_attrs.get(StudyAttr.OBJECTIVE) or {}
-    headroom = objective.get("headroom")
+    headroom = (study.user_attrs.get(StudyAttr.OBJECTIVE) or {}).get("headroom")
     shown = f" {headroom:g}" if isinstance(headroom, (int, float)) else ""
     words = {  # each cause: what its trials did, and what to change (None: nothing but more trials)
         "headroom": ("ran but left less than the headroom free (peak above capacity x (1 - "
                      f"--headroom{shown}))", "a smaller --headroom (e.g. 0)"),
-        "over": ("ran but peaked above the memory cap (judged, not enforced)",
-                 "a larger --memory-cap-gib"),
+        "over": ("ran but peaked above the memory cap (judged, not enforced)", "a larger --memory-cap-gib"),
         "spread": ("ran but their spread was above --max-spread-gib", "a larger --max-spread-gib"),
         "oom": ("ran out of memory (or were predicted to)", "a larger --memory-cap-gib"),
         "pruned": ("were stopped early as slower than the best", None),

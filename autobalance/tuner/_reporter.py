@@ -1,17 +1,15 @@
 """Progress of a study on the terminal: one line per trial plus a live bar.
 
-**Notes.** A trial's ``outcome`` in words, and optuna-dashboard notes on the study and its
-trials: the study's note and the best trial's say why it won; a trial that ran out of memory, went
-over the limit or was predicted to says so in one line at the top of its page. Notes are Markdown
-kept in the study's system attributes (optuna-dashboard's format); a note a person wrote in the
-dashboard is never overwritten: autobalance only rewrites notes that carry its own last line
-(:data:`SIGNATURE`).
+**Notes.** A trial's ``outcome`` in words, and optuna-dashboard notes on the study and its trials: the study's note
+and the best trial's say why it won; a trial that ran out of memory, went over the limit or was predicted to says
+so in one line at the top of its page. Notes are Markdown kept in the study's system attributes (optuna-dashboard's
+format); a note a person wrote in the dashboard is never overwritten: autobalance only rewrites notes that carry
+its own last line (:data:`SIGNATURE`).
 
-**Roles.** What the trial loop needs of the parts it is handed: the console (:class:`Reporter`),
-the search's advisor (:class:`Advisor`) and the multi-node coordinator
-(:class:`TrialCoordinator`). Each is a ``typing.Protocol``: ``RichReporter``, ``ModelAdvisor`` and
-``launcher.Coordinator`` satisfy them without naming them, and a test or another front end may
-hand in anything that has these methods.
+**Roles.** What the trial loop needs of the parts it is handed: the console (:class:`Reporter`), the search's
+advisor (:class:`Advisor`) and the multi-node coordinator (:class:`TrialCoordinator`). Each is a
+``typing.Protocol``: ``RichReporter``, ``ModelAdvisor`` and ``launcher.Coordinator`` satisfy them without naming
+them, and a test or another front end may hand in anything that has these methods.
 """
 
 from __future__ import annotations
@@ -48,18 +46,17 @@ if TYPE_CHECKING:
     from autobalance.launcher import TrialLaunch, TrialOutcome
     from autobalance.tuner.search import Decision, TrialFigures
 
-__all__ = ["REASON_CHARS", "SIGNATURE", "Advisor", "NullReporter", "Reporter", "RichReporter",
-           "TrialCoordinator", "cap_line", "clip_words", "outcome_lines", "short_figures",
-           "time_left_text", "trial_outcome", "write_notes"]
+__all__ = ["REASON_CHARS", "SIGNATURE", "Advisor", "NullReporter", "Reporter", "RichReporter", "TrialCoordinator",
+           "cap_line", "clip_words", "outcome_lines", "short_figures", "time_left_text", "trial_outcome",
+           "write_notes"]
 
 _STYLE = {Status.OK: "green", Status.OOM: "red", Status.TIMEOUT: "red", Status.ERROR: "bold red",
           Status.CRASH: "yellow", Status.PREDICTED_OOM: "magenta", Status.INTERRUPTED: "yellow"}
 
 
 def clip_words(text: str, limit: int = REASON_CHARS) -> str:
-    """``text`` on one line, whole when it fits in ``limit`` characters; else cut at the last word
-    boundary before ``limit`` and ended with ``...``, never inside a word (a single word longer than
-    ``limit`` is kept whole)."""
+    """``text`` on one line, whole when it fits in ``limit`` characters; else cut at the last word boundary
+    before ``limit`` and ended with ``...`` (a single word longer than ``limit`` is kept whole)."""
     text = " ".join(str(text).split())
     if len(text) <= limit:
         return text
@@ -149,8 +146,7 @@ class RichReporter:
             + (f" (all {already} done before: nothing to run; --trials {already + 10} runs 10 more)"
                if already >= settings.trials else f" ({already} done before)" if already else "") + budget
         )
-        cap = cap_line(settings)
-        if cap:
+        if cap := cap_line(settings):
             self.console.print(escape(cap))
         if settings.about:
             self.console.print(f"[bold]{escape(settings.about)}[/]")
@@ -189,12 +185,10 @@ class RichReporter:
         shown_reason = clip_words(full)
         reason = f"  [dim]{escape(shown_reason)}[/]" if shown_reason else ""
         over = over_limit(a)  # ran to the end, infeasible all the same: not a plain "ok"
-        shown = (f"[{_STYLE.get(status, 'white')}]{status}[/]" if over is None
-                 else f"[red]{status}, {escape(over)}[/]")
-        figures = escape(short_figures(trial))
+        shown = f"[{_STYLE.get(status, 'white')}]{status}[/]" if over is None else f"[red]{status}, {escape(over)}[/]"
         with self._lock:
             self._running.pop(trial.number, None)
-            self.console.print(f"  trial {trial.number} {shown}{escape(extra)}  {figures}{reason}")
+            self.console.print(f"  trial {trial.number} {shown}{escape(extra)}  {escape(short_figures(trial))}{reason}")
             if shown_reason != full and not self._clipped:  # once: where the whole reason is
                 self._clipped = True
                 name = f" --study-name {self._study_name}" if self._study_name else ""
@@ -205,8 +199,7 @@ class RichReporter:
                 self._best_text = f"best #{best.number}: {b.get('step_time_ms', 0):.1f} ms" + (
                     f", spread {memory_text(b.get('spread_gib', 0))}" if trial_ranks(b) > 1 else "")
             if self._progress is not None and not predicted:
-                self._progress.update(self._task, advance=0 if reused else 1,
-                                      description=self._best_text)
+                self._progress.update(self._task, advance=0 if reused else 1, description=self._best_text)
 
     def note(self, text: str) -> None:
         with self._lock:
@@ -250,10 +243,9 @@ def _numbers(numbers: list[int]) -> str:
 
 
 def outcome_lines(rows: list[Any]) -> list[str]:
-    """Every trial's outcome, grouped (optuna-dashboard badges every trial "Complete"): one line per
-    outcome, ``ok`` first, then over the limit, OOM and predicted, each with the failing rank, then
-    anything else (timeout, error, pruned, ...). ``OOM (rank 1): #4, #6``; a reused measurement counts
-    as its outcome (``ok: #1, #9 (as #1)``). Short for 50+ trials: consecutive numbers make a range."""
+    """Every trial's outcome, grouped (optuna-dashboard badges every trial "Complete"): one line per outcome,
+    ``ok`` first, then over the limit, OOM, predicted, then anything else (timeout, error, pruned, ...).
+    ``OOM (rank 1): #4, #6``; a reused measurement counts as its outcome (``ok: #1, #9 (as #1)``)."""
     groups: dict[str, list[int]] = {}
     reused: dict[str, list[str]] = {}
     for row in rows:
@@ -325,8 +317,7 @@ def write_notes(study: Any) -> int:
             current = get_note_from_system_attrs(system, note_trial)
             if current["body"] == body or (current["body"] and not current["body"].endswith(SIGNATURE)):
                 continue  # unchanged, or a person's own note
-            save_note_with_version(storage, sid, note_trial, int(system.get(note_ver_key(note_trial), 0)) + 1,
-                                   body)
+            save_note_with_version(storage, sid, note_trial, int(system.get(note_ver_key(note_trial), 0)) + 1, body)
             written += 1
         return written
     except Exception as exc:  # notes are a courtesy: never fail a study over them
@@ -342,8 +333,7 @@ class Reporter(Protocol):
     def begin(self, settings: TuneSettings, *, already: int, deadline: float | None = None) -> None:
         return None
 
-    def start(self, number: int, config: BalanceConfig | None, *, baseline: bool = False,
-              why: str = "") -> None:
+    def start(self, number: int, config: BalanceConfig | None, *, baseline: bool = False, why: str = "") -> None:
         return None
 
     def tick(self, number: int, elapsed: float) -> None:

@@ -25,9 +25,8 @@ from autobalance._config import COMPILE_MODES, CUDA_GRAPH_MODES, DTYPES
 from autobalance._errors import StorageError, UsageError
 from autobalance._files import is_int, is_number
 
-__all__ = ["CHOICES", "GPU_MEMORY_GIB", "SettingDoc", "TuneSettings", "check_caps", "check_gpus",
-           "default_device", "load_toml", "memory_cap_text", "parse_duration", "parse_memory_cap",
-           "preflight", "setting_docs", "setting_types"]
+__all__ = ["CHOICES", "GPU_MEMORY_GIB", "SettingDoc", "TuneSettings", "check_caps", "check_gpus", "default_device",
+           "load_toml", "memory_cap_text", "parse_memory_cap", "preflight", "setting_docs", "setting_types"]
 
 
 @dataclass(kw_only=True)
@@ -35,8 +34,7 @@ class TuneSettings:
     """Everything ``autobalance tune`` needs; validated on construction."""
 
     script: str
-    """The training script, which calls ``autobalance.plan`` (default: the ``script`` key of the study
-    TOML)."""
+    """The training script, which calls ``autobalance.plan`` (default: the ``script`` key of the study TOML)."""
     script_args: list[str] = field(default_factory=list)
     """Arguments for the script (default: none)."""
     trials: int = 20
@@ -60,10 +58,9 @@ class TuneSettings:
     warmup: int = 1
     """Warm-up optimizer steps per trial (not timed)."""
     measure_s: float | str = "auto"
-    """Measure each trial for about this many seconds (at least ``steps``, at most ``max_steps``
-    measured steps); 0: exactly ``steps``. ``auto``: on CUDA, 7/3 of the study's per-trial overhead
-    so far (start-up and hand-over outside the steps: the steps then take >= 70 % of a trial), at
-    most 2 s; on CPU, 0."""
+    """Measure each trial for about this many seconds (at least ``steps``, at most ``max_steps`` measured steps);
+    0: exactly ``steps``. ``auto``: on CUDA, 7/3 of the study's per-trial overhead so far (start-up and hand-over
+    outside the steps: the steps then take >= 70 % of a trial), at most 2 s; on CPU, 0."""
     max_steps: int = 50
     """Upper bound on measured steps per trial when ``measure_s`` lengthens the measurement."""
     remeasure: Literal["auto", "on", "off"] = "auto"
@@ -77,19 +74,17 @@ class TuneSettings:
     trial_timeout: float = 300.0
     """Hard wall-clock limit per trial in seconds (start-up included)."""
     time_budget: float | str | None = None
-    """Wall-clock budget of this run of the study, verification included: ``90s``, ``10m``, ``1.5h`` or
-    seconds. A trial starts only while the time left holds the next trial (the median one so far) and
-    the best trial's verification as predicted from the study's own trials; running trials finish
-    (``trial_timeout`` still applies), then the best is verified and saved as usual (default: none,
-    no limit)."""
+    """Wall-clock budget of this run of the study, verification included: ``90s``, ``10m``, ``1.5h`` or seconds. A
+    trial starts only while the time left holds the next trial (the median one so far) and the best trial's
+    verification as predicted from the study's own trials; running trials finish (``trial_timeout`` still applies),
+    then the best is verified and saved as usual (default: none, no limit)."""
     about: str | None = None
     """One line printed under the study's first lines: what the study is about to show, said by a
     study TOML for whoever runs it (default: none)."""
     memory_cap: list[str] | None = None
-    """Emulated capacity per rank, in the units you think in: a size (``20GiB``, ``60MiB``; GB and MB
-    are powers of ten) or a GPU model whose memory is known (``A100-40GB``, ``H100-80GB``, ``L4`` ...):
-    one for every rank or one per rank. Leave it out on the card you will train on (default: the card's
-    capacity; on CPU the host's memory)."""
+    """Emulated capacity per rank, in the units you think in: a size (``20GiB``, ``60MiB``; GB and MB are powers of
+    ten) or a GPU model whose memory is known (``A100-40GB``, ``H100-80GB``, ``L4`` ...): one for every rank or one
+    per rank. Leave it out on the card you will train on (default: the card's capacity; on CPU the host's memory)."""
     memory_cap_gib: list[float] | None = None
     """The same cap in plain GiB (``0.06`` is 61.4 MiB): one value for every rank or one per rank
     (default: the card's capacity; on CPU the host's memory)."""
@@ -186,54 +181,42 @@ class TuneSettings:
             self.device = default_device()  # type: ignore[assignment]
         self._check_choice("device")
         if self.global_batch is not None and self.global_batch < self.world_size:
-            raise UsageError(
-                f"--global-batch={self.global_batch} is smaller than the {self.world_size} ranks; "
-                f"use at least {self.world_size} (one sample per rank)."
-            )
+            raise UsageError(f"--global-batch={self.global_batch} is smaller than the {self.world_size} ranks; "
+                             f"use at least {self.world_size} (one sample per rank).")
         if self.trial_timeout <= 0:
             raise UsageError(f"--trial-timeout={self.trial_timeout:g} must be positive; e.g. 300.")
         self.time_budget = parse_duration("--time-budget", self.time_budget)
         if not 0 <= self.headroom < 1:
             raise UsageError(f"--headroom={self.headroom:g} is out of range; use a fraction in [0, 1), e.g. 0.05.")
         if self.weight_spread < 0 or self.weight_time < 0 or self.weight_spread + self.weight_time == 0:
-            raise UsageError(
-                f"--weight-spread={self.weight_spread:g} / --weight-time={self.weight_time:g} must be >= 0 and not both 0."
-            )
+            raise UsageError(f"--weight-spread={self.weight_spread:g} / --weight-time={self.weight_time:g} "
+                             "must be >= 0 and not both 0.")
         self._check_choice("cap_mode")
         if self.max_spread_gib is not None and self.max_spread_gib < 0:
             raise UsageError(f"--max-spread-gib={self.max_spread_gib:g} is negative; use GiB >= 0.")
         self._check_choice("sampler", "strategy", "on_error")
         if self.dtypes is not None and (not self.dtypes or set(self.dtypes) - set(DTYPES)):
-            raise UsageError(f"--dtypes={','.join(self.dtypes)!r} is invalid; choose from "
-                             f"{', '.join(DTYPES)}.")
+            raise UsageError(f"--dtypes={','.join(self.dtypes)!r} is invalid; choose from {', '.join(DTYPES)}.")
         self._positive("max_accumulation")
         self._check_choice("split", *(("compile",) if self.compile is not None else ()))
         if self.compile_mode not in (*COMPILE_MODES, "auto") or self.compile_mode == "off":
-            raise UsageError(
-                f"--compile-mode={self.compile_mode!r} is unknown; use one of auto, "
-                f"{', '.join(COMPILE_MODES[1:])} (turn compile off with --compile off)."
-            )
+            raise UsageError(f"--compile-mode={self.compile_mode!r} is unknown; use one of auto, "
+                             f"{', '.join(COMPILE_MODES[1:])} (turn compile off with --compile off).")
         if self.compile_mode in CUDA_GRAPH_MODES and self.world_size > 1 and self.compile != "off":
-            raise UsageError(
-                f"--compile-mode={self.compile_mode} with {self.world_size} ranks: CUDA graphs run at world size 1 "
-                "only (docs/compile.md); use --compile-mode default, or --nproc-per-node 1."
-            )
+            raise UsageError(f"--compile-mode={self.compile_mode} with {self.world_size} ranks: CUDA graphs run at world "
+                             "size 1 only (docs/compile.md); use --compile-mode default, or --nproc-per-node 1.")
         self._positive("gpus_per_trial", "cpus_per_trial")
         if self.prune_factor != 0 and self.prune_factor < 1:
             raise UsageError(f"--prune-factor={self.prune_factor:g} must be 0 (off) or at least 1; e.g. 1.5.")
         if self.memory_cap is not None:
             if self.memory_cap_gib is not None:
-                raise UsageError(
-                    f"--memory-cap={','.join(self.memory_cap)} and --memory-cap-gib="
-                    f"{','.join(f'{c:g}' for c in self.memory_cap_gib)} both given; keep one of them."
-                )
+                raise UsageError(f"--memory-cap={','.join(self.memory_cap)} and --memory-cap-gib="
+                                 f"{','.join(f'{c:g}' for c in self.memory_cap_gib)} both given; keep one of them.")
             self.memory_cap_gib = parse_memory_cap("--memory-cap", self.memory_cap)
         if self.memory_cap_gib is not None:
             if len(self.memory_cap_gib) not in (1, self.world_size):
-                raise UsageError(
-                    f"--memory-cap-gib has {len(self.memory_cap_gib)} values for {self.world_size} ranks; "
-                    "give one value for all ranks or one per rank."
-                )
+                raise UsageError(f"--memory-cap-gib has {len(self.memory_cap_gib)} values for {self.world_size} ranks; "
+                                 "give one value for all ranks or one per rank.")
             if any(c <= 0 for c in self.memory_cap_gib):
                 raise UsageError(f"--memory-cap-gib={self.memory_cap_gib} has a non-positive value; use GiB > 0.")
         if not self.study_name:  # the script's directory and name
@@ -242,30 +225,25 @@ class TuneSettings:
             stem = os.path.splitext(os.path.basename(path))[0]
             self.study_name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{parent}-{stem}" if parent else stem)
         if not re.fullmatch(r"[A-Za-z0-9_.:@+-]{1,200}", self.study_name):
-            raise UsageError(
-                f"--study-name={self.study_name!r} has unsupported characters; use letters, digits and _ . - : @ +."
-            )
+            raise UsageError(f"--study-name={self.study_name!r} has unsupported characters; use letters, digits "
+                             "and _ . - : @ +.")
 
     def _positive(self, *names: str) -> None:
-        """A count below 1 is a :class:`UsageError` naming the flag (None: not given)."""
-        for name in names:
+        for name in names:  # None: not given
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UsageError(f"{_flag(name)}={value} must be at least 1.")
 
     def _check_choice(self, *names: str) -> None:
-        """A value outside its ``Literal``: a :class:`UsageError` naming the flag and choices."""
         for name in names:
             value, choices = getattr(self, name), CHOICES[name]
             if value not in choices:
-                words = ("one of " + ", ".join(choices)
-                         if name not in ("device", "remeasure", "cap_mode", "on_error")
+                words = ("one of " + ", ".join(choices) if name not in ("device", "remeasure", "cap_mode", "on_error")
                          else ", ".join(choices[:-1]) + " or " + choices[-1])
                 raise UsageError(f"{_flag(name)}={value!r} is unknown; use {words}.")
 
     @property
     def time_budget_s(self) -> float | None:
-        """``time_budget`` in seconds (None: no limit)."""
         return None if self.time_budget is None else float(self.time_budget)
 
     @property
@@ -278,8 +256,7 @@ class TuneSettings:
         would capture the gradient all-reduce)."""
         modes = [self.compile_mode]
         if self.compile_mode == "auto":
-            graphs = self.device == "cuda" and self.world_size == 1
-            modes = ["default", *CUDA_GRAPH_MODES] if graphs else ["default"]
+            modes = ["default", *CUDA_GRAPH_MODES] if self.device == "cuda" and self.world_size == 1 else ["default"]
         resolved = self.compile or ("search" if self.device == "cuda" else "off")
         return {"off": ["off"], "on": modes, "search": ["off", *modes]}[resolved]
 
@@ -306,10 +283,8 @@ class TuneSettings:
             values.pop("memory_cap_gib", None)
         values.update(given)
         if not values.get("script"):
-            raise UsageError(
-                "SCRIPT is missing; pass the training script (autobalance tune train.py ...) or a study "
-                "TOML that names it (--config studies/NAME.toml with script = \"...\")."
-            )
+            raise UsageError("SCRIPT is missing; pass the training script (autobalance tune train.py ...) or a study "
+                             "TOML that names it (--config studies/NAME.toml with script = \"...\").")
         return cls(**values)
 
 
@@ -319,8 +294,7 @@ def _flag(name: str) -> str:
 
 CHOICES: dict[str, tuple[str, ...]] = {
     name: choices for name, hint in get_type_hints(TuneSettings).items()
-    if (choices := next((get_args(a) for a in (hint, *get_args(hint)) if get_origin(a) is Literal),
-                        ()))
+    if (choices := next((get_args(a) for a in (hint, *get_args(hint)) if get_origin(a) is Literal), ()))
 }
 """The choices of each choice setting, from its ``Literal`` type (alone or in a union with None):
 what ``TuneSettings`` accepts and the command line shows (``None`` is not a choice there)."""
@@ -336,13 +310,11 @@ def setting_types() -> dict[str, str]:
 
 @dataclass(frozen=True, kw_only=True)
 class SettingDoc:
-    """What the command line and the docs say about one :class:`TuneSettings` field: its ``name``
-    (the study TOML key too), ``help`` (its docstring as plain text, without the ``(default: ...)``
-    clause), ``text`` (the same with its ````code```` marks kept: a renderer may turn field names
-    into flags), ``default`` as shown to a user (the docstring's ``(default: ...)`` text when the
-    value alone says nothing) and ``value`` (the default itself; ``MISSING``: a required field)."""
+    """What the command line says about one :class:`TuneSettings` field: ``help`` (its docstring as plain
+    text, without the ``(default: ...)`` clause), ``text`` (the same with its ````code```` marks kept: a
+    renderer may turn field names into flags), ``default`` as shown to a user (the docstring's ``(default:
+    ...)`` text when the value alone says nothing) and ``value`` (the default itself; ``MISSING``: required)."""
 
-    name: str
     help: str
     text: str
     default: str
@@ -354,11 +326,8 @@ _DEFAULT_CLAUSE = re.compile(r"\s*\(default: ([^()]*)\)")
 
 @functools.lru_cache(maxsize=1)
 def setting_docs() -> dict[str, SettingDoc]:
-    """Help and default of every :class:`TuneSettings` field, read from the field docstrings in this
-    module's source, so flags, TOML keys and docs are derived from one place and cannot drift.
-
-    A field whose default is None, "" or empty must say what that means with ``(default: ...)`` in
-    its docstring; any other field shows its default value."""
+    """Help and default of every :class:`TuneSettings` field, read from its docstring in this module's source, so
+    flags, TOML keys and docs derive from one place; an empty default (None, "", []) must say ``(default: ...)``."""
     body = ast.parse(inspect.getsource(TuneSettings)).body[0].body  # type: ignore[attr-defined]
     docs = {stmt.target.id: " ".join(doc.value.value.split())
             for stmt, doc in itertools.pairwise(body)
@@ -367,20 +336,18 @@ def setting_docs() -> dict[str, SettingDoc]:
             and isinstance(doc.value.value, str)}
     out: dict[str, SettingDoc] = {}
     for f in fields(TuneSettings):
-        text = docs.get(f.name)
-        if text is None:
+        if (text := docs.get(f.name)) is None:
             raise AssertionError(f"TuneSettings.{f.name} has no docstring")
         value: Any = f.default if f.default is not MISSING else (
             f.default_factory() if f.default_factory is not MISSING else MISSING)
-        clause = _DEFAULT_CLAUSE.search(text)
-        kept = _DEFAULT_CLAUSE.sub("", text)
+        clause, kept = _DEFAULT_CLAUSE.search(text), _DEFAULT_CLAUSE.sub("", text)
         if clause is not None:
             default = clause.group(1).replace("``", "")
         elif value is MISSING or value is None or value == "" or value == []:
             raise AssertionError(f"TuneSettings.{f.name}: say what its empty default means with (default: ...)")
         else:
             default = _show(value)
-        out[f.name] = SettingDoc(name=f.name, help=kept.replace("``", ""), text=kept, default=default, value=value)
+        out[f.name] = SettingDoc(help=kept.replace("``", ""), text=kept, default=default, value=value)
     return out
 
 
@@ -447,28 +414,26 @@ def load_toml(path: str) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"--config={path!r} is malformed TOML: {exc}; fix that line.") from None
     section = data.get("tune", data)
-    known = {f.name for f in fields(TuneSettings)}
+    annotations = setting_types()
     for key in section:
-        if key.replace("-", "_") not in known:
-            raise UsageError(f"--config={path!r} has unknown key {key!r}; known keys: {', '.join(sorted(known))}.")
+        if key.replace("-", "_") not in annotations:
+            raise UsageError(f"--config={path!r} has unknown key {key!r}; known keys: {', '.join(sorted(annotations))}.")
     values: dict[str, Any] = {key.replace("-", "_"): value for key, value in section.items()}
     for name in ("memory_cap_gib", "memory_cap"):
         if name in values and not isinstance(values[name], list):
             values[name] = [values[name]]
-    annotations = setting_types()
     for name, value in values.items():
         kind = annotations[name]
         expected, ok = _TOML_KINDS.get(kind) or _TOML_KINDS[kind.replace(" | None", "")]
         if not ok(value):
             raise UsageError(f"--config={path!r} has {name} = {value!r}, which is not {expected}; fix that key.")
-        if annotations[name].startswith("float") and is_number(value):
+        if kind.startswith("float") and is_number(value):
             values[name] = float(value)
-        elif annotations[name].startswith("list[float]"):
+        elif kind.startswith("list[float]"):
             values[name] = [float(v) for v in value]
     script = values.get("script")
     if script is not None and not os.path.isabs(script) and not os.path.exists(script):
-        values["script"] = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)),
-                                                         script))
+        values["script"] = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), script))
     return values
 
 
@@ -477,9 +442,8 @@ GPU_MEMORY_GIB: dict[str, float] = {
     "RTX3090": 23.6, "RTX4090": 23.6, "RTX-A6000": 47.5, "L40S": 44.3, "A100-40GB": 39.3,
     "A100-80GB": 79.1, "H100-80GB": 79.1, "H100-94GB": 93.0, "H200": 139.8, "B200": 178.0,
 }
-"""GPUs ``--memory-cap`` knows by name: about the memory CUDA reports on each (``total_memory``, a
-little under the size the card is sold by, rounded down), in GiB, so a cap named after the card you
-train on never exceeds it."""
+"""GPUs ``--memory-cap`` knows by name: about the memory CUDA reports on each (``total_memory``, a little under the
+size the card is sold by, rounded down), in GiB, so a cap named after the card you train on never exceeds it."""
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]i?B|[KMGT]|B)?\s*", re.IGNORECASE)
 _UNIT_BYTES = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
@@ -489,8 +453,7 @@ _UNIT_BYTES = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 
 def _gpu_key(text: str) -> str:
     """``A100-40GB``, ``a100 40gb``, ``A100_40``: one key (letters and digits, no trailing GB)."""
-    key = re.sub(r"[^a-z0-9]", "", text.lower())
-    return re.sub(r"(?<=\d)gb$", "", key)
+    return re.sub(r"(?<=\d)gb$", "", re.sub(r"[^a-z0-9]", "", text.lower()))
 
 
 _GPU_ALIASES = {"H100": "H100-80GB", "H200-141GB": "H200", "B200-180GB": "B200", "B200-192GB": "B200",
@@ -531,14 +494,12 @@ def parse_memory_cap(flag: str, items: list[str]) -> list[float]:
 def memory_cap_text(gib: float) -> str:
     """A cap as ``--memory-cap`` takes it, in the unit its size calls for: ``20GiB``, ``61.4MiB``, ``512KiB``
     (three significant digits, rounded up so the cap is never smaller than ``gib``)."""
-    for unit, scale in (("GiB", 1.0), ("MiB", 2.0**-10), ("KiB", 2.0**-20)):
-        if gib >= scale or unit == "KiB":
-            value = gib / scale
-            digits = max(0, 2 - math.floor(math.log10(value))) if value > 0 else 0
-            step = 10.0 ** -digits
-            rounded = math.ceil(value / step - 1e-9) * step
-            return f"{rounded:.{digits}f}".rstrip("0").rstrip(".") + unit
-    raise AssertionError("unreachable")
+    unit, scale = next(((u, s) for u, s in (("GiB", 1.0), ("MiB", 2.0**-10)) if gib >= s), ("KiB", 2.0**-20))
+    value = gib / scale
+    digits = max(0, 2 - math.floor(math.log10(value))) if value > 0 else 0
+    step = 10.0 ** -digits
+    rounded = math.ceil(value / step - 1e-9) * step
+    return f"{rounded:.{digits}f}".rstrip("0").rstrip(".") + unit
 
 
 # --------------------------------- preflight: the settings against this host, before anything runs
@@ -578,10 +539,8 @@ def preflight(settings: TuneSettings) -> Iterator[None]:
             os.close(fd)
             os.unlink(probe)
         except OSError as exc:
-            raise UsageError(
-                f"--runs-dir={s.runs_dir!r} is not writable ({exc.strerror or exc}); pass a "
-                "writable directory for the trials' reports and logs."
-            ) from None
+            raise UsageError(f"--runs-dir={s.runs_dir!r} is not writable ({exc.strerror or exc}); pass a "
+                             "writable directory for the trials' reports and logs.") from None
         try:
             s.storage = check_storage(s.storage)
             open_storage(s.storage)
@@ -602,10 +561,8 @@ def check_gpus(*, device: str, nproc_per_node: int, visible: int) -> None:
     if visible == 0:
         raise UsageError("--device=cuda but no CUDA device is visible; use --device cpu.")
     if nproc_per_node > visible:
-        raise UsageError(
-            f"--nproc-per-node={nproc_per_node} is larger than the {visible} visible GPU(s); "
-            f"use at most {visible} or check CUDA_VISIBLE_DEVICES."
-        )
+        raise UsageError(f"--nproc-per-node={nproc_per_node} is larger than the {visible} visible GPU(s); "
+                         f"use at most {visible} or check CUDA_VISIBLE_DEVICES.")
 
 
 def check_caps(*, caps_bytes: list[int] | None, capacities: list[int], device: str) -> None:
@@ -613,7 +570,5 @@ def check_caps(*, caps_bytes: list[int] | None, capacities: list[int], device: s
     for rank, (cap, capacity) in enumerate(zip(caps_bytes or [], capacities, strict=False)):
         if cap > capacity:
             card = "its card" if device == "cuda" else "this host's memory"
-            raise UsageError(
-                f"--memory-cap-gib={cap / 2**30:g} for rank {rank} is larger than {card} "
-                f"({capacity / 2**30:.1f} GiB); use at most {capacity / 2**30:.1f}."
-            )
+            raise UsageError(f"--memory-cap-gib={cap / 2**30:g} for rank {rank} is larger than {card} "
+                             f"({capacity / 2**30:.1f} GiB); use at most {capacity / 2**30:.1f}.")

@@ -1,14 +1,13 @@
-"""The study: the sampler, opening (or continuing) a study with the same objective and search
-space, and which trials count towards ``--trials``.
+"""The study: the sampler, opening (or continuing) a study with the same objective and search space, and which
+trials count towards ``--trials``.
 
-**Workers.** Any number of ``autobalance tune`` processes may work on one study (same
-``--storage`` and ``--study-name``, one host or many; ``docs/reliability.md``, section 6): one
-baseline (:class:`BaselineClaim`; a claim whose owner stops refreshing it is taken over), stale
-trials failed and run again (:func:`fail_stale_trials`), no trial beyond the total (``surplus``),
-and one launch per configuration (:class:`RunningClaim`: a worker that finds another worker's trial
-holding it waits for that trial and reuses its result; a claim whose trial is no longer running is
-taken over). A claim is a row of Optuna's ``study_system_attributes`` whose unique key makes its
-insert atomic on SQLite and PostgreSQL alike.
+**Workers.** Any number of ``autobalance tune`` processes may work on one study (same ``--storage`` and
+``--study-name``, one host or many; ``docs/reliability.md``, section 6): one baseline (:class:`BaselineClaim`; a
+claim whose owner stops refreshing it is taken over), stale trials failed and run again
+(:func:`fail_stale_trials`), no trial beyond the total (``surplus``), and one launch per configuration
+(:class:`RunningClaim`: a worker that finds another worker's trial holding it waits for that trial and reuses its
+result; a claim whose trial is no longer running is taken over). A claim is a row of Optuna's
+``study_system_attributes`` whose unique key makes its insert atomic on SQLite and PostgreSQL alike.
 """
 
 from __future__ import annotations
@@ -39,8 +38,8 @@ from autobalance.store import (
 from autobalance.tuner._settings import TuneSettings
 from autobalance.tuner.search import SearchSpace, space_problem
 
-__all__ = ["BaselineClaim", "RunningClaim", "check_space", "counted_trials",
-           "counts", "fail_stale_trials", "measured_configs", "open_study", "worker_id"]
+__all__ = ["BaselineClaim", "RunningClaim", "check_space", "counted_trials", "counts", "fail_stale_trials",
+           "measured_configs", "open_study", "worker_id"]
 
 
 def make_sampler(settings: TuneSettings, *, n_trials: int) -> optuna.samplers.BaseSampler:
@@ -53,24 +52,19 @@ def make_sampler(settings: TuneSettings, *, n_trials: int) -> optuna.samplers.Ba
             return optuna.samplers.GPSampler(seed=seed, n_startup_trials=min(10, max(2, n_trials // 4)))
         if settings.sampler == "nsga2":
             return optuna.samplers.NSGAIISampler(seed=seed, population_size=max(4, min(20, n_trials // 3)))
-        return optuna.samplers.TPESampler(
-            seed=seed, multivariate=True, constant_liar=True, n_startup_trials=min(10, max(3, n_trials // 4))
-        )
+        return optuna.samplers.TPESampler(seed=seed, multivariate=True, constant_liar=True,
+                                          n_startup_trials=min(10, max(3, n_trials // 4)))
 
 
 def open_study(s: TuneSettings, storage: optuna.storages.RDBStorage) -> optuna.Study:
     """Create the study, or load it when its objective matches; stale trials of dead workers are failed."""
     directions: list[Any] = ["minimize", "minimize"] if s.multi_objective else ["minimize"]
-    study = optuna.create_study(
-        study_name=s.study_name, storage=storage, directions=directions,
-        sampler=make_sampler(s, n_trials=s.trials), load_if_exists=True,
-    )
+    study = optuna.create_study(study_name=s.study_name, storage=storage, directions=directions,
+                                sampler=make_sampler(s, n_trials=s.trials), load_if_exists=True)
     if [d.name.lower() for d in study.directions] != directions:
-        raise UsageError(
-            f"--study-name={s.study_name!r} exists with {len(study.directions)} objective(s) but this run asks for "
-            f"{len(directions)} ({'--multi-objective' if s.multi_objective else 'single objective'}); "
-            "use the same setting or a new --study-name."
-        )
+        mode = "--multi-objective" if s.multi_objective else "single objective"
+        raise UsageError(f"--study-name={s.study_name!r} exists with {len(study.directions)} objective(s) but this run "
+                         f"asks for {len(directions)} ({mode}); use the same setting or a new --study-name.")
     objective = {"weight_spread": s.weight_spread, "weight_time": s.weight_time, "headroom": s.headroom,
                  "multi_objective": s.multi_objective, "caps_bytes": s.caps_bytes(), "device": s.device,
                  "world_size": s.world_size, "nnodes": s.nnodes, "cap_mode": s.cap_mode,
@@ -84,10 +78,9 @@ def open_study(s: TuneSettings, storage: optuna.storages.RDBStorage) -> optuna.S
             study.set_metric_names(names)
     elif stored != objective:
         diff = sorted(k for k in objective if stored.get(k) != objective[k])
-        raise UsageError(
-            f"--study-name={s.study_name!r} exists with another search space/objective (differs in: {', '.join(diff)}); "
-            "run with the original settings to continue it, or pass a new --study-name."
-        )
+        raise UsageError(f"--study-name={s.study_name!r} exists with another search space/objective (differs in: "
+                         f"{', '.join(diff)}); run with the original settings to continue it, or pass a new "
+                         "--study-name.")
     fail_stale_trials(study, storage)
     return study
 
@@ -109,14 +102,11 @@ def check_space(s: TuneSettings, space: SearchSpace) -> None:
         problems.append(f"--global-batch={s.global_batch} (the study searches global batch {space.global_batch})")
     if s.dtypes is not None and set(s.dtypes) - set(space.dtypes):
         problems.append(f"--dtypes={','.join(s.dtypes)} (the study searches {','.join(space.dtypes)})")
-    compile_problem = space_problem(s, space)
-    if compile_problem:
+    if compile_problem := space_problem(s, space):
         problems.append(compile_problem)
     if problems:
-        raise UsageError(
-            f"--study-name={s.study_name!r} exists with another search space: {'; '.join(problems)}; "
-            "run with the original settings to continue it, or pass a new --study-name."
-        )
+        raise UsageError(f"--study-name={s.study_name!r} exists with another search space: {'; '.join(problems)}; "
+                         "run with the original settings to continue it, or pass a new --study-name.")
 
 
 def counts(t: FrozenTrial) -> bool:
@@ -166,8 +156,7 @@ class _Claim:
         try:
             with self.storage.engine.begin() as conn:
                 table = study_system_attr_table()
-                conn.execute(insert(table).values(study_id=self.study_id, key=self.key,
-                                                  value_json=value))
+                conn.execute(insert(table).values(study_id=self.study_id, key=self.key, value_json=value))
         except IntegrityError:
             return False
         return True
@@ -185,8 +174,7 @@ class _Claim:
 class BaselineClaim(_Claim):
     """Who runs the baseline of a study (see the module docstring)."""
 
-    def __init__(self, storage: optuna.storages.RDBStorage, study_id: int, *, owner: str,
-                 stale_after_s: float) -> None:
+    def __init__(self, storage: optuna.storages.RDBStorage, study_id: int, *, owner: str, stale_after_s: float) -> None:
         super().__init__(storage, study_id, StudyAttr.BASELINE_CLAIM)
         self.owner = owner
         self.stale_after_s = stale_after_s
@@ -236,10 +224,9 @@ class BaselineClaim(_Claim):
         table = study_system_attr_table()
         value = json.dumps({"owner": self.owner, "at": time.time()})
         with self.storage.engine.begin() as conn:
-            done = conn.execute(update(table).where(
-                table.c.study_id == self.study_id, table.c.key == self.key,
-                table.c.value_json == self._value,
-            ).values(value_json=value)).rowcount
+            done = conn.execute(update(table).where(table.c.study_id == self.study_id, table.c.key == self.key,
+                                                    table.c.value_json == self._value)
+                                .values(value_json=value)).rowcount
         if done:
             self._value = value
 
@@ -312,14 +299,11 @@ def fail_stale_trials(study: optuna.Study, storage: optuna.storages.RDBStorage) 
     failed: list[int] = []
     with contextlib.suppress(Exception):
         grace = storage.grace_period or 2 * storage.heartbeat_interval
-        stale_ids = stale_trial_ids(storage, study_id(study, storage)) + _silent_trial_ids(study, storage, grace)
-        for stale in stale_ids:
+        for stale in stale_trial_ids(storage, study_id(study, storage)) + _silent_trial_ids(study, storage, grace):
             try:
                 storage.set_trial_user_attr(stale, TrialAttr.STATUS, Status.STALE)
-                storage.set_trial_user_attr(
-                    stale, "reason",
-                    "its tuner stopped without finishing it (killed?): the heartbeat stopped; run again in its place",
-                )
+                storage.set_trial_user_attr(stale, "reason", "its tuner stopped without finishing it (killed?): "
+                                            "the heartbeat stopped; run again in its place")
                 if storage.set_trial_state_values(stale, state=TrialState.FAIL):
                     failed.append(storage.get_trial_number_from_id(stale))
             except optuna.exceptions.UpdateFinishedTrialError:

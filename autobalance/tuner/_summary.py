@@ -1,18 +1,17 @@
-"""What a finished ``tune`` says: the result, and the notes under the table (predicted and pruned
-trials, the steps' share of the wall time, compilation, the memory model's error).
+"""What a finished ``tune`` says: the result, and the notes under the table (predicted and pruned trials, the
+steps' share of the wall time, compilation, the memory model's error).
 
-**How each trial was measured** (``docs/warm.md``), as trial attributes and as lines of the
-study summary: the compiling step's and the steady peaks (``compile_peak_gib``,
-``steady_peak_gib``), the steps' spread (``step_time_iqr_pct``; ``remeasured``), and a warm
-trial's carry-over (:mod:`autobalance.runtime._carryover`): ``warm_pool_trial`` (1 = a fresh
-worker), ``warm_fresh_outside_gib`` (what a fresh worker held outside PyTorch, per rank),
-``warm_inherited_outside_gib`` (what this trial's worker held over its reference: charged to the
-trial, never discounted), ``warm_recycled`` (why the pool was restarted after it).
+**How each trial was measured** (``docs/warm.md``), as trial attributes and as lines of the study summary: the
+compiling step's and the steady peaks (``compile_peak_gib``, ``steady_peak_gib``), the steps' spread
+(``step_time_iqr_pct``; ``remeasured``), and a warm trial's carry-over (:mod:`autobalance.runtime._carryover`):
+``warm_pool_trial`` (1 = a fresh worker), ``warm_fresh_outside_gib`` (what a fresh worker held outside PyTorch, per
+rank), ``warm_inherited_outside_gib`` (what this trial's worker held over its reference: charged to the trial,
+never discounted), ``warm_recycled`` (why the pool was restarted after it).
 
-**The script's facts**: what the baseline's report says about the script that shapes the study,
-in words: its repeated blocks (none found: checkpointing is not searched), batch-dependent layers
-(the split stays the script's own), a dataset smaller than one global batch (every step is a
-partial step). The study prints these lines first, before any other trial runs.
+**The script's facts**: what the baseline's report says about the script that shapes the study, in words: its
+repeated blocks (none found: checkpointing is not searched), batch-dependent layers (the split stays the script's
+own), a dataset smaller than one global batch (every step is a partial step). The study prints these lines first,
+before any other trial runs.
 """
 
 from __future__ import annotations
@@ -71,7 +70,6 @@ class TuneResult:
     notes: list[str] = field(default_factory=list)
     time_spent: dict[str, Any] = field(default_factory=dict)
     """How this run spent its wall time and its time budget (see :data:`StudyAttr.TIME_SPENT`)."""
-
     already: int = 0
     """Trials the study had counted before this run (``--trials`` is the study's total)."""
     of: int = 0
@@ -94,8 +92,7 @@ class TuneResult:
 
 
 def _idle(result: TuneResult) -> bool:
-    """This run launched no trial, verified nothing and was not stopped by its time budget: it had
-    nothing to do (its few milliseconds are not the study's work)."""
+    """This run had nothing to do: no trial launched, nothing verified, not stopped by its time budget."""
     spent = result.time_spent
     return result.trials_run == 0 and not spent.get("verified") and not spent.get("stopped_by_budget")
 
@@ -182,18 +179,15 @@ def summarise(study: optuna.Study, result: TuneResult, *, cold_note: str | None,
         study.set_user_attr(StudyAttr.COMPILE_TOTAL, round(compile_total, 3))
         result.notes.extend(compile_lines)
     if advisor is not None:
-        error = advisor.holdout_error(study)
-        if error is not None:
+        if (error := advisor.holdout_error(study)) is not None:
             study.set_user_attr(StudyAttr.MEMORY_MODEL_ERROR, error)
             result.notes.append(f"Memory model: {100 * error:.1f}% mean error predicting held-out trials' per-rank peaks.")
-        compiled = advisor.compiled_holdout_error(study)
-        if compiled is not None:
+        if (compiled := advisor.compiled_holdout_error(study)) is not None:
             study.set_user_attr(StudyAttr.COMPILED_MODEL_ERROR, compiled[0])
             result.notes.append(f"Compiled model: {100 * compiled[0]:.1f}% mean error predicting held-out compiled "
                                 f"trials' per-rank peaks ({compiled[1]} trial(s)).")
-    failed_fits = model_errors_line(study.user_attrs.get(StudyAttr.MODEL_ERRORS))
-    if failed_fits is not None:  # fits the search fell back from (tuner/search/_model_errors.py)
-        result.notes.append(failed_fits)
+    if (failed_fits := model_errors_line(study.user_attrs.get(StudyAttr.MODEL_ERRORS))) is not None:
+        result.notes.append(failed_fits)  # fits the search fell back from (tuner/search/_model_errors.py)
 
 
 def record_time_spent(study: optuna.Study, result: TuneResult, *, launched_here: set[int] | None = None,
@@ -233,8 +227,7 @@ def measurement_attrs(outcome: TrialOutcome, *, world_size: int) -> dict[str, An
         attrs["compile_peak_gib"] = [_gib(v) for v in first]
         attrs["steady_peak_gib"] = [_gib(v) for v in steady]
     medians = [(float(rep.step_time_iqr_s), statistics.median(float(t) for t in rep.step_times_s))
-               for rep in reports
-               if rep is not None and rep.step_time_iqr_s is not None and rep.step_times_s]
+               for rep in reports if rep is not None and rep.step_time_iqr_s is not None and rep.step_times_s]
     spreads = [100 * iqr / median for iqr, median in medians if median > 0]
     if spreads and len(spreads) == world_size:
         attrs["step_time_iqr_pct"] = round(max(spreads), 2)
@@ -351,7 +344,6 @@ def script_facts(report: RankReport, *, kept_split: bool, allow: bool, split: st
 
 
 def summary_facts(study_attrs: dict[str, Any]) -> list[str]:
-    """The facts the study's summary repeats: what limits the search (no blocks, a kept split, a
-    dataset smaller than one global batch); the line naming the blocks found is said once, at the start."""
+    """The script's facts the study's summary repeats: all but the ``Blocks:`` line, said once at the start."""
     facts = study_attrs.get(StudyAttr.SCRIPT_FACTS) or []
     return [str(line) for line in facts if not str(line).startswith("Blocks: ")]

@@ -1,14 +1,13 @@
 """Where a ``tune`` run's wall time went, and its time budget (``--time-budget``).
 
-Each launched trial records its wall time by part (:data:`TrialAttr.TIME_SPLIT`): from the launch
-to the slowest rank's first step (``startup``: torchrun, imports, the script's set-up, a warm pool's
-start), ``compile`` (the compiling step), ``steps`` (warm-up and measured), ``remeasure`` (a second
-run) and ``other`` (the report and the hand-over after the last step). The first step's moment comes
-from each rank's report (written at ``written_at``, ``timing.wall_s`` after the rank's plan began,
-whose first step came ``timing.startup_s`` after that); a trial that never reached a step spent its
-whole run starting up. The run's time is then the sum over the trials it launched, plus
-verification, plus the rest (the tuner itself: sampling, recording, predictions without launching).
-The time budget keeps verification's predicted time free (:class:`TimeBudget`, ``search/_timing.py``).
+Each launched trial records its wall time by part (:data:`TrialAttr.TIME_SPLIT`): from the launch to the slowest
+rank's first step (``startup``: torchrun, imports, the script's set-up, a warm pool's start), ``compile`` (the
+compiling step), ``steps`` (warm-up and measured), ``remeasure`` (a second run) and ``other`` (the report and the
+hand-over after the last step). The first step's moment comes from each rank's report (written at ``written_at``,
+``timing.wall_s`` after the rank's plan began, whose first step came ``timing.startup_s`` after that); a trial that
+never reached a step spent its whole run starting up. The run's time is then the sum over the trials it launched,
+plus verification, plus the rest (the tuner itself: sampling, recording, predictions without launching). The time
+budget keeps verification's predicted time free (:class:`TimeBudget`, ``search/_timing.py``).
 """
 
 from __future__ import annotations
@@ -24,8 +23,7 @@ from autobalance.launcher import TrialOutcome
 from autobalance.protocol import RankTiming, TrialAttr
 from autobalance.tuner.search import per_trial_overhead_s
 
-__all__ = ["TIME_PARTS", "TrialOverhead", "describe_budget", "time_lines", "time_spent",
-           "trial_time_split"]
+__all__ = ["TIME_PARTS", "TrialOverhead", "describe_budget", "time_lines", "time_spent", "trial_time_split"]
 
 TIME_PARTS = ("compile", "startup", "steps", "remeasure", "verify")
 """The parts of a run's wall time besides ``other``, in the order the summary names them."""
@@ -89,11 +87,10 @@ def time_spent(trials: list[FrozenTrial], numbers: set[int]) -> dict[str, float]
 
 @dataclass
 class TrialOverhead:
-    """The per-trial overhead (:func:`per_trial_overhead_s`) over the study's trials as of the
-    last one recorded, what ``--measure-s auto`` sizes a launch's measurement by: ``seconds``
-    (None before any launched ``ok`` trial), and whether the trial loop has ``counted`` them
-    (:meth:`update`, once per recorded trial and when it starts; before it, a launch counts the
-    study as it was opened; another worker's trials count from this loop's next recorded one on)."""
+    """The per-trial overhead (:func:`per_trial_overhead_s`) as of the last trial recorded, what ``--measure-s
+    auto`` sizes a launch by: ``seconds`` (None before any launched ``ok`` trial), and whether the loop has
+    ``counted`` the trials (:meth:`update`, per recorded trial and when it starts; before it, a launch counts
+    the study as opened; another worker's trials count from this loop's next recorded one on)."""
 
     seconds: float | None = None
     counted: bool = False

@@ -34,10 +34,9 @@ class Tuner:
 
     def __init__(self, *, settings: TuneSettings, reporter: Reporter | None = None, pool: WarmPool | None = None,
                  keep_pool: bool = False) -> None:
-        """``pool``: a warm pool shared with other tuners of the same script (the caller closes it).
-        ``keep_pool``: leave the study's own warm pool running when :meth:`run` ends, as
-        :attr:`kept_pool`, for the verification that follows (the caller closes it with
-        :meth:`close_kept_pool`)."""
+        """``pool``: a warm pool shared with other tuners of the same script (the caller closes it). ``keep_pool``:
+        leave the study's own warm pool running when :meth:`run` ends, as :attr:`kept_pool`, for the verification
+        that follows (the caller closes it with :meth:`close_kept_pool`)."""
         self.settings = settings
         self.keep_pool = keep_pool
         self.kept_pool: WarmPool | None = None
@@ -82,17 +81,15 @@ class Tuner:
                 self.advisor = ModelAdvisor(space=space, settings=s)
             loop = self.trial_loop()
             loop.run(study, space)
-            leaders_s = loop.leaders_s
         finally:
             self.close()
         base_no = study.user_attrs.get(StudyAttr.BASELINE)
-        result = TuneResult(study_name=s.study_name, storage=mask_url(s.storage),
-                            trials_run=self.launcher.trials_run,
+        result = TuneResult(study_name=s.study_name, storage=mask_url(s.storage), trials_run=self.launcher.trials_run,
                             baseline=study.trials[base_no] if base_no is not None else None,
                             best=best_trial(study), wall_s=time.monotonic() - start, already=already, of=s.trials)
         result.time_spent = {"slots": len(self.launcher.slots()), "budget_s": s.time_budget_s,
                              "stopped_by_budget": self.budget.stopped, "trials": counted_trials(study), "of": s.trials,
-                             "leaders_s": round(leaders_s, 3),
+                             "leaders_s": round(loop.leaders_s, 3),
                              **(self.budget.record() if s.time_budget_s is not None else {})}
         summarise(study, result, cold_note=self.launcher.cold_note, advisor=self.advisor,
                   launched_here=set(self.recorder.launched_here))
@@ -115,7 +112,6 @@ class Tuner:
 
 
 def _exists(storage: optuna.storages.BaseStorage, name: str) -> bool:
-    """Whether ``storage`` holds a study called ``name``."""
     try:
         storage.get_study_id_from_name(name)
     except KeyError:
