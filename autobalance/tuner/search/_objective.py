@@ -72,8 +72,7 @@ class TrialFigures:
 
     @property
     def measured(self) -> bool:
-        return (self.status == Status.OK and None not in self.peak_device
-                and self.step_time_s is not None)
+        return self.status == Status.OK and None not in self.peak_device and self.step_time_s is not None
 
     def spread_bytes(self) -> float | None:
         peaks = [p for p in self.peak_device if p is not None]
@@ -97,8 +96,7 @@ class TrialFigures:
                multi_objective: bool) -> list[float]:
         spread = self.spread_fraction() if self.measured else None
         step = self.step_time_s if self.measured else None
-        time_norm = (INFEASIBLE_TIME if step is None or not reference_step_s
-                     else float(step) / reference_step_s)
+        time_norm = INFEASIBLE_TIME if step is None or not reference_step_s else float(step) / reference_step_s
         values = [1.0 if spread is None else spread, time_norm]
         if multi_objective:
             return values
@@ -193,11 +191,10 @@ def rate_fixed(user_attrs: Mapping[str, Any]) -> bool:
 
 def penalised(values: list[float], constraints: list[float], *, feasible: bool, weight_spread: float,
               weight_time: float, multi_objective: bool) -> list[float]:
-    """The objective values Optuna stores: an infeasible trial's are at least those of a trial with
-    no measurement (spread 1, step time ``INFEASIBLE_TIME`` x the reference) plus its violation. So
-    no infeasible trial beats a feasible one in a view that ranks by value alone (optuna-dashboard's
-    best trial and Pareto front), and a sampler ignoring constraints learns that less over is
-    better."""
+    """The objective values Optuna stores: an infeasible trial's are at least those of a trial with no measurement
+    (spread 1, step time ``INFEASIBLE_TIME`` x the reference) plus its violation. So no infeasible trial beats a
+    feasible one in a view that ranks by value alone (optuna-dashboard's best trial and Pareto front), and a
+    sampler ignoring constraints learns that less over is better."""
     if feasible:
         return list(values)
     violation = sum(max(0.0, float(c)) for c in constraints)

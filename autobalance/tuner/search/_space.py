@@ -90,9 +90,8 @@ class SearchSpace:
     compile_modes: list[str] = field(default_factory=lambda: ["off"])
     """``torch.compile`` modes searched; ``["off"]``: no ``compile`` parameter."""
     fixed_split: bool = False
-    """The split stays the script's own (no ``share_r`` parameters): the model has batch-dependent
-    layers whose train-mode step another split would change (``accumulations`` is then the script's
-    own count only)."""
+    """The split stays the script's own (no ``share_r`` parameters): the model has batch-dependent layers whose
+    train-mode step another split would change (``accumulations`` is then the script's own count only)."""
     kept_micro_batches: list[int] | None = None
     """With ``fixed_split``: the script's own micro-batch per rank (``None``, in studies from before
     it was kept: the even split of the global batch)."""
@@ -110,9 +109,8 @@ class SearchSpace:
     weights for ``zero1``, :func:`normalised_shares`) when the script passes its optimizer through
     ``plan.optimizer`` on more than one rank; ``["off"]``: no parameter."""
     param_shardings: list[str] = field(default_factory=lambda: ["off"])
-    """``param_sharding`` values searched (FSDP2, ``_sharding``; with more than ``"off"``, sharded
-    trials also sample ``keep_gathered``: the groups that keep their gathered weights from forward
-    to backward)."""
+    """``param_sharding`` values searched (FSDP2, ``_sharding``; with more than ``"off"``, sharded trials also
+    sample ``keep_gathered``: the groups that keep their gathered weights from forward to backward)."""
 
     @classmethod
     def build(
@@ -150,8 +148,7 @@ class SearchSpace:
         return list(self.kept_micro_batches), (None if self.kept_rank_samples is None else list(self.kept_rank_samples))
 
     def distributions(self) -> dict[str, BaseDistribution]:
-        d: dict[str, BaseDistribution] = {
-            "accumulation": CategoricalDistribution(self.accumulations)}
+        d: dict[str, BaseDistribution] = {"accumulation": CategoricalDistribution(self.accumulations)}
         ranks = range(self.world_size)
         if self.world_size > 1 and not self.fixed_split:
             d.update({f"share_r{r}": FloatDistribution(*SHARE_RANGE) for r in ranks})
@@ -162,8 +159,7 @@ class SearchSpace:
         if self.num_layers > 0 and "off" in self.compile_modes:
             d.update({f"ckpt_r{r}": IntDistribution(0, self.num_layers) for r in ranks})
         if any(m != "off" for m in self.compile_modes):
-            d.update({f"budget_r{r}": FloatDistribution(*BUDGET_RANGE, step=BUDGET_STEP)
-                      for r in ranks})
+            d.update({f"budget_r{r}": FloatDistribution(*BUDGET_RANGE, step=BUDGET_STEP) for r in ranks})
         if "zero1" in self.shardings:
             d["optimizer_sharding"] = CategoricalDistribution(self.shardings)
             d.update({f"oshare_r{r}": FloatDistribution(*OPTIMIZER_SHARE_RANGE) for r in ranks})
@@ -229,10 +225,9 @@ class SearchSpace:
     def config_for(
         self, micro_batches: list[int], accumulation: int, cost: list[float] | None = None, **rest: Any
     ) -> BalanceConfig:
-        """The configuration whose largest micro-batch per rank is ``micro_batches`` (a solver's
-        answer): with ``any_split`` the ranks give up the samples beyond the global batch (the
-        highest ``samples * cost`` first). With a fixed split, only the kept micro-batches give a
-        configuration :meth:`contains` accepts."""
+        """The configuration whose largest micro-batch per rank is ``micro_batches`` (a solver's answer): with
+        ``any_split`` the ranks give up the samples beyond the global batch (the highest ``samples * cost`` first).
+        With a fixed split, only the kept micro-batches give a configuration :meth:`contains` accepts."""
         if self.fixed_split:
             micro, samples = self.kept_split(accumulation)
             if list(micro_batches) == micro:
