@@ -56,8 +56,6 @@ from autobalance.tuner.search._constants import (
 from autobalance.tuner.search._constants import CONFIDENT_TOL as _CONFIDENT_TOL
 from autobalance.tuner.search._constants import RANK_TOL as _RANK_TOL
 
-__all__ = ["DEFAULT_SAFETY_MARGIN", "MemoryModel", "MemoryObservation", "below_floor", "widen_margin"]
-
 
 class Margined(Protocol):
     """A model with a self-correcting safety margin."""
@@ -116,7 +114,7 @@ class MemoryObservation:
             raise UsageError(f"MemoryObservation rank={self.rank} is negative; use the global one.")
         if self.micro_batch < 1 and not (self.held and self.micro_batch == 0 and self.ok):
             raise UsageError(f"MemoryObservation micro_batch={self.micro_batch} is below 1; every rank trains "
-                ">= 1 sample (0 only with held=True: what a rank holds apart from activations).")
+                             ">= 1 sample (0 only with held=True: what a rank holds apart from activations).")
         _check_checkpointed(self.checkpointed, self.num_layers)
         _check_dtype(self.dtype)
         if not is_number(self.peak_bytes):
@@ -174,8 +172,7 @@ class MemoryModel:
 
     def __post_init__(self) -> None:
         if not is_int(self.world_size) or self.world_size < 1:
-            raise UsageError(f"world_size={self.world_size!r} is not a positive integer; pass the "
-                             "rank count.")
+            raise UsageError(f"world_size={self.world_size!r} is not a positive integer; pass the rank count.")
         if not 0 <= self.safety_margin <= self.max_margin:
             raise UsageError(f"safety_margin={self.safety_margin} is outside [0, max_margin="
                              f"{self.max_margin}]; use a small relative margin such as 0.05.")
@@ -208,10 +205,8 @@ class MemoryModel:
         for dtype in order:
             model.fits[dtype] = _fit_dtype(dtype, by_dtype[dtype], world_size, reference)
             reference = reference or model.fits[dtype]
-        if reference is not None:
-            for dtype in DTYPES:
-                if dtype not in model.fits:
-                    model.fits[dtype] = _fit_dtype(dtype, [], world_size, reference)
+        for dtype in [d for d in DTYPES if d not in model.fits] if reference is not None else []:
+            model.fits[dtype] = _fit_dtype(dtype, [], world_size, reference)
         for obs in measured:
             if by_dtype[obs.dtype]:  # a dtype borrowed whole from another: its miss is the prior's
                 model.correct(obs)
@@ -306,8 +301,7 @@ class MemoryModel:
         xs = self._query(rank, micro_batch, checkpointed, num_layers) / fit.scale
         if fit.unseen.shape[1] == 0:
             return True
-        leak = float(np.linalg.norm(xs @ fit.unseen))
-        return leak <= _CONFIDENT_TOL * max(float(np.linalg.norm(xs)), 1e-300)
+        return float(np.linalg.norm(xs @ fit.unseen)) <= _CONFIDENT_TOL * max(float(np.linalg.norm(xs)), 1e-300)
 
     def fixed_bytes(self, rank: int, dtype: str, optimizer_share: float | None = None) -> float:
         """The part of ``rank``'s peak that does not scale with its micro-batch, keeping
@@ -364,8 +358,7 @@ class MemoryModel:
         if self.optimizer_total is None:
             return base
         # the state this rank measured (an OOM before the first step measured none: the model's S)
-        state = obs.optimizer_bytes
-        return base + (state if state is not None else self.optimizer_total)
+        return base + (obs.optimizer_bytes if obs.optimizer_bytes is not None else self.optimizer_total)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
@@ -382,8 +375,7 @@ def _check_checkpointed(checkpointed: int, num_layers: int) -> None:
     if num_layers < 1:
         raise UsageError(f"num_layers={num_layers} is below 1; pass the model's block count.")
     if not 0 <= checkpointed <= num_layers:
-        raise UsageError(f"checkpointed={checkpointed} is outside 0..{num_layers}; count "
-                         "checkpointed blocks.")
+        raise UsageError(f"checkpointed={checkpointed} is outside 0..{num_layers}; count checkpointed blocks.")
 
 
 def _features(world_size: int, rank: int, micro_batch: int, checkpointed: int, num_layers: int) -> np.ndarray:
@@ -412,9 +404,7 @@ def _column_scale(x: np.ndarray, world_size: int) -> np.ndarray:
 
 
 def _data_rank(observations: Sequence[MemoryObservation], world_size: int) -> int:
-    x, _ = _design(observations, world_size)
-    if len(x) == 0:
-        return 0
+    x, _ = _design(observations, world_size)  # never empty: only dtypes with observations are ranked
     xs = x / _column_scale(x, world_size)
     return int(np.linalg.matrix_rank(xs, tol=_RANK_TOL * float(np.linalg.norm(xs, 2))))
 

@@ -23,9 +23,6 @@ from autobalance.protocol import (
 )
 from autobalance.tuner.search._constants import INFEASIBLE_TIME
 
-__all__ = ["INFEASIBLE_TIME", "TrialFigures", "compile_figures", "figures_from_outcome",
-           "fix_exchange_rate", "penalised", "rate_fixed", "rate_source", "spread_fraction"]
-
 
 @dataclass(kw_only=True)
 class TrialFigures:

@@ -29,9 +29,6 @@ from autobalance._files import is_int
 from autobalance.tuner.search._constants import DEFAULT_RECOMPUTE_FRACTION
 from autobalance.tuner.search._memory_model import MemoryModel
 
-__all__ = ["SplitPlan", "balanced_split", "balanced_split_for", "choose_checkpointing",
-           "neighbours", "optimizer_shares", "plans_from_model", "predict_config_feasible", "predict_feasible"]
-
 
 @dataclass(kw_only=True)
 class SplitPlan:
@@ -119,11 +116,9 @@ def choose_checkpointing(
         raise UsageError(f"saved_per_sample={saved_per_sample} is not within [0, per_sample] per "
                          "rank; checkpointing saves at most the per-sample bytes.")
     if not is_int(num_layers) or num_layers < 1:
-        raise UsageError(f"num_layers={num_layers!r} is not a positive integer; pass the block "
-                         "count.")
+        raise UsageError(f"num_layers={num_layers!r} is not a positive integer; pass the block count.")
     if not 0 <= recompute_fraction < math.inf:
-        raise UsageError(f"recompute_fraction={recompute_fraction} is negative or not finite; use "
-                         "e.g. 1/3.")
+        raise UsageError(f"recompute_fraction={recompute_fraction} is negative or not finite; use e.g. 1/3.")
     if max_plans < 1:
         raise UsageError(f"max_plans={max_plans} must be >= 1; use e.g. 5.")
     counts = sorted(set(range(num_layers + 1) if checkpoint_counts is None else checkpoint_counts))
@@ -413,8 +408,7 @@ def _margin_limits(model: MemoryModel, limits: Sequence[float], margin: float | 
 def _check_lengths(world: int, **named: Sequence[float] | None) -> None:
     for name, values in named.items():
         if values is not None and len(values) != world:
-            raise UsageError(f"{name} has {len(values)} entries for {world} ranks; give one per "
-                             "rank.")
+            raise UsageError(f"{name} has {len(values)} entries for {world} ranks; give one per rank.")
 
 
 def _check_ranks(
@@ -431,8 +425,7 @@ def _check_ranks(
         if not all(math.isfinite(float(v)) for v in values):
             raise UsageError(f"{name}={values} has a non-finite entry; pass byte counts.")
     if any(p < 0 for p in per_sample):
-        raise UsageError(f"per_sample={per_sample} has a negative entry; bytes per sample are "
-                         ">= 0.")
+        raise UsageError(f"per_sample={per_sample} has a negative entry; bytes per sample are >= 0.")
     if any(lim <= 0 for lim in limits):
         raise UsageError(f"limits={limits} has an entry <= 0; pass usable bytes per rank.")
     return world

@@ -37,8 +37,6 @@ from autobalance.tuner.search._constants import (
 if TYPE_CHECKING:
     from autobalance.tuner._settings import TuneSettings
 
-__all__ = ["BUDGET_RANGE", "BUDGET_STEP", "REGIONAL_KEY", "SearchSpace", "compile_key",
-           "config_compile_key", "normalised_shares", "space_problem"]
 
 
 KEEP_CHOICES: dict[str, list[str]] = {"none": [], "embeddings": ["embeddings"], "blocks": ["blocks"],
