@@ -38,7 +38,6 @@ if TYPE_CHECKING:
     from autobalance.tuner._settings import TuneSettings
 
 
-
 KEEP_CHOICES: dict[str, list[str]] = {"none": [], "embeddings": ["embeddings"], "blocks": ["blocks"],
                                       "both": ["embeddings", "blocks"]}
 """The ``keep_gathered`` parameter's values and the groups each keeps gathered (the blocks only
@@ -187,14 +186,11 @@ class SearchSpace:
 
     def config_from_params(self, params: dict[str, Any]) -> BalanceConfig:
         acc = int(params["accumulation"])
-        shares = [float(params.get(f"share_r{r}", 1.0)) for r in range(self.world_size)]
+        ranks = range(self.world_size)
+        shares = [float(params.get(f"share_r{r}", 1.0)) for r in ranks]
         mode = str(params.get("compile", "off"))
-        budget: list[float] | None = None
-        if mode == "off":
-            ckpt = [list(range(int(params.get(f"ckpt_r{r}", 0)))) for r in range(self.world_size)]
-        else:
-            ckpt = [[] for _ in range(self.world_size)]
-            budget = [round(float(params.get(f"budget_r{r}", 1.0)), 3) for r in range(self.world_size)]
+        ckpt = [list(range(int(params.get(f"ckpt_r{r}", 0)))) if mode == "off" else [] for r in ranks]
+        budget = None if mode == "off" else [round(float(params.get(f"budget_r{r}", 1.0)), 3) for r in ranks]
         rest: dict[str, Any] = dict(
             checkpoint=ckpt, dtype=str(params["dtype"]), bucket_cap_mb=round(float(params["bucket_cap_mb"]), 3),
             gradient_as_bucket_view=bool(params["grad_as_bucket_view"]), compile=mode, activation_budget=budget,
@@ -204,11 +200,10 @@ class SearchSpace:
                                      else str(params.get("compile_scope", self.compile_scopes[0])))
         if params.get("optimizer_sharding", "off") == "zero1":
             rest["optimizer_sharding"] = "zero1"
-            rest["optimizer_shares"] = normalised_shares(
-                [float(params.get(f"oshare_r{r}", 1.0)) for r in range(self.world_size)])
+            rest["optimizer_shares"] = normalised_shares([float(params.get(f"oshare_r{r}", 1.0)) for r in ranks])
         fsdp = str(params.get("param_sharding", "off"))
         # sharded trials are eager and not fp16 (the compiled models know no sharding; fp16 is refused): else unsharded
-        if fsdp != "off" and rest["compile"] == "off" and rest["dtype"] != "fp16":
+        if fsdp != "off" and mode == "off" and rest["dtype"] != "fp16":
             keep = KEEP_CHOICES.get(str(params.get("keep_gathered", "none")), [])
             rest.update(param_sharding=fsdp, keep_gathered=[g for g in keep if fsdp == "blocks" or g == "embeddings"],
                         optimizer_sharding="off", optimizer_shares=None)
@@ -252,27 +247,22 @@ class SearchSpace:
         top = max(samples)
         params: dict[str, Any] = {"accumulation": config.accumulation}
         if self.world_size > 1 and not self.fixed_split:
-            for r, n in enumerate(samples):
-                params[f"share_r{r}"] = _clip(n / top, SHARE_RANGE)
+            params.update({f"share_r{r}": _clip(n / top, SHARE_RANGE) for r, n in enumerate(samples)})
         if self.compile_searched:
             params["compile"] = config.compile
             if len(self.compile_scopes) > 1 and config.compile != "off":
                 params["compile_scope"] = config.compile_scope
         if config.compile != "off":
             budgets = config.activation_budget or [1.0] * self.world_size
-            for r in range(self.world_size):  # on the budget grid
-                budget = round(round(budgets[r] / BUDGET_STEP) * BUDGET_STEP, 3)
-                params[f"budget_r{r}"] = _clip(budget, BUDGET_RANGE)
+            grid = [round(round(b / BUDGET_STEP) * BUDGET_STEP, 3) for b in budgets]  # on the budget grid
+            params.update({f"budget_r{r}": _clip(grid[r], BUDGET_RANGE) for r in range(self.world_size)})
         elif self.num_layers > 0:
-            for r, blocks in enumerate(config.checkpoint):
-                params[f"ckpt_r{r}"] = min(self.num_layers, len(blocks))
+            params.update({f"ckpt_r{r}": min(self.num_layers, len(b)) for r, b in enumerate(config.checkpoint)})
         if "zero1" in self.shardings:
             params["optimizer_sharding"] = config.optimizer_sharding
-            zero = config.sharding_shares()
-            if zero is not None:
-                heaviest = max(zero) or 1.0
-                for r, q in enumerate(zero):
-                    params[f"oshare_r{r}"] = _clip(q / heaviest, OPTIMIZER_SHARE_RANGE)
+            zero = config.sharding_shares() or []
+            heaviest = max(zero, default=0.0) or 1.0
+            params.update({f"oshare_r{r}": _clip(q / heaviest, OPTIMIZER_SHARE_RANGE) for r, q in enumerate(zero)})
         if len(self.param_shardings) > 1:
             params["param_sharding"] = config.param_sharding
             if config.param_sharding != "off":
