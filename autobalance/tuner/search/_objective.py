@@ -211,9 +211,8 @@ def _float(value: float | None) -> float | None:
     return None if value is None else float(value)
 
 
-def figures_from_outcome(
-    outcome: TrialOutcome, *, world_size: int, caps: list[int] | None, fallback_capacity: list[float] | None = None
-) -> TrialFigures:
+def figures_from_outcome(outcome: TrialOutcome, *, world_size: int, caps: list[int] | None,
+                         fallback_capacity: list[float] | None = None) -> TrialFigures:
     """A trial's figures from its ranks' reports."""
     reports = [outcome.reports.get(r) for r in range(world_size)]
     good = [rep if rep is not None and rep.status == Status.OK else None for rep in reports]

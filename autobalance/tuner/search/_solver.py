@@ -44,9 +44,8 @@ class SplitPlan:
     """``max(predicted_peaks) - min(predicted_peaks)``."""
 
 
-def balanced_split(
-    *, total: int, fixed: Sequence[float], per_sample: Sequence[float], limits: Sequence[float]
-) -> list[int] | None:
+def balanced_split(*, total: int, fixed: Sequence[float], per_sample: Sequence[float],
+                   limits: Sequence[float]) -> list[int] | None:
     """Integer micro-batches ``m_r >= 1`` summing to ``total`` that minimise
     ``max_r (fixed_r + per_sample_r * m_r) / limits_r`` subject to every peak ``<= limits_r``;
     None when no such split exists.
@@ -84,13 +83,12 @@ def _min_max_select(values: list[np.ndarray], total: int) -> list[int] | None:
     return [1 + int(c) for c in counts]
 
 
-def choose_checkpointing(
-    *, total: int, fixed: Sequence[float], per_sample: Sequence[float],
-    saved_per_sample: Sequence[float], num_layers: int, limits: Sequence[float],
-    recompute_fraction: float = DEFAULT_RECOMPUTE_FRACTION, max_spread_bytes: float | None = None,
-    checkpoint_counts: Sequence[int] | None = None, max_plans: int = 5,
-    exhaustive_limit: int = 2_000_000, speeds: Sequence[float] | None = None,
-) -> list[SplitPlan]:
+def choose_checkpointing(*, total: int, fixed: Sequence[float], per_sample: Sequence[float],
+                         saved_per_sample: Sequence[float], num_layers: int, limits: Sequence[float],
+                         recompute_fraction: float = DEFAULT_RECOMPUTE_FRACTION,
+                         max_spread_bytes: float | None = None, checkpoint_counts: Sequence[int] | None = None,
+                         max_plans: int = 5, exhaustive_limit: int = 2_000_000,
+                         speeds: Sequence[float] | None = None) -> list[SplitPlan]:
     """Per-rank checkpoint counts and micro-batches chosen together; candidates best first.
 
     Rank ``r`` with ``m`` samples and ``c`` checkpointed blocks peaks at
@@ -229,9 +227,8 @@ def _exhaustive_plans(space: _Space) -> list[SplitPlan]:
     return plans
 
 
-def _split_front(
-    space: _Space, split: tuple[int, ...], options: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
-) -> list[SplitPlan]:
+def _split_front(space: _Space, split: tuple[int, ...],
+                 options: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> list[SplitPlan]:
     axes = [np.arange(valid.size) for valid, _, _ in options]
     flat = [g.ravel() for g in np.meshgrid(*axes, indexing="ij")]
     peaks = np.stack([opt[1][i] for opt, i in zip(options, flat, strict=True)])
@@ -283,28 +280,22 @@ def _pareto(plans: list[SplitPlan], *, scale: float) -> list[SplitPlan]:
     return front
 
 
-def predict_feasible(
-    model: MemoryModel, *, micro_batches: Sequence[int], checkpointed: Sequence[int],
-    num_layers: int, dtype: str, limits: Sequence[float], margin: float | None = None,
-    optimizer_shares: Sequence[float] | None = None,
-) -> tuple[bool, list[float]]:
+def predict_feasible(model: MemoryModel, *, micro_batches: Sequence[int], checkpointed: Sequence[int],
+                     num_layers: int, dtype: str, limits: Sequence[float], margin: float | None = None,
+                     optimizer_shares: Sequence[float] | None = None) -> tuple[bool, list[float]]:
     """Predicted peak of each rank, and whether every ``peak * (1 + margin) <= limit`` (``margin``
     None: ``model.safety_margin``; ``optimizer_shares`` None: unsharded)."""
     _check_lengths(model.world_size, micro_batches=micro_batches, checkpointed=checkpointed, limits=limits)
     margin = _margin(model, margin)
-    peaks = [
-        model.predict(rank=r, micro_batch=m, checkpointed=c, num_layers=num_layers, dtype=dtype,
-                      optimizer_share=None if optimizer_shares is None else optimizer_shares[r])
-        for r, (m, c) in enumerate(zip(micro_batches, checkpointed, strict=True))
-    ]
+    peaks = [model.predict(rank=r, micro_batch=m, checkpointed=c, num_layers=num_layers, dtype=dtype,
+                           optimizer_share=None if optimizer_shares is None else optimizer_shares[r])
+             for r, (m, c) in enumerate(zip(micro_batches, checkpointed, strict=True))]
     feasible = all(p * (1.0 + margin) <= lim for p, lim in zip(peaks, limits, strict=True))
     return feasible, peaks
 
 
-def predict_config_feasible(
-    model: MemoryModel, config: BalanceConfig, *, num_layers: int, limits: Sequence[float],
-    margin: float | None = None,
-) -> tuple[bool, list[float]]:
+def predict_config_feasible(model: MemoryModel, config: BalanceConfig, *, num_layers: int, limits: Sequence[float],
+                            margin: float | None = None) -> tuple[bool, list[float]]:
     """:func:`predict_feasible` for a :class:`BalanceConfig` (checkpoint lists counted per rank)."""
     return predict_feasible(model, micro_batches=config.micro_batches,
                             checkpointed=[len(blocks) for blocks in config.checkpoint],
@@ -312,10 +303,8 @@ def predict_config_feasible(
                             optimizer_shares=config.sharding_shares())
 
 
-def balanced_split_for(
-    model: MemoryModel, *, total: int, checkpointed: Sequence[int], num_layers: int, dtype: str,
-    limits: Sequence[float], margin: float | None = None,
-) -> list[int] | None:
+def balanced_split_for(model: MemoryModel, *, total: int, checkpointed: Sequence[int], num_layers: int, dtype: str,
+                       limits: Sequence[float], margin: float | None = None) -> list[int] | None:
     """:func:`balanced_split` with the model's terms for a fixed per-rank checkpoint choice,
     under ``limits / (1 + margin)``."""
     world = model.world_size
@@ -327,13 +316,11 @@ def balanced_split_for(
                     for r, c in enumerate(checkpointed)], limits=scaled)
 
 
-def plans_from_model(
-    model: MemoryModel, *, total: int, num_layers: int, dtype: str, limits: Sequence[float],
-    margin: float | None = None, recompute_fraction: float = DEFAULT_RECOMPUTE_FRACTION,
-    max_spread_bytes: float | None = None, checkpoint_counts: Sequence[int] | None = None,
-    max_plans: int = 5, speeds: Sequence[float] | None = None,
-    optimizer_shares: Sequence[float] | None = None,
-) -> list[SplitPlan]:
+def plans_from_model(model: MemoryModel, *, total: int, num_layers: int, dtype: str, limits: Sequence[float],
+                     margin: float | None = None, recompute_fraction: float = DEFAULT_RECOMPUTE_FRACTION,
+                     max_spread_bytes: float | None = None, checkpoint_counts: Sequence[int] | None = None,
+                     max_plans: int = 5, speeds: Sequence[float] | None = None,
+                     optimizer_shares: Sequence[float] | None = None) -> list[SplitPlan]:
     """:func:`choose_checkpointing` with the model's terms for ``dtype`` under ``limits / (1 +
     margin)``, each rank keeping its ``optimizer_shares`` of the optimizer state (None: all)."""
     world = model.world_size
@@ -382,14 +369,8 @@ def optimizer_shares(*, base: Sequence[float], state: float, limits: Sequence[fl
 
 def neighbours(micro: list[int]) -> list[list[int]]:
     """Splits one sample away from ``micro`` (memory-balanced is not always fastest)."""
-    out = []
-    for a, b in itertools.permutations(range(len(micro)), 2):
-        if micro[a] > 1:
-            moved = list(micro)
-            moved[a] -= 1
-            moved[b] += 1
-            out.append(moved)
-    return out
+    return [[m - (r == a) + (r == b) for r, m in enumerate(micro)]
+            for a, b in itertools.permutations(range(len(micro)), 2) if micro[a] > 1]
 
 
 def _margin(model: MemoryModel, margin: float | None) -> float:
@@ -411,9 +392,8 @@ def _check_lengths(world: int, **named: Sequence[float] | None) -> None:
             raise UsageError(f"{name} has {len(values)} entries for {world} ranks; give one per rank.")
 
 
-def _check_ranks(
-    *, total: int, fixed: Sequence[float], per_sample: Sequence[float], limits: Sequence[float]
-) -> int:
+def _check_ranks(*, total: int, fixed: Sequence[float], per_sample: Sequence[float],
+                 limits: Sequence[float]) -> int:
     world = len(limits)
     if world == 0:
         raise UsageError("limits=[] is empty; give one usable memory limit per rank.")

@@ -110,10 +110,9 @@ class SearchSpace:
     sample ``keep_gathered``: the groups that keep their gathered weights from forward to backward)."""
 
     @classmethod
-    def build(
-        cls, *, world_size: int, global_batch: int, num_layers: int, dtypes: list[str], max_accumulation: int,
-        compile_modes: list[str] | None = None, any_split: bool = False, compile_scopes: list[str] | None = None,
-    ) -> SearchSpace:
+    def build(cls, *, world_size: int, global_batch: int, num_layers: int, dtypes: list[str],
+              max_accumulation: int, compile_modes: list[str] | None = None, any_split: bool = False,
+              compile_scopes: list[str] | None = None) -> SearchSpace:
         accs = [a for a in range(1, max_accumulation + 1)
                 if global_batch >= a * world_size and (any_split or global_batch % a == 0)]
         return cls(world_size=world_size, global_batch=global_batch, num_layers=num_layers, dtypes=list(dtypes),
@@ -215,9 +214,8 @@ class SearchSpace:
         micro = split_evenly(self.global_batch // acc, shares)
         return BalanceConfig(micro_batches=micro, accumulation=acc, global_batch=self.global_batch, **rest)
 
-    def config_for(
-        self, micro_batches: list[int], accumulation: int, cost: list[float] | None = None, **rest: Any
-    ) -> BalanceConfig:
+    def config_for(self, micro_batches: list[int], accumulation: int, cost: list[float] | None = None,
+                   **rest: Any) -> BalanceConfig:
         """The configuration whose largest micro-batch per rank is ``micro_batches`` (a solver's answer): with
         ``any_split`` the ranks give up the samples beyond the global batch (the highest ``samples * cost`` first).
         With a fixed split, only the kept micro-batches give a configuration :meth:`contains` accepts."""
