@@ -119,8 +119,7 @@ class MemoryObservation:
         _check_dtype(self.dtype)
         if not is_number(self.peak_bytes):
             raise UsageError(f"MemoryObservation peak_bytes={self.peak_bytes!r} is not a number.")
-        self.peak_bytes = float(self.peak_bytes)
-        peak = self.peak_bytes
+        peak = self.peak_bytes = float(self.peak_bytes)
         if not math.isfinite(peak) or peak < 0 or (self.ok and peak == 0):
             raise UsageError(f"MemoryObservation peak_bytes={peak} is not a positive finite byte "
                              "count; pass the measured peak.")

@@ -58,9 +58,9 @@ class TrialFigures:
     """The model's parameter bytes (``RankReport.model``; None: not reported)."""
     held: list[float | None] = field(default_factory=list)
     """Per rank: the bytes that do not scale with the micro-batch, the report's ``breakdown`` bytes
-    ``live_after_step`` (gradients set to None) plus ``gradients`` plus ``outside_pytorch``; None:
-    not measured. With the peak, one eager trial gives the per-sample activations. GPU only: on CPU
-    (the live-tensor tracker) studies fitted with it chose worse (tests/test_zero.py)."""
+    ``live_after_step`` (gradients set to None) plus ``gradients`` plus ``outside_pytorch``; None: not measured.
+    With the peak, one eager trial gives the per-sample activations. GPU only: on CPU (the live-tensor tracker)
+    studies fitted with it chose worse (tests/test_zero.py)."""
     compile: dict[str, Any] = field(default_factory=dict)
     """Compiled trials' :func:`compile_figures`."""
 
@@ -100,10 +100,10 @@ class TrialFigures:
         return [objective_value(*values, weight_spread=weight_spread, weight_time=weight_time)]
 
     def user_attrs(self, headroom: float) -> dict[str, Any]:
-        """The trial's user attributes. Scalars a user may plot in the dashboard (``step_time_ms``,
-        ``peak_max_gib``, ``peak_rank<r>_gib``, ``compile_s``, ...) are numbers or absent, never
-        None (a None makes optuna-dashboard treat the attribute as text): a trial without a
-        measurement leaves them out; its per-rank lists keep None where a rank reported nothing."""
+        """The trial's user attributes. Scalars a user may plot in the dashboard (``step_time_ms``, ``peak_max_gib``,
+        ``peak_rank<r>_gib``, ``compile_s``, ...) are numbers or absent, never None (a None makes optuna-dashboard
+        treat the attribute as text): a trial without a measurement leaves them out; its per-rank lists keep None
+        where a rank reported nothing."""
         def gib(values: list[float | None]) -> list[float | None]:
             return [None if v is None else round(v / GIB, 4) for v in values]
 
@@ -244,15 +244,13 @@ def figures_from_outcome(outcome: TrialOutcome, *, world_size: int, caps: list[i
     if first is not None and first.samples_per_step:
         gb = first.samples_per_step  # partial steps count the samples they really used
     sizes: list[Any] = [(r.model or {}).get("parameter_bytes") for r in outcome.reports.values()]
-    param_bytes = max((int(b) for b in sizes if is_int(b)), default=None)
     wrapped = [bool(opt.get("wrapped")) for opt in opts]
     return TrialFigures(
-        status=outcome.status, peak_device=[_float(m.peak_device) for m in mems],
-        peak_allocated=[_float(m.peak_allocated) for m in mems],
-        peak_reserved=[_float(m.peak_reserved) for m in mems],
-        outside_pytorch=[_float(m.outside_pytorch) for m in mems], capacity=capacity,
-        step_time_s=step, samples_per_s=(gb / step) if (gb and step) else None,
-        startup_s=max(startup) if startup else None,
+        status=outcome.status, peak_device=[_float(m.peak_device) for m in mems], capacity=capacity,
+        peak_allocated=[_float(m.peak_allocated) for m in mems], step_time_s=step,
+        peak_reserved=[_float(m.peak_reserved) for m in mems], startup_s=max(startup) if startup else None,
+        outside_pytorch=[_float(m.outside_pytorch) for m in mems],
+        samples_per_s=(gb / step) if (gb and step) else None,
         time_in_steps_s=max(in_steps) if len(in_steps) == world_size else None,
         measured_steps=min(counts) if len(counts) == world_size else None,
         busy_s=[None if rep is None else _float(rep.busy_time_s) for rep in good],
@@ -260,7 +258,8 @@ def figures_from_outcome(outcome: TrialOutcome, *, world_size: int, caps: list[i
         optimizer_state=[None if rep is None else _float(opt.get("state_bytes"))
                          for rep, opt in zip(good, opts, strict=True)],
         optimizer_wrapped=bool(wrapped) and all(wrapped),
-        parameter_bytes=param_bytes, compile=compile_figures(outcome.reports), held=held,
+        parameter_bytes=max((int(b) for b in sizes if is_int(b)), default=None),
+        compile=compile_figures(outcome.reports), held=held,
     )
 
 
