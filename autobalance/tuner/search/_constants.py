@@ -1,30 +1,8 @@
-"""Every constant the search and the time budget decide by, each with the measurement it comes from.
-
-``tests/test_constants.py`` fails on a numeric module constant elsewhere in ``autobalance/tuner``
-(unit conversions and the ``--memory-cap`` GPU table of ``_settings`` aside). The modules that use
-one re-export it under its old name (``from autobalance.tuner.search._timing import
-FROM_CACHE_SHARE`` still works). One number per rule: the memory-model veto's margin is
-:data:`DEFAULT_SAFETY_MARGIN`, ``raise-budget`` steps by :data:`BUDGET_STEP`, and both the cached
-compile's prior and verification's forecast use :data:`FROM_CACHE_SHARE`.
-"""
+"""Every constant the search and the time budget decide by, each with the measurement it comes from: one number per
+rule. ``tests/test_constants.py`` fails on a numeric module constant elsewhere in ``autobalance/tuner`` (unit
+conversions and the ``--memory-cap`` GPU table of ``_settings`` aside)."""
 
 from __future__ import annotations
-
-__all__ = ["ACTIVATION_BYTES_SCALE", "AUTO_MEASURE_FACTOR", "AUTO_MEASURE_MAX_S", "BETA_GRID", "BUCKET_RANGE_MB",
-           "BUDGET_CEILING", "BUDGET_RANGE", "BUDGET_STEP", "CACHE_HIT_PRIOR_S", "CACHE_TIE", "CLAMP_TOLERANCE",
-           "COMPARE_S_PER_GB", "COMPILE_PRIOR_S", "COMPILE_SPEED_PRIOR", "CONFIDENT_TOL",
-           "DEFAULT_RECOMPUTE_FRACTION", "DEFAULT_SAFETY_MARGIN", "DISPERSION_LIMIT", "DTYPE_SPEED_PRIOR",
-           "DYNAMIC", "EAGER_FIRST", "EMBEDDING_SHARE", "EQUAL_SPEED_BAND", "FIRST_STEP_FACTOR", "FIT_FRACTION",
-           "FIT_MARGIN", "FIXED_SHARE", "FLOOR_PRIOR", "FLOOR_RUNS", "FROM_CACHE_SHARE", "GRAPH_GAIN",
-           "GROW_MIN_BUDGET", "IMPROVES", "INFEASIBLE_TIME", "IO_S_PER_GB", "KEEP_AT_FULL_BUDGET", "LEADERS_MAX",
-           "LEADER_MEDIAN_SE", "LEADER_NOISE_FLOOR", "LEADER_NOISE_SIGMAS", "LEADER_RUNS", "LEVELS", "LOW_BUDGET",
-           "LOW_BUDGET_FLOOR", "MAX_CANDIDATES", "MAX_CRASHES_IN_A_ROW", "MAX_ERROR_TEXT", "MAX_KEPT_ERRORS",
-           "MAX_MARGIN", "MAX_PREDICTED_IN_A_ROW", "MICRO_STEP_PRIOR", "MIN_SAMPLE_BYTES", "NEIGHBOUR_RANKS",
-           "OPTIMIZER_SHARE_RANGE", "PRIOR_CHECKPOINT_SAVING", "RAISE_CHANGE_MARGIN", "RANK_TOL", "REASON_CHARS",
-           "RECOMPUTE_PRIOR", "RECOMPUTE_PRIOR_COMPILED", "REGIONAL_COMPILE_SHARE", "RESERVE_MARGIN", "RHO_GRID",
-           "SAME_WITHIN", "SAMPLER_EVERY", "SCOPE_TRANSFERS", "SHARDING_TIME_PRIOR", "SHARE_RANGE", "SHARE_TOL",
-           "SLOW_DTYPE", "STALL_AFTER", "TRANSFER_WITHIN", "UNMEASURED_MARGIN", "WARM_PRUNE_MIN_STEPS",
-           "WIDEN_FACTOR", "WORTH"]
 
 # ---------------------------------------------------------------------- the policy's phases (``_policy``)
 KEEP_AT_FULL_BUDGET = {True: 0.75, False: 1.0}
@@ -36,14 +14,12 @@ sample eager): loss inside 0.63-0.73 (whole 8 x 4, regional 8 x 4 and 16 x 2); l
 FIT_MARGIN = 0.03
 """The first compiled trial's predicted peak stays this fraction below the usable memory."""
 GROW_MIN_BUDGET = 0.5
-"""``compiled-grow`` takes one micro-step fewer only while the budget predicted to fit stays at or
-above this: on one H200 (``benchmarks/2026-12-04-h200``) a micro-step costs ~30 ms of launches
-whatever its size, so a larger micro-batch at budget 0.5 or more beat the smaller one at 1.0
-(regional 16 x 2 at 0.5: 128.9 ms, 8 x 4 at 1.0: 140.3 ms), at 0.3 no longer (139.0 ms). Below it,
-``grow-probe`` measures the split rather than trust an extrapolated time (recomputation's cost per
-unit of budget ranged 0.1-0.7 of a step: regional 16 x 2 inside 122.6 ms at 1.0, 139.0 at 0.3;
-regional 8 x 4 outside 138.3 at 1.0, 185.8 at 0.5), after the scope probe, where fewer micro-steps
-measured faster and could win."""
+"""``compiled-grow`` takes one micro-step fewer only while the budget predicted to fit stays at or above this: on
+one H200 (``benchmarks/2026-12-04-h200``) a micro-step costs ~30 ms of launches whatever its size, so a larger
+micro-batch at budget 0.5 or more beat the smaller one at 1.0 (regional 16 x 2 at 0.5: 128.9 ms, 8 x 4 at 1.0:
+140.3 ms), at 0.3 no longer (139.0 ms). Below it, ``grow-probe`` measures the split rather than trust an
+extrapolated time (recomputation's cost per unit of budget ranged 0.1-0.7 of a step: regional 16 x 2 inside 122.6
+ms at 1.0, 139.0 at 0.3; regional 8 x 4 outside 138.3 at 1.0, 185.8 at 0.5)."""
 SCOPE_TRANSFERS = 2
 """``scope-probe`` runs the fastest this many measured compiled splits in the other scope (the scopes'
 optima differ: on the H200, regional 11,11,10 was its best split and whole 8 x 4 the grid's)."""
@@ -54,17 +30,12 @@ configurations 3 % apart are not separated by a median of 8-12 steps. A compiled
 micro-step sizes (compiled with a dynamic batch dimension: 5,5,5,5,4,4,4 ran 255-275 ms where 8 x 4
 ran 159 ms) is proposed again only when one measured within this of the best."""
 RAISE_CHANGE_MARGIN = 1.0
-"""``raise-budget`` keeps a trial's measured peak plus the compiled model's predicted change counted
-``1 + this`` times within the usable memory (the measured part is known; the prediction is what
-errs): on the H200, regional 8 x 4 with the loss outside peaked 14.23 GiB at 0.5, 15.21 at 0.7 and
-15.21 at 0.85, so a line through two budgets errs by up to the whole change (a margin of the usable
-memory instead never raised a peak already within 3 % of it: the replay's second machine, 8 x 4 at
-0.65, 27.7 of 28.5 GiB, 17 % faster at 0.85 and 27.96). Where the doubled change leaves no room, it
-takes one step of the budget grid above the split's highest measured budget, by the change per step
-that split's own budgets measured (one budget measured: the model's change counted once); a trial
-over the usable memory caps the split's budget (the second machine's peaks at 0.7 and 0.85 are
-equal, regional 8 x 4; the H200 too, 28.40 GiB at both: a line through other splits' budgets does
-not show it)."""
+"""``raise-budget`` keeps a trial's measured peak plus the compiled model's predicted change counted ``1 + this``
+times within the usable memory (the measured part is known; the prediction is what errs): on the H200, regional
+8 x 4 with the loss outside peaked 14.23 GiB at 0.5, 15.21 at 0.7 and 15.21 at 0.85, so a line through two budgets
+errs by up to the whole change. A margin of the usable memory instead never raised a peak already within 3 % of it
+(the replay's second machine, 8 x 4 at 0.65: 27.7 of 28.5 GiB, 17 % faster at 0.85 and 27.96); its peaks at 0.7 and
+0.85 are equal (the H200's too, 28.40 GiB), so a trial over the usable memory caps the split's budget."""
 TRANSFER_WITHIN = 1.15
 """``scope-probe`` runs a measured split in the other scope only while it is within this of the fastest
 (the single-step noise of :data:`SAME_WITHIN`): a slow split's compile in the other scope (regional
@@ -86,9 +57,8 @@ SAMPLER_EVERY = 3
 """``explore``: the sampler's trial every this-many-th ask (on a GPU only once the models' proposals
 stopped improving: :data:`STALL_AFTER`)."""
 WORTH = 1.5
-"""The ``model`` phase proposes its best untried candidate only while its predicted objective is
-within this factor of the best candidate's (tried or not): further down the ranking the models
-promise nothing a trial would teach."""
+"""The ``model`` phase proposes its best untried candidate only while its predicted objective is within this factor
+of the best candidate's (tried or not): further down the ranking the models promise nothing a trial would teach."""
 EAGER_FIRST = 3
 """With compile searched, a dtype's compiled proposals wait until this many eager trials of it were
 measured (or its eager memory model is fully determined): eager trials take seconds and give the
@@ -147,14 +117,13 @@ high): one H200, the ~270M GPT, the product's runtime, 0.22-0.30 at equal points
 (``benchmarks/2026-12-04-h200``). A scope the study has not compiled is priced from the other one
 at the end of the range that makes it dearer (whole = regional / 0.22, regional = whole x 0.30)."""
 FROM_CACHE_SHARE = 0.4
-"""A compile from the study's Inductor cache in a new process, as a share of what the same graphs took
-cold, where the study measured no cache hit (``compile_times``'s prior and verification's
-forecast). One H200: ``h200c`` trial 4 compiled cold in 36.9 s; its verification's ``tuned`` run, from
-the study's cache, took 21.5 s with its read: less 1.0 s start-up and hand-over, 5.4 s of tensors and
-0.45 s of steps, 14.7 s (0.40); ``benchmarks/2026-12-03-h200b/compile_probe.json``: 8 x 4 default 28.2 s
-cold, 5.2 s in a second process on the same cache (0.18); whole-model compiles from a shared cache took
-29-34 s of process wall against 46-52 s cold, start-up included (field notes 2026-12-04). The largest
-measured share, so a budget is not overdrawn."""
+"""A compile from the study's Inductor cache in a new process, as a share of what the same graphs took cold, where
+the study measured no cache hit (``compile_times``'s prior and verification's forecast). One H200: ``h200c`` trial
+4 compiled cold in 36.9 s; its verification's ``tuned`` run, from the study's cache, took 21.5 s with its read:
+less 1.0 s start-up and hand-over, 5.4 s of tensors and 0.45 s of steps, 14.7 s (0.40);
+``benchmarks/2026-12-03-h200b/compile_probe.json``: 8 x 4 default 28.2 s cold, 5.2 s in a second process on the
+same cache (0.18); whole-model compiles from a shared cache took 29-34 s of process wall against 46-52 s cold,
+start-up included (field notes 2026-12-04). The largest measured share, so a budget is not overdrawn."""
 
 # ---------------------------------------------------------------------- verification's price (``_timing``)
 FLOOR_RUNS = 1
@@ -171,9 +140,8 @@ trial 4, 4) outside their runs: 3.1-3.4 s a comparison of 1.08 GB."""
 FIRST_STEP_FACTOR = 2.0
 """A verification run's one step costs this many measured steps (no warm-up step before it)."""
 RESERVE_MARGIN = 1.2
-"""The reserve is the forecast times this: runs of one kind spread by ~20 % within one verification
-(eager one-step runs 5.0-6.8 s in ``h200c``'s), and the from-cache compile is priced from one
-measured share."""
+"""The reserve is the forecast times this: runs of one kind spread by ~20 % within one verification (eager one-step
+runs 5.0-6.8 s in ``h200c``'s), and the from-cache compile is priced from one measured share."""
 MAX_CANDIDATES = 3
 """When the best configuration fails verification, the next best are tried (distinct configurations)."""
 
@@ -210,13 +178,11 @@ tightest rank's usable memory (the rest is left to activations); else the most."
 
 # ---------------------------------------------------------------------- the leaders re-measured before saving (``tuner/_remeasure``)
 LEADER_NOISE_FLOOR = 0.05
-"""Two measured configurations whose step times differ by less than this fraction of the faster one
-are not told apart by one measurement each, whatever their own steps' spread says. From the H200:
-single steps of one configuration ranged about +-15 % within a trial (a step's standard deviation
-near 15 / sqrt(3) ~ 8.7 %); the median of 9 such steps then varies by about 1.25 x 8.7 / sqrt(9) ~
-3.6 %, and the difference of two such medians by about sqrt(2) x 3.6 ~ 5 % (one standard deviation:
-two configurations 3 % apart were not separable by a median of 8-12 steps). Across a warm study one
-configuration measured 177-239 ms, so the run-to-run drift is no smaller than this."""
+"""Two measured configurations whose step times differ by less than this fraction of the faster one are not told
+apart by one measurement each, whatever their own steps' spread says: single steps spread +-15 %
+(:data:`SAME_WITHIN`, a standard deviation near 15 / sqrt(3) ~ 8.7 %), so a median of 9 varies by about
+1.25 x 8.7 / sqrt(9) ~ 3.6 % and a difference of two by sqrt(2) x 3.6 ~ 5 %. Across a warm study one configuration
+measured 177-239 ms: the run-to-run drift is no smaller."""
 LEADER_MEDIAN_SE = 0.93
 """A median's standard error over ``n`` steps is about this times the steps' IQR / sqrt(n) (a normal
 sample: the median's standard error is 1.2533 sigma / sqrt(n), and the IQR is 1.349 sigma); at least
@@ -232,9 +198,7 @@ steps), so 3 leaders at 2 runs is already 6 runs; 2 is the least that decides an
 LEADER_RUNS = (3, 2, 1)
 """More runs of each leader, interleaved (A, B, A, B, ...), the most first, each leader's steps
 pooled with its own: with 3 more runs no single run's drift (:data:`LEADER_NOISE_FLOOR`) decides; 1
-is the least that measures the leaders again side by side in the same worker state. The most runs
-(then leaders) the time left holds, verification's reserve kept, are made; none when it holds not
-one more run of the first two, and the time budget keeps that least plan free."""
+is the least that measures the leaders again side by side in the same worker state."""
 
 # ---------------------------------------------------------------------- compiled step-time priors (``_timing.CompiledTimeModel``)
 MICRO_STEP_PRIOR: dict[str, float] = {"reduce-overhead": 0.18}
@@ -255,10 +219,8 @@ eager one): 0 .. 2 in steps of 0.05 (the H200's CUDA graphs measured 0.18)."""
 
 # ---------------------------------------------------------------------- the memory model (``_memory_model``)
 ACTIVATION_BYTES_SCALE: dict[str, float] = {"fp32": 1.0, "bf16": 0.5, "fp16": 0.5}
-"""Prior: per-sample activation bytes of each dtype relative to fp32 (autocast halves them). A dtype
-without enough trials of its own borrows the best-measured dtype's per-sample terms scaled by their
-ratio, and its fixed part unchanged (autocast keeps fp32 parameters, gradients and optimizer
-state)."""
+"""Prior: per-sample activation bytes of each dtype relative to fp32 (autocast halves them; it keeps the fp32
+parameters, gradients and optimizer state: a dtype borrowing another's fit keeps its fixed part)."""
 PRIOR_CHECKPOINT_SAVING = 0.7
 """Prior: the share of the per-sample activations saved with every block checkpointed, while no
 measured dtype has seen checkpointing vary (embeddings, logits and block inputs stay: below 1)."""
@@ -267,8 +229,7 @@ DEFAULT_SAFETY_MARGIN = 0.05
 MAX_MARGIN = 0.5
 """The margin never widens beyond this."""
 WIDEN_FACTOR = 1.5
-"""On an under-prediction by ``e`` (relative) beyond the margin, the margin becomes ``WIDEN_FACTOR * e``
-(the eager and the compiled memory models)."""
+"""The margin's growth on an under-prediction beyond it (``_memory_model.widen_margin``, both memory models)."""
 CLAMP_TOLERANCE = 0.01
 """A fitted line this far (relative) under the floor is still taken as possible: the floor is the least
 held part ever measured on the rank, and a fit through those same points may pass just under it."""

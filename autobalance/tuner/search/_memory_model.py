@@ -4,16 +4,15 @@ For one dtype the peak of rank ``r`` is modelled as::
 
     peak_r = fixed_r + micro_batch * (act_full - act_saved * checkpointed / num_layers)
 
-``fixed_r`` holds what does not scale with the batch (parameters, gradients, optimizer state,
-DDP buckets, rank-0-only extras: hence per rank); ``act_full`` is one sample's activations without
-checkpointing and ``act_saved`` what checkpointing all ``num_layers`` blocks saves per sample. The
-features ``[one-hot(rank), mb, -mb*c/L]`` are linear: each dtype is fitted by least squares on its
-successful trials. Where they do not determine every parameter (too few points, one micro-batch,
-never checkpointed, ...), the fit is the least-squares solution closest to a prior
-(:data:`ACTIVATION_BYTES_SCALE`, :data:`PRIOR_CHECKPOINT_SAVING`): the prior only fills the
-directions the data cannot see, and predictions that depend on them are low-confidence
-(:meth:`MemoryModel.is_confident`). Out-of-memory trials (``ok=False``) are only lower bounds: they
-feed the safety margin (:meth:`MemoryModel.correct`), never the fit.
+``fixed_r`` holds what does not scale with the batch (parameters, gradients, optimizer state, DDP buckets,
+rank-0-only extras: hence per rank); ``act_full`` is one sample's activations without checkpointing and
+``act_saved`` what checkpointing all ``num_layers`` blocks saves per sample. The features
+``[one-hot(rank), mb, -mb*c/L]`` are linear: each dtype is fitted by least squares on its successful trials. Where
+they do not determine every parameter (too few points, one micro-batch, never checkpointed, ...), the fit is the
+least-squares solution closest to a prior (:data:`ACTIVATION_BYTES_SCALE`, :data:`PRIOR_CHECKPOINT_SAVING`): the
+prior only fills the directions the data cannot see, and predictions that depend on them are low-confidence
+(:meth:`MemoryModel.is_confident`). Out-of-memory trials (``ok=False``) are only lower bounds: they feed the safety
+margin (:meth:`MemoryModel.correct`), never the fit.
 
 Optimizer state (uneven ZeRO-1, issue 34). When every successful observation carries the rank's
 measured optimizer-state bytes ``o_r`` and its trial's whole state ``S_t``, the state is taken out
@@ -26,12 +25,11 @@ of the fit and put back as a known term::
 ``fixed_r`` is then what stays on rank ``r`` whatever the sharding. Without those figures
 ``optimizer_total`` is None, the state stays inside ``fixed_r`` and a share cannot be predicted.
 
-The floor. A rank never holds less than what it keeps apart from activations: the least held part
-measured on it (:attr:`MemoryObservation.held`), else the parameter bytes, plus its optimizer
-state. A line fitted through few points can cross it (a negative slope, a fixed part below zero):
-:meth:`MemoryModel.predict` never returns less than :meth:`MemoryModel.floor_bytes`, and
-:meth:`MemoryModel.clamped` says when it had to (the search proposes nothing from such a
-prediction). :meth:`MemoryModel.extrapolated` says when a prediction leaves what the data
+The floor. A rank never holds less than what it keeps apart from activations: the least held part measured on it
+(:attr:`MemoryObservation.held`), else the parameter bytes, plus its optimizer state. A line fitted through few
+points can cross it (a negative slope, a fixed part below zero): :meth:`MemoryModel.predict` never returns less
+than :meth:`MemoryModel.floor_bytes`, and :meth:`MemoryModel.clamped` says when it had to (the search proposes
+nothing from such a prediction). :meth:`MemoryModel.extrapolated` says when a prediction leaves what the data
 determines.
 """
 
@@ -57,8 +55,6 @@ from autobalance.tuner.search._constants import (
 )
 from autobalance.tuner.search._constants import CONFIDENT_TOL as _CONFIDENT_TOL
 from autobalance.tuner.search._constants import RANK_TOL as _RANK_TOL
-
-__all__ = ["DEFAULT_SAFETY_MARGIN", "MemoryModel", "MemoryObservation", "below_floor", "widen_margin"]
 
 
 class Margined(Protocol):
@@ -117,15 +113,13 @@ class MemoryObservation:
         if self.rank < 0:
             raise UsageError(f"MemoryObservation rank={self.rank} is negative; use the global one.")
         if self.micro_batch < 1 and not (self.held and self.micro_batch == 0 and self.ok):
-            raise UsageError(
-                f"MemoryObservation micro_batch={self.micro_batch} is below 1; every rank trains "
-                ">= 1 sample (0 only with held=True: what a rank holds apart from activations).")
+            raise UsageError(f"MemoryObservation micro_batch={self.micro_batch} is below 1; every rank trains "
+                             ">= 1 sample (0 only with held=True: what a rank holds apart from activations).")
         _check_checkpointed(self.checkpointed, self.num_layers)
         _check_dtype(self.dtype)
         if not is_number(self.peak_bytes):
             raise UsageError(f"MemoryObservation peak_bytes={self.peak_bytes!r} is not a number.")
-        self.peak_bytes = float(self.peak_bytes)
-        peak = self.peak_bytes
+        peak = self.peak_bytes = float(self.peak_bytes)
         if not math.isfinite(peak) or peak < 0 or (self.ok and peak == 0):
             raise UsageError(f"MemoryObservation peak_bytes={peak} is not a positive finite byte "
                              "count; pass the measured peak.")
@@ -133,8 +127,7 @@ class MemoryObservation:
 
 @dataclass(kw_only=True, eq=False)
 class DtypeFit:
-    """The fitted parameters of one dtype (the module docstring's ``fixed_r``, ``act_full``,
-    ``act_saved``)."""
+    """The fitted parameters of one dtype (the module docstring's ``fixed_r``, ``act_full``, ``act_saved``)."""
 
     dtype: str
     fixed: list[float]
@@ -178,8 +171,7 @@ class MemoryModel:
 
     def __post_init__(self) -> None:
         if not is_int(self.world_size) or self.world_size < 1:
-            raise UsageError(f"world_size={self.world_size!r} is not a positive integer; pass the "
-                             "rank count.")
+            raise UsageError(f"world_size={self.world_size!r} is not a positive integer; pass the rank count.")
         if not 0 <= self.safety_margin <= self.max_margin:
             raise UsageError(f"safety_margin={self.safety_margin} is outside [0, max_margin="
                              f"{self.max_margin}]; use a small relative margin such as 0.05.")
@@ -201,8 +193,7 @@ class MemoryModel:
                             else replace(o, peak_bytes=max(1.0, o.peak_bytes - o.optimizer_bytes))
                             for o in observations]
         # the floor: per rank the least held part measured on it, at least the parameters (else 0)
-        params = max((float(o.parameter_bytes) for o in observations if o.parameter_bytes),
-                     default=0.0)
+        params = max((float(o.parameter_bytes) for o in observations if o.parameter_bytes), default=0.0)
         held = [o for o in observations if o.held and o.ok]
         model.held_floor = [max(min((o.peak_bytes for o in held if o.rank == r), default=0.0),
                                 params) for r in range(world_size)]
@@ -213,10 +204,8 @@ class MemoryModel:
         for dtype in order:
             model.fits[dtype] = _fit_dtype(dtype, by_dtype[dtype], world_size, reference)
             reference = reference or model.fits[dtype]
-        if reference is not None:
-            for dtype in DTYPES:
-                if dtype not in model.fits:
-                    model.fits[dtype] = _fit_dtype(dtype, [], world_size, reference)
+        for dtype in [d for d in DTYPES if d not in model.fits] if reference is not None else []:
+            model.fits[dtype] = _fit_dtype(dtype, [], world_size, reference)
         for obs in measured:
             if by_dtype[obs.dtype]:  # a dtype borrowed whole from another: its miss is the prior's
                 model.correct(obs)
@@ -224,8 +213,7 @@ class MemoryModel:
 
     def refit(self, observations: Sequence[MemoryObservation]) -> MemoryModel:
         """:meth:`fit` on ``observations`` keeping this model's margin and correction count."""
-        model = MemoryModel.fit(observations, world_size=self.world_size,
-                                safety_margin=self.safety_margin)
+        model = MemoryModel.fit(observations, world_size=self.world_size, safety_margin=self.safety_margin)
         model.corrections += self.corrections
         return model
 
@@ -281,8 +269,7 @@ class MemoryModel:
             return True
         return micro_batch > 0 and self.per_sample_bytes(rank, dtype, checkpointed, num_layers) < 0
 
-    def extrapolated(self, *, rank: int, micro_batch: int, checkpointed: int, num_layers: int,
-                     dtype: str) -> bool:
+    def extrapolated(self, *, rank: int, micro_batch: int, checkpointed: int, num_layers: int, dtype: str) -> bool:
         """True when that prediction leans on the prior (not :meth:`is_confident`) or its
         micro-batch lies outside the dtype's own measured ones."""
         fit = self._fit(dtype)
@@ -307,15 +294,13 @@ class MemoryModel:
                      optimizer_share=None if shares is None else shares[r])
                 for r, m in enumerate(config.micro_batches)]
 
-    def is_confident(self, *, rank: int, micro_batch: int, checkpointed: int, num_layers: int,
-                     dtype: str) -> bool:
+    def is_confident(self, *, rank: int, micro_batch: int, checkpointed: int, num_layers: int, dtype: str) -> bool:
         """True when that prediction depends on measured data only, not on the prior."""
         fit = self._fit(dtype)
         xs = self._query(rank, micro_batch, checkpointed, num_layers) / fit.scale
         if fit.unseen.shape[1] == 0:
             return True
-        leak = float(np.linalg.norm(xs @ fit.unseen))
-        return leak <= _CONFIDENT_TOL * max(float(np.linalg.norm(xs)), 1e-300)
+        return float(np.linalg.norm(xs @ fit.unseen)) <= _CONFIDENT_TOL * max(float(np.linalg.norm(xs)), 1e-300)
 
     def fixed_bytes(self, rank: int, dtype: str, optimizer_share: float | None = None) -> float:
         """The part of ``rank``'s peak that does not scale with its micro-batch, keeping
@@ -372,8 +357,7 @@ class MemoryModel:
         if self.optimizer_total is None:
             return base
         # the state this rank measured (an OOM before the first step measured none: the model's S)
-        state = obs.optimizer_bytes
-        return base + (state if state is not None else self.optimizer_total)
+        return base + (obs.optimizer_bytes if obs.optimizer_bytes is not None else self.optimizer_total)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
@@ -390,12 +374,10 @@ def _check_checkpointed(checkpointed: int, num_layers: int) -> None:
     if num_layers < 1:
         raise UsageError(f"num_layers={num_layers} is below 1; pass the model's block count.")
     if not 0 <= checkpointed <= num_layers:
-        raise UsageError(f"checkpointed={checkpointed} is outside 0..{num_layers}; count "
-                         "checkpointed blocks.")
+        raise UsageError(f"checkpointed={checkpointed} is outside 0..{num_layers}; count checkpointed blocks.")
 
 
-def _features(world_size: int, rank: int, micro_batch: int, checkpointed: int,
-              num_layers: int) -> np.ndarray:
+def _features(world_size: int, rank: int, micro_batch: int, checkpointed: int, num_layers: int) -> np.ndarray:
     """The linear features ``[one-hot(rank), mb, -mb * checkpointed / num_layers]``."""
     x = np.zeros(world_size + 2)
     x[rank] = 1.0
@@ -404,8 +386,7 @@ def _features(world_size: int, rank: int, micro_batch: int, checkpointed: int,
     return x
 
 
-def _design(observations: Sequence[MemoryObservation],
-            world_size: int) -> tuple[np.ndarray, np.ndarray]:
+def _design(observations: Sequence[MemoryObservation], world_size: int) -> tuple[np.ndarray, np.ndarray]:
     if not observations:
         return np.zeros((0, world_size + 2)), np.zeros(0)
     x = np.stack([_features(world_size, o.rank, o.micro_batch, o.checkpointed, o.num_layers)
@@ -422,9 +403,7 @@ def _column_scale(x: np.ndarray, world_size: int) -> np.ndarray:
 
 
 def _data_rank(observations: Sequence[MemoryObservation], world_size: int) -> int:
-    x, _ = _design(observations, world_size)
-    if len(x) == 0:
-        return 0
+    x, _ = _design(observations, world_size)  # never empty: only dtypes with observations are ranked
     xs = x / _column_scale(x, world_size)
     return int(np.linalg.matrix_rank(xs, tol=_RANK_TOL * float(np.linalg.norm(xs, 2))))
 
@@ -440,8 +419,7 @@ def _least_squares(xs: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return theta, vt[rank:].T
 
 
-def _prior(dtype: str, world_size: int,
-           reference: DtypeFit | None) -> tuple[np.ndarray, np.ndarray]:
+def _prior(dtype: str, world_size: int, reference: DtypeFit | None) -> tuple[np.ndarray, np.ndarray]:
     """Prior as linear relations ``A @ theta ~= b`` (theta in bytes per feature unit)."""
     unknowns = world_size + 2
     if reference is not None:

@@ -23,9 +23,6 @@ from autobalance.protocol import (
 )
 from autobalance.tuner.search._constants import INFEASIBLE_TIME
 
-__all__ = ["INFEASIBLE_TIME", "TrialFigures", "compile_figures", "figures_from_outcome",
-           "fix_exchange_rate", "penalised", "rate_fixed", "rate_source", "spread_fraction"]
-
 
 @dataclass(kw_only=True)
 class TrialFigures:
@@ -61,9 +58,9 @@ class TrialFigures:
     """The model's parameter bytes (``RankReport.model``; None: not reported)."""
     held: list[float | None] = field(default_factory=list)
     """Per rank: the bytes that do not scale with the micro-batch, the report's ``breakdown`` bytes
-    ``live_after_step`` (gradients set to None) plus ``gradients`` plus ``outside_pytorch``; None:
-    not measured. With the peak, one eager trial gives the per-sample activations. GPU only: on CPU
-    (the live-tensor tracker) studies fitted with it chose worse (tests/test_zero.py)."""
+    ``live_after_step`` (gradients set to None) plus ``gradients`` plus ``outside_pytorch``; None: not measured.
+    With the peak, one eager trial gives the per-sample activations. GPU only: on CPU (the live-tensor tracker)
+    studies fitted with it chose worse (tests/test_zero.py)."""
     compile: dict[str, Any] = field(default_factory=dict)
     """Compiled trials' :func:`compile_figures`."""
 
@@ -72,8 +69,7 @@ class TrialFigures:
 
     @property
     def measured(self) -> bool:
-        return (self.status == Status.OK and None not in self.peak_device
-                and self.step_time_s is not None)
+        return self.status == Status.OK and None not in self.peak_device and self.step_time_s is not None
 
     def spread_bytes(self) -> float | None:
         peaks = [p for p in self.peak_device if p is not None]
@@ -97,18 +93,17 @@ class TrialFigures:
                multi_objective: bool) -> list[float]:
         spread = self.spread_fraction() if self.measured else None
         step = self.step_time_s if self.measured else None
-        time_norm = (INFEASIBLE_TIME if step is None or not reference_step_s
-                     else float(step) / reference_step_s)
+        time_norm = INFEASIBLE_TIME if step is None or not reference_step_s else float(step) / reference_step_s
         values = [1.0 if spread is None else spread, time_norm]
         if multi_objective:
             return values
         return [objective_value(*values, weight_spread=weight_spread, weight_time=weight_time)]
 
     def user_attrs(self, headroom: float) -> dict[str, Any]:
-        """The trial's user attributes. Scalars a user may plot in the dashboard (``step_time_ms``,
-        ``peak_max_gib``, ``peak_rank<r>_gib``, ``compile_s``, ...) are numbers or absent, never
-        None (a None makes optuna-dashboard treat the attribute as text): a trial without a
-        measurement leaves them out; its per-rank lists keep None where a rank reported nothing."""
+        """The trial's user attributes. Scalars a user may plot in the dashboard (``step_time_ms``, ``peak_max_gib``,
+        ``peak_rank<r>_gib``, ``compile_s``, ...) are numbers or absent, never None (a None makes optuna-dashboard
+        treat the attribute as text): a trial without a measurement leaves them out; its per-rank lists keep None
+        where a rank reported nothing."""
         def gib(values: list[float | None]) -> list[float | None]:
             return [None if v is None else round(v / GIB, 4) for v in values]
 
@@ -193,11 +188,10 @@ def rate_fixed(user_attrs: Mapping[str, Any]) -> bool:
 
 def penalised(values: list[float], constraints: list[float], *, feasible: bool, weight_spread: float,
               weight_time: float, multi_objective: bool) -> list[float]:
-    """The objective values Optuna stores: an infeasible trial's are at least those of a trial with
-    no measurement (spread 1, step time ``INFEASIBLE_TIME`` x the reference) plus its violation. So
-    no infeasible trial beats a feasible one in a view that ranks by value alone (optuna-dashboard's
-    best trial and Pareto front), and a sampler ignoring constraints learns that less over is
-    better."""
+    """The objective values Optuna stores: an infeasible trial's are at least those of a trial with no measurement
+    (spread 1, step time ``INFEASIBLE_TIME`` x the reference) plus its violation. So no infeasible trial beats a
+    feasible one in a view that ranks by value alone (optuna-dashboard's best trial and Pareto front), and a
+    sampler ignoring constraints learns that less over is better."""
     if feasible:
         return list(values)
     violation = sum(max(0.0, float(c)) for c in constraints)
@@ -217,9 +211,8 @@ def _float(value: float | None) -> float | None:
     return None if value is None else float(value)
 
 
-def figures_from_outcome(
-    outcome: TrialOutcome, *, world_size: int, caps: list[int] | None, fallback_capacity: list[float] | None = None
-) -> TrialFigures:
+def figures_from_outcome(outcome: TrialOutcome, *, world_size: int, caps: list[int] | None,
+                         fallback_capacity: list[float] | None = None) -> TrialFigures:
     """A trial's figures from its ranks' reports."""
     reports = [outcome.reports.get(r) for r in range(world_size)]
     good = [rep if rep is not None and rep.status == Status.OK else None for rep in reports]
@@ -251,15 +244,13 @@ def figures_from_outcome(
     if first is not None and first.samples_per_step:
         gb = first.samples_per_step  # partial steps count the samples they really used
     sizes: list[Any] = [(r.model or {}).get("parameter_bytes") for r in outcome.reports.values()]
-    param_bytes = max((int(b) for b in sizes if is_int(b)), default=None)
     wrapped = [bool(opt.get("wrapped")) for opt in opts]
     return TrialFigures(
-        status=outcome.status, peak_device=[_float(m.peak_device) for m in mems],
-        peak_allocated=[_float(m.peak_allocated) for m in mems],
-        peak_reserved=[_float(m.peak_reserved) for m in mems],
-        outside_pytorch=[_float(m.outside_pytorch) for m in mems], capacity=capacity,
-        step_time_s=step, samples_per_s=(gb / step) if (gb and step) else None,
-        startup_s=max(startup) if startup else None,
+        status=outcome.status, peak_device=[_float(m.peak_device) for m in mems], capacity=capacity,
+        peak_allocated=[_float(m.peak_allocated) for m in mems], step_time_s=step,
+        peak_reserved=[_float(m.peak_reserved) for m in mems], startup_s=max(startup) if startup else None,
+        outside_pytorch=[_float(m.outside_pytorch) for m in mems],
+        samples_per_s=(gb / step) if (gb and step) else None,
         time_in_steps_s=max(in_steps) if len(in_steps) == world_size else None,
         measured_steps=min(counts) if len(counts) == world_size else None,
         busy_s=[None if rep is None else _float(rep.busy_time_s) for rep in good],
@@ -267,7 +258,8 @@ def figures_from_outcome(
         optimizer_state=[None if rep is None else _float(opt.get("state_bytes"))
                          for rep, opt in zip(good, opts, strict=True)],
         optimizer_wrapped=bool(wrapped) and all(wrapped),
-        parameter_bytes=param_bytes, compile=compile_figures(outcome.reports), held=held,
+        parameter_bytes=max((int(b) for b in sizes if is_int(b)), default=None),
+        compile=compile_figures(outcome.reports), held=held,
     )
 
 

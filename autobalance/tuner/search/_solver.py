@@ -1,18 +1,16 @@
 """Balanced splits and per-rank checkpointing from a linear memory model (pure math, no torch).
 
-Every rank ``r`` is described by a linear peak ``fixed_r + per_sample_r(c_r) * m_r`` where ``m_r``
-is its micro-batch and ``per_sample_r(c) = per_sample_r - saved_per_sample_r * c / num_layers``
-for ``c`` checkpointed blocks, and by a usable limit ``limit_r`` (capacity times one minus the
-headroom, divided by one plus the model's safety margin where a model is involved).
-:func:`balanced_split` minimises ``max_r peak_r / limit_r`` exactly; :func:`choose_checkpointing`
-chooses checkpoint counts and the split together.
+Every rank ``r`` is described by a linear peak ``fixed_r + per_sample_r(c_r) * m_r`` where ``m_r`` is its
+micro-batch and ``per_sample_r(c) = per_sample_r - saved_per_sample_r * c / num_layers`` for ``c`` checkpointed
+blocks, and by a usable limit ``limit_r`` (capacity times one minus the headroom, divided by one plus the model's
+safety margin where a model is involved). :func:`balanced_split` minimises ``max_r peak_r / limit_r`` exactly;
+:func:`choose_checkpointing` chooses checkpoint counts and the split together.
 
-Ranks of different speeds (mixed GPUs, issue 33): rank ``r`` computes for
-``speed_r * m_r * (1 + rho * c_r / L)``, ``speed_r`` its relative cost per sample (2.0: half as
-fast). Synchronous DDP steps at the slowest rank, so the minimum step cost makes the ranks finish
-together: without memory limits or checkpointing ``m_r`` is proportional to ``1 / speed_r``, and a
-rank whose memory limit binds first takes what fits while the others share the rest by speed.
-Without ``speeds`` (or all equal) ``speed_r = 1``: the same plans.
+Ranks of different speeds (mixed GPUs, issue 33): rank ``r`` computes for ``speed_r * m_r * (1 + rho * c_r / L)``,
+``speed_r`` its relative cost per sample (2.0: half as fast). Synchronous DDP steps at the slowest rank, so the
+minimum step cost makes the ranks finish together: without memory limits or checkpointing ``m_r`` is proportional
+to ``1 / speed_r``, and a rank whose memory limit binds first takes what fits while the others share the rest by
+speed. Without ``speeds`` (or all equal) ``speed_r = 1``: the same plans.
 """
 
 from __future__ import annotations
@@ -31,10 +29,6 @@ from autobalance._files import is_int
 from autobalance.tuner.search._constants import DEFAULT_RECOMPUTE_FRACTION
 from autobalance.tuner.search._memory_model import MemoryModel
 
-__all__ = ["SplitPlan", "balanced_split", "balanced_split_for", "choose_checkpointing",
-           "neighbours", "optimizer_shares", "plans_from_model", "predict_config_feasible",
-           "predict_feasible"]
-
 
 @dataclass(kw_only=True)
 class SplitPlan:
@@ -50,19 +44,17 @@ class SplitPlan:
     """``max(predicted_peaks) - min(predicted_peaks)``."""
 
 
-def balanced_split(
-    *, total: int, fixed: Sequence[float], per_sample: Sequence[float], limits: Sequence[float]
-) -> list[int] | None:
+def balanced_split(*, total: int, fixed: Sequence[float], per_sample: Sequence[float],
+                   limits: Sequence[float]) -> list[int] | None:
     """Integer micro-batches ``m_r >= 1`` summing to ``total`` that minimise
     ``max_r (fixed_r + per_sample_r * m_r) / limits_r`` subject to every peak ``<= limits_r``;
     None when no such split exists.
 
-    Greedy: start from ``m_r = 1`` and give each further sample to the rank whose resulting
-    relative peak is lowest. Optimal for the maximum: if the greedy ever gave a sample at a value
-    above the optimum ``T*``, every rank's next value exceeded ``T*`` at that moment, so the
-    optimal split has ``m*_r <= m_r`` on every rank and sums to less than ``total``, which is a
-    contradiction. The same argument shows the greedy only stalls when no feasible split exists.
-    Implemented as one stable sort of all ranks' (non-decreasing) next values.
+    Greedy: start from ``m_r = 1`` and give each further sample to the rank whose resulting relative peak is
+    lowest. Optimal for the maximum: if the greedy ever gave a sample at a value above the optimum ``T*``, every
+    rank's next value exceeded ``T*`` at that moment, so the optimal split has ``m*_r <= m_r`` on every rank and
+    sums to less than ``total``, which is a contradiction. The same argument shows the greedy only stalls when no
+    feasible split exists. Implemented as one stable sort of all ranks' (non-decreasing) next values.
     """
     _check_ranks(total=total, fixed=fixed, per_sample=per_sample, limits=limits)
     m = np.arange(1, total - len(limits) + 2, dtype=float)
@@ -91,33 +83,30 @@ def _min_max_select(values: list[np.ndarray], total: int) -> list[int] | None:
     return [1 + int(c) for c in counts]
 
 
-def choose_checkpointing(
-    *, total: int, fixed: Sequence[float], per_sample: Sequence[float],
-    saved_per_sample: Sequence[float], num_layers: int, limits: Sequence[float],
-    recompute_fraction: float = DEFAULT_RECOMPUTE_FRACTION, max_spread_bytes: float | None = None,
-    checkpoint_counts: Sequence[int] | None = None, max_plans: int = 5,
-    exhaustive_limit: int = 2_000_000, speeds: Sequence[float] | None = None,
-) -> list[SplitPlan]:
+def choose_checkpointing(*, total: int, fixed: Sequence[float], per_sample: Sequence[float],
+                         saved_per_sample: Sequence[float], num_layers: int, limits: Sequence[float],
+                         recompute_fraction: float = DEFAULT_RECOMPUTE_FRACTION,
+                         max_spread_bytes: float | None = None, checkpoint_counts: Sequence[int] | None = None,
+                         max_plans: int = 5, exhaustive_limit: int = 2_000_000,
+                         speeds: Sequence[float] | None = None) -> list[SplitPlan]:
     """Per-rank checkpoint counts and micro-batches chosen together; candidates best first.
 
     Rank ``r`` with ``m`` samples and ``c`` checkpointed blocks peaks at
     ``fixed_r + m * (per_sample_r - saved_per_sample_r * c / num_layers)`` and computes for
     ``speeds[r] * m * (1 + recompute_fraction * c / num_layers)``.
 
-    Order: feasible (every peak ``<= limits_r``); spread ``<= max_spread_bytes`` when given; then
-    the lowest step cost; then the smallest spread; then the fewest checkpointed blocks. Only
-    plans not dominated in (step cost, spread) are returned, at most ``max_plans``; ``[]`` when
-    nothing fits.
+    Order: feasible (every peak ``<= limits_r``); spread ``<= max_spread_bytes`` when given; then the lowest step
+    cost; then the smallest spread; then the fewest checkpointed blocks. Only plans not dominated in (step cost,
+    spread) are returned, at most ``max_plans``; ``[]`` when nothing fits.
 
-    Method: with at most ``exhaustive_limit`` (split, checkpoint-vector) combinations (two ranks
-    up to about 800 samples with 48 blocks) all are scored: exact for every criterion. Otherwise a
-    level sweep: the minimum step cost ``C*`` is found exactly (binary search over the finite set
-    of values ``m * (1 + rho * c / L)``); at each cost level ``C`` from ``C*`` upward (256 levels,
-    more while no plan meets ``max_spread_bytes``), the split minimising the largest relative peak
-    under ``cost <= C`` is solved exactly (each rank checkpoints as much as ``C`` allows), then
-    every rank drops to the fewest checkpointed blocks that keep its peak at or below that maximum,
-    narrowing the spread. The sweep's first plan has the exact minimum step cost; its spread
-    criteria are best effort (it equalises peaks relative to the limits, the spread is in bytes).
+    Method: with at most ``exhaustive_limit`` (split, checkpoint-vector) combinations (two ranks up to about 800
+    samples with 48 blocks) all are scored: exact for every criterion. Otherwise a level sweep: the minimum step
+    cost ``C*`` is found exactly (binary search over the finite set of values ``m * (1 + rho * c / L)``); at each
+    cost level ``C`` from ``C*`` upward (256 levels, more while no plan meets ``max_spread_bytes``), the split
+    minimising the largest relative peak under ``cost <= C`` is solved exactly (each rank checkpoints as much as
+    ``C`` allows), then every rank drops to the fewest checkpointed blocks that keep its peak at or below that
+    maximum, narrowing the spread. The sweep's first plan has the exact minimum step cost; its spread criteria are
+    best effort (it equalises peaks relative to the limits, the spread is in bytes).
     """
     world = _check_ranks(total=total, fixed=fixed, per_sample=per_sample, limits=limits)
     _check_lengths(world, saved_per_sample=saved_per_sample)
@@ -125,11 +114,9 @@ def choose_checkpointing(
         raise UsageError(f"saved_per_sample={saved_per_sample} is not within [0, per_sample] per "
                          "rank; checkpointing saves at most the per-sample bytes.")
     if not is_int(num_layers) or num_layers < 1:
-        raise UsageError(f"num_layers={num_layers!r} is not a positive integer; pass the block "
-                         "count.")
+        raise UsageError(f"num_layers={num_layers!r} is not a positive integer; pass the block count.")
     if not 0 <= recompute_fraction < math.inf:
-        raise UsageError(f"recompute_fraction={recompute_fraction} is negative or not finite; use "
-                         "e.g. 1/3.")
+        raise UsageError(f"recompute_fraction={recompute_fraction} is negative or not finite; use e.g. 1/3.")
     if max_plans < 1:
         raise UsageError(f"max_plans={max_plans} must be >= 1; use e.g. 5.")
     counts = sorted(set(range(num_layers + 1) if checkpoint_counts is None else checkpoint_counts))
@@ -141,8 +128,7 @@ def choose_checkpointing(
         raise UsageError(f"speeds={list(speeds)} has an entry <= 0 or not finite; pass relative "
                          "costs per sample, e.g. [1.0, 2.0].")
     space = _Space(total=total, fixed=np.asarray(fixed, dtype=float),
-                   per_sample=np.asarray(per_sample, dtype=float),
-                   saved=np.asarray(saved_per_sample, dtype=float),
+                   per_sample=np.asarray(per_sample, dtype=float), saved=np.asarray(saved_per_sample, dtype=float),
                    limits=np.asarray(limits, dtype=float), counts=np.asarray(counts, dtype=float),
                    num_layers=num_layers, rho=recompute_fraction,
                    speed=np.ones(world) if speeds is None else np.asarray(speeds, dtype=float))
@@ -152,8 +138,7 @@ def choose_checkpointing(
         plans = _sweep_plans(space, max_spread_bytes=max_spread_bytes)
     front = _pareto(plans, scale=float(max(limits)))
     front.sort(key=lambda p: (max_spread_bytes is not None and p.spread_bytes > max_spread_bytes,
-                              round(p.step_cost, 12), p.spread_bytes, sum(p.checkpointed),
-                              p.micro_batches))
+                              round(p.step_cost, 12), p.spread_bytes, sum(p.checkpointed), p.micro_batches))
     return front[:max_plans]
 
 
@@ -242,9 +227,8 @@ def _exhaustive_plans(space: _Space) -> list[SplitPlan]:
     return plans
 
 
-def _split_front(
-    space: _Space, split: tuple[int, ...], options: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
-) -> list[SplitPlan]:
+def _split_front(space: _Space, split: tuple[int, ...],
+                 options: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> list[SplitPlan]:
     axes = [np.arange(valid.size) for valid, _, _ in options]
     flat = [g.ravel() for g in np.meshgrid(*axes, indexing="ij")]
     peaks = np.stack([opt[1][i] for opt, i in zip(options, flat, strict=True)])
@@ -255,12 +239,10 @@ def _split_front(
     order = np.lexsort((counts.sum(axis=0), spread, cost))
     best = np.minimum.accumulate(spread[order])
     keep = order[np.concatenate(([True], best[1:] < best[:-1]))]
-    return [space.plan(split, [int(c) for c in counts[:, j]], [float(p) for p in peaks[:, j]])
-            for j in keep]
+    return [space.plan(split, [int(c) for c in counts[:, j]], [float(p) for p in peaks[:, j]]) for j in keep]
 
 
-def _sweep_plans(space: _Space, *, max_spread_bytes: float | None,
-                 max_levels: int = 256) -> list[SplitPlan]:
+def _sweep_plans(space: _Space, *, max_spread_bytes: float | None, max_levels: int = 256) -> list[SplitPlan]:
     costs = np.outer(space.m, space.k).ravel()
     levels = np.unique(np.concatenate([costs * s for s in space.speed]))
 
@@ -283,9 +265,8 @@ def _sweep_plans(space: _Space, *, max_spread_bytes: float | None,
 
 
 def _pareto(plans: list[SplitPlan], *, scale: float) -> list[SplitPlan]:
-    """Plans not dominated in (step cost, spread), one per distinct point (fewest checkpoints);
-    compared after rounding (12 digits; spreads relative to ``scale``): float noise keeps no
-    near-duplicates."""
+    """Plans not dominated in (step cost, spread), one per distinct point (fewest checkpoints); compared after
+    rounding (12 digits; spreads relative to ``scale``): float noise keeps no near-duplicates."""
 
     def point(p: SplitPlan) -> tuple[float, float]:
         return round(p.step_cost, 12), round(p.spread_bytes / scale, 12)
@@ -299,29 +280,22 @@ def _pareto(plans: list[SplitPlan], *, scale: float) -> list[SplitPlan]:
     return front
 
 
-def predict_feasible(
-    model: MemoryModel, *, micro_batches: Sequence[int], checkpointed: Sequence[int],
-    num_layers: int, dtype: str, limits: Sequence[float], margin: float | None = None,
-    optimizer_shares: Sequence[float] | None = None,
-) -> tuple[bool, list[float]]:
+def predict_feasible(model: MemoryModel, *, micro_batches: Sequence[int], checkpointed: Sequence[int],
+                     num_layers: int, dtype: str, limits: Sequence[float], margin: float | None = None,
+                     optimizer_shares: Sequence[float] | None = None) -> tuple[bool, list[float]]:
     """Predicted peak of each rank, and whether every ``peak * (1 + margin) <= limit`` (``margin``
     None: ``model.safety_margin``; ``optimizer_shares`` None: unsharded)."""
-    _check_lengths(model.world_size, micro_batches=micro_batches, checkpointed=checkpointed,
-                   limits=limits)
+    _check_lengths(model.world_size, micro_batches=micro_batches, checkpointed=checkpointed, limits=limits)
     margin = _margin(model, margin)
-    peaks = [
-        model.predict(rank=r, micro_batch=m, checkpointed=c, num_layers=num_layers, dtype=dtype,
-                      optimizer_share=None if optimizer_shares is None else optimizer_shares[r])
-        for r, (m, c) in enumerate(zip(micro_batches, checkpointed, strict=True))
-    ]
+    peaks = [model.predict(rank=r, micro_batch=m, checkpointed=c, num_layers=num_layers, dtype=dtype,
+                           optimizer_share=None if optimizer_shares is None else optimizer_shares[r])
+             for r, (m, c) in enumerate(zip(micro_batches, checkpointed, strict=True))]
     feasible = all(p * (1.0 + margin) <= lim for p, lim in zip(peaks, limits, strict=True))
     return feasible, peaks
 
 
-def predict_config_feasible(
-    model: MemoryModel, config: BalanceConfig, *, num_layers: int, limits: Sequence[float],
-    margin: float | None = None,
-) -> tuple[bool, list[float]]:
+def predict_config_feasible(model: MemoryModel, config: BalanceConfig, *, num_layers: int, limits: Sequence[float],
+                            margin: float | None = None) -> tuple[bool, list[float]]:
     """:func:`predict_feasible` for a :class:`BalanceConfig` (checkpoint lists counted per rank)."""
     return predict_feasible(model, micro_batches=config.micro_batches,
                             checkpointed=[len(blocks) for blocks in config.checkpoint],
@@ -329,10 +303,8 @@ def predict_config_feasible(
                             optimizer_shares=config.sharding_shares())
 
 
-def balanced_split_for(
-    model: MemoryModel, *, total: int, checkpointed: Sequence[int], num_layers: int, dtype: str,
-    limits: Sequence[float], margin: float | None = None,
-) -> list[int] | None:
+def balanced_split_for(model: MemoryModel, *, total: int, checkpointed: Sequence[int], num_layers: int, dtype: str,
+                       limits: Sequence[float], margin: float | None = None) -> list[int] | None:
     """:func:`balanced_split` with the model's terms for a fixed per-rank checkpoint choice,
     under ``limits / (1 + margin)``."""
     world = model.world_size
@@ -344,13 +316,11 @@ def balanced_split_for(
                     for r, c in enumerate(checkpointed)], limits=scaled)
 
 
-def plans_from_model(
-    model: MemoryModel, *, total: int, num_layers: int, dtype: str, limits: Sequence[float],
-    margin: float | None = None, recompute_fraction: float = DEFAULT_RECOMPUTE_FRACTION,
-    max_spread_bytes: float | None = None, checkpoint_counts: Sequence[int] | None = None,
-    max_plans: int = 5, speeds: Sequence[float] | None = None,
-    optimizer_shares: Sequence[float] | None = None,
-) -> list[SplitPlan]:
+def plans_from_model(model: MemoryModel, *, total: int, num_layers: int, dtype: str, limits: Sequence[float],
+                     margin: float | None = None, recompute_fraction: float = DEFAULT_RECOMPUTE_FRACTION,
+                     max_spread_bytes: float | None = None, checkpoint_counts: Sequence[int] | None = None,
+                     max_plans: int = 5, speeds: Sequence[float] | None = None,
+                     optimizer_shares: Sequence[float] | None = None) -> list[SplitPlan]:
     """:func:`choose_checkpointing` with the model's terms for ``dtype`` under ``limits / (1 +
     margin)``, each rank keeping its ``optimizer_shares`` of the optimizer state (None: all)."""
     world = model.world_size
@@ -366,8 +336,7 @@ def plans_from_model(
         checkpoint_counts=checkpoint_counts, max_plans=max_plans, speeds=speeds)
 
 
-def optimizer_shares(*, base: Sequence[float], state: float,
-                     limits: Sequence[float]) -> list[float]:
+def optimizer_shares(*, base: Sequence[float], state: float, limits: Sequence[float]) -> list[float]:
     """``zero1`` shares ``q_r >= 0`` (sum 1) of an optimizer state of ``state`` bytes that minimise
     ``max_r (base_r + state * q_r) / limits_r``, where ``base_r`` is rank ``r``'s predicted peak
     without optimizer state (its extras included).
@@ -376,10 +345,9 @@ def optimizer_shares(*, base: Sequence[float], state: float,
 
         q_r = max(0, T * limits_r - base_r) / state,   sum_r q_r = 1
 
-    ``T`` is found exactly by sorting the ranks by ``base_r / limits_r`` (the level at which each
-    starts taking state) and solving the linear equation on the first segment where the sum
-    reaches 1. A rank already above the others' level (the one holding extras) gets less, or
-    none. ``state <= 0``: even shares (nothing to place)."""
+    ``T`` is found exactly by sorting the ranks by ``base_r / limits_r`` (the level at which each starts taking
+    state) and solving the linear equation on the first segment where the sum reaches 1. A rank already above the
+    others' level (the one holding extras) gets less, or none. ``state <= 0``: even shares (nothing to place)."""
     world = len(base)
     if world == 0 or len(limits) != world or any(lim <= 0 for lim in limits):
         raise UsageError(f"base={list(base)} and limits={list(limits)} need one entry per rank and "
@@ -401,14 +369,8 @@ def optimizer_shares(*, base: Sequence[float], state: float,
 
 def neighbours(micro: list[int]) -> list[list[int]]:
     """Splits one sample away from ``micro`` (memory-balanced is not always fastest)."""
-    out = []
-    for a, b in itertools.permutations(range(len(micro)), 2):
-        if micro[a] > 1:
-            moved = list(micro)
-            moved[a] -= 1
-            moved[b] += 1
-            out.append(moved)
-    return out
+    return [[m - (r == a) + (r == b) for r, m in enumerate(micro)]
+            for a, b in itertools.permutations(range(len(micro)), 2) if micro[a] > 1]
 
 
 def _margin(model: MemoryModel, margin: float | None) -> float:
@@ -418,8 +380,7 @@ def _margin(model: MemoryModel, margin: float | None) -> float:
     return margin
 
 
-def _margin_limits(model: MemoryModel, limits: Sequence[float],
-                   margin: float | None) -> list[float]:
+def _margin_limits(model: MemoryModel, limits: Sequence[float], margin: float | None) -> list[float]:
     margin = _margin(model, margin)
     _check_lengths(model.world_size, limits=limits)
     return [float(lim) / (1.0 + margin) for lim in limits]
@@ -428,13 +389,11 @@ def _margin_limits(model: MemoryModel, limits: Sequence[float],
 def _check_lengths(world: int, **named: Sequence[float] | None) -> None:
     for name, values in named.items():
         if values is not None and len(values) != world:
-            raise UsageError(f"{name} has {len(values)} entries for {world} ranks; give one per "
-                             "rank.")
+            raise UsageError(f"{name} has {len(values)} entries for {world} ranks; give one per rank.")
 
 
-def _check_ranks(
-    *, total: int, fixed: Sequence[float], per_sample: Sequence[float], limits: Sequence[float]
-) -> int:
+def _check_ranks(*, total: int, fixed: Sequence[float], per_sample: Sequence[float],
+                 limits: Sequence[float]) -> int:
     world = len(limits)
     if world == 0:
         raise UsageError("limits=[] is empty; give one usable memory limit per rank.")
@@ -446,8 +405,7 @@ def _check_ranks(
         if not all(math.isfinite(float(v)) for v in values):
             raise UsageError(f"{name}={values} has a non-finite entry; pass byte counts.")
     if any(p < 0 for p in per_sample):
-        raise UsageError(f"per_sample={per_sample} has a negative entry; bytes per sample are "
-                         ">= 0.")
+        raise UsageError(f"per_sample={per_sample} has a negative entry; bytes per sample are >= 0.")
     if any(lim <= 0 for lim in limits):
         raise UsageError(f"limits={limits} has an entry <= 0; pass usable bytes per rank.")
     return world

@@ -37,9 +37,6 @@ from autobalance.tuner.search._constants import (
 if TYPE_CHECKING:
     from autobalance.tuner._settings import TuneSettings
 
-__all__ = ["BUDGET_RANGE", "BUDGET_STEP", "REGIONAL_KEY", "SearchSpace", "compile_key",
-           "config_compile_key", "normalised_shares", "space_problem"]
-
 
 KEEP_CHOICES: dict[str, list[str]] = {"none": [], "embeddings": ["embeddings"], "blocks": ["blocks"],
                                       "both": ["embeddings", "blocks"]}
@@ -90,9 +87,8 @@ class SearchSpace:
     compile_modes: list[str] = field(default_factory=lambda: ["off"])
     """``torch.compile`` modes searched; ``["off"]``: no ``compile`` parameter."""
     fixed_split: bool = False
-    """The split stays the script's own (no ``share_r`` parameters): the model has batch-dependent
-    layers whose train-mode step another split would change (``accumulations`` is then the script's
-    own count only)."""
+    """The split stays the script's own (no ``share_r`` parameters): the model has batch-dependent layers whose
+    train-mode step another split would change (``accumulations`` is then the script's own count only)."""
     kept_micro_batches: list[int] | None = None
     """With ``fixed_split``: the script's own micro-batch per rank (``None``, in studies from before
     it was kept: the even split of the global batch)."""
@@ -110,15 +106,13 @@ class SearchSpace:
     weights for ``zero1``, :func:`normalised_shares`) when the script passes its optimizer through
     ``plan.optimizer`` on more than one rank; ``["off"]``: no parameter."""
     param_shardings: list[str] = field(default_factory=lambda: ["off"])
-    """``param_sharding`` values searched (FSDP2, ``_sharding``; with more than ``"off"``, sharded
-    trials also sample ``keep_gathered``: the groups that keep their gathered weights from forward
-    to backward)."""
+    """``param_sharding`` values searched (FSDP2, ``_sharding``; with more than ``"off"``, sharded trials also
+    sample ``keep_gathered``: the groups that keep their gathered weights from forward to backward)."""
 
     @classmethod
-    def build(
-        cls, *, world_size: int, global_batch: int, num_layers: int, dtypes: list[str], max_accumulation: int,
-        compile_modes: list[str] | None = None, any_split: bool = False, compile_scopes: list[str] | None = None,
-    ) -> SearchSpace:
+    def build(cls, *, world_size: int, global_batch: int, num_layers: int, dtypes: list[str],
+              max_accumulation: int, compile_modes: list[str] | None = None, any_split: bool = False,
+              compile_scopes: list[str] | None = None) -> SearchSpace:
         accs = [a for a in range(1, max_accumulation + 1)
                 if global_batch >= a * world_size and (any_split or global_batch % a == 0)]
         return cls(world_size=world_size, global_batch=global_batch, num_layers=num_layers, dtypes=list(dtypes),
@@ -150,8 +144,7 @@ class SearchSpace:
         return list(self.kept_micro_batches), (None if self.kept_rank_samples is None else list(self.kept_rank_samples))
 
     def distributions(self) -> dict[str, BaseDistribution]:
-        d: dict[str, BaseDistribution] = {
-            "accumulation": CategoricalDistribution(self.accumulations)}
+        d: dict[str, BaseDistribution] = {"accumulation": CategoricalDistribution(self.accumulations)}
         ranks = range(self.world_size)
         if self.world_size > 1 and not self.fixed_split:
             d.update({f"share_r{r}": FloatDistribution(*SHARE_RANGE) for r in ranks})
@@ -162,8 +155,7 @@ class SearchSpace:
         if self.num_layers > 0 and "off" in self.compile_modes:
             d.update({f"ckpt_r{r}": IntDistribution(0, self.num_layers) for r in ranks})
         if any(m != "off" for m in self.compile_modes):
-            d.update({f"budget_r{r}": FloatDistribution(*BUDGET_RANGE, step=BUDGET_STEP)
-                      for r in ranks})
+            d.update({f"budget_r{r}": FloatDistribution(*BUDGET_RANGE, step=BUDGET_STEP) for r in ranks})
         if "zero1" in self.shardings:
             d["optimizer_sharding"] = CategoricalDistribution(self.shardings)
             d.update({f"oshare_r{r}": FloatDistribution(*OPTIMIZER_SHARE_RANGE) for r in ranks})
@@ -193,14 +185,11 @@ class SearchSpace:
 
     def config_from_params(self, params: dict[str, Any]) -> BalanceConfig:
         acc = int(params["accumulation"])
-        shares = [float(params.get(f"share_r{r}", 1.0)) for r in range(self.world_size)]
+        ranks = range(self.world_size)
+        shares = [float(params.get(f"share_r{r}", 1.0)) for r in ranks]
         mode = str(params.get("compile", "off"))
-        budget: list[float] | None = None
-        if mode == "off":
-            ckpt = [list(range(int(params.get(f"ckpt_r{r}", 0)))) for r in range(self.world_size)]
-        else:
-            ckpt = [[] for _ in range(self.world_size)]
-            budget = [round(float(params.get(f"budget_r{r}", 1.0)), 3) for r in range(self.world_size)]
+        ckpt = [list(range(int(params.get(f"ckpt_r{r}", 0)))) if mode == "off" else [] for r in ranks]
+        budget = None if mode == "off" else [round(float(params.get(f"budget_r{r}", 1.0)), 3) for r in ranks]
         rest: dict[str, Any] = dict(
             checkpoint=ckpt, dtype=str(params["dtype"]), bucket_cap_mb=round(float(params["bucket_cap_mb"]), 3),
             gradient_as_bucket_view=bool(params["grad_as_bucket_view"]), compile=mode, activation_budget=budget,
@@ -210,11 +199,10 @@ class SearchSpace:
                                      else str(params.get("compile_scope", self.compile_scopes[0])))
         if params.get("optimizer_sharding", "off") == "zero1":
             rest["optimizer_sharding"] = "zero1"
-            rest["optimizer_shares"] = normalised_shares(
-                [float(params.get(f"oshare_r{r}", 1.0)) for r in range(self.world_size)])
+            rest["optimizer_shares"] = normalised_shares([float(params.get(f"oshare_r{r}", 1.0)) for r in ranks])
         fsdp = str(params.get("param_sharding", "off"))
         # sharded trials are eager and not fp16 (the compiled models know no sharding; fp16 is refused): else unsharded
-        if fsdp != "off" and rest["compile"] == "off" and rest["dtype"] != "fp16":
+        if fsdp != "off" and mode == "off" and rest["dtype"] != "fp16":
             keep = KEEP_CHOICES.get(str(params.get("keep_gathered", "none")), [])
             rest.update(param_sharding=fsdp, keep_gathered=[g for g in keep if fsdp == "blocks" or g == "embeddings"],
                         optimizer_sharding="off", optimizer_shares=None)
@@ -226,13 +214,11 @@ class SearchSpace:
         micro = split_evenly(self.global_batch // acc, shares)
         return BalanceConfig(micro_batches=micro, accumulation=acc, global_batch=self.global_batch, **rest)
 
-    def config_for(
-        self, micro_batches: list[int], accumulation: int, cost: list[float] | None = None, **rest: Any
-    ) -> BalanceConfig:
-        """The configuration whose largest micro-batch per rank is ``micro_batches`` (a solver's
-        answer): with ``any_split`` the ranks give up the samples beyond the global batch (the
-        highest ``samples * cost`` first). With a fixed split, only the kept micro-batches give a
-        configuration :meth:`contains` accepts."""
+    def config_for(self, micro_batches: list[int], accumulation: int, cost: list[float] | None = None,
+                   **rest: Any) -> BalanceConfig:
+        """The configuration whose largest micro-batch per rank is ``micro_batches`` (a solver's answer): with
+        ``any_split`` the ranks give up the samples beyond the global batch (the highest ``samples * cost`` first).
+        With a fixed split, only the kept micro-batches give a configuration :meth:`contains` accepts."""
         if self.fixed_split:
             micro, samples = self.kept_split(accumulation)
             if list(micro_batches) == micro:
@@ -259,27 +245,22 @@ class SearchSpace:
         top = max(samples)
         params: dict[str, Any] = {"accumulation": config.accumulation}
         if self.world_size > 1 and not self.fixed_split:
-            for r, n in enumerate(samples):
-                params[f"share_r{r}"] = _clip(n / top, SHARE_RANGE)
+            params.update({f"share_r{r}": _clip(n / top, SHARE_RANGE) for r, n in enumerate(samples)})
         if self.compile_searched:
             params["compile"] = config.compile
             if len(self.compile_scopes) > 1 and config.compile != "off":
                 params["compile_scope"] = config.compile_scope
         if config.compile != "off":
             budgets = config.activation_budget or [1.0] * self.world_size
-            for r in range(self.world_size):  # on the budget grid
-                budget = round(round(budgets[r] / BUDGET_STEP) * BUDGET_STEP, 3)
-                params[f"budget_r{r}"] = _clip(budget, BUDGET_RANGE)
+            grid = [round(round(b / BUDGET_STEP) * BUDGET_STEP, 3) for b in budgets]  # on the budget grid
+            params.update({f"budget_r{r}": _clip(grid[r], BUDGET_RANGE) for r in range(self.world_size)})
         elif self.num_layers > 0:
-            for r, blocks in enumerate(config.checkpoint):
-                params[f"ckpt_r{r}"] = min(self.num_layers, len(blocks))
+            params.update({f"ckpt_r{r}": min(self.num_layers, len(b)) for r, b in enumerate(config.checkpoint)})
         if "zero1" in self.shardings:
             params["optimizer_sharding"] = config.optimizer_sharding
-            zero = config.sharding_shares()
-            if zero is not None:
-                heaviest = max(zero) or 1.0
-                for r, q in enumerate(zero):
-                    params[f"oshare_r{r}"] = _clip(q / heaviest, OPTIMIZER_SHARE_RANGE)
+            zero = config.sharding_shares() or []
+            heaviest = max(zero, default=0.0) or 1.0
+            params.update({f"oshare_r{r}": _clip(q / heaviest, OPTIMIZER_SHARE_RANGE) for r, q in enumerate(zero)})
         if len(self.param_shardings) > 1:
             params["param_sharding"] = config.param_sharding
             if config.param_sharding != "off":
