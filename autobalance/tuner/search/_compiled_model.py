@@ -197,8 +197,7 @@ class CompiledMemoryModel:
 
     def predict(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str,
                 optimizer_share: float | None = None) -> float:
-        """Estimated peak bytes (no margin), never below what the rank holds apart from activations
-        (the eager model's ``floor_bytes``)."""
+        """Estimated peak bytes (no margin), at least the eager model's ``floor_bytes``."""
         line = self._line(rank, micro_batch, dtype, optimizer_share, self.curve(dtype, mode).estimate(budget))
         return max(line, self.eager.floor_bytes(rank, optimizer_share))
 

@@ -274,12 +274,11 @@ def _rank_ms(cfg: dict[str, Any], *, b: float, k: float, g: float, layers: int,
 class CompiledTimeModel:
     """``t = a + s * max_r (e_r + (beta - 1) * acc * b) * (1 + rho * (1 - b_r))`` per (dtype, mode).
 
-    ``a`` and ``e_r = acc * b + k[dtype] * n_r`` (rank ``r``'s micro-steps without checkpointing, ``acc * b`` paid
-    once per micro-step whatever its size) come from the eager :class:`StepTimeModel`. ``s`` is the
-    compiled-versus-eager speed of the pair, ``beta`` a compiled micro-step's fixed cost relative to an eager one
-    (CUDA graphs replay a micro-step's kernels with one launch: ``reduce-overhead`` starts at
-    :data:`MICRO_STEP_PRIOR`), ``rho * (1 - b_r)`` the recomputation at budget ``b_r``. ``rho`` and ``beta`` are
-    chosen on grids, ``s`` in closed form (:func:`_fit_pair`); each stays at its prior
+    ``a`` and ``e_r = acc * b + k[dtype] * n_r`` (rank ``r``'s micro-steps without checkpointing) come from the
+    eager :class:`StepTimeModel`. ``s`` is the pair's compiled-versus-eager speed, ``beta`` a compiled micro-step's
+    fixed cost relative to an eager one (CUDA graphs replay a micro-step's kernels with one launch:
+    ``reduce-overhead`` starts at :data:`MICRO_STEP_PRIOR`), ``rho * (1 - b_r)`` the recomputation at budget
+    ``b_r``. ``rho`` and ``beta`` are chosen on grids, ``s`` in closed form; each stays at its prior
     (:data:`RECOMPUTE_PRIOR_COMPILED`, the mode's) while the pair's trials have not varied budgets / micro-steps. A
     pair without trials borrows another's ``s`` and ``rho`` within its scope (the same mode first, then the same
     dtype), never another mode's ``beta``; without any, :data:`COMPILE_SPEED_PRIOR`.
@@ -362,8 +361,7 @@ def _eager_parts(eager: StepTimeModel, cfg: dict[str, Any]) -> tuple[float, list
 
 def _fit_pair(eager: StepTimeModel, rows: list[tuple[dict[str, Any], float]], *,
               beta_prior: float = 1.0) -> tuple[float, float, float] | None:
-    """``(s, rho, beta)`` minimising the squared relative errors (``rho`` and ``beta`` on grids,
-    ``s`` in closed form); among equal errors the pair nearest the priors."""
+    """``(s, rho, beta)`` minimising the squared relative errors; among equal errors the one nearest the priors."""
     parts = []
     for cfg, ms in rows:
         eager_parts = _eager_parts(eager, cfg)
