@@ -1,27 +1,26 @@
-"""A model of compiled configurations: per-rank peak memory as a function of the micro-batch and
-the per-rank activation budget, per (dtype, compile mode), fitted from few trials.
+"""A model of compiled configurations: per-rank peak memory as a function of the micro-batch and the per-rank
+activation budget, per (dtype, compile mode), fitted from few trials.
 
 Rank ``r`` with micro-batch ``m``, budget ``b`` and ``zero1`` share ``q`` (1: unsharded) peaks at::
 
     peak_r(m, b, q) = fixed_r + S * q + m * act_r * f(b)
 
-``fixed_r``, ``S`` (the optimizer state; 0 while the eager model has not measured it) and ``act_r``
-(one sample's activations without checkpointing) come from the eager :class:`MemoryModel`: a
-compiled graph holds the same weights and state, only its activations follow the budget. ``f(b)``,
-the share of the eager activations the partitioner keeps, is fitted per pair: each rank of a trial
-gives a point ``y = (peak - fixed_r - S * q_r) / (m * act_r)`` (clipped at 0; out of memory, a lower
-bound at its capacity). The min-cut knapsack makes ``f`` monotone but stepwise, so the fit is the
-*least monotone upper envelope* ``F_j = max`` of the points at budgets ``<= b_j``, linear between
-measured budgets; outside them the partitioner's rule (it keeps about ``b`` times its default):
-``F_1 * max(b / b_1, LOW_BUDGET_FLOOR)`` below (it cannot drop the graphs' inputs, nor a loss
-outside the model and its logits), ``max(F_n, min(max(F_n, 1), F_n * b / b_n))`` above. A pair
-without trials borrows its scope's other pairs' points; without any, ``f(b) = max(b, FLOOR_PRIOR)``.
+``fixed_r``, ``S`` (the optimizer state; 0 while the eager model has not measured it) and ``act_r`` (one sample's
+activations without checkpointing) come from the eager :class:`MemoryModel`: a compiled graph holds the same weights
+and state, only its activations follow the budget. ``f(b)``, the share of the eager activations the partitioner
+keeps, is fitted per pair: each rank of a trial gives a point ``y = (peak - fixed_r - S * q_r) / (m * act_r)``
+(clipped at 0; out of memory, a lower bound at its capacity). The min-cut knapsack makes ``f`` monotone but
+stepwise, so the fit is the *least monotone upper envelope* ``F_j = max`` of the points at budgets ``<= b_j``,
+linear between measured budgets; outside them the partitioner's rule (it keeps about ``b`` times its default):
+``F_1 * max(b / b_1, LOW_BUDGET_FLOOR)`` below (it cannot drop the graphs' inputs, nor a loss outside the model and
+its logits), ``max(F_n, min(max(F_n, 1), F_n * b / b_n))`` above. A pair without trials borrows its scope's other
+pairs' points; without any, ``f(b) = max(b, FLOOR_PRIOR)``.
 
-At an unmeasured ``b`` the activation part gets ``UNMEASURED_MARGIN / sqrt(1 + knots)`` more (all of
-it without own knots) and the whole peak the self-correcting safety margin: a configuration fits
-when ``(fixed_r + S * q + m * act_r * f(b) * (1 + extra)) * (1 + margin) <= limit_r``. It surely
-does not when even ``F`` at the largest measured ``b_j <= b`` (``surely_over``) or ``f(0.05)``
-(``over_at_any_budget``) exceeds ``limit_r * (1 + margin)``.
+At an unmeasured ``b`` the activation part gets ``UNMEASURED_MARGIN / sqrt(1 + knots)`` more (all of it without own
+knots) and the whole peak the self-correcting safety margin: a configuration fits when
+``(fixed_r + S * q + m * act_r * f(b) * (1 + extra)) * (1 + margin) <= limit_r``. It surely does not when even ``F``
+at the largest measured ``b_j <= b`` (``surely_over``) or ``f(0.05)`` (``over_at_any_budget``) exceeds
+``limit_r * (1 + margin)``.
 """
 
 from __future__ import annotations
@@ -54,8 +53,8 @@ from autobalance.tuner.search._space import (
     config_compile_key,
 )
 
-__all__ = ["FLOOR_PRIOR", "LOW_BUDGET_FLOOR", "UNMEASURED_MARGIN", "BudgetCurve", "CompiledMemoryModel",
-           "CompiledObservation", "budget_grid", "compiled_observations", "measured_peaks"]
+__all__ = ["UNMEASURED_MARGIN", "BudgetCurve", "CompiledMemoryModel", "CompiledObservation", "budget_grid",
+           "compiled_observations", "measured_peaks"]
 
 
 def budget_grid() -> list[float]:
@@ -109,8 +108,7 @@ class BudgetCurve:
             by_budget[key] = (max(old[0], max(0.0, float(y))), old[1] or exact)
         budgets = sorted(by_budget)
         fractions = list(accumulate((by_budget[b][0] for b in budgets), max))
-        return cls(budgets=budgets, fractions=fractions, exact=[by_budget[b][1] for b in budgets],
-                   borrowed=borrowed)
+        return cls(budgets=budgets, fractions=fractions, exact=[by_budget[b][1] for b in budgets], borrowed=borrowed)
 
     def estimate(self, budget: float) -> float:
         """``f(budget)``: interpolated between measured budgets, the partitioner's rule outside."""
@@ -128,8 +126,7 @@ class BudgetCurve:
         return f0 + (f1 - f0) * (b - b0) / (b1 - b0)
 
     def lower(self, budget: float) -> float:
-        """A lower bound of ``f(budget)`` from monotonicity: the envelope at the largest measured
-        budget at or below it (0 below the first)."""
+        """A lower bound of ``f(budget)`` (monotone): the envelope at the largest measured budget <= it, 0 below."""
         i = bisect_right(self.budgets, budget + 1e-9)
         return self.fractions[i - 1] if i else 0.0
 
@@ -141,8 +138,7 @@ class BudgetCurve:
         """The activation part's extra margin at ``budget`` (module doc)."""
         if self.borrowed or not self.budgets:
             return UNMEASURED_MARGIN
-        knots = len(self.budgets)
-        return 0.0 if self.measured(budget) else UNMEASURED_MARGIN / math.sqrt(1 + knots)
+        return 0.0 if self.measured(budget) else UNMEASURED_MARGIN / math.sqrt(1 + len(self.budgets))
 
 
 @dataclass(kw_only=True)
@@ -190,8 +186,7 @@ class CompiledMemoryModel:
 
     def curve(self, dtype: str, mode: str) -> BudgetCurve:
         """The pair's own curve, else its scope's pooled (borrowed) one, else the prior."""
-        own = self.curves.get((dtype, mode))
-        if own is not None:
+        if (own := self.curves.get((dtype, mode))) is not None:
             return own
         pooled = self.pooled_by_scope.get(mode.endswith(REGIONAL_KEY))
         return pooled if pooled is not None else BudgetCurve(budgets=[], fractions=[], exact=[], borrowed=True)
@@ -202,27 +197,22 @@ class CompiledMemoryModel:
 
     def predict(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str,
                 optimizer_share: float | None = None) -> float:
-        """Estimated peak bytes (no margin), never below what the rank holds apart from activations
-        (the eager model's ``floor_bytes``)."""
-        f = self.curve(dtype, mode).estimate(budget)
-        line = self._line(rank, micro_batch, dtype, optimizer_share, f)
+        """Estimated peak bytes (no margin), at least the eager model's ``floor_bytes``."""
+        line = self._line(rank, micro_batch, dtype, optimizer_share, self.curve(dtype, mode).estimate(budget))
         return max(line, self.eager.floor_bytes(rank, optimizer_share))
 
     def clamped(self, config: BalanceConfig) -> bool:
         """True when a rank's prediction is impossible as fitted (:func:`below_floor` of the eager
         floor) or built on an eager per-sample term at or below zero: the search proposes nothing."""
-        return any(self.rank_clamped(rank=r, micro_batch=m, budget=b, dtype=config.dtype,
-                                     mode=config_compile_key(config), optimizer_share=q)
-                   for r, m, b, q in self._ranks(config))
+        mode = config_compile_key(config)
+        return any(self._clamped(r, m, b, config.dtype, mode, q) for r, m, b, q in self._ranks(config))
 
-    def rank_clamped(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str,
-                     optimizer_share: float | None = None) -> bool:
+    def _clamped(self, rank: int, m: int, budget: float, dtype: str, mode: str, share: float | None) -> bool:
         """:meth:`clamped` for one rank."""
         if self.eager.per_sample_bytes(rank, dtype, 0, self.num_layers) <= 0:
             return True
-        f = self.curve(dtype, mode).estimate(budget)
-        line = self._line(rank, micro_batch, dtype, optimizer_share, f)
-        return below_floor(line, self.eager.floor_bytes(rank, optimizer_share))
+        line = self._line(rank, m, dtype, share, self.curve(dtype, mode).estimate(budget))
+        return below_floor(line, self.eager.floor_bytes(rank, share))
 
     def extrapolated(self, config: BalanceConfig) -> bool:
         """True when a rank's prediction goes beyond the data: a budget outside the pair's own measured
@@ -256,12 +246,12 @@ class CompiledMemoryModel:
 
     def fits(self, *, rank: int, micro_batch: int, budget: float, dtype: str, mode: str, limit: float,
              optimizer_share: float | None = None) -> bool:
-        """:meth:`bound` (at least the eager floor) times ``1 + safety_margin`` under ``limit``, never
-        on an impossible (:meth:`rank_clamped`) prediction."""
+        """:meth:`bound` (at least the eager floor) times ``1 + safety_margin`` under ``limit``, never on an
+        impossible (:meth:`clamped`) prediction."""
         peak = max(self.bound(rank=rank, micro_batch=micro_batch, budget=budget, dtype=dtype, mode=mode,
                               optimizer_share=optimizer_share), self.eager.floor_bytes(rank, optimizer_share))
-        return peak * (1.0 + self.safety_margin) <= limit and not self.rank_clamped(
-            rank=rank, micro_batch=micro_batch, budget=budget, dtype=dtype, mode=mode, optimizer_share=optimizer_share)
+        return (peak * (1.0 + self.safety_margin) <= limit
+                and not self._clamped(rank, micro_batch, budget, dtype, mode, optimizer_share))
 
     def largest_budget(self, *, rank: int, micro_batch: int, dtype: str, mode: str, limit: float,
                        optimizer_share: float | None = None) -> float | None:
@@ -274,8 +264,7 @@ class CompiledMemoryModel:
                     limit: float, optimizer_share: float | None = None) -> float | None:
         """The measured lower bound of the peak (the pair's own measured budgets only) when even it
         exceeds ``limit * (1 + margin)``; None otherwise."""
-        own = self.curves.get((dtype, mode))
-        low = 0.0 if own is None else own.lower(budget)
+        low = 0.0 if (own := self.curves.get((dtype, mode))) is None else own.lower(budget)
         if low <= 0:
             return None
         peak = self._line(rank, micro_batch, dtype, optimizer_share, low)
@@ -285,14 +274,13 @@ class CompiledMemoryModel:
                            optimizer_share: float | None = None) -> float | None:
         """The least peak predicted for ``micro_batch`` on ``rank`` at any budget (the curve at the
         smallest one, no extra margin) when even that exceeds ``limit * (1 + margin)``; else None."""
-        least = self.curve(dtype, mode).estimate(BUDGET_RANGE[0])
-        peak = self._line(rank, micro_batch, dtype, optimizer_share, least)
+        peak = self._line(rank, micro_batch, dtype, optimizer_share, self.curve(dtype, mode).estimate(BUDGET_RANGE[0]))
         return peak if peak > limit * (1.0 + self.safety_margin) else None
 
     def config_peaks(self, config: BalanceConfig) -> list[float]:
         """Estimated peak of each rank of a compiled configuration (its ``zero1`` shares, if any)."""
-        return [self.predict(rank=r, micro_batch=m, budget=b, dtype=config.dtype, mode=config_compile_key(config),
-                             optimizer_share=q)
+        mode = config_compile_key(config)
+        return [self.predict(rank=r, micro_batch=m, budget=b, dtype=config.dtype, mode=mode, optimizer_share=q)
                 for r, m, b, q in self._ranks(config)]
 
     def _predict_obs(self, o: CompiledObservation) -> float:
@@ -308,10 +296,8 @@ class CompiledMemoryModel:
 
     def correct(self, observation: CompiledObservation) -> bool:
         """:func:`widen_margin` (the eager model's rule) on this new observation."""
-        if not self.eager.can_predict(observation.dtype):
-            return False
-        return widen_margin(self, measured=observation.peak_bytes, predicted=self._predict_obs(observation),
-                            max_margin=MAX_MARGIN)
+        return self.eager.can_predict(observation.dtype) and widen_margin(
+            self, measured=observation.peak_bytes, predicted=self._predict_obs(observation), max_margin=MAX_MARGIN)
 
 
 def measured_peaks(t: FrozenTrial, *, compiled: bool) -> tuple[dict[str, Any], list[Any]] | None:

@@ -1,30 +1,28 @@
-"""The timing model, fitted from the study's own trials once per decision (``search.Decision``):
-step time eager (:class:`StepTimeModel`) and compiled (:class:`CompiledTimeModel`), compile time
-and the study's Inductor cache, a trial's time, verification's price, and the time budget
-(:class:`TimeBudget`, ``--time-budget``): the one place a stop for time is decided.
+"""The timing model, fitted from the study's own trials once per decision (``search.Decision``): step time eager
+(:class:`StepTimeModel`) and compiled (:class:`CompiledTimeModel`), compile time and the study's Inductor cache, a
+trial's time, verification's price, and the time budget (:class:`TimeBudget`, ``--time-budget``): the one place a
+stop for time is decided.
 
-**Verification's price** (:func:`forecast_verification`), what the budget reserves: the one-step
-runs verifying the best trial (:func:`verification_runs`; a run taking an earlier run's step is
-reused; the dropout runs only for a model whose trials reported dropout, or did not report it),
-each priced from the study's launched trials (:func:`run_prices`):
+**Verification's price** (:func:`forecast_verification`), what the budget reserves: the one-step runs verifying the
+best trial (:func:`verification_runs`; a run taking an earlier run's step is reused; the dropout runs only for a
+model whose trials reported dropout, or did not report it), each priced from the study's launched trials
+(:func:`run_prices`):
 
-- its start-up and hand-over in a running worker: the median warm trial's ``startup + other`` (a
-  study of cold trials: the median over all);
-- a fresh worker: for the first run when the study's latest trial ended its pool (recycled or
-  failed), after a compiled run in the share of compiled warm trials that recycled theirs (none in
-  the 2026-12-03 H200 study ``h200c``, 2 of 4 in ``h200b``); it costs the slowest start-up of a
-  trial that started a pool less a warm trial's (18.4 s in ``h200b``, whose first run after a
-  recycled pool took 23.9 s, the next 5.8 s);
+- its start-up and hand-over in a running worker: the median warm trial's ``startup + other`` (a study of cold
+  trials: the median over all);
+- a fresh worker: for the first run when the study's latest trial ended its pool (recycled or failed), after a
+  compiled run in the share of compiled warm trials that recycled theirs (none in the 2026-12-03 H200 study
+  ``h200c``, 2 of 4 in ``h200b``); it costs the slowest start-up of a trial that started a pool less a warm trial's
+  (18.4 s in ``h200b``, whose first run after a recycled pool took 23.9 s, the next 5.8 s);
 - its step, :data:`FIRST_STEP_FACTOR` times the measured (else predicted) one;
 - its tensors' input and output, :data:`IO_S_PER_GB` per GB of parameters;
-- compiled, its compile: from the Inductor cache when the study compiled the same graphs (its
-  median cache hit, else :data:`FROM_CACHE_SHARE` of their cold compile), else its median miss.
+- compiled, its compile: from the Inductor cache when the study compiled the same graphs (its median cache hit,
+  else :data:`FROM_CACHE_SHARE` of their cold compile), else its median miss.
 
-Each comparison of two runs' tensors costs :data:`COMPARE_S_PER_GB` per GB; only the best
-candidate's runs are reserved, times :data:`RESERVE_MARGIN`. On ``h200c``
-(``tests/test_verify_reserve_replay.py``) the best at the stop was reserved 133.9 s (two dropout
-runs not launched, three fresh workers never started) where its verification took ~67 s; priced
-as above it is within the margin.
+Each comparison of two runs' tensors costs :data:`COMPARE_S_PER_GB` per GB; only the best candidate's runs are
+reserved, times :data:`RESERVE_MARGIN`. On ``h200c`` (``tests/test_verify_reserve_replay.py``) the best at the stop
+was reserved 133.9 s (two dropout runs not launched, three fresh workers never started) where its verification took
+~67 s; priced as above it is within the margin.
 """
 
 from __future__ import annotations
@@ -80,12 +78,11 @@ if TYPE_CHECKING:
 
     from autobalance.tuner._settings import TuneSettings
 
-__all__ = ["COMPARE_S_PER_GB", "DYNAMIC", "FIRST_STEP_FACTOR", "FROM_CACHE_SHARE", "IO_S_PER_GB",
-           "MICRO_STEP_PRIOR", "RECOMPUTE_PRIOR", "RESERVE_MARGIN", "CompiledTimeModel",
-           "StepTimeModel", "TimeBudget", "cache_dir", "compile_env", "compile_notes",
-           "compile_times", "compiled_graphs", "forecast_verification", "from_cache_s",
-           "graph_keys", "next_trial_s", "per_trial_overhead_s", "trial_s",
-           "typical_compile_s", "verification_runs", "worker_start_s"]
+__all__ = ["COMPARE_S_PER_GB", "DYNAMIC", "FIRST_STEP_FACTOR", "FROM_CACHE_SHARE", "IO_S_PER_GB", "MICRO_STEP_PRIOR",
+           "RECOMPUTE_PRIOR", "RESERVE_MARGIN", "CompiledTimeModel", "StepTimeModel", "TimeBudget", "cache_dir",
+           "compile_env", "compile_notes", "compile_times", "compiled_graphs", "forecast_verification", "from_cache_s",
+           "graph_keys", "next_trial_s", "per_trial_overhead_s", "trial_s", "typical_compile_s", "verification_runs",
+           "worker_start_s"]
 
 
 def _measured(t: FrozenTrial, *, compiled: bool) -> bool:
@@ -99,22 +96,21 @@ def _measured(t: FrozenTrial, *, compiled: bool) -> bool:
 # -------------------------------------------------------------------------------- eager step time
 @dataclass(kw_only=True)
 class StepTimeModel:
-    """``t = a + s * max_r(acc * (b + g * c_r / L) + k[dtype] * n_r)`` milliseconds per optimizer
-    step, ``n_r`` the samples rank ``r`` takes per step (``acc * m_r`` with equal micro-batches).
+    """``t = a + s * max_r(acc * (b + g * c_r / L) + k[dtype] * n_r)`` milliseconds per optimizer step, ``n_r`` the
+    samples rank ``r`` takes per step (``acc * m_r`` with equal micro-batches).
 
-    ``a``: once per optimizer step (the optimizer, the last all-reduce); ``b``: once per micro-step
-    whatever its size (kernel launches); ``k``: per sample, per dtype; ``g``: recomputing all ``L``
-    blocks once per micro-step; ``s``: 1 for a measured dtype, else the prior speed ratio. On the
-    H200 grid of the GPT scenario the fixed terms dominate (b ~ 30 ms, k ~ 1.3 ms per sample): a
-    model proportional to the micro-batch had 33 % median error there, this one 7.5 %
-    (``benchmarks/RESULTS.md``). Mixed devices: ``speeds[r]`` multiplies rank ``r``'s ``k`` and
-    ``g`` terms, fitted from the ranks' busy times.
+    ``a``: once per optimizer step (the optimizer, the last all-reduce); ``b``: once per micro-step whatever its
+    size (kernel launches); ``k``: per sample, per dtype; ``g``: recomputing all ``L`` blocks once per micro-step;
+    ``s``: 1 for a measured dtype, else the prior speed ratio. On the H200 grid of the GPT scenario the fixed terms
+    dominate (b ~ 30 ms, k ~ 1.3 ms per sample): a model proportional to the micro-batch had 33 % median error
+    there, this one 7.5 % (``benchmarks/RESULTS.md``). Mixed devices: ``speeds[r]`` multiplies rank ``r``'s ``k``
+    and ``g`` terms, fitted from the ranks' busy times.
 
-    Fitted by bounded least squares on relative errors; with fewer distinct configurations than
-    parameters, the proportional form (``a = b = 0``); while checkpointing has not varied, ``g`` is
-    :data:`RECOMPUTE_PRIOR` micro-steps. Parameter sharding (FSDP2) multiplies the step by
-    ``sharding[param_sharding]``: the median of measured / predicted-unsharded over the study's
-    trials of that sharding, else :data:`SHARDING_TIME_PRIOR`; sharded trials stay out of the fit.
+    Fitted by bounded least squares on relative errors; with fewer distinct configurations than parameters, the
+    proportional form (``a = b = 0``); while checkpointing has not varied, ``g`` is :data:`RECOMPUTE_PRIOR`
+    micro-steps. Parameter sharding (FSDP2) multiplies the step by ``sharding[param_sharding]``: the median of
+    measured / predicted-unsharded over the study's trials of that sharding, else :data:`SHARDING_TIME_PRIOR`;
+    sharded trials stay out of the fit.
     """
 
     a: float
@@ -157,22 +153,14 @@ class StepTimeModel:
             return None
         ratio, dtype = scaled
         mode = c.get("param_sharding", "off")
-        worst = max(self.sharding.values(), default=1.0)
-        f = 1.0 if mode == "off" else self.sharding.get(mode, worst)
-        ranks = _rank_ms(c, b=self.b, k=self.k[dtype], g=self.g, layers=self.num_layers,
-                         speeds=self.speeds)
+        f = 1.0 if mode == "off" else self.sharding.get(mode, max(self.sharding.values(), default=1.0))
+        ranks = _rank_ms(c, b=self.b, k=self.k[dtype], g=self.g, layers=self.num_layers, speeds=self.speeds)
         return f * self.a, [f * ratio * ms for ms in ranks]
 
     def sample_costs(self, checkpointed: list[int], *, layers: int) -> list[float]:
-        """Each rank's relative cost per sample, ``(1 + rho * c_r / L) * speeds[r]``: what the
-        balanced split weighs the ranks by."""
+        """Each rank's relative cost per sample, ``(1 + rho * c_r / L) * speeds[r]`` (the balanced split's weights)."""
         speeds = self.speeds or [1.0] * len(checkpointed)
         return [(1.0 + self.rho * c / layers) * s for c, s in zip(checkpointed, speeds, strict=True)]
-
-    def micro_step_ms(self, cfg: dict[str, Any]) -> float | None:
-        """``s * acc * b``: the part of the micro-steps paid once each whatever its size."""
-        scaled = self._scale(cfg["dtype"])
-        return None if scaled is None else scaled[0] * int(cfg["accumulation"]) * self.b
 
     @classmethod
     def fit(cls, trials: list[FrozenTrial], *, num_layers: int, device: str,
@@ -189,8 +177,7 @@ class StepTimeModel:
             rows = [({**cfg, "param_sharding": "off"}, ms / SHARDING_TIME_PRIOR.get(cfg["param_sharding"], 1.0))
                     for cfg, ms in sharded]
             sharded = []
-        typical = (sum(sum(c["micro_batches"]) / len(c["micro_batches"]) for c, _ in rows)
-                   / len(rows) if rows else 1.0)
+        typical = sum(sum(c["micro_batches"]) / len(c["micro_batches"]) for c, _ in rows) / len(rows) if rows else 1.0
         model = cls(a=0.0, b=0.0, g=0.0, k={}, num_layers=num_layers, prior=prior, typical_micro_batch=typical)
         if not rows:
             return model
@@ -199,8 +186,7 @@ class StepTimeModel:
         distinct = len({json.dumps(cfg, sort_keys=True) for cfg, _ in rows})
         full = distinct >= 3 + len(dtypes) + 1  # a, b, g and one k per dtype, with one to spare
         # start: the proportional fit (k from the mean time per sample-step), g a prior share of it
-        k0 = {d: float(np.mean([t / max(_samples_per_rank(c)) for c, t in rows if c["dtype"] == d]))
-              for d in dtypes}
+        k0 = {d: float(np.mean([t / max(_samples_per_rank(c)) for c, t in rows if c["dtype"] == d])) for d in dtypes}
         g0 = RECOMPUTE_PRIOR * min(k0.values()) * typical
         x0 = ([0.0, 0.0, g0] if full else [g0]) + [k0[d] for d in dtypes]
         g_at = 2 if full else 0
@@ -209,9 +195,8 @@ class StepTimeModel:
         n, layers = len(x0), max(1, num_layers)
 
         def solve(busy: list[tuple[dict[str, Any], list[float]]], world: int) -> Any:
-            """Bounded least squares on the relative errors of the step times and, with ``world``
-            speeds (rank 0's fixes the scale: ``k * speed`` is what is seen), of every rank's busy
-            time (``a`` plus its own micro-steps)."""
+            """Bounded least squares on relative errors of the step times and, with ``world`` speeds (rank 0's
+            fixes the scale: ``k * speed`` is what is seen), of every rank's busy time (``a`` + its micro-steps)."""
             from scipy.optimize import least_squares
 
             def residuals(x: Any) -> list[float]:
@@ -234,8 +219,11 @@ class StepTimeModel:
 
         fitted = attempt(errors, "step time", solve, [], 0)
         model.a, model.b, model.g, model.k = _unpack(np.asarray(x0) if fitted is None else fitted, dtypes, full)
-        busy = _busy_rows(trials)
-        # mixed devices: the same terms with a speed per rank, fitted to the busy times too
+        # (configuration, each rank's busy ms) of the measured eager trials whose every rank reported one
+        busy = [(t.user_attrs[TrialAttr.CONFIG], [float(v) for v in ms]) for t in trials
+                if _measured(t, compiled=False) and isinstance(ms := t.user_attrs.get(TrialAttr.BUSY_MS), list)
+                and len(ms) == len(t.user_attrs[TrialAttr.CONFIG]["micro_batches"])
+                and all(isinstance(v, (int, float)) and v > 0 for v in ms)]
         x: Any = attempt(errors, "step time (per-rank speeds)", solve, busy, len(busy[0][1])) if busy else None
         w = [] if x is None else [float(v) for v in x[n:]]
         # speeds scaled so the slowest rank is 1.0 (g and k the other way); none if equally fast
@@ -270,7 +258,7 @@ def _samples_per_rank(cfg: dict[str, Any]) -> list[int]:
 
 
 def _rank_ms(cfg: dict[str, Any], *, b: float, k: float, g: float, layers: int,
-             speeds: list[float] | None = None) -> list[float]:
+             speeds: list[float] | None) -> list[float]:
     """Each rank's micro-steps of one step, ``acc * (b + s_r * g * c_r / L) + s_r * k * n_r`` (``s_r``:
     ``speeds[r]``, else 1): no rank waits for another before the step's last all-reduce."""
     acc = int(cfg["accumulation"])
@@ -281,34 +269,19 @@ def _rank_ms(cfg: dict[str, Any], *, b: float, k: float, g: float, layers: int,
             for n, ck, s in zip(samples, cfg["checkpoint"], speeds, strict=True)]
 
 
-def _busy_rows(trials: list[FrozenTrial]) -> list[tuple[dict[str, Any], list[float]]]:
-    """(configuration, each rank's busy ms) of the measured eager trials whose every rank reported one."""
-    rows = []
-    for t in trials:
-        busy = t.user_attrs.get(TrialAttr.BUSY_MS)
-        if not _measured(t, compiled=False) or not isinstance(busy, list):
-            continue
-        cfg = t.user_attrs[TrialAttr.CONFIG]
-        if len(busy) == len(cfg["micro_batches"]) and all(isinstance(v, (int, float)) and v > 0 for v in busy):
-            rows.append((cfg, [float(v) for v in busy]))
-    return rows
-
-
 # ----------------------------------------------------------------------------- compiled step time
 @dataclass(kw_only=True)
 class CompiledTimeModel:
     """``t = a + s * max_r (e_r + (beta - 1) * acc * b) * (1 + rho * (1 - b_r))`` per (dtype, mode).
 
-    ``a`` and ``e_r = acc * b + k[dtype] * n_r`` (rank ``r``'s micro-steps without checkpointing,
-    ``acc * b`` paid once per micro-step whatever its size) come from the eager
-    :class:`StepTimeModel`. ``s`` is the compiled-versus-eager speed of the pair, ``beta`` a
-    compiled micro-step's fixed cost relative to an eager one (CUDA graphs replay a micro-step's
-    kernels with one launch: ``reduce-overhead`` starts at :data:`MICRO_STEP_PRIOR`), ``rho * (1 -
-    b_r)`` the recomputation at budget ``b_r``. ``rho`` and ``beta`` are chosen on grids, ``s`` in
-    closed form (:func:`_fit_pair`); each stays at its prior (:data:`RECOMPUTE_PRIOR_COMPILED`, the
-    mode's) while the pair's trials have not varied budgets / micro-steps. A pair without trials
-    borrows another's ``s`` and ``rho`` within its scope (the same mode first, then the same dtype),
-    never another mode's ``beta``; without any, :data:`COMPILE_SPEED_PRIOR`.
+    ``a`` and ``e_r = acc * b + k[dtype] * n_r`` (rank ``r``'s micro-steps without checkpointing) come from the
+    eager :class:`StepTimeModel`. ``s`` is the pair's compiled-versus-eager speed, ``beta`` a compiled micro-step's
+    fixed cost relative to an eager one (CUDA graphs replay a micro-step's kernels with one launch:
+    ``reduce-overhead`` starts at :data:`MICRO_STEP_PRIOR`), ``rho * (1 - b_r)`` the recomputation at budget
+    ``b_r``. ``rho`` and ``beta`` are chosen on grids, ``s`` in closed form; each stays at its prior
+    (:data:`RECOMPUTE_PRIOR_COMPILED`, the mode's) while the pair's trials have not varied budgets / micro-steps. A
+    pair without trials borrows another's ``s`` and ``rho`` within its scope (the same mode first, then the same
+    dtype), never another mode's ``beta``; without any, :data:`COMPILE_SPEED_PRIOR`.
     """
 
     eager: StepTimeModel
@@ -341,8 +314,7 @@ class CompiledTimeModel:
 
     def recompute_factor(self, dtype: str, mode: str, budget: float) -> float:
         """``1 + rho * (1 - budget)``: a compiled micro-step's cost at ``budget`` relative to 1."""
-        _, rho, _ = self.params(dtype, mode)
-        return 1.0 + rho * (1.0 - budget)
+        return 1.0 + self.params(dtype, mode)[1] * (1.0 - budget)
 
     def rank_ms(self, config: BalanceConfig | dict[str, Any]) -> tuple[float, list[float]] | None:
         """``a`` and each rank's compiled micro-steps; None before any eager measurement."""
@@ -378,21 +350,18 @@ class CompiledTimeModel:
         return model
 
 
-def _eager_parts(eager: StepTimeModel,
-                 cfg: dict[str, Any]) -> tuple[float, list[float], list[float], float] | None:
+def _eager_parts(eager: StepTimeModel, cfg: dict[str, Any]) -> tuple[float, list[float], list[float], float] | None:
     """``a``, each rank's ``e_r`` and budget ``b_r``, and ``acc * b``; None before any eager trial."""
-    plain = {**cfg, "checkpoint": [[] for _ in cfg["micro_batches"]]}
-    parts = eager.rank_ms(plain)
-    if parts is None:
+    parts, scaled = eager.rank_ms({**cfg, "checkpoint": [[] for _ in cfg["micro_batches"]]}), eager._scale(cfg["dtype"])
+    if parts is None or scaled is None:
         return None
     budgets = cfg.get("activation_budget") or [1.0] * len(parts[1])
-    return parts[0], parts[1], [float(b) for b in budgets], eager.micro_step_ms(plain) or 0.0
+    return parts[0], parts[1], [float(b) for b in budgets], scaled[0] * int(cfg["accumulation"]) * eager.b
 
 
 def _fit_pair(eager: StepTimeModel, rows: list[tuple[dict[str, Any], float]], *,
               beta_prior: float = 1.0) -> tuple[float, float, float] | None:
-    """``(s, rho, beta)`` minimising the squared relative errors (``rho`` and ``beta`` on grids,
-    ``s`` in closed form); among equal errors the pair nearest the priors."""
+    """``(s, rho, beta)`` minimising the squared relative errors; among equal errors the one nearest the priors."""
     parts = []
     for cfg, ms in rows:
         eager_parts = _eager_parts(eager, cfg)
@@ -456,11 +425,10 @@ def _cache(t: FrozenTrial) -> tuple[int, int]:
 
 
 def compile_times(trials: Sequence[FrozenTrial], *, device: str, scope: str | None = None) -> tuple[float, float]:
-    """(median compile from the Inductor cache, median compile with cache misses) of the study's
-    launched compiled trials; where it measured none, :data:`COMPILE_PRIOR_S` cold and from the
-    cache :data:`FROM_CACHE_SHARE` of it, at least :data:`CACHE_HIT_PRIOR_S`. ``scope`` (``whole`` /
-    ``regional``): that scope's trials only; a scope the study has not compiled is priced from the
-    other's (:data:`REGIONAL_COMPILE_SHARE`)."""
+    """(median compile from the Inductor cache, median compile with cache misses) of the study's launched compiled
+    trials; where it measured none, :data:`COMPILE_PRIOR_S` cold and from the cache :data:`FROM_CACHE_SHARE` of it,
+    at least :data:`CACHE_HIT_PRIOR_S`. ``scope`` (``whole`` / ``regional``): that scope's trials only; a scope the
+    study has not compiled is priced from the other's (:data:`REGIONAL_COMPILE_SHARE`)."""
     if scope is not None:
         own = [t for t in trials if _scope(t) == scope]
         others = [t for t in trials if _scope(t) not in (None, scope)]
@@ -469,17 +437,11 @@ def compile_times(trials: Sequence[FrozenTrial], *, device: str, scope: str | No
             if any(_compile_s(t) is not None for t in group):
                 warm, cold = compile_times(group, device=device)
                 return warm * factor, cold * factor
-    hit, miss, every = [], [], []
-    for t in trials:
-        seconds = _compile_s(t)
-        if seconds is None or t.user_attrs.get(TrialAttr.REUSED_FROM) is not None:
-            continue
-        hits, misses = _cache(t)
-        every.append(seconds)
-        if misses > 0:
-            miss.append(seconds)
-        elif hits > 0:
-            hit.append(seconds)
+    timed = [(s, *_cache(t)) for t in trials
+             if (s := _compile_s(t)) is not None and t.user_attrs.get(TrialAttr.REUSED_FROM) is None]
+    every = [s for s, _, _ in timed]
+    miss = [s for s, _, misses in timed if misses > 0]
+    hit = [s for s, hits, misses in timed if not misses > 0 and hits > 0]
     if not every:
         cold = COMPILE_PRIOR_S.get(device, COMPILE_PRIOR_S["cpu"])
         return max(CACHE_HIT_PRIOR_S, FROM_CACHE_SHARE * cold), cold
@@ -532,8 +494,7 @@ def compile_notes(trials: list[FrozenTrial]) -> tuple[list[str], float]:
     lines = [f"Compile: {len(launched)} compiled trial(s) spent {total:.1f} s compiling in total "
              f"(median {statistics.median(times):.1f} s); the objective uses step time only, production runs "
              "compile once."]
-    proposed = sum(t.user_attrs.get("proposed_by") == "compiled-model" for t in launched)
-    if proposed:
+    if proposed := sum(t.user_attrs.get("proposed_by") == "compiled-model" for t in launched):
         lines.append(f"The compiled model proposed {proposed} of them (each rank's largest budget predicted to fit).")
     caches = [_cache(t) for t in launched]
     warm = [s for s, (hits, misses) in zip(times, caches, strict=True) if hits > 0 and misses == 0]
@@ -551,19 +512,14 @@ def compile_notes(trials: list[FrozenTrial]) -> tuple[list[str], float]:
 
 # --------------------------------------------------------------------------------- a trial's time
 def per_trial_overhead_s(trials: list[FrozenTrial], *, last: int = 5) -> float | None:
-    """Median, over the last ``last`` launched ok trials, of the trial's wall time outside its
-    warm-up and measured steps, its compilation and the start of a warm pool (what remains: a cold
-    trial's start-up, the script's set-up, the hand-over); None before any."""
-    overheads = []
-    for t in trials:
-        a = t.user_attrs
-        if (t.state != TrialState.COMPLETE or a.get(TrialAttr.STATUS) != Status.OK
-                or a.get(TrialAttr.REUSED_FROM) is not None
-                or a.get(TrialAttr.WALL_S) is None or (in_steps := time_in_steps_s(a)) is None):
-            continue
-        overheads.append(max(0.0, float(a[TrialAttr.WALL_S]) - in_steps
-                             - float(a.get(TrialAttr.COMPILE_S) or 0.0) - float(a.get(TrialAttr.POOL_START_S) or 0.0)))
-    recent = overheads[-last:]
+    """Median over the last ``last`` launched ok trials of the wall time outside warm-up and measured steps, compile
+    and a warm pool's start (a cold trial's start-up, the script's set-up, the hand-over); None before any."""
+    recent = [max(0.0, float(a[TrialAttr.WALL_S]) - in_steps
+                  - float(a.get(TrialAttr.COMPILE_S) or 0.0) - float(a.get(TrialAttr.POOL_START_S) or 0.0))
+              for t in trials
+              if t.state == TrialState.COMPLETE and (a := t.user_attrs).get(TrialAttr.STATUS) == Status.OK
+              and a.get(TrialAttr.REUSED_FROM) is None and a.get(TrialAttr.WALL_S) is not None
+              and (in_steps := time_in_steps_s(a)) is not None][-last:]
     return statistics.median(recent) if recent else None
 
 
@@ -585,8 +541,7 @@ def _part(t: FrozenTrial, *keys: str) -> float:
 
 
 def next_trial_s(trials: Sequence[FrozenTrial]) -> float:
-    """The median wall time of the study's launched trials without their compiling (0 before any):
-    near the end of a budget the advisor starts no compile that the time left cannot hold."""
+    """The median wall time of the study's launched trials without their compiling (0 before any)."""
     ran = _launched(trials)
     return statistics.median(_part(t, "startup", "steps", "remeasure", "other") for t in ran) if ran else 0.0
 
@@ -594,24 +549,15 @@ def next_trial_s(trials: Sequence[FrozenTrial]) -> float:
 def from_cache_s(trials: Sequence[FrozenTrial], cfg: BalanceConfig, *, cold: float) -> float:
     """A compile of ``cfg``'s graphs from the study's Inductor cache: the study's median cache hit,
     else :data:`FROM_CACHE_SHARE` of what trials compiling the same graphs took cold."""
-    hits, same = [], []
-    keys = graph_keys(cfg.to_dict())
-    for t in _every_launched(trials):
-        seconds = _compile_s(t)
-        if seconds is None:
-            continue
-        hit, miss = _cache(t)
-        if hit > 0 and not miss:
-            hits.append(seconds)
-        elif graph_keys(t.user_attrs.get(TrialAttr.CONFIG) or {}) == keys:
-            same.append(seconds)
-    if hits:
+    timed = [(s, t) for t in _every_launched(trials) if (s := _compile_s(t)) is not None]
+    if hits := [s for s, t in timed if _cache(t)[0] > 0 and not _cache(t)[1]]:
         return statistics.median(hits)
+    keys = graph_keys(cfg.to_dict())
+    same = [s for s, t in timed if graph_keys(t.user_attrs.get(TrialAttr.CONFIG) or {}) == keys]
     return FROM_CACHE_SHARE * (statistics.median(same) if same else cold)
 
 
-def _compile_price(trials: Sequence[FrozenTrial], config: BalanceConfig, *, device: str,
-                   graphs: set[Graph]) -> float:
+def _compile_price(trials: Sequence[FrozenTrial], config: BalanceConfig, *, device: str, graphs: set[Graph]) -> float:
     """``config``'s compile: from the study's cache when the study compiled its graphs
     (:func:`from_cache_s`), else the study's median cold compile in its scope."""
     _, cold = compile_times(trials, device=device, scope=config.compile_scope)
@@ -621,10 +567,9 @@ def _compile_price(trials: Sequence[FrozenTrial], config: BalanceConfig, *, devi
 
 def trial_s(trials: Sequence[FrozenTrial], config: BalanceConfig, *, device: str) -> float:
     """The expected wall time of launching ``config`` next: :func:`next_trial_s` plus its compile."""
-    seconds = next_trial_s(trials)
     if config.compile == "off":
-        return seconds
-    return seconds + _compile_price(trials, config, device=device, graphs=compiled_graphs(trials))
+        return next_trial_s(trials)
+    return next_trial_s(trials) + _compile_price(trials, config, device=device, graphs=compiled_graphs(trials))
 
 
 # --------------------------------------------------------------------------- verification's price
@@ -694,9 +639,8 @@ def _warm(t: FrozenTrial) -> bool:
 
 @dataclass(frozen=True)
 class RunPrices:
-    """What a verification run costs besides its step and compile (module doc): its start-up in a
-    running worker, a fresh worker's start on top (0 in a cold study: each run starts anew), whether
-    the first run starts one, and the share of compiled warm trials that recycled their worker."""
+    """A verification run's costs besides its step and compile (module doc): its start-up in a running worker, a
+    fresh worker's start on top (0 in a cold study), whether the first run starts one, the recycling share."""
 
     start_s: float
     fresh_s: float
@@ -739,11 +683,9 @@ def run_prices(trials: Sequence[FrozenTrial]) -> RunPrices:
 def forecast_verification(trials: Sequence[FrozenTrial], *, baseline: BalanceConfig | None, best: FrozenTrial | None,
                           num_layers: int, device: str, eager: StepTimeModel | None = None,
                           compiled: CompiledTimeModel | None = None) -> VerifyForecast:
-    """The predicted time of verifying ``best`` (module doc); 0 s without a candidate or when it is
-    the script's own configuration. ``eager``, ``compiled``: the step-time models already fitted on
-    ``trials``; None: fitted here."""
-    config = (best.user_attrs.get(TrialAttr.CONFIG) if best is not None else None)
-    if best is None or not config:
+    """The predicted time of verifying ``best`` (module doc); 0 s without a candidate or when it is the script's own
+    configuration. ``eager``, ``compiled``: the step-time models already fitted on ``trials`` (None: fitted here)."""
+    if best is None or not (config := best.user_attrs.get(TrialAttr.CONFIG)):
         return VerifyForecast(seconds=0.0)
     tuned = BalanceConfig.from_dict(config)
     # dropout as the trials reported it; none reported it: a study recorded before they did
@@ -758,7 +700,6 @@ def forecast_verification(trials: Sequence[FrozenTrial], *, baseline: BalanceCon
                 and isinstance(ms := t.user_attrs.get(TrialAttr.STEP_TIME_MS), (int, float))}
     eager = eager or StepTimeModel.fit(list(trials), num_layers=num_layers, device=device)
     compiled = compiled or CompiledTimeModel.fit(list(trials), eager=eager, device=device)
-    slowest = max(measured.values(), default=0.0)
     graphs = compiled_graphs(trials)
     gb = max((float(b) for t in trials if isinstance(b := t.user_attrs.get(TrialAttr.PARAMETER_BYTES), (int, float))),
              default=0.0) / 1e9
@@ -769,7 +710,7 @@ def forecast_verification(trials: Sequence[FrozenTrial], *, baseline: BalanceCon
         if ms is None:
             ms = (eager if cfg.compile == "off" else compiled).predict(cfg)
         seconds = (prices.start_s + fresh_next * prices.fresh_s + IO_S_PER_GB * gb
-                   + FIRST_STEP_FACTOR * (ms if ms is not None else slowest) / 1000.0)
+                   + FIRST_STEP_FACTOR * (ms if ms is not None else max(measured.values(), default=0.0)) / 1000.0)
         fresh_next = 0.0
         if cfg.compile != "off":
             seconds += _compile_price(trials, cfg, device=device, graphs=graphs)
@@ -800,11 +741,9 @@ class DecisionView(Protocol):
 
 @dataclass(kw_only=True)
 class TimeBudget:
-    """``--time-budget`` of one run: the run, verification included, ends by ``deadline``
-    (``time.monotonic()``): no trial starts once the time left is below the next trial's expected
-    time plus verification's predicted time. The one place a stop for time is decided:
-    :meth:`spent` (the loop's stop rule), :meth:`unaffordable` (a proposal the time left does not
-    hold with verification's reserve after it) and :meth:`holds_compile`."""
+    """``--time-budget`` of one run: the run, verification included, ends by ``deadline`` (``time.monotonic()``):
+    no trial starts once the time left is below the next trial's expected time plus verification's predicted time
+    (:meth:`spent`, the loop's stop rule; :meth:`unaffordable`, a proposal's; :meth:`holds_compile`)."""
 
     budget_s: float | None
     started: float
@@ -816,16 +755,14 @@ class TimeBudget:
     next_trial_s: float = 0.0
     left_at_stop: float | None = None
     verify: bool = True
-    """Whether the study's best is verified after the trial loop (``tune --no-verify`` and several
-    nodes: nothing reserved)."""
+    """Whether the study's best is verified after the loop (``tune --no-verify``, several nodes: not)."""
     leaders: Callable[..., tuple[list[FrozenTrial], float]] | None = None
     """The leaders' least plan when they are re-measured before saving (``_remeasure.least_plan``;
     None: they are not): its time, :attr:`leaders_s`, is kept free too (0: none within the noise)."""
     leaders_s: float = 0.0
     compile_left_s: float | None = None
-    """Seconds left for a compile once verification's reserve and a usual trial are kept (None: no
-    budget, or nothing verified): a proposal that compiles new graphs is made only when the study's
-    median compile fits in it."""
+    """Seconds left for a compile once verification's reserve and a usual trial are kept (None: no budget, or
+    nothing verified): a proposal compiling new graphs is made only when the study's median compile fits."""
 
     @property
     def deadline(self) -> float | None:
@@ -855,8 +792,7 @@ class TimeBudget:
         if forecast is None:  # nothing is verified after the study
             return
         self.reserve_s, self.reserve_runs = forecast.reserve_s, len(forecast.runs)
-        if self.deadline is not None:  # no compile the budget cannot hold
-            self.compile_left_s = self.deadline - now - self.reserve_s - self.leaders_s - self.next_trial_s
+        self.compile_left_s = self.started + self.budget_s - now - self.reserve_s - self.leaders_s - self.next_trial_s
 
     def largest_forecast(self, decision: DecisionView,
                          candidates: Sequence[FrozenTrial | None]) -> VerifyForecast | None:
@@ -896,10 +832,8 @@ class TimeBudget:
 
     def holds_compile(self, decision: DecisionView, scope: str | None = None) -> bool:
         """Whether :attr:`compile_left_s` (None: no limit) holds the study's median compile of ``scope``."""
-        if self.compile_left_s is None:
-            return True
-        _, compile_s = compile_times(decision.trials, device=decision.device, scope=scope)
-        return compile_s <= self.compile_left_s
+        return (self.compile_left_s is None
+                or compile_times(decision.trials, device=decision.device, scope=scope)[1] <= self.compile_left_s)
 
     def record(self) -> dict[str, Any]:
         """What the run's time accounting keeps about the reservation."""
