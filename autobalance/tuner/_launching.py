@@ -128,8 +128,7 @@ class TrialLauncher:
             env={**compile_env(s), **slot.env}, cpus=list(slot.cpus or []) or None,
         )
         # Pruning a warm trial kills the pool (restart: seconds); worth it only for long trials.
-        prune = s.prune_factor > 0 and (self.cold or s.nnodes > 1
-                                        or s.steps >= WARM_PRUNE_MIN_STEPS)
+        prune = s.prune_factor > 0 and (self.cold or s.nnodes > 1 or s.steps >= WARM_PRUNE_MIN_STEPS)
         pruner = _Pruner(trial, os.path.join(trial_dir, "progress.json"), best_step_s(study),
                          s.prune_factor) if prune and trial is not None else None
 
