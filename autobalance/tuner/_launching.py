@@ -49,8 +49,7 @@ class Stopped(KeyboardInterrupt):
 
 @contextlib.contextmanager
 def beating(beat: Callable[[], object], *, at_once: bool = True) -> Iterator[None]:
-    """Call ``beat`` every few seconds (first at once unless ``at_once`` is False; its errors
-    ignored) on a thread while the block runs: a heartbeat in the storage."""
+    """Call ``beat`` (errors ignored) every few seconds on a thread while the block runs: a heartbeat."""
     stop = threading.Event()
 
     def run() -> None:
@@ -172,14 +171,12 @@ class TrialLauncher:
         """Bring :attr:`overhead` up to date with the study's trials (after each recorded trial)."""
         self.overhead.update(study.get_trials(deepcopy=False))
 
-    def beat_now(self, trial: optuna.Trial) -> None:
-        """One heartbeat at once: a tuner killed before its trial starts leaves it stale, not running."""
+    def beat_now(self, trial: optuna.Trial) -> None:  # a tuner killed before its trial starts leaves it stale
         with contextlib.suppress(Exception):
             self.storage.record_heartbeat(trial_id(trial))
 
     # ------------------------------------------------------------------ pools and the coordinator
     def _coordinator(self) -> TrialCoordinator:
-        """The multi-node hand-off (started on first use; see ``launcher._multinode``)."""
         if self.coordinator is None:
             from autobalance.launcher import Coordinator
 
@@ -192,7 +189,7 @@ class TrialLauncher:
         return self.coordinator
 
     def _pool(self, launch: TrialLaunch) -> WarmPool | None:
-        """The slot's warm pool, created on first use; None when trials must run cold."""
+        """The slot's warm pool (its workers hold the slot's devices for the whole study); None: cold."""
         s = self.settings
         if self.cold or s.nnodes > 1:
             return None
@@ -206,7 +203,6 @@ class TrialLauncher:
                     self.reporter.note(self.cold_note)
                     self.cold = True
                     return None
-                # one pool per slot: its workers hold the slot's devices for the whole study
                 pool_dir = os.path.abspath(os.path.join(s.runs_dir, s.study_name))
                 pool = self._pools[slot] = WarmPool(template=launch, pool_dir=pool_dir)
         return pool
@@ -337,12 +333,6 @@ def plan_slots(*, device: str, nproc_per_node: int, nnodes: int, gpus_per_trial:
             raise UsageError(f"--cpus-per-trial={cpus_per_trial} but this process may use only {len(cpus)} core(s); "
                              "use fewer.")
         counts.append(len(cpus) // cpus_per_trial)
-    slots = []
-    for i in range(min(counts)):
-        env = {}
-        if gpus_per_trial is not None and gpus is not None:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * gpus_per_trial:(i + 1) * gpus_per_trial])
-        pinned = None if cpus_per_trial is None or cpus is None else tuple(
-            cpus[i * cpus_per_trial:(i + 1) * cpus_per_trial])
-        slots.append(Slot(i, env, pinned))
-    return slots
+    g, c = gpus_per_trial, cpus_per_trial
+    return [Slot(i, {} if g is None or gpus is None else {"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * g:i * g + g])},
+                 None if c is None or cpus is None else tuple(cpus[i * c:i * c + c])) for i in range(min(counts))]

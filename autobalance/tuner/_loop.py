@@ -286,8 +286,7 @@ class TrialLoop:
                 for done in finished:
                     done.wait(timeout=120)
             raise
-        real = [e for e in errors if not isinstance(e, Stopped)]
-        if real:
+        if real := [e for e in errors if not isinstance(e, Stopped)]:
             raise real[0]
         if errors:
             raise KeyboardInterrupt

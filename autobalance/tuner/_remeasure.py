@@ -170,9 +170,8 @@ def _slowest(outcome: TrialOutcome) -> float | None:
 
 
 # ---------------------------------------------------------------------- the leaders, before saving
-# Once the loop ends, the best trial and those within its measured noise run again, interleaved
-# (A, B, A, B, ...), and rank by their pooled steps (``StudyAttr.LEADERS``): what is saved is then
-# the truly faster of two configurations a single run each could not tell apart.
+# The best trial and those within its measured noise run again, interleaved, ranked by their pooled steps:
+# what is saved is then the truly faster of two configurations a single run each could not tell apart.
 
 
 @dataclass(kw_only=True)
@@ -197,9 +196,8 @@ def figure_noise(attrs: Mapping[str, Any]) -> float:
 
 
 def noise_band(best: Mapping[str, Any], other: Mapping[str, Any]) -> float:
-    """The largest relative step-time difference between two trials that their measurements cannot
-    tell from noise: :data:`LEADER_NOISE_SIGMAS` standard errors of the difference, at least
-    :data:`LEADER_NOISE_FLOOR`."""
+    """The largest relative step-time difference of two trials that their measurements cannot tell from
+    noise: :data:`LEADER_NOISE_SIGMAS` standard errors of the difference, at least :data:`LEADER_NOISE_FLOOR`."""
     return max(LEADER_NOISE_FLOOR, LEADER_NOISE_SIGMAS * math.hypot(figure_noise(best), figure_noise(other)))
 
 
