@@ -110,16 +110,14 @@ class TrialLoop:
             with self.measuring(config):  # another slot measuring the same configuration: wait for it
                 # 2. A result known (measured before) or predicted (cannot fit): recorded without launching.
                 with self.lock:
-                    seen = self.recorder.seen(config)
-                    if seen is not None:
+                    if (seen := self.recorder.seen(config)) is not None:
                         frozen = self.recorder.reuse(study, trial, seen)
                         return self._settled(study, frozen, reused=True)
                     prediction = self.advisor.predict_infeasible(study, config) if self.advisor is not None else None
                     if prediction is not None:
                         frozen = self.recorder.predicted(study, trial, config, prediction)
                         return self._settled(study, frozen, predicted=True)
-                    late = self.over_budget(study, config)  # the reserve must still hold after this trial
-                    if late is not None:
+                    if (late := self.over_budget(study, config)) is not None:  # the reserve must hold after it
                         self.recorder.not_started(study, trial, config, late)
                         self._budget_spent(study)
                         return
@@ -196,12 +194,9 @@ class TrialLoop:
         s = self.settings
         if outcome.status != Status.OK or not self.remeasure_on():
             return None
-        best = False
-        if feasible(figures, s, outcome.status):  # its values as the recorder will tell them
-            values = figures.values(reference_step_s=study.user_attrs.get(StudyAttr.REFERENCE),
-                                    weight_spread=s.weight_spread, weight_time=s.weight_time,
-                                    multi_objective=s.multi_objective)
-            best = would_be_best(study, values)
+        best = feasible(figures, s, outcome.status) and would_be_best(study, figures.values(
+            reference_step_s=study.user_attrs.get(StudyAttr.REFERENCE), weight_spread=s.weight_spread,
+            weight_time=s.weight_time, multi_objective=s.multi_objective))
         return remeasure_reason(outcome, step_time_s=figures.step_time_s, would_be_best=best,
                                 best_step_s=best_step_s(study))
 

@@ -89,8 +89,7 @@ def verify_for_saving(*, settings: Any, study: Any, best: Any, baseline: Any, no
                 notes.append(f"Not saved: trial {trial.number} failed verification: {verdict.reason}.")
             return verdict
 
-        tried = 0
-        split_failures = 0  # candidates whose split is not the script's and whose fp32 math failed
+        tried = split_failures = 0  # split_failures: a split not the script's whose fp32 math failed
         for trial in candidates:
             if tried >= MAX_CANDIDATES:
                 break
