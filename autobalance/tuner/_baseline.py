@@ -95,7 +95,8 @@ def reference_configs(space: SearchSpace, own: BalanceConfig) -> list[BalanceCon
     checkpointed at its own number of micro-steps, then at the most the space allows."""
     if "off" not in space.compile_modes:
         return []
-    world, out = space.world_size, list[BalanceConfig]()
+    world = space.world_size
+    out: list[BalanceConfig] = []
     sharding: dict[str, Any] = ({"optimizer_sharding": "zero1"} if own.optimizer_sharding == "zero1"
                                 and "zero1" in space.shardings else {})  # even shares, as the script's own
     for acc in dict.fromkeys([own.accumulation, max(space.accumulations)]):
