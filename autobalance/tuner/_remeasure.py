@@ -315,8 +315,7 @@ def pooled_value(trial: Any, step_time_ms: float, objective: Mapping[str, Any], 
 def remeasure_leaders(plan: LeaderPlan, *, launch: Callable[[Any], TrialOutcome], objective: Mapping[str, Any],
                       reference_s: float | None) -> dict[str, Any]:
     """Run ``plan``, pool each leader's steps (its own and every run's, rank by rank) and return the
-    :data:`StudyAttr.LEADERS` record: each leader's pooled figures and value (or why a run failed:
-    it is not run again), ``order`` best first by pooled value, and the plan's ``reason``."""
+    :data:`StudyAttr.LEADERS` record: each leader's pooled figures and value (or why a run failed)."""
     runs: dict[int, list[TrialOutcome]] = {t.number: [] for t in plan.leaders}
     failed: dict[int, str] = {}
     for trial in plan.order():

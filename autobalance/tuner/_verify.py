@@ -151,8 +151,8 @@ def run_verify_command(*, script: str, script_args: list[str], study_name: str |
                        trial: int | None, config_file: str | None, nproc_per_node: int | None, device: str | None,
                        runs_dir: str, trial_timeout: float, cold: bool,
                        note: Callable[[str], None] | None = None) -> tuple[Verification, BalanceConfig, str]:
-    """Verify a study's best trial (or ``trial``), or the configuration in ``config_file``.
-    Returns the verdict, the configuration and what it was (for the output)."""
+    """Verify a study's best trial (or ``trial``), or the configuration in ``config_file``: the verdict,
+    the configuration and what it was."""
     if not script.endswith(".py") or not os.path.isfile(script):
         raise UsageError(f"SCRIPT={script!r} is not an existing Python file; pass the training script the study tuned.")
     if trial is not None and config_file is not None:
@@ -267,10 +267,9 @@ def save_trial(*, storage_url: str, study: optuna.Study, trial_number: int, acti
 def promote_trial(*, storage_url: str, study: optuna.Study, trial_number: int, verify: bool = True,
                   script: str | None = None, script_args: list[str] | None = None,
                   note: Callable[[str], None] | None = None) -> tuple[Any, str]:
-    """``autobalance promote``: save a chosen trial as the study's best, verified first like the end
-    of ``tune`` (a trial that failed verification is never saved; ``verify=False`` skips a trial
-    not verified yet). ``script``/``script_args`` default to how the study's latest ``tune`` ran it.
-    Returns the SavedConfig and one line on the verification."""
+    """``autobalance promote``: save a chosen trial as the study's best, verified first like the end of
+    ``tune`` (``verify=False`` skips a trial not verified yet); ``script``/``script_args`` default to how
+    the study's latest ``tune`` ran it. Returns the SavedConfig and one line on the verification."""
     trial = _measured_trial(study, trial_number)
     previous = _verdict(study, trial_number)
     if previous is not None and not previous.get("passed"):
