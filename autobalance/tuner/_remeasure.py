@@ -9,10 +9,9 @@ search ranks. The tuner runs a measured trial once more when
 - it is about to become the best (``protocol.would_be_best``; a lucky measurement would otherwise
   steer the rest of the search and be what is saved).
 
-The two runs are merged (:func:`merge_outcomes`): each rank's measured steps pooled, its step time
-the median of those it stands for; memory figures the larger of the two (a configuration that
-needed more once can need it again). A second run that fails (an OOM the first run escaped) is the
-trial's outcome.
+The two runs are merged (:func:`merge_outcomes`): each rank's steps pooled, its step time their median;
+memory figures the larger of the two (a configuration that needed more once can need it again). A
+second run that fails (an OOM the first run escaped) is the trial's outcome.
 """
 
 from __future__ import annotations
@@ -66,8 +65,7 @@ def _iqr(times: list[float]) -> float | None:
 
 
 def _timed(times: list[float], samples: list[Any] | None, rep: RankReport) -> tuple[list[float], float | None]:
-    """The steps a rank's step time stands for (its full steps when any was measured: a partial
-    step does less work) and their samples per step (``protocol.timed_steps``)."""
+    """The steps a rank's step time stands for and their samples per step (``protocol.timed_steps``)."""
     global_batch = (rep.config or {}).get("global_batch")
     return timed_steps(times, samples, global_batch if isinstance(global_batch, int) else None)
 
