@@ -72,8 +72,7 @@ def baseline_once(study: optuna.Study, *, settings: TuneSettings, storage: optun
             space, defaults = _space_from_baseline(study, outcome, settings)
             for line in study.user_attrs.get(StudyAttr.SCRIPT_FACTS) or []:
                 reporter.note(line)  # the study's first lines: what shapes the search
-            study.enqueue_trial(space.params_from_config(defaults),
-                                user_attrs={TrialAttr.BASELINE: True})
+            study.enqueue_trial(space.params_from_config(defaults), user_attrs={TrialAttr.BASELINE: True})
             frozen = recorder.record(study, study.ask(), defaults, outcome, baseline=True)
             study.set_user_attr(StudyAttr.BASELINE, frozen.number)
             reporter.finish(frozen, best_trial(study))
@@ -86,8 +85,7 @@ def baseline_once(study: optuna.Study, *, settings: TuneSettings, storage: optun
 
 
 def baseline_done(attrs: dict[str, Any]) -> bool:
-    """Whether the study's baseline ran and its exchange rate is fixed (``search.rate_fixed``): the
-    search may start."""
+    """Whether the study's baseline ran and its exchange rate is fixed: the search may start."""
     return StudyAttr.BASELINE in attrs and StudyAttr.SPACE in attrs and rate_fixed(attrs)
 
 
@@ -135,8 +133,7 @@ def _fix_reference(study: optuna.Study, space: SearchSpace, own: BalanceConfig, 
         reporter.note("Exchange rate: nothing gave a step time before the search; the first trial that does "
                       "fixes the reference step every step time is divided by.")
         return
-    text = exchange_rate_text(study.user_attrs)
-    if text:
+    if text := exchange_rate_text(study.user_attrs):
         reporter.note(text)
 
 
@@ -160,9 +157,7 @@ def _reference_run(study: optuna.Study, space: SearchSpace, config: BalanceConfi
 def baseline_fit_note(attrs: dict[str, Any], *, global_batch: int) -> str | None:
     """One line after a baseline that does not fit (out of memory, over the usable limit, or timed
     out): what that means for the study. None when it fits."""
-    status = attrs.get(TrialAttr.STATUS)
-    rank = attrs.get(TrialAttr.FAILING_RANK)
-    over = over_limit(attrs)
+    status, rank, over = attrs.get(TrialAttr.STATUS), attrs.get(TrialAttr.FAILING_RANK), over_limit(attrs)
     if status == Status.OOM:
         why = f"rank {rank} ran out of memory" if rank is not None else "a rank ran out of memory"
     elif over is not None:
@@ -185,17 +180,11 @@ def _device(rep: RankReport) -> RankDevice:
     return rep.device
 
 
-def _capacity(rep: RankReport) -> float:
-    """A rank's device memory, bytes."""
+def _capacity(rep: RankReport) -> float:  # bytes
     capacity = _device(rep).capacity_bytes
     if capacity is None:
         raise TypeError("a rank's report without its device's capacity")
     return float(capacity)
-
-
-def _identity(rep: RankReport | None) -> str | None:
-    """What a rank's device is known by in production (None: no report, or none recorded)."""
-    return rep.device.identity if rep is not None and rep.device is not None else None
 
 
 def _space_from_baseline(study: optuna.Study, outcome: TrialOutcome,
@@ -219,9 +208,8 @@ def _space_from_baseline(study: optuna.Study, outcome: TrialOutcome,
     if defaults.dtype not in dtypes:
         dtypes = [defaults.dtype, *dtypes]
     blocks = int((rep.model or {}).get("num_blocks", 0))
-    space = SearchSpace.build(world_size=s.world_size, global_batch=defaults.global_batch,
-                              num_layers=blocks, dtypes=dtypes,
-                              max_accumulation=max(s.max_accumulation, defaults.accumulation),
+    space = SearchSpace.build(world_size=s.world_size, global_batch=defaults.global_batch, num_layers=blocks,
+                              dtypes=dtypes, max_accumulation=max(s.max_accumulation, defaults.accumulation),
                               compile_modes=s.compile_modes(), any_split=s.split == "any",
                               compile_scopes=s.compile_scopes(blocks))
     if defaults.accumulation not in space.accumulations:
@@ -250,7 +238,8 @@ def _space_from_baseline(study: optuna.Study, outcome: TrialOutcome,
                                                                       headroom=s.headroom))
     study.set_user_attr(StudyAttr.DEVICE, device.as_read())  # the baseline's device as it reported it
     study.set_user_attr(StudyAttr.MODEL, dict(rep.model or {}))
-    study.set_user_attr(StudyAttr.DEVICE_NAMES, [_identity(outcome.reports.get(r)) for r in range(s.world_size)])
+    reports = [outcome.reports.get(r) for r in range(s.world_size)]  # production knows a rank by its identity
+    study.set_user_attr(StudyAttr.DEVICE_NAMES, [r.device.identity if r and r.device else None for r in reports])
     study.set_user_attr(StudyAttr.SCRIPT_SHA, script_sha256(s.script))
     study.set_user_attr(StudyAttr.TORCH_VERSION, rep.torch_version)
     study.set_user_attr(StudyAttr.CUDA_VERSION, rep.cuda_version)

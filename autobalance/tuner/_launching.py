@@ -39,8 +39,7 @@ from autobalance.tuner.search import (
     compile_env,
 )
 
-__all__ = ["AUTO_MEASURE_FACTOR", "AUTO_MEASURE_MAX_S", "Slot", "Stopped", "TrialLauncher",
-           "beating", "best_step_s", "plan_slots", "usable_cpus", "visible_gpus"]
+__all__ = ["Slot", "Stopped", "TrialLauncher", "beating", "best_step_s", "plan_slots"]
 
 
 class Stopped(KeyboardInterrupt):
@@ -50,8 +49,7 @@ class Stopped(KeyboardInterrupt):
 
 @contextlib.contextmanager
 def beating(beat: Callable[[], object], *, at_once: bool = True) -> Iterator[None]:
-    """Call ``beat`` every few seconds (first at once unless ``at_once`` is False; its errors
-    ignored) on a thread while the block runs: a heartbeat in the storage."""
+    """Call ``beat`` (errors ignored) every few seconds on a thread while the block runs: a heartbeat."""
     stop = threading.Event()
 
     def run() -> None:
@@ -77,13 +75,11 @@ class TrialLauncher:
 
     def __init__(self, *, settings: TuneSettings, storage: optuna.storages.RDBStorage, reporter: Reporter,
                  stop: threading.Event | None = None, pool: WarmPool | None = None) -> None:
-        """``pool``: a warm pool shared with other tuners of the same script (the caller closes it).
-        ``stop``: set when a slot failed or the tuner was interrupted: running trials are killed."""
+        """``pool``: a warm pool shared with other tuners of the same script (the caller closes it)."""
         self.settings = settings
         self.storage = storage
         self.reporter = reporter
-        self.stop = stop if stop is not None else threading.Event()
-        self.pool: WarmPool | None = pool
+        self.stop = stop if stop is not None else threading.Event()  # a slot failed or Ctrl-C: trials killed
         self.owns_pool = pool is None
         self.cold = settings.cold  # --cold, or a script that cannot run warm (cold_note says why)
         self.cold_note: str | None = None
@@ -91,7 +87,7 @@ class TrialLauncher:
         self.overhead = TrialOverhead()  # what --measure-s auto reads (count_trials)
         self.coordinator: TrialCoordinator | None = None
         self._slots: list[Slot] | None = None
-        self._slot_pools: dict[int, WarmPool] = {}
+        self._pools: dict[int, WarmPool] = {} if pool is None else {0: pool}  # by slot index
         self._local = threading.local()
         self._lock = threading.RLock()
 
@@ -105,13 +101,11 @@ class TrialLauncher:
         return self._slots
 
     def enter_slot(self, slot: Slot) -> None:
-        """Run the calling thread's trials in ``slot``."""
         self._local.slot = slot
 
     def slot(self) -> Slot:
         """The slot of the calling thread (the first one on the main thread)."""
-        slot = getattr(self._local, "slot", None)
-        return slot if slot is not None else self.slots()[0]
+        return getattr(self._local, "slot", None) or self.slots()[0]
 
     # ------------------------------------------------------------------ launching
     def launch(self, study: optuna.Study, *, number: int, config: BalanceConfig | None,
@@ -133,8 +127,7 @@ class TrialLauncher:
             env={**compile_env(s), **slot.env}, cpus=list(slot.cpus or []) or None,
         )
         # Pruning a warm trial kills the pool (restart: seconds); worth it only for long trials.
-        prune = s.prune_factor > 0 and (self.cold or s.nnodes > 1
-                                        or s.steps >= WARM_PRUNE_MIN_STEPS)
+        prune = s.prune_factor > 0 and (self.cold or s.nnodes > 1 or s.steps >= WARM_PRUNE_MIN_STEPS)
         pruner = _Pruner(trial, os.path.join(trial_dir, "progress.json"), best_step_s(study),
                          s.prune_factor) if prune and trial is not None else None
 
@@ -178,14 +171,12 @@ class TrialLauncher:
         """Bring :attr:`overhead` up to date with the study's trials (after each recorded trial)."""
         self.overhead.update(study.get_trials(deepcopy=False))
 
-    def beat_now(self, trial: optuna.Trial) -> None:
-        """One heartbeat at once: a tuner killed before its trial starts leaves it stale, not running."""
+    def beat_now(self, trial: optuna.Trial) -> None:  # a tuner killed before its trial starts leaves it stale
         with contextlib.suppress(Exception):
             self.storage.record_heartbeat(trial_id(trial))
 
     # ------------------------------------------------------------------ pools and the coordinator
     def _coordinator(self) -> TrialCoordinator:
-        """The multi-node hand-off (started on first use; see ``launcher._multinode``)."""
         if self.coordinator is None:
             from autobalance.launcher import Coordinator
 
@@ -198,13 +189,13 @@ class TrialLauncher:
         return self.coordinator
 
     def _pool(self, launch: TrialLaunch) -> WarmPool | None:
-        """The slot's warm pool, created on first use; None when trials must run cold."""
+        """The slot's warm pool (its workers hold the slot's devices for the whole study); None: cold."""
         s = self.settings
         if self.cold or s.nnodes > 1:
             return None
         slot = self.slot().index
         with self._lock:
-            pool = self.pool if slot == 0 else self._slot_pools.get(slot)
+            pool = self._pools.get(slot)
             if pool is None:
                 reason = cold_reason(s.script)
                 if reason is not None:
@@ -212,21 +203,14 @@ class TrialLauncher:
                     self.reporter.note(self.cold_note)
                     self.cold = True
                     return None
-                # one pool per slot: its workers hold the slot's devices for the whole study
                 pool_dir = os.path.abspath(os.path.join(s.runs_dir, s.study_name))
-                pool = WarmPool(template=launch, pool_dir=pool_dir)
-                if slot == 0:
-                    self.pool = pool
-                else:
-                    self._slot_pools[slot] = pool
+                pool = self._pools[slot] = WarmPool(template=launch, pool_dir=pool_dir)
         return pool
 
     def close_slot(self, slot: Slot) -> None:
         """Close the slot's pool, from the thread that started it (its parent-death signal)."""
         with self._lock:
-            pool = self._slot_pools.pop(slot.index, None)
-            if slot.index == 0 and self.owns_pool:
-                pool, self.pool = self.pool, None
+            pool = self._pools.pop(slot.index, None) if slot.index or self.owns_pool else None
         if pool is not None:
             pool.close()
 
@@ -234,18 +218,15 @@ class TrialLauncher:
         """The study's own warm pool, handed to the caller (who closes it), when one slot ran the
         trials on this thread (a slot thread's pool is closed by that thread)."""
         with self._lock:
-            if not self.owns_pool or self._slots is None or len(self._slots) != 1 or self.pool is None:
+            if not self.owns_pool or self._slots is None or len(self._slots) != 1:
                 return None
-            pool, self.pool = self.pool, None
-        return pool
+            return self._pools.pop(0, None)
 
     def close(self) -> None:
-        if self.pool is not None and self.owns_pool:
-            self.pool.close()
-            self.pool = None
-        for pool in self._slot_pools.values():
-            pool.close()
-        self._slot_pools.clear()
+        for slot, pool in self._pools.items():
+            if slot or self.owns_pool:
+                pool.close()
+        self._pools.clear()
         if self.coordinator is not None:
             self.coordinator.close()
             self.coordinator = None
@@ -325,10 +306,6 @@ def visible_gpus() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
-def usable_cpus() -> list[int]:
-    return sorted(os.sched_getaffinity(0))
-
-
 def plan_slots(*, device: str, nproc_per_node: int, nnodes: int, gpus_per_trial: int | None,
                cpus_per_trial: int | None, gpus: list[str] | None = None,
                cpus: list[int] | None = None) -> list[Slot]:
@@ -351,17 +328,11 @@ def plan_slots(*, device: str, nproc_per_node: int, nnodes: int, gpus_per_trial:
                              "use fewer or check CUDA_VISIBLE_DEVICES.")
         counts.append(len(gpus) // gpus_per_trial)
     if cpus_per_trial is not None:
-        cpus = usable_cpus() if cpus is None else cpus
+        cpus = sorted(os.sched_getaffinity(0)) if cpus is None else cpus
         if len(cpus) < cpus_per_trial:
             raise UsageError(f"--cpus-per-trial={cpus_per_trial} but this process may use only {len(cpus)} core(s); "
                              "use fewer.")
         counts.append(len(cpus) // cpus_per_trial)
-    slots = []
-    for i in range(min(counts)):
-        env = {}
-        if gpus_per_trial is not None and gpus is not None:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * gpus_per_trial:(i + 1) * gpus_per_trial])
-        pinned = None if cpus_per_trial is None or cpus is None else tuple(
-            cpus[i * cpus_per_trial:(i + 1) * cpus_per_trial])
-        slots.append(Slot(i, env, pinned))
-    return slots
+    g, c = gpus_per_trial, cpus_per_trial
+    return [Slot(i, {} if g is None or gpus is None else {"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * g:i * g + g])},
+                 None if c is None or cpus is None else tuple(cpus[i * c:i * c + c])) for i in range(min(counts))]

@@ -1,9 +1,6 @@
-"""The trial loop. :meth:`TrialLoop.one_trial` is what every trial of a study goes through - ask
-Optuna, settle it without launching when its result is known or predicted, launch it (and measure
-it again when one run is not to be trusted), record it. :meth:`TrialLoop.run` repeats it (on one
-thread, or one per slot) while :meth:`TrialLoop.more_trials`, the head of the loop, finds no stop
-rule met. Its parts (launcher, recorder, reporter, advisor, time budget) are the
-:class:`~autobalance.tuner._tuner.Tuner`'s."""
+"""The trial loop: :meth:`TrialLoop.one_trial` (ask, settle without launching, launch, measure
+again, record) repeated by :meth:`TrialLoop.run` (on one thread, or one per slot) while
+:meth:`TrialLoop.more_trials`, the head of the loop, finds no stop rule met."""
 
 from __future__ import annotations
 
@@ -53,7 +50,7 @@ from autobalance.tuner.search import (
     proposal_line,
 )
 
-__all__ = ["MAX_CRASHES_IN_A_ROW", "TrialLoop"]
+__all__ = ["TrialLoop"]
 
 
 class TrialLoop:
@@ -84,8 +81,7 @@ class TrialLoop:
         self.leaders_s = 0.0  # seconds the leaders' re-measure took
 
     def decision(self, study: optuna.Study) -> Decision:
-        """The decision of the next trial (``search.Decision``: the study read once, each model fitted
-        once): the last one while no trial finished since, else a new one."""
+        """The next trial's ``search.Decision``: the last one while no trial finished since, else a new one."""
         with self.lock:
             decision = self._decision
             if decision is None or not decision.current(study):
@@ -114,16 +110,14 @@ class TrialLoop:
             with self.measuring(config):  # another slot measuring the same configuration: wait for it
                 # 2. A result known (measured before) or predicted (cannot fit): recorded without launching.
                 with self.lock:
-                    seen = self.recorder.seen(config)
-                    if seen is not None:
+                    if (seen := self.recorder.seen(config)) is not None:
                         frozen = self.recorder.reuse(study, trial, seen)
                         return self._settled(study, frozen, reused=True)
                     prediction = self.advisor.predict_infeasible(study, config) if self.advisor is not None else None
                     if prediction is not None:
                         frozen = self.recorder.predicted(study, trial, config, prediction)
                         return self._settled(study, frozen, predicted=True)
-                    late = self.over_budget(study, config)  # the reserve must still hold after this trial
-                    if late is not None:
+                    if (late := self.over_budget(study, config)) is not None:  # the reserve must hold after it
                         self.recorder.not_started(study, trial, config, late)
                         self._budget_spent(study)
                         return
@@ -173,10 +167,8 @@ class TrialLoop:
 
     def claim(self, study: optuna.Study, trial: optuna.Trial,
               config: BalanceConfig) -> tuple[RunningClaim, FrozenTrial | None]:
-        """Claim ``config`` for ``trial`` across the workers on the study (``_workers.RunningClaim``):
-        while another worker's trial holds it, wait (this trial's heartbeat kept, a dead worker's trial
-        failed as stale and its claim taken over). Then the trial that measured it meanwhile, to reuse,
-        or None: this trial launches it (under the claim, released once it is recorded)."""
+        """Claim ``config`` across the study's workers, waiting while another worker's trial holds it
+        (a dead worker's goes stale); then the trial that measured it meanwhile, to reuse, or None."""
         claim = RunningClaim(self.storage, study_id(study, self.storage), config_json=config.to_json(),
                              trial_id=trial_id(trial))
         noted = False
@@ -198,17 +190,13 @@ class TrialLoop:
         return claim, done
 
     def remeasure_reason(self, study: optuna.Study, outcome: TrialOutcome, figures: TrialFigures) -> str | None:
-        """Why a measured trial runs once more (its steps spread, or it would become the best: feasible
-        as the recorder will tell it and ``protocol.would_be_best``), or None."""
+        """Why a measured trial runs once more (``_remeasure.remeasure_reason``), or None."""
         s = self.settings
         if outcome.status != Status.OK or not self.remeasure_on():
             return None
-        best = False
-        if feasible(figures, s, outcome.status):  # its values as the recorder will tell them
-            values = figures.values(reference_step_s=study.user_attrs.get(StudyAttr.REFERENCE),
-                                    weight_spread=s.weight_spread, weight_time=s.weight_time,
-                                    multi_objective=s.multi_objective)
-            best = would_be_best(study, values)
+        best = feasible(figures, s, outcome.status) and would_be_best(study, figures.values(
+            reference_step_s=study.user_attrs.get(StudyAttr.REFERENCE), weight_spread=s.weight_spread,
+            weight_time=s.weight_time, multi_objective=s.multi_objective))
         return remeasure_reason(outcome, step_time_s=figures.step_time_s, would_be_best=best,
                                 best_step_s=best_step_s(study))
 
@@ -230,10 +218,8 @@ class TrialLoop:
         self.remeasure_leaders(study)
 
     def remeasure_leaders(self, study: optuna.Study) -> None:
-        """Before saving: the best trial and those within its measured noise run again, as many
-        runs as the time left holds with verification's reserve kept, and rank by their pooled
-        steps (``_remeasure.py``). Nothing on several nodes, with ``--remeasure off`` or once
-        stopped."""
+        """Before saving: the best trial and those within its measured noise run again, as many runs as
+        the time left holds with verification's reserve kept (``_remeasure.py``)."""
         s = self.settings
         if self.stop.is_set() or s.nnodes > 1 or not self.remeasure_on():
             return
@@ -263,8 +249,7 @@ class TrialLoop:
 
     def _run_parallel(self, study: optuna.Study, space: SearchSpace, slots: list[Slot]) -> None:
         """One thread per slot, each running :meth:`one_trial` until the study is done. A slot that
-        fails (a script error that stops the study, too many crashes) or a Ctrl-C stops every slot:
-        their running trials are killed and marked interrupted (run again on the next start)."""
+        fails or a Ctrl-C stops every slot: their running trials are killed and marked interrupted."""
         errors: list[BaseException] = []
         self.reporter.note(f"{len(slots)} trials at a time: " + "; ".join(slot.describe() for slot in slots) + ".")
         finished = [threading.Event() for _ in slots]
@@ -296,26 +281,17 @@ class TrialLoop:
                 for done in finished:
                     done.wait(timeout=120)
             raise
-        real = [e for e in errors if not isinstance(e, Stopped)]
-        if real:
+        if real := [e for e in errors if not isinstance(e, Stopped)]:
             raise real[0]
         if errors:
             raise KeyboardInterrupt
 
     # ------------------------------------------------------------------ the head of the loop: every stop rule
     def more_trials(self, study: optuna.Study) -> bool:
-        """The head of the loop, read before every ask (as Optuna reads its stop flag, ``n_trials``
-        and ``timeout``): whether to ask for another trial. Every rule that ends the loop is here,
-        in this order, each with its reason in one line (:attr:`ended`):
-
-        1. a trial's verdict stops the study (:meth:`check_stop`): raised here;
-        2. the stop signal (a slot failed, or the tuner was interrupted): this slot stops;
-        3. the time budget (``TimeBudget.spent``, or a proposal was unaffordable): no trial starts;
-        4. ``--trials`` counted trials: done, once other workers' running trials have finished (one
-           may go stale and need a replacement; with the time budget spent they are not waited for).
-
-        The models' veto limit (``MAX_PREDICTED_IN_A_ROW``) ends no loop: the advisor then lets the
-        next proposal launch."""
+        """The head of the loop, read before every ask: whether to ask for another trial. Every rule that
+        ends the loop is here, in order, its reason kept as :attr:`ended`. With ``--trials`` counted,
+        other workers' running trials are waited for (one may go stale and need a replacement) unless
+        the time budget is spent. The models' veto limit (``MAX_PREDICTED_IN_A_ROW``) ends no loop."""
         noted = False
         while True:
             if self._halt is not None:
@@ -345,7 +321,7 @@ class TrialLoop:
             time.sleep(min(3.0, heartbeat_interval_s() / 2))
 
     def _end(self, reason: str) -> bool:
-        """The loop ends (False) for ``reason``, kept as :attr:`ended` (the first reason a slot found)."""
+        """False, ``reason`` kept as :attr:`ended` (the first reason a slot found)."""
         with self.lock:
             if self.ended is None:
                 self.ended = reason
@@ -357,13 +333,13 @@ class TrialLoop:
 
     def _budget_spent(self, study: optuna.Study) -> None:
         """The first slot to see the budget spent says so; every slot then stops asking."""
+        b = self.budget
         with self.lock:
-            if self.budget.stopped:
+            if b.stopped:
                 return
-            self.budget.stopped = True
-            left = (self.budget.deadline or 0.0) - time.monotonic()
-            self.budget.left_at_stop = left
-        b, budget = self.budget, f"Time budget ({describe_budget(self.budget.budget_s or 0.0)})"
+            b.stopped = True
+            left = b.left_at_stop = (b.deadline or 0.0) - time.monotonic()
+        budget = f"Time budget ({describe_budget(b.budget_s or 0.0)})"
         trials = f"{counted_trials(study)} of {self.settings.trials} trials"
         then = "no new trial starts; running ones finish, then the best is verified and saved."
         if left <= 0:
@@ -377,8 +353,7 @@ class TrialLoop:
 
     @contextlib.contextmanager
     def measuring(self, config: BalanceConfig) -> Iterator[None]:
-        """Hold ``config`` while this slot measures it; another slot holding it is waited for first
-        (then its result is reused)."""
+        """Hold ``config`` while this slot measures it; another slot holding it is waited for first."""
         key = config.to_json()
         while True:
             with self.lock:
@@ -397,15 +372,13 @@ class TrialLoop:
             done.set()
 
     def check_stop(self, study: optuna.Study, outcome: TrialOutcome) -> None:
-        """After a recorded trial: whether it stops the study (too many crashes in a row, or a
-        script error with ``--on-error stop`` or before any trial was measured); kept for
-        :meth:`more_trials` to raise."""
+        """After a recorded trial: whether it stops the study (too many crashes in a row, or a script
+        error with ``--on-error stop`` or before any trial was measured); kept for :meth:`more_trials`."""
         if outcome.status == Status.CRASH:
             self._crashes_in_a_row += 1
             if self._crashes_in_a_row >= MAX_CRASHES_IN_A_ROW:
                 self._halt = LaunchError(f"{self._crashes_in_a_row} trials in a row crashed (last: "
-                                         f"{outcome.reason}); stopping. Logs in "
-                                         f"{outcome.trial_dir}.")
+                                         f"{outcome.reason}); stopping. Logs in {outcome.trial_dir}.")
             return
         self._crashes_in_a_row = 0
         if outcome.status == Status.ERROR:

@@ -61,7 +61,6 @@ def feasible(figures: TrialFigures, settings: TuneSettings, status: str) -> bool
 
 def _fail(study: optuna.Study, trial: optuna.Trial, status: Status, reason: str,
           attrs: dict[str, Any] | None = None) -> None:
-    """Tell ``trial`` failed, with its status, reason and ``attrs``."""
     for key, value in {TrialAttr.STATUS: status, TrialAttr.REASON: reason, **(attrs or {})}.items():
         trial.set_user_attr(key, value)
     study.tell(trial, state=TrialState.FAIL)
@@ -79,15 +78,13 @@ class Recorder:
     def load(self, study: optuna.Study) -> None:
         self.measured = measured_configs(study)
 
-    def seen(self, config: BalanceConfig) -> FrozenTrial | None:
-        """The trial that already measured ``config``, if any."""
+    def seen(self, config: BalanceConfig) -> FrozenTrial | None:  # the trial that measured ``config`` already
         return self.measured.get(config.to_json())
 
     # ------------------------------------------------------------------ a launched trial
     def figures(self, study: optuna.Study, outcome: TrialOutcome) -> TrialFigures:
         """The trial's figures from its ranks' reports, built once per outcome."""
-        s = self.settings
-        cap = study.user_attrs.get(StudyAttr.CAPACITY)
+        s, cap = self.settings, study.user_attrs.get(StudyAttr.CAPACITY)
         return figures_from_outcome(outcome, world_size=s.world_size, caps=s.caps_bytes(),
                                     fallback_capacity=[float(c) for c in cap] if cap else None)
 
@@ -95,8 +92,7 @@ class Recorder:
                *, baseline: bool = False, figures: TrialFigures | None = None) -> FrozenTrial:
         """``figures``: :meth:`figures` of ``outcome`` when the caller built them already."""
         s = self.settings
-        if figures is None:
-            figures = self.figures(study, outcome)
+        figures = figures or self.figures(study, outcome)
         attrs: dict[str, Any] = {
             **figures.user_attrs(s.headroom),
             TrialAttr.STATUS: outcome.status,
@@ -130,8 +126,7 @@ class Recorder:
 
     def tell(self, study: optuna.Study, trial: optuna.Trial, figures: TrialFigures, attrs: dict[str, Any],
              status: Status) -> FrozenTrial:
-        """Set the attributes, then tell: objective values and constraints (measured or infeasible),
-        pruned, or failed."""
+        """Set the attributes, then tell: objective values and constraints, pruned, or failed."""
         s = self.settings
         for key, value in attrs.items():
             trial.set_user_attr(key, value)
@@ -180,8 +175,8 @@ class Recorder:
                   prediction: tuple[TrialFigures, dict[str, Any]]) -> FrozenTrial:
         """A configuration the models say cannot fit: recorded as infeasible without launching."""
         figures, attrs = prediction
-        return self.tell(study, trial, figures, {**attrs, TrialAttr.CONFIG: config.to_dict(),
-                                                        TrialAttr.SPLIT: config.split_text()}, Status.PREDICTED_OOM)
+        attrs = {**attrs, TrialAttr.CONFIG: config.to_dict(), TrialAttr.SPLIT: config.split_text()}
+        return self.tell(study, trial, figures, attrs, Status.PREDICTED_OOM)
 
     def surplus(self, study: optuna.Study, trial: optuna.Trial) -> bool:
         """Another worker asked for the last trial at the same moment: fail this one (not counted)."""
@@ -189,9 +184,8 @@ class Recorder:
         counted = sum(1 for t in study.get_trials(deepcopy=False) if t.number < trial.number and counts(t))
         if counted < total:
             return False
-        _fail(study, trial, Status.SURPLUS, f"{total} trials were already counted when it was "
-                                            "asked (another worker took the last one); nothing was "
-                                            "launched")
+        _fail(study, trial, Status.SURPLUS, f"{total} trials were already counted when it was asked (another "
+                                            "worker took the last one); nothing was launched")
         return True
 
     def not_started(self, study: optuna.Study, trial: optuna.Trial, config: BalanceConfig, reason: str) -> None:
@@ -219,8 +213,7 @@ class Recorder:
             _fail(study, trial, Status.CRASH, why)
 
     def launch_settings(self, study: optuna.Study, *, cold: bool) -> None:
-        """How this run starts the script (once it is accepted): what ``promote`` verifies with.
-        ``cold``: whether its trials run cold (``--cold``, or a script that cannot run warm)."""
+        """How this run starts the script (once it is accepted): what ``promote`` verifies with."""
         s = self.settings
         if s.nnodes == 1:
             study.set_user_attr(StudyAttr.LAUNCH, {

@@ -9,10 +9,9 @@ search ranks. The tuner runs a measured trial once more when
 - it is about to become the best (``protocol.would_be_best``; a lucky measurement would otherwise
   steer the rest of the search and be what is saved).
 
-The two runs are merged (:func:`merge_outcomes`): each rank's measured steps pooled, its step time
-the median of those it stands for; memory figures the larger of the two (a configuration that
-needed more once can need it again). A second run that fails (an OOM the first run escaped) is the
-trial's outcome.
+The two runs are merged (:func:`merge_outcomes`): each rank's steps pooled, its step time their median;
+memory figures the larger of the two (a configuration that needed more once can need it again). A
+second run that fails (an OOM the first run escaped) is the trial's outcome.
 """
 
 from __future__ import annotations
@@ -50,10 +49,9 @@ from autobalance.tuner.search import (
     trial_s,
 )
 
-__all__ = ["DISPERSION_LIMIT", "STEP_TIMES_MS", "close_leaders", "dispersion", "leader_candidates",
-           "leader_run_s", "leaders_line", "least_plan", "merge_outcomes", "noise_band",
-           "one_per_config", "plan_leaders", "rank_steps", "remeasure_leaders", "remeasure_reason",
-           "saved_spread", "spread_text"]
+__all__ = ["STEP_TIMES_MS", "close_leaders", "dispersion", "leader_candidates", "leader_run_s", "leaders_line",
+           "least_plan", "merge_outcomes", "noise_band", "one_per_config", "plan_leaders", "rank_steps",
+           "remeasure_leaders", "remeasure_reason", "saved_spread", "spread_text"]
 
 STEP_TIMES_MS = "step_times_ms"
 """Trial attribute: each rank's timed steps in ms (a trial measured twice: both runs')."""
@@ -67,20 +65,18 @@ def _iqr(times: list[float]) -> float | None:
 
 
 def _timed(times: list[float], samples: list[Any] | None, rep: RankReport) -> tuple[list[float], float | None]:
-    """The steps a rank's step time stands for (its full steps when any was measured: a partial
-    step does less work) and their samples per step (``protocol.timed_steps``)."""
+    """The steps a rank's step time stands for and their samples per step (``protocol.timed_steps``)."""
     global_batch = (rep.config or {}).get("global_batch")
     return timed_steps(times, samples, global_batch if isinstance(global_batch, int) else None)
 
 
 def rank_steps(rep: RankReport) -> list[float]:
-    """A rank report's timed steps in seconds (:func:`_timed`)."""
+    """A rank report's timed steps in seconds."""
     return _timed([float(t) for t in rep.step_times_s or []], rep.step_samples, rep)[0]
 
 
 def dispersion(outcome: TrialOutcome) -> float | None:
-    """Largest IQR / median over the ranks' timed steps (a partial step is not spread); None without
-    measured steps."""
+    """Largest IQR / median over the ranks' timed steps; None without measured steps."""
     worst: float | None = None
     for rep in outcome.reports.values():
         times = rank_steps(rep)
@@ -126,7 +122,6 @@ def _max_numbers(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 
 
 def _memory(rep: RankReport | None) -> dict[str, Any]:
-    """A rank's memory figures as its report's JSON object (empty without a report or figures)."""
     return rep.memory.to_dict() if rep is not None and rep.memory is not None else {}
 
 
@@ -155,11 +150,9 @@ def merge_outcomes(first: TrialOutcome, second: TrialOutcome, *, reason: str) ->
         per_step = per_step or rep.samples_per_step or global_batch
         reports[rank] = dataclasses.replace(
             rep, memory=RankMemory.from_dict(_max_numbers(_memory(rep), _memory(other))),
-            step_times_s=times, measured_steps=len(times), step_samples=step_samples,
-            partial_steps=partial_steps,
+            step_times_s=times, measured_steps=len(times), step_samples=step_samples, partial_steps=partial_steps,
             step_time_s=step_time, step_time_iqr_s=_iqr(timed), samples_per_step=per_step,
-            samples_per_s=(per_step / step_time) if per_step and step_time else None,
-        )
+            samples_per_s=(per_step / step_time) if per_step and step_time else None)
     merged = copy.copy(first)
     merged.reports = reports
     merged.wall_s = first.wall_s + second.wall_s
@@ -175,22 +168,19 @@ def _slowest(outcome: TrialOutcome) -> float | None:
 
 
 # ---------------------------------------------------------------------- the leaders, before saving
-# Once the loop ends, the best trial and those within its measured noise run again, interleaved
-# (A, B, A, B, ...), and rank by their pooled steps (``StudyAttr.LEADERS``): what is saved is then
-# the truly faster of two configurations a single run each could not tell apart.
+# The best trial and those within its measured noise run again, interleaved, ranked by their pooled steps:
+# what is saved is then the truly faster of two configurations a single run each could not tell apart.
 
 
 @dataclass(kw_only=True)
 class LeaderPlan:
-    """The leader trials to re-measure (best first), ``runs`` of each, interleaved (0: nothing), and
-    ``reason``: why, in one line."""
+    """The leader trials to re-measure (best first), ``runs`` of each (0: nothing), and why."""
 
     leaders: list[Any]
     runs: int
     reason: str
 
-    def order(self) -> list[Any]:
-        """The launches, interleaved: A, B, C, A, B, C, ..."""
+    def order(self) -> list[Any]:  # the launches, interleaved: A, B, C, A, B, C, ...
         return [t for _ in range(self.runs) for t in self.leaders]
 
 
@@ -204,9 +194,8 @@ def figure_noise(attrs: Mapping[str, Any]) -> float:
 
 
 def noise_band(best: Mapping[str, Any], other: Mapping[str, Any]) -> float:
-    """The largest relative step-time difference between two trials that their measurements cannot
-    tell from noise: :data:`LEADER_NOISE_SIGMAS` standard errors of the difference, at least
-    :data:`LEADER_NOISE_FLOOR`."""
+    """The largest relative step-time difference of two trials that their measurements cannot tell from
+    noise: :data:`LEADER_NOISE_SIGMAS` standard errors of the difference, at least :data:`LEADER_NOISE_FLOOR`."""
     return max(LEADER_NOISE_FLOOR, LEADER_NOISE_SIGMAS * math.hypot(figure_noise(best), figure_noise(other)))
 
 
@@ -216,8 +205,8 @@ def _step_ms(t: Any) -> float | None:
 
 
 def close_leaders(ranked: Sequence[Any], *, limit: int = LEADERS_MAX) -> tuple[list[Any], str]:
-    """The best of ``ranked`` (candidates best first) and the next ones whose step time is within
-    the measured noise of the best's (:func:`noise_band`), at most ``limit``; and why (one line)."""
+    """The best of ``ranked`` and the next ones within the measured noise of its step time (:func:`noise_band`),
+    at most ``limit``; and why (one line)."""
     best_ms = _step_ms(ranked[0]) if ranked else None
     if best_ms is None:
         return list(ranked[:1]), "no measured best trial"
@@ -246,10 +235,9 @@ def close_leaders(ranked: Sequence[Any], *, limit: int = LEADERS_MAX) -> tuple[l
 def plan_leaders(leaders: Sequence[Any], *, run_s: Callable[[Any], float], time_left_s: float | None,
                  why: str) -> LeaderPlan:
     """How many of ``leaders`` to re-measure and how many more runs each (:data:`LEADER_RUNS`, the most
-    first; at the same runs, the most leaders): the most that ``time_left_s`` (None: no budget)
-    holds, each run priced by ``run_s``. When it holds fewer than all, the runs go to the leaders
-    whose figures rest on the fewest runs (rank order among equals): a leader measured once, whose
-    single run may be the unlucky one, is not left out for one measured twice."""
+    first; at the same runs, the most leaders): the most that ``time_left_s`` (None: no budget) holds,
+    each run priced by ``run_s``. When it holds fewer than all, the runs go to the leaders whose figures
+    rest on the fewest runs: a leader measured once, whose single run may be the unlucky one, first."""
     if len(leaders) < 2:
         return LeaderPlan(leaders=list(leaders), runs=0, reason=f"Leaders not re-measured: {why}.")
     by_evidence = sorted(leaders, key=lambda t: (runs_so_far(t), leaders.index(t)))
@@ -296,8 +284,7 @@ def own_steps(trial: Any) -> tuple[list[list[float]], int]:
     kept = trial.user_attrs.get(STEP_TIMES_MS)
     if not isinstance(kept, list) or not any(isinstance(r, list) and r for r in kept):
         return [], 0
-    steps = [[float(t) / 1000 for t in r] if isinstance(r, list) else [] for r in kept]
-    return steps, runs_so_far(trial)
+    return [[float(t) / 1000 for t in r] if isinstance(r, list) else [] for r in kept], runs_so_far(trial)
 
 
 def spread_text(entry: Mapping[str, Any]) -> str:
@@ -317,8 +304,7 @@ def spread_text(entry: Mapping[str, Any]) -> str:
 def pooled_value(trial: Any, step_time_ms: float, objective: Mapping[str, Any], reference_s: float | None) -> float:
     """``trial``'s objective value with its step time replaced by the pooled one: the weighted value
     plus the time weight x the step's change over the reference step."""
-    value = weighted_objective(trial.values, dict(objective))
-    own = _step_ms(trial)
+    value, own = weighted_objective(trial.values, dict(objective)), _step_ms(trial)
     if own is None or not reference_s:
         return value
     return value + float(objective.get("weight_time", 1.0)) * (step_time_ms - own) / 1000 / float(reference_s)
@@ -327,8 +313,7 @@ def pooled_value(trial: Any, step_time_ms: float, objective: Mapping[str, Any], 
 def remeasure_leaders(plan: LeaderPlan, *, launch: Callable[[Any], TrialOutcome], objective: Mapping[str, Any],
                       reference_s: float | None) -> dict[str, Any]:
     """Run ``plan``, pool each leader's steps (its own and every run's, rank by rank) and return the
-    :data:`StudyAttr.LEADERS` record: each leader's pooled figures and value (or why a run failed:
-    it is not run again), ``order`` best first by pooled value, and the plan's ``reason``."""
+    :data:`StudyAttr.LEADERS` record: each leader's pooled figures and value (or why a run failed)."""
     runs: dict[int, list[TrialOutcome]] = {t.number: [] for t in plan.leaders}
     failed: dict[int, str] = {}
     for trial in plan.order():
@@ -352,8 +337,7 @@ def remeasure_leaders(plan: LeaderPlan, *, launch: Callable[[Any], TrialOutcome]
         if spread is None:
             entries[str(trial.number)] = {"failed": "no measured steps in its re-measure runs"}
             continue
-        new = len(runs[trial.number])
-        value = pooled_value(trial, spread["step_time_ms"], objective, reference_s)
+        new, value = len(runs[trial.number]), pooled_value(trial, spread["step_time_ms"], objective, reference_s)
         entries[str(trial.number)] = {**spread, "runs": own_runs + new, "new_runs": new,
                                       "trial_ms": _step_ms(trial), "value": value}
     order = sorted(runs, key=lambda n: (entries[str(n)].get("value", math.inf), n))
@@ -361,8 +345,8 @@ def remeasure_leaders(plan: LeaderPlan, *, launch: Callable[[Any], TrialOutcome]
 
 
 def leaders_line(record: Mapping[str, Any], *, was: int | None, now: int | None = None) -> str:
-    """One line on the leaders' pooled figures, best first, and which one is now the best (``now``,
-    else the first re-measured leader)."""
+    """One line on the leaders' pooled figures, best first, and which one is now the best (``now``, else the
+    first re-measured leader)."""
     order = list(record.get("order") or [])
     parts = []
     for n in order:
@@ -394,8 +378,7 @@ def leader_candidates(study: Any) -> list[Any]:
         verdict = study.user_attrs.get(f"{StudyAttr.VERIFY_PREFIX}{t.number}")
         return isinstance(verdict, dict) and not verdict.get("passed")
 
-    objective = study.user_attrs.get(StudyAttr.OBJECTIVE, {})
-    ranked = rank_trials(study.get_trials(deepcopy=False), objective)
+    ranked = rank_trials(study.get_trials(deepcopy=False), study.user_attrs.get(StudyAttr.OBJECTIVE, {}))
     return one_per_config(t for t in ranked if not failed(t))
 
 

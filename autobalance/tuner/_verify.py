@@ -19,20 +19,14 @@ from autobalance._config import BalanceConfig
 from autobalance._errors import UsageError, VerificationError
 from autobalance._files import script_sha256
 from autobalance.launcher import WarmPool
-from autobalance.protocol import (
-    Status,
-    StudyAttr,
-    TrialAttr,
-    best_trial,
-    ranked_trials,
-)
+from autobalance.protocol import Status, StudyAttr, TrialAttr, best_trial, ranked_trials
 from autobalance.tuner._remeasure import one_per_config, saved_spread
 from autobalance.tuner._reporter import write_notes
 from autobalance.tuner.search import MAX_CANDIDATES, cache_dir, compile_env
 from autobalance.verify import Failure, SharedRuns, Verification, Verifier, VerifyTarget
 
-__all__ = ["figures_of_trial", "promote_trial", "ranked_candidates", "run_verify_command",
-           "save_trial", "verify_for_saving"]
+__all__ = ["figures_of_trial", "promote_trial", "ranked_candidates", "run_verify_command", "save_trial",
+           "verify_for_saving"]
 
 
 # ---------------------------------------------------------------------- in the study
@@ -49,7 +43,6 @@ def _has_config(trial: Any) -> bool:
 
 
 def _verdict(study: Any, number: int | str) -> Any:
-    """Trial ``number``'s verdict kept in the study (:meth:`Verification.to_dict`), or None."""
     return study.user_attrs.get(f"{StudyAttr.VERIFY_PREFIX}{number}")
 
 
@@ -58,8 +51,7 @@ def _keep_verdict(study: Any, number: int | str, verdict: Verification) -> None:
     write_notes(study)  # the best trial's dashboard note gives the verdict
 
 
-def allows_batch_dependent(study: Any) -> bool:
-    """Whether ``study`` was tuned allowing changes to batch-dependent layers (``--allow-batch-dependent``)."""
+def allows_batch_dependent(study: Any) -> bool:  # --allow-batch-dependent
     return bool(study.user_attrs.get(StudyAttr.ALLOW_BATCH_DEPENDENT, False))
 
 
@@ -72,26 +64,24 @@ def verify_for_saving(*, settings: Any, study: Any, best: Any, baseline: Any, no
                       note: Callable[[str], None] | None = None, pool: WarmPool | None = None) -> Any:
     """The trial to save: ``best`` if it passes verification, else the next best that does (up to
     :data:`MAX_CANDIDATES`); None when none does. Each verdict is kept as a study attribute, so a
-    continued study does not verify the same trial twice; ``notes`` get one line per verdict.
-    ``pool``: the study's warm pool (see :class:`SharedRuns`; the caller closes it)."""
+    continued study does not verify the same trial twice. ``pool``: the study's (the caller closes it)."""
     if settings.nnodes > 1:
         notes.append("Verification skipped (multi-node study): run `autobalance verify` on one node before "
                      "training with the saved configuration.")
         return best
     baseline_cfg = _config_of(baseline) if _has_config(baseline) else None
+    allow = allows_batch_dependent(study)
     candidates = [best] + [t for t in ranked_candidates(study) if t.number != best.number]
     with SharedRuns(pool=pool) as shared:  # one pool and one run of each baseline for every candidate
 
         def verify(trial: Any) -> Verification:  # the tune run's script, ranks, device, cache
-            s, label = settings, f"trial{trial.number}"
+            s = settings
             target = VerifyTarget(
-                script=s.script, script_args=list(s.script_args), nproc_per_node=s.nproc_per_node,
-                device=s.device, torchrun_args=list(s.torchrun_args), timeout_s=s.trial_timeout,
-                work_dir=os.path.abspath(_work_dir(s.runs_dir, s.study_name, label)), cold=s.cold,
-                env=compile_env(s))
-            verdict = Verifier(target, note=note, shared=shared,
-                               allow_batch_dependent=allows_batch_dependent(study)).verify(
-                _config_of(trial), baseline=baseline_cfg)
+                script=s.script, script_args=list(s.script_args), nproc_per_node=s.nproc_per_node, device=s.device,
+                torchrun_args=list(s.torchrun_args), timeout_s=s.trial_timeout, cold=s.cold, env=compile_env(s),
+                work_dir=os.path.abspath(_work_dir(s.runs_dir, s.study_name, f"trial{trial.number}")))
+            verifier = Verifier(target, note=note, shared=shared, allow_batch_dependent=allow)
+            verdict = verifier.verify(_config_of(trial), baseline=baseline_cfg)
             _keep_verdict(study, trial.number, verdict)
             if verdict.passed and not verdict.skipped:
                 notes.append(f"Verified trial {trial.number}: {verdict.reason} ({verdict.wall_s:.0f} s).")
@@ -99,15 +89,14 @@ def verify_for_saving(*, settings: Any, study: Any, best: Any, baseline: Any, no
                 notes.append(f"Not saved: trial {trial.number} failed verification: {verdict.reason}.")
             return verdict
 
-        tried = 0
-        split_failures = 0  # candidates whose split is not the script's and whose fp32 math failed
+        tried = split_failures = 0  # split_failures: a split not the script's whose fp32 math failed
         for trial in candidates:
             if tried >= MAX_CANDIDATES:
                 break
             previous = _verdict(study, trial.number)
-            if previous is not None and not previous.get("passed"):
-                continue  # failed before: never saved
             if previous is not None:
+                if not previous.get("passed"):
+                    continue  # failed before: never saved
                 return trial
             tried += 1
             verdict = verify(trial)
@@ -120,8 +109,8 @@ def verify_for_saving(*, settings: Any, study: Any, best: Any, baseline: Any, no
             return None
         # every candidate's split changed the step: a term over the micro-batch (a balancing loss, a
         # batch statistic autobalance cannot see) - keep the script's own split, as for BatchNorm
-        kept = [t for t in ranked_candidates(study) if same_split(_config_of(t), baseline_cfg)
-                and _verdict(study, t.number) is None]
+        kept = [t for t in ranked_candidates(study)
+                if same_split(_config_of(t), baseline_cfg) and _verdict(study, t.number) is None]
         if not kept:
             notes.append("Every verified split changed the fp32 step far above rounding, and no feasible trial keeps "
                          f"the script's own split ({baseline_cfg.split_text()}): tune again with the split fixed.")
@@ -162,8 +151,8 @@ def run_verify_command(*, script: str, script_args: list[str], study_name: str |
                        trial: int | None, config_file: str | None, nproc_per_node: int | None, device: str | None,
                        runs_dir: str, trial_timeout: float, cold: bool,
                        note: Callable[[str], None] | None = None) -> tuple[Verification, BalanceConfig, str]:
-    """Verify a study's best trial (or ``trial``), or the configuration in ``config_file``.
-    Returns the verdict, the configuration and what it was (for the output)."""
+    """Verify a study's best trial (or ``trial``), or the configuration in ``config_file``: the verdict,
+    the configuration and what it was."""
     if not script.endswith(".py") or not os.path.isfile(script):
         raise UsageError(f"SCRIPT={script!r} is not an existing Python file; pass the training script the study tuned.")
     if trial is not None and config_file is not None:
@@ -175,25 +164,20 @@ def run_verify_command(*, script: str, script_args: list[str], study_name: str |
     study = None
     env: dict[str, str] = {}
     if config_file is not None:
-        config = load_config_file(config_file)
-        what = f"the configuration in {config_file}"
-        label = "file"
+        config, what, label = load_config_file(config_file), f"the configuration in {config_file}", "file"
     else:
         from autobalance.store import load_study
 
         study = load_study(study_name=str(study_name), storage_url=storage)
         trials = study.get_trials(deepcopy=False)
         if trial is not None and (trial >= len(trials) or not _has_config(trials[trial])):
-            raise UsageError(f"--trial={trial} is not a trial of {study_name!r} with a "
-                             f"configuration; list them with `autobalance trials --study-name "
-                             f"{study_name}`.")
+            raise UsageError(f"--trial={trial} is not a trial of {study_name!r} with a configuration; list them "
+                             f"with `autobalance trials --study-name {study_name}`.")
         chosen = trials[trial] if trial is not None else best_trial(study)
         if chosen is None:
-            raise UsageError(f"study {study_name!r} has no feasible trial yet; pass --trial N or "
-                             "run more trials.")
-        config = _config_of(chosen)
+            raise UsageError(f"study {study_name!r} has no feasible trial yet; pass --trial N or run more trials.")
+        config, label = _config_of(chosen), f"trial{chosen.number}"
         what = f"trial {chosen.number} of '{study_name}'"
-        label = f"trial{chosen.number}"
         device = device or (study.user_attrs.get(StudyAttr.DEVICE) or {}).get("type")
         if config.compile != "off" and not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
             env = {"TORCHINDUCTOR_CACHE_DIR": cache_dir(runs_dir, str(study_name)),  # its own
@@ -236,8 +220,7 @@ def figures_of_trial(study: optuna.Study, trial: FrozenTrial) -> dict[str, Any]:
     if base_no is not None:
         base = study.trials[base_no]
         figures["baseline"] = {k: base.user_attrs.get(k) for k in _FIGURE_KEYS} | {"trial": base_no}
-        base_ms = base.user_attrs.get(TrialAttr.STEP_TIME_MS)
-        ms = trial.user_attrs.get(TrialAttr.STEP_TIME_MS)
+        base_ms, ms = base.user_attrs.get(TrialAttr.STEP_TIME_MS), trial.user_attrs.get(TrialAttr.STEP_TIME_MS)
         if base_ms and ms:
             figures["speedup_vs_baseline"] = round(base_ms / ms, 4)
     return figures
@@ -284,10 +267,9 @@ def save_trial(*, storage_url: str, study: optuna.Study, trial_number: int, acti
 def promote_trial(*, storage_url: str, study: optuna.Study, trial_number: int, verify: bool = True,
                   script: str | None = None, script_args: list[str] | None = None,
                   note: Callable[[str], None] | None = None) -> tuple[Any, str]:
-    """``autobalance promote``: save a chosen trial as the study's best, verified first like the end
-    of ``tune`` (a trial that failed verification is never saved; ``verify=False`` skips a trial
-    not verified yet). ``script``/``script_args`` default to how the study's latest ``tune`` ran it.
-    Returns the SavedConfig and one line on the verification."""
+    """``autobalance promote``: save a chosen trial as the study's best, verified first like the end of
+    ``tune`` (``verify=False`` skips a trial not verified yet); ``script``/``script_args`` default to how
+    the study's latest ``tune`` ran it. Returns the SavedConfig and one line on the verification."""
     trial = _measured_trial(study, trial_number)
     previous = _verdict(study, trial_number)
     if previous is not None and not previous.get("passed"):
@@ -307,8 +289,7 @@ def promote_trial(*, storage_url: str, study: optuna.Study, trial_number: int, v
             raise VerificationError(f"trial {trial_number} of {study.study_name!r} failed verification: {verdict.reason}; "
                                     "it is not saved. Promote another trial.")
         line = f"verified: {verdict.reason} ({verdict.wall_s:.0f} s)"
-    saved = save_trial(storage_url=storage_url, study=study, trial_number=trial_number, action="promote")
-    return saved, line
+    return save_trial(storage_url=storage_url, study=study, trial_number=trial_number, action="promote"), line
 
 
 def _verify_trial(study: optuna.Study, trial: FrozenTrial, *, script: str | None, script_args: list[str] | None,
@@ -344,12 +325,9 @@ def _measured_trial(study: optuna.Study, trial_number: int) -> FrozenTrial:
     if not 0 <= trial_number < len(trials):
         raise UsageError(
             f"--trial={trial_number} is not a trial of study {study.study_name!r} (it has trials 0..{len(trials) - 1}); "
-            f"list them with `autobalance trials --study-name {study.study_name}`."
-        )
+            f"list them with `autobalance trials --study-name {study.study_name}`.")
     trial = trials[trial_number]
     if TrialAttr.CONFIG not in trial.user_attrs or trial.user_attrs.get(TrialAttr.STATUS) != Status.OK:
-        raise UsageError(
-            f"--trial={trial_number} has no measured configuration (status {trial.user_attrs.get('status')!r}); "
-            "promote a trial whose status is ok."
-        )
+        raise UsageError(f"--trial={trial_number} has no measured configuration (status "
+                         f"{trial.user_attrs.get('status')!r}); promote a trial whose status is ok.")
     return trial
