@@ -29,7 +29,6 @@ CAPACITY_TOLERANCE = 0.02
 """Relative difference of a rank's usable memory above which two fingerprints differ."""
 
 
-
 @dataclass(kw_only=True)
 class HardwareFingerprint:
     """What a configuration depends on: devices, their memory, ranks, nodes and versions."""
